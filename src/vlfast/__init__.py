@@ -1,0 +1,51 @@
+"""vlfast: make Qwen-VL-family vision models fast and trustworthy.
+
+Importing this package is cheap: it imports torch (already needed by any caller) but never initialises
+CUDA nor imports transformers, pyarrow, av or other heavy optional packages; each public name loads its
+module on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "patch": "vlfast.patch",
+    "unpatch": "vlfast.patch",
+    "is_patched": "vlfast.patch",
+    "PatchReport": "vlfast.patch",
+    "patch_transformers": "vlfast.integrations",
+    "unpatch_transformers": "vlfast.integrations",
+    "discover_families": "vlfast.integrations",
+    "verify": "vlfast.verify",
+    "VerifyReport": "vlfast.verify",
+    "load_model": "vlfast.models",
+    "list_references": "vlfast.models",
+    "doctor": "vlfast.doctor",
+    "profile": "vlfast.profile",
+    "extract": "vlfast.extract",
+    "FeatureCache": "vlfast.extract",
+    "audit_tokens": "vlfast.tokens",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vlfast.patch import PatchReport, is_patched, patch, unpatch  # noqa: F401
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vlfast' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,48 @@
+"""Entry point of the ``vlfast`` command: registers one sub-app or command per file in this folder."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+import vlfast
+
+app = typer.Typer(
+    name="vlfast",
+    help="Make Qwen-VL-family vision models fast and trustworthy.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each module defines `register(app)`; the list is the CLI's table of contents.
+_COMMAND_MODULES = [
+    "vlfast.cli.models",
+    "vlfast.cli.verify",
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"vlfast {vlfast.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """vlfast: exact GEMM patch for stride == kernel convs, slow-path doctor, extraction, token audits."""
+
+
+for _name in _COMMAND_MODULES:
+    importlib.import_module(_name).register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""The exact GEMM patch for convolutions whose stride equals their kernel.
+
+A convolution with stride == kernel_size, zero padding, dilation 1 and groups 1 reads disjoint windows,
+so each output element is ``b[k] + <W[k], window>``: the whole conv is one matrix multiply. Qwen-VL,
+GLM-4V and friends embed patches with exactly such an ``nn.Conv3d`` and call it on inputs the size of
+one kernel, where it is ``F.linear`` on views of the input and of the 5-D weight.
+
+``patch`` swaps the module's ``_conv_forward`` for :class:`GemmConvForward` through an instance
+attribute. Nothing else changes: the class, the parameters (same tensors, 5-D weight), the state_dict,
+hooks and wrappers around ``forward`` (accelerate, PEFT) all stay as they are, and ``unpatch`` deletes
+the attribute to restore the original exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ConvEntry",
+    "GemmConvForward",
+    "PatchReport",
+    "eligibility",
+    "is_patched",
+    "patch",
+    "patched_modules",
+    "unpatch",
+]
+
+_CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
+# The stock implementation for each class; a subclass that overrides it computes something else.
+_STOCK_CONV_FORWARD = {cls: cls._conv_forward for cls in _CONV_TYPES}
+
+Filter = Callable[[str, nn.Module], bool] | str | None
+
+
+class GemmConvForward:
+    """Replacement for ``_ConvNd._conv_forward(input, weight, bias)`` computing the conv as a GEMM.
+
+    Holds only the static geometry, never the module or its parameters: weight and bias arrive as
+    arguments at call time, so ``.to()``, parametrizations, FSDP and weight reloading keep working,
+    and the object pickles and deep-copies by value.
+    """
+
+    def __init__(self, kernel_size: tuple[int, ...], padding_mode: str = "zeros") -> None:
+        self.kernel_size = tuple(int(k) for k in kernel_size)
+        self.ndim = len(self.kernel_size)
+        self.padding_mode = padding_mode
+
+    def __repr__(self) -> str:
+        return f"GemmConvForward(kernel_size={self.kernel_size})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GemmConvForward) and other.kernel_size == self.kernel_size
+
+    def __hash__(self) -> int:
+        return hash(self.kernel_size)
+
+    def _fallback(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # Zero padding, dilation 1 and groups 1 are eligibility conditions, so the stock call is exactly
+        # this, whatever the padding_mode (padding by 0 is a no-op).
+        return _CONV_FN[self.ndim](x, weight, bias, self.kernel_size, 0, 1, 1)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        nd = self.ndim
+        if x.dim() != nd + 2 or x.shape[0] == 0:
+            return self._fallback(x, weight, bias)  # unbatched or empty input: leave it to the conv
+        n, c = x.shape[0], x.shape[1]
+        spatial = tuple(x.shape[2:])
+        d = weight.shape[0]
+        channels_last = nd in _CHANNELS_LAST and not x.is_contiguous() and x.is_contiguous(
+            memory_format=_CHANNELS_LAST[nd]
+        )
+        if spatial == self.kernel_size:
+            # The Qwen case: x is (N, C, T, P, P) and every sample is one window.
+            if x.is_contiguous():
+                y = F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias)  # (N, C*T*P*P) @ (C*T*P*P, D)
+            elif channels_last:
+                # Memory holds (N, *k, C): flatten that way (a view) and reorder the weight to match.
+                dims = (0, *range(2, nd + 2), 1)
+                y = F.linear(x.permute(dims).reshape(n, -1), weight.permute(dims).reshape(d, -1), bias)
+            else:
+                return self._fallback(x, weight, bias)  # odd strides: a copy would cost more than it saves
+            if channels_last:  # the conv's channels-last strides: (D, 1, D, ..., D)
+                return y.view(n, *([1] * nd), d).permute(0, nd + 1, *range(1, nd + 1))
+            return y.view(n, d, *([1] * nd))
+        if any(s < k for s, k in zip(spatial, self.kernel_size)):
+            return self._fallback(x, weight, bias)  # the conv raises its own error for too-small input
+        if not (x.is_contiguous() or channels_last):
+            return self._fallback(x, weight, bias)
+        # Larger input: crop the remainder the conv would skip, cut into windows, one batched GEMM.
+        grid = tuple(s // k for s, k in zip(spatial, self.kernel_size))
+        crop = tuple(slice(0, g * k) for g, k in zip(grid, self.kernel_size))
+        x = x[(slice(None), slice(None), *crop)]
+        # (N, C, g0, k0, g1, k1, ...) -> (N, C, k0, k1, ..., g0, g1, ...) -> (N, C*K, L)
+        shape = [n, c]
+        for g, k in zip(grid, self.kernel_size):
+            shape += [g, k]
+        order = [0, 1, *range(3, 2 * nd + 2, 2), *range(2, 2 * nd + 2, 2)]
+        cols = x.reshape(shape).permute(order).reshape(n, c * math.prod(self.kernel_size), -1)
+        y = torch.matmul(weight.reshape(d, -1), cols)  # (D, C*K) @ (N, C*K, L) -> (N, D, L)
+        if bias is not None:
+            y = y + bias.view(1, d, 1).to(y.dtype)
+        y = y.view(n, d, *grid)
+        return y.contiguous(memory_format=_CHANNELS_LAST[nd]) if channels_last else y
+
+
+class _PatchedExtraRepr:
+    """``extra_repr`` for a patched conv: the original text plus a marker, so ``repr(model)`` shows it."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __call__(self) -> str:
+        return f"{self.text}, vlfast=gemm" if self.text else "vlfast=gemm"
+
+
+@dataclass(frozen=True)
+class ConvEntry:
+    """One convolution found in the model and what ``patch`` did with it."""
+
+    name: str
+    kind: str  # class name, e.g. "Conv3d"
+    in_channels: int
+    out_channels: int
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    status: Literal["patched", "already_patched", "skipped", "filtered", "unpatched"]
+    reason: str = ""
+
+
+@dataclass
+class PatchReport:
+    """What ``patch``/``unpatch`` found and did, one entry per convolution module."""
+
+    entries: list[ConvEntry] = field(default_factory=list)
+
+    @property
+    def patched(self) -> list[ConvEntry]:
+        return [e for e in self.entries if e.status == "patched"]
+
+    @property
+    def already_patched(self) -> list[ConvEntry]:
+        return [e for e in self.entries if e.status == "already_patched"]
+
+    @property
+    def skipped(self) -> list[ConvEntry]:
+        return [e for e in self.entries if e.status in ("skipped", "filtered")]
+
+    @property
+    def num_patched(self) -> int:
+        return len(self.patched)
+
+    def __bool__(self) -> bool:  # "did this call change anything or find it done"
+        return bool(self.patched or self.already_patched)
+
+    def to_dict(self) -> dict:
+        return {
+            "patched": self.num_patched,
+            "already_patched": len(self.already_patched),
+            "skipped": len(self.skipped),
+            "entries": [asdict(e) for e in self.entries],
+        }
+
+    def summary(self) -> str:
+        parts = [f"{self.num_patched} patched"]
+        if self.already_patched:
+            parts.append(f"{len(self.already_patched)} already patched")
+        if self.skipped:
+            parts.append(f"{len(self.skipped)} skipped")
+        return ", ".join(parts) if self.entries else "no convolutions found"
+
+    def __str__(self) -> str:
+        lines = [f"vlfast patch: {self.summary()}"]
+        for e in self.entries:
+            why = f" ({e.reason})" if e.reason else ""
+            lines.append(f"  {e.status:<15} {e.name or '<root>'}: {e.kind} k={e.kernel_size} s={e.stride}{why}")
+        return "\n".join(lines)
+
+
+def _tuple(v, nd: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (int(v),) * nd
+
+
+def eligibility(module: nn.Module) -> str | None:
+    """Why ``module`` cannot be patched, or ``None`` when it can.
+
+    Pure function of the module's configuration; the reasons are user-facing.
+    """
+    if not isinstance(module, _CONV_TYPES):
+        return "not a Conv1d/Conv2d/Conv3d"
+    base = next(cls for cls in _CONV_TYPES if isinstance(module, cls))
+    if type(module)._conv_forward is not _STOCK_CONV_FORWARD[base]:
+        return f"{type(module).__name__} overrides _conv_forward"
+    if isinstance(module.weight, nn.parameter.UninitializedParameter):
+        return "lazy module not initialised yet"
+    nd = len(module.kernel_size)
+    if tuple(module.stride) != tuple(module.kernel_size):
+        return f"stride {tuple(module.stride)} != kernel_size {tuple(module.kernel_size)}"
+    padding = module.padding
+    if isinstance(padding, str):
+        if padding != "valid":
+            return f"padding={padding!r}"
+    elif any(p != 0 for p in _tuple(padding, nd)):
+        return f"padding {tuple(padding)} is not zero"
+    if any(d != 1 for d in _tuple(module.dilation, nd)):
+        return f"dilation {tuple(module.dilation)} is not 1"
+    if module.groups != 1:
+        return f"groups={module.groups}"
+    if getattr(module, "transposed", False):
+        return "transposed convolution"
+    return None
+
+
+def is_patched(module: nn.Module) -> bool:
+    """True when ``module`` (or any module inside it) runs through vlfast's GEMM."""
+    return any(isinstance(m.__dict__.get("_conv_forward"), GemmConvForward) for m in module.modules())
+
+
+def patched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward)]
+
+
+def _compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
+    if filter is None:
+        return lambda name, m: True
+    if isinstance(filter, str):
+        try:
+            rx = re.compile(filter)
+        except re.error as e:
+            raise ValueError(f"filter {filter!r} is not a valid regular expression: {e}") from None
+        return lambda name, m: rx.search(name) is not None
+    if callable(filter):
+        return filter
+    raise TypeError(f"filter must be a callable (name, module) -> bool, a regex string, or None; got {type(filter).__name__}")
+
+
+def _check_module(model: object, fn: str) -> None:
+    if not isinstance(model, nn.Module):
+        hint = " (pass the model object, not its path or config)" if isinstance(model, (str, dict)) else ""
+        raise TypeError(f"vlfast.{fn} expects a torch.nn.Module, got {type(model).__name__}{hint}")
+
+
+def _entry(name: str, m: nn.Module, status, reason: str = "") -> ConvEntry:
+    return ConvEntry(
+        name=name,
+        kind=type(m).__name__,
+        in_channels=int(getattr(m, "in_channels", 0)),
+        out_channels=int(getattr(m, "out_channels", 0)),
+        kernel_size=tuple(getattr(m, "kernel_size", ())),
+        stride=tuple(getattr(m, "stride", ())),
+        status=status,
+        reason=reason,
+    )
+
+
+def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> PatchReport:
+    """Turn every eligible stride == kernel convolution in ``model`` into its exact GEMM, in place.
+
+    Args:
+        model: any ``nn.Module``; a bare conv works too.
+        filter: keep only modules for which ``filter(qualified_name, module)`` is true, or whose
+            qualified name matches this regular expression (``re.search``).
+        strict: raise ``ValueError`` when nothing ends up patched.
+
+    Returns a :class:`PatchReport` listing every convolution with what was done and why. Calling it
+    again is harmless: already patched modules are reported as such.
+    """
+    _check_module(model, "patch")
+    keep = _compile_filter(filter)
+    report = PatchReport()
+    for name, m in model.named_modules():
+        if not isinstance(m, _CONV_TYPES):
+            continue
+        if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward):
+            report.entries.append(_entry(name, m, "already_patched"))
+            continue
+        if not keep(name, m):
+            report.entries.append(_entry(name, m, "filtered", "excluded by filter"))
+            continue
+        reason = eligibility(m)
+        if reason is None and "_conv_forward" in m.__dict__:
+            reason = "_conv_forward already replaced on this instance by someone else"
+        if reason is not None:
+            report.entries.append(_entry(name, m, "skipped", reason))
+            continue
+        m._conv_forward = GemmConvForward(tuple(m.kernel_size), m.padding_mode)
+        m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
+        report.entries.append(_entry(name, m, "patched"))
+    if strict and not report:
+        found = "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) or "the model has no Conv1d/2d/3d"
+        raise ValueError(f"vlfast.patch(strict=True): nothing was patched ({found})")
+    return report
+
+
+def unpatch(model: nn.Module) -> PatchReport:
+    """Undo :func:`patch` on every module inside ``model``; the original forward is restored exactly."""
+    _check_module(model, "unpatch")
+    report = PatchReport()
+    for name, m in model.named_modules():
+        if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward):
+            del m.__dict__["_conv_forward"]
+            if isinstance(m.__dict__.get("extra_repr"), _PatchedExtraRepr):
+                del m.__dict__["extra_repr"]
+            report.entries.append(_entry(name, m, "unpatched"))
+    return report
