@@ -12,30 +12,31 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> module that defines it. Modules are named apart from the functions they export
+# (patching/patch, verification/verify, ...) so importing a submodule never shadows a function.
 _EXPORTS = {
-    "patch": "vlfast.patch",
-    "unpatch": "vlfast.patch",
-    "is_patched": "vlfast.patch",
-    "PatchReport": "vlfast.patch",
+    "patch": "vlfast.patching",
+    "unpatch": "vlfast.patching",
+    "is_patched": "vlfast.patching",
+    "PatchReport": "vlfast.patching",
     "patch_transformers": "vlfast.integrations",
     "unpatch_transformers": "vlfast.integrations",
     "discover_families": "vlfast.integrations",
-    "verify": "vlfast.verify",
-    "VerifyReport": "vlfast.verify",
+    "verify": "vlfast.verification",
+    "VerifyReport": "vlfast.verification",
     "load_model": "vlfast.models",
     "list_references": "vlfast.models",
-    "doctor": "vlfast.doctor",
-    "profile": "vlfast.profile",
-    "extract": "vlfast.extract",
-    "FeatureCache": "vlfast.extract",
+    "doctor": "vlfast.diagnosis",
+    "profile": "vlfast.profiler",
+    "extract": "vlfast.extraction",
+    "FeatureCache": "vlfast.extraction",
     "audit_tokens": "vlfast.tokens",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from vlfast.patch import PatchReport, is_patched, patch, unpatch  # noqa: F401
+    from vlfast.patching import PatchReport, is_patched, patch, unpatch  # noqa: F401
 
 
 def __getattr__(name: str):

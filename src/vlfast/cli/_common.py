@@ -22,13 +22,24 @@ EXIT_FINDING = 1  # the command ran and found a problem (slow path, untrained ta
 EXIT_USAGE = 2  # bad input: missing path, unknown model name, invalid option value
 EXIT_ERROR = 3  # the command could not run (unexpected failure)
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")
+]
 ModelOpt = Annotated[
     str,
-    typer.Option("--model", "-m", help="A local checkpoint directory, or a built-in reference such as ref:qwen3-vl-4b (see `vlfast models`)."),
+    typer.Option(
+        "--model",
+        "-m",
+        help="A local checkpoint directory, or a built-in reference such as ref:qwen3-vl-4b (see `vlfast models`).",
+    ),
 ]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, cuda:1, mps. Default: the best available.")]
-DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="float32, bfloat16 or float16. Default: bfloat16 where supported.")]
+DeviceOpt = Annotated[
+    str | None, typer.Option("--device", help="cpu, cuda, cuda:1, mps. Default: the best available.")
+]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option("--dtype", help="float32, bfloat16 or float16. Default: bfloat16 where supported."),
+]
 
 console = Console()
 err_console = Console(stderr=True)

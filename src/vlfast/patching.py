@@ -77,8 +77,10 @@ class GemmConvForward:
         n, c = x.shape[0], x.shape[1]
         spatial = tuple(x.shape[2:])
         d = weight.shape[0]
-        channels_last = nd in _CHANNELS_LAST and not x.is_contiguous() and x.is_contiguous(
-            memory_format=_CHANNELS_LAST[nd]
+        channels_last = (
+            nd in _CHANNELS_LAST
+            and not x.is_contiguous()
+            and x.is_contiguous(memory_format=_CHANNELS_LAST[nd])
         )
         if spatial == self.kernel_size:
             # The Qwen case: x is (N, C, T, P, P) and every sample is one window.
@@ -183,7 +185,9 @@ class PatchReport:
         lines = [f"vlfast patch: {self.summary()}"]
         for e in self.entries:
             why = f" ({e.reason})" if e.reason else ""
-            lines.append(f"  {e.status:<15} {e.name or '<root>'}: {e.kind} k={e.kernel_size} s={e.stride}{why}")
+            lines.append(
+                f"  {e.status:<15} {e.name or '<root>'}: {e.kind} k={e.kernel_size} s={e.stride}{why}"
+            )
         return "\n".join(lines)
 
 
@@ -227,7 +231,11 @@ def is_patched(module: nn.Module) -> bool:
 
 
 def patched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward)]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward)
+    ]
 
 
 def _compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
@@ -241,7 +249,9 @@ def _compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
         return lambda name, m: rx.search(name) is not None
     if callable(filter):
         return filter
-    raise TypeError(f"filter must be a callable (name, module) -> bool, a regex string, or None; got {type(filter).__name__}")
+    raise TypeError(
+        f"filter must be a callable (name, module) -> bool, a regex string, or None; got {type(filter).__name__}"
+    )
 
 
 def _check_module(model: object, fn: str) -> None:
@@ -297,7 +307,9 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
         report.entries.append(_entry(name, m, "patched"))
     if strict and not report:
-        found = "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) or "the model has no Conv1d/2d/3d"
+        found = (
+            "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) or "the model has no Conv1d/2d/3d"
+        )
         raise ValueError(f"vlfast.patch(strict=True): nothing was patched ({found})")
     return report
 

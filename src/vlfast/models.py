@@ -1,0 +1,529 @@
+"""Models vlfast works on: built-in references, local checkpoints, and their vision towers.
+
+A *reference* is a published vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V) rebuilt
+offline from transformers' config classes with its published dimensions and random weights: enough to
+measure speed and prove equivalence without downloading anything. A *spec* names a model everywhere a
+command takes ``--model``: ``ref:NAME`` or a local checkpoint directory.
+
+Vision towers are found from the code, not from a list: the smallest module holding a stride == kernel
+conv whose ``forward`` takes ``grid_thw``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlfast.patching import eligibility
+
+__all__ = [
+    "REFERENCES",
+    "Reference",
+    "TowerSpec",
+    "build_reference",
+    "find_vision_tower",
+    "list_references",
+    "load_model",
+    "load_vision_tower",
+    "resolve_reference",
+    "synthetic_inputs",
+    "tower_outputs",
+    "tower_spec",
+]
+
+REF_PREFIX = "ref:"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A published vision tower: which transformers config class builds it and with what numbers."""
+
+    name: str
+    family: str  # transformers model_type, also the package under transformers.models
+    config_class: str  # vision config class in transformers.models.<family>.configuration_<family>
+    vision: dict[str, Any]  # published vision_config values
+    source: str  # where the numbers come from
+    tiny: dict[str, Any] = field(default_factory=dict)  # overrides for a seconds-fast test build
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "family": self.family,
+            "config_class": self.config_class,
+            "vision": dict(self.vision),
+            "source": self.source,
+        }
+
+
+def _hf(repo: str) -> str:
+    return f"vision_config in config.json of the Hugging Face checkpoint {repo}"
+
+
+_QWEN3_TINY = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 4,
+    "out_hidden_size": 96,
+    "deepstack_visual_indexes": [0, 1],
+    "num_position_embeddings": 64,
+}
+
+# Dimensions from the published checkpoints' config.json (vision_config), checked against transformers'
+# configuration defaults where they coincide.
+REFERENCES: dict[str, Reference] = {
+    r.name: r
+    for r in [
+        Reference(
+            "qwen2-vl-7b",
+            "qwen2_vl",
+            "Qwen2VLVisionConfig",
+            {
+                "depth": 32,
+                "embed_dim": 1280,
+                "hidden_size": 3584,
+                "mlp_ratio": 4,
+                "num_heads": 16,
+                "in_channels": 3,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "hidden_act": "quick_gelu",
+            },
+            _hf("Qwen/Qwen2-VL-7B-Instruct"),
+            {"depth": 2, "embed_dim": 64, "hidden_size": 96, "num_heads": 4},
+        ),
+        Reference(
+            "qwen2.5-vl-7b",
+            "qwen2_5_vl",
+            "Qwen2_5_VLVisionConfig",
+            {
+                "depth": 32,
+                "hidden_size": 1280,
+                "intermediate_size": 3420,
+                "num_heads": 16,
+                "in_channels": 3,
+                "out_hidden_size": 3584,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "window_size": 112,
+                "fullatt_block_indexes": [7, 15, 23, 31],
+                "tokens_per_second": 2,
+                "hidden_act": "silu",
+            },
+            _hf("Qwen/Qwen2.5-VL-7B-Instruct"),
+            {
+                "depth": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_heads": 4,
+                "out_hidden_size": 96,
+                "fullatt_block_indexes": [1],
+            },
+        ),
+        Reference(
+            "qwen3-vl-2b",
+            "qwen3_vl",
+            "Qwen3VLVisionConfig",
+            {
+                "depth": 24,
+                "hidden_size": 1024,
+                "intermediate_size": 4096,
+                "num_heads": 16,
+                "in_channels": 3,
+                "out_hidden_size": 2048,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "num_position_embeddings": 2304,
+                "deepstack_visual_indexes": [5, 11, 17],
+                "hidden_act": "gelu_pytorch_tanh",
+            },
+            _hf("Qwen/Qwen3-VL-2B-Instruct"),
+            _QWEN3_TINY,
+        ),
+        Reference(
+            "qwen3-vl-4b",
+            "qwen3_vl",
+            "Qwen3VLVisionConfig",
+            {
+                "depth": 24,
+                "hidden_size": 1024,
+                "intermediate_size": 4096,
+                "num_heads": 16,
+                "in_channels": 3,
+                "out_hidden_size": 2560,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "num_position_embeddings": 2304,
+                "deepstack_visual_indexes": [5, 11, 17],
+                "hidden_act": "gelu_pytorch_tanh",
+            },
+            _hf("Qwen/Qwen3-VL-4B-Instruct"),
+            _QWEN3_TINY,
+        ),
+        Reference(
+            "qwen3-vl-8b",
+            "qwen3_vl",
+            "Qwen3VLVisionConfig",
+            {
+                "depth": 27,
+                "hidden_size": 1152,
+                "intermediate_size": 4304,
+                "num_heads": 16,
+                "in_channels": 3,
+                "out_hidden_size": 4096,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "num_position_embeddings": 2304,
+                "deepstack_visual_indexes": [8, 16, 24],
+                "hidden_act": "gelu_pytorch_tanh",
+            },
+            _hf("Qwen/Qwen3-VL-8B-Instruct"),
+            _QWEN3_TINY,
+        ),
+        Reference(
+            "qwen3-vl-30b-a3b",
+            "qwen3_vl_moe",
+            "Qwen3VLMoeVisionConfig",
+            {
+                "depth": 27,
+                "hidden_size": 1152,
+                "intermediate_size": 4304,
+                "num_heads": 16,
+                "in_channels": 3,
+                "out_hidden_size": 2048,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "num_position_embeddings": 2304,
+                "deepstack_visual_indexes": [8, 16, 24],
+                "hidden_act": "gelu_pytorch_tanh",
+            },
+            _hf("Qwen/Qwen3-VL-30B-A3B-Instruct"),
+            _QWEN3_TINY,
+        ),
+        Reference(
+            "glm-4.1v-9b",
+            "glm4v",
+            "Glm4vVisionConfig",
+            {
+                "depth": 24,
+                "hidden_size": 1536,
+                "intermediate_size": 13696,
+                "num_heads": 12,
+                "in_channels": 3,
+                "out_hidden_size": 4096,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "image_size": 336,
+                "rms_norm_eps": 1e-5,
+                "hidden_act": "silu",
+            },
+            _hf("zai-org/GLM-4.1V-9B-Thinking"),
+            {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "out_hidden_size": 96},
+        ),
+    ]
+}
+
+DEFAULT_REFERENCE = "qwen3-vl-4b"
+
+
+def list_references() -> list[Reference]:
+    return list(REFERENCES.values())
+
+
+def resolve_reference(name: str) -> Reference:
+    key = name[len(REF_PREFIX) :] if name.startswith(REF_PREFIX) else name
+    ref = REFERENCES.get(key.lower())
+    if ref is None:
+        raise ValueError(
+            f"unknown reference {name!r}; choose one of: "
+            + ", ".join(REF_PREFIX + n for n in REFERENCES)
+            + " (see `vlfast models`)"
+        )
+    return ref
+
+
+def _vision_model_class(config: Any) -> type[nn.Module]:
+    """The transformers class built from this vision config: found in the family's modeling module."""
+    family_pkg = type(config).__module__.rsplit(".", 1)[0]  # transformers.models.<family>
+    family = family_pkg.rsplit(".", 1)[-1]
+    modeling = importlib.import_module(f"{family_pkg}.modeling_{family}")
+    from transformers import PreTrainedModel
+
+    matches = [
+        obj
+        for obj in vars(modeling).values()
+        if inspect.isclass(obj)
+        and issubclass(obj, PreTrainedModel)
+        and getattr(obj, "config_class", None) is type(config)
+    ]
+    if not matches:
+        raise ValueError(f"no vision model class for {type(config).__name__} in {modeling.__name__}")
+    return matches[0]
+
+
+def _build_from_vision_config(config: Any, *, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    cls = _vision_model_class(config)
+    if getattr(config, "_attn_implementation", None) is None:
+        config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = cls._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def build_reference(
+    name: str,
+    *,
+    tiny: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> nn.Module:
+    """The reference vision tower ``name`` with random weights (``device="meta"`` allocates nothing)."""
+    ref = resolve_reference(name)
+    module = importlib.import_module(f"transformers.models.{ref.family}.configuration_{ref.family}")
+    values = {**ref.vision, **(ref.tiny if tiny else {})}
+    config = getattr(module, ref.config_class)(**values)
+    torch.manual_seed(seed)
+    return _build_from_vision_config(config, device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- towers
+
+
+# GLM towers index position embeddings per grid row but attend per frame: their processors split a video's
+# grid (t, h, w) into t rows of (1, h, w), and the tower expects that.
+_FRAMES_AS_IMAGES = {"glm4v", "glm4v_moe", "glm_ocr", "glm_image", "glm5_next"}
+
+
+@dataclass(frozen=True)
+class TowerSpec:
+    """What it takes to feed a vision tower: the patch conv's geometry and the merge size."""
+
+    in_channels: int
+    temporal_patch_size: int
+    patch_size: int
+    spatial_merge_size: int
+    hidden_size: int  # the patch embedding's output width
+    frames_as_images: bool = False  # the tower wants a video's t frames as t rows of (1, h, w)
+
+    @property
+    def patch_dim(self) -> int:  # columns of pixel_values: C * T * P * P
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+def _forward_takes_grid(module: nn.Module) -> bool:
+    try:
+        return "grid_thw" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _patch_convs(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Conv3d) and eligibility(m) is None]
+
+
+def find_vision_tower(model: nn.Module) -> tuple[str, nn.Module]:
+    """The smallest module in ``model`` that holds a patchable Conv3d and whose forward takes ``grid_thw``."""
+    candidates = [(n, m) for n, m in model.named_modules() if _forward_takes_grid(m) and _patch_convs(m)]
+    # Candidates nest (the VLM, its inner model, the tower): the deepest is the tower itself.
+    best = max(candidates, key=lambda c: len(c[0].split(".")) if c[0] else 0, default=None)
+    if best is None:
+        raise ValueError(
+            f"no Qwen-VL-style vision tower found in {type(model).__name__}: expected a module whose forward "
+            "takes grid_thw and holds a stride == kernel Conv3d"
+        )
+    return best
+
+
+def tower_spec(tower: nn.Module) -> TowerSpec:
+    convs = _patch_convs(tower)
+    if not convs:
+        raise ValueError(f"{type(tower).__name__} holds no stride == kernel Conv3d patch embedding")
+    conv = convs[0][1]
+    t, p, _ = conv.kernel_size
+    config = getattr(tower, "config", None)
+    merge = int(getattr(config, "spatial_merge_size", 2) or 2)
+    family = type(tower).__module__.rsplit(".", 2)[-2]
+    return TowerSpec(
+        int(conv.in_channels),
+        int(t),
+        int(p),
+        merge,
+        int(conv.out_channels),
+        frames_as_images=family in _FRAMES_AS_IMAGES,
+    )
+
+
+def synthetic_inputs(
+    tower: nn.Module,
+    grids: Sequence[tuple[int, int, int]],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``pixel_values`` (sum(t*h*w), C*T*P*P) and ``grid_thw`` (B, 3) in the tower's own layout."""
+    spec = tower_spec(tower)
+    for g in grids:
+        if len(g) != 3 or g[1] % spec.spatial_merge_size or g[2] % spec.spatial_merge_size or min(g) < 1:
+            raise ValueError(
+                f"grid {g} must be (t, h, w) with h and w multiples of {spec.spatial_merge_size}"
+            )
+    if spec.frames_as_images:
+        grids = [(1, h, w) for t, h, w in grids for _ in range(t)]
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(n, spec.patch_dim, generator=gen).to(device=device, dtype=dtype)
+    return pixels, torch.tensor(grids, dtype=torch.long, device=device)
+
+
+def tower_outputs(out: Any) -> dict[str, Any]:
+    """Normalise a tower's output across transformers versions.
+
+    Returns ``{"merged": (tokens, D_out), "deepstack": [...] , "last_hidden_state": ... or None}``. Older
+    versions return the merged tensor, or a ``(merged, deepstack_list)`` tuple; newer ones an output object
+    whose ``pooler_output`` is the merged tokens.
+    """
+    if isinstance(out, torch.Tensor):
+        return {"merged": out, "deepstack": [], "last_hidden_state": None}
+    if isinstance(out, (tuple, list)) and not hasattr(out, "keys"):
+        merged = out[0]
+        deep = list(out[1]) if len(out) > 1 and isinstance(out[1], (list, tuple)) else []
+        return {"merged": merged, "deepstack": deep, "last_hidden_state": None}
+    merged = getattr(out, "pooler_output", None)
+    last = getattr(out, "last_hidden_state", None)
+    deep = getattr(out, "deepstack_features", None) or []
+    return {
+        "merged": merged if merged is not None else last,
+        "deepstack": list(deep),
+        "last_hidden_state": last,
+    }
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _checkpoint_dir(spec: str | Path) -> Path:
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(spec)!r} is neither an existing checkpoint directory nor a reference name "
+            f"(use ref:NAME; `vlfast models` lists them)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: pass a transformers checkpoint directory")
+    return path
+
+
+def load_config(spec: str | Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(_checkpoint_dir(spec), local_files_only=True)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def load_vision_tower(
+    spec: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    tiny: bool = False,
+) -> nn.Module:
+    """Only the vision tower of ``spec``: a reference, or the tower's weights read from a checkpoint.
+
+    For a checkpoint the tower is built from ``config.vision_config`` and its tensors are read from the
+    safetensors files by matching key suffixes, so the (much larger) language model is never loaded.
+    With ``device="meta"`` nothing is read: enough to scan shapes.
+    """
+    if str(spec).startswith(REF_PREFIX):
+        return build_reference(str(spec), tiny=tiny, device=device, dtype=dtype or torch.float32)
+    path = _checkpoint_dir(spec)
+    config = load_config(path)
+    vision_config = getattr(config, "vision_config", None)
+    if vision_config is None:
+        raise ValueError(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
+    if dtype is None:
+        dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    tower = _build_from_vision_config(
+        vision_config, device="meta" if device == "meta" else "cpu", dtype=dtype
+    )
+    if str(device) == "meta":
+        return tower
+    from safetensors import safe_open
+
+    wanted = dict(tower.state_dict())
+    anchor = next(iter(wanted))  # e.g. "patch_embed.proj.weight"
+    found: dict[str, torch.Tensor] = {}
+    prefix: str | None = None
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+            if prefix is None:
+                hits = [k for k in keys if k == anchor or k.endswith("." + anchor)]
+                if hits:
+                    prefix = hits[0][: len(hits[0]) - len(anchor)]
+            if prefix is None:
+                continue
+            for k in keys:
+                if k.startswith(prefix) and k[len(prefix) :] in wanted:
+                    found[k[len(prefix) :]] = f.get_tensor(k)
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise ValueError(
+            f"{path}: vision tower weights missing from the checkpoint: {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    tower.load_state_dict(found, strict=True)
+    return tower.to(device=device)
+
+
+def load_model(
+    spec: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The whole model of a checkpoint directory (offline), or a reference's vision tower."""
+    if str(spec).startswith(REF_PREFIX):
+        return build_reference(str(spec), device=device, dtype=dtype or torch.float32)
+    path = _checkpoint_dir(spec)
+    import transformers
+
+    config = load_config(path)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    last_error: Exception | None = None
+    for auto in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModel"):
+        cls = getattr(transformers, auto, None)
+        if cls is None:
+            continue
+        try:
+            model = cls.from_pretrained(path, **kwargs)
+            return model.to(device).eval()
+        except ValueError as e:  # this auto class does not know the config
+            last_error = e
+    raise ValueError(f"{path}: transformers cannot build {type(config).__name__}: {last_error}")
