@@ -80,11 +80,10 @@ def handle_errors(fn: Callable) -> Callable:
         except Exception as e:  # noqa: BLE001 - mapped below, re-raised in debug mode
             if os.environ.get("VLFAST_DEBUG"):
                 raise
-            for etype, code, prefix in ERRORS:
-                if isinstance(e, etype):
-                    break
-            else:
-                code, prefix = EXIT_ERROR, f"unexpected {type(e).__name__}"
+            code, prefix = next(
+                ((c, p) for etype, c, p in ERRORS if isinstance(e, etype)),
+                (EXIT_ERROR, f"unexpected {type(e).__name__}"),
+            )
             err_console.print(f"[bold red]vlfast: {prefix}:[/bold red] {e}", highlight=False)
             if code == EXIT_ERROR:
                 err_console.print("[dim]Set VLFAST_DEBUG=1 for the full traceback.[/dim]")
