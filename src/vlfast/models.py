@@ -64,7 +64,7 @@ class Reference:
 
 
 def _hf(repo: str) -> str:
-    return f"vision_config in config.json of the Hugging Face checkpoint {repo}"
+    return f"huggingface.co/{repo} config.json (vision_config)"
 
 
 _QWEN3_TINY = {

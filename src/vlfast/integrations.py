@@ -1,0 +1,140 @@
+"""transformers integration: which families embed patches with a stride == kernel Conv3d, and a switch
+that makes every transformers model come out of its constructor patched.
+
+Families are discovered from the installed transformers, not listed by hand: the modeling files are
+parsed (never imported, so discovery costs milliseconds) for ``nn.Conv3d(...)`` calls whose ``stride``
+expression is the ``kernel_size`` expression. A meta-test builds each discovered family and checks that
+``patch_transformers`` really patches it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from vlfast.patching import Filter, _compile_filter, patch
+
+__all__ = ["Family", "discover_families", "patch_transformers", "transformers_patched", "unpatch_transformers"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers model family whose code builds a stride == kernel Conv3d."""
+
+    model_type: str  # the package name under transformers.models, e.g. "qwen3_vl"
+    module: str  # e.g. "transformers.models.qwen3_vl.modeling_qwen3_vl"
+    classes: tuple[str, ...]  # classes whose __init__ builds such a conv, e.g. ("Qwen3VLVisionPatchEmbed",)
+
+
+def _call_arg(call: ast.Call, name: str, position: int) -> ast.AST | None:
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    return call.args[position] if len(call.args) > position else None
+
+
+def _is_patchable_conv3d(call: ast.Call) -> bool:
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name != "Conv3d":
+        return False
+    kernel, stride = _call_arg(call, "kernel_size", 2), _call_arg(call, "stride", 3)
+    if kernel is None or stride is None or ast.dump(kernel) != ast.dump(stride):
+        return False
+    # Any explicit padding / dilation / groups other than the defaults makes it a general conv.
+    for kw in call.keywords:
+        if kw.arg in ("padding", "dilation", "groups") and not (
+            isinstance(kw.value, ast.Constant) and kw.value.value in (0, 1, "valid")
+        ):
+            return False
+    return True
+
+
+def _scan_file(path: Path) -> tuple[str, ...]:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return ()
+    found = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        if any(isinstance(c, ast.Call) and _is_patchable_conv3d(c) for c in ast.walk(cls)):
+            found.append(cls.name)
+    # Nested classes are walked twice; keep the order of first appearance.
+    return tuple(dict.fromkeys(found))
+
+
+@functools.lru_cache(maxsize=1)
+def discover_families() -> tuple[Family, ...]:
+    """Every family of the installed transformers whose modeling code builds a stride == kernel Conv3d."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("transformers is not installed: pip install transformers")
+    models_dir = Path(next(iter(spec.submodule_search_locations))) / "models"
+    families = []
+    for path in sorted(models_dir.glob("*/modeling_*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if "Conv3d" not in text:  # cheap pre-filter before parsing
+            continue
+        classes = _scan_file(path)
+        if classes:
+            family = path.parent.name
+            families.append(Family(family, f"transformers.models.{family}.{path.stem}", classes))
+    return tuple(families)
+
+
+# ----------------------------------------------------------------------------------- the switch
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _conv3d_only(name: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv3d)
+
+
+def transformers_patched() -> bool:
+    """Whether :func:`patch_transformers` is active."""
+    return "original_post_init" in _state
+
+
+def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> None:
+    """Patch every transformers model built from now on, inside its constructor.
+
+    Wraps ``PreTrainedModel.post_init``, which every transformers model calls at the end of ``__init__``
+    (``from_pretrained`` included, before the weights are loaded: the patch reads the weights at call time,
+    so loading afterwards is fine). By default only ``nn.Conv3d`` modules are patched: they are the slow
+    ones; ``all_convs=True`` also takes stride == kernel Conv1d/Conv2d, and ``filter`` narrows further.
+    Calling it again replaces the settings. Undo with :func:`unpatch_transformers`.
+    """
+    from transformers import PreTrainedModel
+
+    user = _compile_filter(filter)
+    keep = user if all_convs else (lambda name, m: _conv3d_only(name, m) and user(name, m))
+    with _lock:
+        original = _state.get("original_post_init", PreTrainedModel.post_init)
+
+        @functools.wraps(original)
+        def post_init(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            patch(self, filter=keep)
+            return result
+
+        post_init.__vlfast_wrapped__ = True
+        _state["original_post_init"] = original
+        PreTrainedModel.post_init = post_init
+
+
+def unpatch_transformers() -> None:
+    """Stop patching new transformers models (models already built stay patched: use ``vlfast.unpatch``)."""
+    with _lock:
+        original = _state.pop("original_post_init", None)
+        if original is not None:
+            from transformers import PreTrainedModel
+
+            PreTrainedModel.post_init = original

@@ -1,0 +1,219 @@
+"""The live probe: time a model's stride == kernel convolutions against their GEMM on this machine.
+
+For each distinct conv geometry, the probe builds random input shaped as the model feeds it (one
+window per row, ``(N, C, *kernel)``) and times ``F.convNd`` against ``F.linear`` on the flattened views,
+at the chosen device and dtype, under whatever backend switches are active (cuDNN, oneDNN). The default
+``N`` is one 8-frame clip at Qwen3-VL's budget: grid (t, h, w) = (4, 38, 40), 6,080 patches, the clip of
+the Blackwell report (transformers #45750). Every shape gets a time budget; a conv too slow to repeat is
+timed once (see :func:`vlfast.timing.measure`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlfast.patching import eligibility, is_patched
+from vlfast.timing import Timing, measure
+
+__all__ = ["DEFAULT_PATCHES", "ConvShape", "ProbeResult", "conv_shapes", "merge_shapes", "probe_conv"]
+
+DEFAULT_PATCHES = 4 * 38 * 40  # 6,080: one 8-frame clip (T=2 -> 4 temporal patches) of 608x640 px at P=16
+
+_CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """One conv geometry, and where it occurs: ``names`` are ``model:qualified.name`` strings."""
+
+    kind: str  # "Conv3d"
+    in_channels: int
+    out_channels: int
+    kernel_size: tuple[int, ...]
+    bias: bool
+    windows: int  # rows of the equivalent GEMM per sample
+    names: tuple[str, ...] = ()
+    patched: bool = False  # every module with this geometry already runs through vlfast's GEMM
+
+    def __post_init__(self) -> None:
+        if self.windows < 1:
+            raise ValueError(f"windows must be >= 1, got {self.windows}")
+        if len(self.kernel_size) not in _CONV_FN:
+            raise ValueError(f"kernel_size must have 1-3 dims, got {self.kernel_size}")
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.in_channels, self.out_channels, self.kernel_size, self.bias, self.windows)
+
+    @property
+    def gemm_shape(self) -> tuple[int, int, int]:  # (M, K, N) of the equivalent GEMM
+        return (self.windows, self.in_channels * math.prod(self.kernel_size), self.out_channels)
+
+    def describe(self) -> str:
+        k = "x".join(str(k) for k in self.kernel_size)
+        return f"{self.kind} {self.in_channels}->{self.out_channels} k={k} x {self.windows:,} windows"
+
+    def to_dict(self) -> dict[str, Any]:
+        m, k, n = self.gemm_shape
+        return {
+            "kind": self.kind,
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "kernel_size": list(self.kernel_size),
+            "bias": self.bias,
+            "windows": self.windows,
+            "gemm_mkn": [m, k, n],
+            "names": list(self.names),
+            "patched": self.patched,
+        }
+
+
+def conv_shapes(model: nn.Module, *, patches: int = DEFAULT_PATCHES, label: str = "") -> list[ConvShape]:
+    """The eligible (stride == kernel) convolutions of ``model``, with the windows each sees per sample.
+
+    The first eligible conv in module order is the patch embedding: it sees one window per patch. A
+    later one (GLM's ``downsample``) consumes the embedded patches grouped by its own kernel, so it sees
+    ``patches // prod(kernel)`` windows. Works on ``device="meta"`` models: only attributes are read.
+    """
+    if patches < 1:
+        raise ValueError(f"patches must be >= 1, got {patches}")
+    shapes: list[ConvShape] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or eligibility(m) is not None:
+            continue
+        kernel = tuple(int(k) for k in m.kernel_size)
+        windows = patches if not shapes else max(1, patches // math.prod(kernel))
+        shapes.append(
+            ConvShape(
+                type(m).__name__,
+                int(m.in_channels),
+                int(m.out_channels),
+                kernel,
+                m.bias is not None,
+                windows,
+                (f"{label}:{name}" if label else name,),
+                patched=is_patched(m),
+            )
+        )
+    return shapes
+
+
+def merge_shapes(shapes: list[ConvShape]) -> list[ConvShape]:
+    """One entry per distinct geometry, with the names of every place it occurs, in first-seen order."""
+    merged: dict[tuple, ConvShape] = {}
+    for s in shapes:
+        if s.key in merged:
+            prev = merged[s.key]
+            merged[s.key] = ConvShape(
+                *s.key[:5], s.windows, prev.names + s.names, patched=prev.patched and s.patched
+            )
+        else:
+            merged[s.key] = s
+    return list(merged.values())
+
+
+@dataclass
+class ProbeResult:
+    """Measured time of one conv geometry and of its GEMM, per sample (one call = one sample)."""
+
+    shape: ConvShape
+    device: str
+    dtype: str
+    conv: Timing | None = None
+    gemm: Timing | None = None
+    onednn_enabled: bool | None = None
+    cudnn_enabled: bool | None = None
+    max_abs_diff: float | None = None  # conv vs GEMM on the probe input: a sanity check, not a proof
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.conv is None or self.gemm is None or self.gemm.median_ms <= 0:
+            return None
+        return self.conv.median_ms / self.gemm.median_ms
+
+    @property
+    def saving_ms(self) -> float | None:
+        if self.conv is None or self.gemm is None:
+            return None
+        return max(0.0, self.conv.median_ms - self.gemm.median_ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape.to_dict(),
+            "device": self.device,
+            "dtype": self.dtype,
+            "conv_ms": self.conv.median_ms if self.conv else None,
+            "gemm_ms": self.gemm.median_ms if self.gemm else None,
+            "ratio": self.ratio,
+            "saving_ms_per_sample": self.saving_ms,
+            "conv_timing": self.conv.to_dict() if self.conv else None,
+            "gemm_timing": self.gemm.to_dict() if self.gemm else None,
+            "onednn_enabled": self.onednn_enabled,
+            "cudnn_enabled": self.cudnn_enabled,
+            "max_abs_diff": self.max_abs_diff,
+            "error": self.error,
+            "notes": list(self.notes),
+        }
+
+
+def probe_conv(
+    shape: ConvShape,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    budget_s: float = 2.0,
+    max_repeats: int = 20,
+    seed: int = 0,
+) -> ProbeResult:
+    """Time ``shape``'s conv and its GEMM at ``dtype`` on ``device`` within about ``budget_s`` seconds.
+
+    The GEMM gets a third of the budget and the conv the rest; each is warmed up once and repeated
+    until its share is spent (medians reported). Failures (out of memory, an op missing on the
+    backend) are recorded in ``error``, never raised.
+    """
+    dev = torch.device(device)
+    result = ProbeResult(
+        shape,
+        str(dev),
+        str(dtype).removeprefix("torch."),
+        onednn_enabled=bool(torch.backends.mkldnn.enabled) if dev.type == "cpu" else None,
+        cudnn_enabled=bool(torch.backends.cudnn.enabled) if dev.type == "cuda" else None,
+    )
+    nd = len(shape.kernel_size)
+    n, d = shape.windows, shape.out_channels
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        # (N, C, *k): every row one window, as the model's view(-1, C, T, P, P) produces.
+        x = torch.randn(n, shape.in_channels, *shape.kernel_size, generator=gen).to(dev, dtype)
+        fan_in = shape.in_channels * math.prod(shape.kernel_size)
+        w = (torch.randn(d, shape.in_channels, *shape.kernel_size, generator=gen) / fan_in**0.5).to(dev, dtype)
+        b = torch.randn(d, generator=gen).to(dev, dtype) if shape.bias else None
+        conv_fn = _CONV_FN[nd]
+
+        def conv() -> torch.Tensor:
+            return conv_fn(x, w, b, shape.kernel_size)  # (N, D, 1, ..., 1)
+
+        def gemm() -> torch.Tensor:
+            return F.linear(x.reshape(n, -1), w.reshape(d, -1), b)  # (N, C*K) @ (C*K, D)
+
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result.gemm = measure(gemm, device=dev, budget_s=budget_s / 3, repeats=max_repeats)
+            result.conv = measure(conv, device=dev, budget_s=2 * budget_s / 3, repeats=max_repeats)
+            if result.conv.first_call:
+                result.notes.append("conv too slow to repeat: one call timed, setup included")
+            if result.conv.median_ms < 0.1 * budget_s * 1e3:  # one more conv call is cheap
+                diff = (conv().reshape(n, d).float() - gemm().float()).abs().max()
+                result.max_abs_diff = float(diff)
+    except (RuntimeError, NotImplementedError, MemoryError) as e:
+        result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return result

@@ -1,0 +1,197 @@
+"""Known slow paths for stride == kernel convolutions, each a pure function of the facts.
+
+A rule says *why* a convolution may run slowly on this machine, with its public source and the
+environment-side fix. Rules never decide the verdict (the doctor's live measurement does); they explain
+it. Each predicate takes :class:`~vlfast.facts.Facts` and a :class:`ConvGeometry` and touches no device,
+so tests play any machine by building ``Facts`` by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlfast.facts import Facts
+
+__all__ = ["RULES", "ConvGeometry", "Rule", "RuleHit", "evaluate", "rule_fires"]
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """What a rule needs to know about a convolution."""
+
+    kernel_size: tuple[int, ...]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kernel_size or any(int(k) < 1 for k in self.kernel_size):
+            raise ValueError(f"kernel_size must be positive ints, got {self.kernel_size!r}")
+
+    @property
+    def ndim(self) -> int:  # spatial dims: 3 for Conv3d, whose weight is 5-D
+        return len(self.kernel_size)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    title: str
+    source: str  # public issue or code that establishes it
+    applies: Callable[[Facts, ConvGeometry], bool]
+    explanation: str
+    env_fix: str  # what to change in the environment instead of patching
+
+
+@dataclass
+class RuleHit:
+    """A rule that fires on this machine, with the convolutions it concerns."""
+
+    id: str
+    title: str
+    source: str
+    explanation: str
+    env_fix: str
+    convs: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "source": self.source,
+            "explanation": self.explanation,
+            "env_fix": self.env_fix,
+            "convs": list(self.convs),
+        }
+
+
+def _cuda(f: Facts) -> bool:  # NVIDIA CUDA, not ROCm (which also reports device type "cuda")
+    return f.device_type == "cuda" and f.torch_build == "cuda"
+
+
+def _cudnn_in(f: Facts, lo: int, hi: int) -> bool:
+    return f.cudnn_runtime is not None and lo <= f.cudnn_runtime < hi
+
+
+def _cudnn_skipped(f: Facts, c: ConvGeometry) -> bool:
+    # aten/src/ATen/native/Convolution.cpp, use_cudnn (torch >= 2.9): runtime cuDNN in [9.8, 9.15),
+    # contiguous input, bf16/fp16, weight.dim() == 5 and some kernel dim != 1 -> cuDNN is not used.
+    return (
+        _cuda(f)
+        and f.cudnn_enabled is not False
+        and f.torch is not None
+        and f.torch[:2] >= (2, 9)
+        and _cudnn_in(f, 90800, 91500)
+        and f.half
+        and c.ndim == 3
+        and any(k != 1 for k in c.kernel_size)
+    )
+
+
+def _blackwell_cudnn910(f: Facts, c: ConvGeometry) -> bool:
+    return (
+        _cuda(f)
+        and f.gpu_capability is not None
+        and f.gpu_capability[0] >= 10
+        and _cudnn_in(f, 91000, 91100)
+        and f.dtype == "bfloat16"
+        and c.ndim == 3
+    )
+
+
+def _cudnn_disabled(f: Facts, c: ConvGeometry) -> bool:
+    return _cuda(f) and f.cudnn_enabled is False
+
+
+def _mps_conv3d(f: Facts, c: ConvGeometry) -> bool:
+    return f.device_type == "mps" and c.ndim == 3
+
+
+def _rocm_miopen(f: Facts, c: ConvGeometry) -> bool:
+    return f.device_type == "cuda" and f.torch_build == "rocm" and c.ndim == 3
+
+
+def _cpu_no_onednn(f: Facts, c: ConvGeometry) -> bool:
+    # Without oneDNN (mkldnn) a reduced-precision CPU conv goes to ATen's slow_conv3d / thnn_conv2d.
+    return f.device_type == "cpu" and f.half and (f.onednn_available is False or f.onednn_enabled is False)
+
+
+_UPGRADE = (
+    "upgrade to torch >= 2.11 (its default wheel pins cuDNN 9.19), or install cuDNN >= 9.15 "
+    "(pip install -U 'nvidia-cudnn-cu12>=9.15')"
+)
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "cudnn-skip-conv3d",
+        "torch >= 2.9 skips cuDNN for bf16/fp16 Conv3d with cuDNN 9.8-9.14",
+        "pytorch/pytorch#163539, PR #163581, regression #166122; aten/src/ATen/native/Convolution.cpp use_cudnn",
+        _cudnn_skipped,
+        "Because cuDNN 9.10 returned wrong bf16 results, torch >= 2.9 does not use cuDNN for 5-D bf16/fp16 "
+        "convolutions with a non-1 kernel while the loaded cuDNN is in [9.8, 9.15); they fall back to "
+        "vol2col / slow_conv3d. The default torch 2.10 wheel for CUDA 12 still ships cuDNN 9.10, so 2.10 "
+        "is not automatically safe.",
+        _UPGRADE,
+    ),
+    Rule(
+        "blackwell-cudnn910-bf16",
+        "Blackwell GPU + cuDNN 9.10 + bf16 Conv3d",
+        "huggingface/transformers#45750",
+        _blackwell_cudnn910,
+        "On Blackwell (sm_100/sm_120) with cuDNN 9.10 the bf16 patch-embedding Conv3d of one 8-frame clip "
+        "took 16 s per call against 0.3 ms for the equivalent Linear.",
+        _UPGRADE,
+    ),
+    Rule(
+        "cudnn-disabled",
+        "torch.backends.cudnn.enabled is False",
+        "torch.backends.cudnn documentation; aten/src/ATen/native/Convolution.cpp use_cudnn",
+        _cudnn_disabled,
+        "With cuDNN disabled every CUDA convolution runs ATen's native fallback (im2col / vol2col + GEMM).",
+        "remove `torch.backends.cudnn.enabled = False` from the code or its launcher",
+    ),
+    Rule(
+        "mps-conv3d",
+        "Conv3d on Apple MPS",
+        "pytorch/pytorch#192213 (conv3d at ~7% of conv2d throughput), #182823",
+        _mps_conv3d,
+        "MPS dispatches Conv3d through a path that reaches about 7% of the throughput of Conv2d or matmul "
+        "on the same machine.",
+        "none known in torch; the GEMM patch is the fix",
+    ),
+    Rule(
+        "rocm-miopen-conv3d",
+        "Conv3d on ROCm / MIOpen",
+        "pytorch/pytorch#146998",
+        _rocm_miopen,
+        "MIOpen picks slow Conv3d kernels (or fails) for many shapes, including patch embeddings.",
+        "none reliable in the environment; the GEMM patch is the fix",
+    ),
+    Rule(
+        "cpu-no-onednn",
+        "bf16/fp16 CPU convolution without oneDNN",
+        "aten/src/ATen/native/Convolution.cpp use_mkldnn; measured 35-109x on a 2-core AVX-512 CPU",
+        _cpu_no_onednn,
+        "Without oneDNN (mkldnn unavailable in this build, or torch.backends.mkldnn.enabled = False) a "
+        "reduced-precision CPU convolution runs ATen's slow_conv3d / thnn_conv2d reference kernels.",
+        "set torch.backends.mkldnn.enabled = True (or use a torch build with oneDNN)",
+    ),
+)
+
+
+def rule_fires(rule_id: str, facts: Facts, conv: ConvGeometry) -> bool:
+    """Whether the rule named ``rule_id`` fires for ``conv`` on the machine described by ``facts``."""
+    for rule in RULES:
+        if rule.id == rule_id:
+            return bool(rule.applies(facts, conv))
+    raise ValueError(f"unknown rule {rule_id!r}; known: {', '.join(r.id for r in RULES)}")
+
+
+def evaluate(facts: Facts, convs: Sequence[ConvGeometry]) -> list[RuleHit]:
+    """Every rule that fires for at least one of ``convs``, in the order of :data:`RULES`."""
+    hits: list[RuleHit] = []
+    for rule in RULES:
+        names = [c.name for c in convs if rule.applies(facts, c)]
+        if names:
+            hits.append(RuleHit(rule.id, rule.title, rule.source, rule.explanation, rule.env_fix, names))
+    return hits

@@ -1,0 +1,35 @@
+"""Token audit for RL format tags: are the rows of `<think>`/`</think>` (or any tag a template or
+reward uses) trained in this checkpoint? Plus trained alternatives, a consistent rewrite, and a fix.
+
+    from vlfast.tokens import audit_tokens
+    report = audit_tokens("path/to/Qwen3-8B-Base")        # checks <think> and </think>
+    report.verdict, report.untrained_tags, report.suggested_mapping
+"""
+
+from vlfast.tokens.audit import audit_tokens, audit_vocabulary
+from vlfast.tokens.fix import FixReport, fix_tokens
+from vlfast.tokens.report import (
+    Alternative,
+    IndicatorInfo,
+    TagReport,
+    TokenAudit,
+    TokenVerdict,
+    VocabularyAudit,
+)
+from vlfast.tokens.rewrite import RewriteReport, parse_mapping, rewrite_tags
+
+__all__ = [
+    "audit_tokens",
+    "audit_vocabulary",
+    "fix_tokens",
+    "rewrite_tags",
+    "parse_mapping",
+    "TokenAudit",
+    "TagReport",
+    "TokenVerdict",
+    "Alternative",
+    "IndicatorInfo",
+    "VocabularyAudit",
+    "FixReport",
+    "RewriteReport",
+]

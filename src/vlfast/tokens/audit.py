@@ -1,0 +1,253 @@
+"""The token audit: do the tags a format needs have trained embedding rows?
+
+`analyse` streams the checkpoint once (per matrix) into indicator arrays and fits the thresholds;
+`audit_tokens` turns that into a verdict per tag, with trained alternatives for the failing ones;
+`audit_vocabulary` gives a verdict per row, for validation against known-unused ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vlfast.tokens.indicators import matrix_stats
+from vlfast.tokens.report import IndicatorInfo, TagReport, TokenAudit, TokenVerdict, VocabularyAudit
+from vlfast.tokens.tags import DEFAULT_TAGS, read_template, split_tag_args, tags_in_regex, tags_in_text
+from vlfast.tokens.verdict import VERDICTS, Judge, worst
+from vlfast.tokens.vocab import Vocabulary
+from vlfast.tokens.weights import CheckpointWeights
+
+
+@dataclass
+class Analysis:
+    """Indicator arrays and thresholds of one checkpoint, plus its tokenizer."""
+
+    weights: CheckpointWeights
+    vocab: Vocabulary
+    judge: Judge
+    reference_ids: list[int]
+    reference_sources: dict[str, int]
+    ordinary: np.ndarray  # (V,) bool
+
+    def token(self, token_id: int) -> TokenVerdict:
+        flags = self.judge.flags(np.array([token_id]))
+        verdict = VERDICTS[int(self.judge.verdicts(np.array([token_id]))[0])]
+        s_in = self.judge.input_stats
+        s_out = self.judge.output_stats or s_in
+        dup = int(s_in.duplicate_of[token_id])
+        if dup < 0 and self.judge.output_stats is not None:
+            dup = int(self.judge.output_stats.duplicate_of[token_id])
+        return TokenVerdict(
+            id=int(token_id),
+            piece=self.vocab.piece(token_id),
+            added=token_id in self.vocab.added,
+            special=self.vocab.added.get(token_id, False),
+            norm=float(s_in.norm[token_id]),
+            norm_ratio=float(s_in.norm[token_id] / max(self.judge.norm.ordinary_median, 1e-30)),
+            cos_distance=None if s_out.cos_distance is None else float(s_out.cos_distance[token_id]),
+            duplicate_of=dup if dup >= 0 else None,
+            flags=[k for k, v in flags.items() if bool(v[0])],
+            verdict=verdict,
+        )
+
+    def split(self, tag: str) -> list[int]:
+        ids = self.vocab.split(tag)
+        rows = self.judge.input_stats.rows
+        bad = [i for i in ids if i >= rows]
+        if bad:
+            raise ValueError(
+                f"tag {tag!r} maps to ids {bad} but the embedding has only {rows} rows; "
+                "the tokenizer and the weights in the folder do not belong together"
+            )
+        return ids
+
+    def tag_verdict(self, tag: str) -> tuple[list[int], list[TokenVerdict], str]:
+        ids = self.split(tag)
+        tokens = [self.token(i) for i in ids]
+        return ids, tokens, worst([t.verdict for t in tokens])
+
+    def indicator_info(self) -> list[IndicatorInfo]:
+        n = self.judge.norm
+        out = [IndicatorInfo("norm", n.matrix, n.ordinary_median, n.reference_median, n.cut)]
+        c = self.judge.cos
+        out_name = (self.judge.output_stats or self.judge.input_stats).name
+        if c is None:
+            out.append(IndicatorInfo("cos_distance", out_name, None, None, None, self.judge.cos_note))
+        else:
+            out.append(IndicatorInfo("cos_distance", c.matrix, c.ordinary_median, c.reference_median, c.cut))
+        return out
+
+
+def _parse_reference(values: Sequence[int | str] | None) -> list[int] | None:
+    """[1, '5-7', '9,10'] -> [1, 5, 6, 7, 9, 10]."""
+    if values is None:
+        return None
+    out: list[int] = []
+    for v in values:
+        for part in str(v).replace(" ", "").split(","):
+            if not part:
+                continue
+            try:
+                if "-" in part:
+                    a, b = (int(x) for x in part.split("-", 1))
+                    out.extend(range(a, b + 1))
+                else:
+                    out.append(int(part))
+            except ValueError:
+                raise ValueError(f"reference id {part!r} is not an id or a range like 5-7") from None
+    return sorted(set(out))
+
+
+def analyse(
+    model: str | Path,
+    *,
+    reference_ids: Sequence[int | str] | None = None,
+    exclude_ids: Sequence[int] = (),
+    embedding_name: str | None = None,
+    lm_head_name: str | None = None,
+) -> Analysis:
+    """Read the checkpoint's embedding matrices and fit the thresholds.
+
+    `exclude_ids` (the audited tags' tokens) are kept out of both the reference and the ordinary rows,
+    so a tag never vouches for itself.
+    """
+    weights = CheckpointWeights.open(model, embedding_name, lm_head_name)
+    vocab = Vocabulary.load(model)
+    rows, _ = weights.shape(weights.embedding_name)
+    if not weights.tied:
+        out_rows = weights.shape(weights.lm_head_name)[0]
+        if out_rows != rows:
+            raise ValueError(
+                f"{weights.embedding_name} has {rows} rows but {weights.lm_head_name} has {out_rows}; "
+                "pass --embedding-name/--lm-head-name to pick matching matrices"
+            )
+    if vocab.length > rows:
+        raise ValueError(
+            f"the tokenizer in {model} has {vocab.length} ids but {weights.embedding_name} only {rows} rows; "
+            "the tokenizer and the weights do not belong together"
+        )
+    excluded = set(int(i) for i in exclude_ids)
+    user = _parse_reference(reference_ids)
+    if user is not None:
+        bad = [i for i in user if i >= rows or i < 0]
+        if bad:
+            raise ValueError(f"reference ids {bad[:5]} are outside the {rows} embedding rows")
+        sources = {"user": len(user)}
+        ref = [i for i in user if i not in excluded]
+    else:
+        padding = list(range(vocab.length, rows))
+        named = vocab.unused_by_name()
+        sources = {"padding": len(padding), "unused-names": len(named)}
+        ref = sorted((set(padding) | set(named)) - excluded)
+
+    reference = np.zeros(rows, bool)
+    reference[ref] = True
+    ordinary = np.zeros(rows, bool)
+    ordinary[: vocab.length] = True
+    ordinary[reference] = False
+    ordinary[list(vocab.added)] = False  # added tokens are the usual suspects, not the norm
+    ordinary[list(excluded)] = False
+
+    input_stats = matrix_stats(weights, weights.embedding_name, ref)
+    output_stats = None if weights.tied else matrix_stats(weights, weights.lm_head_name, ref)
+    judge = Judge.fit(input_stats, output_stats, ordinary, reference)
+    return Analysis(weights, vocab, judge, ref, sources, ordinary)
+
+
+def collect_tags(
+    tags: Sequence[str] | None, template: str | Path | None, reward_regex: str | None
+) -> dict[str, list[str]]:
+    """tag -> where the format uses it; the Qwen3 thinking pair when nothing is given."""
+    found: dict[str, list[str]] = {}
+    for tag in split_tag_args(list(tags or [])):
+        found.setdefault(tag, []).append("tags")
+    if template is not None:
+        for tag in tags_in_text(read_template(template)):
+            found.setdefault(tag, []).append("template")
+    if reward_regex is not None:
+        in_regex = tags_in_regex(reward_regex)
+        if not in_regex:
+            raise ValueError(f"--reward-regex {reward_regex!r} contains no tag such as <think>; nothing to audit")
+        for tag in in_regex:
+            found.setdefault(tag, []).append("reward-regex")
+    if not found:
+        found = {t: ["default"] for t in DEFAULT_TAGS}
+    return found
+
+
+def audit_tokens(
+    model: str | Path,
+    tags: Sequence[str] | None = None,
+    *,
+    template: str | Path | None = None,
+    reward_regex: str | None = None,
+    reference_ids: Sequence[int | str] | None = None,
+    alternatives: bool = True,
+    embedding_name: str | None = None,
+    lm_head_name: str | None = None,
+) -> TokenAudit:
+    """Audit the embedding rows of the tags a format uses.
+
+    model: a local checkpoint folder with safetensors weights and a tokenizer.
+    tags: tags to check (default `<think>`, `</think>` when no template or regex is given either).
+    template: a chat template (.jinja or tokenizer_config.json) whose tags are checked too.
+    reward_regex: a reward regex whose literal tags are checked too.
+    reference_ids: known never-trained ids (ints or "a-b" ranges); default: padding rows beyond the
+        tokenizer's length plus `[unused*]`/reserved entries.
+    """
+    from vlfast.tokens.alternatives import propose, suggested_mapping
+
+    t0 = time.perf_counter()
+    wanted = collect_tags(tags, template, reward_regex)
+    vocab = Vocabulary.load(model) if Path(model).is_dir() else None
+    if vocab is None:
+        raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
+    tag_ids = {t: vocab.split(t) for t in wanted}
+    exclude = sorted({i for ids in tag_ids.values() for i in ids if i in vocab.added})
+    an = analyse(
+        model,
+        reference_ids=reference_ids,
+        exclude_ids=exclude,
+        embedding_name=embedding_name,
+        lm_head_name=lm_head_name,
+    )
+    reports = []
+    for tag, sources in wanted.items():
+        ids, tokens, verdict = an.tag_verdict(tag)
+        alts = propose(an, tag) if alternatives and verdict != "trained" else []
+        reports.append(TagReport(tag, sources, ids, len(ids) == 1, tokens, verdict, alts))
+    w = an.weights
+    return TokenAudit(
+        model_dir=str(model),
+        embedding=w.embedding_name,
+        lm_head=w.lm_head_name,
+        tied=w.tied,
+        shape=list(w.shape(w.embedding_name)),
+        dtype=w.dtype(w.embedding_name),
+        tokenizer_length=an.vocab.length,
+        reference_count=len(an.reference_ids),
+        reference_sources=an.reference_sources,
+        indicators=an.indicator_info(),
+        tags=reports,
+        verdict=worst([r.verdict for r in reports]),
+        suggested_mapping=suggested_mapping(reports),
+        seconds=round(time.perf_counter() - t0, 3),
+    )
+
+
+def audit_vocabulary(
+    model: str | Path,
+    *,
+    reference_ids: Sequence[int | str] | None = None,
+    embedding_name: str | None = None,
+    lm_head_name: str | None = None,
+) -> VocabularyAudit:
+    """Verdict for every row; used to measure recall and false positives against known-unused ids."""
+    an = analyse(model, reference_ids=reference_ids, embedding_name=embedding_name, lm_head_name=lm_head_name)
+    verdicts = an.judge.verdicts()
+    flags = {k: np.flatnonzero(v).tolist() for k, v in an.judge.flags().items()}
+    return VocabularyAudit(verdicts.astype(int).tolist(), flags, an.reference_ids, an.vocab.length)

@@ -1,0 +1,195 @@
+"""Write a copy of a checkpoint whose untrained tag rows start from trained ones.
+
+`pieces`: each untrained row becomes the mean of the rows of the ordinary pieces its text splits into
+without the added token (`<think>` -> `<`, `think`, `>`), per matrix. `mean`: the mean trained row
+(what Unsloth and `resize_token_embeddings(mean_resizing=True)` use), plus a small seeded jitter so two
+fixed rows never coincide. Input-embedding rows are then scaled to the median trained norm, because an
+average of vectors is shorter than any of them and a short input row is what marks a row as
+untrained; lm_head rows keep the average's length so the token's logit starts at its pieces' average.
+The original folder is only read; every other file is copied unchanged.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags
+from vlfast.tokens.report import TokenAudit
+from vlfast.tokens.vocab import Vocabulary
+
+INITS = ("pieces", "mean")
+JITTER = 0.05  # mean init: jitter norm as a fraction of the median trained norm
+
+
+@dataclass
+class FixedRow:
+    id: int
+    piece: str
+    init: str  # "pieces" or "mean" (a pieces request falls back to mean when no piece is trained)
+    source_ids: list[int]  # the pieces averaged (empty for mean)
+    matrices: list[str]
+
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ValueError(f"FixedRow.init must be one of {INITS}, got {self.init!r}")
+
+
+@dataclass
+class FixReport:
+    model_dir: str
+    out_dir: str
+    init: str
+    rows: list[FixedRow]
+    files_rewritten: list[str]
+    files_copied: list[str]
+    before: str  # overall verdict before
+    after: TokenAudit | None = None  # the audit of the new checkpoint
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ValueError(f"FixReport.init must be one of {INITS}, got {self.init!r}")
+
+    @property
+    def ok(self) -> bool:
+        return self.after is None or self.after.ok
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["after"] = None if self.after is None else self.after.to_dict()
+        d["ok"] = self.ok
+        return d
+
+
+def _mean_trained_row(an: Analysis, name: str) -> torch.Tensor:
+    trained = an.ordinary & (an.judge.verdicts() == 0)
+    total, count = None, 0
+    for start, x in an.weights.blocks(name):
+        m = torch.from_numpy(trained[start : start + x.shape[0]])
+        s = x[m].double().sum(0)
+        total = s if total is None else total + s
+        count += int(m.sum())
+    if not count:
+        raise ValueError(f"no trained rows in {name} to average; the checkpoint looks untrained")
+    return (total / count).float()
+
+
+def _targets(an: Analysis, wanted: dict[str, list[str]]) -> dict[int, str]:
+    """Untrained token ids of the tags -> the text of the token."""
+    out: dict[int, str] = {}
+    for tag in wanted:
+        _, tokens, _ = an.tag_verdict(tag)
+        for t in tokens:
+            if t.verdict == "untrained":
+                out[t.id] = an.vocab.tokenizer.decode([t.id], skip_special_tokens=False) or tag
+    return out
+
+
+def fix_tokens(
+    model: str | Path,
+    out: str | Path,
+    tags: Sequence[str] | None = None,
+    *,
+    init: str = "pieces",
+    template: str | Path | None = None,
+    reward_regex: str | None = None,
+    reference_ids: Sequence[int | str] | None = None,
+    verify: bool = True,
+) -> FixReport:
+    """Write `out`, a copy of `model` whose untrained tag rows are initialised from trained rows."""
+    if init not in INITS:
+        raise ValueError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
+    model, out = Path(model), Path(out)
+    if not model.is_dir():
+        raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
+    if out.resolve() == model.resolve():
+        raise ValueError("OUT must be a new folder: the original checkpoint is never modified")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; choose a new folder for the fixed checkpoint")
+
+    wanted = collect_tags(tags, template, reward_regex)
+    vocab = Vocabulary.load(model)
+    exclude = sorted({i for t in wanted for i in vocab.split(t) if i in vocab.added})
+    an = analyse(model, reference_ids=reference_ids, exclude_ids=exclude)
+    targets = _targets(an, wanted)
+    before = "untrained" if targets else "trained"
+    w = an.weights
+    # Matrices to edit: the embedding, plus a stored lm_head (also when tied: keep the copy in step).
+    matrices = [w.embedding_name] + ([w.lm_head_name] if w.lm_head_name else [])
+    verdicts = an.judge.verdicts()
+    notes: list[str] = []
+    rows: list[FixedRow] = []
+    plans: dict[int, list[int]] = {}
+    for tid, text in targets.items():
+        sources = []
+        if init == "pieces":
+            sources = [p for p in an.vocab.plain_split(text) if p != tid and p < len(verdicts) and verdicts[p] == 0]
+            if not sources:
+                notes.append(f"token {tid} ({text!r}) has no trained pieces; initialised from the mean row")
+        plans[tid] = sources
+        rows.append(FixedRow(tid, an.vocab.piece(tid), "pieces" if sources else "mean", sources, matrices))
+
+    new_values: dict[str, dict[int, torch.Tensor]] = {}
+    median_norm = an.judge.norm.ordinary_median
+    for name in matrices:
+        tied_copy = name != w.embedding_name and w.tied
+        is_input = name == w.embedding_name or tied_copy
+        mean_row = None
+        values: dict[int, torch.Tensor] = {}
+        for tid, sources in plans.items():
+            if sources:
+                row = w.rows(name, sources).mean(0)
+            else:
+                if mean_row is None:
+                    mean_row = _mean_trained_row(an, name)
+                gen = torch.Generator().manual_seed(int(tid))
+                jitter = torch.randn(mean_row.shape[0], generator=gen)
+                row = mean_row + jitter * (JITTER * median_norm / jitter.norm())
+            if is_input and row.norm() > 0:
+                row = row * (median_norm / row.norm())
+            values[tid] = row
+        new_values[name] = values
+
+    files_rewritten, files_copied = _write(w, model, out, new_values)
+    report = FixReport(str(model), str(out), init, rows, files_rewritten, files_copied, before, None, notes)
+    if verify:
+        report.after = audit_tokens(out, list(wanted), reference_ids=reference_ids, alternatives=False)
+    return report
+
+
+def _write(w, model: Path, out: Path, new_values: dict[str, dict[int, torch.Tensor]]):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    edit_files = {w.tensor_files[name] for name, v in new_values.items() if v}
+    rewritten, copied = [], []
+    for src in sorted(model.iterdir()):
+        dst = out / src.name
+        if src in edit_files:
+            with safe_open(str(src), framework="pt") as f:
+                metadata = f.metadata()
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            for name, values in new_values.items():
+                if name in tensors and values:
+                    t = tensors[name].clone()
+                    ids = torch.tensor(sorted(values))
+                    t[ids] = torch.stack([values[i] for i in sorted(values)]).to(t.dtype)
+                    tensors[name] = t
+            save_file(tensors, str(dst), metadata=metadata)
+            rewritten.append(src.name)
+        elif src.is_dir():
+            shutil.copytree(src, dst)
+            copied.append(src.name + "/")
+        else:
+            shutil.copy2(src, dst)
+            copied.append(src.name)
+    return rewritten, copied
+

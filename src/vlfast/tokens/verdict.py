@@ -1,0 +1,104 @@
+"""From indicator arrays to verdicts: thresholds learned from the reference and ordinary rows.
+
+A statistical indicator flags a row when its value is closer to the median of the never-trained
+reference rows than to the median of ordinary rows (the midpoint rule; direction-free, so it holds
+whether untrained rows are shorter or longer than trained ones). Zero rows and exact duplicates are
+flagged outright. A row is `untrained` when it is zero, duplicated, or flagged by every statistical
+indicator that could be computed; `suspect` when flagged by some; `trained` otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vlfast.tokens.indicators import ZERO_MAX_ABS, MatrixStats
+
+VERDICTS = ("trained", "suspect", "untrained")
+NORM_FALLBACK_RATIO = 0.5  # without reference rows: a norm below half the ordinary median is "low"
+
+
+def worst(verdicts: list[str]) -> str:
+    return max(verdicts, key=VERDICTS.index, default="trained")
+
+
+@dataclass
+class Threshold:
+    """How one indicator splits rows: medians of both groups and the cut between them."""
+
+    indicator: str  # "norm" or "cos_distance"
+    matrix: str
+    ordinary_median: float
+    reference_median: float | None
+    cut: float
+    flag_below: bool  # True: values below `cut` look untrained
+
+    def __post_init__(self) -> None:
+        if self.indicator not in ("norm", "cos_distance"):
+            raise ValueError(f"unknown indicator {self.indicator!r}")
+
+    def flags(self, values: np.ndarray) -> np.ndarray:
+        return values < self.cut if self.flag_below else values > self.cut
+
+
+def _threshold(indicator: str, matrix: str, values: np.ndarray, ordinary: np.ndarray, reference: np.ndarray):
+    o = float(np.median(values[ordinary]))
+    if reference.any():
+        r = float(np.median(values[reference]))
+        return Threshold(indicator, matrix, o, r, (o + r) / 2, r < o)
+    if indicator == "norm":
+        return Threshold(indicator, matrix, o, None, NORM_FALLBACK_RATIO * o, True)
+    return None
+
+
+@dataclass
+class Judge:
+    """Verdicts for rows of a checkpoint, given the indicator arrays of its one or two matrices."""
+
+    input_stats: MatrixStats
+    output_stats: MatrixStats | None  # None when tied: the input matrix serves both roles
+    norm: Threshold
+    cos: Threshold | None
+    cos_note: str | None = None
+
+    @classmethod
+    def fit(
+        cls,
+        input_stats: MatrixStats,
+        output_stats: MatrixStats | None,
+        ordinary: np.ndarray,
+        reference: np.ndarray,
+    ) -> Judge:
+        """`ordinary` and `reference` are boolean masks over rows (disjoint)."""
+        if not ordinary.any():
+            raise ValueError("no ordinary rows to compare with: the reference set covers the whole vocabulary")
+        norm = _threshold("norm", input_stats.name, input_stats.norm, ordinary, reference)
+        out = output_stats or input_stats
+        cos = None
+        if out.cos_distance is not None:
+            cos = _threshold("cos_distance", out.name, out.cos_distance, ordinary, reference)
+        return cls(input_stats, output_stats, norm, cos, out.cos_note)
+
+    def flags(self, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Boolean flag arrays for rows `ids` (all rows when None)."""
+        sel = slice(None) if ids is None else np.asarray(ids, dtype=np.int64)
+        stats = [self.input_stats] + ([self.output_stats] if self.output_stats is not None else [])
+        out = self.output_stats or self.input_stats
+        f = {
+            "zero": np.logical_or.reduce([s.max_abs[sel] <= ZERO_MAX_ABS for s in stats]),
+            "duplicate": np.logical_or.reduce([s.duplicate_of[sel] >= 0 for s in stats]),
+            "low-norm": self.norm.flags(self.input_stats.norm[sel]),
+        }
+        if self.cos is not None:
+            f["near-unused"] = self.cos.flags(out.cos_distance[sel])
+        return f
+
+    def verdicts(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """Array of 0 (trained), 1 (suspect), 2 (untrained) per row."""
+        f = self.flags(ids)
+        statistical = [f[k] for k in ("low-norm", "near-unused") if k in f]
+        every = np.logical_and.reduce(statistical)
+        some = np.logical_or.reduce(statistical)
+        hard = f["zero"] | f["duplicate"]
+        return np.where(hard | every, 2, np.where(some, 1, 0))

@@ -1,0 +1,101 @@
+"""The tokenizer side of the audit: how a tag splits, which entries are added or special, and which
+entries are known never-trained (`[unused*]`, reserved tokens) by their names.
+
+Reads `tokenizer.json` with the `tokenizers` library; folders with only slow-tokenizer files go through
+`transformers.AutoTokenizer` (local files only) and its fast backend.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+# Names that tokenizer authors give to entries they reserve and never train: BERT `[unused12]`,
+# Llama-3 `<|reserved_special_token_5|>`, Gemma `<unused3>`, others `<|unused_7|>`, `<|reserved_12|>`.
+UNUSED_NAME = re.compile(
+    r"^(\[unused\d+\]|<\|reserved_special_token_\d+\|>|<unused\d+>|<\|unused_?\d+\|>|<\|reserved_\d+\|>)$"
+)
+
+
+@dataclass
+class Vocabulary:
+    """A loaded tokenizer plus the facts the audit needs about its entries."""
+
+    source: Path
+    tokenizer: Any  # tokenizers.Tokenizer
+    added: dict[int, bool] = field(default_factory=dict)  # added-token id -> special flag
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> Vocabulary:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if path.is_file():
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(path))
+        else:
+            try:
+                from transformers import AutoTokenizer
+
+                hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+                tok = hf.backend_tokenizer
+            except Exception as e:  # noqa: BLE001 - any failure here means "no usable tokenizer"
+                raise FileNotFoundError(
+                    f"no usable tokenizer in {model_dir} (no tokenizer.json; transformers said: {e}); "
+                    "save the tokenizer next to the weights with tokenizer.save_pretrained(DIR)"
+                ) from None
+        added = {int(i): bool(t.special) for i, t in tok.get_added_tokens_decoder().items()}
+        return cls(model_dir, tok, added)
+
+    @cached_property
+    def vocab(self) -> dict[str, int]:
+        return self.tokenizer.get_vocab(with_added_tokens=True)
+
+    @cached_property
+    def length(self) -> int:
+        """Number of ids the tokenizer can produce (max id + 1): rows beyond it are padding."""
+        return max(self.vocab.values()) + 1
+
+    @cached_property
+    def unk_id(self) -> int | None:
+        model = json.loads(self.tokenizer.to_str()).get("model", {})
+        unk = model.get("unk_token")
+        if isinstance(unk, str):
+            return self.vocab.get(unk)
+        if isinstance(model.get("unk_id"), int):
+            return model["unk_id"]
+        return None
+
+    def piece(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(int(token_id)) or ""
+
+    def split(self, text: str) -> list[int]:
+        """Ids the tokenizer produces for `text` in running text (added tokens included)."""
+        if not text:
+            raise ValueError("empty tag: give tags such as --tags '<think>' --tags '</think>'")
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise ValueError(f"the tokenizer in {self.source} produces no tokens for {text!r}")
+        if self.unk_id is not None and self.unk_id in ids:
+            raise ValueError(
+                f"tag {text!r} contains characters the tokenizer in {self.source} maps to its unknown token; "
+                "choose a tag made of characters the tokenizer knows"
+            )
+        return ids
+
+    def plain_split(self, text: str) -> list[int]:
+        """Ids for `text` with every added token that occurs inside it removed: the ordinary pieces a
+        tag falls back to (used to initialise its row from trained pieces)."""
+        spec = json.loads(self.tokenizer.to_str())
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["content"] not in text]
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(json.dumps(spec))
+        return plain.encode(text, add_special_tokens=False).ids
+
+    def unused_by_name(self) -> list[int]:
+        return sorted(i for t, i in self.vocab.items() if UNUSED_NAME.match(t))

@@ -1,0 +1,165 @@
+"""Memory-mapped access to a checkpoint's input embedding and lm_head, without building the model.
+
+Handles one `model.safetensors`, a sharded `model.safetensors.index.json`, or any `*.safetensors` files
+in the folder; finds the two matrices by name and decides from config.json whether they are tied.
+Rows are read in blocks through `safe_open(...).get_slice`, so a 152k x 4k bf16 matrix never sits in
+memory whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Name endings of the token-embedding and output-projection tensors across families (Qwen/Llama
+# `embed_tokens`, BERT `word_embeddings`, GPT-2 `wte`, InternLM `tok_embeddings`, GPT-NeoX `embed_out`).
+INPUT_NAMES = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight", "tok_embeddings.weight")
+OUTPUT_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
+
+
+def _matches(name: str, endings: tuple[str, ...]) -> bool:
+    return any(name == e or name.endswith("." + e) for e in endings)
+
+
+def _preference(name: str) -> tuple[int, int]:
+    # A VL checkpoint may hold several embeddings; the language model's is the one tags go through.
+    text = "language_model" in name or "text_model" in name
+    return (0 if text else 1, len(name))
+
+
+def _tied_from_config(config: dict) -> bool | None:
+    for scope in (config, config.get("text_config") or {}, config.get("llm_config") or {}):
+        if isinstance(scope, dict) and "tie_word_embeddings" in scope:
+            return bool(scope["tie_word_embeddings"])
+    return None
+
+
+@dataclass
+class CheckpointWeights:
+    """Where the embedding matrices of a checkpoint live, and how to read rows of them lazily."""
+
+    model_dir: Path
+    tensor_files: dict[str, Path]  # tensor name -> safetensors file holding it
+    embedding_name: str
+    lm_head_name: str | None  # None: no separate output matrix stored (tied)
+    tied: bool
+    config: dict = field(default_factory=dict)
+    _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.embedding_name not in self.tensor_files:
+            raise ValueError(f"tensor {self.embedding_name!r} is not in {self.model_dir}")
+        if self.lm_head_name is not None and self.lm_head_name not in self.tensor_files:
+            raise ValueError(f"tensor {self.lm_head_name!r} is not in {self.model_dir}")
+
+    # -- opening ----------------------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls, model_dir: str | Path, embedding_name: str | None = None, lm_head_name: str | None = None
+    ) -> CheckpointWeights:
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"{model_dir} is not a directory; pass --model a local checkpoint folder")
+        tensor_files = _tensor_files(model_dir)
+        config = {}
+        if (model_dir / "config.json").is_file():
+            config = json.loads((model_dir / "config.json").read_text())
+        names = list(tensor_files)
+        if embedding_name is None:
+            found = sorted((n for n in names if _matches(n, INPUT_NAMES)), key=_preference)
+            if not found:
+                raise ValueError(
+                    f"no input-embedding tensor (…{', …'.join(INPUT_NAMES)}) in {model_dir}; "
+                    "name it with --embedding-name"
+                )
+            embedding_name = found[0]
+        if lm_head_name is None:
+            found = sorted((n for n in names if _matches(n, OUTPUT_NAMES)), key=_preference)
+            lm_head_name = found[0] if found else None
+        tied_cfg = _tied_from_config(config)
+        # No stored lm_head means the model reuses the embedding; a stored copy under a tying config is
+        # a duplicate that transformers ignores on load, but `fix` still keeps it in step.
+        tied = lm_head_name is None or bool(tied_cfg)
+        return cls(model_dir, tensor_files, embedding_name, lm_head_name, tied, config)
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        path = self.tensor_files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    # -- facts ------------------------------------------------------------------------------------
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return str(self._handle(name).get_slice(name).get_dtype())
+
+    @property
+    def output_name(self) -> str:
+        """The matrix the lm_head indicator reads: the stored lm_head, or the embedding when tied."""
+        if self.tied or self.lm_head_name is None:
+            return self.embedding_name
+        return self.lm_head_name
+
+    # -- reading ----------------------------------------------------------------------------------
+    def blocks(self, name: str, block_rows: int = 8192) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (first_row, rows as float32) blocks of a 2-D tensor, `block_rows` at a time."""
+        sl = self._handle(name).get_slice(name)
+        n = sl.get_shape()[0]
+        for start in range(0, n, block_rows):
+            yield start, sl[start : min(n, start + block_rows)].float()
+
+    def rows(self, name: str, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a 2-D tensor as float32, (len(ids), D); reads contiguous runs once each."""
+        ids = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+        sl = self._handle(name).get_slice(name)
+        width = sl.get_shape()[1]
+        if not ids:
+            return torch.empty(0, width)
+        order = sorted(set(ids))
+        got: dict[int, torch.Tensor] = {}
+        run_start = prev = order[0]
+        for i in [*order[1:], None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            block = sl[run_start : prev + 1].float()
+            for k in range(run_start, prev + 1):
+                got[k] = block[k - run_start]
+            if i is not None:
+                run_start = prev = i
+        return torch.stack([got[i] for i in ids])
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map; the sharded checkpoint index is damaged")
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        missing = sorted({str(p) for p in files.values() if not p.is_file()})
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {', '.join(missing[:3])}")
+        return files
+    paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}; convert the checkpoint to safetensors first "
+            "(vlfast never unpickles .bin files)"
+        )
+    from safetensors import safe_open
+
+    files: dict[str, Path] = {}
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                files[name] = path
+    return files
