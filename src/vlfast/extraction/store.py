@@ -201,7 +201,9 @@ def read_run_file(out: Path) -> dict:
             f"{path} not found: {out} is not a vlfast extraction folder (run `vlfast extract` first)"
         ) from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); the folder is damaged, re-run with a new OUT") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({e}); the folder is damaged, re-run with a new OUT"
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != "vlfast-features":
         raise ValueError(f"{path} is not a vlfast run file")
     if doc.get("format_version", 0) > FORMAT_VERSION:
@@ -301,9 +303,7 @@ class FeatureStore:
         self._part_ids: dict[str, list[str]] = {}  # part file name -> ids, cache for done_ids()
         self._committed: set[str] = set()
         self._refresh_committed()
-        self._errored: set[str] = {
-            r["id"] for r in read_errors(self.out) if r.get("kind") != DUPLICATE_KIND
-        }
+        self._errored: set[str] = {r["id"] for r in read_errors(self.out) if r.get("kind") != DUPLICATE_KIND}
         self._seq = self._next_seq()
         self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
         self._buffer_ids: set[str] = set()
@@ -347,7 +347,9 @@ class FeatureStore:
         # Several ranks may race here; each writes the same config through its own temp file, so the
         # last rename wins with identical content.
         _atomic_write_bytes(
-            path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(), f"r{self.rank:05d}-{os.getpid()}"
+            path,
+            (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
+            f"r{self.rank:05d}-{os.getpid()}",
         )
 
     def _owns_rank(self, r: int) -> bool:
@@ -422,7 +424,9 @@ class FeatureStore:
             self.add_error(sample_id, source, "duplicate id: already extracted", kind=DUPLICATE_KIND)
             return
         if sample_id in self._errored:
-            self.add_error(sample_id, source, "duplicate id: already recorded as an error", kind=DUPLICATE_KIND)
+            self.add_error(
+                sample_id, source, "duplicate id: already recorded as an error", kind=DUPLICATE_KIND
+            )
             return
         tensors: dict[str, torch.Tensor] = {}
         nbytes = 0
@@ -430,7 +434,9 @@ class FeatureStore:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"feature names must be non-empty str, got {name!r} for {sample_id!r}")
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"feature {name!r} of {sample_id!r} is a {type(t).__name__}, not a torch.Tensor")
+                raise TypeError(
+                    f"feature {name!r} of {sample_id!r} is a {type(t).__name__}, not a torch.Tensor"
+                )
             if t.dtype not in _DTYPES:
                 raise TypeError(
                     f"feature {name!r} of {sample_id!r} has dtype {t.dtype}, which safetensors cannot store; "
@@ -525,7 +531,9 @@ class FeatureStore:
     def _write_shard(self, shard: Path) -> None:
         from safetensors.torch import save_file
 
-        tensors = {f"{row}/{name}": t for row, (_, feats, _) in enumerate(self._buffer) for name, t in feats.items()}
+        tensors = {
+            f"{row}/{name}": t for row, (_, feats, _) in enumerate(self._buffer) for name, t in feats.items()
+        }
         # The id list in the header makes a shard self-describing (an index could be rebuilt from shards).
         metadata = {
             "format": "pt",
@@ -544,7 +552,9 @@ class FeatureStore:
         import pyarrow.parquet as pq
 
         data_start, header = _safetensors_data_start(shard)
-        rows: dict[str, list] = {k: [] for k in ("id", "shard", "row", "rank", "features", "grid_thw", "meta")}
+        rows: dict[str, list] = {
+            k: [] for k in ("id", "shard", "row", "rank", "features", "grid_thw", "meta")
+        }
         rel = f"{SHARD_DIR}/{shard.name}"
         for row, (sid, feats, meta_json) in enumerate(self._buffer):
             entries = []
@@ -565,7 +575,9 @@ class FeatureStore:
             rows["row"].append(row)
             rows["rank"].append(self.rank)
             rows["features"].append(entries)
-            rows["grid_thw"].append(grid.reshape(-1, grid.shape[-1]).tolist() if grid is not None and grid.dim() else None)
+            rows["grid_thw"].append(
+                grid.reshape(-1, grid.shape[-1]).tolist() if grid is not None and grid.dim() else None
+            )
             rows["meta"].append(meta_json)
         table = pa.table(rows, schema=index_schema())
         tmp = part.parent / f".tmp-{self._tag}-{os.getpid()}-{part.name}"
