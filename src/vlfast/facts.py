@@ -21,11 +21,44 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Facts", "collect_facts", "cudnn_version_str", "default_device", "default_dtype", "version_tuple"]
+__all__ = [
+    "Facts",
+    "collect_facts",
+    "cudnn_version_str",
+    "default_device",
+    "default_dtype",
+    "dtype_name",
+    "version_tuple",
+]
 
 T = TypeVar("T")
 
 _HALF = ("bfloat16", "float16")
+
+
+_DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Canonical name of a dtype given as ``torch.bfloat16``, ``"bf16"``, ``"bfloat16"``, ..."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = dtype.lower().removeprefix("torch.")
+    else:
+        raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
+    if name not in _DTYPE_ALIASES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    return _DTYPE_ALIASES[name]
 
 
 def version_tuple(version: str | None) -> tuple[int, ...] | None:

@@ -195,7 +195,9 @@ def probe_conv(
         # (N, C, *k): every row one window, as the model's view(-1, C, T, P, P) produces.
         x = torch.randn(n, shape.in_channels, *shape.kernel_size, generator=gen).to(dev, dtype)
         fan_in = shape.in_channels * math.prod(shape.kernel_size)
-        w = (torch.randn(d, shape.in_channels, *shape.kernel_size, generator=gen) / fan_in**0.5).to(dev, dtype)
+        w = (torch.randn(d, shape.in_channels, *shape.kernel_size, generator=gen) / fan_in**0.5).to(
+            dev, dtype
+        )
         b = torch.randn(d, generator=gen).to(dev, dtype) if shape.bias else None
         conv_fn = _CONV_FN[nd]
 

@@ -116,6 +116,12 @@ def _cpu_no_onednn(f: Facts, c: ConvGeometry) -> bool:
     return f.device_type == "cpu" and f.half and (f.onednn_available is False or f.onednn_enabled is False)
 
 
+def _cpu_onednn_window(f: Facts, c: ConvGeometry) -> bool:
+    # oneDNN's direct convolution on kernel-sized inputs (one output pixel per sample) does not reach
+    # GEMM speed; it is the default CPU path for every dtype.
+    return f.device_type == "cpu" and f.onednn_available is not False and f.onednn_enabled is not False
+
+
 _UPGRADE = (
     "upgrade to torch >= 2.11 (its default wheel pins cuDNN 9.19), or install cuDNN >= 9.15 "
     "(pip install -U 'nvidia-cudnn-cu12>=9.15')"
@@ -166,6 +172,15 @@ RULES: tuple[Rule, ...] = (
         _rocm_miopen,
         "MIOpen picks slow Conv3d kernels (or fails) for many shapes, including patch embeddings.",
         "none reliable in the environment; the GEMM patch is the fix",
+    ),
+    Rule(
+        "cpu-onednn-window-conv",
+        "CPU convolution over kernel-sized windows (oneDNN default path)",
+        "vlfast benchmarks/patch_embed.py: 2.7-4.1x on a 2-core AVX-512 CPU, torch 2.13, 3->1024 k=2x16x16",
+        _cpu_onednn_window,
+        "On CPU, oneDNN runs a patch-embedding conv as a direct convolution with one output pixel per "
+        "sample, which stays several times slower than the same product as one GEMM.",
+        "none in the environment; the GEMM patch is the fix",
     ),
     Rule(
         "cpu-no-onednn",
