@@ -171,7 +171,9 @@ def collect_tags(
     if reward_regex is not None:
         in_regex = tags_in_regex(reward_regex)
         if not in_regex:
-            raise ValueError(f"--reward-regex {reward_regex!r} contains no tag such as <think>; nothing to audit")
+            raise ValueError(
+                f"--reward-regex {reward_regex!r} contains no tag such as <think>; nothing to audit"
+            )
         for tag in in_regex:
             found.setdefault(tag, []).append("reward-regex")
     if not found:

@@ -130,7 +130,9 @@ def fix_tokens(
     for tid, text in targets.items():
         sources = []
         if init == "pieces":
-            sources = [p for p in an.vocab.plain_split(text) if p != tid and p < len(verdicts) and verdicts[p] == 0]
+            sources = [
+                p for p in an.vocab.plain_split(text) if p != tid and p < len(verdicts) and verdicts[p] == 0
+            ]
             if not sources:
                 notes.append(f"token {tid} ({text!r}) has no trained pieces; initialised from the mean row")
         plans[tid] = sources
@@ -192,4 +194,3 @@ def _write(w, model: Path, out: Path, new_values: dict[str, dict[int, torch.Tens
             shutil.copy2(src, dst)
             copied.append(src.name)
     return rewritten, copied
-

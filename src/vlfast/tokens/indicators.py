@@ -50,7 +50,9 @@ def first_principal_component(weights: CheckpointWeights, name: str) -> torch.Te
     """Unit vector (D,) of the top principal direction, from evenly spread blocks of rows."""
     n, _ = weights.shape(name)
     per = min(PCA_BLOCK_ROWS, n)
-    starts = np.unique(np.linspace(0, max(0, n - per), num=min(PCA_SAMPLE_BLOCKS, max(1, n // per))).astype(int))
+    starts = np.unique(
+        np.linspace(0, max(0, n - per), num=min(PCA_SAMPLE_BLOCKS, max(1, n // per))).astype(int)
+    )
     ids = sorted({int(s) + k for s in starts for k in range(per) if int(s) + k < n})
     sample = weights.rows(name, ids)  # (S, D)
     sample = sample - sample.mean(0)
@@ -114,7 +116,9 @@ def _row_hashes(raw: torch.Tensor, coeffs: np.ndarray) -> np.ndarray:
     # Hash the stored bits, not float values: identical rows must hash identically whatever the
     # blocking or BLAS kernel, and integer arithmetic wraps deterministically.
     width = raw.element_size()
-    ints = raw.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]).numpy()
+    ints = (
+        raw.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]).numpy()
+    )
     with np.errstate(over="ignore"):
         return (ints.astype(np.int64) * coeffs[: ints.shape[1]]).sum(axis=1).view(np.uint64)
 

@@ -29,7 +29,9 @@ def compile_reward_regex(pattern: str) -> re.Pattern:
     try:
         return re.compile(pattern, re.DOTALL)
     except re.error as e:
-        raise ValueError(f"--reward-regex {pattern!r} is not a valid Python regex ({e}); fix the pattern") from None
+        raise ValueError(
+            f"--reward-regex {pattern!r} is not a valid Python regex ({e}); fix the pattern"
+        ) from None
 
 
 def tags_in_regex(pattern: str) -> list[str]:
@@ -43,7 +45,9 @@ def read_template(path: str | Path) -> str:
     """Template text from a .jinja file, or the `chat_template` of a tokenizer_config.json."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"template {path} does not exist; pass a .jinja file or a tokenizer_config.json")
+        raise FileNotFoundError(
+            f"template {path} does not exist; pass a .jinja file or a tokenizer_config.json"
+        )
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         try:

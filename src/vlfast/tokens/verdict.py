@@ -72,7 +72,9 @@ class Judge:
     ) -> Judge:
         """`ordinary` and `reference` are boolean masks over rows (disjoint)."""
         if not ordinary.any():
-            raise ValueError("no ordinary rows to compare with: the reference set covers the whole vocabulary")
+            raise ValueError(
+                "no ordinary rows to compare with: the reference set covers the whole vocabulary"
+            )
         norm = _threshold("norm", input_stats.name, input_stats.norm, ordinary, reference)
         out = output_stats or input_stats
         cos = None

@@ -1,0 +1,235 @@
+"""Apply one tag mapping (`<think>` -> `<thinking>`, `</think>` -> `</thinking>`) consistently to a
+dataset field (JSONL or Parquet), a chat template and a reward regex, so data, prompt and reward agree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlfast.tokens.tags import compile_reward_regex
+
+
+def parse_mapping(values: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
+    """`['think=thinking']` -> {'<think>': '<thinking>', '</think>': '</thinking>'};
+    `['<think>=<thinking>']` maps exactly that string."""
+    pairs = list(values.items()) if isinstance(values, Mapping) else []
+    if not isinstance(values, Mapping):
+        for v in values:
+            if "=" not in v:
+                raise ValueError(f"mapping {v!r} must look like think=thinking or '<think>=<thinking>'")
+            a, b = (s.strip() for s in v.split("=", 1))
+            pairs.append((a, b))
+    mapping: dict[str, str] = {}
+    for a, b in pairs:
+        if not a or not b:
+            raise ValueError(f"mapping {a!r}={b!r} has an empty side")
+        if re.fullmatch(r"[A-Za-z][\w:.-]*", a) and re.fullmatch(r"[A-Za-z][\w:.-]*", b):
+            expanded = [(f"<{a}>", f"<{b}>"), (f"</{a}>", f"</{b}>")]  # a bare name maps both halves
+        else:
+            expanded = [(a, b)]
+        for src, dst in expanded:
+            if src == dst:
+                raise ValueError(f"mapping {src!r} to itself does nothing; drop it")
+            if mapping.get(src, dst) != dst:
+                raise ValueError(f"{src!r} is mapped to both {mapping[src]!r} and {dst!r}; keep one")
+            mapping[src] = dst
+    if not mapping:
+        raise ValueError("no mapping given: pass --map think=thinking (or '<think>=<thinking>')")
+    clash = set(mapping) & set(mapping.values())
+    if clash:
+        raise ValueError(f"{sorted(clash)} are both replaced and produced; the mapping would not be one step")
+    return mapping
+
+
+def _pattern(mapping: Mapping[str, str]) -> re.Pattern:
+    # Longest first, so `</think>` is never read as `<` + ... by a shorter key.
+    return re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
+
+
+def rewrite_text(text: str, mapping: Mapping[str, str], counts: dict[str, int] | None = None) -> str:
+    pat = _pattern(mapping)
+
+    def sub(m: re.Match) -> str:
+        if counts is not None:
+            counts[m.group(0)] = counts.get(m.group(0), 0) + 1
+        return mapping[m.group(0)]
+
+    return pat.sub(sub, text)
+
+
+def _escaped_forms(tag: str) -> list[str]:
+    """`</think>` as a regex author may write it: `</think>`, `<\\/think>`, `\\<\\/think\\>`, ..."""
+    spots = [i for i, c in enumerate(tag) if c in "</>"]
+    forms = []
+    for mask in itertools.product((False, True), repeat=len(spots)):
+        chars = list(tag)
+        for pos, esc in zip(spots, mask, strict=True):
+            if esc:
+                chars[pos] = "\\" + chars[pos]
+        forms.append("".join(chars))
+    return forms
+
+
+def rewrite_regex(pattern: str, mapping: Mapping[str, str], counts: dict[str, int] | None = None) -> str:
+    """Rewrite the tags a reward regex matches literally, keeping the author's escaping style."""
+    compile_reward_regex(pattern)
+    expanded: dict[str, str] = {}
+    for src, dst in mapping.items():
+        src_forms, dst_forms = _escaped_forms(src), _escaped_forms(dst)
+        if len(src_forms) == len(dst_forms):
+            expanded.update(zip(src_forms, dst_forms, strict=True))
+        else:  # differently shaped tags: the plain form only
+            expanded[re.escape(src)] = re.escape(dst)
+            expanded[src] = dst
+    local: dict[str, int] = {}
+    out = rewrite_text(pattern, expanded, local)
+    if counts is not None:
+        for form, n in local.items():
+            key = re.sub(r"\\(.)", r"\1", form)
+            counts[key] = counts.get(key, 0) + n
+    compile_reward_regex(out)
+    return out
+
+
+def _rewrite_value(value: Any, mapping: Mapping[str, str], counts: dict[str, int]) -> Any:
+    # A field may hold a string or chat messages ([{"role": ..., "content": ...}]): rewrite every string.
+    if isinstance(value, str):
+        return rewrite_text(value, mapping, counts)
+    if isinstance(value, list):
+        return [_rewrite_value(v, mapping, counts) for v in value]
+    if isinstance(value, dict):
+        return {k: _rewrite_value(v, mapping, counts) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class FileRewrite:
+    path: str
+    out: str
+    replacements: dict[str, int]  # source tag -> occurrences replaced
+    records: int | None = None  # dataset rows written
+    already_present: dict[str, int] = field(default_factory=dict)  # target tags found before rewriting
+
+
+@dataclass
+class RewriteReport:
+    mapping: dict[str, str]
+    dataset: FileRewrite | None = None
+    template: FileRewrite | None = None
+    reward_regex: str | None = None
+    reward_regex_out: str | None = None
+    reward_replacements: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.mapping:
+            raise ValueError("RewriteReport.mapping is empty")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _present(text: str, targets: list[str]) -> dict[str, int]:
+    return {t: text.count(t) for t in targets if t in text}
+
+
+def rewrite_dataset(
+    path: str | Path, field_name: str, out: str | Path, mapping: Mapping[str, str]
+) -> FileRewrite:
+    """Rewrite `field_name` of every record of a .jsonl/.json-lines or .parquet file into `out`."""
+    path, out = Path(path), Path(out)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    if out.resolve() == path.resolve():
+        raise ValueError("--out must differ from the dataset: the original is never overwritten")
+    counts: dict[str, int] = {}
+    targets = list(mapping.values())
+    present: dict[str, int] = {}
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if field_name not in table.column_names:
+            raise ValueError(f"{path} has no column {field_name!r}; columns: {', '.join(table.column_names)}")
+        col = table.column(field_name)
+        values = col.to_pylist()
+        for k, v in _present(json.dumps(values, ensure_ascii=False), targets).items():
+            present[k] = present.get(k, 0) + v
+        new = pa.array([_rewrite_value(v, mapping, counts) for v in values], type=col.type)
+        table = table.set_column(table.column_names.index(field_name), field_name, new)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, out)
+        n = table.num_rows
+    elif path.suffix in (".jsonl", ".ndjson", ".json"):
+        n, seen = 0, 0
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with path.open(encoding="utf-8") as src, out.open("w", encoding="utf-8") as dst:
+            for lineno, line in enumerate(src, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"{path} line {lineno} is not JSON ({e}); the file must be JSON lines"
+                    ) from None
+                if isinstance(rec, dict) and field_name in rec:
+                    seen += 1
+                    for k, v in _present(json.dumps(rec[field_name], ensure_ascii=False), targets).items():
+                        present[k] = present.get(k, 0) + v
+                    rec[field_name] = _rewrite_value(rec[field_name], mapping, counts)
+                dst.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                n += 1
+        if n and not seen:
+            out.unlink()
+            raise ValueError(
+                f"no record of {path} has a field {field_name!r}; pass the field that holds the text"
+            )
+    else:
+        raise ValueError(f"dataset {path} must be .jsonl or .parquet")
+    return FileRewrite(str(path), str(out), counts, n, present)
+
+
+def rewrite_tags(
+    mapping: Sequence[str] | Mapping[str, str],
+    *,
+    dataset: str | Path | None = None,
+    field: str | None = None,
+    dataset_out: str | Path | None = None,
+    template: str | Path | None = None,
+    template_out: str | Path | None = None,
+    reward_regex: str | None = None,
+) -> RewriteReport:
+    """Apply one tag mapping to any of: a dataset field, a chat template file, a reward regex."""
+    m = parse_mapping(mapping)
+    if dataset is None and template is None and reward_regex is None:
+        raise ValueError("nothing to rewrite: give --dataset, --template and/or --reward-regex")
+    report = RewriteReport(m)
+    if dataset is not None:
+        if not field or dataset_out is None:
+            raise ValueError("a dataset needs --field (the text column) and --out (a new file)")
+        report.dataset = rewrite_dataset(dataset, field, dataset_out, m)
+    if template is not None:
+        template = Path(template)
+        if not template.is_file():
+            raise FileNotFoundError(f"template {template} does not exist")
+        if template_out is None or Path(template_out).resolve() == template.resolve():
+            raise ValueError(
+                "a template needs --template-out, a new file (the original is never overwritten)"
+            )
+        text = template.read_text(encoding="utf-8")
+        counts: dict[str, int] = {}
+        Path(template_out).write_text(rewrite_text(text, m, counts), encoding="utf-8")
+        report.template = FileRewrite(
+            str(template), str(template_out), counts, None, _present(text, list(m.values()))
+        )
+    if reward_regex is not None:
+        report.reward_regex = reward_regex
+        report.reward_regex_out = rewrite_regex(reward_regex, m, report.reward_replacements)
+    return report
