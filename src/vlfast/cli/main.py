@@ -20,6 +20,7 @@ app = typer.Typer(
 _COMMAND_MODULES = [
     "vlfast.cli.models",
     "vlfast.cli.verify",
+    "vlfast.cli.doctor",
 ]
 
 

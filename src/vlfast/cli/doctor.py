@@ -1,0 +1,157 @@
+"""``vlfast doctor``: measure the patch-embedding slow path here, explain it, print the fix.
+
+Exit status: 0 when no patchable conv is slow (or the model is already patched), 1 (EXIT_FINDING) when
+one is measured >= 2x slower than its GEMM and not patched, so a launcher or CI job can use the command
+as a guard; 2 for bad input, 3 when it could not run.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from vlfast.cli._common import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, console, handle_errors, print_json
+
+_STATUS_STYLE = {"slow": "bold red", "ok": "green", "error": "yellow", "skipped": "dim"}
+_VERDICT_STYLE = {"slow": "bold red", "ok": "bold green", "patched": "bold green"}
+
+
+def _render(report) -> None:
+    from vlfast.facts import cudnn_version_str
+
+    f = report.facts
+    env = Table(title="Environment", show_header=False, title_justify="left")
+    env.add_column(style="bold")
+    env.add_column()
+
+    def row(name: str, value, applies: bool = True) -> None:
+        if not applies:
+            env.add_row(name, "[dim]n/a[/dim]")
+        else:
+            env.add_row(name, "[dim]could not collect[/dim]" if value is None else str(value))
+
+    cuda, rocm = f.torch_build == "cuda", f.torch_build == "rocm"
+
+    row("vlfast", f.vlfast_version)
+    row("python", f.python)
+    row("torch", f.torch_version and f"{f.torch_version} ({f.torch_build} build)")
+    row(
+        "CUDA build / driver",
+        f.torch_cuda and f"{f.torch_cuda} / {f.cuda_driver} (driver {f.nvidia_driver})",
+        cuda,
+    )
+    row("ROCm / HIP", f.torch_hip, rocm)
+    row(
+        "cuDNN compile / runtime",
+        f.torch_cuda and f"{cudnn_version_str(f.cudnn_compile)} / {cudnn_version_str(f.cudnn_runtime)}",
+        cuda,
+    )
+    row(
+        "cudnn enabled / benchmark / allow_tf32",
+        f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",
+        cuda,
+    )
+    row(
+        "GPU",
+        f.gpu_name and f"{f.gpu_name} (compute capability {'.'.join(map(str, f.gpu_capability or ()))})",
+        cuda or rocm,
+    )
+    row("MPS built / available", f"{f.mps_built} / {f.mps_available}")
+    row("oneDNN available / enabled", f"{f.onednn_available} / {f.onednn_enabled}")
+    row("CPU capability / threads", f"{f.cpu_capability} / {f.num_threads}")
+    row(
+        "transformers",
+        f.transformers_version
+        and f"{f.transformers_version} (own opt-in fusion_config: {'yes' if f.transformers_fusion else 'no'})",
+    )
+    row("VLFAST_PATCH", f.autopatch_env or "unset")
+    row("model patched", f.model_patched)
+    console.print(env)
+
+    probe = Table(
+        title=f"Probe: {report.target} on {f.device} in {f.dtype}, {report.patches:,} patches per sample",
+        title_justify="left",
+    )
+    for col, kw in [
+        ("conv", {}),
+        ("where", {"overflow": "fold"}),
+        ("conv ms", {"justify": "right"}),
+        ("GEMM ms", {"justify": "right"}),
+        ("ratio", {"justify": "right"}),
+        ("status", {}),
+        ("rules", {}),
+    ]:
+        probe.add_column(col, **kw)
+    for x in report.findings:
+        p = x.probe
+        names = ", ".join(p.shape.names[:3]) + (" ..." if len(p.shape.names) > 3 else "")
+        style = _STATUS_STYLE.get(x.status, "")
+        probe.add_row(
+            p.shape.describe(),
+            names,
+            f"{p.conv.median_ms:,.2f}" if p.conv else "-",
+            f"{p.gemm.median_ms:,.2f}" if p.gemm else "-",
+            f"{p.ratio:.2f}x" if p.ratio is not None else "-",
+            f"[{style}]{x.status}[/{style}]" + (f" ({p.error})" if p.error else ""),
+            ", ".join(x.rules) or "-",
+        )
+    console.print(probe)
+
+    for r in report.rules:
+        console.print(
+            f"[bold]rule {r.id}[/bold]: {r.title}\n  {r.explanation}\n  [dim]source: {r.source}[/dim]"
+        )
+    style = _VERDICT_STYLE.get(report.verdict, "bold yellow")
+    console.print(f"\n[{style}]verdict: {report.verdict}[/{style}]  {report.summary}", highlight=False)
+    if report.fixes:
+        console.print("\n[bold]fix[/bold] (any one of these):")
+        for fix in report.fixes:
+            console.print(
+                f"  [cyan]{fix.text}[/cyan]\n    [dim]{fix.kind}: {fix.note}[/dim]", highlight=False
+            )
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+    console.print(f"[dim]{report.elapsed_s:.1f} s; --markdown prints a block for bug reports[/dim]")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("doctor")
+    @handle_errors
+    def doctor_cmd(
+        model: ModelOpt = None,
+        device: DeviceOpt = None,
+        dtype: DtypeOpt = None,
+        patches: Annotated[
+            int,
+            typer.Option("--patches", min=1, help="Patches per sample fed to the probe (one 8-frame clip)."),
+        ] = 6080,
+        budget: Annotated[
+            float, typer.Option("--budget", min=0.1, help="Seconds the probe may spend in total.")
+        ] = 10.0,
+        no_probe: Annotated[
+            bool, typer.Option("--no-probe", help="Facts and rules only, no timing (no verdict).")
+        ] = False,
+        markdown: Annotated[
+            bool, typer.Option("--markdown", help="Print a paste-ready markdown block for bug reports.")
+        ] = False,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Measure whether the patch embedding runs on a slow path here, explain why, and print the fix.
+
+        With no --model it probes every built-in reference (offline). Exit status 1 when a patchable
+        conv is measured >= 2x slower than its GEMM and the model is not patched.
+        """
+        from vlfast.diagnosis import doctor
+
+        report = doctor(
+            model, device=device, dtype=dtype, patches=patches, budget_s=budget, probe=not no_probe
+        )
+        if json_out:
+            print_json(report.to_dict())
+        elif markdown:
+            typer.echo(report.to_markdown(), nl=False)
+        else:
+            _render(report)
+        raise typer.Exit(report.exit_code)
