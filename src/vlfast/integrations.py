@@ -20,7 +20,13 @@ from torch import nn
 
 from vlfast.patching import Filter, _compile_filter, patch
 
-__all__ = ["Family", "discover_families", "patch_transformers", "transformers_patched", "unpatch_transformers"]
+__all__ = [
+    "Family",
+    "discover_families",
+    "patch_transformers",
+    "transformers_patched",
+    "unpatch_transformers",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ def _is_patchable_conv3d(call: ast.Call) -> bool:
     kernel, stride = _call_arg(call, "kernel_size", 2), _call_arg(call, "stride", 3)
     if kernel is None or stride is None or ast.dump(kernel) != ast.dump(stride):
         return False
+    if isinstance(kernel, ast.Constant) and kernel.value == 1:
+        return False  # a pointwise conv: cuDNN keeps it (the slow path needs a kernel dim != 1), not a patch embed
     # Any explicit padding / dilation / groups other than the defaults makes it a general conv.
     for kw in call.keywords:
         if kw.arg in ("padding", "dilation", "groups") and not (

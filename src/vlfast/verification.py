@@ -24,8 +24,14 @@ from vlfast.patching import eligibility, patch, unpatch
 
 __all__ = ["Check", "Thresholds", "VerifyReport", "compare", "verify"]
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,13 @@ class VerifyReport:
         return [c for c in self.checks if not c.passed]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "device": self.device, "passed": self.passed,
-                "checks": [asdict(c) for c in self.checks], "notes": list(self.notes)}
+        return {
+            "model": self.model,
+            "device": self.device,
+            "passed": self.passed,
+            "checks": [asdict(c) for c in self.checks],
+            "notes": list(self.notes),
+        }
 
     def __str__(self) -> str:
         lines = [f"vlfast verify {self.model} on {self.device}: {'PASS' if self.passed else 'FAIL'}"]
@@ -91,7 +102,9 @@ class VerifyReport:
 def compare(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
     """Error metrics of ``candidate`` against ``reference``, computed in float64."""
     if reference.shape != candidate.shape:
-        raise ValueError(f"shape mismatch: reference {tuple(reference.shape)} vs candidate {tuple(candidate.shape)}")
+        raise ValueError(
+            f"shape mismatch: reference {tuple(reference.shape)} vs candidate {tuple(candidate.shape)}"
+        )
     r = reference.detach().double().flatten()
     c = candidate.detach().double().flatten()
     diff = c - r
@@ -107,8 +120,15 @@ def compare(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float
     }
 
 
-def _low_precision_check(scope: str, name: str, dtype: str, vs_conv: dict, conv_vs_fp32: dict | None,
-                         gemm_vs_fp32: dict | None, th: Thresholds) -> Check:
+def _low_precision_check(
+    scope: str,
+    name: str,
+    dtype: str,
+    vs_conv: dict,
+    conv_vs_fp32: dict | None,
+    gemm_vs_fp32: dict | None,
+    th: Thresholds,
+) -> Check:
     metrics = {"cosine": vs_conv["cosine"], "sqnr_db": vs_conv["sqnr_db"]}
     limits = {"cosine": f">= {th.low_cosine}", "sqnr_db": f">= {th.low_sqnr_db}"}
     ok = vs_conv["cosine"] >= th.low_cosine and vs_conv["sqnr_db"] >= th.low_sqnr_db
@@ -121,16 +141,25 @@ def _low_precision_check(scope: str, name: str, dtype: str, vs_conv: dict, conv_
 
 
 def _fp32_check(scope: str, name: str, m: dict, limit: float) -> Check:
-    return Check(scope, name, "float32", {"max_abs": m["max_abs"], "max_rel": m["max_rel"], "cosine": m["cosine"]},
-                 {"max_rel": f"<= {limit:g}"}, m["max_rel"] <= limit)
+    return Check(
+        scope,
+        name,
+        "float32",
+        {"max_abs": m["max_abs"], "max_rel": m["max_rel"], "cosine": m["cosine"]},
+        {"max_rel": f"<= {limit:g}"},
+        m["max_rel"] <= limit,
+    )
 
 
 # ------------------------------------------------------------------------------------------- checks
 
 
 def _convs(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and eligibility(m) is None]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and eligibility(m) is None
+    ]
 
 
 def _run(module: nn.Module, patched: bool, fn):
@@ -147,8 +176,9 @@ def _run(module: nn.Module, patched: bool, fn):
             patch(module, filter=lambda n, m: n in was)
 
 
-def _layer_checks(name: str, conv: nn.Module, n_windows: int, low: Sequence[torch.dtype], device, th, gen,
-                  backward: bool) -> list[Check]:
+def _layer_checks(
+    name: str, conv: nn.Module, n_windows: int, low: Sequence[torch.dtype], device, th, gen, backward: bool
+) -> list[Check]:
     checks = []
     k = tuple(conv.kernel_size)
     x32 = torch.randn(n_windows, conv.in_channels, *k, generator=gen).to(device)
@@ -163,11 +193,22 @@ def _layer_checks(name: str, conv: nn.Module, n_windows: int, low: Sequence[torc
         try:
             ref = _run(low_layer, False, lambda: low_layer(xl).detach())  # noqa: B023
         except RuntimeError as e:  # e.g. fp16 conv not implemented on this device
-            checks.append(Check("layer", name, str(dtype).replace("torch.", ""), {}, {"skipped": str(e)[:80]}, True))
+            checks.append(
+                Check("layer", name, str(dtype).replace("torch.", ""), {}, {"skipped": str(e)[:80]}, True)
+            )
             continue
         out = _run(low_layer, True, lambda: low_layer(xl).detach())  # noqa: B023
-        checks.append(_low_precision_check("layer", name, str(dtype).replace("torch.", ""), compare(ref, out),
-                                           compare(ref32, ref), compare(ref32, out), th))
+        checks.append(
+            _low_precision_check(
+                "layer",
+                name,
+                str(dtype).replace("torch.", ""),
+                compare(ref, out),
+                compare(ref32, ref),
+                compare(ref32, out),
+                th,
+            )
+        )
     if backward:
         grads = {}
         for patched in (False, True):
@@ -180,8 +221,11 @@ def _layer_checks(name: str, conv: nn.Module, n_windows: int, low: Sequence[torc
             if layer.bias is not None:
                 grads[patched]["bias"] = layer.bias.grad
         for key in grads[False]:
-            checks.append(_fp32_check("grad", f"{name}.{key}", compare(grads[False][key], grads[True][key]),
-                                      th.fp32_grad_rel))
+            checks.append(
+                _fp32_check(
+                    "grad", f"{name}.{key}", compare(grads[False][key], grads[True][key]), th.fp32_grad_rel
+                )
+            )
     del w_dtype
     return checks
 
@@ -204,27 +248,45 @@ def _tower_checks(tower: nn.Module, grids, low, device, th, seed: int, backward:
             ref32 = _run(tower32, False, lambda: features(tower32, pixels, grid_thw))  # noqa: B023
             out32 = _run(tower32, True, lambda: features(tower32, pixels, grid_thw))  # noqa: B023
         for key in ref32:
-            checks.append(_fp32_check("tower", f"{label} {key}", compare(ref32[key], out32[key]), th.fp32_tower_rel))
+            checks.append(
+                _fp32_check("tower", f"{label} {key}", compare(ref32[key], out32[key]), th.fp32_tower_rel)
+            )
         for dtype, model in low_towers.items():
             px = pixels.to(dtype)
             with torch.no_grad():
                 ref = _run(model, False, lambda: features(model, px, grid_thw))  # noqa: B023
                 out = _run(model, True, lambda: features(model, px, grid_thw))  # noqa: B023
             for key in ref:
-                checks.append(_low_precision_check(
-                    "tower", f"{label} {key}", str(dtype).replace("torch.", ""), compare(ref[key], out[key]),
-                    compare(ref32[key], ref[key]), compare(ref32[key], out[key]), th))
+                checks.append(
+                    _low_precision_check(
+                        "tower",
+                        f"{label} {key}",
+                        str(dtype).replace("torch.", ""),
+                        compare(ref[key], out[key]),
+                        compare(ref32[key], ref[key]),
+                        compare(ref32[key], out[key]),
+                        th,
+                    )
+                )
     if backward and grids:
         pixels, grid_thw = synthetic_inputs(tower32, [grids[0]], device=device, seed=seed)
         grads = {}
         for patched in (False, True):
             tower32.zero_grad(set_to_none=True)
-            merged = _run(tower32, patched, lambda: tower_outputs(tower32(pixels, grid_thw=grid_thw))["merged"])  # noqa: B023
+            merged = _run(
+                tower32, patched, lambda: tower_outputs(tower32(pixels, grid_thw=grid_thw))["merged"]
+            )  # noqa: B023
             proj = torch.randn(merged.shape, generator=torch.Generator().manual_seed(2)).to(device)
             (merged * proj).sum().backward()
             grads[patched] = torch.cat([p.grad.flatten() for p in tower32.parameters() if p.grad is not None])
-        checks.append(_fp32_check("grad", "tower parameters (all, concatenated)", compare(grads[False], grads[True]),
-                                  th.fp32_grad_rel))
+        checks.append(
+            _fp32_check(
+                "grad",
+                "tower parameters (all, concatenated)",
+                compare(grads[False], grads[True]),
+                th.fp32_grad_rel,
+            )
+        )
     return checks
 
 
@@ -264,7 +326,9 @@ def verify(
     elif isinstance(model, str):
         label, root = model, load_vision_tower(model, tiny=tiny, dtype=torch.float32)
     else:
-        raise TypeError(f"verify expects an nn.Module, a checkpoint directory or ref:NAME, got {type(model).__name__}")
+        raise TypeError(
+            f"verify expects an nn.Module, a checkpoint directory or ref:NAME, got {type(model).__name__}"
+        )
     report = VerifyReport(model=label, device=str(device))
     convs = _convs(root)
     if not convs:

@@ -1,0 +1,36 @@
+"""`import vlfast` stays cheap: no CUDA initialisation, no heavy optional packages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+HEAVY = ["transformers", "pyarrow", "av", "PIL", "safetensors", "matplotlib", "typer", "rich"]
+
+
+def test_import_is_cheap_and_does_not_touch_cuda():
+    code = (
+        "import sys, torch\n"
+        "def boom(*a, **k): raise RuntimeError('CUDA touched during import')\n"
+        "torch.cuda.init = boom; torch.cuda.current_device = boom; torch.cuda._lazy_init = boom\n"
+        "import vlfast, vlfast.patching\n"
+        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout
+
+
+def test_public_surface():
+    import vlfast
+
+    for name in ("patch", "unpatch", "is_patched", "verify", "patch_transformers", "discover_families"):
+        assert callable(getattr(vlfast, name)), name
+    assert "patch" in dir(vlfast)
+    try:
+        vlfast.nope  # noqa: B018
+    except AttributeError as e:
+        assert "nope" in str(e)
+    else:
+        raise AssertionError("unknown attribute did not raise")

@@ -1,0 +1,200 @@
+"""verify, reference towers and local checkpoint loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import vlfast
+from vlfast.cli.main import app
+from vlfast.models import (
+    REFERENCES,
+    build_reference,
+    find_vision_tower,
+    load_model,
+    load_vision_tower,
+    synthetic_inputs,
+    tower_outputs,
+    tower_spec,
+)
+from vlfast.patching import GemmConvForward
+from vlfast.verification import Thresholds, compare, verify
+
+runner = CliRunner()
+
+
+def _tiny_vlm_config():
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 4,
+            "out_hidden_size": 64,
+            "deepstack_visual_indexes": [0, 1],
+            "num_position_embeddings": 64,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-VL checkpoint saved by stock transformers, loaded back offline."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(_tiny_vlm_config()).eval()
+    path = tmp_path_factory.mktemp("qwen3vl-tiny")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_every_reference_verifies_on_a_tiny_build(name):
+    report = verify(f"ref:{name}", tiny=True, grids=[(2, 4, 6)], n_windows=64)
+    assert report.passed, str(report)
+    scopes = {c.scope for c in report.checks}
+    assert scopes == {"layer", "tower", "grad"}
+    assert {c.dtype for c in report.checks} >= {"float32", "bfloat16"}
+
+
+def test_reference_dimensions_are_the_published_ones():
+    tower = build_reference("qwen3-vl-4b", device="meta")
+    spec = tower_spec(tower)
+    assert (spec.in_channels, spec.temporal_patch_size, spec.patch_size, spec.hidden_size) == (3, 2, 16, 1024)
+    assert len(tower.blocks) == 24 and tower.merger.linear_fc2.out_features == 2560
+    q2 = tower_spec(build_reference("qwen2-vl-7b", device="meta"))
+    assert (q2.patch_size, q2.hidden_size, q2.patch_dim) == (14, 1280, 1176)
+    glm = build_reference("glm-4.1v-9b", device="meta")
+    assert tower_spec(glm).frames_as_images and len(glm.blocks) == 24
+
+
+def test_verify_catches_a_wrong_gemm(monkeypatch):
+    original = GemmConvForward.__call__
+
+    def off_by_a_little(self, x, weight, bias):
+        return original(self, x, weight, bias) * 1.001
+
+    monkeypatch.setattr(GemmConvForward, "__call__", off_by_a_little)
+    report = verify("ref:qwen3-vl-4b", tiny=True, grids=[(2, 4, 4)], n_windows=32)
+    assert not report.passed
+    assert any(c.scope == "layer" and c.dtype == "float32" for c in report.failures)
+
+
+def test_verify_restores_the_users_patch_state():
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    assert verify(tower, grids=[(1, 2, 2)], n_windows=8, backward=False).passed
+    assert not vlfast.is_patched(tower)
+    vlfast.patch(tower)
+    assert verify(tower, grids=[(1, 2, 2)], n_windows=8, backward=False).passed
+    assert vlfast.is_patched(tower)
+
+
+def test_verify_on_a_model_without_convs_says_so():
+    report = verify(torch.nn.Linear(3, 3))
+    assert not report.passed and "nothing to verify" in report.notes[0]
+
+
+def test_verify_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="dtype"):
+        verify("ref:qwen3-vl-4b", tiny=True, dtypes=["float8"])
+    with pytest.raises(TypeError, match="nn.Module"):
+        verify(42)
+    with pytest.raises(ValueError, match="threshold"):
+        Thresholds(low_cosine=-1)
+
+
+def test_compare_metrics():
+    ref = torch.tensor([1.0, 2.0, -3.0])
+    m = compare(ref, ref.clone())
+    assert m["max_abs"] == 0 and m["cosine"] == pytest.approx(1.0) and m["sqnr_db"] == float("inf")
+    m = compare(ref, ref + torch.tensor([0.0, 0.0, 0.3]))
+    assert m["max_rel"] == pytest.approx(0.1) and 19 < m["sqnr_db"] < 25
+    with pytest.raises(ValueError, match="shape"):
+        compare(ref, ref[:2])
+
+
+def test_load_vision_tower_reads_only_the_tower_from_a_checkpoint(checkpoint):
+    path, model = checkpoint
+    tower = load_vision_tower(path)
+    _, original = find_vision_tower(model)
+    assert type(tower) is type(original)
+    for key, value in original.state_dict().items():
+        assert torch.equal(tower.state_dict()[key], value), key
+    pixels, grid = synthetic_inputs(tower, [(2, 4, 4)])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            tower_outputs(tower(pixels, grid_thw=grid))["merged"],
+            tower_outputs(original(pixels, grid_thw=grid))["merged"],
+        )
+    assert load_vision_tower(path, device="meta").patch_embed.proj.weight.is_meta
+
+
+def test_verify_and_load_model_on_a_local_checkpoint(checkpoint):
+    path, _ = checkpoint
+    assert verify(str(path), grids=[(2, 4, 4)], n_windows=16).passed
+    full = load_model(path)
+    name, _ = find_vision_tower(full)
+    assert name.endswith("visual")
+    result = runner.invoke(
+        app, ["verify", "--model", str(path), "--grid", "1x4x4", "--windows", "16", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["passed"] is True
+
+
+def test_checkpoint_errors_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither an existing checkpoint"):
+        load_vision_tower(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_vision_tower(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(ValueError, match="vision_config"):
+        load_vision_tower(tmp_path)
+    with pytest.raises(ValueError, match="unknown reference"):
+        load_vision_tower("ref:qwen9")
+
+
+def test_cli_verify_and_models():
+    result = runner.invoke(
+        app, ["verify", "--model", "ref:qwen2-vl-7b", "--tiny", "--grid", "1x2x2", "--windows", "8"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output and "thresholds" in result.output
+    bad = runner.invoke(app, ["verify", "--model", "ref:qwen2-vl-7b", "--tiny", "--grid", "2by2"])
+    assert bad.exit_code == 2 and "TxHxW" in bad.output
+    missing = runner.invoke(app, ["verify", "--model", "/no/such/dir"])
+    assert missing.exit_code == 2 and "neither an existing checkpoint" in missing.output
+    listing = runner.invoke(app, ["models", "--json"])
+    assert listing.exit_code == 0
+    specs = {m["spec"] for m in json.loads(listing.stdout)}
+    assert {"ref:qwen3-vl-4b", "ref:qwen3-vl-8b", "ref:glm-4.1v-9b", "ref:qwen3-vl-30b-a3b"} <= specs
+
+
+def test_cli_verify_exits_1_on_failure(monkeypatch):
+    original = GemmConvForward.__call__
+    monkeypatch.setattr(GemmConvForward, "__call__", lambda self, x, w, b: original(self, x, w, b) + 1e-2)
+    result = runner.invoke(
+        app, ["verify", "--model", "ref:qwen3-vl-4b", "--tiny", "--grid", "1x2x2", "--windows", "8"]
+    )
+    assert result.exit_code == 1 and "FAIL" in result.output
