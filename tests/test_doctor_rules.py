@@ -1,0 +1,156 @@
+"""The slow-path rules on fabricated facts: no GPU needed, every machine is a dataclass."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlfast.facts import Facts, cudnn_version_str, dtype_name, version_tuple
+from vlfast.rules import RULES, ConvGeometry, evaluate, rule_fires
+
+QWEN = ConvGeometry((2, 16, 16), "patch_embed.proj")  # Conv3d, 5-D weight
+POINTWISE = ConvGeometry((1, 1, 1), "pointwise")
+CONV2D = ConvGeometry((2, 2), "downsample")
+
+
+def gpu(**kw) -> Facts:
+    """An H100 on the torch 2.9.0 + cuDNN 9.10.2 wheel, diagnosing bf16, unless overridden."""
+    base = dict(
+        device="cuda:0",
+        dtype="bfloat16",
+        torch_version="2.9.0+cu128",
+        torch_build="cuda",
+        torch_cuda="12.8",
+        cudnn_runtime=91002,
+        cudnn_enabled=True,
+        gpu_capability=(9, 0),
+    )
+    return Facts(**{**base, **kw})
+
+
+def fired(facts: Facts, conv: ConvGeometry = QWEN) -> set[str]:
+    return {h.id for h in evaluate(facts, [conv])}
+
+
+def test_torch_29_cudnn_910_bf16_is_slow():
+    assert "cudnn-skip-conv3d" in fired(gpu())
+
+
+def test_fp16_is_slow_too():
+    assert "cudnn-skip-conv3d" in fired(gpu(dtype="float16"))
+
+
+@pytest.mark.parametrize("cudnn", [91500, 91900, 90701])
+def test_cudnn_outside_9_8_to_9_15_is_fine(cudnn):
+    assert not fired(gpu(cudnn_runtime=cudnn))
+
+
+def test_fp32_is_fine():
+    assert not fired(gpu(dtype="float32"))
+
+
+def test_torch_28_is_fine():
+    assert not fired(gpu(torch_version="2.8.0+cu128"))
+
+
+def test_torch_210_with_its_default_cudnn_910_is_slow():
+    # The default torch 2.10 CUDA 12 wheel still ships cuDNN 9.10.
+    assert "cudnn-skip-conv3d" in fired(gpu(torch_version="2.10.0+cu128", cudnn_runtime=91002))
+
+
+def test_torch_211_default_wheel_is_fine():
+    assert not fired(gpu(torch_version="2.11.0+cu128", cudnn_runtime=91900))
+
+
+def test_pointwise_and_2d_convs_keep_cudnn():
+    assert "cudnn-skip-conv3d" not in fired(gpu(), POINTWISE)
+    assert "cudnn-skip-conv3d" not in fired(gpu(), CONV2D)
+
+
+def test_unknown_cudnn_version_fires_nothing():
+    assert not fired(gpu(cudnn_runtime=None))
+
+
+def test_blackwell_cudnn_910_bf16():
+    hits = fired(gpu(gpu_capability=(12, 0), torch_version="2.8.0+cu128"))
+    assert hits == {"blackwell-cudnn910-bf16"}
+    assert "blackwell-cudnn910-bf16" not in fired(gpu(gpu_capability=(12, 0), dtype="float16"))
+    assert "blackwell-cudnn910-bf16" not in fired(gpu(gpu_capability=(12, 0), cudnn_runtime=91500))
+
+
+def test_cudnn_disabled():
+    assert fired(gpu(cudnn_enabled=False, dtype="float32")) == {"cudnn-disabled"}
+
+
+def test_rocm_is_not_cuda():
+    rocm = gpu(torch_build="rocm", torch_cuda=None, cudnn_runtime=None)
+    assert fired(rocm) == {"rocm-miopen-conv3d"}
+    assert not fired(rocm, CONV2D)
+
+
+def test_mps_conv3d():
+    mps = Facts(device="mps", dtype="bfloat16", torch_version="2.9.0", torch_build="cpu")
+    assert fired(mps) == {"mps-conv3d"}
+    assert not fired(mps, CONV2D)
+
+
+def test_cpu_bf16_with_onednn_off_is_slow():
+    cpu = Facts(
+        device="cpu", dtype="bfloat16", torch_version="2.13.0", onednn_available=True, onednn_enabled=False
+    )
+    assert "cpu-no-onednn" in fired(cpu)
+    assert "cpu-no-onednn" in fired(cpu, CONV2D)
+
+
+def test_cpu_bf16_without_onednn_in_the_build_is_slow():
+    assert "cpu-no-onednn" in fired(Facts(device="cpu", dtype="bfloat16", onednn_available=False))
+
+
+def test_cpu_fp32_or_onednn_on_has_no_onednn_rule():
+    assert "cpu-no-onednn" not in fired(Facts(device="cpu", dtype="float32", onednn_enabled=False))
+    assert "cpu-no-onednn" not in fired(Facts(device="cpu", dtype="bfloat16", onednn_enabled=True))
+
+
+def test_cpu_default_path_rule_names_onednn_convs_only():
+    assert "cpu-onednn-window-conv" in fired(Facts(device="cpu", dtype="float32", onednn_enabled=True))
+    assert "cpu-onednn-window-conv" not in fired(Facts(device="cpu", dtype="float32", onednn_enabled=False))
+    assert "cpu-onednn-window-conv" not in fired(gpu())
+
+
+def test_every_rule_has_a_source_and_fix_and_unique_id():
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids))
+    for r in RULES:
+        assert r.source and r.explanation and r.env_fix and r.title
+
+
+def test_rule_fires_by_id_and_unknown_id():
+    assert rule_fires("cudnn-skip-conv3d", gpu(), QWEN)
+    with pytest.raises(ValueError, match="unknown rule"):
+        rule_fires("nope", gpu(), QWEN)
+
+
+def test_evaluate_lists_the_convs_each_rule_concerns():
+    (hit,) = evaluate(gpu(), [QWEN, POINTWISE, CONV2D])
+    assert hit.id == "cudnn-skip-conv3d" and hit.convs == ["patch_embed.proj"]
+    assert set(hit.to_dict()) == {"id", "title", "source", "explanation", "env_fix", "convs"}
+
+
+def test_facts_validation_and_round_trip():
+    with pytest.raises(ValueError):
+        Facts(dtype="int8")
+    with pytest.raises(TypeError):
+        Facts(device=None)
+    f = gpu()
+    d = f.to_dict()
+    assert d["cudnn_runtime_str"] == "9.10.2" and d["gpu_capability"] == [9, 0]
+    assert Facts.from_dict(d) == f
+
+
+def test_version_helpers():
+    assert version_tuple("2.10.0+cu128") == (2, 10, 0)
+    assert version_tuple("garbage") is None and version_tuple(None) is None
+    assert cudnn_version_str(91900) == "9.19.0" and cudnn_version_str(8902) == "8.9.2"
+    assert cudnn_version_str(None) is None
+    assert dtype_name("bf16") == "bfloat16" and dtype_name("torch.float16") == "float16"
+    with pytest.raises(ValueError):
+        dtype_name("int8")
