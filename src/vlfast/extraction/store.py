@@ -303,7 +303,11 @@ class FeatureStore:
         self._part_ids: dict[str, list[str]] = {}  # part file name -> ids, cache for done_ids()
         self._committed: set[str] = set()
         self._refresh_committed()
-        self._errored: set[str] = {r["id"] for r in read_errors(self.out) if r.get("kind") != DUPLICATE_KIND}
+        errors = read_errors(self.out)
+        self._errored: set[str] = {r["id"] for r in errors if r.get("kind") != DUPLICATE_KIND}
+        self._error_keys: set[tuple] = {
+            (r["id"], r.get("source"), r.get("reason"), r.get("kind")) for r in errors
+        }
         self._seq = self._next_seq()
         self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
         self._buffer_ids: set[str] = set()
@@ -402,6 +406,31 @@ class FeatureStore:
         errored = {r["id"] for r in read_errors(self.out) if r.get("kind") != DUPLICATE_KIND}
         return self._committed | errored | self._errored | self._buffer_ids
 
+    def plan(self, ids: Sequence[str], sources: Sequence[str] | None = None) -> list[int]:
+        """Positions in ``ids`` (the FULL input list, same on every rank) this rank still has to extract.
+
+        Applies ``partition`` for this store's rank, drops ``done_ids()``, and records every repeat of an
+        id after its first occurrence as a "duplicate id" error (once: a resumed run writes nothing new).
+        Returned in input order, so the caller maps positions back to its samples.
+        """
+        if sources is not None and len(sources) != len(ids):
+            raise ValueError(f"sources has {len(sources)} entries for {len(ids)} ids")
+        done = self.done_ids()
+        first: dict[str, int] = {}
+        todo: list[int] = []
+        for k, sid in enumerate(ids):
+            if self.world_size > 1 and owner_rank(sid, self.world_size) != self.rank:
+                continue
+            if sid in first:
+                source = str(sources[k]) if sources is not None else ""
+                reason = f"duplicate id: input entry {k} repeats entry {first[sid]}"
+                self.add_error(sid, source, reason, kind=DUPLICATE_KIND)
+                continue
+            first[sid] = k
+            if sid not in done:
+                todo.append(k)
+        return todo
+
     @property
     def num_errors(self) -> int:
         """Errors recorded by this store (this rank, this session), duplicates included: for --max-errors."""
@@ -464,9 +493,21 @@ class FeatureStore:
         if len(self._buffer) >= self.shard_max_samples or self._buffer_bytes >= self.shard_max_bytes:
             self.flush()
 
-    def add_error(self, sample_id: str, source: str, reason: str, *, kind: str = "error") -> None:
-        """Record a failed sample durably (one fsync'd JSON line); the id counts as done unless a duplicate."""
+    def add_error(self, sample_id: str, source: str, reason: str, *, kind: str | None = None) -> None:
+        """Record a failed sample durably (one fsync'd JSON line); the id then counts as done.
+
+        ``kind`` is "error" or "duplicate"; by default a reason starting with "duplicate" means "duplicate".
+        A duplicate record does not make its id done (the first occurrence may not be committed yet).
+        Recording the same (id, source, reason) again, as a resumed run does, writes nothing.
+        """
         self._check_open()
+        if kind is None:
+            kind = DUPLICATE_KIND if str(reason).lower().startswith("duplicate") else "error"
+        if kind not in ("error", DUPLICATE_KIND):
+            raise ValueError(f"kind must be 'error' or {DUPLICATE_KIND!r}, got {kind!r}")
+        key = (str(sample_id), str(source), str(reason), kind)
+        if key in self._error_keys:
+            return
         rec = {
             "id": str(sample_id),
             "source": str(source),
@@ -488,6 +529,7 @@ class FeatureStore:
             os.fsync(f.fileno())
         if fresh:
             _fsync_dir(self._error_file.parent)
+        self._error_keys.add(key)
         self._num_errors += 1
         if kind != DUPLICATE_KIND:
             self._errored.add(str(sample_id))

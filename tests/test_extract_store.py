@@ -1,0 +1,298 @@
+"""FeatureStore / FeatureCache: format, atomic commits, resume, config checks, duplicates, errors, reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch, dist_info, partition
+from vlfast.extraction._selftest import compare_caches, fake_features
+
+CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _fill(out: Path, ids, **kw) -> None:
+    with FeatureStore(out, CFG, **kw) as s:
+        for sid in ids:
+            s.add(sid, fake_features(sid), {"path": f"{sid}.mp4"})
+
+
+def test_roundtrip_dtypes_shapes_and_index(tmp_path: Path) -> None:
+    import pyarrow.dataset as ds
+
+    feats = {
+        "bf16": torch.randn(5, 7).to(torch.bfloat16),
+        "f16": torch.randn(3).half(),
+        "f32": torch.randn(2, 3, 4),
+        "i64": torch.arange(6).reshape(2, 3),
+        "grid_thw": torch.tensor([[1, 4, 6], [2, 2, 2]]),
+        "mask": torch.tensor([True, False, True]),
+        "u8": torch.arange(4, dtype=torch.uint8),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 16, dtype=torch.bfloat16),
+    }
+    with FeatureStore(tmp_path, CFG, shard_max_samples=2) as s:
+        s.add("a", feats, {"path": "a.jpg", "n_tokens": 5})
+        s.add("b", {"bf16": torch.randn(9, 7).to(torch.bfloat16)})
+        s.add("c", {"f32": torch.ones(1)})
+    c = FeatureCache(tmp_path)
+    assert len(c) == 3 and c.ids() == ["a", "b", "c"] and "b" in c and "z" not in c
+    got = c["a"]
+    assert got.keys() == feats.keys()
+    for k, v in feats.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and _bytes(got[k]) == _bytes(v), k
+    assert c[1]["bf16"].shape == (9, 7) and c[-1]["f32"].tolist() == [1.0]
+    assert c.meta("a") == {"path": "a.jpg", "n_tokens": 5} and c.meta("b") == {}
+    assert [sorted(x) for x in c] == [sorted(feats), ["bf16"], ["f32"]]
+    assert [sid for sid, _ in c.items()] == ["a", "b", "c"]
+    assert c.run_config == CFG
+    with pytest.raises(KeyError, match="not in"):
+        c["zz"]
+    with pytest.raises(IndexError):
+        c[3]
+
+    # The index's byte offsets point straight at the data (for non-Python readers).
+    info = c.info("a")
+    raw = (tmp_path / info["shard"]).read_bytes()
+    for f in info["features"]:
+        assert raw[f["offset"] : f["offset"] + f["nbytes"]] == _bytes(feats[f["name"]]), f["name"]
+
+    # All index parts read as one dataset, grid included.
+    table = ds.dataset(tmp_path / "index", format="parquet").to_table()
+    assert table.num_rows == 3 and len(list((tmp_path / "index").iterdir())) == 2
+    assert table.column_names == ["id", "shard", "row", "rank", "features", "grid_thw", "meta"]
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert rows["a"]["grid_thw"] == [[1, 4, 6], [2, 2, 2]] and rows["b"]["grid_thw"] is None
+
+
+def test_shard_limits_and_views_copied(tmp_path: Path) -> None:
+    big = torch.randn(1000, 64)
+    with FeatureStore(tmp_path, CFG, shard_max_bytes=3 * 64 * 4, shard_max_samples=100) as s:
+        for i in range(7):
+            s.add(f"s{i}", {"x": big[i]})  # a view: must not keep `big` alive in the buffer
+            assert all(t.untyped_storage().nbytes() == t.nbytes for _, f, _ in s._buffer for t in f.values())
+    assert len(list((tmp_path / "shards").iterdir())) == 3  # 3 + 3 + 1 samples of 256 bytes
+    c = FeatureCache(tmp_path)
+    assert all(torch.equal(c[f"s{i}"]["x"], big[i]) for i in range(7))
+
+
+def test_add_validates_inputs(tmp_path: Path) -> None:
+    s = FeatureStore(tmp_path, CFG)
+    with pytest.raises(TypeError, match="dtype"):
+        s.add("a", {"x": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(TypeError, match="not a torch.Tensor"):
+        s.add("a", {"x": [1, 2]})
+    with pytest.raises(TypeError, match="non-empty"):
+        s.add("a", {})
+    with pytest.raises(TypeError, match="JSON"):
+        s.add("a", {"x": torch.zeros(1)}, {"p": object()})
+    with pytest.raises(TypeError, match="sample_id"):
+        s.add("", {"x": torch.zeros(1)})
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.add("a", {"x": torch.zeros(1)})
+    with pytest.raises(ValueError, match="rank"):
+        FeatureStore(tmp_path, CFG, rank=2, world_size=2)
+
+
+def test_crash_between_shard_and_index_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [f"id{i}" for i in range(10)]
+
+    class Crash(BaseException):
+        pass
+
+    calls = {"n": 0}
+    real = FeatureStore._write_index_part
+
+    def crash_on_second(self, shard, part):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Crash  # the process dies after the shard's rename, before its index part
+        real(self, shard, part)
+
+    monkeypatch.setattr(FeatureStore, "_write_index_part", crash_on_second)
+    s = FeatureStore(tmp_path, CFG, shard_max_samples=4)
+    with pytest.raises(Crash):
+        for sid in ids:
+            s.add(sid, fake_features(sid), {"path": f"{sid}.mp4"})
+    monkeypatch.setattr(FeatureStore, "_write_index_part", real)
+
+    orphan = tmp_path / "shards" / "shard-r00000-000001.safetensors"
+    assert orphan.exists() and not (tmp_path / "index" / "part-r00000-000001.parquet").exists()
+    (tmp_path / "shards" / ".tmp-r00000-999-shard-r00000-000002.safetensors").write_bytes(b"half a shard")
+    (tmp_path / "index" / ".tmp-r00000-999-part-r00000-000002.parquet").write_bytes(b"half a part")
+    # Readers see only the committed shard; the orphan's and temp files' samples do not exist.
+    c = FeatureCache(tmp_path)
+    assert c.ids() == ids[:4]
+
+    # Resume: garbage is removed, the lost samples are redone, the result equals an uninterrupted run.
+    s2 = FeatureStore(tmp_path, CFG, shard_max_samples=4)
+    assert not orphan.exists() and not any(p.name.startswith(".tmp") for p in tmp_path.rglob("*"))
+    assert s2.done_ids() == set(ids[:4])
+    with s2:
+        for sid in ids:
+            if sid not in s2.done_ids():
+                s2.add(sid, fake_features(sid), {"path": f"{sid}.mp4"})
+    _fill(tmp_path / "ref", ids, shard_max_samples=4)
+    assert compare_caches(tmp_path, tmp_path / "ref") == []
+
+
+def test_cleanup_respects_live_ranks(tmp_path: Path) -> None:
+    _fill(tmp_path, ["a"])
+    shards = tmp_path / "shards"
+    rank1_tmp = shards / ".tmp-r00001-5-shard-r00001-000000.safetensors"  # rank 1 may be writing it now
+    rank3_orphan = shards / "shard-r00003-000004.safetensors"  # left by rank 3 of an earlier, larger run
+    rank1_tmp.write_bytes(b"x")
+    rank3_orphan.write_bytes(b"x")
+    FeatureStore(tmp_path, CFG, rank=0, world_size=2)
+    assert rank1_tmp.exists() and rank3_orphan.exists()
+    FeatureStore(tmp_path, CFG, rank=1, world_size=2)
+    assert not rank1_tmp.exists() and not rank3_orphan.exists()
+    assert FeatureCache(tmp_path).ids() == ["a"]
+
+
+def test_resume_continues_numbering_and_skips_done(tmp_path: Path) -> None:
+    _fill(tmp_path, ["a", "b", "c"], shard_max_samples=2)
+    s = FeatureStore(tmp_path, CFG, shard_max_samples=2)
+    assert s.done_ids() == {"a", "b", "c"}
+    assert s.plan(["a", "b", "c", "d"]) == [3]
+    s.add("d", fake_features("d"))
+    s.close()
+    names = sorted(p.name for p in (tmp_path / "index").iterdir())
+    assert names == [f"part-r00000-00000{k}.parquet" for k in range(3)]
+    assert FeatureCache(tmp_path).ids() == ["a", "b", "c", "d"]
+
+
+def test_config_mismatch_refused_volatile_allowed(tmp_path: Path) -> None:
+    _fill(tmp_path, ["a"])
+    FeatureStore(tmp_path, CFG | {"versions": {"torch": "9.9"}}).close()  # versions are volatile
+    changed = CFG | {"model": "other", "processor": {"max_pixels": 2048}}
+    with pytest.raises(RunConfigMismatch) as e:
+        FeatureStore(tmp_path, changed)
+    msg = str(e.value)
+    assert "model: 'm'" in msg and "'other'" in msg and "processor.max_pixels: 1024" in msg and "2048" in msg
+    assert "new OUT" in msg and "--overwrite" in msg and "versions" not in msg
+    assert isinstance(e.value, ValueError)
+    # overwrite starts again with the new config
+    FeatureStore(tmp_path, changed, overwrite=True).close()
+    c = FeatureCache(tmp_path)
+    assert len(c) == 0 and c.run_config["model"] == "other"
+
+
+def test_duplicates_and_errors(tmp_path: Path) -> None:
+    ids = ["a", "b", "a", "c", "b", "a"]
+    with FeatureStore(tmp_path, CFG, shard_max_samples=100) as s:
+        todo = s.plan(ids, [f"{i}.mp4" for i in ids])
+        assert todo == [0, 1, 3]
+        s.add("a", {"x": torch.ones(1)})
+        s.add("a", {"x": torch.zeros(1)})  # a repeat reaching add is caught too, first one wins
+        s.add_error("c", "c.mp4", "decode failed: moov atom not found")
+        assert s.num_errors == 5  # 3 repeats from plan, 1 from add, 1 failure
+        # A "duplicate" record does not make an id done (its first copy is still only buffered).
+        assert s.done_ids() == {"a", "c"}
+        s.add("b", {"x": torch.ones(1)})
+    c = FeatureCache(tmp_path)
+    assert c.ids() == ["a", "b"] and c["a"]["x"].item() == 1.0
+    errs = c.errors()
+    assert sorted((e["id"], e["kind"]) for e in errs) == [
+        ("a", "duplicate"),
+        ("a", "duplicate"),
+        ("a", "duplicate"),
+        ("b", "duplicate"),
+        ("c", "error"),
+    ]
+    assert {"id", "source", "reason", "kind", "rank", "time"} <= errs[0].keys()
+
+    # A resumed run re-plans the same input: nothing new is recorded, failed ids are not retried.
+    err_file = tmp_path / "errors" / "errors-r00000.jsonl"
+    with err_file.open("a") as f:
+        f.write('{"id": "torn')  # a crash mid-append
+    s2 = FeatureStore(tmp_path, CFG)
+    assert s2.plan(ids, [f"{i}.mp4" for i in ids]) == []
+    assert s2.num_errors == 0
+    s2.add_error("d", "d.mp4", "too long")  # lands on its own line after the torn one
+    assert len(FeatureCache(tmp_path).errors()) == 6
+    lines = err_file.read_text().splitlines()
+    assert json.loads(lines[-1])["id"] == "d" and lines[-2] == '{"id": "torn'
+
+
+def test_dataloader(tmp_path: Path) -> None:
+    ids = [f"s{i}" for i in range(12)]
+    _fill(tmp_path, ids, shard_max_samples=5)
+    c = FeatureCache(tmp_path)
+    assert isinstance(c, torch.utils.data.Dataset)
+    dl = torch.utils.data.DataLoader(
+        c, batch_size=4, num_workers=2, collate_fn=lambda b: [x["mean"] for x in b]
+    )
+    means = [m for batch in dl for m in batch]
+    assert len(means) == 12
+    assert all(torch.equal(m, fake_features(sid)["mean"]) for m, sid in zip(means, c.ids()))
+
+
+def test_partition_no_gaps_no_dups() -> None:
+    ids = [f"x{i}" for i in range(1000)] + ["x5", "x7"]
+    for world in (1, 2, 3, 8):
+        parts = [partition(ids, r, world) for r in range(world)]
+        assert sorted(i for p in parts for i in p) == sorted(ids)  # every id once, repeats kept for reporting
+        for p in parts:
+            assert p == [i for i in ids if i in set(p)]  # input order kept
+        # a hash split: balanced within a few standard deviations, not exactly
+        assert all(abs(len(p) - 1000 / world) < 4 * (1000 / world) ** 0.5 for p in parts)
+        # the owner of an id does not depend on the list it is in
+        assert partition(list(reversed(ids)), 0, world) == list(reversed(parts[0]))
+    assert sum("x5" in p for p in (partition(ids, r, 3) for r in range(3))) == 1
+    with pytest.raises(ValueError):
+        partition(ids, 2, 2)
+    with pytest.raises(ValueError):
+        partition(ids, 0, 0)
+
+
+def test_dist_info_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert dist_info() == (0, 1)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert dist_info() == (3, 4)
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(ValueError, match="RANK"):
+        dist_info()
+
+
+def test_reads_are_memory_mapped_and_imports_light(tmp_path: Path) -> None:
+    # 48 samples x 2 MiB in one shard; reading one sample must not pull the 96 MiB shard into memory.
+    with FeatureStore(tmp_path, CFG, shard_max_bytes=1 << 30) as s:
+        for i in range(48):
+            s.add(f"s{i}", {"x": torch.full((512, 1024), float(i))})
+    assert len(list((tmp_path / "shards").iterdir())) == 1
+    code = textwrap.dedent(
+        f"""
+        import sys, psutil
+        import vlfast.extraction.store
+        assert "pyarrow" not in sys.modules, "store must import pyarrow lazily"
+        from vlfast.extraction import FeatureCache
+        assert "vlfast.extraction.pipeline" not in sys.modules
+        c = FeatureCache({str(tmp_path)!r})
+        p = psutil.Process()
+        before = p.memory_info().rss
+        x = c["s17"]["x"]
+        assert x[0, 0].item() == 17.0
+        print((p.memory_info().rss - before) / 2**20)
+        """
+    )
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    grown_mib = float(r.stdout.strip().splitlines()[-1])
+    assert grown_mib < 24, f"reading one 2 MiB sample grew RSS by {grown_mib:.1f} MiB (shard is 96 MiB)"
