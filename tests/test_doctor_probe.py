@@ -1,0 +1,123 @@
+"""The live probe and the doctor on CPU: small shapes, tiny budgets, no timing thresholds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import vlfast
+from vlfast.diagnosis import Finding, doctor, verdict_for
+from vlfast.models import build_reference
+from vlfast.probe import DEFAULT_PATCHES, ConvShape, ProbeResult, conv_shapes, merge_shapes, probe_conv
+from vlfast.timing import Timing
+
+SMALL = ConvShape("Conv3d", 3, 32, (2, 4, 4), True, 64, ("toy:proj",))
+
+
+def test_default_patch_count_is_one_8_frame_clip():
+    assert DEFAULT_PATCHES == 6080
+
+
+def test_conv_shapes_on_meta_references():
+    (qwen,) = conv_shapes(build_reference("qwen3-vl-4b", device="meta"), label="qwen3-vl-4b")
+    assert qwen.kind == "Conv3d" and qwen.kernel_size == (2, 16, 16)
+    assert (qwen.in_channels, qwen.out_channels, qwen.windows) == (3, 1024, DEFAULT_PATCHES)
+    assert qwen.names == ("qwen3-vl-4b:patch_embed.proj",) and not qwen.patched
+    assert qwen.gemm_shape == (6080, 3 * 2 * 16 * 16, 1024)
+    glm = conv_shapes(build_reference("glm-4.1v-9b", device="meta"), patches=400)
+    assert [s.kind for s in glm] == ["Conv3d", "Conv2d"]
+    assert glm[1].windows == 100  # the downsample sees patches grouped 2x2
+
+
+def test_merge_shapes_dedupes_geometry_and_keeps_names():
+    a = conv_shapes(build_reference("qwen3-vl-2b", device="meta"), label="a")
+    b = conv_shapes(build_reference("qwen3-vl-4b", device="meta"), label="b")
+    (m,) = merge_shapes(a + b)
+    assert m.names == ("a:patch_embed.proj", "b:patch_embed.proj")
+
+
+def test_conv_shapes_sees_the_patch():
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    assert not conv_shapes(tower)[0].patched
+    vlfast.patch(tower)
+    assert conv_shapes(tower)[0].patched
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_probe_times_both_and_they_agree(dtype, tol):
+    r = probe_conv(SMALL, dtype=dtype, budget_s=0.3)
+    assert r.error is None, r.error
+    assert r.conv.n >= 1 and r.gemm.n >= 1
+    assert math.isfinite(r.ratio) and r.ratio > 0
+    assert r.saving_ms >= 0
+    assert r.max_abs_diff is not None and r.max_abs_diff < tol, r.max_abs_diff
+    assert r.onednn_enabled is True
+    d = r.to_dict()
+    assert d["ratio"] == r.ratio and d["shape"]["gemm_mkn"] == [64, 96, 32]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_probe_with_onednn_off_records_it():
+    with torch.backends.mkldnn.flags(enabled=False):
+        r = probe_conv(SMALL, dtype=torch.bfloat16, budget_s=0.3)
+    assert r.error is None and r.onednn_enabled is False
+    assert r.ratio is not None and r.ratio > 0
+
+
+def test_probe_fails_soft(monkeypatch):
+    def oom(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.nn.functional, "linear", oom)
+    r = probe_conv(SMALL, budget_s=0.2)
+    assert r.error.startswith("RuntimeError: CUDA out of memory") and r.ratio is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_doctor_on_cpu_with_onednn_off_explains_with_the_rule():
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    with torch.backends.mkldnn.flags(enabled=False):
+        report = doctor(tower, device="cpu", dtype="bf16", patches=64, budget_s=0.4)
+    assert report.facts.onednn_enabled is False and report.facts.dtype == "bfloat16"
+    assert "cpu-no-onednn" in {r.id for r in report.rules}
+    (finding,) = report.findings
+    assert "cpu-no-onednn" in finding.rules
+    assert finding.status in ("slow", "ok") and finding.probe.ratio > 0
+    assert report.exit_code == (1 if finding.status == "slow" else 0)
+
+
+def test_doctor_facts_are_collected_soft():
+    report = doctor("ref:qwen3-vl-4b", device="cpu", dtype="float32", probe=False)
+    f = report.facts
+    assert f.torch_version == torch.__version__ and f.python and f.vlfast_version == vlfast.__version__
+    assert f.device == "cpu" and f.model_patched is False
+    assert report.verdict == "unmeasured" and report.exit_code == 0
+    assert report.findings[0].status == "skipped"
+
+
+def _finding(ratio: float | None, patched: bool = False, error: str | None = None) -> Finding:
+    shape = ConvShape("Conv3d", 3, 8, (2, 2, 2), True, 4, ("m:p",), patched=patched)
+    gemm = Timing((1.0,))
+    conv = Timing((ratio,)) if ratio is not None else None
+    probe = ProbeResult(shape, "cpu", "bfloat16", conv=conv, gemm=gemm if conv else None, error=error)
+    status = "error" if error else ("slow" if ratio >= 2 else "ok")
+    return Finding(probe, [], status)
+
+
+def test_verdict_from_measurements():
+    assert verdict_for([]) == "no-convs"
+    assert verdict_for([_finding(1.2)]) == "ok"
+    assert verdict_for([_finding(1.2), _finding(5.0)]) == "slow"
+    assert verdict_for([_finding(5.0, patched=True)]) == "patched"
+    assert verdict_for([_finding(None, error="RuntimeError: x")]) == "unmeasured"
+
+
+def test_doctor_validates_arguments():
+    with pytest.raises(ValueError):
+        doctor(patches=0)
+    with pytest.raises(TypeError):
+        doctor(model=42, probe=False)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        doctor("ref:qwen3-vl-4b", dtype="int8", probe=False)
