@@ -1,0 +1,109 @@
+"""Packing preprocessed samples into batches by token budget, and surviving out-of-memory batches.
+
+The vision tower takes one flat sequence of patches with ``grid_thw`` marking where each sample begins,
+so a batch costs what its patches cost and needs no padding: batches are filled greedily, in arrival
+order, up to ``max_tokens`` patches (a sample bigger than the budget runs alone). When a batch still runs
+out of memory it is split in half and each half retried; a sample that fails alone is reported to the
+caller as an error, never fatal to the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = ["TokenBudget", "is_oom", "pack", "run_split_on_oom"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """How much one forward may hold: ``max_tokens`` patches and at most ``max_samples`` samples."""
+
+    max_tokens: int = 16_384
+    max_samples: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not isinstance(self.max_samples, int) or self.max_samples < 1:
+            raise ValueError(f"max_samples must be a positive int, got {self.max_samples!r}")
+
+
+def pack(items: Iterable[T], cost: Callable[[T], int], budget: TokenBudget) -> Iterator[list[T]]:
+    """Greedy in-order packing: yield a batch as soon as the next item would overflow the budget."""
+    batch: list[T] = []
+    used = 0
+    for item in items:
+        c = int(cost(item))
+        if batch and (used + c > budget.max_tokens or len(batch) >= budget.max_samples):
+            yield batch
+            batch, used = [], 0
+        batch.append(item)
+        used += c
+    if batch:
+        yield batch
+
+
+def is_oom(error: BaseException) -> bool:
+    """An allocator failure on any device (CUDA, MPS, XPU, CPU), by type or by message."""
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(error, oom_type):
+        return True
+    if isinstance(error, MemoryError):
+        return True
+    if isinstance(error, RuntimeError):
+        msg = str(error).lower()
+        return "out of memory" in msg or "can't allocate memory" in msg or "failed to allocate" in msg
+    return False
+
+
+class _Failed(Generic[T]):
+    def __init__(self, item: T, error: BaseException):
+        self.item, self.error = item, error
+
+
+def run_split_on_oom(
+    batch: Sequence[T],
+    fn: Callable[[Sequence[T]], list[R]],
+    *,
+    on_oom: Callable[[int], None] | None = None,
+) -> list[R | _Failed[T]]:
+    """``fn(batch)``, splitting the batch in halves on out-of-memory until single samples fail.
+
+    Returns one entry per item, in order: ``fn``'s result, or a :class:`_Failed` holding the item and its
+    OOM error when even that item alone does not fit. Other exceptions propagate.
+    """
+    try:
+        out = fn(batch)
+    except Exception as e:  # noqa: BLE001 - only OOM is handled, the rest is re-raised
+        if not is_oom(e):
+            raise
+        _free_device_memory()
+        if on_oom is not None:
+            on_oom(len(batch))
+        if len(batch) == 1:
+            return [_Failed(batch[0], e)]
+        half = len(batch) // 2
+        return run_split_on_oom(batch[:half], fn, on_oom=on_oom) + run_split_on_oom(
+            batch[half:], fn, on_oom=on_oom
+        )
+    if len(out) != len(batch):
+        raise RuntimeError(f"batch function returned {len(out)} results for {len(batch)} items")
+    return list(out)
+
+
+def _free_device_memory() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    mps = getattr(torch, "mps", None)
+    if mps is not None and torch.backends.mps.is_available():
+        mps.empty_cache()
+
+
+Failed = _Failed

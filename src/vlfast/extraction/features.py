@@ -1,0 +1,303 @@
+"""Which features to extract and how to compute them from one forward of the vision tower or the VLM.
+
+Feature names (several at once):
+
+- ``vision``: the tower's merged tokens, (n_tokens, D_out) per sample, stored with ``grid_thw`` (rows of
+  (t, h, w) in patches) so they reshape to (t, h/m, w/m, D_out) with m the spatial merge size;
+- ``vision_mean``: their mean over tokens, (D_out,) in float32;
+- ``deepstack``: the DeepStack levels (Qwen3-VL), ``deepstack.{k}`` each (n_tokens, D_out);
+- ``llm``: LLM hidden states for a prompt about the sample: for each chosen layer and pooling,
+  ``llm.{pool}.layer{L}`` of shape (D_text,), with ``pool`` "last" (last prompt token) or "mean"
+  (mean over all tokens). Layer indices follow ``output_hidden_states``: 0 is the embeddings, -1 the last.
+
+Vision features come from the tower alone (only its weights are loaded); ``llm`` needs the whole
+checkpoint, and then the vision features are taken from the same forward through a hook on the tower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ALL_FEATURES",
+    "FeatureSpec",
+    "PromptBuilder",
+    "VisionBatch",
+    "compute_llm_features",
+    "compute_vision_features",
+    "parse_features",
+]
+
+VISION_FEATURES = ("vision", "vision_mean", "deepstack")
+ALL_FEATURES = (*VISION_FEATURES, "llm")
+POOLS = ("last", "mean")
+DEFAULT_PROMPT = "Describe this {kind}."
+
+
+def parse_features(features: str | Sequence[str]) -> tuple[str, ...]:
+    """``"vision,vision_mean"`` or a list -> validated tuple, in the canonical order, no repeats."""
+    names = [f.strip() for f in features.split(",")] if isinstance(features, str) else list(features)
+    names = [n for n in names if n]
+    unknown = sorted(set(names) - set(ALL_FEATURES))
+    if unknown or not names:
+        raise ValueError(
+            f"unknown feature(s) {unknown or names}: choose from {', '.join(ALL_FEATURES)} (comma-separated)"
+        )
+    return tuple(f for f in ALL_FEATURES if f in names)
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What to extract. ``layers`` and ``pools`` only matter for ``llm``."""
+
+    names: tuple[str, ...] = ("vision", "vision_mean")
+    layers: tuple[int, ...] = (-1,)
+    pools: tuple[str, ...] = ("last",)
+    prompt: str = DEFAULT_PROMPT  # used when a sample has no prompt; "{kind}" becomes image/video
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", parse_features(self.names))
+        if not self.layers or not all(isinstance(x, int) for x in self.layers):
+            raise TypeError(f"layers must be a non-empty tuple of ints, got {self.layers!r}")
+        if not self.pools or any(p not in POOLS for p in self.pools):
+            raise ValueError(f"pools must be a non-empty subset of {POOLS}, got {self.pools!r}")
+        if not isinstance(self.prompt, str) or not self.prompt:
+            raise ValueError("prompt must be a non-empty string")
+
+    @property
+    def needs_llm(self) -> bool:
+        return "llm" in self.names
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"names": list(self.names)}
+        if self.needs_llm:
+            d.update(layers=list(self.layers), pools=list(self.pools), default_prompt=self.prompt)
+        return d
+
+
+@dataclass
+class VisionBatch:
+    """Several samples' patches as one sequence: pixel_values (sum N_i, C*T*P*P), grid_thw (rows, 3)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    tokens: list[int]  # merged tokens per sample, to split the tower's output back
+    rows: list[int] = field(default_factory=list)  # grid rows per sample (1 unless frames_as_images)
+
+
+def _split(t: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    return list(torch.split(t, list(sizes), dim=0))
+
+
+def vision_features(
+    names: Sequence[str], merged: torch.Tensor, deepstack: Sequence[torch.Tensor], batch: VisionBatch
+) -> list[dict[str, torch.Tensor]]:
+    """Per-sample vision features from the tower's merged (sum tokens, D) and deepstack outputs."""
+    if merged.shape[0] != sum(batch.tokens):
+        raise RuntimeError(
+            f"the tower returned {merged.shape[0]} tokens for {sum(batch.tokens)} expected: unexpected merge size"
+        )
+    per = _split(merged, batch.tokens)
+    deep = [_split(d, batch.tokens) for d in deepstack] if "deepstack" in names else []
+    grids = _split(batch.grid_thw.cpu(), batch.rows or [1] * len(batch.tokens))
+    out = []
+    for i, tokens in enumerate(per):
+        f: dict[str, torch.Tensor] = {}
+        if "vision" in names or "deepstack" in names:
+            f["grid_thw"] = grids[i].to(torch.int64)
+        if "vision" in names:
+            f["vision"] = tokens
+        if "vision_mean" in names:
+            f["vision_mean"] = tokens.float().mean(dim=0)
+        for k, level in enumerate(deep):
+            f[f"deepstack.{k}"] = level[i]
+        out.append(f)
+    return out
+
+
+@torch.inference_mode()
+def compute_vision_features(tower: nn.Module, batch: VisionBatch, names: Sequence[str]) -> list[dict]:
+    """One tower forward over the packed batch; features split back per sample."""
+    from vlfast.models import tower_outputs
+
+    out = tower_outputs(tower(batch.pixel_values, grid_thw=batch.grid_thw))
+    return vision_features(names, out["merged"], out["deepstack"], batch)
+
+
+# ------------------------------------------------------------------------------------------------ LLM
+
+
+@dataclass
+class PromptBuilder:
+    """Builds the token ids of a chat prompt holding one image or video, as the model's processor would.
+
+    The placeholder expansion mirrors ``Qwen3VLProcessor.replace_image_token`` / ``replace_video_token``
+    (one pad token per merged vision token; Qwen3-VL videos get ``<t seconds>`` per temporal patch) and
+    ``Qwen2VLProcessor``'s plain repetition for Qwen2/2.5-VL. Runs in the DataLoader workers.
+    """
+
+    checkpoint: str
+    family: str
+    merge_size: int
+    temporal_patch_size: int
+    _tokenizer: Any = field(default=None, init=False, repr=False)
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.checkpoint, local_files_only=True)
+        return self._tokenizer
+
+    def placeholder(self, kind: str, grid: Sequence[int], meta: dict[str, Any]) -> str:
+        t, h, w = (int(x) for x in grid)
+        if kind == "image":
+            return "<|image_pad|>" * (t * h * w // self.merge_size**2)
+        if not self.family.startswith("qwen3"):
+            return "<|video_pad|>" * (t * h * w // self.merge_size**2)
+        frame_tokens = h * w // self.merge_size**2
+        stamps = video_timestamps(
+            meta["frame_indices"], meta.get("video_fps") or 24.0, self.temporal_patch_size
+        )
+        return "".join(
+            f"<{stamps[i]:.1f} seconds><|vision_start|>" + "<|video_pad|>" * frame_tokens + "<|vision_end|>"
+            for i in range(t)
+        )
+
+    def __call__(self, kind: str, prompt: str, grid: Sequence[int], meta: dict[str, Any]) -> torch.Tensor:
+        """input_ids (L,) int64 of the user turn plus the generation prompt."""
+        media = "image" if kind == "image" else "video"
+        prompt = prompt.replace("{kind}", media)
+        tok = self.tokenizer()
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": media}, {"type": "text", "text": prompt}],
+            }
+        ]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        pad = "<|image_pad|>" if media == "image" else "<|video_pad|>"
+        if text.count(pad) != 1:
+            raise ValueError(
+                f"the chat template of {self.checkpoint} must place exactly one {pad} for one {media}; "
+                f"it placed {text.count(pad)}"
+            )
+        text = text.replace(pad, self.placeholder(media, grid, meta))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.int64)
+
+
+def video_timestamps(indices: Sequence[int], fps: float, temporal: int) -> list[float]:
+    """Seconds at the middle of each temporal patch (``Qwen3VLProcessor._calculate_timestamps``)."""
+    idx = list(indices)
+    if len(idx) % temporal:
+        idx.extend(idx[-1] for _ in range(temporal - len(idx) % temporal))
+    secs = [i / fps for i in idx]
+    return [(secs[i] + secs[i + temporal - 1]) / 2 for i in range(0, len(secs), temporal)]
+
+
+class TowerTap:
+    """Forward hook on the vision tower that keeps its outputs during a whole-model forward."""
+
+    def __init__(self, tower: nn.Module):
+        from vlfast.models import tower_outputs
+
+        # Normalised at once: the VLM later replaces the output's fields with per-image splits.
+        self.outputs: list[dict[str, Any]] = []
+        self._handle = tower.register_forward_hook(
+            lambda _m, _i, out: self.outputs.append(tower_outputs(out))
+        )
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+@torch.inference_mode()
+def compute_llm_features(
+    model: nn.Module,
+    tower: nn.Module,
+    items: Sequence[dict[str, Any]],
+    spec: FeatureSpec,
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    pad_token_id: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[dict[str, torch.Tensor]]:
+    """One whole-model forward for a batch of samples (right-padded prompts).
+
+    Each item holds ``pixel_values``, ``grid`` (t, h, w), ``kind`` and ``input_ids``. Images and videos go
+    in as the processor would pass them (``pixel_values`` / ``pixel_values_videos``); the tower's outputs
+    are captured by a hook, images first then videos, as the model calls it.
+    """
+
+    order = [i for i, it in enumerate(items) if it["kind"] == "image"] + [
+        i for i, it in enumerate(items) if it["kind"] != "image"
+    ]
+    lengths = [int(it["input_ids"].numel()) for it in items]
+    longest = max(lengths)
+    ids = torch.full((len(items), longest), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(items), longest), dtype=torch.int64)
+    for i, it in enumerate(items):
+        ids[i, : lengths[i]] = it["input_ids"]
+        mask[i, : lengths[i]] = 1
+    mm_types = torch.where(ids == image_token_id, 1, torch.where(ids == video_token_id, 2, 0)) * mask
+    kwargs: dict[str, Any] = {}
+    for kind, pv_key, grid_key in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
+        sel = [it for it in items if (it["kind"] == "image") == (kind == "image")]
+        if sel:
+            kwargs[pv_key] = torch.cat([it["pixel_values"] for it in sel]).to(device=device, dtype=dtype)
+            kwargs[grid_key] = torch.tensor(
+                [list(it["grid"]) for it in sel], dtype=torch.int64, device=device
+            )
+    tap = TowerTap(tower)
+    try:
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            mm_token_type_ids=mm_types.to(device),
+            output_hidden_states=True,
+            use_cache=False,
+            **kwargs,
+        )
+    finally:
+        tap.remove()
+    hidden = out.hidden_states  # tuple of (B, L, D_text), embeddings first
+    n_layers = len(hidden)
+    results: list[dict[str, torch.Tensor]] = [{} for _ in items]
+    for layer in spec.layers:
+        if not -n_layers <= layer < n_layers:
+            raise ValueError(f"layer {layer} out of range: the model has hidden states 0..{n_layers - 1}")
+        resolved = layer % n_layers
+        h = hidden[layer].float()
+        for i, n in enumerate(lengths):
+            if "last" in spec.pools:
+                results[i][f"llm.last.layer{resolved}"] = h[i, n - 1].clone()
+            if "mean" in spec.pools:
+                results[i][f"llm.mean.layer{resolved}"] = h[i, :n].mean(dim=0)
+    vision_names = [n for n in spec.names if n != "llm"]
+    if vision_names:
+        merged, deep = [], []
+        for t in tap.outputs:  # one call per modality present, images first
+            merged.append(t["merged"])
+            deep.append(t["deepstack"])
+        merged_all = torch.cat(merged)
+        deep_all = [torch.cat(level) for level in zip(*deep)] if deep and deep[0] else []
+        sorted_items = [items[i] for i in order]
+        batch = VisionBatch(
+            pixel_values=torch.empty(0),
+            grid_thw=torch.tensor([list(it["grid"]) for it in sorted_items], dtype=torch.int64),
+            tokens=[int(it["tokens"]) for it in sorted_items],
+        )
+        for pos, feats in zip(order, vision_features(vision_names, merged_all, deep_all, batch)):
+            results[pos].update(feats)
+    return results

@@ -1,0 +1,521 @@
+"""Turning one sample into the vision tower's input, with the model's own preprocessing.
+
+Images go through transformers' image processor built from the checkpoint (``AutoImageProcessor``) or,
+for a ``ref:`` tower, from the family's published defaults. Videos cannot use transformers' video
+processors without torchvision, so they are decoded with PyAV and processed here by the same rules,
+written as data in :class:`ProcessorConfig` and proven against transformers' own functions in the tests:
+
+- frame indices: ``Qwen3VLVideoProcessor.sample_frames`` (fps or count, min/max frames) or, for Qwen2-VL
+  families, ``Qwen2VLVideoProcessor.sample_frames`` (counts rounded to the temporal patch);
+- size: the video ``smart_resize`` (total pixel budget over all frames, optional per-frame cap);
+- resize: ``F.interpolate(uint8, bicubic, antialias=True)``, the kernel torchvision's ``resize`` runs on
+  CPU uint8 tensors; then ``(x - 255*mean) / (255*std)`` in float32, as transformers fuses it;
+- patchify: an odd frame count is padded with the last frame; rows ordered (t, h/2, w/2, 2, 2), columns
+  (C, T, P, P), exactly ``Qwen3VLVideoProcessor.patchify``.
+
+Bad inputs raise :class:`SampleError` with a reason a person can act on; the pipeline records it and
+goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vlfast.extraction.inputs import Sample
+
+__all__ = [
+    "Preprocessor",
+    "ProcessorConfig",
+    "SampleError",
+    "build_processor_config",
+    "load_image",
+    "patchify_video",
+    "read_video",
+    "sample_frame_indices",
+    "video_resize_shape",
+]
+
+OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+MAX_ASPECT_RATIO = 200  # Qwen's smart_resize rejects anything longer than 200:1
+
+
+class SampleError(Exception):
+    """This sample cannot be extracted; the message is the reason written to the errors file."""
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """Every number preprocessing uses; recorded in the run config so a run is reproducible."""
+
+    source: str  # where the numbers come from
+    image_processor: str  # transformers class used for images
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_min_pixels: int
+    image_max_pixels: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    video_min_pixels: int
+    video_max_pixels: int
+    video_mean: tuple[float, ...]
+    video_std: tuple[float, ...]
+    frame_sampling: str  # "qwen3-vl" or "qwen2-vl": whose sample_frames rule
+    fps: float | None = 2.0
+    num_frames: int | None = None
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
+    rescale_factor: float = 1 / 255
+    video_resize: str = "torch.nn.functional.interpolate(uint8, bicubic, antialias=True)"
+    frames_list_fps: float = 24.0  # timestamps of a clip given as frame images (transformers' default)
+    image_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the image processor
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.frame_sampling not in ("qwen3-vl", "qwen2-vl"):
+            raise ValueError(f"frame_sampling must be 'qwen3-vl' or 'qwen2-vl', got {self.frame_sampling!r}")
+        if (self.fps is None) == (self.num_frames is None):
+            raise ValueError("give exactly one of fps and num_frames for video sampling")
+        if self.fps is not None and self.fps <= 0:
+            raise ValueError(f"fps must be positive, got {self.fps}")
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1, got {self.num_frames}")
+        if not 0 < self.image_min_pixels <= self.image_max_pixels:
+            raise ValueError("need 0 < image_min_pixels <= image_max_pixels")
+        if not 0 < self.video_min_pixels <= self.video_max_pixels:
+            raise ValueError("need 0 < video_min_pixels <= video_max_pixels")
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
+
+
+# Published preprocessing of each reference family (preprocessor_config.json and
+# video_preprocessor_config.json of the Hugging Face checkpoints; transformers' class defaults where
+# the checkpoint keeps them).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_vl": {
+        "patch_size": 16,
+        "image_min_pixels": 65_536,
+        "image_max_pixels": 16_777_216,
+        "image_mean": (0.5, 0.5, 0.5),
+        "image_std": (0.5, 0.5, 0.5),
+        "video_min_pixels": 4_096,
+        "video_max_pixels": 25_165_824,
+        "video_mean": (0.5, 0.5, 0.5),
+        "video_std": (0.5, 0.5, 0.5),
+        "frame_sampling": "qwen3-vl",
+    },
+    "qwen2_vl": {
+        "patch_size": 14,
+        "image_min_pixels": 3_136,
+        "image_max_pixels": 12_845_056,
+        "image_mean": tuple(OPENAI_CLIP_MEAN),
+        "image_std": tuple(OPENAI_CLIP_STD),
+        "video_min_pixels": 128 * 28 * 28,
+        "video_max_pixels": 768 * 28 * 28,
+        "video_mean": tuple(OPENAI_CLIP_MEAN),
+        "video_std": tuple(OPENAI_CLIP_STD),
+        "frame_sampling": "qwen2-vl",
+    },
+}
+_FAMILY_DEFAULTS["qwen3_vl_moe"] = _FAMILY_DEFAULTS["qwen3_vl"]
+_FAMILY_DEFAULTS["qwen2_5_vl"] = _FAMILY_DEFAULTS["qwen2_vl"]
+
+
+def _size_pixels(cfg: dict[str, Any], default_min: int, default_max: int) -> tuple[int, int]:
+    size = cfg.get("size") or {}
+    lo = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or default_min
+    hi = cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or default_max
+    return int(lo), int(hi)
+
+
+def build_processor_config(
+    model: str,
+    *,
+    family: str,
+    fps: float | None = None,
+    num_frames: int | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    video_max_pixels: int | None = None,
+) -> ProcessorConfig:
+    """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
+
+    ``fps`` and ``num_frames`` are exclusive; with neither the processor's own default (2 fps) applies.
+    """
+    if fps is not None and num_frames is not None:
+        raise ValueError("give either fps or num_frames for video sampling, not both")
+    defaults = _FAMILY_DEFAULTS.get(family)
+    if defaults is None:
+        raise ValueError(
+            f"no published preprocessing known for the {family!r} family; vlfast extract supports Qwen2-VL, "
+            "Qwen2.5-VL and Qwen3-VL(-MoE) processors"
+        )
+    values: dict[str, Any] = dict(defaults)
+    video_cfg: dict[str, Any] = {}
+    if model.startswith("ref:"):
+        source = f"published {family} defaults (vlfast.extraction.preprocess._FAMILY_DEFAULTS)"
+    else:
+        path = Path(model)
+        image_file, video_file = path / "preprocessor_config.json", path / "video_preprocessor_config.json"
+        if not image_file.is_file():
+            raise FileNotFoundError(
+                f"{path} has no preprocessor_config.json: copy it from the model's Hugging Face repository"
+            )
+        image_cfg = json.loads(image_file.read_text())
+        video_cfg = json.loads(video_file.read_text()) if video_file.is_file() else {}
+        source = f"{image_file}" + (f" and {video_file}" if video_cfg else f" (video: {family} defaults)")
+        lo, hi = _size_pixels(image_cfg, values["image_min_pixels"], values["image_max_pixels"])
+        values.update(
+            image_min_pixels=lo,
+            image_max_pixels=hi,
+            image_mean=tuple(image_cfg.get("image_mean", values["image_mean"])),
+            image_std=tuple(image_cfg.get("image_std", values["image_std"])),
+            patch_size=int(image_cfg.get("patch_size", values["patch_size"])),
+        )
+        if video_cfg:
+            lo, hi = _size_pixels(video_cfg, values["video_min_pixels"], values["video_max_pixels"])
+            values.update(
+                video_min_pixels=lo,
+                video_max_pixels=hi,
+                video_mean=tuple(video_cfg.get("image_mean", values["video_mean"])),
+                video_std=tuple(video_cfg.get("image_std", values["video_std"])),
+            )
+        values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
+        values["merge_size"] = int(image_cfg.get("merge_size", 2))
+        values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
+    if min_pixels is not None:
+        values["image_min_pixels"] = int(min_pixels)
+    if max_pixels is not None:
+        values["image_max_pixels"] = int(max_pixels)
+    if video_max_pixels is not None:
+        values["video_max_pixels"] = int(video_max_pixels)
+    if num_frames is None and fps is None:
+        fps = video_cfg.get("fps", 2.0) if video_cfg.get("num_frames") is None else None
+        num_frames = video_cfg.get("num_frames")
+    return ProcessorConfig(
+        source=source,
+        image_processor="Qwen2VLImageProcessor (transformers, PIL backend when torchvision is absent)",
+        patch_size=values["patch_size"],
+        temporal_patch_size=values.get("temporal_patch_size", 2),
+        merge_size=values.get("merge_size", 2),
+        image_min_pixels=values["image_min_pixels"],
+        image_max_pixels=values["image_max_pixels"],
+        image_mean=tuple(float(x) for x in values["image_mean"]),
+        image_std=tuple(float(x) for x in values["image_std"]),
+        video_min_pixels=values["video_min_pixels"],
+        video_max_pixels=values["video_max_pixels"],
+        video_mean=tuple(float(x) for x in values["video_mean"]),
+        video_std=tuple(float(x) for x in values["video_std"]),
+        frame_sampling=values["frame_sampling"],
+        fps=None if fps is None else float(fps),
+        num_frames=None if num_frames is None else int(num_frames),
+        min_frames=int(video_cfg.get("min_frames", 4)),
+        max_frames=int(video_cfg.get("max_frames", 768)),
+        cap_pixels_per_frame=bool(video_cfg.get("cap_pixels_per_frame") or False),
+        max_video_tokens=int(video_cfg.get("max_video_tokens", 768)),
+        rescale_factor=values.get("rescale_factor", 1 / 255),
+    )
+
+
+# --------------------------------------------------------------------------------------------- images
+
+
+def load_image(path: str):
+    """Open an image as PIL, normalising what transformers' processors mishandle; raise SampleError.
+
+    Animated images give their first frame. 16-bit and float images are scaled to 8 bits (PIL's
+    ``convert`` would clip them to white); CMYK goes to RGB; palette, LA and RGBA images are left to the
+    processor, which composites transparency on white.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    p = Path(path)
+    if not p.exists():
+        raise SampleError(f"file not found: {path}")
+    if not p.is_file():
+        raise SampleError(f"not a file: {path}")
+    if p.stat().st_size == 0:
+        raise SampleError(f"empty file (0 bytes): {path}")
+    try:
+        img = Image.open(p)
+        img.seek(0)
+        img.load()
+    except UnidentifiedImageError:
+        raise SampleError(f"not an image PIL can read: {path}") from None
+    except Image.DecompressionBombError as e:
+        raise SampleError(f"image too large (decompression bomb guard): {e}") from None
+    except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+        raise SampleError(f"unreadable or truncated image: {e}") from None
+    w, h = img.size
+    if w < 1 or h < 1:
+        raise SampleError(f"image has no pixels ({w}x{h})")
+    if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
+        raise SampleError(
+            f"aspect ratio {max(w, h) / min(w, h):.0f}:1 of a {w}x{h} image exceeds Qwen's {MAX_ASPECT_RATIO}:1 limit"
+        )
+    mode = img.mode
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        # 16-bit data fills 0..65535; 32-bit int/float images are scaled by their own range.
+        top = 65535.0 if mode.startswith("I;16") or arr.max(initial=0) <= 65535 else float(arr.max())
+        top = 255.0 if arr.max(initial=0) <= 255 and mode == "F" else top
+        img = Image.fromarray(np.clip(np.round(arr / top * 255.0), 0, 255).astype(np.uint8), mode="L")
+    elif mode == "CMYK":
+        img = img.convert("RGB")
+    elif mode not in ("RGB", "RGBA", "L", "LA", "P", "PA", "1"):
+        img = img.convert("RGBA" if "A" in mode else "RGB")
+    return img
+
+
+def _rgb_array(img) -> np.ndarray:
+    """(H, W, 3) uint8, transparency composited on white like transformers' convert_to_rgb."""
+    from PIL import Image
+
+    if img.mode != "RGB":
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255))
+        img = Image.alpha_composite(background, rgba).convert("RGB")
+    return np.asarray(img, dtype=np.uint8)
+
+
+# --------------------------------------------------------------------------------------------- videos
+
+
+def sample_frame_indices(total: int, video_fps: float | None, cfg: ProcessorConfig) -> np.ndarray:
+    """Which frames of a ``total``-frame video to keep, by the rule ``cfg.frame_sampling`` names."""
+    if total < 1:
+        raise SampleError("video has no frames")
+    if cfg.frame_sampling == "qwen3-vl":  # Qwen3VLVideoProcessor.sample_frames
+        n = cfg.num_frames
+        if n is None:
+            rate = video_fps or 24.0
+            n = int(total / rate * cfg.fps)
+            n = min(max(n, cfg.min_frames), cfg.max_frames, total)
+        return np.linspace(0, total - 1, n).round().astype(int)
+    t = cfg.temporal_patch_size  # Qwen2VLVideoProcessor.sample_frames
+    if cfg.num_frames is not None:
+        n = round(cfg.num_frames / t) * t
+    else:
+        rate = video_fps or 24.0
+        max_frames = math.floor(min(cfg.max_frames, total) / t) * t
+        n = min(max(total / rate * cfg.fps, cfg.min_frames), max_frames, total)
+        n = math.floor(n / t) * t
+    if n > total or n < 1:
+        raise SampleError(f"cannot sample {n} frames from a {total}-frame video (rule qwen2-vl)")
+    return torch.arange(0, total, total / n).int().numpy()
+
+
+def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorConfig) -> tuple[int, int]:
+    """(h, w) of every frame after resizing: the video ``smart_resize`` with the total pixel budget."""
+    factor, tf = cfg.factor, cfg.temporal_patch_size
+    max_pixels = cfg.video_max_pixels
+    if cfg.cap_pixels_per_frame:
+        frame_cap = cfg.max_video_tokens * factor * factor
+        per_frame = max(min(frame_cap, cfg.video_max_pixels // num_frames), int(cfg.video_min_pixels * 1.05))
+        max_pixels = per_frame * num_frames
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise SampleError(f"video aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds 200:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / tf) * tf
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < cfg.video_min_pixels:
+        beta = math.sqrt(cfg.video_min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def patchify_video(frames: torch.Tensor, cfg: ProcessorConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(T, 3, H, W) uint8 frames -> pixel_values (t*h*w, C*T*P*P) float32 and grid (t, h, w).
+
+    Resize, rescale+normalise and patchify exactly as transformers' Qwen-VL video processors.
+    """
+    n = frames.shape[0]
+    # smart_resize refuses fewer frames than the temporal patch; a one-frame clip is treated as the
+    # processor treats an image: the frame repeated.
+    h, w = video_resize_shape(max(n, cfg.temporal_patch_size), frames.shape[-2], frames.shape[-1], cfg)
+    if (h, w) != tuple(frames.shape[-2:]):
+        frames = F.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+    mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(1, 3, 1, 1) / cfg.rescale_factor
+    std = torch.tensor(cfg.video_std, dtype=torch.float32).view(1, 3, 1, 1) / cfg.rescale_factor
+    video = (frames.to(torch.float32) - mean) / std  # (T, C, H, W)
+    tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
+    if pad := -n % tp:
+        video = torch.cat((video, video[-1:].expand(pad, -1, -1, -1)), dim=0)
+    gt, gh, gw = video.shape[0] // tp, h // p, w // p
+    patches = video.view(gt, tp, 3, gh // m, m, p, gw // m, m, p)
+    # (gt, gh/m, gw/m, m, m, C, tp, p, p): rows (t, h/2, w/2, 2, 2), columns (C, T, P, P)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(gt * gh * gw, 3 * tp * p * p), (gt, gh, gw)
+
+
+def _count_frames(container, stream) -> int:
+    n = int(stream.frames or 0)
+    if n > 0:
+        return n
+    # Containers without a frame count (webm, some mkv): count packets, which needs no decoding.
+    count = sum(1 for packet in container.demux(stream) if packet.size > 0)
+    container.seek(0)
+    return count
+
+
+def read_video(path: str, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Decode the sampled frames of a video with PyAV: (T, 3, H, W) uint8 and sampling metadata."""
+    import av
+
+    p = Path(path)
+    if not p.is_file():
+        raise SampleError(f"file not found: {path}")
+    if p.stat().st_size == 0:
+        raise SampleError(f"empty file (0 bytes): {path}")
+    try:
+        with av.open(str(p)) as container:
+            if not container.streams.video:
+                raise SampleError(f"no video stream in {path}")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            video_fps = float(rate) if rate else None
+            total = _count_frames(container, stream)
+            indices = sample_frame_indices(total, video_fps, cfg)
+            frames = _decode_at(container, stream, indices)
+            if len(frames) < len(indices):
+                # The container promised more frames than decode: re-sample over those that exist.
+                container.seek(0)
+                all_frames = _decode_at(container, stream, None)
+                if not all_frames:
+                    raise SampleError(f"no decodable frames in {path}")
+                total = len(all_frames)
+                indices = sample_frame_indices(total, video_fps, cfg)
+                frames = [all_frames[i] for i in indices]
+    except SampleError:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
+        raise SampleError(f"unreadable or corrupt video: {e}") from None
+    if not frames:
+        raise SampleError(f"no decodable frames in {path}")
+    video = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()  # (T, 3, H, W)
+    return video, {"video_fps": video_fps, "total_frames": total, "frame_indices": indices.tolist()}
+
+
+def _decode_at(container, stream, indices: np.ndarray | None) -> list[np.ndarray]:
+    """RGB frames at ``indices`` (repeats allowed) in one sequential decode; all frames when None."""
+    wanted: dict[int, int] | None = None
+    if indices is not None:
+        wanted = {}
+        for i in indices.tolist():
+            wanted[i] = wanted.get(i, 0) + 1
+        last = max(wanted)
+    out: list[np.ndarray] = []
+    for i, frame in enumerate(container.decode(stream)):
+        if wanted is None:
+            out.append(frame.to_ndarray(format="rgb24"))
+            continue
+        if i in wanted:
+            rgb = frame.to_ndarray(format="rgb24")
+            out.extend([rgb] * wanted[i])
+        if i >= last:
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the worker
+
+
+@dataclass
+class Preprocessor:
+    """Callable run in DataLoader workers: a sample in, tensors (or a SampleError) out.
+
+    Holds only picklable state; the transformers image processor is built lazily in each worker.
+    """
+
+    cfg: ProcessorConfig
+    image_processor_dir: str | None = None  # checkpoint to load the image processor from; None: defaults
+    _image_processor: Any = field(default=None, init=False, repr=False)
+
+    def image_processor(self):
+        if self._image_processor is None:
+            if self.image_processor_dir is not None:
+                from transformers import AutoImageProcessor
+
+                proc = AutoImageProcessor.from_pretrained(self.image_processor_dir, local_files_only=True)
+            else:
+                from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                    Qwen2VLImageProcessorPil,
+                )
+
+                proc = Qwen2VLImageProcessorPil(
+                    patch_size=self.cfg.patch_size,
+                    temporal_patch_size=self.cfg.temporal_patch_size,
+                    merge_size=self.cfg.merge_size,
+                    image_mean=list(self.cfg.image_mean),
+                    image_std=list(self.cfg.image_std),
+                )
+            self._image_processor = proc
+        return self._image_processor
+
+    def _size(self) -> dict[str, int]:
+        return {"shortest_edge": self.cfg.image_min_pixels, "longest_edge": self.cfg.image_max_pixels}
+
+    def image(self, path: str) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        img = load_image(path)
+        meta = {"width": img.size[0], "height": img.size[1], "mode": img.mode}
+        try:
+            out = self.image_processor()(images=[img], size=self._size(), return_tensors="pt")
+        except ValueError as e:  # e.g. smart_resize's aspect-ratio check
+            raise SampleError(f"the image processor refused {path}: {e}") from None
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        return out["pixel_values"].to(torch.float32), grid, meta  # (t*h*w, C*T*P*P)
+
+    def video(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        if sample.kind == "video":
+            frames, meta = read_video(sample.paths[0], self.cfg)
+        else:
+            arrays = [_rgb_array(load_image(p)) for p in sample.paths]
+            shapes = {a.shape for a in arrays}
+            if len(shapes) != 1:
+                raise SampleError(f"frames of one clip differ in size: {sorted(shapes)}")
+            frames = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+            meta = {
+                "video_fps": self.cfg.frames_list_fps,
+                "total_frames": len(arrays),
+                "frame_indices": list(range(len(arrays))),
+            }
+        meta.update(height=int(frames.shape[-2]), width=int(frames.shape[-1]))
+        pixels, grid = patchify_video(frames, self.cfg)
+        return pixels, grid, meta
+
+    def __call__(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        """``(pixel_values (N, C*T*P*P) float32, grid (t, h, w), meta)``; raises SampleError."""
+        if sample.kind == "image":
+            return self.image(sample.paths[0])
+        return self.video(sample)

@@ -1,0 +1,176 @@
+"""Offline stand-ins for tests, benchmarks and ``vlfast extract --demo``: media files and a tiny Qwen3-VL.
+
+``make_tiny_qwen3_vl`` saves a random-weight Qwen3-VL checkpoint (2-layer LLM and tower, a byte-level BPE
+tokenizer trained on the spot with Qwen's special tokens and a chat template, the image processor and a
+video processor config) that transformers loads back with ``AutoModelForImageTextToText`` /
+``AutoImageProcessor`` / ``AutoTokenizer``: the real loading path, without any download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["make_images", "make_tiny_qwen3_vl", "make_video", "make_demo_inputs"]
+
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Qwen's template, reduced to what one user turn with one image or video needs.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0) -> Path:
+    """Save a tiny random Qwen3-VL checkpoint at ``path`` (about 1 MB, a few seconds)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=QWEN_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["Describe this image. Describe this video. What happens? user assistant system seconds"] * 8
+    bpe.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": True,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 4,
+            "out_hidden_size": 64,
+            "deepstack_visual_indexes": [0, 1],
+            "num_position_embeddings": 64,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        size={"shortest_edge": 65_536, "longest_edge": 16_777_216},
+    ).save_pretrained(path)
+    # transformers cannot build its video processor without torchvision; write its config as the hub does.
+    video = {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "size": {"shortest_edge": 4096, "longest_edge": 25_165_824},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 768,
+    }
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    return path
+
+
+def _pattern(h: int, w: int, seed: int) -> np.ndarray:
+    """A smooth colour pattern (compresses well, resizes meaningfully): (h, w, 3) uint8."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    fx, fy, ph = rng.uniform(0.005, 0.05, 3), rng.uniform(0.005, 0.05, 3), rng.uniform(0, 6.28, 3)
+    chans = [127.5 + 127.5 * np.sin(fx[c] * x + fy[c] * y + ph[c]) for c in range(3)]
+    return np.stack(chans, axis=-1).round().astype(np.uint8)
+
+
+def make_images(
+    folder: str | Path, sizes: list[tuple[int, int]], *, prefix: str = "img", seed: int = 0
+) -> list[Path]:
+    """JPEG images of the given (width, height) sizes."""
+    from PIL import Image
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, (w, h) in enumerate(sizes):
+        p = folder / f"{prefix}{k:04d}.jpg"
+        Image.fromarray(_pattern(h, w, seed + k)).save(p, quality=90)
+        paths.append(p)
+    return paths
+
+
+def make_video(
+    path: str | Path, *, frames: int = 8, fps: int = 4, width: int = 64, height: int = 48, seed: int = 0
+) -> Path:
+    """An H.264 (or MPEG-4) clip of a moving pattern, written with PyAV."""
+    import av
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    base = _pattern(height, width * 2, seed)
+    with av.open(str(path), mode="w") as container:
+        codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            shift = (i * 3) % width
+            frame = av.VideoFrame.from_ndarray(
+                np.ascontiguousarray(base[:, shift : shift + width]), format="rgb24"
+            )
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def make_demo_inputs(folder: str | Path) -> Path:
+    """A few images and a two-second video: the inputs of ``vlfast extract --demo``."""
+    folder = Path(folder)
+    make_images(folder / "images", [(320, 240), (256, 256), (240, 320)], prefix="photo")
+    make_video(folder / "videos" / "clip.mp4", frames=8, fps=4, width=320, height=240)
+    return folder
