@@ -1,0 +1,177 @@
+"""``vlfast doctor`` through the CLI runner: exit codes, JSON schema, markdown.
+
+Exit codes are tested with a fabricated probe (timings never gate tests); one run probes for real with
+a tiny budget and checks that the JSON is self-consistent.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import vlfast.diagnosis
+from vlfast.cli import doctor as doctor_cli
+from vlfast.probe import ProbeResult
+from vlfast.timing import Timing
+
+runner = CliRunner()
+
+TOP_KEYS = {
+    "schema",
+    "target",
+    "verdict",
+    "exit_code",
+    "summary",
+    "slow_ratio",
+    "patches_per_sample",
+    "expected_saving_ms_per_sample",
+    "savings_ms_per_sample",
+    "fix",
+    "fixes",
+    "findings",
+    "rules",
+    "facts",
+    "notes",
+    "elapsed_s",
+}
+FINDING_KEYS = {
+    "status",
+    "rules",
+    "shape",
+    "device",
+    "dtype",
+    "conv_ms",
+    "gemm_ms",
+    "ratio",
+    "saving_ms_per_sample",
+    "conv_timing",
+    "gemm_timing",
+    "onednn_enabled",
+    "cudnn_enabled",
+    "max_abs_diff",
+    "error",
+    "notes",
+}
+
+
+def _app() -> typer.Typer:
+    # Only this command, so the test does not depend on the other command modules.
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    doctor_cli.register(app)
+    return app
+
+
+def _fake_probe(ratio: float):
+    def probe_conv(shape, *, device, dtype, budget_s, **kw):
+        return ProbeResult(
+            shape,
+            str(device),
+            str(dtype).removeprefix("torch."),
+            conv=Timing((2.0 * ratio,)),
+            gemm=Timing((2.0,)),
+        )
+
+    return probe_conv
+
+
+def _run(*args: str):
+    return runner.invoke(_app(), ["doctor", *args])
+
+
+def test_slow_path_exits_1_with_the_fix(monkeypatch):
+    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(40.0))
+    res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--dtype", "bf16", "--json")
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.stdout)
+    assert data["verdict"] == "slow" and data["exit_code"] == 1
+    assert data["fix"] == "import vlfast; vlfast.patch(model)"
+    texts = " ".join(f["text"] for f in data["fixes"])
+    for fix in ("vlfast.patch_transformers()", "VLFAST_PATCH=1", "python -m vlfast.run", "torchrun"):
+        assert fix in texts, fix
+    assert data["expected_saving_ms_per_sample"] == pytest.approx(78.0)
+    assert data["savings_ms_per_sample"] == {"qwen3-vl-4b": pytest.approx(78.0)}
+
+
+def test_fast_path_exits_0(monkeypatch):
+    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(1.3))
+    res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["verdict"] == "ok" and data["fix"] is None and data["fixes"] == []
+
+
+def test_threshold_is_2x(monkeypatch):
+    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(2.0))
+    assert _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--json").exit_code == 1
+    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(1.99))
+    assert _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--json").exit_code == 0
+
+
+def test_patched_model_is_not_a_finding(monkeypatch):
+    from vlfast import patch
+    from vlfast.models import build_reference
+
+    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(40.0))
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    patch(tower)
+    report = vlfast.diagnosis.doctor(tower, device="cpu", dtype="bfloat16")
+    assert report.verdict == "patched" and report.exit_code == 0 and report.facts.model_patched is True
+    assert report.fixes == [] and report.savings_ms_per_sample == {}
+
+
+def test_no_args_scans_every_reference(monkeypatch):
+    from vlfast.models import REFERENCES
+
+    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(3.0))
+    res = _run("--device", "cpu", "--json")
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.stdout)
+    names = {n.split(":")[0] for f in data["findings"] for n in f["shape"]["names"]}
+    assert names == set(REFERENCES)
+    # qwen2-vl and qwen2.5-vl share a geometry: probed once
+    assert len(data["findings"]) < len(REFERENCES) + 1
+
+
+def test_real_probe_json_schema_is_stable():
+    res = _run(
+        "--model", "ref:qwen3-vl-4b", "--device", "cpu", "--patches", "64", "--budget", "0.5", "--json"
+    )
+    assert res.exit_code in (0, 1), res.output
+    data = json.loads(res.stdout)
+    assert set(data) == TOP_KEYS
+    assert data["schema"] == "vlfast.doctor/1" and data["exit_code"] == res.exit_code
+    assert data["patches_per_sample"] == 64
+    (finding,) = data["findings"]
+    assert set(finding) == FINDING_KEYS
+    assert finding["ratio"] == pytest.approx(finding["conv_ms"] / finding["gemm_ms"])
+    assert finding["shape"]["kernel_size"] == [2, 16, 16]
+    facts = data["facts"]
+    for key in ("torch_version", "cudnn_runtime", "onednn_enabled", "transformers_version", "model_patched"):
+        assert key in facts
+    assert {r["id"] for r in data["rules"]} >= set(finding["rules"])
+
+
+def test_markdown_block(monkeypatch):
+    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(40.0))
+    res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--markdown")
+    assert res.exit_code == 1
+    assert res.stdout.startswith("### vlfast doctor")
+    assert "| Conv3d 3->1024 k=2x16x16" in res.stdout and "40.0x" in res.stdout
+    assert "vlfast.patch(model)" in res.stdout
+
+
+def test_human_output(monkeypatch):
+    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(40.0))
+    res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu")
+    assert res.exit_code == 1
+    assert "verdict: slow" in res.stdout and "vlfast.patch(model)" in res.stdout
+
+
+def test_bad_model_is_a_usage_error():
+    assert _run("--model", "ref:nope", "--no-probe").exit_code == 2
+    assert _run("--model", "/no/such/dir", "--no-probe").exit_code == 2
+    assert _run("--dtype", "int8", "--no-probe").exit_code == 2
