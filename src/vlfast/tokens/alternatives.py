@@ -42,10 +42,12 @@ def propose(an: Analysis, tag: str) -> list[Alternative]:
     for alt in SYNONYMS.get(name, POOL):
         if alt == name:
             continue
-        forms = {f"<{alt}>": None, f"</{alt}>": None}
-        for form in forms:
-            ids, tokens, verdict = an.tag_verdict(form)
-            forms[form] = (ids, tokens, verdict)
+        forms = {}
+        try:
+            for form in (f"<{alt}>", f"</{alt}>"):
+                forms[form] = an.tag_verdict(form)
+        except ValueError:  # the tokenizer cannot spell it (unknown characters): not a candidate
+            continue
         # A pair is only usable if both halves are trained: the format emits both.
         if all(v[2] == "trained" for v in forms.values()):
             ids, tokens, verdict = forms[f"<{slash}{alt}>"]

@@ -71,14 +71,23 @@ class Analysis:
         return ids, tokens, worst([t.verdict for t in tokens])
 
     def indicator_info(self) -> list[IndicatorInfo]:
-        n = self.judge.norm
-        out = [IndicatorInfo("norm", n.matrix, n.ordinary_median, n.reference_median, n.cut)]
-        c = self.judge.cos
-        out_name = (self.judge.output_stats or self.judge.input_stats).name
-        if c is None:
-            out.append(IndicatorInfo("cos_distance", out_name, None, None, None, self.judge.cos_note))
-        else:
-            out.append(IndicatorInfo("cos_distance", c.matrix, c.ordinary_median, c.reference_median, c.cut))
+        out = []
+        for t in (self.judge.norm, self.judge.cos):
+            if t is not None:
+                out.append(
+                    IndicatorInfo(
+                        t.indicator,
+                        t.matrix,
+                        t.ordinary_median,
+                        t.reference_median,
+                        t.cut,
+                        t.separation,
+                        t.informative,
+                    )
+                )
+        if self.judge.cos is None:
+            name = (self.judge.output_stats or self.judge.input_stats).name
+            out.append(IndicatorInfo("cos_distance", name, None, None, None, note=self.judge.cos_note))
         return out
 
 

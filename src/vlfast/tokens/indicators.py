@@ -32,6 +32,7 @@ class MatrixStats:
     cos_distance: np.ndarray | None  # (V,) float32, Magikarp indicator; low = like the unused rows
     duplicate_of: np.ndarray  # (V,) int64: smallest other row with identical values, -1 if unique
     cos_note: str | None = None  # why cos_distance is None
+    held_out: list[int] | None = None  # reference rows left out of the mean, to judge the indicator
 
     def __post_init__(self) -> None:
         n = len(self.norm)
@@ -75,11 +76,15 @@ def matrix_stats(
     n, d = weights.shape(name)
     cos_note = None
     direction = None
+    held_out = None
     if not reference_ids:
         cos_note = "no known-unused reference rows"
     else:
         pc = first_principal_component(weights, name)
-        ref_mean = weights.rows(name, reference_ids).mean(0)
+        # The mean comes from every other reference row; the rest are held out, so that how far the
+        # reference rows sit from the mean is not flattered by their own contribution to it.
+        held_out = list(reference_ids[1::2]) if len(reference_ids) > 1 else list(reference_ids)
+        ref_mean = weights.rows(name, list(reference_ids[::2])).mean(0)
         ref_perp = ref_mean - (ref_mean @ pc) * pc
         # Zero reference rows (a padded vocabulary left at 0) have no direction to compare with.
         if ref_perp.norm() <= 1e-12 * max(1.0, float(ref_mean.norm())):
@@ -109,7 +114,7 @@ def matrix_stats(
             cos[start:stop] = 1.0 - proj[:, 1].double().numpy() / perp
         hashes[start:stop] = _row_hashes(raw[:, :HASH_COLUMNS], coeffs)
     duplicate_of = _duplicates(weights, name, hashes)
-    return MatrixStats(name, norm, max_abs, cos, duplicate_of, cos_note)
+    return MatrixStats(name, norm, max_abs, cos, duplicate_of, cos_note, held_out)
 
 
 def _row_hashes(raw: torch.Tensor, coeffs: np.ndarray) -> np.ndarray:

@@ -76,6 +76,8 @@ class IndicatorInfo:
     ordinary_median: float | None
     reference_median: float | None
     cut: float | None
+    separation: float | None = None  # Youden's J of the cut between reference and ordinary rows
+    informative: bool | None = None  # whether the verdicts rely on it (J >= 0.5)
     note: str | None = None
 
 

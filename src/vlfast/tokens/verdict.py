@@ -2,9 +2,14 @@
 
 A statistical indicator flags a row when its value is closer to the median of the never-trained
 reference rows than to the median of ordinary rows (the midpoint rule; direction-free, so it holds
-whether untrained rows are shorter or longer than trained ones). Zero rows and exact duplicates are
-flagged outright. A row is `untrained` when it is zero, duplicated, or flagged by every statistical
-indicator that could be computed; `suspect` when flagged by some; `trained` otherwise.
+whether untrained rows are shorter or longer than trained ones). Each indicator is also scored on this
+checkpoint by its separation, Youden's J = (share of reference rows it flags) - (share of ordinary rows
+it flags); one below MIN_SEPARATION cannot tell the two groups apart here (e.g. the cosine indicator
+when the reference rows are isotropic noise) and neither flags nor clears a row.
+
+Zero rows and exact duplicates are flagged outright. A row is `untrained` when it is zero, duplicated,
+or flagged by every informative indicator; `suspect` when flagged by some, or by a non-informative one
+only; `trained` otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from vlfast.tokens.indicators import ZERO_MAX_ABS, MatrixStats
 
 VERDICTS = ("trained", "suspect", "untrained")
 NORM_FALLBACK_RATIO = 0.5  # without reference rows: a norm below half the ordinary median is "low"
+MIN_SEPARATION = 0.5  # Youden's J below which an indicator is not trusted on this checkpoint
 
 
 def worst(verdicts: list[str]) -> str:
@@ -33,6 +39,12 @@ class Threshold:
     reference_median: float | None
     cut: float
     flag_below: bool  # True: values below `cut` look untrained
+    separation: float | None = None  # Youden's J on this checkpoint; None without reference rows
+
+    @property
+    def informative(self) -> bool:
+        # Without reference rows the norm rule is a fixed ratio; trust it as the only evidence there is.
+        return self.separation is None or self.separation >= MIN_SEPARATION
 
     def __post_init__(self) -> None:
         if self.indicator not in ("norm", "cos_distance"):
@@ -46,7 +58,9 @@ def _threshold(indicator: str, matrix: str, values: np.ndarray, ordinary: np.nda
     o = float(np.median(values[ordinary]))
     if reference.any():
         r = float(np.median(values[reference]))
-        return Threshold(indicator, matrix, o, r, (o + r) / 2, r < o)
+        t = Threshold(indicator, matrix, o, r, (o + r) / 2, r < o)
+        t.separation = float(t.flags(values[reference]).mean() - t.flags(values[ordinary]).mean())
+        return t
     if indicator == "norm":
         return Threshold(indicator, matrix, o, None, NORM_FALLBACK_RATIO * o, True)
     return None
@@ -79,7 +93,9 @@ class Judge:
         out = output_stats or input_stats
         cos = None
         if out.cos_distance is not None:
-            cos = _threshold("cos_distance", out.name, out.cos_distance, ordinary, reference)
+            held_out = np.zeros_like(reference)
+            held_out[out.held_out or []] = True
+            cos = _threshold("cos_distance", out.name, out.cos_distance, ordinary, held_out & reference)
         return cls(input_stats, output_stats, norm, cos, out.cos_note)
 
     def flags(self, ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -99,8 +115,9 @@ class Judge:
     def verdicts(self, ids: np.ndarray | None = None) -> np.ndarray:
         """Array of 0 (trained), 1 (suspect), 2 (untrained) per row."""
         f = self.flags(ids)
-        statistical = [f[k] for k in ("low-norm", "near-unused") if k in f]
-        every = np.logical_and.reduce(statistical)
-        some = np.logical_or.reduce(statistical)
+        thresholds = {"low-norm": self.norm, "near-unused": self.cos}
+        trusted = [f[k] for k, t in thresholds.items() if k in f and t.informative]
+        some = np.logical_or.reduce([f[k] for k in thresholds if k in f])
+        every = np.logical_and.reduce(trusted) if trusted else np.zeros_like(some)
         hard = f["zero"] | f["duplicate"]
         return np.where(hard | every, 2, np.where(some, 1, 0))

@@ -48,6 +48,10 @@ class Vocabulary:
                     f"no usable tokenizer in {model_dir} (no tokenizer.json; transformers said: {e}); "
                     "save the tokenizer next to the weights with tokenizer.save_pretrained(DIR)"
                 ) from None
+        # A saved tokenizer.json may pad or truncate every encoding (BERT's pads to 128): a tag's
+        # ids must be its own pieces only.
+        tok.no_padding()
+        tok.no_truncation()
         added = {int(i): bool(t.special) for i, t in tok.get_added_tokens_decoder().items()}
         return cls(model_dir, tok, added)
 
@@ -94,6 +98,7 @@ class Vocabulary:
         spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["content"] not in text]
         from tokenizers import Tokenizer
 
+        spec["padding"] = spec["truncation"] = None
         plain = Tokenizer.from_str(json.dumps(spec))
         return plain.encode(text, add_special_tokens=False).ids
 

@@ -1,0 +1,133 @@
+"""Time `vlfast tokens audit` on a Qwen-sized embedding and measure its extra memory.
+
+Writes a 152,064 x 4,096 bf16 embedding (Qwen2.5-7B / Qwen3-8B shape, tied: no lm_head) with a
+151,669-entry tokenizer and `<think>`/`</think>` as added tokens to a temp folder, then audits it in a
+fresh child process per run so every run's peak memory is its own. Reports the median wall time, and
+the peak resident memory above the child's level just before the audit: anonymous (what the audit
+allocates) and file-backed (pages of the memory-mapped weights it touched, which the kernel can drop).
+
+    python benchmarks/tokens_audit.py [--rows 152064] [--width 4096] [--untied] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+TOKENIZER_LENGTH = 151_669  # Qwen2.5/Qwen3: 151,643 BPE entries + 26 added tokens
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def build(folder: Path, rows: int, width: int, untied: bool) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    n_plain = min(TOKENIZER_LENGTH, rows - rows // 400) - 2  # keep Qwen's ~0.26% padding rows
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n_plain)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tok.save(str(folder / "tokenizer.json"))
+    g = torch.Generator().manual_seed(0)
+    emb = torch.empty(rows, width, dtype=torch.bfloat16)
+    for start in range(0, rows, 16384):  # build in blocks: a full fp32 copy would be 2.5 GB
+        stop = min(rows, start + 16384)
+        emb[start:stop] = torch.randn(stop - start, width, generator=g).to(torch.bfloat16)
+    emb[n_plain:] = (0.02 * torch.randn(rows - n_plain, width, generator=g)).to(torch.bfloat16)
+    tensors = {"model.embed_tokens.weight": emb}
+    if untied:
+        tensors["lm_head.weight"] = emb.clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "tie_word_embeddings": not untied})
+    )
+
+
+def child(folder: str) -> None:
+    from vlfast.tokens import audit_tokens
+
+    base_anon, base_file = _status_kib("RssAnon"), _status_kib("RssFile")
+    peak = {"anon": base_anon, "file": base_file}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak["anon"] = max(peak["anon"], _status_kib("RssAnon"))
+            peak["file"] = max(peak["file"], _status_kib("RssFile"))
+            time.sleep(0.02)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    report = audit_tokens(folder)
+    wall = time.perf_counter() - t0
+    done.set()
+    t.join()
+    print(
+        json.dumps(
+            {
+                "wall_s": wall,
+                "extra_anon_mib": (peak["anon"] - base_anon) / 1024,
+                "extra_file_mib": (peak["file"] - base_file) / 1024,
+                "verdict": report.verdict,
+            }
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=152_064)
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--untied", action="store_true", help="also store an lm_head of the same shape")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        t0 = time.perf_counter()
+        build(folder, args.rows, args.width, args.untied)
+        print(
+            f"built {args.rows} x {args.width} bf16 ({'untied' if args.untied else 'tied'}) in {time.perf_counter() - t0:.1f} s"
+        )
+        results = []
+        for i in range(args.runs + 1):  # run 0 warms the page cache and is not counted
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", str(folder)], capture_output=True, text=True, check=True
+            )
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            if i:
+                results.append(r)
+            print(f"run {i}{' (warm-up)' if not i else ''}: {json.dumps(r)}")
+    wall = statistics.median(r["wall_s"] for r in results)
+    anon = max(r["extra_anon_mib"] for r in results)
+    file_ = max(r["extra_file_mib"] for r in results)
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"python {platform.python_version()}"
+    )
+    print(f"audit of {args.rows} x {args.width} bf16: median {wall:.2f} s over {len(results)} runs")
+    print(f"peak extra memory: {anon:.0f} MiB anonymous + {file_:.0f} MiB file-backed (mapped weights)")
+    print(f"verdict: {results[-1]['verdict']}")
+
+
+if __name__ == "__main__":
+    main()
