@@ -21,6 +21,8 @@ _COMMAND_MODULES = [
     "vlfast.cli.models",
     "vlfast.cli.verify",
     "vlfast.cli.doctor",
+    "vlfast.cli.extract",
+    "vlfast.cli.tokens",
 ]
 
 

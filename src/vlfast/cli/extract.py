@@ -1,0 +1,174 @@
+"""`vlfast extract`: features of images and videos into a resumable, sharded output folder."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from vlfast.cli._common import (
+    EXIT_FINDING,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    UsageError,
+    console,
+    err_console,
+    handle_errors,
+    print_json,
+)
+
+DEMO_MODEL = "ref:qwen3-vl-2b"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("extract")(extract)
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{option} {text!r} must be comma-separated integers, e.g. -1,-8") from None
+
+
+@handle_errors
+def extract(
+    paths: Annotated[
+        list[str],
+        typer.Argument(
+            help="INPUT OUT: INPUT is a folder of images/videos (recursive) or a manifest (.jsonl, .csv, "
+            ".parquet with columns path, id, prompt); OUT is the output folder. With --demo, only OUT.",
+            show_default=False,
+        ),
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="A local checkpoint directory, or ref:NAME (vision features only, random weights).",
+        ),
+    ] = None,
+    features: Annotated[
+        str,
+        typer.Option("--features", "-f", help="Comma-separated: vision, vision_mean, deepstack, llm."),
+    ] = "vision,vision_mean",
+    layers: Annotated[
+        str, typer.Option("--layers", help="LLM hidden-state layers for 'llm' (0 = embeddings, -1 = last).")
+    ] = "-1",
+    pool: Annotated[str, typer.Option("--pool", help="'last', 'mean' or 'last,mean' for 'llm'.")] = "last",
+    prompt: Annotated[
+        str | None,
+        typer.Option(
+            "--prompt", help="Prompt for 'llm' when a manifest row has none ('{kind}' = image/video)."
+        ),
+    ] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    fps: Annotated[float | None, typer.Option("--fps", help="Video frames per second to sample.")] = None,
+    num_frames: Annotated[
+        int | None, typer.Option("--num-frames", help="Frames per video instead of --fps.")
+    ] = None,
+    min_pixels: Annotated[int | None, typer.Option("--min-pixels", help="Image pixel budget, lower.")] = None,
+    max_pixels: Annotated[int | None, typer.Option("--max-pixels", help="Image pixel budget, upper.")] = None,
+    video_max_pixels: Annotated[
+        int | None, typer.Option("--video-max-pixels", help="Total pixel budget over a video's frames.")
+    ] = None,
+    batch_tokens: Annotated[
+        int | None,
+        typer.Option("--batch-tokens", help="Patches per forward. Default 32768 on CUDA, 8192 on CPU."),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option("--workers", help="Decode/preprocess processes. Default: cores - 1, at most 8."),
+    ] = None,
+    no_patch: Annotated[
+        bool, typer.Option("--no-patch", help="Leave the patch-embedding convs unpatched.")
+    ] = False,
+    max_errors: Annotated[
+        int | None, typer.Option("--max-errors", help="Stop once more samples than this have failed.")
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Delete what OUT holds and start over.")
+    ] = False,
+    demo: Annotated[
+        bool,
+        typer.Option(
+            "--demo",
+            help=f"Make a few images and a short video in a temp folder and extract them with {DEMO_MODEL}.",
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Extract vision-tower and LLM features per sample; run again to resume. Exit 1 if --max-errors stopped it."""
+    from vlfast.extraction.pipeline import extract as run_extract
+
+    if demo:
+        if len(paths) != 1:
+            raise UsageError("with --demo give only OUT, e.g. `vlfast extract --demo demo-out`")
+        tmp = tempfile.TemporaryDirectory(prefix="vlfast-demo-")
+        from vlfast.extraction.synthetic import make_demo_inputs
+
+        source: str = str(make_demo_inputs(tmp.name))
+        out = paths[0]
+        model = model or DEMO_MODEL
+    else:
+        if len(paths) != 2:
+            raise UsageError("give INPUT and OUT (or --demo OUT)")
+        source, out = paths
+        if model is None:
+            raise UsageError("--model is required: a checkpoint directory or ref:NAME (see `vlfast models`)")
+    pools = tuple(p.strip() for p in pool.split(",") if p.strip())
+    summary = run_extract(
+        source,
+        out,
+        model=model,
+        features=features,
+        layers=_ints(layers, "--layers"),
+        pools=pools,
+        prompt=prompt,
+        device=device,
+        dtype=dtype,
+        fps=fps,
+        num_frames=num_frames,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        video_max_pixels=video_max_pixels,
+        max_batch_tokens=batch_tokens,
+        num_workers=workers,
+        patch_convs=not no_patch,
+        max_errors=max_errors,
+        overwrite=overwrite,
+        progress=not as_json,
+    )
+    if as_json:
+        print_json(summary.to_dict())
+    else:
+        table = Table(title=f"vlfast extract -> {Path(out)}", show_header=False)
+        table.add_column("", style="bold")
+        table.add_column("")
+        rows = [
+            ("model", summary.model),
+            ("features", ", ".join(summary.features)),
+            ("rank", f"{summary.rank} of {summary.world_size}"),
+            ("samples", f"{summary.total} in input, {summary.assigned} for this rank"),
+            ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
+            ("failed", f"{summary.failed}" + (f"  {summary.errors}" if summary.errors else "")),
+            ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
+            ("time", f"{summary.seconds:.1f} s ({summary.compute_seconds:.1f} s in model forwards)"),
+        ]
+        if summary.oom_splits:
+            rows.append(("OOM splits", str(summary.oom_splits)))
+        for k, v in rows:
+            table.add_row(k, v)
+        console.print(table)
+        if summary.failed:
+            console.print(f"errors with reasons: {Path(out) / 'errors'}", highlight=False)
+        console.print(f"read back with: vlfast.FeatureCache({str(out)!r})", highlight=False)
+    if summary.stopped:
+        err_console.print(f"[bold red]stopped:[/bold red] {summary.stopped}; committed samples are kept")
+        raise typer.Exit(EXIT_FINDING)
