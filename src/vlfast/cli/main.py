@@ -22,7 +22,6 @@ _COMMAND_MODULES = [
     "vlfast.cli.verify",
     "vlfast.cli.doctor",
     "vlfast.cli.extract",
-    "vlfast.cli.tokens",
 ]
 
 
