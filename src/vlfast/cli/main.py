@@ -22,6 +22,7 @@ _COMMAND_MODULES = [
     "vlfast.cli.verify",
     "vlfast.cli.doctor",
     "vlfast.cli.extract",
+    "vlfast.cli.tokens",
 ]
 
 
