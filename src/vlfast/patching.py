@@ -43,6 +43,32 @@ _STOCK_CONV_FORWARD = {cls: cls._conv_forward for cls in _CONV_TYPES}
 Filter = Callable[[str, nn.Module], bool] | str | None
 
 
+def _is_channels_last(t: torch.Tensor, nd: int) -> bool:
+    """True when ``t`` is laid out channels-last and not also plain contiguous (a 2-D or 3-D conv only)."""
+    return (
+        nd in _CHANNELS_LAST and not t.is_contiguous() and t.is_contiguous(memory_format=_CHANNELS_LAST[nd])
+    )
+
+
+def _conv_memory_format(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...]
+) -> torch.memory_format:
+    """The memory format the stock conv gives for these tensors when one of them is channels-last.
+
+    It depends on the kernel torch picks: oneDNN and cuDNN answer channels-last when the input or the
+    weight is (``model.to(memory_format=...)``), CPU's fp16 Slow3d answers contiguous. Ask torch's own
+    selector, as its meta functions do; fall back to the common rule where it is missing.
+    """
+    nd = len(stride)
+    try:
+        backend = torch._C._select_conv_backend(
+            x, weight, bias, list(stride), [0] * nd, [1] * nd, False, [0] * nd, 1, None
+        )
+        return torch._C._conv_determine_backend_memory_format(x, weight, backend)
+    except (AttributeError, RuntimeError, TypeError):  # private API: absent or different elsewhere
+        return _CHANNELS_LAST[nd]
+
+
 class GemmConvForward:
     """Replacement for ``_ConvNd._conv_forward(input, weight, bias)`` computing the conv as a GEMM.
 
@@ -77,11 +103,7 @@ class GemmConvForward:
         n, c = x.shape[0], x.shape[1]
         spatial = tuple(x.shape[2:])
         d = weight.shape[0]
-        channels_last = (
-            nd in _CHANNELS_LAST
-            and not x.is_contiguous()
-            and x.is_contiguous(memory_format=_CHANNELS_LAST[nd])
-        )
+        channels_last = _is_channels_last(x, nd)
         if spatial == self.kernel_size:
             # The Qwen case: x is (N, C, T, P, P) and every sample is one window.
             if x.is_contiguous():
@@ -102,18 +124,20 @@ class GemmConvForward:
         # Larger input: crop the remainder the conv would skip, cut into windows, one batched GEMM.
         grid = tuple(s // k for s, k in zip(spatial, self.kernel_size))
         crop = tuple(slice(0, g * k) for g, k in zip(grid, self.kernel_size))
-        x = x[(slice(None), slice(None), *crop)]
+        windows = x[(slice(None), slice(None), *crop)]
         # (N, C, g0, k0, g1, k1, ...) -> (N, C, k0, k1, ..., g0, g1, ...) -> (N, C*K, L)
         shape = [n, c]
         for g, k in zip(grid, self.kernel_size):
             shape += [g, k]
         order = [0, 1, *range(3, 2 * nd + 2, 2), *range(2, 2 * nd + 2, 2)]
-        cols = x.reshape(shape).permute(order).reshape(n, c * math.prod(self.kernel_size), -1)
+        cols = windows.reshape(shape).permute(order).reshape(n, c * math.prod(self.kernel_size), -1)
         y = torch.matmul(weight.reshape(d, -1), cols)  # (D, C*K) @ (N, C*K, L) -> (N, D, L)
         if bias is not None:
             y = y + bias.view(1, d, 1).to(y.dtype)
         y = y.view(n, d, *grid)
-        return y.contiguous(memory_format=_CHANNELS_LAST[nd]) if channels_last else y
+        if channels_last or _is_channels_last(weight, nd):
+            return y.contiguous(memory_format=_conv_memory_format(x, weight, bias, self.kernel_size))
+        return y
 
 
 class _PatchedExtraRepr:
@@ -200,6 +224,8 @@ def eligibility(module: nn.Module) -> str | None:
 
     Pure function of the module's configuration; the reasons are user-facing.
     """
+    if isinstance(module, nn.modules.conv._ConvNd) and module.transposed:
+        return "transposed convolution"
     if not isinstance(module, _CONV_TYPES):
         return "not a Conv1d/Conv2d/Conv3d"
     base = next(cls for cls in _CONV_TYPES if isinstance(module, cls))
@@ -220,8 +246,6 @@ def eligibility(module: nn.Module) -> str | None:
         return f"dilation {tuple(module.dilation)} is not 1"
     if module.groups != 1:
         return f"groups={module.groups}"
-    if getattr(module, "transposed", False):
-        return "transposed convolution"
     return None
 
 
@@ -288,8 +312,11 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
     _check_module(model, "patch")
     keep = _compile_filter(filter)
     report = PatchReport()
+    # Decide for every module first, change nothing until all decisions are made: a filter or an odd
+    # module that raises half-way must not leave the model half patched.
+    todo: list[nn.Module] = []
     for name, m in model.named_modules():
-        if not isinstance(m, _CONV_TYPES):
+        if not isinstance(m, nn.modules.conv._ConvNd):  # transposed convs too: reported, never patched
             continue
         if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward):
             report.entries.append(_entry(name, m, "already_patched"))
@@ -303,14 +330,16 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         if reason is not None:
             report.entries.append(_entry(name, m, "skipped", reason))
             continue
-        m._conv_forward = GemmConvForward(tuple(m.kernel_size), m.padding_mode)
-        m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
+        todo.append(m)
         report.entries.append(_entry(name, m, "patched"))
     if strict and not report:
         found = (
             "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) or "the model has no Conv1d/2d/3d"
         )
         raise ValueError(f"vlfast.patch(strict=True): nothing was patched ({found})")
+    for m in todo:
+        m._conv_forward = GemmConvForward(tuple(m.kernel_size), m.padding_mode)
+        m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
     return report
 
 
