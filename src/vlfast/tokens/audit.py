@@ -118,6 +118,7 @@ def analyse(
     exclude_ids: Sequence[int] = (),
     embedding_name: str | None = None,
     lm_head_name: str | None = None,
+    vocab: Vocabulary | None = None,
 ) -> Analysis:
     """Read the checkpoint's embedding matrices and fit the thresholds.
 
@@ -125,7 +126,7 @@ def analyse(
     so a tag never vouches for itself.
     """
     weights = CheckpointWeights.open(model, embedding_name, lm_head_name)
-    vocab = Vocabulary.load(model)
+    vocab = vocab or Vocabulary.load(model)
     rows, _ = weights.shape(weights.embedding_name)
     if not weights.tied:
         out_rows = weights.shape(weights.lm_head_name)[0]
@@ -214,9 +215,9 @@ def audit_tokens(
 
     t0 = time.perf_counter()
     wanted = collect_tags(tags, template, reward_regex)
-    vocab = Vocabulary.load(model) if Path(model).is_dir() else None
-    if vocab is None:
+    if not Path(model).is_dir():
         raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
+    vocab = Vocabulary.load(model)
     tag_ids = {t: vocab.split(t) for t in wanted}
     exclude = sorted({i for ids in tag_ids.values() for i in ids if i in vocab.added})
     an = analyse(
@@ -225,6 +226,7 @@ def audit_tokens(
         exclude_ids=exclude,
         embedding_name=embedding_name,
         lm_head_name=lm_head_name,
+        vocab=vocab,
     )
     reports = []
     for tag, sources in wanted.items():
