@@ -1,7 +1,7 @@
 """A model-free extraction run through FeatureStore, for crash, resume and scale-out tests.
 
-    python -m vlfast.extraction._selftest OUT --n 200            # one process
-    torchrun --nproc_per_node 2 -m vlfast.extraction._selftest OUT --n 200 --dist   # gloo, CPU
+    python -m vlfast.extraction._selftest OUT --samples 200            # one process
+    torchrun --nproc_per_node 2 -m vlfast.extraction._selftest OUT --samples 200 --dist   # gloo, CPU
 
 Every sample's features derive from a RNG seeded by its id alone, so any run, interrupted or not, on any
 number of ranks, must produce the same bytes per id. The input has repeated ids and some ids that "fail"
@@ -133,7 +133,7 @@ def compare_caches(a: str | os.PathLike, b: str | os.PathLike) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
-    p.add_argument("--n", type=int, default=200)
+    p.add_argument("--samples", type=int, default=200)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per sample, so kills land mid-run")
     p.add_argument("--shard-samples", type=int, default=8)
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         run(
             a.out,
-            a.n,
+            a.samples,
             dim=a.dim,
             sleep=a.sleep,
             shard_max_samples=a.shard_samples,
