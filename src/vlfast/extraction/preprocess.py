@@ -282,7 +282,7 @@ def load_image(path: str):
         # 16-bit data fills 0..65535; 32-bit int/float images are scaled by their own range.
         top = 65535.0 if mode.startswith("I;16") or arr.max(initial=0) <= 65535 else float(arr.max())
         top = 255.0 if arr.max(initial=0) <= 255 and mode == "F" else top
-        img = Image.fromarray(np.clip(np.round(arr / top * 255.0), 0, 255).astype(np.uint8), mode="L")
+        img = Image.fromarray(np.clip(np.round(arr / top * 255.0), 0, 255).astype(np.uint8))
     elif mode == "CMYK":
         img = img.convert("RGB")
     elif mode not in ("RGB", "RGBA", "L", "LA", "P", "PA", "1"):
@@ -366,8 +366,8 @@ def patchify_video(frames: torch.Tensor, cfg: ProcessorConfig) -> tuple[torch.Te
     h, w = video_resize_shape(max(n, cfg.temporal_patch_size), frames.shape[-2], frames.shape[-1], cfg)
     if (h, w) != tuple(frames.shape[-2:]):
         frames = F.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
-    mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(1, 3, 1, 1) / cfg.rescale_factor
-    std = torch.tensor(cfg.video_std, dtype=torch.float32).view(1, 3, 1, 1) / cfg.rescale_factor
+    mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(1, 3, 1, 1) * (1.0 / cfg.rescale_factor)
+    std = torch.tensor(cfg.video_std, dtype=torch.float32).view(1, 3, 1, 1) * (1.0 / cfg.rescale_factor)
     video = (frames.to(torch.float32) - mean) / std  # (T, C, H, W)
     tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     if pad := -n % tp:

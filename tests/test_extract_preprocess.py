@@ -1,0 +1,304 @@
+"""Preprocessing parity with transformers' own processors, and the bad-input cases.
+
+Images run through transformers' image processor itself. Videos cannot (transformers' video processors
+need torchvision, which does not install beside this torch), so each step of vlfast's video path is
+checked against the corresponding transformers function called directly: frame sampling
+(``Qwen3VLVideoProcessor.sample_frames``, ``Qwen2VLVideoProcessor.sample_frames``), sizes
+(``get_num_of_video_patches`` with and without the per-frame cap), patchify and the placeholder text
+(``Qwen3VLProcessor.replace_video_token``). The resize kernel itself (torchvision's uint8 bicubic) is the
+one step only checked against a reading of torchvision's source, not run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vlfast.extraction.inputs import Sample
+from vlfast.extraction.preprocess import (
+    Preprocessor,
+    SampleError,
+    build_processor_config,
+    load_image,
+    patchify_video,
+    read_video,
+    sample_frame_indices,
+)
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl")
+
+
+def _reference_image_processor(cfg):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        size={"shortest_edge": 65_536, "longest_edge": 16_777_216},
+    )
+
+
+def test_image_matches_transformers_processor(media_dir, cfg):
+    from PIL import Image
+
+    ref = _reference_image_processor(cfg)
+    pre = Preprocessor(cfg)
+    for name in ("rgb.jpg", "rgba.png", "palette.png", "gray.png", "cmyk.jpg", "tiny.png", "wide150.png"):
+        path = media_dir / "good" / name
+        pixels, grid, _ = pre.image(str(path))
+        expected = ref(images=[Image.open(path)], return_tensors="pt")
+        assert grid == tuple(expected["image_grid_thw"][0].tolist()), name
+        torch.testing.assert_close(pixels, expected["pixel_values"], rtol=0, atol=0, msg=name)
+        assert grid[0] == 1 and pixels.shape[1] == 3 * 2 * 16 * 16
+
+
+def test_checkpoint_processor_is_the_checkpoints_own(tiny_qwen3_vl, media_dir):
+    from transformers import AutoImageProcessor
+
+    cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
+    assert cfg.image_mean == (0.5, 0.5, 0.5) and cfg.video_max_pixels == 25_165_824
+    assert "video_preprocessor_config.json" in cfg.source
+    pixels, grid, _ = Preprocessor(cfg, image_processor_dir=str(tiny_qwen3_vl)).image(
+        str(media_dir / "good/rgb.jpg")
+    )
+    from PIL import Image
+
+    proc = AutoImageProcessor.from_pretrained(tiny_qwen3_vl, local_files_only=True)
+    expected = proc(images=[Image.open(media_dir / "good/rgb.jpg")], return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(pixels, expected, rtol=0, atol=0)
+
+
+def test_transparency_is_composited_on_white(tmp_path, cfg):
+    from PIL import Image
+
+    Image.new("RGBA", (256, 256), (0, 0, 0, 0)).save(tmp_path / "clear.png")
+    pixels, _, _ = Preprocessor(cfg).image(str(tmp_path / "clear.png"))
+    assert torch.all(pixels == 1.0)  # white, normalised with mean = std = 0.5
+
+
+def test_sixteen_bit_is_scaled_not_clipped(media_dir, cfg):
+    pre = Preprocessor(cfg)
+    p16, _, _ = pre.image(str(media_dir / "good/gray16.png"))
+    p8, _, _ = pre.image(str(media_dir / "good/gray.png"))
+    torch.testing.assert_close(p16, p8, rtol=0, atol=0)
+
+
+def test_animated_gives_first_frame(media_dir):
+    img = load_image(str(media_dir / "good/animated.gif"))
+    assert img.size == (64, 64)
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("zero.jpg", "empty file"),
+        ("text.png", "not an image"),
+        ("truncated.jpg", "truncated"),
+        ("wide250.png", "aspect ratio"),
+        ("missing.png", "file not found"),
+    ],
+)
+def test_bad_images_raise_with_reason(media_dir, cfg, name, reason):
+    with pytest.raises(SampleError, match=reason):
+        Preprocessor(cfg).image(str(media_dir / "bad" / name))
+
+
+# ---------------------------------------------------------------------------------------- video rules
+
+
+def _qwen3_video_self(cfg):
+    return SimpleNamespace(fps=cfg.fps, min_frames=cfg.min_frames, max_frames=cfg.max_frames)
+
+
+@pytest.mark.parametrize("video_fps", [1.0, 2.5, 24.0, 29.97, 60.0])
+@pytest.mark.parametrize("total", [1, 2, 3, 7, 48, 301, 5000])
+def test_qwen3_frame_sampling_matches_transformers(cfg, total, video_fps):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    meta = VideoMetadata(total_num_frames=total, fps=video_fps)
+    expected = Qwen3VLVideoProcessor.sample_frames(_qwen3_video_self(cfg), meta)
+    np.testing.assert_array_equal(sample_frame_indices(total, video_fps, cfg), expected)
+    fixed = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
+    meta = VideoMetadata(total_num_frames=total, fps=video_fps)
+    expected = Qwen3VLVideoProcessor.sample_frames(_qwen3_video_self(fixed), meta, num_frames=8)
+    np.testing.assert_array_equal(sample_frame_indices(total, video_fps, fixed), expected)
+
+
+def _method_from_source(module: str, cls: str, method: str):
+    """A method of a transformers class whose module cannot be imported here (it imports torchvision at
+    the top): compile the installed source of that one function, so the check runs transformers' code."""
+    import ast
+    import importlib.util
+    import math
+
+    spec = importlib.util.find_spec(module)
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    fn.decorator_list = []
+    ns = {"math": math, "np": np, "torch": torch, "VideoMetadata": object}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), spec.origin, "exec"), ns)  # noqa: S102
+    return ns[method]
+
+
+@pytest.mark.parametrize("total", [4, 9, 48, 301, 2000])
+def test_qwen2_frame_sampling_matches_transformers(total):
+    from transformers.video_utils import VideoMetadata
+
+    sample_frames = _method_from_source(
+        "transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor", "sample_frames"
+    )
+    cfg = build_processor_config("ref:qwen2.5-vl-7b", family="qwen2_5_vl")
+    fake = SimpleNamespace(num_frames=None, fps=2, temporal_patch_size=2, min_frames=4, max_frames=768)
+    expected = sample_frames(fake, VideoMetadata(total_num_frames=total, fps=24.0))
+    np.testing.assert_array_equal(sample_frame_indices(total, 24.0, cfg), np.asarray(expected))
+
+
+@pytest.mark.parametrize("cap", [False, True])
+@pytest.mark.parametrize(
+    ("n", "h", "w"), [(2, 48, 64), (4, 240, 320), (16, 720, 1280), (768, 1080, 1920), (4, 20, 900)]
+)
+def test_video_sizes_match_transformers(cfg, cap, n, h, w):
+    from dataclasses import replace
+
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    c = replace(cfg, cap_pixels_per_frame=cap)
+    fake = SimpleNamespace(
+        size={"shortest_edge": c.video_min_pixels, "longest_edge": c.video_max_pixels},
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        cap_pixels_per_frame=cap,
+        max_video_tokens=768,
+    )
+    expected = Qwen3VLVideoProcessor.get_num_of_video_patches(fake, n, h, w, {"cap_pixels_per_frame": cap})
+    frames = torch.zeros(n, 3, h, w, dtype=torch.uint8)
+    pixels, (gt, gh, gw) = patchify_video(frames, c)
+    assert gt * gh * gw == expected == pixels.shape[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_patchify_matches_transformers(cfg, n):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    gen = torch.Generator().manual_seed(n)
+    frames = torch.randint(0, 256, (n, 3, 64, 96), dtype=torch.uint8, generator=gen)  # no resize needed
+    small = type(cfg)(**{**cfg.__dict__, "video_min_pixels": 32 * 32})
+    ours, grid = patchify_video(frames, small)
+    # transformers: fused rescale+normalise as tvF.normalize(x, 255*mean, 255*std), then its patchify
+    mean = torch.tensor([127.5] * 3).view(1, 3, 1, 1)
+    video = ((frames.float() - mean) / mean)[None]
+    if n == 1:  # transformers refuses one frame; vlfast repeats it like an image
+        video = torch.cat([video, video], dim=1)
+    expected, gt, gh, gw = Qwen3VLVideoProcessor.patchify(
+        None, video, patch_size=16, merge_size=2, temporal_patch_size=2
+    )
+    assert grid == (gt, gh, gw)
+    torch.testing.assert_close(ours, expected[0], rtol=0, atol=0)
+
+
+def test_two_equal_frames_match_the_image_processor(tmp_path, cfg):
+    """A still repeated is what the image processor makes of an image (same T=2 layout)."""
+    from PIL import Image
+
+    from vlfast.extraction.synthetic import _pattern
+
+    arr = _pattern(256, 256, 7)  # 65,536 pixels, multiple of 32: neither path resizes
+    Image.fromarray(arr).save(tmp_path / "still.png")
+    img_pixels, img_grid, _ = Preprocessor(cfg).image(str(tmp_path / "still.png"))
+    frames = torch.from_numpy(np.stack([arr, arr])).permute(0, 3, 1, 2).contiguous()
+    vid_pixels, vid_grid = patchify_video(frames, cfg)
+    assert img_grid == vid_grid
+    torch.testing.assert_close(vid_pixels, img_pixels, rtol=0, atol=1e-6)
+
+
+def test_resize_is_torchvision_uint8_bicubic(cfg):
+    """The resize step is F.interpolate on uint8 (torchvision's CPU kernel for uint8 bicubic)."""
+    frames = torch.randint(
+        0, 256, (2, 3, 100, 150), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    small = type(cfg)(**{**cfg.__dict__, "video_min_pixels": 32 * 32, "video_max_pixels": 2 * 64 * 96})
+    ours, (gt, gh, gw) = patchify_video(frames, small)
+    resized = torch.nn.functional.interpolate(frames, size=(gh * 16, gw * 16), mode="bicubic", antialias=True)
+    again, _ = patchify_video(resized, small)
+    torch.testing.assert_close(ours, again, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- PyAV
+
+
+def test_read_video_samples_by_fps(media_dir, cfg):
+    frames, meta = read_video(str(media_dir / "good/clip.mp4"), cfg)
+    assert meta["total_frames"] == 10 and meta["video_fps"] == 5.0
+    assert meta["frame_indices"] == [0, 3, 6, 9]  # 2 s at 2 fps = 4 frames, min 4
+    assert frames.shape == (4, 3, 64, 96) and frames.dtype == torch.uint8
+
+
+def test_video_edge_cases(media_dir, cfg):
+    pre = Preprocessor(cfg)
+    pixels, grid, meta = pre(Sample("one", "video", (str(media_dir / "good/one_frame.mp4"),)))
+    assert grid[0] == 1 and meta["frame_indices"] == [0]
+    pixels, grid, meta = pre(Sample("odd", "video", (str(media_dir / "good/odd.mp4"),)))
+    assert meta["frame_indices"] == [0, 1, 2] and grid[0] == 2  # 3 frames padded with the last
+    for name, reason in [
+        ("corrupt.mp4", "corrupt|no video|no decodable|no frames"),
+        ("empty.mp4", "empty file"),
+    ]:
+        with pytest.raises(SampleError, match=reason):
+            pre(Sample(name, "video", (str(media_dir / "bad" / name),)))
+
+
+def test_frame_list_clip(media_dir, cfg, tmp_path):
+    from PIL import Image
+
+    from vlfast.extraction.synthetic import _pattern
+
+    paths = []
+    for k in range(3):
+        p = tmp_path / f"f{k}.png"
+        Image.fromarray(_pattern(64, 64, k)).save(p)
+        paths.append(str(p))
+    pixels, grid, meta = Preprocessor(cfg)(Sample("clip", "frames", tuple(paths)))
+    assert grid[0] == 2 and meta["frame_indices"] == [0, 1, 2]
+    Image.fromarray(_pattern(32, 64, 9)).save(tmp_path / "odd_size.png")
+    with pytest.raises(SampleError, match="differ in size"):
+        Preprocessor(cfg)(Sample("bad", "frames", (paths[0], str(tmp_path / "odd_size.png"))))
+
+
+def test_video_placeholder_matches_qwen3_processor(cfg):
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from vlfast.extraction.features import PromptBuilder
+
+    indices = [0, 3, 6, 9, 12]
+    meta = VideoMetadata(total_num_frames=13, fps=5.0, frames_indices=np.array(indices))
+    fake = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+        video_token="<|video_pad|>",
+        vision_start_token="<|vision_start|>",
+        vision_end_token="<|vision_end|>",
+    )
+    fake._calculate_timestamps = lambda *a: Qwen3VLProcessor._calculate_timestamps(fake, *a)
+    inputs = {"video_grid_thw": torch.tensor([[3, 4, 6]]), "video_metadata": [meta]}
+    expected = Qwen3VLProcessor.replace_video_token(fake, inputs, 0)
+    ours = PromptBuilder("unused", "qwen3_vl", 2, 2).placeholder(
+        "video", (3, 4, 6), {"frame_indices": indices, "video_fps": 5.0}
+    )
+    assert ours == expected
+    assert json.dumps(ours).count("seconds") == 3
