@@ -1,0 +1,236 @@
+"""End to end through the real loading path (tiny offline Qwen3-VL checkpoint): features, batching,
+bad inputs, resume, refusal of a changed configuration, --max-errors, OOM split-and-retry, ranks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from vlfast.extraction import FeatureCache, RunConfigMismatch
+from vlfast.extraction.batching import TokenBudget, is_oom, pack, run_split_on_oom
+from vlfast.extraction.inputs import Sample, scan_folder
+from vlfast.extraction.pipeline import extract
+from vlfast.extraction.preprocess import Preprocessor, build_processor_config
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+@pytest.fixture(scope="module")
+def good_dir(media_dir, tmp_path_factory):
+    """Just the good media, in their own folder."""
+    dst = tmp_path_factory.mktemp("good") / "in"
+    shutil.copytree(media_dir / "good", dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def full_run(media_dir, tiny_qwen3_vl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "out"
+    summary = extract(
+        media_dir,
+        out,
+        model=str(tiny_qwen3_vl),
+        features="vision,vision_mean,deepstack",
+        num_workers=1,
+        max_batch_tokens=2048,
+    )
+    return summary, out
+
+
+def test_every_input_is_extracted_or_recorded(full_run, media_dir):
+    summary, out = full_run
+    expected = json.loads((media_dir / "expected.json").read_text())
+    cache = FeatureCache(out)
+    assert sorted(cache.ids()) == expected["good"]
+    errors = {e["id"]: e["reason"] for e in cache.errors()}
+    assert sorted(errors) == expected["bad"]
+    assert "empty file" in errors["bad/zero.jpg"] and "aspect ratio" in errors["bad/wide250.png"]
+    assert summary.extracted == len(expected["good"]) and summary.failed == len(expected["bad"])
+    assert summary.total == len(expected["good"]) + len(expected["bad"])
+    assert sum(summary.errors.values()) == summary.failed
+
+
+def test_features_match_the_naive_loop(full_run, media_dir, tiny_qwen3_vl):
+    """Per sample: processor + tower alone, no batching; the pipeline's packed batches change nothing."""
+    from vlfast.models import load_vision_tower, tower_outputs
+
+    _, out = full_run
+    cache = FeatureCache(out)
+    cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
+    pre = Preprocessor(cfg, image_processor_dir=str(tiny_qwen3_vl))
+    tower = load_vision_tower(str(tiny_qwen3_vl), dtype=torch.float32)
+    for s in scan_folder(media_dir / "good"):
+        pixels, grid, _ = pre(s)
+        with torch.inference_mode():
+            ref = tower_outputs(tower(pixels, grid_thw=torch.tensor([grid])))
+        got = cache["good/" + s.id]
+        assert got["grid_thw"].tolist() == [list(grid)]
+        t, h, w = grid
+        assert got["vision"].shape == (t * h * w // 4, 64)
+        assert _cos(got["vision"], ref["merged"]) >= 0.999999, s.id
+        torch.testing.assert_close(got["vision"], ref["merged"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got["vision_mean"], ref["merged"].mean(0), rtol=1e-4, atol=1e-5)
+        for k, level in enumerate(ref["deepstack"]):
+            torch.testing.assert_close(got[f"deepstack.{k}"], level, rtol=1e-4, atol=1e-5)
+        # tokens go back to (t, h/2, w/2, D) with the stored grid
+        assert got["vision"].reshape(t, h // 2, w // 2, -1).shape[-1] == 64
+
+
+def test_run_metadata_records_processor_and_versions(full_run):
+    _, out = full_run
+    run = json.loads((out / "run.json").read_text())
+    cfg = run.get("config", run)
+    assert cfg["processor"]["frame_sampling"] == "qwen3-vl"
+    assert cfg["processor"]["image_mean"] == [0.5, 0.5, 0.5]
+    assert "video_preprocessor_config.json" in cfg["processor"]["source"]
+    assert cfg["dtype"] == "float32" and cfg["versions"]["transformers"]
+    assert cfg["features"]["names"] == ["vision", "vision_mean", "deepstack"]
+
+
+def test_resume_skips_and_changed_config_is_refused(full_run, media_dir, tiny_qwen3_vl):
+    summary, out = full_run
+    again = extract(
+        media_dir, out, model=str(tiny_qwen3_vl), features="vision,vision_mean,deepstack", num_workers=0
+    )
+    assert again.extracted == 0 and again.failed == 0 and again.skipped == summary.total
+    with pytest.raises(RunConfigMismatch):
+        extract(media_dir, out, model=str(tiny_qwen3_vl), features="vision", num_workers=0)
+    with pytest.raises(RunConfigMismatch):
+        extract(
+            media_dir,
+            out,
+            model=str(tiny_qwen3_vl),
+            features="vision,vision_mean,deepstack",
+            fps=1.0,
+            num_workers=0,
+        )
+
+
+def test_llm_features_batched_equal_single(good_dir, tiny_qwen3_vl, tmp_path):
+    samples = [s for s in scan_folder(good_dir) if s.id in ("rgb.jpg", "clip.mp4", "gray.png", "odd.mp4")]
+    samples[0] = Sample(samples[0].id, samples[0].kind, samples[0].paths, "What colour dominates?")
+    kw = dict(
+        model=str(tiny_qwen3_vl),
+        features="vision_mean,llm",
+        layers=(-1, 1),
+        pools=("last", "mean"),
+        num_workers=0,
+    )
+    batched = extract(samples, tmp_path / "b", max_batch_samples=8, **kw)
+    single = extract(samples, tmp_path / "s", max_batch_samples=1, **kw)
+    assert batched.extracted == single.extracted == 4
+    b, s = FeatureCache(tmp_path / "b"), FeatureCache(tmp_path / "s")
+    for sample in samples:
+        fb, fs = b[sample.id], s[sample.id]
+        assert set(fb) == {
+            "vision_mean",
+            "llm.last.layer2",
+            "llm.mean.layer2",
+            "llm.last.layer1",
+            "llm.mean.layer1",
+        }
+        for name in fb:
+            assert fb[name].shape == (64,)
+            torch.testing.assert_close(fb[name], fs[name], rtol=1e-4, atol=1e-4, msg=f"{sample.id} {name}")
+    assert b.meta(samples[0].id)["prompt"] == "What colour dominates?"
+    assert b.meta("gray.png")["prompt"] == "Describe this image."
+    assert b.meta("odd.mp4")["prompt"] == "Describe this video."
+
+
+def test_llm_needs_a_checkpoint(good_dir, tmp_path):
+    with pytest.raises(ValueError, match="llm features need a local checkpoint"):
+        extract(good_dir, tmp_path / "o", model="ref:qwen3-vl-2b", features="llm", num_workers=0)
+
+
+def test_max_errors_stops_and_keeps_committed(media_dir, tiny_qwen3_vl, tmp_path):
+    bad_first = [Sample(f"bad{k}", "image", (str(media_dir / "bad/zero.jpg"),)) for k in range(4)]
+    good = [Sample("good", "image", (str(media_dir / "good/rgb.jpg"),))]
+    s = extract(
+        good + bad_first + good[:0],
+        tmp_path / "o",
+        model=str(tiny_qwen3_vl),
+        max_errors=1,
+        num_workers=0,
+        max_batch_samples=1,
+    )
+    assert s.stopped and "max-errors" in s.stopped
+    assert s.failed == 2 and s.extracted == 1
+    assert len(FeatureCache(tmp_path / "o")) == 1
+
+
+def test_duplicate_ids_are_recorded_first_kept(media_dir, tiny_qwen3_vl, tmp_path):
+    rows = [
+        {"id": "x", "path": str(media_dir / "good/rgb.jpg")},
+        {"id": "x", "path": str(media_dir / "good/gray.png")},
+        {"id": "y", "path": str(media_dir / "good/gray.png")},
+    ]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("\n".join(json.dumps(r) for r in rows))
+    s = extract(manifest, tmp_path / "o", model=str(tiny_qwen3_vl), num_workers=0)
+    cache = FeatureCache(tmp_path / "o")
+    assert len(cache) == 2 and cache.meta("x")["path"].endswith("rgb.jpg")
+    dup = [e for e in cache.errors() if e["id"] == "x"]
+    assert len(dup) == 1 and "duplicate" in dup[0]["reason"] and dup[0]["source"].endswith("gray.png")
+    assert s.failed == 1
+
+
+def test_oom_batches_are_split_and_retried(good_dir, tiny_qwen3_vl, tmp_path):
+    seen = []
+
+    def fake_oom(batch):
+        seen.append(len(batch))
+        if len(batch) > 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if batch[0]["kind"] == "video" and batch[0]["grid"][0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+
+    s = extract(
+        good_dir,
+        tmp_path / "o",
+        model=str(tiny_qwen3_vl),
+        num_workers=0,
+        max_batch_samples=4,
+        _forward_hook=fake_oom,
+    )
+    cache = FeatureCache(tmp_path / "o")
+    errs = {e["id"]: e["reason"] for e in cache.errors()}
+    assert all("out of memory even alone" in r for r in errs.values())
+    assert set(errs) == {"clip.mp4", "odd.mp4"}  # videos with t > 1 fail even alone
+    assert s.oom_splits > 0 and max(seen) > 1
+    assert len(cache) == s.extracted == len(list(good_dir.iterdir())) - 2
+
+
+def test_ranks_split_the_work(good_dir, tiny_qwen3_vl, tmp_path):
+    a = extract(good_dir, tmp_path / "o", model=str(tiny_qwen3_vl), num_workers=0, rank=0, world_size=2)
+    b = extract(good_dir, tmp_path / "o", model=str(tiny_qwen3_vl), num_workers=0, rank=1, world_size=2)
+    n = len(list(good_dir.iterdir()))
+    assert (
+        a.assigned + b.assigned == n and a.extracted + b.extracted == n and min(a.extracted, b.extracted) > 0
+    )
+    assert len(FeatureCache(tmp_path / "o")) == n
+
+
+def test_pack_and_oom_helpers():
+    budget = TokenBudget(max_tokens=10, max_samples=3)
+    assert list(pack([4, 4, 4, 20, 1, 1, 1, 1], int, budget)) == [[4, 4], [4], [20], [1, 1, 1], [1]]
+    assert is_oom(RuntimeError("CUDA out of memory. Tried")) and is_oom(torch.OutOfMemoryError("x"))
+    assert not is_oom(RuntimeError("shape mismatch"))
+    calls = []
+
+    def fn(batch):
+        calls.append(list(batch))
+        if 3 in batch:
+            raise RuntimeError("MPS backend out of memory")
+        return [x * 2 for x in batch]
+
+    out = run_split_on_oom([1, 2, 3, 4], fn)
+    assert out[0] == 2 and out[1] == 4 and out[3] == 8 and out[2].item == 3
+    with pytest.raises(ValueError):
+        run_split_on_oom([1], lambda b: (_ for _ in ()).throw(ValueError("not oom")))
+    with pytest.raises(ValueError):
+        TokenBudget(max_tokens=0)
