@@ -72,6 +72,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self._features = table.column("features").take(take).combine_chunks() if keep else None
         self._meta = table.column("meta").take(take).combine_chunks() if keep else None
         self._handles: OrderedDict[int, Any] = OrderedDict()
+        self._shard_ids: dict[int, list[str] | None] = {}  # shard -> ids from its header, read on first open
 
     # -- Dataset -------------------------------------------------------------------------------------
 
@@ -100,8 +101,16 @@ class FeatureCache(torch.utils.data.Dataset):
 
     def __getitem__(self, key: int | str) -> dict[str, torch.Tensor]:
         i = self._index(key)
-        handle = self._handle(self._shard[i])
+        k = self._shard[i]
+        handle = self._handle(k)
         row = self._row[i]
+        # The shard header names its ids: a mismatch means the folder was tampered with or two writers
+        # shared a rank; fail loudly rather than return another sample's features.
+        if self._shard_ids[k] is not None and self._shard_ids[k][row] != self._ids[i]:
+            raise RuntimeError(
+                f"{self._shard_paths[k]} row {row} holds {self._shard_ids[k][row]!r}, but the index says "
+                f"{self._ids[i]!r}: the folder is damaged. Re-run the extraction into a new OUT."
+            )
         return {f["name"]: handle.get_tensor(f"{row}/{f['name']}") for f in self._features[i].as_py()}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -155,6 +164,9 @@ class FeatureCache(torch.utils.data.Dataset):
                 "Re-run the extraction into a new OUT."
             ) from None
         self._handles[k] = h
+        if k not in self._shard_ids:
+            ids = (h.metadata() or {}).get("ids")
+            self._shard_ids[k] = json.loads(ids) if ids else None
         if len(self._handles) > _MAX_OPEN_SHARDS:
             self._handles.popitem(last=False)
         return h

@@ -51,6 +51,7 @@ RUN_FILE = "run.json"
 SHARD_DIR = "shards"
 INDEX_DIR = "index"
 ERROR_DIR = "errors"
+LOCK_DIR = "locks"
 # Top-level run-config keys allowed to differ on resume: library versions change when a user upgrades
 # mid-job, which does not change what the extraction means. Callers can pass their own set.
 DEFAULT_VOLATILE_KEYS: tuple[str, ...] = ("versions", "library_versions", "created", "host")
@@ -142,6 +143,8 @@ def dist_info() -> tuple[int, int]:
 
 def _fsync_dir(path: Path) -> None:
     # The rename is only durable once the folder entry is; without this a power loss can undo it.
+    if os.name == "nt":  # Windows cannot open a folder as a file; NTFS journals the rename itself
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -162,6 +165,58 @@ def _atomic_write_bytes(path: Path, data: bytes, tmp_tag: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _try_lock(path: Path) -> int | None:
+    """Exclusive, non-blocking advisory lock on ``path``: the open fd, or None if another process holds it.
+
+    flock locks die with their process, so a SIGKILLed run never leaves a stale lock behind.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no flock on Windows: run unguarded
+        return -1
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None and fd >= 0:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def library_versions() -> dict[str, str | None]:
+    """Versions of what shapes the bytes on disk; read from package metadata, so nothing heavy is imported."""
+    import platform
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("vlfast", "torch", "transformers", "safetensors", "pyarrow", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _grid_of(feats: Mapping[str, torch.Tensor], meta_json: str) -> list[list[int]] | None:
+    """The sample's (k, 3) grid for the index: the "grid_thw" feature, else one named "*grid_thw"
+    (image_grid_thw, video_grid_thw), else meta["grid_thw"]."""
+    grid = feats.get("grid_thw")
+    if grid is None:
+        grid = next((t for n, t in feats.items() if n.endswith("grid_thw")), None)
+    if grid is not None:
+        return grid.reshape(-1, grid.shape[-1]).tolist() if grid.dim() else None
+    meta_grid = json.loads(meta_json).get("grid_thw") if "grid_thw" in meta_json else None
+    try:
+        return [[int(v) for v in row] for row in meta_grid] if meta_grid is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _canonical(obj: Any) -> Any:
@@ -292,14 +347,28 @@ class FeatureStore:
         if self.out.exists() and not self.out.is_dir():
             raise NotADirectoryError(f"{self.out} exists and is not a folder; choose another OUT")
 
-        if overwrite:
-            self._overwrite()
-        for sub in (SHARD_DIR, INDEX_DIR, ERROR_DIR):
-            (self.out / sub).mkdir(parents=True, exist_ok=True)
-        self._write_or_check_run_file()
-        self._clean_garbage()
-
         self._tag = f"r{rank:05d}"
+        (self.out / LOCK_DIR).mkdir(parents=True, exist_ok=True)
+        # Two processes writing the same rank would overwrite each other's shard names (two runs without
+        # torchrun, or a stale run still alive): refuse the second one.
+        self._lock = _try_lock(self._lock_path(rank))
+        if self._lock is None:
+            raise RuntimeError(
+                f"another process is already writing rank {rank} into {self.out} (lock "
+                f"{self._lock_path(rank)}). Wait for it or stop it; to run several processes, launch them "
+                "with torchrun so each gets its own RANK."
+            )
+        try:
+            if overwrite:
+                self._overwrite()
+            for sub in (SHARD_DIR, INDEX_DIR, ERROR_DIR):
+                (self.out / sub).mkdir(exist_ok=True)
+            self._write_or_check_run_file()
+            self._clean_garbage()
+        except BaseException:
+            self._release()
+            raise
+
         self._part_ids: dict[str, list[str]] = {}  # part file name -> ids, cache for done_ids()
         self._committed: set[str] = set()
         self._refresh_committed()
@@ -309,6 +378,7 @@ class FeatureStore:
             (r["id"], r.get("source"), r.get("reason"), r.get("kind")) for r in errors
         }
         self._seq = self._next_seq()
+        self._versions = library_versions()
         self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
         self._buffer_ids: set[str] = set()
         self._buffer_bytes = 0
@@ -321,12 +391,17 @@ class FeatureStore:
 
     def _overwrite(self) -> None:
         # Only rank 0 deletes, and only what this format owns, so a mistyped OUT never loses unrelated files.
-        if self.rank == 0 and self.out.is_dir():
+        if self.rank == 0:
             for sub in (SHARD_DIR, INDEX_DIR, ERROR_DIR):
                 shutil.rmtree(self.out / sub, ignore_errors=True)
             (self.out / RUN_FILE).unlink(missing_ok=True)
         dist = torch.distributed
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+        if self.world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(
+                    f"overwrite with {self.world_size} ranks needs torch.distributed initialised (torchrun) so "
+                    f"rank 0 can clear {self.out} before the others write; or delete {self.out} before launching"
+                )
             dist.barrier()  # other ranks must not write before rank 0 has cleared the folder
 
     def _write_or_check_run_file(self) -> None:
@@ -347,6 +422,7 @@ class FeatureStore:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "volatile_keys": sorted(self.volatile_keys),
             "config": self.run_config,
+            "created_with": library_versions(),
         }
         # Several ranks may race here; each writes the same config through its own temp file, so the
         # last rename wins with identical content.
@@ -356,6 +432,18 @@ class FeatureStore:
             f"r{self.rank:05d}-{os.getpid()}",
         )
 
+    def _lock_path(self, rank: int) -> Path:
+        return self.out / LOCK_DIR / f"rank-{rank:05d}.lock"
+
+    def _release(self) -> None:
+        _unlock(getattr(self, "_lock", None))
+        self._lock = None
+
+    def __del__(self) -> None:
+        # An abandoned store must not keep its rank locked for the rest of the process; buffered samples
+        # are NOT flushed here (that needs close()), so they are redone on resume.
+        self._release()
+
     def _owns_rank(self, r: int) -> bool:
         # Garbage of rank r is cleaned by one live rank: r itself if it is live, else r % world_size, so a
         # resume with fewer ranks still cleans the old ranks' leftovers and no rank deletes a live temp file.
@@ -364,16 +452,29 @@ class FeatureStore:
     def _clean_garbage(self) -> None:
         index = self.out / INDEX_DIR
         committed = {m.group(1, 2) for p in index.iterdir() if (m := _PART_RE.match(p.name))}
+        garbage: dict[int, list[Path]] = {}
         for folder in (self.out / SHARD_DIR, index, self.out):
             for p in folder.iterdir():
                 m = _TMP_RE.match(p.name)
-                if m and self._owns_rank(int(m.group(1))) and p.is_file():
-                    p.unlink(missing_ok=True)
+                if m and p.is_file():
+                    garbage.setdefault(int(m.group(1)), []).append(p)
         for p in (self.out / SHARD_DIR).iterdir():
             m = _SHARD_RE.match(p.name)
-            if m and self._owns_rank(int(m.group(1))) and m.group(1, 2) not in committed:
+            if m and m.group(1, 2) not in committed:
                 # shard renamed but its index part never written: uncommitted, its samples will be redone
-                p.unlink(missing_ok=True)
+                garbage.setdefault(int(m.group(1)), []).append(p)
+        for r, paths in garbage.items():
+            if not self._owns_rank(r):
+                continue
+            lock = self._lock if r == self.rank else _try_lock(self._lock_path(r))
+            if lock is None:
+                continue  # a process of an earlier run is still writing rank r: its files are not garbage
+            try:
+                for p in paths:
+                    p.unlink(missing_ok=True)
+            finally:
+                if r != self.rank:
+                    _unlock(lock)
 
     def _next_seq(self) -> int:
         seqs = [-1]
@@ -553,8 +654,11 @@ class FeatureStore:
         """Commit what is buffered. Safe to call twice."""
         if self._closed:
             return
-        self.flush()
-        self._closed = True
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._release()
 
     def __enter__(self) -> FeatureStore:
         return self
@@ -582,6 +686,7 @@ class FeatureStore:
             "vlfast_format": str(FORMAT_VERSION),
             "rank": str(self.rank),
             "ids": json.dumps([sid for sid, _, _ in self._buffer], ensure_ascii=False),
+            "versions": json.dumps(self._versions, sort_keys=True),  # provenance per shard, across resumes
         }
         tmp = shard.parent / f".tmp-{self._tag}-{os.getpid()}-{shard.name}"
         save_file(tensors, tmp, metadata=metadata)
@@ -611,15 +716,12 @@ class FeatureStore:
                         "nbytes": end - start,
                     }
                 )
-            grid = feats.get("grid_thw")
             rows["id"].append(sid)
             rows["shard"].append(rel)
             rows["row"].append(row)
             rows["rank"].append(self.rank)
             rows["features"].append(entries)
-            rows["grid_thw"].append(
-                grid.reshape(-1, grid.shape[-1]).tolist() if grid is not None and grid.dim() else None
-            )
+            rows["grid_thw"].append(_grid_of(feats, meta_json))
             rows["meta"].append(meta_json)
         table = pa.table(rows, schema=index_schema())
         tmp = part.parent / f".tmp-{self._tag}-{os.getpid()}-{part.name}"
