@@ -1,0 +1,161 @@
+"""``vlfast profile``: per-component time of a vision tower forward, before and after patching."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from vlfast.cli._common import DeviceOpt, DtypeOpt, JsonOpt, UsageError, console, handle_errors, print_json
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{what} must be comma-separated integers such as 1,2,4; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{what} must be positive integers; got {text!r}")
+    return values
+
+
+def _size(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    parts = text.lower().replace("*", "x").split("x")
+    try:
+        h, w = (int(p) for p in parts)
+    except ValueError:
+        raise UsageError(f"--size must be HEIGHTxWIDTH in pixels such as 608x640; got {text!r}") from None
+    return (h, w)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.2f}"
+
+
+def _render(report) -> None:
+    from vlfast.profiler import INLINE
+
+    for before, after in report.pairs():
+        ref = before or after
+        t, h, w = ref.grid
+        table = Table(
+            title=(
+                f"{report.target} on {report.device} ({report.dtype}): batch {ref.batch} x {ref.frames} frames, "
+                f"grid {t}x{h}x{w}, {ref.patches:,} patches, median of {ref.repeats}"
+            ),
+            title_justify="left",
+        )
+        table.add_column("component")
+        for col in ("before ms", "share", "after ms", "share", "speedup"):
+            table.add_column(col, justify="right")
+        parts = list(
+            dict.fromkeys([*(before.components if before else {}), *(after.components if after else {})])
+        )
+
+        def cells(run, part):
+            if run is None:
+                return "-", "-"
+            ms = run.inline_ms if part == INLINE else run.components.get(part)
+            share = run.shares.get(part)
+            return _ms(ms), "-" if share is None else f"{share:.1%}"
+
+        for part in [*parts, INLINE]:
+            b_ms, b_share = cells(before, part)
+            a_ms, a_share = cells(after, part)
+            bv = before and (before.inline_ms if part == INLINE else before.components.get(part))
+            av = after and (after.inline_ms if part == INLINE else after.components.get(part))
+            speed = f"{bv / av:.1f}x" if bv and av and av > 0 and part != INLINE else ""
+            label = part
+            if part == "blocks":
+                runs = [r for r in (before, after) if r is not None]
+                n = len([k for k in runs[0].items if k.startswith(("blocks.", "layers.", "layer."))])
+                label = f"blocks (all {n})"
+            table.add_row(label, b_ms, b_share, a_ms, a_share, speed)
+        for name, getter in [
+            ("forward (hooked)", lambda r: r.forward_ms),
+            ("forward (no hooks)", lambda r: r.plain_forward_ms),
+            ("whole VLM forward", lambda r: r.vlm_forward_ms),
+        ]:
+            bv, av = (getter(r) if r else None for r in (before, after))
+            if bv is None and av is None:
+                continue
+            speed = f"{bv / av:.1f}x" if bv and av else ""
+            table.add_row(f"[bold]{name}[/bold]", _ms(bv), "", _ms(av), "", f"[bold]{speed}[/bold]")
+        console.print(table)
+        for run in (before, after):
+            if run is not None and run.vlm_error:
+                console.print(
+                    f"[yellow]whole VLM forward not timed:[/yellow] {run.vlm_error}", highlight=False
+                )
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("profile")
+    @handle_errors
+    def profile_cmd(
+        model: Annotated[
+            str | None,
+            typer.Option(
+                "--model",
+                "-m",
+                help="ref:NAME (default ref:qwen3-vl-4b) or a local checkpoint directory (also times the whole VLM).",
+            ),
+        ] = None,
+        device: DeviceOpt = None,
+        dtype: DtypeOpt = None,
+        batch: Annotated[
+            str, typer.Option("--batch", help="Batch sizes (clips per forward), e.g. 1,2,4.")
+        ] = "1",
+        frames: Annotated[str, typer.Option("--frames", help="Frames per clip, e.g. 2,8,16.")] = "8",
+        size: Annotated[
+            str | None,
+            typer.Option(
+                "--size", help="Frame size HEIGHTxWIDTH in pixels. Default 608x640 on GPU, 224x224 on CPU."
+            ),
+        ] = None,
+        warmup: Annotated[
+            int, typer.Option("--warmup", min=0, help="Discarded forwards per configuration.")
+        ] = 1,
+        repeats: Annotated[
+            int, typer.Option("--repeats", min=1, help="Timed forwards per configuration.")
+        ] = 3,
+        tiny: Annotated[
+            bool, typer.Option("--tiny", help="Build references at test size (seconds on CPU).")
+        ] = False,
+        no_vlm: Annotated[
+            bool, typer.Option("--no-vlm", help="Skip the whole-VLM forward of a checkpoint.")
+        ] = False,
+        plot: Annotated[
+            str | None,
+            typer.Option("--plot", help="Write a PNG bar chart here (pip install 'vlfast[plot]')."),
+        ] = None,
+        json_out: JsonOpt = False,
+    ) -> None:
+        """Time each component of a vision tower forward (patch embedding, position and rotary embedding,
+        blocks, deepstack mergers, merger) before and after patching, with medians and shares."""
+        from vlfast.profiler import profile
+
+        report = profile(
+            model,
+            device=device,
+            dtype=dtype,
+            batch_sizes=_ints(batch, "--batch"),
+            frames=_ints(frames, "--frames"),
+            size=_size(size),
+            warmup=warmup,
+            repeats=repeats,
+            tiny=tiny,
+            vlm=not no_vlm,
+        )
+        png = str(report.plot(plot)) if plot else None
+        if json_out:
+            print_json({**report.to_dict(), "plot": png})
+        else:
+            _render(report)
+            if png:
+                console.print(f"chart: {png}", highlight=False)

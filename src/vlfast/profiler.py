@@ -1,0 +1,457 @@
+"""``vlfast.profile``: where a vision tower's forward time goes, before and after the GEMM patch.
+
+Components are the tower's direct children, found by name (:data:`COMPONENTS` maps name patterns to
+labels; a child no pattern knows keeps its own name), so no family needs its own code. Items of a
+``ModuleList`` (the blocks, the deepstack mergers) are timed one by one. Each component is timed by a
+forward pre-hook and a forward hook that mark a :class:`~vlfast.timing.Clock` (CUDA events on GPU, no
+synchronisation inside the forward). Work a tower does inline in ``forward`` rather than in a child
+(index and weight computation for the position embedding, rotary tables, ``cu_seqlens``) belongs to no
+component: it is reported as ``other (inline)`` = forward - sum(components), measured per run.
+
+Every configuration (batch size x frames) is run ``warmup`` times, then ``repeats`` times; medians are
+reported. The forward is also timed without hooks, so the hook overhead is visible.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlfast.facts import default_device, default_dtype, dtype_name
+from vlfast.patching import is_patched, patch, patched_modules, unpatch
+from vlfast.timing import Clock, measure
+
+__all__ = ["COMPONENTS", "ProfileReport", "ProfileRun", "component_modules", "profile"]
+
+SCHEMA = "vlfast.profile/1"
+INLINE = "other (inline)"
+
+# (label, regular expression over the name of a direct child of the tower). First match wins.
+COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("patch_embed", r"patch_embed"),
+    ("position_embedding", r"^(pos_embed|embeddings|position_embedding|pos_emb)$"),
+    ("rotary_embedding", r"rotary"),
+    ("blocks", r"^(blocks|layers|layer)$"),
+    ("deepstack_mergers", r"deepstack"),
+    ("merger", r"^merger$"),
+)
+
+DEFAULT_SIZE = {"cuda": (608, 640), "cpu": (224, 224)}  # pixels per frame; 608x640 x 8 frames = 6,080 patches
+
+
+def component_modules(tower: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``(label, item, module)`` for every timed part of ``tower``, in module order."""
+    out: list[tuple[str, str, nn.Module]] = []
+    for name, child in tower.named_children():
+        label = next((lab for lab, rx in COMPONENTS if re.search(rx, name)), name)
+        if isinstance(child, nn.ModuleList):
+            out += [(label, f"{name}.{i}", item) for i, item in enumerate(child)]
+        else:
+            out.append((label, name, child))
+    return out
+
+
+@dataclass
+class ProfileRun:
+    """Medians of one configuration: a tower forward on ``batch`` clips of ``frames`` frames."""
+
+    patched: bool
+    batch: int
+    frames: int
+    grid: tuple[int, int, int]  # (t, h, w) in patches, per clip
+    patches: int  # in the whole batch
+    forward_ms: float  # with hooks
+    plain_forward_ms: float | None  # without hooks
+    components: dict[str, float]  # label -> ms (median over runs)
+    items: dict[str, float]  # "blocks.3" -> ms
+    inline_ms: float  # median over runs of forward - sum(components)
+    repeats: int
+    vlm_forward_ms: float | None = None  # the whole VLM on the same clips (checkpoints only)
+    vlm_error: str | None = None
+
+    @property
+    def shares(self) -> dict[str, float]:
+        total = self.forward_ms or float("nan")
+        out = {k: v / total for k, v in self.components.items()}
+        out[INLINE] = self.inline_ms / total
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "patched": self.patched,
+            "batch": self.batch,
+            "frames": self.frames,
+            "grid_thw": list(self.grid),
+            "patches": self.patches,
+            "forward_ms": self.forward_ms,
+            "plain_forward_ms": self.plain_forward_ms,
+            "components_ms": dict(self.components),
+            "inline_ms": self.inline_ms,
+            "shares": self.shares,
+            "items_ms": dict(self.items),
+            "repeats": self.repeats,
+            "vlm_forward_ms": self.vlm_forward_ms,
+            "vlm_error": self.vlm_error,
+        }
+
+
+@dataclass
+class ProfileReport:
+    target: str
+    device: str
+    dtype: str
+    size: tuple[int, int]
+    runs: list[ProfileRun] = field(default_factory=list)
+    torch_version: str = torch.__version__
+    notes: list[str] = field(default_factory=list)
+
+    def pairs(self) -> list[tuple[ProfileRun | None, ProfileRun | None]]:
+        """(before, after) per configuration."""
+        keys = sorted({(r.batch, r.frames) for r in self.runs})
+        find = {(r.batch, r.frames, r.patched): r for r in self.runs}
+        return [(find.get((*k, False)), find.get((*k, True))) for k in keys]
+
+    def to_dict(self) -> dict[str, Any]:
+        speedups = []
+        for before, after in self.pairs():
+            if before and after:
+                speedups.append(
+                    {
+                        "batch": before.batch,
+                        "frames": before.frames,
+                        "forward_speedup": before.forward_ms / after.forward_ms,
+                        "patch_embed_speedup": _ratio(
+                            before.components.get("patch_embed"), after.components.get("patch_embed")
+                        ),
+                        "vlm_speedup": _ratio(before.vlm_forward_ms, after.vlm_forward_ms),
+                    }
+                )
+        return {
+            "schema": SCHEMA,
+            "target": self.target,
+            "device": self.device,
+            "dtype": self.dtype,
+            "frame_size": list(self.size),
+            "torch_version": self.torch_version,
+            "runs": [r.to_dict() for r in self.runs],
+            "speedups": speedups,
+            "notes": list(self.notes),
+        }
+
+    def plot(self, path: str | Path) -> Path:
+        """A PNG with one stacked bar per run (components in ms). Needs the ``plot`` extra."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("the profile chart needs matplotlib: pip install 'vlfast[plot]'") from None
+        path = Path(path)
+        labels = [f"b{r.batch} f{r.frames} {'after' if r.patched else 'before'}" for r in self.runs]
+        parts = list(dict.fromkeys(k for r in self.runs for k in r.components)) + [INLINE]
+        fig, ax = plt.subplots(figsize=(9, 0.5 * len(self.runs) + 1.8))
+        left = [0.0] * len(self.runs)
+        cmap = plt.get_cmap("tab10")
+        for i, part in enumerate(parts):
+            vals = [
+                max(0.0, r.inline_ms if part == INLINE else r.components.get(part, 0.0)) for r in self.runs
+            ]
+            ax.barh(labels, vals, left=left, label=part, color=cmap(i % 10))
+            left = [a + b for a, b in zip(left, vals)]
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per forward (median)")
+        ax.set_title(f"{self.target} on {self.device} ({self.dtype}): vision tower forward by component")
+        ax.legend(fontsize=8, loc="best")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def _grid(spec, frames: int, size: tuple[int, int]) -> tuple[int, int, int]:
+    """Patch grid of one clip as the Qwen-VL processors make it: frames padded to a multiple of T, sides
+    rounded down to a multiple of patch * merge (at least one merge window)."""
+    t = max(1, math.ceil(frames / spec.temporal_patch_size))
+    unit = spec.patch_size * spec.spatial_merge_size
+    h, w = (max(1, s // unit) * spec.spatial_merge_size for s in size)
+    return (t, h, w)
+
+
+class _Hooks:
+    """Forward pre/post hooks that mark a clock around each component call."""
+
+    def __init__(self, parts: list[tuple[str, str, nn.Module]]) -> None:
+        self.clock: Clock | None = None
+        self.open: dict[str, int] = {}
+        self.intervals: list[tuple[str, str, int, int]] = []
+        self.handles = []
+        for label, item, module in parts:
+            self.handles.append(module.register_forward_pre_hook(self._pre(item)))
+            self.handles.append(module.register_forward_hook(self._post(label, item)))
+
+    def _pre(self, item: str):
+        def hook(module, args):
+            if self.clock is not None:
+                self.open[item] = self.clock.mark()
+
+        return hook
+
+    def _post(self, label: str, item: str):
+        def hook(module, args, output):
+            if self.clock is not None and item in self.open:
+                self.intervals.append((label, item, self.open.pop(item), self.clock.mark()))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _one_run(tower: nn.Module, hooks: _Hooks, inputs: tuple, device: str):
+    clock = Clock(device)
+    hooks.clock, hooks.open, hooks.intervals = clock, {}, []
+    start = clock.mark()
+    tower(*inputs)
+    end = clock.mark()
+    clock.finish()
+    hooks.clock = None
+    total = clock.elapsed_ms(start, end)
+    labels: dict[str, float] = {}
+    items: dict[str, float] = {}
+    for label, item, a, b in hooks.intervals:
+        ms = clock.elapsed_ms(a, b)
+        labels[label] = labels.get(label, 0.0) + ms
+        items[item] = items.get(item, 0.0) + ms
+    return total, labels, items
+
+
+def _median_dict(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = list(dict.fromkeys(k for d in dicts for k in d))
+    return {k: float(statistics.median(d.get(k, 0.0) for d in dicts)) for k in keys}
+
+
+def _vlm_inputs(vlm: nn.Module, tower: nn.Module, pixels: torch.Tensor, grid: torch.Tensor, clips):
+    """Candidate keyword sets for a full VLM forward on synthetic clips, most specific first.
+
+    Video placeholder tokens are laid out one ``<vision_start> ... <vision_end>`` group per temporal
+    patch (Qwen3-VL's timestamped layout), else one group per clip (Qwen2/2.5-VL).
+    """
+    config = vlm.config
+    merge = int(getattr(tower.config, "spatial_merge_size", 2))
+    start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
+    video = getattr(config, "video_token_id", None)
+    if video is None or start is None or end is None:
+        raise ValueError(f"{type(config).__name__} has no video_token_id / vision_start_token_id")
+    params = inspect.signature(vlm.forward).parameters
+    for per_frame in (True, False):
+        rows = []
+        for t, h, w in clips:
+            per = h * w // merge**2
+            groups = [per] * t if per_frame else [per * t]
+            ids = [1]
+            for n in groups:
+                ids += [start] + [video] * n + [end]
+            rows.append(ids + [2, 3])
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=pixels.device)  # left padding
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=pixels.device)
+        kw = {"input_ids": ids, "attention_mask": mask, "pixel_values_videos": pixels, "video_grid_thw": grid}
+        if "mm_token_type_ids" in params:
+            kw["mm_token_type_ids"] = (ids == video).int() * 2  # 0 text, 1 image, 2 video
+        yield kw
+
+
+def _profile_config(
+    tower: nn.Module,
+    *,
+    vlm: nn.Module | None,
+    patched: bool,
+    batch: int,
+    frames: int,
+    size: tuple[int, int],
+    device: str,
+    dtype: torch.dtype,
+    warmup: int,
+    repeats: int,
+    seed: int,
+) -> ProfileRun:
+    from vlfast.models import synthetic_inputs, tower_spec
+
+    spec = tower_spec(tower)
+    clip = _grid(spec, frames, size)
+    pixels, grid_thw = synthetic_inputs(tower, [clip] * batch, dtype=dtype, device=device, seed=seed)
+    hooks = _Hooks(component_modules(tower))
+    try:
+        with torch.inference_mode():
+            for _ in range(warmup):
+                _one_run(tower, hooks, (pixels, grid_thw), device)
+            runs = [_one_run(tower, hooks, (pixels, grid_thw), device) for _ in range(repeats)]
+    finally:
+        hooks.remove()
+    with torch.inference_mode():
+        plain = measure(lambda: tower(pixels, grid_thw), device=device, warmup=0, repeats=repeats)
+    totals = [r[0] for r in runs]
+    inline = [total - sum(labels.values()) for total, labels, _ in runs]
+    result = ProfileRun(
+        patched=patched,
+        batch=batch,
+        frames=frames,
+        grid=clip,
+        patches=int(pixels.shape[0]),
+        forward_ms=float(statistics.median(totals)),
+        plain_forward_ms=plain.median_ms,
+        components=_median_dict([r[1] for r in runs]),
+        items=_median_dict([r[2] for r in runs]),
+        inline_ms=float(statistics.median(inline)),
+        repeats=repeats,
+    )
+    if vlm is not None:
+        _time_vlm(result, vlm, tower, pixels, grid_thw, [clip] * batch, device, warmup, repeats)
+    return result
+
+
+def _time_vlm(run: ProfileRun, vlm, tower, pixels, grid_thw, clips, device, warmup, repeats) -> None:
+    """The whole VLM forward on the same synthetic clips; failures are recorded, never raised."""
+    errors = []
+    try:
+        for kw in _vlm_inputs(vlm, tower, pixels, grid_thw, clips):
+            try:
+                with torch.inference_mode():
+                    timing = measure(lambda kw=kw: vlm(**kw), device=device, warmup=warmup, repeats=repeats)
+                run.vlm_forward_ms = timing.median_ms
+                return
+            except (RuntimeError, ValueError, IndexError) as e:
+                errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    except ValueError as e:
+        errors.append(str(e))
+    run.vlm_error = "; ".join(errors) or "no input layout worked"
+
+
+# --------------------------------------------------------------------------------------------- profile
+
+
+def _load(model: nn.Module | str | None, device: str, dtype: torch.dtype, tiny: bool):
+    """(target label, tower, whole VLM or None)."""
+    from vlfast import models
+
+    if model is None:
+        model = models.REF_PREFIX + models.DEFAULT_REFERENCE
+    if isinstance(model, nn.Module):
+        try:
+            name, tower = models.find_vision_tower(model)
+        except ValueError:
+            name, tower = "", model
+        return type(model).__name__, tower, (model if name else None)
+    if isinstance(model, str):
+        if model.startswith(models.REF_PREFIX):
+            tower = models.build_reference(model, tiny=tiny, device=device, dtype=dtype)
+            return model + (" (tiny)" if tiny else ""), tower, None
+        vlm = models.load_model(model, device=device, dtype=dtype)
+        _, tower = models.find_vision_tower(vlm)
+        return model, tower, vlm
+    raise TypeError(
+        f"profile(model=...) takes an nn.Module, a spec string (ref:NAME or a checkpoint dir) or None, "
+        f"got {type(model).__name__}"
+    )
+
+
+def profile(
+    model: nn.Module | str | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    batch_sizes: Sequence[int] = (1,),
+    frames: Sequence[int] = (8,),
+    size: tuple[int, int] | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    tiny: bool = False,
+    vlm: bool = True,
+    seed: int = 0,
+) -> ProfileReport:
+    """Per-component time of a vision tower forward, before and after :func:`vlfast.patch`.
+
+    Args:
+        model: ``ref:NAME`` (default ``ref:qwen3-vl-4b``), a local checkpoint directory (then the whole
+            VLM forward is timed too), or an ``nn.Module`` (a tower or a VLM holding one).
+        device, dtype: default the best available device, bfloat16 where supported.
+        batch_sizes, frames: every combination is profiled; each sample is one clip of that many frames.
+        size: (height, width) of a frame in pixels; default 608x640 on GPU (8 frames = 6,080 patches at
+            P=16), 224x224 on CPU.
+        warmup, repeats: discarded and timed forwards per configuration; medians are reported.
+        tiny: build references at test size.
+        vlm: with a checkpoint, also time the whole VLM forward on the same clips.
+
+    The model's patch state is restored afterwards.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
+    if not batch_sizes or not frames or min(batch_sizes) < 1 or min(frames) < 1:
+        raise ValueError(f"batch sizes and frame counts must be positive, got {batch_sizes}, {frames}")
+    param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    if device is None and param is not None:
+        device = param.device  # a module given as is runs where it lives, in its own dtype
+    if dtype is None and param is not None:
+        dtype = param.dtype
+    dev = str(torch.device(device)) if device is not None else default_device()
+    dt_name = dtype_name(dtype) if dtype is not None else default_dtype(dev)
+    dt = getattr(torch, dt_name)
+    size = tuple(size) if size is not None else DEFAULT_SIZE.get(torch.device(dev).type, DEFAULT_SIZE["cuda"])
+    if len(size) != 2 or min(size) < 1:
+        raise ValueError(f"size must be (height, width) in pixels, got {size}")
+    target, tower, whole = _load(model, dev, dt, tiny)
+    tower.eval()
+    report = ProfileReport(target, dev, dt_name, size)
+    if not vlm:
+        whole = None
+
+    scope = whole if whole is not None else tower
+    before_names = {n for n, _ in patched_modules(scope)}
+    try:
+        for patched in (False, True):
+            if patched:
+                patch(scope)
+            else:
+                unpatch(scope)
+            if patched and not is_patched(tower):
+                report.notes.append("nothing to patch in this tower: 'after' equals 'before'")
+            for b in batch_sizes:
+                for f in frames:
+                    report.runs.append(
+                        _profile_config(
+                            tower,
+                            vlm=whole,
+                            patched=patched,
+                            batch=b,
+                            frames=f,
+                            size=size,
+                            device=dev,
+                            dtype=dt,
+                            warmup=warmup,
+                            repeats=repeats,
+                            seed=seed,
+                        )
+                    )
+    finally:
+        unpatch(scope)
+        if before_names:
+            patch(scope, filter=lambda name, m: name in before_names)
+    return report

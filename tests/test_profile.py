@@ -1,0 +1,241 @@
+"""``vlfast.profile`` on CPU with tiny towers: components, the inline remainder, patch state, CLI, chart.
+
+The sum test: the named components plus the ``other (inline)`` remainder add up to the hooked forward
+within 25% on medians (each run adds up exactly, since the remainder is measured per run as forward -
+sum(components); medians of parts need not add up exactly). The remainder is never forced to zero: it
+must be non-negative in every run, which holds because components are disjoint intervals inside the
+forward, and is positive for Qwen3-VL, which computes position indices inline in ``forward``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+import vlfast
+from vlfast.cli import profile as profile_cli
+from vlfast.models import REFERENCES, build_reference
+from vlfast.profiler import INLINE, component_modules, profile
+
+SUM_TOLERANCE = 0.25
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # A 2-core machine shared with other jobs: one thread avoids OpenMP barriers stalling on a
+    # descheduled worker, which makes single runs 100x slower at random.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_components_are_found_by_name_for_every_reference():
+    for name in REFERENCES:
+        labels = {label for label, _, _ in component_modules(build_reference(name, device="meta"))}
+        assert {"patch_embed", "blocks", "merger", "rotary_embedding"} <= labels, name
+    qwen3 = component_modules(build_reference("qwen3-vl-4b", tiny=True))
+    assert [item for label, item, _ in qwen3 if label == "blocks"] == ["blocks.0", "blocks.1"]
+    assert {"position_embedding", "deepstack_mergers"} <= {label for label, _, _ in qwen3}
+    glm = {label for label, _, _ in component_modules(build_reference("glm-4.1v-9b", tiny=True))}
+    assert {"position_embedding", "downsample", "post_layernorm"} <= glm  # unknown children keep their name
+
+
+def test_components_sum_to_the_forward():
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    # Many short runs: on a loaded machine a preempted run stalls ~4 ms in one random component, and
+    # medians only add up when fewer than half the runs stall.
+    report = profile(tower, device="cpu", dtype="float32", frames=(4,), size=(64, 64), warmup=3, repeats=31)
+    assert [r.patched for r in report.runs] == [False, True]
+    for run in report.runs:
+        named = sum(run.components.values())
+        assert abs(named + run.inline_ms - run.forward_ms) <= SUM_TOLERANCE * run.forward_ms, run.to_dict()
+        assert named <= (1 + SUM_TOLERANCE) * run.forward_ms
+        assert run.inline_ms > 0  # Qwen3-VL computes indices inline: the remainder is real, not hidden
+        assert set(run.components) == {
+            "patch_embed",
+            "position_embedding",
+            "rotary_embedding",
+            "blocks",
+            "deepstack_mergers",
+            "merger",
+        }
+        assert run.components["blocks"] == pytest.approx(
+            run.items["blocks.0"] + run.items["blocks.1"], rel=0.5
+        )
+        assert run.grid == (2, 4, 4) and run.patches == 32
+        assert sum(run.shares.values()) == pytest.approx((named + run.inline_ms) / run.forward_ms)
+
+
+def test_every_run_leaves_a_non_negative_remainder(monkeypatch):
+    import vlfast.profiler as prof
+
+    seen = []
+    real = prof._one_run
+
+    def spy(*args, **kwargs):
+        total, labels, items = real(*args, **kwargs)
+        seen.append(total - sum(labels.values()))
+        return total, labels, items
+
+    monkeypatch.setattr(prof, "_one_run", spy)
+    profile(
+        "ref:qwen2.5-vl-7b", tiny=True, device="cpu", dtype="float32", frames=(2,), size=(112, 112), repeats=2
+    )
+    assert len(seen) == 2 * (1 + 2) and min(seen) >= 0
+
+
+def test_patch_state_is_restored_and_hooks_removed():
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    profile(tower, device="cpu", frames=(2,), size=(64, 64), warmup=0, repeats=1)
+    assert not vlfast.is_patched(tower)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in tower.modules())
+    vlfast.patch(tower)
+    report = profile(tower, device="cpu", frames=(2,), size=(64, 64), warmup=0, repeats=1)
+    assert vlfast.is_patched(tower)
+    assert report.dtype == "float32"  # a module runs in its own dtype unless told otherwise
+
+
+def test_batches_and_frames_are_all_profiled():
+    report = profile(
+        "ref:qwen3-vl-4b",
+        tiny=True,
+        device="cpu",
+        dtype="bf16",
+        batch_sizes=(1, 2),
+        frames=(1, 4),
+        size=(64, 64),
+        warmup=0,
+        repeats=1,
+    )
+    assert {(r.batch, r.frames, r.patched) for r in report.runs} == {
+        (b, f, p) for b in (1, 2) for f in (1, 4) for p in (False, True)
+    }
+    run = next(r for r in report.runs if r.batch == 2 and r.frames == 4)
+    assert run.grid == (2, 4, 4) and run.patches == 2 * 2 * 4 * 4
+    data = report.to_dict()
+    assert data["schema"] == "vlfast.profile/1" and len(data["speedups"]) == 4
+
+
+def test_validation():
+    with pytest.raises(ValueError):
+        profile("ref:qwen3-vl-4b", tiny=True, device="cpu", repeats=0)
+    with pytest.raises(ValueError):
+        profile("ref:qwen3-vl-4b", tiny=True, device="cpu", batch_sizes=())
+    with pytest.raises(TypeError):
+        profile(42)
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    profile_cli.register(app)
+    return app
+
+
+def _tiny_checkpoint(path):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    ref = REFERENCES["qwen3-vl-4b"]
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        ),
+        vision_config={**ref.vision, **ref.tiny, "out_hidden_size": 64},
+        image_token_id=10,
+        video_token_id=11,
+        vision_start_token_id=8,
+        vision_end_token_id=9,
+    )
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(path)
+    return path
+
+
+def test_cli_checkpoint_times_the_whole_vlm(tmp_path):
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    res = CliRunner().invoke(
+        _app(),
+        [
+            "profile",
+            "--model",
+            str(ckpt),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--frames",
+            "4",
+            "--size",
+            "64x64",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout[res.stdout.index("{") :])
+    assert data["target"] == str(ckpt)
+    for run in data["runs"]:
+        assert run["vlm_error"] is None and run["vlm_forward_ms"] > 0
+        assert INLINE in run["shares"] and "patch_embed" in run["components_ms"]
+    assert data["speedups"][0]["vlm_speedup"] > 0
+
+
+def test_cli_table_and_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "profile.png"
+    res = CliRunner().invoke(
+        _app(),
+        [
+            "profile",
+            "--model",
+            "ref:glm-4.1v-9b",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--frames",
+            "2",
+            "--size",
+            "56x56",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--plot",
+            str(png),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "patch_embed" in res.stdout and INLINE in res.stdout and "forward (no hooks)" in res.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chart_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    import sys
+
+    report = profile(
+        "ref:qwen3-vl-4b", tiny=True, device="cpu", frames=(2,), size=(64, 64), warmup=0, repeats=1
+    )
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'vlfast\[plot\]'"):
+        report.plot(tmp_path / "x.png")
+
+
+def test_cli_bad_input_exits_2():
+    assert CliRunner().invoke(_app(), ["profile", "--batch", "a,b"]).exit_code == 2
+    assert CliRunner().invoke(_app(), ["profile", "--size", "big"]).exit_code == 2
+    assert CliRunner().invoke(_app(), ["profile", "--model", "ref:nope"]).exit_code == 2
