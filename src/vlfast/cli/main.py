@@ -21,6 +21,7 @@ _COMMAND_MODULES = [
     "vlfast.cli.models",
     "vlfast.cli.verify",
     "vlfast.cli.doctor",
+    "vlfast.cli.profile",
     "vlfast.cli.extract",
     "vlfast.cli.tokens",
 ]
