@@ -136,8 +136,11 @@ def register(app: typer.Typer) -> None:
         ] = None,
         json_out: JsonOpt = False,
     ) -> None:
-        """Time each component of a vision tower forward (patch embedding, position and rotary embedding,
-        blocks, deepstack mergers, merger) before and after patching, with medians and shares."""
+        """Time each component of a vision tower forward before and after patching, with medians and shares.
+
+        Components: patch embedding, position and rotary embedding, each block, deepstack mergers,
+        merger, and what the tower computes inline. With a checkpoint the whole VLM forward is timed too.
+        """
         from vlfast.profiler import profile
 
         report = profile(
