@@ -297,7 +297,7 @@ def doctor(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     patches: int = DEFAULT_PATCHES,
-    budget_s: float = 10.0,
+    budget_s: float = 8.0,
     slow_ratio: float = SLOW_RATIO,
     probe: bool = True,
 ) -> DoctorReport:

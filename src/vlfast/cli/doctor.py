@@ -129,7 +129,7 @@ def register(app: typer.Typer) -> None:
         ] = 6080,
         budget: Annotated[
             float, typer.Option("--budget", min=0.1, help="Seconds the probe may spend in total.")
-        ] = 10.0,
+        ] = 8.0,
         no_probe: Annotated[
             bool, typer.Option("--no-probe", help="Facts and rules only, no timing (no verdict).")
         ] = False,
