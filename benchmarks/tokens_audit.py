@@ -187,7 +187,12 @@ def main() -> None:
         f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"python {platform.python_version()}"
     )
-    print(f"audit of {args.rows} x {args.width} bf16: median {wall:.2f} s over {len(results)} runs")
+    fastest = min(r["wall_s"] for r in results)
+    load = os.getloadavg()[0]
+    print(
+        f"audit of {args.rows} x {args.width} bf16: median {wall:.2f} s, fastest {fastest:.2f} s over "
+        f"{len(results)} runs (1-min load average {load:.1f}: other work shares the cores)"
+    )
     print(f"peak extra memory: {anon:.0f} MiB anonymous + {file_:.0f} MiB file-backed (mapped weights)")
     print(f"verdict: {results[-1]['verdict']}")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vlfast.tokens.indicators import ZERO_MAX_ABS, MatrixStats
+from vlfast.tokens.indicators import MatrixStats
 
 VERDICTS = ("trained", "suspect", "untrained")
 NORM_FALLBACK_RATIO = 0.5  # without reference rows: a norm below half the ordinary median is "low"
@@ -104,7 +104,7 @@ class Judge:
         stats = [self.input_stats] + ([self.output_stats] if self.output_stats is not None else [])
         out = self.output_stats or self.input_stats
         f = {
-            "zero": np.logical_or.reduce([s.max_abs[sel] <= ZERO_MAX_ABS for s in stats]),
+            "zero": np.logical_or.reduce([s.zero[sel] for s in stats]),
             "duplicate": np.logical_or.reduce([s.duplicate_of[sel] >= 0 for s in stats]),
             "low-norm": self.norm.flags(self.input_stats.norm[sel]),
         }

@@ -66,12 +66,13 @@ class Vocabulary:
 
     @cached_property
     def unk_id(self) -> int | None:
-        model = json.loads(self.tokenizer.to_str()).get("model", {})
-        unk = model.get("unk_token")
+        # WordPiece/WordLevel/BPE models expose `unk_token`; Unigram an `unk_id` only in its JSON.
+        unk = getattr(self.tokenizer.model, "unk_token", None)
         if isinstance(unk, str):
             return self.vocab.get(unk)
-        if isinstance(model.get("unk_id"), int):
-            return model["unk_id"]
+        if type(self.tokenizer.model).__name__ == "Unigram":
+            unk_id = json.loads(self.tokenizer.to_str()).get("model", {}).get("unk_id")
+            return unk_id if isinstance(unk_id, int) else None
         return None
 
     def piece(self, token_id: int) -> str:

@@ -2,17 +2,20 @@
 
 Handles one `model.safetensors`, a sharded `model.safetensors.index.json`, or any `*.safetensors` files
 in the folder; finds the two matrices by name and decides from config.json whether they are tied.
-Rows are read in blocks through `safe_open(...).get_slice`, so a 152k x 4k bf16 matrix never sits in
-memory whole.
+The matrices are memory-mapped straight from the files (the safetensors header gives each tensor's
+byte range), so a 152k x 4k bf16 matrix is read block by block from the page cache, never copied whole.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # Name endings of the token-embedding and output-projection tensors across families (Qwen/Llama
@@ -48,7 +51,7 @@ class CheckpointWeights:
     lm_head_name: str | None  # None: no separate output matrix stored (tied)
     tied: bool
     config: dict = field(default_factory=dict)
-    _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+    _headers: dict[Path, tuple[dict, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.embedding_name not in self.tensor_files:
@@ -86,20 +89,17 @@ class CheckpointWeights:
         tied = lm_head_name is None or bool(tied_cfg)
         return cls(model_dir, tensor_files, embedding_name, lm_head_name, tied, config)
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
-
-        path = self.tensor_files[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
+    def _header(self, path: Path) -> tuple[dict, int]:
+        if path not in self._headers:
+            self._headers[path] = read_header(path)
+        return self._headers[path]
 
     # -- facts ------------------------------------------------------------------------------------
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._header(self.tensor_files[name])[0][name]["shape"])
 
     def dtype(self, name: str) -> str:
-        return str(self._handle(name).get_slice(name).get_dtype())
+        return self._header(self.tensor_files[name])[0][name]["dtype"]
 
     @property
     def output_name(self) -> str:
@@ -109,33 +109,62 @@ class CheckpointWeights:
         return self.lm_head_name
 
     # -- reading ----------------------------------------------------------------------------------
-    def blocks(self, name: str, block_rows: int = 8192) -> Iterator[tuple[int, torch.Tensor]]:
+    def matrix(self, name: str) -> torch.Tensor:
+        """The tensor in its stored dtype, backed by a read-only memory map of the file: slicing it
+        reads only those rows from the page cache, and nothing is copied until converted."""
+        path = self.tensor_files[name]
+        header, base = self._header(path)
+        info = header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(
+                f"{name} in {path.name} is {info['dtype']}; the audit reads floating-point weights "
+                f"({', '.join(_DTYPES)}), dequantise the checkpoint first"
+            )
+        np_dtype, torch_view = _DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        mm = np.memmap(path, dtype=np_dtype, mode="r", offset=base + start, shape=tuple(info["shape"]))
+        with warnings.catch_warnings():
+            # torch warns that the map is read-only; nothing here writes to it.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(mm)
+        return t.view(torch_view) if torch_view is not None else t
+
+    def blocks(self, name: str, block_rows: int = 4096) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield (first_row, rows as float32) blocks of a 2-D tensor, `block_rows` at a time."""
-        sl = self._handle(name).get_slice(name)
-        n = sl.get_shape()[0]
-        for start in range(0, n, block_rows):
-            yield start, sl[start : min(n, start + block_rows)].float()
+        m = self.matrix(name)
+        for start in range(0, m.shape[0], block_rows):
+            yield start, m[start : start + block_rows].float()
 
     def rows(self, name: str, ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of a 2-D tensor as float32, (len(ids), D); reads contiguous runs once each."""
-        ids = [int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
-        sl = self._handle(name).get_slice(name)
-        width = sl.get_shape()[1]
-        if not ids:
-            return torch.empty(0, width)
-        order = sorted(set(ids))
-        got: dict[int, torch.Tensor] = {}
-        run_start = prev = order[0]
-        for i in [*order[1:], None]:
-            if i is not None and i == prev + 1:
-                prev = i
-                continue
-            block = sl[run_start : prev + 1].float()
-            for k in range(run_start, prev + 1):
-                got[k] = block[k - run_start]
-            if i is not None:
-                run_start = prev = i
-        return torch.stack([got[i] for i in ids])
+        """Rows `ids` of a 2-D tensor as float32, (len(ids), D)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        return self.matrix(name)[ids].float()
+
+
+# safetensors dtype -> (numpy dtype to map the bytes with, torch dtype to view them as)
+_DTYPES = {
+    "BF16": (np.uint16, torch.bfloat16),  # numpy has no bfloat16: map the bits, view them in torch
+    "F16": (np.float16, None),
+    "F32": (np.float32, None),
+    "F64": (np.float64, None),
+}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """(header without __metadata__, offset of the data section) of a safetensors file."""
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{path} is not a safetensors file (unreadable header)") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
@@ -155,11 +184,4 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             f"no *.safetensors in {model_dir}; convert the checkpoint to safetensors first "
             "(vlfast never unpickles .bin files)"
         )
-    from safetensors import safe_open
-
-    files: dict[str, Path] = {}
-    for path in paths:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                files[name] = path
-    return files
+    return {name: path for path in paths for name in read_header(path)[0]}
