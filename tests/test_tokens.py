@@ -283,6 +283,15 @@ def test_fix_makes_audit_pass_and_leaves_original(which, init, request, tmp_path
             assert set(changed) <= set(info["added"]), (k, changed)
 
 
+def test_fix_sharded_checkpoint(tmp_path):
+    make_model(tmp_path / "src", sharded=True)
+    report = fix_tokens(tmp_path / "src", tmp_path / "out", ["<think>"], init="mean")
+    assert report.after.verdict == "trained"
+    # lm_head sits in the first shard, the embedding in the second: both are rewritten.
+    assert report.files_rewritten == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert "model.safetensors.index.json" in report.files_copied
+
+
 def test_fix_refuses_to_overwrite(untied, tmp_path):
     folder, _ = untied
     with pytest.raises(ValueError, match="new folder"):
