@@ -219,7 +219,7 @@ def audit_tokens(
         raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
     vocab = Vocabulary.load(model)
     tag_ids = {t: vocab.split(t) for t in wanted}
-    exclude = sorted({i for ids in tag_ids.values() for i in ids if i in vocab.added})
+    exclude = sorted({i for ids in tag_ids.values() for i in ids})
     an = analyse(
         model,
         reference_ids=reference_ids,

@@ -116,7 +116,7 @@ def fix_tokens(
 
     wanted = collect_tags(tags, template, reward_regex)
     vocab = Vocabulary.load(model)
-    exclude = sorted({i for t in wanted for i in vocab.split(t) if i in vocab.added})
+    exclude = sorted({i for t in wanted for i in vocab.split(t)})
     an = analyse(model, reference_ids=reference_ids, exclude_ids=exclude, vocab=vocab)
     targets = _targets(an, wanted)
     before = "untrained" if targets else "trained"

@@ -125,7 +125,7 @@ class VocabularyAudit:
     tokenizer_length: int
 
     def __post_init__(self) -> None:
-        if any(v not in (0, 1, 2) for v in self.verdicts[:1000]):
+        if not set(self.verdicts) <= {0, 1, 2}:
             raise ValueError("VocabularyAudit.verdicts must be 0, 1 or 2")
 
     def ids(self, verdict: str) -> list[int]:
