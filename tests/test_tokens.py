@@ -244,6 +244,12 @@ def test_clear_errors(untied, tmp_path):
     (empty / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         audit_tokens(empty)
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    (no_tok / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    (no_tok / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        audit_tokens(no_tok)
     with pytest.raises(ValueError, match="not a valid Python regex"):
         audit_tokens(folder, reward_regex="<think>(")
     with pytest.raises(ValueError, match="no tag"):
@@ -255,7 +261,9 @@ def test_clear_errors(untied, tmp_path):
 # -- fix ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("which", "init"), [("untied", "pieces"), ("untied", "mean"), ("tied", "pieces")])
+@pytest.mark.parametrize(
+    ("which", "init"), [("untied", "pieces"), ("untied", "mean"), ("tied", "pieces"), ("tied", "mean")]
+)
 def test_fix_makes_audit_pass_and_leaves_original(which, init, request, tmp_path):
     from safetensors import safe_open
 

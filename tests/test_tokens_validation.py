@@ -39,3 +39,22 @@ def test_tag_the_tokenizer_cannot_spell():
 
     with pytest.raises(ValueError, match="unknown token"):
         audit_tokens(MODEL, ["<\U0001f914>"])
+
+
+def test_slow_tokenizer_files_only(tmp_path):
+    """Without tokenizer.json the tokenizer comes from vocab.txt through transformers, offline."""
+    import shutil
+
+    from vlfast.tokens import audit_tokens
+
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "vocab.txt",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
+        shutil.copy(MODEL / name, tmp_path / name)
+    report = audit_tokens(tmp_path, ["<think>"])
+    assert report.reference_sources["unused-names"] == 994
+    assert [t.piece for t in report.tags[0].tokens] == ["<", "think", ">"]

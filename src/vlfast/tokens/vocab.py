@@ -14,6 +14,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+# Files a slow or fast tokenizer is built from (tokenizer.json is read directly).
+VOCAB_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
 # Names that tokenizer authors give to entries they reserve and never train: BERT `[unused12]`,
 # Llama-3 `<|reserved_special_token_5|>`, Gemma `<unused3>`, others `<|unused_7|>`, `<|reserved_12|>`.
 UNUSED_NAME = re.compile(
@@ -37,6 +47,12 @@ class Vocabulary:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(path))
+        elif not any((model_dir / f).is_file() for f in VOCAB_FILES):
+            # transformers would happily build an empty tokenizer from tokenizer_config.json alone.
+            raise FileNotFoundError(
+                f"no tokenizer files in {model_dir} (none of tokenizer.json, {', '.join(VOCAB_FILES[1:])}); "
+                "save the tokenizer next to the weights with tokenizer.save_pretrained(DIR)"
+            )
         else:
             try:
                 from transformers import AutoTokenizer
