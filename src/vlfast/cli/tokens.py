@@ -194,6 +194,11 @@ def rewrite(
         table.add_row(report.reward_regex, report.reward_regex_out, replaced, "-")
     console.print(table)
     console.print("mapping: " + ", ".join(f"{a} -> {b}" for a, b in report.mapping.items()))
+    if any(fr is not None and fr.already_present for fr in (report.dataset, report.template)):
+        console.print(
+            "[yellow]warning:[/yellow] some target tags were already in the input; after the rewrite they "
+            "are indistinguishable from the replaced ones"
+        )
 
 
 @handle_errors
