@@ -188,6 +188,19 @@ def test_sharded_checkpoint_and_text_model_names(tmp_path):
     assert report.verdict == "untrained"
 
 
+def test_tensor_discovery_ignores_layer_outputs(tmp_path):
+    from safetensors.torch import load_file
+
+    make_model(tmp_path, tied=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.attention.output.weight"] = torch.zeros(D, D, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    report = audit_tokens(tmp_path)
+    assert report.tied and report.lm_head is None
+    with pytest.raises(ValueError, match="not a 2-D tensor"):
+        audit_tokens(tmp_path, embedding_name="model.norm.weight")
+
+
 def test_zero_padding_disables_cosine_but_still_flags(tmp_path):
     make_model(tmp_path, zero_padding=True)
     report = audit_tokens(tmp_path)

@@ -70,24 +70,46 @@ class CheckpointWeights:
         tensor_files = _tensor_files(model_dir)
         config = {}
         if (model_dir / "config.json").is_file():
-            config = json.loads((model_dir / "config.json").read_text())
+            try:
+                config = json.loads((model_dir / "config.json").read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{model_dir / 'config.json'} is not valid JSON ({e})") from None
+        headers: dict[Path, tuple[dict, int]] = {}
+
+        def shape(name: str) -> tuple[int, ...]:
+            path = tensor_files[name]
+            if path not in headers:
+                headers[path] = read_header(path)
+            return tuple(headers[path][0][name]["shape"])
+
         names = list(tensor_files)
         if embedding_name is None:
-            found = sorted((n for n in names if _matches(n, INPUT_NAMES)), key=_preference)
+            found = sorted(
+                (n for n in names if _matches(n, INPUT_NAMES) and len(shape(n)) == 2), key=_preference
+            )
             if not found:
                 raise ValueError(
                     f"no input-embedding tensor (…{', …'.join(INPUT_NAMES)}) in {model_dir}; "
                     "name it with --embedding-name"
                 )
             embedding_name = found[0]
+        elif embedding_name not in tensor_files or len(shape(embedding_name)) != 2:
+            raise ValueError(f"--embedding-name {embedding_name!r} is not a 2-D tensor in {model_dir}")
         if lm_head_name is None:
-            found = sorted((n for n in names if _matches(n, OUTPUT_NAMES)), key=_preference)
+            # Only a matrix shaped like the embedding can be the output projection (a layer's
+            # `...output.weight` is not).
+            emb = shape(embedding_name)
+            found = sorted(
+                (n for n in names if _matches(n, OUTPUT_NAMES) and shape(n) == emb), key=_preference
+            )
             lm_head_name = found[0] if found else None
+        elif lm_head_name not in tensor_files or len(shape(lm_head_name)) != 2:
+            raise ValueError(f"--lm-head-name {lm_head_name!r} is not a 2-D tensor in {model_dir}")
         tied_cfg = _tied_from_config(config)
         # No stored lm_head means the model reuses the embedding; a stored copy under a tying config is
         # a duplicate that transformers ignores on load, but `fix` still keeps it in step.
         tied = lm_head_name is None or bool(tied_cfg)
-        return cls(model_dir, tensor_files, embedding_name, lm_head_name, tied, config)
+        return cls(model_dir, tensor_files, embedding_name, lm_head_name, tied, config, headers)
 
     def _header(self, path: Path) -> tuple[dict, int]:
         if path not in self._headers:
