@@ -87,6 +87,20 @@ def test_shard_limits_and_views_copied(tmp_path: Path) -> None:
     assert all(torch.equal(c[f"s{i}"]["x"], big[i]) for i in range(7))
 
 
+def test_add_takes_a_snapshot(tmp_path: Path) -> None:
+    t = torch.randn(4, 4)
+    with FeatureStore(tmp_path, CFG) as s:
+        s.add("a", {"x": t, "y": t})  # one tensor under two names and in two samples: safetensors
+        s.add("b", {"x": t})  # refuses shared memory, so the store must copy
+        expected = t.clone()
+        t.zero_()  # the caller reuses its buffer before the shard is written
+        for sid in ("e1", "e2"):  # empty tensors (zero tokens) in several samples
+            s.add(sid, {"x": torch.zeros(0, 5, dtype=torch.bfloat16), "s": torch.zeros(())})
+    c = FeatureCache(tmp_path)
+    assert all(torch.equal(c[i][k], expected) for i in ("a", "b") for k in c[i])
+    assert c["e2"]["x"].shape == (0, 5) and c["e2"]["s"].shape == ()
+
+
 def test_add_validates_inputs(tmp_path: Path) -> None:
     s = FeatureStore(tmp_path, CFG)
     with pytest.raises(TypeError, match="dtype"):

@@ -574,10 +574,13 @@ class FeatureStore:
                 )
             if t.is_sparse or t.layout != torch.strided:
                 raise TypeError(f"feature {name!r} of {sample_id!r} must be a dense tensor")
-            t = t.detach().to("cpu").contiguous()
-            # A view of a batch tensor would keep the whole batch alive in the buffer: copy it out.
-            if t.untyped_storage().nbytes() != t.nbytes or t.storage_offset() != 0:
-                t = t.clone()
+            src = t.detach()
+            if src.device.type != "cpu":
+                t = src.to("cpu").contiguous()  # a fresh copy that nobody else holds
+            else:
+                # Snapshot: the caller may reuse or modify its tensor after add, pass one tensor twice
+                # (safetensors refuses shared memory), or pass a view that would keep a whole batch alive.
+                t = src.clone(memory_format=torch.contiguous_format)
             tensors[name] = t
             nbytes += t.nbytes
         try:
