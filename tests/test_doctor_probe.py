@@ -121,3 +121,24 @@ def test_doctor_validates_arguments():
         doctor(model=42, probe=False)
     with pytest.raises(ValueError, match="unsupported dtype"):
         doctor("ref:qwen3-vl-4b", dtype="int8", probe=False)
+
+
+def test_a_very_slow_conv_is_not_repeated(monkeypatch):
+    import time
+
+    import vlfast.probe as probe
+
+    calls = {"conv": 0}
+
+    def conv():
+        calls["conv"] += 1
+        time.sleep(0.3)
+
+    gemm, conv_budget = (lambda: None), 0.4
+    g, c = probe._interleaved(gemm, conv, torch.device("cpu"), conv_budget, 20)
+    assert calls["conv"] == 2 and c.n == 1 and not c.first_call  # warm-up, then one timed call
+    monkeypatch.setattr(probe, "_ONE_CALL_MS", 100.0)
+    calls["conv"] = 0
+    g, c = probe._interleaved(gemm, conv, torch.device("cpu"), conv_budget, 20)
+    assert calls["conv"] == 1 and c.first_call and c.median_ms >= 300
+    assert g.n >= 1

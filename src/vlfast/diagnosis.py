@@ -182,14 +182,8 @@ class DoctorReport:
             lines += ["", "Rules that apply:"]
             lines += [f"- `{r.id}`: {r.title} ({r.source})" for r in self.rules]
         if self.fixes:
-            lines += [
-                "",
-                "Fix:",
-                "",
-                "```python" if self.fixes[0].kind == "code" else "```",
-                self.fixes[0].text,
-                "```",
-            ]
+            lines += ["", "Fix (any one):", ""]
+            lines += [f"- `{x.text}` ({x.kind}: {x.note})" for x in self.fixes]
         if self.notes:
             lines += ["", *[f"- {n}" for n in self.notes]]
         return "\n".join(lines) + "\n"
