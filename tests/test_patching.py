@@ -704,3 +704,41 @@ def test_compile_fullgraph_forward_and_backward():
     assert_verbose_close(x.grad, expected_x.grad, name="compiled input grad")
     assert_verbose_close(conv.weight.grad, expected_w, name="compiled weight grad")
     torch._dynamo.reset()
+
+
+def test_compile_dynamic_batch_compiles_once():
+    from torch._dynamo.testing import CompileCounter
+
+    conv = qwen_embed(c_out=8)
+    patch(conv)
+
+    def embed(p):
+        return conv(p.view(-1, 3, 2, 16, 16)).view(-1, 8)
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(embed, backend=counter, dynamic=True, fullgraph=True)
+    for n in (5, 9, 17, 33):  # the patch count varies with every image
+        x = torch.randn(n, 3 * 2 * 16 * 16)
+        assert_verbose_close(compiled(x), embed(x), name=f"dynamic N={n}")
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_compile_with_inductor():
+    conv = qwen_embed(c_out=8)
+    pixels = torch.randn(9, 3 * 2 * 16 * 16)
+    expected = stock(conv, pixels.view(-1, 3, 2, 16, 16)).view(-1, 8)
+    patch(conv)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p: conv(p.view(-1, 3, 2, 16, 16)).view(-1, 8), fullgraph=True)
+    assert_verbose_close(compiled(pixels), expected, name="inductor output")
+    torch._dynamo.reset()
+
+
+def test_meta_device_shapes():
+    # Shape-only runs (device="meta") go through the patch too.
+    conv = nn.Conv3d(3, 8, (2, 16, 16), stride=(2, 16, 16), device="meta")
+    patch(conv)
+    assert conv(torch.empty(7, 3, 2, 16, 16, device="meta")).shape == (7, 8, 1, 1, 1)
+    assert conv(torch.empty(1, 3, 4, 33, 40, device="meta")).shape == (1, 8, 2, 2, 2)
