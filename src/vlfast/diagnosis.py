@@ -158,6 +158,14 @@ class DoctorReport:
             ("VLFAST_PATCH", f.autopatch_env or "unset"),
             ("model patched", f.model_patched),
         ]
+        if f.torch_build not in ("cuda", "rocm"):  # a CPU build: GPU facts do not apply
+            skip = (
+                "CUDA (build / driver)",
+                "cuDNN (compile / runtime)",
+                "cudnn enabled / benchmark / tf32",
+                "GPU",
+            )
+            env = [(k, "n/a (CPU build)" if k in skip else v) for k, v in env]
         lines = [
             "### vlfast doctor",
             "",
@@ -264,6 +272,8 @@ def _summary(verdict: Verdict, findings: list[Finding], savings: dict[str, float
     if verdict == "no-convs":
         return "No stride == kernel convolution found: nothing for vlfast to patch."
     if verdict == "unmeasured":
+        if all(f.status == "skipped" for f in findings):
+            return "Probe disabled: facts and rules only, no verdict."
         return "The probe could not time any convolution here; see the errors below."
     if verdict == "ok":
         return (
