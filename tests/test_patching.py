@@ -742,3 +742,21 @@ def test_meta_device_shapes():
     patch(conv)
     assert conv(torch.empty(7, 3, 2, 16, 16, device="meta")).shape == (7, 8, 1, 1, 1)
     assert conv(torch.empty(1, 3, 4, 33, 40, device="meta")).shape == (1, 8, 2, 2, 2)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+@pytest.mark.parametrize("which", ["input", "weight"])
+def test_compile_fullgraph_channels_last(nd, which):
+    # The channels-last answer asks torch which conv kernel it would pick: that must not break a graph.
+    kernel, size = GEOMETRIES[2 * nd - 1]
+    conv = make_conv(kernel)
+    x = make_input(2, 3, size, channels_last=which == "input")
+    if which == "weight":
+        conv = conv.to(memory_format=CHANNELS_LAST[nd])
+    expected = stock(conv, x)
+    patch(conv)
+    torch._dynamo.reset()
+    out = torch.compile(conv, fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    assert strides_of(out) == strides_of(expected)
+    assert_verbose_close(out, expected, name=f"compiled channels-last {which}")

@@ -41,6 +41,8 @@ _CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
 _STOCK_CONV_FORWARD = {cls: cls._conv_forward for cls in _CONV_TYPES}
 
 Filter = Callable[[str, nn.Module], bool] | str | None
+# torch.compiler.is_compiling is torch >= 2.3; dynamo folds it to True while tracing.
+_is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _is_channels_last(t: torch.Tensor, nd: int) -> bool:
@@ -57,9 +59,11 @@ def _conv_memory_format(
 
     It depends on the kernel torch picks: oneDNN and cuDNN answer channels-last when the input or the
     weight is (``model.to(memory_format=...)``), CPU's fp16 Slow3d answers contiguous. Ask torch's own
-    selector, as its meta functions do; fall back to the common rule where it is missing.
+    selector, as its meta functions do; use the common rule where it is missing and under torch.compile.
     """
     nd = len(stride)
+    if _is_compiling():  # the selector returns a non-tensor that dynamo cannot trace: a graph break
+        return _CHANNELS_LAST[nd]
     try:
         backend = torch._C._select_conv_backend(
             x, weight, bias, list(stride), [0] * nd, [1] * nd, False, [0] * nd, 1, None
