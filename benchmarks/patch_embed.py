@@ -21,6 +21,7 @@ fallback is slow enough (seconds per call in bf16) that it gets fewer rounds.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import statistics
@@ -84,9 +85,11 @@ def hardware(device: torch.device) -> str:
     except OSError:
         pass
     text = (
-        f"CPU: {cpu}{flags}, {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
-        f"Python {platform.python_version()}"
+        f"CPU: {cpu}{flags}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
+        f"torch {torch.__version__}; Python {platform.python_version()}"
     )
+    if hasattr(os, "getloadavg"):  # a shared machine: say how busy it was (ratios, not times, are the claim)
+        text += f"; load average {os.getloadavg()[0]:.1f} at the end of the run"
     if device.type == "cuda":
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         text += f"; GPU: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, cuDNN {cudnn}"

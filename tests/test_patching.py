@@ -760,3 +760,30 @@ def test_compile_fullgraph_channels_last(nd, which):
     torch._dynamo.reset()
     assert strides_of(out) == strides_of(expected)
     assert_verbose_close(out, expected, name=f"compiled channels-last {which}")
+
+
+def test_torch_export_captures_the_gemm():
+    conv = qwen_embed(c_out=8)
+    patch(conv)
+    x = torch.randn(3, 3, 2, 16, 16)
+    exported = torch.export.export(conv, (x,))
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert any("linear" in t or "addmm" in t for t in targets), targets
+    assert not any("conv" in t for t in targets), targets
+    assert_verbose_close(exported.module()(x), stock(conv, x))
+
+
+def test_torchscript_still_works():
+    # TorchScript compiles the class's own _conv_forward: a scripted patched conv is the stock conv.
+    conv = make_conv((2, 3, 5))
+    patch(conv)
+    x = make_input(2, 3, (5, 7, 11))
+    assert_verbose_close(torch.jit.script(conv)(x), stock(conv, x))
+
+
+def test_patching_in_steps_with_filters():
+    model = mixed_model()
+    assert [e.status for e in patch(model, filter="embed").entries] == ["patched", "filtered", "filtered"]
+    report = patch(model)
+    assert [e.status for e in report.entries] == ["already_patched", "patched", "skipped"]
+    assert [n for n, _ in patched_modules(model)] == ["embed", "down"]
