@@ -787,3 +787,16 @@ def test_patching_in_steps_with_filters():
     report = patch(model)
     assert [e.status for e in report.entries] == ["already_patched", "patched", "skipped"]
     assert [n for n, _ in patched_modules(model)] == ["embed", "down"]
+
+
+def test_the_comparison_helper_reports_the_worst_element():
+    # The tolerance helper is what every equivalence claim here rests on: it must catch and locate errors.
+    expected = torch.linspace(-1, 1, 24).view(2, 3, 4)
+    actual = expected.clone()
+    actual[1, 2, 3] += 1e-3
+    with pytest.raises(AssertionError, match=r"1/24 elements out of tolerance.*worst at \(1, 2, 3\)"):
+        assert_verbose_close(actual, expected, name="probe")
+    assert_verbose_close(expected + 1e-7, expected)  # fp32 round-off passes
+    flipped = expected.bfloat16()
+    with pytest.raises(AssertionError, match="cosine"):
+        assert_verbose_close(-flipped, flipped)
