@@ -56,6 +56,10 @@ def test_roundtrip_dtypes_shapes_and_index(tmp_path: Path) -> None:
     assert c.meta("a") == {"path": "a.jpg", "n_tokens": 5} and c.meta("b") == {}
     assert [sorted(x) for x in c] == [sorted(feats), ["bf16"], ["f32"]]
     assert [sid for sid, _ in c.items()] == ["a", "b", "c"]
+    only = FeatureCache(tmp_path, features=["bf16"])
+    assert list(only["a"]) == ["bf16"] and list(only["b"]) == ["bf16"]
+    with pytest.raises(KeyError, match="no feature"):
+        only["c"]
     assert c.run_config == CFG
     with pytest.raises(KeyError, match="not in"):
         c["zz"]

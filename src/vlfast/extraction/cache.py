@@ -12,7 +12,7 @@ import operator
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,15 @@ class FeatureCache(torch.utils.data.Dataset):
     not carried across processes, each worker opens its own).
     """
 
-    def __init__(self, out: str | os.PathLike):
+    def __init__(self, out: str | os.PathLike, features: Sequence[str] | None = None):
+        """``features`` limits what each lookup reads (e.g. ``["mean"]`` skips the token tensors)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.out = Path(out)
+        if isinstance(features, str):
+            features = [features]
+        self.features = None if features is None else frozenset(features)
         self._run = read_run_file(self.out)
         parts = committed_parts(self.out)
         tables = [pq.read_table(p) for p in parts]
@@ -111,7 +115,15 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"{self._shard_paths[k]} row {row} holds {self._shard_ids[k][row]!r}, but the index says "
                 f"{self._ids[i]!r}: the folder is damaged. Re-run the extraction into a new OUT."
             )
-        return {f["name"]: handle.get_tensor(f"{row}/{f['name']}") for f in self._features[i].as_py()}
+        names = [f["name"] for f in self._features[i].as_py()]
+        if self.features is not None:
+            missing = self.features.difference(names)
+            if missing:
+                raise KeyError(
+                    f"sample {self._ids[i]!r} in {self.out} has no feature {sorted(missing)}; it has {names}"
+                )
+            names = [n for n in names if n in self.features]
+        return {n: handle.get_tensor(f"{row}/{n}") for n in names}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for i in range(len(self)):
