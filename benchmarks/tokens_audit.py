@@ -78,15 +78,16 @@ def child(folder: str) -> None:
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = audit_tokens(folder)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     done.set()
     t.join()
     print(
         json.dumps(
             {
                 "wall_s": wall,
+                "cpu_s": cpu,
                 "extra_anon_mib": (peak["anon"] - base_anon) / 1024,
                 "extra_file_mib": (peak["file"] - base_file) / 1024,
                 "verdict": report.verdict,
@@ -188,10 +189,12 @@ def main() -> None:
         f"python {platform.python_version()}"
     )
     fastest = min(r["wall_s"] for r in results)
+    cpu = statistics.median(r["cpu_s"] for r in results)
     load = os.getloadavg()[0]
     print(
         f"audit of {args.rows} x {args.width} bf16: median {wall:.2f} s, fastest {fastest:.2f} s over "
-        f"{len(results)} runs (1-min load average {load:.1f}: other work shares the cores)"
+        f"{len(results)} runs, median CPU time {cpu:.2f} s (1-min load average {load:.1f}: other work "
+        "shares the cores)"
     )
     print(f"peak extra memory: {anon:.0f} MiB anonymous + {file_:.0f} MiB file-backed (mapped weights)")
     print(f"verdict: {results[-1]['verdict']}")
