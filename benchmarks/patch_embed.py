@@ -104,8 +104,8 @@ def _fallback_flags(device: torch.device):
 
 def bench_shape(
     shape: Shape, dtype: torch.dtype, device: torch.device, n: int, rounds: int, fallback_rounds: int
-) -> dict[str, float]:
-    """Median milliseconds per variant for one shape, dtype and device."""
+) -> dict[str, list[float]]:
+    """Milliseconds per variant and round (the fallback in the first rounds only) for one configuration."""
     c, t, p, d = shape.in_channels, shape.temporal, shape.patch, shape.out
     gen = torch.Generator().manual_seed(0)
     conv = nn.Conv3d(c, d, (t, p, p), stride=(t, p, p)).to(device=device, dtype=dtype)
@@ -142,7 +142,12 @@ def bench_shape(
                 if name == "fallback" and r >= fallback_rounds:
                     continue
                 times[name].append(measure(variants[name], device=device, warmup=0, repeats=1).times_ms[0])
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``a / b`` within the same round: both ran seconds apart under the same load."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 def _check_agreement(conv, patched, pixels, w2d, bias) -> None:
@@ -173,14 +178,18 @@ def render(rows: list[dict], header: str, n: int, rounds: int, fallback_rounds: 
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        m = r["ms"]
+        t = r["times"]
+        m = {k: statistics.median(v) for k, v in t.items()}
         lines.append(
             f"| {', '.join(r['shape'].refs)} | {r['shape'].label} | {r['device']} | {r['dtype']} "
             f"| {m['conv']:.1f} | {m['fallback']:.1f} | {m['patched']:.1f} | {m['linear']:.1f} "
-            f"| {m['conv'] / m['patched']:.2f}x | {m['fallback'] / m['patched']:.1f}x "
-            f"| {m['patched'] / m['linear']:.3f} |"
+            f"| {paired_ratio(t, 'conv', 'patched'):.2f}x | {paired_ratio(t, 'fallback', 'patched'):.1f}x "
+            f"| {paired_ratio(t, 'patched', 'linear'):.3f} |"
         )
     lines += [
+        "",
+        "Times are medians; ratios are medians of the per-round ratios (each pair ran seconds apart, so a "
+        "busy machine slows both alike).",
         "",
         "conv: stock `nn.Conv3d` (oneDNN on CPU, cuDNN on CUDA); fallback: the same conv with oneDNN/cuDNN "
         "disabled, the slow path torch >= 2.9 takes for bf16 5-D convs with cuDNN 9.8-9.14; patched: after "
@@ -230,11 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(dev_name)
         for shape in shapes:
             for dt in args.dtypes:
-                ms = bench_shape(shape, DTYPES[dt], device, args.patches, args.rounds, args.fallback_rounds)
-                rows.append({"shape": shape, "dtype": dt, "device": dev_name, "ms": ms})
+                times = bench_shape(
+                    shape, DTYPES[dt], device, args.patches, args.rounds, args.fallback_rounds
+                )
+                rows.append({"shape": shape, "dtype": dt, "device": dev_name, "times": times})
                 print(
                     f"{shape.label:>22} {dev_name:>4} {dt}: "
-                    + "  ".join(f"{k} {v:.1f} ms" for k, v in ms.items()),
+                    + "  ".join(f"{k} {statistics.median(v):.1f} ms" for k, v in times.items()),
                     file=sys.stderr,
                     flush=True,
                 )
