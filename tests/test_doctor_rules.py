@@ -154,3 +154,24 @@ def test_version_helpers():
     assert dtype_name("bf16") == "bfloat16" and dtype_name("torch.float16") == "float16"
     with pytest.raises(ValueError):
         dtype_name("int8")
+
+
+def test_docs_list_every_rule_and_every_json_key():
+    # Meta-test: the documented rules and schema stay in step with the code.
+    from pathlib import Path
+
+    from vlfast.diagnosis import DoctorReport
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "doctor.md").read_text()
+    for r in RULES:
+        assert f"`{r.id}`" in docs, r.id
+    report = DoctorReport("t", gpu(), [], [], "ok", "", [], {}, 1)
+    for key in report.to_dict():
+        assert key in docs, key
+
+
+def test_public_names():
+    import vlfast
+
+    assert vlfast.doctor.__module__ == "vlfast.diagnosis"
+    assert vlfast.profile.__module__ == "vlfast.profiler"
