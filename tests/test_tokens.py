@@ -58,14 +58,20 @@ def make_model(
 ) -> dict:
     """A checkpoint whose never-trained rows (added `<think>` tokens, padding, planted) look like
     fresh init: small random input rows and output rows drifted along one shared direction, as the
-    softmax gradient pushes every unseen token's lm_head row. Returns what was planted."""
+    softmax gradient pushes every unseen token's lm_head row. Trained rows vary most along an axis
+    of their own (the first principal component, as a token-frequency direction does in real models).
+    Returns what was planted."""
     n_tok = make_tokenizer(folder, think_added)
     rows = n_tok + padding
     g = torch.Generator().manual_seed(seed)
-    common_in, common_out = torch.randn(D, generator=g), torch.randn(D, generator=g)
-    emb = torch.randn(rows, D, generator=g) + 0.3 * common_in
-    out = torch.randn(rows, D, generator=g) + 0.5 * common_out
-    drift = -2.0 * common_out
+    common_in, common_out, axis = (torch.randn(D, generator=g) for _ in range(3))
+    axis = axis / axis.norm()
+    emb = torch.randn(rows, D, generator=g) + 0.3 * common_in + 3.0 * torch.randn(rows, 1, generator=g) * axis
+    out = (
+        torch.randn(rows, D, generator=g) + 0.5 * common_out + 3.0 * torch.randn(rows, 1, generator=g) * axis
+    )
+    drift = torch.randn(D, generator=g)
+    drift = 4.0 * (drift - (drift @ axis) * axis) / drift.norm()
 
     def untrained(ids: list[int]) -> None:
         ids_t = torch.tensor(ids, dtype=torch.long)

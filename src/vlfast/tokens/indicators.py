@@ -19,8 +19,8 @@ import torch
 from vlfast.tokens.weights import CheckpointWeights
 
 ZERO_MAX_ABS = 1e-16  # Unsloth's `fix_untrained_tokens` threshold: a row whose max |x| is below is unset
-PCA_SAMPLE_BLOCKS = 8  # the first principal component is estimated from this many blocks of rows...
-PCA_BLOCK_ROWS = 256  # ... of this many rows each (2,048 rows): the top direction is that dominant
+PCA_SAMPLE_ELEMENTS = 16 * 2**20  # the first principal component is fitted on at most this many values:
+# every row of a small matrix (30,522 x 384 whole), 4,096 evenly strided rows of a 152k x 4,096 one
 POWER_ITERATIONS = 30
 HASH_COLUMNS = 256  # duplicate candidates are found by hashing the raw bits of this many columns
 BLOCK_ROWS = 1024  # 1,024 x 4,096 fp32 = 16 MiB: the norm, projections and hash reuse it from cache
@@ -52,11 +52,13 @@ class MatrixStats:
 
 
 def first_principal_component(weights: CheckpointWeights, name: str) -> torch.Tensor:
-    """Unit vector (D,) of the top principal direction, from evenly spread blocks of rows."""
+    """Unit vector (D,) of the top principal direction, from all rows or an evenly strided sample.
+
+    Strided, not contiguous blocks: vocabularies are ordered (bytes, then merges by frequency; BERT's
+    `[unused*]` first, then characters, then words), so a block is not a fair sample of the rows."""
     n, d = weights.shape(name)
-    per = min(PCA_BLOCK_ROWS, n)
-    starts = np.unique(np.linspace(0, n - per, num=min(PCA_SAMPLE_BLOCKS, max(1, n // per))).astype(int))
-    ids = np.unique((starts[:, None] + np.arange(per)[None, :]).reshape(-1))
+    keep = max(PCA_SAMPLE_ELEMENTS // d, 1024)
+    ids = np.arange(n) if n <= keep else np.unique(np.linspace(0, n - 1, num=keep).astype(np.int64))
     sample = weights.rows(name, ids)  # (S, D)
     sample = sample - sample.mean(0)
     gen = torch.Generator().manual_seed(0)
