@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
@@ -175,3 +176,6 @@ def test_bad_model_is_a_usage_error():
     assert _run("--model", "ref:nope", "--no-probe").exit_code == 2
     assert _run("--model", "/no/such/dir", "--no-probe").exit_code == 2
     assert _run("--dtype", "int8", "--no-probe").exit_code == 2
+    if not torch.cuda.is_available():
+        res = _run("--model", "ref:qwen3-vl-4b", "--device", "cuda", "--no-probe")
+        assert res.exit_code == 2 and "not usable here" in res.output

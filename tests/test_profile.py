@@ -193,6 +193,8 @@ def test_cli_checkpoint_times_the_whole_vlm(tmp_path):
         assert run["vlm_error"] is None and run["vlm_forward_ms"] > 0
         assert INLINE in run["shares"] and "patch_embed" in run["components_ms"]
     assert data["speedups"][0]["vlm_speedup"] > 0
+    tower_only = profile(ckpt, device="cpu", frames=(2,), size=(64, 64), warmup=0, repeats=1, vlm=False)
+    assert all(r.vlm_forward_ms is None and r.vlm_error is None for r in tower_only.runs)
 
 
 def test_cli_table_and_chart(tmp_path):

@@ -13,6 +13,7 @@ The :class:`DoctorReport` renders itself as JSON (schema ``vlfast.doctor/1``, do
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,7 +21,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from vlfast.facts import Facts, collect_facts, cudnn_version_str, default_device, default_dtype, dtype_name
+from vlfast.facts import (
+    Facts,
+    check_device,
+    collect_facts,
+    cudnn_version_str,
+    default_device,
+    default_dtype,
+    dtype_name,
+)
 from vlfast.probe import DEFAULT_PATCHES, ConvShape, ProbeResult, conv_shapes, merge_shapes, probe_conv
 from vlfast.rules import ConvGeometry, RuleHit, evaluate
 
@@ -222,6 +231,8 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
             tower = models.build_reference(name, device="meta")
             shapes += conv_shapes(tower, patches=patches, label=name)
         return f"built-in references ({len(models.REFERENCES)})", shapes
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if isinstance(model, nn.Module):
         return type(model).__name__, conv_shapes(model, patches=patches, label=type(model).__name__)
     if isinstance(model, str):
@@ -324,7 +335,7 @@ def doctor(
     if slow_ratio <= 1:
         raise ValueError(f"slow_ratio must be > 1, got {slow_ratio}")
     t0 = time.perf_counter()
-    dev = str(torch.device(device)) if device is not None else default_device()
+    dev = check_device(device) if device is not None else default_device()
     dt = dtype_name(dtype) if dtype is not None else default_dtype(dev)
     target, shapes = _scan(model, patches)
     geometries = merge_shapes(shapes)

@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "Facts",
+    "check_device",
     "collect_facts",
     "cudnn_version_str",
     "default_device",
@@ -208,6 +209,16 @@ def default_device() -> str:
     if mps is not None and _soft(mps.is_available):
         return "mps"
     return "cpu"
+
+
+def check_device(device: str | torch.device) -> str:
+    """``device`` as a string, or ``ValueError`` saying why this machine cannot use it."""
+    try:
+        dev = torch.device(device)
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise ValueError(f"device {str(device)!r} is not usable here: {str(e).splitlines()[0]}") from None
+    return str(dev)
 
 
 def default_dtype(device: str) -> str:

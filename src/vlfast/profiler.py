@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
 import statistics
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlfast.facts import default_device, default_dtype, dtype_name
+from vlfast.facts import check_device, default_device, default_dtype, dtype_name
 from vlfast.patching import is_patched, patch, patched_modules, unpatch
 from vlfast.timing import Clock, measure
 
@@ -348,12 +349,14 @@ def _time_vlm(run: ProfileRun, vlm, tower, pixels, grid_thw, clips, device, warm
 # --------------------------------------------------------------------------------------------- profile
 
 
-def _load(model: nn.Module | str | None, device: str, dtype: torch.dtype, tiny: bool):
+def _load(model: nn.Module | str | None, device: str, dtype: torch.dtype, tiny: bool, whole: bool):
     """(target label, tower, whole VLM or None)."""
     from vlfast import models
 
     if model is None:
         model = models.REF_PREFIX + models.DEFAULT_REFERENCE
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if isinstance(model, nn.Module):
         try:
             name, tower = models.find_vision_tower(model)
@@ -364,6 +367,8 @@ def _load(model: nn.Module | str | None, device: str, dtype: torch.dtype, tiny: 
         if model.startswith(models.REF_PREFIX):
             tower = models.build_reference(model, tiny=tiny, device=device, dtype=dtype)
             return model + (" (tiny)" if tiny else ""), tower, None
+        if not whole:  # only the tower's weights are read
+            return model, models.load_vision_tower(model, device=device, dtype=dtype), None
         vlm = models.load_model(model, device=device, dtype=dtype)
         _, tower = models.find_vision_tower(vlm)
         return model, tower, vlm
@@ -411,13 +416,13 @@ def profile(
         device = param.device  # a module given as is runs where it lives, in its own dtype
     if dtype is None and param is not None:
         dtype = param.dtype
-    dev = str(torch.device(device)) if device is not None else default_device()
+    dev = check_device(device) if device is not None else default_device()
     dt_name = dtype_name(dtype) if dtype is not None else default_dtype(dev)
     dt = getattr(torch, dt_name)
     size = tuple(size) if size is not None else DEFAULT_SIZE.get(torch.device(dev).type, DEFAULT_SIZE["cuda"])
     if len(size) != 2 or min(size) < 1:
         raise ValueError(f"size must be (height, width) in pixels, got {size}")
-    target, tower, whole = _load(model, dev, dt, tiny)
+    target, tower, whole = _load(model, dev, dt, tiny, vlm)
     tower.eval()
     report = ProfileReport(target, dev, dt_name, size)
     if not vlm:
