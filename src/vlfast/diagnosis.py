@@ -182,7 +182,7 @@ class DoctorReport:
             "",
             f"Target: `{self.target}` on `{f.device}` in `{f.dtype}`, {self.patches:,} patches per sample.",
             "",
-            "| conv | where | conv ms | GEMM ms | ratio | status | rules |",
+            "| conv | where | conv ms/sample | GEMM ms/sample | ratio | status | rules |",
             "|---|---|---:|---:|---:|---|---|",
         ]
         for x in self.findings:

@@ -77,8 +77,8 @@ def _render(report) -> None:
     for col, kw in [
         ("conv", {}),
         ("where", {"overflow": "fold"}),
-        ("conv ms", {"justify": "right"}),
-        ("GEMM ms", {"justify": "right"}),
+        ("conv ms/sample", {"justify": "right"}),
+        ("GEMM ms/sample", {"justify": "right"}),
         ("ratio", {"justify": "right"}),
         ("status", {}),
         ("rules", {}),
