@@ -352,3 +352,33 @@ def test_cache_detects_index_shard_mismatch(tmp_path: Path) -> None:
     os.replace(shards[1], shards[0])  # the index now points at the wrong shard's bytes
     with pytest.raises(RuntimeError, match="damaged"):
         FeatureCache(tmp_path)["a"]
+
+
+def test_kill_during_overwrite_leaves_a_consistent_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    import vlfast.extraction.store as store_mod
+
+    _fill(tmp_path, ["a", "b", "c"], shard_max_samples=2)
+    real_rmtree = shutil.rmtree
+
+    class Killed(BaseException):
+        pass
+
+    def rmtree_then_die(path, **kw):
+        real_rmtree(path, **kw)
+        raise Killed  # the process dies right after the first folder is gone
+
+    monkeypatch.setattr(store_mod.shutil, "rmtree", rmtree_then_die)
+    new = CFG | {"model": "other"}
+    with pytest.raises(Killed):
+        FeatureStore(tmp_path, new, overwrite=True)
+    monkeypatch.setattr(store_mod.shutil, "rmtree", real_rmtree)
+    # The index went first: what is left reads as an empty, valid folder of the OLD config.
+    assert len(FeatureCache(tmp_path)) == 0
+    with pytest.raises(RunConfigMismatch):
+        FeatureStore(tmp_path, new)  # the new config is still refused until an overwrite completes
+    FeatureStore(tmp_path, CFG).close()  # the old config resumes and cleans the orphan shards
+    assert not list((tmp_path / "shards").iterdir())

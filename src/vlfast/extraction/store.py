@@ -32,6 +32,7 @@ run, but every id's tensors (bytes, dtype, shape) and meta are identical.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -369,7 +370,7 @@ class FeatureStore:
             self._release()
             raise
 
-        self._part_ids: dict[str, list[str]] = {}  # part file name -> ids, cache for done_ids()
+        self._parts_read: set[str] = set()  # index parts already in _committed
         self._committed: set[str] = set()
         self._refresh_committed()
         errors = read_errors(self.out)
@@ -392,7 +393,10 @@ class FeatureStore:
     def _overwrite(self) -> None:
         # Only rank 0 deletes, and only what this format owns, so a mistyped OUT never loses unrelated files.
         if self.rank == 0:
-            for sub in (SHARD_DIR, INDEX_DIR, ERROR_DIR):
+            # Commit markers first, run.json last: a kill mid-way leaves orphan shards (cleaned on the next
+            # start) under the old config, never index parts pointing at deleted shards, and never old data
+            # that a run with the new config would take for its own.
+            for sub in (INDEX_DIR, SHARD_DIR, ERROR_DIR):
                 shutil.rmtree(self.out / sub, ignore_errors=True)
             (self.out / RUN_FILE).unlink(missing_ok=True)
         dist = torch.distributed
@@ -442,7 +446,8 @@ class FeatureStore:
     def __del__(self) -> None:
         # An abandoned store must not keep its rank locked for the rest of the process; buffered samples
         # are NOT flushed here (that needs close()), so they are redone on resume.
-        self._release()
+        with contextlib.suppress(Exception):  # at interpreter shutdown os may be torn down already
+            self._release()
 
     def _owns_rank(self, r: int) -> bool:
         # Garbage of rank r is cleaned by one live rank: r itself if it is live, else r % world_size, so a
@@ -489,11 +494,10 @@ class FeatureStore:
         import pyarrow.parquet as pq  # lazy: keeps `import vlfast` cheap
 
         for part in committed_parts(self.out):
-            if part.name in self._part_ids:
+            if part.name in self._parts_read:
                 continue
-            ids = pq.read_table(part, columns=["id"]).column("id").to_pylist()
-            self._part_ids[part.name] = ids
-            self._committed.update(ids)
+            self._committed.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+            self._parts_read.add(part.name)
 
     # -- public API ----------------------------------------------------------------------------------
 
@@ -647,9 +651,8 @@ class FeatureStore:
         part = self.out / INDEX_DIR / f"part-{name}.parquet"
         self._write_shard(shard)
         self._write_index_part(shard, part)
-        ids = [sid for sid, _, _ in self._buffer]
-        self._part_ids[part.name] = ids
-        self._committed.update(ids)
+        self._committed.update(sid for sid, _, _ in self._buffer)
+        self._parts_read.add(part.name)
         self._buffer, self._buffer_ids, self._buffer_bytes = [], set(), 0
         self._seq += 1
 
