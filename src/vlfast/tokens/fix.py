@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags
 from vlfast.tokens.report import TokenAudit
+from vlfast.tokens.verdict import worst
 from vlfast.tokens.vocab import Vocabulary
 
 INITS = ("pieces", "mean")
@@ -119,7 +121,7 @@ def fix_tokens(
     exclude = sorted({i for t in wanted for i in vocab.split(t)})
     an = analyse(model, reference_ids=reference_ids, exclude_ids=exclude, vocab=vocab)
     targets = _targets(an, wanted)
-    before = "untrained" if targets else "trained"
+    before = worst([an.tag_verdict(tag)[2] for tag in wanted])
     w = an.weights
     # Matrices to edit: the embedding, plus a stored lm_head (also when tied: keep the copy in step).
     matrices = [w.embedding_name] + ([w.lm_head_name] if w.lm_head_name else [])
@@ -139,10 +141,11 @@ def fix_tokens(
         rows.append(FixedRow(tid, an.vocab.piece(tid), "pieces" if sources else "mean", sources, matrices))
 
     new_values: dict[str, dict[int, torch.Tensor]] = {}
-    median_norm = an.judge.norm.ordinary_median
     for name in matrices:
         tied_copy = name != w.embedding_name and w.tied
         is_input = name == w.embedding_name or tied_copy
+        stats = an.judge.input_stats if is_input else an.judge.output_stats
+        median_norm = float(np.median(stats.norm[an.ordinary]))
         mean_row = None
         values: dict[int, torch.Tensor] = {}
         for tid, sources in plans.items():
