@@ -33,6 +33,7 @@ run, but every id's tensors (bytes, dtype, shape) and meta are identical.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -180,9 +181,16 @@ def _try_lock(path: Path) -> int | None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
         os.close(fd)
-        return None
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        # Some network filesystems (Lustre without -o flock, old NFS) do not do locks at all: run
+        # unguarded rather than refuse to run.
+        warnings.warn(
+            f"cannot lock {path} ({e}); running without the one-writer-per-rank guard", stacklevel=3
+        )
+        return -1
     return fd
 
 
