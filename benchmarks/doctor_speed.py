@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             tuple(n.split(":")[0] for n in s["names"]), s["in_channels"], t, p, s["out_channels"]
         )
         ms = patch_embed.bench_shape(shape, dtype, device, s["windows"], args.rounds, 1)
-        direct = ms["conv"] / ms["linear"]
+        direct = patch_embed.paired_ratio(ms, "conv", "linear")  # median of per-round ratios
         diff = f["ratio"] / direct - 1
         worst = max(worst, abs(diff))
         print(f"| {shape.label} | {f['ratio']:.2f}x | {direct:.2f}x | {diff:+.0%} |", flush=True)

@@ -148,7 +148,7 @@ def test_real_probe_json_schema_is_stable():
     assert data["patches_per_sample"] == 64
     (finding,) = data["findings"]
     assert set(finding) == FINDING_KEYS
-    assert finding["ratio"] == pytest.approx(finding["conv_ms"] / finding["gemm_ms"])
+    assert finding["ratio"] > 0 and finding["conv_timing"]["n"] == finding["gemm_timing"]["n"]
     assert finding["shape"]["kernel_size"] == [2, 16, 16]
     facts = data["facts"]
     for key in ("torch_version", "cudnn_runtime", "onednn_enabled", "transformers_version", "model_patched"):

@@ -11,6 +11,7 @@ timed once (see :func:`vlfast.timing.measure`).
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,8 +137,13 @@ class ProbeResult:
 
     @property
     def ratio(self) -> float | None:
+        """conv / GEMM: the median of the per-round ratios when both were timed in the same rounds (a
+        load change hits a round's pair alike), else the ratio of the medians."""
         if self.conv is None or self.gemm is None or self.gemm.median_ms <= 0:
             return None
+        c, g = self.conv.times_ms, self.gemm.times_ms
+        if len(c) == len(g) and not self.conv.first_call and min(g) > 0:
+            return float(statistics.median(a / b for a, b in zip(c, g)))
         return self.conv.median_ms / self.gemm.median_ms
 
     @property
