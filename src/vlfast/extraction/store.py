@@ -6,6 +6,7 @@ On-disk layout of an output folder OUT (format version 1)::
     OUT/shards/shard-r{rank:05d}-{seq:06d}.safetensors   per-sample tensors, keys "{row}/{feature}"
     OUT/index/part-r{rank:05d}-{seq:06d}.parquet         one index part per shard: THE COMMIT MARKER
     OUT/errors/errors-r{rank:05d}.jsonl             one JSON line per failed or duplicate sample
+    OUT/locks/rank-{rank:05d}.lock                  flock of the one process writing that rank
 
 A shard is committed in this order: write ``shards/.tmp-...`` -> fsync -> ``os.replace`` to its final name ->
 fsync the folder -> write its index part the same way. A shard without an index part (a crash between the
@@ -23,7 +24,7 @@ temp files start with "." and are skipped by pyarrow's default ``ignore_prefixes
     features  list<struct<name: string, dtype: string, shape: list<int64>, offset: int64, nbytes: int64>>
               one entry per tensor; offset = absolute byte offset of the tensor data in the shard file
               (so non-Python readers can seek straight to it), dtype = torch name ("bfloat16", ...)
-    grid_thw  list<list<int64>>  copy of the "grid_thw" feature when the sample has one, else null
+    grid_thw  list<list<int64>>  the (k, 3) grid: feature "grid_thw", else "*grid_thw", else meta; or null
     meta      string        JSON of the per-sample metadata given to ``add`` (path, prompt, n_tokens, ...)
 
 Equality after a resume is per sample: shard boundaries and row numbers may differ from an uninterrupted
@@ -42,7 +43,7 @@ import shutil
 import struct
 import time
 import warnings
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -769,7 +770,3 @@ def index_schema():
             ("meta", pa.string()),
         ]
     )
-
-
-def warn_duplicates(out: Path, ids: Iterable[str]) -> None:  # pragma: no cover - defensive
-    warnings.warn(f"{out}: ids committed more than once (kept the first): {sorted(ids)[:5]}", stacklevel=3)
