@@ -389,3 +389,16 @@ def test_rewrite_jsonl_parquet_template_regex(tmp_path):
         )
     with pytest.raises(ValueError, match="must differ"):
         rewrite_tags(["think=thinking"], dataset=src, field="completion", dataset_out=src)
+
+
+def test_import_is_cheap():
+    """`import vlfast.tokens` must not pull in tokenizers, transformers or safetensors."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, vlfast.tokens, vlfast.cli.tokens; "
+        "print([m for m in ('tokenizers', 'transformers', 'safetensors') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
