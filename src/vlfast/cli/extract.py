@@ -84,7 +84,10 @@ def extract(
     ] = None,
     workers: Annotated[
         int | None,
-        typer.Option("--workers", help="Decode/preprocess processes. Default: cores - 1, at most 8."),
+        typer.Option(
+            "--workers",
+            help="Decode/preprocess processes. Default: one per core on CPU, cores - 1 with a GPU; at most 8.",
+        ),
     ] = None,
     no_patch: Annotated[
         bool, typer.Option("--no-patch", help="Leave the patch-embedding convs unpatched.")

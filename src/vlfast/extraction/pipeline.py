@@ -41,10 +41,17 @@ __all__ = ["ExtractSummary", "extract", "default_num_workers"]
 RUNTIME_KEY = "runtime"  # run-config entries that may change on resume (how, not what, is computed)
 
 
-def default_num_workers() -> int:
-    """Decode/preprocess workers: all cores but one for the main process, at most 8; 0 on one core."""
+def default_num_workers(device: torch.device | str = "cpu") -> int:
+    """Decode/preprocess worker processes: one per core on CPU, all cores but one with an accelerator.
+
+    On CPU the workers only use a core while there is preprocessing to do (they prefetch a few samples,
+    then wait), so a compute-bound run loses nothing and a preprocessing-bound run gets every core. With
+    an accelerator the main process keeps a core to feed it. At most 8; 0 (in-process) on one core.
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(8, cores - 1))
+    if cores <= 1:
+        return 0
+    return min(8, cores if torch.device(device).type == "cpu" else cores - 1)
 
 
 @dataclass
@@ -327,7 +334,7 @@ def extract(
         world_size = env_world if world_size is None else world_size
     dev = torch.device(device) if device is not None else _default_device()
     torch_dtype = _resolve_dtype(dtype, dev)
-    workers = default_num_workers() if num_workers is None else int(num_workers)
+    workers = default_num_workers(dev) if num_workers is None else int(num_workers)
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {workers}")
     budget = TokenBudget(
