@@ -163,7 +163,48 @@ def _check_agreement(conv, patched, pixels, w2d, bias) -> None:
         raise AssertionError(f"the patched conv disagrees with nn.Conv3d: cosine {cos:.6f}")
 
 
-def render(rows: list[dict], header: str, n: int, rounds: int, fallback_rounds: int, command: str) -> str:
+def call_overhead_us(
+    shape: Shape, device: torch.device, calls: int = 200, rounds: int = 9
+) -> dict[str, float]:
+    """Microseconds per call with the shape's kernel but N = 4 patches and 8 outputs, in fp32.
+
+    The GEMM then costs next to nothing, which isolates what the patch itself adds per call (module
+    call, shape checks, views): the large-N ratio patched / linear is 1 only within the machine's noise.
+    """
+    c, t, p, d = shape.in_channels, shape.temporal, shape.patch, 8
+    conv = nn.Conv3d(c, d, (t, p, p), stride=(t, p, p)).to(device)
+    patched = nn.Conv3d(c, d, (t, p, p), stride=(t, p, p)).to(device)
+    vlfast.patch(patched, strict=True)
+    pixels = torch.randn(4, c * t * p * p, device=device)
+    w2d, bias = conv.weight.detach().reshape(d, -1), conv.bias.detach()
+    fns = {
+        "conv": lambda: conv(pixels.view(-1, c, t, p, p)).view(-1, d),
+        "patched": lambda: patched(pixels.view(-1, c, t, p, p)).view(-1, d),
+        "linear": lambda: F.linear(pixels, w2d, bias),
+    }
+
+    def loop(fn):
+        return lambda: [fn() for _ in range(calls)]
+
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    with torch.inference_mode():
+        for fn in fns.values():
+            loop(fn)()
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                times[k].append(measure(loop(fn), device=device, warmup=0, repeats=1).times_ms[0])
+    return {k: statistics.median(v) * 1e3 / calls for k, v in times.items()}
+
+
+def render(
+    rows: list[dict],
+    overheads: list[dict],
+    header: str,
+    n: int,
+    rounds: int,
+    fallback_rounds: int,
+    command: str,
+) -> str:
     clip = " (one 8-frame 512x384 Qwen3-VL clip)" if n == DEFAULT_PATCHES else ""
     lines = [
         f"Patch embedding, one forward over N = {n:,} patches{clip}, "
@@ -195,6 +236,14 @@ def render(rows: list[dict], header: str, n: int, rounds: int, fallback_rounds: 
         "disabled, the slow path torch >= 2.9 takes for bf16 5-D convs with cuDNN 9.8-9.14; patched: after "
         "`vlfast.patch`; F.linear: the raw GEMM on a pre-reshaped weight (the limit).",
     ]
+    for o in overheads:
+        us = o["us"]
+        lines += [
+            "",
+            f"Per-call cost with the {o['shape'].label.split(' ->')[0]} kernel, 8 outputs, N = 4 patches, fp32, "
+            f"{o['device']} (the GEMM next to free): conv {us['conv']:.0f} us, patched {us['patched']:.0f} us, F.linear {us['linear']:.0f} us; "
+            f"the patch itself adds {us['patched'] - us['linear']:.0f} us per call.",
+        ]
     return "\n".join(lines)
 
 
@@ -249,9 +298,14 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+    overheads = [
+        {"shape": shapes[0], "device": d, "us": call_overhead_us(shapes[0], torch.device(d))} for d in devices
+    ]
     command = "python benchmarks/patch_embed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     dev = torch.device("cuda") if "cuda" in devices else torch.device("cpu")
-    table = render(rows, hardware(dev), args.patches, args.rounds, args.fallback_rounds, command.strip())
+    table = render(
+        rows, overheads, hardware(dev), args.patches, args.rounds, args.fallback_rounds, command.strip()
+    )
     print(table)
     if args.write_readme:
         write_readme(table)
