@@ -382,3 +382,15 @@ def test_kill_during_overwrite_leaves_a_consistent_folder(
         FeatureStore(tmp_path, new)  # the new config is still refused until an overwrite completes
     FeatureStore(tmp_path, CFG).close()  # the old config resumes and cleans the orphan shards
     assert not list((tmp_path / "shards").iterdir())
+
+
+def test_damaged_index_part_is_named(tmp_path: Path) -> None:
+    _fill(tmp_path, ["a", "b", "c"], shard_max_samples=2)
+    part = tmp_path / "index" / "part-r00000-000001.parquet"
+    part.write_bytes(b"not parquet")
+    for open_it in (lambda: FeatureCache(tmp_path), lambda: FeatureStore(tmp_path, CFG)):
+        with pytest.raises(ValueError, match="part-r00000-000001.parquet is unreadable.*shard-r00000-000001"):
+            open_it()
+    part.unlink()
+    (tmp_path / "shards" / "shard-r00000-000001.safetensors").unlink()
+    assert FeatureCache(tmp_path).ids() == ["a", "b"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vlfast.extraction.store import committed_parts, read_errors, read_run_file
+from vlfast.extraction.store import committed_parts, read_errors, read_index_part, read_run_file
 
 _MAX_OPEN_SHARDS = 64  # open safetensors handles kept (each holds a file descriptor and a mapping)
 
@@ -33,7 +33,6 @@ class FeatureCache(torch.utils.data.Dataset):
     def __init__(self, out: str | os.PathLike, features: Sequence[str] | None = None):
         """``features`` limits what each lookup reads (e.g. ``["mean"]`` skips the token tensors)."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         self.out = Path(out)
         if isinstance(features, str):
@@ -41,7 +40,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self.features = None if features is None else frozenset(features)
         self._run = read_run_file(self.out)
         parts = committed_parts(self.out)
-        tables = [pq.read_table(p) for p in parts]
+        tables = [read_index_part(p) for p in parts]
         if tables:
             table = pa.concat_tables(tables)
         else:

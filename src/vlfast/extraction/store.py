@@ -286,6 +286,26 @@ def committed_parts(out: Path) -> list[Path]:
     return sorted(p for p in index.iterdir() if _PART_RE.match(p.name))
 
 
+def read_index_part(part: Path, columns: Sequence[str] | None = None):
+    """One index part as an Arrow table; an unreadable part is named with what to do about it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(part, columns=list(columns) if columns is not None else None)
+    except (OSError, pa.ArrowException) as e:
+        # Parts are written atomically, so this is damage from outside (disk, copy, a hand edit).
+        shard = (
+            part.parent.parent
+            / SHARD_DIR
+            / part.name.replace("part-", "shard-").replace(".parquet", ".safetensors")
+        )
+        raise ValueError(
+            f"index part {part} is unreadable ({e}). Delete it and {shard} to extract those samples again "
+            "on the next run."
+        ) from None
+
+
 def read_errors(out: Path) -> list[dict]:
     """All ranks' error records. A torn last line (crash mid-append) is skipped; exact repeats (a duplicate
     recorded again after a resume) are dropped."""
@@ -375,27 +395,26 @@ class FeatureStore:
                 (self.out / sub).mkdir(exist_ok=True)
             self._write_or_check_run_file()
             self._clean_garbage()
+            self._parts_read: set[str] = set()  # index parts already in _committed
+            self._committed: set[str] = set()
+            self._refresh_committed()
+            errors = read_errors(self.out)
+            self._errored: set[str] = {r["id"] for r in errors if r.get("kind") != DUPLICATE_KIND}
+            self._error_keys: set[tuple] = {
+                (r["id"], r.get("source"), r.get("reason"), r.get("kind")) for r in errors
+            }
+            self._seq = self._next_seq()
+            self._versions = library_versions()
+            self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
+            self._buffer_ids: set[str] = set()
+            self._buffer_bytes = 0
+            self._num_errors = 0
+            self._num_added = 0
+            self._closed = False
+            self._error_file = self.out / ERROR_DIR / f"errors-{self._tag}.jsonl"
         except BaseException:
             self._release()
             raise
-
-        self._parts_read: set[str] = set()  # index parts already in _committed
-        self._committed: set[str] = set()
-        self._refresh_committed()
-        errors = read_errors(self.out)
-        self._errored: set[str] = {r["id"] for r in errors if r.get("kind") != DUPLICATE_KIND}
-        self._error_keys: set[tuple] = {
-            (r["id"], r.get("source"), r.get("reason"), r.get("kind")) for r in errors
-        }
-        self._seq = self._next_seq()
-        self._versions = library_versions()
-        self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
-        self._buffer_ids: set[str] = set()
-        self._buffer_bytes = 0
-        self._num_errors = 0
-        self._num_added = 0
-        self._closed = False
-        self._error_file = self.out / ERROR_DIR / f"errors-{self._tag}.jsonl"
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -500,12 +519,10 @@ class FeatureStore:
         return max(seqs) + 1
 
     def _refresh_committed(self) -> None:
-        import pyarrow.parquet as pq  # lazy: keeps `import vlfast` cheap
-
         for part in committed_parts(self.out):
             if part.name in self._parts_read:
                 continue
-            self._committed.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+            self._committed.update(read_index_part(part, ["id"]).column("id").to_pylist())
             self._parts_read.add(part.name)
 
     # -- public API ----------------------------------------------------------------------------------
