@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nvlfast doctor (no --model), {args.runs} runs: median {statistics.median(walls):.1f} s, "
         f"max {max(walls):.1f} s wall (target < 30 s)"
     )
-    print(f"machine: {patch_embed.hardware(device)}; load average {os.getloadavg()[0]:.1f}")
+    print(f"machine: {patch_embed.hardware(device)}")
     print(f"device {device}, dtype {facts['dtype']}, {report['patches_per_sample']:,} patches per call\n")
     print("| shape (C x T x P x P -> D) | doctor conv/GEMM | benchmark conv/F.linear | difference |")
     print("|---|---:|---:|---:|")

@@ -16,8 +16,8 @@ from vlfast.timing import Timing
 SMALL = ConvShape("Conv3d", 3, 32, (2, 4, 4), True, 64, ("toy:proj",))
 
 
-def test_default_patch_count_is_one_8_frame_clip():
-    assert DEFAULT_PATCHES == 6080
+def test_default_patch_count_is_one_8_frame_512x384_clip():
+    assert DEFAULT_PATCHES == 3072
 
 
 def test_conv_shapes_on_meta_references():
@@ -25,7 +25,7 @@ def test_conv_shapes_on_meta_references():
     assert qwen.kind == "Conv3d" and qwen.kernel_size == (2, 16, 16)
     assert (qwen.in_channels, qwen.out_channels, qwen.windows) == (3, 1024, DEFAULT_PATCHES)
     assert qwen.names == ("qwen3-vl-4b:patch_embed.proj",) and not qwen.patched
-    assert qwen.gemm_shape == (6080, 3 * 2 * 16 * 16, 1024)
+    assert qwen.gemm_shape == (3072, 3 * 2 * 16 * 16, 1024)
     glm = conv_shapes(build_reference("glm-4.1v-9b", device="meta"), patches=400)
     assert [s.kind for s in glm] == ["Conv3d", "Conv2d"]
     assert glm[1].windows == 100  # the downsample sees patches grouped 2x2

@@ -323,7 +323,7 @@ def doctor(
             (``ref:NAME`` or a local checkpoint directory; only shapes are read) or ``None`` for every
             built-in reference.
         device, dtype: what to probe; default the best available device, bfloat16 where supported.
-        patches: windows per sample fed to the patch embedding (default one 8-frame clip, 6,080).
+        patches: windows per sample fed to the patch embedding (default one 8-frame 512x384 clip, 3,072).
         budget_s: total time the probe may spend, shared between the distinct conv geometries.
         slow_ratio: conv / GEMM ratio at which a conv counts as slow.
         probe: time the convs (the verdict needs it); ``False`` gives facts and rules only.

@@ -3,9 +3,9 @@
 For each distinct conv geometry, the probe builds random input shaped as the model feeds it (one
 window per row, ``(N, C, *kernel)``) and times ``F.convNd`` against ``F.linear`` on the flattened views,
 at the chosen device and dtype, under whatever backend switches are active (cuDNN, oneDNN). The default
-``N`` is one 8-frame clip at Qwen3-VL's budget: grid (t, h, w) = (4, 38, 40), 6,080 patches, the clip of
-the Blackwell report (transformers #45750). Every shape gets a time budget; a conv too slow to repeat is
-timed once (see :func:`vlfast.timing.measure`).
+``N`` is one 8-frame 512x384 clip for Qwen3-VL: grid (t, h, w) = (4, 24, 32), 3,072 patches, the count
+``benchmarks/patch_embed.py`` uses (the Blackwell report's clip, transformers #45750, had 6,080).
+Every shape gets a time budget; a conv too slow to repeat is timed once (see :func:`_interleaved`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vlfast.timing import Timing, measure
 
 __all__ = ["DEFAULT_PATCHES", "ConvShape", "ProbeResult", "conv_shapes", "merge_shapes", "probe_conv"]
 
-DEFAULT_PATCHES = 4 * 38 * 40  # 6,080: one 8-frame clip (T=2 -> 4 temporal patches) of 608x640 px at P=16
+DEFAULT_PATCHES = 4 * 24 * 32  # 3,072: one 8-frame clip (T=2 -> 4 temporal patches) of 512x384 px at P=16
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 

@@ -46,7 +46,7 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("merger", r"^merger$"),
 )
 
-DEFAULT_SIZE = {"cuda": (608, 640), "cpu": (224, 224)}  # pixels per frame; 608x640 x 8 frames = 6,080 patches
+DEFAULT_SIZE = {"cuda": (384, 512), "cpu": (224, 224)}  # (h, w) pixels; 384x512 x 8 frames = 3,072 patches
 
 
 def component_modules(tower: nn.Module) -> list[tuple[str, str, nn.Module]]:
@@ -399,7 +399,7 @@ def profile(
             VLM forward is timed too), or an ``nn.Module`` (a tower or a VLM holding one).
         device, dtype: default the best available device, bfloat16 where supported.
         batch_sizes, frames: every combination is profiled; each sample is one clip of that many frames.
-        size: (height, width) of a frame in pixels; default 608x640 on GPU (8 frames = 6,080 patches at
+        size: (height, width) of a frame in pixels; default 384x512 on GPU (8 frames = 3,072 patches at
             P=16), 224x224 on CPU.
         warmup, repeats: discarded and timed forwards per configuration; medians are reported.
         tiny: build references at test size.

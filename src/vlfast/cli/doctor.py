@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from vlfast.cli._common import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, console, handle_errors, print_json
+from vlfast.probe import DEFAULT_PATCHES
 
 _STATUS_STYLE = {"slow": "bold red", "ok": "green", "error": "yellow", "skipped": "dim"}
 _VERDICT_STYLE = {"slow": "bold red", "ok": "bold green", "patched": "bold green"}
@@ -126,7 +127,7 @@ def register(app: typer.Typer) -> None:
         patches: Annotated[
             int,
             typer.Option("--patches", min=1, help="Patches per sample fed to the probe (one 8-frame clip)."),
-        ] = 6080,
+        ] = DEFAULT_PATCHES,
         budget: Annotated[
             float, typer.Option("--budget", min=0.1, help="Seconds the probe may spend in total.")
         ] = 8.0,

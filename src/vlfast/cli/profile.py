@@ -27,7 +27,7 @@ def _size(text: str | None) -> tuple[int, int] | None:
     try:
         h, w = (int(p) for p in parts)
     except ValueError:
-        raise UsageError(f"--size must be HEIGHTxWIDTH in pixels such as 608x640; got {text!r}") from None
+        raise UsageError(f"--size must be HEIGHTxWIDTH in pixels such as 384x512; got {text!r}") from None
     return (h, w)
 
 
@@ -115,7 +115,7 @@ def register(app: typer.Typer) -> None:
         size: Annotated[
             str | None,
             typer.Option(
-                "--size", help="Frame size HEIGHTxWIDTH in pixels. Default 608x640 on GPU, 224x224 on CPU."
+                "--size", help="Frame size HEIGHTxWIDTH in pixels. Default 384x512 on GPU, 224x224 on CPU."
             ),
         ] = None,
         warmup: Annotated[
