@@ -166,7 +166,7 @@ def _check_agreement(conv, patched, pixels, w2d, bias) -> None:
 def call_overhead_us(
     shape: Shape, device: torch.device, calls: int = 200, rounds: int = 9
 ) -> dict[str, float]:
-    """Microseconds per call with the shape's kernel but N = 4 patches and 8 outputs, in fp32.
+    """Microseconds per call with the shape's kernel but N = 4 patches and 8 outputs, fp32, one thread.
 
     The GEMM then costs next to nothing, which isolates what the patch itself adds per call (module
     call, shape checks, views): the large-N ratio patched / linear is 1 only within the machine's noise.
@@ -187,13 +187,20 @@ def call_overhead_us(
         return lambda: [fn() for _ in range(calls)]
 
     times: dict[str, list[float]] = {k: [] for k in fns}
-    with torch.inference_mode():
-        for fn in fns.values():
-            loop(fn)()
-        for _ in range(rounds):
-            for k, fn in fns.items():
-                times[k].append(measure(loop(fn), device=device, warmup=0, repeats=1).times_ms[0])
-    return {k: statistics.median(v) * 1e3 / calls for k, v in times.items()}
+    threads = torch.get_num_threads()
+    # One thread: waking a second one for a 4 x 1536 GEMM costs more, and more erratically, than the
+    # work itself on a busy machine. The minimum, as timeit advises for fixed costs.
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for fn in fns.values():
+                loop(fn)()
+            for _ in range(rounds):
+                for k, fn in fns.items():
+                    times[k].append(measure(loop(fn), device=device, warmup=0, repeats=1).times_ms[0])
+    finally:
+        torch.set_num_threads(threads)
+    return {k: min(v) * 1e3 / calls for k, v in times.items()}
 
 
 def render(
@@ -241,7 +248,7 @@ def render(
         lines += [
             "",
             f"Per-call cost with the {o['shape'].label.split(' ->')[0]} kernel, 8 outputs, N = 4 patches, fp32, "
-            f"{o['device']} (the GEMM next to free): conv {us['conv']:.0f} us, patched {us['patched']:.0f} us, F.linear {us['linear']:.0f} us; "
+            f"{o['device']}, one thread, best of 9 x 200 calls (the GEMM next to free): conv {us['conv']:.0f} us, patched {us['patched']:.0f} us, F.linear {us['linear']:.0f} us; "
             f"the patch itself adds {us['patched'] - us['linear']:.0f} us per call.",
         ]
     return "\n".join(lines)
