@@ -13,6 +13,7 @@ The :class:`DoctorReport` renders itself as JSON (schema ``vlfast.doctor/1``, do
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -338,6 +339,7 @@ def doctor(
     dev = check_device(device) if device is not None else default_device()
     dt = dtype_name(dtype) if dtype is not None else default_dtype(dev)
     target, shapes = _scan(model, patches)
+    gc.collect()  # the scan's temporary towers: collect them now, not inside a timed call
     geometries = merge_shapes(shapes)
     patched = all(s.patched for s in shapes) if shapes else None
     facts = collect_facts(dev, dt, model_patched=patched)

@@ -9,6 +9,7 @@ in between on CUDA, and turns pairs of marks into milliseconds after a single sy
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -97,7 +98,7 @@ def measure(
     budget_s: float | None = None,
     min_repeats: int = 1,
 ) -> Timing:
-    """Time ``fn()``: ``warmup`` discarded calls, then up to ``repeats`` timed calls.
+    """Time ``fn()``: ``warmup`` discarded calls, then up to ``repeats`` timed calls, garbage collection off.
 
     With ``budget_s``, no new call starts once the calls so far (warm-up included) have used the budget,
     after at least ``min_repeats`` timed calls. When the first warm-up call alone uses more than half
@@ -111,6 +112,23 @@ def measure(
     if budget_s is not None and budget_s <= 0:
         raise ValueError(f"budget_s must be positive, got {budget_s}")
     dev = _device(device)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # as timeit does: a collection triggered inside one call is not that call's cost
+    try:
+        return _measure(fn, dev, warmup, repeats, budget_s, min_repeats)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _measure(
+    fn: Callable[[], Any],
+    dev: torch.device,
+    warmup: int,
+    repeats: int,
+    budget_s: float | None,
+    min_repeats: int,
+) -> Timing:
     spent_ms = 0.0
     for i in range(warmup):
         ms = _timed_call(fn, dev)
