@@ -298,8 +298,10 @@ def _summary(verdict: Verdict, findings: list[Finding], savings: dict[str, float
             "the fast path is in use."
         )
     best = max(savings.values(), default=0.0)
+    slowest = max((f for f in findings if f.status == "slow"), key=lambda f: f.probe.ratio)
+    where = slowest.probe.shape.names[0] if slowest.probe.shape.names else slowest.probe.shape.describe()
     return (
-        f"Slow path: a patch-embedding conv is {worst:.1f}x slower than its GEMM here; patching saves "
+        f"Slow path: {where} is {slowest.probe.ratio:.1f}x slower than its GEMM here; patching saves "
         f"~{best:,.1f} ms per sample ({best / 36:,.1f} h per 100,000 samples)."
     )
 
