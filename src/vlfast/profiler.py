@@ -8,8 +8,9 @@ synchronisation inside the forward). Work a tower does inline in ``forward`` rat
 (index and weight computation for the position embedding, rotary tables, ``cu_seqlens``) belongs to no
 component: it is reported as ``other (inline)`` = forward - sum(components), measured per run.
 
-Every configuration (batch size x frames) is run ``warmup`` times, then ``repeats`` times; medians are
-reported. The forward is also timed without hooks, so the hook overhead is visible.
+Every configuration (batch size x frames) is run ``warmup`` times, then ``repeats`` times, unpatched and
+patched alternately in each round (patching is an attribute swap), so load changes hit both alike;
+medians are reported. The forward is also timed without hooks, so the hook overhead is visible.
 """
 
 from __future__ import annotations
@@ -280,11 +281,18 @@ def _vlm_inputs(vlm: nn.Module, tower: nn.Module, pixels: torch.Tensor, grid: to
         yield kw
 
 
+def _set_patched(scope: nn.Module, patched: bool) -> None:
+    if patched:
+        patch(scope)
+    else:
+        unpatch(scope)
+
+
 def _profile_config(
     tower: nn.Module,
     *,
+    scope: nn.Module,
     vlm: nn.Module | None,
-    patched: bool,
     batch: int,
     frames: int,
     size: tuple[int, int],
@@ -293,57 +301,89 @@ def _profile_config(
     warmup: int,
     repeats: int,
     seed: int,
-) -> ProfileRun:
+) -> tuple[ProfileRun, ProfileRun]:
+    """(before, after) for one configuration, timed in alternating rounds.
+
+    Patching is an attribute swap, so each round runs the unpatched forward and then the patched one:
+    a load change on a shared machine or a late warm-up effect hits both alike.
+    """
     from vlfast.models import synthetic_inputs, tower_spec
 
     spec = tower_spec(tower)
     clip = _grid(spec, frames, size)
     pixels, grid_thw = synthetic_inputs(tower, [clip] * batch, dtype=dtype, device=device, seed=seed)
+    runs: dict[bool, list] = {False: [], True: []}
+    plain: dict[bool, list[float]] = {False: [], True: []}
     hooks = _Hooks(component_modules(tower))
     try:
         with torch.inference_mode():
-            for _ in range(warmup):
-                _one_run(tower, hooks, (pixels, grid_thw), device)
-            runs = [_one_run(tower, hooks, (pixels, grid_thw), device) for _ in range(repeats)]
+            for r in range(warmup + repeats):
+                for patched in (False, True):
+                    _set_patched(scope, patched)
+                    run = _one_run(tower, hooks, (pixels, grid_thw), device)
+                    if r >= warmup:
+                        runs[patched].append(run)
     finally:
         hooks.remove()
-    with torch.inference_mode():
-        plain = measure(lambda: tower(pixels, grid_thw), device=device, warmup=0, repeats=repeats)
-    totals = [r[0] for r in runs]
-    inline = [total - sum(labels.values()) for total, labels, _ in runs]
-    result = ProfileRun(
-        patched=patched,
-        batch=batch,
-        frames=frames,
-        grid=clip,
-        patches=int(pixels.shape[0]),
-        forward_ms=float(statistics.median(totals)),
-        plain_forward_ms=plain.median_ms,
-        components=_median_dict([r[1] for r in runs]),
-        items=_median_dict([r[2] for r in runs]),
-        inline_ms=float(statistics.median(inline)),
-        repeats=repeats,
-    )
+    with torch.inference_mode():  # the same forwards without hooks: the hooks' own cost shows
+        for _ in range(repeats):
+            for patched in (False, True):
+                _set_patched(scope, patched)
+                plain[patched].append(
+                    measure(lambda: tower(pixels, grid_thw), device=device, warmup=0, repeats=1).times_ms[0]
+                )
+    results = []
+    for patched in (False, True):
+        rs = runs[patched]
+        results.append(
+            ProfileRun(
+                patched=patched,
+                batch=batch,
+                frames=frames,
+                grid=clip,
+                patches=int(pixels.shape[0]),
+                forward_ms=float(statistics.median(r[0] for r in rs)),
+                plain_forward_ms=float(statistics.median(plain[patched])),
+                components=_median_dict([r[1] for r in rs]),
+                items=_median_dict([r[2] for r in rs]),
+                inline_ms=float(statistics.median(total - sum(labels.values()) for total, labels, _ in rs)),
+                repeats=repeats,
+            )
+        )
     if vlm is not None:
-        _time_vlm(result, vlm, tower, pixels, grid_thw, [clip] * batch, device, warmup, repeats)
-    return result
+        _time_vlm(results, scope, vlm, tower, pixels, grid_thw, [clip] * batch, device, warmup, repeats)
+    return results[0], results[1]
 
 
-def _time_vlm(run: ProfileRun, vlm, tower, pixels, grid_thw, clips, device, warmup, repeats) -> None:
-    """The whole VLM forward on the same synthetic clips; failures are recorded, never raised."""
+def _time_vlm(results, scope, vlm, tower, pixels, grid_thw, clips, device, warmup, repeats) -> None:
+    """The whole VLM forward on the same synthetic clips, before and after in alternating rounds.
+
+    Failures are recorded in ``vlm_error``, never raised.
+    """
     errors = []
     try:
         for kw in _vlm_inputs(vlm, tower, pixels, grid_thw, clips):
+            times: dict[bool, list[float]] = {False: [], True: []}
             try:
                 with torch.inference_mode():
-                    timing = measure(lambda kw=kw: vlm(**kw), device=device, warmup=warmup, repeats=repeats)
-                run.vlm_forward_ms = timing.median_ms
-                return
+                    for r in range(warmup + repeats):
+                        for patched in (False, True):
+                            _set_patched(scope, patched)
+                            ms = measure(
+                                lambda kw=kw: vlm(**kw), device=device, warmup=0, repeats=1
+                            ).times_ms[0]
+                            if r >= warmup:
+                                times[patched].append(ms)
             except (RuntimeError, ValueError, IndexError) as e:
                 errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            for run in results:
+                run.vlm_forward_ms = float(statistics.median(times[run.patched]))
+            return
     except ValueError as e:
         errors.append(str(e))
-    run.vlm_error = "; ".join(errors) or "no input layout worked"
+    for run in results:
+        run.vlm_error = "; ".join(errors) or "no input layout worked"
 
 
 # --------------------------------------------------------------------------------------------- profile
@@ -430,31 +470,28 @@ def profile(
 
     scope = whole if whole is not None else tower
     before_names = {n for n, _ in patched_modules(scope)}
+    patch(scope)
+    if not is_patched(tower):
+        report.notes.append("nothing to patch in this tower: 'after' equals 'before'")
     try:
-        for patched in (False, True):
-            if patched:
-                patch(scope)
-            else:
-                unpatch(scope)
-            if patched and not is_patched(tower):
-                report.notes.append("nothing to patch in this tower: 'after' equals 'before'")
-            for b in batch_sizes:
-                for f in frames:
-                    report.runs.append(
-                        _profile_config(
-                            tower,
-                            vlm=whole,
-                            patched=patched,
-                            batch=b,
-                            frames=f,
-                            size=size,
-                            device=dev,
-                            dtype=dt,
-                            warmup=warmup,
-                            repeats=repeats,
-                            seed=seed,
-                        )
-                    )
+        pairs = [
+            _profile_config(
+                tower,
+                scope=scope,
+                vlm=whole,
+                batch=b,
+                frames=f,
+                size=size,
+                device=dev,
+                dtype=dt,
+                warmup=warmup,
+                repeats=repeats,
+                seed=seed,
+            )
+            for b in batch_sizes
+            for f in frames
+        ]
+        report.runs = [before for before, _ in pairs] + [after for _, after in pairs]
     finally:
         unpatch(scope)
         if before_names:
