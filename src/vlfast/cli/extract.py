@@ -43,6 +43,7 @@ def extract(
             help="INPUT OUT: INPUT is a folder of images/videos (recursive) or a manifest (.jsonl, .csv, "
             ".parquet with columns path, id, prompt); OUT is the output folder. With --demo, only OUT.",
             show_default=False,
+            metavar="INPUT OUT",
         ),
     ],
     model: Annotated[

@@ -72,6 +72,7 @@ class ExtractSummary:
     seconds: float = 0.0
     compute_seconds: float = 0.0  # inside model forwards (device synchronised)
     oom_splits: int = 0
+    cpu_seconds: float | None = None  # CPU time of this process and its finished workers during the run
     stopped: str | None = None  # why the run stopped early (--max-errors), else None
     features: list[str] = field(default_factory=list)
 
@@ -87,6 +88,16 @@ class ExtractSummary:
         d = asdict(self)
         d.update(samples_per_s=round(self.samples_per_s, 3), tokens_per_s=round(self.tokens_per_s, 1))
         return d
+
+
+def _cpu_seconds() -> float | None:
+    """CPU time of this process plus its reaped children (the DataLoader workers); None off Unix."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _error_kind(reason: str) -> str:
@@ -370,7 +381,7 @@ def extract(
             "world_size": world_size,
         },
     }
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
     with FeatureStore(
         out,
         run_config,
@@ -423,6 +434,9 @@ def extract(
             summary.errors = dict(errors)
             summary.failed = store.num_errors
             summary.seconds = time.perf_counter() - started
+            cpu_now = _cpu_seconds()
+            if cpu_now is not None and cpu_started is not None:
+                summary.cpu_seconds = cpu_now - cpu_started
     return summary
 
 
