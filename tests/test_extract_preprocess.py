@@ -240,6 +240,9 @@ def test_resize_is_torchvision_uint8_bicubic(cfg):
     resized = torch.nn.functional.interpolate(frames, size=(gh * 16, gw * 16), mode="bicubic", antialias=True)
     again, _ = patchify_video(resized, small)
     torch.testing.assert_close(ours, again, rtol=0, atol=0)
+    # decoded frames arrive channels-last; the layout must not change a single value
+    channels_last, _ = patchify_video(frames.contiguous(memory_format=torch.channels_last), small)
+    torch.testing.assert_close(channels_last, ours, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------- PyAV

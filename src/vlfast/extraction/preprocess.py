@@ -358,7 +358,10 @@ def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorC
 def patchify_video(frames: torch.Tensor, cfg: ProcessorConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(T, 3, H, W) uint8 frames -> pixel_values (t*h*w, C*T*P*P) float32 and grid (t, h, w).
 
-    Resize, rescale+normalise and patchify exactly as transformers' Qwen-VL video processors.
+    Resize, rescale+normalise and patchify exactly as transformers' Qwen-VL video processors, in a
+    cheaper order with bit-identical results: frames may be channels-last (as decoded; the uint8 resize
+    kernel is fastest on that layout), and the patch permutation is done on uint8 before normalising,
+    which is elementwise per channel and so commutes with it.
     """
     n = frames.shape[0]
     # smart_resize refuses fewer frames than the temporal patch; a one-frame clip is treated as the
@@ -366,17 +369,17 @@ def patchify_video(frames: torch.Tensor, cfg: ProcessorConfig) -> tuple[torch.Te
     h, w = video_resize_shape(max(n, cfg.temporal_patch_size), frames.shape[-2], frames.shape[-1], cfg)
     if (h, w) != tuple(frames.shape[-2:]):
         frames = F.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
-    mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(1, 3, 1, 1) * (1.0 / cfg.rescale_factor)
-    std = torch.tensor(cfg.video_std, dtype=torch.float32).view(1, 3, 1, 1) * (1.0 / cfg.rescale_factor)
-    video = (frames.to(torch.float32) - mean) / std  # (T, C, H, W)
     tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     if pad := -n % tp:
-        video = torch.cat((video, video[-1:].expand(pad, -1, -1, -1)), dim=0)
-    gt, gh, gw = video.shape[0] // tp, h // p, w // p
-    patches = video.view(gt, tp, 3, gh // m, m, p, gw // m, m, p)
+        frames = torch.cat((frames, frames[-1:].expand(pad, -1, -1, -1)), dim=0)
+    gt, gh, gw = frames.shape[0] // tp, h // p, w // p
+    patches = frames.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p)
     # (gt, gh/m, gw/m, m, m, C, tp, p, p): rows (t, h/2, w/2, 2, 2), columns (C, T, P, P)
-    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return patches.reshape(gt * gh * gw, 3 * tp * p * p), (gt, gh, gw)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, 3, tp * p * p)
+    mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(1, 3, 1) * (1.0 / cfg.rescale_factor)
+    std = torch.tensor(cfg.video_std, dtype=torch.float32).view(1, 3, 1) * (1.0 / cfg.rescale_factor)
+    pixels = (patches.to(torch.float32) - mean) / std  # (N, C, T*P*P), as tvF.normalize computes it
+    return pixels.reshape(gt * gh * gw, 3 * tp * p * p), (gt, gh, gw)
 
 
 def _count_frames(container, stream) -> int:
@@ -423,7 +426,7 @@ def read_video(path: str, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[str,
         raise SampleError(f"unreadable or corrupt video: {e}") from None
     if not frames:
         raise SampleError(f"no decodable frames in {path}")
-    video = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()  # (T, 3, H, W)
+    video = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2)  # (T, 3, H, W), channels-last strides
     return video, {"video_fps": video_fps, "total_frames": total, "frame_indices": indices.tolist()}
 
 
@@ -504,7 +507,7 @@ class Preprocessor:
             shapes = {a.shape for a in arrays}
             if len(shapes) != 1:
                 raise SampleError(f"frames of one clip differ in size: {sorted(shapes)}")
-            frames = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
+            frames = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)  # channels-last strides
             meta = {
                 "video_fps": self.cfg.frames_list_fps,
                 "total_frames": len(arrays),
