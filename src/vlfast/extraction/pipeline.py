@@ -34,7 +34,13 @@ from vlfast.extraction.features import (
     compute_vision_features,
 )
 from vlfast.extraction.inputs import Sample, read_inputs
-from vlfast.extraction.preprocess import Preprocessor, ProcessorConfig, SampleError, build_processor_config
+from vlfast.extraction.preprocess import (
+    Preprocessor,
+    ProcessorConfig,
+    SampleError,
+    build_processor_config,
+    normalize_video_patches,
+)
 
 __all__ = ["ExtractSummary", "extract", "default_num_workers"]
 
@@ -467,7 +473,10 @@ def _run(
     if not todo:
         return
     image_dir = None if loaded.spec.startswith("ref:") else loaded.spec
-    pre = Preprocessor(cfg, image_processor_dir=image_dir)
+    # Workers send videos as uint8 patches, normalised here (on the device when there is one).
+    pre = Preprocessor(cfg, image_processor_dir=image_dir, defer_video_normalize=True)
+    if any(s.kind == "image" for s in todo):
+        pre.image_processor()  # import and build it once here, so forked workers inherit it
     prompts = None
     token_ids: dict[str, int] = {}
     if spec.needs_llm:
@@ -511,20 +520,27 @@ def _run(
     def cost(item: dict[str, Any]) -> int:
         return int(item["pixel_values"].shape[0]) + int(item.get("input_ids", torch.empty(0)).numel())
 
+    def pixels_on(item: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """The item's pixel_values as float32 (N, C*T*P*P) on ``device``."""
+        x = item["pixel_values"]
+        if cuda and device.type == "cuda" and not x.is_pinned():
+            x = x.pin_memory()
+        x = x.to(device, non_blocking=True)
+        return normalize_video_patches(x, cfg) if x.dtype == torch.uint8 else x
+
     def forward(batch: Sequence[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
         if forward_hook is not None:
-            forward_hook(list(batch))
+            forward_hook([{**it, "pixel_values": pixels_on(it, torch.device("cpu"))} for it in batch])
         t0 = time.perf_counter()
         if spec.needs_llm:
+            ready = [{**it, "pixel_values": pixels_on(it, torch.device("cpu"))} for it in batch]
             feats = compute_llm_features(
-                loaded.whole, loaded.tower, batch, spec, device=loaded.device, dtype=loaded.dtype, **token_ids
+                loaded.whole, loaded.tower, ready, spec, device=loaded.device, dtype=loaded.dtype, **token_ids
             )
         else:
-            pixels = torch.cat([it["pixel_values"] for it in batch])
-            if cuda and not pixels.is_pinned():
-                pixels = pixels.pin_memory()
+            pixels = torch.cat([pixels_on(it, loaded.device) for it in batch])
             vb = VisionBatch(
-                pixel_values=pixels.to(device=loaded.device, dtype=loaded.dtype, non_blocking=True),
+                pixel_values=pixels.to(dtype=loaded.dtype),
                 grid_thw=torch.tensor([list(it["grid"]) for it in batch], dtype=torch.int64).to(
                     loaded.device, non_blocking=True
                 ),

@@ -37,6 +37,7 @@ __all__ = [
     "SampleError",
     "build_processor_config",
     "load_image",
+    "normalize_video_patches",
     "patchify_video",
     "read_video",
     "sample_frame_indices",
@@ -355,13 +356,30 @@ def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorC
     return h_bar, w_bar
 
 
-def patchify_video(frames: torch.Tensor, cfg: ProcessorConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
+    """uint8 patches (N, C, T*P*P) -> float32 pixel_values (N, C*T*P*P), on whatever device they are.
+
+    ``(x - 255 mean) / (255 std)`` per channel, as transformers' fused rescale+normalise computes it
+    (float32 subtraction and division are exact IEEE operations, so any device gives the same bits).
+    """
+    shape = (1, 3, 1)
+    mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(shape) * (1.0 / cfg.rescale_factor)
+    std = torch.tensor(cfg.video_std, dtype=torch.float32).view(shape) * (1.0 / cfg.rescale_factor)
+    mean, std = mean.to(patches.device), std.to(patches.device)
+    return ((patches.to(torch.float32) - mean) / std).reshape(patches.shape[0], -1)
+
+
+def patchify_video(
+    frames: torch.Tensor, cfg: ProcessorConfig, *, normalize: bool = True
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(T, 3, H, W) uint8 frames -> pixel_values (t*h*w, C*T*P*P) float32 and grid (t, h, w).
 
     Resize, rescale+normalise and patchify exactly as transformers' Qwen-VL video processors, in a
     cheaper order with bit-identical results: frames may be channels-last (as decoded; the uint8 resize
     kernel is fastest on that layout), and the patch permutation is done on uint8 before normalising,
-    which is elementwise per channel and so commutes with it.
+    which is elementwise per channel and so commutes with it. With ``normalize=False`` the uint8 patches
+    (N, C, T*P*P) are returned for :func:`normalize_video_patches` to finish later (4x fewer bytes to
+    move between processes and to the device).
     """
     n = frames.shape[0]
     # smart_resize refuses fewer frames than the temporal patch; a one-frame clip is treated as the
@@ -376,10 +394,9 @@ def patchify_video(frames: torch.Tensor, cfg: ProcessorConfig) -> tuple[torch.Te
     patches = frames.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p)
     # (gt, gh/m, gw/m, m, m, C, tp, p, p): rows (t, h/2, w/2, 2, 2), columns (C, T, P, P)
     patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, 3, tp * p * p)
-    mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(1, 3, 1) * (1.0 / cfg.rescale_factor)
-    std = torch.tensor(cfg.video_std, dtype=torch.float32).view(1, 3, 1) * (1.0 / cfg.rescale_factor)
-    pixels = (patches.to(torch.float32) - mean) / std  # (N, C, T*P*P), as tvF.normalize computes it
-    return pixels.reshape(gt * gh * gw, 3 * tp * p * p), (gt, gh, gw)
+    if not normalize:
+        return patches, (gt, gh, gw)
+    return normalize_video_patches(patches, cfg), (gt, gh, gw)
 
 
 def _count_frames(container, stream) -> int:
@@ -463,6 +480,7 @@ class Preprocessor:
 
     cfg: ProcessorConfig
     image_processor_dir: str | None = None  # checkpoint to load the image processor from; None: defaults
+    defer_video_normalize: bool = False  # videos as uint8 (N, C, T*P*P): see normalize_video_patches
     _image_processor: Any = field(default=None, init=False, repr=False)
 
     def image_processor(self):
@@ -514,11 +532,14 @@ class Preprocessor:
                 "frame_indices": list(range(len(arrays))),
             }
         meta.update(height=int(frames.shape[-2]), width=int(frames.shape[-1]))
-        pixels, grid = patchify_video(frames, self.cfg)
+        pixels, grid = patchify_video(frames, self.cfg, normalize=not self.defer_video_normalize)
         return pixels, grid, meta
 
     def __call__(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
-        """``(pixel_values (N, C*T*P*P) float32, grid (t, h, w), meta)``; raises SampleError."""
+        """``(pixel_values (N, C*T*P*P) float32, grid (t, h, w), meta)``; raises SampleError.
+
+        With ``defer_video_normalize`` a video's pixel_values are uint8 (N, C, T*P*P) instead.
+        """
         if sample.kind == "image":
             return self.image(sample.paths[0])
         return self.video(sample)
