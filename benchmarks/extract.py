@@ -8,9 +8,11 @@
    preprocessing-bound (short videos through the tiny offline Qwen3-VL checkpoint's tower; target >= 1.5x),
    with features checked against the loop's (cosine >= 0.999).
 
-The naive video loop decodes with transformers' own ``read_video_pyav`` and preprocesses with vlfast's
-video path (transformers' video processors need torchvision, absent here); the naive image loop calls
-transformers' image processor. Everything runs in float32 on CPU; one warm-up forward first; each timing
+The naive video loop decodes with transformers' own ``read_video_pyav`` and runs the steps of
+``Qwen3VLVideoProcessor`` (torchvision's resize kernel, fused normalise, transformers' own ``patchify``;
+the class itself needs torchvision, absent here); the naive image loop calls transformers' image
+processor. The machine's parallel capacity is measured too (two busy processes vs one), since on a
+shared or hyperthreaded VM "2 cores" may run two processes at much less than twice the speed. Everything runs in float32 on CPU; one warm-up forward first; each timing
 is a single pass (a pass is tens of seconds). The machine is stated in the output.
 
     python benchmarks/extract.py                  # all three, defaults below
@@ -46,6 +48,29 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _spin(n: int = 5_000_000) -> float:
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x += i
+    return time.perf_counter() - t0
+
+
+def parallel_capacity() -> float:
+    """Throughput of two busy processes relative to one: 2.0 on two free cores, ~1 when they share one."""
+    import multiprocessing as mp
+
+    alone = min(_spin() for _ in range(2))
+    ctx = mp.get_context("fork")
+    t0 = time.perf_counter()
+    procs = [ctx.Process(target=_spin) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return round(2 * alone / (time.perf_counter() - t0), 2)
+
+
 def _machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpu = platform.processor() or platform.machine()
@@ -56,7 +81,14 @@ def _machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": cores, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {
+        "cpu": cpu,
+        "cores": cores,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "parallel_capacity": parallel_capacity(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
 
 
 def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2) -> dict:
@@ -161,7 +193,7 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
 
     from vlfast.extraction import FeatureCache
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.preprocess import build_processor_config, patchify_video, sample_frame_indices
+    from vlfast.extraction.preprocess import build_processor_config, sample_frame_indices, video_resize_shape
     from vlfast.extraction.synthetic import make_tiny_qwen3_vl, make_video
     from vlfast.models import load_vision_tower, tower_outputs
     from vlfast.patching import patch
@@ -175,6 +207,22 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
     tower = load_vision_tower(str(ckpt), dtype=torch.float32)
     patch(tower)
 
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    def processor_steps(video: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Qwen3VLVideoProcessor._preprocess as it runs with torchvision: resize the (T, C, H, W) uint8
+        frames (torchvision's uint8 bicubic kernel), fused rescale+normalise in float32, then
+        transformers' own patchify (called directly: the class cannot be built without torchvision)."""
+        h, w = video_resize_shape(video.shape[0], video.shape[-2], video.shape[-1], cfg)
+        video = torch.nn.functional.interpolate(video, size=(h, w), mode="bicubic", antialias=True)
+        mean = torch.tensor(cfg.video_mean).view(1, 3, 1, 1) * 255.0
+        std = torch.tensor(cfg.video_std).view(1, 3, 1, 1) * 255.0
+        video = ((video.float() - mean) / std)[None]
+        patches, gt, gh, gw = Qwen3VLVideoProcessor.patchify(
+            None, video, patch_size=cfg.patch_size, merge_size=cfg.merge_size, temporal_patch_size=2
+        )
+        return patches[0], (gt, gh, gw)
+
     def naive_loop() -> dict[str, dict[str, torch.Tensor]]:
         out = {}
         for p in paths:
@@ -184,8 +232,7 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
                     metadata.total_num_frames, metadata.fps, cfg
                 ),
             )
-            video = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
-            pixels, grid = patchify_video(video, cfg)
+            pixels, grid = processor_steps(torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous())
             with torch.inference_mode():
                 merged = tower_outputs(tower(pixels, grid_thw=torch.tensor([grid])))["merged"]
             out[p.name] = {"vision": merged, "vision_mean": merged.mean(0)}
@@ -250,7 +297,10 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     m = result["machine"]
-    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads)")
+    print(
+        f"machine: {m['cpu']}, {m['cores']} cores (two processes run at {m['parallel_capacity']}x one), "
+        f"torch {m['torch']} ({m['threads']} threads), load average {m['load_average_1min']}"
+    )
     if "images" in result:
         r = result["images"]
         print(
