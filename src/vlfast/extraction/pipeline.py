@@ -355,7 +355,7 @@ def extract(
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {workers}")
     budget = TokenBudget(
-        max_tokens=int(max_batch_tokens or (32_768 if dev.type == "cuda" else 4_096)),
+        max_tokens=int(max_batch_tokens or (32_768 if dev.type == "cuda" else 2_048)),
         max_samples=int(max_batch_samples),
     )
 
