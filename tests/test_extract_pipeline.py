@@ -218,6 +218,7 @@ def test_ranks_split_the_work(good_dir, tiny_qwen3_vl, tmp_path):
 def test_pack_and_oom_helpers():
     budget = TokenBudget(max_tokens=10, max_samples=3)
     assert list(pack([4, 4, 4, 20, 1, 1, 1, 1], int, budget)) == [[4, 4], [4], [20], [1, 1, 1], [1]]
+    assert list(pack([4, 4, 4, 1], int, budget, first_alone=True)) == [[4], [4, 4, 1]]
     assert is_oom(RuntimeError("CUDA out of memory. Tried")) and is_oom(torch.OutOfMemoryError("x"))
     assert not is_oom(RuntimeError("shape mismatch"))
     calls = []

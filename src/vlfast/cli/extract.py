@@ -81,7 +81,7 @@ def extract(
     ] = None,
     batch_tokens: Annotated[
         int | None,
-        typer.Option("--batch-tokens", help="Patches per forward. Default 32768 on CUDA, 2048 on CPU."),
+        typer.Option("--batch-tokens", help="Patches per forward. Default 32768 on CUDA, 4096 on CPU."),
     ] = None,
     workers: Annotated[
         int | None,

@@ -35,11 +35,21 @@ class TokenBudget:
             raise ValueError(f"max_samples must be a positive int, got {self.max_samples!r}")
 
 
-def pack(items: Iterable[T], cost: Callable[[T], int], budget: TokenBudget) -> Iterator[list[T]]:
-    """Greedy in-order packing: yield a batch as soon as the next item would overflow the budget."""
+def pack(
+    items: Iterable[T], cost: Callable[[T], int], budget: TokenBudget, *, first_alone: bool = False
+) -> Iterator[list[T]]:
+    """Greedy in-order packing: yield a batch as soon as the next item would overflow the budget.
+
+    ``first_alone`` yields the first item by itself, so the model starts as soon as one sample is ready
+    instead of waiting for a full batch while the workers start up.
+    """
     batch: list[T] = []
     used = 0
     for item in items:
+        if first_alone:
+            first_alone = False
+            yield [item]
+            continue
         c = int(cost(item))
         if batch and (used + c > budget.max_tokens or len(batch) >= budget.max_samples):
             yield batch

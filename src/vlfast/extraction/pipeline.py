@@ -355,7 +355,7 @@ def extract(
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {workers}")
     budget = TokenBudget(
-        max_tokens=int(max_batch_tokens or (32_768 if dev.type == "cuda" else 2_048)),
+        max_tokens=int(max_batch_tokens or (32_768 if dev.type == "cuda" else 4_096)),
         max_samples=int(max_batch_samples),
     )
 
@@ -556,7 +556,7 @@ def _run(
     def on_oom(n: int) -> None:
         summary.oom_splits += 1
 
-    for batch in pack(good_items(), cost, budget):
+    for batch in pack(good_items(), cost, budget, first_alone=True):
         results = run_split_on_oom(batch, forward, on_oom=on_oom)
         for item, result in zip(batch, results):
             sample = todo[item["i"]]
