@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import tempfile
@@ -74,17 +73,11 @@ def parallel_capacity() -> float:
 
 
 def _machine() -> dict:
+    from patch_embed import cpu_model  # the sibling benchmark: one place reads /proc/cpuinfo
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores": cores,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -68,15 +68,19 @@ def reference_shapes(names: list[str]) -> list[Shape]:
     return [Shape(tuple(refs), *key) for key, refs in by_shape.items()]
 
 
-def hardware(device: torch.device) -> str:
-    cpu = platform.processor() or "unknown CPU"
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def hardware(device: torch.device) -> str:
+    cpu = cpu_model()
     flags = ""
     try:
         info = Path("/proc/cpuinfo").read_text()
