@@ -26,47 +26,12 @@ from vlfast.verification import Thresholds, compare, verify
 runner = CliRunner()
 
 
-def _tiny_vlm_config():
-    from transformers import Qwen3VLConfig
-
-    return Qwen3VLConfig(
-        text_config={
-            "vocab_size": 512,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [2, 3, 3],
-                "mrope_interleaved": True,
-            },
-        },
-        vision_config={
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 4,
-            "out_hidden_size": 64,
-            "deepstack_visual_indexes": [0, 1],
-            "num_position_embeddings": 64,
-        },
-    )
-
-
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny random Qwen3-VL checkpoint saved by stock transformers, loaded back offline."""
+def checkpoint(tiny_qwen3_vl):
+    """The shared tiny Qwen3-VL checkpoint (tests/conftest.py) and the model stock transformers loads from it."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(_tiny_vlm_config()).eval()
-    path = tmp_path_factory.mktemp("qwen3vl-tiny")
-    model.save_pretrained(path)
-    return path, model
+    return tiny_qwen3_vl, Qwen3VLForConditionalGeneration.from_pretrained(tiny_qwen3_vl).eval()
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
