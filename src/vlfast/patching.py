@@ -81,10 +81,9 @@ class GemmConvForward:
     and the object pickles and deep-copies by value.
     """
 
-    def __init__(self, kernel_size: tuple[int, ...], padding_mode: str = "zeros") -> None:
+    def __init__(self, kernel_size: tuple[int, ...]) -> None:
         self.kernel_size = tuple(int(k) for k in kernel_size)
         self.ndim = len(self.kernel_size)
-        self.padding_mode = padding_mode
 
     def __repr__(self) -> str:
         return f"GemmConvForward(kernel_size={self.kernel_size})"
@@ -342,7 +341,7 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         )
         raise ValueError(f"vlfast.patch(strict=True): nothing was patched ({found})")
     for m in todo:
-        m._conv_forward = GemmConvForward(tuple(m.kernel_size), m.padding_mode)
+        m._conv_forward = GemmConvForward(tuple(m.kernel_size))
         m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
     return report
 

@@ -182,7 +182,6 @@ def _layer_checks(
     checks = []
     k = tuple(conv.kernel_size)
     x32 = torch.randn(n_windows, conv.in_channels, *k, generator=gen).to(device)
-    w_dtype = conv.weight.dtype
     layer = copy.deepcopy(conv).float().to(device)
     ref32 = _run(layer, False, lambda: layer(x32).detach())
     out32 = _run(layer, True, lambda: layer(x32).detach())
@@ -226,7 +225,6 @@ def _layer_checks(
                     "grad", f"{name}.{key}", compare(grads[False][key], grads[True][key]), th.fp32_grad_rel
                 )
             )
-    del w_dtype
     return checks
 
 
