@@ -255,6 +255,85 @@ def test_read_video_samples_by_fps(media_dir, cfg):
     assert frames.shape == (4, 3, 64, 96) and frames.dtype == torch.uint8
 
 
+def _encode(path: Path, codec: str, frames: int = 45, fps: int = 15, **options) -> Path:
+    """A clip of a moving pattern in any codec and container PyAV writes (``options`` go to the encoder)."""
+    import av
+
+    from vlfast.extraction.synthetic import _pattern
+
+    if codec not in av.codecs_available:
+        pytest.skip(f"{codec} is not in this PyAV build")
+    base = _pattern(48, 128, 7)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.options = {k: str(v) for k, v in options.items()}
+        for i in range(frames):
+            rgb = np.ascontiguousarray(base[:, (i * 3) % 64 :][:, :64])
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def _reference_frames(path: Path, indices: list[int]) -> np.ndarray:
+    """The frames transformers' own PyAV reader returns for these indices (it decodes every frame)."""
+    from transformers.video_utils import read_video_pyav
+
+    frames, _ = read_video_pyav(str(path), sample_indices_fn=lambda metadata, **_: np.array(indices))
+    return frames
+
+
+@pytest.mark.parametrize(
+    ("name", "codec", "options"),
+    [
+        ("x264.mp4", "libx264", {}),  # x264 defaults: B-frames with a reference pyramid
+        ("x264_nopyramid.mkv", "libx264", {"x264-params": "b-pyramid=none:bframes=3"}),  # mkv: no count
+        ("x264_ionly.mp4", "libx264", {"x264-params": "keyint=1"}),
+        ("hevc.mp4", "libx265", {"x265-params": "log-level=none"}),
+        ("mpeg4_b.avi", "mpeg4", {"bf": 2}),
+        ("vp9.webm", "libvpx-vp9", {}),
+    ],
+)
+def test_sparse_decode_matches_a_full_decode(tmp_path, cfg, name, codec, options):
+    """Frames decoded while skipping unwanted non-reference frames equal transformers' full decode, bit for
+    bit, whatever the codec, container, reordering or sampling (repeats included)."""
+    import av
+
+    from vlfast.extraction.preprocess import _decode_at, _decode_sparse, _packet_pts
+
+    path = _encode(tmp_path / name, codec, **options)
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        pts = _packet_pts(container, stream)
+        full = _decode_at(container, stream, None)
+        total = len(full)
+        for indices in ([0, total - 1], [1, 5, 9, 13], [2, 2, 3, 40], list(range(0, total, 7)), [total - 2]):
+            container.seek(0)
+            got = _decode_sparse(container, stream, np.array(indices), pts)
+            assert got is not None, "timestamps are usable: the sparse path must not fall back"
+            assert len(got) == len(indices)
+            for k, frame in zip(indices, got):
+                assert np.array_equal(frame, full[k]), (name, indices, k)
+    if "mkv" not in name:  # read_video_pyav samples by the container's frame count, which mkv lacks
+        frames, meta = read_video(str(path), cfg)
+        ref = _reference_frames(path, meta["frame_indices"])
+        assert np.array_equal(frames.permute(0, 2, 3, 1).numpy(), ref)
+
+
+def test_sparse_decode_needs_unique_timestamps(tmp_path):
+    import av
+
+    from vlfast.extraction.preprocess import _decode_sparse
+
+    path = _encode(tmp_path / "clip.mp4", "libx264", frames=10)
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        for pts in ([], [0, None, 1024], [0, 512, 512]):
+            assert _decode_sparse(container, stream, np.array([0]), pts) is None
+
+
 def test_video_edge_cases(media_dir, cfg):
     pre = Preprocessor(cfg)
     pixels, grid, meta = pre(Sample("one", "video", (str(media_dir / "good/one_frame.mp4"),)))
