@@ -56,3 +56,38 @@ def test_demo_makes_its_own_inputs(tiny_qwen3_vl, tmp_path):
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
     assert summary["extracted"] == 4 and summary["failed"] == 0
+
+
+def test_extract_lets_idle_openmp_threads_sleep_before_torch_loads():
+    """`vlfast extract` sets OMP_WAIT_POLICY=PASSIVE, unless the user chose one or torch is already loaded
+    (OpenMP reads it once); the CLI's own imports must leave torch unloaded for this to work."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = (
+        "import os, sys\n"
+        "import vlfast.cli.main\n"
+        "from vlfast.cli.extract import let_idle_threads_sleep\n"
+        "print('torch' in sys.modules, let_idle_threads_sleep(), os.environ.get('OMP_WAIT_POLICY'))\n"
+    )
+    run = lambda code, **extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, **extra}
+    ).stdout.split()
+    assert run(code) == ["False", "True", "PASSIVE"]
+    assert run(code, OMP_WAIT_POLICY="ACTIVE") == ["False", "False", "ACTIVE"]  # the user's choice stands
+    assert run("import torch\n" + code)[1:] == ["False", "None"]  # too late: not set, not pretended
+
+
+def test_api_warns_when_openmp_threads_spin(tiny_qwen3_vl, tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from vlfast.extraction.pipeline import extract
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: nothing spins")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY=PASSIVE"):
+        extract([], tmp_path / "o", model=str(tiny_qwen3_vl), device="cpu", num_workers=1)

@@ -13,7 +13,6 @@ import typer
 from rich.table import Table
 
 from vlfast.cli._common import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, console, handle_errors, print_json
-from vlfast.probe import DEFAULT_PATCHES
 
 _STATUS_STYLE = {"slow": "bold red", "ok": "green", "error": "yellow", "skipped": "dim"}
 _VERDICT_STYLE = {"slow": "bold red", "ok": "bold green", "patched": "bold green"}
@@ -125,9 +124,14 @@ def register(app: typer.Typer) -> None:
         device: DeviceOpt = None,
         dtype: DtypeOpt = None,
         patches: Annotated[
-            int,
-            typer.Option("--patches", min=1, help="Patches per sample fed to the probe (one 8-frame clip)."),
-        ] = DEFAULT_PATCHES,
+            int | None,
+            typer.Option(
+                "--patches",
+                min=1,
+                help="Patches per sample fed to the probe. Default 3,072: one 8-frame 512x384 clip.",
+                show_default=False,
+            ),
+        ] = None,
         budget: Annotated[
             float, typer.Option("--budget", min=0.1, help="Seconds the probe may spend in total.")
         ] = 8.0,
@@ -145,9 +149,15 @@ def register(app: typer.Typer) -> None:
         conv is measured >= 2x slower than its GEMM and the model is not patched.
         """
         from vlfast.diagnosis import doctor
+        from vlfast.probe import DEFAULT_PATCHES
 
         report = doctor(
-            model, device=device, dtype=dtype, patches=patches, budget_s=budget, probe=not no_probe
+            model,
+            device=device,
+            dtype=dtype,
+            patches=patches or DEFAULT_PATCHES,
+            budget_s=budget,
+            probe=not no_probe,
         )
         if json_out:
             print_json(report.to_dict())
