@@ -5,8 +5,8 @@ need torchvision, which does not install beside this torch), so each step of vlf
 checked against the corresponding transformers function called directly: frame sampling
 (``Qwen3VLVideoProcessor.sample_frames``, ``Qwen2VLVideoProcessor.sample_frames``), sizes
 (``get_num_of_video_patches`` with and without the per-frame cap), patchify and the placeholder text
-(``Qwen3VLProcessor.replace_video_token``). The resize kernel itself (torchvision's uint8 bicubic) is the
-one step only checked against a reading of torchvision's source, not run.
+(``Qwen3VLProcessor.replace_video_token``). Where torchvision is installed, the whole video path is also
+compared with ``Qwen3VLVideoProcessor`` itself, resize kernel included.
 """
 
 from __future__ import annotations
@@ -228,6 +228,34 @@ def test_two_equal_frames_match_the_image_processor(tmp_path, cfg):
     vid_pixels, vid_grid = patchify_video(frames, cfg)
     assert img_grid == vid_grid
     torch.testing.assert_close(vid_pixels, img_pixels, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("frames", "height", "width", "budget"),
+    [
+        (8, 240, 320, None),  # resized to 256x320: the common case
+        (3, 100, 150, None),  # odd count (padded with the last frame), upscaled to the minimum
+        (4, 64, 96, None),  # no resize at all
+        (16, 480, 640, 16 * 128 * 128),  # the total pixel budget over all frames shrinks each frame
+    ],
+)
+def test_video_matches_transformers_video_processor(tiny_qwen3_vl, frames, height, width, budget):
+    """End to end against ``Qwen3VLVideoProcessor`` itself, built from the checkpoint: same frames in,
+    same pixel_values_videos and grid out, bit for bit. Needs torchvision (transformers' video processors
+    do); verified with torch 2.14.1 + torchvision 0.29.1 (see docs/extract.md), skipped where it is absent."""
+    pytest.importorskip("torchvision")
+    from transformers import AutoVideoProcessor
+
+    from vlfast.extraction.synthetic import _pattern
+
+    processor = AutoVideoProcessor.from_pretrained(str(tiny_qwen3_vl), local_files_only=True)
+    cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl", video_max_pixels=budget)
+    video = np.stack([_pattern(height, width, 20 + k) for k in range(frames)])  # (T, H, W, 3) uint8
+    kwargs = {"size": {"shortest_edge": cfg.video_min_pixels, "longest_edge": cfg.video_max_pixels}}
+    ref = processor(videos=[video], do_sample_frames=False, return_tensors="pt", **kwargs)
+    ours, grid = patchify_video(torch.from_numpy(video).permute(0, 3, 1, 2), cfg)
+    assert list(grid) == ref["video_grid_thw"][0].tolist()
+    torch.testing.assert_close(ours, ref["pixel_values_videos"], rtol=0, atol=0)
 
 
 def test_resize_is_torchvision_uint8_bicubic(cfg):
