@@ -1,0 +1,131 @@
+"""Compute-bound A/B in fresh processes: the naive loop against ``vlfast extract``, alternating, N rounds.
+
+``benchmarks/extract.py`` times its sides in one warm process; here every run is a new process, as a user
+runs either, so neither side inherits the other's allocator, page cache or thread state, and the order
+alternates each round so a load drift favours neither. Both times exclude building the model and include
+everything after it (the naive loop gets no warm-up forward, the command none either). A third side,
+``vlfast extract --workers 0``, preprocesses in the main process between forwards. The inputs are N
+640x480 JPEGs through a full-size reference tower with random weights, float32 on CPU: the case where the
+tower's forward fills every core, so the pipeline can at best match the loop.
+
+    python benchmarks/extract_ab.py                      # 4 images, 4 rounds
+    python benchmarks/extract_ab.py --rounds 6 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def naive_child(images: Path, model: str) -> None:
+    """The loop users write, per image: the processor, then the tower. Prints its seconds as JSON."""
+    import torch
+    from PIL import Image
+
+    from vlfast.extraction.preprocess import Preprocessor, build_processor_config
+    from vlfast.models import build_reference, tower_outputs
+    from vlfast.patching import patch
+
+    tower = build_reference(model)
+    patch(tower)
+    processor = Preprocessor(build_processor_config(model, family="qwen3_vl")).image_processor()
+    t0 = time.perf_counter()
+    for p in sorted(images.iterdir()):
+        inputs = processor(images=[Image.open(p)], return_tensors="pt")
+        with torch.inference_mode():
+            merged = tower_outputs(tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]))["merged"]
+            merged.mean(0)
+    print(json.dumps({"seconds": time.perf_counter() - t0}))
+
+
+def _run(cmd: list[str]) -> float:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return float(json.loads(done.stdout)["seconds"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=4)
+    ap.add_argument("--model", default="ref:qwen3-vl-2b")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--naive-child", metavar="DIR", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.naive_child:
+        naive_child(Path(args.naive_child), args.model)
+        return
+
+    from extract import _machine  # the sibling benchmark's machine description
+    from vlfast.extraction.synthetic import make_images
+
+    with tempfile.TemporaryDirectory(prefix="vlfast-ab-") as tmp:
+        images = Path(tmp) / "images"
+        make_images(images, [(640, 480)] * args.images)
+        naive_cmd = [sys.executable, __file__, "--model", args.model, "--naive-child", str(images)]
+        sides = {
+            "naive": lambda r: naive_cmd,
+            "vlfast extract": lambda r: [
+                *(sys.executable, "-m", "vlfast.cli.main", "extract", str(images)),
+                *(str(Path(tmp) / f"out-{r}"), "--model", args.model, "--json"),
+            ],
+            # preprocessing in the main process, between forwards: what the workers cost when compute-bound
+            "--workers 0": lambda r: [
+                *(sys.executable, "-m", "vlfast.cli.main", "extract", str(images)),
+                *(str(Path(tmp) / f"out0-{r}"), "--model", args.model, "--json", "--workers", "0"),
+            ],
+        }
+        runs: dict[str, list[float]] = {k: [] for k in sides}
+        for r in range(args.rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for name in order:
+                runs[name].append(_run(sides[name](r)))
+    ratios = [n / e for n, e in zip(runs["naive"], runs["vlfast extract"])]
+    ratios0 = [n / e for n, e in zip(runs["naive"], runs["--workers 0"])]
+    result = {
+        "machine": _machine(),
+        "setup": f"{args.images} x 640x480 JPEG through {args.model}, float32, CPU, fresh process per run",
+        "runs_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
+        "ratio_per_round": [round(x, 3) for x in ratios],
+        "median_ratio": round(statistics.median(ratios), 3),
+        "rounds_extract_faster": sum(x > 1 for x in ratios),
+        "best_of_each_ratio": round(min(runs["naive"]) / min(runs["vlfast extract"]), 3),
+        "workers_0": {
+            "ratio_per_round": [round(x, 3) for x in ratios0],
+            "median_ratio": round(statistics.median(ratios0), 3),
+            "rounds_faster": sum(x > 1 for x in ratios0),
+        },
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    m = result["machine"]
+    print(
+        f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, load average {os.getloadavg()[0]:.2f}"
+    )
+    print(result["setup"])
+    for k, v in result["runs_s"].items():
+        print(f"  {k:15s} {v}")
+    print(
+        f"naive / vlfast extract per round {result['ratio_per_round']}: median {result['median_ratio']}x, "
+        f"extract faster in {result['rounds_extract_faster']} of {args.rounds}, best of each "
+        f"{result['best_of_each_ratio']}x"
+    )
+    w0 = result["workers_0"]
+    print(
+        f"naive / vlfast extract --workers 0 per round {w0['ratio_per_round']}: median {w0['median_ratio']}x, "
+        f"faster in {w0['rounds_faster']} of {args.rounds}"
+    )
+
+
+if __name__ == "__main__":
+    main()
