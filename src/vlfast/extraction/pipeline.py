@@ -363,7 +363,7 @@ def extract(
     ):
         warnings.warn(
             "torch's idle OpenMP threads spin on the cores the decode workers need: set "
-            "OMP_WAIT_POLICY=PASSIVE before torch is imported (`vlfast extract` does) for up to ~1.4x faster "
+            "OMP_WAIT_POLICY=PASSIVE before torch is imported (`vlfast extract` does) for ~1.3x faster "
             "preprocessing-bound runs; see docs/extract.md",
             RuntimeWarning,
             stacklevel=2,
