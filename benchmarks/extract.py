@@ -51,14 +51,19 @@ def _cos_min(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return worst
 
 
-def _cli_extract(inputs: Path, out: Path, model: str, *args: str) -> dict:
+def json_of(cmd: list[str]) -> dict:
+    """Run ``cmd`` in a fresh process and parse what it prints as one JSON document."""
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:5])} ... failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def cli_extract(inputs: Path, out: Path, model: str, *args: str) -> dict:
     """``vlfast extract ... --json`` in a fresh process, as users run it (the CLI sets OMP_WAIT_POLICY=PASSIVE
     before torch loads, unless this environment has one); returns its summary."""
     cmd = [sys.executable, "-m", "vlfast.cli.main", "extract", str(inputs), str(out), "--model", model]
-    done = subprocess.run([*cmd, *args, "--json"], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"vlfast extract failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout)
+    return json_of([*cmd, *args, "--json"])
 
 
 def _cpu() -> float:
@@ -172,7 +177,7 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
         naive_runs.append(naive_s)
         naive_cpu.append(cpu)
         shutil.rmtree(work / "out-cli", ignore_errors=True)
-        cli_runs.append(_cli_extract(work / "images", work / "out-cli", model)["seconds"])
+        cli_runs.append(cli_extract(work / "images", work / "out-cli", model)["seconds"])
     e2e, forward, naive_s = min(e2e_runs), min(forward_runs), min(naive_runs)
     cache = FeatureCache(work / "out")
     cos = min(_cos_min(cache[name], feats) for name, feats in naive.items())
@@ -280,7 +285,7 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
             cos = min(cos, *(_cos_min(cache[name], feats) for name, feats in naive.items()))
             out = work / f"vout-cli-{w}-{r}"
             cli[w].append(
-                _cli_extract(
+                cli_extract(
                     work / "videos",
                     out,
                     str(ckpt),

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,13 +45,6 @@ def naive_child(images: Path, model: str) -> None:
     print(json.dumps({"seconds": time.perf_counter() - t0}))
 
 
-def _run(cmd: list[str]) -> float:
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{cmd[:4]} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return float(json.loads(done.stdout)["seconds"])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=4)
@@ -65,30 +57,26 @@ def main() -> None:
         naive_child(Path(args.naive_child), args.model)
         return
 
-    from extract import _machine  # the sibling benchmark's machine description
+    from extract import _machine, cli_extract, json_of  # the sibling benchmark's helpers
     from vlfast.extraction.synthetic import make_images
 
     with tempfile.TemporaryDirectory(prefix="vlfast-ab-") as tmp:
         images = Path(tmp) / "images"
         make_images(images, [(640, 480)] * args.images)
         naive_cmd = [sys.executable, __file__, "--model", args.model, "--naive-child", str(images)]
-        sides = {
-            "naive": lambda r: naive_cmd,
-            "vlfast extract": lambda r: [
-                *(sys.executable, "-m", "vlfast.cli.main", "extract", str(images)),
-                *(str(Path(tmp) / f"out-{r}"), "--model", args.model, "--json"),
-            ],
+        sides = {  # round -> seconds
+            "naive": lambda r: json_of(naive_cmd)["seconds"],
+            "vlfast extract": lambda r: cli_extract(images, Path(tmp) / f"out-{r}", args.model)["seconds"],
             # preprocessing in the main process, between forwards: what the workers cost when compute-bound
-            "--workers 0": lambda r: [
-                *(sys.executable, "-m", "vlfast.cli.main", "extract", str(images)),
-                *(str(Path(tmp) / f"out0-{r}"), "--model", args.model, "--json", "--workers", "0"),
-            ],
+            "--workers 0": lambda r: cli_extract(
+                images, Path(tmp) / f"out0-{r}", args.model, "--workers", "0"
+            )["seconds"],
         }
         runs: dict[str, list[float]] = {k: [] for k in sides}
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for name in order:
-                runs[name].append(_run(sides[name](r)))
+                runs[name].append(float(sides[name](r)))
     ratios = [n / e for n, e in zip(runs["naive"], runs["vlfast extract"])]
     ratios0 = [n / e for n, e in zip(runs["naive"], runs["--workers 0"])]
     result = {

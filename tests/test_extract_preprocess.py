@@ -283,26 +283,15 @@ def test_read_video_samples_by_fps(media_dir, cfg):
     assert frames.shape == (4, 3, 64, 96) and frames.dtype == torch.uint8
 
 
-def _encode(path: Path, codec: str, frames: int = 45, fps: int = 15, **options) -> Path:
-    """A clip of a moving pattern in any codec and container PyAV writes (``options`` go to the encoder)."""
+def _encode(path: Path, codec: str, frames: int = 45, **options) -> Path:
+    """A 64x48, 15 fps clip in any codec and container PyAV writes, or a skip where this build lacks it."""
     import av
 
-    from vlfast.extraction.synthetic import _pattern
+    from vlfast.extraction.synthetic import make_video
 
     if codec not in av.codecs_available:
         pytest.skip(f"{codec} is not in this PyAV build")
-    base = _pattern(48, 128, 7)
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        stream.options = {k: str(v) for k, v in options.items()}
-        for i in range(frames):
-            rgb = np.ascontiguousarray(base[:, (i * 3) % 64 :][:, :64])
-            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
+    return make_video(path, frames=frames, fps=15, width=64, height=48, seed=7, codec=codec, options=options)
 
 
 def _reference_frames(path: Path, indices: list[int]) -> np.ndarray:

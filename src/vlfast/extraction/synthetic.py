@@ -144,18 +144,28 @@ def make_images(
 
 
 def make_video(
-    path: str | Path, *, frames: int = 8, fps: int = 4, width: int = 64, height: int = 48, seed: int = 0
+    path: str | Path,
+    *,
+    frames: int = 8,
+    fps: int = 4,
+    width: int = 64,
+    height: int = 48,
+    seed: int = 0,
+    codec: str | None = None,
+    options: dict[str, object] | None = None,
 ) -> Path:
-    """An H.264 (or MPEG-4) clip of a moving pattern, written with PyAV."""
+    """A clip of a moving pattern, written with PyAV: H.264 (MPEG-4 where PyAV lacks libx264) unless
+    ``codec`` names another encoder; ``options`` go to the encoder; the container follows the suffix."""
     import av
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     base = _pattern(height, width * 2, seed)
     with av.open(str(path), mode="w") as container:
-        codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+        codec = codec or ("libx264" if "libx264" in av.codecs_available else "mpeg4")
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {k: str(v) for k, v in (options or {}).items()}
         for i in range(frames):
             shift = (i * 3) % width
             frame = av.VideoFrame.from_ndarray(
