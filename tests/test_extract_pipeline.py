@@ -235,3 +235,43 @@ def test_pack_and_oom_helpers():
         run_split_on_oom([1], lambda b: (_ for _ in ()).throw(ValueError("not oom")))
     with pytest.raises(ValueError):
         TokenBudget(max_tokens=0)
+
+
+def test_deepstack_mergers_run_only_when_asked(tiny_qwen3_vl):
+    """Without `deepstack` among the features the tower skips its DeepStack mergers (~6% of a 2B tower's
+    forward); the merged tokens stay bit-identical, and the tower is left as it was, even on an error."""
+    from vlfast.extraction.features import VisionBatch, compute_vision_features, deepstack_skipped
+    from vlfast.models import load_vision_tower, tower_outputs
+
+    tower = load_vision_tower(str(tiny_qwen3_vl), dtype=torch.float32).eval()
+    depths = list(tower.deepstack_visual_indexes)
+    assert depths, "the tiny checkpoint must have DeepStack levels for this test to mean anything"
+    calls = []
+    for merger in tower.deepstack_merger_list:
+        merger.register_forward_hook(lambda *_: calls.append(1))
+    torch.manual_seed(0)
+    grid = torch.tensor([[1, 4, 6], [2, 4, 4]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), tower.patch_embed.proj.weight[0].numel())
+    tokens = [int(g.prod()) // 4 for g in grid]
+    batch = VisionBatch(pixel_values=pixels, grid_thw=grid, tokens=tokens)
+    with torch.inference_mode():
+        full = tower_outputs(tower(pixels, grid_thw=grid))
+    assert len(calls) == len(depths) and len(full["deepstack"]) == len(depths)
+
+    calls.clear()
+    got = compute_vision_features(tower, batch, ("vision", "vision_mean"))
+    assert calls == [] and tower.deepstack_visual_indexes == depths
+    assert torch.equal(torch.cat([f["vision"] for f in got]), full["merged"])
+
+    got = compute_vision_features(tower, batch, ("vision", "deepstack"))
+    assert len(calls) == len(depths)
+    for k, level in enumerate(full["deepstack"]):
+        assert torch.equal(torch.cat([f[f"deepstack.{k}"] for f in got]), level)
+
+    with pytest.raises(RuntimeError, match="boom"), deepstack_skipped(tower):
+        raise RuntimeError("boom")
+    assert tower.deepstack_visual_indexes == depths
+    plain = torch.nn.Linear(2, 2)  # no DeepStack: runs unchanged
+    with deepstack_skipped(plain):
+        plain(torch.ones(1, 2))
+    assert not hasattr(plain, "deepstack_visual_indexes")

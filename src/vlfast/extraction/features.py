@@ -16,7 +16,8 @@ checkpoint, and then the vision features are taken from the same forward through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "VisionBatch",
     "compute_llm_features",
     "compute_vision_features",
+    "deepstack_skipped",
     "parse_features",
 ]
 
@@ -120,12 +122,36 @@ def vision_features(
     return out
 
 
+@contextmanager
+def deepstack_skipped(tower: nn.Module, skip: bool = True) -> Iterator[None]:
+    """Within the block, ``tower`` skips its DeepStack mergers (Qwen3-VL and its MoE/Omni siblings).
+
+    Each merger is a two-layer MLP on the merged tokens at one depth (three in Qwen3-VL), about 6% of a
+    2B tower's forward, and nothing else in the tower reads them: the merged tokens are bit-identical
+    with or without them. The tower lists the depths in ``deepstack_visual_indexes`` and runs a merger
+    where a block's index is in it, so an empty list skips them all; the list is restored on exit. Towers
+    without the attribute (Qwen2/2.5-VL, GLM-4V), or a transformers version that reads the depths from
+    elsewhere, run unchanged: the skip only ever saves work, it never changes a result.
+    """
+    depths = getattr(tower, "deepstack_visual_indexes", None)
+    if not skip or not depths:
+        yield
+        return
+    tower.deepstack_visual_indexes = []
+    try:
+        yield
+    finally:
+        tower.deepstack_visual_indexes = depths
+
+
 @torch.inference_mode()
 def compute_vision_features(tower: nn.Module, batch: VisionBatch, names: Sequence[str]) -> list[dict]:
-    """One tower forward over the packed batch; features split back per sample."""
+    """One tower forward over the packed batch; features split back per sample. The DeepStack levels are
+    computed only when asked for."""
     from vlfast.models import tower_outputs
 
-    out = tower_outputs(tower(batch.pixel_values, grid_thw=batch.grid_thw))
+    with deepstack_skipped(tower, "deepstack" not in names):
+        out = tower_outputs(tower(batch.pixel_values, grid_thw=batch.grid_thw))
     return vision_features(names, out["merged"], out["deepstack"], batch)
 
 
