@@ -275,3 +275,46 @@ def test_deepstack_mergers_run_only_when_asked(tiny_qwen3_vl):
     with deepstack_skipped(plain):
         plain(torch.ones(1, 2))
     assert not hasattr(plain, "deepstack_visual_indexes")
+
+
+def test_device_decisions_on_fabricated_facts(monkeypatch):
+    """The CUDA choices, taken on CPU with fabricated facts (no GPU here): worker count, batch budget,
+    device per LOCAL_RANK, dtype, and the pinned, non-blocking copy with normalisation after it."""
+    import os
+
+    from vlfast.extraction import pipeline as pl
+
+    for cores, cpu, gpu in ((1, 0, 0), (2, 2, 1), (16, 8, 8), (9, 8, 8)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _, n=cores: set(range(n)), raising=False)
+        assert (pl.default_num_workers("cpu"), pl.default_num_workers("cuda:0")) == (cpu, gpu), cores
+    assert pl.default_batch_tokens("cuda:1") == 32_768 and pl.default_batch_tokens("cpu") == 4_096
+    assert pl._resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert pl._resolve_dtype(None, torch.device("cpu")) == torch.float32
+    with pytest.raises(ValueError, match="dtype must be"):
+        pl._resolve_dtype("int8", torch.device("cpu"))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "5")  # more local ranks than GPUs: ranks wrap around the devices
+    assert pl._default_device() == torch.device("cuda", 1)
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: calls.append("pin") or self)
+    real_to = torch.Tensor.to
+
+    def fake_to(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            calls.append(("to", str(args[0]), kwargs.get("non_blocking")))
+            return self  # stays on CPU: only the decision is under test
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl")
+    video = torch.randint(0, 256, (4, 3, 2 * 16 * 16), dtype=torch.uint8)
+    out = pl._pixels_to(video, torch.device("cuda", 0), cfg)
+    assert calls == ["pin", ("to", "cuda:0", True)]  # pinned first, then an asynchronous copy
+    assert out.dtype == torch.float32 and out.shape == (4, 3 * 2 * 16 * 16)  # normalised after the copy
+    calls.clear()
+    image = torch.randn(4, 1536)
+    assert pl._pixels_to(image, torch.device("cpu"), cfg) is image and calls == []  # nothing to pin on CPU
