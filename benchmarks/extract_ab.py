@@ -6,7 +6,8 @@ alternates each round so a load drift favours neither. Both times exclude buildi
 everything after it (the naive loop gets no warm-up forward, the command none either). A third side,
 ``vlfast extract --workers 0``, preprocesses in the main process between forwards. The inputs are N
 640x480 JPEGs through a full-size reference tower with random weights, float32 on CPU: the case where the
-tower's forward fills every core, so the pipeline can at best match the loop.
+tower's forward fills every core, so overlapping the preprocessing wins nothing: the pipeline can only
+gain by computing less (it skips the DeepStack mergers, which the loop's whole-tower call runs).
 
     python benchmarks/extract_ab.py                      # 4 images, 4 rounds
     python benchmarks/extract_ab.py --rounds 6 --json

@@ -36,7 +36,7 @@ def let_idle_threads_sleep() -> bool:
     After each parallel op, OpenMP's idle threads (one per core) busy-wait for the next by default, on the
     very cores the decode workers need, and a worker preempting a thread stalls the op's barrier. With
     ``OMP_WAIT_POLICY=PASSIVE`` short videos through a small tower extract ~1.3x faster on 2 cores
-    (``benchmarks/extract.py``: 1.36x -> 1.73x the naive loop); a big tower, whose forward fills the
+    (``benchmarks/extract.py``: 1.50x -> 1.92x the naive loop); a big tower, whose forward fills the
     cores, is not measurably slower. Left alone when the user set it, or when torch is already imported
     (too late: OpenMP reads it once). Returns whether it was set.
     """
