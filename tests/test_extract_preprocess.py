@@ -3,7 +3,8 @@
 Images run through transformers' image processor itself. Videos cannot (transformers' video processors
 need torchvision, which does not install beside this torch), so each step of vlfast's video path is
 checked against the corresponding transformers function called directly: frame sampling
-(``Qwen3VLVideoProcessor.sample_frames``, ``Qwen2VLVideoProcessor.sample_frames``), sizes
+(``Qwen3VLVideoProcessor.sample_frames``, ``Qwen2VLVideoProcessor.sample_frames``, and qwen-vl-utils'
+``smart_nframes``: the same frames for every even count), sizes
 (``get_num_of_video_patches`` with and without the per-frame cap), patchify and the placeholder text
 (``Qwen3VLProcessor.replace_video_token``). Where torchvision is installed, the whole video path is also
 compared with ``Qwen3VLVideoProcessor`` itself, resize kernel included.
@@ -167,6 +168,67 @@ def test_qwen2_frame_sampling_matches_transformers(total):
     fake = SimpleNamespace(num_frames=None, fps=2, temporal_patch_size=2, min_frames=4, max_frames=768)
     expected = sample_frames(fake, VideoMetadata(total_num_frames=total, fps=24.0))
     np.testing.assert_array_equal(sample_frame_indices(total, 24.0, cfg), np.asarray(expected))
+
+
+def _qwen_vl_utils_smart_nframes():
+    """qwen-vl-utils' ``smart_nframes`` (and the helpers and constants it uses), compiled from its installed
+    source: its module imports torchvision at the top, which does not install beside this torch."""
+    import ast
+    import importlib.util
+    import logging
+    import math
+
+    spec = importlib.util.find_spec("qwen_vl_utils")
+    if spec is None:
+        pytest.skip("qwen-vl-utils is not installed (it is in the test extras)")
+    origin = Path(next(iter(spec.submodule_search_locations))) / "vision_process.py"
+    tree = ast.parse(origin.read_text(encoding="utf-8"))
+    wanted = {"round_by_factor", "ceil_by_factor", "floor_by_factor", "smart_nframes"}
+    consts = {"FPS", "FRAME_FACTOR", "FPS_MIN_FRAMES", "FPS_MAX_FRAMES"}
+    body = [
+        n
+        for n in tree.body
+        if (isinstance(n, ast.FunctionDef) and n.name in wanted)
+        or (isinstance(n, ast.Assign) and {getattr(t, "id", None) for t in n.targets} & consts)
+    ]
+    ns = {
+        "math": math,
+        "logger": logging.getLogger("qwen_vl_utils"),
+        "Dict": dict,
+        "Any": object,
+        "Union": object,
+    }
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(origin), "exec"), ns)  # noqa: S102
+    return ns["smart_nframes"]
+
+
+@pytest.mark.parametrize("video_fps", [1.0, 2.5, 24.0, 29.97, 60.0])
+@pytest.mark.parametrize("total", [2, 3, 7, 48, 301, 5000])
+def test_frame_sampling_against_qwen_vl_utils(cfg, total, video_fps):
+    """qwen-vl-utils (``smart_nframes``, then ``torch.linspace(0, total - 1, n).round()`` in its readers)
+    picks the very frames vlfast does (transformers' Qwen3-VL rule) whenever that rule gives an even count.
+    Where it gives an odd count, qwen-vl-utils floors it to even, and transformers, hence vlfast, keeps it
+    and pads with the last frame: the one documented difference. For Qwen2/2.5-VL both floor to even, so
+    the counts agree, but transformers spaces the frames by ``arange(0, total, total / n)``."""
+    smart_nframes = _qwen_vl_utils_smart_nframes()
+
+    def theirs(n: int) -> np.ndarray:
+        return torch.linspace(0, total - 1, n).round().long().numpy()
+
+    ours = sample_frame_indices(total, video_fps, cfg)
+    n_theirs = smart_nframes({"fps": cfg.fps}, total_frames=total, video_fps=video_fps)
+    if len(ours) % 2 == 0:
+        assert n_theirs == len(ours)
+        np.testing.assert_array_equal(ours, theirs(n_theirs))
+    else:
+        assert n_theirs == len(ours) - 1
+    for n in (4, 8, 16):
+        if n <= total:
+            fixed = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=n)
+            assert smart_nframes({"nframes": n}, total_frames=total, video_fps=video_fps) == n
+            np.testing.assert_array_equal(sample_frame_indices(total, video_fps, fixed), theirs(n))
+    qwen2 = build_processor_config("ref:qwen2.5-vl-7b", family="qwen2_5_vl")
+    assert len(sample_frame_indices(total, video_fps, qwen2)) == n_theirs
 
 
 @pytest.mark.parametrize("cap", [False, True])
