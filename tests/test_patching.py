@@ -775,8 +775,9 @@ def test_torch_export_captures_the_gemm():
     assert_verbose_close(exported.module()(x), stock(conv, x))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # torch >= 2.14
 def test_torchscript_still_works():
-    # TorchScript compiles the class's own _conv_forward: a scripted patched conv is the stock conv.
+    # Deprecated, still used by deployed models. TorchScript compiles the class's own _conv_forward: a scripted patched conv is the stock conv.
     conv = make_conv((2, 3, 5))
     patch(conv)
     x = make_input(2, 3, (5, 7, 11))
