@@ -140,30 +140,43 @@ def test_qwen3_frame_sampling_matches_transformers(cfg, total, video_fps):
     np.testing.assert_array_equal(sample_frame_indices(total, video_fps, fixed), expected)
 
 
-def _method_from_source(module: str, cls: str, method: str):
-    """A method of a transformers class whose module cannot be imported here (it imports torchvision at
-    the top): compile the installed source of that one function, so the check runs transformers' code."""
+def _from_source(path: str | Path, names: set[str], ns: dict) -> dict:
+    """Compile just the named top-level functions and constants (``"Class.method"`` for a method) of a
+    module that cannot be imported here (it imports torchvision at the top), from its installed source,
+    so the check runs the library's own code. ``ns`` supplies what they use; returns it, filled."""
     import ast
-    import importlib.util
-    import math
 
-    spec = importlib.util.find_spec(module)
-    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
-    fn = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method)
-    fn.decorator_list = []
-    ns = {"math": math, "np": np, "torch": torch, "VideoMetadata": object}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), spec.origin, "exec"), ns)  # noqa: S102
-    return ns[method]
+    def candidates(tree: ast.Module):  # (the name it is asked for by, statement)
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                for fn in node.body:
+                    if isinstance(fn, ast.FunctionDef):
+                        yield f"{node.name}.{fn.name}", fn
+            elif isinstance(node, ast.FunctionDef):
+                yield node.name, node
+            elif isinstance(node, ast.Assign):
+                yield from ((getattr(t, "id", None), node) for t in node.targets)
+
+    body = [
+        node for name, node in candidates(ast.parse(Path(path).read_text(encoding="utf-8"))) if name in names
+    ]
+    for fn in body:
+        if isinstance(fn, ast.FunctionDef):
+            fn.decorator_list = []
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)  # noqa: S102
+    return ns
 
 
 @pytest.mark.parametrize("total", [4, 9, 48, 301, 2000])
 def test_qwen2_frame_sampling_matches_transformers(total):
+    import importlib.util
+    import math
+
     from transformers.video_utils import VideoMetadata
 
-    sample_frames = _method_from_source(
-        "transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor", "sample_frames"
-    )
+    origin = importlib.util.find_spec("transformers.models.qwen2_vl.video_processing_qwen2_vl").origin
+    ns = {"math": math, "np": np, "torch": torch, "VideoMetadata": object}
+    sample_frames = _from_source(origin, {"Qwen2VLVideoProcessor.sample_frames"}, ns)["sample_frames"]
     cfg = build_processor_config("ref:qwen2.5-vl-7b", family="qwen2_5_vl")
     fake = SimpleNamespace(num_frames=None, fps=2, temporal_patch_size=2, min_frames=4, max_frames=768)
     expected = sample_frames(fake, VideoMetadata(total_num_frames=total, fps=24.0))
@@ -171,9 +184,8 @@ def test_qwen2_frame_sampling_matches_transformers(total):
 
 
 def _qwen_vl_utils_smart_nframes():
-    """qwen-vl-utils' ``smart_nframes`` (and the helpers and constants it uses), compiled from its installed
-    source: its module imports torchvision at the top, which does not install beside this torch."""
-    import ast
+    """qwen-vl-utils' ``smart_nframes``, with the helpers and constants it uses, compiled from its
+    installed source (its module imports torchvision at the top)."""
     import importlib.util
     import logging
     import math
@@ -182,24 +194,11 @@ def _qwen_vl_utils_smart_nframes():
     if spec is None:
         pytest.skip("qwen-vl-utils is not installed (it is in the test extras)")
     origin = Path(next(iter(spec.submodule_search_locations))) / "vision_process.py"
-    tree = ast.parse(origin.read_text(encoding="utf-8"))
-    wanted = {"round_by_factor", "ceil_by_factor", "floor_by_factor", "smart_nframes"}
-    consts = {"FPS", "FRAME_FACTOR", "FPS_MIN_FRAMES", "FPS_MAX_FRAMES"}
-    body = [
-        n
-        for n in tree.body
-        if (isinstance(n, ast.FunctionDef) and n.name in wanted)
-        or (isinstance(n, ast.Assign) and {getattr(t, "id", None) for t in n.targets} & consts)
-    ]
-    ns = {
-        "math": math,
-        "logger": logging.getLogger("qwen_vl_utils"),
-        "Dict": dict,
-        "Any": object,
-        "Union": object,
-    }
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(origin), "exec"), ns)  # noqa: S102
-    return ns["smart_nframes"]
+    names = {"round_by_factor", "ceil_by_factor", "floor_by_factor", "smart_nframes"}
+    names |= {"FPS", "FRAME_FACTOR", "FPS_MIN_FRAMES", "FPS_MAX_FRAMES"}
+    ns = {"math": math, "logger": logging.getLogger("qwen_vl_utils")}
+    ns.update(Dict=dict, Any=object, Union=object)  # its annotations
+    return _from_source(origin, names, ns)["smart_nframes"]
 
 
 @pytest.mark.parametrize("video_fps", [1.0, 2.5, 24.0, 29.97, 60.0])
