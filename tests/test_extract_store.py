@@ -14,6 +14,7 @@ import torch
 
 from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch, dist_info, partition
 from vlfast.extraction._selftest import compare_caches, fake_features
+from vlfast.extraction.layout import DamagedFile
 
 CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}
 
@@ -76,6 +77,8 @@ def test_roundtrip_dtypes_shapes_and_index(tmp_path: Path) -> None:
     table = ds.dataset(tmp_path / "index", format="parquet").to_table()
     assert table.num_rows == 3 and len(list((tmp_path / "index").iterdir())) == 2
     assert table.column_names == ["id", "shard", "row", "rank", "features", "grid_thw", "meta"]
+    feature_struct = table.schema.field("features").type.value_type
+    assert [f.name for f in feature_struct] == ["name", "dtype", "shape", "offset", "nbytes", "xxh3"]
     rows = {r["id"]: r for r in table.to_pylist()}
     assert rows["a"]["grid_thw"] == [[1, 4, 6], [2, 2, 2]] and rows["b"]["grid_thw"] is None
 
@@ -148,7 +151,7 @@ def test_crash_between_shard_and_index_part(tmp_path: Path, monkeypatch: pytest.
     s._release()  # the process died: its rank lock died with it
 
     orphan = tmp_path / "shards" / "shard-r00000-000001.safetensors"
-    assert orphan.exists() and not (tmp_path / "index" / "part-r00000-000001.parquet").exists()
+    assert orphan.exists() and not list((tmp_path / "index").glob("part-r00000-000001*"))
     (tmp_path / "shards" / ".tmp-r00000-999-shard-r00000-000002.safetensors").write_bytes(b"half a shard")
     (tmp_path / "index" / ".tmp-r00000-999-part-r00000-000002.parquet").write_bytes(b"half a part")
     # Readers see only the committed shard; the orphan's and temp files' samples do not exist.
@@ -188,8 +191,8 @@ def test_resume_continues_numbering_and_skips_done(tmp_path: Path) -> None:
     assert s.plan(["a", "b", "c", "d"]) == [3]
     s.add("d", fake_features("d"))
     s.close()
-    names = sorted(p.name for p in (tmp_path / "index").iterdir())
-    assert names == [f"part-r00000-00000{k}.parquet" for k in range(3)]
+    names = sorted(p.name[:18] for p in (tmp_path / "index").iterdir())
+    assert names == [f"part-r00000-00000{k}" for k in range(3)]
     assert FeatureCache(tmp_path).ids() == ["a", "b", "c", "d"]
 
 
@@ -350,7 +353,7 @@ def test_cache_detects_index_shard_mismatch(tmp_path: Path) -> None:
     _fill(tmp_path, ["a", "b", "c", "d"], shard_max_samples=2)
     shards = sorted((tmp_path / "shards").iterdir())
     os.replace(shards[1], shards[0])  # the index now points at the wrong shard's bytes
-    with pytest.raises(RuntimeError, match="damaged"):
+    with pytest.raises(DamagedFile, match="shard-r00000-000000.*'a'"):
         FeatureCache(tmp_path)["a"]
 
 
@@ -384,13 +387,18 @@ def test_kill_during_overwrite_leaves_a_consistent_folder(
     assert not list((tmp_path / "shards").iterdir())
 
 
-def test_damaged_index_part_is_named(tmp_path: Path) -> None:
+def test_damaged_index_part_is_named_then_moved_aside_on_resume(tmp_path: Path) -> None:
     _fill(tmp_path, ["a", "b", "c"], shard_max_samples=2)
-    part = tmp_path / "index" / "part-r00000-000001.parquet"
+    part = next((tmp_path / "index").glob("part-r00000-000001-*.parquet"))
     part.write_bytes(b"not parquet")
-    for open_it in (lambda: FeatureCache(tmp_path), lambda: FeatureStore(tmp_path, CFG)):
-        with pytest.raises(ValueError, match="part-r00000-000001.parquet is unreadable.*shard-r00000-000001"):
-            open_it()
-    part.unlink()
-    (tmp_path / "shards" / "shard-r00000-000001.safetensors").unlink()
-    assert FeatureCache(tmp_path).ids() == ["a", "b"]
+    with pytest.raises(DamagedFile, match="part-r00000-000001-.*damaged.*shard-r00000-000001"):
+        FeatureCache(tmp_path)
+    # A resume moves the damaged part and its shard aside (never deletes them) and redoes its sample.
+    with pytest.warns(UserWarning, match="moved to"), FeatureStore(tmp_path, CFG) as s:
+        assert s.done_ids() == {"a", "b"}
+        assert [q["ids"] for q in s.quarantined] == [["c"]]  # named from the shard's own header
+        s.add("c", fake_features("c"), {"path": "c.mp4"})
+    kept = sorted(p.name for p in (tmp_path / "quarantine").rglob("*") if p.is_file())
+    assert kept == sorted([part.name, "reason.json", "shard-r00000-000001.safetensors"])
+    _fill(tmp_path / "ref", ["a", "b", "c"], shard_max_samples=2)
+    assert compare_caches(tmp_path, tmp_path / "ref") == []

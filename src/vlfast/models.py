@@ -37,6 +37,7 @@ __all__ = [
     "synthetic_inputs",
     "tower_outputs",
     "tower_spec",
+    "tower_tensor_locations",
 ]
 
 REF_PREFIX = "ref:"
@@ -186,12 +187,32 @@ def build_reference(
     seed: int = 0,
 ) -> nn.Module:
     """The reference vision tower ``name`` with random weights (``device="meta"`` allocates nothing)."""
-    ref = resolve_reference(name)
-    module = importlib.import_module(f"transformers.models.{ref.family}.configuration_{ref.family}")
-    values = {**ref.vision, **(ref.tiny if tiny else {})}
-    config = getattr(module, ref.config_class)(**values)
+    config = reference_config(name, tiny=tiny)
     torch.manual_seed(seed)
     return _build_from_vision_config(config, device=device, dtype=dtype)
+
+
+def reference_config(name: str, *, tiny: bool = False) -> Any:
+    """The transformers vision config the reference ``name`` is built from."""
+    ref = resolve_reference(name)
+    module = importlib.import_module(f"transformers.models.{ref.family}.configuration_{ref.family}")
+    return getattr(module, ref.config_class)(**{**ref.vision, **(ref.tiny if tiny else {})})
+
+
+def vision_config_of(spec: str | Path) -> Any:
+    """The vision config ``spec``'s tower is built from (a reference's, or the checkpoint's), building nothing."""
+    if str(spec).startswith(REF_PREFIX):
+        return reference_config(str(spec))
+    path = _checkpoint_dir(spec)
+    vision_config = getattr(load_config(path), "vision_config", None)
+    if vision_config is None:
+        raise ValueError(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
+    return vision_config
+
+
+def vision_model_class(config: Any) -> type[nn.Module]:
+    """The transformers class a vision config builds."""
+    return _vision_model_class(config)
 
 
 # ---------------------------------------------------------------------------------------------- towers
@@ -370,29 +391,61 @@ def load_vision_tower(
     from safetensors import safe_open
 
     wanted = dict(tower.state_dict())
-    anchor = next(iter(wanted))  # e.g. "patch_embed.proj.weight"
     found: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (file, key) in tower_tensor_locations(path, wanted).items():
+        by_file.setdefault(file, []).append((name, key))
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name, key in names:
+                found[name] = f.get_tensor(key)
+    tower.load_state_dict(found, strict=True)
+    return tower.to(device=device)
+
+
+def tower_tensor_locations(
+    spec: str | Path, names: Sequence[str] | None = None
+) -> dict[str, tuple[Path, str]]:
+    """Where each vision-tower tensor lives in a checkpoint: tower name -> (safetensors file, checkpoint key).
+
+    The tower's names come from building it on the meta device (nothing allocated) unless given. Its keys
+    are found by suffix under one prefix (``model.visual.``, ``visual.``, ...) fixed by the first name, so
+    only safetensors headers are read.
+    """
+    from safetensors import safe_open
+
+    path = _checkpoint_dir(spec)
+    if names is None:
+        tower = _build_from_vision_config(vision_config_of(path), device="meta", dtype=torch.float32)
+        names = list(tower.state_dict())
+    wanted = set(names)
+    anchor = next(iter(names))  # e.g. "patch_embed.proj.weight"
+    found: dict[str, tuple[Path, str]] = {}
     prefix: str | None = None
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             keys = list(f.keys())
-            if prefix is None:
-                hits = [k for k in keys if k == anchor or k.endswith("." + anchor)]
-                if hits:
-                    prefix = hits[0][: len(hits[0]) - len(anchor)]
-            if prefix is None:
-                continue
-            for k in keys:
-                if k.startswith(prefix) and k[len(prefix) :] in wanted:
-                    found[k[len(prefix) :]] = f.get_tensor(k)
-    missing = sorted(set(wanted) - set(found))
+        if prefix is None:
+            hits = [k for k in keys if k == anchor or k.endswith("." + anchor)]
+            if hits:
+                prefix = hits[0][: len(hits[0]) - len(anchor)]
+        if prefix is None:
+            continue
+        for k in keys:
+            if k.startswith(prefix) and k[len(prefix) :] in wanted:
+                found[k[len(prefix) :]] = (file, k)
+    missing = sorted(wanted - set(found))
     if missing:
         raise ValueError(
             f"{path}: vision tower weights missing from the checkpoint: {missing[:5]}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
-    tower.load_state_dict(found, strict=True)
-    return tower.to(device=device)
+    return found
+
+
+def safetensors_files(spec: str | Path) -> list[Path]:
+    """The checkpoint's weight files (from its index when sharded)."""
+    return _safetensors_files(_checkpoint_dir(spec))
 
 
 def load_model(

@@ -3,6 +3,11 @@
 Only committed data is visible: the cache reads the index parts (the commit markers, see ``store.py``) and
 never lists shards, so temp files and orphan shards left by a crash are invisible. Tensors are read
 through safetensors' memory map: looking up one sample reads that sample's bytes, not the shard.
+
+What is checked on every read, at no measurable cost: each index part against the checksum in its name and
+the configuration in run.json, each shard's size against what was written (a truncated shard is named,
+with the sample asked for) and its id list against the index. With ``verify=True`` every tensor read is
+also hashed and compared with its checksum; ``verify()`` scans the whole folder (integrity.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,17 @@ from typing import Any
 
 import torch
 
-from vlfast.extraction.store import committed_parts, read_errors, read_index_part, read_run_file
+from vlfast.extraction.layout import (
+    DamagedFile,
+    committed_parts,
+    config_hash,
+    part_meta,
+    read_errors,
+    read_index_part,
+    read_run_file,
+    stable_config,
+    xxh3,
+)
 
 _MAX_OPEN_SHARDS = 64  # open safetensors handles kept (each holds a file descriptor and a mapping)
 
@@ -30,21 +45,38 @@ class FeatureCache(torch.utils.data.Dataset):
     not carried across processes, each worker opens its own).
     """
 
-    def __init__(self, out: str | os.PathLike, features: Sequence[str] | None = None):
-        """``features`` limits what each lookup reads (e.g. ``["mean"]`` skips the token tensors)."""
+    def __init__(
+        self, out: str | os.PathLike, features: Sequence[str] | None = None, *, verify: bool = False
+    ):
+        """``features`` limits what each lookup reads (e.g. ``["mean"]`` skips the token tensors);
+        ``verify`` hashes every tensor read and raises :class:`DamagedFile` naming it if it does not match."""
         import pyarrow as pa
 
         self.out = Path(out)
         if isinstance(features, str):
             features = [features]
         self.features = None if features is None else frozenset(features)
+        self.verify_reads = bool(verify)
         self._run = read_run_file(self.out)
+        expected = config_hash(stable_config(self._run.get("config", {}), self._run.get("volatile_keys", [])))
         parts = committed_parts(self.out)
-        tables = [read_index_part(p) for p in parts]
+        tables = []
+        self._shard_bytes: dict[str, int | None] = {}  # shard path -> its size when written (format 2)
+        for part in parts:
+            table = read_index_part(part)
+            meta = part_meta(table)
+            if meta["config_hash"] is not None and meta["config_hash"] != expected:
+                raise DamagedFile(
+                    f"index part {part} was made with another configuration than {self.out / 'run.json'}: "
+                    "the folder mixes two runs. Run `vlfast extract --verify` on it to see what else differs."
+                )
+            for shard in set(table.column("shard").to_pylist()):
+                self._shard_bytes[shard] = meta["shard_bytes"]
+            tables.append(table.replace_schema_metadata(None))
         if tables:
-            table = pa.concat_tables(tables)
+            table = pa.concat_tables(tables, promote_options="default")
         else:
-            from vlfast.extraction.store import index_schema
+            from vlfast.extraction.layout import index_schema
 
             table = index_schema().empty_table()
         ids = table.column("id").to_pylist()
@@ -69,6 +101,7 @@ class FeatureCache(torch.utils.data.Dataset):
         shard_names = sorted(set(shards))
         shard_no = {s: k for k, s in enumerate(shard_names)}
         self._shard_paths = [self.out / s for s in shard_names]
+        self._expected_bytes = [self._shard_bytes.get(s) for s in shard_names]
         self._shard = [shard_no[shards[i]] for i in keep]
         self._row = [rows[i] for i in keep]
         take = pa.array(keep, type=pa.int64())
@@ -105,16 +138,17 @@ class FeatureCache(torch.utils.data.Dataset):
     def __getitem__(self, key: int | str) -> dict[str, torch.Tensor]:
         i = self._index(key)
         k = self._shard[i]
-        handle = self._handle(k)
+        handle = self._handle(k, self._ids[i])
         row = self._row[i]
         # The shard header names its ids: a mismatch means the folder was tampered with or two writers
         # shared a rank; fail loudly rather than return another sample's features.
         if self._shard_ids[k] is not None and self._shard_ids[k][row] != self._ids[i]:
-            raise RuntimeError(
+            raise DamagedFile(
                 f"{self._shard_paths[k]} row {row} holds {self._shard_ids[k][row]!r}, but the index says "
                 f"{self._ids[i]!r}: the folder is damaged. Re-run the extraction into a new OUT."
             )
-        names = [f["name"] for f in self._features[i].as_py()]
+        entries = {f["name"]: f for f in self._features[i].as_py()}
+        names = list(entries)
         if self.features is not None:
             missing = self.features.difference(names)
             if missing:
@@ -122,7 +156,24 @@ class FeatureCache(torch.utils.data.Dataset):
                     f"sample {self._ids[i]!r} in {self.out} has no feature {sorted(missing)}; it has {names}"
                 )
             names = [n for n in names if n in self.features]
-        return {n: handle.get_tensor(f"{row}/{n}") for n in names}
+        out = {}
+        for n in names:
+            try:
+                t = handle.get_tensor(f"{row}/{n}")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own types; name the file and sample
+                raise DamagedFile(
+                    f"cannot read feature {n!r} of sample {self._ids[i]!r} from {self._shard_paths[k]}: {e}"
+                ) from None
+            if self.verify_reads and entries[n].get("xxh3") is not None:
+                raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                if xxh3(memoryview(raw)) != entries[n]["xxh3"]:
+                    raise DamagedFile(
+                        f"feature {n!r} of sample {self._ids[i]!r} in {self._shard_paths[k]} is damaged: its "
+                        "bytes do not match their checksum. Run the same `vlfast extract` again to move the "
+                        "shard aside and extract its samples again."
+                    )
+            out[n] = t
+        return out
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for i in range(len(self)):
@@ -154,12 +205,19 @@ class FeatureCache(torch.utils.data.Dataset):
     def errors(self) -> list[dict]:
         return read_errors(self.out)
 
+    def verify(self, progress=None):
+        """Read and hash every byte the folder's readers rely on: a :class:`VerifyReport` naming every bad
+        sample by id (``report.ok`` when none). The same scan as ``vlfast extract --verify OUT``."""
+        from vlfast.extraction.integrity import verify_folder
+
+        return verify_folder(self.out, progress=progress)
+
     def __repr__(self) -> str:
         return f"FeatureCache({str(self.out)!r}, samples={len(self)}, shards={len(self._shard_paths)})"
 
     # -- shard handles -------------------------------------------------------------------------------
 
-    def _handle(self, k: int):
+    def _handle(self, k: int, sample_id: str):
         h = self._handles.get(k)
         if h is not None:
             self._handles.move_to_end(k)
@@ -167,12 +225,25 @@ class FeatureCache(torch.utils.data.Dataset):
         from safetensors import safe_open
 
         path = self._shard_paths[k]
+        redo = "Run the same `vlfast extract` again: it moves damaged shards aside and extracts their samples again."
         try:
-            h = safe_open(path, framework="pt", device="cpu")
+            size = path.stat().st_size
         except FileNotFoundError:
             raise FileNotFoundError(
-                f"{path} is listed in {self.out}/index but missing; the folder was modified after the run. "
-                "Re-run the extraction into a new OUT."
+                f"{path} (sample {sample_id!r}) is listed in {self.out}/index but missing; the folder was "
+                f"modified after the run. {redo}"
+            ) from None
+        expected = self._expected_bytes[k]
+        if expected is not None and size != expected:
+            raise DamagedFile(
+                f"{path} is {size:,} bytes but was written with {expected:,} (truncated or replaced): sample "
+                f"{sample_id!r} cannot be read. {redo}"
+            )
+        try:
+            h = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise DamagedFile(
+                f"{path} is unreadable ({e}): sample {sample_id!r} cannot be read. {redo}"
             ) from None
         self._handles[k] = h
         if k not in self._shard_ids:

@@ -1,29 +1,29 @@
 """FeatureStore: the crash-safe, resumable, rank-sharded writer behind ``vlfast extract``.
 
-On-disk layout of an output folder OUT (format version 1)::
+The folder's format is in layout.py. A shard is committed in this order: write ``shards/.tmp-...`` ->
+fsync -> ``os.replace`` to its final name -> fsync the folder -> write its index part the same way, named
+with the part's own xxh3. A shard without an index part (a crash between the two renames) and any
+``.tmp-*`` file are garbage: readers never look at them and the next FeatureStore on that folder deletes
+them. So a crash at any instant loses at most the samples still buffered in memory (at most
+``commit_every`` seconds or one shard of work), and those are re-extracted on resume. Nothing committed is
+ever rewritten.
 
-    OUT/run.json                                    run configuration (model, dtype, processor, versions...)
-    OUT/shards/shard-r{rank:05d}-{seq:06d}.safetensors   per-sample tensors, keys "{row}/{feature}"
-    OUT/index/part-r{rank:05d}-{seq:06d}.parquet         one index part per shard: THE COMMIT MARKER
-    OUT/errors/errors-r{rank:05d}.jsonl             one JSON line per failed or duplicate sample
-    OUT/locks/rank-{rank:05d}.lock                  flock of the one process writing that rank
-
-A shard is committed in this order: write ``shards/.tmp-...`` -> fsync -> ``os.replace`` to its final name ->
-fsync the folder -> write its index part the same way. A shard without an index part (a crash between the
-two renames) and any ``.tmp-*`` file are garbage: readers never look at them and the next FeatureStore on
-that folder deletes them. So a crash at any instant loses at most the samples still buffered in memory,
-and those are re-extracted on resume. Nothing committed is ever rewritten.
+On resume the store checks what it is about to rely on before skipping it (integrity.py): every committed
+index part against the configuration it carries (a different one is refused, even if run.json was
+deleted), and its shard's size, header and, by default, every tensor's checksum. A part or shard that
+fails is moved to ``OUT/quarantine/`` (never deleted) and its samples are extracted again.
 
 Index part schema (all parts share it; ``pyarrow.dataset.dataset(OUT / "index")`` reads them as one table;
 temp files start with "." and are skipped by pyarrow's default ``ignore_prefixes``)::
 
     id        string        sample id (unique across the whole folder)
     shard     string        shard path relative to OUT, e.g. "shards/shard-r00001-000042.safetensors"
-    row       int32         the sample's row in the shard; its tensors are the entries "{row}/{name}"
+    row       int32         the sample's row in the shard; its tensors are the entries "{row}/{feature}"
     rank      int32         rank that wrote it
-    features  list<struct<name: string, dtype: string, shape: list<int64>, offset: int64, nbytes: int64>>
+    features  list<struct<name, dtype, shape: list<int64>, offset: int64, nbytes: int64, xxh3: string>>
               one entry per tensor; offset = absolute byte offset of the tensor data in the shard file
-              (so non-Python readers can seek straight to it), dtype = torch name ("bfloat16", ...)
+              (so non-Python readers can seek straight to it), dtype = torch name ("bfloat16", ...),
+              xxh3 = xxh3-64 of the tensor's bytes (16 hex digits)
     grid_thw  list<list<int64>>  the (k, 3) grid: feature "grid_thw", else "*grid_thw", else meta; or null
     meta      string        JSON of the per-sample metadata given to ``add`` (path, prompt, n_tokens, ...)
 
@@ -38,30 +38,82 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
-import struct
 import time
 import warnings
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
-RUN_FILE = "run.json"
-SHARD_DIR = "shards"
-INDEX_DIR = "index"
-ERROR_DIR = "errors"
-LOCK_DIR = "locks"
+from vlfast._files import honour_umask
+from vlfast.extraction.integrity import PartCheck, check_part
+from vlfast.extraction.layout import (
+    DUPLICATE_KIND,
+    ERROR_DIR,
+    FORMAT_VERSION,
+    INDEX_DIR,
+    INPUT_KIND,
+    LOCK_DIR,
+    META_CONFIG,
+    META_CONFIG_HASH,
+    META_FORMAT,
+    META_SHARD_BYTES,
+    META_SHARD_HEADER,
+    PART_RE,
+    QUARANTINE_DIR,
+    RUN_FILE,
+    SHARD_DIR,
+    SHARD_RE,
+    TMP_RE,
+    DamagedFile,
+    OutputInUse,
+    OutputNotWritable,
+    canonical_json,
+    check_id,
+    committed_parts,
+    config_hash,
+    done_by_error,
+    error_key,
+    error_line,
+    index_schema,
+    part_meta,
+    part_name,
+    read_errors,
+    read_index_part,
+    read_run_file,
+    stable_config,
+    xxh3,
+)
+
+__all__ = [
+    "DEFAULT_VOLATILE_KEYS",
+    "DUPLICATE_KIND",
+    "INPUT_KIND",
+    "FeatureStore",
+    "OutputInUse",
+    "OutState",
+    "OutputNotWritable",
+    "RunConfigMismatch",
+    "committed_parts",
+    "dist_info",
+    "duplicate_reason",
+    "index_schema",
+    "owner_rank",
+    "partition",
+    "plan_positions",
+    "read_errors",
+    "read_index_part",
+    "read_run_file",
+    "read_state",
+]
+
 # Top-level run-config keys allowed to differ on resume: library versions change when a user upgrades
 # mid-job, which does not change what the extraction means. Callers can pass their own set.
 DEFAULT_VOLATILE_KEYS: tuple[str, ...] = ("versions", "library_versions", "created", "host")
-
-_SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
-_PART_RE = re.compile(r"^part-r(\d{5})-(\d{6})\.parquet$")
-_TMP_RE = re.compile(r"^\.tmp-r(\d{5})-")
+RESUME_CHECKS = ("full", "quick")
 
 # Dtypes safetensors can store; checked in ``add`` so a bad tensor fails at the sample, not at flush.
 _DTYPES: dict[torch.dtype, str] = {
@@ -81,21 +133,24 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         _DTYPES[getattr(torch, _name)] = _name
 DTYPE_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
 
-DUPLICATE_KIND = "duplicate"
-
 
 class RunConfigMismatch(ValueError):
-    """OUT already holds a run whose configuration differs from the one requested."""
+    """OUT already holds an extraction whose configuration differs from the one requested."""
 
-    def __init__(self, out: Path, diffs: list[tuple[str, Any, Any]]):
+    def __init__(self, out: Path, diffs: list[tuple[str, Any, Any]], where: str | None = None):
         self.out = out
         self.diffs = diffs
-        lines = [f"  {key}: {old!r} in {out / RUN_FILE} vs {new!r} now" for key, old, new in diffs]
-        super().__init__(
-            f"{out} already holds an extraction with a different configuration:\n"
+        self.where = where or str(out / RUN_FILE)
+        # How to start over, in the caller's words: the CLI replaces it with its flag.
+        self.remedy = "pass overwrite=True (CLI: --overwrite) to delete the existing shards and start again"
+        super().__init__(out, diffs)
+
+    def __str__(self) -> str:
+        lines = [f"  {key}: {old!r} in {self.where} vs {new!r} now" for key, old, new in self.diffs]
+        return (
+            f"{self.out} already holds an extraction with a different configuration:\n"
             + "\n".join(lines)
-            + "\nResuming would mix incompatible features. Use a new OUT, or pass --overwrite "
-            "(FeatureStore(..., overwrite=True)) to delete the existing shards and start again."
+            + f"\nResuming would mix incompatible features. Use a new OUT, or {self.remedy}."
         )
 
 
@@ -122,7 +177,7 @@ def partition(ids: Sequence[str], rank: int, world_size: int) -> list[str]:
 
 
 def owner_rank(sample_id: str, world_size: int) -> int:
-    digest = hashlib.blake2b(sample_id.encode("utf-8"), digest_size=8).digest()
+    digest = hashlib.blake2b(sample_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % world_size
 
 
@@ -138,6 +193,11 @@ def dist_info() -> tuple[int, int]:
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"inconsistent RANK={rank} WORLD_SIZE={world} in the environment")
     return rank, world
+
+
+def _dist_group_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,7 +239,7 @@ def _try_lock(path: Path) -> int | None:
         import fcntl
     except ImportError:  # pragma: no cover - no flock on Windows: run unguarded
         return -1
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -198,6 +258,13 @@ def _try_lock(path: Path) -> int | None:
 def _unlock(fd: int | None) -> None:
     if fd is not None and fd >= 0:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def _not_writable(out: Path, e: OSError) -> OutputNotWritable:
+    return OutputNotWritable(
+        f"cannot write to {out} ({e.strerror or e}): it is on a read-only filesystem or you lack permission. "
+        "What it holds can still be read with vlfast.FeatureCache; to extract more, choose a writable OUT."
+    )
 
 
 def library_versions() -> dict[str, str | None]:
@@ -229,6 +296,11 @@ def _grid_of(feats: Mapping[str, torch.Tensor], meta_json: str) -> list[list[int
         return None
 
 
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes safetensors writes for a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def _canonical(obj: Any) -> Any:
     """JSON round trip: tuples become lists, keys become strings, so stored and new configs compare equal."""
     try:
@@ -257,84 +329,125 @@ def _is_volatile(key: str, volatile: Collection[str]) -> bool:
     return any(".".join(parts[: i + 1]) in volatile for i in range(len(parts)))
 
 
-def read_run_file(out: Path) -> dict:
-    path = out / RUN_FILE
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path} not found: {out} is not a vlfast extraction folder (run `vlfast extract` first)"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{path} is not valid JSON ({e}); the folder is damaged, re-run with a new OUT"
-        ) from None
-    if not isinstance(doc, dict) or doc.get("format") != "vlfast-features":
-        raise ValueError(f"{path} is not a vlfast run file")
-    if doc.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
-            f"{out} was written by a newer vlfast (format {doc['format_version']} > {FORMAT_VERSION}); upgrade vlfast"
-        )
-    return doc
+def _clear_owned(folder: Path, owned: Any) -> None:
+    """Delete what this format owns in ``folder``; through a symlinked folder, only its files, never the link.
+
+    Users point shards/ at a bigger disk with a symlink; ``rmtree`` refuses symlinks, and ignoring that
+    error once kept a whole old index alive under a new configuration. Errors propagate.
+    """
+    if folder.is_symlink():
+        if not folder.exists():  # a dangling link holds nothing: drop it, mkdir makes a real folder
+            folder.unlink()
+            return
+        for p in folder.iterdir():
+            if owned(p.name):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+        return
+    if folder.exists():
+        shutil.rmtree(folder)
 
 
-def committed_parts(out: Path) -> list[Path]:
-    """Committed index parts, sorted by (rank, seq)."""
-    index = out / INDEX_DIR
-    if not index.is_dir():
-        return []
-    return sorted(p for p in index.iterdir() if _PART_RE.match(p.name))
+def _config_diffs(run_config: dict, old: dict, volatile: Collection[str]) -> list[tuple[str, Any, Any]]:
+    return [d for d in _flat_diff(old, run_config) if not _is_volatile(d[0], volatile)]
 
 
-def read_index_part(part: Path, columns: Sequence[str] | None = None):
-    """One index part as an Arrow table; an unreadable part is named with what to do about it."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def check_run_config(
+    out: str | os.PathLike,
+    run_config: Mapping[str, Any],
+    volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
+) -> bool:
+    """Refuse (RunConfigMismatch) if ``out`` holds a run of another configuration; reads only.
 
-    try:
-        return pq.read_table(part, columns=list(columns) if columns is not None else None)
-    except (OSError, pa.ArrowException) as e:
-        # Parts are written atomically, so this is damage from outside (disk, copy, a hand edit).
-        shard = (
-            part.parent.parent
-            / SHARD_DIR
-            / part.name.replace("part-", "shard-").replace(".parquet", ".safetensors")
-        )
-        raise ValueError(
-            f"index part {part} is unreadable ({e}). Delete it and {shard} to extract those samples again "
-            "on the next run."
-        ) from None
-
-
-def read_errors(out: Path) -> list[dict]:
-    """All ranks' error records. A torn last line (crash mid-append) is skipped; exact repeats (a duplicate
-    recorded again after a resume) are dropped."""
-    folder = out / ERROR_DIR
-    if not folder.is_dir():
-        return []
-    records, seen = [], set()
-    for path in sorted(folder.glob("errors-r*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(rec, dict) or "id" not in rec:
-                continue
-            key = (rec.get("id"), rec.get("source"), rec.get("reason"), rec.get("kind"))
-            if key in seen:
-                continue
-            seen.add(key)
-            records.append(rec)
-    return records
+    The configuration is run.json's; if run.json was deleted, the one its committed index parts carry, so
+    deleting it does not let any configuration through. Returns whether run.json exists.
+    """
+    out = Path(out)
+    config = _canonical(dict(run_config))
+    if (out / RUN_FILE).exists():
+        diffs = _config_diffs(config, read_run_file(out).get("config", {}), volatile_keys)
+        if diffs:
+            raise RunConfigMismatch(out, diffs)
+        return True
+    for part in committed_parts(out):
+        try:
+            meta = part_meta(read_index_part(part, ["id"]))
+        except DamagedFile:
+            continue  # judged (and moved aside) when a store opens
+        if meta["config"] is None:
+            raise ValueError(
+                f"{out} holds shards but its {RUN_FILE} is missing, and they were written by an older vlfast "
+                "that did not record their configuration: use a new OUT, or overwrite it"
+            )
+        diffs = _config_diffs(config, meta["config"], volatile_keys)
+        if diffs:
+            raise RunConfigMismatch(out, diffs, where=f"{part} ({RUN_FILE} is missing)")
+        break
+    return False
 
 
-def _safetensors_data_start(path: Path) -> tuple[int, dict]:
-    """(absolute offset of the data section, header dict) of a safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return 8 + n, header
+def plan_positions(
+    ids: Sequence[str], rank: int, world_size: int, done: Collection[str]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """(positions of ``ids`` this rank still has to extract, (repeat, first) position pairs of this rank's
+    repeated ids), in input order. A pure function: the store's ``plan`` and the read-only preflight agree."""
+    first: dict[str, int] = {}
+    todo: list[int] = []
+    repeats: list[tuple[int, int]] = []
+    for k, sid in enumerate(ids):
+        if world_size > 1 and owner_rank(sid, world_size) != rank:
+            continue
+        if sid in first:
+            repeats.append((k, first[sid]))
+            continue
+        first[sid] = k
+        if sid not in done:
+            todo.append(k)
+    return todo, repeats
+
+
+def duplicate_reason(k: int, first: int) -> str:
+    return f"duplicate id: input entry {k} repeats entry {first}"
+
+
+@dataclass
+class OutState:
+    """What an output folder holds, read without a lock or a write (a read-only OUT works)."""
+
+    done: set[str] = field(default_factory=set)  # committed ids and ids recorded as failed
+    error_keys: set[tuple] = field(default_factory=set)  # (id, source, reason, kind) already recorded
+    damaged: list[str] = field(default_factory=list)  # parts whose shard fails the quick check
+
+
+def read_state(
+    out: str | os.PathLike,
+    run_config: Mapping[str, Any],
+    volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
+) -> OutState:
+    """Check ``run_config`` against ``out`` and say what it already holds; writes nothing, takes no lock.
+
+    The quick check (sizes, headers, ids) finds truncated or replaced shards; the full checksum pass is
+    the writer's, when it opens.
+    """
+    out = Path(out)
+    if not out.exists():
+        return OutState()
+    if not out.is_dir():
+        raise NotADirectoryError(f"{out} exists and is not a folder; choose another OUT")
+    check_run_config(out, run_config, volatile_keys)
+    state = OutState()
+    for part in committed_parts(out):
+        check = check_part(part, data=False)
+        if check.ok:
+            state.done.update(check.ids)
+        else:
+            state.damaged.append(part.name)
+    errors = read_errors(out)
+    state.done.update(r["id"] for r in errors if done_by_error(r))
+    state.error_keys = {error_key(r) for r in errors}
+    return state
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -344,9 +457,11 @@ def _safetensors_data_start(path: Path) -> tuple[int, dict]:
 class FeatureStore:
     """Buffered writer of per-sample feature tensors into OUT, one per rank.
 
-    ``add`` buffers a sample; when the buffer reaches ``shard_max_bytes`` or ``shard_max_samples`` it is
-    committed as one shard (see the module docstring for the commit protocol). Memory use is bounded by
-    one shard's worth of tensors, whatever the number of samples.
+    ``add`` buffers a sample; when the buffer reaches ``shard_max_bytes`` or ``shard_max_samples``, or its
+    oldest sample has waited ``commit_every`` seconds, it is committed as one shard (see the module
+    docstring for the commit protocol). Memory use is bounded by one shard's worth of tensors, whatever
+    the number of samples. ``resume_check`` is how committed shards are checked on opening: "full" reads
+    and hashes every tensor (default), "quick" checks sizes, headers and ids only.
     """
 
     def __init__(
@@ -358,8 +473,10 @@ class FeatureStore:
         world_size: int = 1,
         shard_max_bytes: int = 256 << 20,
         shard_max_samples: int = 1024,
+        commit_every: float | None = 60.0,
         overwrite: bool = False,
         volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
+        resume_check: str = "full",
     ):
         if not isinstance(run_config, Mapping):
             raise TypeError(f"run_config must be a dict, got {type(run_config).__name__}")
@@ -369,21 +486,40 @@ class FeatureStore:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
         if shard_max_bytes < 1 or shard_max_samples < 1:
             raise ValueError("shard_max_bytes and shard_max_samples must be >= 1")
+        if commit_every is not None and not commit_every > 0:
+            raise ValueError(
+                f"commit_every must be a positive number of seconds or None, got {commit_every!r}"
+            )
+        if resume_check not in RESUME_CHECKS:
+            raise ValueError(f"resume_check must be one of {RESUME_CHECKS}, got {resume_check!r}")
         self.out = Path(out)
         self.rank, self.world_size = rank, world_size
         self.shard_max_bytes, self.shard_max_samples = int(shard_max_bytes), int(shard_max_samples)
+        self.commit_every = commit_every
         self.volatile_keys = frozenset(volatile_keys)
         self.run_config = _canonical(dict(run_config))
+        self._stable = stable_config(self.run_config, self.volatile_keys)
+        self.config_hash = config_hash(self._stable)
         if self.out.exists() and not self.out.is_dir():
             raise NotADirectoryError(f"{self.out} exists and is not a folder; choose another OUT")
 
         self._tag = f"r{rank:05d}"
-        (self.out / LOCK_DIR).mkdir(parents=True, exist_ok=True)
+        try:
+            (self.out / LOCK_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise _not_writable(self.out, e) from None
+            raise
         # Two processes writing the same rank would overwrite each other's shard names (two runs without
         # torchrun, or a stale run still alive): refuse the second one.
-        self._lock = _try_lock(self._lock_path(rank))
+        try:
+            self._lock = _try_lock(self._lock_path(rank))
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise _not_writable(self.out, e) from None
+            raise
         if self._lock is None:
-            raise RuntimeError(
+            raise OutputInUse(
                 f"another process is already writing rank {rank} into {self.out} (lock "
                 f"{self._lock_path(rank)}). Wait for it or stop it; to run several processes, launch them "
                 "with torchrun so each gets its own RANK."
@@ -395,19 +531,21 @@ class FeatureStore:
                 (self.out / sub).mkdir(exist_ok=True)
             self._write_or_check_run_file()
             self._clean_garbage()
+            self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
+            self._bad_parts: set[str] = set()
+            self._check_committed(resume_check)
             self._parts_read: set[str] = set()  # index parts already in _committed
             self._committed: set[str] = set()
             self._refresh_committed()
             errors = read_errors(self.out)
-            self._errored: set[str] = {r["id"] for r in errors if r.get("kind") != DUPLICATE_KIND}
-            self._error_keys: set[tuple] = {
-                (r["id"], r.get("source"), r.get("reason"), r.get("kind")) for r in errors
-            }
+            self._errored: set[str] = {r["id"] for r in errors if done_by_error(r)}
+            self._error_keys: set[tuple] = {error_key(r) for r in errors}
             self._seq = self._next_seq()
             self._versions = library_versions()
             self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
             self._buffer_ids: set[str] = set()
             self._buffer_bytes = 0
+            self._buffer_since: float | None = None  # when the oldest buffered sample was added
             self._num_errors = 0
             self._num_added = 0
             self._closed = False
@@ -424,8 +562,14 @@ class FeatureStore:
             # Commit markers first, run.json last: a kill mid-way leaves orphan shards (cleaned on the next
             # start) under the old config, never index parts pointing at deleted shards, and never old data
             # that a run with the new config would take for its own.
-            for sub in (INDEX_DIR, SHARD_DIR, ERROR_DIR):
-                shutil.rmtree(self.out / sub, ignore_errors=True)
+            owned = {
+                INDEX_DIR: lambda n: bool(PART_RE.match(n) or TMP_RE.match(n)),
+                SHARD_DIR: lambda n: bool(SHARD_RE.match(n) or TMP_RE.match(n)),
+                ERROR_DIR: lambda n: n.startswith("errors-r") and n.endswith(".jsonl"),
+                QUARANTINE_DIR: lambda n: True,
+            }
+            for sub, owns in owned.items():
+                _clear_owned(self.out / sub, owns)
             (self.out / RUN_FILE).unlink(missing_ok=True)
         dist = torch.distributed
         if self.world_size > 1:
@@ -436,17 +580,12 @@ class FeatureStore:
                 )
             dist.barrier()  # other ranks must not write before rank 0 has cleared the folder
 
+    def _diffs(self, old: dict) -> list[tuple[str, Any, Any]]:
+        return _config_diffs(self.run_config, old, self.volatile_keys)
+
     def _write_or_check_run_file(self) -> None:
         path = self.out / RUN_FILE
-        if path.exists():
-            doc = read_run_file(self.out)
-            diffs = [
-                d
-                for d in _flat_diff(doc.get("config", {}), self.run_config)
-                if not _is_volatile(d[0], self.volatile_keys)
-            ]
-            if diffs:
-                raise RunConfigMismatch(self.out, diffs)
+        if check_run_config(self.out, self.run_config, self.volatile_keys):
             return
         doc = {
             "format": "vlfast-features",
@@ -454,6 +593,7 @@ class FeatureStore:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "volatile_keys": sorted(self.volatile_keys),
             "config": self.run_config,
+            "config_hash": self.config_hash,
             "created_with": library_versions(),
         }
         # Several ranks may race here; each writes the same config through its own temp file, so the
@@ -462,6 +602,59 @@ class FeatureStore:
             path,
             (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
             f"r{self.rank:05d}-{os.getpid()}",
+        )
+
+    def _check_committed(self, mode: str) -> None:
+        """Check what a resume will rely on; refuse parts of another configuration, move damaged ones aside.
+
+        With torch.distributed initialised the ranks split the parts between them and agree on the verdicts
+        (one all_reduce), so each shard is read once; otherwise each rank checks every part itself, which
+        gives every rank the same view without any coordination.
+        """
+        parts = committed_parts(self.out)
+        group = _dist_group_size()
+        split = group > 1 and group == self.world_size
+        if split and not self._same_on_all_ranks(len(parts)):
+            split = False  # ranks see different folders (should not happen): each checks everything
+        bad = [False] * len(parts)
+        for k, part in enumerate(parts):
+            if split and k % self.world_size != self.rank:
+                continue
+            check = check_part(part, data=(mode == "full"))
+            if check.problem is None and check.config is not None and check.config_hash != self.config_hash:
+                raise RunConfigMismatch(self.out, self._diffs(check.config), where=str(part))
+            if not check.ok:
+                bad[k] = True
+                self._quarantine(check)
+        if split:
+            flags = torch.tensor(bad, dtype=torch.uint8)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            bad = [bool(v) for v in flags.tolist()]
+        self._bad_parts = {p.name for p, b in zip(parts, bad) if b}
+
+    def _same_on_all_ranks(self, n: int) -> bool:
+        t = torch.tensor([n, -n], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t[0]) == -int(t[1])
+
+    def _quarantine(self, check: PartCheck) -> None:
+        """Move a damaged part and its shard to OUT/quarantine/<part>/, index part first (that uncommits it)."""
+        dest = self.out / QUARANTINE_DIR / f"{check.part.stem}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        dest.mkdir(parents=True, exist_ok=True)
+        reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
+        record = {"part": check.part.name, "shard": check.shard.name, "reason": reason, "ids": check.ids}
+        _atomic_write_bytes(dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag)
+        moved = False
+        for src in (check.part, check.shard):
+            with contextlib.suppress(FileNotFoundError):  # another rank moved it first, or it was missing
+                shutil.move(src, dest / src.name)
+                moved = True
+        if moved:
+            _fsync_dir(self.out / INDEX_DIR)
+        self.quarantined.append({**record, "moved_to": str(dest)})
+        warnings.warn(
+            f"{check.part.name}: {reason}; moved to {dest}, its {len(check.ids)} samples will be extracted again",
+            stacklevel=3,
         )
 
     def _lock_path(self, rank: int) -> Path:
@@ -484,15 +677,15 @@ class FeatureStore:
 
     def _clean_garbage(self) -> None:
         index = self.out / INDEX_DIR
-        committed = {m.group(1, 2) for p in index.iterdir() if (m := _PART_RE.match(p.name))}
+        committed = {m.group(1, 2) for p in index.iterdir() if (m := PART_RE.match(p.name))}
         garbage: dict[int, list[Path]] = {}
         for folder in (self.out / SHARD_DIR, index, self.out):
             for p in folder.iterdir():
-                m = _TMP_RE.match(p.name)
+                m = TMP_RE.match(p.name)
                 if m and p.is_file():
                     garbage.setdefault(int(m.group(1)), []).append(p)
         for p in (self.out / SHARD_DIR).iterdir():
-            m = _SHARD_RE.match(p.name)
+            m = SHARD_RE.match(p.name)
             if m and m.group(1, 2) not in committed:
                 # shard renamed but its index part never written: uncommitted, its samples will be redone
                 garbage.setdefault(int(m.group(1)), []).append(p)
@@ -511,30 +704,41 @@ class FeatureStore:
 
     def _next_seq(self) -> int:
         seqs = [-1]
-        for folder, rx in ((self.out / SHARD_DIR, _SHARD_RE), (self.out / INDEX_DIR, _PART_RE)):
+        folders = [(self.out / SHARD_DIR, SHARD_RE), (self.out / INDEX_DIR, PART_RE)]
+        for folder, rx in folders:
             for p in folder.iterdir():
                 m = rx.match(p.name)
+                if m and int(m.group(1)) == self.rank:
+                    seqs.append(int(m.group(2)))
+        # A quarantined shard's number is never reused either, so its name stays unique.
+        quarantine = self.out / QUARANTINE_DIR
+        if quarantine.is_dir():
+            for p in quarantine.glob("*/shard-*.safetensors"):
+                m = SHARD_RE.match(p.name)
                 if m and int(m.group(1)) == self.rank:
                     seqs.append(int(m.group(2)))
         return max(seqs) + 1
 
     def _refresh_committed(self) -> None:
         for part in committed_parts(self.out):
-            if part.name in self._parts_read:
+            if part.name in self._parts_read or part.name in self._bad_parts:
                 continue
-            self._committed.update(read_index_part(part, ["id"]).column("id").to_pylist())
+            try:
+                self._committed.update(read_index_part(part, ["id"]).column("id").to_pylist())
+            except DamagedFile:
+                continue  # committed by another rank after our check and already damaged: next resume's
             self._parts_read.add(part.name)
 
     # -- public API ----------------------------------------------------------------------------------
 
     def done_ids(self) -> set[str]:
-        """Ids committed by any rank plus ids recorded as (non-duplicate) errors: skip these on resume.
+        """Ids committed by any rank plus ids recorded as failed: skip these on resume.
 
-        A "duplicate id" error does not make an id done: the id's first occurrence may still be in an
-        uncommitted buffer, and it must be redone after a crash.
+        A "duplicate id" or "input" record does not make an id done: the id's first occurrence may still be
+        in an uncommitted buffer, and it must be redone after a crash.
         """
         self._refresh_committed()
-        errored = {r["id"] for r in read_errors(self.out) if r.get("kind") != DUPLICATE_KIND}
+        errored = {r["id"] for r in read_errors(self.out) if done_by_error(r)}
         return self._committed | errored | self._errored | self._buffer_ids
 
     def plan(self, ids: Sequence[str], sources: Sequence[str] | None = None) -> list[int]:
@@ -546,21 +750,15 @@ class FeatureStore:
         """
         if sources is not None and len(sources) != len(ids):
             raise ValueError(f"sources has {len(sources)} entries for {len(ids)} ids")
-        done = self.done_ids()
-        first: dict[str, int] = {}
-        todo: list[int] = []
-        for k, sid in enumerate(ids):
-            if self.world_size > 1 and owner_rank(sid, self.world_size) != self.rank:
-                continue
-            if sid in first:
-                source = str(sources[k]) if sources is not None else ""
-                reason = f"duplicate id: input entry {k} repeats entry {first[sid]}"
-                self.add_error(sid, source, reason, kind=DUPLICATE_KIND)
-                continue
-            first[sid] = k
-            if sid not in done:
-                todo.append(k)
+        todo, repeats = plan_positions(ids, self.rank, self.world_size, self.done_ids())
+        for k, first in repeats:
+            source = str(sources[k]) if sources is not None else ""
+            self.add_error(ids[k], source, duplicate_reason(k, first), kind=DUPLICATE_KIND)
         return todo
+
+    def is_recorded(self, key: tuple) -> bool:
+        """Whether the error record (id, source, reason, kind) is already in the errors files."""
+        return key in self._error_keys
 
     @property
     def num_errors(self) -> int:
@@ -575,8 +773,7 @@ class FeatureStore:
     def add(self, sample_id: str, features: Mapping[str, torch.Tensor], meta: Mapping | None = None) -> None:
         """Buffer one sample. A repeated id is recorded as a "duplicate id" error instead of overwriting."""
         self._check_open()
-        if not isinstance(sample_id, str) or not sample_id:
-            raise TypeError(f"sample_id must be a non-empty str, got {sample_id!r}")
+        check_id(sample_id)
         if not isinstance(features, Mapping) or not features:
             raise TypeError(f"features for {sample_id!r} must be a non-empty dict of name -> tensor")
         source = str(meta.get("path", meta.get("source", ""))) if isinstance(meta, Mapping) else ""
@@ -591,8 +788,10 @@ class FeatureStore:
         tensors: dict[str, torch.Tensor] = {}
         nbytes = 0
         for name, t in features.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"feature names must be non-empty str, got {name!r} for {sample_id!r}")
+            if not isinstance(name, str) or not name or "/" in name:
+                raise TypeError(
+                    f"feature names must be non-empty str without '/', got {name!r} for {sample_id!r}"
+                )
             if not isinstance(t, torch.Tensor):
                 raise TypeError(
                     f"feature {name!r} of {sample_id!r} is a {type(t).__name__}, not a torch.Tensor"
@@ -615,8 +814,9 @@ class FeatureStore:
             nbytes += t.nbytes
         try:
             meta_json = json.dumps(dict(meta) if meta is not None else {}, sort_keys=True, ensure_ascii=False)
+            meta_json.encode("utf-8")
         except (TypeError, ValueError) as e:
-            raise TypeError(f"meta of {sample_id!r} must be JSON-serialisable: {e}") from None
+            raise TypeError(f"meta of {sample_id!r} must be JSON-serialisable text: {e}") from None
 
         if self._buffer and self._buffer_bytes + nbytes > self.shard_max_bytes:
             self.flush()
@@ -624,21 +824,36 @@ class FeatureStore:
         self._buffer_ids.add(sample_id)
         self._buffer_bytes += nbytes
         self._num_added += 1
+        if self._buffer_since is None:
+            self._buffer_since = time.monotonic()
         if len(self._buffer) >= self.shard_max_samples or self._buffer_bytes >= self.shard_max_bytes:
+            self.flush()
+        else:
+            self.tick()
+
+    def tick(self) -> None:
+        """Commit the buffer if its oldest sample has waited ``commit_every`` seconds. ``add`` and
+        ``add_error`` call it; a caller that may wait long between them (a slow decode) can call it too."""
+        if (
+            self.commit_every is not None
+            and self._buffer_since is not None
+            and time.monotonic() - self._buffer_since >= self.commit_every
+        ):
             self.flush()
 
     def add_error(self, sample_id: str, source: str, reason: str, *, kind: str | None = None) -> None:
         """Record a failed sample durably (one fsync'd JSON line); the id then counts as done.
 
-        ``kind`` is "error" or "duplicate"; by default a reason starting with "duplicate" means "duplicate".
-        A duplicate record does not make its id done (the first occurrence may not be committed yet).
-        Recording the same (id, source, reason) again, as a resumed run does, writes nothing.
+        ``kind`` is "error", "duplicate" or "input" (an input row that is not a sample at all; ``sample_id``
+        then names the row); by default a reason starting with "duplicate" means "duplicate". Duplicate and
+        input records do not make their id done. Recording the same (id, source, reason, kind) again, as a
+        resumed run does, writes nothing.
         """
         self._check_open()
         if kind is None:
             kind = DUPLICATE_KIND if str(reason).lower().startswith("duplicate") else "error"
-        if kind not in ("error", DUPLICATE_KIND):
-            raise ValueError(f"kind must be 'error' or {DUPLICATE_KIND!r}, got {kind!r}")
+        if kind not in ("error", DUPLICATE_KIND, INPUT_KIND):
+            raise ValueError(f"kind must be 'error', {DUPLICATE_KIND!r} or {INPUT_KIND!r}, got {kind!r}")
         key = (str(sample_id), str(source), str(reason), kind)
         if key in self._error_keys:
             return
@@ -650,7 +865,7 @@ class FeatureStore:
             "rank": self.rank,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        line = json.dumps(rec, ensure_ascii=False) + "\n"
+        line = error_line(rec)
         fresh = not self._error_file.exists()
         with open(self._error_file, "ab+") as f:
             # A crash mid-append leaves a torn line without "\n"; start ours on a new line so it parses.
@@ -665,21 +880,19 @@ class FeatureStore:
             _fsync_dir(self._error_file.parent)
         self._error_keys.add(key)
         self._num_errors += 1
-        if kind != DUPLICATE_KIND:
+        if done_by_error(rec):
             self._errored.add(str(sample_id))
+        self.tick()
 
     def flush(self) -> None:
         """Commit the buffered samples as one shard now (no-op when the buffer is empty)."""
         if not self._buffer:
             return
-        name = f"{self._tag}-{self._seq:06d}"
-        shard = self.out / SHARD_DIR / f"shard-{name}.safetensors"
-        part = self.out / INDEX_DIR / f"part-{name}.parquet"
-        self._write_shard(shard)
-        self._write_index_part(shard, part)
+        shard = self.out / SHARD_DIR / f"shard-{self._tag}-{self._seq:06d}.safetensors"
+        self._write_index_part(shard, self._write_shard(shard))
         self._committed.update(sid for sid, _, _ in self._buffer)
-        self._parts_read.add(part.name)
         self._buffer, self._buffer_ids, self._buffer_bytes = [], set(), 0
+        self._buffer_since = None
         self._seq += 1
 
     def close(self) -> None:
@@ -706,8 +919,11 @@ class FeatureStore:
         if self._closed:
             raise RuntimeError(f"FeatureStore for {self.out} is closed")
 
-    def _write_shard(self, shard: Path) -> None:
+    def _write_shard(self, shard: Path) -> tuple[int, str, int, dict]:
+        """Write and rename the shard: (its size, xxh3 of its header, data start, parsed header)."""
         from safetensors.torch import save_file
+
+        from vlfast.extraction.integrity import read_header
 
         tensors = {
             f"{row}/{name}": t for row, (_, feats, _) in enumerate(self._buffer) for name, t in feats.items()
@@ -718,19 +934,25 @@ class FeatureStore:
             "vlfast_format": str(FORMAT_VERSION),
             "rank": str(self.rank),
             "ids": json.dumps([sid for sid, _, _ in self._buffer], ensure_ascii=False),
+            "config_hash": self.config_hash,
             "versions": json.dumps(self._versions, sort_keys=True),  # provenance per shard, across resumes
         }
         tmp = shard.parent / f".tmp-{self._tag}-{os.getpid()}-{shard.name}"
         save_file(tensors, tmp, metadata=metadata)
-        _fsync_file(tmp)
+        honour_umask(tmp)  # safetensors creates its files 0600: teammates on shared storage could not read
+        with open(tmp, "rb+") as f:
+            size = os.fstat(f.fileno()).st_size
+            data_start, raw_header, header = read_header(f, size)
+            os.fsync(f.fileno())
         os.replace(tmp, shard)
         _fsync_dir(shard.parent)
+        return size, xxh3(raw_header), data_start, header
 
-    def _write_index_part(self, shard: Path, part: Path) -> None:
+    def _write_index_part(self, shard: Path, written: tuple[int, str, int, dict]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        data_start, header = _safetensors_data_start(shard)
+        size, header_hash, data_start, header = written
         rows: dict[str, list] = {
             k: [] for k in ("id", "shard", "row", "rank", "features", "grid_thw", "meta")
         }
@@ -746,6 +968,7 @@ class FeatureStore:
                         "shape": list(t.shape),
                         "offset": data_start + start,
                         "nbytes": end - start,
+                        "xxh3": xxh3(_tensor_bytes(t)),
                     }
                 )
             rows["id"].append(sid)
@@ -755,35 +978,17 @@ class FeatureStore:
             rows["features"].append(entries)
             rows["grid_thw"].append(_grid_of(feats, meta_json))
             rows["meta"].append(meta_json)
-        table = pa.table(rows, schema=index_schema())
-        tmp = part.parent / f".tmp-{self._tag}-{os.getpid()}-{part.name}"
-        pq.write_table(table, tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, part)  # <- the commit point
-        _fsync_dir(part.parent)
-
-
-def index_schema():
-    """Arrow schema of every index part (see the module docstring)."""
-    import pyarrow as pa
-
-    feature = pa.struct(
-        [
-            ("name", pa.string()),
-            ("dtype", pa.string()),
-            ("shape", pa.list_(pa.int64())),
-            ("offset", pa.int64()),
-            ("nbytes", pa.int64()),
-        ]
-    )
-    return pa.schema(
-        [
-            ("id", pa.string()),
-            ("shard", pa.string()),
-            ("row", pa.int32()),
-            ("rank", pa.int32()),
-            ("features", pa.list_(feature)),
-            ("grid_thw", pa.list_(pa.list_(pa.int64()))),
-            ("meta", pa.string()),
-        ]
-    )
+        metadata = {
+            META_FORMAT: str(FORMAT_VERSION).encode(),
+            META_CONFIG: canonical_json(self._stable).encode("utf-8"),
+            META_CONFIG_HASH: self.config_hash.encode(),
+            META_SHARD_BYTES: str(size).encode(),
+            META_SHARD_HEADER: header_hash.encode(),
+        }
+        table = pa.table(rows, schema=index_schema().with_metadata(metadata))
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, write_page_checksum=True)
+        data = sink.getvalue().to_pybytes()
+        part = self.out / INDEX_DIR / part_name(self.rank, self._seq, xxh3(data))
+        _atomic_write_bytes(part, data, f"{self._tag}-{os.getpid()}")  # <- the commit point
+        self._parts_read.add(part.name)

@@ -1,0 +1,124 @@
+"""Which weights a run used: a content hash of the tensors its features depend on, recorded in run.json.
+
+A new fine-tune saved into the same checkpoint folder keeps the path, the config and every tensor's name,
+dtype and shape, so a hash of the safetensors headers (or of file sizes) would not change: only the bytes
+do. The fingerprint therefore hashes the bytes, but only of the tensors the features read: the vision
+tower's for vision features (a fine-tune of the language model alone leaves them valid), every tensor plus
+the tokenizer and config files for ``llm`` features. It reads the safetensors files through a memory map
+with xxh3-128 (~14 GB/s from the page cache, so the cost is the disk's when the files are cold; the load
+that follows then reads them from the cache), before the model is built, so a refusal costs seconds.
+
+A reference tower (``ref:NAME``) has no files: its weights are generated from a seed, so its fingerprint
+is the recipe (name, seed) and the torch and transformers versions whose initialisers produce them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+# Files beside the weights that change what an ``llm`` feature is (prompt tokens, chat template, config).
+_LLM_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def weights_fingerprint(model: str, *, whole: bool) -> dict[str, Any]:
+    """The ``weights`` entry of a run configuration for ``model`` (a checkpoint directory or ``ref:NAME``).
+
+    ``whole``: the features read the whole model (``llm``), not only the vision tower.
+    """
+    if model.startswith("ref:"):
+        from importlib import metadata
+
+        import torch
+
+        return {
+            "scope": "reference",
+            "name": model,
+            "seed": 0,
+            "torch": torch.__version__,
+            "transformers": metadata.version("transformers"),
+        }
+    from vlfast.models import safetensors_files, tower_tensor_locations
+
+    path = Path(model)
+    if whole:
+        selected: dict[Path, list[str] | None] = dict.fromkeys(safetensors_files(path))
+    else:
+        selected = {}
+        for file, key in tower_tensor_locations(path).values():
+            selected.setdefault(file, []).append(key)
+    digest, tensors, nbytes = hash_tensors(selected)
+    out: dict[str, Any] = {
+        "scope": "whole model" if whole else "vision tower",
+        "scheme": "xxh3_128 over (name, dtype, shape, bytes) of each tensor, sorted by name",
+        "tensors": tensors,
+        "bytes": nbytes,
+        "xxh3_128": digest,
+    }
+    if whole:
+        import xxhash
+
+        out["files"] = {
+            name: xxhash.xxh3_128_hexdigest((path / name).read_bytes())
+            for name in _LLM_FILES
+            if (path / name).is_file()
+        }
+    return out
+
+
+def hash_tensors(selected: dict[Path, list[str] | None]) -> tuple[str, int, int]:
+    """(xxh3-128 digest, tensor count, bytes) over the named tensors of each safetensors file (all if None)."""
+    import xxhash
+
+    from vlfast.extraction.integrity import read_header
+    from vlfast.extraction.layout import canonical_json
+
+    entries: list[tuple[str, str, list[int], str]] = []
+    nbytes = 0
+    for file, keys in selected.items():
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            try:
+                data_start, _, header = read_header(f, size)
+            except ValueError as e:
+                raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
+            names = [k for k in header if k != "__metadata__"] if keys is None else keys
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else _Empty() as mm:
+                view = memoryview(mm)
+                try:
+                    for name in names:
+                        entry = header[name]
+                        start, end = entry["data_offsets"]
+                        if data_start + end > size:
+                            raise ValueError(
+                                f"{file}: tensor {name!r} runs past the end of the file (truncated?)"
+                            )
+                        digest = xxhash.xxh3_128_hexdigest(view[data_start + start : data_start + end])
+                        entries.append((name, entry["dtype"], list(entry["shape"]), digest))
+                        nbytes += end - start
+                finally:
+                    view.release()
+    entries.sort()
+    return xxhash.xxh3_128_hexdigest(canonical_json(entries).encode()), len(entries), nbytes
+
+
+class _Empty:
+    """Stands in for the map of an empty file (mmap refuses length 0)."""
+
+    def __enter__(self) -> bytes:
+        return b""
+
+    def __exit__(self, *exc: object) -> None:
+        return None

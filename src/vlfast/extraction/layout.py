@@ -1,0 +1,298 @@
+"""The extraction folder's format: names, schema, run file, index parts and error records, and how to read them.
+
+Both the writer (store.py) and the reader (cache.py) go through these functions, so what a folder holds is
+decided in one place. The layout (format version 2)::
+
+    OUT/run.json                                          configuration (model, weights, dtype, processor...)
+    OUT/shards/shard-r{rank:05d}-{seq:06d}.safetensors     per-sample tensors, entries "{row}/{feature}"
+    OUT/index/part-r{rank:05d}-{seq:06d}-{xxh3}.parquet    one index part per shard: THE COMMIT MARKER
+    OUT/errors/errors-r{rank:05d}.jsonl                   one JSON line per failed or duplicate sample
+    OUT/locks/rank-{rank:05d}.lock                        flock of the one process writing that rank
+    OUT/quarantine/...                                    damaged shards moved aside on resume (never read)
+
+Every byte a reader relies on is covered by a checksum (xxh3-64, from the maintained ``xxhash`` package):
+an index part by the hash in its own file name (Parquet's footer has no checksum of its own, and a flipped
+byte there can silently change values), a shard's header by a hash its index part records, each tensor
+by a hash per tensor in the index, and each error record by a hash in its own line. Format 1 folders
+(no hashes) are still read; they cannot be verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 2
+RUN_FILE = "run.json"
+SHARD_DIR = "shards"
+INDEX_DIR = "index"
+ERROR_DIR = "errors"
+LOCK_DIR = "locks"
+QUARANTINE_DIR = "quarantine"
+MAX_ID_BYTES = 4096  # an id is stored in Parquet, JSON and the shard header; longer ones are refused
+
+SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
+# The 16 hex digits are the xxh3-64 of the part file itself (absent in format 1).
+PART_RE = re.compile(r"^part-r(\d{5})-(\d{6})(?:-([0-9a-f]{16}))?\.parquet$")
+TMP_RE = re.compile(r"^\.tmp-r(\d{5})-")
+
+# Parquet key-value metadata of every index part (format 2).
+META_FORMAT = b"vlfast.format_version"
+META_CONFIG = b"vlfast.config"  # canonical JSON of the run configuration without its volatile keys
+META_CONFIG_HASH = b"vlfast.config_hash"  # sha256 of META_CONFIG
+META_SHARD_BYTES = b"vlfast.shard_bytes"  # size of the shard file
+META_SHARD_HEADER = b"vlfast.shard_header_xxh3"  # xxh3-64 of the shard's 8-byte length + JSON header
+
+DUPLICATE_KIND = "duplicate"
+INPUT_KIND = "input"  # a manifest row or folder entry that is not a sample; never makes an id done
+
+
+class DamagedFile(ValueError):
+    """A file of the extraction folder fails its integrity check; the message names it and what to do."""
+
+
+class OutputInUse(RuntimeError):
+    """Another live process holds the lock of the rank this store would write."""
+
+
+class OutputNotWritable(PermissionError):
+    """OUT cannot be written (read-only filesystem or permissions)."""
+
+
+# ------------------------------------------------------------------------------------------ checksums
+
+
+def xxh3(data: Any) -> str:
+    """xxh3-64 of a bytes-like object, as 16 hex digits (~15 GB/s on this project's CPU)."""
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def stable_config(config: dict, volatile: Collection[str]) -> dict:
+    """``config`` without its volatile keys (dotted names, e.g. "runtime" or "versions"): what a run means."""
+
+    def strip(obj: Any, prefix: str) -> Any:
+        if not isinstance(obj, dict):
+            return obj
+        out = {}
+        for key, value in obj.items():
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if name not in volatile:
+                out[key] = strip(value, name)
+        return out
+
+    return strip(config, "")
+
+
+def config_hash(stable: dict) -> str:
+    return hashlib.sha256(canonical_json(stable).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# ------------------------------------------------------------------------------------- the run file
+
+
+def read_run_file(out: Path) -> dict:
+    path = out / RUN_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} not found: {out} is not a vlfast extraction folder (run `vlfast extract` first)"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DamagedFile(
+            f"{path} is not valid JSON ({e}); the folder is damaged, re-run with a new OUT"
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != "vlfast-features":
+        raise ValueError(f"{path} is not a vlfast run file")
+    if doc.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"{out} was written by a newer vlfast (format {doc['format_version']} > {FORMAT_VERSION}); upgrade vlfast"
+        )
+    return doc
+
+
+# ------------------------------------------------------------------------------------ index parts
+
+
+def part_name(rank: int, seq: int, digest: str) -> str:
+    return f"part-r{rank:05d}-{seq:06d}-{digest}.parquet"
+
+
+def shard_of_part(part: Path) -> Path:
+    """The shard a part indexes: same rank and sequence number."""
+    m = PART_RE.match(part.name)
+    if m is None:
+        raise ValueError(f"{part} is not an index part name")
+    return part.parent.parent / SHARD_DIR / f"shard-r{m.group(1)}-{m.group(2)}.safetensors"
+
+
+def committed_parts(out: Path) -> list[Path]:
+    """Committed index parts, sorted by (rank, seq)."""
+    index = out / INDEX_DIR
+    if not index.is_dir():
+        return []
+    return sorted(p for p in index.iterdir() if PART_RE.match(p.name))
+
+
+def read_index_part(part: Path, columns: Sequence[str] | None = None):
+    """One index part as an Arrow table, after checking the hash its name carries; damage is named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    m = PART_RE.match(part.name)
+    try:
+        data = part.read_bytes()
+    except OSError as e:
+        raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
+    if m is not None and m.group(3) is not None and xxh3(data) != m.group(3):
+        raise DamagedFile(
+            f"index part {part} is damaged: its bytes do not match the checksum in its name. {_redo_hint(part)}"
+        )
+    try:
+        table = pq.read_table(pa.BufferReader(data), page_checksum_verification=True)
+    except (OSError, pa.ArrowException) as e:
+        raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
+    return table.select(list(columns)) if columns is not None else table
+
+
+def part_meta(table) -> dict[str, Any]:
+    """The vlfast key-value metadata of an index part (empty values for format 1)."""
+    raw = table.schema.metadata or {}
+
+    def get(key: bytes) -> str | None:
+        value = raw.get(key)
+        return value.decode("utf-8", "surrogatepass") if value is not None else None
+
+    shard_bytes = get(META_SHARD_BYTES)
+    config = get(META_CONFIG)
+    return {
+        "format_version": int(get(META_FORMAT) or 1),
+        "config": json.loads(config) if config is not None else None,
+        "config_hash": get(META_CONFIG_HASH),
+        "shard_bytes": int(shard_bytes) if shard_bytes is not None else None,
+        "shard_header_xxh3": get(META_SHARD_HEADER),
+    }
+
+
+def _redo_hint(part: Path) -> str:
+    return (
+        "Run the same `vlfast extract` again: it moves damaged shards aside to OUT/quarantine and extracts "
+        f"their samples again (or delete it and {shard_of_part(part).name if PART_RE.match(part.name) else 'its shard'})."
+    )
+
+
+def index_schema():
+    """Arrow schema of every index part (format 2; format 1 parts lack ``xxh3``)."""
+    import pyarrow as pa
+
+    feature = pa.struct(
+        [
+            ("name", pa.string()),
+            ("dtype", pa.string()),
+            ("shape", pa.list_(pa.int64())),
+            ("offset", pa.int64()),
+            ("nbytes", pa.int64()),
+            ("xxh3", pa.string()),
+        ]
+    )
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("shard", pa.string()),
+            ("row", pa.int32()),
+            ("rank", pa.int32()),
+            ("features", pa.list_(feature)),
+            ("grid_thw", pa.list_(pa.list_(pa.int64()))),
+            ("meta", pa.string()),
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------------ error records
+
+
+def error_line(record: dict) -> str:
+    """One error record as a JSON line carrying the xxh3 of its own canonical form."""
+    rec = dict(record)
+    rec["xxh3"] = xxh3(canonical_json(rec).encode("utf-8", "surrogatepass"))
+    try:
+        line = json.dumps(rec, ensure_ascii=False)
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: JSON's \\u escape keeps it exactly
+        line = json.dumps(rec, ensure_ascii=True)
+    return line + "\n"
+
+
+def read_error_file(path: Path) -> tuple[list[dict], int]:
+    """(records, damaged lines) of one errors file. A torn last line (a crash mid-append) and a line whose
+    checksum fails are not records; the second kind is counted so a verification can report it."""
+    records, damaged = [], 0
+    lines = path.read_bytes().split(b"\n")
+    for k, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            damaged += k < len(lines) - 1  # the last line may be torn by a kill: not damage
+            continue
+        if not isinstance(rec, dict) or "id" not in rec:
+            damaged += 1
+            continue
+        check = rec.pop("xxh3", None)
+        if check is not None and check != xxh3(canonical_json(rec).encode("utf-8", "surrogatepass")):
+            damaged += 1
+            continue
+        records.append(rec)
+    return records, damaged
+
+
+def read_errors(out: Path) -> list[dict]:
+    """All ranks' error records. Torn and damaged lines are skipped (a damaged line's sample is then simply
+    extracted again); exact repeats (a duplicate recorded again after a resume) are dropped."""
+    folder = out / ERROR_DIR
+    if not folder.is_dir():
+        return []
+    records, seen = [], set()
+    for path in sorted(folder.glob("errors-r*.jsonl")):
+        for rec in read_error_file(path)[0]:
+            key = error_key(rec)
+            if key in seen:
+                continue
+            seen.add(key)
+            records.append(rec)
+    return records
+
+
+def error_key(rec: dict) -> tuple:
+    return (rec.get("id"), rec.get("source"), rec.get("reason"), rec.get("kind"))
+
+
+def done_by_error(rec: dict) -> bool:
+    """Whether an error record makes its id done: a failed sample yes; a duplicate or a bad input row no."""
+    return rec.get("kind") not in (DUPLICATE_KIND, INPUT_KIND)
+
+
+def check_id(sample_id: Any) -> str:
+    """``sample_id`` if the folder can store it, else ValueError/TypeError saying why."""
+    if not isinstance(sample_id, str) or not sample_id:
+        raise TypeError(f"sample_id must be a non-empty str, got {sample_id!r}")
+    try:
+        n = len(sample_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"sample id {sample_id!r} is not valid Unicode text (a lone surrogate)") from None
+    if n > MAX_ID_BYTES:
+        raise ValueError(
+            f"sample id of {n} bytes is longer than the {MAX_ID_BYTES}-byte limit: {sample_id[:60]!r}..."
+        )
+    return sample_id
