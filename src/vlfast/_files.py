@@ -8,12 +8,10 @@ does.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 
 
-@lru_cache(maxsize=1)
 def _umask() -> int:
-    # Linux reports it without changing it; elsewhere set-and-restore, once per process.
+    # Linux reports it without changing it (cheap: once per written file); elsewhere set-and-restore.
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:

@@ -1,0 +1,328 @@
+"""The store never serves damaged or foreign data silently: every fault here is injected into real files.
+
+Flipped bytes in a tensor, a shard header, an index part or an error line; a truncated shard; a deleted or
+replaced run.json; --overwrite through symlinked folders; a read-only OUT; the umask; commits by time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vlfast.cli.main import app
+from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch
+from vlfast.extraction._selftest import compare_caches, fake_features
+from vlfast.extraction.integrity import check_part, verify_folder
+from vlfast.extraction.layout import DamagedFile, OutputInUse, OutputNotWritable, read_errors, read_index_part
+from vlfast.extraction.store import read_state
+
+CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}
+IDS = [f"s{i}" for i in range(9)]
+
+
+def _fill(out: Path, ids=IDS, cfg=CFG, **kw) -> None:
+    with FeatureStore(out, cfg, shard_max_samples=3, **kw) as s:
+        for sid in ids:
+            s.add(sid, fake_features(sid), {"path": f"{sid}.mp4"})
+
+
+def _resume(out: Path, ids=IDS, **kw) -> FeatureStore:
+    """Re-run the "extraction": open the store, add what is not done, close."""
+    with FeatureStore(out, CFG, shard_max_samples=3, **kw) as s:
+        for sid in ids:
+            if sid not in s.done_ids():
+                s.add(sid, fake_features(sid), {"path": f"{sid}.mp4"})
+    return s
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def ref(tmp_path: Path) -> Path:
+    _fill(tmp_path / "ref")
+    return tmp_path / "ref"
+
+
+def test_flipped_byte_in_a_tensor_is_caught(tmp_path: Path, ref: Path) -> None:
+    out = tmp_path / "out"
+    _fill(out)
+    info = FeatureCache(out).info("s4")
+    tokens = next(f for f in info["features"] if f["name"] == "tokens")
+    shard = out / info["shard"]
+    _flip(shard, tokens["offset"] + 5)
+
+    # Plain reads stay fast and do not hash; verify=True hashes each tensor read and names what is wrong.
+    assert not torch.equal(FeatureCache(out)["s4"]["tokens"], fake_features("s4")["tokens"])
+    with pytest.raises(DamagedFile, match=r"feature 'tokens' of sample 's4' in .*shard-r00000-000001"):
+        FeatureCache(out, verify=True)["s4"]
+    FeatureCache(out, verify=True)["s3"]  # its neighbours in the same shard are fine
+
+    report = FeatureCache(out).verify()
+    assert not report.ok and [(b["id"], b["feature"]) for b in report.bad_samples] == [("s4", "tokens")]
+    assert report.samples == len(IDS) and report.bytes_checked > 0
+
+    r = CliRunner().invoke(app, ["extract", "--verify", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "s4" in r.output and "tokens" in r.output and "Damaged" in r.output
+    r = CliRunner().invoke(app, ["extract", "--verify", str(out), "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["bad_samples"][0]["id"] == "s4"
+
+    # A quick resume check does not read the data, so it does not see this (documented); the full one does.
+    s = FeatureStore(out, CFG, resume_check="quick")
+    assert s.done_ids() == set(IDS) and not s.quarantined
+    s.close()
+    with pytest.warns(UserWarning, match="fail their checksum"):
+        s = _resume(out)
+    assert [q["ids"] for q in s.quarantined] == [["s3", "s4", "s5"]]
+    assert compare_caches(ref, out) == [] and verify_folder(out).ok
+    assert CliRunner().invoke(app, ["extract", "--verify", str(out)]).exit_code == 0
+
+
+def test_truncated_shard_is_named_and_redone(tmp_path: Path, ref: Path) -> None:
+    out = tmp_path / "out"
+    _fill(out)
+    shard = out / "shards" / "shard-r00000-000002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    c = FeatureCache(out)
+    assert torch.equal(c["s0"]["mean"], fake_features("s0")["mean"])  # other shards still read
+    with pytest.raises(DamagedFile, match=r"shard-r00000-000002.*truncated or replaced.*sample 's6'"):
+        c["s6"]
+    state = read_state(out, CFG)
+    assert state.damaged and not {"s6", "s7", "s8"} & state.done
+    report = verify_folder(out)
+    assert sorted(b["id"] for b in report.bad_samples) == ["s6", "s7", "s8"]
+    with pytest.warns(UserWarning, match="truncated"):
+        s = _resume(out, resume_check="quick")  # sizes are checked even by the quick check
+    assert len(s.quarantined) == 1
+    moved = next((out / "quarantine").iterdir())
+    assert (moved / shard.name).exists() and json.loads((moved / "reason.json").read_text())["ids"] == [
+        "s6",
+        "s7",
+        "s8",
+    ]
+    assert compare_caches(ref, out) == []
+
+
+def test_every_byte_of_a_shard_and_its_part_is_covered(tmp_path: Path) -> None:
+    """Flip each byte of a small shard in turn: the full check must fail every time. Same for the part
+    (its footer wholly, the rest sampled: its name's hash covers every byte alike)."""
+    out = tmp_path / "out"
+    with FeatureStore(out, CFG) as s:
+        s.add("a", {"x": torch.arange(6, dtype=torch.int16), "y": torch.ones(2, dtype=torch.bfloat16)})
+        s.add("b", {"x": torch.zeros(3)})
+    shard = next((out / "shards").iterdir())
+    part = next((out / "index").iterdir())
+    original = shard.read_bytes()
+    for offset in range(len(original)):
+        _flip(shard, offset)
+        check = check_part(part, data=True)
+        assert not check.ok, f"a flipped byte at {offset} of {len(original)} went unnoticed"
+        shard.write_bytes(original)
+    original = part.read_bytes()
+    # Every 7th byte, and every byte of the footer (Parquet's metadata, which has no checksum of its own)
+    for offset in sorted(set(range(0, len(original), 7)) | set(range(len(original) - 600, len(original)))):
+        _flip(part, offset)
+        with pytest.raises(DamagedFile):
+            read_index_part(part)
+        part.write_bytes(original)
+    assert check_part(part, data=True).ok
+
+
+def test_damaged_index_part_is_moved_aside(tmp_path: Path, ref: Path) -> None:
+    out = tmp_path / "out"
+    _fill(out)
+    part = sorted((out / "index").iterdir())[1]
+    _flip(part, 40)
+    with pytest.raises(DamagedFile, match="do not match the checksum in its name"):
+        FeatureCache(out)
+    with pytest.warns(UserWarning, match="moved to"):
+        s = _resume(out, resume_check="quick")
+    assert s.quarantined[0]["ids"] == ["s3", "s4", "s5"]  # named from the shard's header
+    assert compare_caches(ref, out) == []
+
+
+def test_deleted_run_json_still_refuses_another_configuration(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _fill(out)
+    (out / "run.json").unlink()
+    changed = CFG | {"processor": {"max_pixels": 2048}}
+    with pytest.raises(
+        RunConfigMismatch, match=r"processor.max_pixels: 1024 in .*part-r00000-000000.*missing"
+    ):
+        FeatureStore(out, changed)
+    with pytest.raises(RunConfigMismatch):
+        read_state(out, changed)  # the read-only preflight refuses it too, before any model is loaded
+    assert not (out / "run.json").exists()
+    with FeatureStore(out, CFG | {"versions": {"torch": "9"}}) as s:  # same meaning: resumes
+        assert s.done_ids() == set(IDS)
+    assert json.loads((out / "run.json").read_text())["config"]["processor"] == {"max_pixels": 1024}
+
+
+def test_replaced_run_json_is_caught_by_what_the_shards_carry(tmp_path: Path) -> None:
+    out, other = tmp_path / "out", tmp_path / "other"
+    changed = CFG | {"model": "fine-tuned"}
+    _fill(out)
+    FeatureStore(other, changed).close()
+    shutil.copy(other / "run.json", out / "run.json")  # someone "fixes" the folder by hand
+    with pytest.raises(RunConfigMismatch, match="model: 'm' in .*part-r00000-000000"):
+        FeatureStore(out, changed)
+    with pytest.raises(DamagedFile, match="mixes two runs"):
+        FeatureCache(out)
+    assert verify_folder(out).other_config_parts
+
+
+def test_damaged_error_line_is_not_trusted(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with FeatureStore(out, CFG) as s:
+        s.add_error("s1", "s1.mp4", "decode failed")
+        s.add_error("s2", "s2.mp4", "decode failed")
+    path = out / "errors" / "errors-r00000.jsonl"
+    text = path.read_text()
+    path.write_text(text.replace('"id": "s1"', '"id": "s7"', 1))  # a flipped bit that still parses
+    assert [e["id"] for e in read_errors(out)] == ["s2"]  # s7 is not silently skipped, s1 will be redone
+    assert verify_folder(out).damaged_error_lines == 1
+    with FeatureStore(out, CFG) as s:
+        assert s.done_ids() == {"s2"}
+
+
+@pytest.mark.parametrize("link", ["index", "shards", "errors"])
+def test_overwrite_through_a_symlinked_folder(tmp_path: Path, link: str) -> None:
+    out, target = tmp_path / "out", tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "notes.txt").write_text("not ours")
+    out.mkdir()
+    (out / link).symlink_to(target, target_is_directory=True)
+    _fill(out)
+    with FeatureStore(out, CFG) as s:
+        s.add_error("zz", "zz.mp4", "decode failed")
+    changed = CFG | {"model": "other"}
+    FeatureStore(out, changed, overwrite=True).close()
+    assert (out / link).is_symlink() and (target / "notes.txt").exists()
+    assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]  # everything old is gone
+    c = FeatureCache(out)
+    assert len(c) == 0 and c.errors() == [] and c.run_config["model"] == "other"
+
+
+def test_overwrite_with_a_dangling_symlink(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _fill(out)
+    shutil.rmtree(out / "shards")
+    (out / "shards").symlink_to(tmp_path / "gone", target_is_directory=True)
+    FeatureStore(out, CFG, overwrite=True).close()
+    assert (out / "shards").is_dir() and len(FeatureCache(out)) == 0
+
+
+def test_commit_every_seconds(tmp_path: Path) -> None:
+    with FeatureStore(tmp_path, CFG, commit_every=0.2) as s:
+        s.add("a", fake_features("a"))
+        assert len(FeatureCache(tmp_path)) == 0  # buffered
+        time.sleep(0.25)
+        s.tick()  # the pipeline ticks between samples; add and add_error tick too
+        assert FeatureCache(tmp_path).ids() == ["a"]
+        s.add("b", fake_features("b"))
+        time.sleep(0.25)
+        s.add_error("c", "c.mp4", "decode failed")
+        assert FeatureCache(tmp_path).ids() == ["a", "b"]
+    with FeatureStore(tmp_path / "n", CFG, commit_every=None) as s:
+        s.add("a", fake_features("a"))
+        time.sleep(0.25)
+        s.tick()
+        assert len(FeatureCache(tmp_path / "n")) == 0
+    with pytest.raises(ValueError, match="commit_every"):
+        FeatureStore(tmp_path / "m", CFG, commit_every=0)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_written_files_honour_the_umask(tmp_path: Path, mask: int) -> None:
+    old = os.umask(mask)
+    try:
+        with FeatureStore(tmp_path, CFG) as s:
+            s.add("a", fake_features("a"))
+            s.add_error("b", "b.mp4", "decode failed")
+    finally:
+        os.umask(old)
+    files = [p for sub in ("shards", "index", "errors") for p in (tmp_path / sub).iterdir()]
+    files.append(tmp_path / "run.json")
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o666 & ~mask}, files
+
+
+def test_output_in_use_and_not_a_folder(tmp_path: Path) -> None:
+    s = FeatureStore(tmp_path / "out", CFG)
+    with pytest.raises(OutputInUse, match="already writing rank 0"):
+        FeatureStore(tmp_path / "out", CFG)
+    s.close()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a folder"):
+        FeatureStore(tmp_path / "file", CFG)
+
+
+def test_read_only_out_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EROFS from the filesystem becomes OutputNotWritable (exit 2); reading needs no write at all."""
+    import errno
+
+    out = tmp_path / "out"
+    _fill(out)
+    real_mkdir = Path.mkdir
+
+    def read_only_mkdir(self, *a, **kw):
+        if str(self).startswith(str(out)):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", read_only_mkdir)
+    with pytest.raises(OutputNotWritable, match="read-only filesystem.*FeatureCache"):
+        FeatureStore(out, CFG)
+    assert len(FeatureCache(out)) == len(IDS) and read_state(out, CFG).done == set(IDS)
+
+
+def _can_mount_read_only(path: Path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    cmd = f"mount --bind {path} {path} && mount -o remount,ro,bind {path} && ! touch {path}/.probe"
+    return subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True).returncode == 0
+
+
+def test_read_only_filesystem_for_real(tmp_path: Path) -> None:
+    """The same on a real read-only bind mount (a private mount namespace; needs root, as CI runs)."""
+    out = tmp_path / "out"
+    _fill(out)
+    if not _can_mount_read_only(out):
+        pytest.skip("cannot make a private read-only bind mount here (needs unshare and root)")
+    code = textwrap.dedent(
+        f"""
+        from vlfast.extraction import FeatureCache, FeatureStore
+        from vlfast.extraction.layout import OutputNotWritable
+        from vlfast.extraction.store import read_state
+        out = {str(out)!r}
+        assert len(FeatureCache(out)) == 9 and FeatureCache(out).verify().ok
+        assert len(read_state(out, {CFG!r}).done) == 9
+        try:
+            FeatureStore(out, {CFG!r})
+        except OutputNotWritable as e:
+            print("refused:", e)
+        """
+    )
+    script = tmp_path / "ro.py"
+    script.write_text(code)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = f"mount --bind {out} {out} && mount -o remount,ro,bind {out} && {sys.executable} {script}"
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused:" in r.stdout and "read-only" in r.stdout
