@@ -319,6 +319,21 @@ def test_fix_sharded_checkpoint(tmp_path):
     assert "model.safetensors.index.json" in report.files_copied
 
 
+def test_fixed_files_honour_the_umask(tmp_path):
+    """safetensors writes 0600; a fixed checkpoint on shared storage must be readable like any other file."""
+    import os
+    import stat
+
+    make_model(tmp_path / "src", sharded=True)
+    old = os.umask(0o002)
+    try:
+        report = fix_tokens(tmp_path / "src", tmp_path / "out", ["<think>"], init="mean", verify=False)
+    finally:
+        os.umask(old)
+    modes = {f: stat.S_IMODE((tmp_path / "out" / f).stat().st_mode) for f in report.files_rewritten}
+    assert set(modes.values()) == {0o664}, modes
+
+
 def test_fix_refuses_to_overwrite(untied, tmp_path):
     folder, _ = untied
     with pytest.raises(ValueError, match="new folder"):

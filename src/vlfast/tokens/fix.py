@@ -173,6 +173,8 @@ def _write(w, model: Path, out: Path, new_values: dict[str, dict[int, torch.Tens
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from vlfast._files import honour_umask
+
     out.mkdir(parents=True, exist_ok=True)
     edit_files = {w.tensor_files[name] for name, v in new_values.items() if v}
     rewritten, copied = [], []
@@ -189,6 +191,7 @@ def _write(w, model: Path, out: Path, new_values: dict[str, dict[int, torch.Tens
                     t[ids] = torch.stack([values[i] for i in sorted(values)]).to(t.dtype)
                     tensors[name] = t
             save_file(tensors, str(dst), metadata=metadata)
+            honour_umask(dst)  # safetensors writes 0600; teammates must be able to read the fixed checkpoint
             rewritten.append(src.name)
         elif src.is_dir():
             shutil.copytree(src, dst)
