@@ -1,0 +1,578 @@
+"""Decode workers for ``extract``: an ordered map over sample indices in forked processes that survives
+workers that die or hang.
+
+``torch.utils.data.DataLoader`` cannot do this. When one of its workers dies (the out-of-memory killer's
+SIGKILL, a decoder's segfault) it raises "DataLoader worker exited unexpectedly" and names no sample, so
+nothing is recorded and every resume dies at the same place; a decoder that hangs (a known failure of video
+decoders at scale) stalls it forever, and its ``timeout`` only ends the whole run. ``WorkerPool`` knows
+which task each worker is running (tasks run first in, first out per worker), so:
+
+* a worker that dies is replaced; the sample it was running is re-run once, alone, in a fresh worker (a
+  transient kill, e.g. the OOM killer choosing us for another process's memory, must not lose it) and, if
+  that worker dies too, comes back as an error record naming the signal; its queued samples go elsewhere;
+* a sample that runs longer than ``timeout`` seconds has its worker killed and comes back as an error
+  record (no retry: a hang is a property of the file);
+* results come back in index order, like a DataLoader with ``shuffle=False``.
+
+Transport: results are pickled with multiprocessing's ``ForkingPickler``, on which torch registers its
+shared-memory reductions, so a tensor crosses as a shared-memory file descriptor, never byte by byte (as in
+a DataLoader). Unlike a DataLoader, the descriptors travel inside the same socket message as the pickle
+(SCM_RIGHTS), not through multiprocessing's resource sharer, a thread in the sending process that the
+receiver connects to once per tensor: that thread dies with the worker, which would make the results a
+worker sent just before dying unreadable, exactly the ones needed to tell which sample killed it.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import heapq
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.context
+import multiprocessing.process
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions on ForkingPickler
+
+__all__ = ["PoolStats", "WorkerPool", "death_reason"]
+
+# A worker's message: kind, task index, number of file descriptors sent right after it, then the pickle.
+_HEADER = struct.Struct("<Bqi")
+_RESULT, _INIT_FAILED = 0, 1
+_TASK = struct.Struct("<q")  # parent -> worker: the index to run; end of file means stop
+_FDS_PER_MSG = 200  # descriptors per sendmsg; Linux accepts at most 253 (SCM_MAX_FD)
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)  # received descriptors must not leak into exec'd decoders
+_PR_SET_PDEATHSIG = 1
+
+_SIGNAL_NOTES = {
+    signal.SIGKILL: ", often the out-of-memory killer",
+    signal.SIGSEGV: ": the decoder crashed",
+    signal.SIGBUS: ": the decoder crashed",
+    signal.SIGILL: ": the decoder crashed",
+    signal.SIGFPE: ": the decoder crashed",
+    signal.SIGABRT: ": the decoder aborted",
+}
+
+
+def death_reason(exitcode: int | None) -> str:
+    """The error record's reason for a sample whose worker died: the signal by name, or the exit code."""
+    if exitcode is None:
+        how = "exited"
+    elif exitcode < 0:
+        try:
+            sig = signal.Signals(-exitcode)
+            how = f"killed by signal {-exitcode} ({sig.name}){_SIGNAL_NOTES.get(sig, '')}"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+    else:
+        how = f"exited with code {exitcode}"
+    return f"worker died while decoding this sample: {how}"
+
+
+def _timeout_reason(timeout: float) -> str:
+    return f"decoding took longer than {timeout:g} s (--decode-timeout); the worker was stopped"
+
+
+def _unexpected(i: int, e: BaseException, what: str = "") -> dict[str, Any]:
+    return {"i": i, "ok": False, "reason": f"unexpected {type(e).__name__}{what}: {e}"}
+
+
+@dataclass
+class PoolStats:
+    """What went wrong in a run, for logs and summaries."""
+
+    started: int = 0  # worker processes started, replacements included
+    restarts: int = 0  # of those, the ones that replaced a dead or stopped worker
+    deaths: int = 0  # workers that died on their own (signal or exit), not stopped by the pool
+    timeouts: int = 0  # samples whose worker was stopped for running past the timeout
+    retried: int = 0  # samples re-run alone after their worker died
+    recovered: int = 0  # of those, the ones whose re-run answered (its worker survived)
+
+
+# ----------------------------------------------------------------------------------------- the transport
+
+
+class _FdCollector:
+    """Stands in for multiprocessing's "spawning Popen" while a worker pickles a result. torch's fd
+    reduction calls ``multiprocessing.reduction.DupFd``, which hands descriptors to the spawning Popen when
+    there is one (instead of to the resource sharer): here they are collected and sent with the message."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        # The storage being pickled owns fd and outlives the send, so no dup is needed.
+        self.fds.append(fd)
+        return len(self.fds) - 1
+
+    def DupFd(self, index: int) -> _PassedFd:  # noqa: N802 - the name multiprocessing calls
+        return _PassedFd(index)
+
+
+class _PassedFd:
+    """A descriptor sent beside the pickle. torch's rebuild calls ``detach`` while unpickling and owns (and
+    closes) what it returns."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def detach(self) -> int:
+        fds = _receiving.fds
+        fd, fds[self.index] = fds[self.index], -1
+        if fd < 0:
+            raise OSError(f"file descriptor {self.index} of this message was already taken")
+        return fd
+
+
+_receiving = threading.local()  # the descriptors of the message being unpickled, for _PassedFd.detach
+
+
+def _pack(kind: int, i: int, obj: Any) -> tuple[bytes, list[int]]:
+    """The message for ``obj`` and the descriptors to send after it (owned by obj's storages: keep obj
+    alive until they are written)."""
+    collector = _FdCollector()
+    multiprocessing.context.set_spawning_popen(collector)
+    try:
+        data = ForkingPickler.dumps(obj)
+    finally:
+        multiprocessing.context.set_spawning_popen(None)
+    return _HEADER.pack(kind, i, len(collector.fds)) + data, collector.fds
+
+
+def _write(
+    conn: multiprocessing.connection.Connection, sock: socket.socket, msg: bytes, fds: list[int]
+) -> None:
+    conn.send_bytes(msg)
+    for k in range(0, len(fds), _FDS_PER_MSG):
+        chunk = array.array("i", fds[k : k + _FDS_PER_MSG])
+        sock.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, chunk)])
+
+
+def _recv_fds(sock: socket.socket, n: int) -> list[int]:
+    fds: list[int] = []
+    try:
+        while len(fds) < n:
+            want = min(_FDS_PER_MSG, n - len(fds))  # the sender's chunking: one chunk per recvmsg
+            data, ancdata, flags, _ = sock.recvmsg(1, socket.CMSG_SPACE(want * 4), _CLOEXEC)
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                    fds.extend(got)
+            if not data:
+                raise EOFError("the worker closed its pipe while sending a result")
+            if flags & socket.MSG_CTRUNC:
+                raise OSError("file descriptors were truncated in transit")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _recv(conn: multiprocessing.connection.Connection, sock: socket.socket) -> tuple[int, int, Any]:
+    """One message: (kind, index, object). EOFError/OSError: the pipe broke (the worker died). An object
+    that arrived whole but cannot be unpickled becomes an error record: the worker is fine."""
+    msg = conn.recv_bytes()
+    kind, i, nfds = _HEADER.unpack_from(msg)
+    fds = _recv_fds(sock, nfds)
+    _receiving.fds = fds
+    try:
+        obj = ForkingPickler.loads(memoryview(msg)[_HEADER.size :])
+    except Exception as e:  # noqa: BLE001 - one unreadable result must not end the run
+        obj = _unexpected(i, e, " receiving the result")
+    finally:
+        _receiving.fds = None
+        for fd in fds:  # the ones no rebuild took
+            if fd >= 0:
+                os.close(fd)
+    return kind, i, obj
+
+
+# -------------------------------------------------------------------------------------------- a worker
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so a hung or orphaned worker never outlives a
+    killed run. Elsewhere, workers stop at end of file on their pipe, which a hung worker never reads."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # fail soft: no libc, no prctl
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl ran: nobody would send the signal
+        os._exit(1)
+
+
+def _worker_main(pool: WorkerPool, worker_id: int, conn: multiprocessing.connection.Connection) -> None:
+    _die_with_parent(pool._owner)
+    # Ctrl-C reaches the whole process group; the parent decides what happens, and stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pool._forget_in_child()
+    sock = socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+    if pool.worker_init is not None:
+        try:
+            pool.worker_init(worker_id)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+            _write(conn, sock, *_pack(_INIT_FAILED, -1, f"{type(e).__name__}: {e}"))
+            return
+    fn = pool.fn
+    while True:
+        try:
+            (i,) = _TASK.unpack(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the parent closed the pipe (close()) or died
+        try:
+            result = fn(i)
+        except BaseException as e:  # noqa: BLE001 - fn should not raise; if it does, that sample fails
+            result = _unexpected(i, e)
+        try:
+            msg, fds = _pack(_RESULT, i, result)
+        except Exception as e:  # noqa: BLE001 - an unpicklable result (e.g. a CUDA tensor) fails its sample
+            msg, fds = _pack(_RESULT, i, _unexpected(i, e, " sending the result"))
+        try:
+            _write(conn, sock, msg, fds)
+        except OSError:
+            return  # the parent closed the pipe or died
+        del result, msg, fds  # free the shared memory now, not when the next sample replaces it
+
+
+# --------------------------------------------------------------------------------------------- the pool
+
+
+@dataclass(eq=False)
+class _Worker:
+    """One worker process as the parent sees it."""
+
+    slot: int
+    proc: multiprocessing.process.BaseProcess
+    conn: multiprocessing.connection.Connection
+    sock: socket.socket
+    tasks: deque[tuple[int, float]] = field(default_factory=deque)  # (index, sent at): the head is running
+    free_since: float = 0.0  # when its previous result arrived (or it started)
+    isolated: bool = False  # re-running a task whose worker died: nothing else until it answers
+    exitcode: int | None = None  # once reaped
+
+    def head_started(self) -> float:
+        # Tasks run in order, so the head started when it was sent or when the previous one answered.
+        return max(self.tasks[0][1], self.free_since)
+
+
+class WorkerPool:
+    """Ordered map of fn over range(n) in worker processes that survives dead and hung workers.
+
+    ``iter(pool)`` yields ``fn(i)`` for i = 0 .. n-1 in order; a sample whose worker died twice or ran past
+    ``timeout`` yields ``{"i": i, "ok": False, "reason": ...}`` instead, and so does one whose ``fn`` raised.
+    Each worker holds at most ``prefetch`` tasks and at most ``num_workers * prefetch`` results are in
+    flight or buffered. Workers are forked, inheriting what the caller built (an image processor), and run
+    ``worker_init(worker_id)`` first (ids 0 .. num_workers-1; a replacement takes its predecessor's id).
+    Lost workers are started again lazily, when there is a task to give them.
+
+    ``timeout`` (seconds, None for none) counts from when a worker starts a task: a result that arrived
+    while the consumer was busy is read before any deadline is judged, so a slow consumer causes no false
+    timeout (at worst a late one, since arrival is known only when read).
+
+    ``num_workers=0`` calls ``fn`` in the calling process, in order: no isolation, no timeout, no
+    ``worker_init`` (like a DataLoader).
+
+    Use it as a context manager or call :meth:`close` (breaking out of the loop early is fine; finishing
+    the loop, an exception inside it, or garbage collection also closes). Iterate it once, from one thread:
+    Linux delivers the parent-death signal when the thread that forked a worker exits. A replacement worker
+    forked mid-run shares the parent's memory of that moment copy-on-write until it exits, as any fork does.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[int], dict[str, Any]],
+        n: int,
+        *,
+        num_workers: int,
+        timeout: float | None = 120.0,
+        prefetch: int = 8,
+        worker_init: Callable[[int], None] | None = None,
+        retry_dead: bool = True,
+    ) -> None:
+        self._closed = True  # until fully built: __del__ must not act on a half-made pool
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        if num_workers > 0 and "fork" not in multiprocessing.get_all_start_methods():
+            raise RuntimeError("worker processes need the 'fork' start method here; use num_workers=0")
+        self.fn, self.n, self.num_workers, self.prefetch = fn, n, num_workers, prefetch
+        self.timeout, self.worker_init, self.retry_dead = timeout, worker_init, retry_dead
+        self.stats = PoolStats()
+        self._owner = os.getpid()
+        self._ctx = multiprocessing.get_context("fork") if num_workers > 0 else None
+        self._workers: dict[int, _Worker] = {}  # by slot (= worker id)
+        self._used_slots: set[int] = set()
+        self._done: dict[int, dict[str, Any]] = {}  # results not yet yielded, by index
+        self._pending: list[int] = []  # heap: tasks taken back from a lost worker, to hand out again
+        self._isolate: deque[int] = deque()  # tasks to re-run alone in a fresh worker
+        self._retried: set[int] = set()
+        self._next_new = 0  # lowest index never handed out
+        self._next_out = 0  # lowest index not yet yielded
+        self._forking_end: multiprocessing.connection.Connection | None = None
+        self._iterated = False
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ public
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._closed:
+            raise RuntimeError("this WorkerPool is closed")
+        if self._iterated:
+            raise RuntimeError("a WorkerPool can be iterated once")
+        self._iterated = True
+        return self._in_process() if self.num_workers == 0 else self._pooled()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the live worker processes."""
+        return [w.proc.pid for w in self._workers.values() if w.proc.is_alive()]
+
+    def close(self) -> None:
+        """Stop and reap every worker and drop buffered results. Idempotent."""
+        if self._closed or os.getpid() != self._owner:
+            return
+        self._closed = True
+        workers = list(self._workers.values())
+        self._workers.clear()
+        self._done.clear()
+        for w in workers:
+            # End of file stops an idle worker cleanly; a busy one is killed below: its work is discarded.
+            w.conn.close()
+            w.sock.close()
+        for w in workers:
+            if w.tasks and w.proc.is_alive():
+                w.proc.kill()
+        for w in workers:
+            w.proc.join(timeout=1.0)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join()
+            w.proc.close()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:  # noqa: SIM105 - contextlib itself may be gone at interpreter exit
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit modules may be half torn down
+            pass
+
+    # ----------------------------------------------------------------------------------------- the loops
+
+    def _in_process(self) -> Iterator[dict[str, Any]]:
+        try:
+            for i in range(self.n):
+                try:
+                    item = self.fn(i)
+                except Exception as e:  # noqa: BLE001 - same contract as in a worker
+                    item = _unexpected(i, e)
+                yield item
+        finally:
+            self._closed = True
+
+    def _pooled(self) -> Iterator[dict[str, Any]]:
+        try:
+            for i in range(self.n):
+                self._next_out = i
+                while True:
+                    self._collect()
+                    self._assign()  # also once i is in: keep workers busy while the consumer computes
+                    if i in self._done:
+                        break
+                    self._block()
+                yield self._done.pop(i)
+        finally:
+            self.close()
+
+    def _block(self) -> None:
+        """Sleep until a worker sends something or dies, or until the nearest deadline."""
+        objs: list[Any] = []
+        for w in self._workers.values():
+            objs += [w.conn, w.proc.sentinel]
+        if not objs:
+            raise RuntimeError("internal error: a result is awaited but no worker is running")
+        wait_s = None
+        if self.timeout is not None:
+            starts = [w.head_started() for w in self._workers.values() if w.tasks]
+            if starts:
+                wait_s = max(0.0, min(starts) + self.timeout - time.monotonic())
+        multiprocessing.connection.wait(objs, wait_s)
+
+    def _collect(self) -> None:
+        """Read every result that has arrived, then handle dead workers, then overdue tasks (in that order:
+        results that arrived while the consumer was busy must count before deadlines are judged)."""
+        for w in list(self._workers.values()):
+            dead = not w.proc.is_alive()  # checked first: all a dead worker sent is then in the pipe
+            if not self._drain(w) or dead:
+                self._lost(w)
+        if self.timeout is None:
+            return
+        now = time.monotonic()
+        for w in list(self._workers.values()):
+            if w.tasks and now - w.head_started() >= self.timeout and not w.conn.poll():
+                self._stop_overdue(w)
+
+    def _drain(self, w: _Worker) -> bool:
+        """Read what ``w`` has sent; False once its pipe is broken (it died or is exiting)."""
+        while True:
+            try:
+                if not w.conn.poll():
+                    return True
+                kind, i, obj = _recv(w.conn, w.sock)
+            except (EOFError, OSError):
+                return False
+            if kind == _INIT_FAILED:
+                raise RuntimeError(f"worker_init failed in decode worker {w.slot}: {obj}")
+            head, _ = w.tasks.popleft() if w.tasks else (None, 0.0)
+            if head != i:
+                raise RuntimeError(f"internal error: worker {w.slot} answered task {i}, expected {head}")
+            w.free_since = time.monotonic()
+            if w.isolated:
+                w.isolated = False
+                self.stats.recovered += 1
+            self._done[i] = obj
+
+    def _lost(self, w: _Worker) -> None:
+        """``w`` died: its oldest outstanding task is the one it was running."""
+        self._remove(w)
+        self.stats.deaths += 1
+        if not w.tasks:
+            return  # died idle (killed from outside): nothing to blame, a worker is started when needed
+        i, _ = w.tasks.popleft()
+        if self.retry_dead and i not in self._retried:
+            self._retried.add(i)
+            self.stats.retried += 1
+            self._isolate.append(i)
+        else:
+            self._done[i] = {"i": i, "ok": False, "reason": death_reason(w.exitcode)}
+        self._requeue(w)
+
+    def _stop_overdue(self, w: _Worker) -> None:
+        w.proc.kill()
+        self._remove(w, drain=True)  # it may have answered just before the kill: then that answer stands
+        if w.tasks and w.head_started() + self.timeout <= time.monotonic():
+            i, _ = w.tasks.popleft()
+            self.stats.timeouts += 1
+            self._done[i] = {"i": i, "ok": False, "reason": _timeout_reason(self.timeout)}
+        self._requeue(w)
+
+    def _remove(self, w: _Worker, drain: bool = False) -> None:
+        del self._workers[w.slot]
+        w.proc.join(timeout=5.0)
+        if w.proc.is_alive():  # closed its pipe yet still running: do not wait on it any longer
+            w.proc.kill()
+            w.proc.join()
+        w.exitcode = w.proc.exitcode
+        if drain:
+            self._drain(w)
+        w.conn.close()
+        w.sock.close()
+        w.proc.close()
+
+    def _requeue(self, w: _Worker) -> None:
+        # Never started: they are not at fault, and run again anywhere.
+        for i, _ in w.tasks:
+            heapq.heappush(self._pending, i)
+        w.tasks.clear()
+
+    # ------------------------------------------------------------------------------------- handing out
+
+    def _assign(self) -> None:
+        """Re-runs first, each alone in a fresh worker (every death that queued one freed a slot); then
+        taken-back and new tasks, lowest index first, each to a new worker while a slot is free, else to
+        the least loaded one."""
+        while self._isolate and (slot := self._free_slot()) is not None:
+            w = self._spawn(slot)
+            w.isolated = True
+            self._give(w, self._isolate.popleft())
+        while (i := self._peek_task()) is not None:
+            slot = self._free_slot()
+            if slot is not None:
+                w = self._spawn(slot)
+            else:
+                ready = [w for w in self._workers.values() if not w.isolated and len(w.tasks) < self.prefetch]
+                if not ready:
+                    return
+                w = min(ready, key=lambda w: len(w.tasks))
+            if self._pending and self._pending[0] == i:
+                heapq.heappop(self._pending)
+            else:
+                self._next_new += 1
+            self._give(w, i)
+
+    def _peek_task(self) -> int | None:
+        if self._pending:
+            return self._pending[0]
+        window = self.num_workers * self.prefetch  # bounds results in flight plus buffered out of order
+        if self._next_new < self.n and self._next_new - self._next_out < window:
+            return self._next_new
+        return None
+
+    def _free_slot(self) -> int | None:
+        return next((s for s in range(self.num_workers) if s not in self._workers), None)
+
+    def _give(self, w: _Worker, i: int) -> None:
+        w.tasks.append((i, time.monotonic()))
+        # A send can only fail because the worker died: the task stays on its list and _collect blames
+        # or re-queues it.
+        with contextlib.suppress(OSError):
+            w.conn.send_bytes(_TASK.pack(i))
+
+    def _spawn(self, slot: int) -> _Worker:
+        parent_end, child_end = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main, args=(self, slot, child_end), name=f"vlfast-decode-{slot}", daemon=True
+        )
+        self._forking_end = parent_end  # closed in the child by _forget_in_child
+        try:
+            proc.start()
+        finally:
+            self._forking_end = None
+            child_end.close()
+        w = _Worker(
+            slot, proc, parent_end, socket.fromfd(parent_end.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+        )
+        w.free_since = time.monotonic()
+        self._workers[slot] = w
+        self.stats.started += 1
+        if slot in self._used_slots:
+            self.stats.restarts += 1
+        self._used_slots.add(slot)
+        return w
+
+    def _forget_in_child(self) -> None:
+        """In a new worker: drop the parent's ends of every pipe (so end of file reaches each worker when the
+        parent goes) and the results the parent had buffered (shared memory a worker should not pin)."""
+        self._closed = True  # this copy must never stop the parent's workers
+        for w in self._workers.values():
+            w.conn.close()
+            w.sock.close()
+        if self._forking_end is not None:
+            self._forking_end.close()
+        self._workers.clear()
+        self._done.clear()
