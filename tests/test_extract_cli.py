@@ -20,7 +20,7 @@ def test_extract_json_then_resume(media_dir, tiny_qwen3_vl, tmp_path):
     assert summary["extracted"] == len(list((media_dir / "good").iterdir())) and summary["failed"] == 0
     r = runner.invoke(app, args)  # human output, resumed: nothing left to do
     assert r.exit_code == 0, r.output
-    assert "already in OUT" in r.output
+    assert "nothing to do: all 13 input entries" in r.output and f"already in {out} " in r.output
     r = runner.invoke(app, [*args, "--features", "vision"])
     assert r.exit_code == 2 and "features" in r.output
 

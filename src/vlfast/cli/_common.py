@@ -15,6 +15,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+
+from vlfast.extraction.layout import OutputInUse, OutputNotWritable
 
 # Exit codes a script can act on.
 EXIT_OK = 0
@@ -52,7 +55,12 @@ class UsageError(Exception):
 # exception type -> (exit code, prefix). Checked in order; the first isinstance match wins.
 ERRORS: list[tuple[type[BaseException], int, str]] = [
     (UsageError, EXIT_USAGE, "error"),
+    (OutputInUse, EXIT_USAGE, "output in use"),
+    (OutputNotWritable, EXIT_USAGE, "output not writable"),
     (FileNotFoundError, EXIT_USAGE, "not found"),
+    (NotADirectoryError, EXIT_USAGE, "not a folder"),
+    (IsADirectoryError, EXIT_USAGE, "is a folder"),
+    (PermissionError, EXIT_USAGE, "permission denied"),
     (ValueError, EXIT_USAGE, "invalid input"),
     (TypeError, EXIT_USAGE, "invalid input"),
     (ImportError, EXIT_USAGE, "missing dependency"),
@@ -84,7 +92,11 @@ def handle_errors(fn: Callable) -> Callable:
                 ((c, p) for etype, c, p in ERRORS if isinstance(e, etype)),
                 (EXIT_ERROR, f"unexpected {type(e).__name__}"),
             )
-            err_console.print(f"[bold red]vlfast: {prefix}:[/bold red] {e}", highlight=False)
+            # The message may hold brackets (paths, lists) that Rich would read as markup.
+            # soft_wrap: a long path must not be cut across lines when stderr is a pipe (80 columns).
+            err_console.print(
+                f"[bold red]vlfast: {prefix}:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True
+            )
             if code == EXIT_ERROR:
                 err_console.print("[dim]Set VLFAST_DEBUG=1 for the full traceback.[/dim]")
             raise typer.Exit(code) from None

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from vlfast.cli._common import (
@@ -59,7 +60,8 @@ def extract(
         list[str],
         typer.Argument(
             help="INPUT OUT: INPUT is a folder of images/videos (recursive) or a manifest (.jsonl, .csv, "
-            ".parquet with columns path, id, prompt); OUT is the output folder. With --demo, only OUT.",
+            ".parquet with columns path, id, prompt); OUT is the output folder. With --demo or --verify, "
+            "only OUT.",
             show_default=False,
             metavar="INPUT OUT",
         ),
@@ -88,6 +90,14 @@ def extract(
     ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    store_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--store-dtype",
+            help="float16, float32 or bfloat16: convert floating features before storing (numpy cannot "
+            "read bfloat16). Default: as computed.",
+        ),
+    ] = None,
     fps: Annotated[float | None, typer.Option("--fps", help="Video frames per second to sample.")] = None,
     num_frames: Annotated[
         int | None, typer.Option("--num-frames", help="Frames per video instead of --fps.")
@@ -108,6 +118,29 @@ def extract(
             help="Decode/preprocess processes. Default: one per core on CPU, cores - 1 with a GPU; at most 8.",
         ),
     ] = None,
+    decode_timeout: Annotated[
+        float,
+        typer.Option(
+            "--decode-timeout",
+            help="Seconds one sample may take to decode before its worker is stopped and the sample "
+            "recorded as an error; 0 = no limit.",
+        ),
+    ] = 120.0,
+    commit_every: Annotated[
+        float,
+        typer.Option(
+            "--commit-every",
+            help="Commit finished samples at least this often, in seconds; 0 = by size only.",
+        ),
+    ] = 60.0,
+    resume_check: Annotated[
+        str,
+        typer.Option(
+            "--resume-check",
+            help="How a resume checks what OUT holds: 'full' hashes every stored tensor, 'quick' checks "
+            "sizes and headers only.",
+        ),
+    ] = "full",
     no_patch: Annotated[
         bool, typer.Option("--no-patch", help="Leave the patch-embedding convs unpatched.")
     ] = False,
@@ -116,6 +149,14 @@ def extract(
     ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Delete what OUT holds and start over.")
+    ] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Check every byte OUT holds against its checksum and report every bad sample by id; "
+            "exit 1 if any. Give only OUT.",
+        ),
     ] = False,
     demo: Annotated[
         bool,
@@ -126,9 +167,19 @@ def extract(
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Extract vision-tower and LLM features per sample; run again to resume. Exit 1 if --max-errors stopped it."""
+    """Extract vision-tower and LLM features per sample; run again to resume.
+
+    Exit 0 done (bad inputs recorded in OUT/errors), 1 stopped by --max-errors or --verify found damage,
+    2 bad usage, a configuration or weights that differ from what OUT holds, OUT in use or not writable.
+    """
     let_idle_threads_sleep()
+    if verify:
+        if demo or len(paths) != 1:
+            raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
+        _verify(paths[0], as_json)
+        return
     from vlfast.extraction.pipeline import extract as run_extract
+    from vlfast.extraction.store import RunConfigMismatch
 
     if demo:
         if len(paths) != 1:
@@ -145,53 +196,136 @@ def extract(
         source, out = paths
         if model is None:
             raise UsageError("--model is required: a checkpoint directory or ref:NAME (see `vlfast models`)")
+    if resume_check not in ("full", "quick"):
+        raise UsageError(f"--resume-check must be 'full' or 'quick', got {resume_check!r}")
     pools = tuple(p.strip() for p in pool.split(",") if p.strip())
-    summary = run_extract(
-        source,
-        out,
-        model=model,
-        features=features,
-        layers=_ints(layers, "--layers"),
-        pools=pools,
-        prompt=prompt,
-        device=device,
-        dtype=dtype,
-        fps=fps,
-        num_frames=num_frames,
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        video_max_pixels=video_max_pixels,
-        max_batch_tokens=batch_tokens,
-        num_workers=workers,
-        patch_convs=not no_patch,
-        max_errors=max_errors,
-        overwrite=overwrite,
-        progress=not as_json,
-    )
+    try:
+        summary = run_extract(
+            source,
+            out,
+            model=model,
+            features=features,
+            layers=_ints(layers, "--layers"),
+            pools=pools,
+            prompt=prompt,
+            device=device,
+            dtype=dtype,
+            store_dtype=store_dtype,
+            fps=fps,
+            num_frames=num_frames,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            video_max_pixels=video_max_pixels,
+            max_batch_tokens=batch_tokens,
+            num_workers=workers,
+            decode_timeout=decode_timeout or None,
+            commit_every=commit_every or None,
+            resume_check=resume_check,
+            patch_convs=not no_patch,
+            max_errors=max_errors,
+            overwrite=overwrite,
+            progress=not as_json,
+        )
+    except RunConfigMismatch as e:
+        e.remedy = "pass --overwrite to delete what it holds and start again"
+        raise
     if as_json:
         print_json(summary.to_dict())
+    elif summary.nothing_to_do:
+        console.print(
+            f"nothing to do: all {summary.assigned} input entries of this rank are already in {out} "
+            f"(extracted, or recorded in {Path(out) / 'errors'})",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     else:
-        table = Table(title=f"vlfast extract -> {Path(out)}", show_header=False)
-        table.add_column("", style="bold")
-        table.add_column("")
-        rows = [
-            ("model", summary.model),
-            ("features", ", ".join(summary.features)),
-            ("rank", f"{summary.rank} of {summary.world_size}"),
-            ("samples", f"{summary.total} in input, {summary.assigned} for this rank"),
-            ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
-            ("failed", f"{summary.failed}" + (f"  {summary.errors}" if summary.errors else "")),
-            ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
-            ("time", f"{summary.seconds:.1f} s ({summary.compute_seconds:.1f} s in model forwards)"),
-        ]
-        if summary.oom_splits:
-            rows.append(("OOM splits", str(summary.oom_splits)))
-        for k, v in rows:
-            table.add_row(k, v)
-        console.print(table)
-        if summary.failed:
-            console.print(f"errors with reasons: {Path(out) / 'errors'}", highlight=False)
-        console.print(f"read back with: vlfast.FeatureCache({str(out)!r})", highlight=False)
+        _print_summary(summary, out)
     if summary.stopped:
-        err_console.print(f"[bold red]stopped:[/bold red] {summary.stopped}; committed samples are kept")
+        err_console.print(
+            f"[bold red]stopped:[/bold red] {escape(summary.stopped)}; committed samples are kept"
+        )
+        raise typer.Exit(EXIT_FINDING)
+
+
+def _print_summary(summary, out: str) -> None:
+    table = Table(title=f"vlfast extract -> {escape(str(Path(out)))}", show_header=False)
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("", overflow="fold")  # paths and reasons stay whole in a narrow pipe
+    rows = [
+        ("model", summary.model),
+        ("features", ", ".join(summary.features)),
+        ("rank", f"{summary.rank} of {summary.world_size}"),
+        ("entries", f"{summary.total} in input, {summary.assigned} for this rank"),
+        ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
+        ("failed", f"{summary.failed}" + (f"  {summary.errors}" if summary.errors else "")),
+        ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
+        ("time", f"{summary.seconds:.1f} s ({summary.compute_seconds:.1f} s in model forwards)"),
+    ]
+    if summary.oom_splits:
+        rows.append(("OOM splits", str(summary.oom_splits)))
+    if summary.quarantined:
+        rows.append(("damaged", f"{len(summary.quarantined)} shards moved to OUT/quarantine and redone"))
+    for k, v in rows:
+        table.add_row(k, escape(v))
+    console.print(table)
+    if summary.failed:
+        console.print(
+            f"errors with reasons: {Path(out) / 'errors'}", highlight=False, markup=False, soft_wrap=True
+        )
+    console.print(
+        f"read back with: vlfast.FeatureCache({str(out)!r})", highlight=False, markup=False, soft_wrap=True
+    )
+
+
+def _verify(out: str, as_json: bool) -> None:
+    """``vlfast extract --verify OUT``: hash everything, list every bad sample, exit 1 if any."""
+    from vlfast.extraction.integrity import verify_folder
+
+    report = verify_folder(out)
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        console.print(
+            f"{out}: {report.parts} shards, {report.samples} samples, {report.bytes_checked / 2**20:,.1f} MiB "
+            f"checked in {report.seconds:.1f} s",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+        if report.bad_samples:
+            table = Table(title=f"{len(report.bad_samples)} damaged samples")
+            table.add_column("id", overflow="fold")
+            table.add_column("shard", overflow="fold")
+            table.add_column("feature", overflow="fold")
+            table.add_column("problem", overflow="fold")
+            for bad in report.bad_samples:
+                table.add_row(*(escape(bad[k]) for k in ("id", "shard", "feature", "reason")))
+            console.print(table)
+        notes = []
+        if report.damaged_error_lines:
+            notes.append(
+                f"{report.damaged_error_lines} damaged lines in errors/ (those samples will be redone)"
+            )
+        if report.other_config_parts:
+            notes.append(
+                f"index parts made with another configuration: {', '.join(report.other_config_parts)}"
+            )
+        if report.unverifiable_parts:
+            notes.append(f"{report.unverifiable_parts} shards of format 1 have no checksums to compare")
+        for note in notes:
+            console.print(note, highlight=False, markup=False, soft_wrap=True)
+        if report.ok:
+            console.print(
+                "OK: every byte matches its checksum", highlight=False, markup=False, soft_wrap=True
+            )
+        else:
+            console.print(
+                "Damaged. Run the same `vlfast extract` again: it moves damaged shards to OUT/quarantine and "
+                "extracts their samples again.",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
+    if not report.ok:
         raise typer.Exit(EXIT_FINDING)

@@ -2,11 +2,13 @@
 
 The flow, per rank::
 
-    inputs (folder / manifest) -> plan (this rank's share, minus what OUT already holds)
-      -> DataLoader workers: decode + the model's own preprocessing (errors come back as records)
-      -> pack by token budget (no padding: the tower takes one flat patch sequence)
+    inputs (folder / manifest; bad rows become error records) -> run configuration, weights fingerprint
+      -> read-only check of OUT (a different configuration is refused, "nothing to do" exits, before any
+         lock or model load) -> FeatureStore (lock, checks and moves aside damaged shards) -> plan
+      -> model -> worker processes: decode + the model's own preprocessing (errors, dead and hung workers
+         come back as records) -> pack by token budget (no padding: the tower takes one flat patch sequence)
       -> forward (convs patched; an out-of-memory batch is split and retried)
-      -> FeatureStore (atomic shard commits, errors file)
+      -> FeatureStore (atomic shard commits by size or every ``commit_every`` seconds, errors file)
 
 Decoding and preprocessing run in worker processes while the main process computes, so on a machine with
 a free core the end-to-end time approaches the model's own forward time.
@@ -19,7 +21,7 @@ import platform
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from vlfast.extraction.features import (
     compute_llm_features,
     compute_vision_features,
 )
-from vlfast.extraction.inputs import Sample, read_inputs
+from vlfast.extraction.inputs import InputProblem, Sample, load_inputs
 from vlfast.extraction.preprocess import (
     Preprocessor,
     ProcessorConfig,
@@ -75,11 +77,13 @@ class ExtractSummary:
     model: str
     rank: int
     world_size: int
-    total: int  # samples in the input (all ranks)
-    assigned: int  # this rank's share
-    skipped: int  # already in OUT (committed or errored) when the run started
+    # Entries are the input's samples, repeated ids and rows that are not samples (bad manifest rows).
+    # When a run completes: skipped + extracted + failed == assigned, as the progress bar counts them.
+    total: int  # entries in the input (all ranks)
+    assigned: int  # this rank's share of them
+    skipped: int  # already handled in OUT (committed, or recorded as an error) when the run started
     extracted: int  # added this run
-    failed: int  # recorded as errors this run (duplicates included)
+    failed: int  # recorded as errors this run (duplicates and bad input rows included)
     errors: dict[str, int] = field(default_factory=dict)
     tokens: int = 0  # vision patches processed
     seconds: float = 0.0
@@ -88,6 +92,9 @@ class ExtractSummary:
     cpu_seconds: float | None = None  # CPU time of this process and its finished workers during the run
     stopped: str | None = None  # why the run stopped early (--max-errors), else None
     features: list[str] = field(default_factory=list)
+    nothing_to_do: bool = False  # OUT already held everything: no lock taken, no model loaded
+    quarantined: list[str] = field(default_factory=list)  # damaged index parts moved aside, redone
+    fingerprint_seconds: float = 0.0  # hashing the weights the features depend on
 
     @property
     def samples_per_s(self) -> float:
@@ -104,7 +111,7 @@ class ExtractSummary:
 
 
 def _cpu_seconds() -> float | None:
-    """CPU time of this process plus its reaped children (the DataLoader workers); None off Unix."""
+    """CPU time of this process plus its reaped children (the decode workers); None off Unix."""
     try:
         import resource
     except ImportError:
@@ -125,7 +132,12 @@ class _SampleDataset(torch.utils.data.Dataset):
     """Map-style dataset: sample -> preprocessed tensors, or an error record. Never raises."""
 
     def __init__(
-        self, samples: Sequence[Sample], pre: Preprocessor, prompts: PromptBuilder | None, default_prompt: str
+        self,
+        samples: Sequence[Sample],
+        pre: Preprocessor,
+        prompts: PromptBuilder | None,
+        default_prompt: str,
+        hook: Callable[[Sample], None] | None = None,
     ):
         self.samples, self.pre, self.prompts, self.default_prompt = (
             list(samples),
@@ -133,6 +145,7 @@ class _SampleDataset(torch.utils.data.Dataset):
             prompts,
             default_prompt,
         )
+        self.hook = hook  # tests inject faults here (a crashing or hanging decoder)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -140,6 +153,8 @@ class _SampleDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         s = self.samples[i]
         try:
+            if self.hook is not None:
+                self.hook(s)
             pixels, grid, meta = self.pre(s)
             item: dict[str, Any] = {
                 "i": i,
@@ -178,7 +193,6 @@ class _Model:
     whole: torch.nn.Module | None  # the VLM, only for llm features
     device: torch.device
     dtype: torch.dtype
-    identity: dict[str, Any]
 
 
 def _family_of(model: str) -> str:
@@ -189,6 +203,17 @@ def _family_of(model: str) -> str:
     from vlfast.models import load_config
 
     return str(load_config(model).model_type)
+
+
+def _identity(model: str, family: str) -> dict[str, Any]:
+    """What tower the features come from, from its config alone (before anything is loaded)."""
+    from vlfast.models import vision_config_of, vision_model_class
+
+    cfg = vision_config_of(model)
+    vision_config = cfg.to_dict()
+    for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation"):
+        vision_config.pop(k, None)
+    return {"family": family, "tower_class": vision_model_class(cfg).__name__, "vision_config": vision_config}
 
 
 def _default_device() -> torch.device:
@@ -210,12 +235,24 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tor
     return value
 
 
+STORE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None keeps each feature as computed; else floating features are stored in this dtype (numpy reads
+    float16/float32, not bfloat16)."""
+    if store_dtype is None or isinstance(store_dtype, torch.dtype):
+        return store_dtype
+    if str(store_dtype) not in STORE_DTYPES:
+        raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {store_dtype!r}")
+    return getattr(torch, str(store_dtype))
+
+
 def _load(
-    model: str, spec: FeatureSpec, device: torch.device, dtype: torch.dtype, patch_convs: bool
+    model: str, family: str, spec: FeatureSpec, device: torch.device, dtype: torch.dtype, patch_convs: bool
 ) -> _Model:
     from vlfast.models import find_vision_tower, load_model, load_vision_tower
 
-    family = _family_of(model)
     if spec.needs_llm:
         if model.startswith("ref:"):
             raise ValueError(
@@ -232,16 +269,7 @@ def _load(
         from vlfast.patching import patch
 
         patch(tower)
-    cfg = getattr(tower, "config", None)
-    identity = {
-        "family": family,
-        "tower_class": type(tower).__name__,
-        "vision_config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
-    }
-    if identity["vision_config"]:
-        for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation"):
-            identity["vision_config"].pop(k, None)
-    return _Model(model, family, tower, whole, device, dtype, identity)
+    return _Model(model, family, tower, whole, device, dtype)
 
 
 def _versions() -> dict[str, str | None]:
@@ -314,6 +342,7 @@ def extract(
     prompt: str | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    store_dtype: str | torch.dtype | None = None,
     fps: float | None = None,
     num_frames: int | None = None,
     min_pixels: int | None = None,
@@ -322,27 +351,47 @@ def extract(
     max_batch_tokens: int | None = None,
     max_batch_samples: int = 64,
     num_workers: int | None = None,
+    decode_timeout: float | None = 120.0,
     patch_convs: bool = True,
     max_errors: int | None = None,
     overwrite: bool = False,
     shard_max_bytes: int = 256 << 20,
     shard_max_samples: int = 1024,
+    commit_every: float | None = 60.0,
+    resume_check: str = "full",
     rank: int | None = None,
     world_size: int | None = None,
     progress: bool = False,
     _forward_hook: Callable[[list[dict[str, Any]]], None] | None = None,
+    _decode_hook: Callable[[Sample], None] | None = None,
 ) -> ExtractSummary:
     """Extract ``features`` of every sample in ``inputs`` with ``model`` into the folder ``out``.
 
     ``inputs`` is a folder (images and videos, recursive), a manifest (.jsonl/.csv/.parquet with ``path``
     and optional ``id``, ``prompt``), or a list of :class:`Sample`. ``model`` is a checkpoint directory or
     ``ref:NAME`` (vision features only, random weights). Running the same call again skips what ``out``
-    holds; a different configuration is refused with :class:`RunConfigMismatch`. Under ``torchrun`` each
-    rank takes its share (or pass ``rank``/``world_size``). Bad samples are recorded in ``out/errors`` and
-    the run goes on; past ``max_errors`` recorded errors it stops (committed work is kept).
+    holds, after checking it (``resume_check``: "full" hashes every committed tensor, "quick" checks sizes
+    and headers); damaged shards are moved aside and redone; a different configuration or different
+    weights are refused with :class:`RunConfigMismatch` before the model loads. Under ``torchrun`` each
+    rank takes its share (or pass ``rank``/``world_size``). Bad samples, bad input rows, and samples whose
+    decoder crashed or ran past ``decode_timeout`` seconds are recorded in ``out/errors`` and the run goes
+    on; past ``max_errors`` recorded errors it stops (committed work is kept). Work is committed at least
+    every ``commit_every`` seconds. ``store_dtype`` ("float16", "float32", "bfloat16") converts floating
+    features before storing (default: as computed).
     """
-    from vlfast.extraction.store import DEFAULT_VOLATILE_KEYS, FeatureStore, dist_info
+    from vlfast.extraction.fingerprint import weights_fingerprint
+    from vlfast.extraction.store import (
+        DEFAULT_VOLATILE_KEYS,
+        DUPLICATE_KIND,
+        INPUT_KIND,
+        FeatureStore,
+        dist_info,
+        duplicate_reason,
+        plan_positions,
+        read_state,
+    )
 
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
     model = str(model)
     spec = FeatureSpec(
         names=tuple(features.split(",")) if isinstance(features, str) else tuple(features),
@@ -352,12 +401,17 @@ def extract(
     )
     if max_errors is not None and max_errors < 0:
         raise ValueError(f"max_errors must be >= 0, got {max_errors}")
+    if decode_timeout is not None and not decode_timeout > 0:
+        raise ValueError(
+            f"decode_timeout must be a positive number of seconds or None, got {decode_timeout!r}"
+        )
     if rank is None or world_size is None:
         env_rank, env_world = dist_info()
         rank = env_rank if rank is None else rank
         world_size = env_world if world_size is None else world_size
     dev = torch.device(device) if device is not None else _default_device()
     torch_dtype = _resolve_dtype(dtype, dev)
+    stored_as = _resolve_store_dtype(store_dtype)
     workers = default_num_workers(dev) if num_workers is None else int(num_workers)
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {workers}")
@@ -379,7 +433,9 @@ def extract(
         max_samples=int(max_batch_samples),
     )
 
-    samples = read_inputs(inputs)
+    # Everything below up to the store reads only: bad input, a different configuration, different
+    # weights or a finished OUT are answered before a lock is taken or a model is built.
+    samples, problems = load_inputs(inputs)
     family = _family_of(model)
     cfg: ProcessorConfig = build_processor_config(
         model,
@@ -390,12 +446,16 @@ def extract(
         max_pixels=max_pixels,
         video_max_pixels=video_max_pixels,
     )
-    loaded = _load(model, spec, dev, torch_dtype, patch_convs)
+    t0 = time.perf_counter()
+    weights = weights_fingerprint(model, whole=spec.needs_llm)
+    fingerprint_seconds = time.perf_counter() - t0
     run_config = {
         "task": "vlfast.extract",
         "model": model if model.startswith("ref:") else str(Path(model).resolve()),
-        "model_identity": loaded.identity,
+        "model_identity": _identity(model, family),
+        "weights": weights,
         "dtype": str(torch_dtype).removeprefix("torch."),
+        "store_dtype": None if stored_as is None else str(stored_as).removeprefix("torch."),
         "features": spec.to_dict(),
         "processor": cfg.to_dict(),
         "versions": _versions(),
@@ -405,9 +465,33 @@ def extract(
             "num_workers": workers,
             "max_batch_tokens": budget.max_tokens,
             "world_size": world_size,
+            "decode_timeout": decode_timeout,
+            "commit_every": commit_every,
         },
     }
-    started, cpu_started = time.perf_counter(), _cpu_seconds()
+    volatile = (*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY)
+    entries = _Entries(samples, problems, rank, world_size)
+    summary = ExtractSummary(
+        out=str(out),
+        model=model,
+        rank=rank,
+        world_size=world_size,
+        total=entries.total,
+        assigned=entries.assigned,
+        skipped=0,
+        extracted=0,
+        failed=0,
+        features=list(spec.names),
+        fingerprint_seconds=fingerprint_seconds,
+    )
+    if not overwrite:
+        state = read_state(out, run_config, volatile)
+        pending = entries.pending(state.done, state.error_keys.__contains__)
+        if not pending and not state.damaged:
+            summary.skipped, summary.nothing_to_do = entries.assigned, True
+            summary.seconds = time.perf_counter() - started
+            return summary
+
     with FeatureStore(
         out,
         run_config,
@@ -415,46 +499,53 @@ def extract(
         world_size=world_size,
         shard_max_bytes=shard_max_bytes,
         shard_max_samples=shard_max_samples,
+        commit_every=commit_every,
         overwrite=overwrite,
-        volatile_keys=(*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY),
+        volatile_keys=volatile,
+        resume_check=resume_check,
     ) as store:
-        ids = [s.id for s in samples]
-        done_before = store.done_ids()
-        assigned = sum(1 for k in range(len(ids)) if world_size == 1 or _owner(ids[k], world_size) == rank)
-        todo_positions = store.plan(ids, [s.source for s in samples])
-        todo = [samples[k] for k in todo_positions]
-        skipped = len(
-            {ids[k] for k in range(len(ids)) if ids[k] in done_before and _mine(ids[k], rank, world_size)}
-        )
-        summary = ExtractSummary(
-            out=str(out),
-            model=model,
-            rank=rank,
-            world_size=world_size,
-            total=len(samples),
-            assigned=assigned,
-            skipped=skipped,
-            extracted=0,
-            failed=store.num_errors,  # duplicates recorded by plan()
-            features=list(spec.names),
-        )
-        errors: Counter[str] = Counter({"duplicate id": store.num_errors} if store.num_errors else {})
-        bar = _Progress(progress, len(todo), f"extract r{rank}" if world_size > 1 else "extract")
+        summary.quarantined = [q["part"] for q in store.quarantined]
+        todo_positions, repeats = plan_positions(entries.ids, rank, world_size, store.done_ids())
+        pending = entries.pending(store.done_ids(), store.is_recorded)
+        summary.skipped = entries.assigned - pending
+        errors: Counter[str] = Counter()
+        bar = _Progress(progress, pending, f"extract r{rank}" if world_size > 1 else "extract")
+
+        def record(sample_id: str, source: str, reason: str, kind: str = "error") -> None:
+            """Record an error once; the summary, the progress bar and --max-errors all count it."""
+            before = store.num_errors
+            store.add_error(sample_id, source, reason, kind=kind)
+            if store.num_errors > before:
+                errors[_error_kind(reason)] += 1
+                bar.update(samples=1, errors=1)
+
         try:
-            _run(
-                todo,
-                store,
-                loaded,
-                spec,
-                cfg,
-                budget,
-                workers,
-                summary,
-                errors,
-                bar,
-                max_errors,
-                _forward_hook,
-            )
+            for k, first in repeats:
+                record(entries.ids[k], samples[k].source, duplicate_reason(k, first), DUPLICATE_KIND)
+            for problem in entries.mine_problems:
+                record(*_problem_record(problem), INPUT_KIND)
+            todo = [samples[k] for k in todo_positions]
+            if max_errors is not None and store.num_errors > max_errors:
+                summary.stopped = f"more than {max_errors} errors (--max-errors)"
+            elif todo:
+                loaded = _load(model, family, spec, dev, torch_dtype, patch_convs)
+                _run(
+                    todo,
+                    store,
+                    loaded,
+                    spec,
+                    cfg,
+                    budget,
+                    workers,
+                    decode_timeout,
+                    stored_as,
+                    summary,
+                    record,
+                    bar,
+                    max_errors,
+                    _forward_hook,
+                    _decode_hook,
+                )
         finally:
             bar.close()
             summary.errors = dict(errors)
@@ -466,21 +557,50 @@ def extract(
     return summary
 
 
-def _owner(sample_id: str, world_size: int) -> int:
+def _mine(sample_id: str, rank: int, world_size: int) -> bool:
     from vlfast.extraction.store import owner_rank
 
-    return owner_rank(sample_id, world_size)
+    return world_size == 1 or owner_rank(sample_id, world_size) == rank
 
 
-def _mine(sample_id: str, rank: int, world_size: int) -> bool:
-    return world_size == 1 or _owner(sample_id, world_size) == rank
+def _problem_record(problem: InputProblem) -> tuple[str, str, str]:
+    """(id, source, reason) of a bad input row's error record; a row without a usable id is named by where
+    it is (its record never makes any id done)."""
+    return problem.id or problem.where, problem.where, problem.reason
+
+
+class _Entries:
+    """The input's entries and this rank's share of them, for planning and for the summary's counts."""
+
+    def __init__(
+        self, samples: Sequence[Sample], problems: Sequence[InputProblem], rank: int, world_size: int
+    ):
+        self.ids = [s.id for s in samples]
+        self.sources = [s.source for s in samples]
+        self.rank, self.world_size = rank, world_size
+        self.mine_problems = [p for p in problems if _mine(_problem_record(p)[0], rank, world_size)]
+        self.total = len(samples) + len(problems)
+        self.assigned = sum(_mine(i, rank, world_size) for i in self.ids) + len(self.mine_problems)
+
+    def pending(self, done: Collection[str], is_recorded: Callable[[tuple], bool]) -> int:
+        """Entries of this rank still to handle: samples to extract, repeats and bad rows not yet recorded."""
+        from vlfast.extraction.store import DUPLICATE_KIND, INPUT_KIND, duplicate_reason, plan_positions
+
+        todo, repeats = plan_positions(self.ids, self.rank, self.world_size, done)
+        n = len(todo)
+        n += sum(
+            not is_recorded((self.ids[k], self.sources[k], duplicate_reason(k, first), DUPLICATE_KIND))
+            for k, first in repeats
+        )
+        n += sum(not is_recorded((*_problem_record(p), INPUT_KIND)) for p in self.mine_problems)
+        return n
 
 
 def _pixels_to(x: torch.Tensor, device: torch.device, cfg: ProcessorConfig) -> torch.Tensor:
     """A sample's pixel_values as float32 (N, C*T*P*P) on ``device``. To CUDA the copy starts from pinned
-    memory, so ``non_blocking`` really overlaps it (from pageable memory it would be synchronous); the
-    DataLoader pins what its workers send, and anything unpinned is pinned here. Video patches arrive as
-    uint8 and are normalised after the copy, on the device: a quarter of the bytes cross the bus."""
+    memory, so ``non_blocking`` really overlaps it (from pageable memory it would be synchronous).
+    Video patches arrive as uint8 and are normalised after the copy, on the device: a quarter of the bytes
+    cross the bus."""
     if device.type == "cuda" and not x.is_pinned():
         x = x.pin_memory()
     x = x.to(device, non_blocking=True)
@@ -495,14 +615,17 @@ def _run(
     cfg: ProcessorConfig,
     budget: TokenBudget,
     workers: int,
+    decode_timeout: float | None,
+    stored_as: torch.dtype | None,
     summary: ExtractSummary,
-    errors: Counter,
+    record: Callable[..., None],
     bar: _Progress,
     max_errors: int | None,
     forward_hook: Callable | None,
+    decode_hook: Callable | None,
 ) -> None:
-    if not todo:
-        return
+    from vlfast.extraction.workers import WorkerPool
+
     image_dir = None if loaded.spec.startswith("ref:") else loaded.spec
     # Workers send videos as uint8 patches, normalised here (on the device when there is one).
     pre = Preprocessor(cfg, image_processor_dir=image_dir, defer_video_normalize=True)
@@ -518,32 +641,20 @@ def _run(
             "video_token_id": int(tok.convert_tokens_to_ids("<|video_pad|>")),
             "pad_token_id": int(tok.pad_token_id if tok.pad_token_id is not None else 0),
         }
-    dataset = _SampleDataset(todo, pre, prompts, spec.prompt)
+    dataset = _SampleDataset(todo, pre, prompts, spec.prompt, decode_hook)
     cuda = loaded.device.type == "cuda"
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_size=None,  # one sample per item: packing by tokens happens below
-        shuffle=False,
-        num_workers=workers,
-        pin_memory=cuda,
-        worker_init_fn=_worker_init if workers > 0 else None,
-        prefetch_factor=8 if workers > 0 else None,
-    )
-
-    def record_error(sample: Sample, reason: str) -> None:
-        store.add_error(sample.id, sample.source, reason)
-        errors[_error_kind(reason)] += 1
-        bar.update(samples=1, errors=1)
 
     def stop_now() -> bool:
         return max_errors is not None and store.num_errors > max_errors
 
-    def good_items() -> Iterator[dict[str, Any]]:
-        for item in loader:
+    def good_items(pool: WorkerPool) -> Iterator[dict[str, Any]]:
+        for item in pool:
+            store.tick()  # a slow stretch of decoding still commits what is buffered
             if item["ok"]:
                 yield item
                 continue
-            record_error(todo[item["i"]], item["reason"])
+            sample = todo[item["i"]]
+            record(sample.id, sample.source, item["reason"])
             if stop_now():
                 summary.stopped = f"more than {max_errors} errors (--max-errors)"
                 return
@@ -577,28 +688,44 @@ def _run(
         if cuda:
             torch.cuda.synchronize(loaded.device)
         summary.compute_seconds += time.perf_counter() - t0
+        if stored_as is not None:
+            feats = [
+                {k: v.to(stored_as) if v.is_floating_point() else v for k, v in f.items()} for f in feats
+            ]
         return feats
 
     def on_oom(n: int) -> None:
         summary.oom_splits += 1
 
-    for batch in pack(good_items(), cost, budget, first_alone=True):
-        results = run_split_on_oom(batch, forward, on_oom=on_oom)
-        for item, result in zip(batch, results):
-            sample = todo[item["i"]]
-            if isinstance(result, Failed):
-                record_error(sample, f"out of memory even alone ({cost(item)} tokens): {result.error}")
-                continue
-            meta = {
-                "path": sample.source,
-                "kind": sample.kind,
-                "n_tokens": int(item["tokens"]),
-                **item["meta"],
-            }
-            store.add(sample.id, result, meta)
-            summary.extracted += 1
-            summary.tokens += int(item["pixel_values"].shape[0])
-            bar.update(samples=1, tokens=int(item["pixel_values"].shape[0]))
-        if stop_now():
-            summary.stopped = summary.stopped or f"more than {max_errors} errors (--max-errors)"
-            break
+    with WorkerPool(
+        dataset.__getitem__,
+        len(dataset),
+        num_workers=workers,
+        timeout=decode_timeout,
+        prefetch=8,
+        worker_init=_worker_init,
+    ) as pool:
+        for batch in pack(good_items(pool), cost, budget, first_alone=True):
+            results = run_split_on_oom(batch, forward, on_oom=on_oom)
+            for item, result in zip(batch, results):
+                sample = todo[item["i"]]
+                if isinstance(result, Failed):
+                    record(
+                        sample.id,
+                        sample.source,
+                        f"out of memory even alone ({cost(item)} tokens): {result.error}",
+                    )
+                    continue
+                meta = {
+                    "path": sample.source,
+                    "kind": sample.kind,
+                    "n_tokens": int(item["tokens"]),
+                    **item["meta"],
+                }
+                store.add(sample.id, result, meta)
+                summary.extracted += 1
+                summary.tokens += int(item["pixel_values"].shape[0])
+                bar.update(samples=1, tokens=int(item["pixel_values"].shape[0]))
+            if stop_now():
+                summary.stopped = summary.stopped or f"more than {max_errors} errors (--max-errors)"
+                break
