@@ -134,6 +134,10 @@ def main() -> None:
     def ratio(a_key: str, b_key: str) -> float:
         return statistics.median(x / y for x, y in zip(rows[a_key], rows[b_key]))
 
+    def spread(a_key: str, b_key: str) -> str:
+        r = [x / y for x, y in zip(rows[a_key], rows[b_key])]
+        return f"per round {min(r):.2f}-{max(r):.2f}"
+
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",

@@ -136,11 +136,11 @@ def test_crash_between_shard_and_index_part(tmp_path: Path, monkeypatch: pytest.
     calls = {"n": 0}
     real = FeatureStore._write_index_part
 
-    def crash_on_second(self, shard, part):
+    def crash_on_second(self, shard, *rest):
         calls["n"] += 1
         if calls["n"] == 2:
             raise Crash  # the process dies after the shard's rename, before its index part
-        real(self, shard, part)
+        real(self, shard, *rest)
 
     monkeypatch.setattr(FeatureStore, "_write_index_part", crash_on_second)
     s = FeatureStore(tmp_path, CFG, shard_max_samples=4)

@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Collection, Mapping, Sequence
@@ -889,7 +890,23 @@ class FeatureStore:
         if not self._buffer:
             return
         shard = self.out / SHARD_DIR / f"shard-{self._tag}-{self._seq:06d}.safetensors"
-        self._write_index_part(shard, self._write_shard(shard))
+        # The checksums are computed on another thread while safetensors writes the same (read-only)
+        # tensors: xxhash releases the GIL, so where a core is free they cost no wall time.
+        checksums: list[dict[str, str]] = []
+        hasher = threading.Thread(
+            target=lambda: checksums.extend(
+                {name: xxh3(_tensor_bytes(t)) for name, t in feats.items()} for _, feats, _ in self._buffer
+            ),
+            name="vlfast-checksums",
+        )
+        hasher.start()
+        try:
+            written = self._write_shard(shard)
+        finally:
+            hasher.join()
+        if len(checksums) != len(self._buffer):
+            raise RuntimeError(f"computing the checksums of {shard.name} failed; nothing was committed")
+        self._write_index_part(shard, written, checksums)
         self._committed.update(sid for sid, _, _ in self._buffer)
         self._buffer, self._buffer_ids, self._buffer_bytes = [], set(), 0
         self._buffer_since = None
@@ -948,7 +965,9 @@ class FeatureStore:
         _fsync_dir(shard.parent)
         return size, xxh3(raw_header), data_start, header
 
-    def _write_index_part(self, shard: Path, written: tuple[int, str, int, dict]) -> None:
+    def _write_index_part(
+        self, shard: Path, written: tuple[int, str, int, dict], checksums: list[dict[str, str]]
+    ) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -968,7 +987,7 @@ class FeatureStore:
                         "shape": list(t.shape),
                         "offset": data_start + start,
                         "nbytes": end - start,
-                        "xxh3": xxh3(_tensor_bytes(t)),
+                        "xxh3": checksums[row][fname],
                     }
                 )
             rows["id"].append(sid)
