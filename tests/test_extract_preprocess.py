@@ -12,7 +12,9 @@ compared with ``Qwen3VLVideoProcessor`` itself, resize kernel included.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -81,6 +83,67 @@ def test_checkpoint_processor_is_the_checkpoints_own(tiny_qwen3_vl, media_dir):
     proc = AutoImageProcessor.from_pretrained(tiny_qwen3_vl, local_files_only=True)
     expected = proc(images=[Image.open(media_dir / "good/rgb.jpg")], return_tensors="pt")["pixel_values"]
     torch.testing.assert_close(pixels, expected, rtol=0, atol=0)
+    assert cfg.image_processor == type(proc).__name__  # the class transformers built, whichever backend
+
+
+def test_recorded_image_processor_is_the_class_built(tiny_qwen3_vl, monkeypatch):
+    """``image_processor`` is the class actually built (transformers picks the backend by what is installed),
+    built once for the configuration and the Preprocessor together; another class is refused."""
+    from dataclasses import replace
+
+    import transformers
+
+    from vlfast.extraction import preprocess
+
+    calls = []
+    real = transformers.AutoImageProcessor.from_pretrained.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(args[0])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", classmethod(counting))
+    monkeypatch.setattr(preprocess, "_IMAGE_PROCESSORS", {})
+    cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
+    pre = Preprocessor(cfg, image_processor_dir=str(tiny_qwen3_vl))
+    proc = pre.image_processor()
+    assert cfg.image_processor == type(proc).__name__ == cfg.to_dict()["image_processor"]
+    expected = (
+        "Qwen2VLImageProcessor" if importlib.util.find_spec("torchvision") else "Qwen2VLImageProcessorPil"
+    )
+    assert cfg.image_processor == expected
+    assert len(calls) == 1  # the configuration's processor is the one the Preprocessor uses
+    ref = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl")
+    assert (
+        ref.image_processor
+        == type(Preprocessor(ref).image_processor()).__name__
+        == "Qwen2VLImageProcessorPil"
+    )
+    # A configuration recorded with another backend (torchvision installed or removed since) is refused.
+    other = replace(
+        cfg, image_processor="Qwen2VLImageProcessor" if expected.endswith("Pil") else expected + "Pil"
+    )
+    with pytest.raises(RuntimeError, match="configuration records"):
+        Preprocessor(other, image_processor_dir=str(tiny_qwen3_vl)).image_processor()
+
+
+def test_preprocessor_pickles_without_its_image_processor(tiny_qwen3_vl, media_dir):
+    import pickle
+
+    cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
+    pre = Preprocessor(cfg, image_processor_dir=str(tiny_qwen3_vl))
+    pixels, grid, _ = pre.image(str(media_dir / "good/rgb.jpg"))
+    data = pickle.dumps(pre)
+    assert b"transformers" not in data  # the processor is rebuilt (or taken from the cache), not sent
+    clone = pickle.loads(data)
+    assert (clone.cfg, clone.image_processor_dir, clone._image_processor) == (
+        pre.cfg,
+        pre.image_processor_dir,
+        None,
+    )
+    again, grid_again, _ = clone.image(str(media_dir / "good/rgb.jpg"))
+    assert grid_again == grid
+    torch.testing.assert_close(again, pixels, rtol=0, atol=0)
 
 
 def test_transparency_is_composited_on_white(tmp_path, cfg):
@@ -424,6 +487,87 @@ def test_video_edge_cases(media_dir, cfg):
     ]:
         with pytest.raises(SampleError, match=reason):
             pre(Sample(name, "video", (str(media_dir / "bad" / name),)))
+
+
+def test_corrupt_video_reason(media_dir, cfg):
+    with pytest.raises(SampleError, match="^unreadable or corrupt video: "):
+        read_video(str(media_dir / "bad/corrupt.mp4"), cfg)  # junk after an ftyp box: not a cut file
+
+
+@pytest.mark.parametrize(
+    ("name", "codec"), [("clip.mp4", None), ("clip.mov", None), ("clip.mkv", None), ("clip.avi", "mpeg4")]
+)
+def test_truncated_video_reason(tmp_path, cfg, name, codec):
+    """A video cut anywhere is either still decodable (what remains is extracted) or refused as
+    "truncated or corrupt video", naming where the file ends inside its container; never another error
+    (FFmpeg's own failures range from invalid data to end of file to a refused seek)."""
+    from vlfast.extraction.synthetic import make_video
+
+    whole = make_video(tmp_path / name, frames=30, fps=10, width=64, height=48, seed=9, codec=codec)
+    data = whole.read_bytes()
+    cut = tmp_path / f"cut{whole.suffix}"
+    outcomes = {}
+    for fraction in (0.05, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.95, 0.98):
+        cut.write_bytes(data[: int(len(data) * fraction)])
+        try:
+            frames, meta = read_video(str(cut), cfg)
+        except SampleError as e:
+            assert str(e).startswith(f"truncated or corrupt video: {cut} ends at byte "), (fraction, str(e))
+            outcomes[fraction] = "refused"
+        else:
+            assert frames.shape[0] == len(meta["frame_indices"]) >= 1
+            outcomes[fraction] = "decoded"
+        cut.unlink()
+    if whole.suffix in (".mp4", ".mov"):  # the index comes last: a cut file lacks (part of) it
+        assert {outcomes[f] for f in outcomes if f <= 0.9} == {"refused"}, outcomes
+    assert outcomes[0.05] == "refused", outcomes
+    frames, _ = read_video(str(whole), cfg)  # the whole file is fine
+    from vlfast.extraction.containers import container_truncation
+
+    assert container_truncation(str(whole), len(data)) is None
+
+
+def test_truncated_video_seek_failure_is_named(tmp_path, cfg):
+    """The case FFmpeg reports as "[Errno 1] Operation not permitted" from the seek back to the start."""
+    from vlfast.extraction.synthetic import make_video
+
+    whole = make_video(tmp_path / "clip.mp4", frames=10, fps=5, width=96, height=64)
+    data = whole.read_bytes()
+    whole.write_bytes(data[: int(len(data) * 0.95)])
+    with pytest.raises(SampleError) as e:
+        read_video(str(whole), cfg)
+    assert str(e.value).startswith(
+        f"truncated or corrupt video: {whole} ends at byte {int(len(data) * 0.95)}"
+    )
+    assert "inside its mp4 'moov' box" in str(e.value) and "seeking back to its start failed" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_symlinks_and_folders_raise_with_reason(tmp_path, cfg, kind):
+    suffix = ".jpg" if kind == "image" else ".mp4"
+    dangling, loop_a, loop_b = (tmp_path / f"{n}{suffix}" for n in ("dangling", "loop_a", "loop_b"))
+    os.symlink(f"nowhere{suffix}", dangling)
+    os.symlink(loop_b.name, loop_a)
+    os.symlink(loop_a.name, loop_b)
+    (tmp_path / f"folder{suffix}").mkdir()
+    pre = Preprocessor(cfg)
+    cases = {
+        dangling: f"dangling symlink: {dangling} -> nowhere{suffix}",
+        loop_a: f"symlink loop: {loop_a}",
+        tmp_path / f"folder{suffix}": f"not a file: {tmp_path / f'folder{suffix}'}",
+        tmp_path / f"missing{suffix}": f"file not found: {tmp_path / f'missing{suffix}'}",
+    }
+    for path, reason in cases.items():
+        with pytest.raises(SampleError) as e:
+            pre(Sample("x", kind, (str(path),)))
+        assert str(e.value) == reason
+        with pytest.raises(SampleError) as e:
+            (load_image if kind == "image" else lambda p: read_video(p, cfg))(str(path))
+        assert str(e.value) == reason
+    looped_folder = tmp_path / "loop_dir"
+    os.symlink(looped_folder.name, looped_folder)
+    with pytest.raises(SampleError, match="^symlink loop: "):
+        pre(Sample("x", kind, (str(looped_folder / f"inside{suffix}"),)))
 
 
 def test_frame_list_clip(media_dir, cfg, tmp_path):

@@ -19,8 +19,11 @@ goes on.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vlfast.extraction.containers import container_truncation
 from vlfast.extraction.inputs import Sample
 
 __all__ = [
@@ -57,8 +61,8 @@ class SampleError(Exception):
 class ProcessorConfig:
     """Every number preprocessing uses; recorded in the run config so a run is reproducible."""
 
-    source: str  # where the numbers come from
-    image_processor: str  # transformers class used for images
+    source: str  # where the numbers come from: the checkpoint's files read, or the family defaults
+    image_processor: str  # class of the image processor built for images, e.g. "Qwen2VLImageProcessorPil"
     patch_size: int
     temporal_patch_size: int
     merge_size: int
@@ -152,6 +156,117 @@ def _size_pixels(cfg: dict[str, Any], default_min: int, default_max: int) -> tup
     return int(lo), int(hi)
 
 
+# A checkpoint's processor files come in two layouts. The published one (the Hugging Face repositories):
+# preprocessor_config.json for the image processor and video_preprocessor_config.json for the video one.
+# The one transformers >= 5 writes (``ProcessorMixin.save_pretrained``, hence every fine-tune saved with
+# it): a single processor_config.json holding both as its "image_processor" and "video_processor" entries,
+# and no preprocessor_config.json. transformers reads the nested entry first, then the separate file.
+PROCESSOR_CONFIG = "processor_config.json"
+IMAGE_PROCESSOR_CONFIG = "preprocessor_config.json"
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _processor_dicts(path: Path, *, use_transformers: bool = True) -> tuple[dict, str, dict, str | None]:
+    """(image processor dict, where from, video processor dict or {}, where from or None) of a checkpoint.
+
+    The dicts are those transformers itself loads (``ImageProcessingMixin.get_image_processor_dict`` and
+    ``get_video_processor_config``) where it has these functions, else read here in the same order. Only a
+    video processor's own entry or file counts: transformers would fall back to the image processor's file
+    for videos, vlfast keeps the family's published video defaults instead.
+    """
+    nested_file = path / PROCESSOR_CONFIG
+    image_file, video_file = path / IMAGE_PROCESSOR_CONFIG, path / VIDEO_PROCESSOR_CONFIG
+    nested = _json_object(nested_file) if nested_file.is_file() else {}
+    if isinstance(nested.get("image_processor"), dict):
+        image_from, image_cfg = f"{nested_file} (image_processor)", nested["image_processor"]
+    elif image_file.is_file():
+        image_from, image_cfg = str(image_file), _json_object(image_file)
+    else:
+        raise FileNotFoundError(
+            f"{path} has no preprocessor_config.json, nor a processor_config.json with an image_processor "
+            "entry: copy preprocessor_config.json and video_preprocessor_config.json from the model's "
+            "Hugging Face repository into it, or save the model's processor into it with transformers' "
+            "save_pretrained"
+        )
+    if isinstance(nested.get("video_processor"), dict):
+        video_from, video_cfg = f"{nested_file} (video_processor)", nested["video_processor"]
+    elif video_file.is_file():
+        video_from, video_cfg = str(video_file), _json_object(video_file)
+    else:
+        video_from, video_cfg = None, {}
+    if use_transformers:
+        try:
+            from transformers.image_processing_base import ImageProcessingMixin
+            from transformers.models.auto.video_processing_auto import get_video_processor_config
+        except ImportError:  # an older transformers: the files as read above
+            pass
+        else:
+            image_cfg, _ = ImageProcessingMixin.get_image_processor_dict(str(path), local_files_only=True)
+            if video_from is not None:
+                video_cfg = get_video_processor_config(str(path), local_files_only=True)
+    return image_cfg, image_from, video_cfg, video_from
+
+
+# Image processors built, by what determines them: build_processor_config builds the one it records, and
+# the Preprocessor of the same run uses that very object instead of loading it again.
+_IMAGE_PROCESSORS: dict[tuple, Any] = {}
+
+
+def _image_processor(
+    model_dir: str | None,
+    *,
+    patch_size: int,
+    temporal_patch_size: int,
+    merge_size: int,
+    image_mean: tuple[float, ...],
+    image_std: tuple[float, ...],
+):
+    """transformers' image processor: the checkpoint's own (``AutoImageProcessor``, which picks the backend
+    by what is installed: the PIL one without torchvision), or, with no checkpoint, the PIL one with these
+    numbers. Cached per checkpoint (its processor files' identity) or numbers."""
+    if model_dir is not None:
+        files = []
+        for name in (PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG):
+            try:
+                st = os.stat(Path(model_dir, name))
+            except OSError:
+                continue
+            files.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
+        key: tuple = ("checkpoint", os.path.realpath(model_dir), tuple(files))
+    else:
+        key = ("defaults", patch_size, temporal_patch_size, merge_size, tuple(image_mean), tuple(image_std))
+    proc = _IMAGE_PROCESSORS.get(key)
+    if proc is None:
+        if model_dir is not None:
+            from transformers import AutoImageProcessor
+
+            proc = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        else:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            proc = Qwen2VLImageProcessorPil(
+                patch_size=patch_size,
+                temporal_patch_size=temporal_patch_size,
+                merge_size=merge_size,
+                image_mean=list(image_mean),
+                image_std=list(image_std),
+            )
+        while len(_IMAGE_PROCESSORS) >= 8:
+            _IMAGE_PROCESSORS.pop(next(iter(_IMAGE_PROCESSORS)))
+        _IMAGE_PROCESSORS[key] = proc
+    return proc
+
+
 def build_processor_config(
     model: str,
     *,
@@ -164,6 +279,10 @@ def build_processor_config(
 ) -> ProcessorConfig:
     """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
 
+    A checkpoint's files may be in the published layout (preprocessor_config.json and
+    video_preprocessor_config.json) or in the one transformers 5 saves (one processor_config.json);
+    ``source`` names what was read. The image processor is built here (it is cheap) and its class recorded
+    as ``image_processor``, so a run resumed after transformers would pick another backend is refused.
     ``fps`` and ``num_frames`` are exclusive; with neither the processor's own default (2 fps) applies.
     """
     if fps is not None and num_frames is not None:
@@ -179,15 +298,13 @@ def build_processor_config(
     if model.startswith("ref:"):
         source = f"published {family} defaults (vlfast.extraction.preprocess._FAMILY_DEFAULTS)"
     else:
-        path = Path(model)
-        image_file, video_file = path / "preprocessor_config.json", path / "video_preprocessor_config.json"
-        if not image_file.is_file():
-            raise FileNotFoundError(
-                f"{path} has no preprocessor_config.json: copy it from the model's Hugging Face repository"
-            )
-        image_cfg = json.loads(image_file.read_text())
-        video_cfg = json.loads(video_file.read_text()) if video_file.is_file() else {}
-        source = f"{image_file}" + (f" and {video_file}" if video_cfg else f" (video: {family} defaults)")
+        image_cfg, image_from, video_cfg, video_from = _processor_dicts(Path(model))
+        if video_from is None:
+            source = f"{image_from} (video: {family} defaults)"
+        elif image_from.endswith(" (image_processor)") and video_from.endswith(" (video_processor)"):
+            source = f"{image_from.removesuffix(' (image_processor)')} (image_processor and video_processor)"
+        else:
+            source = f"{image_from} and {video_from}"
         lo, hi = _size_pixels(image_cfg, values["image_min_pixels"], values["image_max_pixels"])
         values.update(
             image_min_pixels=lo,
@@ -216,16 +333,20 @@ def build_processor_config(
     if num_frames is None and fps is None:
         fps = video_cfg.get("fps", 2.0) if video_cfg.get("num_frames") is None else None
         num_frames = video_cfg.get("num_frames")
+    numbers = {
+        "patch_size": values["patch_size"],
+        "temporal_patch_size": values.get("temporal_patch_size", 2),
+        "merge_size": values.get("merge_size", 2),
+        "image_mean": tuple(float(x) for x in values["image_mean"]),
+        "image_std": tuple(float(x) for x in values["image_std"]),
+    }
+    image_processor = _image_processor(None if model.startswith("ref:") else model, **numbers)
     return ProcessorConfig(
         source=source,
-        image_processor="Qwen2VLImageProcessor (transformers, PIL backend when torchvision is absent)",
-        patch_size=values["patch_size"],
-        temporal_patch_size=values.get("temporal_patch_size", 2),
-        merge_size=values.get("merge_size", 2),
+        image_processor=type(image_processor).__name__,
+        **numbers,
         image_min_pixels=values["image_min_pixels"],
         image_max_pixels=values["image_max_pixels"],
-        image_mean=tuple(float(x) for x in values["image_mean"]),
-        image_std=tuple(float(x) for x in values["image_std"]),
         video_min_pixels=values["video_min_pixels"],
         video_max_pixels=values["video_max_pixels"],
         video_mean=tuple(float(x) for x in values["video_mean"]),
@@ -241,6 +362,32 @@ def build_processor_config(
     )
 
 
+# --------------------------------------------------------------------------------------------- files
+
+
+def _checked_file(path: str) -> os.stat_result:
+    """The file's stat, or SampleError saying why there is no readable file at ``path``."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SampleError(f"symlink loop: {path}") from None
+        if os.path.islink(path):
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            raise SampleError(f"dangling symlink: {path} -> {target}") from None
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG):
+            raise SampleError(f"file not found: {path}") from None
+        raise SampleError(f"cannot access {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SampleError(f"not a file: {path}")
+    if st.st_size == 0:
+        raise SampleError(f"empty file (0 bytes): {path}")
+    return st
+
+
 # --------------------------------------------------------------------------------------------- images
 
 
@@ -253,15 +400,9 @@ def load_image(path: str):
     """
     from PIL import Image, UnidentifiedImageError
 
-    p = Path(path)
-    if not p.exists():
-        raise SampleError(f"file not found: {path}")
-    if not p.is_file():
-        raise SampleError(f"not a file: {path}")
-    if p.stat().st_size == 0:
-        raise SampleError(f"empty file (0 bytes): {path}")
+    _checked_file(path)
     try:
-        img = Image.open(p)
+        img = Image.open(Path(path))
         img.seek(0)
         img.load()
     except UnidentifiedImageError:
@@ -399,34 +540,55 @@ def patchify_video(
     return normalize_video_patches(patches, cfg), (gt, gh, gw)
 
 
-def _packet_pts(container, stream) -> list[int | None]:
+def _video_failure(path: str, size: int, reason: str, *, cut: bool = False) -> SampleError:
+    """The SampleError for a video that failed with ``reason``: "truncated or corrupt video" when the file
+    is shorter than its own container says (whatever FFmpeg made of that), or when ``cut`` says the failure
+    looks like it (the end of the file met while opening; a failure after the container opened: a demuxer
+    reading past the data, a seek back to the start refused, a packet the decoder rejects); otherwise
+    ``reason`` as it is (no video stream, no decodable frames, "unreadable or corrupt video")."""
+    where = container_truncation(path, size)
+    if where is not None:
+        return SampleError(f"truncated or corrupt video: {where} ({reason})")
+    if cut:
+        return SampleError(f"truncated or corrupt video: {reason}")
+    return SampleError(reason)
+
+
+def _packet_pts(container, stream, *, rewind: bool = True) -> list[int | None]:
     """Presentation timestamps of the stream's packets in decode order, read without decoding anything."""
     pts = [packet.pts for packet in container.demux(stream) if packet.size > 0]
-    container.seek(0)
+    if rewind:
+        container.seek(0)
     return pts
+
+
+# What PyAV raises for data it cannot read: FFmpegError (InvalidDataError is also a ValueError, EOFError
+# an EOFError), and OSError, ValueError, IndexError, EOFError, RuntimeError from its Python layer.
+_DECODE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, IndexError, EOFError, RuntimeError)
 
 
 def read_video(path: str, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[str, Any]]:
     """Decode the sampled frames of a video with PyAV: (T, 3, H, W) uint8 and sampling metadata."""
     import av
 
-    p = Path(path)
-    if not p.is_file():
-        raise SampleError(f"file not found: {path}")
-    if p.stat().st_size == 0:
-        raise SampleError(f"empty file (0 bytes): {path}")
+    size = _checked_file(path).st_size
+    step = None  # what was being done when it failed; None: opening the container
     try:
-        with av.open(str(p)) as container:
+        with av.open(str(path)) as container:
             if not container.streams.video:
                 raise SampleError(f"no video stream in {path}")
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate
             video_fps = float(rate) if rate else None
-            pts = _packet_pts(container, stream)
+            step = "reading its packets"
+            pts = _packet_pts(container, stream, rewind=False)
+            step = "seeking back to its start"
+            container.seek(0)
             # The container's own count, as transformers' read_video_pyav samples by; containers without
             # one (webm, some mkv) are counted by packets.
             total = int(stream.frames or 0) or len(pts)
             indices = sample_frame_indices(total, video_fps, cfg)
+            step = "decoding it"
             frames = _decode_sparse(container, stream, indices, pts)
             if frames is None:  # timestamps unusable, or a frame did not come back: decode them all
                 container.seek(0)
@@ -440,12 +602,14 @@ def read_video(path: str, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[str,
                 total = len(all_frames)
                 indices = sample_frame_indices(total, video_fps, cfg)
                 frames = [all_frames[i] for i in indices]
-    except SampleError:
-        raise
-    except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
-        raise SampleError(f"unreadable or corrupt video: {e}") from None
+    except SampleError as e:
+        raise _video_failure(path, size, str(e)) from None
+    except (av.error.FFmpegError, *_DECODE_ERRORS) as e:
+        if step is None and not isinstance(e, EOFError):  # not a container FFmpeg can open
+            raise _video_failure(path, size, f"unreadable or corrupt video: {e}") from None
+        raise _video_failure(path, size, f"{step or 'opening it'} failed: {e}", cut=True) from None
     if not frames:
-        raise SampleError(f"no decodable frames in {path}")
+        raise _video_failure(path, size, f"no decodable frames in {path}")
     video = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2)  # (T, 3, H, W), channels-last strides
     return video, {"video_fps": video_fps, "total_frames": total, "frame_indices": indices.tolist()}
 
@@ -512,7 +676,10 @@ def _decode_at(container, stream, indices: np.ndarray | None) -> list[np.ndarray
 class Preprocessor:
     """Callable run in DataLoader workers: a sample in, tensors (or a SampleError) out.
 
-    Holds only picklable state; the transformers image processor is built lazily in each worker.
+    Holds only picklable state: the transformers image processor is built lazily (or taken from the one
+    :func:`build_processor_config` built) and is not pickled with it. It must be of the class
+    ``cfg.image_processor`` records; another one (transformers picks its backend by what is installed, and
+    the backends differ slightly in pixels) is refused rather than mixed into a run.
     """
 
     cfg: ProcessorConfig
@@ -520,23 +687,30 @@ class Preprocessor:
     defer_video_normalize: bool = False  # videos as uint8 (N, C, T*P*P): see normalize_video_patches
     _image_processor: Any = field(default=None, init=False, repr=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_image_processor"] = None
+        return state
+
     def image_processor(self):
         if self._image_processor is None:
-            if self.image_processor_dir is not None:
-                from transformers import AutoImageProcessor
-
-                proc = AutoImageProcessor.from_pretrained(self.image_processor_dir, local_files_only=True)
-            else:
-                from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-                    Qwen2VLImageProcessorPil,
-                )
-
-                proc = Qwen2VLImageProcessorPil(
-                    patch_size=self.cfg.patch_size,
-                    temporal_patch_size=self.cfg.temporal_patch_size,
-                    merge_size=self.cfg.merge_size,
-                    image_mean=list(self.cfg.image_mean),
-                    image_std=list(self.cfg.image_std),
+            cfg = self.cfg
+            proc = _image_processor(
+                self.image_processor_dir,
+                patch_size=cfg.patch_size,
+                temporal_patch_size=cfg.temporal_patch_size,
+                merge_size=cfg.merge_size,
+                image_mean=cfg.image_mean,
+                image_std=cfg.image_std,
+            )
+            built = type(proc).__name__
+            if built != cfg.image_processor:
+                raise RuntimeError(
+                    f"the image processor is a {built} here, but the configuration records "
+                    f"{cfg.image_processor}: transformers picks the backend by what is installed "
+                    "(torchvision or not) and they differ slightly in pixels; build the configuration again "
+                    "in this environment (a resumed run then refuses the change), or restore the one it was "
+                    "built in"
                 )
             self._image_processor = proc
         return self._image_processor

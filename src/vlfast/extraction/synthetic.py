@@ -3,12 +3,15 @@
 ``make_tiny_qwen3_vl`` saves a random-weight Qwen3-VL checkpoint (2-layer LLM and tower, a byte-level BPE
 tokenizer trained on the spot with Qwen's special tokens and a chat template, the image processor and a
 video processor config) that transformers loads back with ``AutoModelForImageTextToText`` /
-``AutoImageProcessor`` / ``AutoTokenizer``: the real loading path, without any download.
+``AutoImageProcessor`` / ``AutoTokenizer``: the real loading path, without any download. Its processor
+files come in either layout a real checkpoint has: the published one, or the one transformers 5 saves.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -36,13 +39,51 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0) -> Path:
-    """Save a tiny random Qwen3-VL checkpoint at ``path`` (about 1 MB, a few seconds)."""
+@contextmanager
+def _video_processors_accepted() -> Iterator[None]:
+    """Let ``ProcessorMixin.__init__`` accept a video processor where torchvision is absent.
+
+    transformers' video processors build, and save, without torchvision (only processing a video needs
+    it), but the processor's type check looks their base class, ``VideoProcessorMixin``, up among the
+    names transformers exports, and transformers exports it only when torchvision is installed. This
+    exports it for the duration, as an installed torchvision would; with torchvision it does nothing.
+    """
+    from transformers import processing_utils
+    from transformers.video_processing_utils import VideoProcessorMixin
+
+    module = processing_utils.transformers_module  # what the type check looks names up in
+    if hasattr(module, "VideoProcessorMixin"):
+        yield
+        return
+    module.VideoProcessorMixin = VideoProcessorMixin
+    try:
+        yield
+    finally:
+        del module.VideoProcessorMixin
+
+
+LAYOUTS = ("hub", "processor")
+
+
+def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") -> Path:
+    """Save a tiny random Qwen3-VL checkpoint at ``path`` (about 1 MB, a few seconds).
+
+    ``layout`` is how its processor is saved, the same numbers either way:
+
+    - ``"hub"``: as the published Hugging Face repositories have it, preprocessor_config.json (the image
+      processor's ``save_pretrained``) and video_preprocessor_config.json (written as the hub's is);
+    - ``"processor"``: what transformers 5 writes for a whole processor, as any fine-tune saved with it
+      has: ``Qwen3VLProcessor.save_pretrained`` (image processor, tokenizer and ``Qwen3VLVideoProcessor``),
+      one processor_config.json with "image_processor" and "video_processor" entries, and no
+      preprocessor_config.json.
+    """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())
@@ -92,16 +133,41 @@ def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config).eval()
     model.save_pretrained(path)
-    tok.save_pretrained(path)
-    Qwen2VLImageProcessorPil(
+    image_processor = Qwen2VLImageProcessorPil(
         patch_size=16,
         temporal_patch_size=2,
         merge_size=2,
         image_mean=[0.5] * 3,
         image_std=[0.5] * 3,
         size={"shortest_edge": 65_536, "longest_edge": 16_777_216},
-    ).save_pretrained(path)
-    # transformers cannot build its video processor without torchvision; write its config as the hub does.
+    )
+    if layout == "processor":
+        from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        video_processor = Qwen3VLVideoProcessor(
+            size={"shortest_edge": 4096, "longest_edge": 25_165_824},
+            patch_size=16,
+            temporal_patch_size=2,
+            merge_size=2,
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+            fps=2,
+            min_frames=4,
+            max_frames=768,
+        )
+        with _video_processors_accepted():
+            processor = Qwen3VLProcessor(
+                image_processor=image_processor,
+                tokenizer=tok,
+                video_processor=video_processor,
+                chat_template=CHAT_TEMPLATE,
+            )
+        processor.save_pretrained(path)
+        return path
+    tok.save_pretrained(path)
+    image_processor.save_pretrained(path)
+    # The hub's video_preprocessor_config.json, as the published repositories write it.
     video = {
         "video_processor_type": "Qwen3VLVideoProcessor",
         "size": {"shortest_edge": 4096, "longest_edge": 25_165_824},
