@@ -14,6 +14,7 @@ is the recipe (name, seed) and the torch and transformers versions whose initial
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from pathlib import Path
@@ -79,46 +80,44 @@ def weights_fingerprint(model: str, *, whole: bool) -> dict[str, Any]:
 
 
 def hash_tensors(selected: dict[Path, list[str] | None]) -> tuple[str, int, int]:
-    """(xxh3-128 digest, tensor count, bytes) over the named tensors of each safetensors file (all if None)."""
+    """(xxh3-128 digest, tensor count, bytes) over the named tensors of each safetensors file (all if None).
+
+    Tensors are hashed on a few threads (xxhash releases the GIL): from a cold page cache that keeps
+    several reads in flight, ~1.4x faster here than one thread; warm it uses the cores.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     import xxhash
 
     from vlfast.extraction.integrity import read_header
     from vlfast.extraction.layout import canonical_json
 
-    entries: list[tuple[str, str, list[int], str]] = []
-    nbytes = 0
-    for file, keys in selected.items():
-        with open(file, "rb") as f:
+    jobs: list[tuple[str, str, list[int], Any, int, int]] = []  # name, dtype, shape, map, start, end
+    with contextlib.ExitStack() as stack:
+        for file, keys in selected.items():
+            f = stack.enter_context(open(file, "rb"))
             size = os.fstat(f.fileno()).st_size
             try:
                 data_start, _, header = read_header(f, size)
             except ValueError as e:
                 raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
             names = [k for k in header if k != "__metadata__"] if keys is None else keys
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else _Empty() as mm:
-                view = memoryview(mm)
-                try:
-                    for name in names:
-                        entry = header[name]
-                        start, end = entry["data_offsets"]
-                        if data_start + end > size:
-                            raise ValueError(
-                                f"{file}: tensor {name!r} runs past the end of the file (truncated?)"
-                            )
-                        digest = xxhash.xxh3_128_hexdigest(view[data_start + start : data_start + end])
-                        entries.append((name, entry["dtype"], list(entry["shape"]), digest))
-                        nbytes += end - start
-                finally:
-                    view.release()
-    entries.sort()
+            mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else b""
+            for name in names:
+                entry = header[name]
+                start, end = entry["data_offsets"]
+                if data_start + end > size:
+                    raise ValueError(f"{file}: tensor {name!r} runs past the end of the file (truncated?)")
+                jobs.append(
+                    (name, entry["dtype"], list(entry["shape"]), mm, data_start + start, data_start + end)
+                )
+
+        def digest(job: tuple) -> str:
+            with memoryview(job[3]) as view:  # released at once, so the map can close
+                return xxhash.xxh3_128_hexdigest(view[job[4] : job[5]])
+
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            digests = list(pool.map(digest, jobs))
+    entries = sorted((job[0], job[1], job[2], d) for job, d in zip(jobs, digests))
+    nbytes = sum(job[5] - job[4] for job in jobs)
     return xxhash.xxh3_128_hexdigest(canonical_json(entries).encode()), len(entries), nbytes
-
-
-class _Empty:
-    """Stands in for the map of an empty file (mmap refuses length 0)."""
-
-    def __enter__(self) -> bytes:
-        return b""
-
-    def __exit__(self, *exc: object) -> None:
-        return None
