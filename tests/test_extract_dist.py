@@ -89,3 +89,22 @@ def test_resume_with_more_ranks(ref: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert compare_caches(ref, tmp_path) == []
     assert _ranks(tmp_path) == {0, 1}
+
+
+def test_two_ranks_agree_on_damaged_shards(ref: Path, tmp_path: Path) -> None:
+    """A resume under torchrun splits the checks between the ranks and agrees on the verdicts (all_reduce):
+    each damaged shard is moved aside once and its samples, whichever rank owns them, are redone."""
+    r = _torchrun(tmp_path, "--crash-after", "30")
+    assert r.returncode != 0
+    shards = sorted((tmp_path / "shards").glob("shard-r*.safetensors"))
+    assert {s.name[:12] for s in shards} == {"shard-r00000", "shard-r00001"}
+    damaged = [next(s for s in shards if s.name.startswith(f"shard-r0000{k}")) for k in (0, 1)]
+    for shard in damaged:  # a flipped bit in each rank's first shard
+        data = bytearray(shard.read_bytes())
+        data[-3] ^= 0x10
+        shard.write_bytes(bytes(data))
+    r = _torchrun(tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert compare_caches(ref, tmp_path) == []
+    moved = sorted(p.name for p in (tmp_path / "quarantine").rglob("shard-*.safetensors"))
+    assert moved == sorted(s.name for s in damaged)  # once each, although both ranks saw them
