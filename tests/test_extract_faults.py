@@ -165,7 +165,7 @@ def test_poisoned_manifest_killed_twice_resumes_to_the_clean_result(manifest, ti
     assert by_prefix["crash"].startswith(
         "worker died while decoding this sample: killed by signal 9 (SIGKILL)"
     )
-    assert "longer than 2 s (--decode-timeout)" in by_prefix["hang"]
+    assert "longer than 2 s (--decode-timeout" in by_prefix["hang"]
     assert "truncated or corrupt video" in by_prefix["truncated"]
     bad_rows = {r["source"]: r["reason"] for r in records if r["kind"] == "input"}
     assert len(bad_rows) == 4 and all("clips.jsonl line" in where for where in bad_rows)

@@ -179,7 +179,7 @@ def extract(
         _verify(paths[0], as_json)
         return
     from vlfast.extraction.pipeline import extract as run_extract
-    from vlfast.extraction.store import RunConfigMismatch
+    from vlfast.extraction.resume import RunConfigMismatch
 
     if demo:
         if len(paths) != 1:
@@ -261,6 +261,10 @@ def _print_summary(summary, out: str) -> None:
         ("failed", f"{summary.failed}" + (f"  {summary.errors}" if summary.errors else "")),
         ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
         ("time", f"{summary.seconds:.1f} s ({summary.compute_seconds:.1f} s in model forwards)"),
+        (
+            "setup",
+            f"model built in {summary.load_seconds:.1f} s, weights hashed in {summary.fingerprint_seconds:.2f} s",
+        ),
     ]
     if summary.oom_splits:
         rows.append(("OOM splits", str(summary.oom_splits)))

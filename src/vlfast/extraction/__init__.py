@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "FeatureStore": "vlfast.extraction.store",
-    "RunConfigMismatch": "vlfast.extraction.store",
-    "partition": "vlfast.extraction.store",
-    "dist_info": "vlfast.extraction.store",
+    "RunConfigMismatch": "vlfast.extraction.resume",
+    "partition": "vlfast.extraction.resume",
+    "dist_info": "vlfast.extraction.resume",
     "FeatureCache": "vlfast.extraction.cache",
     "extract": "vlfast.extraction.pipeline",
 }
@@ -22,7 +22,8 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from vlfast.extraction.cache import FeatureCache  # noqa: F401
-    from vlfast.extraction.store import FeatureStore, RunConfigMismatch, dist_info, partition  # noqa: F401
+    from vlfast.extraction.resume import RunConfigMismatch, dist_info, partition  # noqa: F401
+    from vlfast.extraction.store import FeatureStore  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -86,7 +86,7 @@ class ExtractSummary:
     failed: int  # recorded as errors this run (duplicates and bad input rows included)
     errors: dict[str, int] = field(default_factory=dict)
     tokens: int = 0  # vision patches processed
-    seconds: float = 0.0
+    seconds: float = 0.0  # the run's own time: checking OUT, decoding, forwards, writing; not the model build
     compute_seconds: float = 0.0  # inside model forwards (device synchronised)
     oom_splits: int = 0
     cpu_seconds: float | None = None  # CPU time of this process and its finished workers during the run
@@ -95,6 +95,7 @@ class ExtractSummary:
     nothing_to_do: bool = False  # OUT already held everything: no lock taken, no model loaded
     quarantined: list[str] = field(default_factory=list)  # damaged index parts moved aside, redone
     fingerprint_seconds: float = 0.0  # hashing the weights the features depend on
+    load_seconds: float = 0.0  # building the model (not in ``seconds``)
 
     @property
     def samples_per_s(self) -> float:
@@ -380,18 +381,16 @@ def extract(
     features before storing (default: as computed).
     """
     from vlfast.extraction.fingerprint import weights_fingerprint
-    from vlfast.extraction.store import (
+    from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND
+    from vlfast.extraction.resume import (
         DEFAULT_VOLATILE_KEYS,
-        DUPLICATE_KIND,
-        INPUT_KIND,
-        FeatureStore,
         dist_info,
         duplicate_reason,
         plan_positions,
         read_state,
     )
+    from vlfast.extraction.store import FeatureStore
 
-    started, cpu_started = time.perf_counter(), _cpu_seconds()
     model = str(model)
     spec = FeatureSpec(
         names=tuple(features.split(",")) if isinstance(features, str) else tuple(features),
@@ -489,8 +488,10 @@ def extract(
         pending = entries.pending(state.done, state.error_keys.__contains__)
         if not pending and not state.damaged:
             summary.skipped, summary.nothing_to_do = entries.assigned, True
-            summary.seconds = time.perf_counter() - started
             return summary
+
+    # The run's own time, as the summary reports it, excludes building the model (``load_seconds``).
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
 
     with FeatureStore(
         out,
@@ -528,7 +529,11 @@ def extract(
             if max_errors is not None and store.num_errors > max_errors:
                 summary.stopped = f"more than {max_errors} errors (--max-errors)"
             elif todo:
+                t0, cpu0 = time.perf_counter(), _cpu_seconds()
                 loaded = _load(model, family, spec, dev, torch_dtype, patch_convs)
+                summary.load_seconds = time.perf_counter() - t0
+                if cpu0 is not None and cpu_started is not None:
+                    cpu_started += _cpu_seconds() - cpu0
                 _run(
                     todo,
                     store,
@@ -550,7 +555,7 @@ def extract(
             bar.close()
             summary.errors = dict(errors)
             summary.failed = store.num_errors
-            summary.seconds = time.perf_counter() - started
+            summary.seconds = time.perf_counter() - started - summary.load_seconds
             cpu_now = _cpu_seconds()
             if cpu_now is not None and cpu_started is not None:
                 summary.cpu_seconds = cpu_now - cpu_started
@@ -558,7 +563,7 @@ def extract(
 
 
 def _mine(sample_id: str, rank: int, world_size: int) -> bool:
-    from vlfast.extraction.store import owner_rank
+    from vlfast.extraction.resume import owner_rank
 
     return world_size == 1 or owner_rank(sample_id, world_size) == rank
 
@@ -584,7 +589,8 @@ class _Entries:
 
     def pending(self, done: Collection[str], is_recorded: Callable[[tuple], bool]) -> int:
         """Entries of this rank still to handle: samples to extract, repeats and bad rows not yet recorded."""
-        from vlfast.extraction.store import DUPLICATE_KIND, INPUT_KIND, duplicate_reason, plan_positions
+        from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND
+        from vlfast.extraction.resume import duplicate_reason, plan_positions
 
         todo, repeats = plan_positions(self.ids, self.rank, self.world_size, done)
         n = len(todo)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -43,7 +42,6 @@ import threading
 import time
 import warnings
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +78,26 @@ from vlfast.extraction.layout import (
     error_key,
     error_line,
     index_schema,
-    part_meta,
     part_name,
     read_errors,
     read_index_part,
     read_run_file,
     stable_config,
     xxh3,
+)
+from vlfast.extraction.resume import (
+    DEFAULT_VOLATILE_KEYS,
+    OutState,
+    RunConfigMismatch,
+    _canonical,
+    _config_diffs,
+    check_run_config,
+    dist_info,
+    duplicate_reason,
+    owner_rank,
+    partition,
+    plan_positions,
+    read_state,
 )
 
 __all__ = [
@@ -111,9 +122,6 @@ __all__ = [
     "read_state",
 ]
 
-# Top-level run-config keys allowed to differ on resume: library versions change when a user upgrades
-# mid-job, which does not change what the extraction means. Callers can pass their own set.
-DEFAULT_VOLATILE_KEYS: tuple[str, ...] = ("versions", "library_versions", "created", "host")
 RESUME_CHECKS = ("full", "quick")
 
 # Dtypes safetensors can store; checked in ``add`` so a bad tensor fails at the sample, not at flush.
@@ -133,67 +141,6 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _name
 DTYPE_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
-
-
-class RunConfigMismatch(ValueError):
-    """OUT already holds an extraction whose configuration differs from the one requested."""
-
-    def __init__(self, out: Path, diffs: list[tuple[str, Any, Any]], where: str | None = None):
-        self.out = out
-        self.diffs = diffs
-        self.where = where or str(out / RUN_FILE)
-        # How to start over, in the caller's words: the CLI replaces it with its flag.
-        self.remedy = "pass overwrite=True (CLI: --overwrite) to delete the existing shards and start again"
-        super().__init__(out, diffs)
-
-    def __str__(self) -> str:
-        lines = [f"  {key}: {old!r} in {self.where} vs {new!r} now" for key, old, new in self.diffs]
-        return (
-            f"{self.out} already holds an extraction with a different configuration:\n"
-            + "\n".join(lines)
-            + f"\nResuming would mix incompatible features. Use a new OUT, or {self.remedy}."
-        )
-
-
-# ----------------------------------------------------------------------------------------------------
-# scale-out helpers
-
-
-def partition(ids: Sequence[str], rank: int, world_size: int) -> list[str]:
-    """The ids rank ``rank`` of ``world_size`` owns, in input order.
-
-    An id's owner is a hash of the id alone (blake2b, not Python's salted ``hash``), so the split does not
-    depend on list order or on what other ranks see: ranks that list files in different orders still
-    divide the work with no gaps or duplicates, and a repeated id always lands on the same rank, where
-    FeatureStore records the repeat as a "duplicate id" error. Partition the FULL id list and then drop
-    ``done_ids()``; partitioning only the remaining ids would depend on when each rank looked.
-    """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-    if world_size == 1:
-        return list(ids)
-    return [i for i in ids if owner_rank(i, world_size) == rank]
-
-
-def owner_rank(sample_id: str, world_size: int) -> int:
-    digest = hashlib.blake2b(sample_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % world_size
-
-
-def dist_info() -> tuple[int, int]:
-    """(rank, world_size): torch.distributed if initialised, else env RANK/WORLD_SIZE (torchrun), else (0, 1)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    try:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError as e:
-        raise ValueError(f"RANK/WORLD_SIZE must be integers: {e}") from None
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"inconsistent RANK={rank} WORLD_SIZE={world} in the environment")
-    return rank, world
 
 
 def _dist_group_size() -> int:
@@ -302,34 +249,6 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _canonical(obj: Any) -> Any:
-    """JSON round trip: tuples become lists, keys become strings, so stored and new configs compare equal."""
-    try:
-        return json.loads(json.dumps(obj, sort_keys=True))
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"run_config must be JSON-serialisable: {e}") from None
-
-
-def _flat_diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out: list[tuple[str, Any, Any]] = []
-        for key in sorted(set(old) | set(new)):
-            sub = f"{prefix}.{key}" if prefix else key
-            if key not in old:
-                out.append((sub, "<missing>", new[key]))
-            elif key not in new:
-                out.append((sub, old[key], "<missing>"))
-            else:
-                out.extend(_flat_diff(old[key], new[key], sub))
-        return out
-    return [] if old == new else [(prefix or "<root>", old, new)]
-
-
-def _is_volatile(key: str, volatile: Collection[str]) -> bool:
-    parts = key.split(".")
-    return any(".".join(parts[: i + 1]) in volatile for i in range(len(parts)))
-
-
 def _clear_owned(folder: Path, owned: Any) -> None:
     """Delete what this format owns in ``folder``; through a symlinked folder, only its files, never the link.
 
@@ -349,106 +268,6 @@ def _clear_owned(folder: Path, owned: Any) -> None:
         return
     if folder.exists():
         shutil.rmtree(folder)
-
-
-def _config_diffs(run_config: dict, old: dict, volatile: Collection[str]) -> list[tuple[str, Any, Any]]:
-    return [d for d in _flat_diff(old, run_config) if not _is_volatile(d[0], volatile)]
-
-
-def check_run_config(
-    out: str | os.PathLike,
-    run_config: Mapping[str, Any],
-    volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
-) -> bool:
-    """Refuse (RunConfigMismatch) if ``out`` holds a run of another configuration; reads only.
-
-    The configuration is run.json's; if run.json was deleted, the one its committed index parts carry, so
-    deleting it does not let any configuration through. Returns whether run.json exists.
-    """
-    out = Path(out)
-    config = _canonical(dict(run_config))
-    if (out / RUN_FILE).exists():
-        diffs = _config_diffs(config, read_run_file(out).get("config", {}), volatile_keys)
-        if diffs:
-            raise RunConfigMismatch(out, diffs)
-        return True
-    for part in committed_parts(out):
-        try:
-            meta = part_meta(read_index_part(part, ["id"]))
-        except DamagedFile:
-            continue  # judged (and moved aside) when a store opens
-        if meta["config"] is None:
-            raise ValueError(
-                f"{out} holds shards but its {RUN_FILE} is missing, and they were written by an older vlfast "
-                "that did not record their configuration: use a new OUT, or overwrite it"
-            )
-        diffs = _config_diffs(config, meta["config"], volatile_keys)
-        if diffs:
-            raise RunConfigMismatch(out, diffs, where=f"{part} ({RUN_FILE} is missing)")
-        break
-    return False
-
-
-def plan_positions(
-    ids: Sequence[str], rank: int, world_size: int, done: Collection[str]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """(positions of ``ids`` this rank still has to extract, (repeat, first) position pairs of this rank's
-    repeated ids), in input order. A pure function: the store's ``plan`` and the read-only preflight agree."""
-    first: dict[str, int] = {}
-    todo: list[int] = []
-    repeats: list[tuple[int, int]] = []
-    for k, sid in enumerate(ids):
-        if world_size > 1 and owner_rank(sid, world_size) != rank:
-            continue
-        if sid in first:
-            repeats.append((k, first[sid]))
-            continue
-        first[sid] = k
-        if sid not in done:
-            todo.append(k)
-    return todo, repeats
-
-
-def duplicate_reason(k: int, first: int) -> str:
-    return f"duplicate id: input entry {k} repeats entry {first}"
-
-
-@dataclass
-class OutState:
-    """What an output folder holds, read without a lock or a write (a read-only OUT works)."""
-
-    done: set[str] = field(default_factory=set)  # committed ids and ids recorded as failed
-    error_keys: set[tuple] = field(default_factory=set)  # (id, source, reason, kind) already recorded
-    damaged: list[str] = field(default_factory=list)  # parts whose shard fails the quick check
-
-
-def read_state(
-    out: str | os.PathLike,
-    run_config: Mapping[str, Any],
-    volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
-) -> OutState:
-    """Check ``run_config`` against ``out`` and say what it already holds; writes nothing, takes no lock.
-
-    The quick check (sizes, headers, ids) finds truncated or replaced shards; the full checksum pass is
-    the writer's, when it opens.
-    """
-    out = Path(out)
-    if not out.exists():
-        return OutState()
-    if not out.is_dir():
-        raise NotADirectoryError(f"{out} exists and is not a folder; choose another OUT")
-    check_run_config(out, run_config, volatile_keys)
-    state = OutState()
-    for part in committed_parts(out):
-        check = check_part(part, data=False)
-        if check.ok:
-            state.done.update(check.ids)
-        else:
-            state.damaged.append(part.name)
-    errors = read_errors(out)
-    state.done.update(r["id"] for r in errors if done_by_error(r))
-    state.error_keys = {error_key(r) for r in errors}
-    return state
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -639,19 +458,24 @@ class FeatureStore:
         return int(t[0]) == -int(t[1])
 
     def _quarantine(self, check: PartCheck) -> None:
-        """Move a damaged part and its shard to OUT/quarantine/<part>/, index part first (that uncommits it)."""
+        """Move a damaged part and its shard to OUT/quarantine/<part>/.
+
+        The shard goes first: a kill between the two moves leaves a part whose shard is missing, which the
+        next start moves aside in turn, instead of an orphan shard that garbage cleaning would delete.
+        """
         dest = self.out / QUARANTINE_DIR / f"{check.part.stem}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         dest.mkdir(parents=True, exist_ok=True)
         reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
         record = {"part": check.part.name, "shard": check.shard.name, "reason": reason, "ids": check.ids}
         _atomic_write_bytes(dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag)
         moved = False
-        for src in (check.part, check.shard):
+        for src in (check.shard, check.part):
             with contextlib.suppress(FileNotFoundError):  # another rank moved it first, or it was missing
                 shutil.move(src, dest / src.name)
                 moved = True
         if moved:
-            _fsync_dir(self.out / INDEX_DIR)
+            for folder in (self.out / SHARD_DIR, self.out / INDEX_DIR, dest):
+                _fsync_dir(folder)
         self.quarantined.append({**record, "moved_to": str(dest)})
         warnings.warn(
             f"{check.part.name}: {reason}; moved to {dest}, its {len(check.ids)} samples will be extracted again",

@@ -83,7 +83,7 @@ def death_reason(exitcode: int | None) -> str:
 
 
 def _timeout_reason(timeout: float) -> str:
-    return f"decoding took longer than {timeout:g} s (--decode-timeout); the worker was stopped"
+    return f"decoding took longer than {timeout:g} s (--decode-timeout; raise it for long videos); the worker was stopped"
 
 
 def _unexpected(i: int, e: BaseException, what: str = "") -> dict[str, Any]:
