@@ -53,19 +53,19 @@ def _cos_min(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return worst
 
 
-def json_of(cmd: list[str]) -> dict:
+def json_of(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Run ``cmd`` in a fresh process and parse what it prints as one JSON document."""
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:5])} ... failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return json.loads(done.stdout)
 
 
-def cli_extract(inputs: Path, out: Path, model: str, *args: str) -> dict:
+def cli_extract(inputs: Path, out: Path, model: str, *args: str, env: dict[str, str] | None = None) -> dict:
     """``vlfast extract ... --json`` in a fresh process, as users run it (the CLI sets OMP_WAIT_POLICY=PASSIVE
     before torch loads, unless this environment has one); returns its summary."""
     cmd = [sys.executable, "-m", "vlfast.cli.main", "extract", str(inputs), str(out), "--model", model]
-    return json_of([*cmd, *args, "--json"])
+    return json_of([*cmd, *args, "--json"], env=env)
 
 
 def _cpu() -> float:

@@ -11,6 +11,11 @@ gain by computing less (it skips the DeepStack mergers, which the loop's whole-t
 
     python benchmarks/extract_ab.py                      # 4 images, 4 rounds
     python benchmarks/extract_ab.py --rounds 6 --json
+    python benchmarks/extract_ab.py --baseline e82d833   # adds `vlfast extract` of that commit as a side
+
+``--baseline REV`` exports the package at git revision REV (``git archive``, nothing checked out) and
+runs its ``vlfast extract`` with that source first on ``PYTHONPATH``: the same command before and after a
+change, alternating, on the same inputs.
 """
 
 from __future__ import annotations
@@ -19,10 +24,23 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def export_revision(rev: str, dest: Path) -> dict[str, str]:
+    """The environment that runs the package of git revision ``rev`` (exported under ``dest``)."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(dest / "src"), os.environ.get("PYTHONPATH", "")])}
 
 
 def naive_child(images: Path, model: str) -> None:
@@ -52,6 +70,7 @@ def main() -> None:
     ap.add_argument("--model", default="ref:qwen3-vl-2b")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--baseline", metavar="REV", help="also run `vlfast extract` of this git revision")
     ap.add_argument("--naive-child", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.naive_child:
@@ -73,6 +92,11 @@ def main() -> None:
                 images, Path(tmp) / f"out0-{r}", args.model, "--workers", "0"
             )["seconds"],
         }
+        if args.baseline:
+            base_env = export_revision(args.baseline, Path(tmp) / "baseline")
+            sides[f"@{args.baseline}"] = lambda r: cli_extract(
+                images, Path(tmp) / f"outb-{r}", args.model, env=base_env
+            )["seconds"]
         runs: dict[str, list[float]] = {k: [] for k in sides}
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
@@ -93,6 +117,8 @@ def main() -> None:
         "naive / vlfast extract": ("naive", "vlfast extract"),
         "naive / vlfast extract --workers 0": ("naive", "--workers 0"),
     }
+    if args.baseline:
+        comparisons[f"vlfast extract @{args.baseline} / now"] = (f"@{args.baseline}", "vlfast extract")
     result = {
         "machine": _machine(),
         "setup": f"{args.images} x 640x480 JPEG through {args.model}, float32, CPU, fresh process per run",

@@ -66,13 +66,14 @@ def samples(n: int, tokens: int, dim: int):
         )
 
 
-def write(store_cls, out: str, n: int, tokens: int, dim: int) -> float:
+def write(store_cls, out: str, n: int, tokens: int, dim: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) to write n samples through ``store_cls``."""
     shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with store_cls(out, {"model": "benchmark", "tokens": tokens, "dim": dim}) as store:
         for sid, feats in samples(n, tokens, dim):
             store.add(sid, feats, {"path": f"videos/{sid}.mp4", "n_tokens": tokens})
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def read_all(out: str, verify: bool) -> float:
@@ -99,6 +100,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=600)
     p.add_argument("--dim", type=int, default=2560)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--dir", default=None, help="where to write (default: a temp folder; /dev/shm takes the disk out)"
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
 
@@ -106,18 +110,18 @@ def main() -> None:
     from vlfast.extraction.integrity import verify_folder
 
     old = old_store_module().FeatureStore
-    tmp = Path(tempfile.mkdtemp(prefix="vlfast-store-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix="vlfast-store-bench-", dir=a.dir))
     new_out, old_out = str(tmp / "new"), str(tmp / "old")
-    rows: dict[str, list[float]] = {
-        k: []
-        for k in ("write_old", "write_new", "read", "read_verify", "resume_full", "resume_quick", "verify")
-    }
+    keys = ("write_old", "write_new", "cpu_write_old", "cpu_write_new", "read", "read_verify")
+    rows: dict[str, list[float]] = {k: [] for k in (*keys, "resume_full", "resume_quick", "verify")}
     try:
         write(FeatureStore, new_out, 4, a.tokens, a.dim)  # warm-up: imports, allocator
         for r in range(a.rounds):
             order = [(old, old_out, "write_old"), (FeatureStore, new_out, "write_new")]
             for cls, out, key in order if r % 2 == 0 else order[::-1]:
-                rows[key].append(write(cls, out, a.samples, a.tokens, a.dim))
+                wall, cpu = write(cls, out, a.samples, a.tokens, a.dim)
+                rows[key].append(wall)
+                rows[f"cpu_{key}"].append(cpu)
             pair = [(False, "read"), (True, "read_verify")]
             for verify, key in pair if r % 2 == 0 else pair[::-1]:
                 rows[key].append(read_all(new_out, verify))
@@ -149,6 +153,7 @@ def main() -> None:
         "rounds": a.rounds,
         "median_s": med,
         "write_new_over_old": ratio("write_new", "write_old"),
+        "cpu_write_new_over_old": ratio("cpu_write_new", "cpu_write_old"),
         "read_verify_over_read": ratio("read_verify", "read"),
         "write_mib_s": {"old": nbytes / 2**20 / med["write_old"], "new": nbytes / 2**20 / med["write_new"]},
         "read_mib_s": {"plain": nbytes / 2**20 / med["read"], "verify": nbytes / 2**20 / med["read_verify"]},
@@ -163,11 +168,13 @@ def main() -> None:
     )
     print(
         f"write: before {med['write_old']:.2f} s, now {med['write_new']:.2f} s "
-        f"(now/before median {result['write_new_over_old']:.3f})"
+        f"(now/before median {result['write_new_over_old']:.3f}, {spread('write_new', 'write_old')}); "
+        f"CPU {med['cpu_write_old']:.2f} s vs {med['cpu_write_new']:.2f} s "
+        f"(median {result['cpu_write_new_over_old']:.3f}, {spread('cpu_write_new', 'cpu_write_old')})"
     )
     print(
         f"read all: {med['read']:.2f} s, with verify=True {med['read_verify']:.2f} s "
-        f"(median ratio {result['read_verify_over_read']:.2f})"
+        f"(median ratio {result['read_verify_over_read']:.2f}, {spread('read_verify', 'read')})"
     )
     print(f"resume check: full {med['resume_full']:.2f} s, quick {med['resume_quick']:.3f} s")
     print(f"verify_folder: {med['verify']:.2f} s ({result['verify_gib_s']:.2f} GiB/s)")
