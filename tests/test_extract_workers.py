@@ -412,3 +412,30 @@ def test_a_hung_worker_dies_with_its_parent(tmp_path):
             proc.wait()
         if worker is not None and not _gone(worker):
             os.kill(worker, signal.SIGKILL)  # the worker this test started, by pid
+
+
+def test_workers_of_a_parent_that_ran_openmp_do_not_hang(tmp_path):
+    """GNU OpenMP is not fork-safe: after the parent has run a parallel region, a forked worker's first
+    parallel op hangs unless the worker keeps to one thread (as DataLoader's workers do)."""
+    script = tmp_path / "omp_then_fork.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            x = torch.randn(1500, 1500)
+            (x @ x).sum()  # a parallel region in the parent, before the fork
+            from vlfast.extraction.workers import WorkerPool
+
+            def fn(i):
+                y = torch.randn(800, 800)
+                return {"i": i, "ok": True, "s": float((y @ y).sum())}
+
+            with WorkerPool(fn, 4, num_workers=2, timeout=20) as pool:
+                print([it["ok"] for it in pool])
+            """
+        )
+    )
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "2"}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[True, True, True, True]"

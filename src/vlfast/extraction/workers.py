@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions on ForkingPickler
 
 __all__ = ["PoolStats", "WorkerPool", "death_reason"]
@@ -220,6 +221,9 @@ def _worker_main(pool: WorkerPool, worker_id: int, conn: multiprocessing.connect
     # Ctrl-C reaches the whole process group; the parent decides what happens, and stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pool._forget_in_child()
+    # GNU OpenMP is not fork-safe: a child forked after the parent ran a parallel region hangs in its first
+    # parallel op unless it stays on one thread. DataLoader's worker loop does the same first thing.
+    torch.set_num_threads(1)
     sock = socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
     if pool.worker_init is not None:
         try:
