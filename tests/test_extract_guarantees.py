@@ -215,7 +215,6 @@ def test_read_only_out_nothing_to_do_and_refusal(few, tiny_qwen3_vl, tmp_path):
             " ".join([*vlfast, str(few), str(out), "-m", str(tiny_qwen3_vl)]) + " > done.txt",
             " ".join([*vlfast, str(more), str(out), "-m", str(tiny_qwen3_vl)])
             + " 2> refused.txt; echo $? > rc.txt",
-            f"{sys.executable} -c 'import vlfast; print(len(vlfast.FeatureCache(\"{out}\")))' > read.txt",
         ]
     )
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
@@ -226,4 +225,4 @@ def test_read_only_out_nothing_to_do_and_refusal(few, tiny_qwen3_vl, tmp_path):
     assert "nothing to do" in (tmp_path / "done.txt").read_text()
     assert (tmp_path / "rc.txt").read_text().strip() == "2"
     assert "output not writable" in (tmp_path / "refused.txt").read_text()
-    assert (tmp_path / "read.txt").read_text().strip() == "3"
+    # FeatureCache on a read-only mount: test_extract_integrity.py::test_read_only_filesystem_for_real
