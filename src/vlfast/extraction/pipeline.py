@@ -297,6 +297,7 @@ class _Progress:
         self.tokens = 0
         self.errors = 0
         self.done = 0
+        self._done_before = 0  # entries counted before the clock started (records made before the model)
         if not self.enabled:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -320,9 +321,14 @@ class _Progress:
         if not self.enabled:
             return
         dt = max(time.perf_counter() - self.started, 1e-9)
-        rate = f"{self.done / dt:.2f} samples/s  {self.tokens / dt:,.0f} tokens/s"
+        rate = f"{(self.done - self._done_before) / dt:.2f} samples/s  {self.tokens / dt:,.0f} tokens/s"
         errs = f"{self.errors} errors" if self.errors else ""
         self.bar.update(self.task, advance=samples, rate=rate, errors=errs)
+
+    def restart_clock(self) -> None:
+        """Rates from now on: the model has been built (its build is not the run's speed, as in the summary)."""
+        self.started = time.perf_counter()
+        self._done_before = self.done
 
     def close(self) -> None:
         if self.enabled:
@@ -532,6 +538,7 @@ def extract(
                 t0, cpu0 = time.perf_counter(), _cpu_seconds()
                 loaded = _load(model, family, spec, dev, torch_dtype, patch_convs)
                 summary.load_seconds = time.perf_counter() - t0
+                bar.restart_clock()
                 if cpu0 is not None and cpu_started is not None:
                     cpu_started += _cpu_seconds() - cpu0
                 _run(
