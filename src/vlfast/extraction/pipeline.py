@@ -512,8 +512,9 @@ def extract(
         resume_check=resume_check,
     ) as store:
         summary.quarantined = [q["part"] for q in store.quarantined]
-        todo_positions, repeats = plan_positions(entries.ids, rank, world_size, store.done_ids())
-        pending = entries.pending(store.done_ids(), store.is_recorded)
+        done = store.done_ids()  # reads every index part and errors file: once
+        todo_positions, repeats = plan_positions(entries.ids, rank, world_size, done)
+        pending = entries.pending(done, store.is_recorded)
         summary.skipped = entries.assigned - pending
         errors: Counter[str] = Counter()
         bar = _Progress(progress, pending, f"extract r{rank}" if world_size > 1 else "extract")
