@@ -285,6 +285,7 @@ def _print_summary(summary, out: str) -> None:
 def _verify(out: str, as_json: bool) -> None:
     """``vlfast extract --verify OUT``: hash everything, list every bad sample, exit 1 if any."""
     from vlfast.extraction.integrity import verify_folder
+    from vlfast.extraction.layout import REDO_HINT
 
     report = verify_folder(out)
     if as_json:
@@ -325,8 +326,7 @@ def _verify(out: str, as_json: bool) -> None:
             )
         else:
             console.print(
-                "Damaged. Run the same `vlfast extract` again: it moves damaged shards to OUT/quarantine and "
-                "extracts their samples again.",
+                f"Damaged. {REDO_HINT}",
                 highlight=False,
                 markup=False,
                 soft_wrap=True,

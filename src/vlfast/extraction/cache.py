@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vlfast.extraction.layout import (
+    REDO_HINT,
     DamagedFile,
     committed_parts,
     config_hash,
@@ -32,7 +33,7 @@ from vlfast.extraction.layout import (
     read_index_part,
     read_run_file,
     stable_config,
-    xxh3,
+    tensor_xxh3,
 )
 
 _MAX_OPEN_SHARDS = 64  # open safetensors handles kept (each holds a file descriptor and a mapping)
@@ -164,14 +165,12 @@ class FeatureCache(torch.utils.data.Dataset):
                 raise DamagedFile(
                     f"cannot read feature {n!r} of sample {self._ids[i]!r} from {self._shard_paths[k]}: {e}"
                 ) from None
-            if self.verify_reads and entries[n].get("xxh3") is not None:
-                raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-                if xxh3(memoryview(raw)) != entries[n]["xxh3"]:
-                    raise DamagedFile(
-                        f"feature {n!r} of sample {self._ids[i]!r} in {self._shard_paths[k]} is damaged: its "
-                        "bytes do not match their checksum. Run the same `vlfast extract` again to move the "
-                        "shard aside and extract its samples again."
-                    )
+            checksum = entries[n].get("xxh3") if self.verify_reads else None
+            if checksum is not None and tensor_xxh3(t) != checksum:
+                raise DamagedFile(
+                    f"feature {n!r} of sample {self._ids[i]!r} in {self._shard_paths[k]} is damaged: its "
+                    f"bytes do not match their checksum. {REDO_HINT}"
+                )
             out[n] = t
         return out
 
@@ -225,25 +224,24 @@ class FeatureCache(torch.utils.data.Dataset):
         from safetensors import safe_open
 
         path = self._shard_paths[k]
-        redo = "Run the same `vlfast extract` again: it moves damaged shards aside and extracts their samples again."
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path} (sample {sample_id!r}) is listed in {self.out}/index but missing; the folder was "
-                f"modified after the run. {redo}"
+                f"modified after the run. {REDO_HINT}"
             ) from None
         expected = self._expected_bytes[k]
         if expected is not None and size != expected:
             raise DamagedFile(
                 f"{path} is {size:,} bytes but was written with {expected:,} (truncated or replaced): sample "
-                f"{sample_id!r} cannot be read. {redo}"
+                f"{sample_id!r} cannot be read. {REDO_HINT}"
             )
         try:
             h = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise DamagedFile(
-                f"{path} is unreadable ({e}): sample {sample_id!r} cannot be read. {redo}"
+                f"{path} is unreadable ({e}): sample {sample_id!r} cannot be read. {REDO_HINT}"
             ) from None
         self._handles[k] = h
         if k not in self._shard_ids:

@@ -73,6 +73,13 @@ def xxh3(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def tensor_xxh3(t: Any) -> str:
+    """xxh3-64 of a CPU tensor's bytes as safetensors stores them (row-major), the index's ``xxh3``."""
+    import torch
+
+    return xxh3(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
@@ -184,11 +191,16 @@ def part_meta(table) -> dict[str, Any]:
     }
 
 
+# What to do about damage, wherever it is reported: the resume moves it aside and redoes its samples.
+REDO_HINT = (
+    "Run the same `vlfast extract` again: it moves damaged shards aside to OUT/quarantine and extracts "
+    "their samples again."
+)
+
+
 def _redo_hint(part: Path) -> str:
-    return (
-        "Run the same `vlfast extract` again: it moves damaged shards aside to OUT/quarantine and extracts "
-        f"their samples again (or delete it and {shard_of_part(part).name if PART_RE.match(part.name) else 'its shard'})."
-    )
+    shard = shard_of_part(part).name if PART_RE.match(part.name) else "its shard"
+    return f"{REDO_HINT[:-1]} (or delete it and {shard})."
 
 
 def index_schema():

@@ -83,6 +83,7 @@ from vlfast.extraction.layout import (
     read_index_part,
     read_run_file,
     stable_config,
+    tensor_xxh3,
     xxh3,
 )
 from vlfast.extraction.resume import (
@@ -242,11 +243,6 @@ def _grid_of(feats: Mapping[str, torch.Tensor], meta_json: str) -> list[list[int
         return [[int(v) for v in row] for row in meta_grid] if meta_grid is not None else None
     except (TypeError, ValueError):
         return None
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes safetensors writes for a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _clear_owned(folder: Path, owned: Any) -> None:
@@ -719,7 +715,7 @@ class FeatureStore:
         checksums: list[dict[str, str]] = []
         hasher = threading.Thread(
             target=lambda: checksums.extend(
-                {name: xxh3(_tensor_bytes(t)) for name, t in feats.items()} for _, feats, _ in self._buffer
+                {name: tensor_xxh3(t) for name, t in feats.items()} for _, feats, _ in self._buffer
             ),
             name="vlfast-checksums",
         )
