@@ -196,8 +196,10 @@ def extract(
         source, out = paths
         if model is None:
             raise UsageError("--model is required: a checkpoint directory or ref:NAME (see `vlfast models`)")
-    if resume_check not in ("full", "quick"):
-        raise UsageError(f"--resume-check must be 'full' or 'quick', got {resume_check!r}")
+    from vlfast.extraction.store import RESUME_CHECKS
+
+    if resume_check not in RESUME_CHECKS:
+        raise UsageError(f"--resume-check must be one of {', '.join(RESUME_CHECKS)}, got {resume_check!r}")
     pools = tuple(p.strip() for p in pool.split(",") if p.strip())
     try:
         summary = run_extract(

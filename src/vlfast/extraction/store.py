@@ -349,9 +349,9 @@ class FeatureStore:
             self._clean_garbage()
             self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
             self._bad_parts: set[str] = set()
-            self._check_committed(resume_check)
             self._parts_read: set[str] = set()  # index parts already in _committed
             self._committed: set[str] = set()
+            self._check_committed(resume_check)  # takes in the ids of the parts it found sound
             self._refresh_committed()
             errors = read_errors(self.out)
             self._errored: set[str] = {r["id"] for r in errors if done_by_error(r)}
@@ -442,6 +442,9 @@ class FeatureStore:
             if not check.ok:
                 bad[k] = True
                 self._quarantine(check)
+            else:  # its ids are read: no need to read the part again in _refresh_committed
+                self._committed.update(check.ids)
+                self._parts_read.add(part.name)
         if split:
             flags = torch.tensor(bad, dtype=torch.uint8)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
