@@ -291,6 +291,138 @@ def test_empty_batch_matches_the_conv():
     assert conv(x).shape == expected.shape
 
 
+# ------------------------------------------------------------- geometry changed after patching
+# A patched conv whose stride, padding, dilation, groups or weight kernel changes afterwards must compute
+# the new operation (through the stock conv when it is no longer a stride == kernel GEMM), never the old.
+
+_CHANGES = {
+    "padding": lambda conv: setattr(conv, "padding", (1,) * len(conv.kernel_size)),
+    "padding-same": lambda conv: setattr(conv, "padding", "same") or setattr(conv, "stride", (1,) * 3),
+    "stride": lambda conv: setattr(conv, "stride", (1,) * len(conv.kernel_size)),
+    "dilation": lambda conv: setattr(conv, "dilation", (2,) * len(conv.kernel_size)),
+    "groups": lambda conv: (
+        setattr(conv, "groups", 3),
+        setattr(conv, "weight", nn.Parameter(conv.weight.detach()[:, :1].clone())),
+    ),
+    "weight-kernel": lambda conv: setattr(
+        conv, "weight", nn.Parameter(conv.weight.detach().reshape(6, 3, 1, 6, 5).clone())
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+@pytest.mark.parametrize("size", [(2, 3, 5), (6, 9, 10)], ids=["one-window", "larger"])
+def test_changed_geometry_runs_the_new_operation(change, size):
+    conv = make_conv((2, 3, 5))
+    patch(conv)
+    x = make_input(2, 3, size)
+    conv(x)  # patched and used before the change
+    _CHANGES[change](conv)
+    try:
+        expected = stock(conv, x)
+    except RuntimeError as e:  # the new operation does not fit this input: the patched conv says so too
+        with pytest.raises(RuntimeError) as patched_error:
+            conv(x)
+        assert str(patched_error.value) == str(e)
+        return
+    actual = conv(x)
+    assert actual.shape == expected.shape
+    assert_verbose_close(actual, expected, name=f"after changing {change}")
+    assert _conv_ran(conv, x)
+    assert is_patched(conv)  # still patched: unpatch restores it as ever
+
+
+@pytest.mark.parametrize("attr", ["padding", "stride"])
+def test_changed_geometry_in_gradients(attr):
+    conv = make_conv((3, 5))
+    patch(conv)
+    setattr(conv, attr, (1, 1))
+    x = make_input(2, 3, (6, 10)).requires_grad_()
+    conv(x).sum().backward()
+    expected_x = x.grad.clone()
+    expected_w = conv.weight.grad.clone()
+    x.grad = conv.weight.grad = None
+    stock(conv, x).sum().backward()
+    assert_verbose_close(expected_x, x.grad, name="input grad")
+    assert_verbose_close(expected_w, conv.weight.grad, name="weight grad")
+
+
+def test_geometry_changed_back_returns_to_the_gemm():
+    conv = make_conv((2, 3, 5))
+    patch(conv)
+    x = make_input(2, 3, (2, 3, 5))
+    conv.padding = (1, 1, 1)
+    assert _conv_ran(conv, x)
+    conv.padding = (0, 0, 0)  # a new tuple: decided again, eligible again
+    assert not _conv_ran(conv, x)
+    conv.stride = (2, 3, 5)  # equal values in a new object: still the GEMM
+    assert not _conv_ran(conv, x)
+    assert torch.equal(
+        conv(x), F.linear(x.reshape(2, -1), conv.weight.reshape(6, -1), conv.bias).view(2, 6, 1, 1, 1)
+    )
+
+
+def test_geometry_in_a_list_changed_in_place_is_seen():
+    conv = make_conv((3, 5))
+    conv.padding = [0, 0]  # a list can change without a new object: checked on every call
+    patch(conv)
+    x = make_input(2, 3, (6, 10))
+    assert not _conv_ran(conv, x)
+    conv.padding[1] = 2
+    assert_verbose_close(conv(x), stock(conv, x), name="list padding changed in place")
+    assert conv(x).shape == stock(conv, x).shape
+
+
+@pytest.mark.parametrize(
+    "clone", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"]
+)
+def test_copies_watch_their_own_geometry(clone):
+    model = nn.Sequential(make_conv((2, 3, 5)))
+    patch(model)
+    copied = clone(model)
+    copied[0].padding = (1, 1, 1)
+    x = make_input(2, 3, (2, 3, 5))
+    assert copied[0](x).shape == stock(copied[0], x).shape == (2, 6, 2, 1, 1)
+    assert model[0](x).shape == (2, 6, 1, 1, 1)  # the original is untouched and still the GEMM
+    assert not _conv_ran(model[0], x)
+
+
+def test_deleting_a_patched_model_frees_it_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    model = nn.Sequential(make_conv((2, 3, 5)))
+    patch(model)
+    model(make_input(2, 3, (2, 3, 5)))
+    alive = weakref.ref(model[0].weight)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None, "the patch holds its module in a reference cycle: its memory waits for gc"
+    finally:
+        gc.enable()
+
+
+def test_changed_geometry_under_compile_recompiles():
+    conv = make_conv((2, 3, 5))
+    patch(conv)
+    x = make_input(2, 3, (2, 3, 5))
+    torch._dynamo.reset()
+    compiled = torch.compile(conv, backend="aot_eager", fullgraph=True)
+    assert compiled(x).shape == (2, 6, 1, 1, 1)
+    conv.padding = (1, 1, 1)
+    assert_verbose_close(compiled(x), stock(conv, x), name="compiled after a padding change")
+    torch._dynamo.reset()
+
+
+def test_a_standalone_replacement_refuses_a_weight_of_another_kernel():
+    f = GemmConvForward((2, 3, 5))
+    with pytest.raises(
+        ValueError, match=r"weight of shape \(6, 3, 1, 6, 5\); its kernel must be \(2, 3, 5\)"
+    ):
+        f(make_input(2, 3, (2, 3, 5)), torch.randn(6, 3, 1, 6, 5), None)
+
+
 # ---------------------------------------------------------------------------------- eligibility
 
 

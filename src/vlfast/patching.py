@@ -9,12 +9,17 @@ one kernel, where it is ``F.linear`` on views of the input and of the 5-D weight
 attribute. Nothing else changes: the class, the parameters (same tensors, 5-D weight), the state_dict,
 hooks and wrappers around ``forward`` (accelerate, PEFT) all stay as they are, and ``unpatch`` deletes
 the attribute to restore the original exactly.
+
+The replacement re-checks its module's geometry on every call (four identity tests): a conv whose
+stride, padding, dilation, groups or weight kernel is changed after patching computes the new operation
+through the stock conv, never the old one.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -73,17 +78,37 @@ def _conv_memory_format(
         return _CHANNELS_LAST[nd]
 
 
+def _frozen(v) -> bool:
+    """True for the values a conv's geometry attribute holds that cannot change in place."""
+    return isinstance(v, (int, str)) or (isinstance(v, tuple) and all(isinstance(i, int) for i in v))
+
+
 class GemmConvForward:
     """Replacement for ``_ConvNd._conv_forward(input, weight, bias)`` computing the conv as a GEMM.
 
-    Holds only the static geometry, never the module or its parameters: weight and bias arrive as
-    arguments at call time, so ``.to()``, parametrizations, FSDP and weight reloading keep working,
-    and the object pickles and deep-copies by value.
+    Weight and bias arrive as arguments at call time, never stored, so ``.to()``, parametrizations, FSDP
+    and weight reloading keep working. ``patch`` also gives it a weak reference to its module: each call
+    checks, by identity, that the module's ``stride``, ``padding``, ``dilation`` and ``groups`` are the
+    objects it last found eligible (four attribute reads), and that the weight's kernel is the one it
+    computes with. When someone changed one (``conv.padding = (1, 1, 1)``), eligibility is decided again;
+    a conv that is no longer eligible runs the stock ``_conv_forward``, never the old operation. The
+    reference is weak so that ``del model`` frees the parameters at once, as it does unpatched; deepcopy
+    and pickle rebind it to the copy.
     """
 
-    def __init__(self, kernel_size: tuple[int, ...]) -> None:
+    def __init__(self, kernel_size: tuple[int, ...], module: nn.Module | None = None) -> None:
         self.kernel_size = tuple(int(k) for k in kernel_size)
         self.ndim = len(self.kernel_size)
+        self._module = None if module is None else weakref.ref(module)
+        self._seen: tuple | None = None  # (stride, padding, dilation, groups) last found eligible
+        self._stock = False  # the module is no longer eligible: run the stock conv
+        self._wshape: torch.Size | None = None  # the weight shape last checked against the kernel
+        self._ones = (1,) * self.ndim
+        if module is not None and "_parameters" in module.__dict__:
+            # Decide now, not at the first call: a state that changes after torch.compile traced the
+            # first call would make it compile again. (Deepcopy and unpickling pass a module not yet
+            # filled in; that one is decided at its first call.)
+            self._geometry_changed(module, module.weight)
 
     def __repr__(self) -> str:
         return f"GemmConvForward(kernel_size={self.kernel_size})"
@@ -94,13 +119,74 @@ class GemmConvForward:
     def __hash__(self) -> int:
         return hash(self.kernel_size)
 
+    # A weak reference neither deep-copies nor pickles: rebuild from the (copied) module instead. Deepcopy
+    # and pickle create the module before its __dict__ (which holds this object), so ``module`` here is
+    # the copy; its attributes may not be set yet, hence no eligibility check until the first call.
+    def __deepcopy__(self, memo: dict) -> GemmConvForward:
+        module = None if self._module is None else self._module()
+        # Copied as part of its module: bind to the module's copy; copied alone: keep the module.
+        return _rebuild(self.kernel_size, memo.get(id(module), module))
+
+    def __reduce__(self):
+        return _rebuild, (self.kernel_size, None if self._module is None else self._module())
+
+    def _geometry_changed(self, m: nn.Module, weight: torch.Tensor) -> bool:
+        """Decide again after ``m``'s geometry changed; True when the GEMM no longer applies."""
+        reason = eligibility(m)
+        if reason is None and tuple(weight.shape[2:]) != tuple(m.kernel_size):
+            reason = f"weight kernel {tuple(weight.shape[2:])} != kernel_size {tuple(m.kernel_size)}"
+        attrs = (m.stride, m.padding, m.dilation, m.groups)
+        # Values that could change in place (a list) are checked again on every call.
+        self._seen = attrs if all(_frozen(a) for a in attrs) else None
+        self._stock = reason is not None
+        if reason is None:
+            self.kernel_size = tuple(int(k) for k in m.kernel_size)
+            self._wshape = weight.shape
+        return self._stock
+
     def _fallback(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Zero padding, dilation 1 and groups 1 are eligibility conditions, so the stock call is exactly
         # this, whatever the padding_mode (padding by 0 is a no-op).
         return _CONV_FN[self.ndim](x, weight, bias, self.kernel_size, 0, 1, 1)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m = None
+        ref = self._module
+        if ref is not None and (m := ref()) is not None:
+            seen = self._seen
+            if (
+                seen is None
+                or m.stride is not seen[0]
+                or m.padding is not seen[1]
+                or m.dilation is not seen[2]
+                or m.groups is not seen[3]
+            ):
+                self._geometry_changed(m, weight)
+            if self._stock:
+                return _STOCK_CONV_FORWARD[_CONV_TYPES[self.ndim - 1]](m, x, weight, bias)
+        shape = x.shape
+        # The Qwen case, kept to the fewest checks: x is (N, C, T, P, P), every sample one window, and
+        # the weight is the one last seen (its kernel checked then).
+        if shape[2:] == self.kernel_size and weight.shape == self._wshape and shape[0] and x.is_contiguous():
+            d = self._wshape[0]
+            return F.linear(x.view(shape[0], -1), weight.reshape(d, -1), bias).view(shape[0], d, *self._ones)
+        return self._general(x, weight, bias, m)
+
+    def _general(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: nn.Module | None
+    ) -> torch.Tensor:
         nd = self.ndim
+        if tuple(weight.shape[2:]) != self.kernel_size:
+            # A weight of another kernel (swapped through ``.data``, or handed in by functional_call):
+            # the stock conv's windows are not the GEMM's.
+            if m is not None:
+                return _STOCK_CONV_FORWARD[_CONV_TYPES[nd - 1]](m, x, weight, bias)
+            raise ValueError(
+                f"GemmConvForward(kernel_size={self.kernel_size}) was given a weight of shape "
+                f"{tuple(weight.shape)}; its kernel must be {self.kernel_size}"
+            )
+        if not _is_compiling():  # dynamo would store a traced shape
+            self._wshape = weight.shape
         if x.dim() != nd + 2 or x.shape[0] == 0:
             return self._fallback(x, weight, bias)  # unbatched or empty input: leave it to the conv
         n, c = x.shape[0], x.shape[1]
@@ -108,18 +194,15 @@ class GemmConvForward:
         d = weight.shape[0]
         channels_last = _is_channels_last(x, nd)
         if spatial == self.kernel_size:
-            # The Qwen case: x is (N, C, T, P, P) and every sample is one window.
             if x.is_contiguous():
-                y = F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias)  # (N, C*T*P*P) @ (C*T*P*P, D)
-            elif channels_last:
-                # Memory holds (N, *k, C): flatten that way (a view) and reorder the weight to match.
-                dims = (0, *range(2, nd + 2), 1)
-                y = F.linear(x.permute(dims).reshape(n, -1), weight.permute(dims).reshape(d, -1), bias)
-            else:
+                return F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias).view(n, d, *([1] * nd))
+            if not channels_last:
                 return self._fallback(x, weight, bias)  # odd strides: a copy would cost more than it saves
-            if channels_last:  # the conv's channels-last strides: (D, 1, D, ..., D)
-                return y.view(n, *([1] * nd), d).permute(0, nd + 1, *range(1, nd + 1))
-            return y.view(n, d, *([1] * nd))
+            # Memory holds (N, *k, C): flatten that way (a view) and reorder the weight to match.
+            dims = (0, *range(2, nd + 2), 1)
+            y = F.linear(x.permute(dims).reshape(n, -1), weight.permute(dims).reshape(d, -1), bias)
+            # The conv's channels-last strides: (D, 1, D, ..., D).
+            return y.view(n, *([1] * nd), d).permute(0, nd + 1, *range(1, nd + 1))
         if any(s < k for s, k in zip(spatial, self.kernel_size)):
             return self._fallback(x, weight, bias)  # the conv raises its own error for too-small input
         if not (x.is_contiguous() or channels_last):
@@ -141,6 +224,11 @@ class GemmConvForward:
         if channels_last or _is_channels_last(weight, nd):
             return y.contiguous(memory_format=_conv_memory_format(x, weight, bias, self.kernel_size))
         return y
+
+
+def _rebuild(kernel_size: tuple[int, ...], module: nn.Module | None) -> GemmConvForward:
+    """Deepcopy's and unpickling's constructor: the geometry is checked again at the first call."""
+    return GemmConvForward(kernel_size, module)
 
 
 class _PatchedExtraRepr:
@@ -341,7 +429,7 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         )
         raise ValueError(f"vlfast.patch(strict=True): nothing was patched ({found})")
     for m in todo:
-        m._conv_forward = GemmConvForward(tuple(m.kernel_size))
+        m._conv_forward = GemmConvForward(tuple(m.kernel_size), m)
         m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
     return report
 
