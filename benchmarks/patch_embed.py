@@ -21,16 +21,21 @@ fallback is slow enough (seconds per call in bf16) that it gets fewer rounds.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # timing on a shared CPU: idle threads must sleep
+
+import torch  # noqa: E402
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,6 +45,7 @@ from vlfast.timing import measure
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:patch_embed:start -->", "<!-- bench:patch_embed:end -->"
+CALL_MARKERS = ("<!-- bench:patch_call:start -->", "<!-- bench:patch_call:end -->")
 # One 8-frame 512x384 clip for Qwen3-VL: (8 / T=2) * (384 / 16) * (512 / 16) = 4 * 24 * 32 = 3,072 patches.
 DEFAULT_PATCHES = 3072
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -167,49 +173,101 @@ def _check_agreement(conv, patched, pixels, w2d, bias) -> None:
         raise AssertionError(f"the patched conv disagrees with nn.Conv3d: cosine {cos:.6f}")
 
 
+def load_baseline(rev: str):
+    """vlfast's ``patching`` module as it was at git revision ``rev``, to time the patch before a change
+    beside it after, in one run (the machine is shared: only ratios from one run compare)."""
+    source = subprocess.run(
+        ["git", "-C", str(README.parent), "show", f"{rev}:src/vlfast/patching.py"],
+        capture_output=True,
+        text=True,
+    )
+    if source.returncode != 0:
+        raise SystemExit(
+            f"--baseline {rev}: git cannot show src/vlfast/patching.py there: {source.stderr.strip()}"
+        )
+    name = f"_vlfast_patching_at_{re.sub(r'[^0-9A-Za-z]', '_', rev)}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up there
+    exec(compile(source.stdout, f"{rev}:src/vlfast/patching.py", "exec"), module.__dict__)
+    return module
+
+
+# N = 4 with 8 outputs isolates the fixed cost; 16 to 256 patches (thumbnails, low-resolution frames,
+# streaming one frame at a time) are where a fixed cost could still show against the GEMM.
+CALL_SIZES = ((4, 8), (16, None), (64, None), (256, None))
+
+
 def call_overhead_us(
-    shape: Shape, device: torch.device, calls: int = 200, rounds: int = 9
-) -> dict[str, float]:
-    """Microseconds per call with the shape's kernel but N = 4 patches and 8 outputs, fp32, one thread.
+    shape: Shape, device: torch.device, baseline=None, rounds: int = 9, budget_ms: float = 20.0
+) -> list[dict]:
+    """Microseconds per module call for each N in ``CALL_SIZES``, fp32, one thread: the patched conv
+    against an ``nn.Linear`` of the same weight (module call against module call; the caller's own
+    ``view`` before and after, the same with or without the patch, excluded), the stock conv, raw
+    ``F.linear``, and the patch at ``baseline`` (a module from :func:`load_baseline`) when given.
 
-    The GEMM then costs next to nothing, which isolates what the patch itself adds per call (module
-    call, shape checks, views): the large-N ratio patched / linear is 1 only within the machine's noise.
+    Each variant runs a loop of calls sized to ~``budget_ms``; rounds interleave the variants and the
+    minimum over rounds is taken, as timeit advises for fixed costs; the spread (max / min over rounds) of
+    the patched variant is reported beside it.
     """
-    c, t, p, d = shape.in_channels, shape.temporal, shape.patch, 8
-    conv = nn.Conv3d(c, d, (t, p, p), stride=(t, p, p)).to(device)
-    patched = nn.Conv3d(c, d, (t, p, p), stride=(t, p, p)).to(device)
-    vlfast.patch(patched, strict=True)
-    pixels = torch.randn(4, c * t * p * p, device=device)
-    w2d, bias = conv.weight.detach().reshape(d, -1), conv.bias.detach()
-    fns = {
-        "conv": lambda: conv(pixels.view(-1, c, t, p, p)).view(-1, d),
-        "patched": lambda: patched(pixels.view(-1, c, t, p, p)).view(-1, d),
-        "linear": lambda: F.linear(pixels, w2d, bias),
-    }
-
-    def loop(fn):
-        return lambda: [fn() for _ in range(calls)]
-
-    times: dict[str, list[float]] = {k: [] for k in fns}
     threads = torch.get_num_threads()
-    # One thread: waking a second one for a 4 x 1536 GEMM costs more, and more erratically, than the
-    # work itself on a busy machine. The minimum, as timeit advises for fixed costs.
+    # One thread: waking a second one for a small GEMM costs more, and more erratically, than the work.
     torch.set_num_threads(1)
     try:
-        with torch.inference_mode():
-            for fn in fns.values():
-                loop(fn)()
-            for _ in range(rounds):
-                for k, fn in fns.items():
-                    times[k].append(measure(loop(fn), device=device, warmup=0, repeats=1).times_ms[0])
+        return [
+            _call_times(shape, n, d or shape.out, device, baseline, rounds, budget_ms) for n, d in CALL_SIZES
+        ]
     finally:
         torch.set_num_threads(threads)
-    return {k: min(v) * 1e3 / calls for k, v in times.items()}
+
+
+def _call_times(
+    shape: Shape, n: int, d: int, device: torch.device, baseline, rounds: int, budget_ms: float
+) -> dict:
+    c, t, p = shape.in_channels, shape.temporal, shape.patch
+    k = c * t * p * p
+    gen = torch.Generator().manual_seed(0)
+    conv = nn.Conv3d(c, d, (t, p, p), stride=(t, p, p)).to(device)
+    patched = copy.deepcopy(conv)
+    vlfast.patch(patched, strict=True)
+    linear = nn.Linear(k, d).to(device)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.reshape(d, -1))
+        linear.bias.copy_(conv.bias)
+    pixels = torch.randn(n, k, generator=gen).to(device)
+    x5 = pixels.view(n, c, t, p, p)
+    w2d, bias = conv.weight.detach().reshape(d, -1), conv.bias.detach()
+    fns = {
+        "nn.Linear": lambda: linear(pixels),
+        "patched": lambda: patched(x5),
+        "F.linear": lambda: F.linear(pixels, w2d, bias),
+        "conv": lambda: conv(x5),
+    }
+    if baseline is not None:
+        before = copy.deepcopy(conv)
+        baseline.patch(before, strict=True)
+        fns["before"] = lambda: before(x5)
+
+    def loop(fn, calls):
+        return lambda: [fn() for _ in range(calls)]
+
+    with torch.inference_mode():
+        if not torch.equal(patched(x5).view(n, d), linear(pixels)):
+            raise AssertionError(f"N={n}: the patched conv does not compute exactly nn.Linear")
+        once = min(measure(loop(f, 20), device=device, warmup=1, repeats=3).min_ms / 20 for f in fns.values())
+        calls = max(3, int(budget_ms / max(once, 1e-4)))
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        names = list(fns)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                ms = measure(loop(fns[name], calls), device=device, warmup=0, repeats=1).times_ms[0]
+                times[name].append(ms * 1e3 / calls)
+    us = {name: min(v) for name, v in times.items()}
+    spread = max(times["patched"]) / min(times["patched"])
+    return {"n": n, "d": d, "calls": calls, "us": us, "spread": spread}
 
 
 def render(
     rows: list[dict],
-    overheads: list[dict],
     header: str,
     n: int,
     rounds: int,
@@ -247,23 +305,55 @@ def render(
         "disabled, the slow path torch >= 2.9 takes for bf16 5-D convs with cuDNN 9.8-9.14; patched: after "
         "`vlfast.patch`; F.linear: the raw GEMM on a pre-reshaped weight (the limit).",
     ]
-    for o in overheads:
-        us = o["us"]
-        lines += [
-            "",
-            f"Per-call cost with the {o['shape'].label.split(' ->')[0]} kernel, 8 outputs, N = 4 patches, fp32, "
-            f"{o['device']}, one thread, best of 9 x 200 calls (the GEMM next to free): conv {us['conv']:.0f} us, patched {us['patched']:.0f} us, F.linear {us['linear']:.0f} us; "
-            f"the patch itself adds {us['patched'] - us['linear']:.0f} us per call.",
-        ]
     return "\n".join(lines)
 
 
-def write_readme(table: str, path: Path = README) -> None:
+def render_calls(
+    calls: list[dict], shape: Shape, device: str, header: str, command: str, baseline: str | None
+) -> str:
+    before = f"before ({baseline})" if baseline else None
+    lines = [
+        f"Per call, module against module: the patched conv against an `nn.Linear` of the same weight, "
+        f"{shape.label.split(' ->')[0]} kernel, fp32, {device}, one thread, OMP_WAIT_POLICY "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'default')}; minimum over 9 interleaved rounds of ~20 ms "
+        "loops, microseconds. The caller's own `view` before and after the conv is left out: it is the "
+        "same with or without the patch.",
+        "",
+        header,
+        "",
+        f"`{command}`",
+        "",
+        "| N | D | nn.Linear | patched | "
+        + (f"{before} | " if before else "")
+        + "F.linear | conv | patched - nn.Linear | "
+        + ("before - nn.Linear | " if before else "")
+        + "patched / nn.Linear | spread (patched, max/min) |",
+        "|---:|---:|---:|---:|"
+        + ("---:|" if before else "")
+        + "---:|---:|---:|"
+        + ("---:|" if before else "")
+        + "---:|---:|",
+    ]
+    for r in calls:
+        us = r["us"]
+        cells = [f"{r['n']}", f"{r['d']}", f"{us['nn.Linear']:.1f}", f"{us['patched']:.1f}"]
+        if before:
+            cells.append(f"{us['before']:.1f}")
+        cells += [f"{us['F.linear']:.1f}", f"{us['conv']:.1f}", f"{us['patched'] - us['nn.Linear']:+.1f}"]
+        if before:
+            cells.append(f"{us['before'] - us['nn.Linear']:+.1f}")
+        cells += [f"{us['patched'] / us['nn.Linear']:.3f}", f"{r['spread']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_readme(table: str, path: Path = README, markers: tuple[str, str] = (START, END)) -> None:
+    start, end = markers
     text = path.read_text() if path.exists() else ""
-    block = f"{START}\n{table}\n{END}"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        after = rest.split(END, 1)[1]
+    block = f"{start}\n{table}\n{end}"
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        after = rest.split(end, 1)[1]
         text = before + block + after
     else:
         text = text.rstrip("\n") + "\n\n## Patch-embedding benchmark\n\n" + block + "\n"
@@ -281,7 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--fallback-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
-    ap.add_argument("--write-readme", action="store_true", help=f"write the table into {README.name}")
+    ap.add_argument("--write-readme", action="store_true", help=f"write the tables into {README.name}")
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also time the patch as it was at this git revision (per-call table), in the same run",
+    )
+    ap.add_argument("--per-call-only", action="store_true", help="only the per-call table (about a minute)")
     args = ap.parse_args(argv)
     # torch warns about oneDNN TF32 on Intel GPUs each time the mkldnn flags change: noise here.
     warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
@@ -294,8 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         if name not in REFERENCES:
             ap.error(f"unknown reference {name!r}; choose from {', '.join(REFERENCES)}")
     shapes = reference_shapes(args.refs)
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    command = "python benchmarks/patch_embed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    dev = torch.device("cuda") if "cuda" in devices else torch.device("cpu")
     rows = []
-    for dev_name in devices:
+    for dev_name in [] if args.per_call_only else devices:
         device = torch.device(dev_name)
         for shape in shapes:
             for dt in args.dtypes:
@@ -309,18 +408,23 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-    overheads = [
-        {"shape": shapes[0], "device": d, "us": call_overhead_us(shapes[0], torch.device(d))} for d in devices
-    ]
-    command = "python benchmarks/patch_embed.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    dev = torch.device("cuda") if "cuda" in devices else torch.device("cpu")
-    table = render(
-        rows, overheads, hardware(dev), args.patches, args.rounds, args.fallback_rounds, command.strip()
-    )
-    print(table)
+    tables = []
+    if rows:
+        table = render(rows, hardware(dev), args.patches, args.rounds, args.fallback_rounds, command.strip())
+        tables.append(((START, END), table))
+    for dev_name in devices:
+        calls = call_overhead_us(shapes[0], torch.device(dev_name), baseline)
+        table = render_calls(calls, shapes[0], dev_name, hardware(dev), command.strip(), args.baseline)
+        if dev_name == "cpu" or len(devices) == 1:
+            tables.append((CALL_MARKERS, table))
+        else:
+            print(table)
+    for markers, table in tables:
+        print(table + "\n")
+        if args.write_readme:
+            write_readme(table, markers=markers)
     if args.write_readme:
-        write_readme(table)
-        print(f"\nwrote the table into {README}", file=sys.stderr)
+        print(f"wrote {len(tables)} table(s) into {README}", file=sys.stderr)
     return 0
 
 
