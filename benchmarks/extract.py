@@ -122,7 +122,7 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
     from vlfast.extraction.preprocess import Preprocessor, build_processor_config
     from vlfast.extraction.synthetic import make_images
     from vlfast.models import build_reference, tower_outputs
-    from vlfast.patching import patch
+    from vlfast.patching.gemm import patch
 
     paths = make_images(work / "images", [(640, 480)] * n_images)
     tower = build_reference(model)  # the pipeline builds the same weights (seed 0)
@@ -223,7 +223,7 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
     from vlfast.extraction.preprocess import build_processor_config, sample_frame_indices, video_resize_shape
     from vlfast.extraction.synthetic import make_tiny_qwen3_vl, make_video
     from vlfast.models import load_vision_tower, tower_outputs
-    from vlfast.patching import patch
+    from vlfast.patching.gemm import patch
 
     ckpt = make_tiny_qwen3_vl(work / "tiny")
     paths = [

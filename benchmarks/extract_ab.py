@@ -50,7 +50,7 @@ def naive_child(images: Path, model: str) -> None:
 
     from vlfast.extraction.preprocess import Preprocessor, build_processor_config
     from vlfast.models import build_reference, tower_outputs
-    from vlfast.patching import patch
+    from vlfast.patching.gemm import patch
 
     tower = build_reference(model)
     patch(tower)

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import vlfast
+from vlfast.diagnosis.timing import measure
 from vlfast.models import REFERENCES, build_reference, tower_spec
-from vlfast.timing import measure
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:patch_embed:start -->", "<!-- bench:patch_embed:end -->"
@@ -177,18 +177,18 @@ def load_baseline(rev: str):
     """vlfast's ``patching`` module as it was at git revision ``rev``, to time the patch before a change
     beside it after, in one run (the machine is shared: only ratios from one run compare)."""
     source = subprocess.run(
-        ["git", "-C", str(README.parent), "show", f"{rev}:src/vlfast/patching.py"],
+        ["git", "-C", str(README.parent), "show", f"{rev}:src/vlfast/patching/gemm.py"],
         capture_output=True,
         text=True,
     )
     if source.returncode != 0:
         raise SystemExit(
-            f"--baseline {rev}: git cannot show src/vlfast/patching.py there: {source.stderr.strip()}"
+            f"--baseline {rev}: git cannot show src/vlfast/patching/gemm.py there: {source.stderr.strip()}"
         )
     name = f"_vlfast_patching_at_{re.sub(r'[^0-9A-Za-z]', '_', rev)}"
     module = types.ModuleType(name)
     sys.modules[name] = module  # dataclasses look their module up there
-    exec(compile(source.stdout, f"{rev}:src/vlfast/patching.py", "exec"), module.__dict__)
+    exec(compile(source.stdout, f"{rev}:src/vlfast/patching/gemm.py", "exec"), module.__dict__)
     return module
 
 

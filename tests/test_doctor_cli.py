@@ -13,10 +13,10 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-import vlfast.diagnosis
+import vlfast.diagnosis.doctor
 from vlfast.cli import doctor as doctor_cli
-from vlfast.probe import ProbeResult
-from vlfast.timing import Timing
+from vlfast.diagnosis.probe import ProbeResult
+from vlfast.diagnosis.timing import Timing
 
 runner = CliRunner()
 
@@ -84,7 +84,7 @@ def _run(*args: str):
 
 
 def test_slow_path_exits_1_with_the_fix(monkeypatch):
-    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(40.0))
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(40.0))
     res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--dtype", "bf16", "--json")
     assert res.exit_code == 1, res.output
     data = json.loads(res.stdout)
@@ -98,7 +98,7 @@ def test_slow_path_exits_1_with_the_fix(monkeypatch):
 
 
 def test_fast_path_exits_0(monkeypatch):
-    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(1.3))
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(1.3))
     res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
@@ -106,9 +106,9 @@ def test_fast_path_exits_0(monkeypatch):
 
 
 def test_threshold_is_2x(monkeypatch):
-    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(2.0))
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(2.0))
     assert _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--json").exit_code == 1
-    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(1.99))
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(1.99))
     assert _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--json").exit_code == 0
 
 
@@ -116,10 +116,10 @@ def test_patched_model_is_not_a_finding(monkeypatch):
     from vlfast import patch
     from vlfast.models import build_reference
 
-    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(40.0))
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(40.0))
     tower = build_reference("qwen3-vl-4b", tiny=True)
     patch(tower)
-    report = vlfast.diagnosis.doctor(tower, device="cpu", dtype="bfloat16")
+    report = vlfast.diagnosis.doctor.doctor(tower, device="cpu", dtype="bfloat16")
     assert report.verdict == "patched" and report.exit_code == 0 and report.facts.model_patched is True
     assert report.fixes == [] and report.savings_ms_per_sample == {}
 
@@ -127,7 +127,7 @@ def test_patched_model_is_not_a_finding(monkeypatch):
 def test_no_args_scans_every_reference(monkeypatch):
     from vlfast.models import REFERENCES
 
-    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(3.0))
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(3.0))
     res = _run("--device", "cpu", "--json")
     assert res.exit_code == 1, res.output
     data = json.loads(res.stdout)
@@ -157,7 +157,7 @@ def test_real_probe_json_schema_is_stable():
 
 
 def test_markdown_block(monkeypatch):
-    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(40.0))
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(40.0))
     res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--markdown")
     assert res.exit_code == 1
     assert res.stdout.startswith("### vlfast doctor")
@@ -166,7 +166,7 @@ def test_markdown_block(monkeypatch):
 
 
 def test_human_output(monkeypatch):
-    monkeypatch.setattr(vlfast.diagnosis, "probe_conv", _fake_probe(40.0))
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(40.0))
     res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu")
     assert res.exit_code == 1
     assert "verdict: slow" in res.stdout and "vlfast.patch(model)" in res.stdout

@@ -8,10 +8,17 @@ import pytest
 import torch
 
 import vlfast
-from vlfast.diagnosis import Finding, doctor, verdict_for
+from vlfast.diagnosis.doctor import Finding, doctor, verdict_for
+from vlfast.diagnosis.probe import (
+    DEFAULT_PATCHES,
+    ConvShape,
+    ProbeResult,
+    conv_shapes,
+    merge_shapes,
+    probe_conv,
+)
+from vlfast.diagnosis.timing import Timing
 from vlfast.models import build_reference
-from vlfast.probe import DEFAULT_PATCHES, ConvShape, ProbeResult, conv_shapes, merge_shapes, probe_conv
-from vlfast.timing import Timing
 
 SMALL = ConvShape("Conv3d", 3, 32, (2, 4, 4), True, 64, ("toy:proj",))
 
@@ -126,7 +133,7 @@ def test_doctor_validates_arguments():
 def test_a_very_slow_conv_is_not_repeated(monkeypatch):
     import time
 
-    import vlfast.probe as probe
+    import vlfast.diagnosis.probe as probe
 
     calls = {"conv": 0}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vlfast.facts import Facts, cudnn_version_str, dtype_name, version_tuple
-from vlfast.rules import RULES, ConvGeometry, evaluate, rule_fires
+from vlfast.diagnosis.facts import Facts, cudnn_version_str, dtype_name, version_tuple
+from vlfast.diagnosis.rules import RULES, ConvGeometry, evaluate, rule_fires
 
 QWEN = ConvGeometry((2, 16, 16), "patch_embed.proj")  # Conv3d, 5-D weight
 POINTWISE = ConvGeometry((1, 1, 1), "pointwise")
@@ -160,7 +160,7 @@ def test_docs_list_every_rule_and_every_json_key():
     # Meta-test: the documented rules and schema stay in step with the code.
     from pathlib import Path
 
-    from vlfast.diagnosis import DoctorReport
+    from vlfast.diagnosis.doctor import DoctorReport
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "doctor.md").read_text()
     for r in RULES:
@@ -173,5 +173,5 @@ def test_docs_list_every_rule_and_every_json_key():
 def test_public_names():
     import vlfast
 
-    assert vlfast.doctor.__module__ == "vlfast.diagnosis"
-    assert vlfast.profile.__module__ == "vlfast.profiler"
+    assert vlfast.doctor.__module__ == "vlfast.diagnosis.doctor"
+    assert vlfast.profile.__module__ == "vlfast.diagnosis.profiler"

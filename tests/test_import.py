@@ -13,7 +13,7 @@ def test_import_is_cheap_and_does_not_touch_cuda():
         "import sys, torch\n"
         "def boom(*a, **k): raise RuntimeError('CUDA touched during import')\n"
         "torch.cuda.init = boom; torch.cuda.current_device = boom; torch.cuda._lazy_init = boom\n"
-        "import vlfast, vlfast.patching\n"
+        "import vlfast, vlfast.patching.gemm\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
@@ -34,3 +34,24 @@ def test_public_surface():
         assert "nope" in str(e)
     else:
         raise AssertionError("unknown attribute did not raise")
+
+
+def test_the_top_level_holds_the_capability_packages_and_little_else():
+    """The tree reads like the README: a new module goes into the capability it serves."""
+    from pathlib import Path
+
+    import vlfast
+
+    root = Path(vlfast.__file__).parent
+    modules = {p.stem for p in root.glob("*.py")}
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
+    assert packages == {"patching", "diagnosis", "extraction", "tokens", "cli"}
+    assert modules == {"__init__", "_files", "models", "run"}
+
+
+def test_the_autopatch_hook_imports_no_torch():
+    """The .pth hook runs at every interpreter start: its import path must stay free."""
+    code = "import sys, vlfast.patching.autopatch; print('TORCH', 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "TORCH False" in out.stdout, out.stdout

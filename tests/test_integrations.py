@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import vlfast
-from vlfast.integrations import (
+from vlfast.patching.integrations import (
     discover_families,
     patch_transformers,
     transformers_patched,

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vlfast
 from _patching_checks import assert_verbose_close
-from vlfast.patching import GemmConvForward, eligibility, is_patched, patch, patched_modules, unpatch
+from vlfast.patching.gemm import GemmConvForward, eligibility, is_patched, patch, patched_modules, unpatch
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}

@@ -19,7 +19,7 @@ import torch
 
 from _patching_checks import assert_verbose_close, cosine
 from vlfast.models import REFERENCES, build_reference, synthetic_inputs, tower_outputs
-from vlfast.patching import is_patched, patch, unpatch
+from vlfast.patching.gemm import is_patched, patch, unpatch
 
 GRIDS = [(2, 4, 6), (1, 2, 2)]  # a two-temporal-patch video and a small image, one batch
 

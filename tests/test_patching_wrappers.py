@@ -13,7 +13,7 @@ from torch import nn
 
 from _patching_checks import assert_verbose_close
 from vlfast.models import build_reference, synthetic_inputs, tower_outputs
-from vlfast.patching import is_patched, patch, patched_modules, unpatch
+from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
 
 accelerate_hooks = pytest.importorskip("accelerate.hooks")
 peft = pytest.importorskip("peft")

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 import vlfast
 from vlfast.cli import profile as profile_cli
+from vlfast.diagnosis.profiler import INLINE, component_modules, profile
 from vlfast.models import REFERENCES, build_reference
-from vlfast.profiler import INLINE, component_modules, profile
 
 SUM_TOLERANCE = 0.25
 
@@ -72,7 +72,7 @@ def test_components_sum_to_the_forward():
 
 
 def test_every_run_leaves_a_non_negative_remainder(monkeypatch):
-    import vlfast.profiler as prof
+    import vlfast.diagnosis.profiler as prof
 
     seen = []
     real = prof._one_run

@@ -20,8 +20,8 @@ from vlfast.models import (
     tower_outputs,
     tower_spec,
 )
-from vlfast.patching import GemmConvForward
-from vlfast.verification import Thresholds, compare, verify
+from vlfast.patching.gemm import GemmConvForward
+from vlfast.patching.verification import Thresholds, compare, verify
 
 runner = CliRunner()
 

@@ -15,19 +15,19 @@ __version__ = "0.1.0"
 # public name -> module that defines it. Modules are named apart from the functions they export
 # (patching/patch, verification/verify, ...) so importing a submodule never shadows a function.
 _EXPORTS = {
-    "patch": "vlfast.patching",
-    "unpatch": "vlfast.patching",
-    "is_patched": "vlfast.patching",
-    "PatchReport": "vlfast.patching",
-    "patch_transformers": "vlfast.integrations",
-    "unpatch_transformers": "vlfast.integrations",
-    "discover_families": "vlfast.integrations",
-    "verify": "vlfast.verification",
-    "VerifyReport": "vlfast.verification",
+    "patch": "vlfast.patching.gemm",
+    "unpatch": "vlfast.patching.gemm",
+    "is_patched": "vlfast.patching.gemm",
+    "PatchReport": "vlfast.patching.gemm",
+    "patch_transformers": "vlfast.patching.integrations",
+    "unpatch_transformers": "vlfast.patching.integrations",
+    "discover_families": "vlfast.patching.integrations",
+    "verify": "vlfast.patching.verification",
+    "VerifyReport": "vlfast.patching.verification",
     "load_model": "vlfast.models",
     "list_references": "vlfast.models",
-    "doctor": "vlfast.diagnosis",
-    "profile": "vlfast.profiler",
+    "doctor": "vlfast.diagnosis.doctor",
+    "profile": "vlfast.diagnosis.profiler",
     "extract": "vlfast.extraction",
     "FeatureCache": "vlfast.extraction",
     "audit_tokens": "vlfast.tokens",
@@ -36,7 +36,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from vlfast.patching import PatchReport, is_patched, patch, unpatch  # noqa: F401
+    from vlfast.patching.gemm import PatchReport, is_patched, patch, unpatch  # noqa: F401
 
 
 def __getattr__(name: str):

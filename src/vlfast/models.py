@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlfast.patching import eligibility
+from vlfast.patching.gemm import eligibility
 
 __all__ = [
     "REFERENCES",

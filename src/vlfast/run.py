@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + (__doc__ or "").strip(), file=sys.stderr if not args else sys.stdout)
         raise SystemExit(2 if not args else 0)
-    from vlfast.integrations import patch_transformers
+    from vlfast.patching.integrations import patch_transformers
 
     patch_transformers(all_convs=all_convs)
     if args[0] == "-m":

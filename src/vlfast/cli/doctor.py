@@ -19,7 +19,7 @@ _VERDICT_STYLE = {"slow": "bold red", "ok": "bold green", "patched": "bold green
 
 
 def _render(report) -> None:
-    from vlfast.facts import cudnn_version_str
+    from vlfast.diagnosis.facts import cudnn_version_str
 
     f = report.facts
     env = Table(title="Environment", show_header=False, title_justify="left")
@@ -148,8 +148,8 @@ def register(app: typer.Typer) -> None:
         With no --model it probes every built-in reference (offline). Exit status 1 when a patchable
         conv is measured >= 2x slower than its GEMM and the model is not patched.
         """
-        from vlfast.diagnosis import doctor
-        from vlfast.probe import DEFAULT_PATCHES
+        from vlfast.diagnosis.doctor import doctor
+        from vlfast.diagnosis.probe import DEFAULT_PATCHES
 
         report = doctor(
             model,

@@ -36,7 +36,7 @@ def _ms(v: float | None) -> str:
 
 
 def _render(report) -> None:
-    from vlfast.profiler import INLINE
+    from vlfast.diagnosis.profiler import INLINE
 
     for before, after in report.pairs():
         ref = before or after
@@ -141,7 +141,7 @@ def register(app: typer.Typer) -> None:
         Components: patch embedding, position and rotary embedding, each block, deepstack mergers,
         merger, and what the tower computes inline. With a checkpoint the whole VLM forward is timed too.
         """
-        from vlfast.profiler import profile
+        from vlfast.diagnosis.profiler import profile
 
         report = profile(
             model,

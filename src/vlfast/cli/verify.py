@@ -50,7 +50,7 @@ def verify(
     as_json: JsonOpt = False,
 ) -> None:
     """Prove the patch changes nothing numerically on a model: exit 0 on pass, 1 on failure."""
-    from vlfast.verification import verify as run_verify
+    from vlfast.patching.verification import verify as run_verify
 
     grids = [_parse_grid(g) for g in grid] if grid else [(2, 16, 16), (1, 12, 20)]
     report = run_verify(

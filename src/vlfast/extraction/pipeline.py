@@ -267,7 +267,7 @@ def _load(
         tower = load_vision_tower(model, device=device, dtype=dtype)
     tower.eval()
     if patch_convs:
-        from vlfast.patching import patch
+        from vlfast.patching.gemm import patch
 
         patch(tower)
     return _Model(model, family, tower, whole, device, dtype)

@@ -2,7 +2,7 @@
 
 A ``.pth`` file installed with vlfast calls :func:`install_from_env` at interpreter start-up when the
 variable is set. Start-up must stay cheap and must not import torch or transformers, so this installs an
-import hook that runs :func:`vlfast.integrations.patch_transformers` right after
+import hook that runs :func:`vlfast.patching.integrations.patch_transformers` right after
 ``transformers.modeling_utils`` is first imported. Child processes (torchrun, accelerate, DataLoader
 workers) inherit the variable, so launchers the user does not control are covered.
 
@@ -28,7 +28,7 @@ def env_setting(environ: dict | None = None) -> str | None:
 
 
 def _activate(value: str) -> None:
-    from vlfast.integrations import patch_transformers
+    from vlfast.patching.integrations import patch_transformers
 
     patch_transformers(all_convs=value == "all")
 

@@ -2,7 +2,7 @@
 
 :class:`Facts` is plain data: versions, backend switches, the device and dtype being diagnosed. Every
 field may be ``None``, meaning "could not collect": each probe in :func:`collect_facts` fails soft, so
-a broken driver or a missing package never stops the diagnosis. Rules (``vlfast.rules``) are pure
+a broken driver or a missing package never stops the diagnosis. Rules (``vlfast.diagnosis.rules``) are pure
 functions of these facts, and tests build ``Facts(...)`` by hand to play any machine.
 """
 

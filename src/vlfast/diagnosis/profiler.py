@@ -3,7 +3,7 @@
 Components are the tower's direct children, found by name (:data:`COMPONENTS` maps name patterns to
 labels; a child no pattern knows keeps its own name), so no family needs its own code. Items of a
 ``ModuleList`` (the blocks, the deepstack mergers) are timed one by one. Each component is timed by a
-forward pre-hook and a forward hook that mark a :class:`~vlfast.timing.Clock` (CUDA events on GPU, no
+forward pre-hook and a forward hook that mark a :class:`~vlfast.diagnosis.timing.Clock` (CUDA events on GPU, no
 synchronisation inside the forward). Work a tower does inline in ``forward`` rather than in a child
 (index and weight computation for the position embedding, rotary tables, ``cu_seqlens``) belongs to no
 component: it is reported as ``other (inline)`` = forward - sum(components), measured per run.
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlfast.facts import check_device, default_device, default_dtype, dtype_name
-from vlfast.patching import is_patched, patch, patched_modules, unpatch
-from vlfast.timing import Clock, measure
+from vlfast.diagnosis.facts import check_device, default_device, default_dtype, dtype_name
+from vlfast.diagnosis.timing import Clock, measure
+from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
 
 __all__ = ["COMPONENTS", "ProfileReport", "ProfileRun", "component_modules", "profile"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
-from vlfast.patching import Filter, _compile_filter, patch
+from vlfast.patching.gemm import Filter, _compile_filter, patch
 
 __all__ = [
     "Family",

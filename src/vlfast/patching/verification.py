@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlfast.patching import eligibility, patch, unpatch
+from vlfast.patching.gemm import eligibility, patch, unpatch
 
 __all__ = ["Check", "Thresholds", "VerifyReport", "compare", "verify"]
 

@@ -3,9 +3,9 @@
 The diagnosis runs in four steps, data first and rendering last:
 
 1. scan the model (or every built-in reference, on ``device="meta"``) for stride == kernel convs;
-2. collect environment :class:`~vlfast.facts.Facts`, each probe failing soft;
-3. time each conv geometry against its GEMM here (:mod:`vlfast.probe`) - the measurement decides;
-4. explain the result with the known rules (:mod:`vlfast.rules`) and name the fix and its saving.
+2. collect environment :class:`~vlfast.diagnosis.facts.Facts`, each probe failing soft;
+3. time each conv geometry against its GEMM here (:mod:`vlfast.diagnosis.probe`) - the measurement decides;
+4. explain the result with the known rules (:mod:`vlfast.diagnosis.rules`) and name the fix and its saving.
 
 The :class:`DoctorReport` renders itself as JSON (schema ``vlfast.doctor/1``, documented in
 ``docs/doctor.md``) or as a paste-ready markdown block; ``vlfast doctor`` adds rich tables.
@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from vlfast.facts import (
+from vlfast.diagnosis.facts import (
     Facts,
     check_device,
     collect_facts,
@@ -31,8 +31,15 @@ from vlfast.facts import (
     default_dtype,
     dtype_name,
 )
-from vlfast.probe import DEFAULT_PATCHES, ConvShape, ProbeResult, conv_shapes, merge_shapes, probe_conv
-from vlfast.rules import ConvGeometry, RuleHit, evaluate
+from vlfast.diagnosis.probe import (
+    DEFAULT_PATCHES,
+    ConvShape,
+    ProbeResult,
+    conv_shapes,
+    merge_shapes,
+    probe_conv,
+)
+from vlfast.diagnosis.rules import ConvGeometry, RuleHit, evaluate
 
 __all__ = ["SCHEMA", "SLOW_RATIO", "DoctorReport", "Finding", "Fix", "doctor", "verdict_for"]
 

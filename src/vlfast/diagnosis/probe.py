@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlfast.patching import eligibility, is_patched
-from vlfast.timing import Timing, measure
+from vlfast.diagnosis.timing import Timing, measure
+from vlfast.patching.gemm import eligibility, is_patched
 
 __all__ = ["DEFAULT_PATCHES", "ConvShape", "ProbeResult", "conv_shapes", "merge_shapes", "probe_conv"]
 

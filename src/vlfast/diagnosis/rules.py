@@ -2,7 +2,7 @@
 
 A rule says *why* a convolution may run slowly on this machine, with its public source and the
 environment-side fix. Rules never decide the verdict (the doctor's live measurement does); they explain
-it. Each predicate takes :class:`~vlfast.facts.Facts` and a :class:`ConvGeometry` and touches no device,
+it. Each predicate takes :class:`~vlfast.diagnosis.facts.Facts` and a :class:`ConvGeometry` and touches no device,
 so tests play any machine by building ``Facts`` by hand.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlfast.facts import Facts
+from vlfast.diagnosis.facts import Facts
 
 __all__ = ["RULES", "ConvGeometry", "Rule", "RuleHit", "evaluate", "rule_fires"]
 
