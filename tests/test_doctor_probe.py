@@ -91,8 +91,10 @@ def test_doctor_on_cpu_with_onednn_off_explains_with_the_rule():
     assert "cpu-no-onednn" in {r.id for r in report.rules}
     (finding,) = report.findings
     assert "cpu-no-onednn" in finding.rules
-    assert finding.status in ("slow", "ok") and finding.probe.ratio > 0
-    assert report.exit_code == (1 if finding.status == "slow" else 0)
+    assert finding.forward_status in ("slow-path", "ok") and finding.probe.ratio > 0
+    # oneDNN off: a rule that names a fallback kernel, so a measured loss is a slow path, never a gain
+    assert finding.status != "gain"
+    assert report.exit_code == (1 if report.verdict == "slow-path" else 0)
 
 
 def test_doctor_facts_are_collected_soft():
@@ -109,14 +111,15 @@ def _finding(ratio: float | None, patched: bool = False, error: str | None = Non
     gemm = Timing((1.0,))
     conv = Timing((ratio,)) if ratio is not None else None
     probe = ProbeResult(shape, "cpu", "bfloat16", conv=conv, gemm=gemm if conv else None, error=error)
-    status = "error" if error else ("slow" if ratio >= 2 else "ok")
-    return Finding(probe, [], status)
+    status = "error" if error else ("slow-path" if ratio >= 10 else "gain" if ratio >= 2 else "ok")
+    return Finding(probe, [], status, status)
 
 
 def test_verdict_from_measurements():
     assert verdict_for([]) == "no-convs"
     assert verdict_for([_finding(1.2)]) == "ok"
-    assert verdict_for([_finding(1.2), _finding(5.0)]) == "slow"
+    assert verdict_for([_finding(1.2), _finding(5.0)]) == "gain"
+    assert verdict_for([_finding(5.0), _finding(12.0)]) == "slow-path"
     assert verdict_for([_finding(5.0, patched=True)]) == "patched"
     assert verdict_for([_finding(None, error="RuntimeError: x")]) == "unmeasured"
 

@@ -132,7 +132,16 @@ def test_rule_fires_by_id_and_unknown_id():
 def test_evaluate_lists_the_convs_each_rule_concerns():
     (hit,) = evaluate(gpu(), [QWEN, POINTWISE, CONV2D])
     assert hit.id == "cudnn-skip-conv3d" and hit.convs == ["patch_embed.proj"]
-    assert set(hit.to_dict()) == {"id", "title", "source", "explanation", "env_fix", "convs"}
+    assert set(hit.to_dict()) == {
+        "id",
+        "title",
+        "source",
+        "explanation",
+        "env_fix",
+        "convs",
+        "pathological",
+        "phases",
+    }
 
 
 def test_facts_validation_and_round_trip():

@@ -1,8 +1,9 @@
 """``vlfast doctor``: measure the patch-embedding slow path here, explain it, print the fix.
 
-Exit status: 0 when no patchable conv is slow (or the model is already patched), 1 (EXIT_FINDING) when
-one is measured >= 2x slower than its GEMM and not patched, so a launcher or CI job can use the command
-as a guard; 2 for bad input, 3 when it could not run.
+Exit status: 1 (EXIT_FINDING) for a slow path (a fallback kernel: >= 10x its GEMM, or >= 2x with a
+pathological rule explaining it) in a conv that is not patched; 4 for an ordinary gain (>= 2x, as every
+CPU's conv is), or 0 with ``--fail-on slow-path``; 0 when nothing is lost or the model is patched; 2 for
+bad input, 3 when it could not run. A launcher guards with ``vlfast doctor --fail-on slow-path``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,28 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from vlfast.cli._common import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, console, handle_errors, print_json
+from vlfast.cli._common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelOpt,
+    UsageError,
+    console,
+    handle_errors,
+    print_json,
+)
 
-_STATUS_STYLE = {"slow": "bold red", "ok": "green", "error": "yellow", "skipped": "dim"}
-_VERDICT_STYLE = {"slow": "bold red", "ok": "bold green", "patched": "bold green"}
+_STATUS_STYLE = {
+    "slow-path": "bold red",
+    "gain": "yellow",
+    "ok": "green",
+    "error": "yellow",
+    "skipped": "dim",
+}
+_VERDICT_STYLE = {"slow-path": "bold red", "gain": "bold yellow", "ok": "bold green", "patched": "bold green"}
 
 
 def _render(report) -> None:
@@ -80,10 +97,19 @@ def _render(report) -> None:
         ("conv ms/sample", {"justify": "right"}),
         ("GEMM ms/sample", {"justify": "right"}),
         ("ratio", {"justify": "right"}),
-        ("status", {}),
-        ("rules", {}),
+        ("backward ratio", {"justify": "right"}),
+        ("channels-last ratio", {"justify": "right"}),
+        ("status", {"no_wrap": True}),
+        ("rules", {"overflow": "fold"}),
     ]:
         probe.add_column(col, **kw)
+
+    def ratio(v, status=None) -> str:
+        if v is None:
+            return "-"
+        style = _STATUS_STYLE.get(status or "", "")
+        return f"[{style}]{v:.2f}x[/{style}]" if style else f"{v:.2f}x"
+
     for x in report.findings:
         p = x.probe
         names = ", ".join(p.shape.names[:3]) + (" ..." if len(p.shape.names) > 3 else "")
@@ -93,8 +119,10 @@ def _render(report) -> None:
             names,
             f"{p.conv.median_ms:,.2f}" if p.conv else "-",
             f"{p.gemm.median_ms:,.2f}" if p.gemm else "-",
-            f"{p.ratio:.2f}x" if p.ratio is not None else "-",
-            f"[{style}]{x.status}[/{style}]" + (f" ({p.error})" if p.error else ""),
+            ratio(p.ratio, x.forward_status),
+            ratio(p.backward_ratio, x.backward_status),
+            ratio(p.channels_last_ratio),
+            f"[{style}]{x.status}[/{style}]" + (f" ({escape(p.error)})" if p.error else ""),
             ", ".join(x.rules) or "-",
         )
     console.print(probe)
@@ -141,16 +169,35 @@ def register(app: typer.Typer) -> None:
         markdown: Annotated[
             bool, typer.Option("--markdown", help="Print a paste-ready markdown block for bug reports.")
         ] = False,
+        inference: Annotated[
+            bool,
+            typer.Option(
+                "--inference",
+                help="Forward only: do not time or count the backward pass (training counts both).",
+            ),
+        ] = False,
+        fail_on: Annotated[
+            str,
+            typer.Option(
+                "--fail-on",
+                metavar="WHAT",
+                help="any: exit 1 for a slow path, 4 for an ordinary gain. slow-path: exit 0 for a gain "
+                "(the launcher guard that passes on CPU runners).",
+            ),
+        ] = "any",
         json_out: JsonOpt = False,
     ) -> None:
         """Measure whether the patch embedding runs on a slow path here, explain why, and print the fix.
 
-        With no --model it probes every built-in reference (offline). Exit status 1 when a patchable
-        conv is measured >= 2x slower than its GEMM and the model is not patched.
+        With no --model it probes every built-in reference (offline). Exit status 1 for a slow path (a
+        fallback kernel: >= 10x its GEMM, or >= 2x with a known cause) in an unpatched conv; 4 for an
+        ordinary gain (>= 2x; 0 with --fail-on slow-path); 0 otherwise.
         """
         from vlfast.diagnosis.doctor import doctor
         from vlfast.diagnosis.probe import DEFAULT_PATCHES
 
+        if fail_on not in ("any", "slow-path"):
+            raise UsageError(f"--fail-on takes 'any' or 'slow-path', got {fail_on!r}")
         report = doctor(
             model,
             device=device,
@@ -158,6 +205,8 @@ def register(app: typer.Typer) -> None:
             patches=patches or DEFAULT_PATCHES,
             budget_s=budget,
             probe=not no_probe,
+            workload="inference" if inference else "training",
+            fail_on=fail_on,
         )
         if json_out:
             print_json(report.to_dict())

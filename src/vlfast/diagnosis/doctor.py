@@ -7,8 +7,13 @@ The diagnosis runs in four steps, data first and rendering last:
 3. time each conv geometry against its GEMM here (:mod:`vlfast.diagnosis.probe`) - the measurement decides;
 4. explain the result with the known rules (:mod:`vlfast.diagnosis.rules`) and name the fix and its saving.
 
-The :class:`DoctorReport` renders itself as JSON (schema ``vlfast.doctor/1``, documented in
+The :class:`DoctorReport` renders itself as JSON (schema ``vlfast.doctor/2``, documented in
 ``docs/doctor.md``) or as a paste-ready markdown block; ``vlfast doctor`` adds rich tables.
+
+Two kinds of loss are told apart, each with its own exit status: a *slow path* (a fallback kernel:
+>= ``PATHOLOGICAL_RATIO`` x its GEMM, or >= ``slow_ratio`` x with a pathological rule explaining it;
+exit 1, what a launcher guards on) and an ordinary *gain* (the conv is >= ``slow_ratio`` x its GEMM,
+as every CPU's oneDNN conv is; exit 4 unless ``fail_on="slow-path"``).
 """
 
 from __future__ import annotations
@@ -41,32 +46,56 @@ from vlfast.diagnosis.probe import (
 )
 from vlfast.diagnosis.rules import ConvGeometry, RuleHit, evaluate
 
-__all__ = ["SCHEMA", "SLOW_RATIO", "DoctorReport", "Finding", "Fix", "doctor", "verdict_for"]
+__all__ = [
+    "EXIT_CODES",
+    "PATHOLOGICAL_RATIO",
+    "SCHEMA",
+    "SLOW_RATIO",
+    "DoctorReport",
+    "Finding",
+    "Fix",
+    "doctor",
+    "verdict_for",
+]
 
-SCHEMA = "vlfast.doctor/1"
-SLOW_RATIO = 2.0  # conv / GEMM at or above this is a slow path worth fixing
+SCHEMA = "vlfast.doctor/2"
+SLOW_RATIO = 2.0  # conv / GEMM at or above this: patching gains enough to be worth saying
+PATHOLOGICAL_RATIO = 10.0  # at or above this, whatever the rules say: a fallback kernel, a slow path
 
-Verdict = Literal["slow", "patched", "ok", "unmeasured", "no-convs"]
+Verdict = Literal["slow-path", "gain", "patched", "ok", "unmeasured", "no-convs"]
+Status = Literal["slow-path", "gain", "ok", "error", "skipped"]
+FailOn = Literal["any", "slow-path"]
+Workload = Literal["training", "inference"]
+# The CLI's exit status per verdict; 2 (bad input) and 3 (could not run) come from the CLI itself.
+EXIT_CODES: dict[str, int] = {"slow-path": 1, "gain": 4}
+_RANK = {"slow-path": 2, "gain": 1, "ok": 0}
 
-# The fixes vlfast offers, most local first. Shown whenever a slow path is found.
-VLFAST_FIXES: tuple[tuple[str, str, str], ...] = (
-    ("code", "import vlfast; vlfast.patch(model)", "one line after the model is built; exact, reversible"),
-    (
-        "code",
-        "import vlfast; vlfast.patch_transformers()",
-        "once, before from_pretrained: patches every transformers model built afterwards",
-    ),
-    (
-        "env",
-        "VLFAST_PATCH=1 python train.py ...",
-        "no code change: every transformers model built is patched",
-    ),
-    (
-        "cli",
-        "python -m vlfast.run train.py ...   |   torchrun --nproc-per-node N -m vlfast.run train.py ...",
-        "wraps an unmodified script (also under torchrun)",
-    ),
-)
+
+def _vlfast_fixes(all_convs: bool) -> list[tuple[str, str, str]]:
+    """The fixes vlfast offers, most local first. ``patch_transformers`` and its switches patch Conv3d
+    by default: when a slow conv is a Conv1d/Conv2d (GLM's ``downsample``), each names ``all_convs``."""
+    code = "vlfast.patch_transformers(all_convs=True)" if all_convs else "vlfast.patch_transformers()"
+    env = "VLFAST_PATCH=all" if all_convs else "VLFAST_PATCH=1"
+    run = "-m vlfast.run --all-convs" if all_convs else "-m vlfast.run"
+    return [
+        (
+            "code",
+            "import vlfast; vlfast.patch(model)",
+            "one line after the model is built; exact, reversible",
+        ),
+        (
+            "code",
+            f"import vlfast; {code}",
+            "once, before from_pretrained: patches every transformers model built afterwards"
+            + (" (all_convs: the Conv2d too)" if all_convs else ""),
+        ),
+        ("env", f"{env} python train.py ...", "no code change: every transformers model built is patched"),
+        (
+            "cli",
+            f"python {run} train.py ...   |   torchrun --nproc-per-node N {run} train.py ...",
+            "wraps an unmodified script (also under torchrun)",
+        ),
+    ]
 
 
 @dataclass(frozen=True)
@@ -81,23 +110,61 @@ class Fix:
 
 @dataclass
 class Finding:
-    """One conv geometry: its measurement, the rules that explain it and its status."""
+    """One conv geometry: its measurement, the rules that explain it and its status per pass.
+
+    ``status`` is the worse of ``forward_status`` and ``backward_status`` (None when the backward was
+    not probed or not counted, as for inference). ``channels_last_escapes``: the conv on a
+    channels-last input measures under ``slow_ratio`` while the contiguous one does not (None: not
+    probed).
+    """
 
     probe: ProbeResult
     rules: list[str] = field(default_factory=list)
-    status: Literal["slow", "ok", "error", "skipped"] = "ok"
+    status: Status = "ok"
+    forward_status: Status = "ok"
+    backward_status: Status | None = None
+    channels_last_escapes: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "rules": list(self.rules), **self.probe.to_dict()}
+        return {
+            "status": self.status,
+            "forward_status": self.forward_status,
+            "backward_status": self.backward_status,
+            "channels_last_escapes": self.channels_last_escapes,
+            "rules": list(self.rules),
+            **self.probe.to_dict(),
+        }
+
+
+def _loss_status(ratio: float | None, pathological_rule: bool, slow_ratio: float) -> Status:
+    """slow-path / gain / ok for one measured ratio; a pathological rule makes a measured gain a slow path."""
+    if ratio is None:
+        return "skipped"
+    if ratio >= PATHOLOGICAL_RATIO or (ratio >= slow_ratio and pathological_rule):
+        return "slow-path"
+    return "gain" if ratio >= slow_ratio else "ok"
+
+
+def _worse(a: Status, b: Status | None) -> Status:
+    if b is None or b == "skipped":
+        return a
+    if a == "skipped":
+        return b
+    return a if _RANK.get(a, 0) >= _RANK.get(b, 0) else b
 
 
 def verdict_for(findings: list[Finding], *, slow_ratio: float = SLOW_RATIO) -> Verdict:
-    """The verdict from measurements alone: rules never change it."""
+    """The verdict from measurements alone (a rule only turns a measured gain into a slow path)."""
     if not findings:
         return "no-convs"
-    slow = [f for f in findings if f.status == "slow"]
-    if slow:
-        return "patched" if all(f.probe.shape.patched for f in slow) else "slow"
+    losing = [f for f in findings if f.status in ("slow-path", "gain")]
+    unpatched = [f for f in losing if not f.probe.shape.patched]
+    if any(f.status == "slow-path" for f in unpatched):
+        return "slow-path"
+    if unpatched:
+        return "gain"
+    if losing:
+        return "patched"
     if all(f.status in ("error", "skipped") for f in findings):
         return "unmeasured"
     return "ok"
@@ -114,16 +181,34 @@ class DoctorReport:
     verdict: Verdict
     summary: str
     fixes: list[Fix]
-    savings_ms_per_sample: dict[str, float]  # model label -> conv time saved per sample by the patch
+    savings_ms_per_sample: dict[str, float]  # model label -> forward conv time saved per sample
     patches: int
     slow_ratio: float = SLOW_RATIO
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    backward_savings_ms_per_sample: dict[str, float] = field(default_factory=dict)
+    workload: Workload = "training"
+    fail_on: FailOn = "any"
 
     @property
     def exit_code(self) -> int:
-        """1 when a patchable conv is measured >= ``slow_ratio`` x slower than its GEMM and is not patched."""
-        return 1 if self.verdict == "slow" else 0
+        """1: a slow path, not patched; 4: an ordinary gain, not patched (0 with ``fail_on="slow-path"``);
+        0 otherwise."""
+        code = EXIT_CODES.get(self.verdict, 0)
+        return 0 if self.fail_on == "slow-path" and self.verdict == "gain" else code
+
+    def pass_verdict(self, phase: str) -> Verdict | None:
+        """The verdict of one pass alone ("forward" or "backward"); None when that pass was not counted."""
+        attr = f"{phase}_status"
+        if phase == "backward" and all(f.backward_status is None for f in self.findings):
+            return None
+        return verdict_for(
+            [
+                Finding(f.probe, f.rules, getattr(f, attr) or "skipped", getattr(f, attr) or "skipped")
+                for f in self.findings
+            ],
+            slow_ratio=self.slow_ratio,
+        )
 
     @property
     def expected_saving_ms_per_sample(self) -> float | None:
@@ -134,12 +219,18 @@ class DoctorReport:
             "schema": SCHEMA,
             "target": self.target,
             "verdict": self.verdict,
+            "forward_verdict": self.pass_verdict("forward"),
+            "backward_verdict": self.pass_verdict("backward"),
+            "workload": self.workload,
             "exit_code": self.exit_code,
+            "exit_codes": {**EXIT_CODES, "fail_on": self.fail_on},
             "summary": self.summary,
             "slow_ratio": self.slow_ratio,
+            "pathological_ratio": PATHOLOGICAL_RATIO,
             "patches_per_sample": self.patches,
             "expected_saving_ms_per_sample": self.expected_saving_ms_per_sample,
             "savings_ms_per_sample": dict(self.savings_ms_per_sample),
+            "backward_savings_ms_per_sample": dict(self.backward_savings_ms_per_sample),
             "fix": self.fixes[0].text if self.fixes else None,
             "fixes": [f.to_dict() for f in self.fixes],
             "findings": [f.to_dict() for f in self.findings],
@@ -190,15 +281,17 @@ class DoctorReport:
             "",
             f"Target: `{self.target}` on `{f.device}` in `{f.dtype}`, {self.patches:,} patches per sample.",
             "",
-            "| conv | where | conv ms/sample | GEMM ms/sample | ratio | status | rules |",
-            "|---|---|---:|---:|---:|---|---|",
+            "| conv | where | conv ms/sample | GEMM ms/sample | ratio | backward ratio "
+            "| channels-last ratio | status | rules |",
+            "|---|---|---:|---:|---:|---:|---:|---|---|",
         ]
         for x in self.findings:
             p = x.probe
             lines.append(
                 f"| {p.shape.describe()} | {', '.join(p.shape.names[:3])}{' ...' if len(p.shape.names) > 3 else ''} "
                 f"| {_num(p.conv.median_ms if p.conv else None)} | {_num(p.gemm.median_ms if p.gemm else None)} "
-                f"| {_num(p.ratio, 'x')} | {x.status}{' (' + p.error + ')' if p.error else ''} "
+                f"| {_num(p.ratio, 'x')} | {_num(p.backward_ratio, 'x')} | {_num(p.channels_last_ratio, 'x')} "
+                f"| {x.status}{' (' + p.error + ')' if p.error else ''} "
                 f"| {', '.join(x.rules) or '-'} |"
             )
         lines += ["", "| fact | value |", "|---|---|"]
@@ -253,23 +346,44 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
     )
 
 
-def _savings(findings: list[Finding]) -> dict[str, float]:
-    """Per model label: conv time saved per sample by the GEMM, over that model's slow, unpatched convs."""
+def _model(name: str) -> str:
+    return name.split(":", 1)[0]
+
+
+def _losing(f: Finding) -> bool:
+    return f.status in ("slow-path", "gain") and not f.probe.shape.patched
+
+
+def _savings(findings: list[Finding], phase: str = "forward") -> dict[str, float]:
+    """Per model label: time the GEMM saves per sample in one pass, over that model's losing, unpatched
+    convs (a geometry two models share counts for each)."""
     out: dict[str, float] = {}
     for f in findings:
-        if f.status != "slow" or f.probe.shape.patched or f.probe.saving_ms is None:
+        saving = f.probe.saving_ms if phase == "forward" else f.probe.backward_saving_ms
+        if not _losing(f) or saving is None:
             continue
-        for name in f.probe.shape.names:
-            label = name.split(":", 1)[0]
-            out[label] = out.get(label, 0.0) + f.probe.saving_ms
+        for label in dict.fromkeys(_model(n) for n in f.probe.shape.names):
+            out[label] = out.get(label, 0.0) + saving
     return out
 
 
-def _fixes(verdict: Verdict, rules: list[RuleHit], facts: Facts) -> list[Fix]:
-    if verdict != "slow":
-        return []
-    fixes = [Fix(k, t, n) for k, t, n in VLFAST_FIXES]
-    if facts.transformers_fusion:
+def _fixes(
+    verdict: Verdict, findings: list[Finding], rules: list[RuleHit], facts: Facts
+) -> tuple[list[Fix], list[str]]:
+    """The fixes to list and notes on partial ones. Every listed fix fixes every losing conv: a fix that
+    covers only some (an environment change a rule names for some convs, transformers' own fusion for
+    the patch embedding alone) is a note, not a fix."""
+    if verdict not in ("slow-path", "gain"):
+        return [], []
+    losing = [f for f in findings if _losing(f)]
+    all_convs = any(f.probe.shape.kind != "Conv3d" for f in losing)
+    fixes = [Fix(k, t, n) for k, t, n in _vlfast_fixes(all_convs)]
+    notes: list[str] = []
+    patch_embed_only = all(
+        f.probe.shape.kind == "Conv3d" and all(n.endswith("patch_embed.proj") for n in f.probe.shape.names)
+        for f in losing
+    )
+    if facts.transformers_fusion and patch_embed_only:
         fixes.append(
             Fix(
                 "code",
@@ -277,15 +391,27 @@ def _fixes(verdict: Verdict, rules: list[RuleHit], facts: Facts) -> list[Fix]:
                 "transformers' own opt-in: replaces the module and renames its parameter (linear_proj)",
             )
         )
+    losing_convs = {f.probe.shape.describe() for f in losing}
     seen: set[str] = set()
     for r in rules:
-        if r.env_fix not in seen and not r.env_fix.startswith("none"):
-            seen.add(r.env_fix)
+        if r.env_fix in seen or r.env_fix.startswith("none"):
+            continue
+        seen.add(r.env_fix)
+        if losing_convs <= set(r.convs):
             fixes.append(Fix("environment", r.env_fix, f"removes the cause named by rule {r.id}"))
-    return fixes
+        else:
+            rest = ", ".join(sorted(losing_convs - set(r.convs)))
+            notes.append(f"{r.env_fix} removes the cause named by rule {r.id}, but not for {rest}")
+    return fixes, notes
 
 
-def _summary(verdict: Verdict, findings: list[Finding], savings: dict[str, float], slow_ratio: float) -> str:
+def _summary(
+    verdict: Verdict,
+    findings: list[Finding],
+    savings: dict[str, float],
+    backward: dict[str, float],
+    slow_ratio: float,
+) -> str:
     ratios = [f.probe.ratio for f in findings if f.probe.ratio is not None]
     worst = max(ratios, default=None)
     if verdict == "no-convs":
@@ -301,16 +427,33 @@ def _summary(verdict: Verdict, findings: list[Finding], savings: dict[str, float
         )
     if verdict == "patched":
         return (
-            f"A conv is {worst:.1f}x slower than its GEMM here, but the model is already patched: "
-            "the fast path is in use."
+            "A conv is slower than its GEMM here, but the model is already patched: the fast path is in use."
         )
-    best = max(savings.values(), default=0.0)
-    slowest = max((f for f in findings if f.status == "slow"), key=lambda f: f.probe.ratio)
-    where = slowest.probe.shape.names[0] if slowest.probe.shape.names else slowest.probe.shape.describe()
-    return (
-        f"Slow path: {where} is {slowest.probe.ratio:.1f}x slower than its GEMM here; patching saves "
-        f"~{best:,.1f} ms per sample ({best / 36:,.1f} h per 100,000 samples)."
+    # The headline belongs to one model: the one that loses most per sample, with its own worst conv.
+    total = {m: savings.get(m, 0.0) + backward.get(m, 0.0) for m in {*savings, *backward}}
+    model = max(total, key=lambda m: total[m]) if total else None
+    own = [
+        f
+        for f in findings
+        if _losing(f) and (model is None or any(_model(n) == model for n in f.probe.shape.names))
+    ]
+    if verdict == "slow-path":
+        own = [f for f in own if f.status == "slow-path"] or own
+    worst_f = max(own, key=lambda f: max(f.probe.ratio or 0, f.probe.backward_ratio or 0))
+    where = next(
+        (n for n in worst_f.probe.shape.names if model is None or _model(n) == model),
+        worst_f.probe.shape.describe(),
     )
+    passes = []
+    if worst_f.forward_status in ("slow-path", "gain"):
+        passes.append(f"{worst_f.probe.ratio:.1f}x slower than its GEMM forward")
+    if worst_f.backward_status in ("slow-path", "gain"):
+        passes.append(f"{worst_f.probe.backward_ratio:.1f}x backward")
+    kind = "Slow path" if verdict == "slow-path" else "Gain available (no slow path)"
+    fwd, bwd = savings.get(model, 0.0), backward.get(model, 0.0)
+    saving = f"~{fwd:,.1f} ms per sample forward" + (f" + {bwd:,.1f} ms backward" if bwd else "")
+    hours = (fwd + bwd) / 36
+    return f"{kind}: {where} is {' and '.join(passes)}; patching {model} saves {saving} ({hours:,.1f} h per 100,000 samples)."
 
 
 # ------------------------------------------------------------------------------------------ the doctor
@@ -325,6 +468,8 @@ def doctor(
     budget_s: float = 8.0,
     slow_ratio: float = SLOW_RATIO,
     probe: bool = True,
+    workload: Workload = "training",
+    fail_on: FailOn = "any",
 ) -> DoctorReport:
     """Diagnose the patch-embedding slow path for ``model`` on this machine.
 
@@ -335,8 +480,11 @@ def doctor(
         device, dtype: what to probe; default the best available device, bfloat16 where supported.
         patches: windows per sample fed to the patch embedding (default one 8-frame 512x384 clip, 3,072).
         budget_s: total time the probe may spend, shared between the distinct conv geometries.
-        slow_ratio: conv / GEMM ratio at which a conv counts as slow.
+        slow_ratio: conv / GEMM ratio at which a conv counts as losing time (a gain to take).
         probe: time the convs (the verdict needs it); ``False`` gives facts and rules only.
+        workload: ``"training"`` times and counts the backward pass too; ``"inference"`` the forward only.
+        fail_on: ``"any"``: exit status 1 for a slow path, 4 for an ordinary gain; ``"slow-path"``: 0 for
+            a gain (the launcher guard that passes on a CPU runner).
     """
     if patches < 1:
         raise ValueError(f"patches must be >= 1, got {patches}")
@@ -344,6 +492,10 @@ def doctor(
         raise ValueError(f"budget_s must be positive, got {budget_s}")
     if slow_ratio <= 1:
         raise ValueError(f"slow_ratio must be > 1, got {slow_ratio}")
+    if workload not in ("training", "inference"):
+        raise ValueError(f"workload must be 'training' or 'inference', got {workload!r}")
+    if fail_on not in ("any", "slow-path"):
+        raise ValueError(f"fail_on must be 'any' or 'slow-path', got {fail_on!r}")
     t0 = time.perf_counter()
     dev = check_device(device) if device is not None else default_device()
     dt = dtype_name(dtype) if dtype is not None else default_dtype(dev)
@@ -354,36 +506,63 @@ def doctor(
     facts = collect_facts(dev, dt, model_patched=patched)
 
     convs = [ConvGeometry(g.kernel_size, g.describe()) for g in geometries]
-    hits = evaluate(facts, convs)
+    backward = workload == "training"
+    # Inference runs no backward: a rule about the backward alone explains nothing there.
+    hits = [h for h in evaluate(facts, convs) if backward or "forward" in h.phases]
     per_shape_budget = max(0.5, budget_s / max(1, len(geometries)))
     findings: list[Finding] = []
     for g, c in zip(geometries, convs):
         if probe:
-            result = probe_conv(g, device=dev, dtype=getattr(torch, dt), budget_s=per_shape_budget)
+            result = probe_conv(
+                g,
+                device=dev,
+                dtype=getattr(torch, dt),
+                budget_s=per_shape_budget,
+                backward=backward,
+                slow_ratio=slow_ratio,
+            )
         else:
             result = ProbeResult(g, dev, dt, notes=["probe disabled"])
-        rules = [h.id for h in hits if c.name in h.convs]
+        mine = [h for h in hits if c.name in h.convs]
+        rules = [h.id for h in mine]
         if result.error is not None:
-            status = "error"
-        elif result.ratio is None:
-            status = "skipped"
-        else:
-            status = "slow" if result.ratio >= slow_ratio else "ok"
-        findings.append(Finding(result, rules, status))
+            findings.append(Finding(result, rules, "error", "error"))
+            continue
+        fwd = _loss_status(
+            result.ratio, any(h.pathological and "forward" in h.phases for h in mine), slow_ratio
+        )
+        bwd = None
+        if backward:
+            bwd = _loss_status(
+                result.backward_ratio,
+                any(h.pathological and "backward" in h.phases for h in mine),
+                slow_ratio,
+            )
+        escapes = None
+        if result.channels_last_ratio is not None and fwd in ("slow-path", "gain"):
+            escapes = result.channels_last_ratio < slow_ratio
+        findings.append(Finding(result, rules, _worse(fwd, bwd), fwd, bwd, escapes))
 
     verdict = verdict_for(findings, slow_ratio=slow_ratio)
-    savings = _savings(findings)
-    notes: list[str] = []
+    savings = _savings(findings, "forward")
+    backward_savings = _savings(findings, "backward") if backward else {}
+    fixes, notes = _fixes(verdict, findings, hits, facts)
     for f in findings:
-        if f.status == "slow" and not f.rules:
+        if f.status in ("slow-path", "gain") and not f.rules:
             notes.append(
-                f"{f.probe.shape.describe()} is {f.probe.ratio:.1f}x slower than its GEMM and no known rule "
-                "explains it: please report it with `vlfast doctor --markdown`."
+                f"{f.probe.shape.describe()} is {_ratios(f)} slower than its GEMM and no known rule explains "
+                "it: please report it with `vlfast doctor --markdown`."
             )
         if f.status == "ok" and f.rules:
             notes.append(
                 f"Rule(s) {', '.join(f.rules)} predict a slow path for {f.probe.shape.describe()}, but it "
-                f"measures {f.probe.ratio:.2f}x: the measurement wins (this build may carry a fix)."
+                f"measures {_ratios(f)}: the measurement wins (this build may carry a fix)."
+            )
+        if f.channels_last_escapes:
+            notes.append(
+                f"{f.probe.shape.describe()}: with its input in channels_last_3d the stock conv runs at "
+                f"{f.probe.channels_last_ratio:.2f}x its GEMM, out of the slow path without vlfast "
+                "(x = x.contiguous(memory_format=torch.channels_last_3d) before the conv)."
             )
     if facts.autopatch_env and patched is False:
         notes.append(
@@ -396,11 +575,21 @@ def doctor(
         findings=findings,
         rules=hits,
         verdict=verdict,
-        summary=_summary(verdict, findings, savings, slow_ratio),
-        fixes=_fixes(verdict, hits, facts),
+        summary=_summary(verdict, findings, savings, backward_savings, slow_ratio),
+        fixes=fixes,
         savings_ms_per_sample=savings,
         patches=patches,
         slow_ratio=slow_ratio,
         elapsed_s=time.perf_counter() - t0,
         notes=notes,
+        backward_savings_ms_per_sample=backward_savings,
+        workload=workload,
+        fail_on=fail_on,
     )
+
+
+def _ratios(f: Finding) -> str:
+    parts = [f"{f.probe.ratio:.2f}x forward"] if f.probe.ratio is not None else []
+    if f.backward_status is not None and f.probe.backward_ratio is not None:
+        parts.append(f"{f.probe.backward_ratio:.2f}x backward")
+    return ", ".join(parts) or "unmeasured"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from vlfast.diagnosis.facts import Facts
 
@@ -23,6 +23,7 @@ class ConvGeometry:
 
     kernel_size: tuple[int, ...]
     name: str = ""
+    channels_last: bool = False  # the input arrives channels_last(_3d): torch's cuDNN guard skips it
 
     def __post_init__(self) -> None:
         if not self.kernel_size or any(int(k) < 1 for k in self.kernel_size):
@@ -33,6 +34,9 @@ class ConvGeometry:
         return len(self.kernel_size)
 
 
+Phase = Literal["forward", "backward"]
+
+
 @dataclass(frozen=True)
 class Rule:
     id: str
@@ -40,7 +44,14 @@ class Rule:
     source: str  # public issue or code that establishes it
     applies: Callable[[Facts, ConvGeometry], bool]
     explanation: str
-    env_fix: str  # what to change in the environment instead of patching
+    env_fix: str | Callable[[Facts], str]  # what to change in the environment instead of patching
+    # A fallback kernel (vol2col, a reference loop, a missing engine): orders of magnitude, not a few x.
+    # A measured slow conv a pathological rule explains is a slow path even under PATHOLOGICAL_RATIO.
+    pathological: bool = True
+    phases: tuple[Phase, ...] = ("forward", "backward")  # the passes it slows
+
+    def fix_for(self, facts: Facts) -> str:
+        return self.env_fix(facts) if callable(self.env_fix) else self.env_fix
 
 
 @dataclass
@@ -53,6 +64,8 @@ class RuleHit:
     explanation: str
     env_fix: str
     convs: list[str] = field(default_factory=list)
+    pathological: bool = True
+    phases: tuple[str, ...] = ("forward", "backward")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +75,8 @@ class RuleHit:
             "explanation": self.explanation,
             "env_fix": self.env_fix,
             "convs": list(self.convs),
+            "pathological": self.pathological,
+            "phases": list(self.phases),
         }
 
 
@@ -75,7 +90,8 @@ def _cudnn_in(f: Facts, lo: int, hi: int) -> bool:
 
 def _cudnn_skipped(f: Facts, c: ConvGeometry) -> bool:
     # aten/src/ATen/native/Convolution.cpp, use_cudnn (torch >= 2.9): runtime cuDNN in [9.8, 9.15),
-    # contiguous input, bf16/fp16, weight.dim() == 5 and some kernel dim != 1 -> cuDNN is not used.
+    # suggested memory format contiguous, bf16/fp16, weight.dim() == 5 and some kernel dim != 1 -> cuDNN
+    # is not used. A channels_last_3d input escapes the guard.
     return (
         _cuda(f)
         and f.cudnn_enabled is not False
@@ -84,7 +100,40 @@ def _cudnn_skipped(f: Facts, c: ConvGeometry) -> bool:
         and _cudnn_in(f, 90800, 91500)
         and f.half
         and c.ndim == 3
+        and not c.channels_last
         and any(k != 1 for k in c.kernel_size)
+    )
+
+
+def _cudnn_920_bf16_backward(f: Facts, c: ConvGeometry) -> bool:
+    return (
+        _cuda(f)
+        and f.cudnn_enabled is not False
+        and _cudnn_in(f, 92000, 92100)
+        and f.dtype == "bfloat16"
+        and c.ndim == 3
+    )
+
+
+def _windows(f: Facts) -> bool:
+    return (f.platform or "").lower().startswith("windows")
+
+
+def _upgrade_cudnn(f: Facts) -> str:
+    """How to get a runtime cuDNN >= 9.15 here. The wheel's bundled cuDNN is what loads: the cu126
+    builds through torch 2.14 still ship 9.10.2.21, the cu128 2.9-2.10 builds too; cu130 builds of 2.11+
+    pin >= 9.19. On Windows torch loads the cuDNN in torch/lib by full path, so a pip-upgraded
+    nvidia-cudnn package is never loaded there."""
+    if _windows(f):
+        return (
+            "install a torch wheel that bundles cuDNN >= 9.15 (torch >= 2.11 for CUDA 13, e.g. "
+            "pip install -U torch --index-url https://download.pytorch.org/whl/cu130): on Windows torch "
+            "loads the cuDNN in torch\\lib by full path, so upgrading the nvidia-cudnn package does not help"
+        )
+    return (
+        "make the loaded cuDNN >= 9.15: pip install -U 'nvidia-cudnn-cu12>=9.15' (CUDA 12 wheels) or a "
+        "torch >= 2.11 CUDA 13 wheel (it pins cuDNN >= 9.19; the cu126 builds through 2.14 still ship "
+        "9.10.2). Check with: python -c 'import torch; print(torch.backends.cudnn.version())'"
     )
 
 
@@ -116,16 +165,18 @@ def _cpu_no_onednn(f: Facts, c: ConvGeometry) -> bool:
     return f.device_type == "cpu" and f.half and (f.onednn_available is False or f.onednn_enabled is False)
 
 
+def _cpu_conv3d_backward(f: Facts, c: ConvGeometry) -> bool:
+    # The gradients of a kernel-sized Conv3d on CPU (oneDNN or not) take a reference-like path.
+    return f.device_type == "cpu" and c.ndim == 3
+
+
 def _cpu_onednn_window(f: Facts, c: ConvGeometry) -> bool:
     # oneDNN's direct convolution on kernel-sized inputs (one output pixel per sample) does not reach
     # GEMM speed; it is the default CPU path for every dtype.
     return f.device_type == "cpu" and f.onednn_available is not False and f.onednn_enabled is not False
 
 
-_UPGRADE = (
-    "upgrade to torch >= 2.11 (its default wheel pins cuDNN 9.19), or install cuDNN >= 9.15 "
-    "(pip install -U 'nvidia-cudnn-cu12>=9.15')"
-)
+_UPGRADE = _upgrade_cudnn
 
 RULES: tuple[Rule, ...] = (
     Rule(
@@ -134,10 +185,23 @@ RULES: tuple[Rule, ...] = (
         "pytorch/pytorch#163539, PR #163581, regression #166122; aten/src/ATen/native/Convolution.cpp use_cudnn",
         _cudnn_skipped,
         "Because cuDNN 9.10 returned wrong bf16 results, torch >= 2.9 does not use cuDNN for 5-D bf16/fp16 "
-        "convolutions with a non-1 kernel while the loaded cuDNN is in [9.8, 9.15); they fall back to "
-        "vol2col / slow_conv3d. The default torch 2.10 wheel for CUDA 12 still ships cuDNN 9.10, so 2.10 "
-        "is not automatically safe.",
+        "convolutions with a non-1 kernel and a contiguous input while the loaded (runtime) cuDNN is in "
+        "[9.8, 9.15); they fall back to vol2col / slow_conv3d. What counts is the cuDNN that loads, not "
+        "torch's version: the torch 2.9-2.10 cu128 wheels and the cu126 wheels through 2.14 ship cuDNN "
+        "9.10.2. A channels_last_3d input escapes the guard (the narrowing PR #166480 was closed "
+        "unmerged, so this is the rule as shipped).",
         _UPGRADE,
+    ),
+    Rule(
+        "cudnn-920-bf16-backward",
+        "cuDNN 9.20 has no bf16 engine for the Qwen3-VL patch-embedding Conv3d backward",
+        "NVIDIA-TAO/tao-core PR #29 (Qwen3-VL patch embedding backward on cuDNN 9.20, replaced by linear ops)",
+        _cudnn_920_bf16_backward,
+        "With cuDNN 9.20 the bf16 backward of the patch-embedding Conv3d finds no engine: training fails "
+        "or falls back to a slow path, while the forward is fine. A version check cannot cover every such "
+        "engine gap, which is why the doctor also times the backward.",
+        _UPGRADE,
+        phases=("backward",),
     ),
     Rule(
         "blackwell-cudnn910-bf16",
@@ -181,6 +245,20 @@ RULES: tuple[Rule, ...] = (
         "On CPU, oneDNN runs a patch-embedding conv as a direct convolution with one output pixel per "
         "sample, which stays several times slower than the same product as one GEMM.",
         "none in the environment; the GEMM patch is the fix",
+        pathological=False,
+        phases=("forward",),
+    ),
+    Rule(
+        "cpu-conv3d-backward",
+        "CPU Conv3d backward over kernel-sized windows",
+        "vlfast doctor's backward probe: 35x (bf16) and 11x (fp32) the GEMM's backward for 3->1024 "
+        "k=2x16x16 x 3,072 windows on a 2-core AVX-512 CPU, torch 2.14.1",
+        _cpu_conv3d_backward,
+        "On CPU the input and weight gradients of a patch-embedding Conv3d cost tens of times the "
+        "forward, where the GEMM's backward costs about as much as its forward: CPU training loses most "
+        "of its patch-embedding time here.",
+        "none in the environment; the GEMM patch is the fix",
+        phases=("backward",),
     ),
     Rule(
         "cpu-no-onednn",
@@ -208,5 +286,16 @@ def evaluate(facts: Facts, convs: Sequence[ConvGeometry]) -> list[RuleHit]:
     for rule in RULES:
         names = [c.name for c in convs if rule.applies(facts, c)]
         if names:
-            hits.append(RuleHit(rule.id, rule.title, rule.source, rule.explanation, rule.env_fix, names))
+            hits.append(
+                RuleHit(
+                    rule.id,
+                    rule.title,
+                    rule.source,
+                    rule.explanation,
+                    rule.fix_for(facts),
+                    names,
+                    rule.pathological,
+                    rule.phases,
+                )
+            )
     return hits
