@@ -23,6 +23,7 @@ from vlfast.cli._common import (
     console,
     handle_errors,
     print_json,
+    print_table,
 )
 
 _STATUS_STYLE = {
@@ -47,7 +48,7 @@ def _render(report) -> None:
         if not applies:
             env.add_row(name, "[dim]n/a[/dim]")
         else:
-            env.add_row(name, "[dim]could not collect[/dim]" if value is None else str(value))
+            env.add_row(name, "[dim]could not collect[/dim]" if value is None else escape(str(value)))
 
     cuda, rocm = f.torch_build == "cuda", f.torch_build == "rocm"
 
@@ -85,10 +86,10 @@ def _render(report) -> None:
     )
     row("VLFAST_PATCH", f.autopatch_env or "unset")
     row("model patched", f.model_patched)
-    console.print(env)
+    print_table(env)
 
     probe = Table(
-        title=f"Probe: {report.target} on {f.device} in {f.dtype}, {report.patches:,} patches per sample",
+        title=f"Probe: {escape(report.target)} on {f.device} in {f.dtype}, {report.patches:,} patches per sample",
         title_justify="left",
     )
     for col, kw in [
@@ -116,7 +117,7 @@ def _render(report) -> None:
         style = _STATUS_STYLE.get(x.status, "")
         probe.add_row(
             p.shape.describe(),
-            names,
+            escape(names),
             f"{p.conv.median_ms:,.2f}" if p.conv else "-",
             f"{p.gemm.median_ms:,.2f}" if p.gemm else "-",
             ratio(p.ratio, x.forward_status),
@@ -125,22 +126,27 @@ def _render(report) -> None:
             f"[{style}]{x.status}[/{style}]" + (f" ({escape(p.error)})" if p.error else ""),
             ", ".join(x.rules) or "-",
         )
-    console.print(probe)
+    print_table(probe)
 
     for r in report.rules:
         console.print(
-            f"[bold]rule {r.id}[/bold]: {r.title}\n  {r.explanation}\n  [dim]source: {r.source}[/dim]"
+            f"[bold]rule {r.id}[/bold]: {escape(r.title)}\n  {escape(r.explanation)}\n"
+            f"  [dim]source: {escape(r.source)}[/dim]"
         )
     style = _VERDICT_STYLE.get(report.verdict, "bold yellow")
-    console.print(f"\n[{style}]verdict: {report.verdict}[/{style}]  {report.summary}", highlight=False)
+    console.print(
+        f"\n[{style}]verdict: {report.verdict}[/{style}]  {escape(report.summary)}", highlight=False
+    )
     if report.fixes:
         console.print("\n[bold]fix[/bold] (any one of these):")
         for fix in report.fixes:
             console.print(
-                f"  [cyan]{fix.text}[/cyan]\n    [dim]{fix.kind}: {fix.note}[/dim]", highlight=False
+                f"  [cyan]{escape(fix.text)}[/cyan]\n    [dim]{fix.kind}: {escape(fix.note)}[/dim]",
+                highlight=False,
+                soft_wrap=True,
             )
     for note in report.notes:
-        console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
     console.print(f"[dim]{report.elapsed_s:.1f} s; --markdown prints a block for bug reports[/dim]")
 
 

@@ -565,10 +565,18 @@ def doctor(
                 "(x = x.contiguous(memory_format=torch.channels_last_3d) before the conv)."
             )
     if facts.autopatch_env and patched is False:
-        notes.append(
-            f"VLFAST_PATCH={facts.autopatch_env} is set but the scanned model is not patched: the hook "
-            "patches models built by transformers in a process where vlfast's .pth hook is active."
-        )
+        from vlfast.patching.autopatch import env_setting
+
+        if env_setting({"VLFAST_PATCH": facts.autopatch_env}) is None:
+            notes.append(
+                f"VLFAST_PATCH={facts.autopatch_env} is not a value vlfast understands, so it patches "
+                "nothing: use 1 (Conv3d) or all (every eligible conv)."
+            )
+        else:
+            notes.append(
+                f"VLFAST_PATCH={facts.autopatch_env} is set but the scanned model is not patched: the hook "
+                "patches models built by transformers in a process where vlfast's .pth hook is active."
+            )
     return DoctorReport(
         target=target,
         facts=facts,
