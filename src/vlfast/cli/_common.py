@@ -2,6 +2,10 @@
 
 Commands parse, call one library function and render its result. Errors a user can act on are mapped
 to a one-line message and an exit code here; set ``VLFAST_DEBUG=1`` for the full traceback.
+
+Help is click's plain layout (the app sets ``rich_markup_mode=None``, as ``hf`` does): no markup is
+parsed, so ``pip install 'vlfast[plot]'`` prints as written, and it wraps instead of truncating in a
+pipe. Anything this module prints through Rich goes through :func:`escape` first.
 """
 
 from __future__ import annotations
@@ -11,13 +15,19 @@ import os
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Table
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from vlfast.extraction.layout import OutputInUse, OutputNotWritable
+
+if TYPE_CHECKING:
+    from typer._click import Context, HelpFormatter  # typer's own copy of click
 
 # Exit codes a script can act on.
 EXIT_OK = 0
@@ -48,6 +58,75 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+class HelpCommand(TyperCommand):
+    """A command whose help reads like git's: ``--device DEVICE``, ``vlfast tokens fix [OPTIONS] OUT``.
+
+    Typer tags every value with its Python type (``<str>``, ``<list[str]>``) and writes required
+    arguments as ``{OUT}``. Here a value without a metavar is ``N`` when it is a number, else named
+    after its option in capitals as argparse does (``--template TEMPLATE``); flags take none.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            if p.metavar is not None or getattr(p, "is_flag", False):
+                continue
+            if isinstance(p, TyperArgument):
+                p.metavar = (p.name or "value").upper() + ("..." if p.nargs != 1 else "")
+            elif getattr(getattr(p, "type_descriptor", None), "annotation", None) in (int, float):
+                p.metavar = "N"
+            else:
+                p.metavar = max(p.opts, key=len).lstrip("-").replace("-", "_").upper()
+
+    def collect_usage_pieces(self, ctx: Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if isinstance(p, TyperArgument):
+                pieces.append(p.metavar if p.required else f"[{p.metavar}]")
+        return pieces
+
+    def format_options(self, ctx: Context, formatter: HelpFormatter) -> None:
+        arguments, options = [], []
+        for p in self.get_params(ctx):
+            record = p.get_help_record(ctx)
+            if record is None:
+                continue
+            if isinstance(p, TyperArgument):
+                arguments.append((p.metavar, record[1]))  # typer's name column ends in a type tag
+            else:
+                options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+class HelpGroup(TyperGroup):
+    """A command group whose list gives each command's first sentence whole (click cuts it to fit a line)."""
+
+    def format_commands(self, ctx: Context, formatter: HelpFormatter) -> None:
+        rows = [
+            (name, cmd.get_short_help_str(limit=1000))
+            for name in self.list_commands(ctx)
+            if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden
+        ]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def readable_help(app: typer.Typer) -> None:
+    """Give every command and group registered under ``app`` the help layout above (unless it chose one)."""
+    for command in app.registered_commands:
+        if command.cls in (None, TyperCommand):  # typer records its default class, not None
+            command.cls = HelpCommand
+    for group in app.registered_groups:
+        if not group.cls or group.cls is TyperGroup:  # unset: a falsy placeholder
+            group.cls = HelpGroup
+        if group.typer_instance is not None:
+            readable_help(group.typer_instance)
+
+
 class UsageError(Exception):
     """Bad input from the user; the message says what to do."""
 
@@ -71,6 +150,28 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     sys.stdout.flush()
+
+
+def print_table(table: Table, out: Console | None = None) -> None:
+    """Print a table without cutting any cell to `<thin…`.
+
+    In a terminal Rich fits the table to the window; cells that cannot fit fold onto more lines instead
+    of ending in an ellipsis. Anywhere else (a CI log, `| tee`) Rich would assume 80 columns, so the
+    table is printed at its natural width: every row on one line, whole, for grep and for people."""
+    out = out or console
+    for column in table.columns:
+        if column.overflow == "ellipsis":
+            column.overflow = "fold"
+    if out.is_terminal:
+        out.print(table)
+        return
+    width = Measurement.get(out, out.options.update_width(1_000_000), table).maximum
+    wide = Console(file=out.file, width=max(width, out.width), color_system=None, highlight=False)
+    if isinstance(table.title, str) and wide.render_str(table.title).cell_len > width:
+        # A title wraps at the table's width: a long path would break across lines, so print it alone.
+        wide.print(table.title, soft_wrap=True)
+        table.title = None
+    wide.print(table)
 
 
 def handle_errors(fn: Callable) -> Callable:

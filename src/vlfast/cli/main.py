@@ -7,13 +7,16 @@ import importlib
 import typer
 
 import vlfast
+from vlfast.cli._common import HelpGroup, readable_help
 
 app = typer.Typer(
     name="vlfast",
     help="Make Qwen-VL-family vision models fast and trustworthy.",
+    cls=HelpGroup,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help and usage errors as plain text: brackets survive, lines wrap in a pipe
 )
 
 # Each module defines `register(app)`; the list is the CLI's table of contents.
@@ -44,6 +47,7 @@ def _root(
 
 for _name in _COMMAND_MODULES:
     importlib.import_module(_name).register(app)
+readable_help(app)
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from vlfast.cli._common import DeviceOpt, DtypeOpt, JsonOpt, UsageError, console, handle_errors, print_json
@@ -31,6 +32,13 @@ def _size(text: str | None) -> tuple[int, int] | None:
     return (h, w)
 
 
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install 'vlfast[plot]'") from None
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:,.2f}"
 
@@ -43,7 +51,7 @@ def _render(report) -> None:
         t, h, w = ref.grid
         table = Table(
             title=(
-                f"{report.target} on {report.device} ({report.dtype}): batch {ref.batch} x {ref.frames} frames, "
+                f"{escape(report.target)} on {report.device} ({report.dtype}): batch {ref.batch} x {ref.frames} frames, "
                 f"grid {t}x{h}x{w}, {ref.patches:,} patches, median of {ref.repeats}"
             ),
             title_justify="left",
@@ -88,10 +96,10 @@ def _render(report) -> None:
         for run in (before, after):
             if run is not None and run.vlm_error:
                 console.print(
-                    f"[yellow]whole VLM forward not timed:[/yellow] {run.vlm_error}", highlight=False
+                    f"[yellow]whole VLM forward not timed:[/yellow] {escape(run.vlm_error)}", highlight=False
                 )
     for note in report.notes:
-        console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -115,7 +123,9 @@ def register(app: typer.Typer) -> None:
         size: Annotated[
             str | None,
             typer.Option(
-                "--size", help="Frame size HEIGHTxWIDTH in pixels. Default 384x512 on GPU, 224x224 on CPU."
+                "--size",
+                metavar="HxW",
+                help="Frame size HEIGHTxWIDTH in pixels. Default 384x512 on GPU, 224x224 on CPU.",
             ),
         ] = None,
         warmup: Annotated[
@@ -132,7 +142,9 @@ def register(app: typer.Typer) -> None:
         ] = False,
         plot: Annotated[
             str | None,
-            typer.Option("--plot", help="Write a PNG bar chart here (pip install 'vlfast[plot]')."),
+            typer.Option(
+                "--plot", metavar="PNG", help="Write a PNG bar chart here (pip install 'vlfast[plot]')."
+            ),
         ] = None,
         json_out: JsonOpt = False,
     ) -> None:
@@ -142,7 +154,14 @@ def register(app: typer.Typer) -> None:
         merger, and what the tower computes inline. With a checkpoint the whole VLM forward is timed too.
         """
         from vlfast.diagnosis.profiler import profile
+        from vlfast.models import REF_PREFIX, vision_config_of
 
+        # Fail before minutes of measuring, not after: the chart's dependency, and a checkpoint without a
+        # vision tower (its config.json says so; loading the whole model first would only then find out).
+        if plot:
+            _require_matplotlib()
+        if model is not None and not model.startswith(REF_PREFIX):
+            vision_config_of(model)
         report = profile(
             model,
             device=device,

@@ -6,7 +6,9 @@ import hook that runs :func:`vlfast.patching.integrations.patch_transformers` ri
 ``transformers.modeling_utils`` is first imported. Child processes (torchrun, accelerate, DataLoader
 workers) inherit the variable, so launchers the user does not control are covered.
 
-Values: ``1``/``true``/``yes``/``on`` patch Conv3d modules; ``all`` patches every eligible Conv1d/2d/3d.
+Values: ``1``/``true``/``yes``/``on`` patch Conv3d modules; ``all`` patches every eligible Conv1d/2d/3d;
+unset, empty or ``0``/``false``/``no``/``off`` leave models alone. Any other value patches nothing and
+says so once on stderr: a typo must not switch on a change to the user's models.
 """
 
 from __future__ import annotations
@@ -19,12 +21,31 @@ import sys
 ENV_VAR = "VLFAST_PATCH"
 _TARGET = "transformers.modeling_utils"
 _OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on", "all")
+_warned = False
 
 
 def env_setting(environ: dict | None = None) -> str | None:
-    """``None`` when the switch is off, else the normalised value."""
-    value = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip().lower()
-    return None if value in _OFF else value
+    """``None`` when the switch is off (or its value is not understood), else the normalised value."""
+    raw = (environ if environ is not None else os.environ).get(ENV_VAR, "")
+    value = raw.strip().lower()
+    if value in _OFF:
+        return None
+    if value not in _ON:
+        _warn_unknown(raw)
+        return None
+    return value
+
+
+def _warn_unknown(raw: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        print(
+            f"vlfast: ignoring {ENV_VAR}={raw!r}, nothing is patched: use 1, true, yes or on (Conv3d), "
+            f"all (every eligible conv), or 0, false, no, off",
+            file=sys.stderr,
+        )
 
 
 def _activate(value: str) -> None:

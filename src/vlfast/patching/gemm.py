@@ -260,6 +260,11 @@ class PatchReport:
     """What ``patch``/``unpatch`` found and did, one entry per convolution module."""
 
     entries: list[ConvEntry] = field(default_factory=list)
+    action: Literal["patch", "unpatch"] = "patch"  # the call that made this report: heads its text
+
+    def __post_init__(self) -> None:
+        if self.action not in ("patch", "unpatch"):
+            raise ValueError(f"action must be 'patch' or 'unpatch', got {self.action!r}")
 
     @property
     def patched(self) -> list[ConvEntry]:
@@ -274,11 +279,15 @@ class PatchReport:
         return [e for e in self.entries if e.status in ("skipped", "filtered")]
 
     @property
+    def unpatched(self) -> list[ConvEntry]:
+        return [e for e in self.entries if e.status == "unpatched"]
+
+    @property
     def num_patched(self) -> int:
         return len(self.patched)
 
     def __bool__(self) -> bool:  # "did this call change anything or find it done"
-        return bool(self.patched or self.already_patched)
+        return bool(self.patched or self.already_patched or self.unpatched)
 
     def to_dict(self) -> dict:
         return {
@@ -289,6 +298,8 @@ class PatchReport:
         }
 
     def summary(self) -> str:
+        if self.action == "unpatch":
+            return f"{len(self.unpatched)} unpatched" if self.entries else "nothing was patched"
         parts = [f"{self.num_patched} patched"]
         if self.already_patched:
             parts.append(f"{len(self.already_patched)} already patched")
@@ -297,7 +308,7 @@ class PatchReport:
         return ", ".join(parts) if self.entries else "no convolutions found"
 
     def __str__(self) -> str:
-        lines = [f"vlfast patch: {self.summary()}"]
+        lines = [f"vlfast {self.action}: {self.summary()}"]
         for e in self.entries:
             why = f" ({e.reason})" if e.reason else ""
             lines.append(
@@ -437,7 +448,7 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
 def unpatch(model: nn.Module) -> PatchReport:
     """Undo :func:`patch` on every module inside ``model``; the original forward is restored exactly."""
     _check_module(model, "unpatch")
-    report = PatchReport()
+    report = PatchReport(action="unpatch")
     for name, m in model.named_modules():
         if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward):
             del m.__dict__["_conv_forward"]
