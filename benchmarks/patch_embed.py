@@ -10,12 +10,17 @@ it: ``pixel_values.view(-1, C, T, P, P)``. Four variants:
 - ``fallback``: the stock conv with oneDNN (CPU) or cuDNN (CUDA) disabled, i.e. the vol2col /
   slow_conv3d path that torch 2.9+ takes for bf16/fp16 5-D convs on cuDNN 9.8-9.14.
 
+With ``--channels-last``, two more: ``conv_cl`` and ``patched_cl``, the same two modules after
+``.to(memory_format=torch.channels_last_3d)`` called on a channels_last_3d input (converted before timing),
+the layout users reach for to get cuDNN's NDHWC kernels.
+
 Variants are interleaved round by round (conv, patched, linear, fallback, next round...) and medians
 taken, so a noisy shared machine slows them alike and the ratios from one run stay comparable. The
 fallback is slow enough (seconds per call in bf16) that it gets fewer rounds.
 
     python benchmarks/patch_embed.py                       # all shapes, fp32 + bf16, CPU (+ CUDA)
     python benchmarks/patch_embed.py --refs qwen3-vl-4b --write-readme
+    python benchmarks/patch_embed.py --devices cuda --dtypes fp32 bf16 fp16 --channels-last
 """
 
 from __future__ import annotations
@@ -113,9 +118,16 @@ def _fallback_flags(device: torch.device):
 
 
 def bench_shape(
-    shape: Shape, dtype: torch.dtype, device: torch.device, n: int, rounds: int, fallback_rounds: int
+    shape: Shape,
+    dtype: torch.dtype,
+    device: torch.device,
+    n: int,
+    rounds: int,
+    fallback_rounds: int,
+    channels_last: bool = False,
 ) -> dict[str, list[float]]:
-    """Milliseconds per variant and round (the fallback in the first rounds only) for one configuration."""
+    """Milliseconds per variant and round (the fallback in the first rounds only) for one configuration;
+    with ``channels_last``, also ``conv_cl`` and ``patched_cl`` (module and input in channels_last_3d)."""
     c, t, p, d = shape.in_channels, shape.temporal, shape.patch, shape.out
     gen = torch.Generator().manual_seed(0)
     conv = nn.Conv3d(c, d, (t, p, p), stride=(t, p, p)).to(device=device, dtype=dtype)
@@ -140,9 +152,18 @@ def bench_shape(
             run_conv()
 
     variants = {"conv": run_conv, "patched": run_patched, "linear": run_linear, "fallback": run_fallback}
+    if channels_last:
+        fmt = torch.channels_last_3d
+        conv_cl = copy.deepcopy(conv).to(memory_format=fmt)
+        patched_cl = copy.deepcopy(patched).to(memory_format=fmt)
+        x_cl = pixels.view(-1, c, t, p, p).contiguous(memory_format=fmt)  # (N, C, T, P, P), NDHWC in memory
+        variants["conv_cl"] = lambda: conv_cl(x_cl)
+        variants["patched_cl"] = lambda: patched_cl(x_cl)
     times: dict[str, list[float]] = {k: [] for k in variants}
     with torch.inference_mode():
         _check_agreement(conv, patched, pixels, w2d, bias)
+        if channels_last:
+            _check_channels_last(conv, conv_cl, patched_cl, pixels.view(-1, c, t, p, p), x_cl)
         for fn in variants.values():  # warm-up: allocator, oneDNN primitive cache, cuBLAS handles
             measure(fn, device=device, warmup=0, repeats=1)
         names = list(variants)
@@ -171,6 +192,17 @@ def _check_agreement(conv, patched, pixels, w2d, bias) -> None:
     cos = F.cosine_similarity(ours.double().flatten(), ref.double().flatten(), dim=0).item()
     if cos < 0.999:
         raise AssertionError(f"the patched conv disagrees with nn.Conv3d: cosine {cos:.6f}")
+
+
+def _check_channels_last(conv, conv_cl, patched_cl, x, x_cl) -> None:
+    """The channels-last modules compute what the contiguous conv does (a different summation order)."""
+    d = conv.out_channels
+    ref = conv(x).reshape(-1, d).double().flatten()
+    for name, module in (("conv_cl", conv_cl), ("patched_cl", patched_cl)):
+        got = module(x_cl).reshape(-1, d).double().flatten()
+        cos = F.cosine_similarity(got, ref, dim=0).item()
+        if cos < 0.999:
+            raise AssertionError(f"{name} disagrees with the contiguous nn.Conv3d: cosine {cos:.6f}")
 
 
 def load_baseline(rev: str):
@@ -275,6 +307,8 @@ def render(
     command: str,
 ) -> str:
     clip = " (one 8-frame 512x384 Qwen3-VL clip)" if n == DEFAULT_PATCHES else ""
+    # Channels-last columns only with --channels-last: the default table stays as it was.
+    cl = any("conv_cl" in r["times"] for r in rows)
     lines = [
         f"Patch embedding, one forward over N = {n:,} patches{clip}, "
         f"median of {rounds} interleaved rounds ({fallback_rounds} for the fallback), milliseconds.",
@@ -284,17 +318,26 @@ def render(
         f"`{command}`",
         "",
         "| references | C x T x P x P -> D | device | dtype | conv | fallback | patched | F.linear "
-        "| conv / patched | fallback / patched | patched / linear |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        + ("| conv CL | patched CL " if cl else "")
+        + "| conv / patched | fallback / patched | patched / linear |"
+        + (" conv CL / patched | patched CL / linear |" if cl else ""),
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" * 4 if cl else ""),
     ]
     for r in rows:
         t = r["times"]
         m = {k: statistics.median(v) for k, v in t.items()}
+        cl_times = f"| {m['conv_cl']:.1f} | {m['patched_cl']:.1f} " if cl else ""
+        cl_ratios = (
+            f" {paired_ratio(t, 'conv_cl', 'patched'):.2f}x | {paired_ratio(t, 'patched_cl', 'linear'):.3f} |"
+            if cl
+            else ""
+        )
         lines.append(
             f"| {', '.join(r['shape'].refs)} | {r['shape'].label} | {r['device']} | {r['dtype']} "
             f"| {m['conv']:.1f} | {m['fallback']:.1f} | {m['patched']:.1f} | {m['linear']:.1f} "
-            f"| {paired_ratio(t, 'conv', 'patched'):.2f}x | {paired_ratio(t, 'fallback', 'patched'):.1f}x "
-            f"| {paired_ratio(t, 'patched', 'linear'):.3f} |"
+            + cl_times
+            + f"| {paired_ratio(t, 'conv', 'patched'):.2f}x | {paired_ratio(t, 'fallback', 'patched'):.1f}x "
+            f"| {paired_ratio(t, 'patched', 'linear'):.3f} |" + cl_ratios
         )
     lines += [
         "",
@@ -305,6 +348,12 @@ def render(
         "disabled, the slow path torch >= 2.9 takes for bf16 5-D convs with cuDNN 9.8-9.14; patched: after "
         "`vlfast.patch`; F.linear: the raw GEMM on a pre-reshaped weight (the limit).",
     ]
+    if cl:
+        lines += [
+            "",
+            "conv CL, patched CL: the same two modules after `.to(memory_format=torch.channels_last_3d)`, "
+            "called on a channels_last_3d input (converted before timing).",
+        ]
     return "\n".join(lines)
 
 
@@ -378,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the patch as it was at this git revision (per-call table), in the same run",
     )
     ap.add_argument("--per-call-only", action="store_true", help="only the per-call table (about a minute)")
+    ap.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="also time conv and patched with module and input in channels_last_3d (conv CL, patched CL)",
+    )
     args = ap.parse_args(argv)
     # torch warns about oneDNN TF32 on Intel GPUs each time the mkldnn flags change: noise here.
     warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
@@ -399,7 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             for dt in args.dtypes:
                 times = bench_shape(
-                    shape, DTYPES[dt], device, args.patches, args.rounds, args.fallback_rounds
+                    shape,
+                    DTYPES[dt],
+                    device,
+                    args.patches,
+                    args.rounds,
+                    args.fallback_rounds,
+                    args.channels_last,
                 )
                 rows.append({"shape": shape, "dtype": dt, "device": dev_name, "times": times})
                 print(

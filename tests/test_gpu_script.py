@@ -1,0 +1,328 @@
+"""benchmarks/gpu.sh, the one command for a lent GPU, checked for its structure on a machine without one.
+
+The GPU parts are decided from facts (versions, device count) in pure functions, so fabricated facts plan a
+GPU run here (``--dry-run --facts-file``); the real no-CUDA path, a failing step, a hanging step and one real
+step on CPU run as they would on the lent machine. Nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+
+
+def _load(name: str):
+    """A benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu = _load("gpu")
+
+GPU_FACTS = {  # what collect_facts reports on a lent H100, trimmed to what the plan reads
+    "schema": gpu.FACTS_SCHEMA,
+    "torch": {"version": "2.14.1+cu130", "cuda": "13.0"},
+    "cuda": {
+        "available": True,
+        "device_count": 1,
+        "devices": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.2}],
+    },
+    "cudnn": {"version": 91002, "version_text": "9.10.2"},
+    "nvidia_smi": {"driver_version": "550.54.15"},
+}
+CPU_FACTS = {
+    "schema": gpu.FACTS_SCHEMA,
+    "torch": {"version": "2.14.1+cpu", "cuda": None},
+    "cuda": {"available": False, "device_count": 0, "devices": []},
+    "cudnn": {"version": None},
+    "nvidia_smi": None,
+}
+FACTS_KEYS = {
+    "schema", "collected_at", "host", "platform", "python", "cpu", "torch", "cuda", "cudnn", "matmul",
+    "nvidia_smi", "packages", "vlfast_git", "env",
+}  # fmt: skip
+RUN_KEYS = {
+    "schema", "mode", "command", "started_at", "finished_at", "budget_s", "exit_code", "exit_meaning", "cuda",
+    "cuda_skip_reason", "device", "facts_source", "facts", "steps",
+}  # fmt: skip
+STEP_KEYS = {f.name for f in fields(gpu.Outcome)}
+STEP_NAMES = [s.name for s in gpu.STEPS]
+
+
+def _script(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "gpu.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def _read(out: Path) -> dict:
+    run = json.loads((out / "run.json").read_text())
+    assert set(run) == RUN_KEYS
+    assert run["schema"] == gpu.SCHEMA
+    for step in run["steps"]:
+        assert set(step) == STEP_KEYS, step["name"]
+        assert json.loads((out / "steps" / f"{step['name']}.json").read_text()) == step
+        for stream in ("stdout", "stderr"):
+            if step["status"] in ("ok", "failed", "timeout"):
+                assert (out / step[stream]).is_file(), f"{step['name']}: no {stream} file"
+    return run
+
+
+def test_without_cuda_records_the_facts_and_skips_every_cuda_step(tmp_path):
+    """The real entry point, on a machine with no usable GPU (CUDA_VISIBLE_DEVICES="" hides one if present):
+    versions recorded, every CUDA step skipped with one clear reason, exit 3."""
+    out = tmp_path / "run"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu.sh"), str(out)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == gpu.EXIT_NO_CUDA, done.stderr
+    assert "CUDA absent" in done.stderr
+
+    facts = json.loads((out / "facts.json").read_text())
+    assert set(facts) == FACTS_KEYS
+    assert facts["schema"] == gpu.FACTS_SCHEMA
+    assert facts["torch"]["version"] == torch.__version__
+    assert facts["torch"]["cuda"] == torch.version.cuda
+    assert facts["cuda"]["available"] is False and facts["cuda"]["device_count"] == 0
+    assert {"version", "version_text", "available", "enabled"} <= set(facts["cudnn"])
+
+    run = _read(out)
+    assert (run["mode"], run["cuda"], run["exit_code"]) == ("cuda", False, gpu.EXIT_NO_CUDA)
+    assert run["cuda_skip_reason"].startswith("CUDA absent: torch ")
+    assert run["facts"] == facts
+    assert [s["name"] for s in run["steps"]] == STEP_NAMES
+    facts_step, *rest = run["steps"]
+    assert (facts_step["status"], facts_step["returncode"]) == ("ok", 0)
+    for step in rest:
+        assert (step["status"], step["reason"], step["stdout"]) == ("skipped", "CUDA absent", None), step
+
+    summary = (out / "summary.md").read_text()
+    assert "**CUDA absent: torch" in summary
+    assert "| step | status | exit | seconds | result |" in summary
+    for name in STEP_NAMES:
+        assert f"| {name} | " in summary
+    assert "Exit status 3" in summary
+
+
+def test_dry_run_on_fabricated_gpu_facts_plans_every_step(tmp_path):
+    """On (fabricated) H100 facts every step is planned with its CUDA command; nothing runs."""
+    facts_file = tmp_path / "facts.json"
+    facts_file.write_text(json.dumps(GPU_FACTS))
+    out = tmp_path / "plan"
+    done = _script(str(out), "--dry-run", "--facts-file", str(facts_file))
+    assert done.returncode == gpu.EXIT_OK, done.stderr
+
+    run = _read(out)
+    assert (run["mode"], run["cuda"], run["cuda_skip_reason"]) == ("dry-run", True, None)
+    assert "NVIDIA H100 80GB HBM3" in run["device"] and "cuDNN 9.10.2" in run["device"]
+    steps = {s["name"]: s for s in run["steps"]}
+    assert list(steps) == STEP_NAMES
+    assert steps["facts"]["status"] == "skipped" and "facts given" in steps["facts"]["reason"]
+    for name in STEP_NAMES[1:]:
+        assert steps[name]["status"] == "planned", name
+        assert 0 < steps[name]["timeout_s"] <= gpu.DEFAULT_BUDGET_S
+        assert not (out / "steps" / f"{name}.stdout.txt").exists()  # planned, not run
+
+    for dt in ("fp32", "bf16", "fp16"):  # one process each: a slow bf16 path cannot cost the fp32 figures
+        pe = steps[f"patch_embed_{dt}"]["argv"]
+        assert pe[1].endswith("benchmarks/patch_embed.py")
+        assert pe[pe.index("--devices") + 1] == "cuda" and "--channels-last" in pe
+        assert pe[pe.index("--dtypes") + 1 :] == [dt]
+    assert steps["doctor"]["command"] == "vlfast doctor --json --device cuda"
+    verify = steps["verify_tiny"]["command"]
+    assert "vlfast verify --model ref:qwen3-vl-4b --tiny --device cuda --json" in verify
+    models = [steps[n]["argv"][steps[n]["argv"].index("--model") + 1] for n in ("extract_tiny", "extract_2b")]
+    assert models[0].endswith("inputs/tiny-qwen3-vl") and models[1] == "ref:qwen3-vl-2b"
+    for name in ("extract_tiny", "extract_2b"):
+        assert (
+            steps[name]["command"].startswith("vlfast extract ") and "--device cuda" in steps[name]["command"]
+        )
+
+    summary = (out / "summary.md").read_text()
+    assert "CUDA absent" not in summary and "| patch_embed_bf16 | planned |" in summary
+    again = _script(str(out), "--dry-run", "--facts-file", str(facts_file))
+    assert again.returncode == gpu.EXIT_USAGE and "already holds a run" in again.stderr
+
+
+def test_the_orchestrator_never_imports_torch():
+    """A CUDA initialisation that hangs may hang a step, which its timeout ends, never the run itself."""
+    code = f"import sys; sys.path.insert(0, {str(BENCH)!r}); import gpu; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+def test_a_failed_and_a_hung_step_are_recorded_and_the_run_goes_on(tmp_path):
+    steps = [
+        gpu.Step("fails", "exits 5", "{python} -c 'import sys; print(\"partial\"); sys.exit(5)'", cuda=False),
+        gpu.Step(
+            "hangs",
+            "starts a child, then sleeps past its timeout",
+            "{python} -c 'import subprocess, sys, time; "
+            'p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]); '
+            "print(p.pid, flush=True); time.sleep(60)'",
+            timeout_s=1,
+            output="text",
+        ),
+        gpu.Step(
+            "passes",
+            "prints a verify report",
+            "{python} -c \"import json; print(json.dumps({'passed': True, 'checks': []}))\"",
+            kind="verify",
+        ),
+        gpu.Step("after_failure", "needs the failed step", "{python} -c pass", needs=("fails",)),
+    ]
+    t0 = time.monotonic()
+    run = gpu.execute(
+        steps, tmp_path, mode="cpu-smoke", facts=CPU_FACTS, facts_source="test", log=lambda s: None
+    )
+    assert time.monotonic() - t0 < 30
+    assert run.exit_code == gpu.EXIT_FAILED
+    got = {s["name"]: s for s in _read(tmp_path)["steps"]}
+
+    assert (got["fails"]["status"], got["fails"]["returncode"]) == ("failed", 5)
+    assert "exit status 5" in got["fails"]["reason"]
+    assert got["fails"]["parse_error"].startswith("stdout is not one JSON document")
+
+    hung = got["hangs"]
+    assert (hung["status"], hung["returncode"], hung["timeout_s"]) == ("timeout", None, 1)
+    assert hung["wall_s"] < 15 and "killed after 1 s" in hung["reason"]
+    child = int((tmp_path / hung["stdout"]).read_text().split()[0])  # printed before the hang: kept
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the hung step's own child outlived its timeout"
+
+    assert (got["passes"]["status"], got["passes"]["result"]) == ("ok", {"passed": True, "checks": []})
+    assert got["passes"]["headline"] == "passed: 0/0 checks"
+    assert got["after_failure"]["status"] == "skipped" and "needs fails" in got["after_failure"]["reason"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| hangs | timeout |" in summary and "Exit status 1" in summary
+
+
+@pytest.mark.slow  # one real vlfast command: ~6 s of CPU, mostly importing transformers
+def test_cpu_smoke_runs_a_real_step_end_to_end(tmp_path):
+    """One real vlfast command through the whole path: subprocess, files, JSON read back, headline."""
+    facts_file = tmp_path / "facts.json"
+    facts_file.write_text(json.dumps(CPU_FACTS))
+    out = tmp_path / "smoke"
+    done = _script(str(out), "--cpu-smoke", "--steps", "verify_tiny", "--facts-file", str(facts_file))
+    assert done.returncode == gpu.EXIT_OK, done.stderr
+    run = _read(out)
+    assert run["mode"] == "cpu-smoke" and run["cuda"] is False
+    step = run["steps"][-1]
+    assert step["name"] == "verify_tiny" and step["status"] == "ok"
+    assert "--device cpu" in step["command"] and "--tiny" in step["command"]
+    assert step["result"]["passed"] is True and step["headline"].startswith("passed: ")
+    assert "CPU smoke run" in (out / "summary.md").read_text()
+
+
+def test_budget_steps_and_facts_are_pure_decisions():
+    assert gpu.step_timeout(240, elapsed=0, budget_s=540) == 240
+    assert gpu.step_timeout(240, elapsed=400, budget_s=540) == 540 - gpu.RESERVE_S - 400
+    assert gpu.step_timeout(240, elapsed=520, budget_s=540) is None  # too little left: skipped, said so
+    assert [s.name for s in gpu.select(["extract_2b"])] == ["facts", "inputs", "extract_2b"]
+    with pytest.raises(ValueError, match="unknown step"):
+        gpu.select(["nope"])
+    assert gpu.cuda_skip_reason(GPU_FACTS) is None
+    assert "a CPU-only build" in gpu.cuda_skip_reason(CPU_FACTS)
+    assert gpu.cuda_skip_reason(None).startswith("CUDA unknown")
+    assert (gpu.cudnn_version_text(91002), gpu.cudnn_version_text(8902), gpu.cudnn_version_text(None)) == (
+        "9.10.2",
+        "8.9.2",
+        None,
+    )
+    assert (
+        sum(s.timeout_s for s in gpu.STEPS if s.name in ("facts", "patch_embed_fp32")) < gpu.DEFAULT_BUDGET_S
+    )
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+def test_patch_embed_channels_last_variant_and_its_table_read_back():
+    """--channels-last adds conv CL and patched CL; without it the table is as before. gpu.py reads either
+    table back by its headers."""
+    pe = _load("patch_embed")
+    shape = pe.Shape(("tiny",), 3, 2, 4, 16)
+    cpu = torch.device("cpu")
+    plain = pe.bench_shape(shape, torch.float32, cpu, 8, rounds=2, fallback_rounds=1)
+    cl = pe.bench_shape(shape, torch.float32, cpu, 8, rounds=2, fallback_rounds=1, channels_last=True)
+    assert set(plain) == {"conv", "patched", "linear", "fallback"}
+    assert set(cl) == set(plain) | {"conv_cl", "patched_cl"} and len(cl["conv_cl"]) == 2
+
+    def table(times):
+        return pe.render(
+            [{"shape": shape, "dtype": "fp32", "device": "cpu", "times": times}], "hw", 8, 2, 1, "cmd"
+        )
+
+    old_header = (
+        "| references | C x T x P x P -> D | device | dtype | conv | fallback | patched | F.linear "
+        "| conv / patched | fallback / patched | patched / linear |"
+    )
+    assert old_header in table(plain).splitlines() and "CL" not in table(plain)
+    (parsed,) = gpu.parse_markdown_tables(table(cl))
+    assert parsed["columns"][-2:] == ["conv CL / patched", "patched CL / linear"]
+    assert len(parsed["columns"]) == 15
+    row = parsed["rows"][0]
+    assert row["dtype"] == "fp32" and all(isinstance(row[c], float) for c in parsed["columns"][4:])
+    line = gpu._headline_patch_embed({"tables": [parsed]})
+    assert line.startswith("fp32: conv/patched ") and "conv CL/patched" in line
+
+
+def _argparse_flags(main, capsys) -> set[str]:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    return set(re.findall(r"--[a-z][a-z0-9-]*", capsys.readouterr().out))
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+def test_every_planned_flag_exists(capsys):
+    """The plan names flags of commands other people edit: each must still be accepted, or a lent GPU's half
+    hour ends in usage errors."""
+    from typer.main import get_command
+
+    from vlfast.cli.main import app
+
+    cli = get_command(app)
+    known = {
+        "patch_embed.py": _argparse_flags(_load("patch_embed").main, capsys),
+        "gpu.py": _argparse_flags(gpu.main, capsys),
+    }
+    for name, command in cli.commands.items():
+        known[name] = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+    for mode in ("cuda", "cpu-smoke"):
+        for step in gpu.STEPS:
+            if mode == "cpu-smoke" and step.smoke is None:
+                continue
+            argv = gpu.expand(step, mode=mode, work=Path("/work"))
+            program = argv[3] if argv[1:3] == ["-m", "vlfast.cli.main"] else Path(argv[1]).name
+            flags = {w for w in argv if w.startswith("--")}
+            assert flags <= known[program], f"{step.name} ({mode}): {sorted(flags - known[program])} unknown"
