@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# What `vlfast extract` does before torch loads (vlfast.cli.extract.let_idle_threads_sleep): the suite runs
+# What `vlfast extract` does before torch loads (vlfast.cli.let_idle_threads_sleep): the suite runs
 # the pipeline with decode workers on a 2-core machine. Conftest loads before any test module imports torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -66,18 +66,18 @@ def test_extract_lets_idle_openmp_threads_sleep_before_torch_loads():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    # One place for every command: the CLI package sets it on import, before any command loads torch.
     code = (
         "import os, sys\n"
         "import vlfast.cli.main\n"
-        "from vlfast.cli.extract import let_idle_threads_sleep\n"
-        "print('torch' in sys.modules, let_idle_threads_sleep(), os.environ.get('OMP_WAIT_POLICY'))\n"
+        "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))\n"
     )
     run = lambda code, **extra: subprocess.run(  # noqa: E731
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, **extra}
     ).stdout.split()
-    assert run(code) == ["False", "True", "PASSIVE"]
-    assert run(code, OMP_WAIT_POLICY="ACTIVE") == ["False", "False", "ACTIVE"]  # the user's choice stands
-    assert run("import torch\n" + code)[1:] == ["False", "None"]  # too late: not set, not pretended
+    assert run(code) == ["False", "PASSIVE"]
+    assert run(code, OMP_WAIT_POLICY="ACTIVE") == ["False", "ACTIVE"]  # the user's choice stands
+    assert run("import torch\n" + code) == ["True", "None"]  # too late: not set, not pretended
 
 
 def test_api_warns_when_openmp_threads_spin(tiny_qwen3_vl, tmp_path, monkeypatch):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Annotated
@@ -29,22 +27,6 @@ DEMO_MODEL = "ref:qwen3-vl-2b"
 
 def register(app: typer.Typer) -> None:
     app.command("extract")(extract)
-
-
-def let_idle_threads_sleep() -> bool:
-    """Make torch's idle OpenMP threads sleep at once instead of spinning; only works before torch loads.
-
-    After each parallel op, OpenMP's idle threads (one per core) busy-wait for the next by default, on the
-    very cores the decode workers need, and a worker preempting a thread stalls the op's barrier. With
-    ``OMP_WAIT_POLICY=PASSIVE`` short videos through a small tower extract ~1.3x faster on 2 cores
-    (``benchmarks/extract.py``: 1.50x -> 1.92x the naive loop); a big tower, whose forward fills the
-    cores, is not measurably slower. Left alone when the user set it, or when torch is already imported
-    (too late: OpenMP reads it once). Returns whether it was set.
-    """
-    if "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:
-        return False
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return True
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -172,7 +154,6 @@ def extract(
     Exit 0 done (bad inputs recorded in OUT/errors), 1 stopped by --max-errors or --verify found damage,
     2 bad usage, a configuration or weights that differ from what OUT holds, OUT in use or not writable.
     """
-    let_idle_threads_sleep()
     if verify:
         if demo or len(paths) != 1:
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")

@@ -8,7 +8,16 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from vlfast.cli._common import DeviceOpt, DtypeOpt, JsonOpt, UsageError, console, handle_errors, print_json
+from vlfast.cli._common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    UsageError,
+    console,
+    handle_errors,
+    print_json,
+    print_table,
+)
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -48,11 +57,23 @@ def _render(report) -> None:
 
     for before, after in report.pairs():
         ref = before or after
+        cmp = report.comparison(before, after) if before and after else {}
+
+        def speedup(part: str, cmp: dict = cmp) -> str:
+            c = cmp.get(part)
+            if not c or c["measured_ratio"] is None:
+                return ""
+            if not c["changed"]:
+                return "[dim]unchanged[/dim]"  # no patched conv in it: its ratio is noise
+            text = f"{c['speedup']:.1f}x"
+            return text if c["reliable"] else f"[yellow]{text}? spread {c['spread']:.0%}[/yellow]"
+
         t, h, w = ref.grid
         table = Table(
             title=(
                 f"{escape(report.target)} on {report.device} ({report.dtype}): batch {ref.batch} x {ref.frames} frames, "
-                f"grid {t}x{h}x{w}, {ref.patches:,} patches, median of {ref.repeats}"
+                f"grid {t}x{h}x{w}, {ref.patches:,} patches, median of {ref.repeats}; shares of the time timed; "
+                f"load average {report.load[0]} -> {report.load[1]} on {report.cpus} CPUs"
             ),
             title_justify="left",
         )
@@ -75,7 +96,7 @@ def _render(report) -> None:
             a_ms, a_share = cells(after, part)
             bv = before and (before.inline_ms if part == INLINE else before.components.get(part))
             av = after and (after.inline_ms if part == INLINE else after.components.get(part))
-            speed = f"{bv / av:.1f}x" if bv and av and av > 0 and part != INLINE else ""
+            speed = speedup(part) if part != INLINE else ""
             label = part
             if part == "blocks":
                 runs = [r for r in (before, after) if r is not None]
@@ -90,9 +111,12 @@ def _render(report) -> None:
             bv, av = (getter(r) if r else None for r in (before, after))
             if bv is None and av is None:
                 continue
-            speed = f"{bv / av:.1f}x" if bv and av else ""
+            if name == "forward (hooked)":
+                speed = speedup("forward")
+            else:
+                speed = f"{bv / av:.1f}x" if bv and av else ""
             table.add_row(f"[bold]{name}[/bold]", _ms(bv), "", _ms(av), "", f"[bold]{speed}[/bold]")
-        console.print(table)
+        print_table(table)
         for run in (before, after):
             if run is not None and run.vlm_error:
                 console.print(

@@ -34,8 +34,11 @@ from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
 
 __all__ = ["COMPONENTS", "ProfileReport", "ProfileRun", "component_modules", "profile"]
 
-SCHEMA = "vlfast.profile/1"
+SCHEMA = "vlfast.profile/2"
 INLINE = "other (inline)"
+# A ratio whose per-round values spread wider than this ((max - min) / median) is flagged unreliable:
+# on a shared CPU one busy neighbour moves single forwards by 2-8x.
+UNRELIABLE_SPREAD = 0.25
 
 # (label, regular expression over the name of a direct child of the tower). First match wins.
 COMPONENTS: tuple[tuple[str, str], ...] = (
@@ -79,12 +82,21 @@ class ProfileRun:
     repeats: int
     vlm_forward_ms: float | None = None  # the whole VLM on the same clips (checkpoints only)
     vlm_error: str | None = None
+    forward_spread: float | None = None  # (max - min) / median of the hooked forwards
+    # Per round (aligned with the other run of the pair): hooked forward and component times.
+    rounds_forward_ms: list[float] = field(default_factory=list)
+    rounds_components: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def timed_ms(self) -> float:
+        """What the shares divide: the components' medians plus the inline rest (so shares sum to 1)."""
+        return sum(self.components.values()) + max(0.0, self.inline_ms)
 
     @property
     def shares(self) -> dict[str, float]:
-        total = self.forward_ms or float("nan")
+        total = self.timed_ms or float("nan")
         out = {k: v / total for k, v in self.components.items()}
-        out[INLINE] = self.inline_ms / total
+        out[INLINE] = max(0.0, self.inline_ms) / total
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,6 +111,8 @@ class ProfileRun:
             "components_ms": dict(self.components),
             "inline_ms": self.inline_ms,
             "shares": self.shares,
+            "timed_ms": self.timed_ms,
+            "forward_spread": self.forward_spread,
             "items_ms": dict(self.items),
             "repeats": self.repeats,
             "vlm_forward_ms": self.vlm_forward_ms,
@@ -115,6 +129,39 @@ class ProfileReport:
     runs: list[ProfileRun] = field(default_factory=list)
     torch_version: str = torch.__version__
     notes: list[str] = field(default_factory=list)
+    touched: list[str] = field(default_factory=list)  # component labels holding a patched conv
+    load: tuple[float | None, float | None] = (None, None)  # 1-min load average at start, end
+    cpus: int | None = os.cpu_count()
+    omp_wait_policy: str | None = None
+
+    def comparison(self, before: ProfileRun, after: ProfileRun) -> dict[str, dict[str, Any]]:
+        """Per component and for the forward: did the patch change it, by how much, how reliably.
+
+        A component with no patched conv in it is ``unchanged`` by construction (the patch is exact, so
+        it computes the same on the same input): its measured ratio is shown only as the noise it is,
+        never as a speedup. A changed one's speedup is the median of the per-round ratios; ``reliable``
+        is False when those spread wider than ``UNRELIABLE_SPREAD``.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        parts = list(dict.fromkeys([*before.components, *after.components]))
+        series = {
+            p: ([r.get(p) for r in before.rounds_components], [r.get(p) for r in after.rounds_components])
+            for p in parts
+        }
+        series["forward"] = (before.rounds_forward_ms, after.rounds_forward_ms)
+        for part, (bs, as_) in series.items():
+            ratios = [b / a for b, a in zip(bs, as_) if b and a]
+            changed = part == "forward" or part in self.touched
+            med = statistics.median(ratios) if ratios else None
+            spread = (max(ratios) - min(ratios)) / med if ratios and med else None
+            out[part] = {
+                "changed": changed,
+                "speedup": med if changed else None,
+                "measured_ratio": med,
+                "spread": spread,
+                "reliable": spread is not None and spread <= UNRELIABLE_SPREAD and len(ratios) >= 2,
+            }
+        return out
 
     def pairs(self) -> list[tuple[ProfileRun | None, ProfileRun | None]]:
         """(before, after) per configuration."""
@@ -126,15 +173,16 @@ class ProfileReport:
         speedups = []
         for before, after in self.pairs():
             if before and after:
+                cmp = self.comparison(before, after)
                 speedups.append(
                     {
                         "batch": before.batch,
                         "frames": before.frames,
-                        "forward_speedup": before.forward_ms / after.forward_ms,
-                        "patch_embed_speedup": _ratio(
-                            before.components.get("patch_embed"), after.components.get("patch_embed")
-                        ),
+                        "forward_speedup": cmp["forward"]["speedup"],
+                        "patch_embed_speedup": cmp.get("patch_embed", {}).get("speedup"),
                         "vlm_speedup": _ratio(before.vlm_forward_ms, after.vlm_forward_ms),
+                        "components": cmp,
+                        "reliable": all(v["reliable"] for v in cmp.values() if v["changed"]),
                     }
                 )
         return {
@@ -146,6 +194,9 @@ class ProfileReport:
             "torch_version": self.torch_version,
             "runs": [r.to_dict() for r in self.runs],
             "speedups": speedups,
+            "touched_components": list(self.touched),
+            "load_average": {"start": self.load[0], "end": self.load[1], "cpus": self.cpus},
+            "omp_wait_policy": self.omp_wait_policy,
             "notes": list(self.notes),
         }
 
@@ -182,6 +233,18 @@ class ProfileReport:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def _spread(values: list[float]) -> float | None:
+    med = statistics.median(values) if values else 0
+    return (max(values) - min(values)) / med if med else None
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -348,6 +411,9 @@ def _profile_config(
                 items=_median_dict([r[2] for r in rs]),
                 inline_ms=float(statistics.median(total - sum(labels.values()) for total, labels, _ in rs)),
                 repeats=repeats,
+                forward_spread=_spread([r[0] for r in rs]),
+                rounds_forward_ms=[float(r[0]) for r in rs],
+                rounds_components=[dict(r[1]) for r in rs],
             )
         )
     if vlm is not None:
@@ -389,7 +455,7 @@ def _time_vlm(results, scope, vlm, tower, pixels, grid_thw, clips, device, warmu
 # --------------------------------------------------------------------------------------------- profile
 
 
-def _load(model: nn.Module | str | None, device: str, dtype: torch.dtype, tiny: bool, whole: bool):
+def _load_model(model: nn.Module | str | None, device: str, dtype: torch.dtype, tiny: bool, whole: bool):
     """(target label, tower, whole VLM or None)."""
     from vlfast import models
 
@@ -407,6 +473,7 @@ def _load(model: nn.Module | str | None, device: str, dtype: torch.dtype, tiny: 
         if model.startswith(models.REF_PREFIX):
             tower = models.build_reference(model, tiny=tiny, device=device, dtype=dtype)
             return model + (" (tiny)" if tiny else ""), tower, None
+        models.vision_config_of(model)  # a text-only checkpoint is refused before any weight loads
         if not whole:  # only the tower's weights are read
             return model, models.load_vision_tower(model, device=device, dtype=dtype), None
         vlm = models.load_model(model, device=device, dtype=dtype)
@@ -462,15 +529,23 @@ def profile(
     size = tuple(size) if size is not None else DEFAULT_SIZE.get(torch.device(dev).type, DEFAULT_SIZE["cuda"])
     if len(size) != 2 or min(size) < 1:
         raise ValueError(f"size must be (height, width) in pixels, got {size}")
-    target, tower, whole = _load(model, dev, dt, tiny, vlm)
+    target, tower, whole = _load_model(model, dev, dt, tiny, vlm)
     tower.eval()
     report = ProfileReport(target, dev, dt_name, size)
+    report.omp_wait_policy = os.environ.get("OMP_WAIT_POLICY")
+    report.load = (_load(), None)
+    if torch.device(dev).type == "cpu" and (report.omp_wait_policy or "").upper() != "PASSIVE":
+        report.notes.append(
+            "OMP_WAIT_POLICY is not PASSIVE: idle OpenMP threads spin, and beside a busy process single "
+            "forwards slow by several x. The vlfast command sets it; in Python, set it before torch loads."
+        )
     if not vlm:
         whole = None
 
     scope = whole if whole is not None else tower
     before_names = {n for n, _ in patched_modules(scope)}
     patch(scope)
+    report.touched = list(dict.fromkeys(label for label, _, m in component_modules(tower) if is_patched(m)))
     if not is_patched(tower):
         report.notes.append("nothing to patch in this tower: 'after' equals 'before'")
     try:
@@ -496,4 +571,16 @@ def profile(
         unpatch(scope)
         if before_names:
             patch(scope, filter=lambda name, m: name in before_names)
+    report.load = (report.load[0], _load())
+    for before, after in report.pairs():
+        if before and after:
+            bad = [
+                k for k, v in report.comparison(before, after).items() if v["changed"] and not v["reliable"]
+            ]
+            if bad:
+                report.notes.append(
+                    f"batch {before.batch} x {before.frames} frames: the per-round ratios of {', '.join(bad)} "
+                    f"spread more than {UNRELIABLE_SPREAD:.0%} (load average {report.load[1]}, "
+                    f"{report.cpus} CPUs): not a result; run again on a quieter machine or with more --repeats."
+                )
     return report
