@@ -22,10 +22,19 @@ CORPUS = [
     "thinking about thinking; reasoning about reasoning; answer after answer",
 ] * 20
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen-VL's placeholder tokens: in the prompt, never predicted, rows never trained as outputs.
+VL_SPECIAL = [
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|box_start|>",
+    "<|box_end|>",
+]
 D = 48
 
 
-def make_tokenizer(folder: Path, think_added: bool = True) -> int:
+def make_tokenizer(folder: Path, think_added: bool = True, vl_tokens: bool = False) -> int:
     """Write tokenizer.json; return its length (max id + 1)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -39,6 +48,8 @@ def make_tokenizer(folder: Path, think_added: bool = True) -> int:
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL])
     if think_added:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    if vl_tokens:  # after the others, so every other id stays where it was
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in VL_SPECIAL])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     return max(tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -55,13 +66,14 @@ def make_model(
     sharded: bool = False,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    vl_tokens: bool = False,
 ) -> dict:
     """A checkpoint whose never-trained rows (added `<think>` tokens, padding, planted) look like
     fresh init: small random input rows and output rows drifted along one shared direction, as the
     softmax gradient pushes every unseen token's lm_head row. Trained rows vary most along an axis
     of their own (the first principal component, as a token-frequency direction does in real models).
-    Returns what was planted."""
-    n_tok = make_tokenizer(folder, think_added)
+    Returns what was planted. `vl_tokens` adds Qwen-VL's placeholder tokens, never trained either."""
+    n_tok = make_tokenizer(folder, think_added, vl_tokens)
     rows = n_tok + padding
     g = torch.Generator().manual_seed(seed)
     common_in, common_out, axis = (torch.randn(D, generator=g) for _ in range(3))
@@ -82,8 +94,9 @@ def make_model(
 
     vocab = json.loads((folder / "tokenizer.json").read_text())
     added = [t["id"] for t in vocab["added_tokens"] if t["content"] in ("<think>", "</think>")]
+    vl = {t["content"]: t["id"] for t in vocab["added_tokens"] if t["content"] in VL_SPECIAL}
     pad = list(range(n_tok, rows))
-    untrained(added + pad)
+    untrained(added + list(vl.values()) + pad)
     if zero_padding:
         emb[n_tok:] = 0
         out[n_tok:] = 0
@@ -128,7 +141,7 @@ def make_model(
         )
     else:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return {"added": added, "padding": pad, "tokenizer_length": n_tok, **planted}
+    return {"added": added, "vl": vl, "padding": pad, "tokenizer_length": n_tok, **planted}
 
 
 @pytest.fixture(scope="module")

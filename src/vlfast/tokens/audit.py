@@ -15,8 +15,24 @@ from pathlib import Path
 import numpy as np
 
 from vlfast.tokens.indicators import matrix_stats
-from vlfast.tokens.report import IndicatorInfo, TagReport, TokenAudit, TokenVerdict, VocabularyAudit
-from vlfast.tokens.tags import DEFAULT_TAGS, read_template, split_tag_args, tags_in_regex, tags_in_text
+from vlfast.tokens.report import (
+    MAX_LISTED_IDS,
+    IndicatorInfo,
+    NonFiniteRows,
+    SkippedTag,
+    TagReport,
+    TokenAudit,
+    TokenVerdict,
+    VocabularyAudit,
+)
+from vlfast.tokens.tags import (
+    DEFAULT_TAGS,
+    PLACEHOLDERS,
+    read_template,
+    split_tag_args,
+    tags_in_regex,
+    tags_in_text,
+)
 from vlfast.tokens.verdict import VERDICTS, Judge, worst
 from vlfast.tokens.vocab import Vocabulary
 from vlfast.tokens.weights import CheckpointWeights
@@ -41,14 +57,17 @@ class Analysis:
         dup = int(s_in.duplicate_of[token_id])
         if dup < 0 and self.judge.output_stats is not None:
             dup = int(self.judge.output_stats.duplicate_of[token_id])
+        norm = float(s_in.norm[token_id])
+        cos = None if s_out.cos_distance is None else float(s_out.cos_distance[token_id])
+        finite = np.isfinite(norm)
         return TokenVerdict(
             id=int(token_id),
             piece=self.vocab.piece(token_id),
             added=token_id in self.vocab.added,
             special=self.vocab.added.get(token_id, False),
-            norm=float(s_in.norm[token_id]),
-            norm_ratio=float(s_in.norm[token_id] / max(self.judge.norm.ordinary_median, 1e-30)),
-            cos_distance=None if s_out.cos_distance is None else float(s_out.cos_distance[token_id]),
+            norm=norm if finite else None,
+            norm_ratio=norm / max(self.judge.norm.ordinary_median, 1e-30) if finite else None,
+            cos_distance=cos if cos is not None and np.isfinite(cos) else None,
             duplicate_of=dup if dup >= 0 else None,
             flags=[k for k, v in flags.items() if bool(v[0])],
             verdict=verdict,
@@ -69,6 +88,16 @@ class Analysis:
         ids = self.split(tag)
         tokens = [self.token(i) for i in ids]
         return ids, tokens, worst([t.verdict for t in tokens])
+
+    def non_finite(self) -> list[NonFiniteRows]:
+        """Rows holding NaN or inf, per matrix read."""
+        out = []
+        for stats in (self.judge.input_stats, self.judge.output_stats):
+            if stats is not None:
+                bad = np.flatnonzero(~stats.finite)
+                if len(bad):
+                    out.append(NonFiniteRows(stats.name, len(bad), bad[:MAX_LISTED_IDS].tolist()))
+        return out
 
     def indicator_info(self) -> list[IndicatorInfo]:
         out = []
@@ -92,22 +121,25 @@ class Analysis:
 
 
 def _parse_reference(values: Sequence[int | str] | None) -> list[int] | None:
-    """[1, '5-7', '9,10'] -> [1, 5, 6, 7, 9, 10]."""
+    """[1, '5-7', '9,10'] -> [1, 5, 6, 7, 9, 10]. A blank value or a reversed range is an error: either
+    would silently leave the audit without the reference rows the user meant to give."""
     if values is None:
         return None
     out: list[int] = []
-    for v in values:
-        for part in str(v).replace(" ", "").split(","):
-            if not part:
-                continue
+    for v in [values] if isinstance(values, str) else values:
+        parts = [p for p in str(v).replace(" ", "").split(",") if p]
+        if not parts:
+            raise ValueError(
+                f"--reference-ids {str(v)!r} names no id; give ids or ranges such as 151669-152063"
+            )
+        for part in parts:
             try:
-                if "-" in part:
-                    a, b = (int(x) for x in part.split("-", 1))
-                    out.extend(range(a, b + 1))
-                else:
-                    out.append(int(part))
+                a, b = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
             except ValueError:
                 raise ValueError(f"reference id {part!r} is not an id or a range like 5-7") from None
+            if a > b:
+                raise ValueError(f"reference range {part!r} is reversed; write {b}-{a}")
+            out.extend(range(a, b + 1))
     return sorted(set(out))
 
 
@@ -164,16 +196,18 @@ def analyse(
 
     input_stats = matrix_stats(weights, weights.embedding_name, ref)
     output_stats = None if weights.tied else matrix_stats(weights, weights.lm_head_name, ref)
+    # A row with NaN or inf is a defect of its own (flagged `non-finite`), never a sample of "ordinary".
+    ordinary &= input_stats.finite & (output_stats.finite if output_stats is not None else True)
     judge = Judge.fit(input_stats, output_stats, ordinary, reference)
     return Analysis(weights, vocab, judge, ref, sources, ordinary)
 
 
 def collect_tags(
-    tags: Sequence[str] | None, template: str | Path | None, reward_regex: str | None
+    tags: str | Sequence[str] | None, template: str | Path | None, reward_regex: str | None
 ) -> dict[str, list[str]]:
     """tag -> where the format uses it; the Qwen3 thinking pair when nothing is given."""
     found: dict[str, list[str]] = {}
-    for tag in split_tag_args(list(tags or [])):
+    for tag in split_tag_args(tags):  # a str is one --tags value, not a list of characters
         found.setdefault(tag, []).append("tags")
     if template is not None:
         for tag in tags_in_text(read_template(template)):
@@ -191,6 +225,13 @@ def collect_tags(
     return found
 
 
+def split_placeholders(wanted: dict[str, list[str]]) -> tuple[dict[str, list[str]], list[SkippedTag]]:
+    """(tags to audit, VLM placeholder tags left out with the reason) from `collect_tags`' result."""
+    kept = {t: s for t, s in wanted.items() if t not in PLACEHOLDERS}
+    skipped = [SkippedTag(t, s, PLACEHOLDERS[t]) for t, s in wanted.items() if t in PLACEHOLDERS]
+    return kept, skipped
+
+
 def audit_tokens(
     model: str | Path,
     tags: Sequence[str] | None = None,
@@ -201,6 +242,10 @@ def audit_tokens(
     alternatives: bool = True,
     embedding_name: str | None = None,
     lm_head_name: str | None = None,
+    include_placeholders: bool = False,
+    verify_generation: bool = False,
+    device: str | None = None,
+    dtype: str | None = None,
 ) -> TokenAudit:
     """Audit the embedding rows of the tags a format uses.
 
@@ -210,11 +255,24 @@ def audit_tokens(
     reward_regex: a reward regex whose literal tags are checked too.
     reference_ids: known never-trained ids (ints or "a-b" ranges); default: padding rows beyond the
         tokenizer's length plus `[unused*]`/reserved entries.
+    include_placeholders: audit Qwen-VL placeholder tokens (`<|image_pad|>`, ...) too; by default they
+        are listed in `skipped` with the reason.
+    verify_generation: also load the model (on `device`, in `dtype`) and run Magikarp's repetition
+        prompts for every token of the audited tags (`generation` in the report).
     """
     from vlfast.tokens.alternatives import propose, suggested_mapping
 
     t0 = time.perf_counter()
+    if verify_generation:
+        from vlfast.tokens.generation import resolve
+
+        resolve(device, dtype)  # a bad --device or --dtype fails now, not after the weights pass
+    elif device is not None or dtype is not None:
+        raise ValueError("--device and --dtype are for --verify-generation; add it or drop them")
     wanted = collect_tags(tags, template, reward_regex)
+    skipped: list[SkippedTag] = []
+    if not include_placeholders:
+        wanted, skipped = split_placeholders(wanted)
     if not Path(model).is_dir():
         raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
     vocab = Vocabulary.load(model)
@@ -234,6 +292,15 @@ def audit_tokens(
         alts = propose(an, tag) if alternatives and verdict != "trained" else []
         reports.append(TagReport(tag, sources, ids, len(ids) == 1, tokens, verdict, alts))
     w = an.weights
+    seconds = round(time.perf_counter() - t0, 3)
+    generation = None
+    tokens = {t.id: t.verdict for r in reports for t in r.tokens}
+    if verify_generation and tokens:
+        from vlfast.tokens.generation import verify_generation as run
+
+        generation = run(
+            model, list(tokens), weights_verdicts=tokens, vocab=vocab, device=device, dtype=dtype
+        )
     return TokenAudit(
         model_dir=str(model),
         embedding=w.embedding_name,
@@ -248,7 +315,10 @@ def audit_tokens(
         tags=reports,
         verdict=worst([r.verdict for r in reports]),
         suggested_mapping=suggested_mapping(reports),
-        seconds=round(time.perf_counter() - t0, 3),
+        seconds=seconds,
+        non_finite=an.non_finite(),
+        skipped=skipped,
+        generation=generation,
     )
 
 

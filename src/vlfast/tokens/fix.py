@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags
-from vlfast.tokens.report import TokenAudit
+from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, split_placeholders
+from vlfast.tokens.report import TokenAudit, strict_json
 from vlfast.tokens.verdict import worst
 from vlfast.tokens.vocab import Vocabulary
 
@@ -67,7 +67,7 @@ class FixReport:
         d = asdict(self)
         d["after"] = None if self.after is None else self.after.to_dict()
         d["ok"] = self.ok
-        return d
+        return strict_json(d)
 
 
 def _mean_trained_row(an: Analysis, name: str) -> torch.Tensor:
@@ -104,8 +104,12 @@ def fix_tokens(
     reward_regex: str | None = None,
     reference_ids: Sequence[int | str] | None = None,
     verify: bool = True,
+    include_placeholders: bool = False,
 ) -> FixReport:
-    """Write `out`, a copy of `model` whose untrained tag rows are initialised from trained rows."""
+    """Write `out`, a copy of `model` whose untrained tag rows are initialised from trained rows.
+
+    Qwen-VL placeholder tokens (`<|image_pad|>`, ...) are left alone unless `include_placeholders`:
+    their rows are replaced by vision features or never predicted, so they are not a format's tags."""
     if init not in INITS:
         raise ValueError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     model, out = Path(model), Path(out)
@@ -117,16 +121,26 @@ def fix_tokens(
         raise ValueError(f"{out} exists and is not empty; choose a new folder for the fixed checkpoint")
 
     wanted = collect_tags(tags, template, reward_regex)
+    notes: list[str] = []
+    if not include_placeholders:
+        wanted, skipped = split_placeholders(wanted)
+        notes += [f"{s.tag} left alone: {s.reason}" for s in skipped]
     vocab = Vocabulary.load(model)
     exclude = sorted({i for t in wanted for i in vocab.split(t)})
     an = analyse(model, reference_ids=reference_ids, exclude_ids=exclude, vocab=vocab)
     targets = _targets(an, wanted)
+    for bad in an.non_finite():
+        more = ", ..." if bad.count > 10 else ""
+        notes.append(
+            f"{bad.matrix}: {bad.count} row(s) hold NaN or inf (ids {', '.join(map(str, bad.ids[:10]))}{more}); "
+            "fix rewrites only the tags' untrained rows, so any other broken row stays broken: "
+            "restore those from a sound copy of the checkpoint"
+        )
     before = worst([an.tag_verdict(tag)[2] for tag in wanted])
     w = an.weights
     # Matrices to edit: the embedding, plus a stored lm_head (also when tied: keep the copy in step).
     matrices = [w.embedding_name] + ([w.lm_head_name] if w.lm_head_name else [])
     verdicts = an.judge.verdicts()
-    notes: list[str] = []
     rows: list[FixedRow] = []
     plans: dict[int, list[int]] = {}
     for tid, text in targets.items():
@@ -164,8 +178,10 @@ def fix_tokens(
 
     files_rewritten, files_copied = _write(w, model, out, new_values)
     report = FixReport(str(model), str(out), init, rows, files_rewritten, files_copied, before, None, notes)
-    if verify:
-        report.after = audit_tokens(out, list(wanted), reference_ids=reference_ids, alternatives=False)
+    if verify and wanted:
+        report.after = audit_tokens(
+            out, list(wanted), reference_ids=reference_ids, alternatives=False, include_placeholders=True
+        )
     return report
 
 

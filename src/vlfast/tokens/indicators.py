@@ -4,6 +4,10 @@ For every row of a (V, D) matrix: its L2 norm, whether it is all zero (Unsloth's
 cosine distance to the mean of the known-unused rows after removing the first principal component
 (Land & Bartolo 2024), and which other row it duplicates bit for bit. The matrix is memory-mapped and
 read in blocks small enough to stay in cache while the few reductions run over them.
+
+A row holding a NaN or an infinity has a non-finite norm (`finite` is read off the norm, at no extra
+cost); such rows are left out of the principal component and the reference mean, so one broken row
+cannot turn every other row's statistics into NaN.
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ class MatrixStats:
     cos_note: str | None = None  # why cos_distance is None
     held_out: list[int] | None = None  # reference rows left out of the mean, to judge the indicator
 
+    @property
+    def finite(self) -> np.ndarray:
+        """(V,) bool: rows without NaN or inf. A row's norm is finite exactly when all its values are
+        (an fp32 overflow of the squares needs values near 1e19, as broken as an inf)."""
+        return np.isfinite(self.norm)
+
     def __post_init__(self) -> None:
         n = len(self.norm)
         for key in ("zero", "duplicate_of"):
@@ -60,6 +70,13 @@ def first_principal_component(weights: CheckpointWeights, name: str) -> torch.Te
     keep = max(PCA_SAMPLE_ELEMENTS // d, 1024)
     ids = np.arange(n) if n <= keep else np.unique(np.linspace(0, n - 1, num=keep).astype(np.int64))
     sample = weights.rows(name, ids)  # (S, D)
+    # A row sum is NaN or inf exactly when the row holds one (or overflows, as broken): an (S,) test,
+    # not an (S, D) mask. One NaN row would make the component NaN; the sample is copied only then.
+    finite = torch.isfinite(sample.sum(dim=1))
+    if not finite.all():
+        sample = sample[finite]
+    if not len(sample):
+        raise ValueError(f"every sampled row of {name} holds NaN or inf; the checkpoint is broken")
     sample = sample - sample.mean(0)
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(d, generator=gen)
@@ -109,10 +126,14 @@ def _matrix_stats(
         # The mean comes from every other reference row; the rest are held out, so that how far the
         # reference rows sit from the mean is not flattered by their own contribution to it.
         held_out = list(reference_ids[1::2]) if len(reference_ids) > 1 else list(reference_ids)
-        ref_mean = weights.rows(name, list(reference_ids[::2])).mean(0)
+        ref_rows = weights.rows(name, list(reference_ids[::2]))  # (R, D)
+        ref_rows = ref_rows[torch.isfinite(ref_rows.sum(dim=1))]
+        ref_mean = ref_rows.mean(0) if len(ref_rows) else torch.zeros(d)
         ref_perp = ref_mean - (ref_mean @ pc) * pc
         # Zero reference rows (a padded vocabulary left at 0) have no direction to compare with.
-        if ref_perp.norm() <= 1e-12 * max(1.0, float(ref_mean.norm())):
+        if not len(ref_rows):
+            cos_note = "every reference row used for the mean holds NaN or inf"
+        elif ref_perp.norm() <= 1e-12 * max(1.0, float(ref_mean.norm())):
             cos_note = "the reference rows average to zero (all-zero padding); no direction to compare"
         else:
             direction = (pc, ref_perp / ref_perp.norm())  # two unit vectors (D,), orthogonal
@@ -138,9 +159,10 @@ def _matrix_stats(
         if direction is not None:
             along_pc = torch.mv(x, direction[0]).double().numpy()  # (b,)
             along_ref = torch.mv(x, direction[1]).double().numpy()  # (b,)
-            perp = np.sqrt(np.maximum(nrm.double().numpy() ** 2 - along_pc**2, 1e-30))
-            # The reference direction is orthogonal to the PC, so <x - (x.p)p, m> = <x, m>.
-            cos[start:stop] = 1.0 - along_ref / perp
+            with np.errstate(invalid="ignore"):  # inf - inf in a non-finite row: NaN, masked later
+                perp = np.sqrt(np.maximum(nrm.double().numpy() ** 2 - along_pc**2, 1e-30))
+                # The reference direction is orthogonal to the PC, so <x - (x.p)p, m> = <x, m>.
+                cos[start:stop] = 1.0 - along_ref / perp
         hashes[start:stop] = _row_hashes(raw[:, :HASH_COLUMNS], coeffs)
     duplicate_of = _duplicates(weights, name, hashes)
     return MatrixStats(name, norm, zero, cos, duplicate_of, cos_note, held_out)

@@ -1,12 +1,31 @@
-"""Report dataclasses of the token audit: data only, rendering lives in the CLI."""
+"""Report dataclasses of the token audit: data only, rendering lives in the CLI.
+
+`to_dict()` is strict JSON: a float that is NaN or infinite (a broken row's norm) becomes None, so
+`json.dumps(report.to_dict(), allow_nan=False)` never fails and no parser meets a bare `NaN`.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from vlfast.tokens.verdict import VERDICTS
 
-FLAGS = ("zero", "duplicate", "low-norm", "near-unused")
+FLAGS = ("non-finite", "zero", "duplicate", "low-norm", "near-unused")
+GENERATION_RESULTS = ("verified-strong", "verified-weak", "rejected")
+MAX_LISTED_IDS = 100  # non-finite row ids listed per matrix; `count` has them all
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def _check_verdict(owner: str, verdict: str) -> None:
@@ -22,8 +41,8 @@ class TokenVerdict:
     piece: str
     added: bool
     special: bool
-    norm: float
-    norm_ratio: float  # norm / median norm of ordinary rows
+    norm: float | None  # None when the row holds NaN or inf
+    norm_ratio: float | None  # norm / median norm of ordinary rows
     cos_distance: float | None  # Magikarp indicator on the output matrix; None when undefined
     duplicate_of: int | None
     flags: list[str]
@@ -68,6 +87,70 @@ class TagReport:
 
 
 @dataclass
+class SkippedTag:
+    """A tag the format uses that the audit leaves out on purpose, and why."""
+
+    tag: str
+    sources: list[str]
+    reason: str
+
+
+@dataclass
+class NonFiniteRows:
+    """Rows of one matrix holding NaN or inf: a defect whatever the tags (a NaN lm_head row makes
+    every softmax NaN)."""
+
+    matrix: str
+    count: int
+    ids: list[int]  # the first MAX_LISTED_IDS
+
+    def __post_init__(self) -> None:
+        if self.count < len(self.ids) or self.count <= 0:
+            raise ValueError(f"NonFiniteRows.count {self.count} does not cover its {len(self.ids)} ids")
+
+
+@dataclass
+class GenerationCheck:
+    """Magikarp's second stage for one token: can the model repeat it when asked to?"""
+
+    id: int
+    piece: str
+    weights_verdict: str | None  # the token's verdict from the weights audit; None when not audited
+    probabilities: dict[str, float]  # prompt name -> P(next token is this one)
+    max_probability: float
+    result: str  # "verified-strong" | "verified-weak" (untrained confirmed) | "rejected" (reproduced)
+
+    def __post_init__(self) -> None:
+        if self.weights_verdict is not None:
+            _check_verdict("GenerationCheck", self.weights_verdict)
+        if self.result not in GENERATION_RESULTS:
+            raise ValueError(
+                f"GenerationCheck.result must be one of {GENERATION_RESULTS}, got {self.result!r}"
+            )
+
+
+@dataclass
+class GenerationReport:
+    """Repetition prompts run through the model for a set of token ids."""
+
+    model_dir: str
+    model_class: str
+    device: str
+    dtype: str
+    prompts: dict[str, str]  # name -> template, «token» where the token's id goes
+    thresholds: dict[str, float]  # "strong": below it verified-strong; "weak": below it verified-weak
+    tokens: list[GenerationCheck]
+    batch_size: int
+    load_seconds: float
+    run_seconds: float
+    peak_memory_mib: float | None  # CUDA: peak allocated during the run; CPU: the process's peak RSS
+    peak_memory_kind: str
+
+    def to_dict(self) -> dict:
+        return strict_json(asdict(self))
+
+
+@dataclass
 class IndicatorInfo:
     """How an indicator was thresholded on this checkpoint (None where it could not be computed)."""
 
@@ -97,6 +180,9 @@ class TokenAudit:
     verdict: str
     suggested_mapping: dict[str, str]  # untrained tag -> alternative whose pieces are trained
     seconds: float
+    non_finite: list[NonFiniteRows] = field(default_factory=list)
+    skipped: list[SkippedTag] = field(default_factory=list)
+    generation: GenerationReport | None = None  # --verify-generation
 
     def __post_init__(self) -> None:
         _check_verdict("TokenAudit", self.verdict)
@@ -105,14 +191,14 @@ class TokenAudit:
 
     @property
     def ok(self) -> bool:
-        return self.verdict != "untrained"
+        return self.verdict != "untrained" and not self.non_finite
 
     @property
     def untrained_tags(self) -> list[str]:
         return [t.tag for t in self.tags if t.verdict == "untrained"]
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok, "untrained_tags": self.untrained_tags}
+        return strict_json({**asdict(self), "ok": self.ok, "untrained_tags": self.untrained_tags})
 
 
 @dataclass

@@ -17,12 +17,47 @@ def tags_in_text(text: str) -> list[str]:
     return list(dict.fromkeys(TAG.findall(text)))
 
 
-def split_tag_args(values: list[str] | tuple[str, ...] | None) -> list[str]:
-    """`--tags '<think>,</think>' --tags '<answer>'` -> ['<think>', '</think>', '<answer>']."""
+def split_tag_args(values: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """`--tags '<think>,</think>' --tags '<answer>'` -> ['<think>', '</think>', '<answer>'].
+
+    A value that names no tag (`''`, `','`, `' '`: typically an unset shell variable) is an error, not
+    a request for the defaults."""
     out: list[str] = []
-    for v in values or ():
-        out.extend(p.strip() for p in re.split(r"[,\s]+", v) if p.strip())
+    for v in [values] if isinstance(values, str) else values or ():
+        parts = [p.strip() for p in re.split(r"[,\s]+", v) if p.strip()]
+        if not parts:
+            raise ValueError(
+                f"--tags {v!r} names no tag; give tags such as --tags '<think>,</think>', "
+                "or leave --tags out to check <think> and </think>"
+            )
+        out.extend(parts)
     return list(dict.fromkeys(out))
+
+
+# Tokens a Qwen-VL processor or chat template puts in the prompt and the model is never trained to
+# predict: their rows may look untrained without harm, so a template audit skips them (and says so).
+_VISION_PAD = (
+    "placeholder the processor repeats once per visual token; its embedding is replaced by vision "
+    "features and the model never predicts it"
+)
+_VISION_MARK = "marks where the visual tokens {}; written by the processor or chat template, never predicted"
+_GROUNDING = (
+    "Qwen2-VL grounding markup, unused since Qwen2.5-VL (boxes are plain JSON text); "
+    "--include-placeholders checks it if your format has the model write it"
+)
+PLACEHOLDERS: dict[str, str] = {
+    "<|image_pad|>": "image " + _VISION_PAD,
+    "<|video_pad|>": "video " + _VISION_PAD,
+    "<|vision_pad|>": "vision padding placeholder, never predicted",
+    "<|vision_start|>": _VISION_MARK.format("start"),
+    "<|vision_end|>": _VISION_MARK.format("end"),
+    "<|box_start|>": _GROUNDING,
+    "<|box_end|>": _GROUNDING,
+    "<|quad_start|>": _GROUNDING,
+    "<|quad_end|>": _GROUNDING,
+    "<|object_ref_start|>": _GROUNDING,
+    "<|object_ref_end|>": _GROUNDING,
+}
 
 
 def compile_reward_regex(pattern: str) -> re.Pattern:

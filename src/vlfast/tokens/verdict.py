@@ -7,9 +7,10 @@ checkpoint by its separation, Youden's J = (share of reference rows it flags) - 
 it flags); one below MIN_SEPARATION cannot tell the two groups apart here (e.g. the cosine indicator
 when the reference rows are isotropic noise) and neither flags nor clears a row.
 
-Zero rows and exact duplicates are flagged outright. A row is `untrained` when it is zero, duplicated,
-or flagged by every informative indicator; `suspect` when flagged by some, or by a non-informative one
-only; `trained` otherwise.
+Zero rows, exact duplicates and rows holding NaN or inf (`non-finite`) are flagged outright. A row is
+`untrained` when it is zero, duplicated, non-finite, or flagged by every informative indicator;
+`suspect` when flagged by some, or by a non-informative one only; `trained` otherwise. Non-finite
+values are left out of every median and separation, so one broken row cannot blind the indicators.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class Threshold:
 
 
 def _threshold(indicator: str, matrix: str, values: np.ndarray, ordinary: np.ndarray, reference: np.ndarray):
+    finite = np.isfinite(values)
+    ordinary, reference = ordinary & finite, reference & finite
+    if not ordinary.any():
+        raise ValueError(f"every ordinary row of {matrix} holds NaN or inf; the checkpoint is broken")
     o = float(np.median(values[ordinary]))
     if reference.any():
         r = float(np.median(values[reference]))
@@ -104,6 +109,7 @@ class Judge:
         stats = [self.input_stats] + ([self.output_stats] if self.output_stats is not None else [])
         out = self.output_stats or self.input_stats
         f = {
+            "non-finite": np.logical_or.reduce([~s.finite[sel] for s in stats]),
             "zero": np.logical_or.reduce([s.zero[sel] for s in stats]),
             "duplicate": np.logical_or.reduce([s.duplicate_of[sel] >= 0 for s in stats]),
             "low-norm": self.norm.flags(self.input_stats.norm[sel]),
@@ -119,5 +125,5 @@ class Judge:
         trusted = [f[k] for k, t in thresholds.items() if k in f and t.informative]
         some = np.logical_or.reduce([f[k] for k in thresholds if k in f])
         every = np.logical_and.reduce(trusted) if trusted else np.zeros_like(some)
-        hard = f["zero"] | f["duplicate"]
+        hard = f["non-finite"] | f["zero"] | f["duplicate"]
         return np.where(hard | every, 2, np.where(some, 1, 0))

@@ -186,7 +186,25 @@ def read_header(path: Path) -> tuple[dict, int]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{path} is not a safetensors file (unreadable header)") from None
     header.pop("__metadata__", None)
+    try:
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError, AttributeError):
+        raise ValueError(f"{path} is not a safetensors file (header without data offsets)") from None
+    size = path.stat().st_size
+    if size < 8 + n + end:
+        # A copy or download cut short: without this, numpy's memmap fails with no file name.
+        raise ValueError(
+            f"{path} is truncated: its header describes {8 + n + end:,} bytes but the file has {size:,}; "
+            "copy or download it again"
+        )
     return header, 8 + n
+
+
+def check_weight_files(model_dir: str | Path) -> None:
+    """Read every safetensors header of the checkpoint: a truncated or damaged file fails here, named,
+    before a loader that would not say which file it was reads it."""
+    for path in sorted(set(_tensor_files(Path(model_dir)).values())):
+        read_header(path)
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
