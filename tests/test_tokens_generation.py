@@ -176,12 +176,6 @@ def test_fixed_rows_are_reproduced(copying, tmp_path, init):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fix keeps an untied lm_head row at its pieces' average length (docs/tokens.md), so the "
-    "token's logit stays at its pieces' average and the model does not repeat it yet",
-)
 def test_fixed_rows_are_reproduced_untied(tmp_path):
     info = make_copying_lm(tmp_path / "src", tied=False)
     before = verify_generation(tmp_path / "src", info["added"])

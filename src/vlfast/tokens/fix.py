@@ -3,9 +3,9 @@
 `pieces`: each untrained row becomes the mean of the rows of the ordinary pieces its text splits into
 without the added token (`<think>` -> `<`, `think`, `>`), per matrix. `mean`: the mean trained row
 (what Unsloth and `resize_token_embeddings(mean_resizing=True)` use), plus a small seeded jitter so two
-fixed rows never coincide. Input-embedding rows are then scaled to the median trained norm, because an
-average of vectors is shorter than any of them and a short input row is what marks a row as
-untrained; lm_head rows keep the average's length so the token's logit starts at its pieces' average.
+fixed rows never coincide. Every fixed row is then scaled to its matrix's median trained norm, because an
+average of vectors is shorter than any of them: a short input row is what marks a row as untrained, and
+a short untied lm_head row keeps the token's logit below its pieces', so the model never produces it.
 The original folder is only read; every other file is copied unchanged.
 """
 
@@ -171,7 +171,7 @@ def fix_tokens(
                 gen = torch.Generator().manual_seed(int(tid))
                 jitter = torch.randn(mean_row.shape[0], generator=gen)
                 row = mean_row + jitter * (JITTER * median_norm / jitter.norm())
-            if is_input and row.norm() > 0:
+            if row.norm() > 0:  # an average is shorter than any of its rows: give it a trained length
                 row = row * (median_norm / row.norm())
             values[tid] = row
         new_values[name] = values
