@@ -2,16 +2,81 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import sys
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from vlfast.cli._common import EXIT_FINDING, JsonOpt, ModelOpt, UsageError, console, handle_errors, print_json
+from vlfast.cli._common import (
+    EXIT_FINDING,
+    JsonOpt,
+    ModelOpt,
+    UsageError,
+    console,
+    err_console,
+    handle_errors,
+    print_json,
+)
+
+if TYPE_CHECKING:
+    from rich.status import Status
+
+    from vlfast.patching.verification import Step
 
 
 def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
+
+
+def _peak_rss() -> str:
+    """This process's peak resident memory so far, e.g. ", peak RSS 5.1 GiB"; empty where unknown."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return ""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return f", peak RSS {peak / 2**30:.1f} GiB"
+
+
+class _Progress:
+    """Each verify step on stderr as it starts and as it ends, so a minutes-long run is seen working.
+
+    In a terminal a spinner names the running step and a line is printed as each ends; elsewhere (a CI
+    log, ``2> file``) one plain line at each start and end. Never on stdout, which ``--json`` keeps clean.
+    """
+
+    def __init__(self, out: Console) -> None:
+        self.out = out
+        self.status: Status | None = None
+
+    def __call__(self, step: Step) -> None:
+        where = f"[{step.index}/{step.total}] " if step.total else ""
+        if not step.done:
+            if self.out.is_terminal:
+                if self.status is None:
+                    self.status = self.out.status("", spinner="dots")
+                    self.status.start()
+                self.status.update(escape(f"{where}{step.label}"))
+            else:
+                self.out.print(f"{where}{step.label} ...", markup=False, highlight=False, soft_wrap=True)
+            return
+        verdict = ("ok" if step.passed else "FAIL") if step.checks else "done"
+        head, tail = f"{where}{step.label}: ", f", {step.seconds:.1f} s{_peak_rss()}"
+        if self.out.is_terminal:
+            color = "green" if step.passed else "red"
+            line = f"{escape(head)}[{color}]{verdict}[/{color}]{escape(tail)}"
+            self.out.print(line, highlight=False, soft_wrap=True)
+        else:
+            self.out.print(head + verdict + tail, markup=False, highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
 
 
 def _parse_grid(text: str) -> tuple[int, int, int]:
@@ -29,6 +94,7 @@ def verify(
         list[str] | None,
         typer.Option(
             "--grid",
+            metavar="TxHxW",
             help="Per-sample patch grid TxHxW; repeat for more samples. Default: 2x16x16 and 1x12x20.",
         ),
     ] = None,
@@ -45,27 +111,38 @@ def verify(
     ] = True,
     tiny: Annotated[
         bool,
-        typer.Option("--tiny", help="With ref:NAME, a seconds-fast scaled-down tower of the same family."),
+        typer.Option(
+            "--tiny",
+            help="With ref:NAME, a seconds-fast scaled-down tower of the same family (full size: minutes on a CPU).",
+        ),
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Prove the patch changes nothing numerically on a model: exit 0 on pass, 1 on failure."""
+    """Prove the patch changes nothing numerically on a model: exit 0 on pass, 1 on failure.
+
+    Each check is reported on stderr as it starts and as it ends; with --json, stdout is the report only.
+    """
     from vlfast.patching.verification import verify as run_verify
 
     grids = [_parse_grid(g) for g in grid] if grid else [(2, 16, 16), (1, 12, 20)]
-    report = run_verify(
-        model,
-        grids=grids,
-        dtypes=["float32", *(dtype or ["bfloat16"])],
-        device=device,
-        n_windows=windows,
-        backward=backward,
-        tiny=tiny,
-    )
+    progress = _Progress(err_console)
+    try:
+        report = run_verify(
+            model,
+            grids=grids,
+            dtypes=["float32", *(dtype or ["bfloat16"])],
+            device=device,
+            n_windows=windows,
+            backward=backward,
+            tiny=tiny,
+            progress=progress,
+        )
+    finally:
+        progress.close()
     if as_json:
         print_json(report.to_dict())
     else:
-        table = Table(title=f"vlfast verify {report.model} on {report.device}")
+        table = Table(title=f"vlfast verify {escape(str(report.model))} on {report.device}")
         for col in ("", "scope", "dtype", "what", "metrics"):
             table.add_column(col)
         limits: dict[str, str] = {}
@@ -78,7 +155,7 @@ def verify(
         console.print(table)
         console.print("thresholds: " + "; ".join(f"{k} {v}" for k, v in limits.items()), highlight=False)
         for note in report.notes:
-            console.print(f"[yellow]note:[/yellow] {note}")
+            console.print(f"[yellow]note:[/yellow] {escape(note)}")
         verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
         console.print(
             f"{verdict}: {len(report.checks) - len(report.failures)}/{len(report.checks)} checks passed"

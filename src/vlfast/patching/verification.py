@@ -8,12 +8,23 @@ Three scopes, each compared with thresholds that are printed with the result:
 - grad: gradients to the input, weight and bias of each conv, and to every tower parameter.
 
 All metrics are computed in float64: a float32 cosine over millions of elements is itself off by ~1e-4.
+
+Memory is bounded to about two towers' worth (the fp32 tower and one set of reference gradients) plus one
+forward's activations. Original and patched run on the same module, the patch toggled in between; no
+copy of the tower is made when it is already float32 on the device; the low-precision tower is made by
+converting the fp32 one (in place when verify loaded it itself); the patched run's gradients are compared
+with the original's one parameter at a time, inside the backward, and freed at once; metrics stream over
+float64 chunks. Each unit of work is announced to ``progress`` as it starts and as it ends.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +33,7 @@ from torch import nn
 
 from vlfast.patching.gemm import eligibility, patch, unpatch
 
-__all__ = ["Check", "Thresholds", "VerifyReport", "compare", "verify"]
+__all__ = ["Check", "Step", "Thresholds", "VerifyReport", "compare", "verify"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -32,6 +43,9 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+# Elements per float64 chunk in compare(): 2 MiB per buffer, whatever the size of the tensor.
+_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,30 @@ class Check:
     metrics: dict[str, float]
     limits: dict[str, str]  # metric -> rule, e.g. {"max_rel": "<= 1e-05"}
     passed: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of a verify run, reported to ``verify(progress=...)`` as it starts and again as it ends.
+
+    ``index`` counts from 1 to ``total``; loading the model comes first as step 0 of an unknown total
+    (``total is None``). At the start ``seconds`` is None; at the end it is the step's wall time and
+    ``checks`` holds the checks the step produced.
+    """
+
+    index: int
+    total: int | None
+    label: str
+    seconds: float | None = None
+    checks: tuple[Check, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return self.seconds is not None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
 
 
 @dataclass
@@ -99,25 +137,72 @@ class VerifyReport:
 # ------------------------------------------------------------------------------------------ metrics
 
 
+def _max(a: float, b: float) -> float:
+    """max() that keeps a NaN (Python's max(0.0, nan) is 0.0: a NaN output would pass unseen)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+class _Errors:
+    """Running float64 sums behind compare(), fed chunk by chunk and tensor by tensor.
+
+    A float64 copy of a 415M-element gradient is 3.3 GB and compare() needs several; chunks bound that to
+    a few times ``_CHUNK`` elements, and several tensors (all of a tower's gradients) sum into one result.
+    """
+
+    def __init__(self) -> None:
+        self.numel = 0
+        self.max_abs = 0.0  # max |candidate - reference|
+        self.scale = 0.0  # max |reference|
+        self.noise = 0.0  # sum (candidate - reference)^2
+        self.signal = 0.0  # sum reference^2
+        self.power = 0.0  # sum candidate^2
+        self.dot = 0.0  # sum reference * candidate
+
+    def add(self, reference: torch.Tensor, candidate: torch.Tensor) -> None:
+        if reference.shape != candidate.shape:
+            raise ValueError(
+                f"shape mismatch: reference {tuple(reference.shape)} vs candidate {tuple(candidate.shape)}"
+            )
+        r_all, c_all = reference.detach().flatten(), candidate.detach().flatten()
+        numel = r_all.numel()
+        if numel:
+            # Three reused float64 buffers: a fresh tensor per chunk costs more in page faults than the sums.
+            device = torch.device("cpu") if r_all.device.type == "mps" else r_all.device  # no float64 on MPS
+            buffers = torch.empty(3, min(_CHUNK, numel), dtype=torch.float64, device=device)
+        for start in range(0, numel, _CHUNK):
+            n = min(_CHUNK, numel - start)
+            r, c, diff = buffers[0, :n], buffers[1, :n], buffers[2, :n]
+            r.copy_(r_all[start : start + n])
+            c.copy_(c_all[start : start + n])
+            torch.sub(c, r, out=diff)
+            self.noise += torch.dot(diff, diff).item()
+            self.signal += torch.dot(r, r).item()
+            self.power += torch.dot(c, c).item()
+            self.dot += torch.dot(r, c).item()
+            self.max_abs = _max(self.max_abs, diff.abs_().max().item())
+            self.scale = _max(self.scale, r.abs_().max().item())
+        self.numel += numel
+
+    def metrics(self) -> dict[str, float]:
+        denom = math.sqrt(self.signal) * math.sqrt(self.power)
+        noise, signal = self.noise, self.signal
+        metrics = {
+            "max_abs": self.max_abs if self.numel else 0.0,
+            "max_rel": (self.max_abs / (self.scale or 1.0)) if self.numel else 0.0,
+            "cosine": (self.dot / denom) if denom > 0 else 1.0,
+            "sqnr_db": 10.0 * torch.log10(torch.tensor(signal / noise)).item() if noise > 0 else math.inf,
+        }
+        if math.isnan(self.dot + noise + signal + self.power):
+            # A NaN anywhere must fail every rule, not read as cosine 1.0 / infinite SQNR.
+            metrics["cosine"] = metrics["sqnr_db"] = math.nan
+        return metrics
+
+
 def compare(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
     """Error metrics of ``candidate`` against ``reference``, computed in float64."""
-    if reference.shape != candidate.shape:
-        raise ValueError(
-            f"shape mismatch: reference {tuple(reference.shape)} vs candidate {tuple(candidate.shape)}"
-        )
-    r = reference.detach().double().flatten()
-    c = candidate.detach().double().flatten()
-    diff = c - r
-    scale = r.abs().max().item() or 1.0
-    noise = diff.pow(2).sum().item()
-    signal = r.pow(2).sum().item()
-    denom = (r.norm() * c.norm()).item()
-    return {
-        "max_abs": diff.abs().max().item() if diff.numel() else 0.0,
-        "max_rel": (diff.abs().max().item() / scale) if diff.numel() else 0.0,
-        "cosine": (torch.dot(r, c).item() / denom) if denom > 0 else 1.0,
-        "sqnr_db": 10.0 * torch.log10(torch.tensor(signal / noise)).item() if noise > 0 else float("inf"),
-    }
+    errors = _Errors()
+    errors.add(reference, candidate)
+    return errors.metrics()
 
 
 def _low_precision_check(
@@ -151,6 +236,88 @@ def _fp32_check(scope: str, name: str, m: dict, limit: float) -> Check:
     )
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------------------------- progress, memory
+
+
+class _Steps:
+    """Runs the units of work: each announced to ``callback`` as it starts and ends, its checks kept."""
+
+    def __init__(self, callback: Callable[[Step], None] | None, report: VerifyReport) -> None:
+        self.callback, self.report = callback, report
+        self.index, self.total = 0, None
+
+    @contextmanager
+    def __call__(self, label: str) -> Iterator[list[Check]]:
+        index = self.index
+        if self.callback:
+            self.callback(Step(index, self.total, label))
+        start, checks = time.perf_counter(), []
+        yield checks
+        self.report.checks += checks
+        if self.callback:
+            self.callback(Step(index, self.total, label, time.perf_counter() - start, tuple(checks)))
+        if self.total is not None:
+            self.index += 1
+
+
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    return itertools.chain(module.parameters(), module.buffers())
+
+
+def _is_at(module: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """Every tensor on ``device`` and every floating one in ``dtype``: the module can be run as it is."""
+    return all(
+        _same_device(t.device, device) and (t.dtype == dtype or not t.is_floating_point())
+        for t in _tensors(module)
+    )
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    def index(d: torch.device) -> int:  # "cuda" means the current device; "cpu", "mps" have one
+        if d.index is not None:
+            return d.index
+        return torch.cuda.current_device() if d.type == "cuda" else 0
+
+    return a.type == b.type and index(a) == index(b)
+
+
+def _converted_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """``copy.deepcopy(module).to(device, dtype)`` without the full-precision copy in between.
+
+    The converted tensors are put in deepcopy's memo, so the copy is built directly from them: at most
+    one new copy of the weights exists. A tensor already in ``dtype`` on ``device`` is shared, not copied
+    (verify never writes to weights).
+    """
+    memo: dict[int, Any] = {}
+    for t in _tensors(module):
+        if id(t) in memo:
+            continue
+        new = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else None)
+        if isinstance(t, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=t.requires_grad)
+        memo[id(t)] = new
+    return copy.deepcopy(module, memo)
+
+
+@contextmanager
+def _borrowed(module: nn.Module, *, give_back: bool) -> Iterator[None]:
+    """Run ``module`` in eval mode; when it is the caller's own, restore its modes and gradients after."""
+    modes = {m: m.training for m in module.modules()} if give_back else {}
+    grads = {p: p.grad for p in module.parameters()} if give_back else {}
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        for p, grad in grads.items():
+            p.grad = grad
+
+
 # ------------------------------------------------------------------------------------------- checks
 
 
@@ -162,14 +329,14 @@ def _convs(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def _run(module: nn.Module, patched: bool, fn):
-    """Call ``fn()`` with ``module``'s eligible convs patched or not, then restore the previous state."""
+def _run(module: nn.Module, patched: bool, fn, *args):
+    """Call ``fn(*args)`` with ``module``'s eligible convs patched or not, then restore the previous state."""
     was = [n for n, m in module.named_modules() if "_conv_forward" in m.__dict__]
     unpatch(module)
     if patched:
         patch(module)
     try:
-        return fn()
+        return fn(*args)
     finally:
         unpatch(module)
         if was:
@@ -177,115 +344,176 @@ def _run(module: nn.Module, patched: bool, fn):
 
 
 def _layer_checks(
-    name: str, conv: nn.Module, n_windows: int, low: Sequence[torch.dtype], device, th, gen, backward: bool
-) -> list[Check]:
-    checks = []
+    name: str, conv: nn.Module, n_windows: int, low: Sequence[torch.dtype], device, th, gen, backward, step
+) -> None:
     k = tuple(conv.kernel_size)
     x32 = torch.randn(n_windows, conv.in_channels, *k, generator=gen).to(device)
-    layer = copy.deepcopy(conv).float().to(device)
-    ref32 = _run(layer, False, lambda: layer(x32).detach())
-    out32 = _run(layer, True, lambda: layer(x32).detach())
-    checks.append(_fp32_check("layer", name, compare(ref32, out32), th.fp32_layer_rel))
+    layer = copy.deepcopy(conv).float().to(device)  # one conv: small
+    with step(f"layer {name} float32") as out, torch.no_grad():
+        ref32 = _run(layer, False, lambda: layer(x32))
+        out32 = _run(layer, True, lambda: layer(x32))
+        out.append(_fp32_check("layer", name, compare(ref32, out32), th.fp32_layer_rel))
+    del out32
     for dtype in low:
-        low_layer = copy.deepcopy(layer).to(dtype)
-        xl = x32.to(dtype)
-        try:
-            ref = _run(low_layer, False, lambda: low_layer(xl).detach())  # noqa: B023
-        except RuntimeError as e:  # e.g. fp16 conv not implemented on this device
-            checks.append(
-                Check("layer", name, str(dtype).replace("torch.", ""), {}, {"skipped": str(e)[:80]}, True)
-            )
-            continue
-        out = _run(low_layer, True, lambda: low_layer(xl).detach())  # noqa: B023
-        checks.append(
-            _low_precision_check(
-                "layer",
-                name,
-                str(dtype).replace("torch.", ""),
-                compare(ref, out),
-                compare(ref32, ref),
-                compare(ref32, out),
-                th,
-            )
-        )
-    if backward:
-        grads = {}
-        for patched in (False, True):
-            xg = x32.clone().requires_grad_(True)
-            layer.zero_grad(set_to_none=True)
-            y = _run(layer, patched, lambda: layer(xg))  # noqa: B023
-            proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device)
-            (y * proj).sum().backward()
-            grads[patched] = {"input": xg.grad, "weight": layer.weight.grad}
-            if layer.bias is not None:
-                grads[patched]["bias"] = layer.bias.grad
-        for key in grads[False]:
-            checks.append(
-                _fp32_check(
-                    "grad", f"{name}.{key}", compare(grads[False][key], grads[True][key]), th.fp32_grad_rel
+        with step(f"layer {name} {_dtype_name(dtype)}") as out, torch.no_grad():
+            low_layer = copy.deepcopy(layer).to(dtype)
+            xl = x32.to(dtype)
+            try:
+                ref = _run(low_layer, False, lambda: low_layer(xl))  # noqa: B023
+            except RuntimeError as e:  # e.g. fp16 conv not implemented on this device
+                out.append(Check("layer", name, _dtype_name(dtype), {}, {"skipped": str(e)[:80]}, True))
+                continue
+            res = _run(low_layer, True, lambda: low_layer(xl))  # noqa: B023
+            out.append(
+                _low_precision_check(
+                    "layer",
+                    name,
+                    _dtype_name(dtype),
+                    compare(ref, res),
+                    compare(ref32, ref),
+                    compare(ref32, res),
+                    th,
                 )
             )
-    return checks
-
-
-def _tower_checks(tower: nn.Module, grids, low, device, th, seed: int, backward: bool) -> list[Check]:
-    from vlfast.models import synthetic_inputs, tower_outputs
-
-    checks: list[Check] = []
-    tower32 = copy.deepcopy(tower).float().to(device).eval()
-    low_towers = {dtype: copy.deepcopy(tower32).to(dtype) for dtype in low}
-
-    def features(model, pixels, grid):
-        out = tower_outputs(model(pixels, grid_thw=grid))
-        return {"merged": out["merged"], **{f"deepstack[{i}]": d for i, d in enumerate(out["deepstack"])}}
-
-    for i, grid in enumerate(grids):
-        pixels, grid_thw = synthetic_inputs(tower32, [grid], device=device, seed=seed + i)
-        label = f"sample {i} grid={tuple(grid)}"
-        with torch.no_grad():
-            ref32 = _run(tower32, False, lambda: features(tower32, pixels, grid_thw))  # noqa: B023
-            out32 = _run(tower32, True, lambda: features(tower32, pixels, grid_thw))  # noqa: B023
-        for key in ref32:
-            checks.append(
-                _fp32_check("tower", f"{label} {key}", compare(ref32[key], out32[key]), th.fp32_tower_rel)
-            )
-        for dtype, model in low_towers.items():
-            px = pixels.to(dtype)
-            with torch.no_grad():
-                ref = _run(model, False, lambda: features(model, px, grid_thw))  # noqa: B023
-                out = _run(model, True, lambda: features(model, px, grid_thw))  # noqa: B023
-            for key in ref:
-                checks.append(
-                    _low_precision_check(
-                        "tower",
-                        f"{label} {key}",
-                        str(dtype).replace("torch.", ""),
-                        compare(ref[key], out[key]),
-                        compare(ref32[key], ref[key]),
-                        compare(ref32[key], out[key]),
-                        th,
+    if backward:
+        with step(f"grad {name}") as out, torch.enable_grad():
+            grads = {}
+            for patched in (False, True):
+                xg = x32.clone().requires_grad_(True)
+                layer.zero_grad(set_to_none=True)
+                y = _run(layer, patched, lambda: layer(xg))  # noqa: B023
+                proj = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device)
+                (y * proj).sum().backward()
+                grads[patched] = {"input": xg.grad, "weight": layer.weight.grad}
+                if layer.bias is not None:
+                    grads[patched]["bias"] = layer.bias.grad
+            for key in grads[False]:
+                out.append(
+                    _fp32_check(
+                        "grad",
+                        f"{name}.{key}",
+                        compare(grads[False][key], grads[True][key]),
+                        th.fp32_grad_rel,
                     )
                 )
-    if backward and grids:
-        pixels, grid_thw = synthetic_inputs(tower32, [grids[0]], device=device, seed=seed)
-        grads = {}
-        for patched in (False, True):
-            tower32.zero_grad(set_to_none=True)
-            merged = _run(
-                tower32, patched, lambda: tower_outputs(tower32(pixels, grid_thw=grid_thw))["merged"]
-            )  # noqa: B023
-            proj = torch.randn(merged.shape, generator=torch.Generator().manual_seed(2)).to(device)
-            (merged * proj).sum().backward()
-            grads[patched] = torch.cat([p.grad.flatten() for p in tower32.parameters() if p.grad is not None])
-        checks.append(
-            _fp32_check(
-                "grad",
-                "tower parameters (all, concatenated)",
-                compare(grads[False], grads[True]),
-                th.fp32_grad_rel,
-            )
-        )
-    return checks
+
+
+def _features(model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> dict[str, torch.Tensor]:
+    from vlfast.models import tower_outputs
+
+    out = tower_outputs(model(pixels, grid_thw=grid))
+    return {"merged": out["merged"], **{f"deepstack[{i}]": d for i, d in enumerate(out["deepstack"])}}
+
+
+def _tower_grad_check(tower: nn.Module, grid, device, th: Thresholds, seed: int) -> Check:
+    """Gradients of every tower parameter, original vs patched, never holding more than one set of them.
+
+    The original run's gradients are kept; in the patched run each parameter's gradient is compared the
+    moment it is accumulated (a post-accumulate-grad hook) and both are dropped at once.
+    """
+    from vlfast.models import synthetic_inputs, tower_outputs
+
+    pixels, grid_thw = synthetic_inputs(tower, [grid], device=device, seed=seed)
+    params = [p for p in tower.parameters() if p.requires_grad]
+
+    def backward(patched: bool) -> None:
+        for p in params:
+            p.grad = None
+        merged = _run(tower, patched, lambda: tower_outputs(tower(pixels, grid_thw=grid_thw))["merged"])
+        proj = torch.randn(merged.shape, generator=torch.Generator().manual_seed(2)).to(device)
+        (merged * proj).sum().backward()
+
+    with torch.enable_grad():
+        backward(False)
+        reference = {id(p): p.grad for p in params if p.grad is not None}
+        errors, unmatched = _Errors(), 0
+
+        def consume(p: torch.Tensor) -> None:
+            nonlocal unmatched
+            ref = reference.pop(id(p), None)
+            if ref is None:
+                unmatched += 1
+            else:
+                errors.add(ref, p.grad)
+            p.grad = None
+
+        handles = [p.register_post_accumulate_grad_hook(consume) for p in params]
+        try:
+            backward(True)
+        finally:
+            for h in handles:
+                h.remove()
+            for p in params:
+                p.grad = None
+    unmatched += len(reference)  # had a gradient in the original run only
+    reference.clear()
+    check = _fp32_check("grad", "tower parameters (all, concatenated)", errors.metrics(), th.fp32_grad_rel)
+    if unmatched:
+        check.metrics["unmatched_parameters"] = float(unmatched)
+        check.limits["unmatched_parameters"] = "== 0"
+        check.passed = False
+    return check
+
+
+def _tower_checks(
+    tower: nn.Module, grids, low, device, th, seed: int, backward: bool, step, owned: bool
+) -> None:
+    """Tower checks, fp32 first (its outputs are the reference of the low-precision ones), then grads,
+    then each low dtype. ``owned``: verify loaded the tower itself and may convert it in place."""
+    from vlfast.models import synthetic_inputs
+
+    # Run the caller's module itself when it already is fp32 on the device; otherwise a converted copy,
+    # which is then verify's own to convert further.
+    borrowed = _is_at(tower, torch.float32, device)
+    if borrowed:
+        tower32 = tower
+    elif owned:
+        tower32 = tower.float().to(device)
+    else:
+        tower32 = _converted_copy(tower, torch.float32, device)
+    own32 = owned or tower32 is not tower
+    labels = [f"sample {i} grid={tuple(g)}" for i, g in enumerate(grids)]
+    ref32s: list[dict[str, torch.Tensor]] = []
+    with _borrowed(tower32, give_back=not own32):
+        for i, grid in enumerate(grids):
+            with step(f"tower float32 {labels[i]}") as out, torch.no_grad():
+                pixels, grid_thw = synthetic_inputs(tower32, [grid], device=device, seed=seed + i)
+                ref32 = _run(tower32, False, _features, tower32, pixels, grid_thw)
+                out32 = _run(tower32, True, _features, tower32, pixels, grid_thw)
+                for key in ref32:
+                    out.append(
+                        _fp32_check(
+                            "tower", f"{labels[i]} {key}", compare(ref32[key], out32[key]), th.fp32_tower_rel
+                        )
+                    )
+                ref32s.append(ref32)
+                del out32
+        if backward and grids:
+            with step("grad tower parameters") as out:
+                out.append(_tower_grad_check(tower32, grids[0], device, th, seed))
+    for j, dtype in enumerate(low if grids else ()):
+        # The last dtype converts verify's own fp32 tower in place: no copy at all.
+        last = own32 and j == len(low) - 1
+        model = tower32.to(dtype) if last else _converted_copy(tower32, dtype, device).eval()
+        for i, grid in enumerate(grids):
+            with step(f"tower {_dtype_name(dtype)} {labels[i]}") as out, torch.no_grad():
+                pixels, grid_thw = synthetic_inputs(model, [grid], device=device, seed=seed + i)
+                px = pixels.to(dtype)
+                ref = _run(model, False, _features, model, px, grid_thw)
+                res = _run(model, True, _features, model, px, grid_thw)
+                for key in ref:
+                    out.append(
+                        _low_precision_check(
+                            "tower",
+                            f"{labels[i]} {key}",
+                            _dtype_name(dtype),
+                            compare(ref[key], res[key]),
+                            compare(ref32s[i][key], ref[key]),
+                            compare(ref32s[i][key], res[key]),
+                            th,
+                        )
+                    )
+        del model
 
 
 def verify(
@@ -299,12 +527,15 @@ def verify(
     seed: int = 0,
     thresholds: Thresholds | None = None,
     tiny: bool = False,
+    progress: Callable[[Step], None] | None = None,
 ) -> VerifyReport:
     """Compare the patched model with the original on the same inputs, forward and backward.
 
-    ``model`` is a module (the user's own, patched or not: its state is restored afterwards), a local
-    checkpoint directory, or ``ref:NAME``; for a path only the vision tower is loaded. ``grids`` are the
-    per-sample (t, h, w) patch grids fed to the tower; ``n_windows`` the number of patches in layer checks.
+    ``model`` is a module (the user's own, patched or not: its patch state, train/eval modes and
+    gradients are restored afterwards, its weights never change), a local checkpoint directory, or
+    ``ref:NAME``; for a path only the vision tower is loaded. ``grids`` are the per-sample (t, h, w)
+    patch grids fed to the tower; ``n_windows`` the number of patches in layer checks. ``progress`` is
+    called with a :class:`Step` as each unit of work starts and ends.
     """
     from vlfast.models import find_vision_tower, load_vision_tower
 
@@ -320,25 +551,35 @@ def verify(
         raise ValueError(f"n_windows must be >= 1, got {n_windows}")
     device = torch.device(device)
     if isinstance(model, nn.Module):
-        label, root = type(model).__name__, model
+        report = VerifyReport(model=type(model).__name__, device=str(device))
+        steps = _Steps(progress, report)
+        root, owned = model, False
     elif isinstance(model, str):
-        label, root = model, load_vision_tower(model, tiny=tiny, dtype=torch.float32)
+        report = VerifyReport(model=model, device=str(device))
+        steps = _Steps(progress, report)
+        with steps(f"load {model}" + (" (tiny)" if tiny else "")):
+            root, owned = load_vision_tower(model, tiny=tiny, dtype=torch.float32), True
     else:
         raise TypeError(
             f"verify expects an nn.Module, a checkpoint directory or ref:NAME, got {type(model).__name__}"
         )
-    report = VerifyReport(model=label, device=str(device))
     convs = _convs(root)
     if not convs:
         report.notes.append("no stride == kernel convolution in this model: nothing to verify")
         return report
-    gen = torch.Generator().manual_seed(seed)
-    for name, conv in convs:
-        report.checks += _layer_checks(name, conv, n_windows, low, device, th, gen, backward)
     try:
         _, tower = find_vision_tower(root)
     except ValueError:
+        tower = None
+    steps.index = 1
+    steps.total = len(convs) * (1 + len(low) + backward)
+    if tower is not None:
+        steps.total += len(grids) * (1 + len(low)) + bool(backward and grids)
+    gen = torch.Generator().manual_seed(seed)
+    for name, conv in convs:
+        _layer_checks(name, conv, n_windows, low, device, th, gen, backward, steps)
+    if tower is None:
         report.notes.append("no vision tower (forward taking grid_thw) found: layer checks only")
         return report
-    report.checks += _tower_checks(tower, list(grids), low, device, th, seed, backward)
+    _tower_checks(tower, list(grids), low, device, th, seed, backward, steps, owned)
     return report
