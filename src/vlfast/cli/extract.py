@@ -41,9 +41,9 @@ def extract(
     paths: Annotated[
         list[str],
         typer.Argument(
-            help="INPUT OUT: INPUT is a folder of images/videos (recursive) or a manifest (.jsonl, .csv, "
-            ".parquet with columns path, id, prompt); OUT is the output folder. With --demo or --verify, "
-            "only OUT.",
+            help="INPUT OUT: INPUT is a folder of images/videos (recursive), a manifest (.jsonl, .csv, "
+            ".parquet with columns path, id, prompt) or WebDataset .tar shards as a quoted pattern, e.g. "
+            "'shards/{000000..000099}.tar'; OUT is the output folder. With --demo or --verify, only OUT.",
             show_default=False,
             metavar="INPUT OUT",
         ),
@@ -172,6 +172,11 @@ def extract(
         out = paths[0]
         model = model or DEMO_MODEL
     else:
+        if len(paths) > 2 and all(p.lower().endswith(".tar") for p in paths[:-1]):
+            raise UsageError(
+                f"give INPUT and OUT; got {len(paths) - 1} .tar files before OUT: quote a shard pattern "
+                "so the shell leaves its braces to vlfast, e.g. 'shards/{000000..000099}.tar'"
+            )
         if len(paths) != 2:
             raise UsageError("give INPUT and OUT (or --demo OUT)")
         source, out = paths

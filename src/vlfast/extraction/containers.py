@@ -8,7 +8,9 @@ whether, and where, it ends early. They run only on failure and only read a few 
 
 from __future__ import annotations
 
+import os
 import struct
+from typing import Any
 
 __all__ = ["container_truncation"]
 
@@ -93,15 +95,16 @@ def _riff_truncation(f, path: str, size: int) -> str | None:
     return None
 
 
-def container_truncation(path: str, size: int) -> str | None:
+def container_truncation(path: str | os.PathLike | Any, size: int) -> str | None:
     """How the file is shorter than its own container says, or None when that cannot be told.
 
     Reads only top-level headers: ISO-BMFF boxes (mp4, mov, m4v, 3gp), the Matroska/WebM Segment, the RIFF
     chunks of an AVI. A cut file fails in many ways inside FFmpeg (invalid data, end of file, a refused
-    seek, no stream, no frames); this names the cause. Other containers give None.
+    seek, no stream, no frames); this names the cause. Other containers give None. ``path`` may also be
+    anything with an ``open()`` giving a seekable binary file (a WebDataset shard's member).
     """
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") if isinstance(path, (str, os.PathLike)) else path.open() as f:
             head = f.read(8)
             f.seek(0)
             if len(head) == 8 and head[4:8] in _MP4_FIRST_BOXES:

@@ -2,7 +2,8 @@
 
 A *sample* is one image, one video file, or one clip given as a list of frame images. Ids are what the
 feature store keys on, so they must be unique and storable: a folder's ids are paths relative to it, a
-manifest's are its ``id`` column (or the path when the id is absent). Nothing is silently dropped:
+manifest's are its ``id`` column (or the path when the id is absent), WebDataset shards' are
+``{shard}/{__key__}`` (:mod:`vlfast.extraction.webdataset`). Nothing is silently dropped:
 
 * :func:`load_inputs` is what a run reads its input with. A manifest row or folder entry that cannot become
   a sample (bad JSON, no path, a path that is not text, bytes that are not UTF-8, an id the store cannot
@@ -36,9 +37,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from vlfast.extraction.layout import MAX_ID_BYTES
+
+if TYPE_CHECKING:
+    from vlfast.extraction.webdataset import TarMember
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -73,12 +77,16 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 @dataclass(frozen=True)
 class Sample:
-    """One unit of extraction. ``paths`` holds one file, or the frames of a clip in order."""
+    """One unit of extraction. ``paths`` holds one file, or the frames of a clip in order.
+
+    For a member of a WebDataset tar shard, ``member`` says where its bytes are and ``paths`` holds its
+    display name ``{shard}/{member name}`` (see :mod:`vlfast.extraction.webdataset`)."""
 
     id: str
     kind: Kind
     paths: tuple[str, ...]
     prompt: str | None = None
+    member: TarMember | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -91,6 +99,8 @@ class Sample:
             raise ValueError(f"sample {self.id!r}: a {self.kind} has exactly one path, got {len(self.paths)}")
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise TypeError(f"sample {self.id!r}: prompt must be a string or None")
+        if self.member is not None and self.kind == "frames":
+            raise ValueError(f"sample {self.id!r}: a tar member is one image or video, not a frame list")
 
     @property
     def source(self) -> str:
@@ -130,7 +140,8 @@ def _suffix_list(suffixes: Iterable[str]) -> str:
 
 _SUPPORTED = (
     f"images: {_suffix_list(IMAGE_SUFFIXES)}; videos: {_suffix_list(VIDEO_SUFFIXES)}; "
-    f"manifests: {_suffix_list(MANIFEST_SUFFIXES)} with a 'path' column"
+    f"manifests: {_suffix_list(MANIFEST_SUFFIXES)} with a 'path' column; "
+    "WebDataset: .tar shards or a quoted pattern like 'shards/{000000..000099}.tar'"
 )
 
 
@@ -502,6 +513,10 @@ def _required(kind: str, name: str, samples: list[Sample], problems: list[InputP
                 f"input folder {name} holds no image or video file (hidden files are skipped and symlinked "
                 f"folders are not entered); supported: {_SUPPORTED}"
             )
+        if kind == "WebDataset shards":
+            raise EmptyInput(
+                f"WebDataset shards {name} hold no image or video member; supported: {_SUPPORTED}"
+            )
         raise EmptyInput(f"manifest {name} has no rows; supported: {_SUPPORTED}")
     raise ValueError(f"{kind} {name} has no usable sample: {_problem_list(problems)}")
 
@@ -543,7 +558,8 @@ def _load_list(items: Sequence[Any]) -> tuple[list[Sample], list[InputProblem]]:
 def load_inputs(
     source: str | os.PathLike | Sequence[Sample | dict],
 ) -> tuple[list[Sample], list[InputProblem]]:
-    """The samples of a folder, a manifest, a media file, or a list of samples or dict rows, and the problems.
+    """The samples of a folder, a manifest, a media file, WebDataset tar shards (a ``.tar`` path or a brace
+    pattern, see :mod:`vlfast.extraction.webdataset`), or a list of samples or dict rows, and the problems.
 
     A row or entry that cannot become a sample is an :class:`InputProblem` (where, reason, id) and the rest
     go on. A list passed by an API user is treated alike: a :class:`Sample` whose id or paths cannot be
@@ -564,6 +580,12 @@ def load_inputs(
     if path.is_dir():
         samples, problems = _scan_folder(path)
         _required("folder", name, samples, problems)
+        return samples, problems
+    from vlfast.extraction.webdataset import is_shard_input, load_shards
+
+    if is_shard_input(source):
+        samples, problems = load_shards(source)
+        _required("WebDataset shards", name, samples, problems)
         return samples, problems
     if path.suffix.lower() in MANIFEST_SUFFIXES:
         samples, problems = _read_manifest(path)

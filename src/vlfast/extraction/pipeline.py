@@ -2,9 +2,9 @@
 
 The flow, per rank::
 
-    inputs (folder / manifest; bad rows become error records) -> run configuration, weights fingerprint
-      -> read-only check of OUT (a different configuration is refused, "nothing to do" exits, before any
-         lock or model load) -> FeatureStore (lock, checks and moves aside damaged shards) -> plan
+    inputs (folder / manifest / tar shards; bad rows become error records) -> run configuration, weights
+      fingerprint -> read-only check of OUT (a different configuration is refused, "nothing to do" exits,
+         before any lock or model load) -> FeatureStore (lock, checks and moves aside damaged shards) -> plan
       -> model -> worker processes: decode + the model's own preprocessing (errors, dead and hung workers
          come back as records) -> pack by token budget (no padding: the tower takes one flat patch sequence)
       -> forward (convs patched; an out-of-memory batch is split and retried)
@@ -375,7 +375,8 @@ def extract(
     """Extract ``features`` of every sample in ``inputs`` with ``model`` into the folder ``out``.
 
     ``inputs`` is a folder (images and videos, recursive), a manifest (.jsonl/.csv/.parquet with ``path``
-    and optional ``id``, ``prompt``), or a list of :class:`Sample`. ``model`` is a checkpoint directory or
+    and optional ``id``, ``prompt``), WebDataset tar shards (``"shards/{000000..000099}.tar"``; ids
+    ``{shard}/{__key__}``), or a list of :class:`Sample`. ``model`` is a checkpoint directory or
     ``ref:NAME`` (vision features only, random weights). Running the same call again skips what ``out``
     holds, after checking it (``resume_check``: "full" hashes every committed tensor, "quick" checks sizes
     and headers); damaged shards are moved aside and redone; a different configuration or different

@@ -19,7 +19,9 @@ goes on.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import math
 import os
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 from vlfast.extraction.containers import container_truncation
 from vlfast.extraction.inputs import Sample
+from vlfast.extraction.webdataset import TarMember
 
 __all__ = [
     "Preprocessor",
@@ -364,6 +367,28 @@ def build_processor_config(
 
 # --------------------------------------------------------------------------------------------- files
 
+# A sample's media: a file path, or a member of a WebDataset tar shard, read in place.
+Media = str | TarMember
+
+
+def _media(sample: Sample) -> Media:
+    return sample.member if sample.member is not None else sample.paths[0]
+
+
+def _checked_media(media: Media) -> int:
+    """Size in bytes of a readable, non-empty file or tar member; SampleError saying why not otherwise."""
+    if not isinstance(media, TarMember):
+        return _checked_file(media).st_size
+    shard_size = _checked_file(media.shard).st_size
+    if media.size == 0:
+        raise SampleError(f"empty file (0 bytes): {media}")
+    if shard_size < media.offset + media.size:  # cut since it was listed
+        raise SampleError(
+            f"truncated shard: {media.shard} ends at byte {shard_size:,}, inside member {media.name!r} "
+            f"(bytes {media.offset:,} to {media.offset + media.size:,})"
+        )
+    return media.size
+
 
 def _checked_file(path: str) -> os.stat_result:
     """The file's stat, or SampleError saying why there is no readable file at ``path``."""
@@ -391,8 +416,9 @@ def _checked_file(path: str) -> os.stat_result:
 # --------------------------------------------------------------------------------------------- images
 
 
-def load_image(path: str):
-    """Open an image as PIL, normalising what transformers' processors mishandle; raise SampleError.
+def load_image(path: Media):
+    """Open an image (a file, or a tar shard's member) as PIL, normalising what transformers' processors
+    mishandle; raise SampleError.
 
     Animated images give their first frame. 16-bit and float images are scaled to 8 bits (PIL's
     ``convert`` would clip them to white); CMYK goes to RGB; palette, LA and RGBA images are left to the
@@ -400,9 +426,10 @@ def load_image(path: str):
     """
     from PIL import Image, UnidentifiedImageError
 
-    _checked_file(path)
+    _checked_media(path)
     try:
-        img = Image.open(Path(path))
+        # A member is read whole (an image is small): the image then holds no open file.
+        img = Image.open(io.BytesIO(path.read_bytes()) if isinstance(path, TarMember) else Path(path))
         img.seek(0)
         img.load()
     except UnidentifiedImageError:
@@ -540,7 +567,7 @@ def patchify_video(
     return normalize_video_patches(patches, cfg), (gt, gh, gw)
 
 
-def _video_failure(path: str, size: int, reason: str, *, cut: bool = False) -> SampleError:
+def _video_failure(path: Media, size: int, reason: str, *, cut: bool = False) -> SampleError:
     """The SampleError for a video that failed with ``reason``: "truncated or corrupt video" when the file
     is shorter than its own container says (whatever FFmpeg made of that), or when ``cut`` says the failure
     looks like it (the end of the file met while opening; a failure after the container opened: a demuxer
@@ -567,14 +594,17 @@ def _packet_pts(container, stream, *, rewind: bool = True) -> list[int | None]:
 _DECODE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, IndexError, EOFError, RuntimeError)
 
 
-def read_video(path: str, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Decode the sampled frames of a video with PyAV: (T, 3, H, W) uint8 and sampling metadata."""
+def read_video(path: Media, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Decode the sampled frames of a video (a file, or a tar shard's member read in place) with PyAV:
+    (T, 3, H, W) uint8 and sampling metadata."""
     import av
 
-    size = _checked_file(path).st_size
+    size = _checked_media(path)
     step = None  # what was being done when it failed; None: opening the container
     try:
-        with av.open(str(path)) as container:
+        with contextlib.ExitStack() as files:
+            source = files.enter_context(path.open()) if isinstance(path, TarMember) else str(path)
+            container = files.enter_context(av.open(source))
             if not container.streams.video:
                 raise SampleError(f"no video stream in {path}")
             stream = container.streams.video[0]
@@ -718,7 +748,7 @@ class Preprocessor:
     def _size(self) -> dict[str, int]:
         return {"shortest_edge": self.cfg.image_min_pixels, "longest_edge": self.cfg.image_max_pixels}
 
-    def image(self, path: str) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+    def image(self, path: Media) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
         img = load_image(path)
         meta = {"width": img.size[0], "height": img.size[1], "mode": img.mode}
         try:
@@ -730,7 +760,7 @@ class Preprocessor:
 
     def video(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
         if sample.kind == "video":
-            frames, meta = read_video(sample.paths[0], self.cfg)
+            frames, meta = read_video(_media(sample), self.cfg)
         else:
             arrays = [_rgb_array(load_image(p)) for p in sample.paths]
             shapes = {a.shape for a in arrays}
@@ -752,5 +782,5 @@ class Preprocessor:
         With ``defer_video_normalize`` a video's pixel_values are uint8 (N, C, T*P*P) instead.
         """
         if sample.kind == "image":
-            return self.image(sample.paths[0])
+            return self.image(_media(sample))
         return self.video(sample)

@@ -1,0 +1,500 @@
+"""WebDataset tar shards as extraction input: brace patterns, one index pass per shard, members read in place.
+
+A WebDataset shard is a plain tar whose members sharing a ``__key__`` (the member path up to the first dot
+of its file name: ``a/b.seg.png`` -> ``a/b``) form one sample. vlfast reads the shards with the standard
+library's ``tarfile`` rather than the ``webdataset`` package, because that package streams each shard
+front to back and decodes in its own pipeline: resuming would re-read every shard from its start, and a
+member that crashes or hangs a decoder could not be named. Here:
+
+* :func:`expand_braces` expands the pattern as bash does (``{000000..000099}`` zero-padded ranges,
+  ``{a,b}`` lists, several or nested braces), so a quoted pattern works without a shell;
+* :func:`load_shards` lists each shard once (headers only, plus the small ``KEY.json`` / ``KEY.txt``
+  prompt members) into :class:`~vlfast.extraction.inputs.Sample` s whose :class:`TarMember` says where
+  the media's bytes are: the decode workers read just those bytes (:meth:`TarMember.open`), so resume,
+  timeouts and crash isolation work per sample exactly as for plain files;
+* a sample's id is ``{shard}/{__key__}``, ``shard`` being the shard's path relative to the folder the
+  pattern's first brace is in (``shards/{000..099}.tar`` -> ``003.tar/sample_0042``): unique across
+  shards, and the same whether the pattern is given relative or absolute;
+* a shard cut short (an interrupted download) is recorded, not fatal: the key at the cut and the shard
+  itself become :class:`~vlfast.extraction.inputs.InputProblem` s naming what was lost, and the rest is
+  extracted. A missing shard, or a file that is not a plain tar, refuses the whole input before any work.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from vlfast.extraction.inputs import (
+    IMAGE_SUFFIXES,
+    VIDEO_SUFFIXES,
+    InputProblem,
+    Sample,
+    _kind_of,
+    _storable,
+    _where,
+)
+
+__all__ = ["MAX_SHARDS", "TarMember", "expand_braces", "is_shard_input", "load_shards"]
+
+MAX_SHARDS = 1_000_000  # a pattern expanding to more is a typo (a range with one digit too many)
+_BLOCK = 512  # tar's block: headers are one block, data is padded to whole blocks
+_MEDIA = IMAGE_SUFFIXES | VIDEO_SUFFIXES
+_PROMPT_EXTS = ("json", "txt")
+_COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
+_COMPRESSED_MAGIC = {
+    b"\x1f\x8b": "gzip",
+    b"BZh": "bzip2",
+    b"\xfd7zXZ\x00": "xz",
+    b"\x28\xb5\x2f\xfd": "zstd",
+}
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext: (__key__, extension)
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset skips these members (its own metadata)
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
+_LETTERS = re.compile(r"^([A-Za-z])\.\.([A-Za-z])$")
+
+
+# ------------------------------------------------------------------------------------------- patterns
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the brace closing the one at ``start``; ValueError if none."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"pattern {text!r}: the brace at character {start + 1} is never closed")
+
+
+def _split_top(body: str) -> list[str]:
+    """``body`` split at the commas outside nested braces."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(body):
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(body[start:i])
+            start = i + 1
+    parts.append(body[start:])
+    return parts
+
+
+def _alternatives(body: str, pattern: str) -> list[str]:
+    """What one ``{body}`` stands for: a comma list (each item expanded in turn) or a range."""
+    items = _split_top(body)
+    if len(items) > 1:
+        return [x for item in items for x in expand_braces(item)]
+    m = _RANGE.match(body)
+    if m:
+        a, b = int(m.group(1)), int(m.group(2))
+        step = abs(int(m.group(3) or 1)) or 1
+        width = 0
+        # bash pads every number to the widest endpoint when either is written with a leading zero
+        if any(re.match(r"^-?0\d", g) for g in m.group(1, 2)):
+            width = max(len(m.group(1)), len(m.group(2)))
+        if abs(b - a) // step + 1 > MAX_SHARDS:
+            raise ValueError(f"pattern {pattern!r}: {{{body}}} names more than {MAX_SHARDS:,} shards")
+        values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
+        return [f"{v:0{width}d}" for v in values]
+    m = _LETTERS.match(body)
+    if m:
+        a, b = ord(m.group(1)), ord(m.group(2))
+        return [chr(c) for c in (range(a, b + 1) if a <= b else range(a, b - 1, -1))]
+    raise ValueError(
+        f"pattern {pattern!r}: {{{body}}} is neither a range like {{000000..000099}} nor a list like "
+        "{train,val}; a literal brace cannot be part of a shard pattern"
+    )
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Every path ``pattern`` names, in bash's order: ``a{0..2}`` -> ``a0 a1 a2``, ``{x,y}{1,2}`` -> x1 x2
+    y1 y2. Ranges keep the zero padding of their endpoints (``{000..002}`` -> 000 001 002) and may step
+    (``{0..10..5}``) or count down; lists may nest (``{a,b{1,2}}``). An unclosed or stray brace, or a
+    brace holding neither a range nor a list, raises ValueError naming it."""
+    start = pattern.find("{")
+    stray = pattern.find("}")
+    if stray != -1 and (start == -1 or stray < start):
+        raise ValueError(f"pattern {pattern!r}: the brace at character {stray + 1} closes nothing")
+    if start == -1:
+        return [pattern]
+    end = _closing(pattern, start)
+    head, body, tail = pattern[:start], pattern[start + 1 : end], pattern[end + 1 :]
+    rests = expand_braces(tail)
+    alts = _alternatives(body, pattern)
+    if len(alts) * len(rests) > MAX_SHARDS:
+        raise ValueError(f"pattern {pattern!r} names more than {MAX_SHARDS:,} shards")
+    return [head + a + r for a in alts for r in rests]
+
+
+def is_shard_input(source: str | os.PathLike) -> bool:
+    """Whether INPUT names WebDataset shards: a ``.tar`` path (compressed tars too, to refuse them with a
+    clear message), or a path with braces that is not itself an existing file or folder."""
+    text = os.fspath(source)
+    low = text.lower()
+    if low.endswith(".tar") or low.endswith(_COMPRESSED_SUFFIXES):
+        return True
+    return "{" in text and not os.path.exists(text)
+
+
+def _base_folder(pattern: str) -> str:
+    """The folder shard ids are relative to: the one the first brace is in (the file's own without one)."""
+    brace = pattern.find("{")
+    return os.path.dirname(pattern if brace == -1 else pattern[:brace])
+
+
+# --------------------------------------------------------------------------------------- tar members
+
+
+class _MemberFile(io.RawIOBase):
+    """A read-only, seekable view of ``size`` bytes at ``offset`` of a file (positioned reads: no copy)."""
+
+    def __init__(self, path: str, offset: int, size: int, name: str):
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._offset, self._size, self._pos = offset, size, 0
+        self.name = name  # PyAV hands it to FFmpeg, whose format probe weighs the file extension
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._size - self._pos)
+        if n <= 0:
+            return 0
+        with memoryview(buffer) as view:
+            got = os.preadv(self._fd, [view[:n]], self._offset + self._pos)
+        self._pos += got
+        return got
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}.get(whence)
+        if base is None:
+            raise ValueError(f"invalid whence {whence}")
+        if base + offset < 0:
+            raise OSError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+@dataclass(frozen=True)
+class TarMember:
+    """Where one sample's media lies inside a tar shard. Decoders read it in place (:meth:`open`); it is
+    never extracted to disk. ``str()`` is ``{shard}/{name}``, the path errors and ``meta["path"]`` show."""
+
+    shard: str  # the shard's path, as the pattern expanded to
+    name: str  # the member's name in the tar
+    offset: int  # byte offset of the member's data in the shard file
+    size: int  # bytes of data
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.offset, int)
+            or not isinstance(self.size, int)
+            or min(self.offset, self.size) < 0
+        ):
+            raise ValueError(f"offset and size must be non-negative ints, got {self.offset!r}, {self.size!r}")
+
+    def __str__(self) -> str:
+        return f"{self.shard}/{self.name}"
+
+    def open(self) -> io.BufferedReader:
+        """The member's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
+        return io.BufferedReader(_MemberFile(self.shard, self.offset, self.size, str(self)), 1 << 16)
+
+    def read_bytes(self) -> bytes:
+        with self.open() as f:
+            return f.read()
+
+
+# ----------------------------------------------------------------------------------------- one shard
+
+
+def _compressed(path: str, head: bytes) -> str | None:
+    """Why ``path`` cannot be a shard vlfast reads by offset (compressed), or None."""
+    for magic, kind in _COMPRESSED_MAGIC.items():
+        if head.startswith(magic):
+            return (
+                f"{_where(path)} is a {kind}-compressed file: vlfast reads members in place and needs plain "
+                ".tar shards; decompress them first"
+            )
+    return None
+
+
+def _cut(size: int, members: list[tarfile.TarInfo], read_at) -> str | None:
+    """How the shard is cut short or broken, in words, or None when its end-of-archive marker is there."""
+    if not members:
+        return None
+    last = members[-1]
+    if last.offset_data + last.size > size:
+        got = size - last.offset_data
+        return (
+            f"it ends at byte {size:,}, {max(got, 0):,} of the {last.size:,} bytes into member {last.name!r}"
+        )
+    end = last.offset_data + -(-last.size // _BLOCK) * _BLOCK
+    tail = read_at(end, 2 * _BLOCK)
+    if not tail:
+        return (
+            f"it ends at byte {size:,} right after member {last.name!r}, without the end-of-archive "
+            "marker every tar writer adds"
+        )
+    if not tail.strip(b"\0"):
+        return None  # the end marker (maybe cut itself: nothing is lost)
+    if end + _BLOCK > size:
+        return f"it ends at byte {size:,}, inside the header of the member after {last.name!r}"
+    return f"the member header at byte {end:,}, after member {last.name!r}, is not valid tar (corrupt data)"
+
+
+def _scan(path: str) -> tuple[list[tarfile.TarInfo], str | None]:
+    """The shard's members in order (headers only) and how it is cut short, None if it is whole; raises
+    ValueError when the file is not a plain tar at all."""
+    size = os.stat(path).st_size
+    if size == 0:
+        return [], "it is empty (0 bytes)"
+    with open(path, "rb") as f:
+        head = f.read(_BLOCK)
+        reason = _compressed(path, head)
+        if reason:
+            raise ValueError(reason)
+        f.seek(0)
+        try:
+            tf = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - f is closed by the with above
+        except tarfile.ReadError as e:
+            if size < _BLOCK and head[257:262] == b"ustar":  # a header cut in two: still a tar
+                return [], f"it ends at byte {size:,}, inside the header of its first member"
+            raise ValueError(
+                f"{_where(path)} is not a tar archive ({e}); a WebDataset pattern must name .tar shards"
+            ) from None
+        members: list[tarfile.TarInfo] = []
+        while True:
+            try:
+                m = tf.next()
+            except tarfile.ReadError:  # tarfile found the previous member's data cut: judged below
+                break
+            if m is None:  # a zero block, the end of the file, or a header tarfile rejects
+                break
+            members.append(m)
+        tf.members = []  # its own copy: a shard of 100k members need not be held twice
+
+        def read_at(offset: int, n: int) -> bytes:
+            f.seek(offset)
+            return f.read(n)
+
+        return members, _cut(size, members, read_at)
+
+
+def _groups(members: list[tarfile.TarInfo]) -> Iterator[tuple[str, list[tuple[str, tarfile.TarInfo]]]]:
+    """(__key__, [(extension, member), ...]) for runs of consecutive members sharing a key, as webdataset
+    groups them: regular files only, its own ``__meta__`` members and names without an extension skipped,
+    extensions lower-cased."""
+    key: str | None = None
+    group: list[tuple[str, tarfile.TarInfo]] = []
+    for m in members:
+        if (
+            not m.isreg()
+            or _META.match(m.name)
+            or ("/" not in m.name and m.name.startswith("__") and m.name.endswith("__"))
+        ):
+            continue
+        match = _KEY.match(m.name)
+        if match is None:
+            continue
+        k, ext = match.group(1), match.group(2).lower()
+        if k != key and group:
+            yield key, group  # type: ignore[misc]
+            group = []
+        key = k
+        group.append((ext, m))
+    if group:
+        yield key, group  # type: ignore[misc]
+
+
+def _prompt(raw: bytes, ext: str) -> str | None:
+    """The prompt a ``.txt`` (its whole text) or ``.json`` (its ``"prompt"``) member gives; ValueError
+    with the reason when it cannot be read."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{ext} member is not valid UTF-8 (byte 0x{raw[e.start]:02x} at {e.start})"
+        ) from None
+    if ext == "txt":
+        return text.strip() or None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"json member is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"json member holds a JSON {type(data).__name__}, not an object")
+    prompt = data.get("prompt")
+    if prompt is None or prompt == "":
+        return None
+    if not isinstance(prompt, str):
+        raise ValueError(f'json member\'s "prompt" must be text, got {type(prompt).__name__}')
+    return prompt
+
+
+def _storable_id(sid: str) -> str | None:
+    """``sid`` when the store can hold it (UTF-8 text within the length limit), else None."""
+    return None if _storable(sid, (), None) else sid
+
+
+def _key_sample(
+    shard: str, sid: str, members: list[tuple[str, tarfile.TarInfo]], fd: int
+) -> Sample | InputProblem | None:
+    """The sample of one key, the problem that stops it, or None for a key with nothing to extract. ``fd``
+    is the shard, open: the prompt members are read through it."""
+    refs = [(ext, TarMember(shard, m.name, m.offset_data, m.size), m) for ext, m in members]
+
+    def problem(ref: TarMember, reason: str) -> InputProblem:
+        return InputProblem(_where(str(ref)), reason, _storable_id(sid))
+
+    seen: set[str] = set()
+    for ext, ref, _ in refs:
+        if ext in seen:
+            return problem(
+                ref, f"the key has two members with extension .{ext}; rename one (keys must be unique)"
+            )
+        seen.add(ext)
+    media = [(ext, ref, m) for ext, ref, m in refs if "." + ext.rsplit(".", 1)[-1] in _MEDIA]
+    prompts = {ext: ref for ext, ref, _ in refs if ext in _PROMPT_EXTS}
+    if not media:
+        if not prompts:
+            return None  # labels, embeddings...: nothing vlfast extracts, as a folder scan skips such files
+        found = ", ".join(f".{ext}" for ext, _, _ in refs)
+        return problem(
+            refs[0][1], f"the key has {found} but no image or video member; add its media or remove the key"
+        )
+    if len(media) > 1:
+        names = ", ".join(f".{ext}" for ext, _, _ in media)
+        return problem(
+            media[0][1],
+            f"the key has {len(media)} media members ({names}); vlfast extracts one image or video per key: "
+            "give each its own key",
+        )
+    _, ref, m = media[0]
+    if m.issparse():
+        return problem(ref, "a sparse tar member cannot be read in place; write the shard without --sparse")
+    prompt = None
+    for ext in ("txt", "json"):  # json last: its "prompt" wins over a .txt
+        if ext in prompts:
+            text = prompts[ext]
+            try:
+                prompt = _prompt(os.pread(fd, text.size, text.offset), ext) or prompt
+            except (ValueError, OSError) as e:
+                return problem(text, f"{e}; fix or remove it")
+    display = str(ref)
+    reason = _storable(sid, (display,), prompt)
+    if reason:
+        return problem(ref, reason)
+    return Sample(sid, _kind_of(m.name), (display,), prompt, member=ref)
+
+
+def _shard_entries(shard: str, rel: str) -> tuple[list[Sample], list[InputProblem]]:
+    """The samples and problems of one shard; ``rel`` qualifies its keys into ids."""
+    members, cut = _scan(shard)
+    fd = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return _entries(shard, rel, members, cut, fd)
+    finally:
+        os.close(fd)
+
+
+def _entries(
+    shard: str, rel: str, members: list[tarfile.TarInfo], cut: str | None, fd: int
+) -> tuple[list[Sample], list[InputProblem]]:
+    samples: list[Sample] = []
+    problems: list[InputProblem] = []
+    groups = list(_groups(members))
+    for n, (key, group) in enumerate(groups):
+        sid = f"{rel}/{key}"
+        if cut is not None and n == len(groups) - 1:
+            # The key at the cut: its media, or a prompt member after it, may be lost.
+            problems.append(
+                InputProblem(
+                    _where(f"{shard}/{group[-1][1].name}"),
+                    f"truncated shard: {cut}; this key's members may be incomplete, so it is not extracted; "
+                    "download or rewrite the shard, then run again",
+                    _storable_id(sid),
+                )
+            )
+            continue
+        got = _key_sample(shard, sid, group, fd)
+        if isinstance(got, Sample):
+            samples.append(got)
+        elif got is not None:
+            problems.append(got)
+    if cut is not None:
+        after = f"{members[-1].name!r} " if members else "its start "
+        problems.append(
+            InputProblem(
+                _where(shard),
+                f"truncated shard: {cut}; whatever members followed {after}cannot be listed and are not "
+                "extracted; download or rewrite the shard, then run again",
+                _storable_id(rel),
+            )
+        )
+    return samples, problems
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def load_shards(pattern: str | os.PathLike) -> tuple[list[Sample], list[InputProblem]]:
+    """Samples of every shard ``pattern`` names, in pattern then tar order, and the problems found.
+
+    Refused before anything is read (so before any work): a pattern that does not parse, a shard that does
+    not exist or is not a file (FileNotFoundError naming them), a file that is not a plain tar, compressed
+    tars included (ValueError naming it). Recorded, the run going on: a truncated shard (its last key and
+    the shard itself), and per key, two media members, a prompt member that cannot be read, a repeated
+    extension, an id that cannot be stored. A key whose members are neither media nor prompts is skipped,
+    as a folder scan skips captions.
+    """
+    text = os.fspath(pattern)
+    shards = list(dict.fromkeys(expand_braces(text)))  # a shard named twice is one shard
+    missing = [s for s in shards if not os.path.exists(s)]
+    if missing:
+        shown = ", ".join(_where(s) for s in missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        what = "the shard" if len(shards) == 1 else f"{len(missing)} of the {len(shards)} shards"
+        raise FileNotFoundError(
+            f"{what} named by {text!r} do{'es' if len(missing) == 1 else ''} not exist: {shown}"
+        )
+    not_files = [s for s in shards if not os.path.isfile(s)]
+    if not_files:
+        raise FileNotFoundError(
+            f"{_where(not_files[0])} (named by {text!r}) is not a file: a shard is a .tar file"
+        )
+    base = _base_folder(text)
+    samples: list[Sample] = []
+    problems: list[InputProblem] = []
+    for shard in shards:
+        rel = shard[len(base) :].lstrip("/") if base else shard
+        got, bad = _shard_entries(shard, rel)
+        samples += got
+        problems += bad
+    return samples, problems
