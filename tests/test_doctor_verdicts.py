@@ -221,9 +221,11 @@ def test_a_qwen_model_keeps_the_plain_fixes(monkeypatch):
 
 
 def test_transformers_own_fusion_fix_is_applied_as_printed(monkeypatch, tiny_qwen3_vl):
-    """Listed for a model whose only losing conv is its patch embedding; loading with it leaves none."""
-    from transformers import Qwen3VLForConditionalGeneration
+    """Listed for a model whose only losing conv is its patch embedding; loading with it leaves none.
 
+    Applied in a fresh process: fusion_config registers process-wide patches and checkpoint conversions
+    for the model type, which would change how every later test loads a Qwen3-VL checkpoint.
+    """
     monkeypatch.setattr(D, "probe_conv", _probe(3.0))
     report = D.doctor(str(tiny_qwen3_vl), device="cpu", dtype="float32", workload="inference")
     if not report.facts.transformers_fusion:
@@ -232,8 +234,15 @@ def test_transformers_own_fusion_fix_is_applied_as_printed(monkeypatch, tiny_qwe
     text = fusion.text.replace("Model", "Qwen3VLForConditionalGeneration").replace(
         "path", repr(str(tiny_qwen3_vl))
     )
-    model = eval(text, {"Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration})  # noqa: S307
-    assert D.doctor(model, device="cpu", dtype="float32").verdict == "no-convs"
+    code = (
+        "import vlfast.diagnosis.doctor as D\n"
+        "from transformers import Qwen3VLForConditionalGeneration\n"
+        f"model = {text}\n"
+        "print('VERDICT', D.doctor(model, device='cpu', dtype='float32', probe=False).verdict)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "VERDICT no-convs" in out.stdout
 
 
 def test_an_environment_fix_for_some_convs_only_is_a_note():
