@@ -276,6 +276,8 @@ def test_verify_peak_memory_stays_near_one_copy_of_the_weights():
     assert result["passed"]
     assert result["size"] > 200 * 2**20  # large enough that the weights, not the interpreter, dominate
     ratio = result["extra"] / result["size"]
-    assert ratio < 2.5, (
+    # ~1.05x measured (one set of gradients); the unbounded version rose 8.7x. 4x leaves room for an
+    # allocator that keeps freed pages on a busy CI machine (2.97x seen once in a full suite run).
+    assert ratio < 4.0, (
         f"verify's peak rose {ratio:.2f}x the weights' size (expected ~1x: one set of gradients)"
     )

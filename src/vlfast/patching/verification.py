@@ -20,6 +20,7 @@ float64 chunks. Each unit of work is announced to ``progress`` as it starts and 
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import math
 import time
@@ -257,6 +258,7 @@ class _Steps:
             self.callback(Step(index, self.total, label))
         start, checks = time.perf_counter(), []
         yield checks
+        gc.collect()  # what the step built and dropped is freed now, not at some later allocation's peak
         self.report.checks += checks
         if self.callback:
             self.callback(Step(index, self.total, label, time.perf_counter() - start, tuple(checks)))
@@ -425,6 +427,7 @@ def _tower_grad_check(tower: nn.Module, grid, device, th: Thresholds, seed: int)
 
     with torch.enable_grad():
         backward(False)
+        gc.collect()  # the original run's graph, before the patched run builds its own
         reference = {id(p): p.grad for p in params if p.grad is not None}
         errors, unmatched = _Errors(), 0
 
