@@ -258,7 +258,6 @@ class _Steps:
             self.callback(Step(index, self.total, label))
         start, checks = time.perf_counter(), []
         yield checks
-        gc.collect()  # what the step built and dropped is freed now, not at some later allocation's peak
         self.report.checks += checks
         if self.callback:
             self.callback(Step(index, self.total, label, time.perf_counter() - start, tuple(checks)))
