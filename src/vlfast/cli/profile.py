@@ -65,7 +65,7 @@ def _render(report) -> None:
                 return ""
             if not c["changed"]:
                 return "[dim]unchanged[/dim]"  # no patched conv in it: its ratio is noise
-            text = f"{c['speedup']:.1f}x"
+            text = f"{c['speedup']:.2f}x"
             return text if c["reliable"] else f"[yellow]{text}? spread {c['spread']:.0%}[/yellow]"
 
         t, h, w = ref.grid
