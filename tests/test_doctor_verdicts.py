@@ -19,10 +19,11 @@ import pytest
 
 import vlfast
 import vlfast.diagnosis.doctor as D
+from test_doctor_cli import _fake_probe
 from vlfast.diagnosis.facts import Facts
 from vlfast.diagnosis.probe import ProbeResult
 from vlfast.diagnosis.rules import RULES, ConvGeometry, evaluate
-from vlfast.diagnosis.timing import Timing
+from vlfast.diagnosis.timing import Timing  # noqa: F401 (the fake probe's source, below)
 
 FAKE_PROBE = '''
 def fake_probe(shape, *, device, dtype, budget_s, **kw):
@@ -37,21 +38,7 @@ def fake_probe(shape, *, device, dtype, budget_s, **kw):
 exec(FAKE_PROBE)  # the same fake in this process and in the subprocesses below  # noqa: S102
 
 
-def _probe(ratio: float, backward: float | None = None, channels_last: float | None = None):
-    def probe_conv(shape, *, device, dtype, budget_s, **kw):
-        return ProbeResult(
-            shape,
-            str(device),
-            str(dtype),
-            conv=Timing((2.0 * ratio,)),
-            gemm=Timing((2.0,)),
-            conv_backward=Timing((4.0 * backward,)) if backward is not None else None,
-            gemm_backward=Timing((4.0,)) if backward is not None else None,
-            conv_channels_last=Timing((2.0 * channels_last,)) if channels_last is not None else None,
-            gemm_for_channels_last=Timing((2.0,)) if channels_last is not None else None,
-        )
-
-    return probe_conv
+_probe = _fake_probe  # the CLI tests' fabricated probe: ratio forward, backward, channels-last
 
 
 # ------------------------------------------------------------------- slow path against ordinary gain
