@@ -23,7 +23,6 @@ from test_doctor_cli import _fake_probe
 from vlfast.diagnosis.facts import Facts
 from vlfast.diagnosis.probe import ProbeResult
 from vlfast.diagnosis.rules import RULES, ConvGeometry, evaluate
-from vlfast.diagnosis.timing import Timing  # noqa: F401 (the fake probe's source, below)
 
 FAKE_PROBE = '''
 def fake_probe(shape, *, device, dtype, budget_s, **kw):
