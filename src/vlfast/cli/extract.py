@@ -140,6 +140,15 @@ def extract(
             "exit 1 if any. Give only OUT.",
         ),
     ] = False,
+    storage_options: Annotated[
+        str | None,
+        typer.Option(
+            "--storage-options",
+            help="JSON object passed to fsspec for INPUT URLs (s3://bucket/...), e.g. "
+            '\'{"client_kwargs": {"endpoint_url": "http://localhost:9000"}}\'; credentials also come from '
+            "the environment. OUT stays a local folder.",
+        ),
+    ] = None,
     demo: Annotated[
         bool,
         typer.Option(
@@ -187,6 +196,7 @@ def extract(
     if resume_check not in RESUME_CHECKS:
         raise UsageError(f"--resume-check must be one of {', '.join(RESUME_CHECKS)}, got {resume_check!r}")
     pools = tuple(p.strip() for p in pool.split(",") if p.strip())
+    options = _storage_options(storage_options)
     try:
         summary = run_extract(
             source,
@@ -213,6 +223,7 @@ def extract(
             max_errors=max_errors,
             overwrite=overwrite,
             progress=not as_json,
+            storage_options=options,
         )
     except RunConfigMismatch as e:
         e.remedy = "pass --overwrite to delete what it holds and start again"
@@ -234,6 +245,21 @@ def extract(
             f"[bold red]stopped:[/bold red] {escape(summary.stopped)}; committed samples are kept"
         )
         raise typer.Exit(EXIT_FINDING)
+
+
+def _storage_options(text: str | None) -> dict | None:
+    """--storage-options as a dict. The message never echoes the text: it may hold credentials."""
+    if text is None:
+        return None
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--storage-options is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--storage-options must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _print_summary(summary, out: str) -> None:

@@ -40,8 +40,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from vlfast.extraction.layout import MAX_ID_BYTES
+from vlfast.extraction.remote import is_url
 
 if TYPE_CHECKING:
+    from vlfast.extraction.remote import RemoteFile
     from vlfast.extraction.webdataset import TarMember
 
 __all__ = [
@@ -80,13 +82,14 @@ class Sample:
     """One unit of extraction. ``paths`` holds one file, or the frames of a clip in order.
 
     For a member of a WebDataset tar shard, ``member`` says where its bytes are and ``paths`` holds its
-    display name ``{shard}/{member name}`` (see :mod:`vlfast.extraction.webdataset`)."""
+    display name ``{shard}/{member name}`` (see :mod:`vlfast.extraction.webdataset`). For a URL,
+    ``member`` is a :class:`~vlfast.extraction.remote.RemoteFile` and ``paths`` holds the URL."""
 
     id: str
     kind: Kind
     paths: tuple[str, ...]
     prompt: str | None = None
-    member: TarMember | None = None
+    member: TarMember | RemoteFile | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -266,7 +269,7 @@ def _paths_field(value: Any) -> list[str] | str:
     return f"path must be a file path (text) or a list of frame paths, got {_value(value)}"
 
 
-def _row_sample(row: dict[str, Any], where: str, base: Path | None) -> Sample | InputProblem:
+def _row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Sample | InputProblem:
     """One manifest row (or dict passed by an API user) as a sample, or the problem that stops it."""
     raw_id = row.get("id")
     given_id: str | None = None
@@ -306,13 +309,14 @@ def _row_sample(row: dict[str, Any], where: str, base: Path | None) -> Sample | 
         prompt = None
     elif not isinstance(prompt, str):
         return InputProblem(where, f"prompt must be text, got {_value(prompt)}", given_id)
-    sid = given_id if given_id is not None else Path(paths[0]).as_posix()
+    # a URL's id is the URL itself (Path would fold its "//")
+    sid = given_id if given_id is not None else (paths[0] if is_url(paths[0]) else Path(paths[0]).as_posix())
     reason = _storable(sid, paths, prompt, id_from_path=given_id is None)
     if reason:
         return InputProblem(where, reason, given_id)
     kind: Kind = "frames" if len(paths) > 1 else _kind_of(paths[0])  # a one-frame list is its file's kind
     if base is not None:
-        paths = [p if Path(p).is_absolute() else str(base / p) for p in paths]
+        paths = [p if is_url(p) or Path(p).is_absolute() else _joined(base, p) for p in paths]
     try:
         return Sample(sid, kind, tuple(paths), prompt)
     except (TypeError, ValueError) as e:  # checked above; kept so a gap here is a row problem, not a crash
@@ -425,8 +429,16 @@ def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] |
         raise ValueError(f"{name} cannot be read as Parquet after row {rowno} ({e})") from None
 
 
-def _read_manifest(path: Path) -> tuple[list[Sample], list[InputProblem]]:
-    name = _where(path)
+def _joined(base: Path | str, path: str) -> str:
+    """``path`` relative to a manifest's folder: a local folder, or a URL (a manifest read through fsspec)."""
+    return f"{base.rstrip('/')}/{path}" if isinstance(base, str) else str(base / path)
+
+
+def _read_manifest(
+    path: Path, name: str | None = None, base: str | None = None
+) -> tuple[list[Sample], list[InputProblem]]:
+    """``name`` and ``base`` stand in for a local copy of a manifest read from a URL."""
+    name = name or _where(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         rows = _jsonl_rows(path, name)
@@ -441,7 +453,7 @@ def _read_manifest(path: Path) -> tuple[list[Sample], list[InputProblem]]:
     samples: list[Sample] = []
     problems: list[InputProblem] = []
     for where, row in rows:
-        got = row if isinstance(row, InputProblem) else _row_sample(row, where, path.parent)
+        got = row if isinstance(row, InputProblem) else _row_sample(row, where, base or path.parent)
         (problems if isinstance(got, InputProblem) else samples).append(got)  # type: ignore[arg-type]
     return samples, problems
 
@@ -555,8 +567,22 @@ def _load_list(items: Sequence[Any]) -> tuple[list[Sample], list[InputProblem]]:
     return samples, problems
 
 
+def _with_remote(
+    got: tuple[list[Sample], list[InputProblem]], storage_options: dict[str, Any] | None
+) -> tuple[list[Sample], list[InputProblem]]:
+    """Samples whose path is a URL get the :class:`RemoteFile` the workers open (fsspec only then)."""
+    samples, problems = got
+    if not any(is_url(p) for s in samples for p in s.paths):
+        return samples, problems
+    from vlfast.extraction.remote import attach
+
+    samples, more = attach(samples, storage_options)
+    return samples, problems + more
+
+
 def load_inputs(
     source: str | os.PathLike | Sequence[Sample | dict],
+    storage_options: dict[str, Any] | None = None,
 ) -> tuple[list[Sample], list[InputProblem]]:
     """The samples of a folder, a manifest, a media file, WebDataset tar shards (a ``.tar`` path or a brace
     pattern, see :mod:`vlfast.extraction.webdataset`), or a list of samples or dict rows, and the problems.
@@ -567,14 +593,19 @@ def load_inputs(
     ``inputs[i]``; an empty list is allowed and gives nothing. A folder or manifest giving no sample raises
     :class:`EmptyInput` if it had no problems either, else ValueError listing the first problems.
     Relative manifest paths resolve against the manifest's folder; missing files are not checked here (they
-    fail at load time and are recorded).
+    fail at load time and are recorded). ``source`` and manifest paths may be fsspec URLs, opened with
+    ``storage_options`` (see :mod:`vlfast.extraction.remote`).
     """
     if not isinstance(source, (str, os.PathLike)):
         if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
             raise TypeError(
                 f"inputs must be a path, or a list of Sample or dict rows; got {type(source).__name__}"
             )
-        return _load_list(source)
+        return _with_remote(_load_list(source), storage_options)
+    if is_url(source):
+        from vlfast.extraction.remote import load_url
+
+        return load_url(source, storage_options)  # type: ignore[arg-type]
     path = Path(source)
     name = _where(path)
     if path.is_dir():
@@ -588,7 +619,7 @@ def load_inputs(
         _required("WebDataset shards", name, samples, problems)
         return samples, problems
     if path.suffix.lower() in MANIFEST_SUFFIXES:
-        samples, problems = _read_manifest(path)
+        samples, problems = _with_remote(_read_manifest(path), storage_options)
         _required("manifest", name, samples, problems)
         return samples, problems
     if path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES):

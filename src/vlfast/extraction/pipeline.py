@@ -369,6 +369,7 @@ def extract(
     rank: int | None = None,
     world_size: int | None = None,
     progress: bool = False,
+    storage_options: dict[str, Any] | None = None,
     _forward_hook: Callable[[list[dict[str, Any]]], None] | None = None,
     _decode_hook: Callable[[Sample], None] | None = None,
 ) -> ExtractSummary:
@@ -385,7 +386,8 @@ def extract(
     decoder crashed or ran past ``decode_timeout`` seconds are recorded in ``out/errors`` and the run goes
     on; past ``max_errors`` recorded errors it stops (committed work is kept). Work is committed at least
     every ``commit_every`` seconds. ``store_dtype`` ("float16", "float32", "bfloat16") converts floating
-    features before storing (default: as computed).
+    features before storing (default: as computed). ``inputs`` and a manifest's paths may be fsspec URLs
+    (``s3://bucket/key``), opened with ``storage_options``; ``out`` must be a local folder.
     """
     from vlfast.extraction.fingerprint import weights_fingerprint
     from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND
@@ -441,7 +443,14 @@ def extract(
 
     # Everything below up to the store reads only: bad input, a different configuration, different
     # weights or a finished OUT are answered before a lock is taken or a model is built.
-    samples, problems = load_inputs(inputs)
+    from vlfast.extraction.remote import is_url
+
+    if is_url(os.fspath(out)):
+        raise ValueError(
+            f"OUT {os.fspath(out)!r} is a URL: OUT must be a local folder for now (an object-storage OUT "
+            "needs a commit protocol that is not done yet); extract locally and copy the folder"
+        )
+    samples, problems = load_inputs(inputs, storage_options)
     family = _family_of(model)
     cfg: ProcessorConfig = build_processor_config(
         model,

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from vlfast.extraction.containers import container_truncation
 from vlfast.extraction.inputs import Sample
+from vlfast.extraction.remote import RemoteFile
 from vlfast.extraction.webdataset import TarMember
 
 __all__ = [
@@ -367,8 +368,8 @@ def build_processor_config(
 
 # --------------------------------------------------------------------------------------------- files
 
-# A sample's media: a file path, or a member of a WebDataset tar shard, read in place.
-Media = str | TarMember
+# A sample's media: a file path, a member of a WebDataset tar shard, or a URL, read in place.
+Media = str | TarMember | RemoteFile
 
 
 def _media(sample: Sample) -> Media:
@@ -377,6 +378,14 @@ def _media(sample: Sample) -> Media:
 
 def _checked_media(media: Media) -> int:
     """Size in bytes of a readable, non-empty file or tar member; SampleError saying why not otherwise."""
+    if isinstance(media, RemoteFile):
+        try:
+            size = media.size()
+        except OSError as e:  # the message names the URL, never the storage options
+            raise SampleError(str(e)) from None
+        if size == 0:
+            raise SampleError(f"empty file (0 bytes): {media}")
+        return size
     if not isinstance(media, TarMember):
         return _checked_file(media).st_size
     shard_size = _checked_file(media.shard).st_size
@@ -428,8 +437,8 @@ def load_image(path: Media):
 
     _checked_media(path)
     try:
-        # A member is read whole (an image is small): the image then holds no open file.
-        img = Image.open(io.BytesIO(path.read_bytes()) if isinstance(path, TarMember) else Path(path))
+        # A member or URL is read whole (an image is small): the image then holds no open file.
+        img = Image.open(Path(path) if isinstance(path, str) else io.BytesIO(path.read_bytes()))
         img.seek(0)
         img.load()
     except UnidentifiedImageError:
@@ -603,7 +612,7 @@ def read_video(path: Media, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[st
     step = None  # what was being done when it failed; None: opening the container
     try:
         with contextlib.ExitStack() as files:
-            source = files.enter_context(path.open()) if isinstance(path, TarMember) else str(path)
+            source = str(path) if isinstance(path, str) else files.enter_context(path.open())
             container = files.enter_context(av.open(source))
             if not container.streams.video:
                 raise SampleError(f"no video stream in {path}")
