@@ -80,10 +80,12 @@ def test_help_reads_like_git(path):
         assert tag not in text, f"type tag {tag} in `vlfast {' '.join(path)} --help`:\n{text}"
     usage = text.split("\n\n")[0]
     assert usage.startswith("Usage: vlfast") and "{" not in usage and "}" not in usage, usage
-    rest = text
-    for text_in_source in _source_texts(cmd):  # braces written in a help text ('{kind}') are content
-        for braced in re.findall(r"\{[^{}]*\}", text_in_source):
-            rest = rest.replace(braced, "")
+    rest = _squash(text)
+    for text_in_source in _source_texts(cmd):  # braces written in a help text ('{kind}', JSON) are content
+        source = _squash(text_in_source)
+        while braced := re.findall(r"\{[^{}]*\}", source):  # nested ones too, innermost first
+            for b in braced:
+                rest, source = rest.replace(b, ""), source.replace(b, "")
     assert "{" not in rest and "}" not in rest, text
     for p in cmd.params:
         if getattr(p, "hidden", False):
