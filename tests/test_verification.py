@@ -281,3 +281,15 @@ def test_verify_peak_memory_stays_near_one_copy_of_the_weights():
     assert ratio < 4.0, (
         f"verify's peak rose {ratio:.2f}x the weights' size (expected ~1x: one set of gradients)"
     )
+
+
+def test_a_frozen_tower_is_verified_and_left_frozen():
+    """Feature extraction freezes the tower: the gradient check still runs, and nothing is thawed after."""
+    from vlfast.models import build_reference
+
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    tower.requires_grad_(False)
+    report = verify(tower, grids=[(1, 4, 4)], n_windows=64)
+    assert report.passed
+    assert any(c.scope == "grad" and c.name.startswith("tower parameters") for c in report.checks)
+    assert not any(p.requires_grad or p.grad is not None for p in tower.parameters())

@@ -350,6 +350,7 @@ def _layer_checks(
     k = tuple(conv.kernel_size)
     x32 = torch.randn(n_windows, conv.in_channels, *k, generator=gen).to(device)
     layer = copy.deepcopy(conv).float().to(device)  # one conv: small
+    layer.requires_grad_(True)  # a copy: a frozen model's conv still has its gradients checked
     with step(f"layer {name} float32") as out, torch.no_grad():
         ref32 = _run(layer, False, lambda: layer(x32))
         out32 = _run(layer, True, lambda: layer(x32))
@@ -412,10 +413,26 @@ def _tower_grad_check(tower: nn.Module, grid, device, th: Thresholds, seed: int)
     The original run's gradients are kept; in the patched run each parameter's gradient is compared the
     moment it is accumulated (a post-accumulate-grad hook) and both are dropped at once.
     """
-    from vlfast.models import synthetic_inputs, tower_outputs
+    from vlfast.models import synthetic_inputs
 
     pixels, grid_thw = synthetic_inputs(tower, [grid], device=device, seed=seed)
     params = [p for p in tower.parameters() if p.requires_grad]
+    thawed: list[torch.Tensor] = []
+    if not params:  # a frozen tower (as for feature extraction): its gradients are still the check
+        thawed = [p for p in tower.parameters() if p.is_floating_point()]
+        params = thawed
+    try:
+        for p in thawed:
+            p.requires_grad_(True)
+        return _compare_grads(tower, params, pixels, grid_thw, device, th)
+    finally:
+        for p in thawed:  # left frozen, as found
+            p.requires_grad_(False)
+            p.grad = None
+
+
+def _compare_grads(tower: nn.Module, params, pixels, grid_thw, device, th: Thresholds) -> Check:
+    from vlfast.models import tower_outputs
 
     def backward(patched: bool) -> None:
         for p in params:
