@@ -61,37 +61,21 @@ CLASSES, CAPTION_LEN, BATCH, N_BATCHES = 4, 4, 4, 8
 
 
 def _config():
-    from transformers import Qwen3VLConfig
+    from vlfast.extraction.synthetic import tiny_qwen3_vl_config
 
-    config = Qwen3VLConfig(
-        text_config={
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-            "max_position_embeddings": 256,
-            "tie_word_embeddings": True,
-        },
-        vision_config={
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 4,
-            "out_hidden_size": 64,
-            "deepstack_visual_indexes": [0, 1],
-            "num_position_embeddings": 64,
-            "patch_size": PATCH,
-            "spatial_merge_size": MERGE,
-            "temporal_patch_size": TEMPORAL,
-        },
+    config = tiny_qwen3_vl_config(
+        VOCAB,
+        max_position_embeddings=256,
         image_token_id=IMAGE_PAD,
         video_token_id=VIDEO_PAD,
         vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END,
+    )
+    vision = config.vision_config
+    assert (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size) == (
+        PATCH,
+        TEMPORAL,
+        MERGE,
     )
     config._attn_implementation = "sdpa"
     return config

@@ -65,6 +65,41 @@ def _video_processors_accepted() -> Iterator[None]:
 LAYOUTS = ("hub", "processor")
 
 
+def tiny_qwen3_vl_config(vocab_size: int, *, max_position_embeddings: int = 8192, **token_ids: int):
+    """A Qwen3-VL config at test size: 2-layer LLM and tower (64 wide, DeepStack at both tower layers)
+    with the real patch geometry (16 x 16, T = 2, merge 2); ``token_ids`` are the config's image/video
+    and vision start/end token ids."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            "max_position_embeddings": max_position_embeddings,
+            "tie_word_embeddings": True,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 4,
+            "out_hidden_size": 64,
+            "deepstack_visual_indexes": [0, 1],
+            "num_position_embeddings": 64,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        **token_ids,
+    )
+
+
 def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") -> Path:
     """Save a tiny random Qwen3-VL checkpoint at ``path`` (about 1 MB, a few seconds).
 
@@ -79,7 +114,7 @@ def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") 
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if layout not in LAYOUTS:
@@ -100,31 +135,8 @@ def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") 
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    config = Qwen3VLConfig(
-        text_config={
-            "vocab_size": len(tok),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-            "max_position_embeddings": 8192,
-            "tie_word_embeddings": True,
-        },
-        vision_config={
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 4,
-            "out_hidden_size": 64,
-            "deepstack_visual_indexes": [0, 1],
-            "num_position_embeddings": 64,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
+    config = tiny_qwen3_vl_config(
+        len(tok),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
