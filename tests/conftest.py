@@ -72,3 +72,20 @@ def media_dir(tmp_path_factory) -> Path:
     }
     (root / "expected.json").write_text(json.dumps(expected, indent=1))
     return root
+
+
+@pytest.fixture(scope="module")
+def tokens_app():
+    """The `vlfast tokens` command group alone, for CliRunner: no other command module is imported."""
+    import typer
+
+    from vlfast.cli.tokens import register
+
+    app = typer.Typer()
+
+    @app.callback()
+    def _root() -> None:
+        """test root"""
+
+    register(app)
+    return app

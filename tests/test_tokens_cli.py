@@ -5,25 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from test_tokens import make_model
-from vlfast.cli.tokens import register
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """test root"""
-
-    register(app)
-    return app
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +18,9 @@ def model(tmp_path_factory):
     return folder, make_model(folder)
 
 
-def test_audit_json_exit_1_on_untrained(app, model):
+def test_audit_json_exit_1_on_untrained(tokens_app, model):
     folder, info = model
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--json"])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(folder), "--json"])
     assert r.exit_code == 1, r.output
     data = json.loads(r.stdout)
     assert data["verdict"] == "untrained" and data["untrained_tags"] == ["<think>", "</think>"]
@@ -42,16 +28,16 @@ def test_audit_json_exit_1_on_untrained(app, model):
     assert data["suggested_mapping"]["<think>"] == "<thinking>"
 
 
-def test_audit_trained_tags_exit_0_and_table(app, model):
+def test_audit_trained_tags_exit_0_and_table(tokens_app, model):
     folder, _ = model
-    r = runner.invoke(app, ["tokens", "audit", "-m", str(folder), "--tags", "<thinking>,</thinking>"])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "-m", str(folder), "--tags", "<thinking>,</thinking>"])
     assert r.exit_code == 0, r.output
     assert "verdict" in r.stdout and "trained" in r.stdout
 
 
-def test_audit_table_for_untrained(app, model):
+def test_audit_table_for_untrained(tokens_app, model):
     folder, _ = model
-    r = runner.invoke(app, ["tokens", "audit", "-m", str(folder)])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "-m", str(folder)])
     assert r.exit_code == 1
     assert "untrained" in r.stdout and "vlfast tokens rewrite" in r.stdout
 
@@ -64,32 +50,34 @@ def test_audit_table_for_untrained(app, model):
         ["--reference-ids", "a-b"],
     ],
 )
-def test_audit_bad_input_exit_2(app, model, args):
+def test_audit_bad_input_exit_2(tokens_app, model, args):
     folder, _ = model
     if "--model" not in args:
         args = ["--model", str(folder), *args]
-    r = runner.invoke(app, ["tokens", "audit", *args])
+    r = runner.invoke(tokens_app, ["tokens", "audit", *args])
     assert r.exit_code == 2, r.output
 
 
-def test_fix_then_audit_passes(app, model, tmp_path):
+def test_fix_then_audit_passes(tokens_app, model, tmp_path):
     folder, _ = model
     out = tmp_path / "fixed"
-    r = runner.invoke(app, ["tokens", "fix", str(out), "--model", str(folder), "--init", "pieces", "--json"])
+    r = runner.invoke(
+        tokens_app, ["tokens", "fix", str(out), "--model", str(folder), "--init", "pieces", "--json"]
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["ok"] and data["after"]["verdict"] != "untrained"
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(out), "--json"])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(out), "--json"])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["tokens", "fix", str(out), "--model", str(folder)])
+    r = runner.invoke(tokens_app, ["tokens", "fix", str(out), "--model", str(folder)])
     assert r.exit_code == 2  # OUT exists and is not empty
 
 
-def test_rewrite_json(app, tmp_path):
+def test_rewrite_json(tokens_app, tmp_path):
     src = tmp_path / "d.jsonl"
     src.write_text(json.dumps({"text": "<think>x</think>"}) + "\n")
     r = runner.invoke(
-        app,
+        tokens_app,
         [
             "tokens",
             "rewrite",
@@ -110,5 +98,5 @@ def test_rewrite_json(app, tmp_path):
     data = json.loads(r.stdout)
     assert data["reward_regex_out"] == "^<thinking>.*</thinking>$"
     assert json.loads((tmp_path / "o.jsonl").read_text())["text"] == "<thinking>x</thinking>"
-    r = runner.invoke(app, ["tokens", "rewrite", "--map", "think"])
+    r = runner.invoke(tokens_app, ["tokens", "rewrite", "--map", "think"])
     assert r.exit_code == 2

@@ -17,30 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from test_tokens import make_model
 from test_tokens_robust import strict_loads
-from vlfast.cli.tokens import register
 from vlfast.tokens import audit_tokens, fix_tokens
 from vlfast.tokens.generation import PROMPTS, SLOT, STRONG, WEAK, classify, prompt_ids, verify_generation
 from vlfast.tokens.vocab import Vocabulary
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """test root"""
-
-    register(app)
-    return app
 
 
 def make_copying_lm(folder: Path, *, tied: bool = True, plant: bool = False, seed: int = 0) -> dict:
@@ -142,21 +128,25 @@ def test_audit_with_verify_generation(copying):
     strict_loads(json.dumps(report.to_dict()))
 
 
-def test_cli_verify_generation_table_and_json(app, copying):
+def test_cli_verify_generation_table_and_json(tokens_app, copying):
     folder, _ = copying
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--verify-generation"])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(folder), "--verify-generation"])
     assert r.exit_code == 1, r.output
     assert "Generation check: Qwen3ForCausalLM on cpu, float32" in r.stdout
     assert "< 0.001 verified-strong, < 0.1 verified-weak" in r.stdout
     assert sum("verified-strong" in line and "'<think>'" in line for line in r.stdout.splitlines()) == 1
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--verify-generation", "--json"])
+    r = runner.invoke(
+        tokens_app, ["tokens", "audit", "--model", str(folder), "--verify-generation", "--json"]
+    )
     data = strict_loads(r.stdout)
     assert [t["result"] for t in data["generation"]["tokens"]] == ["verified-strong", "verified-strong"]
     assert data["generation"]["prompts"] == PROMPTS
     for args in (["--dtype", "int8"], ["--device", "nonsense"]):
-        r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--verify-generation", *args])
+        r = runner.invoke(
+            tokens_app, ["tokens", "audit", "--model", str(folder), "--verify-generation", *args]
+        )
         assert r.exit_code == 2, r.output
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--dtype", "float32"])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(folder), "--dtype", "float32"])
     assert r.exit_code == 2 and "--verify-generation" in r.stderr
 
 

@@ -12,10 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from vlfast.cli.tokens import register
 from vlfast.tokens.pipeline import builtin_sample, check_pipeline, default_reward_regex
 
 runner = CliRunner()
@@ -88,18 +86,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "no-template": (None, "added"),
     }
     return {name: make_tokenizer(root / name, t, k) for name, (t, k) in specs.items()}
-
-
-@pytest.fixture(scope="module")
-def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """test root"""
-
-    register(app)
-    return app
 
 
 def statuses(report) -> dict[str, str]:
@@ -265,8 +251,8 @@ def _strict(text: str) -> dict:
         ("space", 1, ["template-position", "round-trip"]),
     ],
 )
-def test_cli_json_is_strict_and_exit_code_follows_checks(app, models, name, code, failed):
-    r = runner.invoke(app, ["tokens", "check-pipeline", "--model", str(models[name]), "--json"])
+def test_cli_json_is_strict_and_exit_code_follows_checks(tokens_app, models, name, code, failed):
+    r = runner.invoke(tokens_app, ["tokens", "check-pipeline", "--model", str(models[name]), "--json"])
     assert r.exit_code == code, r.output
     data = _strict(r.stdout)
     assert data["ok"] is (code == 0) and data["failed"] == failed
@@ -311,8 +297,8 @@ def test_cli_table_in_a_pipe_prints_names_and_verdicts_whole(models, tmp_path):
     assert "verdict: fail (template-position, round-trip)" in out
 
 
-def test_cli_table_for_a_pass(app, models):
-    r = runner.invoke(app, ["tokens", "check-pipeline", "-m", str(models["good"])])
+def test_cli_table_for_a_pass(tokens_app, models):
+    r = runner.invoke(tokens_app, ["tokens", "check-pipeline", "-m", str(models["good"])])
     assert r.exit_code == 0, r.output
     assert "verdict: pass" in r.stdout and "enable_thinking=True" in r.stdout
 
@@ -339,9 +325,9 @@ def _bad_inputs(models: dict[str, Path], tmp: Path) -> list[tuple[list[str], str
     ]
 
 
-def test_cli_bad_input_exit_2_with_a_clear_message(app, models, tmp_path):
+def test_cli_bad_input_exit_2_with_a_clear_message(tokens_app, models, tmp_path):
     for args, what, todo in _bad_inputs(models, tmp_path):
-        r = runner.invoke(app, ["tokens", "check-pipeline", *args, "--json"])
+        r = runner.invoke(tokens_app, ["tokens", "check-pipeline", *args, "--json"])
         assert r.exit_code == 2, (args, r.output)
         assert r.stdout == "", args  # nothing half-written on stdout for a script to parse
         err = " ".join(r.stderr.split())  # Rich may wrap the message at 80 columns

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import typer
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file, save_file
@@ -17,7 +16,6 @@ from typer.testing import CliRunner
 
 from test_tokens import VL_SPECIAL, make_model
 from vlfast.cli._common import print_table
-from vlfast.cli.tokens import register
 from vlfast.tokens import audit_tokens, audit_vocabulary, fix_tokens
 
 runner = CliRunner()
@@ -30,18 +28,6 @@ def _no_constants(name: str):
 def strict_loads(text: str):
     """json.loads that refuses NaN, Infinity and -Infinity, as strict parsers (jq, JavaScript) do."""
     return json.loads(text, parse_constant=_no_constants)
-
-
-@pytest.fixture(scope="module")
-def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """test root"""
-
-    register(app)
-    return app
 
 
 def _set_rows(folder: Path, name: str, rows: dict[int, float]) -> None:
@@ -118,19 +104,21 @@ def test_non_finite_rows_in_an_untied_lm_head_and_in_a_tag(untied_model, tmp_pat
     strict_loads(json.dumps(fixed.to_dict()))
 
 
-def test_cli_non_finite_exit_1_and_strict_json(app, tied_model, tmp_path):
+def test_cli_non_finite_exit_1_and_strict_json(tokens_app, tied_model, tmp_path):
     src, _ = tied_model
     folder = _copy(src, tmp_path / "m")
     _set_rows(folder, "model.embed_tokens.weight", {5: float("nan")})
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--json"])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(folder), "--json"])
     assert r.exit_code == 1, r.output
     data = strict_loads(r.stdout)  # before: bare NaN for medians, cuts, norm ratios
     assert data["non_finite"] == [{"matrix": "model.embed_tokens.weight", "count": 1, "ids": [5]}]
     assert data["ok"] is False and data["verdict"] == "untrained"
     # Non-finite rows alone (tags trained) still exit 1: the checkpoint is broken.
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--tags", "<thinking>", "--json"])
+    r = runner.invoke(
+        tokens_app, ["tokens", "audit", "--model", str(folder), "--tags", "<thinking>", "--json"]
+    )
     assert r.exit_code == 1 and strict_loads(r.stdout)["verdict"] == "trained", r.output
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder)])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(folder)])
     assert "non-finite rows" in r.stdout and "NaN or inf" in r.stdout
 
 
@@ -163,9 +151,9 @@ def test_to_dict_is_strict_json_even_with_non_finite_values(tied_model):
         (["--reference-ids", ","], "names no id"),
     ],
 )
-def test_cli_refuses_blank_tags_and_reversed_ranges(app, tied_model, args, message):
+def test_cli_refuses_blank_tags_and_reversed_ranges(tokens_app, tied_model, args, message):
     """Before: blank --tags audited the defaults and 5-3 gave no reference rows, both with exit 0 or 1."""
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(tied_model[0]), *args])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(tied_model[0]), *args])
     assert r.exit_code == 2, r.output
     assert message in " ".join(r.stderr.split()), r.stderr
 
@@ -184,13 +172,13 @@ def test_library_refuses_the_same(tied_model, tmp_path):
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_truncated_safetensors_is_named(app, tmp_path, sharded):
+def test_truncated_safetensors_is_named(tokens_app, tmp_path, sharded):
     """Before: numpy's 'mmap length is greater than file size', with no file name."""
     make_model(tmp_path / "m", sharded=sharded)
     victim = tmp_path / "m" / ("model-00002-of-00002.safetensors" if sharded else "model.safetensors")
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) - 1000])
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(tmp_path / "m")])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(tmp_path / "m")])
     assert r.exit_code == 2, r.output
     err = " ".join(r.stderr.split())
     assert str(victim) in err and "truncated" in err, err
@@ -205,11 +193,11 @@ def _rows(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("│")]
 
 
-def test_piped_audit_table_prints_every_tag_id_and_verdict_whole(app, untied_model):
+def test_piped_audit_table_prints_every_tag_id_and_verdict_whole(tokens_app, untied_model):
     """CliRunner's stdout is not a terminal, like a CI log or `| tee`: Rich would assume 80 columns
     and cut the table to `<thin…`, `suspe…`."""
     folder, info = untied_model
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--tags", ",".join(LONG_TAGS)])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(folder), "--tags", ",".join(LONG_TAGS)])
     assert r.exit_code == 1, r.output
     assert "…" not in r.stdout, r.stdout
     report = audit_tokens(folder, LONG_TAGS)
@@ -222,10 +210,10 @@ def test_piped_audit_table_prints_every_tag_id_and_verdict_whole(app, untied_mod
     assert "vlfast tokens rewrite --map '<think>=<thinking>' --map '</think>=</thinking>' ..." in r.stdout
 
 
-def test_piped_fix_and_rewrite_tables_print_whole(app, tmp_path):
+def test_piped_fix_and_rewrite_tables_print_whole(tokens_app, tmp_path):
     make_model(tmp_path / "src", sharded=True)
     out = tmp_path / "a-fairly-long-output-folder-name-for-the-fixed-checkpoint"
-    r = runner.invoke(app, ["tokens", "fix", str(out), "--model", str(tmp_path / "src")])
+    r = runner.invoke(tokens_app, ["tokens", "fix", str(out), "--model", str(tmp_path / "src")])
     assert r.exit_code == 0, r.output
     assert "…" not in r.stdout and str(out) in r.stdout
     assert any("model.language_model.embed_tokens.weight, lm_head.weight" in line for line in _rows(r.stdout))
@@ -235,7 +223,7 @@ def test_piped_fix_and_rewrite_tables_print_whole(app, tmp_path):
     regex = r"^<think>[a-z ]+</think>\s*<answer>.*?</answer>$"
     dst = tmp_path / "data-with-a-long-name-so-the-table-is-wide.thinking.jsonl"
     args = ["--map", "think=thinking", "--dataset", str(src), "--field", "text", "--out", str(dst)]
-    r = runner.invoke(app, ["tokens", "rewrite", *args, "--reward-regex", regex])
+    r = runner.invoke(tokens_app, ["tokens", "rewrite", *args, "--reward-regex", regex])
     assert r.exit_code == 0, r.output
     assert "…" not in r.stdout
     rows = _rows(r.stdout)
@@ -297,7 +285,7 @@ def test_placeholders_are_skipped_with_the_reason(vl_model):
     assert full.skipped == [] and set(full.untrained_tags) == {"<think>", "</think>", *VL_SPECIAL}
 
 
-def test_template_audit_skips_placeholders(app, vl_model):
+def test_template_audit_skips_placeholders(tokens_app, vl_model):
     folder, info, template = vl_model
     report = audit_tokens(folder, template=template)
     assert {s.tag for s in report.skipped} == {
@@ -308,7 +296,7 @@ def test_template_audit_skips_placeholders(app, vl_model):
     }
     assert all(s.sources == ["template"] for s in report.skipped)
     assert {t.tag for t in report.tags} == {"<|im_start|>", "<|im_end|>", "<think>"}
-    r = runner.invoke(app, ["tokens", "audit", "--model", str(folder), "--template", str(template)])
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(folder), "--template", str(template)])
     assert r.exit_code == 1
     assert any(
         line.startswith("│ skipped") and "<|image_pad|> (template): image placeholder" in line
@@ -316,7 +304,7 @@ def test_template_audit_skips_placeholders(app, vl_model):
     ), r.stdout
     assert "--include-placeholders audits them too" in r.stdout
     r = runner.invoke(
-        app,
+        tokens_app,
         [
             "tokens",
             "audit",
