@@ -125,13 +125,13 @@ class GemmConvForward:
     def __deepcopy__(self, memo: dict) -> GemmConvForward:
         module = None if self._module is None else self._module()
         # Copied as part of its module: bind to the module's copy; copied alone: keep the module.
-        return _rebuild(self.kernel_size, memo.get(id(module), module))
+        return GemmConvForward(self.kernel_size, memo.get(id(module), module))
 
     def __reduce__(self):
-        return _rebuild, (self.kernel_size, None if self._module is None else self._module())
+        return GemmConvForward, (self.kernel_size, None if self._module is None else self._module())
 
-    def _geometry_changed(self, m: nn.Module, weight: torch.Tensor) -> bool:
-        """Decide again after ``m``'s geometry changed; True when the GEMM no longer applies."""
+    def _geometry_changed(self, m: nn.Module, weight: torch.Tensor) -> None:
+        """Decide again after ``m``'s geometry changed: GEMM (and with which kernel) or the stock conv."""
         reason = eligibility(m)
         if reason is None and tuple(weight.shape[2:]) != tuple(m.kernel_size):
             reason = f"weight kernel {tuple(weight.shape[2:])} != kernel_size {tuple(m.kernel_size)}"
@@ -142,7 +142,10 @@ class GemmConvForward:
         if reason is None:
             self.kernel_size = tuple(int(k) for k in m.kernel_size)
             self._wshape = weight.shape
-        return self._stock
+
+    def _stock_conv(self, m: nn.Module, x, weight, bias) -> torch.Tensor:
+        """The class's own ``_conv_forward``, with whatever geometry ``m`` has now."""
+        return _STOCK_CONV_FORWARD[_CONV_TYPES[self.ndim - 1]](m, x, weight, bias)
 
     def _fallback(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Zero padding, dilation 1 and groups 1 are eligibility conditions, so the stock call is exactly
@@ -163,7 +166,7 @@ class GemmConvForward:
             ):
                 self._geometry_changed(m, weight)
             if self._stock:
-                return _STOCK_CONV_FORWARD[_CONV_TYPES[self.ndim - 1]](m, x, weight, bias)
+                return self._stock_conv(m, x, weight, bias)
         shape = x.shape
         # The Qwen case, kept to the fewest checks: x is (N, C, T, P, P), every sample one window, and
         # the weight is the one last seen (its kernel checked then).
@@ -180,7 +183,7 @@ class GemmConvForward:
             # A weight of another kernel (swapped through ``.data``, or handed in by functional_call):
             # the stock conv's windows are not the GEMM's.
             if m is not None:
-                return _STOCK_CONV_FORWARD[_CONV_TYPES[nd - 1]](m, x, weight, bias)
+                return self._stock_conv(m, x, weight, bias)
             raise ValueError(
                 f"GemmConvForward(kernel_size={self.kernel_size}) was given a weight of shape "
                 f"{tuple(weight.shape)}; its kernel must be {self.kernel_size}"
@@ -224,11 +227,6 @@ class GemmConvForward:
         if channels_last or _is_channels_last(weight, nd):
             return y.contiguous(memory_format=_conv_memory_format(x, weight, bias, self.kernel_size))
         return y
-
-
-def _rebuild(kernel_size: tuple[int, ...], module: nn.Module | None) -> GemmConvForward:
-    """Deepcopy's and unpickling's constructor: the geometry is checked again at the first call."""
-    return GemmConvForward(kernel_size, module)
 
 
 class _PatchedExtraRepr:
