@@ -355,8 +355,8 @@ def _probe_backward(result: ProbeResult, x, w, b, conv_fn, dev, budget_s: float,
     gradient in training, but a tower fine-tuned behind another module's output would need it).
     On ``BACKWARD_WINDOWS`` windows; on ``BACKWARD_MIN_WINDOWS`` when a first call on that many shows
     the conv backward could not run three times on more within the budget (that first call then warms
-    it up), and that call alone is the measurement when it took the whole budget (a CPU bf16 Conv2d backward costs ~26 ms per
-    window here: a fallback kernel, far above the thresholds however it is timed).
+    it up), and that call alone is the measurement when it took the whole budget (a CPU bf16 Conv2d
+    backward costs ~26 ms per window here: a fallback kernel, far above the thresholds however timed).
     """
     n = min(x.shape[0], BACKWARD_WINDOWS)
     first = min(n, BACKWARD_MIN_WINDOWS)
@@ -364,24 +364,18 @@ def _probe_backward(result: ProbeResult, x, w, b, conv_fn, dev, budget_s: float,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ms = measure(conv_bwd, device=dev, warmup=0, repeats=1).times_ms[0]
-        third = budget_s * 1e3 / 3
         if ms > budget_s * 1e3:  # too slow to repeat: this call is the measurement
-            result.backward_windows = first
-            result.gemm_backward = measure(
-                gemm_bwd, device=dev, warmup=1, repeats=max_repeats, budget_s=0.2 * budget_s
-            )
-            result.conv_backward = Timing((ms,), budget_hit=True, first_call=True)
-            result.notes.append("conv backward too slow to repeat: its first call is the measurement")
-            return
-        if ms * n / first > third:
             n = first
-        if n != first:
-            conv_bwd, gemm_bwd = _backward_graphs(x[:n], w, b, conv_fn, result.shape.kernel_size)
-        result.backward_windows = n
-        result.gemm_backward, result.conv_backward = _interleaved(
-            gemm_bwd, conv_bwd, dev, budget_s, max_repeats
-        )
-    if result.conv_backward.first_call:
+            gemm = measure(gemm_bwd, device=dev, warmup=1, repeats=max_repeats, budget_s=0.2 * budget_s)
+            conv = Timing((ms,), budget_hit=True, first_call=True)
+        else:
+            if ms * n / first > budget_s * 1e3 / 3:
+                n = first
+            if n != first:
+                conv_bwd, gemm_bwd = _backward_graphs(x[:n], w, b, conv_fn, result.shape.kernel_size)
+            gemm, conv = _interleaved(gemm_bwd, conv_bwd, dev, budget_s, max_repeats)
+    result.backward_windows, result.gemm_backward, result.conv_backward = n, gemm, conv
+    if conv.first_call:
         result.notes.append("conv backward too slow to repeat: its first call is the measurement")
 
 
