@@ -103,7 +103,9 @@ class Sample:
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise TypeError(f"sample {self.id!r}: prompt must be a string or None")
         if self.member is not None and self.kind == "frames":
-            raise ValueError(f"sample {self.id!r}: a tar member is one image or video, not a frame list")
+            raise ValueError(
+                f"sample {self.id!r}: a tar member or URL is one image or video, not a frame list"
+            )
 
     @property
     def source(self) -> str:
