@@ -213,8 +213,3 @@ def test_memory_url_and_local_inputs_import_no_fsspec(media, local_run, tiny_qwe
         _assert_same(FeatureCache(out), FeatureCache(local_run), {i: i for i in ids})
     finally:
         fs.rm("/vlfast-test", recursive=True)
-
-
-def test_url_out_is_refused(media, tiny_qwen3_vl, tmp_path):
-    with pytest.raises(ValueError, match="OUT must be a local folder"):
-        extract(media, "s3://bucket/out", model=str(tiny_qwen3_vl), **KW)

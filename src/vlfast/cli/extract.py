@@ -144,9 +144,9 @@ def extract(
         str | None,
         typer.Option(
             "--storage-options",
-            help="JSON object passed to fsspec for INPUT URLs (s3://bucket/...), e.g. "
+            help="JSON object passed to fsspec for INPUT and OUT URLs (s3://bucket/...), e.g. "
             '\'{"client_kwargs": {"endpoint_url": "http://localhost:9000"}}\'; credentials also come from '
-            "the environment. OUT stays a local folder.",
+            "the environment.",
         ),
     ] = None,
     demo: Annotated[
@@ -166,7 +166,7 @@ def extract(
     if verify:
         if demo or len(paths) != 1:
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
-        _verify(paths[0], as_json)
+        _verify(paths[0], as_json, _storage_options(storage_options))
         return
     from vlfast.extraction.pipeline import extract as run_extract
     from vlfast.extraction.resume import RunConfigMismatch
@@ -233,7 +233,7 @@ def extract(
     elif summary.nothing_to_do:
         console.print(
             f"nothing to do: all {summary.assigned} input entries of this rank are already in {out} "
-            f"(extracted, or recorded in {Path(out) / 'errors'})",
+            f"(extracted, or recorded in {_errors_dir(out)})",
             highlight=False,
             markup=False,
             soft_wrap=True,
@@ -262,8 +262,20 @@ def _storage_options(text: str | None) -> dict | None:
     return value
 
 
+def _is_url(text: str) -> bool:
+    from vlfast.extraction.remote import is_url
+
+    return is_url(text)
+
+
+def _errors_dir(out: str) -> str:
+    """OUT's errors folder as the user would name it (a URL keeps its ``//``; Path would fold it)."""
+    return f"{out.rstrip('/')}/errors" if _is_url(out) else str(Path(out) / "errors")
+
+
 def _print_summary(summary, out: str) -> None:
-    table = Table(title=f"vlfast extract -> {escape(str(Path(out)))}", show_header=False)
+    shown = out if _is_url(out) else str(Path(out))
+    table = Table(title=f"vlfast extract -> {escape(shown)}", show_header=False)
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("", overflow="fold")  # paths and reasons stay whole in a narrow pipe
     rows = [
@@ -289,19 +301,24 @@ def _print_summary(summary, out: str) -> None:
     console.print(table)
     if summary.failed:
         console.print(
-            f"errors with reasons: {Path(out) / 'errors'}", highlight=False, markup=False, soft_wrap=True
+            f"errors with reasons: {_errors_dir(out)}", highlight=False, markup=False, soft_wrap=True
         )
     console.print(
         f"read back with: vlfast.FeatureCache({str(out)!r})", highlight=False, markup=False, soft_wrap=True
     )
 
 
-def _verify(out: str, as_json: bool) -> None:
+def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
     """``vlfast extract --verify OUT``: hash everything, list every bad sample, exit 1 if any."""
     from vlfast.extraction.integrity import verify_folder
-    from vlfast.extraction.layout import REDO_HINT
+    from vlfast.extraction.layout import REDO_HINT, is_local, resolve_out
 
-    report = verify_folder(out)
+    path = resolve_out(out, storage_options)
+    if not is_local(path):
+        from vlfast.extraction.remote import probe_out
+
+        probe_out(path)
+    report = verify_folder(path)
     if as_json:
         print_json(report.to_dict())
     else:

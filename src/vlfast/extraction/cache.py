@@ -18,7 +18,6 @@ import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,10 +27,12 @@ from vlfast.extraction.layout import (
     DamagedFile,
     committed_parts,
     config_hash,
+    is_local,
     part_meta,
     read_errors,
     read_index_part,
     read_run_file,
+    resolve_out,
     stable_config,
     tensor_xxh3,
 )
@@ -47,13 +48,20 @@ class FeatureCache(torch.utils.data.Dataset):
     """
 
     def __init__(
-        self, out: str | os.PathLike, features: Sequence[str] | None = None, *, verify: bool = False
+        self,
+        out: str | os.PathLike,
+        features: Sequence[str] | None = None,
+        *,
+        verify: bool = False,
+        storage_options: dict[str, Any] | None = None,
     ):
         """``features`` limits what each lookup reads (e.g. ``["mean"]`` skips the token tensors);
-        ``verify`` hashes every tensor read and raises :class:`DamagedFile` naming it if it does not match."""
+        ``verify`` hashes every tensor read and raises :class:`DamagedFile` naming it if it does not match.
+        ``out`` may be an fsspec URL (``s3://bucket/out``), opened with ``storage_options``; its samples
+        are then read by byte range, one request per tensor."""
         import pyarrow as pa
 
-        self.out = Path(out)
+        self.out = resolve_out(out, storage_options)
         if isinstance(features, str):
             features = [features]
         self.features = None if features is None else frozenset(features)
@@ -225,7 +233,7 @@ class FeatureCache(torch.utils.data.Dataset):
 
         path = self._shard_paths[k]
         try:
-            size = path.stat().st_size
+            size = path.stat().st_size if is_local(path) else int(path.fs.size(path.path))
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path} (sample {sample_id!r}) is listed in {self.out}/index but missing; the folder was "
@@ -238,7 +246,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"{sample_id!r} cannot be read. {REDO_HINT}"
             )
         try:
-            h = safe_open(path, framework="pt", device="cpu")
+            h = safe_open(path, framework="pt", device="cpu") if is_local(path) else _RangeShard(path, size)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise DamagedFile(
                 f"{path} is unreadable ({e}): sample {sample_id!r} cannot be read. {REDO_HINT}"
@@ -256,3 +264,34 @@ class FeatureCache(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         return state
+
+
+class _RangeShard:
+    """A shard on object storage with safe_open's reading interface: the header is read once, each tensor
+    with one ranged GET of exactly its bytes, so a lookup never downloads the shard."""
+
+    def __init__(self, path: Any, size: int):
+        from vlfast.extraction.integrity import open_shard
+
+        self._fs, self._key = path.fs, path.path
+        self._data_start, _, self._header = open_shard(path).header()
+        self._size = size
+
+    def metadata(self) -> dict[str, str] | None:
+        return self._header.get("__metadata__")
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        from vlfast.extraction.integrity import SAFETENSORS_DTYPE
+        from vlfast.extraction.store import DTYPE_BY_NAME
+
+        entry = self._header[name]
+        start, end = (self._data_start + x for x in entry["data_offsets"])
+        if end > self._size:
+            raise ValueError(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._size:,}")
+        dtype = DTYPE_BY_NAME[next(k for k, v in SAFETENSORS_DTYPE.items() if v == entry["dtype"])]
+        data = bytearray(self._fs.cat_file(self._key, start=start, end=end)) if end > start else bytearray()
+        if len(data) != end - start:
+            raise ValueError(f"tensor {name!r}: {len(data):,} bytes read of {end - start:,}")
+        if not data:
+            return torch.empty(entry["shape"], dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"])

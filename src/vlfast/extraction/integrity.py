@@ -15,6 +15,7 @@ The writer runs :func:`check_part` on resume and moves what fails aside; :func:`
 
 from __future__ import annotations
 
+import io
 import json
 import mmap
 import os
@@ -26,15 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.extraction.layout import (
-    ERROR_DIR,
     SHARD_DIR,
     DamagedFile,
     committed_parts,
     config_hash,
+    error_files,
+    is_local,
     part_meta,
     read_error_file,
     read_index_part,
     read_run_file,
+    resolve_out,
     shard_of_part,
     stable_config,
     xxh3,
@@ -93,11 +96,92 @@ def read_header(f, size: int) -> tuple[int, bytes, dict]:
 def _header_ids(shard: Path) -> list[str]:
     """Ids a shard's header lists, or [] when it cannot be read: to name the samples of an unreadable part."""
     try:
-        with open(shard, "rb") as f:
-            _, _, header = read_header(f, os.fstat(f.fileno()).st_size)
+        with open_shard(shard) as f:
+            _, _, header = f.header()
         return json.loads(header.get("__metadata__", {}).get("ids", "[]"))
     except (OSError, ValueError):
         return []
+
+
+class _LocalShard:
+    """A local shard: one open file, its header read in place, its data hashed through a memory map."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "rb")  # noqa: SIM115 - closed by __exit__
+        self.size = os.fstat(self._f.fileno()).st_size
+
+    def header(self) -> tuple[int, bytes, dict]:
+        self._f.seek(0)
+        return read_header(self._f, self.size)
+
+    def hash_tensors(self, feats: list[dict]) -> list[str]:
+        """xxh3 of each feature's bytes (``offset``/``nbytes`` as the index gives them), in order."""
+        if self.size == 0:
+            return []
+        with mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                return [xxh3(view[f["offset"] : f["offset"] + f["nbytes"]]) for f in feats]
+            finally:
+                view.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
+class _RemoteShard:
+    """A shard on object storage, read by byte ranges: the header in one request (two if it is long), the
+    data in windows of up to 64 MiB, so a check never holds a whole shard in memory."""
+
+    WINDOW = 64 << 20
+
+    def __init__(self, path: Any):
+        self._fs, self._key = path.fs, path.path
+        self.size = int(self._fs.size(self._key))
+
+    def read(self, start: int, n: int) -> bytes:
+        return self._fs.cat_file(self._key, start=start, end=start + n) if n > 0 else b""
+
+    def header(self) -> tuple[int, bytes, dict]:
+        head = self.read(0, min(self.size, 1 << 16))
+        if len(head) >= 8:
+            (n,) = struct.unpack("<Q", head[:8])
+            if 8 + n > len(head) and n <= self.size - 8:
+                head += self.read(len(head), 8 + n - len(head))
+        return read_header(io.BytesIO(head), self.size)
+
+    def hash_tensors(self, feats: list[dict]) -> list[str]:
+        order = sorted(range(len(feats)), key=lambda k: feats[k]["offset"])
+        out: list[str] = [""] * len(feats)
+        k = 0
+        while k < len(order):
+            start = feats[order[k]]["offset"]
+            end = k
+            while end < len(order) and (
+                feats[order[end]]["offset"] + feats[order[end]]["nbytes"] - start <= self.WINDOW or end == k
+            ):
+                end += 1
+            stop = max(feats[order[j]]["offset"] + feats[order[j]]["nbytes"] for j in range(k, end))
+            window = memoryview(self.read(start, stop - start))
+            for j in order[k:end]:
+                a = feats[j]["offset"] - start
+                out[j] = xxh3(window[a : a + feats[j]["nbytes"]])
+            k = end
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def open_shard(path: Any) -> _LocalShard | _RemoteShard:
+    """A shard opened for checking: ``size``, ``header()`` and ``hash_tensors(features)``."""
+    return _LocalShard(path) if is_local(path) else _RemoteShard(path)
 
 
 def check_part(part: Path, *, data: bool = True) -> PartCheck:
@@ -125,15 +209,15 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
         return check
     rows = table.column("features").to_pylist()
     try:
-        with open(shard, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with open_shard(shard) as f:
+            size = f.size
             if meta["shard_bytes"] is not None and size != meta["shard_bytes"]:
                 check.problem = (
                     f"shard {shard} is {size:,} bytes but was written with {meta['shard_bytes']:,}: "
                     "truncated or replaced"
                 )
                 return check
-            data_start, raw_header, header = read_header(f, size)
+            data_start, raw_header, header = f.header()
             if meta["shard_header_xxh3"] is not None and xxh3(raw_header) != meta["shard_header_xxh3"]:
                 check.problem = f"shard {shard} has a damaged header (checksum mismatch)"
                 return check
@@ -146,17 +230,11 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
                 check.problem = f"shard {shard}: {problem}"
                 return check
             if data and check.format_version >= 2 and size > 0:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    view = memoryview(mm)
-                    try:
-                        for sid, feats in zip(ids, rows):
-                            for feat in feats:
-                                start, n = feat["offset"], feat["nbytes"]
-                                if xxh3(view[start : start + n]) != feat["xxh3"]:
-                                    check.bad.append((sid, feat["name"]))
-                                check.checked_bytes += n
-                    finally:
-                        view.release()
+                flat = [(sid, feat) for sid, feats in zip(ids, rows) for feat in feats]
+                for (sid, feat), digest in zip(flat, f.hash_tensors([feat for _, feat in flat])):
+                    if digest != feat["xxh3"]:
+                        check.bad.append((sid, feat["name"]))
+                    check.checked_bytes += feat["nbytes"]
     except FileNotFoundError:
         check.problem = f"shard {shard} is missing"
     except (OSError, ValueError) as e:
@@ -209,7 +287,7 @@ class VerifyReport:
 
 def verify_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check everything a reader of ``out`` relies on, reading every byte; report every bad sample by id."""
-    out = Path(out)
+    out = resolve_out(out)
     started = time.perf_counter()
     report = VerifyReport(str(out))
     run = read_run_file(out)
@@ -239,7 +317,7 @@ def verify_folder(out: str | os.PathLike, progress: Callable[[int, int], None] |
             report.other_config_parts.append(part.name)
         if progress is not None:
             progress(k + 1, len(parts))
-    for path in sorted((out / ERROR_DIR).glob("errors-r*.jsonl")) if (out / ERROR_DIR).is_dir() else []:
+    for path in error_files(out):
         report.damaged_error_lines += read_error_file(path)[1]
     report.seconds = time.perf_counter() - started
     return report

@@ -7,6 +7,7 @@ decided in one place. The layout (format version 2)::
     OUT/shards/shard-r{rank:05d}-{seq:06d}.safetensors     per-sample tensors, entries "{row}/{feature}"
     OUT/index/part-r{rank:05d}-{seq:06d}-{xxh3}.parquet    one index part per shard: THE COMMIT MARKER
     OUT/errors/errors-r{rank:05d}.jsonl                   one JSON line per failed or duplicate sample
+    OUT/errors/errors-r{rank:05d}-{session}.jsonl         the same on object storage (no appends): one per session
     OUT/locks/rank-{rank:05d}.lock                        flock of the one process writing that rank
     OUT/quarantine/...                                    damaged shards moved aside on resume (never read)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -33,12 +35,15 @@ INDEX_DIR = "index"
 ERROR_DIR = "errors"
 LOCK_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 MAX_ID_BYTES = 4096  # an id is stored in Parquet, JSON and the shard header; longer ones are refused
 
 SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
 # The 16 hex digits are the xxh3-64 of the part file itself (absent in format 1).
 PART_RE = re.compile(r"^part-r(\d{5})-(\d{6})(?:-([0-9a-f]{16}))?\.parquet$")
 TMP_RE = re.compile(r"^\.tmp-r(\d{5})-")
+# errors-r{rank}.jsonl locally; errors-r{rank}-{session}.jsonl on object storage, which cannot append.
+ERRORS_RE = re.compile(r"^errors-r(\d{5})(?:-[0-9A-Za-z]+)?\.jsonl$")
 
 # Parquet key-value metadata of every index part (format 2).
 META_FORMAT = b"vlfast.format_version"
@@ -61,6 +66,51 @@ class OutputInUse(RuntimeError):
 
 class OutputNotWritable(PermissionError):
     """OUT cannot be written (read-only filesystem or permissions)."""
+
+
+# ------------------------------------------------------------------------------------------ locations
+
+
+def is_local(out: Any) -> bool:
+    """Whether ``out`` is a local folder (a ``pathlib.Path``) rather than a folder on object storage."""
+    return isinstance(out, Path)
+
+
+def resolve_out(out: Any, storage_options: dict[str, Any] | None = None) -> Path:
+    """OUT as a path object: a ``pathlib.Path`` for a local folder (and for ``file://`` URLs, which are
+    local folders: they keep the local fast path, locks and renames), else a ``upath.UPath`` on the URL's
+    fsspec filesystem, opened with ``storage_options``. A path object is returned as it is."""
+    if isinstance(out, Path) or hasattr(out, "fs"):  # a local path, or already a UPath
+        return out
+    text = os.fspath(out)
+    if not _SCHEME.match(text):
+        return Path(text)
+    if text.lower().startswith("file://"):
+        from urllib.parse import unquote, urlsplit
+
+        return Path(unquote(urlsplit(text).path))
+    try:
+        from upath import UPath
+    except ImportError:
+        raise ImportError(
+            f"OUT {text} is on object storage, which needs universal_pathlib and the fsspec backend of its "
+            "scheme: pip install 'vlfast[s3]' (s3fs; gcsfs / adlfs for gs:// and az://)"
+        ) from None
+    return UPath(text, **(storage_options or {}))
+
+
+def list_names(folder: Path) -> list[str]:
+    """Names of the entries in ``folder`` ([] if it does not exist). On object storage the listing is
+    never served from fsspec's listings cache: another rank may have committed since the last one."""
+    if is_local(folder):
+        return [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    fs = folder.fs
+    fs.invalidate_cache(folder.path)
+    try:
+        entries = fs.ls(folder.path, detail=False)
+    except FileNotFoundError:
+        return []
+    return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
 
 # ------------------------------------------------------------------------------------------ checksums
@@ -109,6 +159,8 @@ def config_hash(stable: dict) -> str:
 
 def read_run_file(out: Path) -> dict:
     path = out / RUN_FILE
+    if not is_local(path):
+        path.fs.invalidate_cache(path.path)  # another rank may have written it since we last looked
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -146,9 +198,7 @@ def shard_of_part(part: Path) -> Path:
 def committed_parts(out: Path) -> list[Path]:
     """Committed index parts, sorted by (rank, seq)."""
     index = out / INDEX_DIR
-    if not index.is_dir():
-        return []
-    return sorted(p for p in index.iterdir() if PART_RE.match(p.name))
+    return [index / name for name in sorted(list_names(index)) if PART_RE.match(name)]
 
 
 def read_index_part(part: Path, columns: Sequence[str] | None = None):
@@ -272,11 +322,8 @@ def read_error_file(path: Path) -> tuple[list[dict], int]:
 def read_errors(out: Path) -> list[dict]:
     """All ranks' error records. Torn and damaged lines are skipped (a damaged line's sample is then simply
     extracted again); exact repeats (a duplicate recorded again after a resume) are dropped."""
-    folder = out / ERROR_DIR
-    if not folder.is_dir():
-        return []
     records, seen = [], set()
-    for path in sorted(folder.glob("errors-r*.jsonl")):
+    for path in error_files(out):
         for rec in read_error_file(path)[0]:
             key = error_key(rec)
             if key in seen:
@@ -284,6 +331,12 @@ def read_errors(out: Path) -> list[dict]:
             seen.add(key)
             records.append(rec)
     return records
+
+
+def error_files(out: Path) -> list[Path]:
+    """Every rank's (and, on object storage, every session's) errors file, sorted by name."""
+    folder = out / ERROR_DIR
+    return [folder / n for n in sorted(list_names(folder)) if ERRORS_RE.match(n)]
 
 
 def error_key(rec: dict) -> tuple:

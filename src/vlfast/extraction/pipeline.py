@@ -387,7 +387,8 @@ def extract(
     on; past ``max_errors`` recorded errors it stops (committed work is kept). Work is committed at least
     every ``commit_every`` seconds. ``store_dtype`` ("float16", "float32", "bfloat16") converts floating
     features before storing (default: as computed). ``inputs`` and a manifest's paths may be fsspec URLs
-    (``s3://bucket/key``), opened with ``storage_options``; ``out`` must be a local folder.
+    (``s3://bucket/key``), opened with ``storage_options``, and so may ``out`` (see docs/extract.md, "Object
+    storage": the commit protocol without renames or locks).
     """
     from vlfast.extraction.fingerprint import weights_fingerprint
     from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND
@@ -443,13 +444,13 @@ def extract(
 
     # Everything below up to the store reads only: bad input, a different configuration, different
     # weights or a finished OUT are answered before a lock is taken or a model is built.
-    from vlfast.extraction.remote import is_url
+    from vlfast.extraction.layout import is_local, resolve_out
 
-    if is_url(os.fspath(out)):
-        raise ValueError(
-            f"OUT {os.fspath(out)!r} is a URL: OUT must be a local folder for now (an object-storage OUT "
-            "needs a commit protocol that is not done yet); extract locally and copy the folder"
-        )
+    out = resolve_out(out, storage_options)
+    if not is_local(out):
+        from vlfast.extraction.remote import probe_out
+
+        probe_out(out)
     samples, problems = load_inputs(inputs, storage_options)
     family = _family_of(model)
     cfg: ProcessorConfig = build_processor_config(

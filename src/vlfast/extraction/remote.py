@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vlfast.extraction.inputs import InputProblem, Sample
 
-__all__ = ["RemoteFile", "RemoteInputError", "attach", "is_url", "load_url"]
+__all__ = ["RemoteFile", "RemoteInputError", "attach", "is_url", "load_url", "probe_out"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Stores whose first path component is a bucket: probed once per bucket before any work.
@@ -275,3 +275,34 @@ def attach(
             _probe(m.group(0), options)
         out.append(dataclasses.replace(s, member=RemoteFile(url, options)))
     return out, problems
+
+
+def probe_out(out: Any) -> None:
+    """An OUT on object storage must be reachable with the credentials given, and its bucket must exist
+    (OUT itself need not): else RemoteInputError / FileNotFoundError naming the URL, before any work."""
+    url = str(out)
+    options_json = _options_json(getattr(out, "storage_options", None))
+    fs, path = out.fs, out.path
+    fs.invalidate_cache()
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    bucket = path.strip("/").split("/", 1)[0] if protocols & _BUCKET_PROTOCOLS else None
+    try:
+        if bucket is None:
+            fs.exists(path)
+        else:
+            fs.ls(bucket, detail=False)  # one request; a missing bucket raises FileNotFoundError
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"output {url}: its bucket {bucket!r} does not exist (or the credentials cannot see it); "
+            "create it first"
+        ) from None
+    except PermissionError as e:
+        raise RemoteInputError(
+            f"output {url}: access refused ({_masked(_reason(e), options_json)}); check the credentials "
+            "(environment, fsspec configuration or --storage-options)"
+        ) from None
+    except Exception as e:  # unreachable endpoint, bad credentials: each client raises its own types
+        raise RemoteInputError(
+            f"output {url} cannot be reached ({type(e).__name__}: {_masked(_reason(e), options_json)}); "
+            "check the endpoint and the credentials"
+        ) from None

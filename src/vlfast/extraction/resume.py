@@ -31,10 +31,12 @@ from vlfast.extraction.layout import (
     committed_parts,
     done_by_error,
     error_key,
+    is_local,
     part_meta,
     read_errors,
     read_index_part,
     read_run_file,
+    resolve_out,
 )
 
 __all__ = [
@@ -158,10 +160,14 @@ def check_run_config(
     The configuration is run.json's; if run.json was deleted, the one its committed index parts carry, so
     deleting it does not let any configuration through. Returns whether run.json exists.
     """
-    out = Path(out)
+    out = resolve_out(out)
     config = _canonical(dict(run_config))
-    if (out / RUN_FILE).exists():
-        diffs = _config_diffs(config, read_run_file(out).get("config", {}), volatile_keys)
+    try:
+        old = read_run_file(out)
+    except FileNotFoundError:
+        old = None
+    if old is not None:
+        diffs = _config_diffs(config, old.get("config", {}), volatile_keys)
         if diffs:
             raise RunConfigMismatch(out, diffs)
         return True
@@ -225,11 +231,12 @@ def read_state(
     The quick check (sizes, headers, ids) finds truncated or replaced shards; the full checksum pass is
     the writer's, when it opens.
     """
-    out = Path(out)
-    if not out.exists():
-        return OutState()
-    if not out.is_dir():
-        raise NotADirectoryError(f"{out} exists and is not a folder; choose another OUT")
+    out = resolve_out(out)
+    if is_local(out):
+        if not out.exists():
+            return OutState()
+        if not out.is_dir():
+            raise NotADirectoryError(f"{out} exists and is not a folder; choose another OUT")
     check_run_config(out, run_config, volatile_keys)
     state = OutState()
     for part in committed_parts(out):

@@ -8,6 +8,12 @@ them. So a crash at any instant loses at most the samples still buffered in memo
 ``commit_every`` seconds or one shard of work), and those are re-extracted on resume. Nothing committed is
 ever rewritten.
 
+On object storage (OUT an fsspec URL) there is no rename and no lock: the shard is uploaded once under its
+final name with an exclusive create (S3's If-None-Match; a taken name moves to the next sequence number),
+then its index part, the commit marker, the same way; each session's error records are one object,
+uploaded again on every commit; an orphan shard is deleted only once ``ORPHAN_AGE`` old. docs/extract.md
+("OUT on object storage") has the whole protocol.
+
 On resume the store checks what it is about to rely on before skipping it (integrity.py): every committed
 index part against the configuration it carries (a different one is refused, even if run.json was
 deleted), and its shard's size, header and, by default, every tensor's checksum. A part or shard that
@@ -37,7 +43,9 @@ import contextlib
 import errno
 import json
 import os
+import secrets
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -78,10 +86,13 @@ from vlfast.extraction.layout import (
     error_key,
     error_line,
     index_schema,
+    is_local,
+    list_names,
     part_name,
     read_errors,
     read_index_part,
     read_run_file,
+    resolve_out,
     stable_config,
     tensor_xxh3,
     xxh3,
@@ -124,6 +135,9 @@ __all__ = [
 ]
 
 RESUME_CHECKS = ("full", "quick")
+# On object storage, a shard without its index part is deleted only once it is this old (seconds): younger,
+# it may be a live writer's upload whose part is still on its way (there are no locks to ask).
+ORPHAN_AGE = 3600.0
 
 # Dtypes safetensors can store; checked in ``add`` so a bad tensor fails at the sample, not at flush.
 _DTYPES: dict[torch.dtype, str] = {
@@ -169,7 +183,14 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _atomic_write_bytes(path: Path, data: bytes, tmp_tag: str) -> None:
+def _atomic_write_bytes(path: Path, data: bytes, tmp_tag: str, *, exclusive: bool = False) -> None:
+    """Write ``data`` to ``path`` whole or not at all. Locally: a temp file, fsync, rename, fsync the folder.
+    On object storage one PUT is atomic already (readers see the old object, the new one, or none);
+    ``exclusive`` then refuses to replace an existing object (FileExistsError) where the store can say so
+    atomically (S3's If-None-Match)."""
+    if not is_local(path):
+        _put_remote(path, data, exclusive)
+        return
     tmp = path.parent / f".tmp-{tmp_tag}-{path.name}"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -177,6 +198,46 @@ def _atomic_write_bytes(path: Path, data: bytes, tmp_tag: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _put_remote(path: Any, data: bytes | Path, exclusive: bool) -> None:
+    """One PUT of ``data`` (bytes, or a local file streamed up) to the object ``path``.
+
+    ``exclusive``: fail with FileExistsError instead of replacing an object that exists. s3fs sends S3's
+    ``If-None-Match: *`` (also on the multipart upload's completion), so two writers racing for one name
+    cannot both win; other fsspec stores check for the name first (not atomic).
+    """
+    fs, key = path.fs, path.path
+    mode = "create" if exclusive else "overwrite"
+
+    def put() -> None:
+        if isinstance(data, Path):
+            fs.put_file(str(data), key, mode=mode)
+        else:
+            fs.pipe_file(key, data, mode=mode)
+
+    try:
+        try:
+            put()
+        except FileNotFoundError:  # a store with real folders (fsspec's local one, SFTP): make the parent
+            fs.makedirs(fs._parent(key), exist_ok=True)
+            put()
+    except FileExistsError:
+        raise
+    except OSError:
+        fs.invalidate_cache(key)
+        if exclusive and fs.exists(key):  # S3 answers PreconditionFailed, which s3fs maps to EINVAL
+            raise FileExistsError(str(path)) from None
+        raise
+    fs.invalidate_cache(key)
+
+
+def _remote_modified(path: Any) -> float | None:
+    """The object's last-modified time (epoch seconds), or None if the store does not say."""
+    try:
+        return path.fs.modified(path.path).timestamp()
+    except (NotImplementedError, FileNotFoundError, OSError, AttributeError):
+        return None
 
 
 def _try_lock(path: Path) -> int | None:
@@ -308,7 +369,10 @@ class FeatureStore:
             )
         if resume_check not in RESUME_CHECKS:
             raise ValueError(f"resume_check must be one of {RESUME_CHECKS}, got {resume_check!r}")
-        self.out = Path(out)
+        self.out = resolve_out(out)
+        # On object storage there are no renames and no locks: shards are uploaded whole under names
+        # created exclusively, the index part (the commit marker) last; errors go to one object per session.
+        self._remote = not is_local(self.out)
         self.rank, self.world_size = rank, world_size
         self.shard_max_bytes, self.shard_max_samples = int(shard_max_bytes), int(shard_max_samples)
         self.commit_every = commit_every
@@ -316,10 +380,55 @@ class FeatureStore:
         self.run_config = _canonical(dict(run_config))
         self._stable = stable_config(self.run_config, self.volatile_keys)
         self.config_hash = config_hash(self._stable)
-        if self.out.exists() and not self.out.is_dir():
+        if not self._remote and self.out.exists() and not self.out.is_dir():
             raise NotADirectoryError(f"{self.out} exists and is not a folder; choose another OUT")
 
         self._tag = f"r{rank:05d}"
+        self._session = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + secrets.token_hex(4)
+        if self._remote:
+            self._lock = -1
+        else:
+            self._lock_local(rank)
+        try:
+            if overwrite:
+                self._overwrite()
+            if not self._remote:
+                for sub in (SHARD_DIR, INDEX_DIR, ERROR_DIR):
+                    (self.out / sub).mkdir(exist_ok=True)
+            try:
+                self._write_or_check_run_file()
+            except PermissionError as e:
+                raise _not_writable(self.out, e) from None
+            self._clean_garbage()
+            self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
+            self._bad_parts: set[str] = set()
+            self._parts_read: set[str] = set()  # index parts already in _committed
+            self._committed: set[str] = set()
+            self._check_committed(resume_check)  # takes in the ids of the parts it found sound
+            self._refresh_committed()
+            errors = read_errors(self.out)
+            self._errored: set[str] = {r["id"] for r in errors if done_by_error(r)}
+            self._error_keys: set[tuple] = {error_key(r) for r in errors}
+            self._seq = self._next_seq()
+            self._versions = library_versions()
+            self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
+            self._buffer_ids: set[str] = set()
+            self._buffer_bytes = 0
+            self._buffer_since: float | None = None  # when the oldest buffered sample was added
+            self._num_errors = 0
+            self._num_added = 0
+            self._closed = False
+            name = (
+                f"errors-{self._tag}-{self._session}.jsonl" if self._remote else f"errors-{self._tag}.jsonl"
+            )
+            self._error_file = self.out / ERROR_DIR / name
+            self._session_errors: list[str] = []  # object storage: this session's lines, one object
+            self._errors_pending_since: float | None = None  # ... of which some are not uploaded yet
+        except BaseException:
+            self._release()
+            raise
+
+    def _lock_local(self, rank: int) -> None:
         try:
             (self.out / LOCK_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -340,35 +449,6 @@ class FeatureStore:
                 f"{self._lock_path(rank)}). Wait for it or stop it; to run several processes, launch them "
                 "with torchrun so each gets its own RANK."
             )
-        try:
-            if overwrite:
-                self._overwrite()
-            for sub in (SHARD_DIR, INDEX_DIR, ERROR_DIR):
-                (self.out / sub).mkdir(exist_ok=True)
-            self._write_or_check_run_file()
-            self._clean_garbage()
-            self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
-            self._bad_parts: set[str] = set()
-            self._parts_read: set[str] = set()  # index parts already in _committed
-            self._committed: set[str] = set()
-            self._check_committed(resume_check)  # takes in the ids of the parts it found sound
-            self._refresh_committed()
-            errors = read_errors(self.out)
-            self._errored: set[str] = {r["id"] for r in errors if done_by_error(r)}
-            self._error_keys: set[tuple] = {error_key(r) for r in errors}
-            self._seq = self._next_seq()
-            self._versions = library_versions()
-            self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
-            self._buffer_ids: set[str] = set()
-            self._buffer_bytes = 0
-            self._buffer_since: float | None = None  # when the oldest buffered sample was added
-            self._num_errors = 0
-            self._num_added = 0
-            self._closed = False
-            self._error_file = self.out / ERROR_DIR / f"errors-{self._tag}.jsonl"
-        except BaseException:
-            self._release()
-            raise
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -385,8 +465,19 @@ class FeatureStore:
                 QUARANTINE_DIR: lambda n: True,
             }
             for sub, owns in owned.items():
-                _clear_owned(self.out / sub, owns)
-            (self.out / RUN_FILE).unlink(missing_ok=True)
+                if self._remote:
+                    folder = self.out / sub
+                    doomed = [(folder / n).path for n in list_names(folder) if owns(n)]
+                    if doomed:
+                        self.out.fs.rm(doomed, recursive=True)
+                else:
+                    _clear_owned(self.out / sub, owns)
+            run_file = self.out / RUN_FILE
+            if self._remote:
+                with contextlib.suppress(FileNotFoundError):
+                    self.out.fs.rm(run_file.path)
+            else:
+                run_file.unlink(missing_ok=True)
         dist = torch.distributed
         if self.world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
@@ -462,17 +553,22 @@ class FeatureStore:
         The shard goes first: a kill between the two moves leaves a part whose shard is missing, which the
         next start moves aside in turn, instead of an orphan shard that garbage cleaning would delete.
         """
-        dest = self.out / QUARANTINE_DIR / f"{check.part.stem}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        dest.mkdir(parents=True, exist_ok=True)
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._session if self._remote else os.getpid()}"
+        dest = self.out / QUARANTINE_DIR / f"{check.part.stem}-{stamp}"
+        if not self._remote:
+            dest.mkdir(parents=True, exist_ok=True)
         reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
         record = {"part": check.part.name, "shard": check.shard.name, "reason": reason, "ids": check.ids}
         _atomic_write_bytes(dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag)
         moved = False
         for src in (check.shard, check.part):
             with contextlib.suppress(FileNotFoundError):  # another rank moved it first, or it was missing
-                shutil.move(src, dest / src.name)
+                if self._remote:  # copy, then delete: an object store has no move
+                    self.out.fs.mv(src.path, (dest / src.name).path)
+                else:
+                    shutil.move(src, dest / src.name)
                 moved = True
-        if moved:
+        if moved and not self._remote:
             for folder in (self.out / SHARD_DIR, self.out / INDEX_DIR, dest):
                 _fsync_dir(folder)
         self.quarantined.append({**record, "moved_to": str(dest)})
@@ -500,6 +596,9 @@ class FeatureStore:
         return r % self.world_size == self.rank
 
     def _clean_garbage(self) -> None:
+        if self._remote:
+            self._clean_remote_orphans()
+            return
         index = self.out / INDEX_DIR
         committed = {m.group(1, 2) for p in index.iterdir() if (m := PART_RE.match(p.name))}
         garbage: dict[int, list[Path]] = {}
@@ -526,21 +625,45 @@ class FeatureStore:
                 if r != self.rank:
                     _unlock(lock)
 
+    def _clean_remote_orphans(self) -> None:
+        """Delete shards whose index part never came (a writer killed between its two uploads).
+
+        Without locks a young orphan cannot be told from a live writer's upload whose part is still on its
+        way, so only orphans older than ``ORPHAN_AGE`` seconds go; younger ones wait for a later run.
+        Readers never see orphans either way: they follow index parts only.
+        """
+        committed = {m.group(1, 2) for n in list_names(self.out / INDEX_DIR) if (m := PART_RE.match(n))}
+        now = time.time()
+        for name in list_names(self.out / SHARD_DIR):
+            m = SHARD_RE.match(name)
+            if not m or m.group(1, 2) in committed or not self._owns_rank(int(m.group(1))):
+                continue
+            shard = self.out / SHARD_DIR / name
+            modified = _remote_modified(shard)
+            if modified is not None and now - modified > ORPHAN_AGE:
+                with contextlib.suppress(FileNotFoundError):
+                    self.out.fs.rm(shard.path)
+
     def _next_seq(self) -> int:
         seqs = [-1]
         folders = [(self.out / SHARD_DIR, SHARD_RE), (self.out / INDEX_DIR, PART_RE)]
         for folder, rx in folders:
-            for p in folder.iterdir():
-                m = rx.match(p.name)
+            for name in list_names(folder):
+                m = rx.match(name)
                 if m and int(m.group(1)) == self.rank:
                     seqs.append(int(m.group(2)))
         # A quarantined shard's number is never reused either, so its name stays unique.
         quarantine = self.out / QUARANTINE_DIR
-        if quarantine.is_dir():
-            for p in quarantine.glob("*/shard-*.safetensors"):
-                m = SHARD_RE.match(p.name)
-                if m and int(m.group(1)) == self.rank:
-                    seqs.append(int(m.group(2)))
+        quarantined: list[str] = []
+        if self._remote:
+            with contextlib.suppress(FileNotFoundError):
+                quarantined = [k.rsplit("/", 1)[-1] for k in self.out.fs.find(quarantine.path)]
+        elif quarantine.is_dir():
+            quarantined = [p.name for p in quarantine.glob("*/shard-*.safetensors")]
+        for name in quarantined:
+            m = SHARD_RE.match(name)
+            if m and int(m.group(1)) == self.rank:
+                seqs.append(int(m.group(2)))
         return max(seqs) + 1
 
     def _refresh_committed(self) -> None:
@@ -658,11 +781,12 @@ class FeatureStore:
     def tick(self) -> None:
         """Commit the buffer if its oldest sample has waited ``commit_every`` seconds. ``add`` and
         ``add_error`` call it; a caller that may wait long between them (a slow decode) can call it too."""
-        if (
-            self.commit_every is not None
-            and self._buffer_since is not None
-            and time.monotonic() - self._buffer_since >= self.commit_every
-        ):
+        if self.commit_every is None:
+            return
+        oldest = min(
+            (t for t in (self._buffer_since, self._errors_pending_since) if t is not None), default=None
+        )
+        if oldest is not None and time.monotonic() - oldest >= self.commit_every:
             self.flush()
 
     def add_error(self, sample_id: str, source: str, reason: str, *, kind: str | None = None) -> None:
@@ -690,6 +814,19 @@ class FeatureStore:
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         line = error_line(rec)
+        if self._remote:
+            self._session_errors.append(line)
+            if self._errors_pending_since is None:
+                self._errors_pending_since = time.monotonic()
+        else:
+            self._append_error_line(line)
+        self._error_keys.add(key)
+        self._num_errors += 1
+        if done_by_error(rec):
+            self._errored.add(str(sample_id))
+        self.tick()
+
+    def _append_error_line(self, line: str) -> None:
         fresh = not self._error_file.exists()
         with open(self._error_file, "ab+") as f:
             # A crash mid-append leaves a torn line without "\n"; start ours on a new line so it parses.
@@ -702,17 +839,23 @@ class FeatureStore:
             os.fsync(f.fileno())
         if fresh:
             _fsync_dir(self._error_file.parent)
-        self._error_keys.add(key)
-        self._num_errors += 1
-        if done_by_error(rec):
-            self._errored.add(str(sample_id))
-        self.tick()
+
+    def _commit_errors(self) -> None:
+        """Object storage cannot append: this session's error lines are uploaded again as one object (one
+        PUT replaces it whole) on every commit. Lines not uploaded when a kill comes are lost, and their
+        samples are simply tried again by the next run."""
+        if self._errors_pending_since is None:
+            return
+        _put_remote(self._error_file, "".join(self._session_errors).encode("utf-8"), exclusive=False)
+        self._errors_pending_since = None
 
     def flush(self) -> None:
-        """Commit the buffered samples as one shard now (no-op when the buffer is empty)."""
+        """Commit the buffered samples as one shard now (no-op when the buffer is empty), and on object
+        storage the session's error records."""
+        if self._remote:
+            self._commit_errors()
         if not self._buffer:
             return
-        shard = self.out / SHARD_DIR / f"shard-{self._tag}-{self._seq:06d}.safetensors"
         # The checksums are computed on another thread while safetensors writes the same (read-only)
         # tensors: xxhash releases the GIL, so where a core is free they cost no wall time.
         checksums: list[dict[str, str]] = []
@@ -724,7 +867,7 @@ class FeatureStore:
         )
         hasher.start()
         try:
-            written = self._write_shard(shard)
+            shard, written = self._write_shard()
         finally:
             hasher.join()
         if len(checksums) != len(self._buffer):
@@ -759,8 +902,14 @@ class FeatureStore:
         if self._closed:
             raise RuntimeError(f"FeatureStore for {self.out} is closed")
 
-    def _write_shard(self, shard: Path) -> tuple[int, str, int, dict]:
-        """Write and rename the shard: (its size, xxh3 of its header, data start, parsed header)."""
+    def _shard_path(self) -> Path:
+        return self.out / SHARD_DIR / f"shard-{self._tag}-{self._seq:06d}.safetensors"
+
+    def _write_shard(self) -> tuple[Path, tuple[int, str, int, dict]]:
+        """Write the shard under its final name: (its path, (size, xxh3 of its header, data start, parsed
+        header)). Locally through a temp file and a rename; on object storage from a local temp file in one
+        exclusive upload, taking the next sequence number while the name is taken (a second writer of this
+        rank, or an orphan not yet cleaned)."""
         from safetensors.torch import save_file
 
         from vlfast.extraction.integrity import read_header
@@ -777,16 +926,39 @@ class FeatureStore:
             "config_hash": self.config_hash,
             "versions": json.dumps(self._versions, sort_keys=True),  # provenance per shard, across resumes
         }
-        tmp = shard.parent / f".tmp-{self._tag}-{os.getpid()}-{shard.name}"
-        save_file(tensors, tmp, metadata=metadata)
-        honour_umask(tmp)  # safetensors creates its files 0600: teammates on shared storage could not read
-        with open(tmp, "rb+") as f:
-            size = os.fstat(f.fileno()).st_size
-            data_start, raw_header, header = read_header(f, size)
-            os.fsync(f.fileno())
-        os.replace(tmp, shard)
-        _fsync_dir(shard.parent)
-        return size, xxh3(raw_header), data_start, header
+        shard = self._shard_path()
+        if self._remote:
+            fd, name = tempfile.mkstemp(prefix=f"vlfast-{self._tag}-", suffix=".safetensors")
+            os.close(fd)
+            tmp = Path(name)
+        else:
+            tmp = shard.parent / f".tmp-{self._tag}-{os.getpid()}-{shard.name}"
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            honour_umask(
+                tmp
+            )  # safetensors creates its files 0600: teammates on shared storage could not read
+            with open(tmp, "rb+") as f:
+                size = os.fstat(f.fileno()).st_size
+                data_start, raw_header, header = read_header(f, size)
+                if not self._remote:
+                    os.fsync(f.fileno())
+            written = (size, xxh3(raw_header), data_start, header)
+            if not self._remote:
+                os.replace(tmp, shard)
+                _fsync_dir(shard.parent)
+                return shard, written
+            for _ in range(1000):
+                try:
+                    _put_remote(shard, tmp, exclusive=True)
+                    return shard, written
+                except FileExistsError:
+                    self._seq += 1
+                    shard = self._shard_path()
+            raise RuntimeError(f"{self.out}: 1000 shard names of rank {self.rank} in a row are taken")
+        finally:
+            if self._remote:  # a local temp file in OUT is garbage the next start cleans; this one is ours
+                tmp.unlink(missing_ok=True)
 
     def _write_index_part(
         self, shard: Path, written: tuple[int, str, int, dict], checksums: list[dict[str, str]]
@@ -832,5 +1004,8 @@ class FeatureStore:
         pq.write_table(table, sink, write_page_checksum=True)
         data = sink.getvalue().to_pybytes()
         part = self.out / INDEX_DIR / part_name(self.rank, self._seq, xxh3(data))
-        _atomic_write_bytes(part, data, f"{self._tag}-{os.getpid()}")  # <- the commit point
+        with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
+            _atomic_write_bytes(
+                part, data, f"{self._tag}-{os.getpid()}", exclusive=True
+            )  # <- the commit point
         self._parts_read.add(part.name)

@@ -1,0 +1,351 @@
+"""OUT on object storage, against a real S3 API server on localhost (moto's standalone server, s3fs as the
+client): the commit protocol without renames or locks. A full run equals a local one bit for bit and reads
+back through ``FeatureCache("s3://...")``; SIGKILLs at random points (of the store and of the real command) end, after resuming, byte-identical to
+an uninterrupted run; a shard whose index part never came is invisible and redone; two writers of one rank
+cannot overwrite each other's shards; damage on the server is found, quarantined and redone; an OUT whose
+bucket is missing or whose endpoint is down exits 2 before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vlfast.cli.main import app
+from vlfast.extraction import FeatureCache
+from vlfast.extraction._selftest import RUN_CONFIG, compare_caches, fake_features
+from vlfast.extraction.layout import DamagedFile, resolve_out
+from vlfast.extraction.pipeline import extract
+from vlfast.extraction.store import FeatureStore
+
+pytest.importorskip("s3fs")
+pytest.importorskip("upath")
+moto_server = pytest.importorskip("moto.server")
+
+runner = CliRunner()
+BUCKET = "vlfast-out"
+KW = dict(features="vision,vision_mean", max_batch_samples=2, num_workers=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    """A moto S3 server on 127.0.0.1 with an empty bucket; the environment points boto at it, so
+    subprocesses and plain ``s3://`` URLs reach it too."""
+    mp = pytest.MonkeyPatch()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    mp.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
+    mp.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    mp.setenv("AWS_ENDPOINT_URL", url)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    _client().create_bucket(Bucket=BUCKET)
+    yield url
+    server.stop()
+    mp.undo()
+
+
+def _client():
+    import boto3
+
+    return boto3.client("s3", region_name="us-east-1")
+
+
+def _keys(prefix: str) -> list[str]:
+    pages = _client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def _fresh(name: str) -> str:
+    return f"s3://{BUCKET}/{name}-{time.monotonic_ns()}"
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> Path:
+    from vlfast.extraction.synthetic import make_images, make_video
+
+    root = tmp_path_factory.mktemp("s3-out-media")
+    make_images(root, [(64, 48), (40, 56), (48, 48), (56, 40), (32, 64), (64, 64)])
+    make_video(root / "walk.mp4", frames=8, fps=4)
+    (root / "broken.png").write_bytes(b"not a png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def local_run(media, tiny_qwen3_vl, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("s3-out-local") / "out"
+    extract(media, out, model=str(tiny_qwen3_vl), **KW)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def test_cli_to_s3_equals_local_and_reads_back(endpoint, media, local_run, tiny_qwen3_vl):
+    out = _fresh("cli")
+    options = json.dumps({"client_kwargs": {"endpoint_url": endpoint}})
+    args = ["extract", str(media), out, "-m", str(tiny_qwen3_vl), "-f", "vision,vision_mean"]
+    r = runner.invoke(app, [*args, "--workers", "2", "--storage-options", options, "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["extracted"] == 7 and summary["failed"] == 1, summary
+    assert compare_caches(out, local_run) == []
+    cache = FeatureCache(out, storage_options={"client_kwargs": {"endpoint_url": endpoint}})
+    assert len(cache) == 7 and cache.run_config == FeatureCache(local_run).run_config
+    assert [e["reason"] for e in cache.errors()] == [e["reason"] for e in FeatureCache(local_run).errors()]
+    assert cache.info(cache.ids()[0])["shard"].startswith("shards/shard-r00000-")
+    # the bucket holds the format's objects only: no temp files, no locks, errors in a session object
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+    names = [k.removeprefix(prefix + "/") for k in _keys(prefix)]
+    assert "run.json" in names and not any(n.startswith(("locks/", ".tmp")) or "/.tmp" in n for n in names)
+    assert [n for n in names if n.startswith("errors/")][0].startswith("errors/errors-r00000-")
+
+    r = runner.invoke(app, ["extract", "--verify", out, "--storage-options", options])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, [*args, "--storage-options", options])  # resume: nothing left
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+
+
+def _selftest(out: str, n: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vlfast.extraction._selftest", out, "--samples", str(n), *extra]
+
+
+def test_sigkill_three_times_then_resume_is_bit_identical_on_s3(endpoint, tmp_path):
+    """The store's crash test, on S3: kills land mid-add, mid-upload, between a shard and its index part
+    and between error commits; the resumed output equals an uninterrupted local run byte for byte."""
+    n, ref, out = 90, tmp_path / "ref", _fresh("crash")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        _selftest(str(ref), n, "--shard-samples", "6"), env=env, capture_output=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    rng = random.Random(20261123)
+    progress = []
+    for _ in range(3):  # five kills on a local OUT: tests/test_extract_crash.py
+        p = subprocess.Popen(
+            _selftest(out, n, "--shard-samples", "6", "-v", "--sleep", "0.01"),
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        first = p.stdout.readline()
+        assert first.startswith("pending "), first
+        pending = int(first.split()[1])
+        target, added = rng.randint(1, max(1, pending // 3)), 0
+        while added < target:
+            line = p.stdout.readline()
+            assert line.startswith("added "), f"driver ended early: {line!r}"
+            added = int(line.split()[1])
+        time.sleep(rng.uniform(0, 0.02))
+        assert p.poll() is None, "the run finished before the kill"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        p.stdout.close()
+        progress.append((pending, added))
+    assert progress[-1][0] < progress[0][0], progress
+    r = subprocess.run(_selftest(out, n, "--shard-samples", "6"), env=env, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert compare_caches(out, ref) == []
+    assert compare_caches(ref, out) == []
+
+
+def test_real_command_killed_after_a_commit_resumes_on_s3(endpoint, media, local_run, tiny_qwen3_vl):
+    """`vlfast extract` itself, SIGKILLed once its first index part is on the server, then run again."""
+    out = _fresh("killed")
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+    cmd = [sys.executable, "-m", "vlfast.cli.main", "extract", str(media), out, "-m", str(tiny_qwen3_vl)]
+    cmd += ["-f", "vision,vision_mean", "--workers", "1", "--commit-every", "0.01", "--batch-tokens", "64"]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while not any("/index/part-" in k for k in _keys(prefix)):
+        assert p.poll() is None, p.stderr.read().decode()
+        assert time.monotonic() < deadline, "no commit within 120 s"
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    p.stderr.close()
+    partial = len(FeatureCache(out))
+    assert 0 < partial < 7
+    r = subprocess.run([*cmd, "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["skipped"] >= partial and summary["extracted"] == 7 - partial, summary
+    assert compare_caches(out, local_run) == []
+
+
+# ------------------------------------------------------------------------------------------ protocol
+
+
+def _store(out, **kw) -> FeatureStore:
+    return FeatureStore(out, RUN_CONFIG, shard_max_samples=100, **kw)
+
+
+def test_a_shard_without_its_index_part_is_invisible_then_cleaned_when_old(endpoint, monkeypatch):
+    out = _fresh("orphan")
+    with _store(out) as store:
+        store.add("a", fake_features("a"))
+    store = _store(out)
+    store.add("b", fake_features("b"))
+
+    def killed(*a, **k):  # the process dies between the shard's upload and its index part's
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FeatureStore, "_write_index_part", killed)
+    with pytest.raises(KeyboardInterrupt):
+        store.flush()
+    monkeypatch.undo()
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+    assert len([k for k in _keys(prefix) if "/shards/" in k]) == 2
+    assert FeatureCache(out).ids() == ["a"]  # readers follow index parts only
+
+    with _store(out) as again:  # young: may be a live writer's upload, so it stays
+        assert again.done_ids() == {"a"}
+    assert len([k for k in _keys(prefix) if "/shards/" in k]) == 2
+    monkeypatch.setattr("vlfast.extraction.store.ORPHAN_AGE", 0.0)
+    with _store(out) as again:  # old: garbage, deleted; its sample is redone
+        assert again.done_ids() == {"a"}
+        again.add("b", fake_features("b"))
+    assert len([k for k in _keys(prefix) if "/shards/" in k]) == 2
+    assert sorted(FeatureCache(out).ids()) == ["a", "b"]
+
+
+def test_two_writers_of_one_rank_never_overwrite_each_other(endpoint):
+    """No locks on S3: names are created exclusively (If-None-Match), so the second writer of a sequence
+    number takes the next one instead of replacing the first writer's shard."""
+    out = _fresh("race")
+    first, second = _store(out), _store(out)
+    first.add("x", fake_features("x"))
+    second.add("y", fake_features("y"))
+    first.flush()
+    second.flush()  # its shard-r00000-000000 is taken: it becomes 000001
+    first.close()
+    second.close()
+    cache = FeatureCache(out, verify=True)
+    assert sorted(cache.ids()) == ["x", "y"]
+    for sid in ("x", "y"):
+        assert torch.equal(cache[sid]["tokens"], fake_features(sid)["tokens"])
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+    assert [k.rsplit("/", 1)[-1] for k in _keys(prefix) if "/shards/" in k] == [
+        "shard-r00000-000000.safetensors",
+        "shard-r00000-000001.safetensors",
+    ]
+
+
+def test_exclusive_create_is_enforced_by_the_server(endpoint):
+    from vlfast.extraction.store import _put_remote
+
+    path = resolve_out(_fresh("exclusive")) / "object"
+    _put_remote(path, b"first", exclusive=True)
+    with pytest.raises(FileExistsError):
+        _put_remote(path, b"second", exclusive=True)
+    assert path.read_bytes() == b"first"
+
+
+def test_damage_on_the_server_is_found_quarantined_and_redone(endpoint):
+    out = _fresh("damage")
+    with _store(out) as store:
+        for sid in ("p", "q"):
+            store.add(sid, fake_features(sid))
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+    (key,) = [k for k in _keys(prefix) if "/shards/" in k]
+    raw = bytearray(_client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    raw[-3] ^= 0x20  # a flipped bit inside the last tensor
+    _client().put_object(Bucket=BUCKET, Key=key, Body=bytes(raw))
+
+    cache = FeatureCache(out, verify=True)
+    with pytest.raises(DamagedFile, match="do not match their checksum"):
+        [cache[sid] for sid in cache.ids()]
+    report = cache.verify()
+    assert not report.ok and {b["id"] for b in report.bad_samples} <= {"p", "q"}
+
+    with pytest.warns(UserWarning, match="moved to"), _store(out) as again:
+        assert again.done_ids() == set()  # its samples will be extracted again
+        assert len(again.quarantined) == 1
+    keys = _keys(prefix)
+    assert not any("/shards/" in k or "/index/" in k for k in keys)
+    assert sum("/quarantine/" in k for k in keys) == 3  # the shard, its part and reason.json
+
+
+def test_error_records_are_committed_with_the_work(endpoint):
+    """S3 cannot append: each session's records are one object, uploaded again on every commit. Records a
+    kill loses only make their samples be tried again."""
+    out = _fresh("errors")
+    store = _store(out, commit_every=None)
+    store.add_error("bad-1", "videos/bad-1.mp4", "decode failed")
+    with _store(out) as other:
+        assert other.done_ids() == set()  # not committed yet: a kill now would lose it
+    store.flush()
+    store.add_error("bad-2", "videos/bad-2.mp4", "decode failed")
+    store.close()
+    with _store(out) as again:
+        assert again.done_ids() == {"bad-1", "bad-2"}
+        again.add_error("bad-3", "videos/bad-3.mp4", "decode failed")
+    reasons = sorted(e["id"] for e in FeatureCache(out).errors())
+    assert reasons == ["bad-1", "bad-2", "bad-3"]
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("case", ["missing-bucket", "unreachable"])
+def test_bad_out_url_exits_2_naming_it_before_any_work(case, endpoint, media, tiny_qwen3_vl):
+    if case == "missing-bucket":
+        out, options = "s3://no-such-bucket-vlfast/out", {}
+        expected = "bucket 'no-such-bucket-vlfast' does not exist"
+    else:
+        out = f"s3://{BUCKET}/unreachable"
+        options = {
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_free_port()}"},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
+        }
+        expected = "cannot be reached"
+    args = ["extract", str(media), out, "-m", str(tiny_qwen3_vl), "--storage-options", json.dumps(options)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert out in r.output and expected in " ".join(r.output.split()), r.output
+    assert not _keys("unreachable")
+
+
+def test_overwrite_on_s3_deletes_only_what_the_format_owns(endpoint):
+    out = _fresh("overwrite")
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+    with _store(out) as store:
+        store.add("old", fake_features("old"))
+        store.add_error("old-bad", "videos/old-bad.mp4", "decode failed")
+    _client().put_object(Bucket=BUCKET, Key=f"{prefix}/notes.txt", Body=b"the user's own file")
+    with FeatureStore(out, RUN_CONFIG | {"dim": 32}, overwrite=True) as store:  # another configuration
+        assert store.done_ids() == set()
+        store.add("new", fake_features("new", 32))
+    cache = FeatureCache(out)
+    assert cache.ids() == ["new"] and cache.errors() == [] and cache.run_config["dim"] == 32
+    assert f"{prefix}/notes.txt" in _keys(prefix)
+
+
+def test_a_local_out_imports_neither_fsspec_nor_upath(tmp_path):
+    code = (
+        "import sys; from vlfast.extraction import _selftest, FeatureCache; "
+        f"_selftest.run({str(tmp_path / 'out')!r}, 10); FeatureCache({str(tmp_path / 'out')!r}).verify(); "
+        "print(sorted(m for m in ('fsspec', 'upath', 's3fs') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout == "[]\n", r.stderr
