@@ -349,3 +349,22 @@ def test_a_local_out_imports_neither_fsspec_nor_upath(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout == "[]\n", r.stderr
+
+
+def test_a_shard_committed_after_a_cached_listing_is_not_taken_for_missing(endpoint):
+    """fsspec caches listings per filesystem instance: a resume that listed shards/ before another rank
+    committed must still find that rank's new shard (else it would quarantine good work)."""
+    from vlfast.extraction.integrity import check_part
+    from vlfast.extraction.layout import committed_parts, list_names
+
+    out = _fresh("listing")
+    with _store(out) as store:
+        store.add("early", fake_features("early"))
+    mine = resolve_out(out, {"skip_instance_cache": True})  # another process's view of the bucket
+    assert len(list_names(mine / "shards")) == 1
+    mine.fs.ls((mine / "shards").path)  # now cached in that instance
+    with _store(out) as other:  # another rank commits a second shard
+        other.add("late", fake_features("late"))
+    checks = [check_part(p) for p in committed_parts(mine)]
+    assert len(checks) == 2 and all(c.ok for c in checks), [c.problem for c in checks]
+    assert sorted(FeatureCache(mine).ids()) == ["early", "late"]

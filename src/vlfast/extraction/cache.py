@@ -32,6 +32,7 @@ from vlfast.extraction.layout import (
     read_errors,
     read_index_part,
     read_run_file,
+    remote_size,
     resolve_out,
     stable_config,
     tensor_xxh3,
@@ -233,7 +234,7 @@ class FeatureCache(torch.utils.data.Dataset):
 
         path = self._shard_paths[k]
         try:
-            size = path.stat().st_size if is_local(path) else int(path.fs.size(path.path))
+            size = path.stat().st_size if is_local(path) else remote_size(path)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path} (sample {sample_id!r}) is listed in {self.out}/index but missing; the folder was "

@@ -37,6 +37,7 @@ from vlfast.extraction.layout import (
     read_error_file,
     read_index_part,
     read_run_file,
+    remote_size,
     resolve_out,
     shard_of_part,
     stable_config,
@@ -140,7 +141,7 @@ class _RemoteShard:
 
     def __init__(self, path: Any):
         self._fs, self._key = path.fs, path.path
-        self.size = int(self._fs.size(self._key))
+        self.size = remote_size(path)
 
     def read(self, start: int, n: int) -> bytes:
         return self._fs.cat_file(self._key, start=start, end=start + n) if n > 0 else b""

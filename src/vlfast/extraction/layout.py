@@ -113,6 +113,13 @@ def list_names(folder: Path) -> list[str]:
     return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
 
+def remote_size(path: Any) -> int:
+    """Size of an object, asked of the store itself: fsspec answers ``size`` from a cached listing of the
+    parent when it has one, and a shard another rank committed after that listing would look missing."""
+    path.fs.invalidate_cache(path.path)
+    return int(path.fs.size(path.path))
+
+
 # ------------------------------------------------------------------------------------------ checksums
 
 
