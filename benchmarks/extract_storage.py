@@ -25,7 +25,6 @@ and noisy), medians of the per-round ratios to the local folder, and each side's
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -41,6 +40,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # timing on a shared CPU: idle threads must sleep
 
 import torch  # noqa: E402
+
+from extract_store import old_store_module  # noqa: E402  (this folder is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "2718c66"  # the last commit before OUT could be on object storage
@@ -81,22 +82,6 @@ def start_moto() -> tuple[subprocess.Popen, str]:
                 proc.kill()
                 raise
             time.sleep(0.2)
-
-
-def old_store_class():
-    """The FeatureStore of commit BASE, imported from git without touching the working tree."""
-    src = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{BASE}:src/vlfast/extraction/store.py"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp(prefix="vlfast-oldstore-")) / "old_store.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("vlfast_old_store", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FeatureStore
 
 
 def samples(n: int, tokens: int, dim: int):
@@ -165,7 +150,7 @@ def run(samples_n: int = 40, rounds: int = 5, tokens: int = 600, dim: int = 1024
     moto, endpoint = start_moto()
     tmp = Path(tempfile.mkdtemp(prefix="vlfast-storage-bench-"))
     try:
-        old = old_store_class()
+        old = old_store_module(BASE).FeatureStore
         sides = {
             "local": (FeatureStore, tmp / "local"),
             f"local@{BASE}": (old, tmp / "local-base"),

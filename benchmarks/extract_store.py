@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE = "e82d833"  # the last commit before checksums, umask and commit_every
 
 
-def old_store_module():
-    """The FeatureStore of commit BASE, imported from git without touching the working tree."""
+def old_store_module(base: str = BASE):
+    """The store module of commit ``base``, imported from git without touching the working tree."""
     src = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{BASE}:src/vlfast/extraction/store.py"],
+        ["git", "-C", str(ROOT), "show", f"{base}:src/vlfast/extraction/store.py"],
         capture_output=True,
         text=True,
         check=True,

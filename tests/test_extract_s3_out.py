@@ -21,6 +21,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from _crash import kill_at_random_points
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction._selftest import RUN_CONFIG, compare_caches, fake_features
@@ -136,29 +137,10 @@ def test_sigkill_three_times_then_resume_is_bit_identical_on_s3(endpoint, tmp_pa
         _selftest(str(ref), n, "--shard-samples", "6"), env=env, capture_output=True, timeout=300
     )
     assert r.returncode == 0, r.stderr
-    rng = random.Random(20261123)
-    progress = []
-    for _ in range(3):  # five kills on a local OUT: tests/test_extract_crash.py
-        p = subprocess.Popen(
-            _selftest(out, n, "--shard-samples", "6", "-v", "--sleep", "0.01"),
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        first = p.stdout.readline()
-        assert first.startswith("pending "), first
-        pending = int(first.split()[1])
-        target, added = rng.randint(1, max(1, pending // 3)), 0
-        while added < target:
-            line = p.stdout.readline()
-            assert line.startswith("added "), f"driver ended early: {line!r}"
-            added = int(line.split()[1])
-        time.sleep(rng.uniform(0, 0.02))
-        assert p.poll() is None, "the run finished before the kill"
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
-        p.stdout.close()
-        progress.append((pending, added))
+    # three kills here; five on a local OUT in tests/test_extract_crash.py
+    progress = kill_at_random_points(
+        _selftest(out, n, "--shard-samples", "6", "-v", "--sleep", "0.01"), 3, random.Random(20261123), 0.02
+    )
     assert progress[-1][0] < progress[0][0], progress
     r = subprocess.run(_selftest(out, n, "--shard-samples", "6"), env=env, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr
