@@ -6,31 +6,28 @@ at a URL; memory:// too."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from _s3 import client as _client
+from _s3 import free_port as _free_port
+from _s3 import moto_s3
+from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction.inputs import load_inputs
 from vlfast.extraction.pipeline import extract
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 runner = CliRunner()
 KW = dict(features="vision,vision_mean", max_batch_samples=2, num_workers=2)
 BUCKET = "vlfast-media"
 SECRET = "s3cr3t-never-shown"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,28 +45,18 @@ def _files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
-def _client(endpoint: str):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-
-
 @pytest.fixture(scope="module")
 def s3(media, monkeypatch_module):
     """A moto S3 server with ``media`` uploaded under s3://BUCKET/data/; yields its endpoint."""
     monkeypatch_module.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
     monkeypatch_module.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     monkeypatch_module.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    client = _client(endpoint)
-    client.create_bucket(Bucket=BUCKET)
-    for rel in _files(media):
-        client.upload_file(str(media / rel), BUCKET, f"data/{rel}")
-    yield endpoint
-    server.stop()
+    with moto_s3() as endpoint:
+        client = _client(endpoint)
+        client.create_bucket(Bucket=BUCKET)
+        for rel in _files(media):
+            client.upload_file(str(media / rel), BUCKET, f"data/{rel}")
+        yield endpoint
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +64,6 @@ def monkeypatch_module():
     mp = pytest.MonkeyPatch()
     yield mp
     mp.undo()
-
-
-def _options(endpoint: str) -> dict:
-    return {"client_kwargs": {"endpoint_url": endpoint}, "config_kwargs": {"retries": {"max_attempts": 1}}}
 
 
 @pytest.fixture(scope="module")

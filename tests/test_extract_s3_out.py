@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 from _crash import kill_at_random_points
+from _s3 import client, enforced_auth, free_port, moto_s3
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction._selftest import RUN_CONFIG, compare_caches, fake_features
@@ -38,35 +38,26 @@ BUCKET = "vlfast-out"
 KW = dict(features="vision,vision_mean", max_batch_samples=2, num_workers=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def endpoint():
     """A moto S3 server on 127.0.0.1 with an empty bucket; the environment points boto at it, so
     subprocesses and plain ``s3://`` URLs reach it too."""
     mp = pytest.MonkeyPatch()
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    mp.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
-    mp.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
-    mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    mp.setenv("AWS_ENDPOINT_URL", url)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    _client().create_bucket(Bucket=BUCKET)
-    yield url
-    server.stop()
+    with moto_s3() as url:
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_ENDPOINT_URL", url)
+        client(url).create_bucket(Bucket=BUCKET)
+        yield url
     mp.undo()
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # its instances hold this server's endpoint
 
 
 def _client():
-    import boto3
-
-    return boto3.client("s3", region_name="us-east-1")
+    return client(os.environ["AWS_ENDPOINT_URL"])
 
 
 def _keys(prefix: str) -> list[str]:
@@ -297,7 +288,7 @@ def test_bad_out_url_exits_2_naming_it_before_any_work(case, endpoint, media, ti
     else:
         out = f"s3://{BUCKET}/unreachable"
         options = {
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_free_port()}"},
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
         }
         expected = "cannot be reached"
@@ -350,3 +341,24 @@ def test_a_shard_committed_after_a_cached_listing_is_not_taken_for_missing(endpo
     checks = [check_part(p) for p in committed_parts(mine)]
     assert len(checks) == 2 and all(c.ok for c in checks), [c.problem for c in checks]
     assert sorted(FeatureCache(mine).ids()) == ["early", "late"]
+
+
+def test_wrong_credentials_for_out_exit_2_never_showing_the_secret(endpoint, media, tiny_qwen3_vl):
+    wrong = "wrong-secret-never-shown"
+    out = _fresh("creds")
+    with enforced_auth(endpoint) as (key, secret):
+        for creds in ({"key": key, "secret": wrong}, {"key": "AKIAUNKNOWNKEY000000", "secret": secret}):
+            options = json.dumps({"client_kwargs": {"endpoint_url": endpoint}, **creds})
+            args = ["extract", str(media), out, "-m", str(tiny_qwen3_vl), "--storage-options", options]
+            r = runner.invoke(app, args)
+            assert r.exit_code == 2, r.output
+            text = " ".join(r.output.split())
+            assert out in text and "access refused" in text, text
+            assert wrong not in r.output and secret not in r.output
+        good = resolve_out(
+            f"{out}-good", {"client_kwargs": {"endpoint_url": endpoint}, "key": key, "secret": secret}
+        )
+        with _store(good) as store:  # the right key, checked, gets through
+            store.add("ok", fake_features("ok"))
+        assert FeatureCache(good).ids() == ["ok"]
+    assert not _keys(out.removeprefix(f"s3://{BUCKET}/") + "/")  # the refused runs wrote nothing

@@ -388,6 +388,10 @@ def _checked_media(media: Media) -> int:
         return size
     if not isinstance(media, TarMember):
         return _checked_file(media).st_size
+    if media.at_url:  # no request here: a ranged read past the object's end says "truncated shard" itself
+        if media.size == 0:
+            raise SampleError(f"empty file (0 bytes): {media}")
+        return media.size
     shard_size = _checked_file(media.shard).st_size
     if media.size == 0:
         raise SampleError(f"empty file (0 bytes): {media}")

@@ -12,6 +12,9 @@ INPUT, a folder's files and a manifest's ``path`` values may be URLs with a sche
   worker and recorded like a missing local file.
 * :class:`RemoteFile` is what the decode workers open, as they open a tar member: images are read whole,
   videos through fsspec's seekable file object for PyAV.
+* :func:`list_shards` lists WebDataset shards at URLs with :mod:`vlfast.extraction.webdataset`'s own
+  listing, over a :class:`_RangeReader`; a shard member at a URL is then read by :func:`read_range` /
+  :func:`open_range`, ranged requests over just its bytes.
 
 Credentials come from the environment and fsspec's configuration, plus ``storage_options`` (passed to
 ``fsspec.filesystem``). They are never shown: a :class:`RemoteFile`'s repr and every message name the URL
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vlfast.extraction.inputs import InputProblem, Sample
 
-__all__ = ["RemoteFile", "RemoteInputError", "attach", "is_url", "load_url", "probe_out"]
+__all__ = ["RemoteFile", "RemoteInputError", "attach", "is_url", "list_shards", "load_url", "probe_out"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Stores whose first path component is a bucket: probed once per bucket before any work.
@@ -145,32 +148,42 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _probe(url: str, options_json: str) -> dict[str, Any]:
+def _refusal(label: str, e: BaseException, options_json: str, missing: str | None = None) -> Exception:
+    """The exception that says why a request about an input failed, naming ``label`` (the URL, or what it
+    is to the input) and never the options. ``missing`` replaces the default not-found message."""
+    if isinstance(e, FileNotFoundError):
+        return FileNotFoundError(
+            missing or f"{label} does not exist (or its bucket does not, or the credentials cannot see it)"
+        )
+    reason = _masked(_reason(e), options_json)
+    if isinstance(e, PermissionError):  # s3fs: a wrong secret or unknown key id (403), or no permission
+        return RemoteInputError(
+            f"{label}: access refused ({reason}); check the credentials "
+            "(environment, fsspec configuration or --storage-options)"
+        )
+    # unreachable endpoint, bad credentials: each client raises its own types
+    return RemoteInputError(
+        f"{label} cannot be reached ({type(e).__name__}: {reason}); check the endpoint and the credentials"
+    )
+
+
+def _probe(
+    url: str, options_json: str, label: str | None = None, missing: str | None = None
+) -> dict[str, Any]:
     """``fs.info`` of ``url``, or RemoteInputError / FileNotFoundError naming the URL (never the options)."""
     fs, path = _filesystem(url, options_json)
     fs.invalidate_cache()  # a run sees the store as it is now, not a listing this process cached earlier
     try:
         return fs.info(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"input {url} does not exist (or its bucket does not, or the credentials cannot see it)"
-        ) from None
-    except PermissionError as e:
-        raise RemoteInputError(
-            f"input {url}: access refused ({_masked(_reason(e), options_json)}); check the credentials "
-            "(environment, fsspec configuration or --storage-options)"
-        ) from None
-    except Exception as e:  # unreachable endpoint, bad credentials: each client raises its own types
-        raise RemoteInputError(
-            f"input {url} cannot be reached ({type(e).__name__}: {_masked(_reason(e), options_json)}); "
-            "check the endpoint and the credentials"
-        ) from None
+    except Exception as e:
+        raise _refusal(label or f"input {url}", e, options_json, missing) from None
 
 
 def load_url(
     url: str, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[list[Sample], list[InputProblem]]:
-    """The samples of a folder URL (listed like a local folder), a manifest URL, or one image or video URL."""
+    """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL
+    (a ``.tar`` or a brace pattern, see :func:`list_shards`), or one image or video URL."""
     from vlfast.extraction.inputs import (
         IMAGE_SUFFIXES,
         MANIFEST_SUFFIXES,
@@ -186,7 +199,12 @@ def load_url(
     options = _options_json(storage_options)
     suffix = os.path.splitext(url.rstrip("/"))[1].lower()
     if is_shard_input(url):
-        raise RemoteInputError(f"input {url}: WebDataset shards at a URL are not supported yet")
+        from vlfast.extraction.inputs import _required
+        from vlfast.extraction.webdataset import load_shards
+
+        samples, problems = load_shards(url, storage_options)
+        _required("WebDataset shards", url, samples, problems)
+        return samples, problems
     info = _probe(url, options)
     if suffix in MANIFEST_SUFFIXES:
         return _remote_manifest(url, suffix, storage_options)
@@ -306,3 +324,215 @@ def probe_out(out: Any) -> None:
             f"output {url} cannot be reached ({type(e).__name__}: {_masked(_reason(e), options_json)}); "
             "check the endpoint and the credentials"
         ) from None
+
+
+# ------------------------------------------------------------------------------- WebDataset shards at URLs
+
+
+def _fetch(fs, path: str, url: str, options_json: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an object (fewer at its end): one ranged request. OSError naming the URL,
+    never the options; also when the store ignores the range (a plain HTTP server may send the whole file,
+    whose first bytes would pass for the member's)."""
+    try:
+        data = fs.cat_file(path, start=start, end=end)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"file not found: {url}") from None
+    except Exception as e:  # network and permission errors come as many types
+        raise OSError(f"cannot read {url}: {_masked(_reason(e), options_json)}") from None
+    if len(data) > end - start:
+        raise OSError(
+            f"cannot read {url} in place: asked for bytes {start:,} to {end:,}, the store sent {len(data):,} "
+            "bytes; tar members are read with ranged requests, which this server does not serve"
+        )
+    return data
+
+
+def _short(url: str, what: str, start: int, got: int, end: int) -> OSError:
+    return OSError(
+        f"truncated shard: {url} ends at byte {start + got:,}, inside {what} (bytes up to {end:,}): it "
+        "changed since it was listed; run again to list it anew"
+    )
+
+
+class _RangeReader(io.RawIOBase):
+    """A read-only, seekable view of the ``size`` bytes at ``offset`` of an object, fetched with ranged
+    requests that never reach past the view's end.
+
+    Reads are served from one buffer; a miss fetches at least a block from the read position. The block
+    doubles (64 KiB up to 8 MiB) while misses land within one block of the last buffer's end, and drops
+    back to 64 KiB after a longer jump. So listing a shard of small images reads it front to back in a few
+    large requests, listing a shard of large videos hops from header to header with one small request
+    each, and a decoder reading a video front to back gets large requests. (fsspec's own file objects use
+    one fixed block, 50 MiB for s3fs: up to that many bytes per hop over a large member.)"""
+
+    MIN_BLOCK, MAX_BLOCK = 64 << 10, 8 << 20
+
+    def __init__(self, fs, path: str, url: str, options_json: str, offset: int, size: int, name: str):
+        super().__init__()
+        self._fs, self._path, self._url, self._options = fs, path, url, options_json
+        self._offset, self._size, self._pos = offset, size, 0
+        self._buf, self._buf_at, self._block = b"", 0, self.MIN_BLOCK
+        self.requests = self.fetched = 0  # what it cost, for measurements
+        self.name = name  # PyAV hands it to FFmpeg, whose format probe weighs the file extension
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def _fill(self, want: int) -> None:
+        dense = self.requests > 0 and 0 <= self._pos - (self._buf_at + len(self._buf)) < self._block
+        self._block = min(2 * self._block, self.MAX_BLOCK) if dense else self.MIN_BLOCK
+        end = min(self._size, self._pos + max(want, self._block))
+        start = self._offset + self._pos
+        data = _fetch(self._fs, self._path, self._url, self._options, start, self._offset + end)
+        self.requests += 1
+        self.fetched += len(data)
+        if len(data) < end - self._pos:
+            raise _short(self._url, self.name, start, len(data), self._offset + end)
+        self._buf, self._buf_at = data, self._pos
+
+    def readinto(self, buffer) -> int:
+        """Fills ``buffer`` up to the view's end: never a short read, which tarfile would take for a cut."""
+        with memoryview(buffer) as view:
+            n, done = max(0, min(len(view), self._size - self._pos)), 0
+            while done < n:
+                i = self._pos - self._buf_at
+                if not 0 <= i < len(self._buf):
+                    self._fill(n - done)
+                    i = 0
+                k = min(n - done, len(self._buf) - i)
+                view[done : done + k] = self._buf[i : i + k]
+                done += k
+                self._pos += k
+        return done
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}.get(whence)
+        if base is None:
+            raise ValueError(f"invalid whence {whence}")
+        if base + offset < 0:
+            raise OSError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def open_range(url: str, options_json: str, offset: int, size: int, name: str) -> io.BufferedReader:
+    """The ``size`` bytes at ``offset`` of the object at ``url`` as a seekable binary file (a tar member,
+    for PyAV): ranged requests over just those bytes, nothing written to disk."""
+    fs, path = _filesystem(url, options_json)
+    return io.BufferedReader(_RangeReader(fs, path, url, options_json, offset, size, name), 1 << 16)
+
+
+def read_range(url: str, options_json: str, offset: int, size: int, name: str) -> bytes:
+    """The ``size`` bytes at ``offset`` of the object at ``url``, in one ranged request (an image member)."""
+    fs, path = _filesystem(url, options_json)
+    data = _fetch(fs, path, url, options_json, offset, offset + size)
+    if len(data) < size:
+        raise _short(url, name, offset, len(data), offset + size)
+    return data
+
+
+_LIST_THREADS = 8  # shards listed at once: a listing waits on requests more than on the CPU
+
+
+def list_shards(
+    pattern: str, shards: Sequence[str], rels: Sequence[str], storage_options: Mapping[str, Any] | None
+) -> list[tuple[list[Sample], list[InputProblem]]]:
+    """Each shard URL's samples and problems (ids ``{rel}/{__key__}``), listed by the same code as a local
+    shard (:func:`~vlfast.extraction.webdataset._scan` and ``_entries``) over a :class:`_RangeReader`,
+    up to :data:`_LIST_THREADS` shards at once.
+
+    Refused before any shard is read, naming ``pattern`` and never the credentials: an unreachable
+    endpoint, a missing bucket or refused credentials (one request about the bucket), and shards that do
+    not exist or are not files (one listing of each folder holding shards, see :func:`_shard_infos`). A
+    shard that is not a plain tar raises ValueError naming it; one that cannot be read mid-listing,
+    :class:`RemoteInputError`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vlfast.extraction.webdataset import _refuse_missing
+
+    options = _options_json(storage_options)
+    bucket = re.match(r"^([^:]+)://[^/]*", pattern)
+    if bucket and bucket.group(1).lower() in _BUCKET_PROTOCOLS:
+        label = f"bucket {bucket.group(0)} of input {pattern}"
+        _probe(bucket.group(0), options, label, f"{label} does not exist (or the credentials cannot see it)")
+    fs, _ = _filesystem(shards[0], options)
+    fs.invalidate_cache()
+    paths = {s: fs._strip_protocol(s) for s in shards}
+    pool = ThreadPoolExecutor(min(_LIST_THREADS, len(shards)), thread_name_prefix="vlfast-list")
+    try:
+        found = _shard_infos(fs, pattern, list(paths.values()), options, pool.map)
+        missing = [s for s in shards if paths[s] not in found]
+        not_files = [s for s in shards if paths[s] in found and found[paths[s]].get("type") != "file"]
+        _refuse_missing(pattern, list(shards), missing, not_files)
+
+        def one(shard: str, rel: str) -> tuple[list[Sample], list[InputProblem]]:
+            return _list_one(fs, shard, paths[shard], rel, found[paths[shard]], options)
+
+        return list(pool.map(one, shards, rels))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) -> dict[str, dict[str, Any]]:
+    """The entries (``fs.info``'s) of the shards that exist, by path: one listing per folder. A folder whose
+    listing holds none of its shards is missing, or on a store that cannot list folders (plain HTTP): its
+    first shard is asked for, and the others (``map_``: in parallel) only if that one exists. Shards listed
+    without a size are asked for too."""
+
+    def info(path: str) -> dict[str, Any] | None:
+        try:
+            return fs.info(path)
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise _refusal(f"input {pattern}", e, options_json) from None
+
+    folders: dict[str, list[str]] = {}
+    for path in paths:
+        folders.setdefault(fs._parent(path), []).append(path)
+    found: dict[str, dict[str, Any]] = {}
+    for folder, wanted in folders.items():
+        try:
+            entries = fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            entries = []
+        except Exception as e:
+            raise _refusal(f"input {pattern}", e, options_json) from None
+        listed = {fs._strip_protocol(e["name"]).rstrip("/"): e for e in entries}
+        found.update(listed)
+        if any(path in listed for path in wanted):
+            continue
+        first = info(wanted[0])
+        if first is not None:
+            found[wanted[0]] = first
+            found.update((p, i) for p, i in zip(wanted[1:], map_(info, wanted[1:])) if i is not None)
+    # an HTTP index page lists files without their sizes: ask each one
+    unsized = [p for p in paths if p in found and found[p].get("size") is None]
+    found.update((p, i) for p, i in zip(unsized, map_(info, unsized)) if i is not None)
+    return found
+
+
+def _list_one(
+    fs, shard: str, path: str, rel: str, entry: Mapping[str, Any], options_json: str
+) -> tuple[list[Sample], list[InputProblem]]:
+    """One shard listed by :mod:`~vlfast.extraction.webdataset`'s own code over a :class:`_RangeReader`;
+    ``entry`` is its folder listing's entry (its size)."""
+    from vlfast.extraction.webdataset import _entries, _scan
+
+    if entry.get("size") is None:
+        raise RemoteInputError(
+            f"shard {shard}: the store does not give its size, which reading its members in place needs"
+        )
+    size = int(entry["size"])
+    with _RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
+        try:
+            members, cut, texts = _scan(f, size, shard)
+        except OSError as e:  # the reader's message names the URL, never the options
+            raise RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
+    return _entries(shard, rel, members, cut, texts, options_json)

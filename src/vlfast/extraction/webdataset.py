@@ -12,9 +12,12 @@ member that crashes or hangs a decoder could not be named. Here:
   prompt members) into :class:`~vlfast.extraction.inputs.Sample` s whose :class:`TarMember` says where
   the media's bytes are: the decode workers read just those bytes (:meth:`TarMember.open`), so resume,
   timeouts and crash isolation work per sample exactly as for plain files;
+* shards at an fsspec URL (``s3://bucket/shards/{000..099}.tar``) go through the same listing
+  (:func:`_scan`, :func:`_entries`) over a ranged reader from :mod:`vlfast.extraction.remote`, and their
+  members are read with ranged requests; local shards never import fsspec and keep ``pread``;
 * a sample's id is ``{shard}/{__key__}``, ``shard`` being the shard's path relative to the folder the
   pattern's first brace is in (``shards/{000..099}.tar`` -> ``003.tar/sample_0042``): unique across
-  shards, and the same whether the pattern is given relative or absolute;
+  shards, and the same whether the pattern is given relative, absolute or as a URL;
 * a shard cut short (an interrupted download) is recorded, not fatal: the key at the cut and the shard
   itself become :class:`~vlfast.extraction.inputs.InputProblem` s naming what was lost, and the rest is
   extracted. A missing shard, or a file that is not a plain tar, refuses the whole input before any work.
@@ -27,8 +30,9 @@ import json
 import os
 import re
 import tarfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
 
 from vlfast.extraction.inputs import (
     IMAGE_SUFFIXES,
@@ -39,6 +43,7 @@ from vlfast.extraction.inputs import (
     _storable,
     _where,
 )
+from vlfast.extraction.remote import _BUCKET_PROTOCOLS, is_url
 
 __all__ = ["MAX_SHARDS", "TarMember", "expand_braces", "is_shard_input", "load_shards"]
 
@@ -147,6 +152,27 @@ def is_shard_input(source: str | os.PathLike) -> bool:
     return "{" in text and not os.path.exists(text)
 
 
+def _expand_url(pattern: str) -> list[str]:
+    """The URLs a pattern at a URL names: braces are expanded in the path only, never in the scheme or (for
+    s3, gs, az...) the bucket, so ``s3://b/{0..1}.tar`` is ``s3://b/0.tar s3://b/1.tar``."""
+    scheme, _, rest = pattern.partition("://")
+    prefix = f"{scheme}://"
+    if scheme.lower() in _BUCKET_PROTOCOLS:
+        bucket, _, rest = rest.partition("/")
+        prefix += f"{bucket}/"
+    if "{" in prefix or "}" in prefix:
+        raise ValueError(
+            f"pattern {pattern!r}: braces are expanded in the path only, not in the scheme or bucket; "
+            "give one bucket per run"
+        )
+    try:
+        return [prefix + p for p in expand_braces(rest)]
+    except ValueError as e:  # name the whole URL and count characters in it, not in its path
+        text = str(e).replace(repr(rest), repr(pattern), 1)
+        text = re.sub(r"character (\d+)", lambda m: f"character {int(m.group(1)) + len(prefix)}", text)
+        raise ValueError(text) from None
+
+
 def _base_folder(pattern: str) -> str:
     """The folder shard ids are relative to: the one the first brace is in (the file's own without one)."""
     brace = pattern.find("{")
@@ -203,10 +229,11 @@ class TarMember:
     """Where one sample's media lies inside a tar shard. Decoders read it in place (:meth:`open`); it is
     never extracted to disk. ``str()`` is ``{shard}/{name}``, the path errors and ``meta["path"]`` show."""
 
-    shard: str  # the shard's path, as the pattern expanded to
+    shard: str  # the shard's path or URL, as the pattern expanded to
     name: str  # the member's name in the tar
     offset: int  # byte offset of the member's data in the shard file
     size: int  # bytes of data
+    options_json: str = field(default="{}", repr=False)  # a URL shard's storage options (JSON): never shown
 
     def __post_init__(self) -> None:
         if (
@@ -219,11 +246,24 @@ class TarMember:
     def __str__(self) -> str:
         return f"{self.shard}/{self.name}"
 
+    @property
+    def at_url(self) -> bool:
+        """Whether the shard is an object read with ranged requests rather than a local file."""
+        return is_url(self.shard)
+
     def open(self) -> io.BufferedReader:
         """The member's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
+        if self.at_url:
+            from vlfast.extraction.remote import open_range
+
+            return open_range(self.shard, self.options_json, self.offset, self.size, str(self))
         return io.BufferedReader(_MemberFile(self.shard, self.offset, self.size, str(self)), 1 << 16)
 
     def read_bytes(self) -> bytes:
+        if self.at_url:  # one ranged request for the whole member
+            from vlfast.extraction.remote import read_range
+
+            return read_range(self.shard, self.options_json, self.offset, self.size, str(self))
         with self.open() as f:
             return f.read()
 
@@ -266,42 +306,54 @@ def _cut(size: int, members: list[tarfile.TarInfo], read_at) -> str | None:
     return f"the member header at byte {end:,}, after member {last.name!r}, is not valid tar (corrupt data)"
 
 
-def _scan(path: str) -> tuple[list[tarfile.TarInfo], str | None]:
-    """The shard's members in order (headers only) and how it is cut short, None if it is whole; raises
-    ValueError when the file is not a plain tar at all."""
-    size = os.stat(path).st_size
+def _is_prompt(m: tarfile.TarInfo) -> bool:
+    """Whether a member may be a key's prompt (``KEY.json``, ``KEY.txt``), as :func:`_groups` names them."""
+    match = _KEY.match(m.name) if m.isreg() else None
+    return match is not None and match.group(2).lower() in _PROMPT_EXTS
+
+
+def _scan(f: BinaryIO, size: int, where: str) -> tuple[list[tarfile.TarInfo], str | None, dict[int, bytes]]:
+    """The shard's members in order (headers only), how it is cut short (None if it is whole), and the
+    bytes of its prompt members by data offset; raises ValueError when it is not a plain tar at all.
+
+    ``f`` is the shard opened as a seekable binary file of ``size`` bytes: a local file, or a ranged reader
+    of an object at a URL. The prompt members are read as the scan passes them, while their bytes are
+    still in the reader's buffer: reading them afterwards would cost a request each at a URL."""
     if size == 0:
-        return [], "it is empty (0 bytes)"
-    with open(path, "rb") as f:
-        head = f.read(_BLOCK)
-        reason = _compressed(path, head)
-        if reason:
-            raise ValueError(reason)
-        f.seek(0)
+        return [], "it is empty (0 bytes)", {}
+    head = f.read(_BLOCK)
+    reason = _compressed(where, head)
+    if reason:
+        raise ValueError(reason)
+    f.seek(0)
+    try:
+        tf = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - the caller closes f
+    except tarfile.ReadError as e:
+        if size < _BLOCK and head[257:262] == b"ustar":  # a header cut in two: still a tar
+            return [], f"it ends at byte {size:,}, inside the header of its first member", {}
+        raise ValueError(
+            f"{_where(where)} is not a tar archive ({e}); a WebDataset pattern must name .tar shards"
+        ) from None
+    members: list[tarfile.TarInfo] = []
+    texts: dict[int, bytes] = {}
+    while True:
         try:
-            tf = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - f is closed by the with above
-        except tarfile.ReadError as e:
-            if size < _BLOCK and head[257:262] == b"ustar":  # a header cut in two: still a tar
-                return [], f"it ends at byte {size:,}, inside the header of its first member"
-            raise ValueError(
-                f"{_where(path)} is not a tar archive ({e}); a WebDataset pattern must name .tar shards"
-            ) from None
-        members: list[tarfile.TarInfo] = []
-        while True:
-            try:
-                m = tf.next()
-            except tarfile.ReadError:  # tarfile found the previous member's data cut: judged below
-                break
-            if m is None:  # a zero block, the end of the file, or a header tarfile rejects
-                break
-            members.append(m)
-        tf.members = []  # its own copy: a shard of 100k members need not be held twice
+            m = tf.next()
+        except tarfile.ReadError:  # tarfile found the previous member's data cut: judged below
+            break
+        if m is None:  # a zero block, the end of the file, or a header tarfile rejects
+            break
+        members.append(m)
+        if _is_prompt(m):  # tarfile seeks to the next header itself
+            f.seek(m.offset_data)
+            texts[m.offset_data] = f.read(m.size)
+    tf.members = []  # its own copy: a shard of 100k members need not be held twice
 
-        def read_at(offset: int, n: int) -> bytes:
-            f.seek(offset)
-            return f.read(n)
+    def read_at(offset: int, n: int) -> bytes:
+        f.seek(offset)
+        return f.read(n)
 
-        return members, _cut(size, members, read_at)
+    return members, _cut(size, members, read_at), texts
 
 
 def _groups(members: list[tarfile.TarInfo]) -> Iterator[tuple[str, list[tuple[str, tarfile.TarInfo]]]]:
@@ -363,11 +415,15 @@ def _storable_id(sid: str) -> str | None:
 
 
 def _key_sample(
-    shard: str, sid: str, members: list[tuple[str, tarfile.TarInfo]], fd: int
+    shard: str,
+    sid: str,
+    members: list[tuple[str, tarfile.TarInfo]],
+    texts: Mapping[int, bytes],
+    options_json: str,
 ) -> Sample | InputProblem | None:
-    """The sample of one key, the problem that stops it, or None for a key with nothing to extract. ``fd``
-    is the shard, open: the prompt members are read through it."""
-    refs = [(ext, TarMember(shard, m.name, m.offset_data, m.size), m) for ext, m in members]
+    """The sample of one key, the problem that stops it, or None for a key with nothing to extract.
+    ``texts`` holds the prompt members' bytes (see :func:`_scan`)."""
+    refs = [(ext, TarMember(shard, m.name, m.offset_data, m.size, options_json), m) for ext, m in members]
 
     def problem(ref: TarMember, reason: str) -> InputProblem:
         return InputProblem(_where(str(ref)), reason, _storable_id(sid))
@@ -403,8 +459,8 @@ def _key_sample(
         if ext in prompts:
             text = prompts[ext]
             try:
-                prompt = _prompt(os.pread(fd, text.size, text.offset), ext) or prompt
-            except (ValueError, OSError) as e:
+                prompt = _prompt(texts[text.offset], ext) or prompt
+            except ValueError as e:
                 return problem(text, f"{e}; fix or remove it")
     display = str(ref)
     reason = _storable(sid, (display,), prompt)
@@ -414,18 +470,23 @@ def _key_sample(
 
 
 def _shard_entries(shard: str, rel: str) -> tuple[list[Sample], list[InputProblem]]:
-    """The samples and problems of one shard; ``rel`` qualifies its keys into ids."""
-    members, cut = _scan(shard)
-    fd = os.open(shard, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        return _entries(shard, rel, members, cut, fd)
-    finally:
-        os.close(fd)
+    """The samples and problems of one local shard; ``rel`` qualifies its keys into ids."""
+    size = os.stat(shard).st_size
+    with open(shard, "rb") as f:
+        members, cut, texts = _scan(f, size, shard)
+    return _entries(shard, rel, members, cut, texts)
 
 
 def _entries(
-    shard: str, rel: str, members: list[tarfile.TarInfo], cut: str | None, fd: int
+    shard: str,
+    rel: str,
+    members: list[tarfile.TarInfo],
+    cut: str | None,
+    texts: Mapping[int, bytes],
+    options_json: str = "{}",
 ) -> tuple[list[Sample], list[InputProblem]]:
+    """The samples and problems of one listed shard (local or at a URL): keys grouped, the key at a cut and
+    the cut shard recorded."""
     samples: list[Sample] = []
     problems: list[InputProblem] = []
     groups = list(_groups(members))
@@ -442,7 +503,7 @@ def _entries(
                 )
             )
             continue
-        got = _key_sample(shard, sid, group, fd)
+        got = _key_sample(shard, sid, group, texts, options_json)
         if isinstance(got, Sample):
             samples.append(got)
         elif got is not None:
@@ -463,7 +524,26 @@ def _entries(
 # ------------------------------------------------------------------------------------------- loading
 
 
-def load_shards(pattern: str | os.PathLike) -> tuple[list[Sample], list[InputProblem]]:
+def _refuse_missing(pattern: str, shards: list[str], missing: list[str], not_files: list[str]) -> None:
+    """FileNotFoundError naming the shards of ``pattern`` that do not exist, or the first that is not a
+    file: a pattern that names nothing to list is refused before any work, local or at a URL."""
+    if missing:
+        shown = ", ".join(_where(s) for s in missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        what = "the shard" if len(shards) == 1 else f"{len(missing)} of the {len(shards)} shards"
+        raise FileNotFoundError(
+            f"{what} named by {pattern!r} do{'es' if len(missing) == 1 else ''} not exist: {shown}"
+        )
+    if not_files:
+        raise FileNotFoundError(
+            f"{_where(not_files[0])} (named by {pattern!r}) is not a file: a shard is a .tar file"
+        )
+
+
+def load_shards(
+    pattern: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
+) -> tuple[list[Sample], list[InputProblem]]:
     """Samples of every shard ``pattern`` names, in pattern then tar order, and the problems found.
 
     Refused before anything is read (so before any work): a pattern that does not parse, a shard that does
@@ -471,30 +551,27 @@ def load_shards(pattern: str | os.PathLike) -> tuple[list[Sample], list[InputPro
     tars included (ValueError naming it). Recorded, the run going on: a truncated shard (its last key and
     the shard itself), and per key, two media members, a prompt member that cannot be read, a repeated
     extension, an id that cannot be stored. A key whose members are neither media nor prompts is skipped,
-    as a folder scan skips captions.
+    as a folder scan skips captions. A pattern at an fsspec URL is listed through
+    :func:`vlfast.extraction.remote.list_shards` with ``storage_options``; its ids are those the same
+    shards would have on disk.
     """
     text = os.fspath(pattern)
-    shards = list(dict.fromkeys(expand_braces(text)))  # a shard named twice is one shard
-    missing = [s for s in shards if not os.path.exists(s)]
-    if missing:
-        shown = ", ".join(_where(s) for s in missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
-        what = "the shard" if len(shards) == 1 else f"{len(missing)} of the {len(shards)} shards"
-        raise FileNotFoundError(
-            f"{what} named by {text!r} do{'es' if len(missing) == 1 else ''} not exist: {shown}"
-        )
-    not_files = [s for s in shards if not os.path.isfile(s)]
-    if not_files:
-        raise FileNotFoundError(
-            f"{_where(not_files[0])} (named by {text!r}) is not a file: a shard is a .tar file"
-        )
+    url = is_url(text)
+    shards = list(dict.fromkeys(_expand_url(text) if url else expand_braces(text)))  # named twice: once
     base = _base_folder(text)
+    rels = [shard[len(base) :].lstrip("/") if base else shard for shard in shards]
+    if url:
+        from vlfast.extraction.remote import list_shards
+
+        listed = list_shards(text, shards, rels, storage_options)
+    else:
+        missing = [s for s in shards if not os.path.exists(s)]
+        not_files = [s for s in shards if not os.path.isfile(s) and os.path.exists(s)]
+        _refuse_missing(text, shards, missing, not_files)
+        listed = [_shard_entries(shard, rel) for shard, rel in zip(shards, rels)]
     samples: list[Sample] = []
     problems: list[InputProblem] = []
-    for shard in shards:
-        rel = shard[len(base) :].lstrip("/") if base else shard
-        got, bad = _shard_entries(shard, rel)
+    for got, bad in listed:
         samples += got
         problems += bad
     return samples, problems
