@@ -309,21 +309,9 @@ def probe_out(out: Any) -> None:
             fs.exists(path)
         else:
             fs.ls(bucket, detail=False)  # one request; a missing bucket raises FileNotFoundError
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"output {url}: its bucket {bucket!r} does not exist (or the credentials cannot see it); "
-            "create it first"
-        ) from None
-    except PermissionError as e:
-        raise RemoteInputError(
-            f"output {url}: access refused ({_masked(_reason(e), options_json)}); check the credentials "
-            "(environment, fsspec configuration or --storage-options)"
-        ) from None
-    except Exception as e:  # unreachable endpoint, bad credentials: each client raises its own types
-        raise RemoteInputError(
-            f"output {url} cannot be reached ({type(e).__name__}: {_masked(_reason(e), options_json)}); "
-            "check the endpoint and the credentials"
-        ) from None
+    except Exception as e:
+        missing = f"output {url}: its bucket {bucket!r} does not exist (or the credentials cannot see it); create it first"
+        raise _refusal(f"output {url}", e, options_json, missing) from None
 
 
 # ------------------------------------------------------------------------------- WebDataset shards at URLs
