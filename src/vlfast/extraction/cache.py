@@ -2,7 +2,8 @@
 
 Only committed data is visible: the cache reads the index parts (the commit markers, see ``store.py``) and
 never lists shards, so temp files and orphan shards left by a crash are invisible. Tensors are read
-through safetensors' memory map: looking up one sample reads that sample's bytes, not the shard.
+through safetensors' memory map: looking up one sample reads that sample's bytes, not the shard. On
+object storage (``FeatureCache("s3://bucket/out")``) each tensor is one ranged GET of exactly its bytes.
 
 What is checked on every read, at no measurable cost: each index part against the checksum in its name and
 the configuration in run.json, each shard's size against what was written (a truncated shard is named,

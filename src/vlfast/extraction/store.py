@@ -790,7 +790,8 @@ class FeatureStore:
             self.flush()
 
     def add_error(self, sample_id: str, source: str, reason: str, *, kind: str | None = None) -> None:
-        """Record a failed sample durably (one fsync'd JSON line); the id then counts as done.
+        """Record a failed sample durably (one fsync'd JSON line; on object storage, with the next commit,
+        at most ``commit_every`` seconds later); the id then counts as done.
 
         ``kind`` is "error", "duplicate" or "input" (an input row that is not a sample at all; ``sample_id``
         then names the row); by default a reason starting with "duplicate" means "duplicate". Duplicate and
