@@ -23,8 +23,23 @@ shared or hyperthreaded VM "2 cores" may run two processes at much less than twi
 runs in float32 on CPU; one warm-up forward first; each timing is a single pass (a pass is tens of
 seconds). The machine is stated in the output.
 
-    python benchmarks/extract.py                  # all three, defaults below
+3. Optional (``--engines``): the same small workload (section 2b's clips and tiny checkpoint) through the
+   command three ways, in alternating rounds, best of each: ``vlfast extract`` (the local engine: one
+   process and its decode workers), ``python -m torch.distributed.run --standalone --nproc_per_node 2 -m
+   vlfast.cli.main extract`` (two CPU ranks, each with its own workers) and ``vlfast extract --engine ray``
+   (Ray Data stages on a local Ray cluster the command starts). Each is timed whole, as a user waits for
+   it (process start, Ray start-up and model builds included), and by the summary's own ``seconds``
+   (for torchrun, the slower rank's); the ratios are the local engine's time over each other's.
+
+4. Optional (``--storage``): where OUT lives, local folder vs ``file://`` URL vs fsspec's local filesystem
+   vs S3 (moto's server on 127.0.0.1), for the store alone and for ``vlfast extract`` end to end, plus the
+   local store against the one before object-storage OUTs existed: ``benchmarks/extract_storage.py``,
+   whose docstring says exactly what each side runs.
+
+    python benchmarks/extract.py                  # sections 1 and 2, defaults below
     python benchmarks/extract.py --images 4 --videos 48 --json
+    python benchmarks/extract.py --skip-images --skip-videos --engines --videos 48 --rounds 3   # section 3
+    python benchmarks/extract.py --skip-images --skip-videos --storage --rounds 7                 # section 4
 """
 
 from __future__ import annotations
@@ -322,6 +337,78 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
     }
 
 
+def _summaries(text: str) -> list[dict]:
+    """Every JSON document in ``text``: torchrun's ranks each print one to the same pipe (one write each)."""
+    decoder, docs, i = json.JSONDecoder(), [], 0
+    while (i := text.find("{", i)) >= 0:
+        doc, i = decoder.raw_decode(text, i)
+        docs.append(doc)
+    return docs
+
+
+def engines(work: Path, n_videos: int, rounds: int) -> dict:
+    """Section 3: the local engine vs two torchrun ranks vs the Ray engine, on the same clips."""
+    from vlfast.extraction.synthetic import make_tiny_qwen3_vl, make_video
+
+    ckpt = make_tiny_qwen3_vl(work / "tiny-engines")
+    clips = work / "engine-videos"
+    for k in range(n_videos):
+        make_video(clips / f"v{k:03d}.mp4", frames=300, fps=30, width=320, height=240, seed=k)
+    extract_args = [
+        "extract",
+        str(clips),
+        "OUT",
+        "-m",
+        str(ckpt),
+        "--num-frames",
+        str(FRAMES_PER_CLIP),
+        "--json",
+    ]
+    commands = {
+        "local": [sys.executable, "-m", "vlfast.cli.main", *extract_args],
+        "torchrun x2": [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
+            *("-m", "vlfast.cli.main", *extract_args),
+        ],
+        "ray": [sys.executable, "-m", "vlfast.cli.main", *extract_args, "--engine", "ray"],
+    }
+    wall: dict[str, list[float]] = {k: [] for k in commands}
+    own: dict[str, list[float]] = {k: [] for k in commands}
+    for r in range(rounds):  # alternate, as in the other sections
+        for name, cmd in commands.items():
+            out = work / f"engine-{name.split()[0]}-{r}"
+            t0 = time.perf_counter()
+            done = subprocess.run(
+                [str(out) if c == "OUT" else c for c in cmd], capture_output=True, text=True
+            )
+            wall[name].append(time.perf_counter() - t0)
+            if done.returncode != 0:
+                raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+            summaries = _summaries(done.stdout)
+            if sum(s["extracted"] for s in summaries) != n_videos:
+                raise RuntimeError(
+                    f"{name} extracted {[s['extracted'] for s in summaries]} of {n_videos} clips"
+                )
+            own[name].append(max(s["seconds"] for s in summaries))
+    best = {k: min(v) for k, v in wall.items()}
+    best_own = {k: min(v) for k, v in own.items()}
+    return {
+        "videos": n_videos,
+        "model": "tiny offline Qwen3-VL; default workers; ray: 1 model actor, decode actors scaled by Ray Data",
+        **{
+            name: {
+                "wall_s": round(best[name], 2),
+                "wall_runs_s": [round(x, 2) for x in wall[name]],
+                "own_s": round(best_own[name], 2),
+                "own_runs_s": [round(x, 2) for x in own[name]],
+                "local_over_this_wall": round(best["local"] / best[name], 3),
+                "local_over_this_own": round(best_own["local"] / best_own[name], 3),
+            }
+            for name in commands
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=4, help="640x480 images for sections 1 and 2a")
@@ -331,6 +418,16 @@ def main() -> None:
     ap.add_argument("--workers", default="1,2", help="worker counts to try in section 2b")
     ap.add_argument("--skip-images", action="store_true")
     ap.add_argument("--skip-videos", action="store_true")
+    ap.add_argument(
+        "--engines",
+        action="store_true",
+        help="section 3: --videos clips through the local engine, 2 torchrun ranks and --engine ray (needs ray)",
+    )
+    ap.add_argument(
+        "--storage",
+        action="store_true",
+        help="section 4: OUT local vs file:// vs fsspec vs S3 on moto (benchmarks/extract_storage.py)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -343,6 +440,12 @@ def main() -> None:
             result["videos"] = videos(
                 work, args.videos, [int(w) for w in args.workers.split(",")], args.rounds
             )
+        if args.engines:
+            result["engines"] = engines(work, args.videos, args.rounds)
+    if args.storage:
+        import extract_storage  # this folder is on sys.path when run as a script
+
+        result["storage"] = extract_storage.run(rounds=args.rounds)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -372,6 +475,20 @@ def main() -> None:
                     f"extract() {v['extract_s']} s -> {v['speedup_vs_naive']:.2f}x, `vlfast extract` "
                     f"{v['cli_s']} s -> {v['cli_speedup_vs_naive']:.2f}x; min cosine {r['min_cosine_vs_naive']}"
                 )
+    if "engines" in result:
+        r = result["engines"]
+        for name in ("local", "torchrun x2", "ray"):
+            v = r[name]
+            print(
+                f"[3] {r['videos']} clips, {name}: whole command {v['wall_s']} s (local/this "
+                f"{v['local_over_this_wall']:.2f}x), run's own {v['own_s']} s (local/this "
+                f"{v['local_over_this_own']:.2f}x); runs {v['wall_runs_s']}"
+            )
+    if "storage" in result:
+        import extract_storage
+
+        print("[4] where OUT lives:")
+        extract_storage.print_table(result["storage"])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-HEAVY = ["transformers", "pyarrow", "av", "PIL", "safetensors", "matplotlib", "typer", "rich"]
+HEAVY = ["transformers", "pyarrow", "av", "PIL", "safetensors", "matplotlib", "typer", "rich", "ray"]
 
 
 def test_import_is_cheap_and_does_not_touch_cuda():
@@ -13,7 +13,7 @@ def test_import_is_cheap_and_does_not_touch_cuda():
         "import sys, torch\n"
         "def boom(*a, **k): raise RuntimeError('CUDA touched during import')\n"
         "torch.cuda.init = boom; torch.cuda.current_device = boom; torch.cuda._lazy_init = boom\n"
-        "import vlfast, vlfast.patching.gemm\n"
+        "import vlfast, vlfast.patching.gemm, vlfast.extraction\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )

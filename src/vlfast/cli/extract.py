@@ -97,7 +97,8 @@ def extract(
         int | None,
         typer.Option(
             "--workers",
-            help="Decode/preprocess processes. Default: one per core on CPU, cores - 1 with a GPU; at most 8.",
+            help="Decode/preprocess processes. Default: one per core on CPU, cores - 1 with a GPU; at most 8. "
+            "With --engine ray: decode actors (default: as many as the cluster's free CPUs).",
         ),
     ] = None,
     decode_timeout: Annotated[
@@ -149,6 +150,55 @@ def extract(
             "the environment.",
         ),
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="local: this process and its decode workers (under torchrun, one rank each); ray: Ray Data "
+            "stages on a Ray cluster, decoding on CPU actors and the model on --ray-workers actors "
+            "(pip install 'vlfast[ray]'). Same OUT either way.",
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            help="With --engine ray: the cluster (ray://head:10001, head:6379, auto). Default: RAY_ADDRESS, "
+            "else a cluster started with `ray start` here, else a local one for this run.",
+        ),
+    ] = None,
+    ray_workers: Annotated[
+        int | None,
+        typer.Option(
+            "--ray-workers", help="With --engine ray: model actors (each claims a rank of OUT). Default 1."
+        ),
+    ] = None,
+    num_gpus_per_worker: Annotated[
+        float | None,
+        typer.Option(
+            "--num-gpus-per-worker",
+            help="With --engine ray: GPUs per model actor. Default 1 with --device cuda, else 0 (CPU).",
+        ),
+    ] = None,
+    ray_cpus_per_worker: Annotated[
+        float | None,
+        typer.Option("--ray-cpus-per-worker", help="With --engine ray: CPUs per model actor. Default 1."),
+    ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            "--rank",
+            help="This process's share of the input, 0..--world-size - 1, for ranks you launch yourself (a "
+            "Slurm array: --rank $SLURM_ARRAY_TASK_ID). Default: torchrun's, or RANK.",
+        ),
+    ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            help="How many ranks share the input (with --rank). Default: torchrun's, or WORLD_SIZE.",
+        ),
+    ] = None,
     demo: Annotated[
         bool,
         typer.Option(
@@ -168,7 +218,6 @@ def extract(
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
         _verify(paths[0], as_json, _storage_options(storage_options))
         return
-    from vlfast.extraction.pipeline import extract as run_extract
     from vlfast.extraction.resume import RunConfigMismatch
 
     if demo:
@@ -197,6 +246,9 @@ def extract(
         raise UsageError(f"--resume-check must be one of {', '.join(RESUME_CHECKS)}, got {resume_check!r}")
     pools = tuple(p.strip() for p in pool.split(",") if p.strip())
     options = _storage_options(storage_options)
+    run_extract, engine_args = _engine(
+        engine, ray_address, ray_workers, num_gpus_per_worker, ray_cpus_per_worker, rank, world_size, workers
+    )
     try:
         summary = run_extract(
             source,
@@ -224,6 +276,7 @@ def extract(
             overwrite=overwrite,
             progress=not as_json,
             storage_options=options,
+            **engine_args,
         )
     except RunConfigMismatch as e:
         e.remedy = "pass --overwrite to delete what it holds and start again"
@@ -245,6 +298,60 @@ def extract(
             f"[bold red]stopped:[/bold red] {escape(summary.stopped)}; committed samples are kept"
         )
         raise typer.Exit(EXIT_FINDING)
+
+
+def _engine(
+    engine: str,
+    ray_address: str | None,
+    ray_workers: int | None,
+    gpus: float | None,
+    cpus: float | None,
+    rank: int | None,
+    world_size: int | None,
+    workers: int | None,
+):
+    """The extract function --engine names and its engine's own arguments; wrong combinations are refused
+    here, before anything is read. Ray is imported only for --engine ray (exit 2 with the hint if missing)."""
+    if (rank is None) != (world_size is None):
+        raise UsageError("give --rank and --world-size together, e.g. --rank 3 --world-size 8")
+    if world_size is not None and not (world_size >= 1 and 0 <= rank < world_size):
+        raise UsageError(
+            f"--rank must be in 0..{world_size - 1} and --world-size >= 1, got {rank} of {world_size}"
+        )
+    ray_flags = {
+        "--ray-address": ray_address,
+        "--ray-workers": ray_workers,
+        "--num-gpus-per-worker": gpus,
+        "--ray-cpus-per-worker": cpus,
+    }
+    if engine == "local":
+        given = [flag for flag, value in ray_flags.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to --engine ray only")
+        from vlfast.extraction.pipeline import extract as run_local
+
+        return run_local, {} if rank is None else {"rank": rank, "world_size": world_size}
+    if engine != "ray":
+        raise UsageError(f"--engine must be local or ray, got {engine!r}")
+    if rank is not None:
+        raise UsageError(
+            "--rank/--world-size split the input between processes you launch; with --engine ray the actors "
+            "share it: drop them, or use --engine local"
+        )
+    if ray_workers is not None and ray_workers < 1:
+        raise UsageError(f"--ray-workers must be >= 1, got {ray_workers}")
+    if gpus is not None and gpus < 0:
+        raise UsageError(f"--num-gpus-per-worker must be >= 0, got {gpus:g}")
+    if cpus is not None and not cpus > 0:
+        raise UsageError(f"--ray-cpus-per-worker must be > 0, got {cpus:g}")
+    if workers is not None and workers < 1:
+        raise UsageError(f"with --engine ray, --workers is the number of decode actors: >= 1, got {workers}")
+    from vlfast.extraction.ray_engine import extract_ray
+
+    args: dict = {"ray_address": ray_address, "ray_workers": ray_workers or 1, "num_gpus_per_worker": gpus}
+    if cpus is not None:
+        args["cpus_per_worker"] = cpus
+    return extract_ray, args
 
 
 def _storage_options(text: str | None) -> dict | None:
@@ -281,7 +388,9 @@ def _print_summary(summary, out: str) -> None:
     rows = [
         ("model", summary.model),
         ("features", ", ".join(summary.features)),
-        ("rank", f"{summary.rank} of {summary.world_size}"),
+        ("rank", f"{summary.rank} of {summary.world_size}")
+        if summary.engine == "local"
+        else ("engine", f"{summary.engine}: the driver is rank 0, model actors ranks 1 and up"),
         ("entries", f"{summary.total} in input, {summary.assigned} for this rank"),
         ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
         ("failed", f"{summary.failed}" + (f"  {summary.errors}" if summary.errors else "")),
@@ -289,7 +398,8 @@ def _print_summary(summary, out: str) -> None:
         ("time", f"{summary.seconds:.1f} s ({summary.compute_seconds:.1f} s in model forwards)"),
         (
             "setup",
-            f"model built in {summary.load_seconds:.1f} s, weights hashed in {summary.fingerprint_seconds:.2f} s",
+            f"{'model' if summary.engine == 'local' else 'Ray started, models'} built in "
+            f"{summary.load_seconds:.1f} s, weights hashed in {summary.fingerprint_seconds:.2f} s",
         ),
     ]
     if summary.oom_splits:

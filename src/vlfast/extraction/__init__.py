@@ -1,7 +1,8 @@
 """Large-scale, resumable, multi-GPU feature extraction and its output format.
 
 ``FeatureStore`` writes (store.py), ``FeatureCache`` reads (cache.py), ``extract`` runs a model over inputs
-(pipeline.py). Names load lazily so reading a cache never imports the pipeline's dependencies.
+(pipeline.py), ``extract_ray`` the same as Ray Data stages (ray_engine.py). Names load lazily so reading a
+cache never imports the pipeline's dependencies, nor anything Ray.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ _EXPORTS = {
     "dist_info": "vlfast.extraction.resume",
     "FeatureCache": "vlfast.extraction.cache",
     "extract": "vlfast.extraction.pipeline",
+    "extract_ray": "vlfast.extraction.ray_engine",  # imports ray only when called
 }
 
 __all__ = list(_EXPORTS)

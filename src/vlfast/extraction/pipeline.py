@@ -95,7 +95,8 @@ class ExtractSummary:
     nothing_to_do: bool = False  # OUT already held everything: no lock taken, no model loaded
     quarantined: list[str] = field(default_factory=list)  # damaged index parts moved aside, redone
     fingerprint_seconds: float = 0.0  # hashing the weights the features depend on
-    load_seconds: float = 0.0  # building the model (not in ``seconds``)
+    load_seconds: float = 0.0  # building the model (not in ``seconds``); Ray: connecting + actors' builds
+    engine: str = "local"  # "local" (this process and its decode workers) or "ray" (ray_engine.extract_ray)
 
     @property
     def samples_per_s(self) -> float:
@@ -372,6 +373,7 @@ def extract(
     storage_options: dict[str, Any] | None = None,
     _forward_hook: Callable[[list[dict[str, Any]]], None] | None = None,
     _decode_hook: Callable[[Sample], None] | None = None,
+    _engine: Callable[[_Job], None] | None = None,
 ) -> ExtractSummary:
     """Extract ``features`` of every sample in ``inputs`` with ``model`` into the folder ``out``.
 
@@ -425,7 +427,8 @@ def extract(
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {workers}")
     if (
-        workers > 0
+        _engine is None
+        and workers > 0
         and dev.type == "cpu"
         and torch.get_num_threads() > 1
         and "OMP_WAIT_POLICY" not in os.environ
@@ -538,6 +541,15 @@ def extract(
                 errors[_error_kind(reason)] += 1
                 bar.update(samples=1, errors=1)
 
+        recorded_elsewhere = 0
+
+        def count_error(reason: str) -> None:
+            """Count an error another engine's process recorded through its own store."""
+            nonlocal recorded_elsewhere
+            recorded_elsewhere += 1
+            errors[_error_kind(reason)] += 1
+            bar.update(samples=1, errors=1)
+
         try:
             for k, first in repeats:
                 record(entries.ids[k], samples[k].source, duplicate_reason(k, first), DUPLICATE_KIND)
@@ -546,6 +558,36 @@ def extract(
             todo = [samples[k] for k in todo_positions]
             if max_errors is not None and store.num_errors > max_errors:
                 summary.stopped = f"more than {max_errors} errors (--max-errors)"
+            elif todo and _engine is not None:
+                _engine(
+                    _Job(
+                        todo=todo,
+                        store=store,
+                        summary=summary,
+                        bar=bar,
+                        count_error=count_error,
+                        errors_so_far=lambda: store.num_errors + recorded_elsewhere,
+                        model=model,
+                        family=family,
+                        spec=spec,
+                        cfg=cfg,
+                        device=dev,
+                        dtype=torch_dtype,
+                        stored_as=stored_as,
+                        budget=budget,
+                        num_workers=num_workers,
+                        decode_timeout=decode_timeout,
+                        patch_convs=patch_convs,
+                        max_errors=max_errors,
+                        run_config=run_config,
+                        volatile_keys=volatile,
+                        shard_max_bytes=shard_max_bytes,
+                        shard_max_samples=shard_max_samples,
+                        commit_every=commit_every,
+                        forward_hook=_forward_hook,
+                        decode_hook=_decode_hook,
+                    )
+                )
             elif todo:
                 t0, cpu0 = time.perf_counter(), _cpu_seconds()
                 loaded = _load(model, family, spec, dev, torch_dtype, patch_convs)
@@ -573,12 +615,46 @@ def extract(
         finally:
             bar.close()
             summary.errors = dict(errors)
-            summary.failed = store.num_errors
+            summary.failed = store.num_errors + recorded_elsewhere
             summary.seconds = time.perf_counter() - started - summary.load_seconds
             cpu_now = _cpu_seconds()
             if cpu_now is not None and cpu_started is not None:
                 summary.cpu_seconds = cpu_now - cpu_started
     return summary
+
+
+@dataclass
+class _Job:
+    """What another engine (``ray_engine``) gets once ``extract`` has done everything before the model: the
+    input listed and planned, OUT checked and locked by ``store``, duplicates and bad rows recorded. The
+    engine extracts ``todo`` into OUT through stores of its own, reports each error it records through
+    ``count_error`` and fills ``summary`` (extracted, tokens, compute and load seconds, stopped)."""
+
+    todo: list[Sample]
+    store: Any  # the FeatureStore extract opened (this rank's lock held until the engine returns)
+    summary: ExtractSummary
+    bar: _Progress
+    count_error: Callable[[str], None]
+    errors_so_far: Callable[[], int]  # for --max-errors: this run's records, here and elsewhere
+    model: str
+    family: str
+    spec: FeatureSpec
+    cfg: ProcessorConfig
+    device: torch.device
+    dtype: torch.dtype
+    stored_as: torch.dtype | None
+    budget: TokenBudget
+    num_workers: int | None  # as the caller gave it (None: the engine's default)
+    decode_timeout: float | None
+    patch_convs: bool
+    max_errors: int | None
+    run_config: dict[str, Any]
+    volatile_keys: tuple[str, ...]
+    shard_max_bytes: int
+    shard_max_samples: int
+    commit_every: float | None
+    forward_hook: Callable | None = None
+    decode_hook: Callable | None = None
 
 
 def _mine(sample_id: str, rank: int, world_size: int) -> bool:
@@ -632,6 +708,128 @@ def _pixels_to(x: torch.Tensor, device: torch.device, cfg: ProcessorConfig) -> t
     return normalize_video_patches(x, cfg) if x.dtype == torch.uint8 else x
 
 
+def _decoding(
+    model: str, family: str, cfg: ProcessorConfig, spec: FeatureSpec, images: bool
+) -> tuple[Preprocessor, PromptBuilder | None]:
+    """What decoding needs, built once where samples are decoded (this process, or a Ray decode actor):
+    the model's own preprocessing, which leaves videos as uint8 patches to be normalised where the model
+    runs, and for ``llm`` the prompt builder with its tokenizer loaded, so forked workers inherit both."""
+    # A reference has no processor files: its family's published defaults apply (cfg).
+    pre = Preprocessor(
+        cfg, image_processor_dir=None if model.startswith("ref:") else model, defer_video_normalize=True
+    )
+    if images:
+        pre.image_processor()  # import and build it once here, so forked workers inherit it
+    prompts = None
+    if spec.needs_llm:
+        prompts = PromptBuilder(model, family, cfg.merge_size, cfg.temporal_patch_size)
+        prompts.tokenizer()
+    return pre, prompts
+
+
+def _cost(item: dict[str, Any]) -> int:
+    """A decoded sample's share of the token budget: its patches, plus its prompt for ``llm``."""
+    return int(item["pixel_values"].shape[0]) + int(item.get("input_ids", torch.empty(0)).numel())
+
+
+class _Forward:
+    """The model half of the pipeline, shared by the engines: one forward of a packed batch (split in half
+    on out-of-memory), and the results added to a store. Counts its time inside forwards and its splits."""
+
+    def __init__(
+        self,
+        loaded: _Model,
+        spec: FeatureSpec,
+        cfg: ProcessorConfig,
+        stored_as: torch.dtype | None,
+        prompts: PromptBuilder | None,
+        hook: Callable | None = None,
+    ):
+        self.loaded, self.spec, self.cfg, self.stored_as, self.hook = loaded, spec, cfg, stored_as, hook
+        self.token_ids: dict[str, int] = {}
+        if prompts is not None:
+            tok = prompts.tokenizer()
+            self.token_ids = {
+                "image_token_id": int(tok.convert_tokens_to_ids("<|image_pad|>")),
+                "video_token_id": int(tok.convert_tokens_to_ids("<|video_pad|>")),
+                "pad_token_id": int(tok.pad_token_id if tok.pad_token_id is not None else 0),
+            }
+        self.compute_seconds = 0.0
+        self.oom_splits = 0
+
+    def _pixels_on(self, item: dict[str, Any], device: torch.device) -> torch.Tensor:
+        return _pixels_to(item["pixel_values"], device, self.cfg)
+
+    def __call__(self, batch: Sequence[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        loaded, spec, cpu = self.loaded, self.spec, torch.device("cpu")
+        cuda = loaded.device.type == "cuda"
+        if self.hook is not None:
+            self.hook([{**it, "pixel_values": self._pixels_on(it, cpu)} for it in batch])
+        t0 = time.perf_counter()
+        if spec.needs_llm:
+            ready = [{**it, "pixel_values": self._pixels_on(it, cpu)} for it in batch]
+            feats = compute_llm_features(
+                loaded.whole,
+                loaded.tower,
+                ready,
+                spec,
+                device=loaded.device,
+                dtype=loaded.dtype,
+                **self.token_ids,
+            )
+        else:
+            pixels = torch.cat([self._pixels_on(it, loaded.device) for it in batch])
+            vb = VisionBatch(
+                pixel_values=pixels.to(dtype=loaded.dtype),
+                grid_thw=torch.tensor([list(it["grid"]) for it in batch], dtype=torch.int64).to(
+                    loaded.device, non_blocking=True
+                ),
+                tokens=[int(it["tokens"]) for it in batch],
+            )
+            feats = compute_vision_features(loaded.tower, vb, spec.names)
+        feats = [{k: v.to("cpu", non_blocking=cuda) for k, v in f.items()} for f in feats]
+        if cuda:
+            torch.cuda.synchronize(loaded.device)
+        self.compute_seconds += time.perf_counter() - t0
+        if self.stored_as is not None:
+            feats = [
+                {k: v.to(self.stored_as) if v.is_floating_point() else v for k, v in f.items()} for f in feats
+            ]
+        return feats
+
+    def _split(self, n: int) -> None:
+        self.oom_splits += 1
+
+    def store(
+        self,
+        batch: Sequence[dict[str, Any]],
+        store,
+        sample_of: Callable[[dict[str, Any]], Sample],
+        record: Callable[..., None],
+    ) -> list[tuple[Sample, int]]:
+        """Run ``batch`` and add each result to ``store``; a sample that does not fit even alone is recorded.
+        Returns (sample, patches) for each sample added."""
+        added = []
+        for item, result in zip(batch, run_split_on_oom(batch, self, on_oom=self._split)):
+            sample = sample_of(item)
+            if isinstance(result, Failed):
+                record(
+                    sample.id,
+                    sample.source,
+                    f"out of memory even alone ({_cost(item)} tokens): {result.error}",
+                )
+                continue
+            meta = {
+                "path": sample.source,
+                "kind": sample.kind,
+                "n_tokens": int(item["tokens"]),
+                **item["meta"],
+            }
+            store.add(sample.id, result, meta)
+            added.append((sample, int(item["pixel_values"].shape[0])))
+        return added
+
+
 def _run(
     todo: list[Sample],
     store,
@@ -651,23 +849,10 @@ def _run(
 ) -> None:
     from vlfast.extraction.workers import WorkerPool
 
-    image_dir = None if loaded.spec.startswith("ref:") else loaded.spec
     # Workers send videos as uint8 patches, normalised here (on the device when there is one).
-    pre = Preprocessor(cfg, image_processor_dir=image_dir, defer_video_normalize=True)
-    if any(s.kind == "image" for s in todo):
-        pre.image_processor()  # import and build it once here, so forked workers inherit it
-    prompts = None
-    token_ids: dict[str, int] = {}
-    if spec.needs_llm:
-        prompts = PromptBuilder(loaded.spec, loaded.family, cfg.merge_size, cfg.temporal_patch_size)
-        tok = prompts.tokenizer()
-        token_ids = {
-            "image_token_id": int(tok.convert_tokens_to_ids("<|image_pad|>")),
-            "video_token_id": int(tok.convert_tokens_to_ids("<|video_pad|>")),
-            "pad_token_id": int(tok.pad_token_id if tok.pad_token_id is not None else 0),
-        }
+    pre, prompts = _decoding(loaded.spec, loaded.family, cfg, spec, any(s.kind == "image" for s in todo))
     dataset = _SampleDataset(todo, pre, prompts, spec.prompt, decode_hook)
-    cuda = loaded.device.type == "cuda"
+    forward = _Forward(loaded, spec, cfg, stored_as, prompts, forward_hook)
 
     def stop_now() -> bool:
         return max_errors is not None and store.num_errors > max_errors
@@ -684,73 +869,23 @@ def _run(
                 summary.stopped = f"more than {max_errors} errors (--max-errors)"
                 return
 
-    def cost(item: dict[str, Any]) -> int:
-        return int(item["pixel_values"].shape[0]) + int(item.get("input_ids", torch.empty(0)).numel())
-
-    def pixels_on(item: dict[str, Any], device: torch.device) -> torch.Tensor:
-        return _pixels_to(item["pixel_values"], device, cfg)
-
-    def forward(batch: Sequence[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
-        if forward_hook is not None:
-            forward_hook([{**it, "pixel_values": pixels_on(it, torch.device("cpu"))} for it in batch])
-        t0 = time.perf_counter()
-        if spec.needs_llm:
-            ready = [{**it, "pixel_values": pixels_on(it, torch.device("cpu"))} for it in batch]
-            feats = compute_llm_features(
-                loaded.whole, loaded.tower, ready, spec, device=loaded.device, dtype=loaded.dtype, **token_ids
-            )
-        else:
-            pixels = torch.cat([pixels_on(it, loaded.device) for it in batch])
-            vb = VisionBatch(
-                pixel_values=pixels.to(dtype=loaded.dtype),
-                grid_thw=torch.tensor([list(it["grid"]) for it in batch], dtype=torch.int64).to(
-                    loaded.device, non_blocking=True
-                ),
-                tokens=[int(it["tokens"]) for it in batch],
-            )
-            feats = compute_vision_features(loaded.tower, vb, spec.names)
-        feats = [{k: v.to("cpu", non_blocking=cuda) for k, v in f.items()} for f in feats]
-        if cuda:
-            torch.cuda.synchronize(loaded.device)
-        summary.compute_seconds += time.perf_counter() - t0
-        if stored_as is not None:
-            feats = [
-                {k: v.to(stored_as) if v.is_floating_point() else v for k, v in f.items()} for f in feats
-            ]
-        return feats
-
-    def on_oom(n: int) -> None:
-        summary.oom_splits += 1
-
-    with WorkerPool(
-        dataset.__getitem__,
-        len(dataset),
-        num_workers=workers,
-        timeout=decode_timeout,
-        prefetch=8,
-        worker_init=_worker_init,
-    ) as pool:
-        for batch in pack(good_items(pool), cost, budget, first_alone=True):
-            results = run_split_on_oom(batch, forward, on_oom=on_oom)
-            for item, result in zip(batch, results):
-                sample = todo[item["i"]]
-                if isinstance(result, Failed):
-                    record(
-                        sample.id,
-                        sample.source,
-                        f"out of memory even alone ({cost(item)} tokens): {result.error}",
-                    )
-                    continue
-                meta = {
-                    "path": sample.source,
-                    "kind": sample.kind,
-                    "n_tokens": int(item["tokens"]),
-                    **item["meta"],
-                }
-                store.add(sample.id, result, meta)
-                summary.extracted += 1
-                summary.tokens += int(item["pixel_values"].shape[0])
-                bar.update(samples=1, tokens=int(item["pixel_values"].shape[0]))
-            if stop_now():
-                summary.stopped = summary.stopped or f"more than {max_errors} errors (--max-errors)"
-                break
+    try:
+        with WorkerPool(
+            dataset.__getitem__,
+            len(dataset),
+            num_workers=workers,
+            timeout=decode_timeout,
+            prefetch=8,
+            worker_init=_worker_init,
+        ) as pool:
+            for batch in pack(good_items(pool), _cost, budget, first_alone=True):
+                for _, patches in forward.store(batch, store, lambda it: todo[it["i"]], record):
+                    summary.extracted += 1
+                    summary.tokens += patches
+                    bar.update(samples=1, tokens=patches)
+                if stop_now():
+                    summary.stopped = summary.stopped or f"more than {max_errors} errors (--max-errors)"
+                    break
+    finally:
+        summary.compute_seconds += forward.compute_seconds
+        summary.oom_splits += forward.oom_splits

@@ -1,0 +1,600 @@
+"""``extract`` as Ray Data stages: decoding on CPU actors, the model on actors of its own (a GPU each when
+asked), writing the same OUT as the local engine, so ``FeatureCache``, ``--verify`` and resume work unchanged.
+
+    vlfast extract clips.jsonl OUT -m /ckpt/Qwen3-VL-4B-Instruct --engine ray --ray-workers 8 --num-gpus-per-worker 1
+
+The driver (the calling process) runs ``extract`` itself up to the model: the input listed, the run
+configuration and weights fingerprint, OUT checked (a different configuration is refused, "nothing to do"
+answered), OUT locked as rank 0, duplicates and bad input rows recorded. Then, instead of loading a model::
+
+    the remaining samples (plain columns: id, kind, paths, prompt, tar member or URL as JSON)
+      -> map_batches(_Decode, actor pool, num_cpus=1): each call decodes its samples in ONE forked worker of
+         the actor (vlfast's WorkerPool): a decoder that crashes it is retried once alone, then recorded; one
+         that hangs past ``decode_timeout`` is killed and recorded; either way a row, never a failed task
+      -> map_batches(_ModelStage, N actors, num_gpus=G): each claims the first free rank 1..N (an flock per
+         rank, as under torchrun), opens its own FeatureStore, loads the model once (the same ``_load``,
+         convs patched), packs by token budget and runs the same ``_Forward`` as the local engine, adds the
+         results and records errors; it returns one tiny row per sample (id, status), so features never
+         travel to the driver
+      -> the driver counts the rows: progress bar, ``max_errors``, the summary.
+
+When the dataset is done, Ray Data lets the model actors exit gracefully, which closes their stores (the last
+shard commits). The driver waits for their rank locks to be released, then re-reads OUT: a sample a model
+actor had added but not committed when it died (Ray restarts it and retries its batch in flight, not what it
+had already buffered) is extracted again in another pass, so a run that returns has every sample committed or
+recorded, or says how many it lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+import warnings
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from vlfast.extraction.inputs import Sample
+from vlfast.extraction.layout import OutputInUse
+from vlfast.extraction.pipeline import (
+    ExtractSummary,
+    _cost,
+    _decoding,
+    _Forward,
+    _Job,
+    _load,
+    _SampleDataset,
+    _worker_init,
+    extract,
+)
+
+__all__ = ["INSTALL_HINT", "extract_ray"]
+
+INSTALL_HINT = "pip install 'vlfast[ray]'"
+DECODE_BATCH = 16  # samples per decode call, in one forked worker (~0.1 s to fork and reap it)
+RANK_WAIT_S = 120.0  # a model actor waits this long for a free rank (a dead actor's lock goes with it)
+RELEASE_WAIT_S = 600.0  # the driver waits this long for the model actors to commit their last shard
+MAX_PASSES = 3  # dataset passes: the first, plus re-runs of samples lost with a model actor that died
+ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # idle OpenMP threads sleep (see vlfast.cli.let_idle_threads_sleep)
+
+
+def _import_ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401 - the [data] extra: pandas, pyarrow glue
+    except ImportError as e:
+        raise ImportError(
+            f"--engine ray needs Ray Data, which is not installed ({e}): {INSTALL_HINT}"
+        ) from None
+    return ray
+
+
+def extract_ray(
+    inputs: str | os.PathLike | Sequence[Sample],
+    out: str | os.PathLike,
+    *,
+    ray_address: str | None = None,
+    ray_workers: int = 1,
+    num_gpus_per_worker: float | None = None,
+    cpus_per_worker: float = 1.0,
+    device: str | torch.device | None = None,
+    num_workers: int | None = None,
+    **kwargs: Any,
+) -> ExtractSummary:
+    """:func:`~vlfast.extraction.pipeline.extract` on a Ray cluster; the same keyword arguments (``kwargs``).
+
+    ``ray_address``: the cluster (``ray://head:10001``, ``head:6379``, ``auto``); default ``RAY_ADDRESS``,
+    else a cluster started with ``ray start`` on this machine, else a local one for this call (shut down
+    at the end). ``ray_workers`` model actors, each with ``num_gpus_per_worker`` GPUs (default 1 when
+    ``device`` is CUDA, else 0: CPU) and ``cpus_per_worker`` CPUs. ``num_workers`` is the number of decode
+    actors (1 CPU each; default: as many as the cluster's free CPUs allow, scaled by Ray Data). Without a
+    GPU the device defaults to CPU; with GPUs, to CUDA (bfloat16), whatever the driver machine has.
+    ``rank``/``world_size`` are refused: the actors share the work. OUT must be a folder every node sees
+    (a shared filesystem whose ``flock`` works across nodes when actors run on several).
+    """
+    _import_ray()  # first: a missing Ray is a usage error before anything is read or written
+    if kwargs.get("rank") is not None or kwargs.get("world_size") is not None:
+        raise ValueError(
+            "rank/world_size split the input between processes you launch (torchrun, a Slurm array); with "
+            "the Ray engine the actors share the work: drop them, or use the local engine"
+        )
+    kwargs.pop("rank", None)
+    kwargs.pop("world_size", None)
+    if not isinstance(ray_workers, int) or ray_workers < 1:
+        raise ValueError(
+            f"ray_workers (--ray-workers) must be a positive number of model actors, got {ray_workers!r}"
+        )
+    if num_gpus_per_worker is not None and not num_gpus_per_worker >= 0:
+        raise ValueError(
+            f"num_gpus_per_worker (--num-gpus-per-worker) must be >= 0, got {num_gpus_per_worker!r}"
+        )
+    if not cpus_per_worker > 0:
+        raise ValueError(f"cpus_per_worker (--ray-cpus-per-worker) must be > 0, got {cpus_per_worker!r}")
+    if num_workers is not None and num_workers < 1:
+        raise ValueError(
+            f"with the Ray engine num_workers (--workers) is the number of decode actors, >= 1; got {num_workers}"
+        )
+    from vlfast.extraction.remote import is_url
+
+    if is_url(os.fspath(out)):
+        raise ValueError(
+            f"OUT {os.fspath(out)!r} is a URL: the Ray engine writes to a folder every node sees (a shared "
+            "filesystem), claiming ranks by file lock; extract to such a folder and copy it"
+        )
+    wants_cuda = device is not None and torch.device(device).type == "cuda"
+    gpus = float(num_gpus_per_worker) if num_gpus_per_worker is not None else (1.0 if wants_cuda else 0.0)
+    if device is None:
+        device = "cuda" if gpus > 0 else "cpu"
+    elif gpus > 0 and not wants_cuda:
+        raise ValueError(f"num_gpus_per_worker={gpus:g} needs device cuda, got {device!r}")
+    elif wants_cuda and gpus == 0:
+        raise ValueError(
+            "device cuda needs GPUs on the model actors: num_gpus_per_worker >= 1 (--num-gpus-per-worker)"
+        )
+    engine = _RayEngine(ray_address, ray_workers, gpus, float(cpus_per_worker))
+    summary = extract(
+        inputs, out, device=device, num_workers=num_workers, rank=0, world_size=1, _engine=engine, **kwargs
+    )
+    summary.engine = "ray"
+    summary.cpu_seconds = None  # the actors' CPU time is spent in other processes, on other machines
+    return summary
+
+
+# ------------------------------------------------------------------------------------------ row formats
+
+
+def _schemas():
+    import pyarrow as pa
+
+    samples = pa.schema(
+        [
+            ("id", pa.string()),
+            ("kind", pa.string()),
+            ("paths", pa.list_(pa.string())),
+            ("prompt", pa.string()),
+            ("member", pa.string()),  # JSON of a TarMember / RemoteFile with its class name, or null
+        ]
+    )
+    decoded = pa.schema(
+        [
+            ("id", pa.string()),
+            ("source", pa.string()),
+            ("kind", pa.string()),
+            ("reason", pa.string()),  # why it failed to decode; null when it decoded
+            ("tensors", pa.large_binary()),  # safetensors bytes: pixel_values, and input_ids for llm
+            ("grid", pa.list_(pa.int64())),
+            ("tokens", pa.int64()),
+            ("meta", pa.string()),  # JSON
+        ]
+    )
+    done = pa.schema(
+        [
+            ("id", pa.string()),
+            ("status", pa.string()),  # ok (added to the actor's store), error (recorded), known, done
+            ("reason", pa.string()),
+            ("patches", pa.int64()),
+            ("compute_s", pa.float64()),  # this call's time inside forwards, on its first row
+            ("oom_splits", pa.int64()),  # likewise
+            ("load_s", pa.float64()),  # the actor's model build, on its first call's first row
+        ]
+    )
+    return samples, decoded, done
+
+
+def _member_classes() -> dict[str, type]:
+    from vlfast.extraction.remote import RemoteFile
+    from vlfast.extraction.webdataset import TarMember
+
+    return {"TarMember": TarMember, "RemoteFile": RemoteFile}
+
+
+def _sample_row(s: Sample) -> dict[str, Any]:
+    member = None
+    if s.member is not None:
+        member = json.dumps({"class": type(s.member).__name__, **dataclasses.asdict(s.member)})
+    return {"id": s.id, "kind": s.kind, "paths": list(s.paths), "prompt": s.prompt, "member": member}
+
+
+def _sample_of(row: dict[str, Any], classes: dict[str, type]) -> Sample:
+    member = None
+    if row["member"] is not None:
+        fields = json.loads(row["member"])
+        member = classes[fields.pop("class")](**fields)
+    return Sample(row["id"], row["kind"], tuple(row["paths"]), row["prompt"], member)
+
+
+class _Ref(NamedTuple):
+    """What the model stage knows of a sample: enough for its store entry and error records."""
+
+    id: str
+    source: str
+    kind: str
+
+
+# ------------------------------------------------------------------------------------------- the stages
+
+
+class _Decode:
+    """Ray Data stage: samples -> decoded tensors (or the reason they failed), on one CPU, one thread."""
+
+    def __init__(self, model, family, cfg, spec, images, decode_timeout, decode_hook):
+        torch.set_num_threads(1)  # one sample at a time; the forked worker stays on one thread too
+        self.pre, self.prompts = _decoding(model, family, cfg, spec, images)
+        self.default_prompt, self.timeout, self.hook = spec.prompt, decode_timeout, decode_hook
+        self.classes = _member_classes()
+        self.schema = _schemas()[1]
+
+    def __call__(self, table):
+        import pyarrow as pa
+        from safetensors.torch import save
+
+        from vlfast.extraction.workers import WorkerPool
+
+        samples = [_sample_of(r, self.classes) for r in table.to_pylist()]
+        dataset = _SampleDataset(samples, self.pre, self.prompts, self.default_prompt, self.hook)
+        rows = []
+        # A forked worker per call, as the local engine's: a crashing decoder kills it, not this actor (Ray
+        # would retry the call forever), and a hung one is stopped after decode_timeout.
+        with WorkerPool(
+            dataset.__getitem__,
+            len(samples),
+            num_workers=1,
+            timeout=self.timeout,
+            prefetch=max(1, len(samples)),
+            worker_init=_worker_init,
+        ) as pool:
+            for item in pool:
+                s = samples[item["i"]]
+                row = {"id": s.id, "source": s.source, "kind": s.kind, "reason": None}
+                if item["ok"]:
+                    tensors = {"pixel_values": item["pixel_values"].contiguous()}
+                    if "input_ids" in item:
+                        tensors["input_ids"] = item["input_ids"].contiguous()
+                    row.update(
+                        tensors=save(tensors),
+                        grid=[int(x) for x in item["grid"]],
+                        tokens=int(item["tokens"]),
+                        meta=json.dumps(item["meta"]),
+                    )
+                else:
+                    row["reason"] = item["reason"]
+                rows.append(row)
+        return pa.Table.from_pylist(rows, schema=self.schema)
+
+
+class _ModelStage:
+    """Ray Data stage: decoded samples -> features in OUT through this actor's own FeatureStore.
+
+    Returns one small row per sample. The store closes (its last shard commits) when Ray Data lets the
+    actor exit at the end of the dataset (``__del__``); a killed actor's buffered samples are lost, and the
+    driver extracts them again.
+    """
+
+    def __init__(
+        self, out, run_config, volatile_keys, store_options, ranks, load_args, cfg, stored_as, budget, hook
+    ):
+        t0 = time.perf_counter()
+        self.store = _claim_rank(out, run_config, volatile_keys, store_options, ranks)
+        try:
+            model, family, spec, device, dtype, patch_convs = load_args
+            loaded = _load(model, family, spec, device, dtype, patch_convs)
+            prompts = _decoding(model, family, cfg, spec, images=False)[1] if spec.needs_llm else None
+            self.forward = _Forward(loaded, spec, cfg, stored_as, prompts, hook)
+            # What another actor committed before dying: its batch in flight is retried here, and must not
+            # be added twice (a second copy would be recorded as a duplicate).
+            self.done = self.store.done_ids()
+        except BaseException:
+            self.store.close()
+            raise
+        self.budget, self.load_s = budget, time.perf_counter() - t0
+        self.schema = _schemas()[2]
+
+    def __call__(self, table):
+        import pyarrow as pa
+        from safetensors.torch import load
+
+        from vlfast.extraction.batching import pack
+
+        rows: list[dict[str, Any]] = []
+        store = self.store
+
+        def record(sample_id: str, source: str, reason: str) -> None:
+            before = store.num_errors
+            store.add_error(sample_id, source, reason)
+            rows.append(
+                {
+                    "id": sample_id,
+                    "status": "error" if store.num_errors > before else "known",
+                    "reason": reason,
+                }
+            )
+
+        items = []
+        for r in table.to_pylist():
+            if r["id"] in self.done:
+                rows.append({"id": r["id"], "status": "done"})
+            elif r["reason"] is not None:
+                record(r["id"], r["source"], r["reason"])
+            else:
+                tensors = load(r["tensors"])
+                item = {
+                    "ref": _Ref(r["id"], r["source"], r["kind"]),
+                    "kind": r["kind"],
+                    "pixel_values": tensors["pixel_values"],
+                    "grid": tuple(r["grid"]),
+                    "tokens": r["tokens"],
+                    "meta": json.loads(r["meta"]),
+                }
+                if "input_ids" in tensors:
+                    item["input_ids"] = tensors["input_ids"]
+                items.append(item)
+        compute0, splits0 = self.forward.compute_seconds, self.forward.oom_splits
+        for batch in pack(items, _cost, self.budget):
+            for ref, patches in self.forward.store(batch, store, lambda it: it["ref"], record):
+                rows.append({"id": ref.id, "status": "ok", "patches": patches})
+        store.tick()  # commit_every counts here too, between calls
+        if rows:
+            rows[0].update(
+                compute_s=self.forward.compute_seconds - compute0,
+                oom_splits=self.forward.oom_splits - splits0,
+                load_s=self.load_s,
+            )
+            self.load_s = 0.0
+        return pa.Table.from_pylist(rows, schema=self.schema)
+
+    def __del__(self):
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
+
+
+def _claim_rank(out, run_config, volatile_keys, store_options, ranks: Sequence[int]):
+    """This actor's FeatureStore at the first rank no live process holds.
+
+    Ranks are flocks (released by the kernel when a process dies), so a restarted actor takes the rank of
+    the one it replaces, and an actor of an earlier run still exiting keeps its rank until it is gone."""
+    from vlfast.extraction.store import FeatureStore
+
+    deadline = time.monotonic() + RANK_WAIT_S
+    while True:
+        for rank in ranks:
+            try:
+                return FeatureStore(
+                    out,
+                    run_config,
+                    rank=rank,
+                    world_size=max(ranks) + 1,
+                    volatile_keys=volatile_keys,
+                    **store_options,
+                )
+            except OutputInUse:
+                continue
+        if time.monotonic() > deadline:
+            raise OutputInUse(
+                f"every model rank {ranks[0]}..{ranks[-1]} of {out} is held by another live process after "
+                f"{RANK_WAIT_S:g} s: another job writes this OUT, or actors of an earlier one have not exited"
+            )
+        time.sleep(1.0)
+
+
+# ------------------------------------------------------------------------------------------- the driver
+
+
+def _model_actor_args() -> dict[str, Any]:
+    return {"max_restarts": 3, "max_task_retries": 3}
+
+
+def _map_batches_bounded(ds, fn, **kwargs):
+    """``ds.map_batches`` with a model actor restarted, and its call retried, at most 3 times.
+
+    Ray Data's default is forever for both: a batch whose forward kills its actor every time (a segfault,
+    the OOM killer) would loop instead of failing the job. Ray 2.60 deprecates every way to say so
+    (``ray_remote_args_fn`` included); if a later Ray drops it, its defaults apply.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        try:
+            return ds.map_batches(fn, ray_remote_args_fn=_model_actor_args, **kwargs)
+        except TypeError:
+            return ds.map_batches(fn, **kwargs)
+
+
+class _RayEngine:
+    """Called by ``extract`` with the planned job, in place of loading a model in this process."""
+
+    def __init__(self, address: str | None, workers: int, gpus: float, cpus: float):
+        self.address, self.workers, self.gpus, self.cpus = address, workers, gpus, cpus
+        self.stage_env: dict[str, Any] | None = None
+
+    def __call__(self, job: _Job) -> None:
+        ray = _import_ray()
+        t0 = time.perf_counter()
+        started = not ray.is_initialized()
+        if started:
+            ray.init(
+                address=self.address,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                runtime_env={"env_vars": ENV},
+            )
+        # The workers need ENV before torch loads in them. Set for the whole job above; when the caller
+        # initialised Ray without it, per stage (which starts fresh workers: a few seconds more).
+        job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+        if any(job_env.get(k) != v for k, v in ENV.items()):
+            self.stage_env = {"env_vars": ENV}
+        ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own bar
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # ... and says so
+        job.summary.load_seconds = time.perf_counter() - t0
+        job.bar.restart_clock()
+        try:
+            self._extract(ray, job)
+        finally:
+            if started:
+                ray.shutdown()
+
+    def _extract(self, ray, job: _Job) -> None:
+        summary = job.summary
+        # Model actors of an earlier run may outlive their killed driver for a few seconds and still commit
+        # shards: wait until they are gone, then drop what they committed, so nothing is extracted twice.
+        stale = self._wait_released(job, self._held_ranks(job), RANK_WAIT_S)
+        if stale:
+            raise OutputInUse(
+                f"ranks {stale} of {job.store.out} are still held by live processes after {RANK_WAIT_S:g} s: "
+                "another job writes this OUT, or actors of an earlier one have not exited; wait or stop them"
+            )
+        done = job.store.done_ids()
+        remaining = [s for s in job.todo if s.id not in done]
+        summary.skipped += len(job.todo) - len(remaining)
+        added: dict[str, int] = {}  # id -> patches, of samples a model actor added (buffered or committed)
+        load_s = 0.0
+        for attempt in range(MAX_PASSES):
+            if not remaining:
+                break
+            if attempt:
+                warnings.warn(
+                    f"{len(remaining)} samples were lost with a model actor that died before committing them; "
+                    "extracting them again",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            rows = iter(self._dataset(ray, job, remaining).iter_rows())
+            try:
+                for row in rows:
+                    summary.compute_seconds += row["compute_s"] or 0.0
+                    summary.oom_splits += row["oom_splits"] or 0
+                    load_s = max(load_s, row["load_s"] or 0.0)
+                    if row["status"] == "ok":
+                        if row["id"] not in added:
+                            job.bar.update(samples=1, tokens=row["patches"])
+                        added[row["id"]] = row["patches"]
+                    elif row["status"] == "error":
+                        job.count_error(row["reason"])
+                        if job.max_errors is not None and job.errors_so_far() > job.max_errors:
+                            summary.stopped = f"more than {job.max_errors} errors (--max-errors)"
+                            break
+            finally:
+                close = getattr(rows, "close", None)
+                if close is not None:
+                    close()  # stops the dataset; its actors exit, committing what they hold
+            # Also after --max-errors: an actor with a call in flight holds samples no row has named yet.
+            if self._wait_released(job, range(1, self.workers + 1), RELEASE_WAIT_S):
+                warnings.warn(
+                    f"model ranks of {job.store.out} are still held {RELEASE_WAIT_S:g} s after the dataset "
+                    "ended: what their actors had not committed yet is counted as missing",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            done = job.store.done_ids()
+            remaining = [s for s in remaining if s.id not in done]
+            if summary.stopped:
+                break
+        summary.extracted = sum(1 for i in added if i in done)
+        summary.tokens = sum(p for i, p in added.items() if i in done)
+        summary.load_seconds += load_s
+        if remaining and not summary.stopped:
+            summary.stopped = (
+                f"{len(remaining)} samples were lost with model actors that died before committing them, "
+                f"{MAX_PASSES} times; run the same command again to extract them"
+            )
+
+    def _dataset(self, ray, job: _Job, samples: list[Sample]):
+        import pyarrow as pa
+
+        sample_schema = _schemas()[0]
+        table = pa.Table.from_pylist([_sample_row(s) for s in samples], schema=sample_schema)
+        # Blocks of a few calls each, at most ~2,000 of them: enough to spread over the decode actors.
+        rows = max(DECODE_BATCH, -(-len(samples) // 2000))
+        blocks = [table.slice(k, rows) for k in range(0, len(samples), rows)]
+        if job.num_workers is not None:
+            decoders = ray.data.ActorPoolStrategy(size=job.num_workers)
+        else:
+            free = int(ray.cluster_resources().get("CPU", 1) - self.workers * self.cpus)
+            decoders = ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, free))
+        # Decoding is stateless: a decode actor lost to a node failure is replaced and its call re-run.
+        decoded = ray.data.from_arrow(blocks).map_batches(
+            _Decode,
+            batch_size=DECODE_BATCH,
+            batch_format="pyarrow",
+            compute=decoders,
+            num_cpus=1,
+            runtime_env=self.stage_env,
+            fn_constructor_kwargs=dict(
+                model=job.model,
+                family=job.family,
+                cfg=job.cfg,
+                spec=job.spec,
+                images=any(s.kind == "image" for s in samples),
+                decode_timeout=job.decode_timeout,
+                decode_hook=job.decode_hook,
+            ),
+        )
+        store_options = dict(
+            shard_max_bytes=job.shard_max_bytes,
+            shard_max_samples=job.shard_max_samples,
+            commit_every=job.commit_every,
+            # The driver's store has just checked OUT as asked (full by default); each actor re-checks
+            # sizes and headers only, instead of every actor hashing every shard again.
+            resume_check="quick",
+        )
+        device = torch.device(job.device.type)  # Ray gives each actor its GPUs as cuda:0..
+        return _map_batches_bounded(
+            decoded,
+            _ModelStage,
+            batch_size=job.budget.max_samples,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=self.workers),
+            num_cpus=self.cpus,
+            num_gpus=self.gpus or None,
+            # A model actor that dies (OOM killer, a driver crash) is restarted and its call retried a few
+            # times; one that keeps dying fails the job (run it again to resume) instead of looping.
+            runtime_env=self.stage_env,
+            fn_constructor_kwargs=dict(
+                out=str(job.store.out),
+                run_config=job.run_config,
+                volatile_keys=tuple(job.volatile_keys),
+                store_options=store_options,
+                ranks=list(range(1, self.workers + 1)),
+                load_args=(job.model, job.family, job.spec, device, job.dtype, job.patch_convs),
+                cfg=job.cfg,
+                stored_as=job.stored_as,
+                budget=job.budget,
+                hook=job.forward_hook,
+            ),
+        )
+
+    @staticmethod
+    def _held_ranks(job: _Job) -> list[int]:
+        """Ranks of OUT other than the driver's whose lock a live process holds now."""
+        from vlfast.extraction.layout import LOCK_DIR
+        from vlfast.extraction.store import _try_lock, _unlock
+
+        held = []
+        for path in sorted((Path(job.store.out) / LOCK_DIR).glob("rank-*.lock")):
+            rank = int(path.stem.removeprefix("rank-"))
+            if rank != job.store.rank:
+                fd = _try_lock(path)
+                if fd is None:
+                    held.append(rank)
+                _unlock(fd)
+        return held
+
+    @staticmethod
+    def _wait_released(job: _Job, ranks: Collection[int], timeout: float) -> list[int]:
+        """Wait until no process holds these ranks of OUT: each writer has closed its store (committed its
+        last shard) or died. Returns the ranks still held after ``timeout`` seconds."""
+        from vlfast.extraction.store import _try_lock, _unlock
+
+        deadline = time.monotonic() + timeout
+        for k, rank in enumerate(sorted(ranks)):
+            path = Path(job.store._lock_path(rank))
+            while (fd := _try_lock(path)) is None:
+                if time.monotonic() > deadline:
+                    return sorted(ranks)[k:]
+                time.sleep(0.1)
+            _unlock(fd)
+        return []

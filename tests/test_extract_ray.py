@@ -1,0 +1,182 @@
+"""`vlfast extract --engine ray`: the same OUT as the local engine, resumable after a SIGKILL, and refused
+cleanly without Ray or with flags that do not fit. Ray runs on a local 2-CPU cluster this module starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from vlfast.cli.main import app
+from vlfast.extraction import FeatureCache
+from vlfast.extraction._selftest import compare_caches
+from vlfast.extraction.synthetic import make_images
+
+runner = CliRunner()
+
+
+def test_without_ray_the_command_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["extract", str(tmp_path), str(out), "-m", "ref:qwen3-vl-2b", "--engine", "ray"])
+    assert r.exit_code == 2, r.output
+    assert "missing dependency" in r.output and "pip install 'vlfast[ray]'" in r.output
+    assert not out.exists()  # refused before anything was read or written
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engine", "spark"], "--engine must be local or ray"),
+        (["--ray-workers", "2"], "--ray-workers apply to --engine ray only"),
+        (
+            ["--ray-address", "auto", "--num-gpus-per-worker", "1"],
+            "--ray-address, --num-gpus-per-worker apply",
+        ),
+        (["--engine", "ray", "--ray-workers", "0"], "--ray-workers must be >= 1"),
+        (["--engine", "ray", "--num-gpus-per-worker", "-1"], "--num-gpus-per-worker must be >= 0"),
+        (["--engine", "ray", "--ray-cpus-per-worker", "0"], "--ray-cpus-per-worker must be > 0"),
+        (["--engine", "ray", "--workers", "0"], "--workers is the number of decode actors"),
+        (["--engine", "ray", "--rank", "0", "--world-size", "2"], "the actors share it"),
+        (["--rank", "1"], "give --rank and --world-size together"),
+        (["--rank", "2", "--world-size", "2"], "--rank must be in 0..1"),
+    ],
+)
+def test_bad_engine_flags_are_refused(tmp_path, flags, message):
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["extract", str(tmp_path), str(out), "-m", "ref:qwen3-vl-2b", *flags])
+    assert r.exit_code == 2, r.output
+    assert message in r.output, r.output
+    assert not out.exists()
+
+
+def test_rank_and_world_size_flags_split_like_torchrun(media_dir, tiny_qwen3_vl, tmp_path):
+    """A Slurm array's tasks: `--rank $SLURM_ARRAY_TASK_ID --world-size $SLURM_ARRAY_TASK_COUNT`."""
+    base = ["extract", str(media_dir / "good"), "-m", str(tiny_qwen3_vl), "--workers", "0", "--json"]
+    for rank in (0, 1):
+        r = runner.invoke(
+            app, [*base[:2], str(tmp_path / "ranks"), *base[2:], "--rank", str(rank), "--world-size", "2"]
+        )
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["world_size"] == 2
+    r = runner.invoke(app, [*base[:2], str(tmp_path / "one"), *base[2:]])
+    assert r.exit_code == 0, r.output
+    assert compare_caches(tmp_path / "one", tmp_path / "ranks") == []
+
+
+# ------------------------------------------------------------------------------------ with a real Ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    # The job's workers get what `vlfast extract` sets for itself, so the engine adds no per-stage env.
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}},
+        logging_level="WARNING",
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_killed_ray_job_resumes_with_only_what_is_missing(ray_cluster, tiny_qwen3_vl, tmp_path):
+    """The real command, SIGKILLed once its first shard is committed, then run again: it extracts only the
+    rest, nothing twice, and ends equal to an uninterrupted run. The command joins the test's cluster
+    (--ray-address), as a job on a long-lived cluster does; the killed job's actors may still commit for a
+    moment, which the second run (the Python API, in this process: a few seconds less) waits for."""
+    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.ray_engine import extract_ray
+
+    n = 100  # two model calls (64 rows each at most): the kill lands in the first
+    inputs = tmp_path / "in"
+    make_images(inputs, [(32 + 8 * (k % 4), 32) for k in range(n)])
+    (inputs / "zz-bad.png").write_text("not an image")
+    out = tmp_path / "ray"
+    cmd = [
+        sys.executable, "-m", "vlfast.cli.main", "extract", str(inputs), str(out), "-m", str(tiny_qwen3_vl),
+        "--engine", "ray", "--ray-address", ray_cluster.get_runtime_context().gcs_address,
+        "--commit-every", "0.1", "--json",
+    ]  # fmt: skip
+    job = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while not list(out.glob("index/part-*.parquet")):
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no shard was committed in 180 s"
+            time.sleep(0.02)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+    committed = len(FeatureCache(out))
+    assert 0 < committed < n
+
+    summary = extract_ray(inputs, out, model=str(tiny_qwen3_vl), commit_every=0.1).to_dict()
+    assert summary["engine"] == "ray" and summary["stopped"] is None
+    assert summary["skipped"] + summary["extracted"] + summary["failed"] == summary["assigned"] == n + 1
+    assert committed <= summary["skipped"] and summary["extracted"] <= n - committed
+    index = pq.read_table(out / "index", columns=["id"]).column("id").to_pylist()
+    assert sorted(index) == sorted(set(index)) and len(index) == n  # every sample committed once
+
+    extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
+    assert compare_caches(tmp_path / "local", out) == []
+
+
+def _manifest(media_dir, path):
+    """Every good and bad file of media_dir, a repeated id and a line that is not JSON."""
+    expected = json.loads((media_dir / "expected.json").read_text())
+    rows = [
+        json.dumps({"id": rel, "path": str(media_dir / rel)}) for rel in expected["good"] + expected["bad"]
+    ]
+    rows.insert(3, json.dumps({"id": expected["good"][0], "path": str(media_dir / expected["good"][1])}))
+    rows.insert(5, "{not json")
+    path.write_text("\n".join(rows) + "\n")
+    return path, len(expected["good"]), len(expected["bad"])
+
+
+def _poisoned_decoder(sample):
+    """A decoder that kills its worker on one file and hangs on another (Ray pickles it by value)."""
+    if sample.id == "good/rgb.png":
+        os._exit(7)
+    if sample.id == "good/gray.png":
+        time.sleep(600)
+
+
+@pytest.mark.slow
+def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_vl, tmp_path):
+    """Same features, meta and error records as the local engine: bad files, a repeated id, a bad manifest
+    line, a decoder that kills its worker (retried once, then recorded) and one that hangs (stopped)."""
+    from ray import cloudpickle
+
+    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.ray_engine import extract_ray
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
+    manifest, good, bad = _manifest(media_dir, tmp_path / "clips.jsonl")
+    options = dict(model=str(tiny_qwen3_vl), decode_timeout=2, _decode_hook=_poisoned_decoder)
+    local = extract(manifest, tmp_path / "local", num_workers=1, **options)
+    # Two model actors at half a CPU each, so the decode actor has the cluster's other CPU.
+    ray = extract_ray(manifest, tmp_path / "ray", ray_workers=2, cpus_per_worker=0.5, **options)
+    assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
+    # Failed: the bad files, the repeat, the bad line, the two poisoned decodes.
+    assert (ray.engine, ray.extracted, ray.failed) == ("ray", good - 2, bad + 4)
+    assert (ray.total, ray.errors) == (local.total, local.errors)
+    reasons = [e["reason"] for e in FeatureCache(tmp_path / "ray").errors()]
+    assert "worker died while decoding this sample: exited with code 7" in reasons
+    assert any(r.startswith("decoding took longer than 2 s") for r in reasons)
+    ranks = {p.name.split("-")[1] for p in (tmp_path / "ray" / "shards").iterdir()}
+    assert ranks and ranks <= {"r00001", "r00002"}  # model actors write ranks 1..N; the driver is rank 0
+    # The driver recorded the input's problems as rank 0, the actors the decode errors as theirs.
+    errors = {p.name for p in (tmp_path / "ray" / "errors").iterdir()}
+    assert "errors-r00000.jsonl" in errors and errors - {"errors-r00000.jsonl"}
+    again = extract_ray(manifest, tmp_path / "ray", model=str(tiny_qwen3_vl))
+    assert again.nothing_to_do  # answered before Ray is touched
