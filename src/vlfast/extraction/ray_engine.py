@@ -34,13 +34,12 @@ import os
 import time
 import warnings
 from collections.abc import Collection, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from vlfast.extraction.inputs import Sample
-from vlfast.extraction.layout import OutputInUse
+from vlfast.extraction.layout import OutputInUse, is_local
 from vlfast.extraction.pipeline import (
     ExtractSummary,
     _cost,
@@ -52,6 +51,7 @@ from vlfast.extraction.pipeline import (
     _worker_init,
     extract,
 )
+from vlfast.extraction.store import rank_is_held
 
 __all__ = ["INSTALL_HINT", "extract_ray"]
 
@@ -59,6 +59,7 @@ INSTALL_HINT = "pip install 'vlfast[ray]'"
 DECODE_BATCH = 16  # samples per decode call, in one forked worker (~0.1 s to fork and reap it)
 RANK_WAIT_S = 120.0  # a model actor waits this long for a free rank (a dead actor's lock goes with it)
 RELEASE_WAIT_S = 600.0  # the driver waits this long for the model actors to commit their last shard
+MAX_RANK = 99_999  # rank numbers have five digits in file names
 MAX_PASSES = 3  # dataset passes: the first, plus re-runs of samples lost with a model actor that died
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # idle OpenMP threads sleep (see vlfast.cli.let_idle_threads_sleep)
 
@@ -95,7 +96,9 @@ def extract_ray(
     actors (1 CPU each; default: as many as the cluster's free CPUs allow, scaled by Ray Data). Without a
     GPU the device defaults to CPU; with GPUs, to CUDA (bfloat16), whatever the driver machine has.
     ``rank``/``world_size`` are refused: the actors share the work. OUT must be a folder every node sees
-    (a shared filesystem whose ``flock`` works across nodes when actors run on several).
+    (a shared filesystem whose ``flock`` works across nodes when actors run on several), or an fsspec URL
+    (``s3://bucket/out``, with ``storage_options``): then each model actor takes a fresh rank from a counter
+    actor and commits at the end of each call.
     """
     _import_ray()  # first: a missing Ray is a usage error before anything is read or written
     if kwargs.get("rank") is not None or kwargs.get("world_size") is not None:
@@ -118,13 +121,6 @@ def extract_ray(
     if num_workers is not None and num_workers < 1:
         raise ValueError(
             f"with the Ray engine num_workers (--workers) is the number of decode actors, >= 1; got {num_workers}"
-        )
-    from vlfast.extraction.remote import is_url
-
-    if is_url(os.fspath(out)):
-        raise ValueError(
-            f"OUT {os.fspath(out)!r} is a URL: the Ray engine writes to a folder every node sees (a shared "
-            "filesystem), claiming ranks by file lock; extract to such a folder and copy it"
         )
     wants_cuda = device is not None and torch.device(device).type == "cuda"
     gpus = float(num_gpus_per_worker) if num_gpus_per_worker is not None else (1.0 if wants_cuda else 0.0)
@@ -276,10 +272,21 @@ class _ModelStage:
     """
 
     def __init__(
-        self, out, run_config, volatile_keys, store_options, ranks, load_args, cfg, stored_as, budget, hook
+        self,
+        out,
+        run_config,
+        volatile_keys,
+        store_options,
+        ranks,
+        load_args,
+        cfg,
+        stored_as,
+        budget,
+        hook,
+        rank_counter=None,
     ):
         t0 = time.perf_counter()
-        self.store = _claim_rank(out, run_config, volatile_keys, store_options, ranks)
+        self.store = _claim_rank(out, run_config, volatile_keys, store_options, ranks, rank_counter)
         try:
             model, family, spec, device, dtype, patch_convs = load_args
             loaded = _load(model, family, spec, device, dtype, patch_convs)
@@ -337,7 +344,12 @@ class _ModelStage:
         for batch in pack(items, _cost, self.budget):
             for ref, patches in self.forward.store(batch, store, lambda it: it["ref"], record):
                 rows.append({"id": ref.id, "status": "ok", "patches": patches})
-        store.tick()  # commit_every counts here too, between calls
+        if is_local(store.out):
+            store.tick()  # commit_every counts here too, between calls
+        else:
+            # No locks on object storage to tell the driver when this actor's last shard is in: everything
+            # a call added is committed before its rows go back, so rows mean committed.
+            store.flush()
         if rows:
             rows[0].update(
                 compute_s=self.forward.compute_seconds - compute0,
@@ -353,13 +365,22 @@ class _ModelStage:
             store.close()
 
 
-def _claim_rank(out, run_config, volatile_keys, store_options, ranks: Sequence[int]):
+def _claim_rank(out, run_config, volatile_keys, store_options, ranks: Sequence[int] | None, counter=None):
     """This actor's FeatureStore at the first rank no live process holds.
 
     Ranks are flocks (released by the kernel when a process dies), so a restarted actor takes the rank of
-    the one it replaces, and an actor of an earlier run still exiting keeps its rank until it is gone."""
+    the one it replaces, and an actor of an earlier run still exiting keeps its rank until it is gone. On
+    object storage there are no locks: each actor (a restarted one too) takes a fresh rank from the job's
+    ``counter`` instead, so no two live actors share one."""
     from vlfast.extraction.store import FeatureStore
 
+    if counter is not None:
+        import ray
+
+        rank = ray.get(counter.take.remote())
+        return FeatureStore(
+            out, run_config, rank=rank, world_size=MAX_RANK + 1, volatile_keys=volatile_keys, **store_options
+        )
     deadline = time.monotonic() + RANK_WAIT_S
     while True:
         for rank in ranks:
@@ -380,6 +401,29 @@ def _claim_rank(out, run_config, volatile_keys, store_options, ranks: Sequence[i
                 f"{RANK_WAIT_S:g} s: another job writes this OUT, or actors of an earlier one have not exited"
             )
         time.sleep(1.0)
+
+
+class _RankCounter:
+    """Hands out ranks to the model actors of one job on an object-storage OUT: a Ray actor counting up from
+    past the highest rank OUT holds, so a job never reuses a rank an earlier job's late actor may still
+    write. (Two writers of one rank would still be safe there, names being created exclusively, but each
+    collision costs an upload.) Rank names have five digits: past ``MAX_RANK`` it starts again at 1."""
+
+    def __init__(self, first: int):
+        self.next = first
+
+    def take(self) -> int:
+        rank, self.next = self.next, self.next % MAX_RANK + 1
+        return rank
+
+    @classmethod
+    def start(cls, ray, out) -> Any:
+        from vlfast.extraction.layout import INDEX_DIR, PART_RE, SHARD_DIR, SHARD_RE, list_names
+
+        seen = [0]
+        for folder, rx in ((INDEX_DIR, PART_RE), (SHARD_DIR, SHARD_RE)):
+            seen += [int(m.group(1)) for n in list_names(out / folder) if (m := rx.match(n))]
+        return ray.remote(num_cpus=0)(cls).remote(max(seen) % MAX_RANK + 1)
 
 
 # ------------------------------------------------------------------------------------------- the driver
@@ -554,11 +598,12 @@ class _RayEngine:
             # times; one that keeps dying fails the job (run it again to resume) instead of looping.
             runtime_env=self.stage_env,
             fn_constructor_kwargs=dict(
-                out=str(job.store.out),
+                out=job.store.out,  # a Path, or a UPath carrying its storage options
                 run_config=job.run_config,
                 volatile_keys=tuple(job.volatile_keys),
                 store_options=store_options,
-                ranks=list(range(1, self.workers + 1)),
+                ranks=list(range(1, self.workers + 1)) if is_local(job.store.out) else None,
+                rank_counter=None if is_local(job.store.out) else _RankCounter.start(ray, job.store.out),
                 load_args=(job.model, job.family, job.spec, device, job.dtype, job.patch_convs),
                 cfg=job.cfg,
                 stored_as=job.stored_as,
@@ -569,32 +614,23 @@ class _RayEngine:
 
     @staticmethod
     def _held_ranks(job: _Job) -> list[int]:
-        """Ranks of OUT other than the driver's whose lock a live process holds now."""
+        """Ranks of OUT other than the driver's whose lock a live process holds now (none on object storage,
+        which has no locks)."""
         from vlfast.extraction.layout import LOCK_DIR
-        from vlfast.extraction.store import _try_lock, _unlock
 
-        held = []
-        for path in sorted((Path(job.store.out) / LOCK_DIR).glob("rank-*.lock")):
-            rank = int(path.stem.removeprefix("rank-"))
-            if rank != job.store.rank:
-                fd = _try_lock(path)
-                if fd is None:
-                    held.append(rank)
-                _unlock(fd)
-        return held
+        if not is_local(job.store.out):
+            return []
+        ranks = (int(p.stem.removeprefix("rank-")) for p in (job.store.out / LOCK_DIR).glob("rank-*.lock"))
+        return sorted(r for r in ranks if r != job.store.rank and rank_is_held(job.store.out, r))
 
     @staticmethod
     def _wait_released(job: _Job, ranks: Collection[int], timeout: float) -> list[int]:
         """Wait until no process holds these ranks of OUT: each writer has closed its store (committed its
         last shard) or died. Returns the ranks still held after ``timeout`` seconds."""
-        from vlfast.extraction.store import _try_lock, _unlock
-
         deadline = time.monotonic() + timeout
         for k, rank in enumerate(sorted(ranks)):
-            path = Path(job.store._lock_path(rank))
-            while (fd := _try_lock(path)) is None:
+            while rank_is_held(job.store.out, rank):
                 if time.monotonic() > deadline:
                     return sorted(ranks)[k:]
                 time.sleep(0.1)
-            _unlock(fd)
         return []

@@ -131,6 +131,7 @@ __all__ = [
     "read_errors",
     "read_index_part",
     "read_run_file",
+    "rank_is_held",
     "read_state",
 ]
 
@@ -325,6 +326,20 @@ def _clear_owned(folder: Path, owned: Any) -> None:
         return
     if folder.exists():
         shutil.rmtree(folder)
+
+
+def rank_is_held(out: Any, rank: int) -> bool:
+    """Whether a live process holds ``rank`` of the local folder ``out`` now (its store is open). Always
+    False on object storage, which has no locks."""
+    out = resolve_out(out)
+    if not is_local(out):
+        return False
+    path = out / LOCK_DIR / f"rank-{rank:05d}.lock"
+    if not path.exists():
+        return False
+    fd = _try_lock(path)
+    _unlock(fd)
+    return fd is None
 
 
 # ----------------------------------------------------------------------------------------------------
