@@ -220,8 +220,10 @@ def _put_remote(path: Any, data: bytes | Path, exclusive: bool) -> None:
     try:
         try:
             put()
-        except FileNotFoundError:  # a store with real folders (fsspec's local one, SFTP): make the parent
-            fs.makedirs(fs._parent(key), exist_ok=True)
+        except FileNotFoundError:
+            if _has_buckets(fs):  # the bucket itself is gone: never create one behind the user's back
+                raise
+            fs.makedirs(fs._parent(key), exist_ok=True)  # a store with real folders (fsspec's local, SFTP)
             put()
     except FileExistsError:
         raise
@@ -231,6 +233,13 @@ def _put_remote(path: Any, data: bytes | Path, exclusive: bool) -> None:
             raise FileExistsError(str(path)) from None
         raise
     fs.invalidate_cache(key)
+
+
+def _has_buckets(fs: Any) -> bool:
+    from vlfast.extraction.remote import _BUCKET_PROTOCOLS
+
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & _BUCKET_PROTOCOLS)
 
 
 def _remote_modified(path: Any) -> float | None:
