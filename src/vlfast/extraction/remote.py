@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vlfast._files import ByteWindow
+
 if TYPE_CHECKING:
     from vlfast.extraction.inputs import InputProblem, Sample
 
@@ -342,7 +344,7 @@ def _short(url: str, what: str, start: int, got: int, end: int) -> OSError:
     )
 
 
-class _RangeReader(io.RawIOBase):
+class _RangeReader(ByteWindow):
     """A read-only, seekable view of the ``size`` bytes at ``offset`` of an object, fetched with ranged
     requests that never reach past the view's end.
 
@@ -356,18 +358,11 @@ class _RangeReader(io.RawIOBase):
     MIN_BLOCK, MAX_BLOCK = 64 << 10, 8 << 20
 
     def __init__(self, fs, path: str, url: str, options_json: str, offset: int, size: int, name: str):
-        super().__init__()
+        super().__init__(size, name)
         self._fs, self._path, self._url, self._options = fs, path, url, options_json
-        self._offset, self._size, self._pos = offset, size, 0
+        self._offset = offset
         self._buf, self._buf_at, self._block = b"", 0, self.MIN_BLOCK
         self.requests = self.fetched = 0  # what it cost, for measurements
-        self.name = name  # PyAV hands it to FFmpeg, whose format probe weighs the file extension
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
 
     def _fill(self, want: int) -> None:
         dense = self.requests > 0 and 0 <= self._pos - (self._buf_at + len(self._buf)) < self._block
@@ -395,18 +390,6 @@ class _RangeReader(io.RawIOBase):
                 done += k
                 self._pos += k
         return done
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}.get(whence)
-        if base is None:
-            raise ValueError(f"invalid whence {whence}")
-        if base + offset < 0:
-            raise OSError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
 
 def open_range(url: str, options_json: str, offset: int, size: int, name: str) -> io.BufferedReader:

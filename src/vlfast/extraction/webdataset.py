@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from vlfast._files import ByteWindow
 from vlfast.extraction.inputs import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
@@ -182,20 +183,13 @@ def _base_folder(pattern: str) -> str:
 # --------------------------------------------------------------------------------------- tar members
 
 
-class _MemberFile(io.RawIOBase):
+class _MemberFile(ByteWindow):
     """A read-only, seekable view of ``size`` bytes at ``offset`` of a file (positioned reads: no copy)."""
 
     def __init__(self, path: str, offset: int, size: int, name: str):
-        super().__init__()
+        super().__init__(size, name)
         self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self._offset, self._size, self._pos = offset, size, 0
-        self.name = name  # PyAV hands it to FFmpeg, whose format probe weighs the file extension
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
+        self._offset = offset
 
     def readinto(self, buffer) -> int:
         n = min(len(buffer), self._size - self._pos)
@@ -205,18 +199,6 @@ class _MemberFile(io.RawIOBase):
             got = os.preadv(self._fd, [view[:n]], self._offset + self._pos)
         self._pos += got
         return got
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}.get(whence)
-        if base is None:
-            raise ValueError(f"invalid whence {whence}")
-        if base + offset < 0:
-            raise OSError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
     def close(self) -> None:
         if not self.closed:
