@@ -362,3 +362,38 @@ def test_wrong_credentials_for_out_exit_2_never_showing_the_secret(endpoint, med
             store.add("ok", fake_features("ok"))
         assert FeatureCache(good).ids() == ["ok"]
     assert not _keys(out.removeprefix(f"s3://{BUCKET}/") + "/")  # the refused runs wrote nothing
+
+
+def test_dataloader_workers_read_s3_forked_or_spawned(endpoint):
+    """fsspec's async clients are not fork-safe: a forked DataLoader worker gets a client of its own (it
+    used to fail every read, reported as a damaged shard)."""
+    out = _fresh("loader")
+    with _store(out) as store:
+        for k in range(6):
+            store.add(f"s{k}", fake_features(f"s{k}"))
+    cache = FeatureCache(out, verify=True)
+    expected = {sid: cache[sid]["tokens"] for sid in cache.ids()}  # the parent's client is in use
+    for context in ("fork", "spawn"):
+        loader = torch.utils.data.DataLoader(
+            cache, batch_size=2, num_workers=2, collate_fn=list, multiprocessing_context=context
+        )
+        got = [f["tokens"] for batch in loader for f in batch]
+        assert len(got) == 6 and all(torch.equal(g, expected[s]) for g, s in zip(got, cache.ids())), context
+
+
+def test_a_store_that_does_not_answer_is_not_called_damage(endpoint, monkeypatch):
+    from vlfast.extraction.cache import ShardReadError
+
+    out = _fresh("unanswered")
+    with _store(out) as store:
+        store.add("a", fake_features("a"))
+    cache = FeatureCache(out)
+    cache[0]  # the shard's handle is open; now the network goes
+
+    def refused(*a, **k):
+        raise ConnectionError("connection refused")
+
+    monkeypatch.setattr(cache._handles[0]._fs, "cat_file", refused)
+    with pytest.raises(ShardReadError, match="cannot read .* connection refused") as e:
+        cache["a"]
+    assert not isinstance(e.value, DamagedFile)

@@ -111,7 +111,9 @@ class FeatureCache(torch.utils.data.Dataset):
         self._ids = [ids[i] for i in keep]
         shard_names = sorted(set(shards))
         shard_no = {s: k for k, s in enumerate(shard_names)}
+        self._shard_names = shard_names
         self._shard_paths = [self.out / s for s in shard_names]
+        self._pid = os.getpid()
         self._expected_bytes = [self._shard_bytes.get(s) for s in shard_names]
         self._shard = [shard_no[shards[i]] for i in keep]
         self._row = [rows[i] for i in keep]
@@ -171,6 +173,8 @@ class FeatureCache(torch.utils.data.Dataset):
         for n in names:
             try:
                 t = handle.get_tensor(f"{row}/{n}")
+            except ShardReadError:
+                raise  # the store did not answer: not damage
             except Exception as e:  # noqa: BLE001 - safetensors raises its own types; name the file and sample
                 raise DamagedFile(
                     f"cannot read feature {n!r} of sample {self._ids[i]!r} from {self._shard_paths[k]}: {e}"
@@ -227,6 +231,8 @@ class FeatureCache(torch.utils.data.Dataset):
     # -- shard handles -------------------------------------------------------------------------------
 
     def _handle(self, k: int, sample_id: str):
+        if self._pid != os.getpid():
+            self._reopen_after_fork()
         h = self._handles.get(k)
         if h is not None:
             self._handles.move_to_end(k)
@@ -261,11 +267,24 @@ class FeatureCache(torch.utils.data.Dataset):
             self._handles.popitem(last=False)
         return h
 
+    def _reopen_after_fork(self) -> None:
+        """A forked DataLoader worker cannot use its parent's object-storage client (fsspec's async clients
+        refuse: "not fork-safe"); it gets its own, as a spawned worker does through pickling."""
+        self._pid = os.getpid()
+        self._handles.clear()
+        if not is_local(self.out):
+            self.out = resolve_out(str(self.out), dict(self.out.storage_options))
+            self._shard_paths = [self.out / s for s in self._shard_names]
+
     def __getstate__(self) -> dict:
         # DataLoader workers (spawn) receive a copy: drop open mappings, each process opens its own.
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         return state
+
+
+class ShardReadError(OSError):
+    """A shard on object storage could not be read (network, credentials, throttling): not damage."""
 
 
 class _RangeShard:
@@ -275,7 +294,7 @@ class _RangeShard:
     def __init__(self, path: Any, size: int):
         from vlfast.extraction.integrity import open_shard
 
-        self._fs, self._key = path.fs, path.path
+        self._fs, self._key, self._url = path.fs, path.path, str(path)
         self._data_start, _, self._header = open_shard(path).header()
         self._size = size
 
@@ -291,7 +310,14 @@ class _RangeShard:
         if end > self._size:
             raise ValueError(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._size:,}")
         dtype = DTYPE_BY_NAME[next(k for k, v in SAFETENSORS_DTYPE.items() if v == entry["dtype"])]
-        data = bytearray(self._fs.cat_file(self._key, start=start, end=end)) if end > start else bytearray()
+        try:
+            data = (
+                bytearray(self._fs.cat_file(self._key, start=start, end=end)) if end > start else bytearray()
+            )
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 - each client raises its own types
+            raise ShardReadError(f"cannot read {name!r} from {self._url}: {type(e).__name__}: {e}") from None
         if len(data) != end - start:
             raise ValueError(f"tensor {name!r}: {len(data):,} bytes read of {end - start:,}")
         if not data:
