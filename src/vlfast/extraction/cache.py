@@ -292,10 +292,10 @@ class _RangeShard:
     with one ranged GET of exactly its bytes, so a lookup never downloads the shard."""
 
     def __init__(self, path: Any, size: int):
-        from vlfast.extraction.integrity import open_shard
+        from vlfast.extraction.integrity import _RemoteShard
 
         self._fs, self._key, self._url = path.fs, path.path, str(path)
-        self._data_start, _, self._header = open_shard(path).header()
+        self._data_start, _, self._header = _RemoteShard(path, size).header()  # the size _handle just asked
         self._size = size
 
     def metadata(self) -> dict[str, str] | None:

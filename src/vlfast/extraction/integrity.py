@@ -139,9 +139,9 @@ class _RemoteShard:
 
     WINDOW = 64 << 20
 
-    def __init__(self, path: Any):
+    def __init__(self, path: Any, size: int | None = None):
         self._fs, self._key = path.fs, path.path
-        self.size = remote_size(path)
+        self.size = remote_size(path) if size is None else size
 
     def read(self, start: int, n: int) -> bytes:
         return self._fs.cat_file(self._key, start=start, end=start + n) if n > 0 else b""

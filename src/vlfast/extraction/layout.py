@@ -35,7 +35,6 @@ INDEX_DIR = "index"
 ERROR_DIR = "errors"
 LOCK_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 MAX_ID_BYTES = 4096  # an id is stored in Parquet, JSON and the shard header; longer ones are refused
 
 SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
@@ -82,8 +81,10 @@ def resolve_out(out: Any, storage_options: dict[str, Any] | None = None) -> Path
     fsspec filesystem, opened with ``storage_options``. A path object is returned as it is."""
     if isinstance(out, Path) or hasattr(out, "fs"):  # a local path, or already a UPath
         return out
+    from vlfast.extraction.remote import is_url
+
     text = os.fspath(out)
-    if not _SCHEME.match(text):
+    if not is_url(text):
         return Path(text)
     if text.lower().startswith("file://"):
         from urllib.parse import unquote, urlsplit

@@ -297,6 +297,12 @@ def attach(
     return out, problems
 
 
+def has_buckets(fs: Any) -> bool:
+    """Whether an fsspec filesystem's first path component is a bucket (S3, GCS, Azure...)."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & _BUCKET_PROTOCOLS)
+
+
 def probe_out(out: Any) -> None:
     """An OUT on object storage must be reachable with the credentials given, and its bucket must exist
     (OUT itself need not): else RemoteInputError / FileNotFoundError naming the URL, before any work."""
@@ -304,8 +310,7 @@ def probe_out(out: Any) -> None:
     options_json = _options_json(getattr(out, "storage_options", None))
     fs, path = out.fs, out.path
     fs.invalidate_cache()
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    bucket = path.strip("/").split("/", 1)[0] if protocols & _BUCKET_PROTOCOLS else None
+    bucket = path.strip("/").split("/", 1)[0] if has_buckets(fs) else None
     try:
         if bucket is None:
             fs.exists(path)

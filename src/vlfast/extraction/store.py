@@ -221,7 +221,9 @@ def _put_remote(path: Any, data: bytes | Path, exclusive: bool) -> None:
         try:
             put()
         except FileNotFoundError:
-            if _has_buckets(fs):  # the bucket itself is gone: never create one behind the user's back
+            from vlfast.extraction.remote import has_buckets
+
+            if has_buckets(fs):  # the bucket itself is gone: never create one behind the user's back
                 raise
             fs.makedirs(fs._parent(key), exist_ok=True)  # a store with real folders (fsspec's local, SFTP)
             put()
@@ -233,13 +235,6 @@ def _put_remote(path: Any, data: bytes | Path, exclusive: bool) -> None:
             raise FileExistsError(str(path)) from None
         raise
     fs.invalidate_cache(key)
-
-
-def _has_buckets(fs: Any) -> bool:
-    from vlfast.extraction.remote import _BUCKET_PROTOCOLS
-
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    return bool(protocols & _BUCKET_PROTOCOLS)
 
 
 def _remote_modified(path: Any) -> float | None:
@@ -337,13 +332,17 @@ def _clear_owned(folder: Path, owned: Any) -> None:
         shutil.rmtree(folder)
 
 
+def _lock_path(out: Path, rank: int) -> Path:
+    return out / LOCK_DIR / f"rank-{rank:05d}.lock"
+
+
 def rank_is_held(out: Any, rank: int) -> bool:
     """Whether a live process holds ``rank`` of the local folder ``out`` now (its store is open). Always
     False on object storage, which has no locks."""
     out = resolve_out(out)
     if not is_local(out):
         return False
-    path = out / LOCK_DIR / f"rank-{rank:05d}.lock"
+    path = _lock_path(out, rank)
     if not path.exists():
         return False
     fd = _try_lock(path)
@@ -602,7 +601,7 @@ class FeatureStore:
         )
 
     def _lock_path(self, rank: int) -> Path:
-        return self.out / LOCK_DIR / f"rank-{rank:05d}.lock"
+        return _lock_path(self.out, rank)
 
     def _release(self) -> None:
         _unlock(getattr(self, "_lock", None))
