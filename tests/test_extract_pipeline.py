@@ -318,3 +318,35 @@ def test_device_decisions_on_fabricated_facts(monkeypatch):
     calls.clear()
     image = torch.randn(4, 1536)
     assert pl._pixels_to(image, torch.device("cpu"), cfg) is image and calls == []  # nothing to pin on CPU
+
+
+@pytest.mark.parametrize(
+    "oom",
+    [
+        lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        lambda: RuntimeError("CUDA out of memory."),
+    ],
+    ids=["OutOfMemoryError", "RuntimeError"],
+)
+def test_oom_retry_runs_after_the_failed_attempt_is_freed(oom):
+    """The halves run with the failed attempt's tensors freed: its exception (whose traceback holds the
+    forward's frames and their activations) is not kept, only its message."""
+    import weakref
+
+    attempts: list[list[weakref.ref]] = []
+    alive_at_retry: list[int] = []
+
+    def forward(batch):
+        # Each attempt finds every earlier attempt's activations gone.
+        alive_at_retry.append(sum(r() is not None for refs in attempts for r in refs))
+        activations = [torch.ones(256, 256) * x for x in batch]  # real allocations the frame holds
+        attempts.append([weakref.ref(t) for t in activations])
+        if len(batch) > 1 or batch[0] == 3:
+            raise oom()  # a fresh error each time, as the allocator raises
+        return [float(a[0, 0]) for a in activations]
+
+    out = run_split_on_oom([1, 2, 3, 4], forward)
+    assert out[0] == 1.0 and out[1] == 2.0 and out[3] == 4.0
+    assert out[2].item == 3 and out[2].error == str(oom()) and isinstance(out[2].error, str)
+    assert len(attempts) == 7  # [1,2,3,4] -> [1,2] [3,4] -> [1] [2] [3] [4]
+    assert alive_at_retry == [0] * 7

@@ -74,7 +74,10 @@ def is_oom(error: BaseException) -> bool:
 
 
 class _Failed(Generic[T]):
-    def __init__(self, item: T, error: BaseException):
+    """An item that ran out of memory even alone; ``error`` is the allocator's message (text only: the
+    exception itself would keep the failed forward's frames, and their tensors, alive)."""
+
+    def __init__(self, item: T, error: str):
         self.item, self.error = item, error
 
 
@@ -87,22 +90,31 @@ def run_split_on_oom(
     """``fn(batch)``, splitting the batch in halves on out-of-memory until single samples fail.
 
     Returns one entry per item, in order: ``fn``'s result, or a :class:`_Failed` holding the item and its
-    OOM error when even that item alone does not fit. Other exceptions propagate.
+    OOM message when even that item alone does not fit. Other exceptions propagate.
+
+    The halves run after the ``except`` block has ended, with only the error's message kept: the exception's
+    traceback holds the failed attempt's frames, and with them its activations, so retrying inside the
+    handler would run each half with the whole batch's memory still allocated (and split again).
     """
     try:
-        out = fn(batch)
+        return _checked(batch, fn(batch))
     except Exception as e:  # noqa: BLE001 - only OOM is handled, the rest is re-raised
         if not is_oom(e):
             raise
-        _free_device_memory()
-        if on_oom is not None:
-            on_oom(len(batch))
-        if len(batch) == 1:
-            return [_Failed(batch[0], e)]
-        half = len(batch) // 2
-        return run_split_on_oom(batch[:half], fn, on_oom=on_oom) + run_split_on_oom(
-            batch[half:], fn, on_oom=on_oom
-        )
+        message = str(e)
+    # Here the exception and its traceback are gone: the failed attempt's tensors are free.
+    _free_device_memory()
+    if on_oom is not None:
+        on_oom(len(batch))
+    if len(batch) == 1:
+        return [_Failed(batch[0], message)]
+    half = len(batch) // 2
+    return run_split_on_oom(batch[:half], fn, on_oom=on_oom) + run_split_on_oom(
+        batch[half:], fn, on_oom=on_oom
+    )
+
+
+def _checked(batch: Sequence[T], out: list[R]) -> list[R]:
     if len(out) != len(batch):
         raise RuntimeError(f"batch function returned {len(out)} results for {len(batch)} items")
     return list(out)
