@@ -528,11 +528,12 @@ def test_truncated_video_reason(tmp_path, cfg, name, codec):
 
 
 def test_truncated_video_seek_failure_is_named(tmp_path, cfg):
-    """The case FFmpeg reports as "[Errno 1] Operation not permitted" from the seek back to the start.
+    """The cuts FFmpeg opens with no packet in the stream, whose seek back to the start it then refuses
+    with "[Errno 1] Operation not permitted": vlfast stops before the seek and says there are no frames.
 
     Which cut makes FFmpeg fail at which step shifts by a few bytes from one encode to the next (x264's
     output is not byte-stable across runs), so every cut through the index is tried: each refusal names
-    the box it ends in, and the seek failure, wherever it falls, names its step.
+    the box it ends in, and the packet-less cut, wherever it falls, says so.
     """
     from vlfast.extraction.synthetic import make_video
 
@@ -548,9 +549,27 @@ def test_truncated_video_seek_failure_is_named(tmp_path, cfg):
             message = str(e)
             assert message.startswith(f"truncated or corrupt video: {cut} ends at byte {size}"), message
             assert "inside its mp4 'moov' box" in message, message
-            if "seeking back to its start failed" in message:
+            assert "Operation not permitted" not in message, message
+            if "video has no frames" in message:
                 seek_failures.append(size)
-    assert seek_failures, "no cut made the seek back to the start fail: the case is not exercised"
+    assert seek_failures, "no cut left the stream without packets: the case is not exercised"
+
+
+@pytest.mark.parametrize("suffix", [".avi", ".mp4"])
+def test_video_without_frames_says_so(tmp_path, cfg, suffix):
+    """A whole file whose video stream holds no frame: FFmpeg refuses the seek back to its start with
+    "[Errno 1] Operation not permitted" (AVI); the reason must say the video has no frames."""
+    import av
+
+    path = tmp_path / f"zero{suffix}"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        container.start_encoding()  # the header is written, then no frame
+    with pytest.raises(SampleError) as e:
+        read_video(str(path), cfg)
+    assert "no frames" in str(e.value) or "no video stream" in str(e.value), str(e.value)
+    assert "Operation not permitted" not in str(e.value) and "truncated" not in str(e.value)
 
 
 @pytest.mark.parametrize("kind", ["image", "video"])
