@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from vlfast.cli._common import (
+    EXIT_ERROR,
     EXIT_FINDING,
     DeviceOpt,
     DtypeOpt,
@@ -20,6 +21,7 @@ from vlfast.cli._common import (
     err_console,
     handle_errors,
     print_json,
+    print_table,
 )
 
 DEMO_MODEL = "ref:qwen3-vl-2b"
@@ -218,6 +220,7 @@ def extract(
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
         _verify(paths[0], as_json, _storage_options(storage_options))
         return
+    from vlfast.extraction.pipeline import UnexpectedSampleErrors
     from vlfast.extraction.resume import RunConfigMismatch
 
     if demo:
@@ -281,6 +284,9 @@ def extract(
     except RunConfigMismatch as e:
         e.remedy = "pass --overwrite to delete what it holds and start again"
         raise
+    except UnexpectedSampleErrors as e:
+        err_console.print(f"[bold red]vlfast: stopped by a bug:[/bold red] {escape(str(e))}", highlight=False)
+        raise typer.Exit(EXIT_ERROR) from None
     if as_json:
         print_json(summary.to_dict())
     elif summary.nothing_to_do:
@@ -293,10 +299,17 @@ def extract(
         )
     else:
         _print_summary(summary, out)
+    if summary.unexpected:
+        err_console.print(
+            f"[bold red]not done:[/bold red] {summary.unexpected} samples failed with an unexpected error (a bug, "
+            "not their media; the warnings above name them): nothing was recorded for them, so the same command "
+            "tries them again"
+        )
     if summary.stopped:
         err_console.print(
             f"[bold red]stopped:[/bold red] {escape(summary.stopped)}; committed samples are kept"
         )
+    if summary.stopped or summary.unexpected:
         raise typer.Exit(EXIT_FINDING)
 
 
@@ -393,7 +406,7 @@ def _print_summary(summary, out: str) -> None:
         else ("engine", f"{summary.engine}: the driver is rank 0, model actors ranks 1 and up"),
         ("entries", f"{summary.total} in input, {summary.assigned} for this rank"),
         ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
-        ("failed", f"{summary.failed}" + (f"  {summary.errors}" if summary.errors else "")),
+        ("failed", f"{summary.failed} recorded in OUT/errors" if summary.failed else "0"),
         ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
         ("time", f"{summary.seconds:.1f} s ({summary.compute_seconds:.1f} s in model forwards)"),
         (
@@ -402,6 +415,10 @@ def _print_summary(summary, out: str) -> None:
             f"{summary.load_seconds:.1f} s, weights hashed in {summary.fingerprint_seconds:.2f} s",
         ),
     ]
+    if summary.unexpected:
+        rows.append(
+            ("not done", f"{summary.unexpected} (an unexpected error: not recorded, tried again next run)")
+        )
     if summary.oom_splits:
         rows.append(("OOM splits", str(summary.oom_splits)))
     if summary.quarantined:
@@ -409,6 +426,13 @@ def _print_summary(summary, out: str) -> None:
     for k, v in rows:
         table.add_row(k, escape(v))
     console.print(table)
+    if summary.errors:
+        kinds = Table(show_edge=False, box=None, padding=(0, 2))
+        kinds.add_column("error kind")
+        kinds.add_column("samples", justify="right")
+        for kind, count in sorted(summary.errors.items(), key=lambda kv: (-kv[1], kv[0])):
+            kinds.add_row(escape(kind), str(count))
+        print_table(kinds)
     if summary.failed:
         console.print(
             f"errors with reasons: {_errors_dir(out)}", highlight=False, markup=False, soft_wrap=True

@@ -44,8 +44,22 @@ from vlfast.extraction.preprocess import (
     build_processor_config,
     normalize_video_patches,
 )
+from vlfast.extraction.workers import unexpected_item
 
-__all__ = ["ExtractSummary", "default_batch_tokens", "default_num_workers", "extract"]
+__all__ = [
+    "UNEXPECTED_IN_A_ROW",
+    "ExtractSummary",
+    "UnexpectedSampleErrors",
+    "default_batch_tokens",
+    "default_num_workers",
+    "extract",
+]
+
+# Samples in a row whose decoding raised an unexpected exception (a bug, not bad media) before the run
+# stops. One alone may be a rare file tripping a library bug: it is left undone (retried by the next run)
+# and the run goes on. A regression fails every sample it touches, so it shows as a run of them at once;
+# 3 stops it within a few samples while two unlucky neighbours do not stop a long run.
+UNEXPECTED_IN_A_ROW = 3
 
 RUNTIME_KEY = "runtime"  # run-config entries that may change on resume (how, not what, is computed)
 
@@ -91,6 +105,10 @@ class ExtractSummary:
     oom_splits: int = 0
     cpu_seconds: float | None = None  # CPU time of this process and its finished workers during the run
     stopped: str | None = None  # why the run stopped early (--max-errors), else None
+    # Samples whose decoding raised an unexpected exception (a bug, not their media): neither extracted nor
+    # recorded, so not done: the next run tries them again. Complete run: skipped + extracted + failed +
+    # unexpected == assigned.
+    unexpected: int = 0
     features: list[str] = field(default_factory=list)
     nothing_to_do: bool = False  # OUT already held everything: no lock taken, no model loaded
     quarantined: list[str] = field(default_factory=list)  # damaged index parts moved aside, redone
@@ -122,9 +140,52 @@ def _cpu_seconds() -> float | None:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+class UnexpectedSampleErrors(RuntimeError):
+    """``UNEXPECTED_IN_A_ROW`` samples in a row failed to decode with an unexpected exception: a bug, not bad
+    media. The run stops (what is committed stays) instead of recording every sample as failed."""
+
+
+class _Unexpected:
+    """Samples whose decoding raised something other than a media problem: counted in the summary, warned
+    about, never recorded (a record would make them done); ``UNEXPECTED_IN_A_ROW`` in a row stop the run."""
+
+    def __init__(self, summary: ExtractSummary):
+        self.summary, self.in_a_row = summary, 0
+        self.ids: set[str] = set()
+
+    def other(self) -> None:
+        """A sample came back extracted or recorded: the run of unexpected errors is broken."""
+        self.in_a_row = 0
+
+    def add(self, sample_id: str, source: str, reason: str, trace: str | None) -> None:
+        self.ids.add(sample_id)
+        self.summary.unexpected = len(self.ids)  # a call Ray retried may bring a sample back twice
+        self.in_a_row += 1
+        where = f"{sample_id!r} ({source})"
+        if self.in_a_row >= UNEXPECTED_IN_A_ROW:
+            raise UnexpectedSampleErrors(
+                f"{self.in_a_row} samples in a row failed with an unexpected error, the last {where}: a bug "
+                "in vlfast or a library it calls, not bad media, so nothing was recorded for them; committed "
+                f"work is kept. Fix it (or report it with this traceback), then run the same command.\n"
+                f"{trace or reason}"
+            )
+        warnings.warn(
+            f"sample {where} failed with an unexpected error ({reason}): not recorded, the next run tries it "
+            "again",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
 def _error_kind(reason: str) -> str:
-    """A short class of an error reason for counts: the text before the first colon."""
-    return reason.split(":", 1)[0].strip()[:60] or "error"
+    """A short class of an error reason for counts: the text before the first ": ", cut to whole words
+    within 40 characters (and before a parenthesis the cut leaves open)."""
+    kind = reason.split(": ", 1)[0].strip()
+    if len(kind) > 40:
+        kind = kind[:41].rsplit(" ", 1)[0]
+        if kind.count("(") > kind.count(")"):
+            kind = kind[: kind.rindex("(")].rstrip()
+    return kind or "error"
 
 
 # ------------------------------------------------------------------------------------------ the dataset
@@ -173,10 +234,12 @@ class _SampleDataset(torch.utils.data.Dataset):
                 media = "image" if s.kind == "image" else "video"
                 item["meta"] = {**meta, "prompt": prompt.replace("{kind}", media)}
             return item
-        except SampleError as e:
+        except SampleError as e:  # bad media or input: the sample's error record
             return {"i": i, "ok": False, "reason": str(e)}
-        except Exception as e:  # noqa: BLE001 - a worker must never kill the run; the reason is recorded
-            return {"i": i, "ok": False, "reason": f"unexpected {type(e).__name__}: {e}"}
+        except Exception as e:  # noqa: BLE001 - a worker must never kill the run; the caller decides
+            # Not a media problem but a bug (an AttributeError after a refactor): never recorded as the
+            # sample's error, which would make it done; see _Unexpected.
+            return unexpected_item(i, e)
 
 
 def _worker_init(_: int) -> None:
@@ -854,16 +917,23 @@ def _run(
     dataset = _SampleDataset(todo, pre, prompts, spec.prompt, decode_hook)
     forward = _Forward(loaded, spec, cfg, stored_as, prompts, forward_hook)
 
+    unexpected = _Unexpected(summary)
+
     def stop_now() -> bool:
         return max_errors is not None and store.num_errors > max_errors
 
     def good_items(pool: WorkerPool) -> Iterator[dict[str, Any]]:
         for item in pool:
             store.tick()  # a slow stretch of decoding still commits what is buffered
+            sample = todo[item["i"]]
+            if item.get("unexpected"):
+                bar.update(samples=1)
+                unexpected.add(sample.id, sample.source, item["reason"], item.get("traceback"))
+                continue
+            unexpected.other()
             if item["ok"]:
                 yield item
                 continue
-            sample = todo[item["i"]]
             record(sample.id, sample.source, item["reason"])
             if stop_now():
                 summary.stopped = f"more than {max_errors} errors (--max-errors)"

@@ -48,6 +48,7 @@ from vlfast.extraction.pipeline import (
     _Job,
     _load,
     _SampleDataset,
+    _Unexpected,
     _worker_init,
     extract,
 )
@@ -162,6 +163,7 @@ def _schemas():
             ("source", pa.string()),
             ("kind", pa.string()),
             ("reason", pa.string()),  # why it failed to decode; null when it decoded
+            ("traceback", pa.string()),  # set when that failure was unexpected (a bug, not the media)
             ("tensors", pa.large_binary()),  # safetensors bytes: pixel_values, and input_ids for llm
             ("grid", pa.list_(pa.int64())),
             ("tokens", pa.int64()),
@@ -171,8 +173,9 @@ def _schemas():
     done = pa.schema(
         [
             ("id", pa.string()),
-            ("status", pa.string()),  # ok (added to the actor's store), error (recorded), known, done
-            ("reason", pa.string()),
+            # ok (added to the actor's store), error (recorded), known, done, unexpected (a bug: not recorded)
+            ("status", pa.string()),
+            ("reason", pa.string()),  # for unexpected: the traceback
             ("patches", pa.int64()),
             ("compute_s", pa.float64()),  # this call's time inside forwards, on its first row
             ("oom_splits", pa.int64()),  # likewise
@@ -246,8 +249,10 @@ class _Decode:
         ) as pool:
             for item in pool:
                 s = samples[item["i"]]
-                row = {"id": s.id, "source": s.source, "kind": s.kind, "reason": None}
-                if item["ok"]:
+                row = {"id": s.id, "source": s.source, "kind": s.kind, "reason": None, "traceback": None}
+                if item.get("unexpected"):
+                    row.update(reason=item["reason"], traceback=item.get("traceback") or item["reason"])
+                elif item["ok"]:
                     tensors = {"pixel_values": item["pixel_values"].contiguous()}
                     if "input_ids" in item:
                         tensors["input_ids"] = item["input_ids"].contiguous()
@@ -325,6 +330,8 @@ class _ModelStage:
         for r in table.to_pylist():
             if r["id"] in self.done:
                 rows.append({"id": r["id"], "status": "done"})
+            elif r["traceback"] is not None:  # a bug, not bad media: never recorded (that would make it done)
+                rows.append({"id": r["id"], "status": "unexpected", "reason": r["traceback"]})
             elif r["reason"] is not None:
                 record(r["id"], r["source"], r["reason"])
             else:
@@ -496,6 +503,7 @@ class _RayEngine:
         summary.skipped += len(job.todo) - len(remaining)
         added: dict[str, int] = {}  # id -> patches, of samples a model actor added (buffered or committed)
         load_s = 0.0
+        unexpected = _Unexpected(summary)
         for attempt in range(MAX_PASSES):
             if not remaining:
                 break
@@ -512,6 +520,12 @@ class _RayEngine:
                     summary.compute_seconds += row["compute_s"] or 0.0
                     summary.oom_splits += row["oom_splits"] or 0
                     load_s = max(load_s, row["load_s"] or 0.0)
+                    if row["status"] == "unexpected":
+                        job.bar.update(samples=1)
+                        trace = row["reason"]
+                        unexpected.add(row["id"], "", trace.strip().splitlines()[-1], trace)
+                        continue
+                    unexpected.other()
                     if row["status"] == "ok":
                         if row["id"] not in added:
                             job.bar.update(samples=1, tokens=row["patches"])
@@ -534,7 +548,8 @@ class _RayEngine:
                     stacklevel=2,
                 )
             done = job.store.done_ids()
-            remaining = [s for s in remaining if s.id not in done]
+            # A sample whose decoding hit a bug is not done, but not lost either: the next run retries it.
+            remaining = [s for s in remaining if s.id not in done and s.id not in unexpected.ids]
             if summary.stopped:
                 break
         summary.extracted = sum(1 for i in added if i in done)

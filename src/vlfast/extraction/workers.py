@@ -39,6 +39,7 @@ import struct
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions on ForkingPickler
 
-__all__ = ["PoolStats", "WorkerPool", "death_reason"]
+__all__ = ["PoolStats", "WorkerPool", "death_reason", "unexpected_item"]
 
 # A worker's message: kind, task index, number of file descriptors sent right after it, then the pickle.
 _HEADER = struct.Struct("<Bqi")
@@ -87,8 +88,16 @@ def _timeout_reason(timeout: float) -> str:
     return f"decoding took longer than {timeout:g} s (--decode-timeout; raise it for long videos); the worker was stopped"
 
 
-def _unexpected(i: int, e: BaseException, what: str = "") -> dict[str, Any]:
-    return {"i": i, "ok": False, "reason": f"unexpected {type(e).__name__}{what}: {e}"}
+def unexpected_item(i: int, e: BaseException, what: str = "") -> dict[str, Any]:
+    """The item for a sample whose ``fn`` raised (or whose result could not cross): marked ``unexpected``,
+    with the traceback, so the caller can tell a bug from a record of bad media (which ``fn`` returns)."""
+    return {
+        "i": i,
+        "ok": False,
+        "unexpected": True,
+        "reason": f"unexpected {type(e).__name__}{what}: {e}",
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+    }
 
 
 @dataclass
@@ -194,7 +203,7 @@ def _recv(conn: multiprocessing.connection.Connection, sock: socket.socket) -> t
     try:
         obj = ForkingPickler.loads(memoryview(msg)[_HEADER.size :])
     except Exception as e:  # noqa: BLE001 - one unreadable result must not end the run
-        obj = _unexpected(i, e, " receiving the result")
+        obj = unexpected_item(i, e, " receiving the result")
     finally:
         _receiving.fds = None
         for fd in fds:  # the ones no rebuild took
@@ -240,11 +249,11 @@ def _worker_main(pool: WorkerPool, worker_id: int, conn: multiprocessing.connect
         try:
             result = fn(i)
         except BaseException as e:  # noqa: BLE001 - fn should not raise; if it does, that sample fails
-            result = _unexpected(i, e)
+            result = unexpected_item(i, e)
         try:
             msg, fds = _pack(_RESULT, i, result)
         except Exception as e:  # noqa: BLE001 - an unpicklable result (e.g. a CUDA tensor) fails its sample
-            msg, fds = _pack(_RESULT, i, _unexpected(i, e, " sending the result"))
+            msg, fds = _pack(_RESULT, i, unexpected_item(i, e, " sending the result"))
         try:
             _write(conn, sock, msg, fds)
         except OSError:
@@ -394,7 +403,7 @@ class WorkerPool:
                 try:
                     item = self.fn(i)
                 except Exception as e:  # noqa: BLE001 - same contract as in a worker
-                    item = _unexpected(i, e)
+                    item = unexpected_item(i, e)
                 yield item
         finally:
             self._closed = True
