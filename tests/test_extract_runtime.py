@@ -3,6 +3,12 @@ sample's error (that would make it done); SIGTERM commits what is done, releases
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +17,7 @@ from typer.testing import CliRunner
 import vlfast.extraction.pipeline as pipeline
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
+from vlfast.extraction._selftest import compare_caches
 from vlfast.extraction.pipeline import UNEXPECTED_IN_A_ROW, UnexpectedSampleErrors, extract
 from vlfast.extraction.synthetic import make_images
 
@@ -111,3 +118,77 @@ def test_summary_prints_error_kinds_as_a_table(media_dir, tiny_qwen3_vl, tmp_pat
         rows[kind.strip()] = int(count)
     assert sum(rows.values()) == len(FeatureCache(tmp_path / "o").errors())
     assert "empty file (0 bytes)" in rows
+
+
+# ------------------------------------------------------------------------------------------- SIGTERM
+
+DRIVER = textwrap.dedent(
+    """
+    # `vlfast extract` with a slow forward that says when it runs, so a test can signal it mid-run.
+    import functools, sys, time
+    import vlfast.extraction.pipeline as pipeline
+
+    forwards = []
+
+    def forward(batch):
+        forwards.append(len(batch))
+        print(f"forward {len(forwards)}", flush=True)
+        time.sleep(0.1)
+
+    pipeline.extract = functools.partial(pipeline.extract, _forward_hook=forward)
+    from vlfast.cli.main import main
+
+    sys.argv = ["vlfast", "extract", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def _wait_for_forward(p: subprocess.Popen, n: int) -> None:
+    for line in p.stdout:
+        if line.startswith("forward ") and int(line.split()[1]) >= n:
+            return
+    raise AssertionError(f"the run ended before forward {n}: exit {p.wait()}")
+
+
+def test_sigterm_commits_what_is_done_and_the_same_command_resumes(tiny_qwen3_vl, tmp_path):
+    """SIGTERM mid-run with nothing committed yet (--commit-every 3600): the run commits what it extracted,
+    releases its lock, says so and exits 143; the same command then extracts only the rest, and OUT ends
+    byte-identical to an uninterrupted run."""
+    from vlfast.extraction.store import rank_is_held
+
+    inputs = tmp_path / "in"
+    make_images(inputs, [(32 + 8 * (k % 4), 32) for k in range(24)])
+    (inputs / "zz-bad.png").write_text("not an image")
+    (tmp_path / "driver.py").write_text(DRIVER)
+
+    def cmd(out: Path) -> list[str]:
+        return [
+            sys.executable, str(tmp_path / "driver.py"), str(inputs), str(out), "-m", str(tiny_qwen3_vl),
+            "--workers", "1", "--batch-tokens", "64", "--commit-every", "3600",
+        ]  # fmt: skip
+
+    ref = subprocess.run(cmd(tmp_path / "ref"), env=_env(), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    out = tmp_path / "out"
+    p = subprocess.Popen(cmd(out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_forward(p, 6)
+    p.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 143, stderr[-3000:]
+    assert time.monotonic() - t0 < 30  # well within a scheduler's grace period
+    assert "terminated (SIGTERM)" in stderr and "run the same command to resume" in stderr
+    committed = len(FeatureCache(out))
+    assert 5 <= committed < 24  # at least the forwards that had finished when the signal came
+    assert not rank_is_held(out, 0)
+
+    again = subprocess.run(cmd(out), env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{committed} already in OUT" in again.stdout or f"{committed + 1} already in OUT" in again.stdout
+    assert compare_caches(tmp_path / "ref", out) == []

@@ -212,14 +212,16 @@ def extract(
 ) -> None:
     """Extract vision-tower and LLM features per sample; run again to resume.
 
-    Exit 0 done (bad inputs recorded in OUT/errors), 1 stopped by --max-errors or --verify found damage,
-    2 bad usage, a configuration or weights that differ from what OUT holds, OUT in use or not writable.
+    Exit 0 done (bad inputs recorded in OUT/errors), 1 stopped by --max-errors, samples left undone by an
+    unexpected error, or --verify found damage, 2 bad usage, a configuration or weights that differ from what
+    OUT holds, OUT in use or not writable, 3 a bug stopped the run, 143 SIGTERM (what was done is committed).
     """
     if verify:
         if demo or len(paths) != 1:
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
         _verify(paths[0], as_json, _storage_options(storage_options))
         return
+    from vlfast.extraction.interrupts import EXIT_TERMINATED, Terminated
     from vlfast.extraction.pipeline import UnexpectedSampleErrors
     from vlfast.extraction.resume import RunConfigMismatch
 
@@ -284,6 +286,12 @@ def extract(
     except RunConfigMismatch as e:
         e.remedy = "pass --overwrite to delete what it holds and start again"
         raise
+    except Terminated:
+        err_console.print(
+            "[yellow]terminated (SIGTERM):[/yellow] what was done is committed and OUT's locks are released; "
+            "run the same command to resume"
+        )
+        raise typer.Exit(EXIT_TERMINATED) from None
     except UnexpectedSampleErrors as e:
         err_console.print(f"[bold red]vlfast: stopped by a bug:[/bold red] {escape(str(e))}", highlight=False)
         raise typer.Exit(EXIT_ERROR) from None

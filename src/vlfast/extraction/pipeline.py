@@ -37,6 +37,7 @@ from vlfast.extraction.features import (
     compute_vision_features,
 )
 from vlfast.extraction.inputs import InputProblem, Sample, load_inputs
+from vlfast.extraction.interrupts import sigterm_like_sigint
 from vlfast.extraction.preprocess import (
     Preprocessor,
     ProcessorConfig,
@@ -576,18 +577,23 @@ def extract(
     # The run's own time, as the summary reports it, excludes building the model (``load_seconds``).
     started, cpu_started = time.perf_counter(), _cpu_seconds()
 
-    with FeatureStore(
-        out,
-        run_config,
-        rank=rank,
-        world_size=world_size,
-        shard_max_bytes=shard_max_bytes,
-        shard_max_samples=shard_max_samples,
-        commit_every=commit_every,
-        overwrite=overwrite,
-        volatile_keys=volatile,
-        resume_check=resume_check,
-    ) as store:
+    # From here on SIGTERM (a scheduler's preemption) unwinds like Ctrl-C: the store commits what is done
+    # and releases its lock on the way out.
+    with (
+        sigterm_like_sigint(),
+        FeatureStore(
+            out,
+            run_config,
+            rank=rank,
+            world_size=world_size,
+            shard_max_bytes=shard_max_bytes,
+            shard_max_samples=shard_max_samples,
+            commit_every=commit_every,
+            overwrite=overwrite,
+            volatile_keys=volatile,
+            resume_check=resume_check,
+        ) as store,
+    ):
         summary.quarantined = [q["part"] for q in store.quarantined]
         done = store.done_ids()  # reads every index part and errors file: once
         todo_positions, repeats = plan_positions(entries.ids, rank, world_size, done)

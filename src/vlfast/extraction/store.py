@@ -57,6 +57,7 @@ import torch
 
 from vlfast._files import honour_umask
 from vlfast.extraction.integrity import PartCheck, check_part
+from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.layout import (
     DUPLICATE_KIND,
     ERROR_DIR,
@@ -851,6 +852,10 @@ class FeatureStore:
         self.tick()
 
     def _append_error_line(self, line: str) -> None:
+        with commit_section():
+            self._append_error_line_now(line)
+
+    def _append_error_line_now(self, line: str) -> None:
         fresh = not self._error_file.exists()
         with open(self._error_file, "ab+") as f:
             # A crash mid-append leaves a torn line without "\n"; start ours on a new line so it parses.
@@ -875,7 +880,11 @@ class FeatureStore:
 
     def flush(self) -> None:
         """Commit the buffered samples as one shard now (no-op when the buffer is empty), and on object
-        storage the session's error records."""
+        storage the session's error records. SIGTERM and Ctrl-C wait until it is done (see interrupts)."""
+        with commit_section():
+            self._flush()
+
+    def _flush(self) -> None:
         if self._remote:
             self._commit_errors()
         if not self._buffer:

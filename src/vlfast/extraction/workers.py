@@ -227,8 +227,11 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _worker_main(pool: WorkerPool, worker_id: int, conn: multiprocessing.connection.Connection) -> None:
     _die_with_parent(pool._owner)
-    # Ctrl-C reaches the whole process group; the parent decides what happens, and stops the workers.
+    # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM often every process of the job
+    # (Slurm's --signal): the parent decides what happens, and stops the workers. A worker dying of it
+    # would have its sample recorded as an error.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pool._forget_in_child()
     # GNU OpenMP is not fork-safe: a child forked after the parent ran a parallel region hangs in its first
     # parallel op unless it stays on one thread. DataLoader's worker loop does the same first thing.
