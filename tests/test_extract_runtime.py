@@ -192,3 +192,31 @@ def test_sigterm_commits_what_is_done_and_the_same_command_resumes(tiny_qwen3_vl
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{committed} already in OUT" in again.stdout or f"{committed + 1} already in OUT" in again.stdout
     assert compare_caches(tmp_path / "ref", out) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_inside_a_commit_waits_for_it(tmp_path, signum):
+    """SIGTERM or Ctrl-C while a shard is being committed: the commit completes, then the run unwinds. Raised
+    in the middle, it would leave a shard without its index part and the buffer still full."""
+    import torch
+
+    from vlfast.extraction.interrupts import Terminated, sigterm_like_sigint
+    from vlfast.extraction.store import FeatureStore
+
+    out = tmp_path / "o"
+    with sigterm_like_sigint():
+        store = FeatureStore(out, {"task": "test"}, commit_every=None)
+        store.add("a", {"x": torch.ones(3)})
+        real = store._write_index_part
+
+        def signalled(*args, **kwargs):
+            os.kill(os.getpid(), signum)  # handled at the next bytecode: inside the commit
+            time.sleep(0.05)
+            return real(*args, **kwargs)
+
+        store._write_index_part = signalled
+        with pytest.raises(Terminated if signum == signal.SIGTERM else KeyboardInterrupt):
+            store.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert sorted(FeatureCache(out).ids()) == ["a"]
