@@ -1,7 +1,7 @@
 """The issue's acceptance run: 100 manifest entries, 10 of them poisoned (a decoder that kills its worker,
 one that hangs, a lone-surrogate id, a bad JSON line, a truncated video; two of each), through the real
-``vlfast extract`` command, SIGKILLed twice mid-run and resumed: the 90 good samples end byte-identical to
-an uninterrupted run and each poisoned entry is recorded exactly once with a clear reason."""
+``vlfast extract`` command, SIGKILLed twice and SIGTERMed once mid-run and resumed: the 90 good samples end
+byte-identical to an uninterrupted run and each poisoned entry is recorded exactly once with a clear reason."""
 
 from __future__ import annotations
 
@@ -124,9 +124,15 @@ def test_poisoned_manifest_killed_twice_resumes_to_the_clean_result(manifest, ti
     assert summary["skipped"] + summary["extracted"] + summary["failed"] == summary["assigned"] == 100
 
     rng = random.Random(int(os.environ.get("VLFAST_CRASH_SEED", "20261123")))
-    for _ in range(2):
+    # Killed twice and preempted once between them: SIGTERM commits what is done and exits 143.
+    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL):
+        before = len(FeatureCache(out)) if (out / "index").exists() else 0
         p = subprocess.Popen(
-            _cmd(manifest, tiny_qwen3_vl, out), env=_env(), stdout=subprocess.PIPE, text=True
+            _cmd(manifest, tiny_qwen3_vl, out),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if sig == signal.SIGTERM else None,
+            text=True,
         )
         target = rng.randint(3, 12)
         for line in p.stdout:
@@ -134,9 +140,15 @@ def test_poisoned_manifest_killed_twice_resumes_to_the_clean_result(manifest, ti
                 break
         time.sleep(rng.uniform(0, 0.3))
         assert p.poll() is None, "the run ended before the kill"
-        os.kill(p.pid, signal.SIGKILL)
+        os.kill(p.pid, sig)
         p.wait(timeout=30)
         p.stdout.close()
+        if sig == signal.SIGTERM:
+            stderr = p.stderr.read()
+            p.stderr.close()
+            assert p.returncode == 143, stderr[-3000:]
+            assert "terminated (SIGTERM)" in stderr
+            assert len(FeatureCache(out)) > before  # what it had extracted is committed
         # Workers die with their parent, hung decoders included.
         deadline = time.monotonic() + 10
         while _orphans(manifest) and time.monotonic() < deadline:
