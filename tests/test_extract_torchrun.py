@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -36,3 +37,61 @@ def test_torchrun_two_ranks_equal_one_process(tiny_qwen3_vl, tmp_path):
     for sample_id in one.ids():
         for name, value in one[sample_id].items():
             assert torch.equal(ranks[sample_id][name], value), (sample_id, name)
+
+
+DRIVER = """
+import functools, sys, time
+import vlfast.extraction.pipeline as pipeline
+
+forwards = []
+
+def forward(batch):
+    forwards.append(len(batch))
+    print(f"forward {len(forwards)}", flush=True)
+    time.sleep(0.2)
+
+pipeline.extract = functools.partial(pipeline.extract, _forward_hook=forward)
+from vlfast.cli.main import main
+
+sys.argv = ["vlfast", "extract", *sys.argv[1:]]
+main()
+"""
+
+
+def test_sigterm_to_torchrun_commits_every_rank_and_resumes(tiny_qwen3_vl, tmp_path):
+    """A scheduler's SIGTERM reaches torchrun, which passes it to its ranks: each commits what it extracted
+    (nothing was committed before: --commit-every 3600), releases its lock and exits 143; the same command
+    then finishes, equal to one uninterrupted process."""
+    from vlfast.extraction._selftest import compare_caches
+    from vlfast.extraction.store import rank_is_held
+
+    inputs = tmp_path / "in"
+    make_images(inputs, [(32 + 8 * (k % 4), 32) for k in range(16)])
+    (tmp_path / "driver.py").write_text(DRIVER)
+    out = tmp_path / "ranks"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(tmp_path / "driver.py"), str(inputs), str(out), "--model", str(tiny_qwen3_vl),
+        "--workers", "0", "--batch-tokens", "64", "--commit-every", "3600",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = 0
+    for line in launcher.stdout:  # both ranks print here
+        seen += line.startswith("forward ")
+        if seen >= 4:
+            break
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert stderr.count("terminated (SIGTERM)") == 2, stderr[-4000:]  # each rank said so
+    written_by = {path.name.split("-")[1] for path in (out / "shards").glob("*.safetensors")}
+    assert written_by == {"r00000", "r00001"}, (written_by, stderr[-4000:])
+    assert not rank_is_held(out, 0) and not rank_is_held(out, 1)
+    committed = len(FeatureCache(out))
+    assert 2 <= committed < 16
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    extract(inputs, tmp_path / "one", model=str(tiny_qwen3_vl), num_workers=0, progress=False)
+    assert compare_caches(tmp_path / "one", out) == []
