@@ -3,6 +3,7 @@ cleanly without Ray or with flags that do not fit. Ray runs on a local 2-CPU clu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -218,3 +219,173 @@ def test_ray_engine_into_an_s3_out_equals_the_local_engine(ray_cluster, tiny_qwe
         assert shards and all(not n.startswith("shard-r00000-") for n in shards)  # actors' fresh ranks
         again = extract_ray(inputs, out, model=str(tiny_qwen3_vl), storage_options=storage)
         assert again.nothing_to_do
+
+
+def _kill_first_actor(marker: str):
+    """A forward hook that SIGKILLs the model actor running the first forward (once: the restarted actor
+    carries on). By then the actor has recorded its call's decode errors; its rows never come back."""
+
+    def hook(batch):
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+@pytest.mark.slow
+def test_counts_equal_what_out_holds_after_a_model_actor_is_killed(ray_cluster, tiny_qwen3_vl, tmp_path):
+    """A model actor SIGKILLed after recording a bad file's error: Ray restarts it and retries the call,
+    which finds the record there ("known"). The summary still counts that record, and every sample."""
+    from ray import cloudpickle
+
+    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.ray_engine import extract_ray
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    inputs = tmp_path / "in"
+    make_images(inputs, [(32 + 8 * (k % 3), 32) for k in range(6)])
+    (inputs / "zz-bad.png").write_text("not an image")
+    out = tmp_path / "ray"
+    s = extract_ray(
+        inputs, out, model=str(tiny_qwen3_vl), _forward_hook=_kill_first_actor(str(tmp_path / "killed"))
+    )
+    assert (tmp_path / "killed").exists()  # the kill happened
+    cache = FeatureCache(out)
+    assert s.failed == len(cache.errors()) == 1 and sum(s.errors.values()) == 1
+    assert s.extracted == len(cache) == 6 and s.stopped is None
+    assert s.skipped + s.extracted + s.failed == s.assigned == 7
+    extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
+    assert compare_caches(tmp_path / "local", out) == []
+
+
+def _slow_forward_in(pid_file: str):
+    """A forward hook that, from the third forward on, writes the model actor's pid and slows down, so the
+    test can SIGTERM the actor while it holds uncommitted samples."""
+    calls = []
+
+    def hook(batch):
+        calls.append(len(batch))
+        if len(calls) >= 3:
+            with open(pid_file, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            time.sleep(0.5)
+
+    return hook
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_vl, tmp_path):
+    """SIGTERM to a model actor (a node draining, a pod deleted) with nothing committed yet (commit_every
+    3600): it commits the samples it holds before it exits; the restarted actor skips them, and the run
+    ends equal to the local engine, every sample once."""
+    import threading
+
+    import psutil
+    from ray import cloudpickle
+
+    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.ray_engine import extract_ray
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    inputs = tmp_path / "in"
+    make_images(inputs, [(32 + 8 * (k % 3), 32) for k in range(12)])
+    out, pid_file = tmp_path / "ray", tmp_path / "actor.pid"
+    seen: dict[str, int] = {}
+
+    def preempt():
+        deadline = time.monotonic() + 240
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(timeout=30)
+        seen["committed_at_exit"] = len(FeatureCache(out)) if (out / "index").exists() else 0
+
+    killer = threading.Thread(target=preempt, daemon=True)
+    killer.start()
+    s = extract_ray(
+        inputs,
+        out,
+        model=str(tiny_qwen3_vl),
+        commit_every=3600,
+        max_batch_tokens=32,  # one image per forward
+        _forward_hook=_slow_forward_in(str(pid_file)),
+    )
+    killer.join(timeout=60)
+    assert seen.get("committed_at_exit", 0) >= 2, seen  # the two forwards before the signal, at least
+    index = pq.read_table(out / "index", columns=["id"]).column("id").to_pylist()
+    assert sorted(index) == sorted(set(index)) and len(index) == 12  # every sample committed once
+    assert (s.extracted, s.failed, s.stopped) == (12, 0, None)
+    extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
+    assert compare_caches(tmp_path / "local", out) == []
+
+
+RAY_DRIVER = """
+import functools, os, sys, time
+import vlfast.extraction.pipeline as pipeline
+
+def slow(pid_file, batch):  # runs in the model actor: pickled by value from __main__
+    with open(pid_file, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(0.1)
+
+pipeline.extract = functools.partial(pipeline.extract, _forward_hook=functools.partial(slow, sys.argv.pop(1)))
+from vlfast.cli.main import main
+
+sys.argv = ["vlfast", "extract", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_ray_driver_stops_the_job_with_its_work_committed(
+    ray_cluster, tiny_qwen3_vl, tmp_path
+):
+    """The real command on the test's cluster, SIGTERMed while its model actor holds uncommitted samples
+    (--commit-every 3600): the driver stops the dataset, waits for the actor to finish what it was given,
+    commit and release its rank, says so and exits 143; the next run extracts only the rest and ends equal to the local engine."""
+    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.ray_engine import extract_ray
+    from vlfast.extraction.store import rank_is_held
+
+    n = 24
+    inputs = tmp_path / "in"
+    make_images(inputs, [(32 + 8 * (k % 4), 32) for k in range(n)])
+    (tmp_path / "driver.py").write_text(RAY_DRIVER)
+    out, pid_file = tmp_path / "ray", tmp_path / "forwards"
+    cmd = [
+        sys.executable, str(tmp_path / "driver.py"), str(pid_file), str(inputs), str(out),
+        "-m", str(tiny_qwen3_vl), "--engine", "ray",
+        "--ray-address", ray_cluster.get_runtime_context().gcs_address,
+        "--commit-every", "3600", "--batch-tokens", "32",
+    ]  # fmt: skip
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not pid_file.exists() or len(pid_file.read_text().split()) < 3:
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no third forward in 180 s"
+            time.sleep(0.05)
+        assert not (out / "index").exists() or len(FeatureCache(out)) == 0  # nothing committed yet
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 143, stderr[-3000:]
+    assert "terminated (SIGTERM)" in stderr
+    committed = len(FeatureCache(out))
+    # The dataset stops; what the model actor had been given (its call in flight, and those Ray Data had
+    # queued on it: here all of them) is finished and committed before the driver exits.
+    assert committed >= 3
+    assert not any(rank_is_held(out, r) for r in (0, 1))
+
+    s = extract_ray(inputs, out, model=str(tiny_qwen3_vl))
+    assert (s.skipped, s.extracted, s.failed) == (committed, n - committed, 0)
+    extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
+    assert compare_caches(tmp_path / "local", out) == []

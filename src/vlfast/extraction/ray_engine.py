@@ -31,15 +31,19 @@ import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from vlfast.extraction.inputs import Sample
-from vlfast.extraction.layout import OutputInUse, is_local
+from vlfast.extraction.interrupts import EXIT_TERMINATED, deferred, sigterm_handler
+from vlfast.extraction.layout import OutputInUse, done_by_error, error_key, is_local, read_errors
 from vlfast.extraction.pipeline import (
     ExtractSummary,
     _cost,
@@ -60,6 +64,8 @@ INSTALL_HINT = "pip install 'vlfast[ray]'"
 DECODE_BATCH = 16  # samples per decode call, in one forked worker (~0.1 s to fork and reap it)
 RANK_WAIT_S = 120.0  # a model actor waits this long for a free rank (a dead actor's lock goes with it)
 RELEASE_WAIT_S = 600.0  # the driver waits this long for the model actors to commit their last shard
+# ... and this long after SIGTERM or Ctrl-C: well inside a scheduler's grace period (Slurm --signal=TERM@120)
+TERM_WAIT_S = 60.0
 MAX_RANK = 99_999  # rank numbers have five digits in file names
 MAX_PASSES = 3  # dataset passes: the first, plus re-runs of samples lost with a model actor that died
 ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # idle OpenMP threads sleep (see vlfast.cli.let_idle_threads_sleep)
@@ -305,6 +311,7 @@ class _ModelStage:
             raise
         self.budget, self.load_s = budget, time.perf_counter() - t0
         self.schema = _schemas()[2]
+        _commit_on_sigterm(self.store)
 
     def __call__(self, table):
         import pyarrow as pa
@@ -370,6 +377,23 @@ class _ModelStage:
         store = getattr(self, "store", None)
         if store is not None:
             store.close()
+
+
+def _commit_on_sigterm(store) -> None:
+    """In a model actor: SIGTERM (a node draining, a pod deleted, ``kill``) commits what the store buffered
+    and releases its rank, after any commit in progress, then exits as Ray's own handler does. Without it
+    Ray's handler exits at once and the buffered samples are extracted again by the driver."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signals reach the main thread only; Ray's own handling stays
+    ray_handler = signal.getsignal(signal.SIGTERM)
+
+    def commit_and_exit(signum, frame):
+        store.close()
+        if callable(ray_handler):
+            ray_handler(signum, frame)
+        raise SystemExit(EXIT_TERMINATED)
+
+    signal.signal(signal.SIGTERM, deferred(commit_and_exit))
 
 
 def _claim_rank(out, run_config, volatile_keys, store_options, ranks: Sequence[int] | None, counter=None):
@@ -482,11 +506,18 @@ class _RayEngine:
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # ... and says so
         job.summary.load_seconds = time.perf_counter() - t0
         job.bar.restart_clock()
+        # ray.init made SIGTERM exit at once (sys.exit): here it unwinds like Ctrl-C instead, so the model
+        # actors are stopped and given time to commit (see _extract), and the driver's store commits too.
+        previous = None
+        if started and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, sigterm_handler())
         try:
             self._extract(ray, job)
         finally:
             if started:
                 ray.shutdown()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     def _extract(self, ray, job: _Job) -> None:
         summary = job.summary
@@ -501,6 +532,9 @@ class _RayEngine:
         done = job.store.done_ids()
         remaining = [s for s in job.todo if s.id not in done]
         summary.skipped += len(job.todo) - len(remaining)
+        to_extract = {s.id for s in remaining}
+        recorded_before = {error_key(r) for r in read_errors(job.store.out)}
+        counted: Counter[str] = Counter()  # reasons of the error rows the driver saw
         added: dict[str, int] = {}  # id -> patches, of samples a model actor added (buffered or committed)
         load_s = 0.0
         unexpected = _Unexpected(summary)
@@ -531,14 +565,23 @@ class _RayEngine:
                             job.bar.update(samples=1, tokens=row["patches"])
                         added[row["id"]] = row["patches"]
                     elif row["status"] == "error":
+                        counted[row["reason"]] += 1
                         job.count_error(row["reason"])
                         if job.max_errors is not None and job.errors_so_far() > job.max_errors:
                             summary.stopped = f"more than {job.max_errors} errors (--max-errors)"
                             break
+            except KeyboardInterrupt:  # SIGTERM (Terminated) or Ctrl-C: let the actors commit, then go
+                self._close(rows)
+                if self._wait_released(job, range(1, self.workers + 1), TERM_WAIT_S):
+                    warnings.warn(
+                        f"model ranks of {job.store.out} are still held {TERM_WAIT_S:g} s after the stop: what "
+                        "their actors had not committed is extracted again by the next run",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                raise
             finally:
-                close = getattr(rows, "close", None)
-                if close is not None:
-                    close()  # stops the dataset; its actors exit, committing what they hold
+                self._close(rows)  # stops the dataset; its actors exit, committing what they hold
             # Also after --max-errors: an actor with a call in flight holds samples no row has named yet.
             if self._wait_released(job, range(1, self.workers + 1), RELEASE_WAIT_S):
                 warnings.warn(
@@ -552,8 +595,18 @@ class _RayEngine:
             remaining = [s for s in remaining if s.id not in done and s.id not in unexpected.ids]
             if summary.stopped:
                 break
-        summary.extracted = sum(1 for i in added if i in done)
-        summary.tokens = sum(p for i, p in added.items() if i in done)
+        # Counts from what OUT holds, not from the rows: an actor killed after committing (or recording an
+        # error) but before returning its rows is restarted and its call retried, which then finds those
+        # samples done ("done", "known") and would leave them uncounted.
+        errors_now = read_errors(job.store.out)
+        recorded = Counter(r["reason"] for r in errors_now if error_key(r) not in recorded_before)
+        for reason, missing in (recorded - counted).items():
+            for _ in range(missing):
+                job.count_error(reason)
+        failed_ids = {r["id"] for r in errors_now if done_by_error(r)}
+        extracted = {i for i in to_extract if i in done and i not in failed_ids}
+        summary.extracted = len(extracted)
+        summary.tokens = sum(p for i, p in added.items() if i in extracted)
         summary.load_seconds += load_s
         if remaining and not summary.stopped:
             summary.stopped = (
@@ -626,6 +679,12 @@ class _RayEngine:
                 hook=job.forward_hook,
             ),
         )
+
+    @staticmethod
+    def _close(rows) -> None:
+        close = getattr(rows, "close", None)
+        if close is not None:
+            close()
 
     @staticmethod
     def _held_ranks(job: _Job) -> list[int]:
