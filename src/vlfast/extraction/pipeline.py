@@ -450,8 +450,11 @@ def extract(
     weights are refused with :class:`RunConfigMismatch` before the model loads. Under ``torchrun`` each
     rank takes its share (or pass ``rank``/``world_size``). Bad samples, bad input rows, and samples whose
     decoder crashed or ran past ``decode_timeout`` seconds are recorded in ``out/errors`` and the run goes
-    on; past ``max_errors`` recorded errors it stops (committed work is kept). Work is committed at least
-    every ``commit_every`` seconds. ``store_dtype`` ("float16", "float32", "bfloat16") converts floating
+    on; past ``max_errors`` recorded errors it stops (committed work is kept). A sample whose decoding raises
+    an unexpected exception (a bug, not its media) is not recorded: ``summary.unexpected`` counts it and the
+    next run tries it again; ``UNEXPECTED_IN_A_ROW`` in a row raise :class:`UnexpectedSampleErrors`. Work is
+    committed at least every ``commit_every`` seconds, and on SIGTERM or Ctrl-C, which then raise
+    :class:`~vlfast.extraction.interrupts.Terminated` or ``KeyboardInterrupt``. ``store_dtype`` ("float16", "float32", "bfloat16") converts floating
     features before storing (default: as computed). ``inputs`` and a manifest's paths may be fsspec URLs
     (``s3://bucket/key``), opened with ``storage_options``, and so may ``out`` (see docs/extract.md, "Object
     storage": the commit protocol without renames or locks).
