@@ -162,7 +162,7 @@ class _Unexpected:
         self.ids.add(sample_id)
         self.summary.unexpected = len(self.ids)  # a call Ray retried may bring a sample back twice
         self.in_a_row += 1
-        where = f"{sample_id!r} ({source})"
+        where = f"{sample_id!r} ({source})" if source else repr(sample_id)
         if self.in_a_row >= UNEXPECTED_IN_A_ROW:
             raise UnexpectedSampleErrors(
                 f"{self.in_a_row} samples in a row failed with an unexpected error, the last {where}: a bug "
@@ -454,8 +454,8 @@ def extract(
     an unexpected exception (a bug, not its media) is not recorded: ``summary.unexpected`` counts it and the
     next run tries it again; ``UNEXPECTED_IN_A_ROW`` in a row raise :class:`UnexpectedSampleErrors`. Work is
     committed at least every ``commit_every`` seconds, and on SIGTERM or Ctrl-C, which then raise
-    :class:`~vlfast.extraction.interrupts.Terminated` or ``KeyboardInterrupt``. ``store_dtype`` ("float16", "float32", "bfloat16") converts floating
-    features before storing (default: as computed). ``inputs`` and a manifest's paths may be fsspec URLs
+    :class:`~vlfast.extraction.interrupts.Terminated` or ``KeyboardInterrupt``. ``store_dtype``
+    ("float16", "float32", "bfloat16") converts floating features before storing (default: as computed). ``inputs`` and a manifest's paths may be fsspec URLs
     (``s3://bucket/key``), opened with ``storage_options``, and so may ``out`` (see docs/extract.md, "Object
     storage": the commit protocol without renames or locks).
     """
