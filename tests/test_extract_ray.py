@@ -389,3 +389,33 @@ def test_sigterm_to_the_ray_driver_stops_the_job_with_its_work_committed(
     assert (s.skipped, s.extracted, s.failed) == (committed, n - committed, 0)
     extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
     assert compare_caches(tmp_path / "local", out) == []
+
+
+def _bug_on(sample_id: str):
+    def decode(sample):
+        if sample.id == sample_id:
+            sample.no_such_attribute  # noqa: B018 - a refactor's typo, in the decode actor
+
+    return decode
+
+
+@pytest.mark.slow
+def test_a_bug_while_decoding_on_ray_leaves_the_sample_undone(ray_cluster, tiny_qwen3_vl, tmp_path):
+    """As on the local engine: the decode actor's unexpected exception reaches the driver as such; nothing is
+    recorded for the sample, it is not done, and it is not taken for a sample lost with an actor."""
+    from ray import cloudpickle
+
+    from vlfast.extraction.ray_engine import extract_ray
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    inputs = tmp_path / "in"
+    make_images(inputs, [(32 + 8 * (k % 3), 32) for k in range(5)])
+    (inputs / "zz-bad.png").write_text("not an image")
+    out = tmp_path / "ray"
+    with pytest.warns(RuntimeWarning, match=r"unexpected error \(.*AttributeError"):
+        s = extract_ray(inputs, out, model=str(tiny_qwen3_vl), _decode_hook=_bug_on("img0002.jpg"))
+    assert (s.extracted, s.failed, s.unexpected, s.stopped) == (4, 1, 1, None)
+    cache = FeatureCache(out)
+    assert "img0002.jpg" not in set(cache.ids()) and [e["id"] for e in cache.errors()] == ["zz-bad.png"]
+    again = extract_ray(inputs, out, model=str(tiny_qwen3_vl))
+    assert (again.extracted, again.unexpected) == (1, 0)
