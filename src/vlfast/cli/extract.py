@@ -130,6 +130,17 @@ def extract(
     max_errors: Annotated[
         int | None, typer.Option("--max-errors", help="Stop once more samples than this have failed.")
     ] = None,
+    retry_errors: Annotated[
+        str | None,
+        typer.Option(
+            "--retry-errors",
+            metavar="KIND,...",
+            help="Extract again the samples OUT records as failed: 'all', or kinds: error, transient, or a "
+            "reason class as the summary counts it (e.g. 'unreadable or truncated image'). A new attempt's "
+            "record supersedes the old one; a success removes it from the counts. (Transient failures are "
+            "retried by every run anyway.)",
+        ),
+    ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Delete what OUT holds and start over.")
     ] = False,
@@ -274,6 +285,7 @@ def extract(
             patch_convs=not no_patch,
             max_errors=max_errors,
             overwrite=overwrite,
+            retry_errors=retry_errors,
             progress=not as_json,
             storage_options=options,
             **engine_args,

@@ -44,6 +44,7 @@ from vlfast.extraction.preprocess import (
     build_processor_config,
     normalize_video_patches,
 )
+from vlfast.extraction.remote import TransientReadError
 
 __all__ = ["ExtractSummary", "default_batch_tokens", "default_num_workers", "extract"]
 
@@ -124,7 +125,9 @@ def _cpu_seconds() -> float | None:
 
 def _error_kind(reason: str) -> str:
     """A short class of an error reason for counts: the text before the first colon."""
-    return reason.split(":", 1)[0].strip()[:60] or "error"
+    from vlfast.extraction.layout import reason_kind
+
+    return reason_kind(reason)
 
 
 # ------------------------------------------------------------------------------------------ the dataset
@@ -173,7 +176,7 @@ class _SampleDataset(torch.utils.data.Dataset):
                 media = "image" if s.kind == "image" else "video"
                 item["meta"] = {**meta, "prompt": prompt.replace("{kind}", media)}
             return item
-        except SampleError as e:
+        except (SampleError, TransientReadError) as e:  # a transient one's reason makes its record so
             return {"i": i, "ok": False, "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - a worker must never kill the run; the reason is recorded
             return {"i": i, "ok": False, "reason": f"unexpected {type(e).__name__}: {e}"}
@@ -371,6 +374,7 @@ def extract(
     world_size: int | None = None,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    retry_errors: str | Sequence[str] | None = None,
     _forward_hook: Callable[[list[dict[str, Any]]], None] | None = None,
     _decode_hook: Callable[[Sample], None] | None = None,
     _engine: Callable[[_Job], None] | None = None,
@@ -390,10 +394,13 @@ def extract(
     every ``commit_every`` seconds. ``store_dtype`` ("float16", "float32", "bfloat16") converts floating
     features before storing (default: as computed). ``inputs`` and a manifest's paths may be fsspec URLs
     (``s3://bucket/key``), opened with ``storage_options``, and so may ``out`` (see docs/extract.md, "Object
-    storage": the commit protocol without renames or locks).
+    storage": the commit protocol without renames or locks). A sample whose input could not be read from
+    storage for a transient reason (connection reset, 5xx or SlowDown, timeout; the client's retries
+    spent) is recorded with kind "transient" and tried again by the next run; ``retry_errors`` ("all", or
+    kinds such as "error" or a reason class as the summary counts it) tries recorded failures again.
     """
     from vlfast.extraction.fingerprint import weights_fingerprint
-    from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND
+    from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND, parse_retry
     from vlfast.extraction.resume import (
         DEFAULT_VOLATILE_KEYS,
         dist_info,
@@ -410,6 +417,7 @@ def extract(
         pools=tuple(pools),
         **({"prompt": prompt} if prompt else {}),
     )
+    retry = parse_retry(retry_errors)
     if max_errors is not None and max_errors < 0:
         raise ValueError(f"max_errors must be >= 0, got {max_errors}")
     if decode_timeout is not None and not decode_timeout > 0:
@@ -504,7 +512,7 @@ def extract(
         fingerprint_seconds=fingerprint_seconds,
     )
     if not overwrite:
-        state = read_state(out, run_config, volatile)
+        state = read_state(out, run_config, volatile, retry)
         pending = entries.pending(state.done, state.error_keys.__contains__)
         if not pending and not state.damaged:
             summary.skipped, summary.nothing_to_do = entries.assigned, True
@@ -524,6 +532,7 @@ def extract(
         overwrite=overwrite,
         volatile_keys=volatile,
         resume_check=resume_check,
+        retry_errors=retry,
     ) as store:
         summary.quarantined = [q["part"] for q in store.quarantined]
         done = store.done_ids()  # reads every index part and errors file: once
@@ -533,7 +542,7 @@ def extract(
         errors: Counter[str] = Counter()
         bar = _Progress(progress, pending, f"extract r{rank}" if world_size > 1 else "extract")
 
-        def record(sample_id: str, source: str, reason: str, kind: str = "error") -> None:
+        def record(sample_id: str, source: str, reason: str, kind: str | None = None) -> None:
             """Record an error once; the summary, the progress bar and --max-errors all count it."""
             before = store.num_errors
             store.add_error(sample_id, source, reason, kind=kind)
@@ -584,6 +593,7 @@ def extract(
                         shard_max_bytes=shard_max_bytes,
                         shard_max_samples=shard_max_samples,
                         commit_every=commit_every,
+                        retry_errors=retry,
                         forward_hook=_forward_hook,
                         decode_hook=_decode_hook,
                     )
@@ -653,6 +663,7 @@ class _Job:
     shard_max_bytes: int
     shard_max_samples: int
     commit_every: float | None
+    retry_errors: frozenset[str] | None = None  # recorded failures the stores must not count as done
     forward_hook: Callable | None = None
     decode_hook: Callable | None = None
 

@@ -40,6 +40,7 @@ run, but every id's tensors (bytes, dtype, shape) and meta are identical.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import json
 import os
@@ -60,6 +61,8 @@ from vlfast.extraction.integrity import PartCheck, check_part
 from vlfast.extraction.layout import (
     DUPLICATE_KIND,
     ERROR_DIR,
+    ERROR_KIND,
+    FAILURE_KINDS,
     FORMAT_VERSION,
     INDEX_DIR,
     INPUT_KIND,
@@ -75,6 +78,8 @@ from vlfast.extraction.layout import (
     SHARD_DIR,
     SHARD_RE,
     TMP_RE,
+    TRANSIENT_KIND,
+    TRANSIENT_PREFIX,
     DamagedFile,
     OutputInUse,
     OutputNotWritable,
@@ -88,6 +93,7 @@ from vlfast.extraction.layout import (
     index_schema,
     is_local,
     list_names,
+    parse_retry,
     part_name,
     read_errors,
     read_index_part,
@@ -377,6 +383,7 @@ class FeatureStore:
         overwrite: bool = False,
         volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
         resume_check: str = "full",
+        retry_errors: str | Collection[str] | None = None,
     ):
         if not isinstance(run_config, Mapping):
             raise TypeError(f"run_config must be a dict, got {type(run_config).__name__}")
@@ -393,6 +400,7 @@ class FeatureStore:
         if resume_check not in RESUME_CHECKS:
             raise ValueError(f"resume_check must be one of {RESUME_CHECKS}, got {resume_check!r}")
         self.out = resolve_out(out)
+        self._retry = parse_retry(retry_errors)  # recorded failures to try again (see done_by_error)
         # On object storage there are no renames and no locks: shards are uploaded whole under names
         # created exclusively, the index part (the commit marker) last; errors go to one object per session.
         self._remote = not is_local(self.out)
@@ -430,8 +438,9 @@ class FeatureStore:
             self._check_committed(resume_check)  # takes in the ids of the parts it found sound
             self._refresh_committed()
             errors = read_errors(self.out)
-            self._errored: set[str] = {r["id"] for r in errors if done_by_error(r)}
+            self._errored: set[str] = {r["id"] for r in errors if done_by_error(r, self._retry)}
             self._error_keys: set[tuple] = {error_key(r) for r in errors}
+            self._session_failures: set[tuple] = set()  # failure records this session wrote
             self._seq = self._next_seq()
             self._versions = library_versions()
             self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
@@ -705,10 +714,11 @@ class FeatureStore:
         """Ids committed by any rank plus ids recorded as failed: skip these on resume.
 
         A "duplicate id" or "input" record does not make an id done: the id's first occurrence may still be
-        in an uncommitted buffer, and it must be redone after a crash.
+        in an uncommitted buffer, and it must be redone after a crash. Nor does a "transient" one, or a
+        failure that ``retry_errors`` selects: those are tried again.
         """
         self._refresh_committed()
-        errored = {r["id"] for r in read_errors(self.out) if done_by_error(r)}
+        errored = {r["id"] for r in read_errors(self.out) if done_by_error(r, self._retry)}
         return self._committed | errored | self._errored | self._buffer_ids
 
     def plan(self, ids: Sequence[str], sources: Sequence[str] | None = None) -> list[int]:
@@ -814,20 +824,30 @@ class FeatureStore:
 
     def add_error(self, sample_id: str, source: str, reason: str, *, kind: str | None = None) -> None:
         """Record a failed sample durably (one fsync'd JSON line; on object storage, with the next commit,
-        at most ``commit_every`` seconds later); the id then counts as done.
+        at most ``commit_every`` seconds later).
 
-        ``kind`` is "error", "duplicate" or "input" (an input row that is not a sample at all; ``sample_id``
-        then names the row); by default a reason starting with "duplicate" means "duplicate". Duplicate and
-        input records do not make their id done. Recording the same (id, source, reason, kind) again, as a
-        resumed run does, writes nothing.
+        ``kind`` is "error" (the id then counts as done), "transient" (reading it from storage failed,
+        retries included: the next run tries it again), "duplicate" or "input" (an input row that is not a
+        sample at all; ``sample_id`` then names the row); by default a reason starting with "duplicate"
+        means "duplicate" and one starting with :data:`TRANSIENT_PREFIX` "transient". Duplicate and input
+        records do not make their id done, and recording the same (id, source, reason, kind) again, as a
+        resumed run does, writes nothing. A failure ("error", "transient") is an attempt: a later run's
+        record of the same id is written again and supersedes it (see ``read_errors``).
         """
         self._check_open()
         if kind is None:
-            kind = DUPLICATE_KIND if str(reason).lower().startswith("duplicate") else "error"
-        if kind not in ("error", DUPLICATE_KIND, INPUT_KIND):
-            raise ValueError(f"kind must be 'error', {DUPLICATE_KIND!r} or {INPUT_KIND!r}, got {kind!r}")
+            if str(reason).lower().startswith("duplicate"):
+                kind = DUPLICATE_KIND
+            elif str(reason).startswith(TRANSIENT_PREFIX):
+                kind = TRANSIENT_KIND
+            else:
+                kind = ERROR_KIND
+        if kind not in (*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND):
+            raise ValueError(
+                f"kind must be one of {(*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND)}, got {kind!r}"
+            )
         key = (str(sample_id), str(source), str(reason), kind)
-        if key in self._error_keys:
+        if key in (self._session_failures if kind in FAILURE_KINDS else self._error_keys):
             return
         rec = {
             "id": str(sample_id),
@@ -835,7 +855,8 @@ class FeatureStore:
             "reason": str(reason),
             "kind": kind,
             "rank": self.rank,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # microseconds: which of an id's attempts is the latest is read from this (read_errors)
+            "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         }
         line = error_line(rec)
         if self._remote:
@@ -845,6 +866,8 @@ class FeatureStore:
         else:
             self._append_error_line(line)
         self._error_keys.add(key)
+        if kind in FAILURE_KINDS:
+            self._session_failures.add(key)
         self._num_errors += 1
         if done_by_error(rec):
             self._errored.add(str(sample_id))
