@@ -222,7 +222,8 @@ def extract(
     """Extract vision-tower and LLM features per sample; run again to resume.
 
     Exit 0 done (bad inputs recorded in OUT/errors), 1 stopped by --max-errors or --verify found damage,
-    2 bad usage, a configuration or weights that differ from what OUT holds, OUT in use or not writable.
+    2 bad usage, a configuration or weights that differ from what OUT holds, OUT in use or not writable,
+    4 OUT's disk is full (free space and run the same command again: it resumes).
     """
     if verify:
         if demo or len(paths) != 1:

@@ -73,6 +73,12 @@ class OutputNotWritable(PermissionError):
     """OUT cannot be written (read-only filesystem or permissions)."""
 
 
+class OutputFull(OSError):
+    """OUT's disk is full (or its quota spent), or, for an OUT on object storage, the local temp folder
+    where shards are staged; the message names the folder and its free space. What was committed is intact
+    and the same command resumes once there is room."""
+
+
 # ------------------------------------------------------------------------------------------ locations
 
 

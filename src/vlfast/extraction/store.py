@@ -81,6 +81,7 @@ from vlfast.extraction.layout import (
     TRANSIENT_KIND,
     TRANSIENT_PREFIX,
     DamagedFile,
+    OutputFull,
     OutputInUse,
     OutputNotWritable,
     canonical_json,
@@ -123,6 +124,7 @@ __all__ = [
     "DUPLICATE_KIND",
     "INPUT_KIND",
     "FeatureStore",
+    "OutputFull",
     "OutputInUse",
     "OutState",
     "OutputNotWritable",
@@ -199,11 +201,15 @@ def _atomic_write_bytes(path: Path, data: bytes, tmp_tag: str, *, exclusive: boo
         _put_remote(path, data, exclusive)
         return
     tmp = path.parent / f".tmp-{tmp_tag}-{path.name}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # ours and never renamed: garbage that would hold space (a full disk)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -279,6 +285,48 @@ def _try_lock(path: Path) -> int | None:
 def _unlock(fd: int | None) -> None:
     if fd is not None and fd >= 0:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC or EDQUOT, as an OSError or as safetensors' own
+    error (a Rust io::Error it reports as text: "No space left on device (os error 28)")."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    text = str(e)
+    codes = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    return type(e).__name__ == "SafetensorError" and any(f"os error {c})" in text for c in codes)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def _full_error(out: Path, remote: bool, e: BaseException, doing: str) -> OutputFull:
+    """The OutputFull for ``e``: the folder that is full, its free space, and how to go on."""
+    folder = Path(tempfile.gettempdir()) if remote else out
+    try:
+        usage = shutil.disk_usage(folder)
+        space = f"{_mib(usage.free)} free of {_mib(usage.total)}"
+    except OSError:
+        space = "free space unknown"
+    why = (
+        "disk quota exceeded"
+        if getattr(e, "errno", None) == getattr(errno, "EDQUOT", None)
+        else "no space left"
+    )
+    if remote:
+        return OutputFull(
+            errno.ENOSPC,
+            f"the local temp folder {folder} is full ({why}; {space}) while {doing} for {out}: shards of an "
+            "OUT on object storage are staged there before their upload. Everything committed is intact. Set "
+            "TMPDIR to a folder with room, then run the same command again to resume.",
+        )
+    return OutputFull(
+        errno.ENOSPC,
+        f"{out} is full ({why} on its disk; {space}) while {doing}. Everything committed is intact and the "
+        "partial file was removed. Free space (or point OUT/shards at a bigger disk with a symlink), then "
+        "run the same command again to resume.",
+    )
 
 
 def _not_writable(out: Path, e: OSError) -> OutputNotWritable:
@@ -450,6 +498,7 @@ class FeatureStore:
             self._num_errors = 0
             self._num_added = 0
             self._closed = False
+            self._full = False  # a commit found the disk full: nothing more is written
             name = (
                 f"errors-{self._tag}-{self._session}.jsonl" if self._remote else f"errors-{self._tag}.jsonl"
             )
@@ -537,11 +586,16 @@ class FeatureStore:
         }
         # Several ranks may race here; each writes the same config through its own temp file, so the
         # last rename wins with identical content.
-        _atomic_write_bytes(
-            path,
-            (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
-            f"r{self.rank:05d}-{os.getpid()}",
-        )
+        try:
+            _atomic_write_bytes(
+                path,
+                (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
+                f"r{self.rank:05d}-{os.getpid()}",
+            )
+        except OSError as e:
+            if _disk_full(e):
+                raise _full_error(self.out, self._remote, e, f"writing {RUN_FILE}") from None
+            raise
 
     def _check_committed(self, mode: str) -> None:
         """Check what a resume will rely on; refuse parts of another configuration, move damaged ones aside.
@@ -864,7 +918,15 @@ class FeatureStore:
             if self._errors_pending_since is None:
                 self._errors_pending_since = time.monotonic()
         else:
-            self._append_error_line(line)
+            try:
+                self._append_error_line(line)
+            except OSError as e:
+                if _disk_full(e):
+                    self._full = True  # nothing more is written: close() must not try the shard too
+                    raise _full_error(
+                        self.out, False, e, f"recording an error in {self._error_file}"
+                    ) from None
+                raise
         self._error_keys.add(key)
         if kind in FAILURE_KINDS:
             self._session_failures.add(key)
@@ -898,7 +960,19 @@ class FeatureStore:
 
     def flush(self) -> None:
         """Commit the buffered samples as one shard now (no-op when the buffer is empty), and on object
-        storage the session's error records."""
+        storage the session's error records. A full disk raises OutputFull; the store then commits nothing
+        more (``close`` only releases the lock) and the buffered samples are redone by the next run."""
+        if self._full:
+            raise RuntimeError(f"FeatureStore for {self.out} stopped: its disk was full")
+        try:
+            self._flush()
+        except Exception as e:
+            if not _disk_full(e):
+                raise
+            self._full = True
+            raise _full_error(self.out, self._remote, e, "committing a shard") from None
+
+    def _flush(self) -> None:
         if self._remote:
             self._commit_errors()
         if not self._buffer:
@@ -930,7 +1004,8 @@ class FeatureStore:
         if self._closed:
             return
         try:
-            self.flush()
+            if not self._full:
+                self.flush()
         finally:
             self._closed = True
             self._release()
@@ -1003,6 +1078,9 @@ class FeatureStore:
                     self._seq += 1
                     shard = self._shard_path()
             raise RuntimeError(f"{self.out}: 1000 shard names of rank {self.rank} in a row are taken")
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # ours and never renamed: on a full disk, space to give back now
+            raise
         finally:
             if self._remote:  # a local temp file in OUT is garbage the next start cleans; this one is ours
                 tmp.unlink(missing_ok=True)
