@@ -128,6 +128,8 @@ def test_store_that_keeps_failing_records_transient_and_the_next_run_retries(
         assert again["nothing_to_do"] is False
         assert (again["skipped"], again["extracted"], again["failed"]) == (2, 0, 1), again
         assert [r["kind"] for r in read_errors(out)] == ["transient"]
+        human = runner.invoke(app, ["extract", *args])
+        assert human.exit_code == 0 and "run the same command again to retry them" in human.output
         injected = store.injected["503"]
         store.fault = None  # the store recovers
         healed = _cli(*args)

@@ -426,6 +426,16 @@ def _print_summary(summary, out: str) -> None:
         console.print(
             f"errors with reasons: {_errors_dir(out)}", highlight=False, markup=False, soft_wrap=True
         )
+    from vlfast.extraction.layout import TRANSIENT_PREFIX
+
+    if summary.errors.get(TRANSIENT_PREFIX):
+        console.print(
+            f"{summary.errors[TRANSIENT_PREFIX]} samples could not be read from storage for a transient "
+            "reason (retries spent): run the same command again to retry them",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     console.print(
         f"read back with: vlfast.FeatureCache({str(out)!r})", highlight=False, markup=False, soft_wrap=True
     )
