@@ -21,6 +21,7 @@ from _s3 import moto_s3
 from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
+from vlfast.extraction.inputs import load_inputs
 from vlfast.extraction.layout import read_errors
 from vlfast.extraction.pipeline import extract
 from vlfast.extraction.remote import is_transient
@@ -234,3 +235,40 @@ def test_what_is_transient():
         OSError(errno.EINVAL, "invalid"),
     ):
         assert not is_transient(e), repr(e)
+
+
+def test_shard_members_that_keep_failing_are_transient_then_extracted(s3, media, tiny_qwen3_vl, tmp_path):
+    """A WebDataset shard at the URL: once it is listed, every ranged read of its members fails (503), for
+    the image read whole and for the video that PyAV streams: both are recorded "transient", and the
+    next run, the store healed, gives what the same shard gives on disk."""
+    import tarfile
+
+    shard = tmp_path / "000.tar"
+    with tarfile.open(shard, "w") as tf:
+        tf.add(media / "img" / "img0000.jpg", "a.jpg")
+        tf.add(media / "clips" / "walk.mp4", "b.mp4")
+    _client(s3).upload_file(str(shard), BUCKET, "shards/000.tar")
+    local = tmp_path / "local"
+    extract(str(shard), local, model=str(tiny_qwen3_vl), **KW)
+
+    url, key = f"s3://{BUCKET}/shards/000.tar", f"/{BUCKET}/shards/000.tar"
+    out = tmp_path / "out"
+    with flaky_store(s3) as store:
+        options = _options(store.endpoint)  # one attempt per request
+        samples, _ = load_inputs(url, options)
+        assert [x.id for x in samples] == ["000.tar/a", "000.tar/b"]
+        listed = store.reads[key]  # what listing the shard reads; members are read after that
+        store.reads.clear()
+        # every run lists the shard again first; what comes after the listing fails
+        store.fault = lambda m, p, n: "503" if p == key and n > listed else None
+        failing = extract(url, out, model=str(tiny_qwen3_vl), storage_options=options, **KW)
+        assert (failing.extracted, failing.failed) == (0, 2), read_errors(out)
+        assert {r["kind"] for r in read_errors(out)} == {"transient"}
+        store.fault = None
+        healed = extract(url, out, model=str(tiny_qwen3_vl), storage_options=options, **KW)
+    assert (healed.extracted, healed.failed) == (2, 0)
+    a, b = FeatureCache(out), FeatureCache(local)
+    assert sorted(a.ids()) == ["000.tar/a", "000.tar/b"] == sorted(b.ids())
+    for sid in b.ids():
+        assert all(torch.equal(a[sid][k], v) for k, v in b[sid].items()), sid
+    assert a.errors() == []
