@@ -272,3 +272,32 @@ def test_shard_members_that_keep_failing_are_transient_then_extracted(s3, media,
     for sid in b.ids():
         assert all(torch.equal(a[sid][k], v) for k, v in b[sid].items()), sid
     assert a.errors() == []
+
+
+@pytest.mark.slow
+def test_retry_errors_with_the_ray_engine(media, clean, tiny_qwen3_vl, tmp_path):
+    """The model actors' own stores must not take a retried id for done (they would record it as a
+    duplicate of its error)."""
+    import shutil
+
+    ray = pytest.importorskip("ray")
+    from vlfast.extraction.ray_engine import extract_ray
+
+    src = tmp_path / "in"
+    shutil.copytree(media, src)
+    good = (src / "img" / "img0001.jpg").read_bytes()
+    (src / "img" / "img0001.jpg").write_bytes(b"not a jpeg at all")
+    out = tmp_path / "out"
+    assert extract(src, out, model=str(tiny_qwen3_vl), **KW).failed == 1
+    (src / "img" / "img0001.jpg").write_bytes(good)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        summary = extract_ray(
+            src, out, model=str(tiny_qwen3_vl), ray_workers=1, cpus_per_worker=0.5, retry_errors="error"
+        )
+    finally:
+        ray.shutdown()
+    assert (summary.skipped, summary.extracted, summary.failed) == (2, 1, 0), summary
+    cache = FeatureCache(out)
+    _same(cache, clean, {i: i for i in IDS})
+    assert cache.errors() == []
