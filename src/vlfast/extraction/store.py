@@ -287,14 +287,16 @@ def _unlock(fd: int | None) -> None:
         os.close(fd)  # closing the descriptor releases the flock
 
 
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, a spent quota
+
+
 def _disk_full(e: BaseException) -> bool:
     """Whether a write failed for want of space: ENOSPC or EDQUOT, as an OSError or as safetensors' own
     error (a Rust io::Error it reports as text: "No space left on device (os error 28)")."""
     if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+        return e.errno in _NO_SPACE
     text = str(e)
-    codes = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-    return type(e).__name__ == "SafetensorError" and any(f"os error {c})" in text for c in codes)
+    return type(e).__name__ == "SafetensorError" and any(f"os error {c})" in text for c in _NO_SPACE)
 
 
 def _mib(n: int) -> str:
