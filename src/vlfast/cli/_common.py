@@ -24,7 +24,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
-from vlfast.extraction.layout import OutputInUse, OutputNotWritable
+from vlfast.extraction.layout import OutputFull, OutputInUse, OutputNotWritable
 
 if TYPE_CHECKING:
     from typer._click import Context, HelpFormatter  # typer's own copy of click
@@ -34,6 +34,7 @@ EXIT_OK = 0
 EXIT_FINDING = 1  # the command ran and found a problem (slow path, untrained tag, failed verification)
 EXIT_USAGE = 2  # bad input: missing path, unknown model name, invalid option value
 EXIT_ERROR = 3  # the command could not run (unexpected failure)
+EXIT_FULL = 4  # the output's disk is full: free space and run the same command again (it resumes)
 
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")
@@ -134,6 +135,7 @@ class UsageError(Exception):
 # exception type -> (exit code, prefix). Checked in order; the first isinstance match wins.
 ERRORS: list[tuple[type[BaseException], int, str]] = [
     (UsageError, EXIT_USAGE, "error"),
+    (OutputFull, EXIT_FULL, "output disk full"),
     (OutputInUse, EXIT_USAGE, "output in use"),
     (OutputNotWritable, EXIT_USAGE, "output not writable"),
     (FileNotFoundError, EXIT_USAGE, "not found"),

@@ -132,6 +132,17 @@ def extract(
     max_errors: Annotated[
         int | None, typer.Option("--max-errors", help="Stop once more samples than this have failed.")
     ] = None,
+    retry_errors: Annotated[
+        str | None,
+        typer.Option(
+            "--retry-errors",
+            metavar="KIND,...",
+            help="Extract again the samples OUT records as failed: 'all', or kinds: error, transient, or a "
+            "reason class as the summary counts it (e.g. 'unreadable or truncated image'). A new attempt's "
+            "record supersedes the old one; a success removes it from the counts. (Transient failures are "
+            "retried by every run anyway.)",
+        ),
+    ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Delete what OUT holds and start over.")
     ] = False,
@@ -214,7 +225,8 @@ def extract(
 
     Exit 0 done (bad inputs recorded in OUT/errors), 1 stopped by --max-errors, samples left undone by an
     unexpected error, or --verify found damage, 2 bad usage, a configuration or weights that differ from what
-    OUT holds, OUT in use or not writable, 3 a bug stopped the run, 143 SIGTERM (what was done is committed).
+    OUT holds, OUT in use or not writable, 3 a bug stopped the run, 4 OUT's disk is full (free space and run
+    the same command again: it resumes), 143 SIGTERM (what was done is committed).
     """
     if verify:
         if demo or len(paths) != 1:
@@ -279,6 +291,7 @@ def extract(
             patch_convs=not no_patch,
             max_errors=max_errors,
             overwrite=overwrite,
+            retry_errors=retry_errors,
             progress=not as_json,
             storage_options=options,
             **engine_args,
@@ -444,6 +457,16 @@ def _print_summary(summary, out: str) -> None:
     if summary.failed:
         console.print(
             f"errors with reasons: {_errors_dir(out)}", highlight=False, markup=False, soft_wrap=True
+        )
+    from vlfast.extraction.layout import TRANSIENT_PREFIX
+
+    if summary.errors.get(TRANSIENT_PREFIX):
+        console.print(
+            f"{summary.errors[TRANSIENT_PREFIX]} samples could not be read from storage for a transient "
+            "reason (retries spent): run the same command again to retry them",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
         )
     console.print(
         f"read back with: vlfast.FeatureCache({str(out)!r})", highlight=False, markup=False, soft_wrap=True

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vlfast.extraction.layout import (
+    FAILURE_KINDS,
     REDO_HINT,
     DamagedFile,
     committed_parts,
@@ -216,7 +217,11 @@ class FeatureCache(torch.utils.data.Dataset):
         return self._run.get("config", {})
 
     def errors(self) -> list[dict]:
-        return read_errors(self.out)
+        """The folder's error records as they stand: of each id's failures only the latest attempt, and none
+        for an id that a later attempt extracted (see ``read_errors``)."""
+        return [
+            r for r in read_errors(self.out) if r.get("kind") not in FAILURE_KINDS or r["id"] not in self._pos
+        ]
 
     def verify(self, progress=None):
         """Read and hash every byte the folder's readers rely on: a :class:`VerifyReport` naming every bad

@@ -53,6 +53,12 @@ META_SHARD_HEADER = b"vlfast.shard_header_xxh3"  # xxh3-64 of the shard's 8-byte
 
 DUPLICATE_KIND = "duplicate"
 INPUT_KIND = "input"  # a manifest row or folder entry that is not a sample; never makes an id done
+ERROR_KIND = "error"  # the sample itself cannot be extracted: its id is done
+# Reading the sample from storage failed in a way that says nothing about the sample (a connection reset,
+# a 5xx or SlowDown, a timeout) after the client's retries: its id is not done, the next run tries again.
+TRANSIENT_KIND = "transient"
+TRANSIENT_PREFIX = "transient storage error"  # how such a reason begins (add_error infers the kind from it)
+FAILURE_KINDS = (ERROR_KIND, TRANSIENT_KIND)  # what a sample's attempt can end as; the latest one counts
 
 
 class DamagedFile(ValueError):
@@ -65,6 +71,12 @@ class OutputInUse(RuntimeError):
 
 class OutputNotWritable(PermissionError):
     """OUT cannot be written (read-only filesystem or permissions)."""
+
+
+class OutputFull(OSError):
+    """OUT's disk is full (or its quota spent), or, for an OUT on object storage, the local temp folder
+    where shards are staged; the message names the folder and its free space. What was committed is intact
+    and the same command resumes once there is room."""
 
 
 # ------------------------------------------------------------------------------------------ locations
@@ -328,17 +340,30 @@ def read_error_file(path: Path) -> tuple[list[dict], int]:
 
 
 def read_errors(out: Path) -> list[dict]:
-    """All ranks' error records. Torn and damaged lines are skipped (a damaged line's sample is then simply
-    extracted again); exact repeats (a duplicate recorded again after a resume) are dropped."""
-    records, seen = [], set()
-    for path in error_files(out):
-        for rec in read_error_file(path)[0]:
+    """All ranks' error records as they stand: torn and damaged lines skipped (a damaged line's sample is
+    then simply extracted again), exact repeats of a duplicate or input record (recorded again by a resume)
+    dropped, and of each id's failure records (kinds "error" and "transient") only the latest: a retry's
+    record supersedes the attempts before it. Latest means by the record's ``time``, then by file name
+    (sessions are named in time order) and line. A failure record of an id that a part has committed since
+    is superseded too; FeatureCache drops those (this function does not read the index)."""
+    records: list[dict] = []
+    seen: set[tuple] = set()
+    latest: dict[str, tuple[tuple, dict]] = {}
+    for k, path in enumerate(error_files(out)):
+        for line, rec in enumerate(read_error_file(path)[0]):
+            if rec.get("kind") in FAILURE_KINDS:
+                order = (str(rec.get("time", "")), k, line)
+                sid = rec["id"]
+                if sid not in latest or order >= latest[sid][0]:
+                    latest[sid] = (order, rec)
+                continue
             key = error_key(rec)
             if key in seen:
                 continue
             seen.add(key)
             records.append(rec)
-    return records
+    failures = sorted(latest.values(), key=lambda x: x[0])
+    return records + [rec for _, rec in failures]
 
 
 def error_files(out: Path) -> list[Path]:
@@ -351,9 +376,39 @@ def error_key(rec: dict) -> tuple:
     return (rec.get("id"), rec.get("source"), rec.get("reason"), rec.get("kind"))
 
 
-def done_by_error(rec: dict) -> bool:
-    """Whether an error record makes its id done: a failed sample yes; a duplicate or a bad input row no."""
-    return rec.get("kind") not in (DUPLICATE_KIND, INPUT_KIND)
+def reason_kind(reason: str) -> str:
+    """A short class of an error reason, as the summary counts them and ``--retry-errors`` selects them: the
+    text before the first ": ", cut to whole words within 40 characters (and before a parenthesis the cut
+    leaves open)."""
+    kind = str(reason).split(": ", 1)[0].strip()
+    if len(kind) > 40:
+        kind = kind[:41].rsplit(" ", 1)[0]
+        if kind.count("(") > kind.count(")"):
+            kind = kind[: kind.rindex("(")].rstrip()
+    return kind or "error"
+
+
+def parse_retry(kinds: str | Collection[str] | None) -> frozenset[str] | None:
+    """What ``--retry-errors`` selects: None (nothing), ``{"all"}``, or the kinds given ("transient",
+    "error", or a reason class as the summary counts it, e.g. "unreadable or truncated image")."""
+    if kinds is None:
+        return None
+    items = kinds.split(",") if isinstance(kinds, str) else list(kinds)
+    out = frozenset(str(k).strip() for k in items if str(k).strip())
+    if not out:
+        raise ValueError("retry_errors: give 'all' or comma-separated kinds, e.g. transient,error")
+    return out
+
+
+def done_by_error(rec: dict, retry: Collection[str] | None = None) -> bool:
+    """Whether an error record makes its id done: a failed sample yes, unless ``retry`` (see
+    :func:`parse_retry`) selects it to be tried again; a transient failure, a duplicate or a bad input row
+    never."""
+    if rec.get("kind") in (TRANSIENT_KIND, DUPLICATE_KIND, INPUT_KIND):
+        return False
+    if not retry:
+        return True
+    return not ("all" in retry or rec.get("kind") in retry or reason_kind(rec.get("reason", "")) in retry)
 
 
 def check_id(sample_id: Any) -> str:

@@ -45,6 +45,7 @@ from vlfast.extraction.preprocess import (
     build_processor_config,
     normalize_video_patches,
 )
+from vlfast.extraction.remote import TransientReadError
 from vlfast.extraction.workers import unexpected_item
 
 __all__ = [
@@ -179,14 +180,10 @@ class _Unexpected:
 
 
 def _error_kind(reason: str) -> str:
-    """A short class of an error reason for counts: the text before the first ": ", cut to whole words
-    within 40 characters (and before a parenthesis the cut leaves open)."""
-    kind = reason.split(": ", 1)[0].strip()
-    if len(kind) > 40:
-        kind = kind[:41].rsplit(" ", 1)[0]
-        if kind.count("(") > kind.count(")"):
-            kind = kind[: kind.rindex("(")].rstrip()
-    return kind or "error"
+    """A short class of an error reason for counts (and ``--retry-errors``): see ``layout.reason_kind``."""
+    from vlfast.extraction.layout import reason_kind
+
+    return reason_kind(reason)
 
 
 # ------------------------------------------------------------------------------------------ the dataset
@@ -235,7 +232,7 @@ class _SampleDataset(torch.utils.data.Dataset):
                 media = "image" if s.kind == "image" else "video"
                 item["meta"] = {**meta, "prompt": prompt.replace("{kind}", media)}
             return item
-        except SampleError as e:  # bad media or input: the sample's error record
+        except (SampleError, TransientReadError) as e:  # bad media or input, or storage that did not answer
             return {"i": i, "ok": False, "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - a worker must never kill the run; the caller decides
             # Not a media problem but a bug (an AttributeError after a refactor): never recorded as the
@@ -435,6 +432,7 @@ def extract(
     world_size: int | None = None,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    retry_errors: str | Sequence[str] | None = None,
     _forward_hook: Callable[[list[dict[str, Any]]], None] | None = None,
     _decode_hook: Callable[[Sample], None] | None = None,
     _engine: Callable[[_Job], None] | None = None,
@@ -457,10 +455,13 @@ def extract(
     :class:`~vlfast.extraction.interrupts.Terminated` or ``KeyboardInterrupt``. ``store_dtype``
     ("float16", "float32", "bfloat16") converts floating features before storing (default: as computed). ``inputs`` and a manifest's paths may be fsspec URLs
     (``s3://bucket/key``), opened with ``storage_options``, and so may ``out`` (see docs/extract.md, "Object
-    storage": the commit protocol without renames or locks).
+    storage": the commit protocol without renames or locks). A sample whose input could not be read from
+    storage for a transient reason (connection reset, 5xx or SlowDown, timeout; the client's retries
+    spent) is recorded with kind "transient" and tried again by the next run; ``retry_errors`` ("all", or
+    kinds such as "error" or a reason class as the summary counts it) tries recorded failures again.
     """
     from vlfast.extraction.fingerprint import weights_fingerprint
-    from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND
+    from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND, parse_retry
     from vlfast.extraction.resume import (
         DEFAULT_VOLATILE_KEYS,
         dist_info,
@@ -477,6 +478,7 @@ def extract(
         pools=tuple(pools),
         **({"prompt": prompt} if prompt else {}),
     )
+    retry = parse_retry(retry_errors)
     if max_errors is not None and max_errors < 0:
         raise ValueError(f"max_errors must be >= 0, got {max_errors}")
     if decode_timeout is not None and not decode_timeout > 0:
@@ -571,7 +573,7 @@ def extract(
         fingerprint_seconds=fingerprint_seconds,
     )
     if not overwrite:
-        state = read_state(out, run_config, volatile)
+        state = read_state(out, run_config, volatile, retry)
         pending = entries.pending(state.done, state.error_keys.__contains__)
         if not pending and not state.damaged:
             summary.skipped, summary.nothing_to_do = entries.assigned, True
@@ -595,6 +597,7 @@ def extract(
             overwrite=overwrite,
             volatile_keys=volatile,
             resume_check=resume_check,
+            retry_errors=retry,
         ) as store,
     ):
         summary.quarantined = [q["part"] for q in store.quarantined]
@@ -605,7 +608,7 @@ def extract(
         errors: Counter[str] = Counter()
         bar = _Progress(progress, pending, f"extract r{rank}" if world_size > 1 else "extract")
 
-        def record(sample_id: str, source: str, reason: str, kind: str = "error") -> None:
+        def record(sample_id: str, source: str, reason: str, kind: str | None = None) -> None:
             """Record an error once; the summary, the progress bar and --max-errors all count it."""
             before = store.num_errors
             store.add_error(sample_id, source, reason, kind=kind)
@@ -656,6 +659,7 @@ def extract(
                         shard_max_bytes=shard_max_bytes,
                         shard_max_samples=shard_max_samples,
                         commit_every=commit_every,
+                        retry_errors=retry,
                         forward_hook=_forward_hook,
                         decode_hook=_decode_hook,
                     )
@@ -725,6 +729,7 @@ class _Job:
     shard_max_bytes: int
     shard_max_samples: int
     commit_every: float | None
+    retry_errors: frozenset[str] | None = None  # recorded failures the stores must not count as done
     forward_hook: Callable | None = None
     decode_hook: Callable | None = None
 

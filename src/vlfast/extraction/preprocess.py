@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from vlfast.extraction.containers import container_truncation
 from vlfast.extraction.inputs import Sample
-from vlfast.extraction.remote import RemoteFile
+from vlfast.extraction.remote import RemoteFile, is_transient, transient_error
 from vlfast.extraction.webdataset import TarMember
 
 __all__ = [
@@ -376,6 +376,11 @@ def _media(sample: Sample) -> Media:
     return sample.member if sample.member is not None else sample.paths[0]
 
 
+def _at_url(media: Media) -> bool:
+    """Whether ``media`` is read from storage over the network (where failures may be transient)."""
+    return isinstance(media, RemoteFile) or (isinstance(media, TarMember) and media.at_url)
+
+
 def _checked_media(media: Media) -> int:
     """Size in bytes of a readable, non-empty file or tar member; SampleError saying why not otherwise."""
     if isinstance(media, RemoteFile):
@@ -652,6 +657,8 @@ def read_video(path: Media, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[st
     except SampleError as e:
         raise _video_failure(path, size, str(e)) from None
     except (av.error.FFmpegError, *_DECODE_ERRORS) as e:
+        if _at_url(path) and is_transient(e):  # the store failed mid-stream, not the video
+            raise transient_error(str(path), e) from e
         if step is None and not isinstance(e, EOFError):  # not a container FFmpeg can open
             raise _video_failure(path, size, f"unreadable or corrupt video: {e}") from None
         raise _video_failure(path, size, f"{step or 'opening it'} failed: {e}", cut=True) from None

@@ -652,6 +652,7 @@ class _RayEngine:
             # The driver's store has just checked OUT as asked (full by default); each actor re-checks
             # sizes and headers only, instead of every actor hashing every shard again.
             resume_check="quick",
+            retry_errors=job.retry_errors,  # else an actor's store would refuse a retried id as done
         )
         device = torch.device(job.device.type)  # Ray gives each actor its GPUs as cuda:0..
         return _map_batches_bounded(

@@ -16,6 +16,13 @@ INPUT, a folder's files and a manifest's ``path`` values may be URLs with a sche
   listing, over a :class:`_RangeReader`; a shard member at a URL is then read by :func:`read_range` /
   :func:`open_range`, ranged requests over just its bytes.
 
+Transient failures (a connection reset, a 5xx or SlowDown, a timeout: :func:`is_transient`) are retried by
+the client where it has retries of its own (S3: botocore's ``retries`` config, :data:`S3_RETRIES` unless
+``config_kwargs`` or ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` set one, plus s3fs's own loop over
+connection errors; gcsfs and adlfs retry by themselves) and by :func:`_retrying` here for other stores
+(plain HTTP). What still fails is :class:`TransientReadError`, which the sample's error record marks
+"transient": not done, tried again by the next run.
+
 Credentials come from the environment and fsspec's configuration, plus ``storage_options`` (passed to
 ``fsspec.filesystem``). They are never shown: a :class:`RemoteFile`'s repr and every message name the URL
 only, and any option value that a library error echoes is masked.
@@ -24,10 +31,13 @@ only, and any option value that a library error echoes is masked.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
+import random
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,7 +47,17 @@ from vlfast._files import ByteWindow
 if TYPE_CHECKING:
     from vlfast.extraction.inputs import InputProblem, Sample
 
-__all__ = ["RemoteFile", "RemoteInputError", "attach", "is_url", "list_shards", "load_url", "probe_out"]
+__all__ = [
+    "RemoteFile",
+    "RemoteInputError",
+    "TransientReadError",
+    "attach",
+    "is_transient",
+    "is_url",
+    "list_shards",
+    "load_url",
+    "probe_out",
+]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Stores whose first path component is a bucket: probed once per bucket before any work.
@@ -47,6 +67,148 @@ _INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "a
 
 class RemoteInputError(ValueError):
     """An INPUT URL that cannot be read at all (endpoint unreachable, bucket missing, access refused)."""
+
+
+class TransientReadError(Exception):
+    """Reading a sample's input failed for a reason that says nothing about the sample (see
+    :func:`is_transient`), after the retries. Its message starts with ``TRANSIENT_PREFIX``, which makes the
+    error record "transient". Not an OSError, so the decoders' handlers of bad data let it through."""
+
+
+# S3 retries when the user configured none: botocore's "standard" mode retries throttling (SlowDown, 503),
+# 5xx, timeouts and connection errors with full-jitter exponential backoff (<= 1, 2, 4, 8, 16 s between
+# the 6 attempts); botocore's own default would be "legacy" with 5.
+S3_RETRIES = {"mode": "standard", "max_attempts": 6}
+# Stores whose fsspec client retries by itself (s3fs/botocore, gcsfs, adlfs/azure-core); others get ours.
+_CLIENT_RETRIES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+OWN_ATTEMPTS = 5  # our own retries (plain HTTP...): waits of <= 0.5, 1, 2, 4 s between attempts
+
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "PriorRequestNotComplete",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
+_TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, n)
+    for n in (
+        "ECONNRESET",
+        "ECONNABORTED",
+        "ECONNREFUSED",
+        "ETIMEDOUT",
+        "EPIPE",
+        "EHOSTUNREACH",
+        "ENETUNREACH",
+        "ENETDOWN",
+        "ENETRESET",
+        "EAGAIN",
+        "EBUSY",  # s3fs's translation of 503, SlowDown and ServiceUnavailable
+        "EREMOTEIO",  # s3fs's translation of 500
+    )
+    if hasattr(errno, n)
+)
+# Network failures by class name, so that no client library is imported to classify: botocore's, urllib3's,
+# aiohttp's and fsspec's (builtins ConnectionError and TimeoutError are checked by type).
+_TRANSIENT_CLASSES = frozenset(
+    {
+        "HTTPClientError",
+        "ConnectionClosedError",
+        "EndpointConnectionError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "IncompleteReadError",
+        "ResponseStreamingError",
+        "IncompleteRead",
+        "ProtocolError",
+        "ClientConnectionError",
+        "ServerDisconnectedError",
+        "ClientPayloadError",
+        "ServerTimeoutError",
+        "FSTimeoutError",
+    }
+)
+
+
+def _transient_one(e: BaseException) -> bool:
+    if isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
+        return False
+    if isinstance(e, ConnectionError | TimeoutError):
+        return True
+    if any(c.__name__ in _TRANSIENT_CLASSES for c in type(e).__mro__):
+        return True
+    response = getattr(e, "response", None)  # botocore's ClientError
+    if isinstance(response, dict):
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in _TRANSIENT_CODES:
+            return True
+        if isinstance(status, int) and (status in (408, 429) or (status >= 500 and status != 501)):
+            return True
+    status = getattr(e, "status", None)  # aiohttp's ClientResponseError (fsspec's HTTP)
+    if isinstance(status, int) and (status in (408, 429) or (status >= 500 and status != 501)):
+        return True
+    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a failure to read from storage says nothing about what is stored: a connection reset or
+    refused, a timeout, an HTTP 408, 429 or 5xx (SlowDown, ServiceUnavailable, InternalError), as any
+    client in the exception's chain reports it. A missing object or refused access is not transient
+    (unless caused by one of the above)."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen or len(seen) > 16:
+            continue
+        seen.add(id(x))
+        # a FileNotFoundError is not transient, unless a client guessed it from a transient cause
+        # (fsspec's HTTP ``info`` reports a 503 on both HEAD and GET as not found)
+        if _transient_one(x):
+            return True
+        stack.extend((x.__cause__, x.__context__))
+    return False
+
+
+def transient_error(url: str, e: BaseException, options_json: str = "{}") -> TransientReadError:
+    """The TransientReadError for ``e`` while reading ``url``: names the URL, never the options."""
+    from vlfast.extraction.layout import TRANSIENT_PREFIX
+
+    reason = _masked(_reason(e), options_json)
+    return TransientReadError(
+        f"{TRANSIENT_PREFIX}: cannot read {url} ({type(e).__name__}: {reason}) after the storage client's "
+        "retries; the next run tries it again"
+    )
+
+
+def _retrying(fs, call, url: str, options_json: str):
+    """``call()``, tried up to :data:`OWN_ATTEMPTS` times while it fails transiently when ``fs``'s client
+    has no retries of its own (else once: the client has retried already); TransientReadError when the
+    last attempt fails transiently, the error itself otherwise."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    attempts = 1 if protocols & _CLIENT_RETRIES else OWN_ATTEMPTS
+    for attempt in range(attempts):
+        try:
+            return call()
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            if attempt == attempts - 1:
+                raise transient_error(url, e, options_json) from e
+            time.sleep(0.5 * 2**attempt * random.uniform(0.5, 1.0))  # jitter: ranks must not retry in step
+    raise AssertionError("unreachable")
 
 
 def is_url(source: Any) -> bool:
@@ -95,6 +257,15 @@ def _filesystem(url: str, options_json: str):
     except ImportError:
         raise ImportError("reading URLs needs fsspec: pip install 'vlfast[s3]'") from None
     protocol = _SCHEME.match(url).group(1).lower()  # type: ignore[union-attr]
+    options = json.loads(options_json)
+    if protocol in ("s3", "s3a"):
+        config = options.setdefault("config_kwargs", {})
+        if (
+            isinstance(config, dict)
+            and "retries" not in config
+            and not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE"))
+        ):
+            config["retries"] = dict(S3_RETRIES)
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError:
@@ -103,7 +274,7 @@ def _filesystem(url: str, options_json: str):
         raise ImportError(f"reading {protocol}:// URLs needs {package}: pip install '{extra}'") from None
     except ValueError:
         raise RemoteInputError(f"{url}: fsspec knows no protocol {protocol!r}") from None
-    return url_to_fs(url, **json.loads(options_json))
+    return url_to_fs(url, **options)
 
 
 @dataclass(frozen=True)
@@ -121,9 +292,11 @@ class RemoteFile:
         """Bytes of the object; FileNotFoundError when it does not exist, OSError when it cannot be read."""
         fs, path = _filesystem(self.url, self.options_json)
         try:
-            info = fs.info(path)
+            info = _retrying(fs, lambda: fs.info(path), self.url, self.options_json)
         except FileNotFoundError:
             raise FileNotFoundError(f"file not found: {self.url}") from None
+        except TransientReadError:
+            raise
         except Exception as e:  # network and permission errors come as many types
             raise OSError(f"cannot access {self.url}: {_masked(_reason(e), self.options_json)}") from None
         if info.get("type") == "directory":
@@ -134,15 +307,23 @@ class RemoteFile:
         """The object's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
         fs, path = _filesystem(self.url, self.options_json)
         try:
-            return fs.open(path, "rb")
+            return _retrying(fs, lambda: fs.open(path, "rb"), self.url, self.options_json)
         except FileNotFoundError:
             raise FileNotFoundError(f"file not found: {self.url}") from None
         except OSError as e:
             raise OSError(f"cannot open {self.url}: {_masked(_reason(e), self.options_json)}") from None
 
     def read_bytes(self) -> bytes:
-        with self.open() as f:
-            return f.read()
+        """The whole object (an image); TransientReadError when the store keeps failing transiently."""
+        fs, path = _filesystem(self.url, self.options_json)
+        try:
+            return _retrying(fs, lambda: fs.cat_file(path), self.url, self.options_json)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"file not found: {self.url}") from None
+        except TransientReadError:
+            raise
+        except Exception as e:
+            raise OSError(f"cannot read {self.url}: {_masked(_reason(e), self.options_json)}") from None
 
 
 def _reason(e: BaseException) -> str:
@@ -259,7 +440,7 @@ def _remote_manifest(
                 shutil.copyfileobj(src, dst, 1 << 20)
         except FileNotFoundError:
             raise FileNotFoundError(f"manifest {url} does not exist") from None
-        except OSError as e:
+        except (OSError, TransientReadError) as e:
             raise RemoteInputError(f"manifest {url} cannot be read: {e}") from None
         got = _read_manifest(local, name=url, base=url.rsplit("/", 1)[0])
     samples, problems = _with_remote(got, dict(storage_options or {}))
@@ -329,9 +510,11 @@ def _fetch(fs, path: str, url: str, options_json: str, start: int, end: int) -> 
     never the options; also when the store ignores the range (a plain HTTP server may send the whole file,
     whose first bytes would pass for the member's)."""
     try:
-        data = fs.cat_file(path, start=start, end=end)
+        data = _retrying(fs, lambda: fs.cat_file(path, start=start, end=end), url, options_json)
     except FileNotFoundError:
         raise FileNotFoundError(f"file not found: {url}") from None
+    except TransientReadError:
+        raise
     except Exception as e:  # network and permission errors come as many types
         raise OSError(f"cannot read {url}: {_masked(_reason(e), options_json)}") from None
     if len(data) > end - start:
@@ -509,6 +692,6 @@ def _list_one(
     with _RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
         try:
             members, cut, texts = _scan(f, size, shard)
-        except OSError as e:  # the reader's message names the URL, never the options
+        except (OSError, TransientReadError) as e:  # the message names the URL, never the options
             raise RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
     return _entries(shard, rel, members, cut, texts, options_json)

@@ -225,11 +225,13 @@ def read_state(
     out: str | os.PathLike,
     run_config: Mapping[str, Any],
     volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
+    retry: Collection[str] | None = None,
 ) -> OutState:
     """Check ``run_config`` against ``out`` and say what it already holds; writes nothing, takes no lock.
 
     The quick check (sizes, headers, ids) finds truncated or replaced shards; the full checksum pass is
-    the writer's, when it opens.
+    the writer's, when it opens. Recorded failures that ``retry`` selects (``--retry-errors``, see
+    :func:`~vlfast.extraction.layout.parse_retry`) are not done, nor are transient ones.
     """
     out = resolve_out(out)
     if is_local(out):
@@ -246,6 +248,6 @@ def read_state(
         else:
             state.damaged.append(part.name)
     errors = read_errors(out)
-    state.done.update(r["id"] for r in errors if done_by_error(r))
+    state.done.update(r["id"] for r in errors if done_by_error(r, retry))
     state.error_keys = {error_key(r) for r in errors}
     return state

@@ -40,6 +40,7 @@ run, but every id's tensors (bytes, dtype, shape) and meta are identical.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import json
 import os
@@ -61,6 +62,8 @@ from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.layout import (
     DUPLICATE_KIND,
     ERROR_DIR,
+    ERROR_KIND,
+    FAILURE_KINDS,
     FORMAT_VERSION,
     INDEX_DIR,
     INPUT_KIND,
@@ -76,7 +79,10 @@ from vlfast.extraction.layout import (
     SHARD_DIR,
     SHARD_RE,
     TMP_RE,
+    TRANSIENT_KIND,
+    TRANSIENT_PREFIX,
     DamagedFile,
+    OutputFull,
     OutputInUse,
     OutputNotWritable,
     canonical_json,
@@ -89,6 +95,7 @@ from vlfast.extraction.layout import (
     index_schema,
     is_local,
     list_names,
+    parse_retry,
     part_name,
     read_errors,
     read_index_part,
@@ -118,6 +125,7 @@ __all__ = [
     "DUPLICATE_KIND",
     "INPUT_KIND",
     "FeatureStore",
+    "OutputFull",
     "OutputInUse",
     "OutState",
     "OutputNotWritable",
@@ -194,11 +202,15 @@ def _atomic_write_bytes(path: Path, data: bytes, tmp_tag: str, *, exclusive: boo
         _put_remote(path, data, exclusive)
         return
     tmp = path.parent / f".tmp-{tmp_tag}-{path.name}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # ours and never renamed: garbage that would hold space (a full disk)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -274,6 +286,50 @@ def _try_lock(path: Path) -> int | None:
 def _unlock(fd: int | None) -> None:
     if fd is not None and fd >= 0:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, a spent quota
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC or EDQUOT, as an OSError or as safetensors' own
+    error (a Rust io::Error it reports as text: "No space left on device (os error 28)")."""
+    if isinstance(e, OSError):
+        return e.errno in _NO_SPACE
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and any(f"os error {c})" in text for c in _NO_SPACE)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def _full_error(out: Path, remote: bool, e: BaseException, doing: str) -> OutputFull:
+    """The OutputFull for ``e``: the folder that is full, its free space, and how to go on."""
+    folder = Path(tempfile.gettempdir()) if remote else out
+    try:
+        usage = shutil.disk_usage(folder)
+        space = f"{_mib(usage.free)} free of {_mib(usage.total)}"
+    except OSError:
+        space = "free space unknown"
+    why = (
+        "disk quota exceeded"
+        if getattr(e, "errno", None) == getattr(errno, "EDQUOT", None)
+        else "no space left"
+    )
+    if remote:
+        return OutputFull(
+            errno.ENOSPC,
+            f"the local temp folder {folder} is full ({why}; {space}) while {doing} for {out}: shards of an "
+            "OUT on object storage are staged there before their upload. Everything committed is intact. Set "
+            "TMPDIR to a folder with room, then run the same command again to resume.",
+        )
+    return OutputFull(
+        errno.ENOSPC,
+        f"{out} is full ({why} on its disk; {space}) while {doing}. Everything committed is intact and the "
+        "partial file was removed. Free space (or point OUT/shards at a bigger disk with a symlink), then "
+        "run the same command again to resume.",
+    )
 
 
 def _not_writable(out: Path, e: OSError) -> OutputNotWritable:
@@ -378,6 +434,7 @@ class FeatureStore:
         overwrite: bool = False,
         volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
         resume_check: str = "full",
+        retry_errors: str | Collection[str] | None = None,
     ):
         if not isinstance(run_config, Mapping):
             raise TypeError(f"run_config must be a dict, got {type(run_config).__name__}")
@@ -394,6 +451,7 @@ class FeatureStore:
         if resume_check not in RESUME_CHECKS:
             raise ValueError(f"resume_check must be one of {RESUME_CHECKS}, got {resume_check!r}")
         self.out = resolve_out(out)
+        self._retry = parse_retry(retry_errors)  # recorded failures to try again (see done_by_error)
         # On object storage there are no renames and no locks: shards are uploaded whole under names
         # created exclusively, the index part (the commit marker) last; errors go to one object per session.
         self._remote = not is_local(self.out)
@@ -431,8 +489,9 @@ class FeatureStore:
             self._check_committed(resume_check)  # takes in the ids of the parts it found sound
             self._refresh_committed()
             errors = read_errors(self.out)
-            self._errored: set[str] = {r["id"] for r in errors if done_by_error(r)}
+            self._errored: set[str] = {r["id"] for r in errors if done_by_error(r, self._retry)}
             self._error_keys: set[tuple] = {error_key(r) for r in errors}
+            self._session_failures: set[tuple] = set()  # failure records this session wrote
             self._seq = self._next_seq()
             self._versions = library_versions()
             self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
@@ -442,6 +501,7 @@ class FeatureStore:
             self._num_errors = 0
             self._num_added = 0
             self._closed = False
+            self._full = False  # a commit found the disk full: nothing more is written
             name = (
                 f"errors-{self._tag}-{self._session}.jsonl" if self._remote else f"errors-{self._tag}.jsonl"
             )
@@ -529,11 +589,16 @@ class FeatureStore:
         }
         # Several ranks may race here; each writes the same config through its own temp file, so the
         # last rename wins with identical content.
-        _atomic_write_bytes(
-            path,
-            (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
-            f"r{self.rank:05d}-{os.getpid()}",
-        )
+        try:
+            _atomic_write_bytes(
+                path,
+                (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
+                f"r{self.rank:05d}-{os.getpid()}",
+            )
+        except OSError as e:
+            if _disk_full(e):
+                raise _full_error(self.out, self._remote, e, f"writing {RUN_FILE}") from None
+            raise
 
     def _check_committed(self, mode: str) -> None:
         """Check what a resume will rely on; refuse parts of another configuration, move damaged ones aside.
@@ -706,10 +771,11 @@ class FeatureStore:
         """Ids committed by any rank plus ids recorded as failed: skip these on resume.
 
         A "duplicate id" or "input" record does not make an id done: the id's first occurrence may still be
-        in an uncommitted buffer, and it must be redone after a crash.
+        in an uncommitted buffer, and it must be redone after a crash. Nor does a "transient" one, or a
+        failure that ``retry_errors`` selects: those are tried again.
         """
         self._refresh_committed()
-        errored = {r["id"] for r in read_errors(self.out) if done_by_error(r)}
+        errored = {r["id"] for r in read_errors(self.out) if done_by_error(r, self._retry)}
         return self._committed | errored | self._errored | self._buffer_ids
 
     def plan(self, ids: Sequence[str], sources: Sequence[str] | None = None) -> list[int]:
@@ -815,20 +881,30 @@ class FeatureStore:
 
     def add_error(self, sample_id: str, source: str, reason: str, *, kind: str | None = None) -> None:
         """Record a failed sample durably (one fsync'd JSON line; on object storage, with the next commit,
-        at most ``commit_every`` seconds later); the id then counts as done.
+        at most ``commit_every`` seconds later).
 
-        ``kind`` is "error", "duplicate" or "input" (an input row that is not a sample at all; ``sample_id``
-        then names the row); by default a reason starting with "duplicate" means "duplicate". Duplicate and
-        input records do not make their id done. Recording the same (id, source, reason, kind) again, as a
-        resumed run does, writes nothing.
+        ``kind`` is "error" (the id then counts as done), "transient" (reading it from storage failed,
+        retries included: the next run tries it again), "duplicate" or "input" (an input row that is not a
+        sample at all; ``sample_id`` then names the row); by default a reason starting with "duplicate"
+        means "duplicate" and one starting with :data:`TRANSIENT_PREFIX` "transient". Duplicate and input
+        records do not make their id done, and recording the same (id, source, reason, kind) again, as a
+        resumed run does, writes nothing. A failure ("error", "transient") is an attempt: a later run's
+        record of the same id is written again and supersedes it (see ``read_errors``).
         """
         self._check_open()
         if kind is None:
-            kind = DUPLICATE_KIND if str(reason).lower().startswith("duplicate") else "error"
-        if kind not in ("error", DUPLICATE_KIND, INPUT_KIND):
-            raise ValueError(f"kind must be 'error', {DUPLICATE_KIND!r} or {INPUT_KIND!r}, got {kind!r}")
+            if str(reason).lower().startswith("duplicate"):
+                kind = DUPLICATE_KIND
+            elif str(reason).startswith(TRANSIENT_PREFIX):
+                kind = TRANSIENT_KIND
+            else:
+                kind = ERROR_KIND
+        if kind not in (*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND):
+            raise ValueError(
+                f"kind must be one of {(*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND)}, got {kind!r}"
+            )
         key = (str(sample_id), str(source), str(reason), kind)
-        if key in self._error_keys:
+        if key in (self._session_failures if kind in FAILURE_KINDS else self._error_keys):
             return
         rec = {
             "id": str(sample_id),
@@ -836,7 +912,8 @@ class FeatureStore:
             "reason": str(reason),
             "kind": kind,
             "rank": self.rank,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # microseconds: which of an id's attempts is the latest is read from this (read_errors)
+            "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         }
         line = error_line(rec)
         if self._remote:
@@ -844,8 +921,18 @@ class FeatureStore:
             if self._errors_pending_since is None:
                 self._errors_pending_since = time.monotonic()
         else:
-            self._append_error_line(line)
+            try:
+                self._append_error_line(line)
+            except OSError as e:
+                if _disk_full(e):
+                    self._full = True  # nothing more is written: close() must not try the shard too
+                    raise _full_error(
+                        self.out, False, e, f"recording an error in {self._error_file}"
+                    ) from None
+                raise
         self._error_keys.add(key)
+        if kind in FAILURE_KINDS:
+            self._session_failures.add(key)
         self._num_errors += 1
         if done_by_error(rec):
             self._errored.add(str(sample_id))
@@ -880,9 +967,19 @@ class FeatureStore:
 
     def flush(self) -> None:
         """Commit the buffered samples as one shard now (no-op when the buffer is empty), and on object
-        storage the session's error records. SIGTERM and Ctrl-C wait until it is done (see interrupts)."""
+        storage the session's error records. SIGTERM and Ctrl-C wait until it is done (see interrupts). A full
+        disk raises OutputFull; the store then commits nothing more (``close`` only releases the lock) and the
+        buffered samples are redone by the next run."""
+        if self._full:
+            raise RuntimeError(f"FeatureStore for {self.out} stopped: its disk was full")
         with commit_section():
-            self._flush()
+            try:
+                self._flush()
+            except Exception as e:
+                if not _disk_full(e):
+                    raise
+                self._full = True
+                raise _full_error(self.out, self._remote, e, "committing a shard") from None
 
     def _flush(self) -> None:
         if self._remote:
@@ -916,7 +1013,8 @@ class FeatureStore:
         if self._closed:
             return
         try:
-            self.flush()
+            if not self._full:
+                self.flush()
         finally:
             self._closed = True
             self._release()
@@ -989,6 +1087,9 @@ class FeatureStore:
                     self._seq += 1
                     shard = self._shard_path()
             raise RuntimeError(f"{self.out}: 1000 shard names of rank {self.rank} in a row are taken")
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # ours and never renamed: on a full disk, space to give back now
+            raise
         finally:
             if self._remote:  # a local temp file in OUT is garbage the next start cleans; this one is ours
                 tmp.unlink(missing_ok=True)
