@@ -603,7 +603,9 @@ class _RayEngine:
         for reason, missing in (recorded - counted).items():
             for _ in range(missing):
                 job.count_error(reason)
-        failed_ids = {r["id"] for r in errors_now if done_by_error(r)}
+        # Only this run's records: a record from before that --retry-errors selected is superseded by the
+        # sample's commit now.
+        failed_ids = {r["id"] for r in errors_now if error_key(r) not in recorded_before and done_by_error(r)}
         extracted = {i for i in to_extract if i in done and i not in failed_ids}
         summary.extracted = len(extracted)
         summary.tokens = sum(p for i, p in added.items() if i in extracted)
