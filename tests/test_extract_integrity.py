@@ -326,3 +326,52 @@ def test_read_only_filesystem_for_real(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "refused:" in r.stdout and "read-only" in r.stdout
+
+
+def _other_run(out: Path, cfg: dict, negate: bool) -> None:
+    """The same ids into another OUT: with ``negate`` the features of other weights (same dtypes, shapes and
+    so the same shard sizes), else the very same bytes written under other library versions."""
+    with FeatureStore(out, cfg, shard_max_samples=3) as s:
+        for sid in IDS:
+            feats = fake_features(sid)
+            if negate:
+                feats = {k: -v if v.is_floating_point() else v for k, v in feats.items()}
+            s.add(sid, feats, {"path": f"{sid}.mp4"})
+
+
+@pytest.mark.parametrize(
+    ("cfg", "negate", "caught_by"),
+    [
+        (CFG | {"weights": "fine-tuned"}, True, "made with another configuration"),
+        (CFG | {"versions": {"torch": "9"}}, False, "not the shard its index part was written with"),
+    ],
+    ids=["other-weights", "same-config-other-header"],
+)
+def test_a_swapped_shard_is_refused_by_a_plain_read(
+    tmp_path: Path, ref: Path, cfg, negate, caught_by
+) -> None:
+    """A same-named shard of another run (same inputs, same size, same ids in its header) put in place of a
+    committed one: every plain read refuses it, DataLoader workers included; the resume moves it aside."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    _fill(out)
+    _other_run(other, cfg, negate)
+    name = "shards/shard-r00000-000001.safetensors"
+    assert (other / name).stat().st_size == (out / name).stat().st_size
+    shutil.copy(other / name, out / name)
+
+    cache = FeatureCache(out)
+    assert torch.equal(cache["s0"]["tokens"], fake_features("s0")["tokens"])  # other shards still read
+    with pytest.raises(
+        DamagedFile, match=rf"shard-r00000-000001.*{caught_by}.*'s4'.*Run the same `vlfast extract`"
+    ):
+        cache["s4"]
+    loader = torch.utils.data.DataLoader(
+        FeatureCache(out), batch_size=3, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+    )
+    with pytest.raises(DamagedFile, match=rf"shard-r00000-000001.*{caught_by}"):
+        list(loader)
+
+    assert read_state(out, CFG).damaged == [sorted(p.name for p in (out / "index").iterdir())[1]]
+    with pytest.warns(UserWarning, match="moved to"):
+        _resume(out, resume_check="quick")
+    assert compare_caches(ref, out) == []

@@ -259,6 +259,33 @@ def test_damage_on_the_server_is_found_quarantined_and_redone(endpoint):
     assert sum("/quarantine/" in k for k in keys) == 3  # the shard, its part and reason.json
 
 
+def test_a_swapped_shard_is_refused_by_plain_reads_on_s3(endpoint):
+    """A same-named shard of another run (other weights: same size, same ids) uploaded over a committed one:
+    plain reads refuse it, in the parent and in forked DataLoader workers, naming the shard and the fix."""
+    out, other = _fresh("swapped"), _fresh("swapped-other")
+    ids = [f"s{k}" for k in range(4)]
+    with _store(out) as store:
+        for sid in ids:
+            store.add(sid, fake_features(sid))
+    with FeatureStore(other, RUN_CONFIG | {"weights": "fine-tuned"}, shard_max_samples=100) as store:
+        for sid in ids:
+            store.add(sid, {k: -v if v.is_floating_point() else v for k, v in fake_features(sid).items()})
+    (key,) = [k for k in _keys(out.removeprefix(f"s3://{BUCKET}/")) if "/shards/" in k]
+    (theirs,) = [k for k in _keys(other.removeprefix(f"s3://{BUCKET}/")) if "/shards/" in k]
+    body = _client().get_object(Bucket=BUCKET, Key=theirs)["Body"].read()
+    assert len(body) == _client().head_object(Bucket=BUCKET, Key=key)["ContentLength"]
+    _client().put_object(Bucket=BUCKET, Key=key, Body=body)
+
+    remedy = "Run the same `vlfast extract` again"
+    with pytest.raises(DamagedFile, match=rf"shard-r00000-000000.*another configuration.*'s0'.*{remedy}"):
+        FeatureCache(out)["s0"]
+    loader = torch.utils.data.DataLoader(
+        FeatureCache(out), batch_size=2, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+    )
+    with pytest.raises(DamagedFile, match="shard-r00000-000000.*another configuration"):
+        list(loader)
+
+
 def test_error_records_are_committed_with_the_work(endpoint):
     """S3 cannot append: each session's records are one object, uploaded again on every commit. Records a
     kill loses only make their samples be tried again."""

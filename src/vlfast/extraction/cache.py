@@ -5,10 +5,12 @@ never lists shards, so temp files and orphan shards left by a crash are invisibl
 through safetensors' memory map: looking up one sample reads that sample's bytes, not the shard. On
 object storage (``FeatureCache("s3://bucket/out")``) each tensor is one ranged GET of exactly its bytes.
 
-What is checked on every read, at no measurable cost: each index part against the checksum in its name and
-the configuration in run.json, each shard's size against what was written (a truncated shard is named,
-with the sample asked for) and its id list against the index. With ``verify=True`` every tensor read is
-also hashed and compared with its checksum; ``verify()`` scans the whole folder (integrity.py).
+What is checked on every read: each index part against the checksum in its name and the configuration in
+run.json; once per shard opened, its size against what was written (a truncated shard is named, with the
+sample asked for), its header bytes against the checksum its index part recorded and the header's
+configuration hash against run.json's (a same-named shard of another run, same size and ids, is refused),
+and on every lookup the sample's id against the header's. With ``verify=True`` every tensor read is also
+hashed and compared with its checksum; ``verify()`` scans the whole folder (integrity.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from vlfast.extraction.layout import (
     resolve_out,
     stable_config,
     tensor_xxh3,
+    xxh3,
 )
 
 _MAX_OPEN_SHARDS = 64  # open safetensors handles kept (each holds a file descriptor and a mapping)
@@ -69,10 +72,13 @@ class FeatureCache(torch.utils.data.Dataset):
         self.features = None if features is None else frozenset(features)
         self.verify_reads = bool(verify)
         self._run = read_run_file(self.out)
-        expected = config_hash(stable_config(self._run.get("config", {}), self._run.get("volatile_keys", [])))
+        self._config_hash = expected = config_hash(
+            stable_config(self._run.get("config", {}), self._run.get("volatile_keys", []))
+        )
         parts = committed_parts(self.out)
         tables = []
         self._shard_bytes: dict[str, int | None] = {}  # shard path -> its size when written (format 2)
+        header_hash: dict[str, str | None] = {}  # shard path -> xxh3 of its header when written (format 2)
         for part in parts:
             table = read_index_part(part)
             meta = part_meta(table)
@@ -83,6 +89,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 )
             for shard in set(table.column("shard").to_pylist()):
                 self._shard_bytes[shard] = meta["shard_bytes"]
+                header_hash[shard] = meta["shard_header_xxh3"]
             tables.append(table.replace_schema_metadata(None))
         if tables:
             table = pa.concat_tables(tables, promote_options="default")
@@ -115,6 +122,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self._shard_paths = [self.out / s for s in shard_names]
         self._pid = os.getpid()
         self._expected_bytes = [self._shard_bytes.get(s) for s in shard_names]
+        self._expected_header = [header_hash.get(s) for s in shard_names]
         self._shard = [shard_no[shards[i]] for i in keep]
         self._row = [rows[i] for i in keep]
         take = pa.array(keep, type=pa.int64())
@@ -254,11 +262,17 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"{sample_id!r} cannot be read. {REDO_HINT}"
             )
         try:
-            h = safe_open(path, framework="pt", device="cpu") if is_local(path) else _RangeShard(path, size)
+            if is_local(path):
+                raw_header = _local_header(path)
+                h = safe_open(path, framework="pt", device="cpu")
+            else:
+                h = _RangeShard(path, size)
+                raw_header = h.raw_header
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise DamagedFile(
                 f"{path} is unreadable ({e}): sample {sample_id!r} cannot be read. {REDO_HINT}"
             ) from None
+        self._check_header(k, h, raw_header, sample_id)
         self._handles[k] = h
         if k not in self._shard_ids:
             ids = (h.metadata() or {}).get("ids")
@@ -266,6 +280,25 @@ class FeatureCache(torch.utils.data.Dataset):
         if len(self._handles) > _MAX_OPEN_SHARDS:
             self._handles.popitem(last=False)
         return h
+
+    def _check_header(self, k: int, h: Any, raw_header: bytes, sample_id: str) -> None:
+        """Refuse a shard that is not the one its index part was written with: a same-named shard of another
+        run (other weights: same size, same ids) would otherwise be served in full. Two checks, both on
+        bytes already read: the header's configuration hash against run.json's (names the cause), then the
+        header bytes against the checksum the part recorded (any other change to offsets, dtypes, ids)."""
+        path = self._shard_paths[k]
+        written_with = (h.metadata() or {}).get("config_hash")
+        if written_with is not None and written_with != self._config_hash:
+            raise DamagedFile(
+                f"{path} was made with another configuration than {self.out / 'run.json'} (a shard of another "
+                f"run under this name?): sample {sample_id!r} cannot be read. {REDO_HINT}"
+            )
+        expected = self._expected_header[k]
+        if expected is not None and xxh3(raw_header) != expected:
+            raise DamagedFile(
+                f"{path} is not the shard its index part was written with (its header fails the recorded "
+                f"checksum: replaced or damaged): sample {sample_id!r} cannot be read. {REDO_HINT}"
+            )
 
     def _reopen_after_fork(self) -> None:
         """A forked DataLoader worker cannot use its parent's object-storage client (fsspec's async clients
@@ -283,6 +316,16 @@ class FeatureCache(torch.utils.data.Dataset):
         return state
 
 
+def _local_header(path: Any) -> bytes:
+    """A local shard's raw header (8-byte length + JSON), as its index part hashed it: one small read."""
+    import struct
+
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        return prefix + f.read(n)
+
+
 class ShardReadError(OSError):
     """A shard on object storage could not be read (network, credentials, throttling): not damage."""
 
@@ -295,7 +338,7 @@ class _RangeShard:
         from vlfast.extraction.integrity import _RemoteShard
 
         self._fs, self._key, self._url = path.fs, path.path, str(path)
-        self._data_start, _, self._header = _RemoteShard(path, size).header()  # the size _handle just asked
+        self._data_start, self.raw_header, self._header = _RemoteShard(path, size).header()  # size just asked
         self._size = size
 
     def metadata(self) -> dict[str, str] | None:
