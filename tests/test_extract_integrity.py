@@ -375,3 +375,62 @@ def test_a_swapped_shard_is_refused_by_a_plain_read(
     with pytest.warns(UserWarning, match="moved to"):
         _resume(out, resume_check="quick")
     assert compare_caches(ref, out) == []
+
+
+_READER = """
+import os, sys
+import torch  # the aborts were seen with torch loaded
+import pyarrow.parquet
+from vlfast.extraction import FeatureCache
+
+# Import torch once, then fork 20 readers, 5 at a time: each child reads OUT and then ends the script
+# normally, through the interpreter's own teardown (where the aborts happened); the parent reports how.
+def wait(pid):
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+statuses, children = [], []
+for k in range(20):
+    if k and k % 5 == 0:
+        statuses += [wait(pid) for pid in children]
+        children = []
+    pid = os.fork()
+    if pid == 0:
+        tasks = lambda: set(os.listdir("/proc/self/task"))
+        before = tasks()
+        cache = FeatureCache(sys.argv[1])
+        for i in range(len(cache)):
+            cache[i]
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks() - before]
+        # jemalloc's background thread is plain C: it never enters Python or C++ teardown
+        line = "new threads: %s\\n" % [n for n in names if n != "jemalloc_bg_thd"]
+        os.write(1, line.encode())  # one write: the children share the pipe
+        break
+    children.append(pid)
+else:
+    statuses += [wait(pid) for pid in children]
+    print("exit codes:", statuses, flush=True)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_reader_scripts_leave_no_arrow_threads_to_abort_at_exit(tmp_path: Path, ref: Path) -> None:
+    """A script that reads OUT with FeatureCache and returns used to end now and then in SIGABRT (exit 134,
+    "terminate called without an active exception"): pq.read_table goes through Arrow's dataset API, whose
+    pool threads were still alive when the interpreter tore down. Index parts are now read on the calling
+    thread, so a reader starts no Arrow thread at all (checked in each run) and all 20 readers, beside two
+    busy processes, end with exit 0."""
+    script = tmp_path / "read.py"
+    script.write_text(_READER)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        r = subprocess.run(
+            [sys.executable, str(script), str(ref)], env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert r.returncode == 0 and "exit codes: " + str([0] * 20) in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert r.stdout.count("new threads: []") == 20, r.stdout

@@ -226,7 +226,10 @@ def read_index_part(part: Path, columns: Sequence[str] | None = None):
             f"index part {part} is damaged: its bytes do not match the checksum in its name. {_redo_hint(part)}"
         )
     try:
-        table = pq.read_table(pa.BufferReader(data), page_checksum_verification=True)
+        # ParquetFile.read on the calling thread: pq.read_table goes through the dataset API, which starts
+        # Arrow's thread pools; with torch loaded, those threads dying at interpreter exit aborted reader
+        # scripts now and then (SIGABRT, "terminate called without an active exception"). Parts are small.
+        table = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read(use_threads=False)
     except (OSError, pa.ArrowException) as e:
         raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
     return table.select(list(columns)) if columns is not None else table
