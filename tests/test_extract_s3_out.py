@@ -115,6 +115,53 @@ def test_cli_to_s3_equals_local_and_reads_back(endpoint, media, local_run, tiny_
     assert r.exit_code == 0 and "nothing to do" in r.output, r.output
 
 
+def test_a_finished_out_on_s3_is_checked_and_repaired(endpoint, media, tiny_qwen3_vl):
+    """A flipped byte inside a tensor of a finished OUT on S3: the same command does not say "nothing to
+    do" but moves the shard aside and redoes it; an untouched OUT is then not hashed again (checked.json,
+    keyed on each shard's ETag), and any new upload of a shard (a new ETag) is hashed again."""
+    from vlfast.extraction import integrity
+
+    out = _fresh("finished")
+    one = media / "img0000.jpg"
+    args = ["extract", str(one), out, "-m", str(tiny_qwen3_vl), "-f", "vision,vision_mean", "--workers", "0"]
+    assert runner.invoke(app, args).exit_code == 0
+    (sid,) = FeatureCache(out).ids()
+    before = {k: v.clone() for k, v in FeatureCache(out)[sid].items()}
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+
+    def flip() -> None:
+        (key,) = [k for k in _keys(prefix) if "/shards/" in k]
+        raw = bytearray(_client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        raw[-3] ^= 0x20  # inside the last tensor
+        _client().put_object(Bucket=BUCKET, Key=key, Body=bytes(raw))
+
+    flip()
+    r = runner.invoke(app, ["extract", "--verify", out])
+    assert r.exit_code == 1 and "Run the same `vlfast extract` again" in r.output, r.output
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
+    assert sum("/quarantine/" in k for k in _keys(prefix)) == 3
+    cache = FeatureCache(out, verify=True)
+    assert all(torch.equal(cache[sid][k], v) for k, v in before.items())
+
+    hashed = []
+    real = integrity.check_part
+
+    def counting(part, *, data=True):
+        hashed.append(data)
+        return real(part, data=data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("vlfast.extraction.resume.check_part", counting)
+        assert "nothing to do" in runner.invoke(app, args).output and hashed == [False, True]
+        hashed.clear()
+        assert "nothing to do" in runner.invoke(app, args).output and hashed == [False]  # recorded
+    flip()  # a new upload: a new ETag, so the record no longer vouches for it
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
+    assert runner.invoke(app, ["extract", "--verify", out]).exit_code == 0
+
+
 def _selftest(out: str, n: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "vlfast.extraction._selftest", out, "--samples", str(n), *extra]
 
