@@ -434,3 +434,36 @@ def test_reader_scripts_leave_no_arrow_threads_to_abort_at_exit(tmp_path: Path, 
             p.wait()
     assert r.returncode == 0 and "exit codes: " + str([0] * 20) in r.stdout, (r.stdout, r.stderr[-2000:])
     assert r.stdout.count("new threads: []") == 20, r.stdout
+
+
+def test_the_record_of_full_checks_and_what_verify_does_to_it(tmp_path: Path) -> None:
+    """OUT/checked.json lets a full check skip shards untouched since they passed; any write to a shard
+    (even with its mtime put back) makes it hashed again. Damage no stamp shows (bytes decaying under the
+    filesystem, simulated by recording the damaged shard as checked) is the record's documented blind spot:
+    --verify still finds it and drops it from the record, so its advice, the same command, then repairs it."""
+    from vlfast.extraction.integrity import HashRecord
+    from vlfast.extraction.resume import confirm_hashed
+
+    out = tmp_path / "out"
+    _fill(out)
+    time.sleep(0.05)  # past the filesystem's timestamp tick: shards this fresh are not recorded
+    state = read_state(out, CFG)
+    assert confirm_hashed(out, state) == []
+    record = json.loads((out / "checked.json").read_text())["parts"]
+    assert sorted(record) == sorted(p.name for p in (out / "index").iterdir())
+
+    info = FeatureCache(out).info("s4")
+    shard, part = out / info["shard"], sorted((out / "index").iterdir())[1]
+    st = shard.stat()
+    _flip(shard, info["features"][0]["offset"] + 1)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # the mtime put back: the ctime still moved
+    assert confirm_hashed(out, read_state(out, CFG)) == [part.name]
+
+    time.sleep(0.05)
+    decayed = HashRecord(out, "r00000")  # as if the bytes had changed under the filesystem after a check
+    decayed.hashed(part)
+    decayed.save()
+    assert confirm_hashed(out, read_state(out, CFG)) == []  # the blind spot, documented
+    assert not verify_folder(out).ok
+    assert confirm_hashed(out, read_state(out, CFG)) == [part.name]  # --verify dropped it: found again
+    assert not list(out.glob(".tmp-*"))  # no probe file left behind

@@ -263,7 +263,7 @@ class FeatureCache(torch.utils.data.Dataset):
             )
         try:
             if is_local(path):
-                raw_header = _local_header(path)
+                raw_header = _local_header(path, size)
                 h = safe_open(path, framework="pt", device="cpu")
             else:
                 h = _RangeShard(path, size)
@@ -316,14 +316,15 @@ class FeatureCache(torch.utils.data.Dataset):
         return state
 
 
-def _local_header(path: Any) -> bytes:
-    """A local shard's raw header (8-byte length + JSON), as its index part hashed it: one small read."""
+def _local_header(path: Any, size: int) -> bytes:
+    """A local shard's raw header (8-byte length + JSON), as its index part hashed it: one small read. A
+    damaged length is not trusted for the read's size (the checksum then fails)."""
     import struct
 
     with open(path, "rb") as f:
         prefix = f.read(8)
         n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
-        return prefix + f.read(n)
+        return prefix + f.read(max(0, min(n, size - 8)))
 
 
 class ShardReadError(OSError):

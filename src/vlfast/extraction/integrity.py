@@ -305,37 +305,44 @@ def verify_folder(out: str | os.PathLike, progress: Callable[[int, int], None] |
     volatile = run.get("volatile_keys", [])
     expected_hash = config_hash(stable_config(run.get("config", {}), volatile))
     record = HashRecord(out, "r00000-verify")
-    parts = committed_parts(out)
-    for k, part in enumerate(parts):
-        check = check_part(part, data=True)
-        # What this scan finds is what the next run must act on: a damaged part loses its record (even if
-        # its shard's stamp did not change: decay under the filesystem), a sound one gains it.
-        if check.ok:
-            record.hashed(part)
-        else:
-            record.forget(part)
-        report.parts += 1
-        report.samples += len(check.ids)
-        report.bytes_checked += check.checked_bytes
-        shard = str(check.shard.relative_to(out))
-        if check.problem is not None:
-            report.bad_parts.append(
-                {"part": part.name, "shard": shard, "reason": check.problem, "samples": len(check.ids)}
-            )
-            report.bad_samples.extend(
-                {"id": sid, "shard": shard, "feature": "*", "reason": check.problem} for sid in check.ids
-            )
-        for sid, feature in check.bad:
-            report.bad_samples.append(
-                {"id": sid, "shard": shard, "feature": feature, "reason": "bytes do not match their checksum"}
-            )
-        if check.problem is None and check.format_version < 2:
-            report.unverifiable_parts += 1
-        if check.config_hash is not None and check.config_hash != expected_hash:
-            report.other_config_parts.append(part.name)
-        if progress is not None:
-            progress(k + 1, len(parts))
-    record.save()
+    try:
+        parts = committed_parts(out)
+        for k, part in enumerate(parts):
+            check = check_part(part, data=True)
+            # What this scan finds is what the next run must act on: a damaged part loses its record (even if
+            # its shard's stamp did not change: decay under the filesystem), a sound one gains it.
+            if check.ok:
+                record.hashed(part)
+            else:
+                record.forget(part)
+            report.parts += 1
+            report.samples += len(check.ids)
+            report.bytes_checked += check.checked_bytes
+            shard = str(check.shard.relative_to(out))
+            if check.problem is not None:
+                report.bad_parts.append(
+                    {"part": part.name, "shard": shard, "reason": check.problem, "samples": len(check.ids)}
+                )
+                report.bad_samples.extend(
+                    {"id": sid, "shard": shard, "feature": "*", "reason": check.problem} for sid in check.ids
+                )
+            for sid, feature in check.bad:
+                report.bad_samples.append(
+                    {
+                        "id": sid,
+                        "shard": shard,
+                        "feature": feature,
+                        "reason": "bytes do not match their checksum",
+                    }
+                )
+            if check.problem is None and check.format_version < 2:
+                report.unverifiable_parts += 1
+            if check.config_hash is not None and check.config_hash != expected_hash:
+                report.other_config_parts.append(part.name)
+            if progress is not None:
+                progress(k + 1, len(parts))
+    finally:
+        record.save()
     for path in error_files(out):
         report.damaged_error_lines += read_error_file(path)[1]
     report.seconds = time.perf_counter() - started
@@ -383,6 +390,7 @@ class HashRecord:
         old = self._read()
         self._entries = {p: st for p, st in old.items() if st == self._stamps.get(_shard_name(p))}
         self._changed = len(self._entries) != len(old)
+        self._forgotten: set[str] = set()
 
     def vouches(self, part: Path) -> bool:
         """Whether ``part``'s shard passed a full check and is untouched since (no need to hash it again)."""
@@ -396,15 +404,21 @@ class HashRecord:
             self._changed = True
 
     def forget(self, part: Path) -> None:
-        if self._entries.pop(part.name, None) is not None:
-            self._changed = True
+        """``part`` failed a full check: no record may vouch for it, whatever its stamp."""
+        self._forgotten.add(part.name)
+        self._entries.pop(part.name, None)
+        self._changed = True
 
     def save(self) -> None:
         """Write the record (merged with what another process recorded meanwhile: a race loses entries,
         which are hashed again, and never adds one); best effort."""
         try:
             if self._changed:
-                merged = {p: st for p, st in self._read().items() if st == self._stamps.get(_shard_name(p))}
+                merged = {
+                    p: st
+                    for p, st in self._read().items()
+                    if st == self._stamps.get(_shard_name(p)) and p not in self._forgotten
+                }
                 merged.update(self._entries)
                 doc = {"format": "vlfast-checked", "parts": dict(sorted(merged.items()))}
                 doc["xxh3"] = xxh3(canonical_json(doc).encode())
