@@ -467,3 +467,20 @@ def test_the_record_of_full_checks_and_what_verify_does_to_it(tmp_path: Path) ->
     assert not verify_folder(out).ok
     assert confirm_hashed(out, read_state(out, CFG)) == [part.name]  # --verify dropped it: found again
     assert not list(out.glob(".tmp-*"))  # no probe file left behind
+
+
+def test_a_shard_swapped_while_a_reader_runs_is_refused_when_opened_again(tmp_path: Path) -> None:
+    """A reader skips the header read for a shard it opened before and that is unchanged since (its stat
+    stamp): one swapped in meanwhile has another stamp, so opening it again checks and refuses it."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    _fill(out)
+    _other_run(other, CFG | {"versions": {"torch": "9"}}, negate=False)  # only the header bytes differ
+    time.sleep(1.1)  # the reader only remembers headers whose ctime is over a second old
+    cache = FeatureCache(out)
+    assert torch.equal(cache["s4"]["tokens"], fake_features("s4")["tokens"])
+    assert cache._header_ok  # remembered
+    name = "shards/shard-r00000-000001.safetensors"
+    shutil.copy(other / name, out / name)
+    cache._handles.clear()  # as when more than 64 shards were opened since
+    with pytest.raises(DamagedFile, match="shard-r00000-000001.*not the shard its index part"):
+        cache["s4"]

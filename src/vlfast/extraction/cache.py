@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -130,6 +131,9 @@ class FeatureCache(torch.utils.data.Dataset):
         self._meta = table.column("meta").take(take).combine_chunks() if keep else None
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._shard_ids: dict[int, list[str] | None] = {}  # shard -> ids from its header, read on first open
+        # shard -> (inode, size, mtime, ctime) when its header passed: a shard opened again past the open
+        # handles' limit, unchanged since, is not read twice (any write moves its ctime)
+        self._header_ok: dict[int, tuple[int, int, int, int]] = {}
 
     # -- Dataset -------------------------------------------------------------------------------------
 
@@ -248,8 +252,13 @@ class FeatureCache(torch.utils.data.Dataset):
         from safetensors import safe_open
 
         path = self._shard_paths[k]
+        stamp = None
         try:
-            size = path.stat().st_size if is_local(path) else remote_size(path)
+            if is_local(path):
+                st = path.stat()
+                size, stamp = st.st_size, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            else:
+                size = remote_size(path)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path} (sample {sample_id!r}) is listed in {self.out}/index but missing; the folder was "
@@ -263,7 +272,7 @@ class FeatureCache(torch.utils.data.Dataset):
             )
         try:
             if is_local(path):
-                raw_header = _local_header(path, size)
+                raw_header = None if self._header_ok.get(k) == stamp else _local_header(path, size)
                 h = safe_open(path, framework="pt", device="cpu")
             else:
                 h = _RangeShard(path, size)
@@ -273,6 +282,10 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"{path} is unreadable ({e}): sample {sample_id!r} cannot be read. {REDO_HINT}"
             ) from None
         self._check_header(k, h, raw_header, sample_id)
+        # A write in the same timestamp tick as the check could leave the stamp as it was: only an older one
+        # spares the next open the header read.
+        if stamp is not None and raw_header is not None and stamp[3] < time.time_ns() - 1_000_000_000:
+            self._header_ok[k] = stamp
         self._handles[k] = h
         if k not in self._shard_ids:
             ids = (h.metadata() or {}).get("ids")
@@ -281,11 +294,12 @@ class FeatureCache(torch.utils.data.Dataset):
             self._handles.popitem(last=False)
         return h
 
-    def _check_header(self, k: int, h: Any, raw_header: bytes, sample_id: str) -> None:
+    def _check_header(self, k: int, h: Any, raw_header: bytes | None, sample_id: str) -> None:
         """Refuse a shard that is not the one its index part was written with: a same-named shard of another
         run (other weights: same size, same ids) would otherwise be served in full. Two checks, both on
         bytes already read: the header's configuration hash against run.json's (names the cause), then the
-        header bytes against the checksum the part recorded (any other change to offsets, dtypes, ids)."""
+        header bytes against the checksum the part recorded (any other change to offsets, dtypes, ids).
+        ``raw_header`` is None when the same file, unchanged since, passed in this process before."""
         path = self._shard_paths[k]
         written_with = (h.metadata() or {}).get("config_hash")
         if written_with is not None and written_with != self._config_hash:
@@ -294,7 +308,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"run under this name?): sample {sample_id!r} cannot be read. {REDO_HINT}"
             )
         expected = self._expected_header[k]
-        if expected is not None and xxh3(raw_header) != expected:
+        if expected is not None and raw_header is not None and xxh3(raw_header) != expected:
             raise DamagedFile(
                 f"{path} is not the shard its index part was written with (its header fails the recorded "
                 f"checksum: replaced or damaged): sample {sample_id!r} cannot be read. {REDO_HINT}"
