@@ -226,3 +226,89 @@ def test_read_only_out_nothing_to_do_and_refusal(few, tiny_qwen3_vl, tmp_path):
     assert (tmp_path / "rc.txt").read_text().strip() == "2"
     assert "output not writable" in (tmp_path / "refused.txt").read_text()
     # FeatureCache on a read-only mount: test_extract_integrity.py::test_read_only_filesystem_for_real
+
+
+def _flip_tensor_byte(out: Path, sample_id: str) -> None:
+    info = FeatureCache(out).info(sample_id)
+    feat = max(info["features"], key=lambda f: f["nbytes"])
+    shard = out / info["shard"]
+    data = bytearray(shard.read_bytes())
+    data[feat["offset"] + feat["nbytes"] // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def test_a_finished_out_is_checked_and_repaired(few, tiny_qwen3_vl, tmp_path, monkeypatch):
+    """A byte flipped inside a tensor of a finished OUT: --verify finds it and says to run the same command;
+    the same command then does not say "nothing to do" but moves the shard aside and redoes it. Later runs
+    over the untouched OUT hash nothing again (OUT/checked.json), until a shard changes."""
+    from vlfast.extraction import integrity
+
+    out = tmp_path / "out"
+    cmd = ["extract", str(few), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0"]
+    assert runner.invoke(app, cmd).exit_code == 0
+    before = {
+        sid: {k: v.clone() for k, v in FeatureCache(out)[sid].items()} for sid in FeatureCache(out).ids()
+    }
+    _flip_tensor_byte(out, "rgb.jpg")
+
+    r = runner.invoke(app, ["extract", "--verify", str(out)])
+    assert r.exit_code == 1 and "Run the same `vlfast extract` again" in r.output, r.output
+    r = runner.invoke(app, cmd)
+    assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
+    assert len(list((out / "quarantine").iterdir())) == 1
+    assert runner.invoke(app, ["extract", "--verify", str(out)]).exit_code == 0
+    cache = FeatureCache(out, verify=True)
+    for sid, feats in before.items():
+        assert all(torch.equal(cache[sid][k], v) for k, v in feats.items())
+
+    hashed = []
+    real = integrity.check_part
+
+    def counting(part, *, data=True):
+        if data:
+            hashed.append(part.name)
+        return real(part, data=data)
+
+    monkeypatch.setattr("vlfast.extraction.resume.check_part", counting)
+    r = runner.invoke(app, cmd)  # --verify just hashed everything and recorded it: nothing is hashed again
+    assert "nothing to do" in r.output and hashed == [], (r.output, hashed)
+    (out / "checked.json").unlink()
+    r = runner.invoke(app, cmd)  # no record: the full check hashes every part, then records them
+    assert "nothing to do" in r.output and hashed == [p.name for p in sorted((out / "index").iterdir())]
+    hashed.clear()
+    r = runner.invoke(app, cmd)
+    assert "nothing to do" in r.output and hashed == [], (r.output, hashed)
+
+    # A byte flipped with the shard's mtime put back: its ctime still moves, so the record lets it go.
+    shard = out / FeatureCache(out).info("gray.png")["shard"]
+    st = shard.stat()
+    _flip_tensor_byte(out, "gray.png")
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    r = runner.invoke(app, cmd)
+    assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
+    assert runner.invoke(app, ["extract", "--verify", str(out)]).exit_code == 0
+
+    # --resume-check quick over a finished OUT checks sizes and headers only (documented): a flip inside a
+    # tensor is then left for --verify.
+    _flip_tensor_byte(out, "clip.mp4")
+    assert "nothing to do" in runner.invoke(app, [*cmd, "--resume-check", "quick"]).output
+
+
+def test_a_mixed_out_is_refused_not_done(few, tiny_qwen3_vl, tmp_path, monkeypatch):
+    """An index part and its shard of another configuration added to a finished OUT under a free sequence
+    number: the same command refuses (exit 2, naming the part and what to do) instead of "nothing to do"."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    extract(few, out, model=str(tiny_qwen3_vl), num_workers=0)
+    with FeatureStore(other, {"model": "another run"}, rank=1, world_size=2) as s:
+        s.add("extra", {"x": torch.ones(3)})
+    (part,) = (other / "index").iterdir()
+    (shard,) = (other / "shards").iterdir()
+    shutil.copy(part, out / "index" / part.name)
+    shutil.copy(shard, out / "shards" / shard.name)
+
+    monkeypatch.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+    r = runner.invoke(app, ["extract", str(few), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0"])
+    assert r.exit_code == 2, r.output
+    assert part.name in r.output and shard.name in r.output and "mixes two extractions" in r.output
+    r = runner.invoke(app, ["extract", "--verify", str(out)])
+    assert r.exit_code == 1 and part.name in r.output and "refuses to resume" in r.output, r.output

@@ -326,3 +326,161 @@ def test_read_only_filesystem_for_real(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "refused:" in r.stdout and "read-only" in r.stdout
+
+
+def _other_run(out: Path, cfg: dict, negate: bool) -> None:
+    """The same ids into another OUT: with ``negate`` the features of other weights (same dtypes, shapes and
+    so the same shard sizes), else the very same bytes written under other library versions."""
+    with FeatureStore(out, cfg, shard_max_samples=3) as s:
+        for sid in IDS:
+            feats = fake_features(sid)
+            if negate:
+                feats = {k: -v if v.is_floating_point() else v for k, v in feats.items()}
+            s.add(sid, feats, {"path": f"{sid}.mp4"})
+
+
+@pytest.mark.parametrize(
+    ("cfg", "negate", "caught_by"),
+    [
+        (CFG | {"weights": "fine-tuned"}, True, "made with another configuration"),
+        (CFG | {"versions": {"torch": "9"}}, False, "not the shard its index part was written with"),
+    ],
+    ids=["other-weights", "same-config-other-header"],
+)
+def test_a_swapped_shard_is_refused_by_a_plain_read(
+    tmp_path: Path, ref: Path, cfg, negate, caught_by
+) -> None:
+    """A same-named shard of another run (same inputs, same size, same ids in its header) put in place of a
+    committed one: every plain read refuses it, DataLoader workers included; the resume moves it aside."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    _fill(out)
+    _other_run(other, cfg, negate)
+    name = "shards/shard-r00000-000001.safetensors"
+    assert (other / name).stat().st_size == (out / name).stat().st_size
+    shutil.copy(other / name, out / name)
+
+    cache = FeatureCache(out)
+    assert torch.equal(cache["s0"]["tokens"], fake_features("s0")["tokens"])  # other shards still read
+    with pytest.raises(
+        DamagedFile, match=rf"shard-r00000-000001.*{caught_by}.*'s4'.*Run the same `vlfast extract`"
+    ):
+        cache["s4"]
+    loader = torch.utils.data.DataLoader(
+        FeatureCache(out), batch_size=3, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+    )
+    with pytest.raises(DamagedFile, match=rf"shard-r00000-000001.*{caught_by}"):
+        list(loader)
+
+    assert read_state(out, CFG).damaged == [sorted(p.name for p in (out / "index").iterdir())[1]]
+    with pytest.warns(UserWarning, match="moved to"):
+        _resume(out, resume_check="quick")
+    assert compare_caches(ref, out) == []
+
+
+_READER = """
+import os, sys
+import torch  # the aborts were seen with torch loaded
+import pyarrow.parquet
+from vlfast.extraction import FeatureCache
+
+# Import torch once, then fork 20 readers, 5 at a time: each child reads OUT and then ends the script
+# normally, through the interpreter's own teardown (where the aborts happened); the parent reports how.
+def wait(pid):
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+statuses, children = [], []
+for k in range(20):
+    if k and k % 5 == 0:
+        statuses += [wait(pid) for pid in children]
+        children = []
+    pid = os.fork()
+    if pid == 0:
+        tasks = lambda: set(os.listdir("/proc/self/task"))
+        before = tasks()
+        cache = FeatureCache(sys.argv[1])
+        for i in range(len(cache)):
+            cache[i]
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks() - before]
+        # jemalloc's background thread is plain C: it never enters Python or C++ teardown
+        line = "new threads: %s\\n" % [n for n in names if n != "jemalloc_bg_thd"]
+        os.write(1, line.encode())  # one write: the children share the pipe
+        break
+    children.append(pid)
+else:
+    statuses += [wait(pid) for pid in children]
+    print("exit codes:", statuses, flush=True)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_reader_scripts_leave_no_arrow_threads_to_abort_at_exit(tmp_path: Path, ref: Path) -> None:
+    """A script that reads OUT with FeatureCache and returns used to end now and then in SIGABRT (exit 134,
+    "terminate called without an active exception"): pq.read_table goes through Arrow's dataset API, whose
+    pool threads were still alive when the interpreter tore down. Index parts are now read on the calling
+    thread, so a reader starts no Arrow thread at all (checked in each run) and all 20 readers, beside two
+    busy processes, end with exit 0."""
+    script = tmp_path / "read.py"
+    script.write_text(_READER)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        r = subprocess.run(
+            [sys.executable, str(script), str(ref)], env=env, capture_output=True, text=True, timeout=300
+        )
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert r.returncode == 0 and "exit codes: " + str([0] * 20) in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert r.stdout.count("new threads: []") == 20, r.stdout
+
+
+def test_the_record_of_full_checks_and_what_verify_does_to_it(tmp_path: Path) -> None:
+    """OUT/checked.json lets a full check skip shards untouched since they passed; any write to a shard
+    (even with its mtime put back) makes it hashed again. Damage no stamp shows (bytes decaying under the
+    filesystem, simulated by recording the damaged shard as checked) is the record's documented blind spot:
+    --verify still finds it and drops it from the record, so its advice, the same command, then repairs it."""
+    from vlfast.extraction.integrity import HashRecord
+    from vlfast.extraction.resume import confirm_hashed
+
+    out = tmp_path / "out"
+    _fill(out)
+    time.sleep(0.05)  # past the filesystem's timestamp tick: shards this fresh are not recorded
+    state = read_state(out, CFG)
+    assert confirm_hashed(out, state) == []
+    record = json.loads((out / "checked.json").read_text())["parts"]
+    assert sorted(record) == sorted(p.name for p in (out / "index").iterdir())
+
+    info = FeatureCache(out).info("s4")
+    shard, part = out / info["shard"], sorted((out / "index").iterdir())[1]
+    st = shard.stat()
+    _flip(shard, info["features"][0]["offset"] + 1)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # the mtime put back: the ctime still moved
+    assert confirm_hashed(out, read_state(out, CFG)) == [part.name]
+
+    time.sleep(0.05)
+    decayed = HashRecord(out, "r00000")  # as if the bytes had changed under the filesystem after a check
+    decayed.hashed(part)
+    decayed.save()
+    assert confirm_hashed(out, read_state(out, CFG)) == []  # the blind spot, documented
+    assert not verify_folder(out).ok
+    assert confirm_hashed(out, read_state(out, CFG)) == [part.name]  # --verify dropped it: found again
+    assert not list(out.glob(".tmp-*"))  # no probe file left behind
+
+
+def test_a_shard_swapped_while_a_reader_runs_is_refused_when_opened_again(tmp_path: Path) -> None:
+    """A reader skips the header read for a shard it opened before and that is unchanged since (its stat
+    stamp): one swapped in meanwhile has another stamp, so opening it again checks and refuses it."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    _fill(out)
+    _other_run(other, CFG | {"versions": {"torch": "9"}}, negate=False)  # only the header bytes differ
+    time.sleep(1.1)  # the reader only remembers headers whose ctime is over a second old
+    cache = FeatureCache(out)
+    assert torch.equal(cache["s4"]["tokens"], fake_features("s4")["tokens"])
+    assert cache._header_ok  # remembered
+    name = "shards/shard-r00000-000001.safetensors"
+    shutil.copy(other / name, out / name)
+    cache._handles.clear()  # as when more than 64 shards were opened since
+    with pytest.raises(DamagedFile, match="shard-r00000-000001.*not the shard its index part"):
+        cache["s4"]

@@ -115,6 +115,53 @@ def test_cli_to_s3_equals_local_and_reads_back(endpoint, media, local_run, tiny_
     assert r.exit_code == 0 and "nothing to do" in r.output, r.output
 
 
+def test_a_finished_out_on_s3_is_checked_and_repaired(endpoint, media, tiny_qwen3_vl):
+    """A flipped byte inside a tensor of a finished OUT on S3: the same command does not say "nothing to
+    do" but moves the shard aside and redoes it; an untouched OUT is then not hashed again (checked.json,
+    keyed on each shard's ETag), and any new upload of a shard (a new ETag) is hashed again."""
+    from vlfast.extraction import integrity
+
+    out = _fresh("finished")
+    one = media / "img0000.jpg"
+    args = ["extract", str(one), out, "-m", str(tiny_qwen3_vl), "-f", "vision,vision_mean", "--workers", "0"]
+    assert runner.invoke(app, args).exit_code == 0
+    (sid,) = FeatureCache(out).ids()
+    before = {k: v.clone() for k, v in FeatureCache(out)[sid].items()}
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+
+    def flip() -> None:
+        (key,) = [k for k in _keys(prefix) if "/shards/" in k]
+        raw = bytearray(_client().get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        raw[-3] ^= 0x20  # inside the last tensor
+        _client().put_object(Bucket=BUCKET, Key=key, Body=bytes(raw))
+
+    flip()
+    r = runner.invoke(app, ["extract", "--verify", out])
+    assert r.exit_code == 1 and "Run the same `vlfast extract` again" in r.output, r.output
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
+    assert sum("/quarantine/" in k for k in _keys(prefix)) == 3
+    cache = FeatureCache(out, verify=True)
+    assert all(torch.equal(cache[sid][k], v) for k, v in before.items())
+
+    hashed = []
+    real = integrity.check_part
+
+    def counting(part, *, data=True):
+        hashed.append(data)
+        return real(part, data=data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("vlfast.extraction.resume.check_part", counting)
+        assert "nothing to do" in runner.invoke(app, args).output and hashed == [False, True]
+        hashed.clear()
+        assert "nothing to do" in runner.invoke(app, args).output and hashed == [False]  # recorded
+    flip()  # a new upload: a new ETag, so the record no longer vouches for it
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
+    assert runner.invoke(app, ["extract", "--verify", out]).exit_code == 0
+
+
 def _selftest(out: str, n: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "vlfast.extraction._selftest", out, "--samples", str(n), *extra]
 
@@ -257,6 +304,33 @@ def test_damage_on_the_server_is_found_quarantined_and_redone(endpoint):
     keys = _keys(prefix)
     assert not any("/shards/" in k or "/index/" in k for k in keys)
     assert sum("/quarantine/" in k for k in keys) == 3  # the shard, its part and reason.json
+
+
+def test_a_swapped_shard_is_refused_by_plain_reads_on_s3(endpoint):
+    """A same-named shard of another run (other weights: same size, same ids) uploaded over a committed one:
+    plain reads refuse it, in the parent and in forked DataLoader workers, naming the shard and the fix."""
+    out, other = _fresh("swapped"), _fresh("swapped-other")
+    ids = [f"s{k}" for k in range(4)]
+    with _store(out) as store:
+        for sid in ids:
+            store.add(sid, fake_features(sid))
+    with FeatureStore(other, RUN_CONFIG | {"weights": "fine-tuned"}, shard_max_samples=100) as store:
+        for sid in ids:
+            store.add(sid, {k: -v if v.is_floating_point() else v for k, v in fake_features(sid).items()})
+    (key,) = [k for k in _keys(out.removeprefix(f"s3://{BUCKET}/")) if "/shards/" in k]
+    (theirs,) = [k for k in _keys(other.removeprefix(f"s3://{BUCKET}/")) if "/shards/" in k]
+    body = _client().get_object(Bucket=BUCKET, Key=theirs)["Body"].read()
+    assert len(body) == _client().head_object(Bucket=BUCKET, Key=key)["ContentLength"]
+    _client().put_object(Bucket=BUCKET, Key=key, Body=body)
+
+    remedy = "Run the same `vlfast extract` again"
+    with pytest.raises(DamagedFile, match=rf"shard-r00000-000000.*another configuration.*'s0'.*{remedy}"):
+        FeatureCache(out)["s0"]
+    loader = torch.utils.data.DataLoader(
+        FeatureCache(out), batch_size=2, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+    )
+    with pytest.raises(DamagedFile, match="shard-r00000-000000.*another configuration"):
+        list(loader)
 
 
 def test_error_records_are_committed_with_the_work(endpoint):

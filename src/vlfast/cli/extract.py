@@ -521,11 +521,17 @@ def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
                 "OK: every byte matches its checksum", highlight=False, markup=False, soft_wrap=True
             )
         else:
-            console.print(
-                f"Damaged. {REDO_HINT}",
-                highlight=False,
-                markup=False,
-                soft_wrap=True,
-            )
+            # Each finding gets the advice that works for it: the same command quarantines and redoes damage,
+            # but refuses (exit 2) parts of another configuration, which only the user can move out.
+            advice = []
+            if report.bad_samples or report.damaged_error_lines:
+                advice.append(f"Damaged. {REDO_HINT}")
+            if report.other_config_parts:
+                advice.append(
+                    "Parts of another configuration (another run's, added to this OUT): move each, with the "
+                    "shard of the same rank and number, out of OUT; the same `vlfast extract` refuses to "
+                    "resume (exit 2) until then."
+                )
+            console.print(" ".join(advice), highlight=False, markup=False, soft_wrap=True)
     if not report.ok:
         raise typer.Exit(EXIT_FINDING)

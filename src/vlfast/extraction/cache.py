@@ -5,10 +5,12 @@ never lists shards, so temp files and orphan shards left by a crash are invisibl
 through safetensors' memory map: looking up one sample reads that sample's bytes, not the shard. On
 object storage (``FeatureCache("s3://bucket/out")``) each tensor is one ranged GET of exactly its bytes.
 
-What is checked on every read, at no measurable cost: each index part against the checksum in its name and
-the configuration in run.json, each shard's size against what was written (a truncated shard is named,
-with the sample asked for) and its id list against the index. With ``verify=True`` every tensor read is
-also hashed and compared with its checksum; ``verify()`` scans the whole folder (integrity.py).
+What is checked on every read: each index part against the checksum in its name and the configuration in
+run.json; once per shard opened, its size against what was written (a truncated shard is named, with the
+sample asked for), its header bytes against the checksum its index part recorded and the header's
+configuration hash against run.json's (a same-named shard of another run, same size and ids, is refused),
+and on every lookup the sample's id against the header's. With ``verify=True`` every tensor read is also
+hashed and compared with its checksum; ``verify()`` scans the whole folder (integrity.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -38,6 +41,7 @@ from vlfast.extraction.layout import (
     resolve_out,
     stable_config,
     tensor_xxh3,
+    xxh3,
 )
 
 _MAX_OPEN_SHARDS = 64  # open safetensors handles kept (each holds a file descriptor and a mapping)
@@ -70,10 +74,13 @@ class FeatureCache(torch.utils.data.Dataset):
         self.features = None if features is None else frozenset(features)
         self.verify_reads = bool(verify)
         self._run = read_run_file(self.out)
-        expected = config_hash(stable_config(self._run.get("config", {}), self._run.get("volatile_keys", [])))
+        self._config_hash = expected = config_hash(
+            stable_config(self._run.get("config", {}), self._run.get("volatile_keys", []))
+        )
         parts = committed_parts(self.out)
         tables = []
         self._shard_bytes: dict[str, int | None] = {}  # shard path -> its size when written (format 2)
+        header_hash: dict[str, str | None] = {}  # shard path -> xxh3 of its header when written (format 2)
         for part in parts:
             table = read_index_part(part)
             meta = part_meta(table)
@@ -84,6 +91,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 )
             for shard in set(table.column("shard").to_pylist()):
                 self._shard_bytes[shard] = meta["shard_bytes"]
+                header_hash[shard] = meta["shard_header_xxh3"]
             tables.append(table.replace_schema_metadata(None))
         if tables:
             table = pa.concat_tables(tables, promote_options="default")
@@ -116,6 +124,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self._shard_paths = [self.out / s for s in shard_names]
         self._pid = os.getpid()
         self._expected_bytes = [self._shard_bytes.get(s) for s in shard_names]
+        self._expected_header = [header_hash.get(s) for s in shard_names]
         self._shard = [shard_no[shards[i]] for i in keep]
         self._row = [rows[i] for i in keep]
         take = pa.array(keep, type=pa.int64())
@@ -123,6 +132,9 @@ class FeatureCache(torch.utils.data.Dataset):
         self._meta = table.column("meta").take(take).combine_chunks() if keep else None
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._shard_ids: dict[int, list[str] | None] = {}  # shard -> ids from its header, read on first open
+        # shard -> (inode, size, mtime, ctime) when its header passed: a shard opened again past the open
+        # handles' limit, unchanged since, is not read twice (any write moves its ctime)
+        self._header_ok: dict[int, tuple[int, int, int, int]] = {}
 
     # -- Dataset -------------------------------------------------------------------------------------
 
@@ -245,8 +257,13 @@ class FeatureCache(torch.utils.data.Dataset):
         from safetensors import safe_open
 
         path = self._shard_paths[k]
+        stamp = None
         try:
-            size = path.stat().st_size if is_local(path) else remote_size(path)
+            if is_local(path):
+                st = path.stat()
+                size, stamp = st.st_size, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            else:
+                size = remote_size(path)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path} (sample {sample_id!r}) is listed in {self.out}/index but missing; the folder was "
@@ -259,11 +276,21 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"{sample_id!r} cannot be read. {REDO_HINT}"
             )
         try:
-            h = safe_open(path, framework="pt", device="cpu") if is_local(path) else _RangeShard(path, size)
+            if is_local(path):
+                raw_header = None if self._header_ok.get(k) == stamp else _local_header(path, size)
+                h = safe_open(path, framework="pt", device="cpu")
+            else:
+                h = _RangeShard(path, size)
+                raw_header = h.raw_header
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise DamagedFile(
                 f"{path} is unreadable ({e}): sample {sample_id!r} cannot be read. {REDO_HINT}"
             ) from None
+        self._check_header(k, h, raw_header, sample_id)
+        # A write in the same timestamp tick as the check could leave the stamp as it was: only an older one
+        # spares the next open the header read.
+        if stamp is not None and raw_header is not None and stamp[3] < time.time_ns() - 1_000_000_000:
+            self._header_ok[k] = stamp
         self._handles[k] = h
         if k not in self._shard_ids:
             ids = (h.metadata() or {}).get("ids")
@@ -271,6 +298,26 @@ class FeatureCache(torch.utils.data.Dataset):
         if len(self._handles) > _MAX_OPEN_SHARDS:
             self._handles.popitem(last=False)
         return h
+
+    def _check_header(self, k: int, h: Any, raw_header: bytes | None, sample_id: str) -> None:
+        """Refuse a shard that is not the one its index part was written with: a same-named shard of another
+        run (other weights: same size, same ids) would otherwise be served in full. Two checks, both on
+        bytes already read: the header's configuration hash against run.json's (names the cause), then the
+        header bytes against the checksum the part recorded (any other change to offsets, dtypes, ids).
+        ``raw_header`` is None when the same file, unchanged since, passed in this process before."""
+        path = self._shard_paths[k]
+        written_with = (h.metadata() or {}).get("config_hash")
+        if written_with is not None and written_with != self._config_hash:
+            raise DamagedFile(
+                f"{path} was made with another configuration than {self.out / 'run.json'} (a shard of another "
+                f"run under this name?): sample {sample_id!r} cannot be read. {REDO_HINT}"
+            )
+        expected = self._expected_header[k]
+        if expected is not None and raw_header is not None and xxh3(raw_header) != expected:
+            raise DamagedFile(
+                f"{path} is not the shard its index part was written with (its header fails the recorded "
+                f"checksum: replaced or damaged): sample {sample_id!r} cannot be read. {REDO_HINT}"
+            )
 
     def _reopen_after_fork(self) -> None:
         """A forked DataLoader worker cannot use its parent's object-storage client (fsspec's async clients
@@ -288,6 +335,17 @@ class FeatureCache(torch.utils.data.Dataset):
         return state
 
 
+def _local_header(path: Any, size: int) -> bytes:
+    """A local shard's raw header (8-byte length + JSON), as its index part hashed it: one small read. A
+    damaged length is not trusted for the read's size (the checksum then fails)."""
+    import struct
+
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        return prefix + f.read(max(0, min(n, size - 8)))
+
+
 class ShardReadError(OSError):
     """A shard on object storage could not be read (network, credentials, throttling): not damage."""
 
@@ -300,7 +358,7 @@ class _RangeShard:
         from vlfast.extraction.integrity import _RemoteShard
 
         self._fs, self._key, self._url = path.fs, path.path, str(path)
-        self._data_start, _, self._header = _RemoteShard(path, size).header()  # the size _handle just asked
+        self._data_start, self.raw_header, self._header = _RemoteShard(path, size).header()  # size just asked
         self._size = size
 
     def metadata(self) -> dict[str, str] | None:

@@ -11,6 +11,12 @@ What is checked (see layout.py for where each checksum lives):
 
 The writer runs :func:`check_part` on resume and moves what fails aside; :func:`verify_folder` is
 ``vlfast extract --verify OUT`` and ``FeatureCache.verify()``.
+
+:class:`HashRecord` is what lets a full check skip rehashing shards nothing has touched since their last
+full check: ``OUT/checked.json`` maps each index part that passed a full check to its shard's stamp then
+(locally size, mtime, ctime and inode; on object storage size and ETag). A part is taken as hashed only
+while its shard's stamp is unchanged; the part itself is pinned by the hash in its name, and the header is
+checked every time anyway.
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.extraction.layout import (
+    CHECK_FILE,
+    PART_RE,
     SHARD_DIR,
+    SHARD_RE,
     DamagedFile,
+    canonical_json,
     committed_parts,
     config_hash,
     error_files,
@@ -44,7 +54,7 @@ from vlfast.extraction.layout import (
     xxh3,
 )
 
-__all__ = ["PartCheck", "VerifyReport", "check_part", "verify_folder"]
+__all__ = ["HashRecord", "PartCheck", "VerifyReport", "check_part", "verify_folder"]
 
 # torch dtype name (as the index stores it) -> safetensors header dtype
 SAFETENSORS_DTYPE = {
@@ -294,31 +304,192 @@ def verify_folder(out: str | os.PathLike, progress: Callable[[int, int], None] |
     run = read_run_file(out)
     volatile = run.get("volatile_keys", [])
     expected_hash = config_hash(stable_config(run.get("config", {}), volatile))
-    parts = committed_parts(out)
-    for k, part in enumerate(parts):
-        check = check_part(part, data=True)
-        report.parts += 1
-        report.samples += len(check.ids)
-        report.bytes_checked += check.checked_bytes
-        shard = str(check.shard.relative_to(out))
-        if check.problem is not None:
-            report.bad_parts.append(
-                {"part": part.name, "shard": shard, "reason": check.problem, "samples": len(check.ids)}
-            )
-            report.bad_samples.extend(
-                {"id": sid, "shard": shard, "feature": "*", "reason": check.problem} for sid in check.ids
-            )
-        for sid, feature in check.bad:
-            report.bad_samples.append(
-                {"id": sid, "shard": shard, "feature": feature, "reason": "bytes do not match their checksum"}
-            )
-        if check.problem is None and check.format_version < 2:
-            report.unverifiable_parts += 1
-        if check.config_hash is not None and check.config_hash != expected_hash:
-            report.other_config_parts.append(part.name)
-        if progress is not None:
-            progress(k + 1, len(parts))
+    record = HashRecord(out, "r00000-verify")
+    try:
+        parts = committed_parts(out)
+        for k, part in enumerate(parts):
+            check = check_part(part, data=True)
+            # What this scan finds is what the next run must act on: a damaged part loses its record (even if
+            # its shard's stamp did not change: decay under the filesystem), a sound one gains it.
+            if check.ok:
+                record.hashed(part)
+            else:
+                record.forget(part)
+            report.parts += 1
+            report.samples += len(check.ids)
+            report.bytes_checked += check.checked_bytes
+            shard = str(check.shard.relative_to(out))
+            if check.problem is not None:
+                report.bad_parts.append(
+                    {"part": part.name, "shard": shard, "reason": check.problem, "samples": len(check.ids)}
+                )
+                report.bad_samples.extend(
+                    {"id": sid, "shard": shard, "feature": "*", "reason": check.problem} for sid in check.ids
+                )
+            for sid, feature in check.bad:
+                report.bad_samples.append(
+                    {
+                        "id": sid,
+                        "shard": shard,
+                        "feature": feature,
+                        "reason": "bytes do not match their checksum",
+                    }
+                )
+            if check.problem is None and check.format_version < 2:
+                report.unverifiable_parts += 1
+            if check.config_hash is not None and check.config_hash != expected_hash:
+                report.other_config_parts.append(part.name)
+            if progress is not None:
+                progress(k + 1, len(parts))
+    finally:
+        record.save()
     for path in error_files(out):
         report.damaged_error_lines += read_error_file(path)[1]
     report.seconds = time.perf_counter() - started
     return report
+
+
+# ----------------------------------------------------------------------------------------------------
+# the record of full checks
+
+
+class HashRecord:
+    """Which committed parts passed a full check, and whether their shards are untouched since.
+
+    Open it BEFORE hashing: it stamps every shard then (one ``stat`` each locally, one listing on object
+    storage), and :meth:`hashed` records a part with that stamp, so a shard changed during the hash is
+    hashed again next time. Locally a stamp also counts only if the shard's ctime is older than a probe
+    file created first on the same filesystem: a write after the stamp then always moves the ctime past the
+    recorded one, even where timestamps are coarse (a write in the same clock tick as the shard's last one
+    would otherwise keep its stamp). On object storage an object cannot change without a new ETag; a store
+    whose listing gives none is never vouched for (always hashed).
+
+    What it does not catch: a change that leaves size, mtime, ctime and inode as they were, i.e. bytes that
+    decay under the filesystem (media, controller, a write to the block device) or a clock set back. Only
+    ``--verify`` (which reads every byte and drops a failing part's record) finds those.
+    Saving is best effort: a read-only OUT simply keeps no record, and every full check hashes.
+    """
+
+    def __init__(self, out: Any, tag: str):
+        self.out = out
+        self._local = is_local(out)
+        self._probe: Path | None = None
+        since: int | None = None
+        if self._local:
+            probe = out / f".tmp-{tag}-{os.getpid()}-{CHECK_FILE}"  # a temp name the store's cleaning knows
+            try:
+                fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+                try:
+                    since = os.fstat(fd).st_ctime_ns
+                finally:
+                    os.close(fd)
+                self._probe = probe
+            except OSError:
+                pass  # read-only: rely on an earlier record, write none
+        self._stamps = _shard_stamps(out, since)
+        old = self._read()
+        self._entries = {p: st for p, st in old.items() if st == self._stamps.get(_shard_name(p))}
+        self._changed = len(self._entries) != len(old)
+        self._forgotten: set[str] = set()
+
+    def vouches(self, part: Path) -> bool:
+        """Whether ``part``'s shard passed a full check and is untouched since (no need to hash it again)."""
+        return part.name in self._entries
+
+    def hashed(self, part: Path) -> None:
+        """``part`` and its shard just passed a full check."""
+        stamp = self._stamps.get(_shard_name(part.name))
+        if stamp is not None and self._entries.get(part.name) != stamp:
+            self._entries[part.name] = stamp
+            self._changed = True
+
+    def forget(self, part: Path) -> None:
+        """``part`` failed a full check: no record may vouch for it, whatever its stamp."""
+        self._forgotten.add(part.name)
+        self._entries.pop(part.name, None)
+        self._changed = True
+
+    def save(self) -> None:
+        """Write the record (merged with what another process recorded meanwhile: a race loses entries,
+        which are hashed again, and never adds one); best effort."""
+        try:
+            if self._changed:
+                merged = {
+                    p: st
+                    for p, st in self._read().items()
+                    if st == self._stamps.get(_shard_name(p)) and p not in self._forgotten
+                }
+                merged.update(self._entries)
+                doc = {"format": "vlfast-checked", "parts": dict(sorted(merged.items()))}
+                doc["xxh3"] = xxh3(canonical_json(doc).encode())
+                data = (json.dumps(doc, indent=0, sort_keys=True) + "\n").encode()
+                path = self.out / CHECK_FILE
+                if self._local:
+                    if self._probe is None:
+                        return
+                    with open(self._probe, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(self._probe, path)
+                    self._probe = None
+                else:
+                    path.fs.pipe_file(path.path, data)
+                    path.fs.invalidate_cache(path.path)
+        except (OSError, ValueError):
+            pass  # a record that cannot be written costs a rehash next time, nothing else
+        finally:
+            if self._probe is not None:
+                self._probe.unlink(missing_ok=True)
+                self._probe = None
+
+    def _read(self) -> dict[str, str]:
+        path = self.out / CHECK_FILE
+        try:
+            if not self._local:
+                path.fs.invalidate_cache(path.path)
+            doc = json.loads(path.read_bytes())
+            check = doc.pop("xxh3")
+            if check != xxh3(canonical_json(doc).encode()) or doc.get("format") != "vlfast-checked":
+                return {}
+            return {str(p): str(st) for p, st in doc["parts"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}  # none yet, or damaged: everything is hashed
+
+
+def _shard_name(part_name: str) -> str | None:
+    m = PART_RE.match(part_name)
+    return f"shard-r{m.group(1)}-{m.group(2)}.safetensors" if m else None
+
+
+def _shard_stamps(out: Any, since: int | None) -> dict[str, str]:
+    """Shard name -> its stamp, for the shards a record may vouch for (see :class:`HashRecord`)."""
+    folder = out / SHARD_DIR
+    stamps: dict[str, str] = {}
+    if is_local(out):
+        if since is None:
+            return stamps
+        try:
+            names = [n for n in os.listdir(folder) if SHARD_RE.match(n)]
+        except OSError:
+            return stamps
+        for name in names:
+            try:
+                st = os.stat(folder / name)
+            except OSError:
+                continue
+            if st.st_ctime_ns < since:
+                stamps[name] = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+        return stamps
+    fs = folder.fs
+    fs.invalidate_cache(folder.path)
+    try:
+        entries = fs.ls(folder.path, detail=True)
+    except (FileNotFoundError, OSError):
+        return stamps
+    for e in entries:
+        name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+        etag = e.get("ETag") or e.get("etag")
+        if SHARD_RE.match(name) and etag and e.get("size") is not None:
+            stamps[name] = f"{e['size']}:{str(etag).strip(chr(34))}"
+    return stamps

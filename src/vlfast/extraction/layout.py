@@ -10,6 +10,7 @@ decided in one place. The layout (format version 2)::
     OUT/errors/errors-r{rank:05d}-{session}.jsonl         the same on object storage (no appends): one per session
     OUT/locks/rank-{rank:05d}.lock                        flock of the one process writing that rank
     OUT/quarantine/...                                    damaged shards moved aside on resume (never read)
+    OUT/checked.json                                      parts whose shards passed a full check, with stamps
 
 Every byte a reader relies on is covered by a checksum (xxh3-64, from the maintained ``xxhash`` package):
 an index part by the hash in its own file name (Parquet's footer has no checksum of its own, and a flipped
@@ -35,6 +36,7 @@ INDEX_DIR = "index"
 ERROR_DIR = "errors"
 LOCK_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
+CHECK_FILE = "checked.json"  # parts whose shards passed a full check, with the shards' stamps then
 MAX_ID_BYTES = 4096  # an id is stored in Parquet, JSON and the shard header; longer ones are refused
 
 SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
@@ -236,7 +238,10 @@ def read_index_part(part: Path, columns: Sequence[str] | None = None):
             f"index part {part} is damaged: its bytes do not match the checksum in its name. {_redo_hint(part)}"
         )
     try:
-        table = pq.read_table(pa.BufferReader(data), page_checksum_verification=True)
+        # ParquetFile.read on the calling thread: pq.read_table goes through the dataset API, which starts
+        # Arrow's thread pools; with torch loaded, those threads dying at interpreter exit aborted reader
+        # scripts now and then (SIGABRT, "terminate called without an active exception"). Parts are small.
+        table = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read(use_threads=False)
     except (OSError, pa.ArrowException) as e:
         raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
     return table.select(list(columns)) if columns is not None else table

@@ -464,6 +464,7 @@ def extract(
     from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND, parse_retry
     from vlfast.extraction.resume import (
         DEFAULT_VOLATILE_KEYS,
+        confirm_hashed,
         dist_info,
         duplicate_reason,
         plan_positions,
@@ -575,6 +576,10 @@ def extract(
     if not overwrite:
         state = read_state(out, run_config, volatile, retry)
         pending = entries.pending(state.done, state.error_keys.__contains__)
+        if not pending and not state.damaged and resume_check == "full":
+            # A finished OUT gets the same check a resume would: what fails goes to the store below, which
+            # moves it aside and redoes it, instead of "nothing to do" over a flipped byte.
+            state.damaged = confirm_hashed(out, state, f"r{rank:05d}")
         if not pending and not state.damaged:
             summary.skipped, summary.nothing_to_do = entries.assigned, True
             return summary

@@ -7,7 +7,10 @@ finished OUT ("nothing to do") before it takes a lock or builds a model, and a r
 - ``check_run_config``: the configuration against run.json or, if it was deleted, against what the
   committed index parts carry;
 - ``plan_positions``: which entries this rank still has to extract, and its repeated ids;
-- ``read_state``: the ids OUT holds and the parts whose shard fails the quick check.
+- ``read_state``: the ids OUT holds and the parts whose shard fails the quick check; every part's
+  configuration against the requested one (a part of another configuration is refused);
+- ``confirm_hashed``: the full check of a finished OUT, before it is called done (hashes what the record
+  of earlier full checks, ``OUT/checked.json``, does not vouch for).
 
 The writer (store.py) runs the same checks again under its lock.
 """
@@ -24,11 +27,12 @@ from typing import Any
 
 import torch
 
-from vlfast.extraction.integrity import check_part
+from vlfast.extraction.integrity import HashRecord, check_part
 from vlfast.extraction.layout import (
     RUN_FILE,
     DamagedFile,
     committed_parts,
+    config_hash,
     done_by_error,
     error_key,
     is_local,
@@ -37,6 +41,8 @@ from vlfast.extraction.layout import (
     read_index_part,
     read_run_file,
     resolve_out,
+    shard_of_part,
+    stable_config,
 )
 
 __all__ = [
@@ -44,6 +50,7 @@ __all__ = [
     "OutState",
     "RunConfigMismatch",
     "check_run_config",
+    "confirm_hashed",
     "dist_info",
     "duplicate_reason",
     "owner_rank",
@@ -60,16 +67,36 @@ DEFAULT_VOLATILE_KEYS: tuple[str, ...] = ("versions", "library_versions", "creat
 class RunConfigMismatch(ValueError):
     """OUT already holds an extraction whose configuration differs from the one requested."""
 
-    def __init__(self, out: Path, diffs: list[tuple[str, Any, Any]], where: str | None = None):
+    def __init__(
+        self,
+        out: Path,
+        diffs: list[tuple[str, Any, Any]],
+        where: str | None = None,
+        *,
+        foreign: Path | None = None,
+    ):
         self.out = out
         self.diffs = diffs
         self.where = where or str(out / RUN_FILE)
+        # An index part of another configuration in an OUT whose run.json agrees with the request: a part and
+        # shard of another run were added (or copied) in. The part is named so the user can move it out.
+        self.foreign = foreign
         # How to start over, in the caller's words: the CLI replaces it with its flag.
         self.remedy = "pass overwrite=True (CLI: --overwrite) to delete the existing shards and start again"
         super().__init__(out, diffs)
 
     def __str__(self) -> str:
         lines = [f"  {key}: {old!r} in {self.where} vs {new!r} now" for key, old, new in self.diffs]
+        if not lines:
+            lines = [f"  {self.where} carries another configuration hash"]
+        if self.foreign is not None:
+            shard = shard_of_part(self.foreign)
+            return (
+                f"{self.out} mixes two extractions: {RUN_FILE} agrees with this run, but an index part does not:\n"
+                + "\n".join(lines)
+                + f"\nMove {self.foreign} and {shard} out of {self.out} (they belong to another run), then run "
+                f"again; or use a new OUT, or {self.remedy}."
+            )
         return (
             f"{self.out} already holds an extraction with a different configuration:\n"
             + "\n".join(lines)
@@ -219,6 +246,7 @@ class OutState:
     done: set[str] = field(default_factory=set)  # committed ids and ids recorded as failed
     error_keys: set[tuple] = field(default_factory=set)  # (id, source, reason, kind) already recorded
     damaged: list[str] = field(default_factory=list)  # parts whose shard fails the quick check
+    sound: list[Path] = field(default_factory=list)  # parts that pass it
 
 
 def read_state(
@@ -229,9 +257,12 @@ def read_state(
 ) -> OutState:
     """Check ``run_config`` against ``out`` and say what it already holds; writes nothing, takes no lock.
 
-    The quick check (sizes, headers, ids) finds truncated or replaced shards; the full checksum pass is
-    the writer's, when it opens. Recorded failures that ``retry`` selects (``--retry-errors``, see
-    :func:`~vlfast.extraction.layout.parse_retry`) are not done, nor are transient ones.
+    The quick check (sizes, headers, ids) finds truncated or replaced shards, and every part's configuration
+    is compared with the request: a part of another one (added to a finished OUT under a free sequence
+    number, say) is refused with :class:`RunConfigMismatch`, as the writer refuses it. The full checksum
+    pass is :func:`confirm_hashed` (a finished OUT) or the writer's, when it opens. Recorded failures that
+    ``retry`` selects (``--retry-errors``, see :func:`~vlfast.extraction.layout.parse_retry`) are not done,
+    nor are transient ones.
     """
     out = resolve_out(out)
     if is_local(out):
@@ -239,15 +270,46 @@ def read_state(
             return OutState()
         if not out.is_dir():
             raise NotADirectoryError(f"{out} exists and is not a folder; choose another OUT")
-    check_run_config(out, run_config, volatile_keys)
+    has_run_file = check_run_config(out, run_config, volatile_keys)
+    config = _canonical(dict(run_config))
+    expected = config_hash(stable_config(config, frozenset(volatile_keys)))
     state = OutState()
     for part in committed_parts(out):
         check = check_part(part, data=False)
+        if check.problem is None and check.config is not None and check.config_hash != expected:
+            raise RunConfigMismatch(
+                out,
+                _config_diffs(config, check.config, volatile_keys),
+                where=str(part),
+                foreign=part if has_run_file else None,
+            )
         if check.ok:
             state.done.update(check.ids)
+            state.sound.append(part)
         else:
             state.damaged.append(part.name)
     errors = read_errors(out)
     state.done.update(r["id"] for r in errors if done_by_error(r, retry))
     state.error_keys = {error_key(r) for r in errors}
     return state
+
+
+def confirm_hashed(out: str | os.PathLike, state: OutState, tag: str = "r00000") -> list[str]:
+    """The full check of the parts ``read_state`` found sound: every tensor hashed, except in the parts
+    whose shards passed an earlier full check and are untouched since (``OUT/checked.json``, see
+    :class:`~vlfast.extraction.integrity.HashRecord`). Returns the names of the parts that fail, and records
+    the ones that pass (best effort: a read-only OUT records nothing)."""
+    out = resolve_out(out)
+    record = HashRecord(out, tag)
+    failed: list[str] = []
+    try:
+        for part in state.sound:
+            if record.vouches(part):
+                continue
+            if check_part(part, data=True).ok:
+                record.hashed(part)
+            else:
+                failed.append(part.name)
+    finally:
+        record.save()
+    return failed

@@ -57,9 +57,10 @@ from typing import Any
 import torch
 
 from vlfast._files import honour_umask
-from vlfast.extraction.integrity import PartCheck, check_part
+from vlfast.extraction.integrity import HashRecord, PartCheck, check_part
 from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.layout import (
+    CHECK_FILE,
     DUPLICATE_KIND,
     ERROR_DIR,
     ERROR_KIND,
@@ -556,12 +557,13 @@ class FeatureStore:
                         self.out.fs.rm(doomed, recursive=True)
                 else:
                     _clear_owned(self.out / sub, owns)
-            run_file = self.out / RUN_FILE
-            if self._remote:
-                with contextlib.suppress(FileNotFoundError):
-                    self.out.fs.rm(run_file.path)
-            else:
-                run_file.unlink(missing_ok=True)
+            for name in (CHECK_FILE, RUN_FILE):  # run.json last (see above)
+                doomed_file = self.out / name
+                if self._remote:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.out.fs.rm(doomed_file.path)
+                else:
+                    doomed_file.unlink(missing_ok=True)
         dist = torch.distributed
         if self.world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
@@ -613,18 +615,34 @@ class FeatureStore:
         if split and not self._same_on_all_ranks(len(parts)):
             split = False  # ranks see different folders (should not happen): each checks everything
         bad = [False] * len(parts)
-        for k, part in enumerate(parts):
-            if split and k % self.world_size != self.rank:
-                continue
-            check = check_part(part, data=(mode == "full"))
-            if check.problem is None and check.config is not None and check.config_hash != self.config_hash:
-                raise RunConfigMismatch(self.out, self._diffs(check.config), where=str(part))
-            if not check.ok:
-                bad[k] = True
-                self._quarantine(check)
-            else:  # its ids are read: no need to read the part again in _refresh_committed
-                self._committed.update(check.ids)
-                self._parts_read.add(part.name)
+        # "full" hashes every shard, but for those that passed an earlier full check and are untouched since
+        # (OUT/checked.json; integrity.HashRecord says what that record can and cannot vouch for).
+        record = HashRecord(self.out, self._tag) if mode == "full" else None
+        try:
+            for k, part in enumerate(parts):
+                if split and k % self.world_size != self.rank:
+                    continue
+                data = record is not None and not record.vouches(part)
+                check = check_part(part, data=data)
+                if (
+                    check.problem is None
+                    and check.config is not None
+                    and check.config_hash != self.config_hash
+                ):
+                    raise RunConfigMismatch(
+                        self.out, self._diffs(check.config), where=str(part), foreign=part
+                    )
+                if not check.ok:
+                    bad[k] = True
+                    self._quarantine(check)
+                else:  # its ids are read: no need to read the part again in _refresh_committed
+                    if data:
+                        record.hashed(part)
+                    self._committed.update(check.ids)
+                    self._parts_read.add(part.name)
+        finally:
+            if record is not None:
+                record.save()
         if split:
             flags = torch.tensor(bad, dtype=torch.uint8)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
