@@ -334,9 +334,11 @@ def tower_outputs(out: Any) -> dict[str, Any]:
 def _checkpoint_dir(spec: str | Path) -> Path:
     path = Path(spec).expanduser()
     if not path.exists():
+        from vlfast.model_hints import missing_model_hint
+
         raise FileNotFoundError(
-            f"model {str(spec)!r} is neither an existing checkpoint directory nor a reference name "
-            f"(use ref:NAME; `vlfast models` lists them)"
+            f"model {str(spec)!r} is neither an existing checkpoint directory nor a reference name: "
+            + missing_model_hint(str(spec))
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: pass a transformers checkpoint directory")

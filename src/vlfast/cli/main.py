@@ -8,6 +8,7 @@ import typer
 
 import vlfast
 from vlfast.cli._common import HelpGroup, readable_help
+from vlfast.cli._examples import HELP_OPTIONS, add_examples
 
 app = typer.Typer(
     name="vlfast",
@@ -17,6 +18,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help and usage errors as plain text: brackets survive, lines wrap in a pipe
+    context_settings=HELP_OPTIONS,  # sub-commands' contexts inherit it: -h everywhere
 )
 
 # Each module defines `register(app)`; the list is the CLI's table of contents.
@@ -27,6 +29,7 @@ _COMMAND_MODULES = [
     "vlfast.cli.profile",
     "vlfast.cli.extract",
     "vlfast.cli.tokens",
+    "vlfast.cli.demo",
 ]
 
 
@@ -48,6 +51,7 @@ def _root(
 for _name in _COMMAND_MODULES:
     importlib.import_module(_name).register(app)
 readable_help(app)
+add_examples(app)
 
 
 def main() -> None:

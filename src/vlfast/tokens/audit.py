@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlfast.model_hints import missing_model_hint
 from vlfast.tokens.indicators import matrix_stats
 from vlfast.tokens.report import (
     MAX_LISTED_IDS,
@@ -274,7 +275,9 @@ def audit_tokens(
     if not include_placeholders:
         wanted, skipped = split_placeholders(wanted)
     if not Path(model).is_dir():
-        raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
+        raise FileNotFoundError(
+            f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
+        )
     vocab = Vocabulary.load(model)
     tag_ids = {t: vocab.split(t) for t in wanted}
     exclude = sorted({i for ids in tag_ids.values() for i in ids})

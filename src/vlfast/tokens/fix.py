@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlfast.model_hints import missing_model_hint
 from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, split_placeholders
 from vlfast.tokens.report import TokenAudit, strict_json
 from vlfast.tokens.verdict import worst
@@ -114,7 +115,9 @@ def fix_tokens(
         raise ValueError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     model, out = Path(model), Path(out)
     if not model.is_dir():
-        raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
+        raise FileNotFoundError(
+            f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
+        )
     if out.resolve() == model.resolve():
         raise ValueError("OUT must be a new folder: the original checkpoint is never modified")
     if out.exists() and any(out.iterdir()):

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlfast.model_hints import missing_model_hint
 from vlfast.tokens.tags import (
     DEFAULT_TAGS,
     compile_reward_regex,
@@ -272,7 +273,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     folder = Path(model_dir)
     if not folder.exists():
         raise FileNotFoundError(
-            f"model folder {folder} does not exist; pass a local folder with a saved tokenizer"
+            f"model folder {folder} does not exist: {missing_model_hint(str(model_dir), references=False)}"
         )
     if not folder.is_dir():
         raise NotADirectoryError(f"--model {folder} is a file; pass the folder that holds the tokenizer")

@@ -1,0 +1,53 @@
+"""Third-party chatter off unless ``--verbose``: transformers' progress bars, Ray's INFO and WARNING lines.
+
+A command's own progress bar and summary are what its user reads; "Loading weights 70/70", "Writing
+model shards", Ray's start-up notes and its C++ core worker's ``E`` lines (printed for conditions Ray
+handles itself) buried them. Everything is still in Ray's session logs (``/tmp/ray/session_latest/logs``).
+Set through the environment where it can be, so decode workers and Ray workers started from here
+inherit it, and never over a value the user set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the Hub's tqdm bars, in every process
+}
+
+
+class _ErrorsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def quiet_third_party(verbose: bool) -> None:
+    """Silence what other libraries print on the console, unless ``verbose``. Call before they load."""
+    if verbose:
+        return
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    if "transformers" in sys.modules:  # already imported: it read the variable above at import
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def quiet_ray(verbose: bool) -> None:
+    """Keep Ray's and Ray Data's console handlers to errors. Their log files keep everything.
+
+    A filter on the handlers, not a logger level: ``ray.init(logging_level=...)`` resets the level of the
+    ``ray`` logger, and Ray Data configures its own logger when it is imported."""
+    if verbose:
+        return
+    import ray.data  # noqa: F401 - configures the "ray.data" logger and its console handler
+
+    for name in ("ray", "ray.data"):
+        for handler in logging.getLogger(name).handlers:
+            console = isinstance(handler, logging.StreamHandler) and not isinstance(
+                handler, logging.FileHandler
+            )
+            if console and not any(isinstance(f, _ErrorsOnly) for f in handler.filters):
+                handler.addFilter(_ErrorsOnly())

@@ -1,0 +1,41 @@
+"""`vlfast demo-checkpoint`: write the tiny offline Qwen3-VL checkpoint the tests use, to try commands on.
+
+The references (``ref:NAME``) are vision towers only; the tokens commands and ``--features llm`` need a
+checkpoint with a language model and a tokenizer, and vlfast downloads nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from vlfast.cli._common import UsageError, console, handle_errors
+from vlfast.cli._quiet import quiet_third_party
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo-checkpoint")(demo_checkpoint)
+
+
+@handle_errors
+def demo_checkpoint(
+    out: Annotated[str, typer.Argument(help="A new or empty folder to write the checkpoint into.")],
+) -> None:
+    """Write a tiny random-weight Qwen3-VL checkpoint (2 MB, seconds) with a language model and tokenizer."""
+    quiet_third_party(verbose=False)
+    from vlfast.extraction.synthetic import make_tiny_qwen3_vl
+
+    folder = Path(out)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise UsageError(f"{out} exists and is not an empty folder; name a new one")
+    make_tiny_qwen3_vl(folder)
+    console.print(
+        f"wrote a tiny Qwen3-VL checkpoint (random weights: its features and audits mean nothing) to {out}\n"
+        f"try: vlfast tokens audit --model {out}\n"
+        f"     vlfast extract --demo demo_llm --model {out} --features vision,llm",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
