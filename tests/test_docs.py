@@ -45,7 +45,9 @@ def blocks(path: Path) -> list[Block]:
     while i < len(lines):
         line = lines[i]
         if line.strip() == MARKER and not (i + 1 < len(lines) and FENCE.match(lines[i + 1])):
-            raise ValueError(f"{path.relative_to(ROOT)}:{i + 1}: {MARKER} must be the line right before a ```")
+            raise ValueError(
+                f"{path.relative_to(ROOT)}:{i + 1}: {MARKER} must be the line right before a ```"
+            )
         m = FENCE.match(line)
         if not m:
             i += 1
