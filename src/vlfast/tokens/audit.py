@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from vlfast.model_hints import missing_model_hint
 from vlfast.tokens.indicators import matrix_stats
 from vlfast.tokens.report import (
     MAX_LISTED_IDS,
@@ -275,6 +274,8 @@ def audit_tokens(
     if not include_placeholders:
         wanted, skipped = split_placeholders(wanted)
     if not Path(model).is_dir():
+        from vlfast.models import missing_model_hint  # only on this error path
+
         raise FileNotFoundError(
             f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
         )

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlfast.model_hints import missing_model_hint
 from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, split_placeholders
 from vlfast.tokens.report import TokenAudit, strict_json
 from vlfast.tokens.verdict import worst
@@ -115,6 +114,8 @@ def fix_tokens(
         raise ValueError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     model, out = Path(model), Path(out)
     if not model.is_dir():
+        from vlfast.models import missing_model_hint  # only on this error path
+
         raise FileNotFoundError(
             f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
         )

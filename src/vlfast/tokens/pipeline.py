@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlfast.model_hints import missing_model_hint
 from vlfast.tokens.tags import (
     DEFAULT_TAGS,
     compile_reward_regex,
@@ -272,6 +271,8 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     """The transformers tokenizer of a local folder (no download), the object trainers decode with."""
     folder = Path(model_dir)
     if not folder.exists():
+        from vlfast.models import missing_model_hint  # only on this error path
+
         raise FileNotFoundError(
             f"model folder {folder} does not exist: {missing_model_hint(str(model_dir), references=False)}"
         )
