@@ -101,3 +101,29 @@ def test_tagged_blocks_run(path: Path, tmp_path: Path):
             f"{b} exited {run.returncode}\n--- block\n{b.code}--- stdout\n{run.stdout[-3000:]}"
             f"--- stderr\n{run.stderr[-3000:]}"
         )
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    """A link to a moved section (README -> docs/benchmarks.md) must follow it."""
+    bad = []
+    for path in DOCS:
+        for target in LINK.findall(path.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                bad.append(f"{path.relative_to(ROOT)}: {target}: no such file")
+            elif anchor and dest.suffix == ".md":
+                headings = [line.lstrip("#") for line in dest.read_text().splitlines() if line.startswith("#")]
+                if anchor not in {_anchor(h) for h in headings}:
+                    bad.append(f"{path.relative_to(ROOT)}: {target}: no such heading")
+    assert not bad, "\n".join(bad)
