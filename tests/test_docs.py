@@ -123,7 +123,9 @@ def test_relative_links_resolve():
             if not dest.exists():
                 bad.append(f"{path.relative_to(ROOT)}: {target}: no such file")
             elif anchor and dest.suffix == ".md":
-                headings = [line.lstrip("#") for line in dest.read_text().splitlines() if line.startswith("#")]
+                headings = [
+                    line.lstrip("#") for line in dest.read_text().splitlines() if line.startswith("#")
+                ]
                 if anchor not in {_anchor(h) for h in headings}:
                     bad.append(f"{path.relative_to(ROOT)}: {target}: no such heading")
     assert not bad, "\n".join(bad)
