@@ -191,3 +191,18 @@ def test_ray_console_lines_kept_to_errors():
     quiet_ray(verbose=False)  # twice: one filter per handler
     assert not any(passes(logging.INFO)) and not any(passes(logging.WARNING))
     assert all(passes(logging.ERROR))
+
+
+def test_verbose_takes_back_only_what_quiet_set(monkeypatch):
+    from vlfast.cli import _quiet
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setattr(_quiet, "_set_here", [])
+    _quiet.quiet_third_party(verbose=False)
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    _quiet.quiet_third_party(verbose=True)
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the user's own choice
+    _quiet.quiet_third_party(verbose=False)
+    _quiet.quiet_third_party(verbose=True)
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"

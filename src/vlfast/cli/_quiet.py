@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 QUIET_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the Hub's tqdm bars, in every process
@@ -23,15 +24,31 @@ class _ErrorsOnly(logging.Filter):
         return record.levelno >= logging.ERROR
 
 
+_set_here: list[str] = []  # what quiet_third_party set, so that a later --verbose can take it back
+
+
 def quiet_third_party(verbose: bool) -> None:
-    """Silence what other libraries print on the console, unless ``verbose``. Call before they load."""
+    """Silence what other libraries print on the console, or (``verbose``) undo exactly that.
+
+    ``vlfast`` calls it for every command before anything loads; ``vlfast extract --verbose`` calls it
+    again to take it back. A value the user set is never touched either way."""
+    hf_logging = None
+    if "transformers" in sys.modules:  # already imported: it read the variable below at import
+        from transformers.utils import logging as hf_logging
     if verbose:
+        for key in _set_here:
+            os.environ.pop(key, None)
+        if _set_here and hf_logging is not None:
+            with warnings.catch_warnings():  # the Hub read the variable at import: its own bars stay off
+                warnings.simplefilter("ignore")
+                hf_logging.enable_progress_bar()
+        _set_here.clear()
         return
     for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
-    if "transformers" in sys.modules:  # already imported: it read the variable above at import
-        from transformers.utils import logging as hf_logging
-
+        if key not in os.environ:
+            os.environ[key] = value
+            _set_here.append(key)
+    if hf_logging is not None and "HF_HUB_DISABLE_PROGRESS_BARS" in _set_here:
         hf_logging.disable_progress_bar()
 
 
@@ -42,7 +59,13 @@ def quiet_ray(verbose: bool) -> None:
     ``ray`` logger, and Ray Data configures its own logger when it is imported."""
     if verbose:
         return
-    import ray.data  # noqa: F401 - configures the "ray.data" logger and its console handler
+    try:
+        import ray.data  # noqa: F401 - configures the "ray.data" logger and its console handler
+    except ImportError:
+        return  # the engine says how to install it
+    # Ray Data's note that an actor pool has more actors than input blocks (a small input) is advice
+    # about Ray's own tuning, not about the run: a WARNING line like the others.
+    warnings.filterwarnings("ignore", message="The minimum number of concurrent actors", category=UserWarning)
 
     for name in ("ray", "ray.data"):
         for handler in logging.getLogger(name).handlers:

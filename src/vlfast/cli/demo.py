@@ -12,7 +12,6 @@ from typing import Annotated
 import typer
 
 from vlfast.cli._common import UsageError, console, handle_errors
-from vlfast.cli._quiet import quiet_third_party
 
 
 def register(app: typer.Typer) -> None:
@@ -24,7 +23,6 @@ def demo_checkpoint(
     out: Annotated[str, typer.Argument(help="A new or empty folder to write the checkpoint into.")],
 ) -> None:
     """Write a tiny random-weight Qwen3-VL checkpoint (2 MB, seconds) with a language model and tokenizer."""
-    quiet_third_party(verbose=False)
     from vlfast.extraction.synthetic import make_tiny_qwen3_vl
 
     folder = Path(out)

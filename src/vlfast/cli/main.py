@@ -9,6 +9,7 @@ import typer
 import vlfast
 from vlfast.cli._common import HelpGroup, readable_help
 from vlfast.cli._examples import HELP_OPTIONS, add_examples
+from vlfast.cli._quiet import quiet_third_party
 
 app = typer.Typer(
     name="vlfast",
@@ -44,8 +45,15 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        help="Show what transformers and Ray print (loading bars, INFO and WARNING lines); hidden by default.",
+    ),
 ) -> None:
     """vlfast: exact GEMM patch for stride == kernel convs, slow-path doctor, extraction, token audits."""
+    quiet_third_party(verbose)
 
 
 for _name in _COMMAND_MODULES:
