@@ -206,3 +206,10 @@ def test_verbose_takes_back_only_what_quiet_set(monkeypatch):
     _quiet.quiet_third_party(verbose=False)
     _quiet.quiet_third_party(verbose=True)
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+
+
+def test_patch_is_not_a_command_and_says_what_is():
+    res = runner.invoke(app, ["patch", "model.pt"])
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert "vlfast.patch(model)" in text and "VLFAST_PATCH=1" in text and "python -m vlfast.run" in text

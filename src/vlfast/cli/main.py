@@ -11,10 +11,28 @@ from vlfast.cli._common import HelpGroup, readable_help
 from vlfast.cli._examples import HELP_OPTIONS, add_examples
 from vlfast.cli._quiet import quiet_third_party
 
+NOT_A_COMMAND = {
+    # what newcomers type because the README lists it as a capability
+    "patch": "there is no `vlfast patch`: the patch changes a model inside your program. Call vlfast.patch(model) "
+    "or vlfast.patch_transformers() in Python, or run VLFAST_PATCH=1 python train.py, or "
+    "python -m vlfast.run train.py; `vlfast verify` proves it on your model",
+    "unpatch": "there is no `vlfast unpatch`: call vlfast.unpatch(model) in Python",
+}
+
+
+class RootGroup(HelpGroup):
+    """The ``vlfast`` group: a capability that is not a command says how to use it instead of 'No such command'."""
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] in NOT_A_COMMAND and self.get_command(ctx, args[0]) is None:
+            ctx.fail(NOT_A_COMMAND[args[0]])
+        return super().resolve_command(ctx, args)
+
+
 app = typer.Typer(
     name="vlfast",
     help="Make Qwen-VL-family vision models fast and trustworthy.",
-    cls=HelpGroup,
+    cls=RootGroup,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
