@@ -213,3 +213,10 @@ def test_patch_is_not_a_command_and_says_what_is():
     assert res.exit_code == 2
     text = " ".join(res.output.split())
     assert "vlfast.patch(model)" in text and "VLFAST_PATCH=1" in text and "python -m vlfast.run" in text
+
+
+def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    res = runner.invoke(app, ["verify", "--model", "checkpoints/qwen3-vl-4b-typo", "--tiny"])
+    assert res.exit_code == 2 and "hf download" not in res.output

@@ -348,7 +348,8 @@ def missing_model_hint(spec: str, *, references: bool = True) -> str:
     ``references``: whether the command accepts ``ref:NAME`` (the tokens commands need a language model's
     weights, which the references do not have)."""
     key = spec.removeprefix(REF_PREFIX).lower()
-    if _HUB_ID.fullmatch(spec) and not spec.startswith("."):
+    # A Hub id, unless its "owner" is a folder here: then it is more likely a mistyped local path.
+    if _HUB_ID.fullmatch(spec) and not spec.startswith(".") and not Path(spec).parent.is_dir():
         local = "./" + spec.rsplit("/", 1)[1]
         return (
             f"vlfast reads local folders and downloads nothing; download it first with "
