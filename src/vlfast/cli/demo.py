@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from vlfast.cli._common import UsageError, console, handle_errors
+from vlfast.cli._common import JsonOpt, UsageError, console, handle_errors, print_json
 
 
 def register(app: typer.Typer) -> None:
@@ -21,6 +21,7 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def demo_checkpoint(
     out: Annotated[str, typer.Argument(help="A new or empty folder to write the checkpoint into.")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Write a tiny random-weight Qwen3-VL checkpoint (2 MB, seconds) with a language model and tokenizer."""
     from vlfast.extraction.synthetic import make_tiny_qwen3_vl
@@ -29,6 +30,9 @@ def demo_checkpoint(
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise UsageError(f"{out} exists and is not an empty folder; name a new one")
     make_tiny_qwen3_vl(folder)
+    if as_json:
+        print_json({"path": str(folder), "files": sorted(p.name for p in folder.iterdir())})
+        return
     console.print(
         f"wrote a tiny Qwen3-VL checkpoint (random weights: its features and audits mean nothing) to {out}\n"
         f"try: vlfast tokens audit --model {out}\n"
