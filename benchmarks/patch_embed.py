@@ -19,7 +19,7 @@ taken, so a noisy shared machine slows them alike and the ratios from one run st
 fallback is slow enough (seconds per call in bf16) that it gets fewer rounds.
 
     python benchmarks/patch_embed.py                       # all shapes, fp32 + bf16, CPU (+ CUDA)
-    python benchmarks/patch_embed.py --refs qwen3-vl-4b --write-readme
+    python benchmarks/patch_embed.py --refs qwen3-vl-4b --write-docs
     python benchmarks/patch_embed.py --devices cuda --dtypes fp32 bf16 fp16 --channels-last
 """
 
@@ -48,7 +48,8 @@ import vlfast
 from vlfast.diagnosis.timing import measure
 from vlfast.models import REFERENCES, build_reference, tower_spec
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DOC = ROOT / "docs" / "benchmarks.md"  # the tables live there, between the markers below
 START, END = "<!-- bench:patch_embed:start -->", "<!-- bench:patch_embed:end -->"
 CALL_MARKERS = ("<!-- bench:patch_call:start -->", "<!-- bench:patch_call:end -->")
 # One 8-frame 512x384 clip for Qwen3-VL: (8 / T=2) * (384 / 16) * (512 / 16) = 4 * 24 * 32 = 3,072 patches.
@@ -209,7 +210,7 @@ def load_baseline(rev: str):
     """vlfast's ``patching`` module as it was at git revision ``rev``, to time the patch before a change
     beside it after, in one run (the machine is shared: only ratios from one run compare)."""
     source = subprocess.run(
-        ["git", "-C", str(README.parent), "show", f"{rev}:src/vlfast/patching/gemm.py"],
+        ["git", "-C", str(ROOT), "show", f"{rev}:src/vlfast/patching/gemm.py"],
         capture_output=True,
         text=True,
     )
@@ -396,7 +397,7 @@ def render_calls(
     return "\n".join(lines)
 
 
-def write_readme(table: str, path: Path = README, markers: tuple[str, str] = (START, END)) -> None:
+def write_docs(table: str, path: Path = BENCH_DOC, markers: tuple[str, str] = (START, END)) -> None:
     start, end = markers
     text = path.read_text() if path.exists() else ""
     block = f"{start}\n{table}\n{end}"
@@ -420,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--fallback-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
-    ap.add_argument("--write-readme", action="store_true", help=f"write the tables into {README.name}")
+    ap.add_argument(
+        "--write-docs", action="store_true", help=f"write the tables into {BENCH_DOC.relative_to(ROOT)}"
+    )
     ap.add_argument(
         "--baseline",
         metavar="REV",
@@ -481,10 +484,10 @@ def main(argv: list[str] | None = None) -> int:
             print(table)
     for markers, table in tables:
         print(table + "\n")
-        if args.write_readme:
-            write_readme(table, markers=markers)
-    if args.write_readme:
-        print(f"wrote {len(tables)} table(s) into {README}", file=sys.stderr)
+        if args.write_docs:
+            write_docs(table, markers=markers)
+    if args.write_docs:
+        print(f"wrote {len(tables)} table(s) into {BENCH_DOC}", file=sys.stderr)
     return 0
 
 

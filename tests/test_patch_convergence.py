@@ -13,7 +13,7 @@ stock and patched, and compares the loss at every step and the final weights:
 - LoRA (PEFT) on the patched patch-embedding conv trains as stock LoRA does, in either order of wrapping.
 
 A GEMM off by 0.1% (fp32) or 1% (bf16, whose rounding swallows 0.1%) must fail these comparisons.
-README.md (Verification) gives the numbers the tolerances come from.
+docs/benchmarks.md (Training convergence) gives the numbers the tolerances come from.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ STEPS = 50
 LORA_STEPS = 15
 LR = 1e-3
 
-# Measured on this task (README.md, Verification). fp32: patched vs stock drifts <= 3e-6 relative in loss
+# Measured on this task (docs/benchmarks.md, Training convergence). fp32: patched vs stock drifts <= 3e-6 relative in loss
 # over the 50 steps, <= 1e-5 in weights, as stock with oneDNN on vs off does.
 FP32_LOSS_RTOL = 1e-5  # relative, every step
 FP32_WEIGHT_RTOL = 5e-5  # all trainable parameters together, relative L2

@@ -23,6 +23,7 @@ from vlfast.cli._common import (
     print_json,
     print_table,
 )
+from vlfast.cli._quiet import quiet_ray, quiet_third_party
 
 DEMO_MODEL = "ref:qwen3-vl-2b"
 
@@ -43,7 +44,7 @@ def extract(
     paths: Annotated[
         list[str],
         typer.Argument(
-            help="INPUT OUT: INPUT is a folder of images/videos (recursive), a manifest (.jsonl, .csv, "
+            help="INPUT is a folder of images/videos (recursive), a manifest (.jsonl, .csv, "
             ".parquet with columns path, id, prompt) or WebDataset .tar shards as a quoted pattern, e.g. "
             "'shards/{000000..000099}.tar'; OUT is the output folder. With --demo or --verify, only OUT.",
             show_default=False,
@@ -201,8 +202,8 @@ def extract(
         int | None,
         typer.Option(
             "--rank",
-            help="This process's share of the input, 0..--world-size - 1, for ranks you launch yourself (a "
-            "Slurm array: --rank $SLURM_ARRAY_TASK_ID). Default: torchrun's, or RANK.",
+            help="This process's share of the input, from 0 to WORLD_SIZE minus 1, for ranks you launch "
+            "yourself (a Slurm array: --rank $SLURM_ARRAY_TASK_ID). Default: torchrun's, or RANK.",
         ),
     ] = None,
     world_size: Annotated[
@@ -219,6 +220,14 @@ def extract(
             help=f"Make a few images and a short video in a temp folder and extract them with {DEMO_MODEL}.",
         ),
     ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Also show what transformers and Ray print (loading bars, Ray's INFO and WARNING lines).",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Extract vision-tower and LLM features per sample; run again to resume.
@@ -228,6 +237,7 @@ def extract(
     OUT holds, OUT in use or not writable, 3 a bug stopped the run, 4 OUT's disk is full (free space and run
     the same command again: it resumes), 143 SIGTERM (what was done is committed).
     """
+    quiet_third_party(verbose)
     if verify:
         if demo or len(paths) != 1:
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
@@ -266,6 +276,8 @@ def extract(
     run_extract, engine_args = _engine(
         engine, ray_address, ray_workers, num_gpus_per_worker, ray_cpus_per_worker, rank, world_size, workers
     )
+    if engine == "ray":
+        quiet_ray(verbose)
     try:
         summary = run_extract(
             source,

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from vlfast.cli._common import EXIT_FINDING, JsonOpt, console, handle_errors, print_json, print_table
+from vlfast.cli._examples import HELP_OPTIONS
 
 _STYLE = {"trained": "green", "suspect": "yellow", "untrained": "bold red"}
 
@@ -24,7 +25,10 @@ LocalModelOpt = Annotated[
 TagsOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--tags", "-t", help="Tags to check, repeatable or comma-separated. Default: <think>, </think>."
+        "--tags",
+        "-t",
+        help="Tags to check, repeatable or comma-separated; a bare name is the pair, as in rewrite's --map: "
+        "think = <think>, </think>. Default: <think>, </think>.",
     ),
 ]
 TemplateOpt = Annotated[
@@ -251,7 +255,13 @@ def rewrite(
     out: Annotated[str | None, typer.Option("--out", help="Where to write the rewritten dataset.")] = None,
     template: Annotated[str | None, typer.Option(help="A chat template file to rewrite.")] = None,
     template_out: Annotated[str | None, typer.Option(help="Where to write the rewritten template.")] = None,
-    reward_regex: RegexOpt = None,
+    reward_regex: Annotated[
+        str | None,
+        typer.Option(
+            "--reward-regex",
+            help="The format reward's regex, rewritten with the mapping (escaped forms included) and printed.",
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Apply one tag mapping to a dataset field, a chat template and a reward regex."""
@@ -449,6 +459,7 @@ def register(app: typer.Typer) -> None:
         name="tokens",
         help="Audit, rewrite and fix the format tags (<think>...) that RL rewards depend on.",
         no_args_is_help=True,
+        context_settings=HELP_OPTIONS,
     )
     tokens.command("audit")(audit)
     tokens.command("rewrite")(rewrite)

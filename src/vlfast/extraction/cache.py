@@ -62,7 +62,7 @@ class FeatureCache(torch.utils.data.Dataset):
         verify: bool = False,
         storage_options: dict[str, Any] | None = None,
     ):
-        """``features`` limits what each lookup reads (e.g. ``["mean"]`` skips the token tensors);
+        """``features`` limits what each lookup reads (e.g. ``["vision_mean"]`` skips the token tensors);
         ``verify`` hashes every tensor read and raises :class:`DamagedFile` naming it if it does not match.
         ``out`` may be an fsspec URL (``s3://bucket/out``), opened with ``storage_options``; its samples
         are then read by byte range, one request per tensor."""

@@ -128,6 +128,7 @@ def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") 
         vocab_size=400,
         special_tokens=QWEN_SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bar prints blank lines when stdout is not a terminal
     )
     corpus = ["Describe this image. Describe this video. What happens? user assistant system seconds"] * 8
     bpe.train_from_iterator(corpus, trainer)

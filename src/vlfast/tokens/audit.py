@@ -274,7 +274,11 @@ def audit_tokens(
     if not include_placeholders:
         wanted, skipped = split_placeholders(wanted)
     if not Path(model).is_dir():
-        raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
+        from vlfast.models import missing_model_hint  # only on this error path
+
+        raise FileNotFoundError(
+            f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
+        )
     vocab = Vocabulary.load(model)
     tag_ids = {t: vocab.split(t) for t in wanted}
     exclude = sorted({i for ids in tag_ids.values() for i in ids})

@@ -114,7 +114,11 @@ def fix_tokens(
         raise ValueError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     model, out = Path(model), Path(out)
     if not model.is_dir():
-        raise FileNotFoundError(f"{model} is not a directory; pass --model a local checkpoint folder")
+        from vlfast.models import missing_model_hint  # only on this error path
+
+        raise FileNotFoundError(
+            f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
+        )
     if out.resolve() == model.resolve():
         raise ValueError("OUT must be a new folder: the original checkpoint is never modified")
     if out.exists() and any(out.iterdir()):

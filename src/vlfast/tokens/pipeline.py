@@ -271,8 +271,10 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     """The transformers tokenizer of a local folder (no download), the object trainers decode with."""
     folder = Path(model_dir)
     if not folder.exists():
+        from vlfast.models import missing_model_hint  # only on this error path
+
         raise FileNotFoundError(
-            f"model folder {folder} does not exist; pass a local folder with a saved tokenizer"
+            f"model folder {folder} does not exist: {missing_model_hint(str(model_dir), references=False)}"
         )
     if not folder.is_dir():
         raise NotADirectoryError(f"--model {folder} is a file; pass the folder that holds the tokenizer")

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlfast.tokens.tags import compile_reward_regex
+from vlfast.tokens.tags import BARE_NAME, compile_reward_regex, tag_pair
 
 
 def parse_mapping(values: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
@@ -29,8 +29,8 @@ def parse_mapping(values: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
     for a, b in pairs:
         if not a or not b:
             raise ValueError(f"mapping {a!r}={b!r} has an empty side")
-        if re.fullmatch(r"[A-Za-z][\w:.-]*", a) and re.fullmatch(r"[A-Za-z][\w:.-]*", b):
-            expanded = [(f"<{a}>", f"<{b}>"), (f"</{a}>", f"</{b}>")]  # a bare name maps both halves
+        if BARE_NAME.fullmatch(a) and BARE_NAME.fullmatch(b):
+            expanded = list(zip(tag_pair(a), tag_pair(b)))  # a bare name maps both halves
         else:
             expanded = [(a, b)]
         for src, dst in expanded:

@@ -10,6 +10,14 @@ DEFAULT_TAGS = ("<think>", "</think>")
 
 # XML-like format tags (`<think>`, `</answer>`) and control tokens (`<|im_start|>`).
 TAG = re.compile(r"<\|[^<>|\s]+\|>|</?[A-Za-z][\w:.-]*>")
+# A tag's bare name (`think`): on the command line it stands for both halves, `<think>` and `</think>`,
+# in `audit --tags` as in `rewrite --map think=thinking`.
+BARE_NAME = re.compile(r"[A-Za-z][\w:.-]*")
+
+
+def tag_pair(name: str) -> list[str]:
+    """`think` -> ['<think>', '</think>']; anything else (`<think>`, `<|im_end|>`, `[THINK]`) as written."""
+    return [f"<{name}>", f"</{name}>"] if BARE_NAME.fullmatch(name) else [name]
 
 
 def tags_in_text(text: str) -> list[str]:
@@ -20,7 +28,8 @@ def tags_in_text(text: str) -> list[str]:
 def split_tag_args(values: str | list[str] | tuple[str, ...] | None) -> list[str]:
     """`--tags '<think>,</think>' --tags '<answer>'` -> ['<think>', '</think>', '<answer>'].
 
-    A value that names no tag (`''`, `','`, `' '`: typically an unset shell variable) is an error, not
+    A bare name is the pair: `--tags think` -> ['<think>', '</think>'], as `rewrite --map think=thinking`
+    reads it. A value that names no tag (`''`, `','`, `' '`: typically an unset shell variable) is an error, not
     a request for the defaults."""
     out: list[str] = []
     for v in [values] if isinstance(values, str) else values or ():
@@ -30,7 +39,7 @@ def split_tag_args(values: str | list[str] | tuple[str, ...] | None) -> list[str
                 f"--tags {v!r} names no tag; give tags such as --tags '<think>,</think>', "
                 "or leave --tags out to check <think> and </think>"
             )
-        out.extend(parts)
+        out.extend(t for part in parts for t in tag_pair(part))
     return list(dict.fromkeys(out))
 
 

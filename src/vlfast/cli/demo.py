@@ -1,0 +1,43 @@
+"""`vlfast demo-checkpoint`: write the tiny offline Qwen3-VL checkpoint the tests use, to try commands on.
+
+The references (``ref:NAME``) are vision towers only; the tokens commands and ``--features llm`` need a
+checkpoint with a language model and a tokenizer, and vlfast downloads nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from vlfast.cli._common import JsonOpt, UsageError, console, handle_errors, print_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo-checkpoint")(demo_checkpoint)
+
+
+@handle_errors
+def demo_checkpoint(
+    out: Annotated[str, typer.Argument(help="A new or empty folder to write the checkpoint into.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a tiny random-weight Qwen3-VL checkpoint (2 MB, seconds) with a language model and tokenizer."""
+    from vlfast.extraction.synthetic import make_tiny_qwen3_vl
+
+    folder = Path(out)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise UsageError(f"{out} exists and is not an empty folder; name a new one")
+    make_tiny_qwen3_vl(folder)
+    if as_json:
+        print_json({"path": str(folder), "files": sorted(p.name for p in folder.iterdir())})
+        return
+    console.print(
+        f"wrote a tiny Qwen3-VL checkpoint (random weights: its features and audits mean nothing) to {out}\n"
+        f"try: vlfast tokens audit --model {out}\n"
+        f"     vlfast extract --demo demo_llm --model {out} --features vision,llm",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
