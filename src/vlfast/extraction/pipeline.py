@@ -478,9 +478,12 @@ def extract(
         "features": spec.to_dict(),
         "processor": cfg.to_dict(),
         "versions": _versions(),
+        # The GEMM patch changes the features' bits (up to ~1e-6 relative in float32, more in bfloat16), so a
+        # resume must not mix patched and unpatched samples. Recorded only when unpatched: an OUT written
+        # with the default by a vlfast from before this key was configuration stays resumable.
+        **({} if patch_convs else {"patch_convs": False}),
         RUNTIME_KEY: {
             "device": str(dev),
-            "patch_convs": patch_convs,
             "num_workers": workers,
             "max_batch_tokens": budget.max_tokens,
             "world_size": world_size,
