@@ -61,3 +61,88 @@ def test_the_default_patched_config_is_unchanged(few, tiny_qwen3_vl, tmp_path):
     out = tmp_path / "out"
     extract(few, out, model=str(tiny_qwen3_vl), num_workers=0)
     assert "patch_convs" not in json.loads((out / "run.json").read_text())["config"]
+
+
+# ---------------------------------------------------------------- checked before OUT is written (exit 2)
+
+
+def _cli(few, out, *args):
+    return runner.invoke(app, ["extract", str(few), str(out), "--workers", "0", *args])
+
+
+@pytest.mark.parametrize("layers", ["99", "-1,-8", "3"])
+def test_layers_past_the_llm_are_refused_before_out_is_written(few, tiny_qwen3_vl, tmp_path, layers):
+    """The tiny LLM has 2 layers: hidden states 0..2, or -3..-1."""
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+        r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--features", "llm", "--layers", layers)
+    assert r.exit_code == 2, r.output
+    assert "--layers" in r.output and "2 layers" in r.output and "-3 to -1" in r.output, r.output
+    assert not out.exists()
+
+
+def test_the_corrected_layers_run(few, tiny_qwen3_vl, tmp_path):
+    """The first and last valid indices on each side pass the check, and equal the forward's own view."""
+    out = tmp_path / "out"
+    r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--features", "llm", "--layers", "-3,2", "--json")
+    assert r.exit_code == 0, r.output
+    assert sorted(FeatureCache(out)["rgb.jpg"]) == ["llm.last.layer0", "llm.last.layer2"]
+
+
+def test_llm_features_of_a_reference_are_refused_before_out_is_written(few, tmp_path, no_model_load):
+    out = tmp_path / "out"
+    r = _cli(few, out, "-m", "ref:qwen3-vl-2b", "--features", "vision,llm")
+    assert r.exit_code == 2 and "vision tower only" in r.output and "--features" in r.output, r.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "device, says", [("cuda", "no CUDA GPU"), ("cuda:3", "no CUDA GPU"), ("gpu0", "not a device")]
+)
+def test_a_device_this_machine_lacks_is_refused_before_out_is_written(
+    few, tiny_qwen3_vl, tmp_path, monkeypatch, no_model_load, device, says
+):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # so the test also holds on a GPU host
+    out = tmp_path / "out"
+    r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--device", device)
+    assert r.exit_code == 2 and "--device" in r.output and says in r.output, r.output
+    assert not out.exists()
+
+
+def test_a_missing_gpu_index_is_named(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pipeline._device_problem(torch.device("cuda:1")) is None
+    assert "cuda:0..cuda:1" in pipeline._device_problem(torch.device("cuda:2"))
+
+
+def test_a_run_json_nothing_depends_on_is_replaced(few, tiny_qwen3_vl, tmp_path):
+    """A run that stopped after writing run.json and before keeping anything (a failed model load, an
+    older vlfast that validated late) leaves no run to resume: the corrected command takes OUT over."""
+    from vlfast.extraction import FeatureStore
+
+    out = tmp_path / "out"
+    FeatureStore(out, {"model": "the failed run's"}).close()
+    summary = extract(few, out, model=str(tiny_qwen3_vl), num_workers=0)
+    assert summary.extracted == 2
+    assert FeatureCache(out).run_config["model"] == str(tiny_qwen3_vl.resolve())
+
+
+def test_a_run_json_with_records_or_a_live_writer_is_still_refused(few, tiny_qwen3_vl, tmp_path):
+    from vlfast.extraction import FeatureStore
+
+    recorded = tmp_path / "recorded"
+    with FeatureStore(recorded, {"model": "another"}) as store:
+        store.add_error("a.jpg", "a.jpg", "cannot decode")  # a record: that run has something to keep
+    with pytest.raises(RunConfigMismatch):
+        extract(few, recorded, model=str(tiny_qwen3_vl), num_workers=0)
+
+    live = tmp_path / "live"
+    with FeatureStore(live, {"model": "another"}, rank=1, world_size=2):  # running, nothing committed yet
+        with pytest.raises(RunConfigMismatch):
+            extract(few, live, model=str(tiny_qwen3_vl), num_workers=0)

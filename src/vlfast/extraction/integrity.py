@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.layout import (
     SHARD_DIR,
     DamagedFile,
@@ -86,10 +87,10 @@ def read_header(f, size: int) -> tuple[int, bytes, dict]:
     """(data start, raw header bytes incl. the length prefix, parsed header) of an open safetensors file."""
     prefix = f.read(8)
     if len(prefix) < 8:
-        raise ValueError(f"file is {size} bytes, too short for a safetensors header")
+        raise InputRefused(f"file is {size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix)
     if n > size - 8:
-        raise ValueError(f"header claims {n} bytes but the file has {size - 8} after the length")
+        raise InputRefused(f"header claims {n} bytes but the file has {size - 8} after the length")
     raw = f.read(n)
     return 8 + n, prefix + raw, json.loads(raw)
 

@@ -28,6 +28,8 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused, VlfastError
+
 FORMAT_VERSION = 2
 RUN_FILE = "run.json"
 SHARD_DIR = "shards"
@@ -55,15 +57,15 @@ DUPLICATE_KIND = "duplicate"
 INPUT_KIND = "input"  # a manifest row or folder entry that is not a sample; never makes an id done
 
 
-class DamagedFile(ValueError):
+class DamagedFile(InputRefused):
     """A file of the extraction folder fails its integrity check; the message names it and what to do."""
 
 
-class OutputInUse(RuntimeError):
+class OutputInUse(VlfastError, RuntimeError):
     """Another live process holds the lock of the rank this store would write."""
 
 
-class OutputNotWritable(PermissionError):
+class OutputNotWritable(VlfastError, PermissionError):
     """OUT cannot be written (read-only filesystem or permissions)."""
 
 
@@ -180,9 +182,9 @@ def read_run_file(out: Path) -> dict:
             f"{path} is not valid JSON ({e}); the folder is damaged, re-run with a new OUT"
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != "vlfast-features":
-        raise ValueError(f"{path} is not a vlfast run file")
+        raise InputRefused(f"{path} is not a vlfast run file")
     if doc.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
+        raise InputRefused(
             f"{out} was written by a newer vlfast (format {doc['format_version']} > {FORMAT_VERSION}); upgrade vlfast"
         )
     return doc
@@ -359,13 +361,13 @@ def done_by_error(rec: dict) -> bool:
 def check_id(sample_id: Any) -> str:
     """``sample_id`` if the folder can store it, else ValueError/TypeError saying why."""
     if not isinstance(sample_id, str) or not sample_id:
-        raise TypeError(f"sample_id must be a non-empty str, got {sample_id!r}")
+        raise InputRefused(f"sample_id must be a non-empty str, got {sample_id!r}")
     try:
         n = len(sample_id.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ValueError(f"sample id {sample_id!r} is not valid Unicode text (a lone surrogate)") from None
+        raise InputRefused(f"sample id {sample_id!r} is not valid Unicode text (a lone surrogate)") from None
     if n > MAX_ID_BYTES:
-        raise ValueError(
+        raise InputRefused(
             f"sample id of {n} bytes is longer than the {MAX_ID_BYTES}-byte limit: {sample_id[:60]!r}..."
         )
     return sample_id

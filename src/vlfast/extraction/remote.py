@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vlfast._files import ByteWindow
+from vlfast.errors import InputRefused
 
 if TYPE_CHECKING:
     from vlfast.extraction.inputs import InputProblem, Sample
@@ -45,7 +46,7 @@ _BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", 
 _INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 
 
-class RemoteInputError(ValueError):
+class RemoteInputError(InputRefused):
     """An INPUT URL that cannot be read at all (endpoint unreachable, bucket missing, access refused)."""
 
 
@@ -58,7 +59,7 @@ def _options_json(options: Mapping[str, Any] | None) -> str:
     if options is None:
         return "{}"
     if not isinstance(options, Mapping):
-        raise TypeError(f"storage_options must be a dict, got {type(options).__name__}")
+        raise InputRefused(f"storage_options must be a dict, got {type(options).__name__}")
     return json.dumps(dict(options), sort_keys=True)
 
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlfast.errors import InputRefused
+
 __all__ = [
     "ConvEntry",
     "GemmConvForward",
@@ -184,7 +186,7 @@ class GemmConvForward:
             # the stock conv's windows are not the GEMM's.
             if m is not None:
                 return self._stock_conv(m, x, weight, bias)
-            raise ValueError(
+            raise InputRefused(
                 f"GemmConvForward(kernel_size={self.kernel_size}) was given a weight of shape "
                 f"{tuple(weight.shape)}; its kernel must be {self.kernel_size}"
             )
@@ -369,11 +371,11 @@ def _compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
         try:
             rx = re.compile(filter)
         except re.error as e:
-            raise ValueError(f"filter {filter!r} is not a valid regular expression: {e}") from None
+            raise InputRefused(f"filter {filter!r} is not a valid regular expression: {e}") from None
         return lambda name, m: rx.search(name) is not None
     if callable(filter):
         return filter
-    raise TypeError(
+    raise InputRefused(
         f"filter must be a callable (name, module) -> bool, a regex string, or None; got {type(filter).__name__}"
     )
 
@@ -381,7 +383,7 @@ def _compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
 def _check_module(model: object, fn: str) -> None:
     if not isinstance(model, nn.Module):
         hint = " (pass the model object, not its path or config)" if isinstance(model, (str, dict)) else ""
-        raise TypeError(f"vlfast.{fn} expects a torch.nn.Module, got {type(model).__name__}{hint}")
+        raise InputRefused(f"vlfast.{fn} expects a torch.nn.Module, got {type(model).__name__}{hint}")
 
 
 def _entry(name: str, m: nn.Module, status, reason: str = "") -> ConvEntry:
@@ -436,7 +438,7 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         found = (
             "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) or "the model has no Conv1d/2d/3d"
         )
-        raise ValueError(f"vlfast.patch(strict=True): nothing was patched ({found})")
+        raise InputRefused(f"vlfast.patch(strict=True): nothing was patched ({found})")
     for m in todo:
         m._conv_forward = GemmConvForward(tuple(m.kernel_size), m)
         m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
