@@ -143,6 +143,6 @@ def test_a_run_json_with_records_or_a_live_writer_is_still_refused(few, tiny_qwe
         extract(few, recorded, model=str(tiny_qwen3_vl), num_workers=0)
 
     live = tmp_path / "live"
-    with FeatureStore(live, {"model": "another"}, rank=1, world_size=2):  # running, nothing committed yet
-        with pytest.raises(RunConfigMismatch):
-            extract(few, live, model=str(tiny_qwen3_vl), num_workers=0)
+    # a run that is running and has committed nothing yet
+    with FeatureStore(live, {"model": "another"}, rank=1, world_size=2), pytest.raises(RunConfigMismatch):
+        extract(few, live, model=str(tiny_qwen3_vl), num_workers=0)
