@@ -241,6 +241,41 @@ class _PatchedExtraRepr:
         return f"{self.text}, vlfast=gemm" if self.text else "vlfast=gemm"
 
 
+# What patch() puts in a conv's __dict__. A shallow copy (copy.copy) shares __dict__'s values, so without
+# a copy path of its own the copy would keep the original's GemmConvForward, which watches the original's
+# geometry: changing the copy's padding would still run the old GEMM.
+
+
+class _PatchedReduce:
+    """``__reduce_ex__`` of a patched conv, set on the instance, where ``copy.copy``, ``copy.deepcopy``
+    and pickle all look it up (``copy`` looks ``__copy__`` up on the class, which vlfast leaves alone).
+    The state is the module's own minus the patch; the copy is rebuilt patched, with a GemmConvForward
+    bound to the copy itself. Weak, so the module and its reducer do not keep each other alive."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self, protocol: int) -> tuple:
+        m = self._module()
+        if m is None:  # pragma: no cover - a reducer outliving its module is only reachable by hand
+            raise RuntimeError("the patched conv of this reducer no longer exists")
+        state = m.__getstate__() if hasattr(m, "__getstate__") else m.__dict__
+        state = {k: v for k, v in state.items() if k not in ("_conv_forward", "__reduce_ex__")}
+        return _rebuild_patched, (type(m), m.__dict__["_conv_forward"].kernel_size), state
+
+
+def _rebuild_patched(cls: type, kernel_size: tuple[int, ...]) -> nn.Module:
+    """An empty ``cls`` already patched; copy and pickle then set its state (``nn.Module.__setstate__``)."""
+    m = cls.__new__(cls)
+    _install(m, kernel_size)
+    return m
+
+
+def _install(m: nn.Module, kernel_size: tuple[int, ...]) -> None:
+    m.__dict__["_conv_forward"] = GemmConvForward(kernel_size, m)
+    m.__dict__["__reduce_ex__"] = _PatchedReduce(m)
+
+
 @dataclass(frozen=True)
 class ConvEntry:
     """One convolution found in the model and what ``patch`` did with it."""
@@ -440,7 +475,7 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         )
         raise InputRefused(f"vlfast.patch(strict=True): nothing was patched ({found})")
     for m in todo:
-        m._conv_forward = GemmConvForward(tuple(m.kernel_size), m)
+        _install(m, tuple(m.kernel_size))
         m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
     return report
 
@@ -454,5 +489,7 @@ def unpatch(model: nn.Module) -> PatchReport:
             del m.__dict__["_conv_forward"]
             if isinstance(m.__dict__.get("extra_repr"), _PatchedExtraRepr):
                 del m.__dict__["extra_repr"]
+            if isinstance(m.__dict__.get("__reduce_ex__"), _PatchedReduce):
+                del m.__dict__["__reduce_ex__"]
             report.entries.append(_entry(name, m, "unpatched"))
     return report
