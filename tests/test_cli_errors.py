@@ -20,6 +20,9 @@ def one_image(media_dir):
 
 
 def test_refusals_are_one_family_that_old_callers_still_catch():
+    import vlfast
+
+    assert vlfast.VlfastError is VlfastError and vlfast.InputRefused is InputRefused
     from vlfast.extraction.inputs import EmptyInput
     from vlfast.extraction.layout import DamagedFile, OutputInUse, OutputNotWritable
     from vlfast.extraction.remote import RemoteInputError

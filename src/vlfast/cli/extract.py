@@ -211,7 +211,9 @@ def extract(
     """Extract vision-tower and LLM features per sample; run again to resume.
 
     Exit 0 done (bad inputs recorded in OUT/errors), 1 stopped by --max-errors or --verify found damage,
-    2 bad usage, a configuration or weights that differ from what OUT holds, OUT in use or not writable.
+    2 bad usage, a configuration or weights that differ from what OUT holds, OUT in use or not writable
+    (all before OUT is written), 3 an unexpected error, most likely a bug (VLFAST_DEBUG=1 shows the
+    traceback).
     """
     if verify:
         if demo or len(paths) != 1:
