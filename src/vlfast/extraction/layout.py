@@ -73,7 +73,13 @@ class OutputNotWritable(VlfastError, PermissionError):
 
 
 def is_local(out: Any) -> bool:
-    """Whether ``out`` is a local folder (a ``pathlib.Path``) rather than a folder on object storage."""
+    """Whether ``out`` is a local folder rather than a folder on object storage, decided by its filesystem:
+    a path object with an fsspec filesystem (a ``UPath``) is local only if that filesystem is fsspec's
+    local one. Never by class: universal_pathlib 0.2's ``UPath("s3://...")`` is a ``pathlib.Path``."""
+    fs = getattr(out, "fs", None)
+    if fs is not None:
+        protocol = fs.protocol
+        return not {"file", "local"}.isdisjoint((protocol,) if isinstance(protocol, str) else protocol)
     return isinstance(out, Path)
 
 
