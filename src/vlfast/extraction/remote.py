@@ -304,12 +304,34 @@ def has_buckets(fs: Any) -> bool:
     return bool(protocols & _BUCKET_PROTOCOLS)
 
 
+# s3fs sends S3's If-None-Match on an exclusive create from 2024.12 on; before, mode="create" was a
+# check-then-write, so two writers racing for one name could both win and the commit was not atomic.
+S3FS_EXCLUSIVE_CREATE = (2024, 12)
+
+
+def _check_exclusive_create(fs: Any, url: str) -> None:
+    """Refuse an S3 OUT with an s3fs too old to create objects exclusively (the commit relies on it)."""
+    if type(fs).__module__.split(".")[0] != "s3fs":
+        return
+    import s3fs
+
+    version = s3fs.__version__
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if numbers < S3FS_EXCLUSIVE_CREATE:
+        raise InputRefused(
+            f"output {url}: s3fs {version} cannot create an object only if it is absent (S3's "
+            "If-None-Match, s3fs 2024.12 and later), which the commit to object storage needs to be atomic: "
+            "pip install 's3fs>=2024.12'"
+        )
+
+
 def probe_out(out: Any) -> None:
     """An OUT on object storage must be reachable with the credentials given, and its bucket must exist
     (OUT itself need not): else RemoteInputError / FileNotFoundError naming the URL, before any work."""
     url = str(out)
     options_json = _options_json(getattr(out, "storage_options", None))
     fs, path = out.fs, out.path
+    _check_exclusive_create(fs, url)
     fs.invalidate_cache()
     bucket = path.strip("/").split("/", 1)[0] if has_buckets(fs) else None
     try:
