@@ -207,7 +207,7 @@ class FeatureCache(torch.utils.data.Dataset):
         i = self._index(sample_id)
         return {
             "id": self._ids[i],
-            "shard": str(self._shard_paths[self._shard[i]].relative_to(self.out)),
+            "shard": self._shard_names[self._shard[i]],  # as the index names it (relative to OUT)
             "row": self._row[i],
             "features": self._features[i].as_py(),
         }

@@ -301,7 +301,8 @@ def verify_folder(out: str | os.PathLike, progress: Callable[[int, int], None] |
         report.parts += 1
         report.samples += len(check.ids)
         report.bytes_checked += check.checked_bytes
-        shard = str(check.shard.relative_to(out))
+        # shards/NAME: not relative_to, which keeps a URL's scheme on universal_pathlib 0.2
+        shard = f"{check.shard.parent.name}/{check.shard.name}"
         if check.problem is not None:
             report.bad_parts.append(
                 {"part": part.name, "shard": shard, "reason": check.problem, "samples": len(check.ids)}
