@@ -274,7 +274,6 @@ class FeatureCache(torch.utils.data.Dataset):
         self._pid = os.getpid()
         self._handles.clear()
         if not is_local(self.out):
-            _restart_fsspec_loop_after_fork()
             self.out = resolve_out(str(self.out), dict(self.out.storage_options))
             self._shard_paths = [self.out / s for s in self._shard_names]
 
@@ -283,18 +282,6 @@ class FeatureCache(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         return state
-
-
-def _restart_fsspec_loop_after_fork() -> None:
-    """fsspec runs its sync API on an event loop in a thread of its own, which a forked child does not
-    have. fsspec 2025 and later forget the parent's loop in the child (os.register_at_fork); before, every
-    call waited forever on a loop no thread runs (DataLoader workers hung). Forget it here too, but only
-    while its thread is dead, so a loop this process started is never orphaned."""
-    from fsspec import asyn
-
-    thread = asyn.iothread[0]
-    if thread is not None and not thread.is_alive():
-        asyn.reset_lock()
 
 
 class ShardReadError(OSError):

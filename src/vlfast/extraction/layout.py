@@ -72,6 +72,22 @@ class OutputNotWritable(VlfastError, PermissionError):
 # ------------------------------------------------------------------------------------------ locations
 
 
+def _forget_fsspec_loop_in_child() -> None:
+    """fsspec runs its sync API on an event loop in a thread of its own, which a forked child (a decode
+    worker, a DataLoader worker) does not have. fsspec 2025 and later forget the parent's loop in the
+    child themselves; before, every call there waited forever on a loop no thread runs. Never imports
+    fsspec: a run that has not used it has nothing to forget."""
+    import sys
+
+    asyn = sys.modules.get("fsspec.asyn")
+    if asyn is not None:
+        asyn.reset_lock()  # the loop, its thread and its lock: created anew on the child's first call
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_fsspec_loop_in_child)
+
+
 def is_local(out: Any) -> bool:
     """Whether ``out`` is a local folder rather than a folder on object storage, decided by its filesystem:
     a path object with an fsspec filesystem (a ``UPath``) is local only if that filesystem is fsspec's
