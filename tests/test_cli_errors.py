@@ -63,3 +63,14 @@ def test_a_bug_is_exit_3_with_the_traceback_hint(one_image, tmp_path, monkeypatc
     monkeypatch.setenv("VLFAST_DEBUG", "1")
     r = runner.invoke(app, ["extract", one_image, str(tmp_path / "o"), "-m", "ref:qwen3-vl-2b"])
     assert r.exception is bug  # re-raised as it is, traceback and all
+
+
+@pytest.mark.parametrize("config", ['{"model_type": "no-such-family"}', "{not json"])
+def test_a_checkpoint_transformers_cannot_read_is_a_refusal(one_image, tmp_path, config):
+    """transformers raises ValueError for these: the user's files, so exit 2 naming them, not a bug."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(config)
+    r = runner.invoke(app, ["extract", one_image, str(tmp_path / "o"), "-m", str(ckpt)])
+    assert r.exit_code == 2, r.output
+    assert "config.json cannot be read by transformers" in r.output and not (tmp_path / "o").exists()

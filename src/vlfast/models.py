@@ -345,9 +345,18 @@ def _checkpoint_dir(spec: str | Path) -> Path:
 
 
 def load_config(spec: str | Path) -> Any:
+    import transformers
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(_checkpoint_dir(spec), local_files_only=True)
+    path = _checkpoint_dir(spec)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    # an unknown model_type (ValueError), a config.json that is not JSON (OSError): the user's files
+    except (ValueError, OSError) as e:
+        raise InputRefused(
+            f"{path}/config.json cannot be read by transformers {transformers.__version__}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
 
 
 def _safetensors_files(path: Path) -> list[Path]:
