@@ -196,3 +196,29 @@ def test_memory_url_and_local_inputs_import_no_fsspec(media, local_run, tiny_qwe
         _assert_same(FeatureCache(out), FeatureCache(local_run), {i: i for i in ids})
     finally:
         fs.rm("/vlfast-test", recursive=True)
+
+
+def test_local_or_remote_is_decided_by_the_filesystem_not_the_path_class(tmp_path):
+    """universal_pathlib 0.2's UPath("s3://...") is a pathlib.Path: judged by class, an OUT in a bucket took
+    the local route (flock on a path that is not on this disk: FileNotFoundError for locks/rank-00000.lock).
+    A Path subclass carrying an fsspec filesystem stands in for it here, whatever universal_pathlib is
+    installed; the floors venv of docs/extract.md runs the S3 tests on 0.2 itself."""
+    import fsspec
+
+    from vlfast.extraction.layout import is_local, resolve_out
+    from vlfast.extraction.store import FeatureStore
+
+    class BucketPath(type(Path())):  # a pathlib.Path whose filesystem is fsspec's memory store
+        fs = fsspec.filesystem("memory")
+
+        @property
+        def path(self) -> str:
+            return "/vlfast-floor-test" + str(self)
+
+    assert not is_local(BucketPath("/out")) and is_local(tmp_path) and is_local(resolve_out(str(tmp_path)))
+    assert not is_local(resolve_out("memory://vlfast-floor-test/out"))
+    assert is_local(resolve_out(f"file://{tmp_path}"))
+    with FeatureStore(BucketPath("/out"), {"model": "m"}) as store:  # the object-storage route: no flock
+        store.add("a", {"x": torch.ones(2)})
+    assert not (Path("/out") / "locks").exists()
+    assert BucketPath.fs.exists("/vlfast-floor-test/out/run.json")

@@ -91,7 +91,8 @@ def test_llm_features_fingerprint_the_whole_model(model_dir, few, tmp_path):
 
 def test_refusals_and_nothing_to_do_come_before_the_model(few, tiny_qwen3_vl, tmp_path, no_model_load):
     out = tmp_path / "out"
-    FeatureStore(out, {"model": "something else"}).close()
+    with FeatureStore(out, {"model": "something else"}) as other:  # a run with something to keep
+        other.add_error("x.jpg", "x.jpg", "cannot decode")
     r = runner.invoke(app, ["extract", str(few), str(out), "-m", str(tiny_qwen3_vl)])
     assert r.exit_code == 2 and "different configuration" in r.output and "--overwrite" in r.output
 

@@ -472,3 +472,18 @@ def test_a_store_that_does_not_answer_is_not_called_damage(endpoint, monkeypatch
     with pytest.raises(ShardReadError, match="cannot read .* connection refused") as e:
         cache["a"]
     assert not isinstance(e.value, DamagedFile)
+
+
+def test_an_s3fs_without_exclusive_create_is_refused_before_any_work(
+    endpoint, media, tiny_qwen3_vl, monkeypatch
+):
+    """Before 2024.12 s3fs did not send If-None-Match: two writers of one name could both win, so the
+    commit would not be atomic. Such an s3fs is refused (exit 2, with the pip line), not used silently."""
+    import s3fs
+
+    monkeypatch.setattr(s3fs, "__version__", "2024.10.0")
+    out = f"s3://{BUCKET}/old-s3fs"
+    r = runner.invoke(app, ["extract", str(media), out, "-m", str(tiny_qwen3_vl)])
+    assert r.exit_code == 2, r.output
+    assert "s3fs 2024.10.0" in r.output and "pip install 's3fs>=2024.12'" in " ".join(r.output.split())
+    assert not _keys("old-s3fs")

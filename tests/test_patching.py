@@ -389,6 +389,24 @@ def test_copies_watch_their_own_geometry(clone):
     assert not _conv_ran(model[0], x)
 
 
+def test_a_shallow_copy_watches_its_own_geometry():
+    """copy.copy shares the module's __dict__ values: the copy must still get a GemmConvForward of its own."""
+    conv = make_conv((2, 3, 5))
+    patch(conv)
+    copied = copy.copy(conv)
+    assert is_patched(copied) and copied.weight is conv.weight  # shallow: the parameters are shared
+    assert copied._conv_forward is not conv._conv_forward and "vlfast=gemm" in repr(copied)
+    copied.padding = (1, 1, 1)
+    x = make_input(2, 3, (2, 3, 5))
+    assert copied(x).shape == stock(copied, x).shape == (2, 6, 2, 1, 1)
+    assert_verbose_close(copied(x), stock(copied, x), name="shallow copy with its own padding")
+    assert conv(x).shape == (2, 6, 1, 1, 1)  # the original is untouched and still the GEMM
+    assert not _conv_ran(conv, x)
+    unpatch(copied)
+    assert is_patched(conv) and not is_patched(copied)
+    assert not is_patched(copy.copy(copied))  # a copy of an unpatched conv is a plain copy
+
+
 def test_deleting_a_patched_model_frees_it_without_the_garbage_collector():
     import gc
     import weakref

@@ -31,6 +31,9 @@ _EXPORTS = {
     "extract": "vlfast.extraction",
     "FeatureCache": "vlfast.extraction",
     "audit_tokens": "vlfast.tokens",
+    # what vlfast refuses on purpose (exit 2 in the CLI); anything else that escapes is a bug
+    "VlfastError": "vlfast.errors",
+    "InputRefused": "vlfast.errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlfast.errors import InputRefused
 from vlfast.patching.gemm import eligibility
 
 __all__ = [
@@ -144,7 +145,7 @@ def resolve_reference(name: str) -> Reference:
     key = name[len(REF_PREFIX) :] if name.startswith(REF_PREFIX) else name
     ref = REFERENCES.get(key.lower())
     if ref is None:
-        raise ValueError(
+        raise InputRefused(
             f"unknown reference {name!r}; choose one of: "
             + ", ".join(REF_PREFIX + n for n in REFERENCES)
             + " (see `vlfast models`)"
@@ -167,7 +168,7 @@ def _vision_model_class(config: Any) -> type[nn.Module]:
         and getattr(obj, "config_class", None) is type(config)
     ]
     if not matches:
-        raise ValueError(f"no vision model class for {type(config).__name__} in {modeling.__name__}")
+        raise InputRefused(f"no vision model class for {type(config).__name__} in {modeling.__name__}")
     return matches[0]
 
 
@@ -208,7 +209,7 @@ def vision_config_of(spec: str | Path) -> Any:
     path = _checkpoint_dir(spec)
     vision_config = getattr(load_config(path), "vision_config", None)
     if vision_config is None:
-        raise ValueError(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
+        raise InputRefused(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
     return vision_config
 
 
@@ -258,7 +259,7 @@ def find_vision_tower(model: nn.Module) -> tuple[str, nn.Module]:
     # Candidates nest (the VLM, its inner model, the tower): the deepest is the tower itself.
     best = max(candidates, key=lambda c: len(c[0].split(".")) if c[0] else 0, default=None)
     if best is None:
-        raise ValueError(
+        raise InputRefused(
             f"no Qwen-VL-style vision tower found in {type(model).__name__}: expected a module whose forward "
             "takes grid_thw and holds a stride == kernel Conv3d"
         )
@@ -268,7 +269,7 @@ def find_vision_tower(model: nn.Module) -> tuple[str, nn.Module]:
 def tower_spec(tower: nn.Module) -> TowerSpec:
     convs = _patch_convs(tower)
     if not convs:
-        raise ValueError(f"{type(tower).__name__} holds no stride == kernel Conv3d patch embedding")
+        raise InputRefused(f"{type(tower).__name__} holds no stride == kernel Conv3d patch embedding")
     conv = convs[0][1]
     t, p, _ = conv.kernel_size
     config = getattr(tower, "config", None)
@@ -296,7 +297,7 @@ def synthetic_inputs(
     spec = tower_spec(tower)
     for g in grids:
         if len(g) != 3 or g[1] % spec.spatial_merge_size or g[2] % spec.spatial_merge_size or min(g) < 1:
-            raise ValueError(
+            raise InputRefused(
                 f"grid {g} must be (t, h, w) with h and w multiples of {spec.spatial_merge_size}"
             )
     if spec.frames_as_images:
@@ -381,9 +382,18 @@ def _checkpoint_dir(spec: str | Path) -> Path:
 
 
 def load_config(spec: str | Path) -> Any:
+    import transformers
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(_checkpoint_dir(spec), local_files_only=True)
+    path = _checkpoint_dir(spec)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    # an unknown model_type (ValueError), a config.json that is not JSON (OSError): the user's files
+    except (ValueError, OSError) as e:
+        raise InputRefused(
+            f"{path}/config.json cannot be read by transformers {transformers.__version__}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -416,7 +426,7 @@ def load_vision_tower(
     config = load_config(path)
     vision_config = getattr(config, "vision_config", None)
     if vision_config is None:
-        raise ValueError(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
+        raise InputRefused(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
     if dtype is None:
         dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -473,7 +483,7 @@ def tower_tensor_locations(
                 found[k[len(prefix) :]] = (file, k)
     missing = sorted(wanted - set(found))
     if missing:
-        raise ValueError(
+        raise InputRefused(
             f"{path}: vision tower weights missing from the checkpoint: {missing[:5]}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
@@ -508,4 +518,4 @@ def load_model(
             return model.to(device).eval()
         except ValueError as e:  # this auto class does not know the config
             last_error = e
-    raise ValueError(f"{path}: transformers cannot build {type(config).__name__}: {last_error}")
+    raise InputRefused(f"{path}: transformers cannot build {type(config).__name__}: {last_error}")

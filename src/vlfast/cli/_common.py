@@ -1,7 +1,9 @@
 """Shared CLI plumbing: option aliases, output helpers and the error table.
 
 Commands parse, call one library function and render its result. Errors a user can act on are mapped
-to a one-line message and an exit code here; set ``VLFAST_DEBUG=1`` for the full traceback.
+to a one-line message and an exit code here: vlfast's refusals (``vlfast.errors.VlfastError``) and the
+user's own files (not found, not a folder, permission) are exit 2; anything else that escapes is a bug,
+exit 3 with a hint to set ``VLFAST_DEBUG=1`` for the full traceback.
 
 Help is click's plain layout (the app sets ``rich_markup_mode=None``, as ``hf`` does): no markup is
 parsed, so ``pip install 'vlfast[plot]'`` prints as written, and it wraps instead of truncating in a
@@ -24,6 +26,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
+from vlfast.errors import VlfastError
 from vlfast.extraction.layout import OutputFull, OutputInUse, OutputNotWritable
 
 if TYPE_CHECKING:
@@ -32,8 +35,8 @@ if TYPE_CHECKING:
 # Exit codes a script can act on.
 EXIT_OK = 0
 EXIT_FINDING = 1  # the command ran and found a problem (slow path, untrained tag, failed verification)
-EXIT_USAGE = 2  # bad input: missing path, unknown model name, invalid option value
-EXIT_ERROR = 3  # the command could not run (unexpected failure)
+EXIT_USAGE = 2  # a refusal: missing path, unknown model name, invalid option value, a different configuration
+EXIT_ERROR = 3  # the command could not run: an unexpected exception, most likely a bug
 EXIT_FULL = 4  # the output's disk is full: free space and run the same command again (it resumes)
 
 JsonOpt = Annotated[
@@ -142,8 +145,9 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (NotADirectoryError, EXIT_USAGE, "not a folder"),
     (IsADirectoryError, EXIT_USAGE, "is a folder"),
     (PermissionError, EXIT_USAGE, "permission denied"),
-    (ValueError, EXIT_USAGE, "invalid input"),
-    (TypeError, EXIT_USAGE, "invalid input"),
+    # vlfast's own refusals only: a ValueError or TypeError from anywhere else is a bug (exit 3), not a
+    # user's mistake.
+    (VlfastError, EXIT_USAGE, "invalid input"),
     (ImportError, EXIT_USAGE, "missing dependency"),
     (MemoryError, EXIT_ERROR, "out of memory"),
 ]
@@ -201,7 +205,9 @@ def handle_errors(fn: Callable) -> Callable:
                 f"[bold red]vlfast: {prefix}:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True
             )
             if code == EXIT_ERROR:
-                err_console.print("[dim]Set VLFAST_DEBUG=1 for the full traceback.[/dim]")
+                err_console.print(
+                    "[dim]This looks like a bug: run again with VLFAST_DEBUG=1 for the full traceback.[/dim]"
+                )
             raise typer.Exit(code) from None
 
     return wrapper

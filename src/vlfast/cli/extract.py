@@ -234,8 +234,9 @@ def extract(
 
     Exit 0 done (bad inputs recorded in OUT/errors), 1 stopped by --max-errors, samples left undone by an
     unexpected error, or --verify found damage, 2 bad usage, a configuration or weights that differ from what
-    OUT holds, OUT in use or not writable, 3 a bug stopped the run, 4 OUT's disk is full (free space and run
-    the same command again: it resumes), 143 SIGTERM (what was done is committed).
+    OUT holds, OUT in use or not writable (all before OUT is written), 3 an unexpected error, most likely a
+    bug (VLFAST_DEBUG=1 shows the traceback), 4 OUT's disk is full (free space and run the same command
+    again: it resumes), 143 SIGTERM (what was done is committed).
     """
     quiet_third_party(verbose)
     if verify:

@@ -45,6 +45,7 @@ from vlfast.diagnosis.probe import (
     probe_conv,
 )
 from vlfast.diagnosis.rules import ConvGeometry, RuleHit, evaluate
+from vlfast.errors import InputRefused
 
 __all__ = [
     "EXIT_CODES",
@@ -340,7 +341,7 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
         tower = models.load_vision_tower(model, device="meta")
         label = model.removeprefix(models.REF_PREFIX)
         return model, conv_shapes(tower, patches=patches, label=label)
-    raise TypeError(
+    raise InputRefused(
         f"doctor(model=...) takes an nn.Module, a spec string (ref:NAME or a checkpoint dir) or None, "
         f"got {type(model).__name__}"
     )
@@ -487,15 +488,15 @@ def doctor(
             a gain (the launcher guard that passes on a CPU runner).
     """
     if patches < 1:
-        raise ValueError(f"patches must be >= 1, got {patches}")
+        raise InputRefused(f"patches must be >= 1, got {patches}")
     if budget_s <= 0:
-        raise ValueError(f"budget_s must be positive, got {budget_s}")
+        raise InputRefused(f"budget_s must be positive, got {budget_s}")
     if slow_ratio <= 1:
-        raise ValueError(f"slow_ratio must be > 1, got {slow_ratio}")
+        raise InputRefused(f"slow_ratio must be > 1, got {slow_ratio}")
     if workload not in ("training", "inference"):
-        raise ValueError(f"workload must be 'training' or 'inference', got {workload!r}")
+        raise InputRefused(f"workload must be 'training' or 'inference', got {workload!r}")
     if fail_on not in ("any", "slow-path"):
-        raise ValueError(f"fail_on must be 'any' or 'slow-path', got {fail_on!r}")
+        raise InputRefused(f"fail_on must be 'any' or 'slow-path', got {fail_on!r}")
     t0 = time.perf_counter()
     dev = check_device(device) if device is not None else default_device()
     dt = dtype_name(dtype) if dtype is not None else default_dtype(dev)

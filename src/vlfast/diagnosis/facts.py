@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from vlfast.errors import InputRefused
+
 __all__ = [
     "Facts",
     "check_device",
@@ -56,9 +58,9 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     elif isinstance(dtype, str):
         name = dtype.lower().removeprefix("torch.")
     else:
-        raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
+        raise InputRefused(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
     if name not in _DTYPE_ALIASES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+        raise InputRefused(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
     return _DTYPE_ALIASES[name]
 
 
@@ -117,9 +119,11 @@ class Facts:
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
-            raise TypeError(f"Facts.device must be a device string such as 'cuda:0', got {self.device!r}")
+            raise InputRefused(f"Facts.device must be a device string such as 'cuda:0', got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
-            raise ValueError(f"Facts.dtype must be float32, bfloat16, float16 or float64, got {self.dtype!r}")
+            raise InputRefused(
+                f"Facts.dtype must be float32, bfloat16, float16 or float64, got {self.dtype!r}"
+            )
         if self.gpu_capability is not None:
             self.gpu_capability = tuple(int(x) for x in self.gpu_capability)
 
@@ -217,7 +221,7 @@ def check_device(device: str | torch.device) -> str:
         dev = torch.device(device)
         torch.empty(1, device=dev)
     except (RuntimeError, AssertionError, ValueError) as e:
-        raise ValueError(f"device {str(device)!r} is not usable here: {str(e).splitlines()[0]}") from None
+        raise InputRefused(f"device {str(device)!r} is not usable here: {str(e).splitlines()[0]}") from None
     return str(dev)
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlfast.diagnosis.timing import Timing, measure
+from vlfast.errors import InputRefused
 from vlfast.patching.gemm import eligibility, is_patched
 
 __all__ = ["DEFAULT_PATCHES", "ConvShape", "ProbeResult", "conv_shapes", "merge_shapes", "probe_conv"]
@@ -45,9 +46,9 @@ class ConvShape:
 
     def __post_init__(self) -> None:
         if self.windows < 1:
-            raise ValueError(f"windows must be >= 1, got {self.windows}")
+            raise InputRefused(f"windows must be >= 1, got {self.windows}")
         if len(self.kernel_size) not in _CONV_FN:
-            raise ValueError(f"kernel_size must have 1-3 dims, got {self.kernel_size}")
+            raise InputRefused(f"kernel_size must have 1-3 dims, got {self.kernel_size}")
 
     @property
     def key(self) -> tuple:
@@ -84,7 +85,7 @@ def conv_shapes(model: nn.Module, *, patches: int = DEFAULT_PATCHES, label: str 
     ``patches // prod(kernel)`` windows. Works on ``device="meta"`` models: only attributes are read.
     """
     if patches < 1:
-        raise ValueError(f"patches must be >= 1, got {patches}")
+        raise InputRefused(f"patches must be >= 1, got {patches}")
     shapes: list[ConvShape] = []
     for name, m in model.named_modules():
         if not isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or eligibility(m) is not None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from vlfast.diagnosis.facts import check_device, default_device, default_dtype, dtype_name
 from vlfast.diagnosis.timing import Clock, measure
+from vlfast.errors import InputRefused
 from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
 
 __all__ = ["COMPONENTS", "ProfileReport", "ProfileRun", "component_modules", "profile"]
@@ -324,7 +325,7 @@ def _vlm_inputs(vlm: nn.Module, tower: nn.Module, pixels: torch.Tensor, grid: to
     start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
     video = getattr(config, "video_token_id", None)
     if video is None or start is None or end is None:
-        raise ValueError(f"{type(config).__name__} has no video_token_id / vision_start_token_id")
+        raise InputRefused(f"{type(config).__name__} has no video_token_id / vision_start_token_id")
     params = inspect.signature(vlm.forward).parameters
     for per_frame in (True, False):
         rows = []
@@ -479,7 +480,7 @@ def _load_model(model: nn.Module | str | None, device: str, dtype: torch.dtype, 
         vlm = models.load_model(model, device=device, dtype=dtype)
         _, tower = models.find_vision_tower(vlm)
         return model, tower, vlm
-    raise TypeError(
+    raise InputRefused(
         f"profile(model=...) takes an nn.Module, a spec string (ref:NAME or a checkpoint dir) or None, "
         f"got {type(model).__name__}"
     )
@@ -515,9 +516,9 @@ def profile(
     The model's patch state is restored afterwards.
     """
     if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
+        raise InputRefused(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
     if not batch_sizes or not frames or min(batch_sizes) < 1 or min(frames) < 1:
-        raise ValueError(f"batch sizes and frame counts must be positive, got {batch_sizes}, {frames}")
+        raise InputRefused(f"batch sizes and frame counts must be positive, got {batch_sizes}, {frames}")
     param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
     if device is None and param is not None:
         device = param.device  # a module given as is runs where it lives, in its own dtype
@@ -528,7 +529,7 @@ def profile(
     dt = getattr(torch, dt_name)
     size = tuple(size) if size is not None else DEFAULT_SIZE.get(torch.device(dev).type, DEFAULT_SIZE["cuda"])
     if len(size) != 2 or min(size) < 1:
-        raise ValueError(f"size must be (height, width) in pixels, got {size}")
+        raise InputRefused(f"size must be (height, width) in pixels, got {size}")
     target, tower, whole = _load_model(model, dev, dt, tiny, vlm)
     tower.eval()
     report = ProfileReport(target, dev, dt_name, size)

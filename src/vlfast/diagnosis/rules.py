@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vlfast.diagnosis.facts import Facts
+from vlfast.errors import InputRefused
 
 __all__ = ["RULES", "ConvGeometry", "Rule", "RuleHit", "evaluate", "rule_fires"]
 
@@ -27,7 +28,7 @@ class ConvGeometry:
 
     def __post_init__(self) -> None:
         if not self.kernel_size or any(int(k) < 1 for k in self.kernel_size):
-            raise ValueError(f"kernel_size must be positive ints, got {self.kernel_size!r}")
+            raise InputRefused(f"kernel_size must be positive ints, got {self.kernel_size!r}")
 
     @property
     def ndim(self) -> int:  # spatial dims: 3 for Conv3d, whose weight is 5-D
@@ -277,7 +278,7 @@ def rule_fires(rule_id: str, facts: Facts, conv: ConvGeometry) -> bool:
     for rule in RULES:
         if rule.id == rule_id:
             return bool(rule.applies(facts, conv))
-    raise ValueError(f"unknown rule {rule_id!r}; known: {', '.join(r.id for r in RULES)}")
+    raise InputRefused(f"unknown rule {rule_id!r}; known: {', '.join(r.id for r in RULES)}")
 
 
 def evaluate(facts: Facts, convs: Sequence[ConvGeometry]) -> list[RuleHit]:

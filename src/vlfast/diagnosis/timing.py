@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from vlfast.errors import InputRefused
+
 __all__ = ["Clock", "Timing", "measure", "synchronize"]
 
 
@@ -106,11 +108,11 @@ def measure(
     (``Timing.first_call``), so a 16-second conv costs 16 seconds, not 16 x (warm-up + repeats).
     """
     if repeats < 1 or warmup < 0 or min_repeats < 1:
-        raise ValueError(
+        raise InputRefused(
             f"need repeats >= 1, warmup >= 0, min_repeats >= 1; got {repeats}, {warmup}, {min_repeats}"
         )
     if budget_s is not None and budget_s <= 0:
-        raise ValueError(f"budget_s must be positive, got {budget_s}")
+        raise InputRefused(f"budget_s must be positive, got {budget_s}")
     dev = _device(device)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # as timeit does: a collection triggered inside one call is not that call's cost

@@ -15,6 +15,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from vlfast.errors import InputRefused
+
 __all__ = ["TokenBudget", "is_oom", "pack", "run_split_on_oom"]
 
 T = TypeVar("T")
@@ -30,9 +32,9 @@ class TokenBudget:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+            raise InputRefused(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if not isinstance(self.max_samples, int) or self.max_samples < 1:
-            raise ValueError(f"max_samples must be a positive int, got {self.max_samples!r}")
+            raise InputRefused(f"max_samples must be a positive int, got {self.max_samples!r}")
 
 
 def pack(

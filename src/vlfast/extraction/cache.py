@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.layout import (
     FAILURE_KINDS,
     REDO_HINT,
@@ -219,7 +220,7 @@ class FeatureCache(torch.utils.data.Dataset):
         i = self._index(sample_id)
         return {
             "id": self._ids[i],
-            "shard": str(self._shard_paths[self._shard[i]].relative_to(self.out)),
+            "shard": self._shard_names[self._shard[i]],  # as the index names it (relative to OUT)
             "row": self._row[i],
             "features": self._features[i].as_py(),
         }
@@ -371,7 +372,7 @@ class _RangeShard:
         entry = self._header[name]
         start, end = (self._data_start + x for x in entry["data_offsets"])
         if end > self._size:
-            raise ValueError(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._size:,}")
+            raise InputRefused(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._size:,}")
         dtype = DTYPE_BY_NAME[next(k for k, v in SAFETENSORS_DTYPE.items() if v == entry["dtype"])]
         try:
             data = (
@@ -382,7 +383,7 @@ class _RangeShard:
         except Exception as e:  # noqa: BLE001 - each client raises its own types
             raise ShardReadError(f"cannot read {name!r} from {self._url}: {type(e).__name__}: {e}") from None
         if len(data) != end - start:
-            raise ValueError(f"tensor {name!r}: {len(data):,} bytes read of {end - start:,}")
+            raise InputRefused(f"tensor {name!r}: {len(data):,} bytes read of {end - start:,}")
         if not data:
             return torch.empty(entry["shape"], dtype=dtype)
         return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"])

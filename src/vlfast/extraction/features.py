@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlfast.errors import InputRefused
+
 __all__ = [
     "ALL_FEATURES",
     "FeatureSpec",
@@ -47,7 +49,7 @@ def parse_features(features: str | Sequence[str]) -> tuple[str, ...]:
     names = [n for n in names if n]
     unknown = sorted(set(names) - set(ALL_FEATURES))
     if unknown or not names:
-        raise ValueError(
+        raise InputRefused(
             f"unknown feature(s) {unknown or names}: choose from {', '.join(ALL_FEATURES)} (comma-separated)"
         )
     return tuple(f for f in ALL_FEATURES if f in names)
@@ -65,11 +67,11 @@ class FeatureSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", parse_features(self.names))
         if not self.layers or not all(isinstance(x, int) for x in self.layers):
-            raise TypeError(f"layers must be a non-empty tuple of ints, got {self.layers!r}")
+            raise InputRefused(f"layers must be a non-empty tuple of ints, got {self.layers!r}")
         if not self.pools or any(p not in POOLS for p in self.pools):
-            raise ValueError(f"pools must be a non-empty subset of {POOLS}, got {self.pools!r}")
+            raise InputRefused(f"pools must be a non-empty subset of {POOLS}, got {self.pools!r}")
         if not isinstance(self.prompt, str) or not self.prompt:
-            raise ValueError("prompt must be a non-empty string")
+            raise InputRefused("prompt must be a non-empty string")
 
     @property
     def needs_llm(self) -> bool:
@@ -209,7 +211,7 @@ class PromptBuilder:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         pad = "<|image_pad|>" if media == "image" else "<|video_pad|>"
         if text.count(pad) != 1:
-            raise ValueError(
+            raise InputRefused(
                 f"the chat template of {self.checkpoint} must place exactly one {pad} for one {media}; "
                 f"it placed {text.count(pad)}"
             )
@@ -302,7 +304,7 @@ def compute_llm_features(
     results: list[dict[str, torch.Tensor]] = [{} for _ in items]
     for layer in spec.layers:
         if not -n_layers <= layer < n_layers:
-            raise ValueError(f"layer {layer} out of range: the model has hidden states 0..{n_layers - 1}")
+            raise InputRefused(f"layer {layer} out of range: the model has hidden states 0..{n_layers - 1}")
         resolved = layer % n_layers
         h = hidden[layer].float()
         for i, n in enumerate(lengths):

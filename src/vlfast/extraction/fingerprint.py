@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused
+
 # Files beside the weights that change what an ``llm`` feature is (prompt tokens, chat template, config).
 _LLM_FILES = (
     "config.json",
@@ -100,14 +102,14 @@ def hash_tensors(selected: dict[Path, list[str] | None]) -> tuple[str, int, int]
             try:
                 data_start, _, header = read_header(f, size)
             except ValueError as e:
-                raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
+                raise InputRefused(f"{file} is not a readable safetensors file ({e})") from None
             names = [k for k in header if k != "__metadata__"] if keys is None else keys
             mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else b""
             for name in names:
                 entry = header[name]
                 start, end = entry["data_offsets"]
                 if data_start + end > size:
-                    raise ValueError(f"{file}: tensor {name!r} runs past the end of the file (truncated?)")
+                    raise InputRefused(f"{file}: tensor {name!r} runs past the end of the file (truncated?)")
                 jobs.append(
                     (name, entry["dtype"], list(entry["shape"]), mm, data_start + start, data_start + end)
                 )

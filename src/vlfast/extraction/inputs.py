@@ -39,6 +39,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.layout import MAX_ID_BYTES
 from vlfast.extraction.remote import is_url
 
@@ -93,17 +94,19 @@ class Sample:
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
-            raise ValueError(f"sample id must be a non-empty string, got {self.id!r}")
+            raise InputRefused(f"sample id must be a non-empty string, got {self.id!r}")
         if self.kind not in ("image", "video", "frames"):
-            raise ValueError(f"sample {self.id!r}: kind must be image, video or frames, got {self.kind!r}")
+            raise InputRefused(f"sample {self.id!r}: kind must be image, video or frames, got {self.kind!r}")
         if not self.paths or not all(isinstance(p, str) and p for p in self.paths):
-            raise ValueError(f"sample {self.id!r}: paths must be non-empty strings, got {self.paths!r}")
+            raise InputRefused(f"sample {self.id!r}: paths must be non-empty strings, got {self.paths!r}")
         if self.kind != "frames" and len(self.paths) != 1:
-            raise ValueError(f"sample {self.id!r}: a {self.kind} has exactly one path, got {len(self.paths)}")
+            raise InputRefused(
+                f"sample {self.id!r}: a {self.kind} has exactly one path, got {len(self.paths)}"
+            )
         if self.prompt is not None and not isinstance(self.prompt, str):
-            raise TypeError(f"sample {self.id!r}: prompt must be a string or None")
+            raise InputRefused(f"sample {self.id!r}: prompt must be a string or None")
         if self.member is not None and self.kind == "frames":
-            raise ValueError(
+            raise InputRefused(
                 f"sample {self.id!r}: a tar member or URL is one image or video, not a frame list"
             )
 
@@ -135,7 +138,7 @@ class Duplicate:
         return f"duplicate id: already given to {self.first_source}; this row is skipped"
 
 
-class EmptyInput(ValueError):
+class EmptyInput(InputRefused):
     """A folder or manifest that holds no sample and no bad row: most likely the wrong input was named."""
 
 
@@ -374,7 +377,7 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | Inp
         except StopIteration:
             return
         except csv.Error as e:
-            raise ValueError(f"{name}: the header line is not valid CSV ({e})") from None
+            raise InputRefused(f"{name}: the header line is not valid CSV ({e})") from None
         if "path" not in header and "paths" not in header:
             raise _no_path_column(name, header)
         rowno = 0  # data rows, 1-based, header excluded; a quoted newline does not start a new row
@@ -417,7 +420,7 @@ def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] |
         pf = pq.ParquetFile(path)
         columns = list(pf.schema_arrow.names)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a file it cannot read
-        raise ValueError(f"{name} cannot be read as Parquet ({e})") from None
+        raise InputRefused(f"{name} cannot be read as Parquet ({e})") from None
     if "path" not in columns and "paths" not in columns:
         raise _no_path_column(name, columns)
     wanted = [c for c in ("id", "path", "paths", "prompt") if c in columns]
@@ -428,7 +431,7 @@ def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] |
                 rowno += 1
                 yield f"{name} row {rowno}", row
     except Exception as e:
-        raise ValueError(f"{name} cannot be read as Parquet after row {rowno} ({e})") from None
+        raise InputRefused(f"{name} cannot be read as Parquet after row {rowno} ({e})") from None
 
 
 def _joined(base: Path | str, path: str) -> str:
@@ -449,7 +452,7 @@ def _read_manifest(
     elif suffix == ".parquet":
         rows = _parquet_rows(path, name)
     else:
-        raise ValueError(f"{name}: a manifest must end in .jsonl, .csv or .parquet")
+        raise InputRefused(f"{name}: a manifest must end in .jsonl, .csv or .parquet")
     if not path.is_file():
         raise FileNotFoundError(f"manifest {name} does not exist")
     samples: list[Sample] = []
@@ -532,7 +535,7 @@ def _required(kind: str, name: str, samples: list[Sample], problems: list[InputP
                 f"WebDataset shards {name} hold no image or video member; supported: {_SUPPORTED}"
             )
         raise EmptyInput(f"manifest {name} has no rows; supported: {_SUPPORTED}")
-    raise ValueError(f"{kind} {name} has no usable sample: {_problem_list(problems)}")
+    raise InputRefused(f"{kind} {name} has no usable sample: {_problem_list(problems)}")
 
 
 def _problem_list(problems: Sequence[InputProblem]) -> str:
@@ -543,7 +546,7 @@ def _problem_list(problems: Sequence[InputProblem]) -> str:
 
 def _strict(name: str, samples: list[Sample], problems: list[InputProblem]) -> list[Sample]:
     if problems:
-        raise ValueError(f"{name}: {_problem_list(problems)} (load_inputs records these and goes on)")
+        raise InputRefused(f"{name}: {_problem_list(problems)} (load_inputs records these and goes on)")
     return samples
 
 
@@ -563,7 +566,7 @@ def _load_list(items: Sequence[Any]) -> tuple[list[Sample], list[InputProblem]]:
             got = _row_sample(item, where, None)  # paths as given: there is no manifest folder
             (problems if isinstance(got, InputProblem) else samples).append(got)  # type: ignore[arg-type]
         else:
-            raise TypeError(
+            raise InputRefused(
                 f"inputs must be a path, or a list of Sample or dict rows; got {type(item).__name__}"
             )
     return samples, problems
@@ -600,7 +603,7 @@ def load_inputs(
     """
     if not isinstance(source, (str, os.PathLike)):
         if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
-            raise TypeError(
+            raise InputRefused(
                 f"inputs must be a path, or a list of Sample or dict rows; got {type(source).__name__}"
             )
         return _with_remote(_load_list(source), storage_options)
@@ -627,7 +630,7 @@ def load_inputs(
     if path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES):
         reason = _storable(path.name, (), None)  # as in a folder scan: the path opens as the OS gave it
         if reason:
-            raise ValueError(f"input {name}: {reason}")
+            raise InputRefused(f"input {name}: {reason}")
         return [Sample(path.name, _kind_of(path.name), (str(path),))], []
     raise FileNotFoundError(
         f"input {name} is neither a folder, a manifest nor an image or video file; {_SUPPORTED}"

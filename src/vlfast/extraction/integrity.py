@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.layout import (
     CHECK_FILE,
     PART_RE,
@@ -96,10 +97,10 @@ def read_header(f, size: int) -> tuple[int, bytes, dict]:
     """(data start, raw header bytes incl. the length prefix, parsed header) of an open safetensors file."""
     prefix = f.read(8)
     if len(prefix) < 8:
-        raise ValueError(f"file is {size} bytes, too short for a safetensors header")
+        raise InputRefused(f"file is {size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix)
     if n > size - 8:
-        raise ValueError(f"header claims {n} bytes but the file has {size - 8} after the length")
+        raise InputRefused(f"header claims {n} bytes but the file has {size - 8} after the length")
     raw = f.read(n)
     return 8 + n, prefix + raw, json.loads(raw)
 
@@ -318,7 +319,8 @@ def verify_folder(out: str | os.PathLike, progress: Callable[[int, int], None] |
             report.parts += 1
             report.samples += len(check.ids)
             report.bytes_checked += check.checked_bytes
-            shard = str(check.shard.relative_to(out))
+            # shards/NAME: not relative_to, which keeps a URL's scheme on universal_pathlib 0.2
+            shard = f"{check.shard.parent.name}/{check.shard.name}"
             if check.problem is not None:
                 report.bad_parts.append(
                     {"part": part.name, "shard": shard, "reason": check.problem, "samples": len(check.ids)}

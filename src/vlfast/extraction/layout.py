@@ -29,6 +29,8 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused, VlfastError
+
 FORMAT_VERSION = 2
 RUN_FILE = "run.json"
 SHARD_DIR = "shards"
@@ -63,15 +65,15 @@ TRANSIENT_PREFIX = "transient storage error"  # how such a reason begins (add_er
 FAILURE_KINDS = (ERROR_KIND, TRANSIENT_KIND)  # what a sample's attempt can end as; the latest one counts
 
 
-class DamagedFile(ValueError):
+class DamagedFile(InputRefused):
     """A file of the extraction folder fails its integrity check; the message names it and what to do."""
 
 
-class OutputInUse(RuntimeError):
+class OutputInUse(VlfastError, RuntimeError):
     """Another live process holds the lock of the rank this store would write."""
 
 
-class OutputNotWritable(PermissionError):
+class OutputNotWritable(VlfastError, PermissionError):
     """OUT cannot be written (read-only filesystem or permissions)."""
 
 
@@ -84,8 +86,30 @@ class OutputFull(OSError):
 # ------------------------------------------------------------------------------------------ locations
 
 
+def _forget_fsspec_loop_in_child() -> None:
+    """fsspec runs its sync API on an event loop in a thread of its own, which a forked child (a decode
+    worker, a DataLoader worker) does not have. fsspec 2025 and later forget the parent's loop in the
+    child themselves; before, every call there waited forever on a loop no thread runs. Never imports
+    fsspec: a run that has not used it has nothing to forget."""
+    import sys
+
+    asyn = sys.modules.get("fsspec.asyn")
+    if asyn is not None:
+        asyn.reset_lock()  # the loop, its thread and its lock: created anew on the child's first call
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_fsspec_loop_in_child)
+
+
 def is_local(out: Any) -> bool:
-    """Whether ``out`` is a local folder (a ``pathlib.Path``) rather than a folder on object storage."""
+    """Whether ``out`` is a local folder rather than a folder on object storage, decided by its filesystem:
+    a path object with an fsspec filesystem (a ``UPath``) is local only if that filesystem is fsspec's
+    local one. Never by class: universal_pathlib 0.2's ``UPath("s3://...")`` is a ``pathlib.Path``."""
+    fs = getattr(out, "fs", None)
+    if fs is not None:
+        protocol = fs.protocol
+        return not {"file", "local"}.isdisjoint((protocol,) if isinstance(protocol, str) else protocol)
     return isinstance(out, Path)
 
 
@@ -194,9 +218,9 @@ def read_run_file(out: Path) -> dict:
             f"{path} is not valid JSON ({e}); the folder is damaged, re-run with a new OUT"
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != "vlfast-features":
-        raise ValueError(f"{path} is not a vlfast run file")
+        raise InputRefused(f"{path} is not a vlfast run file")
     if doc.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
+        raise InputRefused(
             f"{out} was written by a newer vlfast (format {doc['format_version']} > {FORMAT_VERSION}); upgrade vlfast"
         )
     return doc
@@ -401,7 +425,7 @@ def parse_retry(kinds: str | Collection[str] | None) -> frozenset[str] | None:
     items = kinds.split(",") if isinstance(kinds, str) else list(kinds)
     out = frozenset(str(k).strip() for k in items if str(k).strip())
     if not out:
-        raise ValueError("retry_errors: give 'all' or comma-separated kinds, e.g. transient,error")
+        raise InputRefused("retry_errors: give 'all' or comma-separated kinds, e.g. transient,error")
     return out
 
 
@@ -419,13 +443,13 @@ def done_by_error(rec: dict, retry: Collection[str] | None = None) -> bool:
 def check_id(sample_id: Any) -> str:
     """``sample_id`` if the folder can store it, else ValueError/TypeError saying why."""
     if not isinstance(sample_id, str) or not sample_id:
-        raise TypeError(f"sample_id must be a non-empty str, got {sample_id!r}")
+        raise InputRefused(f"sample_id must be a non-empty str, got {sample_id!r}")
     try:
         n = len(sample_id.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ValueError(f"sample id {sample_id!r} is not valid Unicode text (a lone surrogate)") from None
+        raise InputRefused(f"sample id {sample_id!r} is not valid Unicode text (a lone surrogate)") from None
     if n > MAX_ID_BYTES:
-        raise ValueError(
+        raise InputRefused(
             f"sample id of {n} bytes is longer than the {MAX_ID_BYTES}-byte limit: {sample_id[:60]!r}..."
         )
     return sample_id

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.batching import Failed, TokenBudget, pack, run_split_on_oom
 from vlfast.extraction.features import (
     FeatureSpec,
@@ -286,6 +287,71 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _resolve_device(device: str | torch.device | None, check: bool) -> torch.device:
+    """The device to run on; with ``check``, refused (exit 2, naming --device) unless this machine has it,
+    so a wrong --device is answered before OUT is written, not when the model is moved onto it."""
+    if device is None:
+        return _default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputRefused(
+            f"--device {device!r} is not a device: use cpu, cuda, cuda:N or mps ({str(e).splitlines()[0]})"
+        ) from None
+    if check:
+        problem = _device_problem(dev)
+        if problem is not None:
+            raise InputRefused(f"--device {device}: {problem}; use another --device or leave it out")
+    return dev
+
+
+def _device_problem(dev: torch.device) -> str | None:
+    """Why this process cannot run on ``dev``, or None if it can (torch's own availability checks)."""
+    if dev.type in ("cpu", "meta"):
+        return None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return "no CUDA GPU is available to this process (torch.cuda.is_available() is False)"
+        if dev.index is not None and dev.index >= count:
+            return f"this process sees {count} CUDA GPU{'s' if count > 1 else ''} (cuda:0..cuda:{count - 1})"
+        return None
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return None if mps is not None and mps.is_available() else "MPS is not available on this machine"
+    backend = getattr(torch, dev.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        return f"torch reports no {dev.type} device available"
+    return None
+
+
+def _check_llm_request(model: str, spec: FeatureSpec) -> None:
+    """Refuse llm features that the model cannot give, from its config alone (exit 2, naming the flag):
+    a reference (a vision tower only) or a ``--layers`` index past the LLM's hidden states."""
+    if not spec.needs_llm:
+        return
+    if model.startswith("ref:"):
+        raise InputRefused(
+            f"{model} is a vision tower only: llm features need a local checkpoint directory "
+            "(drop 'llm' from --features, or pass --model DIR)"
+        )
+    from vlfast.models import load_config
+
+    config = load_config(model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    if not isinstance(n, int):
+        return  # the forward's own check stays (features.compute_llm_features)
+    states = n + 1  # output_hidden_states: the embeddings, then one per layer
+    bad = [layer for layer in spec.layers if not -states <= layer < states]
+    if bad:
+        raise InputRefused(
+            f"--layers {','.join(map(str, bad))}: the language model of {model} has {n} layers, so its "
+            f"hidden states are 0 (the embeddings) to {n}, or -{states} to -1 counting from the last"
+        )
+
+
 def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -294,7 +360,7 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> tor
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     value = getattr(torch, str(dtype), None)
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        raise InputRefused(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     return value
 
 
@@ -307,7 +373,7 @@ def _resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype |
     if store_dtype is None or isinstance(store_dtype, torch.dtype):
         return store_dtype
     if str(store_dtype) not in STORE_DTYPES:
-        raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {store_dtype!r}")
+        raise InputRefused(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {store_dtype!r}")
     return getattr(torch, str(store_dtype))
 
 
@@ -317,11 +383,6 @@ def _load(
     from vlfast.models import find_vision_tower, load_model, load_vision_tower
 
     if spec.needs_llm:
-        if model.startswith("ref:"):
-            raise ValueError(
-                f"{model} is a vision tower only: llm features need a local checkpoint directory "
-                "(drop 'llm' from --features, or pass --model DIR)"
-            )
         whole = load_model(model, device=device, dtype=dtype)
         tower = find_vision_tower(whole)[1]
     else:
@@ -481,21 +542,23 @@ def extract(
     )
     retry = parse_retry(retry_errors)
     if max_errors is not None and max_errors < 0:
-        raise ValueError(f"max_errors must be >= 0, got {max_errors}")
+        raise InputRefused(f"max_errors must be >= 0, got {max_errors}")
     if decode_timeout is not None and not decode_timeout > 0:
-        raise ValueError(
+        raise InputRefused(
             f"decode_timeout must be a positive number of seconds or None, got {decode_timeout!r}"
         )
     if rank is None or world_size is None:
         env_rank, env_world = dist_info()
         rank = env_rank if rank is None else rank
         world_size = env_world if world_size is None else world_size
-    dev = torch.device(device) if device is not None else _default_device()
+    # Another engine runs the model elsewhere (Ray actors on GPU nodes): only the local engine's device
+    # must exist here.
+    dev = _resolve_device(device, check=_engine is None)
     torch_dtype = _resolve_dtype(dtype, dev)
     stored_as = _resolve_store_dtype(store_dtype)
     workers = default_num_workers(dev) if num_workers is None else int(num_workers)
     if workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {workers}")
+        raise InputRefused(f"num_workers must be >= 0, got {workers}")
     if (
         _engine is None
         and workers > 0
@@ -526,6 +589,7 @@ def extract(
         probe_out(out)
     samples, problems = load_inputs(inputs, storage_options)
     family = _family_of(model)
+    _check_llm_request(model, spec)
     cfg: ProcessorConfig = build_processor_config(
         model,
         family=family,
@@ -548,9 +612,12 @@ def extract(
         "features": spec.to_dict(),
         "processor": cfg.to_dict(),
         "versions": _versions(),
+        # The GEMM patch changes the features' bits (up to ~1e-6 relative in float32, more in bfloat16), so a
+        # resume must not mix patched and unpatched samples. Recorded only when unpatched: an OUT written
+        # with the default by a vlfast from before this key was configuration stays resumable.
+        **({} if patch_convs else {"patch_convs": False}),
         RUNTIME_KEY: {
             "device": str(dev),
-            "patch_convs": patch_convs,
             "num_workers": workers,
             "max_batch_tokens": budget.max_tokens,
             "world_size": world_size,

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.containers import container_truncation
 from vlfast.extraction.inputs import Sample
 from vlfast.extraction.remote import RemoteFile, is_transient, transient_error
@@ -94,19 +95,21 @@ class ProcessorConfig:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+                raise InputRefused(f"{name} must be a positive int, got {v!r}")
         if self.frame_sampling not in ("qwen3-vl", "qwen2-vl"):
-            raise ValueError(f"frame_sampling must be 'qwen3-vl' or 'qwen2-vl', got {self.frame_sampling!r}")
+            raise InputRefused(
+                f"frame_sampling must be 'qwen3-vl' or 'qwen2-vl', got {self.frame_sampling!r}"
+            )
         if (self.fps is None) == (self.num_frames is None):
-            raise ValueError("give exactly one of fps and num_frames for video sampling")
+            raise InputRefused("give exactly one of fps and num_frames for video sampling")
         if self.fps is not None and self.fps <= 0:
-            raise ValueError(f"fps must be positive, got {self.fps}")
+            raise InputRefused(f"fps must be positive, got {self.fps}")
         if self.num_frames is not None and self.num_frames < 1:
-            raise ValueError(f"num_frames must be >= 1, got {self.num_frames}")
+            raise InputRefused(f"num_frames must be >= 1, got {self.num_frames}")
         if not 0 < self.image_min_pixels <= self.image_max_pixels:
-            raise ValueError("need 0 < image_min_pixels <= image_max_pixels")
+            raise InputRefused("need 0 < image_min_pixels <= image_max_pixels")
         if not 0 < self.video_min_pixels <= self.video_max_pixels:
-            raise ValueError("need 0 < video_min_pixels <= video_max_pixels")
+            raise InputRefused("need 0 < video_min_pixels <= video_max_pixels")
 
     @property
     def factor(self) -> int:
@@ -174,9 +177,9 @@ def _json_object(file: Path) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from None
+        raise InputRefused(f"{file} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{file} holds a JSON {type(data).__name__}, not an object")
+        raise InputRefused(f"{file} holds a JSON {type(data).__name__}, not an object")
     return data
 
 
@@ -290,10 +293,10 @@ def build_processor_config(
     ``fps`` and ``num_frames`` are exclusive; with neither the processor's own default (2 fps) applies.
     """
     if fps is not None and num_frames is not None:
-        raise ValueError("give either fps or num_frames for video sampling, not both")
+        raise InputRefused("give either fps or num_frames for video sampling, not both")
     defaults = _FAMILY_DEFAULTS.get(family)
     if defaults is None:
-        raise ValueError(
+        raise InputRefused(
             f"no published preprocessing known for the {family!r} family; vlfast extract supports Qwen2-VL, "
             "Qwen2.5-VL and Qwen3-VL(-MoE) processors"
         )

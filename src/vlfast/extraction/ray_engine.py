@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.inputs import Sample
 from vlfast.extraction.interrupts import EXIT_TERMINATED, deferred, sigterm_handler
 from vlfast.extraction.layout import OutputInUse, done_by_error, error_key, is_local, read_errors
@@ -109,24 +110,24 @@ def extract_ray(
     """
     _import_ray()  # first: a missing Ray is a usage error before anything is read or written
     if kwargs.get("rank") is not None or kwargs.get("world_size") is not None:
-        raise ValueError(
+        raise InputRefused(
             "rank/world_size split the input between processes you launch (torchrun, a Slurm array); with "
             "the Ray engine the actors share the work: drop them, or use the local engine"
         )
     kwargs.pop("rank", None)
     kwargs.pop("world_size", None)
     if not isinstance(ray_workers, int) or ray_workers < 1:
-        raise ValueError(
+        raise InputRefused(
             f"ray_workers (--ray-workers) must be a positive number of model actors, got {ray_workers!r}"
         )
     if num_gpus_per_worker is not None and not num_gpus_per_worker >= 0:
-        raise ValueError(
+        raise InputRefused(
             f"num_gpus_per_worker (--num-gpus-per-worker) must be >= 0, got {num_gpus_per_worker!r}"
         )
     if not cpus_per_worker > 0:
-        raise ValueError(f"cpus_per_worker (--ray-cpus-per-worker) must be > 0, got {cpus_per_worker!r}")
+        raise InputRefused(f"cpus_per_worker (--ray-cpus-per-worker) must be > 0, got {cpus_per_worker!r}")
     if num_workers is not None and num_workers < 1:
-        raise ValueError(
+        raise InputRefused(
             f"with the Ray engine num_workers (--workers) is the number of decode actors, >= 1; got {num_workers}"
         )
     wants_cuda = device is not None and torch.device(device).type == "cuda"
@@ -134,9 +135,9 @@ def extract_ray(
     if device is None:
         device = "cuda" if gpus > 0 else "cpu"
     elif gpus > 0 and not wants_cuda:
-        raise ValueError(f"num_gpus_per_worker={gpus:g} needs device cuda, got {device!r}")
+        raise InputRefused(f"num_gpus_per_worker={gpus:g} needs device cuda, got {device!r}")
     elif wants_cuda and gpus == 0:
-        raise ValueError(
+        raise InputRefused(
             "device cuda needs GPUs on the model actors: num_gpus_per_worker >= 1 (--num-gpus-per-worker)"
         )
     engine = _RayEngine(ray_address, ray_workers, gpus, float(cpus_per_worker))

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vlfast._files import ByteWindow
+from vlfast.errors import InputRefused
 
 if TYPE_CHECKING:
     from vlfast.extraction.inputs import InputProblem, Sample
@@ -65,7 +66,7 @@ _BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", 
 _INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 
 
-class RemoteInputError(ValueError):
+class RemoteInputError(InputRefused):
     """An INPUT URL that cannot be read at all (endpoint unreachable, bucket missing, access refused)."""
 
 
@@ -220,7 +221,7 @@ def _options_json(options: Mapping[str, Any] | None) -> str:
     if options is None:
         return "{}"
     if not isinstance(options, Mapping):
-        raise TypeError(f"storage_options must be a dict, got {type(options).__name__}")
+        raise InputRefused(f"storage_options must be a dict, got {type(options).__name__}")
     return json.dumps(dict(options), sort_keys=True)
 
 
@@ -484,12 +485,34 @@ def has_buckets(fs: Any) -> bool:
     return bool(protocols & _BUCKET_PROTOCOLS)
 
 
+# s3fs sends S3's If-None-Match on an exclusive create from 2024.12 on; before, mode="create" was a
+# check-then-write, so two writers racing for one name could both win and the commit was not atomic.
+S3FS_EXCLUSIVE_CREATE = (2024, 12)
+
+
+def _check_exclusive_create(fs: Any, url: str) -> None:
+    """Refuse an S3 OUT with an s3fs too old to create objects exclusively (the commit relies on it)."""
+    if type(fs).__module__.split(".")[0] != "s3fs":
+        return
+    import s3fs
+
+    version = s3fs.__version__
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if numbers < S3FS_EXCLUSIVE_CREATE:
+        raise InputRefused(
+            f"output {url}: s3fs {version} cannot create an object only if it is absent (S3's "
+            "If-None-Match, s3fs 2024.12 and later), which the commit to object storage needs to be atomic: "
+            "pip install 's3fs>=2024.12'"
+        )
+
+
 def probe_out(out: Any) -> None:
     """An OUT on object storage must be reachable with the credentials given, and its bucket must exist
     (OUT itself need not): else RemoteInputError / FileNotFoundError naming the URL, before any work."""
     url = str(out)
     options_json = _options_json(getattr(out, "storage_options", None))
     fs, path = out.fs, out.path
+    _check_exclusive_create(fs, url)
     fs.invalidate_cache()
     bucket = path.strip("/").split("/", 1)[0] if has_buckets(fs) else None
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,10 @@ from typing import Any
 
 import torch
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.integrity import HashRecord, check_part
 from vlfast.extraction.layout import (
+    LOCK_DIR,
     RUN_FILE,
     DamagedFile,
     committed_parts,
@@ -59,12 +62,14 @@ __all__ = [
     "read_state",
 ]
 
+_LOCK_RE = re.compile(r"rank-(\d+)\.lock")
+
 # Top-level run-config keys allowed to differ on resume: library versions change when a user upgrades
 # mid-job, which does not change what the extraction means. Callers can pass their own set.
 DEFAULT_VOLATILE_KEYS: tuple[str, ...] = ("versions", "library_versions", "created", "host")
 
 
-class RunConfigMismatch(ValueError):
+class RunConfigMismatch(InputRefused):
     """OUT already holds an extraction whose configuration differs from the one requested."""
 
     def __init__(
@@ -118,9 +123,9 @@ def partition(ids: Sequence[str], rank: int, world_size: int) -> list[str]:
     ``done_ids()``; partitioning only the remaining ids would depend on when each rank looked.
     """
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        raise InputRefused(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+        raise InputRefused(f"rank must be in [0, {world_size}), got {rank!r}")
     if world_size == 1:
         return list(ids)
     return [i for i in ids if owner_rank(i, world_size) == rank]
@@ -139,9 +144,9 @@ def dist_info() -> tuple[int, int]:
     try:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError as e:
-        raise ValueError(f"RANK/WORLD_SIZE must be integers: {e}") from None
+        raise InputRefused(f"RANK/WORLD_SIZE must be integers: {e}") from None
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"inconsistent RANK={rank} WORLD_SIZE={world} in the environment")
+        raise InputRefused(f"inconsistent RANK={rank} WORLD_SIZE={world} in the environment")
     return rank, world
 
 
@@ -150,7 +155,7 @@ def _canonical(obj: Any) -> Any:
     try:
         return json.loads(json.dumps(obj, sort_keys=True))
     except (TypeError, ValueError) as e:
-        raise TypeError(f"run_config must be JSON-serialisable: {e}") from None
+        raise InputRefused(f"run_config must be JSON-serialisable: {e}") from None
 
 
 def _flat_diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -181,11 +186,17 @@ def check_run_config(
     out: str | os.PathLike,
     run_config: Mapping[str, Any],
     volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
+    *,
+    held_rank: int | None = None,
 ) -> bool:
     """Refuse (RunConfigMismatch) if ``out`` holds a run of another configuration; reads only.
 
     The configuration is run.json's; if run.json was deleted, the one its committed index parts carry, so
-    deleting it does not let any configuration through. Returns whether run.json exists.
+    deleting it does not let any configuration through. A run.json that nothing in OUT depends on (no
+    committed part, no error record: its run stopped before it had anything to keep) is no run to resume,
+    and this answers as if it were absent, so that the corrected command replaces it. Returns whether
+    run.json exists and holds this configuration. ``held_rank``: the rank whose lock the caller holds
+    itself (the writer), which is no other live run.
     """
     out = resolve_out(out)
     config = _canonical(dict(run_config))
@@ -195,16 +206,18 @@ def check_run_config(
         old = None
     if old is not None:
         diffs = _config_diffs(config, old.get("config", {}), volatile_keys)
-        if diffs:
+        if not diffs:
+            return True
+        if committed_parts(out) or read_errors(out) or _a_rank_is_live(out, held_rank):
             raise RunConfigMismatch(out, diffs)
-        return True
+        return False
     for part in committed_parts(out):
         try:
             meta = part_meta(read_index_part(part, ["id"]))
         except DamagedFile:
             continue  # judged (and moved aside) when a store opens
         if meta["config"] is None:
-            raise ValueError(
+            raise InputRefused(
                 f"{out} holds shards but its {RUN_FILE} is missing, and they were written by an older vlfast "
                 "that did not record their configuration: use a new OUT, or overwrite it"
             )
@@ -213,6 +226,17 @@ def check_run_config(
             raise RunConfigMismatch(out, diffs, where=f"{part} ({RUN_FILE} is missing)")
         break
     return False
+
+
+def _a_rank_is_live(out: Path, held_rank: int | None) -> bool:
+    """Whether a live process holds a rank of the local folder ``out``: a run that has not committed yet
+    but is running, whose run.json must not be replaced under it (object storage has no locks: False)."""
+    from vlfast.extraction.store import rank_is_held  # the writer's lock; store imports this module
+
+    if not is_local(out) or not (out / LOCK_DIR).is_dir():
+        return False
+    ranks = [int(m.group(1)) for p in (out / LOCK_DIR).iterdir() if (m := _LOCK_RE.fullmatch(p.name))]
+    return any(rank_is_held(out, r) for r in ranks if r != held_rank)
 
 
 def plan_positions(

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from vlfast._files import honour_umask
+from vlfast.errors import InputRefused
 from vlfast.extraction.integrity import HashRecord, PartCheck, check_part
 from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.layout import (
@@ -438,19 +439,19 @@ class FeatureStore:
         retry_errors: str | Collection[str] | None = None,
     ):
         if not isinstance(run_config, Mapping):
-            raise TypeError(f"run_config must be a dict, got {type(run_config).__name__}")
+            raise InputRefused(f"run_config must be a dict, got {type(run_config).__name__}")
         if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+            raise InputRefused(f"world_size must be a positive int, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+            raise InputRefused(f"rank must be in [0, {world_size}), got {rank!r}")
         if shard_max_bytes < 1 or shard_max_samples < 1:
-            raise ValueError("shard_max_bytes and shard_max_samples must be >= 1")
+            raise InputRefused("shard_max_bytes and shard_max_samples must be >= 1")
         if commit_every is not None and not commit_every > 0:
-            raise ValueError(
+            raise InputRefused(
                 f"commit_every must be a positive number of seconds or None, got {commit_every!r}"
             )
         if resume_check not in RESUME_CHECKS:
-            raise ValueError(f"resume_check must be one of {RESUME_CHECKS}, got {resume_check!r}")
+            raise InputRefused(f"resume_check must be one of {RESUME_CHECKS}, got {resume_check!r}")
         self.out = resolve_out(out)
         self._retry = parse_retry(retry_errors)  # recorded failures to try again (see done_by_error)
         # On object storage there are no renames and no locks: shards are uploaded whole under names
@@ -567,7 +568,7 @@ class FeatureStore:
         dist = torch.distributed
         if self.world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(
+                raise InputRefused(
                     f"overwrite with {self.world_size} ranks needs torch.distributed initialised (torchrun) so "
                     f"rank 0 can clear {self.out} before the others write; or delete {self.out} before launching"
                 )
@@ -578,7 +579,7 @@ class FeatureStore:
 
     def _write_or_check_run_file(self) -> None:
         path = self.out / RUN_FILE
-        if check_run_config(self.out, self.run_config, self.volatile_keys):
+        if check_run_config(self.out, self.run_config, self.volatile_keys, held_rank=self.rank):
             return
         doc = {
             "format": "vlfast-features",
@@ -804,7 +805,7 @@ class FeatureStore:
         Returned in input order, so the caller maps positions back to its samples.
         """
         if sources is not None and len(sources) != len(ids):
-            raise ValueError(f"sources has {len(sources)} entries for {len(ids)} ids")
+            raise InputRefused(f"sources has {len(sources)} entries for {len(ids)} ids")
         todo, repeats = plan_positions(ids, self.rank, self.world_size, self.done_ids())
         for k, first in repeats:
             source = str(sources[k]) if sources is not None else ""
@@ -830,7 +831,7 @@ class FeatureStore:
         self._check_open()
         check_id(sample_id)
         if not isinstance(features, Mapping) or not features:
-            raise TypeError(f"features for {sample_id!r} must be a non-empty dict of name -> tensor")
+            raise InputRefused(f"features for {sample_id!r} must be a non-empty dict of name -> tensor")
         source = str(meta.get("path", meta.get("source", ""))) if isinstance(meta, Mapping) else ""
         if sample_id in self._buffer_ids or sample_id in self._committed:
             self.add_error(sample_id, source, "duplicate id: already extracted", kind=DUPLICATE_KIND)
@@ -844,20 +845,20 @@ class FeatureStore:
         nbytes = 0
         for name, t in features.items():
             if not isinstance(name, str) or not name or "/" in name:
-                raise TypeError(
+                raise InputRefused(
                     f"feature names must be non-empty str without '/', got {name!r} for {sample_id!r}"
                 )
             if not isinstance(t, torch.Tensor):
-                raise TypeError(
+                raise InputRefused(
                     f"feature {name!r} of {sample_id!r} is a {type(t).__name__}, not a torch.Tensor"
                 )
             if t.dtype not in _DTYPES:
-                raise TypeError(
+                raise InputRefused(
                     f"feature {name!r} of {sample_id!r} has dtype {t.dtype}, which safetensors cannot store; "
                     f"convert it to one of {sorted(_DTYPES.values())}"
                 )
             if t.is_sparse or t.layout != torch.strided:
-                raise TypeError(f"feature {name!r} of {sample_id!r} must be a dense tensor")
+                raise InputRefused(f"feature {name!r} of {sample_id!r} must be a dense tensor")
             src = t.detach()
             if src.device.type != "cpu":
                 t = src.to("cpu").contiguous()  # a fresh copy that nobody else holds
@@ -871,7 +872,7 @@ class FeatureStore:
             meta_json = json.dumps(dict(meta) if meta is not None else {}, sort_keys=True, ensure_ascii=False)
             meta_json.encode("utf-8")
         except (TypeError, ValueError) as e:
-            raise TypeError(f"meta of {sample_id!r} must be JSON-serialisable text: {e}") from None
+            raise InputRefused(f"meta of {sample_id!r} must be JSON-serialisable text: {e}") from None
 
         if self._buffer and self._buffer_bytes + nbytes > self.shard_max_bytes:
             self.flush()
@@ -918,7 +919,7 @@ class FeatureStore:
             else:
                 kind = ERROR_KIND
         if kind not in (*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND):
-            raise ValueError(
+            raise InputRefused(
                 f"kind must be one of {(*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND)}, got {kind!r}"
             )
         key = (str(sample_id), str(source), str(reason), kind)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vlfast.errors import InputRefused
+
 __all__ = ["make_images", "make_tiny_qwen3_vl", "make_video", "make_demo_inputs"]
 
 QWEN_SPECIAL_TOKENS = [
@@ -118,7 +120,7 @@ def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise InputRefused(f"layout must be one of {LAYOUTS}, got {layout!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())

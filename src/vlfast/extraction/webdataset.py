@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from vlfast._files import ByteWindow
+from vlfast.errors import InputRefused
 from vlfast.extraction.inputs import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
@@ -78,7 +79,7 @@ def _closing(text: str, start: int) -> int:
             depth -= 1
             if depth == 0:
                 return i
-    raise ValueError(f"pattern {text!r}: the brace at character {start + 1} is never closed")
+    raise InputRefused(f"pattern {text!r}: the brace at character {start + 1} is never closed")
 
 
 def _split_top(body: str) -> list[str]:
@@ -110,14 +111,14 @@ def _alternatives(body: str, pattern: str) -> list[str]:
         if any(re.match(r"^-?0\d", g) for g in m.group(1, 2)):
             width = max(len(m.group(1)), len(m.group(2)))
         if abs(b - a) // step + 1 > MAX_SHARDS:
-            raise ValueError(f"pattern {pattern!r}: {{{body}}} names more than {MAX_SHARDS:,} shards")
+            raise InputRefused(f"pattern {pattern!r}: {{{body}}} names more than {MAX_SHARDS:,} shards")
         values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
         return [f"{v:0{width}d}" for v in values]
     m = _LETTERS.match(body)
     if m:
         a, b = ord(m.group(1)), ord(m.group(2))
         return [chr(c) for c in (range(a, b + 1) if a <= b else range(a, b - 1, -1))]
-    raise ValueError(
+    raise InputRefused(
         f"pattern {pattern!r}: {{{body}}} is neither a range like {{000000..000099}} nor a list like "
         "{train,val}; a literal brace cannot be part of a shard pattern"
     )
@@ -131,7 +132,7 @@ def expand_braces(pattern: str) -> list[str]:
     start = pattern.find("{")
     stray = pattern.find("}")
     if stray != -1 and (start == -1 or stray < start):
-        raise ValueError(f"pattern {pattern!r}: the brace at character {stray + 1} closes nothing")
+        raise InputRefused(f"pattern {pattern!r}: the brace at character {stray + 1} closes nothing")
     if start == -1:
         return [pattern]
     end = _closing(pattern, start)
@@ -139,7 +140,7 @@ def expand_braces(pattern: str) -> list[str]:
     rests = expand_braces(tail)
     alts = _alternatives(body, pattern)
     if len(alts) * len(rests) > MAX_SHARDS:
-        raise ValueError(f"pattern {pattern!r} names more than {MAX_SHARDS:,} shards")
+        raise InputRefused(f"pattern {pattern!r} names more than {MAX_SHARDS:,} shards")
     return [head + a + r for a in alts for r in rests]
 
 
@@ -162,7 +163,7 @@ def _expand_url(pattern: str) -> list[str]:
         bucket, _, rest = rest.partition("/")
         prefix += f"{bucket}/"
     if "{" in prefix or "}" in prefix:
-        raise ValueError(
+        raise InputRefused(
             f"pattern {pattern!r}: braces are expanded in the path only, not in the scheme or bucket; "
             "give one bucket per run"
         )
@@ -171,7 +172,7 @@ def _expand_url(pattern: str) -> list[str]:
     except ValueError as e:  # name the whole URL and count characters in it, not in its path
         text = str(e).replace(repr(rest), repr(pattern), 1)
         text = re.sub(r"character (\d+)", lambda m: f"character {int(m.group(1)) + len(prefix)}", text)
-        raise ValueError(text) from None
+        raise InputRefused(text) from None
 
 
 def _base_folder(pattern: str) -> str:
@@ -223,7 +224,9 @@ class TarMember:
             or not isinstance(self.size, int)
             or min(self.offset, self.size) < 0
         ):
-            raise ValueError(f"offset and size must be non-negative ints, got {self.offset!r}, {self.size!r}")
+            raise InputRefused(
+                f"offset and size must be non-negative ints, got {self.offset!r}, {self.size!r}"
+            )
 
     def __str__(self) -> str:
         return f"{self.shard}/{self.name}"
@@ -306,14 +309,14 @@ def _scan(f: BinaryIO, size: int, where: str) -> tuple[list[tarfile.TarInfo], st
     head = f.read(_BLOCK)
     reason = _compressed(where, head)
     if reason:
-        raise ValueError(reason)
+        raise InputRefused(reason)
     f.seek(0)
     try:
         tf = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - the caller closes f
     except tarfile.ReadError as e:
         if size < _BLOCK and head[257:262] == b"ustar":  # a header cut in two: still a tar
             return [], f"it ends at byte {size:,}, inside the header of its first member", {}
-        raise ValueError(
+        raise InputRefused(
             f"{_where(where)} is not a tar archive ({e}); a WebDataset pattern must name .tar shards"
         ) from None
     members: list[tarfile.TarInfo] = []
@@ -370,7 +373,7 @@ def _prompt(raw: bytes, ext: str) -> str | None:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise ValueError(
+        raise InputRefused(
             f"{ext} member is not valid UTF-8 (byte 0x{raw[e.start]:02x} at {e.start})"
         ) from None
     if ext == "txt":
@@ -378,16 +381,16 @@ def _prompt(raw: bytes, ext: str) -> str | None:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(
+        raise InputRefused(
             f"json member is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
         ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"json member holds a JSON {type(data).__name__}, not an object")
+        raise InputRefused(f"json member holds a JSON {type(data).__name__}, not an object")
     prompt = data.get("prompt")
     if prompt is None or prompt == "":
         return None
     if not isinstance(prompt, str):
-        raise ValueError(f'json member\'s "prompt" must be text, got {type(prompt).__name__}')
+        raise InputRefused(f'json member\'s "prompt" must be text, got {type(prompt).__name__}')
     return prompt
 
 

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions on ForkingPickler
 
+from vlfast.errors import InputRefused
+
 __all__ = ["PoolStats", "WorkerPool", "death_reason", "unexpected_item"]
 
 # A worker's message: kind, task index, number of file descriptors sent right after it, then the pickle.
@@ -321,13 +323,13 @@ class WorkerPool:
     ) -> None:
         self._closed = True  # until fully built: __del__ must not act on a half-made pool
         if not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
+            raise InputRefused(f"n must be a non-negative int, got {n!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
+            raise InputRefused(f"num_workers must be a non-negative int, got {num_workers!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
+            raise InputRefused(f"prefetch must be a positive int, got {prefetch!r}")
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+            raise InputRefused(f"timeout must be positive seconds or None, got {timeout!r}")
         if num_workers > 0 and "fork" not in multiprocessing.get_all_start_methods():
             raise RuntimeError("worker processes need the 'fork' start method here; use num_workers=0")
         self.fn, self.n, self.num_workers, self.prefetch = fn, n, num_workers, prefetch

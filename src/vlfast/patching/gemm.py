@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlfast.errors import InputRefused
+
 __all__ = [
     "ConvEntry",
     "GemmConvForward",
@@ -184,7 +186,7 @@ class GemmConvForward:
             # the stock conv's windows are not the GEMM's.
             if m is not None:
                 return self._stock_conv(m, x, weight, bias)
-            raise ValueError(
+            raise InputRefused(
                 f"GemmConvForward(kernel_size={self.kernel_size}) was given a weight of shape "
                 f"{tuple(weight.shape)}; its kernel must be {self.kernel_size}"
             )
@@ -237,6 +239,41 @@ class _PatchedExtraRepr:
 
     def __call__(self) -> str:
         return f"{self.text}, vlfast=gemm" if self.text else "vlfast=gemm"
+
+
+# What patch() puts in a conv's __dict__. A shallow copy (copy.copy) shares __dict__'s values, so without
+# a copy path of its own the copy would keep the original's GemmConvForward, which watches the original's
+# geometry: changing the copy's padding would still run the old GEMM.
+
+
+class _PatchedReduce:
+    """``__reduce_ex__`` of a patched conv, set on the instance, where ``copy.copy``, ``copy.deepcopy``
+    and pickle all look it up (``copy`` looks ``__copy__`` up on the class, which vlfast leaves alone).
+    The state is the module's own minus the patch; the copy is rebuilt patched, with a GemmConvForward
+    bound to the copy itself. Weak, so the module and its reducer do not keep each other alive."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self, protocol: int) -> tuple:
+        m = self._module()
+        if m is None:  # pragma: no cover - a reducer outliving its module is only reachable by hand
+            raise RuntimeError("the patched conv of this reducer no longer exists")
+        state = m.__getstate__() if hasattr(m, "__getstate__") else m.__dict__
+        state = {k: v for k, v in state.items() if k not in ("_conv_forward", "__reduce_ex__")}
+        return _rebuild_patched, (type(m), m.__dict__["_conv_forward"].kernel_size), state
+
+
+def _rebuild_patched(cls: type, kernel_size: tuple[int, ...]) -> nn.Module:
+    """An empty ``cls`` already patched; copy and pickle then set its state (``nn.Module.__setstate__``)."""
+    m = cls.__new__(cls)
+    _install(m, kernel_size)
+    return m
+
+
+def _install(m: nn.Module, kernel_size: tuple[int, ...]) -> None:
+    m.__dict__["_conv_forward"] = GemmConvForward(kernel_size, m)
+    m.__dict__["__reduce_ex__"] = _PatchedReduce(m)
 
 
 @dataclass(frozen=True)
@@ -369,11 +406,11 @@ def _compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
         try:
             rx = re.compile(filter)
         except re.error as e:
-            raise ValueError(f"filter {filter!r} is not a valid regular expression: {e}") from None
+            raise InputRefused(f"filter {filter!r} is not a valid regular expression: {e}") from None
         return lambda name, m: rx.search(name) is not None
     if callable(filter):
         return filter
-    raise TypeError(
+    raise InputRefused(
         f"filter must be a callable (name, module) -> bool, a regex string, or None; got {type(filter).__name__}"
     )
 
@@ -381,7 +418,7 @@ def _compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
 def _check_module(model: object, fn: str) -> None:
     if not isinstance(model, nn.Module):
         hint = " (pass the model object, not its path or config)" if isinstance(model, (str, dict)) else ""
-        raise TypeError(f"vlfast.{fn} expects a torch.nn.Module, got {type(model).__name__}{hint}")
+        raise InputRefused(f"vlfast.{fn} expects a torch.nn.Module, got {type(model).__name__}{hint}")
 
 
 def _entry(name: str, m: nn.Module, status, reason: str = "") -> ConvEntry:
@@ -436,9 +473,9 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         found = (
             "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) or "the model has no Conv1d/2d/3d"
         )
-        raise ValueError(f"vlfast.patch(strict=True): nothing was patched ({found})")
+        raise InputRefused(f"vlfast.patch(strict=True): nothing was patched ({found})")
     for m in todo:
-        m._conv_forward = GemmConvForward(tuple(m.kernel_size), m)
+        _install(m, tuple(m.kernel_size))
         m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
     return report
 
@@ -452,5 +489,7 @@ def unpatch(model: nn.Module) -> PatchReport:
             del m.__dict__["_conv_forward"]
             if isinstance(m.__dict__.get("extra_repr"), _PatchedExtraRepr):
                 del m.__dict__["extra_repr"]
+            if isinstance(m.__dict__.get("__reduce_ex__"), _PatchedReduce):
+                del m.__dict__["__reduce_ex__"]
             report.entries.append(_entry(name, m, "unpatched"))
     return report

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlfast.errors import InputRefused
 from vlfast.patching.gemm import eligibility, patch, unpatch
 
 __all__ = ["Check", "Step", "Thresholds", "VerifyReport", "compare", "verify"]
@@ -63,7 +64,7 @@ class Thresholds:
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"threshold {name} must be a non-negative number, got {value!r}")
+                raise InputRefused(f"threshold {name} must be a non-negative number, got {value!r}")
 
 
 @dataclass
@@ -161,7 +162,7 @@ class _Errors:
 
     def add(self, reference: torch.Tensor, candidate: torch.Tensor) -> None:
         if reference.shape != candidate.shape:
-            raise ValueError(
+            raise InputRefused(
                 f"shape mismatch: reference {tuple(reference.shape)} vs candidate {tuple(candidate.shape)}"
             )
         r_all, c_all = reference.detach().flatten(), candidate.detach().flatten()
@@ -563,11 +564,11 @@ def verify(
     for d in dtypes:
         dt = DTYPES.get(d, d) if isinstance(d, str) else d
         if not isinstance(dt, torch.dtype):
-            raise ValueError(f"unknown dtype {d!r}; use one of {sorted(DTYPES)}")
+            raise InputRefused(f"unknown dtype {d!r}; use one of {sorted(DTYPES)}")
         if dt is not torch.float32:
             low.append(dt)
     if n_windows < 1:
-        raise ValueError(f"n_windows must be >= 1, got {n_windows}")
+        raise InputRefused(f"n_windows must be >= 1, got {n_windows}")
     device = torch.device(device)
     if isinstance(model, nn.Module):
         report = VerifyReport(model=type(model).__name__, device=str(device))
@@ -579,7 +580,7 @@ def verify(
         with steps(f"load {model}" + (" (tiny)" if tiny else "")):
             root, owned = load_vision_tower(model, tiny=tiny, dtype=torch.float32), True
     else:
-        raise TypeError(
+        raise InputRefused(
             f"verify expects an nn.Module, a checkpoint directory or ref:NAME, got {type(model).__name__}"
         )
     convs = _convs(root)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlfast.errors import InputRefused
 from vlfast.tokens.indicators import matrix_stats
 from vlfast.tokens.report import (
     MAX_LISTED_IDS,
@@ -78,7 +79,7 @@ class Analysis:
         rows = self.judge.input_stats.rows
         bad = [i for i in ids if i >= rows]
         if bad:
-            raise ValueError(
+            raise InputRefused(
                 f"tag {tag!r} maps to ids {bad} but the embedding has only {rows} rows; "
                 "the tokenizer and the weights in the folder do not belong together"
             )
@@ -129,16 +130,16 @@ def _parse_reference(values: Sequence[int | str] | None) -> list[int] | None:
     for v in [values] if isinstance(values, str) else values:
         parts = [p for p in str(v).replace(" ", "").split(",") if p]
         if not parts:
-            raise ValueError(
+            raise InputRefused(
                 f"--reference-ids {str(v)!r} names no id; give ids or ranges such as 151669-152063"
             )
         for part in parts:
             try:
                 a, b = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
             except ValueError:
-                raise ValueError(f"reference id {part!r} is not an id or a range like 5-7") from None
+                raise InputRefused(f"reference id {part!r} is not an id or a range like 5-7") from None
             if a > b:
-                raise ValueError(f"reference range {part!r} is reversed; write {b}-{a}")
+                raise InputRefused(f"reference range {part!r} is reversed; write {b}-{a}")
             out.extend(range(a, b + 1))
     return sorted(set(out))
 
@@ -163,12 +164,12 @@ def analyse(
     if not weights.tied:
         out_rows = weights.shape(weights.lm_head_name)[0]
         if out_rows != rows:
-            raise ValueError(
+            raise InputRefused(
                 f"{weights.embedding_name} has {rows} rows but {weights.lm_head_name} has {out_rows}; "
                 "pass --embedding-name/--lm-head-name to pick matching matrices"
             )
     if vocab.length > rows:
-        raise ValueError(
+        raise InputRefused(
             f"the tokenizer in {model} has {vocab.length} ids but {weights.embedding_name} only {rows} rows; "
             "the tokenizer and the weights do not belong together"
         )
@@ -177,7 +178,7 @@ def analyse(
     if user is not None:
         bad = [i for i in user if i >= rows or i < 0]
         if bad:
-            raise ValueError(f"reference ids {bad[:5]} are outside the {rows} embedding rows")
+            raise InputRefused(f"reference ids {bad[:5]} are outside the {rows} embedding rows")
         sources = {"user": len(user)}
         ref = [i for i in user if i not in excluded]
     else:
@@ -215,7 +216,7 @@ def collect_tags(
     if reward_regex is not None:
         in_regex = tags_in_regex(reward_regex)
         if not in_regex:
-            raise ValueError(
+            raise InputRefused(
                 f"--reward-regex {reward_regex!r} contains no tag such as <think>; nothing to audit"
             )
         for tag in in_regex:
@@ -268,7 +269,7 @@ def audit_tokens(
 
         resolve(device, dtype)  # a bad --device or --dtype fails now, not after the weights pass
     elif device is not None or dtype is not None:
-        raise ValueError("--device and --dtype are for --verify-generation; add it or drop them")
+        raise InputRefused("--device and --dtype are for --verify-generation; add it or drop them")
     wanted = collect_tags(tags, template, reward_regex)
     skipped: list[SkippedTag] = []
     if not include_placeholders:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlfast.errors import InputRefused
 from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, split_placeholders
 from vlfast.tokens.report import TokenAudit, strict_json
 from vlfast.tokens.verdict import worst
@@ -79,7 +80,7 @@ def _mean_trained_row(an: Analysis, name: str) -> torch.Tensor:
         total = s if total is None else total + s
         count += int(m.sum())
     if not count:
-        raise ValueError(f"no trained rows in {name} to average; the checkpoint looks untrained")
+        raise InputRefused(f"no trained rows in {name} to average; the checkpoint looks untrained")
     return (total / count).float()
 
 
@@ -111,7 +112,7 @@ def fix_tokens(
     Qwen-VL placeholder tokens (`<|image_pad|>`, ...) are left alone unless `include_placeholders`:
     their rows are replaced by vision features or never predicted, so they are not a format's tags."""
     if init not in INITS:
-        raise ValueError(f"--init must be one of {', '.join(INITS)}, got {init!r}")
+        raise InputRefused(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     model, out = Path(model), Path(out)
     if not model.is_dir():
         from vlfast.models import missing_model_hint  # only on this error path
@@ -120,9 +121,9 @@ def fix_tokens(
             f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
         )
     if out.resolve() == model.resolve():
-        raise ValueError("OUT must be a new folder: the original checkpoint is never modified")
+        raise InputRefused("OUT must be a new folder: the original checkpoint is never modified")
     if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not empty; choose a new folder for the fixed checkpoint")
+        raise InputRefused(f"{out} exists and is not empty; choose a new folder for the fixed checkpoint")
 
     wanted = collect_tags(tags, template, reward_regex)
     notes: list[str] = []

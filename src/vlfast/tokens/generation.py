@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vlfast.errors import InputRefused
 from vlfast.tokens.report import GenerationCheck, GenerationReport
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def resolve(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
         return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
     value = getattr(torch, str(dtype), None)
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        raise InputRefused(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     return device, value
 
 
@@ -116,7 +117,7 @@ def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
     try:
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ValueError(
+        raise InputRefused(
             f"--verify-generation needs a transformers checkpoint; {model_dir} has no usable config.json "
             f"({str(e).splitlines()[0]})"
         ) from None
@@ -125,7 +126,7 @@ def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
     elif config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         auto = AutoModelForImageTextToText
     else:
-        raise ValueError(
+        raise InputRefused(
             f"--verify-generation needs a model that generates text; transformers has no causal-LM class "
             f"for model_type {config.model_type!r} in {model_dir}"
         )
@@ -146,7 +147,7 @@ def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
     if missing:
         # transformers would run the model with these initialised at random: the probabilities would
         # say nothing about the checkpoint.
-        raise ValueError(
+        raise InputRefused(
             f"--verify-generation: {model_dir} lacks {len(missing)} weights of {type(model).__name__} "
             f"({', '.join(missing[:3])}, ...); it holds no complete model to run"
         )
@@ -185,13 +186,13 @@ def verify_generation(
     from vlfast.tokens.vocab import Vocabulary
 
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise InputRefused(f"batch_size must be >= 1, got {batch_size}")
     prompts = dict(prompts or PROMPTS)
     if not prompts or any(SLOT not in p for p in prompts.values()):
-        raise ValueError(f"every prompt needs {SLOT} where the token goes")
+        raise InputRefused(f"every prompt needs {SLOT} where the token goes")
     ids = list(dict.fromkeys(int(i) for i in token_ids))
     if not ids:
-        raise ValueError("no token ids to verify")
+        raise InputRefused("no token ids to verify")
     vocab = vocab or Vocabulary.load(model)
     device, torch_dtype = resolve(device, dtype)
     on_cuda = device.startswith("cuda")
@@ -202,7 +203,7 @@ def verify_generation(
     rows = lm.get_output_embeddings().weight.shape[0]
     bad = [i for i in ids if not 0 <= i < rows]
     if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the model's {rows} output rows")
+        raise InputRefused(f"token ids {bad[:5]} are outside the model's {rows} output rows")
     load_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vlfast.errors import InputRefused
 from vlfast.tokens.weights import CheckpointWeights
 
 ZERO_MAX_ABS = 1e-16  # Unsloth's `fix_untrained_tokens` threshold: a row whose max |x| is below is unset
@@ -76,7 +77,7 @@ def first_principal_component(weights: CheckpointWeights, name: str) -> torch.Te
     if not finite.all():
         sample = sample[finite]
     if not len(sample):
-        raise ValueError(f"every sampled row of {name} holds NaN or inf; the checkpoint is broken")
+        raise InputRefused(f"every sampled row of {name} holds NaN or inf; the checkpoint is broken")
     sample = sample - sample.mean(0)
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(d, generator=gen)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused
 from vlfast.tokens.tags import (
     DEFAULT_TAGS,
     compile_reward_regex,
@@ -293,7 +294,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
             "save the tokenizer there with tokenizer.save_pretrained(DIR)"
         ) from None
     if getattr(tok, "backend_tokenizer", None) is None:
-        raise ValueError(
+        raise InputRefused(
             f"the tokenizer in {folder} has no fast (tokenizers) backend; save it with "
             "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) to write tokenizer.json"
         )
@@ -315,7 +316,7 @@ def _template(tok: Any, model_dir: Path, template: str | Path | None) -> tuple[s
         except FileNotFoundError:
             raise
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(
+            raise InputRefused(
                 f"template {path} could not be read ({getattr(e, 'strerror', None) or e}); "
                 "pass a readable .jinja file or a tokenizer_config.json"
             ) from None
@@ -323,7 +324,7 @@ def _template(tok: Any, model_dir: Path, template: str | Path | None) -> tuple[s
     if isinstance(text, dict):  # named templates
         text = text.get("default")
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(
+        raise InputRefused(
             f"the tokenizer in {model_dir} has no chat template (chat_template.jinja or tokenizer_config.json); "
             "pass the one your trainer uses with --template chat.jinja"
         )
@@ -355,12 +356,12 @@ def _render(
             **dict.fromkeys(switches, True),
         )
     except Exception as e:  # noqa: BLE001 - jinja syntax, raise_exception(), missing variables
-        raise ValueError(
+        raise InputRefused(
             f"the chat template from {source} does not render ({type(e).__name__}: {e}); fix it or pass "
             "--template with the template your trainer uses"
         ) from None
     if not isinstance(text, str):
-        raise ValueError(f"the chat template from {source} rendered {type(text).__name__}, not text")
+        raise InputRefused(f"the chat template from {source} rendered {type(text).__name__}, not text")
     return text
 
 
@@ -375,13 +376,13 @@ def _read_sample(sample: str | Path | None, tags: list[str]) -> tuple[str, str]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(
+        raise InputRefused(
             f"sample {path} could not be read ({getattr(e, 'strerror', None) or e}); "
             "pass a readable UTF-8 text file holding one completion"
         ) from None
     text = text[:-1] if text.endswith("\n") else text  # the newline an editor adds at the end
     if not text.strip():
-        raise ValueError(f"sample {path} is empty; pass a text file holding one completion with the tags")
+        raise InputRefused(f"sample {path} is empty; pass a text file holding one completion with the tags")
     return text, str(path)
 
 

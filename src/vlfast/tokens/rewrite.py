@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused
 from vlfast.tokens.tags import BARE_NAME, compile_reward_regex, tag_pair
 
 
@@ -22,28 +23,30 @@ def parse_mapping(values: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
     if not isinstance(values, Mapping):
         for v in values:
             if "=" not in v:
-                raise ValueError(f"mapping {v!r} must look like think=thinking or '<think>=<thinking>'")
+                raise InputRefused(f"mapping {v!r} must look like think=thinking or '<think>=<thinking>'")
             a, b = (s.strip() for s in v.split("=", 1))
             pairs.append((a, b))
     mapping: dict[str, str] = {}
     for a, b in pairs:
         if not a or not b:
-            raise ValueError(f"mapping {a!r}={b!r} has an empty side")
+            raise InputRefused(f"mapping {a!r}={b!r} has an empty side")
         if BARE_NAME.fullmatch(a) and BARE_NAME.fullmatch(b):
             expanded = list(zip(tag_pair(a), tag_pair(b)))  # a bare name maps both halves
         else:
             expanded = [(a, b)]
         for src, dst in expanded:
             if src == dst:
-                raise ValueError(f"mapping {src!r} to itself does nothing; drop it")
+                raise InputRefused(f"mapping {src!r} to itself does nothing; drop it")
             if mapping.get(src, dst) != dst:
-                raise ValueError(f"{src!r} is mapped to both {mapping[src]!r} and {dst!r}; keep one")
+                raise InputRefused(f"{src!r} is mapped to both {mapping[src]!r} and {dst!r}; keep one")
             mapping[src] = dst
     if not mapping:
-        raise ValueError("no mapping given: pass --map think=thinking (or '<think>=<thinking>')")
+        raise InputRefused("no mapping given: pass --map think=thinking (or '<think>=<thinking>')")
     clash = set(mapping) & set(mapping.values())
     if clash:
-        raise ValueError(f"{sorted(clash)} are both replaced and produced; the mapping would not be one step")
+        raise InputRefused(
+            f"{sorted(clash)} are both replaced and produced; the mapping would not be one step"
+        )
     return mapping
 
 
@@ -146,7 +149,7 @@ def rewrite_dataset(
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
     if out.resolve() == path.resolve():
-        raise ValueError("--out must differ from the dataset: the original is never overwritten")
+        raise InputRefused("--out must differ from the dataset: the original is never overwritten")
     counts: dict[str, int] = {}
     targets = list(mapping.values())
     present: dict[str, int] = {}
@@ -156,7 +159,9 @@ def rewrite_dataset(
 
         table = pq.read_table(path)
         if field_name not in table.column_names:
-            raise ValueError(f"{path} has no column {field_name!r}; columns: {', '.join(table.column_names)}")
+            raise InputRefused(
+                f"{path} has no column {field_name!r}; columns: {', '.join(table.column_names)}"
+            )
         col = table.column(field_name)
         values = col.to_pylist()
         for k, v in _present(json.dumps(values, ensure_ascii=False), targets).items():
@@ -176,7 +181,7 @@ def rewrite_dataset(
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(
+                    raise InputRefused(
                         f"{path} line {lineno} is not JSON ({e}); the file must be JSON lines"
                     ) from None
                 if isinstance(rec, dict) and field_name in rec:
@@ -188,11 +193,11 @@ def rewrite_dataset(
                 n += 1
         if n and not seen:
             out.unlink()
-            raise ValueError(
+            raise InputRefused(
                 f"no record of {path} has a field {field_name!r}; pass the field that holds the text"
             )
     else:
-        raise ValueError(f"dataset {path} must be .jsonl or .parquet")
+        raise InputRefused(f"dataset {path} must be .jsonl or .parquet")
     return FileRewrite(str(path), str(out), counts, n, present)
 
 
@@ -209,18 +214,18 @@ def rewrite_tags(
     """Apply one tag mapping to any of: a dataset field, a chat template file, a reward regex."""
     m = parse_mapping(mapping)
     if dataset is None and template is None and reward_regex is None:
-        raise ValueError("nothing to rewrite: give --dataset, --template and/or --reward-regex")
+        raise InputRefused("nothing to rewrite: give --dataset, --template and/or --reward-regex")
     report = RewriteReport(m)
     if dataset is not None:
         if not field or dataset_out is None:
-            raise ValueError("a dataset needs --field (the text column) and --out (a new file)")
+            raise InputRefused("a dataset needs --field (the text column) and --out (a new file)")
         report.dataset = rewrite_dataset(dataset, field, dataset_out, m)
     if template is not None:
         template = Path(template)
         if not template.is_file():
             raise FileNotFoundError(f"template {template} does not exist")
         if template_out is None or Path(template_out).resolve() == template.resolve():
-            raise ValueError(
+            raise InputRefused(
                 "a template needs --template-out, a new file (the original is never overwritten)"
             )
         text = template.read_text(encoding="utf-8")

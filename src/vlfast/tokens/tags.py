@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from vlfast.errors import InputRefused
+
 DEFAULT_TAGS = ("<think>", "</think>")
 
 # XML-like format tags (`<think>`, `</answer>`) and control tokens (`<|im_start|>`).
@@ -35,7 +37,7 @@ def split_tag_args(values: str | list[str] | tuple[str, ...] | None) -> list[str
     for v in [values] if isinstance(values, str) else values or ():
         parts = [p.strip() for p in re.split(r"[,\s]+", v) if p.strip()]
         if not parts:
-            raise ValueError(
+            raise InputRefused(
                 f"--tags {v!r} names no tag; give tags such as --tags '<think>,</think>', "
                 "or leave --tags out to check <think> and </think>"
             )
@@ -73,7 +75,7 @@ def compile_reward_regex(pattern: str) -> re.Pattern:
     try:
         return re.compile(pattern, re.DOTALL)
     except re.error as e:
-        raise ValueError(
+        raise InputRefused(
             f"--reward-regex {pattern!r} is not a valid Python regex ({e}); fix the pattern"
         ) from None
 
@@ -97,11 +99,11 @@ def read_template(path: str | Path) -> str:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"template {path} is not valid JSON ({e})") from None
+            raise InputRefused(f"template {path} is not valid JSON ({e})") from None
         tmpl = data.get("chat_template") if isinstance(data, dict) else None
         if isinstance(tmpl, list):  # named templates: [{"name": ..., "template": ...}]
             tmpl = "\n".join(t.get("template", "") for t in tmpl if isinstance(t, dict))
         if not isinstance(tmpl, str):
-            raise ValueError(f"{path} has no chat_template string; pass the template file itself")
+            raise InputRefused(f"{path} has no chat_template string; pass the template file itself")
         return tmpl
     return text

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlfast.errors import InputRefused
 from vlfast.tokens.indicators import MatrixStats
 
 VERDICTS = ("trained", "suspect", "untrained")
@@ -59,7 +60,7 @@ def _threshold(indicator: str, matrix: str, values: np.ndarray, ordinary: np.nda
     finite = np.isfinite(values)
     ordinary, reference = ordinary & finite, reference & finite
     if not ordinary.any():
-        raise ValueError(f"every ordinary row of {matrix} holds NaN or inf; the checkpoint is broken")
+        raise InputRefused(f"every ordinary row of {matrix} holds NaN or inf; the checkpoint is broken")
     o = float(np.median(values[ordinary]))
     if reference.any():
         r = float(np.median(values[reference]))
@@ -91,7 +92,7 @@ class Judge:
     ) -> Judge:
         """`ordinary` and `reference` are boolean masks over rows (disjoint)."""
         if not ordinary.any():
-            raise ValueError(
+            raise InputRefused(
                 "no ordinary rows to compare with: the reference set covers the whole vocabulary"
             )
         norm = _threshold("norm", input_stats.name, input_stats.norm, ordinary, reference)

@@ -14,6 +14,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused
+
 # Files a slow or fast tokenizer is built from (tokenizer.json is read directly).
 VOCAB_FILES = (
     "tokenizer.json",
@@ -97,12 +99,12 @@ class Vocabulary:
     def split(self, text: str) -> list[int]:
         """Ids the tokenizer produces for `text` in running text (added tokens included)."""
         if not text:
-            raise ValueError("empty tag: give tags such as --tags '<think>' --tags '</think>'")
+            raise InputRefused("empty tag: give tags such as --tags '<think>' --tags '</think>'")
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
-            raise ValueError(f"the tokenizer in {self.source} produces no tokens for {text!r}")
+            raise InputRefused(f"the tokenizer in {self.source} produces no tokens for {text!r}")
         if self.unk_id is not None and self.unk_id in ids:
-            raise ValueError(
+            raise InputRefused(
                 f"tag {text!r} contains characters the tokenizer in {self.source} maps to its unknown token; "
                 "choose a tag made of characters the tokenizer knows"
             )

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlfast.errors import InputRefused
+
 # Name endings of the token-embedding and output-projection tensors across families (Qwen/Llama
 # `embed_tokens`, BERT `word_embeddings`, GPT-2 `wte`, InternLM `tok_embeddings`, GPT-NeoX `embed_out`).
 INPUT_NAMES = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight", "tok_embeddings.weight")
@@ -55,9 +57,9 @@ class CheckpointWeights:
 
     def __post_init__(self) -> None:
         if self.embedding_name not in self.tensor_files:
-            raise ValueError(f"tensor {self.embedding_name!r} is not in {self.model_dir}")
+            raise InputRefused(f"tensor {self.embedding_name!r} is not in {self.model_dir}")
         if self.lm_head_name is not None and self.lm_head_name not in self.tensor_files:
-            raise ValueError(f"tensor {self.lm_head_name!r} is not in {self.model_dir}")
+            raise InputRefused(f"tensor {self.lm_head_name!r} is not in {self.model_dir}")
 
     # -- opening ----------------------------------------------------------------------------------
     @classmethod
@@ -73,7 +75,7 @@ class CheckpointWeights:
             try:
                 config = json.loads((model_dir / "config.json").read_text())
             except json.JSONDecodeError as e:
-                raise ValueError(f"{model_dir / 'config.json'} is not valid JSON ({e})") from None
+                raise InputRefused(f"{model_dir / 'config.json'} is not valid JSON ({e})") from None
         headers: dict[Path, tuple[dict, int]] = {}
 
         def shape(name: str) -> tuple[int, ...]:
@@ -88,13 +90,13 @@ class CheckpointWeights:
                 (n for n in names if _matches(n, INPUT_NAMES) and len(shape(n)) == 2), key=_preference
             )
             if not found:
-                raise ValueError(
+                raise InputRefused(
                     f"no input-embedding tensor (…{', …'.join(INPUT_NAMES)}) in {model_dir}; "
                     "name it with --embedding-name"
                 )
             embedding_name = found[0]
         elif embedding_name not in tensor_files or len(shape(embedding_name)) != 2:
-            raise ValueError(f"--embedding-name {embedding_name!r} is not a 2-D tensor in {model_dir}")
+            raise InputRefused(f"--embedding-name {embedding_name!r} is not a 2-D tensor in {model_dir}")
         if lm_head_name is None:
             # Only a matrix shaped like the embedding can be the output projection (a layer's
             # `...output.weight` is not).
@@ -104,7 +106,7 @@ class CheckpointWeights:
             )
             lm_head_name = found[0] if found else None
         elif lm_head_name not in tensor_files or len(shape(lm_head_name)) != 2:
-            raise ValueError(f"--lm-head-name {lm_head_name!r} is not a 2-D tensor in {model_dir}")
+            raise InputRefused(f"--lm-head-name {lm_head_name!r} is not a 2-D tensor in {model_dir}")
         tied_cfg = _tied_from_config(config)
         # No stored lm_head means the model reuses the embedding; a stored copy under a tying config is
         # a duplicate that transformers ignores on load, but `fix` still keeps it in step.
@@ -138,7 +140,7 @@ class CheckpointWeights:
         header, base = self._header(path)
         info = header[name]
         if info["dtype"] not in _DTYPES:
-            raise ValueError(
+            raise InputRefused(
                 f"{name} in {path.name} is {info['dtype']}; the audit reads floating-point weights "
                 f"({', '.join(_DTYPES)}), dequantise the checkpoint first"
             )
@@ -177,23 +179,23 @@ def read_header(path: Path) -> tuple[dict, int]:
     with path.open("rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (too short)")
+            raise InputRefused(f"{path} is not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", raw)
         if n > 100_000_000:
-            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+            raise InputRefused(f"{path} is not a safetensors file (header length {n})")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{path} is not a safetensors file (unreadable header)") from None
+            raise InputRefused(f"{path} is not a safetensors file (unreadable header)") from None
     header.pop("__metadata__", None)
     try:
         end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
     except (TypeError, KeyError, IndexError, ValueError, AttributeError):
-        raise ValueError(f"{path} is not a safetensors file (header without data offsets)") from None
+        raise InputRefused(f"{path} is not a safetensors file (header without data offsets)") from None
     size = path.stat().st_size
     if size < 8 + n + end:
         # A copy or download cut short: without this, numpy's memmap fails with no file name.
-        raise ValueError(
+        raise InputRefused(
             f"{path} is truncated: its header describes {8 + n + end:,} bytes but the file has {size:,}; "
             "copy or download it again"
         )
@@ -212,7 +214,7 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map; the sharded checkpoint index is damaged")
+            raise InputRefused(f"{index} has no weight_map; the sharded checkpoint index is damaged")
         files = {name: model_dir / shard for name, shard in weight_map.items()}
         missing = sorted({str(p) for p in files.values() if not p.is_file()})
         if missing:
