@@ -37,7 +37,7 @@ _VERDICT_STYLE = {"slow-path": "bold red", "gain": "bold yellow", "ok": "bold gr
 
 
 def _render(report) -> None:
-    from vlfast.diagnosis.doctor import _cpu_features, _ratio_cell, _timed
+    from vlfast.diagnosis.doctor import _cpu_features, _libraries, _ratio_cell, _timed
     from vlfast.diagnosis.facts import cudnn_version_str
 
     f = report.facts
@@ -72,6 +72,7 @@ def _render(report) -> None:
         f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",
         cuda,
     )
+    row("cuDNN libraries loaded", _libraries(f), cuda)
     row(
         "GPU",
         f.gpu_name and f"{f.gpu_name} (compute capability {'.'.join(map(str, f.gpu_capability or ()))})",

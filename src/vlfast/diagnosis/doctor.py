@@ -33,6 +33,7 @@ from vlfast.diagnosis.facts import (
     check_device,
     choose_dtype,
     collect_facts,
+    cudnn_libraries,
     cudnn_version_str,
     default_device,
     default_dtype,
@@ -273,6 +274,7 @@ class DoctorReport:
                 "cudnn enabled / benchmark / tf32",
                 f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",
             ),
+            ("cuDNN libraries loaded", _libraries(f)),
             ("GPU", gpu),
             ("MPS (built / available)", f"{f.mps_built} / {f.mps_available}"),
             ("oneDNN (available / enabled)", f"{f.onednn_available} / {f.onednn_enabled}"),
@@ -289,6 +291,7 @@ class DoctorReport:
                 "CUDA (build / driver)",
                 "cuDNN (compile / runtime)",
                 "cudnn enabled / benchmark / tf32",
+                "cuDNN libraries loaded",
                 "GPU",
             )
             env = [(k, "n/a (CPU build)" if k in skip else v) for k, v in env]
@@ -352,6 +355,17 @@ def _ratio_cell(ratio: float | None, spread: float | None, reliable: bool) -> st
     if not reliable:
         return f"{ratio:.2f}x (unreliable)"
     return f"{ratio:.2f}x (spread {spread:.0%})" if spread is not None else f"{ratio:.2f}x"
+
+
+def _libraries(f: Facts) -> str | None:
+    """The loaded cuDNN libraries, listed in full only when they come from more than one place."""
+    libs = f.cudnn_libraries
+    if not libs:
+        return None
+    dirs = {os.path.dirname(p) for p in libs.values()}
+    if len(dirs) == 1:
+        return f"{len(libs)} from {dirs.pop()}"
+    return "; ".join(f"{name}: {path}" for name, path in sorted(libs.items()))
 
 
 def _cpu_features(f: Facts) -> str | None:
@@ -576,8 +590,6 @@ def doctor(
 
     convs = {g.key: ConvGeometry(g.kernel_size, g.describe()) for g in geometries}
     backward = workload == "training"
-    # Inference runs no backward: a rule about the backward alone explains nothing there.
-    hits = [h for h in evaluate(facts, list(convs.values())) if backward or "forward" in h.phases]
     # The geometries most references share first: when the budget runs out, what is left out matters least.
     order = sorted(geometries, key=lambda g: -len({_model(n) for n in g.names}))
     budget = Budget(budget_s)
@@ -602,6 +614,10 @@ def doctor(
             slow_ratio=slow_ratio,
         )
     probe_s = budget.spent_ms / 1e3 if probe else None
+    if probe and facts.torch_build == "cuda":  # cuDNN's sub-libraries load with the first convolution
+        facts.cudnn_libraries = _soft_libraries() or facts.cudnn_libraries
+    # Inference runs no backward: a rule about the backward alone explains nothing there.
+    hits = [h for h in evaluate(facts, list(convs.values())) if backward or "forward" in h.phases]
     findings: list[Finding] = []
     for g in geometries:
         result, c = results[g.key], convs[g.key]
@@ -701,6 +717,13 @@ def doctor(
         left_out=left_out,
         dtype_reason=choice.reason if choice is not None else None,
     )
+
+
+def _soft_libraries() -> dict[str, str] | None:
+    try:
+        return cudnn_libraries()
+    except OSError:  # no /proc here
+        return None
 
 
 def _more_budget(budget_s: float, findings: list[Finding]) -> str:

@@ -27,6 +27,7 @@ __all__ = [
     "check_device",
     "choose_dtype",
     "collect_facts",
+    "cudnn_libraries",
     "cudnn_version_str",
     "default_device",
     "default_dtype",
@@ -104,6 +105,10 @@ class Facts:
     cudnn_benchmark: bool | None = None
     cudnn_allow_tf32: bool | None = None
     cudnn_deterministic: bool | None = None
+    # Every libcudnn* this process has loaded, file name -> path (Linux): more than one origin means a
+    # system cuDNN sub-library beside the wheel's (pytorch #188892).
+    cudnn_libraries: dict[str, str] | None = None
+    miopen_version: str | None = None  # ROCm builds: the MIOpen that loaded, e.g. "3.4.0"
     gpu_name: str | None = None
     gpu_capability: tuple[int, int] | None = None
     mps_built: bool | None = None
@@ -196,6 +201,26 @@ def _cudnn_compile() -> int | None:
     v = torch._C._cudnn.getCompileVersion()  # (major, minor, patch)
     major, minor, patch = (int(x) for x in v)
     return major * 10000 + minor * 100 + patch if major >= 9 else major * 1000 + minor * 100 + patch
+
+
+def cudnn_libraries() -> dict[str, str] | None:
+    """The cuDNN libraries loaded in this process (file name -> path), from /proc/self/maps; the
+    sub-libraries load lazily, so read this after a convolution ran."""
+    libs: dict[str, str] = {}
+    with open("/proc/self/maps", encoding="utf-8") as fh:
+        for line in fh:
+            path = line.rsplit(" ", 1)[-1].strip()
+            name = os.path.basename(path)
+            if name.startswith("libcudnn"):
+                libs.setdefault(name, path)
+    return libs
+
+
+def _miopen_version() -> str | None:
+    # On ROCm builds cudnn.version() is MIOpen's: major * 10000 + minor * 100 + patch
+    # (aten/src/ATen/cuda/detail/CUDAHooks.cpp, versionMIOpen).
+    v = int(torch.backends.cudnn.version())
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
 
 
 def _transformers_fusion() -> bool:
@@ -424,11 +449,13 @@ def collect_facts(device: str, dtype: str, *, model_patched: bool | None = None)
         nvidia_driver=_soft(_nvidia_driver) if torch.version.cuda else None,
         cudnn_available=_soft(cudnn.is_available),
         cudnn_compile=_soft(_cudnn_compile) if torch.version.cuda else None,
-        cudnn_runtime=_soft(cudnn.version),
+        cudnn_runtime=_soft(cudnn.version) if not hip else None,
         cudnn_enabled=_soft(lambda: bool(cudnn.enabled)),
         cudnn_benchmark=_soft(lambda: bool(cudnn.benchmark)),
         cudnn_allow_tf32=_soft(lambda: bool(cudnn.allow_tf32)),
         cudnn_deterministic=_soft(lambda: bool(cudnn.deterministic)),
+        cudnn_libraries=_soft(cudnn_libraries) if torch.version.cuda else None,
+        miopen_version=_soft(_miopen_version) if hip else None,
         gpu_name=_soft(lambda: torch.cuda.get_device_name(dev)) if on_gpu else None,
         gpu_capability=_soft(lambda: tuple(torch.cuda.get_device_capability(dev))) if on_gpu else None,
         mps_built=_soft(mps.is_built) if mps is not None else False,
