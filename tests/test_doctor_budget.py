@@ -257,3 +257,16 @@ def test_doctor_on_this_cpu_reports_its_dtype_choice_and_instruction_set():
     assert f.dtype == choose_dtype(f, None).dtype
     md = report.to_markdown()
     assert "CPU capability" in md and "CPU bf16/fp16 features" in md and report.dtype_reason in md
+
+
+def test_a_shape_the_ones_before_say_cannot_fit_is_left_out_without_calibrating(clock):
+    budget = Budget(3.0)
+    first = P.probe_conv(QWEN, dtype=torch.float32, budget_s=2.6, budget=budget)
+    assert first.reliable and first.backward_reliable
+    calls, now = len(clock.calls), clock.now
+    wide = ConvShape("Conv2d", 1536, 4096, (2, 2), True, 768, ("glm-4.1v-9b:downsample",))
+    second = P.probe_conv(wide, dtype=torch.float32, budget_s=budget.left_ms / 1e3, budget=budget)
+    assert second.left_out and "the shapes before predict" in second.left_out, second.left_out
+    if second.conv is None:  # the whole shape: not one call was spent on it
+        assert (len(clock.calls), clock.now) == (calls, now)
+    assert clock.now <= 1.2 * 3.0

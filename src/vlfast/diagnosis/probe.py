@@ -160,6 +160,9 @@ class Budget:
             raise ValueError(f"budget must be positive, got {self.seconds} s")
         self.clock = self.clock or _now
         self.start = self.clock()
+        # ms per multiply-add of a round (every side once), forward alone and with the backward, from
+        # the shapes calibrated so far: a later shape that cannot fit is left out before it is calibrated.
+        self.rates: dict[str, float] = {}
 
     @property
     def spent_ms(self) -> float:
@@ -441,7 +444,8 @@ def probe_conv(
     """
     dev = torch.device(device)
     budget = budget if budget is not None else Budget(budget_s)
-    share_end = budget.spent_ms + min(budget_s * 1e3, budget.left_ms)  # in budget.spent_ms units
+    # Plan to 90% of the share: what is not predicted (tensor set-up, scheduling noise) takes the rest.
+    share_end = budget.spent_ms + 0.9 * min(budget_s * 1e3, budget.left_ms)  # in budget.spent_ms units
     result = ProbeResult(
         shape,
         str(dev),
@@ -467,6 +471,21 @@ def probe_conv(
             _prewarm(dev, dtype, nd)
             _, k, _ = shape.gemm_shape
             n0 = min(n_all, CALIBRATION_WINDOWS, max(_MIN_CALIBRATION_WINDOWS, CALIBRATION_MACS // (k * d)))
+            left = lambda: share_end - budget.spent_ms  # noqa: E731 - what is left of this shape's share
+            # What the shapes before predict for this one's calibration and MIN_ROUNDS rounds on it.
+            macs = n0 * k * d
+            if backward and "all" in budget.rates and budget.rates["all"] * macs * (MIN_ROUNDS + 1) > left():
+                backward = False
+                result.left_out = (
+                    f"the backward: the shapes before predict ~{budget.rates['all'] * macs * (MIN_ROUNDS + 1) / 1e3:.1f} s "
+                    f"for {MIN_ROUNDS} rounds of it on {n0} windows, over this shape's budget share"
+                )
+            if "forward" in budget.rates and budget.rates["forward"] * macs * (MIN_ROUNDS + 1) > left():
+                result.left_out = (
+                    f"the whole shape: the shapes before predict ~{budget.rates['forward'] * macs * (MIN_ROUNDS + 1) / 1e3:.1f} s "
+                    f"for {MIN_ROUNDS} rounds on {n0} windows, over its budget share"
+                )
+                return result
             sides = _sides(x_all[:n0], w, b, conv_fn, shape.kernel_size, backward)
             cal: dict[str, float] = {}
             for name, fn in sides.items():  # the calibration: one call each, which also warms them up
@@ -474,22 +493,31 @@ def probe_conv(
                     result.left_out = "the whole shape: the budget was spent before it"
                     return result
                 cal[name] = _time_once(fn, dev)
-            left = lambda: share_end - budget.spent_ms  # noqa: E731 - what is left of this shape's share
-            per_window = sum(cal.values()) / n0
+            fwd_ms = cal["gemm"] + cal["conv"]
+            budget.rates["forward"] = fwd_ms / macs
+            if backward:
+                budget.rates["all"] = sum(cal.values()) / macs
+            with torch.inference_mode():  # a sanity check on the calibration windows, not a proof
+                x = x_all[:n0]
+                y_conv = conv_fn(x, w, b, shape.kernel_size).reshape(n0, d).float()
+                result.max_abs_diff = float(
+                    (y_conv - F.linear(x.reshape(n0, -1), w.reshape(d, -1), b).float()).abs().max()
+                )
+            # A round per window, plus the forward that builds the backward graphs on new windows.
+            per_window = (sum(cal.values()) + fwd_ms / (MIN_ROUNDS + 1)) / n0
             n = choose_windows(per_window, n_all, left(), calibrated=n0)
             if n is None and backward:
-                fwd_only = (cal["gemm"] + cal["conv"]) / n0
-                n = choose_windows(fwd_only, n_all, left(), calibrated=n0)
+                n = choose_windows(fwd_ms / n0, n_all, left(), calibrated=n0)
                 if n is not None:
                     result.left_out = (
                         f"the backward: a round of it costs ~{(cal['conv_backward'] + cal['gemm_backward']) / n0 * 1e3:,.0f} "
-                        f"ms per 1,000 windows, over this shape's budget"
+                        f"ms per 1,000 windows, over this shape's budget share"
                     )
                     sides = {k: v for k, v in sides.items() if not k.endswith("backward")}
             if n is None:
                 result.left_out = (
                     f"the whole shape: {MIN_ROUNDS} rounds on {n0} windows would take "
-                    f"~{MIN_ROUNDS * per_window * n0 / 1e3:.1f} s, over its budget share"
+                    f"~{MIN_ROUNDS * fwd_ms / 1e3:.1f} s, over its budget share"
                 )
                 return result
             if n != n0:
@@ -505,17 +533,6 @@ def probe_conv(
         if "conv_backward" in times:
             result.gemm_backward = Timing(tuple(times["gemm_backward"]), warmup=1)
             result.conv_backward = Timing(tuple(times["conv_backward"]), warmup=1)
-        with torch.inference_mode():
-            x = x_all[:n]
-            diff = (
-                (
-                    conv_fn(x, w, b, shape.kernel_size).reshape(n, d).float()
-                    - F.linear(x.reshape(n, -1), w.reshape(d, -1), b).float()
-                )
-                .abs()
-                .max()
-            )
-            result.max_abs_diff = float(diff)
         if dev.type == "cuda":
             result.kernels = _cuda_kernels(lambda: conv_fn(x_all[:n], w, b, shape.kernel_size))
         if not result.reliable or ("conv_backward" in times and not result.backward_reliable):
