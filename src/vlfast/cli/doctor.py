@@ -196,7 +196,7 @@ def register(app: typer.Typer) -> None:
                 help="Seconds the probe may spend in total (held within 20%): it times fewer windows, "
                 "fewer rounds or fewer shapes to keep it, and says what it left out.",
             ),
-        ] = 8.0,
+        ] = 12.0,
         no_probe: Annotated[
             bool, typer.Option("--no-probe", help="Facts and rules only, no timing (no verdict).")
         ] = False,

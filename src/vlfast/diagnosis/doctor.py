@@ -542,7 +542,7 @@ def doctor(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     patches: int = DEFAULT_PATCHES,
-    budget_s: float = 8.0,
+    budget_s: float = 12.0,
     slow_ratio: float = SLOW_RATIO,
     probe: bool = True,
     workload: Workload = "training",
@@ -598,7 +598,9 @@ def doctor(
         if not probe:
             results[g.key] = ProbeResult(g, dev, dt, notes=["probe disabled"])
             continue
-        share_s = max(0.0, budget.left_ms / 1e3) / (len(order) - i)  # what earlier shapes left, shared
+        # What the earlier shapes left, shared by how many models each remaining shape stands for.
+        weights = [len({_model(n) for n in x.names}) for x in order[i:]]
+        share_s = max(0.0, budget.left_ms / 1e3) * weights[0] / sum(weights)
         if share_s <= 0:
             results[g.key] = ProbeResult(
                 g, dev, dt, left_out="the whole shape: the budget was spent before it"
@@ -610,6 +612,7 @@ def doctor(
             dtype=getattr(torch, dt),
             budget_s=share_s,
             budget=budget,
+            stretch_s=share_s,  # up to twice its share when that keeps the backward in
             backward=backward,
             slow_ratio=slow_ratio,
         )

@@ -425,6 +425,7 @@ def probe_conv(
     dtype: torch.dtype = torch.bfloat16,
     budget_s: float = 2.0,
     budget: Budget | None = None,
+    stretch_s: float = 0.0,
     max_repeats: int = _MAX_ROUNDS,
     seed: int = 0,
     backward: bool = True,
@@ -437,7 +438,8 @@ def probe_conv(
     :func:`choose_windows` picks the windows to time so that a warm-up and ``MIN_ROUNDS`` rounds fit.
     Rounds then alternate GEMM and conv (forward, and with ``backward`` their gradients: input, weight
     and bias) until the share is spent or ``max_repeats`` rounds ran. ``budget``, shared between shapes,
-    caps it further: no call starts that the budget left cannot pay for. What does not fit is named in
+    caps it further: no call starts that the budget left cannot pay for. ``stretch_s`` more seconds may
+    be taken when that is what keeps the backward in (a training verdict rests on it). What does not fit is named in
     ``left_out`` (the backward, or the whole shape). ``channels_last`` also times the conv on a
     channels-last input; ``None`` does so only on CUDA when the forward measures ``>= slow_ratio``.
     Failures (out of memory, an op missing on the backend) are recorded in ``error``, never raised.
@@ -506,6 +508,11 @@ def probe_conv(
             # A round per window, plus the forward that builds the backward graphs on new windows.
             per_window = (sum(cal.values()) + fwd_ms / (MIN_ROUNDS + 1)) / n0
             n = choose_windows(per_window, n_all, left(), calibrated=n0)
+            if n is None and backward and stretch_s > 0:
+                stretched = min(stretch_s * 1e3, max(0.0, budget.left_ms - left()))
+                n = choose_windows(per_window, n0, left() + 0.9 * stretched, calibrated=n0)
+                if n is not None:
+                    share_end += 0.9 * stretched
             if n is None and backward:
                 n = choose_windows(fwd_ms / n0, n_all, left(), calibrated=n0)
                 if n is not None:
