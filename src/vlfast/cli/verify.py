@@ -81,7 +81,7 @@ class _Progress:
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+    return f"{max(1, round(seconds))} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _parse_grid(text: str) -> tuple[int, int, int]:
