@@ -435,3 +435,30 @@ def test_an_emulated_bf16_cpu_profiles_float32_unless_asked(monkeypatch):
     assert report.dtype == "float32" and any("emulated" in n for n in report.notes), report.notes
     asked = profile("ref:qwen3-vl-4b", dtype="bfloat16", **kw)
     assert asked.dtype == "bfloat16" and any("several times slower" in n for n in asked.notes), asked.notes
+
+
+def test_a_warm_up_longer_than_the_budget_is_the_measurement_and_a_long_forward_says_where_it_is(
+    monkeypatch,
+):
+    import vlfast.diagnosis.profiler as P
+
+    clock = _FakeTime()
+    _fake_forwards(monkeypatch, clock)  # a 12 s round
+    lines: list[str] = []
+    report = profile(
+        "ref:qwen3-vl-4b", tiny=True, device="cpu", dtype="float32", budget_s=10.0, progress=lines.append
+    )
+    before, _ = report.pairs()[0]
+    assert before.repeats == 1 and clock.now == pytest.approx(12.0)  # no second 12 s round
+    assert any("warm-up round is the measurement" in line for line in lines), lines
+    assert any("not a result" in n for n in report.notes), report.notes
+
+    # The heartbeat: a component that ends more than HEARTBEAT_S into a forward says how far it got.
+    hooks = P._Hooks(P.component_modules(build_reference("qwen3-vl-4b", tiny=True)))
+    said: list[str] = []
+    hooks.say, hooks.clock = said.append, P.Clock("cpu")
+    hooks.started = hooks.last_said = clock.now - 2 * P._Hooks.HEARTBEAT_S
+    hooks.open["blocks.3"] = hooks.clock.mark()
+    hooks._post("blocks", "blocks.3")(None, None, None)
+    hooks.remove()
+    assert said and said[0].startswith("blocks.3 done, 20 s into this forward"), said

@@ -274,8 +274,14 @@ def _grid(spec, frames: int, size: tuple[int, int]) -> tuple[int, int, int]:
 class _Hooks:
     """Forward pre/post hooks that mark a clock around each component call."""
 
+    # A forward that runs longer than this says, at the next component that ends, how far it got: an
+    # emulated-bf16 CPU forward can take minutes, and a run killed then should say where it was.
+    HEARTBEAT_S = 10.0
+
     def __init__(self, parts: list[tuple[str, str, nn.Module]]) -> None:
         self.clock: Clock | None = None
+        self.say: Callable[[str], None] | None = None
+        self.started = self.last_said = 0.0
         self.open: dict[str, int] = {}
         self.intervals: list[tuple[str, str, int, int]] = []
         self.handles = []
@@ -294,6 +300,10 @@ class _Hooks:
         def hook(module, args, output):
             if self.clock is not None and item in self.open:
                 self.intervals.append((label, item, self.open.pop(item), self.clock.mark()))
+                now = time.perf_counter()
+                if self.say is not None and now - self.last_said >= self.HEARTBEAT_S:
+                    self.last_said = now
+                    self.say(f"{item} done, {now - self.started:,.0f} s into this forward")
 
         return hook
 
@@ -305,6 +315,7 @@ class _Hooks:
 def _one_run(tower: nn.Module, hooks: _Hooks, inputs: tuple, device: str):
     clock = Clock(device)
     hooks.clock, hooks.open, hooks.intervals = clock, {}, []
+    hooks.started = hooks.last_said = time.perf_counter()
     start = clock.mark()
     tower(*inputs)
     end = clock.mark()
@@ -409,16 +420,28 @@ def _profile_config(
                     break  # the next round would not fit: what ran is the measurement
                 t0 = time.perf_counter()
                 ms = {}
+                what = f"round {r - warmup + 1}/{repeats}" if timed else f"warm-up {r + 1}/{warmup}"
+                done = {}
                 for patched in (False, True):
                     _set_patched(scope, patched)
-                    run = _one_run(tower, hooks, (pixels, grid_thw), device)
-                    ms[patched] = run[0]
+                    hooks.say = lambda line, p=patched, w=what: say(
+                        f"{w}, {'after' if p else 'before'}: {line}"
+                    )
+                    done[patched] = _one_run(tower, hooks, (pixels, grid_thw), device)
+                    ms[patched] = done[patched][0]
                     if timed:
-                        runs[patched].append(run)
+                        runs[patched].append(done[patched])
+                hooks.say = None
                 round_s = time.perf_counter() - t0
-                what = f"round {r - warmup + 1}/{repeats}" if timed else f"warm-up {r + 1}/{warmup}"
                 say(f"{what}: before {ms[False]:,.0f} ms, after {ms[True]:,.0f} ms")
                 r += 1
+                if not timed and deadline is not None and time.perf_counter() + round_s > deadline:
+                    # No timed round fits after this warm-up: it is the only measurement (one round,
+                    # first calls included, so the report says it is not a result).
+                    for patched in (False, True):
+                        runs[patched].append(done[patched])
+                    say("no timed round fits in the budget: the warm-up round is the measurement")
+                    break
     finally:
         hooks.remove()
     with torch.inference_mode():  # the same forwards without hooks: the hooks' own cost shows
