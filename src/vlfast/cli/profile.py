@@ -70,7 +70,7 @@ def _render_notes(report) -> None:
 
 def _render_pair(report, before, after) -> None:
     """One configuration's table, printed as soon as it is measured (a killed run keeps what it printed)."""
-    from vlfast.diagnosis.profiler import INLINE
+    from vlfast.diagnosis.profiler import INLINE, MIN_ROUNDS
     from vlfast.diagnosis.profiler import _load as load_now
 
     end = report.load[1] if report.load[1] is not None else load_now()
@@ -84,7 +84,11 @@ def _render_pair(report, before, after) -> None:
         if not c["changed"]:
             return "[dim]unchanged[/dim]"  # no patched conv in it: its ratio is noise
         text = f"{c['speedup']:.2f}x"
-        return text if c["reliable"] else f"[yellow]{text}? spread {c['spread']:.0%}[/yellow]"
+        if c["reliable"]:
+            return text
+        if c["rounds"] < MIN_ROUNDS:
+            return f"[yellow]{text}? {c['rounds']} round{'s' if c['rounds'] != 1 else ''}[/yellow]"
+        return f"[yellow]{text}? spread {c['spread']:.0%}[/yellow]"
 
     t, h, w = ref.grid
     table = Table(

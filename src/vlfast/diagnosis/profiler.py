@@ -171,6 +171,7 @@ class ProfileReport:
                 "speedup": med if changed else None,
                 "measured_ratio": med,
                 "spread": spread,
+                "rounds": len(ratios),
                 "reliable": spread is not None and spread <= UNRELIABLE_SPREAD and len(ratios) >= MIN_ROUNDS,
             }
         return out
@@ -250,6 +251,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _spread(values: list[float]) -> float | None:
     med = statistics.median(values) if values else 0
     return (max(values) - min(values)) / med if med else None
+
+
+def _fmt_load(v: float | None) -> str:
+    return "unknown" if v is None else f"{v:.2f}"
 
 
 def _load() -> float | None:
@@ -681,13 +686,15 @@ def profile(
     report.load = (report.load[0], _load())
     for before, after in report.pairs():
         if before and after:
-            bad = [
-                k for k, v in report.comparison(before, after).items() if v["changed"] and not v["reliable"]
+            bad = [  # fewer than MIN_ROUNDS rounds has its own note above
+                k
+                for k, v in report.comparison(before, after).items()
+                if v["changed"] and v["spread"] is not None and v["spread"] > UNRELIABLE_SPREAD
             ]
             if bad:
                 report.notes.append(
                     f"batch {before.batch} x {before.frames} frames: the per-round ratios of {', '.join(bad)} "
-                    f"spread more than {UNRELIABLE_SPREAD:.0%} (load average {report.load[1]}, "
+                    f"spread more than {UNRELIABLE_SPREAD:.0%} (load average {_fmt_load(report.load[1])}, "
                     f"{report.cpus} CPUs): not a result; run again on a quieter machine or with more --repeats."
                 )
     return report
