@@ -623,7 +623,7 @@ def profile(
         report.notes.append(choice.warning)
         say(f"warning: {choice.warning}")
     elif choice is not None and dtype is None:
-        report.notes.append(f"dtype {choice.reason}")
+        report.notes.append(f"dtype {choice.dtype} ({choice.reason})")
     report.omp_wait_policy = os.environ.get("OMP_WAIT_POLICY")
     report.load = (_load(), None)
     if torch.device(dev).type == "cpu" and (report.omp_wait_policy or "").upper() != "PASSIVE":
