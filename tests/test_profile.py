@@ -429,7 +429,7 @@ def test_an_emulated_bf16_cpu_profiles_float32_unless_asked(monkeypatch):
     from vlfast.diagnosis.facts import Facts
 
     avx2 = Facts(device="cpu", dtype="float32", cpu_capability="AVX2", cpu_flags=("avx2",), onednn_bf16=False)
-    monkeypatch.setattr(P, "_cpu_facts", lambda device: avx2)
+    monkeypatch.setattr(P, "cpu_facts", lambda device: avx2)
     kw = dict(tiny=True, device="cpu", frames=(2,), size=(56, 56), warmup=0, repeats=1)
     report = profile("ref:qwen3-vl-4b", **kw)
     assert report.dtype == "float32" and any("emulated" in n for n in report.notes), report.notes

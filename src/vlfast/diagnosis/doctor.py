@@ -29,10 +29,10 @@ from torch import nn
 
 from vlfast.diagnosis.facts import (
     Facts,
-    _cpu_facts,
     check_device,
     choose_dtype,
     collect_facts,
+    cpu_facts,
     cudnn_libraries,
     cudnn_version_str,
     default_device,
@@ -342,14 +342,14 @@ def _num(v: float | None, unit: str = "") -> str:
 
 
 def _timed(p: ProbeResult) -> str:
-    """ "768 x 3" : windows per timed call x rounds (scaled to the sample's windows)."""
+    """ "768 x 3": windows per timed call x rounds (figures are scaled to the sample's windows)."""
     if p.windows_timed is None or p.conv is None:
         return "-"
     return f"{p.windows_timed:,} x {p.conv.n}"
 
 
 def _ratio_cell(ratio: float | None, spread: float | None, reliable: bool) -> str:
-    """ "4.12x (±6%)", or "4.12x (1 round: unreliable)"."""
+    """ "4.12x (spread 6%)", or "4.12x (unreliable)" under MIN_ROUNDS rounds per side."""
     if ratio is None:
         return "-"
     if not reliable:
@@ -578,7 +578,7 @@ def doctor(
     asked = dtype_name(dtype) if dtype is not None else None
     choice = None
     if torch.device(dev).type == "cpu":
-        choice = choose_dtype(_cpu_facts(dev), asked)  # bf16 only where the CPU computes it natively
+        choice = choose_dtype(cpu_facts(dev), asked)  # bf16 only where the CPU computes it natively
         dt = choice.dtype
     else:
         dt = asked or default_dtype(dev)

@@ -27,6 +27,7 @@ __all__ = [
     "check_device",
     "choose_dtype",
     "collect_facts",
+    "cpu_facts",
     "cudnn_libraries",
     "cudnn_version_str",
     "default_device",
@@ -272,7 +273,7 @@ def default_dtype(device: str) -> str:
     if kind == "mps":
         ok = _soft(lambda: torch.ones(1, device="mps", dtype=torch.bfloat16).sum().item() == 1)
         return "bfloat16" if ok else "float16"
-    return choose_dtype(_cpu_facts(device), None).dtype
+    return choose_dtype(cpu_facts(device), None).dtype
 
 
 # oneDNN's ISA limits in increasing order (oneDNN docs, "CPU ISA hints and dispatcher control": the
@@ -411,7 +412,7 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def _cpu_facts(device: str, dtype: str = "float32") -> Facts:
+def cpu_facts(device: str, dtype: str = "float32") -> Facts:
     """Only the CPU facts :func:`choose_dtype` reads, for choosing a dtype before collecting the rest."""
     return Facts(
         device=device,
@@ -430,7 +431,7 @@ def collect_facts(device: str, dtype: str, *, model_patched: bool | None = None)
     import vlfast
 
     dev = torch.device(device)
-    cpu = _cpu_facts(str(dev), dtype)
+    cpu = cpu_facts(str(dev), dtype)
     on_gpu = dev.type == "cuda" and bool(_soft(torch.cuda.is_available))
     cudnn = torch.backends.cudnn
     mps = getattr(torch.backends, "mps", None)

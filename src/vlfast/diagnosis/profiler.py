@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from vlfast.diagnosis.facts import (
-    _cpu_facts,
     check_device,
     choose_dtype,
+    cpu_facts,
     default_device,
     default_dtype,
     dtype_name,
@@ -606,7 +606,7 @@ def profile(
     kind = torch.device(dev).type
     choice = None
     if kind == "cpu":  # bf16 only where the CPU computes it natively, or a warning that it is emulated
-        choice = choose_dtype(_cpu_facts(dev), dtype_name(dtype) if dtype is not None else None)
+        choice = choose_dtype(cpu_facts(dev), dtype_name(dtype) if dtype is not None else None)
         dt_name = choice.dtype
     else:
         dt_name = dtype_name(dtype) if dtype is not None else default_dtype(dev)
