@@ -159,3 +159,38 @@ def test_a_torch_without_select_conv_backend_reports_none(monkeypatch):
 
     monkeypatch.delattr(torch._C, "_select_conv_backend")
     assert selected_backend(torch.randn(2, 3, 2, 4, 4), torch.randn(8, 3, 2, 4, 4), None, (2, 4, 4)) is None
+
+
+def test_cuda_kernel_names_are_filtered_from_a_trace(monkeypatch):
+    """The CUDA evidence, on a fabricated trace: only the names that tell the path are kept."""
+    import types
+
+    import torch.profiler
+
+    import vlfast.diagnosis.probe as probe
+
+    names = [
+        "void at::native::vol2col_kernel<c10::BFloat16>(...)",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n",
+        "Memcpy DtoD (Device -> Device)",
+        "cudnn::fusion::ConvolutionForward",
+        "vol2col_kernel",
+    ]
+
+    class FakeTrace:
+        def __init__(self, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return [types.SimpleNamespace(key=n) for n in names]
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeTrace)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    kernels = probe._cuda_kernels(lambda: None)
+    assert kernels == [names[0], names[1], names[3], names[4]]

@@ -662,6 +662,11 @@ def doctor(
             f"--budget {_more_budget(budget_s, findings)} would probe them"
         )
     for f in findings:
+        if f.probe.kernels:  # the evidence, as the original report gave it: what one conv call launches
+            notes.append(
+                f"{f.probe.shape.describe()}: ATen selects {f.probe.backend or 'an unknown backend'}; one "
+                f"traced call launches {'; '.join(f.probe.kernels)}"
+            )
         for d in f.disagreements:
             notes.append(f"{f.probe.shape.describe()}: {d}")
         if not f.probe.reliable and f.probe.conv is not None:
