@@ -239,3 +239,42 @@ def test_token_audit_prints_bracket_tags(tmp_path):
     res = runner.invoke(app, ["tokens", "audit", "--model", str(tmp_path), "--tags", "[THINK],[/THINK]"])
     assert res.exit_code in (0, 1), res.output  # a verdict, not a markup error
     assert "[THINK]" in res.stdout and "[/THINK]" in res.stdout
+
+
+# ------------------------------------------------------------------ issue 20: tables survive a pipe
+
+
+def test_models_table_keeps_names_whole_in_a_pipe():
+    from vlfast.models import REF_PREFIX, list_references
+
+    res = runner.invoke(app, ["models"])  # CliRunner's stdout is no terminal: as `vlfast models | cat`
+    assert res.exit_code == 0, res.output
+    for r in list_references():
+        assert REF_PREFIX + r.name in res.stdout, r.name
+        assert r.source.split(" ")[0].removeprefix("huggingface.co/") in res.stdout, r.source
+    assert "…" not in res.stdout
+
+
+def test_verify_table_keeps_names_and_values_whole_in_a_pipe(monkeypatch):
+    from vlfast.patching import verification
+
+    report = verification.VerifyReport(model="ref:qwen3-vl-30b-a3b", device="cpu")
+    name = "blocks.0.attn.qkv sample 0 grid=(2, 16, 16) last_hidden_state"
+    metrics = {"max_abs": 50.123456, "max_rel": 1.234e-05, "cosine": 0.99999912, "mean_abs": 0.00321}
+    report.checks.append(verification.Check("tower", name, "bfloat16", metrics, {"cosine": ">= 0.999"}, True))
+    monkeypatch.setattr(verification, "verify", lambda *a, **kw: report)
+    monkeypatch.setattr(verification, "expected_seconds", lambda *a, **kw: 42.0)
+    res = runner.invoke(app, ["verify", "--model", "ref:qwen3-vl-30b-a3b"])
+    assert "ref:qwen3-vl-30b-a3b" in res.stdout and name in res.stdout, res.stdout
+    assert "max_abs=50.1" in res.stdout and "cosine=1" in res.stdout and "…" not in res.stdout
+    assert "expected ~42 s" in res.stderr  # told up front, on stderr
+
+
+def test_verify_expected_time_comes_from_the_tower_and_a_measured_rate(monkeypatch):
+    from vlfast.patching import verification
+
+    monkeypatch.setattr(verification, "_gemm_rate", lambda dtype, device: 1e9)  # 1 G multiply-adds/s
+    small = verification.expected_seconds("ref:qwen3-vl-4b", grids=[(1, 4, 4)], backward=False)
+    big = verification.expected_seconds("ref:qwen3-vl-4b", grids=[(2, 16, 16)], backward=False)
+    with_grads = verification.expected_seconds("ref:qwen3-vl-4b", grids=[(2, 16, 16)])
+    assert 0 < small < big < with_grads

@@ -42,6 +42,10 @@ TOP_KEYS = {
     "rules",
     "facts",
     "notes",
+    "budget_s",
+    "probe_s",
+    "left_out",
+    "dtype_reason",
     "elapsed_s",
 }
 FINDING_KEYS = {
@@ -66,6 +70,14 @@ FINDING_KEYS = {
     "max_abs_diff",
     "error",
     "notes",
+    "disagreements",
+    "windows_timed",
+    "spread",
+    "reliable",
+    "rounds",
+    "backend",
+    "kernels",
+    "left_out",
 }
 
 
@@ -78,19 +90,20 @@ def _app() -> typer.Typer:
 
 
 def _fake_probe(ratio: float, backward: float | None = None, channels_last: float | None = None):
-    """A probe that measures ``ratio`` forward (2 ms GEMM), ``backward`` for the gradients when given."""
+    """A probe that measures ``ratio`` forward (2 ms GEMM), ``backward`` for the gradients when given,
+    in three rounds each (fewer would be unreliable and kept out of the savings)."""
 
     def probe_conv(shape, *, device, dtype, budget_s, **kw):
         return ProbeResult(
             shape,
             str(device),
             str(dtype).removeprefix("torch."),
-            conv=Timing((2.0 * ratio,)),
-            gemm=Timing((2.0,)),
-            conv_backward=Timing((4.0 * backward,)) if backward is not None else None,
-            gemm_backward=Timing((4.0,)) if backward is not None else None,
-            conv_channels_last=Timing((2.0 * channels_last,)) if channels_last is not None else None,
-            gemm_for_channels_last=Timing((2.0,)) if channels_last is not None else None,
+            conv=Timing((2.0 * ratio,) * 3),
+            gemm=Timing((2.0,) * 3),
+            conv_backward=Timing((4.0 * backward,) * 3) if backward is not None else None,
+            gemm_backward=Timing((4.0,) * 3) if backward is not None else None,
+            conv_channels_last=Timing((2.0 * channels_last,) * 3) if channels_last is not None else None,
+            gemm_for_channels_last=Timing((2.0,) * 3) if channels_last is not None else None,
         )
 
     return probe_conv
@@ -167,9 +180,7 @@ def test_no_args_scans_every_reference(monkeypatch):
 
 
 def test_real_probe_json_schema_is_stable():
-    res = _run(
-        "--model", "ref:qwen3-vl-4b", "--device", "cpu", "--patches", "64", "--budget", "0.5", "--json"
-    )
+    res = _run("--model", "ref:qwen3-vl-4b", "--device", "cpu", "--patches", "64", "--budget", "3", "--json")
     assert res.exit_code in (0, 1, 4), res.output
     data = json.loads(res.stdout)
     assert set(data) == TOP_KEYS

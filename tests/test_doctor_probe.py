@@ -86,7 +86,7 @@ def test_probe_fails_soft(monkeypatch):
 def test_doctor_on_cpu_with_onednn_off_explains_with_the_rule():
     tower = build_reference("qwen3-vl-4b", tiny=True)
     with torch.backends.mkldnn.flags(enabled=False):
-        report = doctor(tower, device="cpu", dtype="bf16", patches=64, budget_s=0.4)
+        report = doctor(tower, device="cpu", dtype="bf16", patches=64, budget_s=2.0)
     assert report.facts.onednn_enabled is False and report.facts.dtype == "bfloat16"
     assert "cpu-no-onednn" in {r.id for r in report.rules}
     (finding,) = report.findings
@@ -133,22 +133,64 @@ def test_doctor_validates_arguments():
         doctor("ref:qwen3-vl-4b", dtype="int8", probe=False)
 
 
-def test_a_very_slow_conv_is_not_repeated(monkeypatch):
-    import time
+def test_the_selected_backend_on_this_cpu():
+    """The evidence beside the rule: ATen's own choice for the probed conv, on the real CPU."""
+    from vlfast.diagnosis.doctor import disagreements
+    from vlfast.diagnosis.probe import selected_backend
+
+    x, w = torch.randn(16, 3, 2, 4, 4), torch.randn(8, 3, 2, 4, 4)
+    assert selected_backend(x, w, None, (2, 4, 4)) == "Mkldnn"  # oneDNN's direct conv: its rule agrees
+    with torch.backends.mkldnn.flags(enabled=False):
+        off = selected_backend(x.bfloat16(), w.bfloat16(), None, (2, 4, 4))
+        assert off == "Slow3d"  # the reference kernel cpu-no-onednn names
+        report = doctor("ref:qwen3-vl-4b", device="cpu", dtype="bfloat16", budget_s=2.0, workload="inference")
+    f = report.findings[0]
+    assert f.probe.backend == "Slow3d" and "cpu-no-onednn" in f.rules and not f.disagreements
+    assert "Slow3d" in report.to_markdown()
+    # A fired rule whose path the selected backend contradicts is shown, not hidden.
+    hit = next(h for h in report.rules if h.id == "cpu-no-onednn")
+    (line,) = disagreements([hit], "Mkldnn")
+    assert "cpu-no-onednn" in line and "Mkldnn" in line
+    assert disagreements([hit], None) == []
+
+
+def test_a_torch_without_select_conv_backend_reports_none(monkeypatch):
+    from vlfast.diagnosis.probe import selected_backend
+
+    monkeypatch.delattr(torch._C, "_select_conv_backend")
+    assert selected_backend(torch.randn(2, 3, 2, 4, 4), torch.randn(8, 3, 2, 4, 4), None, (2, 4, 4)) is None
+
+
+def test_cuda_kernel_names_are_filtered_from_a_trace(monkeypatch):
+    """The CUDA evidence, on a fabricated trace: only the names that tell the path are kept."""
+    import types
+
+    import torch.profiler
 
     import vlfast.diagnosis.probe as probe
 
-    calls = {"conv": 0}
+    names = [
+        "void at::native::vol2col_kernel<c10::BFloat16>(...)",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n",
+        "Memcpy DtoD (Device -> Device)",
+        "cudnn::fusion::ConvolutionForward",
+        "vol2col_kernel",
+    ]
 
-    def conv():
-        calls["conv"] += 1
-        time.sleep(0.3)
+    class FakeTrace:
+        def __init__(self, **kw):
+            pass
 
-    gemm, conv_budget = (lambda: None), 0.4
-    g, c = probe._interleaved(gemm, conv, torch.device("cpu"), conv_budget, 20)
-    assert calls["conv"] == 2 and c.n == 1 and not c.first_call  # warm-up, then one timed call
-    monkeypatch.setattr(probe, "_ONE_CALL_MS", 100.0)
-    calls["conv"] = 0
-    g, c = probe._interleaved(gemm, conv, torch.device("cpu"), conv_budget, 20)
-    assert calls["conv"] == 1 and c.first_call and c.median_ms >= 300
-    assert g.n >= 1
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return [types.SimpleNamespace(key=n) for n in names]
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeTrace)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    kernels = probe._cuda_kernels(lambda: None)
+    assert kernels == [names[0], names[1], names[3], names[4]]

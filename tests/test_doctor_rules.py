@@ -184,3 +184,71 @@ def test_public_names():
 
     assert vlfast.doctor.__module__ == "vlfast.diagnosis.doctor"
     assert vlfast.profile.__module__ == "vlfast.diagnosis.profiler"
+
+
+# ------------------------------------------------------------------------------------ issue 20 rules
+
+
+def test_torch_290_decides_from_the_compile_time_cudnn_and_says_an_upgrade_cannot_help():
+    # 2.9.0 compiled against 9.10, a 9.19 package loaded: the guard still reads 9.10 (PR #167111).
+    facts = gpu(torch_version="2.9.0+cu128", cudnn_compile=91002, cudnn_runtime=91900)
+    assert "cudnn-skip-conv3d" in fired(facts)
+    (hit,) = [h for h in evaluate(facts, [QWEN]) if h.id == "cudnn-skip-conv3d"]
+    assert "2.9.1" in hit.env_fix and "cannot help" in hit.env_fix
+    # 2.9.0 compiled against a fixed cuDNN: the guard does not skip, whatever loads.
+    assert "cudnn-skip-conv3d" not in fired(
+        gpu(torch_version="2.9.0", cudnn_compile=91500, cudnn_runtime=91002)
+    )
+
+
+def test_torch_291_reads_the_runtime_cudnn():
+    facts = gpu(torch_version="2.9.1+cu128", cudnn_compile=91002, cudnn_runtime=91900)
+    assert "cudnn-skip-conv3d" not in fired(facts)
+    (hit,) = [h for h in evaluate(gpu(torch_version="2.9.1"), [QWEN]) if h.id == "cudnn-skip-conv3d"]
+    assert "cannot help" not in hit.env_fix and "nvidia-cudnn-cu12>=9.15" in hit.env_fix
+
+
+def test_cu126_wording_is_current():
+    (hit,) = [h for h in evaluate(gpu(torch_version="2.14.0+cu126"), [QWEN]) if h.id == "cudnn-skip-conv3d"]
+    assert "cu126 wheels of torch 2.9-2.14" in hit.env_fix and "#190385" in hit.env_fix
+
+
+def rocm(**kw) -> Facts:
+    base = dict(device="cuda:0", dtype="bfloat16", torch_version="2.10.0+rocm7.0", torch_build="rocm")
+    return Facts(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("hip", "miopen", "fires"),
+    [
+        ("7.0.51831", None, True),
+        ("10.0.1", None, True),
+        ("10.1.0", None, False),  # ROCm 10.1 runs stride == kernel as one GEMM (rocm-libraries #10912)
+        ("11.0", None, False),
+        (None, None, True),  # unknown: most ROCm in use is older
+        ("7.0", "3.6.0", True),
+        ("7.0", "3.6.1", False),  # MIOpen decides when known
+        ("10.1", "3.5.0", True),
+    ],
+)
+def test_rocm_rule_fires_only_below_rocm_101_miopen_361(hip, miopen, fires):
+    assert ("rocm-miopen-conv3d" in fired(rocm(torch_hip=hip, miopen_version=miopen))) is fires
+
+
+def test_mixed_cudnn_libraries_are_reported():
+    wheel = "/venv/lib/python3.12/site-packages/nvidia/cudnn/lib"
+    same = {"libcudnn.so.9": f"{wheel}/libcudnn.so.9", "libcudnn_cnn.so.9": f"{wheel}/libcudnn_cnn.so.9"}
+    mixed = {
+        **same,
+        "libcudnn_engines_precompiled.so.9": "/usr/lib/x86_64-linux-gnu/libcudnn_engines_precompiled.so.9",
+    }
+    facts = gpu(torch_version="2.11.0+cu130", cudnn_runtime=92000, dtype="float32")
+    assert "cudnn-mixed-libraries" not in fired(gpu(cudnn_libraries=same))
+    assert "cudnn-mixed-libraries" not in fired(facts)  # not collected: nothing to say
+    facts.cudnn_libraries = mixed
+    assert "cudnn-mixed-libraries" in fired(facts)
+    assert "cudnn-mixed-libraries" not in fired(Facts(device="cpu", cudnn_libraries=mixed))
+    from vlfast.diagnosis.doctor import _libraries
+
+    assert "/usr/lib/x86_64-linux-gnu" in _libraries(facts) and wheel in _libraries(facts)
+    assert _libraries(gpu(cudnn_libraries=same)) == f"2 from {wheel}"

@@ -339,3 +339,126 @@ def test_profile_beside_a_busy_process_keeps_its_structure(tmp_path):
     for run in data["runs"]:
         assert sum(run["shares"].values()) == pytest.approx(1.0)
         assert run["forward_spread"] is not None
+
+
+# ------------------------------------------------------------------ issue 20: budget, progress, dtype
+
+
+class _FakeTime:
+    """The profiler's clock, moved only by fabricated forwards: 10 s unpatched, 2 s patched."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _fake_forwards(monkeypatch, clock: _FakeTime) -> None:
+    import vlfast.diagnosis.profiler as P
+    from vlfast.diagnosis.timing import Timing
+    from vlfast.patching.gemm import is_patched
+
+    def one_run(tower, hooks, inputs, device):
+        ms = 2000.0 if is_patched(tower) else 10000.0
+        clock.now += ms / 1e3
+        return ms, {"patch_embed": ms / 2, "blocks": ms / 4}, {"blocks.0": ms / 4}
+
+    def measure(fn, **kw):
+        clock.now += 5.0
+        return Timing((5000.0,))
+
+    monkeypatch.setattr(P, "time", clock)
+    monkeypatch.setattr(P, "_one_run", one_run)
+    monkeypatch.setattr(P, "measure", measure)
+
+
+@pytest.mark.parametrize(("budget", "rounds"), [(60.0, 4), (200.0, 5), (30.0, 1)])
+def test_the_budget_cuts_rounds_to_what_fits_and_says_so(monkeypatch, budget, rounds):
+    clock = _FakeTime()
+    _fake_forwards(monkeypatch, clock)
+    report = profile("ref:qwen3-vl-4b", tiny=True, device="cpu", dtype="float32", budget_s=budget, repeats=5)
+    before, after = report.pairs()[0]
+    assert before.repeats == after.repeats == rounds  # a 12 s warm-up round, then 12 s rounds that fit
+    # A 12 s round: never more than the budget, but always one timed round after the warm-up.
+    assert clock.now <= max(1.2 * budget, 24.0), clock.now
+    unreliable = [n for n in report.notes if "fit in the budget" in n]
+    assert bool(unreliable) == (before.repeats < 3), report.notes
+
+
+def test_progress_says_each_round_and_each_configuration_is_handed_over_when_measured(monkeypatch):
+    clock = _FakeTime()
+    _fake_forwards(monkeypatch, clock)
+    lines: list[str] = []
+    pairs = []
+    report = profile(
+        "ref:qwen3-vl-4b",
+        tiny=True,
+        device="cpu",
+        dtype="float32",
+        frames=(2, 4),
+        repeats=3,
+        progress=lines.append,
+        on_pair=lambda rep, b, a: pairs.append((b.frames, len(lines))),
+    )
+    assert [f for f, _ in pairs] == [2, 4]
+    assert pairs[0][1] < len(lines)  # the first configuration was handed over before the second ran
+    assert any(line.startswith("[1/2] batch 1 x 2 frames: round 1/3: before 10,000 ms") for line in lines), (
+        lines
+    )
+    assert any(line.startswith("[2/2] batch 1 x 4 frames: warm-up 1/1") for line in lines), lines
+    assert len(report.runs) == 4
+
+
+def test_cli_prints_progress_on_stderr_and_a_rounded_load_average():
+    res = CliRunner().invoke(
+        _app(),
+        ["profile", "--model", "ref:qwen3-vl-4b", "--tiny", "--device", "cpu", "--frames", "2"]
+        + ["--size", "56x56", "--warmup", "0", "--repeats", "1"],
+    )
+    assert res.exit_code == 0, res.output
+    assert "[1/1] batch 1 x 2 frames: round 1/1" in res.stderr, res.stderr
+    assert "round 1/1" not in res.stdout
+    import re
+
+    assert re.search(r"load average (\d+\.\d\d|\?) -> \d+\.\d\d on", res.stdout), res.stdout
+
+
+def test_an_emulated_bf16_cpu_profiles_float32_unless_asked(monkeypatch):
+    import vlfast.diagnosis.profiler as P
+    from vlfast.diagnosis.facts import Facts
+
+    avx2 = Facts(device="cpu", dtype="float32", cpu_capability="AVX2", cpu_flags=("avx2",), onednn_bf16=False)
+    monkeypatch.setattr(P, "cpu_facts", lambda device: avx2)
+    kw = dict(tiny=True, device="cpu", frames=(2,), size=(56, 56), warmup=0, repeats=1)
+    report = profile("ref:qwen3-vl-4b", **kw)
+    assert report.dtype == "float32" and any("emulated" in n for n in report.notes), report.notes
+    asked = profile("ref:qwen3-vl-4b", dtype="bfloat16", **kw)
+    assert asked.dtype == "bfloat16" and any("several times slower" in n for n in asked.notes), asked.notes
+
+
+def test_a_warm_up_longer_than_the_budget_is_the_measurement_and_a_long_forward_says_where_it_is(
+    monkeypatch,
+):
+    import vlfast.diagnosis.profiler as P
+
+    clock = _FakeTime()
+    _fake_forwards(monkeypatch, clock)  # a 12 s round
+    lines: list[str] = []
+    report = profile(
+        "ref:qwen3-vl-4b", tiny=True, device="cpu", dtype="float32", budget_s=10.0, progress=lines.append
+    )
+    before, _ = report.pairs()[0]
+    assert before.repeats == 1 and clock.now == pytest.approx(12.0)  # no second 12 s round
+    assert any("warm-up round is the measurement" in line for line in lines), lines
+    assert any("not a result" in n for n in report.notes), report.notes
+
+    # The heartbeat: a component that ends more than HEARTBEAT_S into a forward says how far it got.
+    hooks = P._Hooks(P.component_modules(build_reference("qwen3-vl-4b", tiny=True)))
+    said: list[str] = []
+    hooks.say, hooks.clock = said.append, P.Clock("cpu")
+    hooks.started = hooks.last_said = clock.now - 2 * P._Hooks.HEARTBEAT_S
+    hooks.open["blocks.3"] = hooks.clock.mark()
+    hooks._post("blocks", "blocks.3")(None, None, None)
+    hooks.remove()
+    assert said and said[0].startswith("blocks.3 done, 20 s into this forward"), said

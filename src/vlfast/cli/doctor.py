@@ -37,6 +37,7 @@ _VERDICT_STYLE = {"slow-path": "bold red", "gain": "bold yellow", "ok": "bold gr
 
 
 def _render(report) -> None:
+    from vlfast.diagnosis.doctor import _cpu_features, _libraries, _ratio_cell, _timed
     from vlfast.diagnosis.facts import cudnn_version_str
 
     f = report.facts
@@ -71,6 +72,7 @@ def _render(report) -> None:
         f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",
         cuda,
     )
+    row("cuDNN libraries loaded", _libraries(f), cuda)
     row(
         "GPU",
         f.gpu_name and f"{f.gpu_name} (compute capability {'.'.join(map(str, f.gpu_capability or ()))})",
@@ -78,7 +80,10 @@ def _render(report) -> None:
     )
     row("MPS built / available", f"{f.mps_built} / {f.mps_available}")
     row("oneDNN available / enabled", f"{f.onednn_available} / {f.onednn_enabled}")
-    row("CPU capability / threads", f"{f.cpu_capability} / {f.num_threads}")
+    row("CPU", f.cpu_model)
+    row("CPU capability (instruction set) / threads", f"{f.cpu_capability} / {f.num_threads}")
+    row("CPU bf16/fp16 features", _cpu_features(f))
+    row("dtype", f"{f.dtype}: {report.dtype_reason}" if report.dtype_reason else f.dtype)
     row(
         "transformers",
         f.transformers_version
@@ -95,35 +100,46 @@ def _render(report) -> None:
     for col, kw in [
         ("conv", {}),
         ("where", {"overflow": "fold"}),
+        ("windows x rounds", {"justify": "right"}),
         ("conv ms/sample", {"justify": "right"}),
         ("GEMM ms/sample", {"justify": "right"}),
         ("ratio", {"justify": "right"}),
+        ("bwd conv ms/sample", {"justify": "right"}),
+        ("bwd GEMM ms/sample", {"justify": "right"}),
         ("backward ratio", {"justify": "right"}),
         ("channels-last ratio", {"justify": "right"}),
+        ("backend", {}),
         ("status", {"no_wrap": True}),
         ("rules", {"overflow": "fold"}),
     ]:
         probe.add_column(col, **kw)
 
-    def ratio(v, status=None) -> str:
-        if v is None:
-            return "-"
-        style = _STATUS_STYLE.get(status or "", "")
-        return f"[{style}]{v:.2f}x[/{style}]" if style else f"{v:.2f}x"
+    def ms(v) -> str:
+        return "-" if v is None else f"{v:,.2f}"
+
+    def ratio(v, spread, reliable, status=None) -> str:
+        text = _ratio_cell(v, spread, reliable)
+        style = _STATUS_STYLE.get(status or "", "") if v is not None else ""
+        return f"[{style}]{text}[/{style}]" if style else text
 
     for x in report.findings:
         p = x.probe
         names = ", ".join(p.shape.names[:3]) + (" ..." if len(p.shape.names) > 3 else "")
         style = _STATUS_STYLE.get(x.status, "")
+        status = "left out" if p.left_out and p.conv is None else x.status
         probe.add_row(
             p.shape.describe(),
             escape(names),
-            f"{p.conv.median_ms:,.2f}" if p.conv else "-",
-            f"{p.gemm.median_ms:,.2f}" if p.gemm else "-",
-            ratio(p.ratio, x.forward_status),
-            ratio(p.backward_ratio, x.backward_status),
-            ratio(p.channels_last_ratio),
-            f"[{style}]{x.status}[/{style}]" + (f" ({escape(p.error)})" if p.error else ""),
+            _timed(p),
+            ms(p.per_sample_ms("conv")),
+            ms(p.per_sample_ms("gemm")),
+            ratio(p.ratio, p.spread, p.reliable, x.forward_status),
+            ms(p.per_sample_ms("conv_backward")),
+            ms(p.per_sample_ms("gemm_backward")),
+            ratio(p.backward_ratio, p.backward_spread, p.backward_reliable, x.backward_status),
+            "-" if p.channels_last_ratio is None else f"{p.channels_last_ratio:.2f}x",
+            p.backend or "-",
+            f"[{style}]{status}[/{style}]" + (f" ({escape(p.error)})" if p.error else ""),
             ", ".join(x.rules) or "-",
         )
     print_table(probe)
@@ -145,9 +161,15 @@ def _render(report) -> None:
                 highlight=False,
                 soft_wrap=True,
             )
+    for item in report.left_out:
+        console.print(f"[yellow]left out for lack of budget:[/yellow] {escape(item)}", highlight=False)
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
-    console.print(f"[dim]{report.elapsed_s:.1f} s; --markdown prints a block for bug reports[/dim]")
+    probe_s = f" (probe {report.probe_s:.1f} s of a {report.budget_s:g} s budget)" if report.probe_s else ""
+    console.print(
+        f"[dim]{report.elapsed_s:.1f} s{probe_s}; --markdown prints a block for bug reports[/dim]",
+        highlight=False,
+    )
 
 
 def register(app: typer.Typer) -> None:
@@ -167,8 +189,14 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         budget: Annotated[
-            float, typer.Option("--budget", min=0.1, help="Seconds the probe may spend in total.")
-        ] = 8.0,
+            float,
+            typer.Option(
+                "--budget",
+                min=0.1,
+                help="Seconds the probe may spend in total (held within 20%): it times fewer windows, "
+                "fewer rounds or fewer shapes to keep it, and says what it left out.",
+            ),
+        ] = 12.0,
         no_probe: Annotated[
             bool, typer.Option("--no-probe", help="Facts and rules only, no timing (no verdict).")
         ] = False,

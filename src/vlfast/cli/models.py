@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from vlfast.cli._common import JsonOpt, console, handle_errors, print_json
+from vlfast.cli._common import JsonOpt, handle_errors, print_json, print_table
 
 
 def register(app: typer.Typer) -> None:
@@ -41,4 +41,4 @@ def models(as_json: JsonOpt = False) -> None:
             str(out),
             r.source.split(" ")[0].removeprefix("huggingface.co/"),
         )
-    console.print(table)
+    print_table(table)

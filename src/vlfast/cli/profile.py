@@ -14,6 +14,7 @@ from vlfast.cli._common import (
     JsonOpt,
     UsageError,
     console,
+    err_console,
     handle_errors,
     print_json,
     print_table,
@@ -52,78 +53,95 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:,.2f}"
 
 
+def _load(v: float | None) -> str:
+    return "?" if v is None else f"{v:.2f}"
+
+
 def _render(report) -> None:
-    from vlfast.diagnosis.profiler import INLINE
-
     for before, after in report.pairs():
-        ref = before or after
-        cmp = report.comparison(before, after) if before and after else {}
+        _render_pair(report, before, after)
+    _render_notes(report)
 
-        def speedup(part: str, cmp: dict = cmp) -> str:
-            c = cmp.get(part)
-            if not c or c["measured_ratio"] is None:
-                return ""
-            if not c["changed"]:
-                return "[dim]unchanged[/dim]"  # no patched conv in it: its ratio is noise
-            text = f"{c['speedup']:.2f}x"
-            return text if c["reliable"] else f"[yellow]{text}? spread {c['spread']:.0%}[/yellow]"
 
-        t, h, w = ref.grid
-        table = Table(
-            title=(
-                f"{escape(report.target)} on {report.device} ({report.dtype}): batch {ref.batch} x {ref.frames} frames, "
-                f"grid {t}x{h}x{w}, {ref.patches:,} patches, median of {ref.repeats}; shares of the time timed; "
-                f"load average {report.load[0]} -> {report.load[1]} on {report.cpus} CPUs"
-            ),
-            title_justify="left",
-        )
-        table.add_column("component")
-        for col in ("before ms", "share", "after ms", "share", "speedup"):
-            table.add_column(col, justify="right")
-        parts = list(
-            dict.fromkeys([*(before.components if before else {}), *(after.components if after else {})])
-        )
-
-        def cells(run, part):
-            if run is None:
-                return "-", "-"
-            ms = run.inline_ms if part == INLINE else run.components.get(part)
-            share = run.shares.get(part)
-            return _ms(ms), "-" if share is None else f"{share:.1%}"
-
-        for part in [*parts, INLINE]:
-            b_ms, b_share = cells(before, part)
-            a_ms, a_share = cells(after, part)
-            bv = before and (before.inline_ms if part == INLINE else before.components.get(part))
-            av = after and (after.inline_ms if part == INLINE else after.components.get(part))
-            speed = speedup(part) if part != INLINE else ""
-            label = part
-            if part == "blocks":
-                runs = [r for r in (before, after) if r is not None]
-                n = len([k for k in runs[0].items if k.startswith(("blocks.", "layers.", "layer."))])
-                label = f"blocks (all {n})"
-            table.add_row(label, b_ms, b_share, a_ms, a_share, speed)
-        for name, getter in [
-            ("forward (hooked)", lambda r: r.forward_ms),
-            ("forward (no hooks)", lambda r: r.plain_forward_ms),
-            ("whole VLM forward", lambda r: r.vlm_forward_ms),
-        ]:
-            bv, av = (getter(r) if r else None for r in (before, after))
-            if bv is None and av is None:
-                continue
-            if name == "forward (hooked)":
-                speed = speedup("forward")
-            else:
-                speed = f"{bv / av:.1f}x" if bv and av else ""
-            table.add_row(f"[bold]{name}[/bold]", _ms(bv), "", _ms(av), "", f"[bold]{speed}[/bold]")
-        print_table(table)
-        for run in (before, after):
-            if run is not None and run.vlm_error:
-                console.print(
-                    f"[yellow]whole VLM forward not timed:[/yellow] {escape(run.vlm_error)}", highlight=False
-                )
+def _render_notes(report) -> None:
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
+
+
+def _render_pair(report, before, after) -> None:
+    """One configuration's table, printed as soon as it is measured (a killed run keeps what it printed)."""
+    from vlfast.diagnosis.profiler import INLINE, MIN_ROUNDS
+    from vlfast.diagnosis.profiler import _load as load_now
+
+    end = report.load[1] if report.load[1] is not None else load_now()
+    ref = before or after
+    cmp = report.comparison(before, after) if before and after else {}
+
+    def speedup(part: str, cmp: dict = cmp) -> str:
+        c = cmp.get(part)
+        if not c or c["measured_ratio"] is None:
+            return ""
+        if not c["changed"]:
+            return "[dim]unchanged[/dim]"  # no patched conv in it: its ratio is noise
+        text = f"{c['speedup']:.2f}x"
+        if c["reliable"]:
+            return text
+        if c["rounds"] < MIN_ROUNDS:
+            return f"[yellow]{text}? {c['rounds']} round{'s' if c['rounds'] != 1 else ''}[/yellow]"
+        return f"[yellow]{text}? spread {c['spread']:.0%}[/yellow]"
+
+    t, h, w = ref.grid
+    table = Table(
+        title=(
+            f"{escape(report.target)} on {report.device} ({report.dtype}): batch {ref.batch} x {ref.frames} frames, "
+            f"grid {t}x{h}x{w}, {ref.patches:,} patches, median of {ref.repeats}; shares of the time timed; "
+            f"load average {_load(report.load[0])} -> {_load(end)} on {report.cpus} CPUs"
+        ),
+        title_justify="left",
+    )
+    table.add_column("component")
+    for col in ("before ms", "share", "after ms", "share", "speedup"):
+        table.add_column(col, justify="right")
+    parts = list(
+        dict.fromkeys([*(before.components if before else {}), *(after.components if after else {})])
+    )
+
+    def cells(run, part):
+        if run is None:
+            return "-", "-"
+        ms = run.inline_ms if part == INLINE else run.components.get(part)
+        share = run.shares.get(part)
+        return _ms(ms), "-" if share is None else f"{share:.1%}"
+
+    for part in [*parts, INLINE]:
+        b_ms, b_share = cells(before, part)
+        a_ms, a_share = cells(after, part)
+        bv = before and (before.inline_ms if part == INLINE else before.components.get(part))
+        av = after and (after.inline_ms if part == INLINE else after.components.get(part))
+        speed = speedup(part) if part != INLINE else ""
+        label = part
+        if part == "blocks":
+            runs = [r for r in (before, after) if r is not None]
+            n = len([k for k in runs[0].items if k.startswith(("blocks.", "layers.", "layer."))])
+            label = f"blocks (all {n})"
+        table.add_row(label, b_ms, b_share, a_ms, a_share, speed)
+    for name, getter in [
+        ("forward (hooked)", lambda r: r.forward_ms),
+        ("forward (no hooks)", lambda r: r.plain_forward_ms),
+        ("whole VLM forward", lambda r: r.vlm_forward_ms),
+    ]:
+        bv, av = (getter(r) if r else None for r in (before, after))
+        if bv is None and av is None:
+            continue
+        plain = f"{bv / av:.1f}x" if bv and av else ""
+        speed = speedup("forward") if name == "forward (hooked)" else plain
+        table.add_row(f"[bold]{name}[/bold]", _ms(bv), "", _ms(av), "", f"[bold]{speed}[/bold]")
+    print_table(table)
+    for run in (before, after):
+        if run is not None and run.vlm_error:
+            console.print(
+                f"[yellow]whole VLM forward not timed:[/yellow] {escape(run.vlm_error)}", highlight=False
+            )
 
 
 def register(app: typer.Typer) -> None:
@@ -143,7 +161,10 @@ def register(app: typer.Typer) -> None:
         batch: Annotated[
             str, typer.Option("--batch", help="Batch sizes (clips per forward), e.g. 1,2,4.")
         ] = "1",
-        frames: Annotated[str, typer.Option("--frames", help="Frames per clip, e.g. 2,8,16.")] = "8",
+        frames: Annotated[
+            str | None,
+            typer.Option("--frames", help="Frames per clip, e.g. 2,8,16. Default 8 on GPU, 2 on CPU."),
+        ] = None,
         size: Annotated[
             str | None,
             typer.Option(
@@ -170,6 +191,15 @@ def register(app: typer.Typer) -> None:
                 "--plot", metavar="PNG", help="Write a PNG bar chart here (pip install 'vlfast[plot]')."
             ),
         ] = None,
+        budget: Annotated[
+            float,
+            typer.Option(
+                "--budget",
+                min=0.1,
+                help="Seconds the timing may take in total (model building not counted): each "
+                "configuration cuts its rounds to fit and says so.",
+            ),
+        ] = 60.0,
         json_out: JsonOpt = False,
     ) -> None:
         """Time each component of a vision tower forward before and after patching, with medians and shares.
@@ -186,12 +216,19 @@ def register(app: typer.Typer) -> None:
             _require_matplotlib()
         if model is not None and not model.startswith(REF_PREFIX):
             vision_config_of(model)
+
+        def progress(line: str) -> None:  # stderr, so a killed run says where it was; stdout stays JSON
+            err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+
         report = profile(
             model,
             device=device,
             dtype=dtype,
             batch_sizes=_ints(batch, "--batch"),
-            frames=_ints(frames, "--frames"),
+            frames=_ints(frames, "--frames") if frames is not None else None,
+            budget_s=budget,
+            progress=progress,
+            on_pair=None if json_out else _render_pair,
             size=_size(size),
             warmup=warmup,
             repeats=repeats,
@@ -202,6 +239,6 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json({**report.to_dict(), "plot": png})
         else:
-            _render(report)
+            _render_notes(report)  # the tables were printed as each configuration was measured
             if png:
                 console.print(f"chart: {png}", highlight=False)

@@ -19,6 +19,7 @@ from vlfast.cli._common import (
     err_console,
     handle_errors,
     print_json,
+    print_table,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +80,10 @@ class _Progress:
             self.status = None
 
 
+def _duration(seconds: float) -> str:
+    return f"{max(1, round(seconds))} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
 def _parse_grid(text: str) -> tuple[int, int, int]:
     try:
         t, h, w = (int(v) for v in text.lower().split("x"))
@@ -122,15 +127,31 @@ def verify(
 
     Each check is reported on stderr as it starts and as it ends; with --json, stdout is the report only.
     """
+    from vlfast.patching.verification import expected_seconds
     from vlfast.patching.verification import verify as run_verify
 
     grids = [_parse_grid(g) for g in grid] if grid else [(2, 16, 16), (1, 12, 20)]
+    dtypes = ["float32", *(dtype or ["bfloat16"])]
+    try:
+        guess = expected_seconds(
+            model, grids=grids, dtypes=dtypes, device=device, n_windows=windows, backward=backward, tiny=tiny
+        )
+    except (ValueError, OSError, RuntimeError, TypeError):  # verify itself says what is wrong
+        guess = None
+    if guess is not None:
+        err_console.print(
+            f"vlfast verify {model}: expected ~{_duration(guess)} here (a rough estimate from the tower's "
+            "size and a GEMM rate measured now; a busy machine takes longer)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     progress = _Progress(err_console)
     try:
         report = run_verify(
             model,
             grids=grids,
-            dtypes=["float32", *(dtype or ["bfloat16"])],
+            dtypes=dtypes,
             device=device,
             n_windows=windows,
             backward=backward,
@@ -152,7 +173,7 @@ def verify(
             table.add_row(
                 "[green]ok[/green]" if c.passed else "[red]FAIL[/red]", c.scope, c.dtype, c.name, metrics
             )
-        console.print(table)
+        print_table(table)
         console.print("thresholds: " + "; ".join(f"{k} {v}" for k, v in limits.items()), highlight=False)
         for note in report.notes:
             console.print(f"[yellow]note:[/yellow] {escape(note)}")

@@ -30,7 +30,10 @@ from torch import nn
 from vlfast.diagnosis.facts import (
     Facts,
     check_device,
+    choose_dtype,
     collect_facts,
+    cpu_facts,
+    cudnn_libraries,
     cudnn_version_str,
     default_device,
     default_dtype,
@@ -38,6 +41,8 @@ from vlfast.diagnosis.facts import (
 )
 from vlfast.diagnosis.probe import (
     DEFAULT_PATCHES,
+    MIN_ROUNDS,
+    Budget,
     ConvShape,
     ProbeResult,
     conv_shapes,
@@ -55,6 +60,7 @@ __all__ = [
     "DoctorReport",
     "Finding",
     "Fix",
+    "disagreements",
     "doctor",
     "verdict_for",
 ]
@@ -125,10 +131,12 @@ class Finding:
     forward_status: Status = "ok"
     backward_status: Status | None = None
     channels_last_escapes: bool | None = None
+    disagreements: list[str] = field(default_factory=list)  # rules the selected backend contradicts
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "status": self.status,
+            "disagreements": list(self.disagreements),
             "forward_status": self.forward_status,
             "backward_status": self.backward_status,
             "channels_last_escapes": self.channels_last_escapes,
@@ -190,6 +198,10 @@ class DoctorReport:
     backward_savings_ms_per_sample: dict[str, float] = field(default_factory=dict)
     workload: Workload = "training"
     fail_on: FailOn = "any"
+    budget_s: float | None = None
+    probe_s: float | None = None  # what the probe took of the budget
+    left_out: list[str] = field(default_factory=list)  # what the budget left out, one line each
+    dtype_reason: str | None = None  # why this dtype (on CPU: native or emulated here)
 
     @property
     def exit_code(self) -> int:
@@ -238,6 +250,10 @@ class DoctorReport:
             "rules": [r.to_dict() for r in self.rules],
             "facts": self.facts.to_dict(),
             "notes": list(self.notes),
+            "budget_s": self.budget_s,
+            "probe_s": self.probe_s,
+            "left_out": list(self.left_out),
+            "dtype_reason": self.dtype_reason,
             "elapsed_s": self.elapsed_s,
         }
 
@@ -259,10 +275,14 @@ class DoctorReport:
                 "cudnn enabled / benchmark / tf32",
                 f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",
             ),
+            ("cuDNN libraries loaded", _libraries(f)),
             ("GPU", gpu),
             ("MPS (built / available)", f"{f.mps_built} / {f.mps_available}"),
             ("oneDNN (available / enabled)", f"{f.onednn_available} / {f.onednn_enabled}"),
+            ("CPU", f.cpu_model),
             ("CPU capability / threads", f"{f.cpu_capability} / {f.num_threads}"),
+            ("CPU bf16/fp16 features", _cpu_features(f)),
+            ("dtype", f"{f.dtype}: {self.dtype_reason}" if self.dtype_reason else f.dtype),
             ("transformers", f"{f.transformers_version} (fusion_config: {f.transformers_fusion})"),
             ("VLFAST_PATCH", f.autopatch_env or "unset"),
             ("model patched", f.model_patched),
@@ -272,6 +292,7 @@ class DoctorReport:
                 "CUDA (build / driver)",
                 "cuDNN (compile / runtime)",
                 "cudnn enabled / benchmark / tf32",
+                "cuDNN libraries loaded",
                 "GPU",
             )
             env = [(k, "n/a (CPU build)" if k in skip else v) for k, v in env]
@@ -282,16 +303,20 @@ class DoctorReport:
             "",
             f"Target: `{self.target}` on `{f.device}` in `{f.dtype}`, {self.patches:,} patches per sample.",
             "",
-            "| conv | where | conv ms/sample | GEMM ms/sample | ratio | backward ratio "
-            "| channels-last ratio | status | rules |",
-            "|---|---|---:|---:|---:|---:|---:|---|---|",
+            "| conv | where | windows x rounds | conv ms/sample | GEMM ms/sample | ratio (spread) "
+            "| conv bwd ms/sample | GEMM bwd ms/sample | backward ratio (spread) | channels-last ratio "
+            "| backend | status | rules |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
         ]
         for x in self.findings:
             p = x.probe
             lines.append(
                 f"| {p.shape.describe()} | {', '.join(p.shape.names[:3])}{' ...' if len(p.shape.names) > 3 else ''} "
-                f"| {_num(p.conv.median_ms if p.conv else None)} | {_num(p.gemm.median_ms if p.gemm else None)} "
-                f"| {_num(p.ratio, 'x')} | {_num(p.backward_ratio, 'x')} | {_num(p.channels_last_ratio, 'x')} "
+                f"| {_timed(p)} | {_num(p.per_sample_ms('conv'))} | {_num(p.per_sample_ms('gemm'))} "
+                f"| {_ratio_cell(p.ratio, p.spread, p.reliable)} "
+                f"| {_num(p.per_sample_ms('conv_backward'))} | {_num(p.per_sample_ms('gemm_backward'))} "
+                f"| {_ratio_cell(p.backward_ratio, p.backward_spread, p.backward_reliable)} "
+                f"| {_num(p.channels_last_ratio, 'x')} | {p.backend or '-'} "
                 f"| {x.status}{' (' + p.error + ')' if p.error else ''} "
                 f"| {', '.join(x.rules) or '-'} |"
             )
@@ -303,6 +328,9 @@ class DoctorReport:
         if self.fixes:
             lines += ["", "Fix (any one):", ""]
             lines += [f"- `{x.text}` ({x.kind}: {x.note})" for x in self.fixes]
+        if self.left_out:
+            lines += ["", f"Left out for lack of budget ({self.budget_s:g} s):", ""]
+            lines += [f"- {x}" for x in self.left_out]
         if self.notes:
             lines += ["", *[f"- {n}" for n in self.notes]]
         return "\n".join(lines) + "\n"
@@ -312,6 +340,50 @@ def _num(v: float | None, unit: str = "") -> str:
     if v is None:
         return "-"
     return f"{v:,.1f}{unit}" if v >= 10 else f"{v:.3g}{unit}"
+
+
+def _timed(p: ProbeResult) -> str:
+    """ "768 x 3": windows per timed call x rounds (figures are scaled to the sample's windows)."""
+    if p.windows_timed is None or p.conv is None:
+        return "-"
+    return f"{p.windows_timed:,} x {p.conv.n}"
+
+
+def _ratio_cell(ratio: float | None, spread: float | None, reliable: bool) -> str:
+    """ "4.12x (spread 6%)", or "4.12x (unreliable)" under MIN_ROUNDS rounds per side."""
+    if ratio is None:
+        return "-"
+    if not reliable:
+        return f"{ratio:.2f}x (unreliable)"
+    return f"{ratio:.2f}x (spread {spread:.0%})" if spread is not None else f"{ratio:.2f}x"
+
+
+def _libraries(f: Facts) -> str | None:
+    """The loaded cuDNN libraries, listed in full only when they come from more than one place."""
+    libs = f.cudnn_libraries
+    if not libs:
+        return None
+    dirs = {os.path.dirname(p) for p in libs.values()}
+    if len(dirs) == 1:
+        return f"{len(libs)} from {dirs.pop()}"
+    return "; ".join(f"{name}: {path}" for name, path in sorted(libs.items()))
+
+
+def _cpu_features(f: Facts) -> str | None:
+    if f.cpu_flags is None and f.onednn_bf16 is None:
+        return None
+    flags = ", ".join(x for x in (f.cpu_flags or ()) if x not in ("avx2", "avx512f")) or "none"
+    limits = [
+        f"{k}={v}"
+        for k, v in (
+            ("ATEN_CPU_CAPABILITY", f.aten_cpu_capability_env),
+            ("ONEDNN_MAX_CPU_ISA", f.onednn_max_cpu_isa_env),
+        )
+        if v
+    ]
+    return f"{flags}; oneDNN bf16 {f.onednn_bf16}, fp16 {f.onednn_fp16}" + (
+        f"; limits: {', '.join(limits)}" if limits else ""
+    )
 
 
 def _fact(v: Any) -> str:
@@ -451,6 +523,11 @@ def _summary(
     if worst_f.backward_status in ("slow-path", "gain"):
         passes.append(f"{worst_f.probe.backward_ratio:.1f}x backward")
     kind = "Slow path" if verdict == "slow-path" else "Gain available (no slow path)"
+    if model is None:
+        return (
+            f"{kind}: {where} is {' and '.join(passes)}; no saving is estimated: no losing conv was timed "
+            f"{MIN_ROUNDS} times per side within the budget (raise --budget)."
+        )
     fwd, bwd = savings.get(model, 0.0), backward.get(model, 0.0)
     saving = f"~{fwd:,.1f} ms per sample forward" + (f" + {bwd:,.1f} ms backward" if bwd else "")
     hours = (fwd + bwd) / 36
@@ -466,7 +543,7 @@ def doctor(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     patches: int = DEFAULT_PATCHES,
-    budget_s: float = 8.0,
+    budget_s: float = 12.0,
     slow_ratio: float = SLOW_RATIO,
     probe: bool = True,
     workload: Workload = "training",
@@ -499,35 +576,60 @@ def doctor(
         raise InputRefused(f"fail_on must be 'any' or 'slow-path', got {fail_on!r}")
     t0 = time.perf_counter()
     dev = check_device(device) if device is not None else default_device()
-    dt = dtype_name(dtype) if dtype is not None else default_dtype(dev)
+    asked = dtype_name(dtype) if dtype is not None else None
+    choice = None
+    if torch.device(dev).type == "cpu":
+        choice = choose_dtype(cpu_facts(dev), asked)  # bf16 only where the CPU computes it natively
+        dt = choice.dtype
+    else:
+        dt = asked or default_dtype(dev)
     target, shapes = _scan(model, patches)
     gc.collect()  # the scan's temporary towers: collect them now, not inside a timed call
     geometries = merge_shapes(shapes)
     patched = all(s.patched for s in shapes) if shapes else None
     facts = collect_facts(dev, dt, model_patched=patched)
 
-    convs = [ConvGeometry(g.kernel_size, g.describe()) for g in geometries]
+    convs = {g.key: ConvGeometry(g.kernel_size, g.describe()) for g in geometries}
     backward = workload == "training"
-    # Inference runs no backward: a rule about the backward alone explains nothing there.
-    hits = [h for h in evaluate(facts, convs) if backward or "forward" in h.phases]
-    per_shape_budget = max(0.5, budget_s / max(1, len(geometries)))
-    findings: list[Finding] = []
-    for g, c in zip(geometries, convs):
-        if probe:
-            result = probe_conv(
-                g,
-                device=dev,
-                dtype=getattr(torch, dt),
-                budget_s=per_shape_budget,
-                backward=backward,
-                slow_ratio=slow_ratio,
+    # The geometries most references share first: when the budget runs out, what is left out matters least.
+    order = sorted(geometries, key=lambda g: -len({_model(n) for n in g.names}))
+    budget = Budget(budget_s)
+    results: dict[tuple, ProbeResult] = {}
+    for i, g in enumerate(order):
+        if not probe:
+            results[g.key] = ProbeResult(g, dev, dt, notes=["probe disabled"])
+            continue
+        # What the earlier shapes left, shared by how many models each remaining shape stands for.
+        weights = [len({_model(n) for n in x.names}) for x in order[i:]]
+        share_s = max(0.0, budget.left_ms / 1e3) * weights[0] / sum(weights)
+        if share_s <= 0:
+            results[g.key] = ProbeResult(
+                g, dev, dt, left_out="the whole shape: the budget was spent before it"
             )
-        else:
-            result = ProbeResult(g, dev, dt, notes=["probe disabled"])
+            continue
+        results[g.key] = probe_conv(
+            g,
+            device=dev,
+            dtype=getattr(torch, dt),
+            budget_s=share_s,
+            budget=budget,
+            stretch_s=share_s,  # up to twice its share when that keeps the backward in
+            backward=backward,
+            slow_ratio=slow_ratio,
+        )
+    probe_s = budget.spent_ms / 1e3 if probe else None
+    if probe and facts.torch_build == "cuda":  # cuDNN's sub-libraries load with the first convolution
+        facts.cudnn_libraries = _soft_libraries() or facts.cudnn_libraries
+    # Inference runs no backward: a rule about the backward alone explains nothing there.
+    hits = [h for h in evaluate(facts, list(convs.values())) if backward or "forward" in h.phases]
+    findings: list[Finding] = []
+    for g in geometries:
+        result, c = results[g.key], convs[g.key]
         mine = [h for h in hits if c.name in h.convs]
         rules = [h.id for h in mine]
+        disagree = disagreements(mine, result.backend)
         if result.error is not None:
-            findings.append(Finding(result, rules, "error", "error"))
+            findings.append(Finding(result, rules, "error", "error", disagreements=disagree))
             continue
         fwd = _loss_status(
             result.ratio, any(h.pathological and "forward" in h.phases for h in mine), slow_ratio
@@ -542,12 +644,37 @@ def doctor(
         escapes = None
         if result.channels_last_ratio is not None and fwd in ("slow-path", "gain"):
             escapes = result.channels_last_ratio < slow_ratio
-        findings.append(Finding(result, rules, _worse(fwd, bwd), fwd, bwd, escapes))
+        findings.append(Finding(result, rules, _worse(fwd, bwd), fwd, bwd, escapes, disagree))
 
     verdict = verdict_for(findings, slow_ratio=slow_ratio)
     savings = _savings(findings, "forward")
     backward_savings = _savings(findings, "backward") if backward else {}
     fixes, notes = _fixes(verdict, findings, hits, facts)
+    if choice is not None and choice.warning:
+        notes.insert(0, choice.warning)
+    left_out = [
+        f"{f.probe.shape.describe()} ({', '.join(f.probe.shape.names)}): {f.probe.left_out}"
+        for f in findings
+        if f.probe.left_out
+    ]
+    if left_out:
+        notes.append(
+            f"the {budget_s:g} s budget left out {len(left_out)} item(s), listed above; "
+            f"--budget {_more_budget(budget_s, findings)} would probe them"
+        )
+    for f in findings:
+        if f.probe.kernels:  # the evidence, as the original report gave it: what one conv call launches
+            notes.append(
+                f"{f.probe.shape.describe()}: ATen selects {f.probe.backend or 'an unknown backend'}; one "
+                f"traced call launches {'; '.join(f.probe.kernels)}"
+            )
+        for d in f.disagreements:
+            notes.append(f"{f.probe.shape.describe()}: {d}")
+        if not f.probe.reliable and f.probe.conv is not None:
+            notes.append(
+                f"{f.probe.shape.describe()}: fewer than {MIN_ROUNDS} rounds per side fit in the budget; "
+                "its figures are unreliable and left out of the savings"
+            )
     for f in findings:
         if f.status in ("slow-path", "gain") and not f.rules:
             notes.append(
@@ -594,7 +721,51 @@ def doctor(
         backward_savings_ms_per_sample=backward_savings,
         workload=workload,
         fail_on=fail_on,
+        budget_s=budget_s,
+        probe_s=probe_s,
+        left_out=left_out,
+        dtype_reason=choice.reason if choice is not None else None,
     )
+
+
+def _soft_libraries() -> dict[str, str] | None:
+    try:
+        return cudnn_libraries()
+    except OSError:  # no /proc here
+        return None
+
+
+def _more_budget(budget_s: float, findings: list[Finding]) -> str:
+    """A budget that would have fitted what was left out: twice the current one per left-out shape."""
+    n = sum(1 for f in findings if f.probe.left_out)
+    return f"{budget_s * (1 + n):g}"
+
+
+# What each rule's slow path runs on, as torch._C._select_conv_backend names it. A rule that fires while
+# ATen selects another backend for the same conv is contradicted by the evidence: shown, never hidden.
+_RULE_BACKENDS: dict[str, tuple[str, ...]] = {
+    "cudnn-skip-conv3d": ("Slow3d", "SlowDilated3d"),
+    "cudnn-disabled": ("Slow2d", "Slow3d", "SlowDilated2d", "SlowDilated3d"),
+    "mps-conv3d": ("Mps",),
+    "rocm-miopen-conv3d": ("Miopen",),
+    "cpu-onednn-window-conv": ("Mkldnn",),
+    "cpu-no-onednn": ("Slow2d", "Slow3d", "SlowDilated2d", "SlowDilated3d"),
+}
+
+
+def disagreements(hits: list[RuleHit], backend: str | None) -> list[str]:
+    """One line per fired rule whose predicted path the backend ATen selected contradicts. Pure."""
+    if backend is None:
+        return []
+    out = []
+    for h in hits:
+        expected = _RULE_BACKENDS.get(h.id)
+        if expected and backend not in expected:
+            out.append(
+                f"disagreement: rule {h.id} predicts the {' / '.join(expected)} path, but ATen selects "
+                f"{backend} for this conv (torch._C._select_conv_backend)"
+            )
+    return out
 
 
 def _ratios(f: Finding) -> str:

@@ -5,14 +5,21 @@ window per row, ``(N, C, *kernel)``) and times ``F.convNd`` against ``F.linear``
 at the chosen device and dtype, under whatever backend switches are active (cuDNN, oneDNN). The default
 ``N`` is one 8-frame 512x384 clip for Qwen3-VL: grid (t, h, w) = (4, 24, 32), 3,072 patches, the count
 ``benchmarks/patch_embed.py`` uses (the Blackwell report's clip, transformers #45750, had 6,080).
-Every shape gets a time budget; a conv too slow to repeat is timed once (see :func:`_interleaved`).
+
+Every shape gets a share of one :class:`Budget`. One small call of each side first measures what a
+window costs here; from that the probe chooses how many windows to time (all of them, or fewer, scaled
+back to the sample), then times at least ``MIN_ROUNDS`` interleaved rounds of conv and GEMM, forward and
+backward on the same windows, and stops when its share is spent. What does not fit is left out and
+said so, never timed once and scaled.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +27,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlfast.diagnosis.timing import Timing, measure
+from vlfast.diagnosis.timing import Timing, _timed_call
 from vlfast.errors import InputRefused
 from vlfast.patching.gemm import eligibility, is_patched
 
-__all__ = ["DEFAULT_PATCHES", "ConvShape", "ProbeResult", "conv_shapes", "merge_shapes", "probe_conv"]
+__all__ = [
+    "DEFAULT_PATCHES",
+    "MIN_ROUNDS",
+    "Budget",
+    "ConvShape",
+    "ProbeResult",
+    "choose_windows",
+    "conv_shapes",
+    "merge_shapes",
+    "probe_conv",
+    "selected_backend",
+]
 
 DEFAULT_PATCHES = 4 * 24 * 32  # 3,072: one 8-frame clip (T=2 -> 4 temporal patches) of 512x384 px at P=16
 
@@ -121,9 +139,82 @@ def merge_shapes(shapes: list[ConvShape]) -> list[ConvShape]:
     return list(merged.values())
 
 
+MIN_ROUNDS = 3  # timed rounds of each side below which a figure is unreliable and kept out of the headline
+# The first, small call that tells what a window costs here: at most this many windows, fewer for a wide
+# GEMM (at most CALIBRATION_MACS multiply-adds), so that GLM's 1536->4096 downsample, whose CPU backward
+# costs ~40 ms per window, calibrates in a fraction of a second.
+CALIBRATION_WINDOWS = 128
+CALIBRATION_MACS = 2**27
+_MIN_CALIBRATION_WINDOWS = 16
+_MAX_ROUNDS = 20
+
+
+@dataclass
+class Budget:
+    """The seconds a probe may spend, read from ``clock`` (a fake one in tests)."""
+
+    seconds: float
+    clock: Callable[[], float] | None = None  # default: _now
+
+    def __post_init__(self) -> None:
+        if self.seconds <= 0:
+            raise InputRefused(f"budget must be positive, got {self.seconds} s")
+        self.clock = self.clock or _now
+        self.start = self.clock()
+        # ms per multiply-add of a round (every side once), forward alone and with the backward, from
+        # the shapes calibrated so far: a later shape that cannot fit is left out before it is calibrated.
+        self.rates: dict[str, float] = {}
+
+    @property
+    def spent_ms(self) -> float:
+        return (self.clock() - self.start) * 1e3
+
+    @property
+    def left_ms(self) -> float:
+        return self.seconds * 1e3 - self.spent_ms
+
+
+def _now() -> float:
+    """Seconds on the probe's clock (tests replace it, with :func:`_time_once`, by a fake one)."""
+    return time.perf_counter()
+
+
+def _time_once(fn: Callable[[], object], dev: torch.device) -> float:
+    """Milliseconds of one call; the one place the probe reads time (tests replace it)."""
+    return _timed_call(fn, dev)
+
+
+def choose_windows(
+    round_ms_per_window: float, windows: int, share_ms: float, *, calibrated: int, rounds: int = MIN_ROUNDS
+) -> int | None:
+    """How many windows to time so that a warm-up round and ``rounds`` timed rounds fit in ``share_ms``.
+
+    ``round_ms_per_window`` is what one round (every side timed once) costs per window, from a call on
+    ``calibrated`` windows. All ``windows`` when they fit; else as many as fit, never fewer than
+    ``calibrated`` (there the calibration call was the warm-up, so ``rounds`` rounds are enough);
+    None when not even that fits. Pure, so a test plays any machine.
+    """
+    if round_ms_per_window <= 0:
+        return windows
+    fit = int(share_ms / ((rounds + 1) * round_ms_per_window))
+    if fit >= windows:
+        return windows
+    if fit > calibrated:
+        return fit
+    if rounds * round_ms_per_window * calibrated <= share_ms:
+        return min(calibrated, windows)
+    return None
+
+
 @dataclass
 class ProbeResult:
-    """Measured time of one conv geometry and of its GEMM, per sample (one call = one sample)."""
+    """Measured time of one conv geometry and of its GEMM, per sample (one call = one sample).
+
+    Forward and backward are timed in the same interleaved rounds on ``windows_timed`` windows and
+    scaled to the sample's ``shape.windows`` by :attr:`scale` (a GEMM's and a kernel-sized conv's cost
+    is linear in the windows once past a few dozen). A figure with fewer than ``MIN_ROUNDS`` rounds is
+    unreliable: shown, but kept out of every saving.
+    """
 
     shape: ConvShape
     device: str
@@ -134,21 +225,31 @@ class ProbeResult:
     # engine missing for the backward alone (cuDNN 9.20, bf16) leaves the forward fast.
     conv_backward: Timing | None = None
     gemm_backward: Timing | None = None
-    backward_windows: int | None = None  # windows the backward was timed on (<= shape.windows)
+    windows_timed: int | None = None  # windows per timed call (<= shape.windows)
     # The same conv with its input in channels_last (2-D) / channels_last_3d (3-D): a fix users can apply
     # without vlfast, since torch's cuDNN guard looks at contiguous inputs only. None: not probed.
     conv_channels_last: Timing | None = None
     gemm_for_channels_last: Timing | None = None
     onednn_enabled: bool | None = None
     cudnn_enabled: bool | None = None
+    backend: str | None = None  # ATen's choice for this conv (torch._C._select_conv_backend), e.g. "Mkldnn"
+    kernels: list[str] = field(default_factory=list)  # CUDA kernel names of one traced conv call
     max_abs_diff: float | None = None  # conv vs GEMM on the probe input: a sanity check, not a proof
+    left_out: str | None = None  # what the budget left out of this geometry, and why
     error: str | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
+    def backward_windows(self) -> int | None:
+        return self.windows_timed if self.conv_backward is not None else None
+
+    @property
+    def scale(self) -> float:
+        return self.shape.windows / (self.windows_timed or self.shape.windows)
+
+    @property
     def ratio(self) -> float | None:
-        """conv / GEMM: the median of the per-round ratios when both were timed in the same rounds (a
-        load change hits a round's pair alike), else the ratio of the medians."""
+        """conv / GEMM: the median of the per-round ratios (a load change hits a round's pair alike)."""
         return _ratio(self.conv, self.gemm)
 
     @property
@@ -157,63 +258,117 @@ class ProbeResult:
         return _ratio(self.conv_backward, self.gemm_backward)
 
     @property
+    def spread(self) -> float | None:
+        """(max - min) / median of the forward's per-round ratios."""
+        return _spread(self.conv, self.gemm)
+
+    @property
+    def backward_spread(self) -> float | None:
+        return _spread(self.conv_backward, self.gemm_backward)
+
+    @property
     def channels_last_ratio(self) -> float | None:
         """conv with a channels-last input / its GEMM, as :attr:`ratio`."""
         return _ratio(self.conv_channels_last, self.gemm_for_channels_last)
 
     @property
+    def reliable(self) -> bool:
+        """The forward was timed at least ``MIN_ROUNDS`` times on each side."""
+        return _reliable(self.conv, self.gemm)
+
+    @property
+    def backward_reliable(self) -> bool:
+        return _reliable(self.conv_backward, self.gemm_backward)
+
+    def per_sample_ms(self, which: str) -> float | None:
+        """Median ms of ``conv``, ``gemm``, ``conv_backward`` or ``gemm_backward``, scaled to the sample."""
+        t = getattr(self, which)
+        return None if t is None else t.median_ms * self.scale
+
+    @property
     def saving_ms(self) -> float | None:
-        """Forward time the GEMM saves per sample."""
-        if self.conv is None or self.gemm is None:
-            return None
-        return max(0.0, self.conv.median_ms - self.gemm.median_ms)
+        """Forward time the GEMM saves per sample; None unless reliable."""
+        return _saving(self.per_sample_ms("conv"), self.per_sample_ms("gemm"), self.reliable)
 
     @property
     def backward_saving_ms(self) -> float | None:
-        """Backward time the GEMM saves per sample, scaled from the windows it was timed on."""
-        if self.conv_backward is None or self.gemm_backward is None:
-            return None
-        scale = self.shape.windows / (self.backward_windows or self.shape.windows)
-        return max(0.0, self.conv_backward.median_ms - self.gemm_backward.median_ms) * scale
+        """Backward time the GEMM saves per sample; None unless reliable."""
+        return _saving(
+            self.per_sample_ms("conv_backward"), self.per_sample_ms("gemm_backward"), self.backward_reliable
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "shape": self.shape.to_dict(),
             "device": self.device,
             "dtype": self.dtype,
-            "conv_ms": self.conv.median_ms if self.conv else None,
-            "gemm_ms": self.gemm.median_ms if self.gemm else None,
+            "windows_timed": self.windows_timed,
+            "conv_ms": self.per_sample_ms("conv"),
+            "gemm_ms": self.per_sample_ms("gemm"),
             "ratio": self.ratio,
+            "spread": self.spread,
+            "reliable": self.reliable,
             "saving_ms_per_sample": self.saving_ms,
             "conv_timing": self.conv.to_dict() if self.conv else None,
             "gemm_timing": self.gemm.to_dict() if self.gemm else None,
             "backward": {
-                "conv_ms": _median(self.conv_backward),
-                "gemm_ms": _median(self.gemm_backward),
+                "conv_ms": self.per_sample_ms("conv_backward"),
+                "gemm_ms": self.per_sample_ms("gemm_backward"),
                 "ratio": self.backward_ratio,
+                "spread": self.backward_spread,
+                "reliable": self.backward_reliable,
                 "saving_ms_per_sample": self.backward_saving_ms,
                 "windows": self.backward_windows,
+                "rounds": self.conv_backward.n if self.conv_backward else 0,
             },
             "channels_last": {
                 "conv_ms": _median(self.conv_channels_last),
                 "gemm_ms": _median(self.gemm_for_channels_last),
                 "ratio": self.channels_last_ratio,
             },
+            "rounds": self.conv.n if self.conv else 0,
+            "backend": self.backend,
+            "kernels": list(self.kernels),
             "onednn_enabled": self.onednn_enabled,
             "cudnn_enabled": self.cudnn_enabled,
             "max_abs_diff": self.max_abs_diff,
+            "left_out": self.left_out,
             "error": self.error,
             "notes": list(self.notes),
         }
 
 
+def _round_ratios(conv: Timing | None, gemm: Timing | None) -> list[float]:
+    if conv is None or gemm is None or len(conv.times_ms) != len(gemm.times_ms) or min(gemm.times_ms) <= 0:
+        return []
+    return [a / b for a, b in zip(conv.times_ms, gemm.times_ms)]
+
+
 def _ratio(conv: Timing | None, gemm: Timing | None) -> float | None:
+    ratios = _round_ratios(conv, gemm)
+    if ratios:
+        return float(statistics.median(ratios))
     if conv is None or gemm is None or gemm.median_ms <= 0:
         return None
-    c, g = conv.times_ms, gemm.times_ms
-    if len(c) == len(g) and not conv.first_call and min(g) > 0:
-        return float(statistics.median(a / b for a, b in zip(c, g)))
     return conv.median_ms / gemm.median_ms
+
+
+def _spread(conv: Timing | None, gemm: Timing | None) -> float | None:
+    ratios = _round_ratios(conv, gemm)
+    if len(ratios) < 2:
+        return None
+    med = statistics.median(ratios)
+    return (max(ratios) - min(ratios)) / med if med else None
+
+
+def _reliable(conv: Timing | None, gemm: Timing | None) -> bool:
+    return conv is not None and gemm is not None and min(conv.n, gemm.n) >= MIN_ROUNDS
+
+
+def _saving(conv_ms: float | None, gemm_ms: float | None, reliable: bool) -> float | None:
+    if conv_ms is None or gemm_ms is None or not reliable:
+        return None
+    return max(0.0, conv_ms - gemm_ms)
 
 
 def _median(t: Timing | None) -> float | None:
@@ -221,14 +376,6 @@ def _median(t: Timing | None) -> float | None:
 
 
 _CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
-# The backward is timed on at most this many windows and its saving scaled to the sample: a CPU Conv3d
-# backward takes seconds at 3,072 windows, and its ratio to the GEMM's barely moves with N (37x at
-# 3,072, 36x at 768 in bf16 on this project's CPU), so the doctor stays a matter of seconds.
-BACKWARD_WINDOWS = 768
-# ... and on at least this many (or all there are): below it the GEMM is too small for its ratio, and for
-# a saving scaled from it, to mean anything.
-BACKWARD_MIN_WINDOWS = 256
-_ONE_CALL_MS = 5000.0  # a first call this slow is timed once: library loading and setup are noise
 
 
 def _prewarm(dev: torch.device, dtype: torch.dtype, nd: int) -> None:
@@ -238,31 +385,38 @@ def _prewarm(dev: torch.device, dtype: torch.dtype, nd: int) -> None:
     F.linear(x.reshape(1, -1), torch.ones(1, 2**nd, device=dev, dtype=dtype))
 
 
-def _interleaved(gemm, conv, dev: torch.device, budget_s: float, max_repeats: int) -> tuple[Timing, Timing]:
-    """Warm both up, then alternate one GEMM call and one conv call until the budget is spent.
+def selected_backend(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kernel: tuple[int, ...]
+) -> str | None:
+    """The convolution backend ATen selects for ``conv(x, w, b, stride=kernel)``: "Mkldnn", "Cudnn",
+    "Slow3d", "SlowDilated3d", "Empty", ... None on a torch without ``torch._C._select_conv_backend``
+    (a private helper, present since torch 1.12) or when it refuses the arguments."""
+    select = getattr(torch._C, "_select_conv_backend", None)
+    if select is None:
+        return None
+    nd = len(kernel)
+    try:
+        with torch.no_grad():
+            backend = select(x, w, b, list(kernel), [0] * nd, [1] * nd, False, [0] * nd, 1)
+    except (RuntimeError, TypeError):
+        return None
+    return str(backend).rsplit(".", 1)[-1]
 
-    Alternating makes a load change on a shared machine hit both alike, so the ratio stays fair.
-    A conv that eats half the budget in one call is too slow to repeat: its second call (its first if
-    that took over ``_ONE_CALL_MS`` or the whole budget, where setup cost is noise) is the measurement.
-    """
-    budget_ms = budget_s * 1e3
-    g0 = measure(gemm, device=dev, warmup=0, repeats=1).times_ms[0]
-    c0 = measure(conv, device=dev, warmup=0, repeats=1).times_ms[0]
-    spent = g0 + c0
-    if c0 > 0.5 * budget_ms:
-        g = measure(gemm, device=dev, warmup=0, repeats=max_repeats, budget_s=max(1e-3, 0.1 * budget_s))
-        if c0 > _ONE_CALL_MS or c0 > budget_ms:  # a second call would overrun the budget
-            return g, Timing((c0,), budget_hit=True, first_call=True)
-        c1 = measure(conv, device=dev, warmup=0, repeats=1).times_ms[0]  # without one-time setup
-        return g, Timing((c1,), warmup=1, budget_hit=True)
-    gs: list[float] = []
-    cs: list[float] = []
-    while len(cs) < max_repeats and (not cs or spent < budget_ms):
-        gs.append(measure(gemm, device=dev, warmup=0, repeats=1).times_ms[0])
-        cs.append(measure(conv, device=dev, warmup=0, repeats=1).times_ms[0])
-        spent += gs[-1] + cs[-1]
-    hit = len(cs) < max_repeats
-    return Timing(tuple(gs), warmup=1, budget_hit=hit), Timing(tuple(cs), warmup=1, budget_hit=hit)
+
+_KERNEL_WORDS = ("im2col", "vol2col", "col2im", "col2vol", "cudnn", "gemm", "conv", "xmma", "cutlass")
+
+
+def _cuda_kernels(fn: Callable[[], object]) -> list[str]:
+    """The CUDA kernels one call of ``fn`` launches, as a short torch.profiler trace shows them (only the
+    names that tell the path: im2col / vol2col, cudnn, gemm)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as trace
+
+    with trace(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if any(w in e.key.lower() for w in _KERNEL_WORDS)]
+    return [n[:120] for n in dict.fromkeys(names)][:6]
 
 
 def probe_conv(
@@ -271,22 +425,30 @@ def probe_conv(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     budget_s: float = 2.0,
-    max_repeats: int = 20,
+    budget: Budget | None = None,
+    stretch_s: float = 0.0,
+    max_repeats: int = _MAX_ROUNDS,
     seed: int = 0,
     backward: bool = True,
     channels_last: bool | None = None,
     slow_ratio: float = 2.0,
 ) -> ProbeResult:
-    """Time ``shape``'s conv and its GEMM at ``dtype`` on ``device`` within about ``budget_s`` seconds.
+    """Time ``shape``'s conv and its GEMM at ``dtype`` on ``device`` in about ``budget_s`` seconds.
 
-    Both are warmed up once, then timed alternately, one call each per round, until their share of the
-    budget is spent or ``max_repeats`` rounds ran (medians reported). With ``backward`` the gradients
-    (input, weight, bias) of each are timed the same way, apart from the forward. ``channels_last``
-    also times the conv on a channels-last input; ``None`` does so only when the contiguous forward
-    measures ``>= slow_ratio`` (then it is a candidate fix worth knowing). Failures (out of memory, an op
-    missing on the backend) are recorded in ``error``, never raised.
+    One call of each side on ``CALIBRATION_WINDOWS`` windows measures the cost per window; from it
+    :func:`choose_windows` picks the windows to time so that a warm-up and ``MIN_ROUNDS`` rounds fit.
+    Rounds then alternate GEMM and conv (forward, and with ``backward`` their gradients: input, weight
+    and bias) until the share is spent or ``max_repeats`` rounds ran. ``budget``, shared between shapes,
+    caps it further: no call starts that the budget left cannot pay for. ``stretch_s`` more seconds may
+    be taken when that is what keeps the backward in (a training verdict rests on it). What does not fit is named in
+    ``left_out`` (the backward, or the whole shape). ``channels_last`` also times the conv on a
+    channels-last input; ``None`` does so only on CUDA when the forward measures ``>= slow_ratio``.
+    Failures (out of memory, an op missing on the backend) are recorded in ``error``, never raised.
     """
     dev = torch.device(device)
+    budget = budget if budget is not None else Budget(budget_s)
+    # Plan to 90% of the share: what is not predicted (tensor set-up, scheduling noise) takes the rest.
+    share_end = budget.spent_ms + 0.9 * min(budget_s * 1e3, budget.left_ms)  # in budget.spent_ms units
     result = ProbeResult(
         shape,
         str(dev),
@@ -295,93 +457,175 @@ def probe_conv(
         cudnn_enabled=bool(torch.backends.cudnn.enabled) if dev.type == "cuda" else None,
     )
     nd = len(shape.kernel_size)
-    n, d = shape.windows, shape.out_channels
-    # Half the budget for the forward, half for the backward; the channels-last candidate (CUDA, when
-    # the forward loses) a quarter more.
-    forward_budget = budget_s / 2 if backward else budget_s
+    n_all, d = shape.windows, shape.out_channels
     try:
         gen = torch.Generator().manual_seed(seed)
         # (N, C, *k): every row one window, as the model's view(-1, C, T, P, P) produces.
-        x = torch.randn(n, shape.in_channels, *shape.kernel_size, generator=gen).to(dev, dtype)
+        x_all = torch.randn(n_all, shape.in_channels, *shape.kernel_size, generator=gen).to(dev, dtype)
         fan_in = shape.in_channels * math.prod(shape.kernel_size)
         w = (torch.randn(d, shape.in_channels, *shape.kernel_size, generator=gen) / fan_in**0.5).to(
             dev, dtype
         )
         b = torch.randn(d, generator=gen).to(dev, dtype) if shape.bias else None
         conv_fn = _CONV_FN[nd]
-
-        last: dict[str, torch.Tensor] = {}  # the latest output of each, for the agreement check
-
-        def conv() -> None:
-            last["conv"] = conv_fn(x, w, b, shape.kernel_size)  # (N, D, 1, ..., 1)
-
-        def gemm() -> None:
-            last["gemm"] = F.linear(x.reshape(n, -1), w.reshape(d, -1), b)  # (N, C*K) @ (C*K, D)
-
-        with torch.inference_mode(), warnings.catch_warnings():
+        result.backend = selected_backend(x_all, w, b, shape.kernel_size)
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _prewarm(dev, dtype, nd)
-            result.gemm, result.conv = _interleaved(gemm, conv, dev, forward_budget, max_repeats)
-            if result.conv.first_call:
-                result.notes.append("conv too slow to repeat: its first call is the measurement")
-            diff = (last["conv"].reshape(n, d).float() - last["gemm"].float()).abs().max()
-            result.max_abs_diff = float(diff)
+            _, k, _ = shape.gemm_shape
+            n0 = min(n_all, CALIBRATION_WINDOWS, max(_MIN_CALIBRATION_WINDOWS, CALIBRATION_MACS // (k * d)))
+            left = lambda: share_end - budget.spent_ms  # noqa: E731 - what is left of this shape's share
+            # What the shapes before predict for this one's calibration and MIN_ROUNDS rounds on it.
+            macs = n0 * k * d
+            if backward and "all" in budget.rates and budget.rates["all"] * macs * (MIN_ROUNDS + 1) > left():
+                backward = False
+                result.left_out = (
+                    f"the backward: the shapes before predict ~{budget.rates['all'] * macs * (MIN_ROUNDS + 1) / 1e3:.1f} s "
+                    f"for {MIN_ROUNDS} rounds of it on {n0} windows, over this shape's budget share"
+                )
+            if "forward" in budget.rates and budget.rates["forward"] * macs * (MIN_ROUNDS + 1) > left():
+                result.left_out = (
+                    f"the whole shape: the shapes before predict ~{budget.rates['forward'] * macs * (MIN_ROUNDS + 1) / 1e3:.1f} s "
+                    f"for {MIN_ROUNDS} rounds on {n0} windows, over its budget share"
+                )
+                return result
+            sides = _sides(x_all[:n0], w, b, conv_fn, shape.kernel_size, backward)
+            cal: dict[str, float] = {}
+            for name, fn in sides.items():  # the calibration: one call each, which also warms them up
+                if budget.left_ms <= 0:
+                    result.left_out = "the whole shape: the budget was spent before it"
+                    return result
+                cal[name] = _time_once(fn, dev)
+            fwd_ms = cal["gemm"] + cal["conv"]
+            budget.rates["forward"] = fwd_ms / macs
+            if backward:
+                budget.rates["all"] = sum(cal.values()) / macs
+            with torch.inference_mode():  # a sanity check on the calibration windows, not a proof
+                x = x_all[:n0]
+                y_conv = conv_fn(x, w, b, shape.kernel_size).reshape(n0, d).float()
+                result.max_abs_diff = float(
+                    (y_conv - F.linear(x.reshape(n0, -1), w.reshape(d, -1), b).float()).abs().max()
+                )
+            # A round per window, plus the forward that builds the backward graphs on new windows.
+            per_window = (sum(cal.values()) + fwd_ms / (MIN_ROUNDS + 1)) / n0
+            n = choose_windows(per_window, n_all, left(), calibrated=n0)
+            if n is None and backward and stretch_s > 0:
+                stretched = min(stretch_s * 1e3, max(0.0, budget.left_ms - left()))
+                n = choose_windows(per_window, n0, left() + 0.9 * stretched, calibrated=n0)
+                if n is not None:
+                    share_end += 0.9 * stretched
+            if n is None and backward:
+                n = choose_windows(fwd_ms / n0, n_all, left(), calibrated=n0)
+                if n is not None:
+                    result.left_out = (
+                        f"the backward: a round of it costs ~{(cal['conv_backward'] + cal['gemm_backward']) / n0 * 1e3:,.0f} "
+                        f"ms per 1,000 windows, over this shape's budget share"
+                    )
+                    sides = {k: v for k, v in sides.items() if not k.endswith("backward")}
+            if n is None:
+                result.left_out = (
+                    f"the whole shape: {MIN_ROUNDS} rounds on {n0} windows would take "
+                    f"~{MIN_ROUNDS * fwd_ms / 1e3:.1f} s, over its budget share"
+                )
+                return result
+            if n != n0:
+                sides = _sides(x_all[:n], w, b, conv_fn, shape.kernel_size, "conv_backward" in sides)
+                for fn in sides.values():  # the warm-up round at this size (choose_windows paid for it)
+                    _time_once(fn, dev)
+            times = _rounds(sides, dev, budget, left, max_repeats)
+        result.windows_timed = n
+        result.gemm, result.conv = (
+            Timing(tuple(times["gemm"]), warmup=1),
+            Timing(tuple(times["conv"]), warmup=1),
+        )
+        if "conv_backward" in times:
+            result.gemm_backward = Timing(tuple(times["gemm_backward"]), warmup=1)
+            result.conv_backward = Timing(tuple(times["conv_backward"]), warmup=1)
+        if dev.type == "cuda":
+            result.kernels = _cuda_kernels(lambda: conv_fn(x_all[:n], w, b, shape.kernel_size))
+        if not result.reliable or ("conv_backward" in times and not result.backward_reliable):
+            result.notes.append(
+                f"fewer than {MIN_ROUNDS} rounds fit in the budget: unreliable, left out of the savings"
+            )
         slow = result.ratio is not None and result.ratio >= slow_ratio
         # By default only where it can help: torch's cuDNN guard (contiguous inputs only) is CUDA's; on
         # CPU a channels-last input makes oneDNN's kernel-sized conv slower still (2-3x here).
         wanted = channels_last is None and slow and dev.type == "cuda"
         if nd in _CHANNELS_LAST and (channels_last or wanted):
+            x = x_all[:n]
             xc = x.contiguous(memory_format=_CHANNELS_LAST[nd])
+            cl_end = budget.spent_ms + min(budget_s * 1e3 / 4, budget.left_ms)
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                result.gemm_for_channels_last, result.conv_channels_last = _interleaved(
-                    lambda: F.linear(x.reshape(n, -1), w.reshape(d, -1), b),
-                    lambda: conv_fn(xc, w, b, shape.kernel_size),
-                    dev,
-                    budget_s / 4,
-                    max_repeats,
-                )
-        if backward:
-            _probe_backward(result, x, w, b, conv_fn, dev, budget_s / 2, max_repeats)
+                cl = {
+                    "gemm": lambda: F.linear(x.reshape(n, -1), w.reshape(d, -1), b),
+                    "conv": lambda: conv_fn(xc, w, b, shape.kernel_size),
+                }
+                _time_once(cl["conv"], dev)
+                t = _rounds(cl, dev, budget, lambda: cl_end - budget.spent_ms, max_repeats)
+            if t["conv"]:
+                result.gemm_for_channels_last = Timing(tuple(t["gemm"]), warmup=1)
+                result.conv_channels_last = Timing(tuple(t["conv"]), warmup=1)
     except (RuntimeError, NotImplementedError, MemoryError) as e:
         result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return result
 
 
-def _probe_backward(result: ProbeResult, x, w, b, conv_fn, dev, budget_s: float, max_repeats: int) -> None:
-    """Time the gradients of the conv and of its GEMM: one graph each, differentiated repeatedly.
+def _rounds(
+    sides: dict[str, Callable[[], object]],
+    dev: torch.device,
+    budget: Budget,
+    left: Callable[[], float],
+    max_rounds: int,
+) -> dict[str, list[float]]:
+    """Interleaved rounds, one call of every side each, so a load change on a shared machine hits every
+    side alike. Stops after ``max_rounds``, or once ``MIN_ROUNDS`` ran and the next round (as long as the
+    last) would overrun this shape's share; never starts a round the whole budget cannot pay for (with
+    a little slack until ``MIN_ROUNDS`` ran)."""
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    last = 0.0
+    # Below MIN_ROUNDS a round may dip into 15% of the whole budget: what makes a figure reliable is
+    # worth that much, and the budget still holds within 20%.
+    slack = 0.15 * budget.seconds * 1e3
+    while len(times["conv"]) < max_rounds:
+        short = len(times["conv"]) < MIN_ROUNDS
+        if budget.left_ms + (slack if short else 0.0) < last or (not short and left() < last):
+            break
+        t0 = budget.spent_ms
+        for name, fn in sides.items():
+            times[name].append(_time_once(fn, dev))
+        last = budget.spent_ms - t0
+    return times
+
+
+def _sides(x, w, b, conv_fn, kernel_size, backward: bool) -> dict[str, Callable[[], object]]:
+    """The timed callables on the windows of ``x``: GEMM and conv forward, and their backward graphs."""
+    n, d = x.shape[0], w.shape[0]
+
+    def gemm() -> None:
+        with torch.inference_mode():
+            F.linear(x.reshape(n, -1), w.reshape(d, -1), b)  # (N, C*K) @ (C*K, D)
+
+    def conv() -> None:
+        with torch.inference_mode():
+            conv_fn(x, w, b, kernel_size)  # (N, D, 1, ..., 1)
+
+    sides = {"gemm": gemm, "conv": conv}
+    if backward:
+        conv_bwd, gemm_bwd = _backward_graphs(x, w, b, conv_fn, kernel_size)
+        sides.update(gemm_backward=gemm_bwd, conv_backward=conv_bwd)
+    for fn in sides.values():
+        fn.windows = n  # what a call's cost is linear in: a fake clock in the tests reads it
+    return sides
+
+
+def _backward_graphs(x, w, b, conv_fn, kernel_size):
+    """(conv backward, GEMM backward) callables, each on its graph built once.
 
     ``retain_graph`` keeps each graph, so a timed call is the backward alone, as training runs it after
     the forward: input, weight and bias gradients (the patch embedding's input is pixels, which need no
     gradient in training, but a tower fine-tuned behind another module's output would need it).
-    On ``BACKWARD_WINDOWS`` windows; on ``BACKWARD_MIN_WINDOWS`` when a first call on that many shows
-    the conv backward could not run three times on more within the budget (that first call then warms
-    it up), and that call alone is the measurement when it took the whole budget (a CPU bf16 Conv2d
-    backward costs ~26 ms per window here: a fallback kernel, far above the thresholds however timed).
     """
-    n = min(x.shape[0], BACKWARD_WINDOWS)
-    first = min(n, BACKWARD_MIN_WINDOWS)
-    conv_bwd, gemm_bwd = _backward_graphs(x[:first], w, b, conv_fn, result.shape.kernel_size)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ms = measure(conv_bwd, device=dev, warmup=0, repeats=1).times_ms[0]
-        if ms > budget_s * 1e3:  # too slow to repeat: this call is the measurement
-            n = first
-            gemm = measure(gemm_bwd, device=dev, warmup=1, repeats=max_repeats, budget_s=0.2 * budget_s)
-            conv = Timing((ms,), budget_hit=True, first_call=True)
-        else:
-            if ms * n / first > budget_s * 1e3 / 3:
-                n = first
-            if n != first:
-                conv_bwd, gemm_bwd = _backward_graphs(x[:n], w, b, conv_fn, result.shape.kernel_size)
-            gemm, conv = _interleaved(gemm_bwd, conv_bwd, dev, budget_s, max_repeats)
-    result.backward_windows, result.gemm_backward, result.conv_backward = n, gemm, conv
-    if conv.first_call:
-        result.notes.append("conv backward too slow to repeat: its first call is the measurement")
-
-
-def _backward_graphs(x, w, b, conv_fn, kernel_size):
-    """(conv backward, GEMM backward) callables, each on its graph built once."""
     n, d = x.shape[0], w.shape[0]
     leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
     xg, wg, bg = leaves[0], leaves[1], leaves[2] if b is not None else None

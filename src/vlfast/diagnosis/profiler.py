@@ -20,7 +20,8 @@ import math
 import os
 import re
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlfast.diagnosis.facts import check_device, default_device, default_dtype, dtype_name
+from vlfast.diagnosis.facts import (
+    check_device,
+    choose_dtype,
+    cpu_facts,
+    default_device,
+    default_dtype,
+    dtype_name,
+)
 from vlfast.diagnosis.timing import Clock, measure
 from vlfast.errors import InputRefused
 from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
@@ -52,6 +60,10 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
 )
 
 DEFAULT_SIZE = {"cuda": (384, 512), "cpu": (224, 224)}  # (h, w) pixels; 384x512 x 8 frames = 3,072 patches
+# Frames per clip when none are given: 8 on GPU; 2 on CPU, where one fp32 forward of Qwen3-VL-4B's tower
+# on 8 frames of 224x224 takes ~15 s on a 2-core CPU, so 3 rounds of it would not fit in a minute.
+DEFAULT_FRAMES = {"cuda": 8, "cpu": 2}
+MIN_ROUNDS = 3  # timed rounds below which a speedup is unreliable, whatever its spread
 
 
 def component_modules(tower: nn.Module) -> list[tuple[str, str, nn.Module]]:
@@ -160,7 +172,8 @@ class ProfileReport:
                 "speedup": med if changed else None,
                 "measured_ratio": med,
                 "spread": spread,
-                "reliable": spread is not None and spread <= UNRELIABLE_SPREAD and len(ratios) >= 2,
+                "rounds": len(ratios),
+                "reliable": spread is not None and spread <= UNRELIABLE_SPREAD and len(ratios) >= MIN_ROUNDS,
             }
         return out
 
@@ -241,6 +254,10 @@ def _spread(values: list[float]) -> float | None:
     return (max(values) - min(values)) / med if med else None
 
 
+def _fmt_load(v: float | None) -> str:
+    return "unknown" if v is None else f"{v:.2f}"
+
+
 def _load() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -263,8 +280,14 @@ def _grid(spec, frames: int, size: tuple[int, int]) -> tuple[int, int, int]:
 class _Hooks:
     """Forward pre/post hooks that mark a clock around each component call."""
 
+    # A forward that runs longer than this says, at the next component that ends, how far it got: an
+    # emulated-bf16 CPU forward can take minutes, and a run killed then should say where it was.
+    HEARTBEAT_S = 10.0
+
     def __init__(self, parts: list[tuple[str, str, nn.Module]]) -> None:
         self.clock: Clock | None = None
+        self.say: Callable[[str], None] | None = None
+        self.started = self.last_said = 0.0
         self.open: dict[str, int] = {}
         self.intervals: list[tuple[str, str, int, int]] = []
         self.handles = []
@@ -283,6 +306,10 @@ class _Hooks:
         def hook(module, args, output):
             if self.clock is not None and item in self.open:
                 self.intervals.append((label, item, self.open.pop(item), self.clock.mark()))
+                now = time.perf_counter()
+                if self.say is not None and now - self.last_said >= self.HEARTBEAT_S:
+                    self.last_said = now
+                    self.say(f"{item} done, {now - self.started:,.0f} s into this forward")
 
         return hook
 
@@ -294,6 +321,7 @@ class _Hooks:
 def _one_run(tower: nn.Module, hooks: _Hooks, inputs: tuple, device: str):
     clock = Clock(device)
     hooks.clock, hooks.open, hooks.intervals = clock, {}, []
+    hooks.started = hooks.last_said = time.perf_counter()
     start = clock.mark()
     tower(*inputs)
     end = clock.mark()
@@ -365,11 +393,15 @@ def _profile_config(
     warmup: int,
     repeats: int,
     seed: int,
+    deadline: float | None = None,
+    say: Callable[[str], None] = lambda _: None,
 ) -> tuple[ProfileRun, ProfileRun]:
     """(before, after) for one configuration, timed in alternating rounds.
 
     Patching is an attribute swap, so each round runs the unpatched forward and then the patched one:
-    a load change on a shared machine or a late warm-up effect hits both alike.
+    a load change on a shared machine or a late warm-up effect hits both alike. With a ``deadline``
+    (``time.perf_counter()`` seconds) the rounds are cut to what fits, measured by the round before:
+    at least one timed round; the forwards without hooks only as far as time is left.
     """
     from vlfast.models import synthetic_inputs, tower_spec
 
@@ -379,23 +411,57 @@ def _profile_config(
     runs: dict[bool, list] = {False: [], True: []}
     plain: dict[bool, list[float]] = {False: [], True: []}
     hooks = _Hooks(component_modules(tower))
+    round_s = 0.0
     try:
         with torch.inference_mode():
-            for r in range(warmup + repeats):
+            r = 0
+            while r < warmup + repeats:
+                timed = r >= warmup
+                if (
+                    timed
+                    and deadline is not None
+                    and runs[False]
+                    and time.perf_counter() + round_s > deadline
+                ):
+                    break  # the next round would not fit: what ran is the measurement
+                t0 = time.perf_counter()
+                ms = {}
+                what = f"round {r - warmup + 1}/{repeats}" if timed else f"warm-up {r + 1}/{warmup}"
+                done = {}
                 for patched in (False, True):
                     _set_patched(scope, patched)
-                    run = _one_run(tower, hooks, (pixels, grid_thw), device)
-                    if r >= warmup:
-                        runs[patched].append(run)
+                    hooks.say = lambda line, p=patched, w=what: say(
+                        f"{w}, {'after' if p else 'before'}: {line}"
+                    )
+                    done[patched] = _one_run(tower, hooks, (pixels, grid_thw), device)
+                    ms[patched] = done[patched][0]
+                    if timed:
+                        runs[patched].append(done[patched])
+                hooks.say = None
+                round_s = time.perf_counter() - t0
+                say(f"{what}: before {ms[False]:,.0f} ms, after {ms[True]:,.0f} ms")
+                r += 1
+                if not timed and deadline is not None and time.perf_counter() + round_s > deadline:
+                    # No timed round fits after this warm-up: it is the only measurement (one round,
+                    # first calls included, so the report says it is not a result).
+                    for patched in (False, True):
+                        runs[patched].append(done[patched])
+                    say("no timed round fits in the budget: the warm-up round is the measurement")
+                    break
     finally:
         hooks.remove()
     with torch.inference_mode():  # the same forwards without hooks: the hooks' own cost shows
-        for _ in range(repeats):
+        for i in range(len(runs[False])):
+            if deadline is not None and time.perf_counter() + round_s > deadline:
+                break
             for patched in (False, True):
                 _set_patched(scope, patched)
                 plain[patched].append(
                     measure(lambda: tower(pixels, grid_thw), device=device, warmup=0, repeats=1).times_ms[0]
                 )
+            say(
+                f"without hooks {i + 1}/{len(runs[False])}: before {plain[False][-1]:,.0f} ms, after {plain[True][-1]:,.0f} ms"
+            )
     results = []
     for patched in (False, True):
         rs = runs[patched]
@@ -407,11 +473,11 @@ def _profile_config(
                 grid=clip,
                 patches=int(pixels.shape[0]),
                 forward_ms=float(statistics.median(r[0] for r in rs)),
-                plain_forward_ms=float(statistics.median(plain[patched])),
+                plain_forward_ms=float(statistics.median(plain[patched])) if plain[patched] else None,
                 components=_median_dict([r[1] for r in rs]),
                 items=_median_dict([r[2] for r in rs]),
                 inline_ms=float(statistics.median(total - sum(labels.values()) for total, labels, _ in rs)),
-                repeats=repeats,
+                repeats=len(rs),
                 forward_spread=_spread([r[0] for r in rs]),
                 rounds_forward_ms=[float(r[0]) for r in rs],
                 rounds_components=[dict(r[1]) for r in rs],
@@ -492,13 +558,16 @@ def profile(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     batch_sizes: Sequence[int] = (1,),
-    frames: Sequence[int] = (8,),
+    frames: Sequence[int] | None = None,
     size: tuple[int, int] | None = None,
     warmup: int = 1,
     repeats: int = 3,
     tiny: bool = False,
     vlm: bool = True,
     seed: int = 0,
+    budget_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    on_pair: Callable[[ProfileReport, ProfileRun, ProfileRun], None] | None = None,
 ) -> ProfileReport:
     """Per-component time of a vision tower forward, before and after :func:`vlfast.patch`.
 
@@ -506,33 +575,56 @@ def profile(
         model: ``ref:NAME`` (default ``ref:qwen3-vl-4b``), a local checkpoint directory (then the whole
             VLM forward is timed too), or an ``nn.Module`` (a tower or a VLM holding one).
         device, dtype: default the best available device, bfloat16 where supported.
-        batch_sizes, frames: every combination is profiled; each sample is one clip of that many frames.
+        batch_sizes, frames: every combination is profiled; each sample is one clip of that many frames
+            (default 8 on GPU, 2 on CPU: :data:`DEFAULT_FRAMES`).
         size: (height, width) of a frame in pixels; default 384x512 on GPU (8 frames = 3,072 patches at
             P=16), 224x224 on CPU.
         warmup, repeats: discarded and timed forwards per configuration; medians are reported.
         tiny: build references at test size.
         vlm: with a checkpoint, also time the whole VLM forward on the same clips.
+        budget_s: seconds the timing may take in total (building the model not counted), shared between
+            the configurations: each cuts its rounds to what fits, measured by its warm-up round, and
+            the report says when fewer than 3 rounds fit. None: ``warmup`` + ``repeats`` rounds, however long.
+        progress: called with one line as each round ends (what is timed, how far, its times).
+        on_pair: called with each configuration's (before, after) as soon as it is measured.
 
     The model's patch state is restored afterwards.
     """
+    if budget_s is not None and budget_s <= 0:
+        raise InputRefused(f"budget_s must be positive, got {budget_s}")
     if warmup < 0 or repeats < 1:
         raise InputRefused(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
-    if not batch_sizes or not frames or min(batch_sizes) < 1 or min(frames) < 1:
-        raise InputRefused(f"batch sizes and frame counts must be positive, got {batch_sizes}, {frames}")
+    if frames is not None and (not frames or min(frames) < 1):
+        raise InputRefused(f"frame counts must be positive, got {frames}")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise InputRefused(f"batch sizes must be positive, got {batch_sizes}")
     param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
     if device is None and param is not None:
         device = param.device  # a module given as is runs where it lives, in its own dtype
     if dtype is None and param is not None:
         dtype = param.dtype
     dev = check_device(device) if device is not None else default_device()
-    dt_name = dtype_name(dtype) if dtype is not None else default_dtype(dev)
+    kind = torch.device(dev).type
+    choice = None
+    if kind == "cpu":  # bf16 only where the CPU computes it natively, or a warning that it is emulated
+        choice = choose_dtype(cpu_facts(dev), dtype_name(dtype) if dtype is not None else None)
+        dt_name = choice.dtype
+    else:
+        dt_name = dtype_name(dtype) if dtype is not None else default_dtype(dev)
     dt = getattr(torch, dt_name)
+    frames = tuple(frames) if frames is not None else (DEFAULT_FRAMES.get(kind, DEFAULT_FRAMES["cuda"]),)
+    say = progress or (lambda _: None)
     size = tuple(size) if size is not None else DEFAULT_SIZE.get(torch.device(dev).type, DEFAULT_SIZE["cuda"])
     if len(size) != 2 or min(size) < 1:
         raise InputRefused(f"size must be (height, width) in pixels, got {size}")
     target, tower, whole = _load_model(model, dev, dt, tiny, vlm)
     tower.eval()
     report = ProfileReport(target, dev, dt_name, size)
+    if choice is not None and choice.warning:
+        report.notes.append(choice.warning)
+        say(f"warning: {choice.warning}")
+    elif choice is not None and dtype is None:
+        report.notes.append(f"dtype {choice.dtype} ({choice.reason})")
     report.omp_wait_policy = os.environ.get("OMP_WAIT_POLICY")
     report.load = (_load(), None)
     if torch.device(dev).type == "cpu" and (report.omp_wait_policy or "").upper() != "PASSIVE":
@@ -549,9 +641,22 @@ def profile(
     report.touched = list(dict.fromkeys(label for label, _, m in component_modules(tower) if is_patched(m)))
     if not is_patched(tower):
         report.notes.append("nothing to patch in this tower: 'after' equals 'before'")
+    configs = [(b, f) for b in batch_sizes for f in frames]
+    start = time.perf_counter()
     try:
-        pairs = [
-            _profile_config(
+        pairs = []
+        for i, (b, f) in enumerate(configs):
+            deadline = None
+            if budget_s is not None:  # an equal share of what the earlier configurations left
+                left = budget_s - (time.perf_counter() - start)
+                deadline = time.perf_counter() + max(0.0, left) / (len(configs) - i)
+            where = f"[{i + 1}/{len(configs)}] batch {b} x {f} frames"
+
+            def tell(line: str, where: str = where) -> None:
+                say(f"{where}: {line}")
+
+            tell(f"timing {report.target} on {dev} ({dt_name}), before and after patching")
+            before, after = _profile_config(
                 tower,
                 scope=scope,
                 vlm=whole,
@@ -563,10 +668,17 @@ def profile(
                 warmup=warmup,
                 repeats=repeats,
                 seed=seed,
+                deadline=deadline,
+                say=tell,
             )
-            for b in batch_sizes
-            for f in frames
-        ]
+            pairs.append((before, after))
+            if before.repeats < min(repeats, MIN_ROUNDS):
+                report.notes.append(
+                    f"batch {b} x {f} frames: only {before.repeats} timed round(s) fit in the budget "
+                    f"({budget_s:g} s): not a result; raise --budget or lower --frames / --size"
+                )
+            if on_pair is not None:
+                on_pair(report, before, after)
         report.runs = [before for before, _ in pairs] + [after for _, after in pairs]
     finally:
         unpatch(scope)
@@ -575,13 +687,15 @@ def profile(
     report.load = (report.load[0], _load())
     for before, after in report.pairs():
         if before and after:
-            bad = [
-                k for k, v in report.comparison(before, after).items() if v["changed"] and not v["reliable"]
+            bad = [  # fewer than MIN_ROUNDS rounds has its own note above
+                k
+                for k, v in report.comparison(before, after).items()
+                if v["changed"] and v["spread"] is not None and v["spread"] > UNRELIABLE_SPREAD
             ]
             if bad:
                 report.notes.append(
                     f"batch {before.batch} x {before.frames} frames: the per-round ratios of {', '.join(bad)} "
-                    f"spread more than {UNRELIABLE_SPREAD:.0%} (load average {report.load[1]}, "
+                    f"spread more than {UNRELIABLE_SPREAD:.0%} (load average {_fmt_load(report.load[1])}, "
                     f"{report.cpus} CPUs): not a result; run again on a quieter machine or with more --repeats."
                 )
     return report

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vlfast.diagnosis.facts import Facts
+from vlfast.diagnosis.facts import Facts, version_tuple
 from vlfast.errors import InputRefused
 
 __all__ = ["RULES", "ConvGeometry", "Rule", "RuleHit", "evaluate", "rule_fires"]
@@ -89,16 +89,30 @@ def _cudnn_in(f: Facts, lo: int, hi: int) -> bool:
     return f.cudnn_runtime is not None and lo <= f.cudnn_runtime < hi
 
 
+def _torch_290(f: Facts) -> bool:
+    return f.torch is not None and f.torch[:3] in ((2, 9), (2, 9, 0))
+
+
+def _guard_cudnn(f: Facts) -> int | None:
+    """The cuDNN version torch's skip guard reads: torch 2.9.0 compares the compile-time version, so a
+    newer cuDNN package changes nothing there; 2.9.1 reads the runtime one (pytorch PR #167111)."""
+    if _torch_290(f) and f.cudnn_compile is not None:
+        return f.cudnn_compile
+    return f.cudnn_runtime
+
+
 def _cudnn_skipped(f: Facts, c: ConvGeometry) -> bool:
-    # aten/src/ATen/native/Convolution.cpp, use_cudnn (torch >= 2.9): runtime cuDNN in [9.8, 9.15),
-    # suggested memory format contiguous, bf16/fp16, weight.dim() == 5 and some kernel dim != 1 -> cuDNN
-    # is not used. A channels_last_3d input escapes the guard.
+    # aten/src/ATen/native/Convolution.cpp, use_cudnn (torch >= 2.9): cuDNN in [9.8, 9.15) (compile-time
+    # on 2.9.0, runtime from 2.9.1), suggested memory format contiguous, bf16/fp16, weight.dim() == 5
+    # and some kernel dim != 1 -> cuDNN is not used. A channels_last_3d input escapes the guard.
+    guard = _guard_cudnn(f)
     return (
         _cuda(f)
         and f.cudnn_enabled is not False
         and f.torch is not None
         and f.torch[:2] >= (2, 9)
-        and _cudnn_in(f, 90800, 91500)
+        and guard is not None
+        and 90800 <= guard < 91500
         and f.half
         and c.ndim == 3
         and not c.channels_last
@@ -122,9 +136,21 @@ def _windows(f: Facts) -> bool:
 
 def _upgrade_cudnn(f: Facts) -> str:
     """How to get a runtime cuDNN >= 9.15 here. The wheel's bundled cuDNN is what loads: the cu126
-    builds through torch 2.14 still ship 9.10.2.21, the cu128 2.9-2.10 builds too; cu130 builds of 2.11+
-    pin >= 9.19. On Windows torch loads the cuDNN in torch/lib by full path, so a pip-upgraded
-    nvidia-cudnn package is never loaded there."""
+    wheels of torch 2.9-2.14 still ship 9.10.2.21 (pytorch RFC #190385 proposes dropping cu126 in
+    2.15), the cu128 2.9-2.10 builds too; cu130 builds of 2.11+ pin >= 9.19. On Windows torch loads the
+    cuDNN in torch/lib by full path, so a pip-upgraded nvidia-cudnn package is never loaded there. On
+    torch 2.9.0 the guard reads the compile-time cuDNN, so only another torch helps."""
+    if _torch_290(f) and _cuda(f):
+        return (
+            "upgrade torch to >= 2.9.1 (pip install -U 'torch>=2.9.1'): torch 2.9.0 decides the cuDNN skip "
+            "from the cuDNN it was compiled with, so upgrading the cuDNN package cannot help on 2.9.0 "
+            "(pytorch PR #167111); then make the loaded cuDNN >= 9.15 as below if it is not. "
+            + _upgrade_runtime(f)
+        )
+    return _upgrade_runtime(f)
+
+
+def _upgrade_runtime(f: Facts) -> str:
     if _windows(f):
         return (
             "install a torch wheel that bundles cuDNN >= 9.15 (torch >= 2.11 for CUDA 13, e.g. "
@@ -133,8 +159,9 @@ def _upgrade_cudnn(f: Facts) -> str:
         )
     return (
         "make the loaded cuDNN >= 9.15: pip install -U 'nvidia-cudnn-cu12>=9.15' (CUDA 12 wheels) or a "
-        "torch >= 2.11 CUDA 13 wheel (it pins cuDNN >= 9.19; the cu126 builds through 2.14 still ship "
-        "9.10.2). Check with: python -c 'import torch; print(torch.backends.cudnn.version())'"
+        "torch >= 2.11 CUDA 13 wheel (it pins cuDNN >= 9.19; the cu126 wheels of torch 2.9-2.14 still "
+        "ship 9.10.2, and pytorch RFC #190385 proposes dropping cu126 in 2.15). Check with: "
+        "python -c 'import torch; print(torch.backends.cudnn.version())'"
     )
 
 
@@ -157,8 +184,35 @@ def _mps_conv3d(f: Facts, c: ConvGeometry) -> bool:
     return f.device_type == "mps" and c.ndim == 3
 
 
+# ROCm 10.1 / MIOpen 3.6.1 run a stride == kernel convolution as one GEMM (ROCm/rocm-libraries PR #10912).
+ROCM_FIXED = (10, 1)
+MIOPEN_FIXED = (3, 6, 1)
+
+
 def _rocm_miopen(f: Facts, c: ConvGeometry) -> bool:
-    return f.device_type == "cuda" and f.torch_build == "rocm" and c.ndim == 3
+    if not (f.device_type == "cuda" and f.torch_build == "rocm" and c.ndim == 3):
+        return False
+    miopen = version_tuple(f.miopen_version)
+    if miopen is not None:
+        return miopen < MIOPEN_FIXED
+    rocm = version_tuple(f.torch_hip)
+    return rocm is None or rocm[:2] < ROCM_FIXED  # unknown: most ROCm in use is older, so it applies
+
+
+def _cudnn_mixed(f: Facts, c: ConvGeometry) -> bool:
+    # The loaded libcudnn* libraries come from more than one place or version: the cuDNN 9.20 CUDA 13
+    # wheels can load a system cuDNN sub-library beside their own (pytorch #188892).
+    libs = f.cudnn_libraries or {}
+    return _cuda(f) and len({_lib_origin(path) for path in libs.values()}) > 1
+
+
+def _lib_origin(path: str) -> str:
+    """The directory of a loaded library and the version in its file name, if any ("...so.9.20.0")."""
+    import os.path
+    import re
+
+    m = re.search(r"\.so\.(\d+(?:\.\d+)+)$", path)
+    return os.path.dirname(path) + (f" {m.group(1)}" if m and m.group(1).count(".") >= 1 else "")
 
 
 def _cpu_no_onednn(f: Facts, c: ConvGeometry) -> bool:
@@ -232,11 +286,23 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "rocm-miopen-conv3d",
-        "Conv3d on ROCm / MIOpen",
-        "pytorch/pytorch#146998",
+        "Conv3d on ROCm / MIOpen below ROCm 10.1 / MIOpen 3.6.1",
+        "pytorch/pytorch#146998; fixed by ROCm/rocm-libraries PR #10912 (ROCm 10.1, MIOpen 3.6.1)",
         _rocm_miopen,
-        "MIOpen picks slow Conv3d kernels (or fails) for many shapes, including patch embeddings.",
-        "none reliable in the environment; the GEMM patch is the fix",
+        "MIOpen before 3.6.1 picks slow Conv3d kernels (or fails) for many shapes, including patch "
+        "embeddings; from ROCm 10.1 / MIOpen 3.6.1 it runs a stride == kernel convolution as one GEMM.",
+        "upgrade to ROCm >= 10.1 (MIOpen >= 3.6.1), or patch",
+    ),
+    Rule(
+        "cudnn-mixed-libraries",
+        "the loaded cuDNN libraries disagree (a system cuDNN sub-library beside the wheel's)",
+        "pytorch/pytorch#188892 (cuDNN 9.20 CUDA 13 wheels loading a mismatched system sub-library)",
+        _cudnn_mixed,
+        "The cuDNN sub-libraries this process loaded come from different directories or versions: a "
+        "system cuDNN found on the library path was loaded beside the one torch's wheel ships, and a "
+        "mismatched pair can lose engines or fail. The loaded libraries are listed in the facts.",
+        "load one cuDNN: remove the system cuDNN directory from LD_LIBRARY_PATH (or uninstall it) so the "
+        "wheel's nvidia-cudnn libraries load, then check the facts' cuDNN libraries agree",
     ),
     Rule(
         "cpu-onednn-window-conv",

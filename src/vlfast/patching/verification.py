@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlfast.errors import InputRefused
@@ -603,3 +604,53 @@ def verify(
         return report
     _tower_checks(tower, list(grids), low, device, th, seed, backward, steps, owned)
     return report
+
+
+def _gemm_rate(dtype: torch.dtype, device: torch.device) -> float:
+    """Multiply-adds per second of one 1,024-cubed GEMM here, now (the best of two after a warm-up).
+
+    F.linear, as the tower's layers run it: with emulated bf16, ``a @ a`` takes another path, 20x slower.
+    """
+    from vlfast.diagnosis.timing import measure
+
+    a = torch.randn(1024, 1024, device=device).to(dtype)
+    ms = measure(lambda: F.linear(a, a), device=device, warmup=1, repeats=2).min_ms
+    return 1024**3 / (ms / 1e3)
+
+
+def expected_seconds(
+    model: nn.Module | str,
+    *,
+    grids: Sequence[tuple[int, int, int]] = ((2, 16, 16), (1, 12, 20)),
+    dtypes: Sequence[str | torch.dtype] = ("float32", "bfloat16"),
+    device: str | torch.device = "cpu",
+    n_windows: int = 3072,
+    backward: bool = True,
+    tiny: bool = False,
+) -> float:
+    """A rough wall time for :func:`verify` with these arguments, told before it starts.
+
+    From the tower's size (read on ``device="meta"``: nothing is loaded) and a GEMM rate measured now per
+    dtype: each tower forward costs about parameters x patches multiply-adds, run twice (original and
+    patched) per grid and dtype, the gradient check three forwards' worth twice, each layer check its
+    conv and GEMM (the conv counted at 4x its GEMM forward, 30x backward, as on a CPU). Emulated bf16 is
+    in the measured rate. A low guess on a loaded machine: it is a rate measured once.
+    """
+    from vlfast.models import load_vision_tower
+
+    dev = torch.device(device)
+    tower = model if isinstance(model, nn.Module) else load_vision_tower(model, tiny=tiny, device="meta")
+    params = sum(p.numel() for p in tower.parameters())
+    dts = [DTYPES.get(d, d) if isinstance(d, str) else d for d in dtypes]
+    patches = [t * h * w for t, h, w in grids]
+    macs: dict[torch.dtype, float] = {}
+    for dt in dts:
+        tower_macs = 2 * params * sum(patches)
+        layer_macs = sum(
+            n_windows * m.weight[0].numel() * m.out_channels * (1 + 4 + (1 + 30) * 2 * backward)
+            for _, m in _convs(tower)
+        )
+        macs[dt] = macs.get(dt, 0.0) + tower_macs + layer_macs
+    if backward and patches:
+        macs[torch.float32] = macs.get(torch.float32, 0.0) + 6 * params * patches[0]
+    return sum(m / _gemm_rate(dt, dev) for dt, m in macs.items())
