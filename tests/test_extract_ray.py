@@ -85,8 +85,10 @@ def ray_cluster():
         runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}},
         logging_level="WARNING",
     )
+    before = signal.getsignal(signal.SIGTERM)
     yield ray
     ray.shutdown()
+    signal.signal(signal.SIGTERM, before)  # ray.init's handler (it exits) must not outlive the cluster
 
 
 @pytest.mark.slow

@@ -194,8 +194,21 @@ def test_sigterm_commits_what_is_done_and_the_same_command_resumes(tiny_qwen3_vl
     assert compare_caches(tmp_path / "ref", out) == []
 
 
+@pytest.fixture
+def python_signal_defaults():
+    """Python's own SIGTERM and SIGINT handlers, whatever an earlier test left: ray.init in this process
+    installs a SIGTERM handler of its own (one that exits), which sigterm_like_sigint rightly leaves alone."""
+    saved = (
+        signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        signal.signal(signal.SIGINT, signal.default_int_handler),
+    )
+    yield
+    signal.signal(signal.SIGTERM, saved[0])
+    signal.signal(signal.SIGINT, saved[1])
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_inside_a_commit_waits_for_it(tmp_path, signum):
+def test_a_signal_inside_a_commit_waits_for_it(tmp_path, signum, python_signal_defaults):
     """SIGTERM or Ctrl-C while a shard is being committed: the commit completes, then the run unwinds. Raised
     in the middle, it would leave a shard without its index part and the buffer still full."""
     import torch

@@ -9,6 +9,7 @@ which the next run retries; a plain HTTP store (no client retries) is retried by
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,7 @@ def test_retry_errors_with_the_ray_engine(media, clean, tiny_qwen3_vl, tmp_path)
     out = tmp_path / "out"
     assert extract(src, out, model=str(tiny_qwen3_vl), **KW).failed == 1
     (src / "img" / "img0001.jpg").write_bytes(good)
+    before = signal.getsignal(signal.SIGTERM)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         summary = extract_ray(
@@ -297,6 +299,7 @@ def test_retry_errors_with_the_ray_engine(media, clean, tiny_qwen3_vl, tmp_path)
         )
     finally:
         ray.shutdown()
+        signal.signal(signal.SIGTERM, before)  # ray.init's handler (it exits) must not outlive the cluster
     assert (summary.skipped, summary.extracted, summary.failed) == (2, 1, 0), summary
     cache = FeatureCache(out)
     _same(cache, clean, {i: i for i in IDS})
