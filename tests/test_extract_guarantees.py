@@ -238,6 +238,7 @@ def _flip_tensor_byte(out: Path, sample_id: str) -> None:
     shard.write_bytes(bytes(data))
 
 
+@pytest.mark.filterwarnings("ignore:.*fail their checksum.*:UserWarning")  # the repair warns, as promised
 def test_a_finished_out_is_checked_and_repaired(few, tiny_qwen3_vl, tmp_path, monkeypatch):
     """A byte flipped inside a tensor of a finished OUT: --verify finds it and says to run the same command;
     the same command then does not say "nothing to do" but moves the shard aside and redoes it. Later runs

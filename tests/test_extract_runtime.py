@@ -63,6 +63,8 @@ def test_a_bug_while_decoding_leaves_the_sample_undone(images, tiny_qwen3_vl, tm
     assert buggy <= set(FeatureCache(out).ids())
 
 
+# warned, as promised (and asserted where it matters): not noise in the suite's output
+@pytest.mark.filterwarnings("ignore:.*failed with an unexpected error.*:RuntimeWarning")
 def test_a_bug_on_every_sample_stops_the_run_with_its_traceback(images, tiny_qwen3_vl, tmp_path):
     out = tmp_path / "out"
     ids = sorted(p.name for p in images.iterdir())
@@ -83,6 +85,8 @@ def test_a_bug_on_every_sample_stops_the_run_with_its_traceback(images, tiny_qwe
     assert r.exit_code == 0, r.output  # without the bug the same command finishes the rest
 
 
+# warned, as promised (and asserted where it matters): not noise in the suite's output
+@pytest.mark.filterwarnings("ignore:.*failed with an unexpected error.*:RuntimeWarning")
 def test_a_bug_is_exit_3_with_its_traceback_and_undone_samples_exit_1(
     images, tiny_qwen3_vl, tmp_path, monkeypatch
 ):

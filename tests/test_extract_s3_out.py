@@ -115,6 +115,7 @@ def test_cli_to_s3_equals_local_and_reads_back(endpoint, media, local_run, tiny_
     assert r.exit_code == 0 and "nothing to do" in r.output, r.output
 
 
+@pytest.mark.filterwarnings("ignore:.*fail their checksum.*:UserWarning")  # the repair warns, as promised
 def test_a_finished_out_on_s3_is_checked_and_repaired(endpoint, media, tiny_qwen3_vl):
     """A flipped byte inside a tensor of a finished OUT on S3: the same command does not say "nothing to
     do" but moves the shard aside and redoes it; an untouched OUT is then not hashed again (checked.json,
