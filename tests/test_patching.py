@@ -860,6 +860,11 @@ def test_compile_fullgraph_forward_and_backward():
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="measured at the declared floor, torch 2.6: dynamo recompiles the patched forward per patch count "
+    "(4 frames for 4 sizes); 2.13 compiles it once",
+)
 def test_compile_dynamic_batch_compiles_once():
     from torch._dynamo.testing import CompileCounter
 
