@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
+from _commands import COMMANDS, IDS, PATHS
 from vlfast.cli._examples import EXAMPLES
 from vlfast.cli.main import app
 from vlfast.tokens.rewrite import parse_mapping
@@ -23,17 +23,6 @@ from vlfast.tokens.tags import split_tag_args
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _walk(cmd, path: tuple[str, ...] = ()):
-    yield path, cmd
-    for name, sub in getattr(cmd, "commands", {}).items():
-        yield from _walk(sub, (*path, name))
-
-
-COMMANDS = dict(_walk(typer.main.get_command(app)))
-PATHS = list(COMMANDS)
-IDS = [" ".join(p) or "vlfast" for p in PATHS]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=IDS)

@@ -14,26 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch.nn as nn
-import typer
 from typer.testing import CliRunner
 
 import vlfast
+from _commands import COMMANDS, IDS, PATHS
 from vlfast.cli.main import app
 from vlfast.patching import autopatch
 from vlfast.patching.gemm import PatchReport
 
 runner = CliRunner()
-
-
-def _walk(cmd, path: tuple[str, ...] = ()):
-    yield path, cmd
-    for name, sub in getattr(cmd, "commands", {}).items():
-        yield from _walk(sub, (*path, name))
-
-
-COMMANDS = dict(_walk(typer.main.get_command(app)))
-PATHS = list(COMMANDS)
-IDS = [" ".join(p) or "vlfast" for p in PATHS]
 
 
 def _help(path: tuple[str, ...]) -> str:
