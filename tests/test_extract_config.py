@@ -90,6 +90,15 @@ def test_the_corrected_layers_run(few, tiny_qwen3_vl, tmp_path):
     assert sorted(FeatureCache(out)["rgb.jpg"]) == ["llm.last.layer0", "llm.last.layer2"]
 
 
+@pytest.mark.parametrize("flag", [("--layers", "1"), ("--pool", "mean")])
+def test_llm_flags_without_llm_features_are_refused(few, tiny_qwen3_vl, tmp_path, no_model_load, flag):
+    """--layers and --pool select LLM hidden states: with vision features only they were ignored silently."""
+    out = tmp_path / "out"
+    r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--features", "vision", *flag)
+    assert r.exit_code == 2 and flag[0] in r.output and "add llm to --features" in r.output, r.output
+    assert not out.exists()
+
+
 def test_llm_features_of_a_reference_are_refused_before_out_is_written(few, tmp_path, no_model_load):
     out = tmp_path / "out"
     r = _cli(few, out, "-m", "ref:qwen3-vl-2b", "--features", "vision,llm")

@@ -273,6 +273,13 @@ def extract(
     if resume_check not in RESUME_CHECKS:
         raise UsageError(f"--resume-check must be one of {', '.join(RESUME_CHECKS)}, got {resume_check!r}")
     pools = tuple(p.strip() for p in pool.split(",") if p.strip())
+    names = {f.strip() for f in features.split(",")}
+    if "llm" not in names and (layers != "-1" or pool != "last"):
+        # Both select LLM hidden states; without llm features they would be ignored without a word.
+        flag = "--layers" if layers != "-1" else "--pool"
+        raise UsageError(
+            f"{flag} selects LLM hidden states: add llm to --features (e.g. --features vision,llm)"
+        )
     options = _storage_options(storage_options)
     run_extract, engine_args = _engine(
         engine, ray_address, ray_workers, num_gpus_per_worker, ray_cpus_per_worker, rank, world_size, workers
