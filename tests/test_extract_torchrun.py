@@ -40,14 +40,14 @@ def test_torchrun_two_ranks_equal_one_process(tiny_qwen3_vl, tmp_path):
 
 
 DRIVER = """
-import functools, sys, time
+import functools, os, sys, time
 import vlfast.extraction.pipeline as pipeline
 
 forwards = []
 
 def forward(batch):
     forwards.append(len(batch))
-    print(f"forward {len(forwards)}", flush=True)
+    print(f"forward {len(forwards)} rank {os.environ.get('RANK', '0')}", flush=True)
     time.sleep(0.2)
 
 pipeline.extract = functools.partial(pipeline.extract, _forward_hook=forward)
@@ -76,10 +76,14 @@ def test_sigterm_to_torchrun_commits_every_rank_and_resumes(tiny_qwen3_vl, tmp_p
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = 0
+    seen: dict[str, int] = {}
     for line in launcher.stdout:  # both ranks print here
-        seen += line.startswith("forward ")
-        if seen >= 4:
+        if line.startswith("forward "):
+            rank = line.split()[-1]
+            seen[rank] = seen.get(rank, 0) + 1
+        # Each rank past a forward of its own: on a loaded host one rank can be 4 forwards ahead while the
+        # other still loads, and a rank with nothing extracted rightly commits nothing.
+        if len(seen) == 2 and sum(seen.values()) >= 4:
             break
     launcher.send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=120)
