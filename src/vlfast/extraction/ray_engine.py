@@ -573,24 +573,20 @@ class _RayEngine:
                             break
             except KeyboardInterrupt:  # SIGTERM (Terminated) or Ctrl-C: let the actors commit, then go
                 self._close(rows)
-                if self._wait_released(job, range(1, self.workers + 1), TERM_WAIT_S):
-                    warnings.warn(
-                        f"model ranks of {job.store.out} are still held {TERM_WAIT_S:g} s after the stop: what "
-                        "their actors had not committed is extracted again by the next run",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                self._wait_for_actors(
+                    job,
+                    TERM_WAIT_S,
+                    "the stop: what their actors had not committed is extracted again by the next run",
+                )
                 raise
             finally:
                 self._close(rows)  # stops the dataset; its actors exit, committing what they hold
             # Also after --max-errors: an actor with a call in flight holds samples no row has named yet.
-            if self._wait_released(job, range(1, self.workers + 1), RELEASE_WAIT_S):
-                warnings.warn(
-                    f"model ranks of {job.store.out} are still held {RELEASE_WAIT_S:g} s after the dataset "
-                    "ended: what their actors had not committed yet is counted as missing",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            self._wait_for_actors(
+                job,
+                RELEASE_WAIT_S,
+                "the dataset ended: what their actors had not committed yet is counted as missing",
+            )
             done = job.store.done_ids()
             # A sample whose decoding hit a bug is not done, but not lost either: the next run retries it.
             remaining = [s for s in remaining if s.id not in done and s.id not in unexpected.ids]
@@ -700,6 +696,16 @@ class _RayEngine:
             return []
         ranks = (int(p.stem.removeprefix("rank-")) for p in (job.store.out / LOCK_DIR).glob("rank-*.lock"))
         return sorted(r for r in ranks if r != job.store.rank and rank_is_held(job.store.out, r))
+
+    def _wait_for_actors(self, job: _Job, timeout: float, after: str) -> None:
+        """Wait for the model actors to release their ranks; warn, saying what follows, if some are still held
+        ``timeout`` seconds ``after`` (the stop, or the end of the dataset)."""
+        if self._wait_released(job, range(1, self.workers + 1), timeout):
+            warnings.warn(
+                f"model ranks of {job.store.out} are still held {timeout:g} s after {after}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @staticmethod
     def _wait_released(job: _Job, ranks: Collection[int], timeout: float) -> list[int]:
