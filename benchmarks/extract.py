@@ -132,9 +132,9 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
     from PIL import Image
 
     from vlfast.extraction import FeatureCache
-    from vlfast.extraction.features import deepstack_skipped
+    from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
+    from vlfast.extraction.model.features import deepstack_skipped
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.preprocess import Preprocessor, build_processor_config
     from vlfast.extraction.synthetic import make_images
     from vlfast.models import build_reference, tower_outputs
     from vlfast.patching.gemm import patch
@@ -234,8 +234,12 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
     from transformers.video_utils import read_video_pyav
 
     from vlfast.extraction import FeatureCache
+    from vlfast.extraction.decode.preprocess import (
+        build_processor_config,
+        sample_frame_indices,
+        video_resize_shape,
+    )
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.preprocess import build_processor_config, sample_frame_indices, video_resize_shape
     from vlfast.extraction.synthetic import make_tiny_qwen3_vl, make_video
     from vlfast.models import load_vision_tower, tower_outputs
     from vlfast.patching.gemm import patch

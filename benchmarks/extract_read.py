@@ -62,7 +62,7 @@ def old_cache_class(base: str):
         "vlfast_old_cache",
         "src/vlfast/extraction/cache.py",
         base,
-        (("from vlfast.extraction.layout import", "from vlfast_old_layout import"),),
+        (("from vlfast.extraction.store.format import", "from vlfast_old_layout import"),),
     )
     return old.FeatureCache
 
@@ -113,8 +113,8 @@ def per_open(out: Path, repeat: int = 5) -> dict:
     of the header and its xxh3), over every shard of ``out``; the best of ``repeat`` passes."""
     from safetensors import safe_open
 
-    from vlfast.extraction.cache import _local_header
-    from vlfast.extraction.layout import xxh3
+    from vlfast.extraction.store.format import xxh3
+    from vlfast.extraction.store.reader import _local_header
 
     shards = sorted((out / "shards").iterdir())
     best = {"safe_open_us": float("inf"), "header_check_us": float("inf")}
@@ -135,7 +135,7 @@ def nothing_to_do(out: Path, repeat: int = 3) -> dict:
     """Seconds of the pre-check on a finished OUT: main's (the quick check), now the first time (quick,
     then every tensor hashed) and later ones (quick, then only a stamp per shard against checked.json);
     the quick and later ones are the best of ``repeat``."""
-    from vlfast.extraction.resume import confirm_hashed, read_state
+    from vlfast.extraction.store.resume import confirm_hashed, read_state
 
     def quick() -> float:
         t0 = time.perf_counter()

@@ -166,7 +166,7 @@ def run(
             "fsspec-local": (FeatureStore, UPath(f"file://{tmp / 'fsspec'}")),
             "s3": (FeatureStore, UPath(f"s3://{BUCKET}/store")),
         }
-        from vlfast.extraction.layout import resolve_out
+        from vlfast.extraction.store.format import resolve_out
 
         sides = {k: (cls, resolve_out(out)) for k, (cls, out) in sides.items()}
         store_round(FeatureStore, tmp / "warm", 4, tokens, dim)

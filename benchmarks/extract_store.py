@@ -107,7 +107,7 @@ def main() -> None:
     a = p.parse_args()
 
     from vlfast.extraction import FeatureStore
-    from vlfast.extraction.integrity import verify_folder
+    from vlfast.extraction.store.integrity import verify_folder
 
     old = old_store_module().FeatureStore
     tmp = Path(tempfile.mkdtemp(prefix="vlfast-store-bench-", dir=a.dir))

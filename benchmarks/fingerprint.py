@@ -126,7 +126,7 @@ def main() -> None:
 
     import transformers
 
-    from vlfast.extraction.fingerprint import weights_fingerprint
+    from vlfast.extraction.store.fingerprint import weights_fingerprint
 
     transformers.utils.logging.disable_progress_bar()
     from vlfast.models import load_model, load_vision_tower

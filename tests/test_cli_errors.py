@@ -23,10 +23,10 @@ def test_refusals_are_one_family_that_old_callers_still_catch():
     import vlfast
 
     assert vlfast.VlfastError is VlfastError and vlfast.InputRefused is InputRefused
-    from vlfast.extraction.inputs import EmptyInput
-    from vlfast.extraction.layout import DamagedFile, OutputInUse, OutputNotWritable
-    from vlfast.extraction.remote import RemoteInputError
-    from vlfast.extraction.resume import RunConfigMismatch
+    from vlfast.extraction.objstore import RemoteInputError
+    from vlfast.extraction.sources.inputs import EmptyInput
+    from vlfast.extraction.store.format import DamagedFile, OutputInUse, OutputNotWritable
+    from vlfast.extraction.store.resume import RunConfigMismatch
 
     for cls in (EmptyInput, DamagedFile, RemoteInputError, RunConfigMismatch):
         assert issubclass(cls, InputRefused) and issubclass(cls, ValueError), cls
@@ -34,7 +34,7 @@ def test_refusals_are_one_family_that_old_callers_still_catch():
     assert issubclass(OutputNotWritable, VlfastError) and issubclass(OutputNotWritable, PermissionError)
     # vlfast raised TypeError for some of these refusals before: `except TypeError` still catches them
     with pytest.raises(TypeError):
-        from vlfast.extraction.features import FeatureSpec
+        from vlfast.extraction.model.features import FeatureSpec
 
         FeatureSpec(layers=("last",))
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlfast.extraction.inputs import Sample
-from vlfast.extraction.preprocess import Preprocessor, _processor_dicts, build_processor_config
+from vlfast.extraction.decode.preprocess import Preprocessor, _processor_dicts, build_processor_config
+from vlfast.extraction.sources.inputs import Sample
 
 pytest.importorskip("transformers")
 
@@ -203,7 +203,7 @@ def test_video_path_matches_transformers_on_the_saved_layout(saved_processor):
     import numpy as np
     from transformers import AutoVideoProcessor
 
-    from vlfast.extraction.preprocess import patchify_video
+    from vlfast.extraction.decode.preprocess import patchify_video
     from vlfast.extraction.synthetic import _pattern
 
     processor = AutoVideoProcessor.from_pretrained(str(saved_processor), local_files_only=True)

@@ -22,7 +22,7 @@ from PIL import Image
 
 from vlfast.extraction import FeatureCache
 from vlfast.extraction._selftest import compare_caches
-from vlfast.extraction.layout import read_errors
+from vlfast.extraction.store.format import read_errors
 from vlfast.extraction.synthetic import _pattern, make_video
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ DRIVER = textwrap.dedent(
 
     def decode(sample):
         if sample.id in ("good-000", "good-001") and not os.environ.get("VLFAST_STORE_HEALED"):
-            from vlfast.extraction.remote import TransientReadError  # a store that answers 503 SlowDown
+            from vlfast.extraction.objstore import TransientReadError  # a store that answers 503 SlowDown
 
             raise TransientReadError(f"transient storage error: cannot read {sample.source} (SlowDown)")
         if sample.id.startswith("crash"):

@@ -18,8 +18,8 @@ from _s3 import moto_s3
 from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction.inputs import load_inputs
 from vlfast.extraction.pipeline import extract
+from vlfast.extraction.sources.inputs import load_inputs
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -176,7 +176,7 @@ def test_memory_url_and_local_inputs_import_no_fsspec(media, local_run, tiny_qwe
     import sys
 
     code = (
-        "import sys; from vlfast.extraction.inputs import load_inputs; "
+        "import sys; from vlfast.extraction.sources.inputs import load_inputs; "
         f"load_inputs({str(media)!r}); print('fsspec' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "False\n"
@@ -205,8 +205,8 @@ def test_local_or_remote_is_decided_by_the_filesystem_not_the_path_class(tmp_pat
     installed; the floors venv of docs/extract.md runs the S3 tests on 0.2 itself."""
     import fsspec
 
-    from vlfast.extraction.layout import is_local, resolve_out
-    from vlfast.extraction.store import FeatureStore
+    from vlfast.extraction.store.format import is_local, resolve_out
+    from vlfast.extraction.store.writer import FeatureStore
 
     class BucketPath(type(Path())):  # a pathlib.Path whose filesystem is fsspec's memory store
         fs = fsspec.filesystem("memory")

@@ -243,7 +243,7 @@ def test_a_finished_out_is_checked_and_repaired(few, tiny_qwen3_vl, tmp_path, mo
     """A byte flipped inside a tensor of a finished OUT: --verify finds it and says to run the same command;
     the same command then does not say "nothing to do" but moves the shard aside and redoes it. Later runs
     over the untouched OUT hash nothing again (OUT/checked.json), until a shard changes."""
-    from vlfast.extraction import integrity
+    from vlfast.extraction.store import integrity
 
     out = tmp_path / "out"
     cmd = ["extract", str(few), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0"]
@@ -271,7 +271,7 @@ def test_a_finished_out_is_checked_and_repaired(few, tiny_qwen3_vl, tmp_path, mo
             hashed.append(part.name)
         return real(part, data=data)
 
-    monkeypatch.setattr("vlfast.extraction.resume.check_part", counting)
+    monkeypatch.setattr("vlfast.extraction.store.resume.check_part", counting)
     r = runner.invoke(app, cmd)  # --verify just hashed everything and recorded it: nothing is hashed again
     assert "nothing to do" in r.output and hashed == [], (r.output, hashed)
     (out / "checked.json").unlink()

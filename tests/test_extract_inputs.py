@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from vlfast.extraction.inputs import (
+from vlfast.extraction.sources.inputs import (
     IMAGE_SUFFIXES,
     MAX_ID_BYTES,
     EmptyInput,

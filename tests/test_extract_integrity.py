@@ -23,9 +23,15 @@ from typer.testing import CliRunner
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch
 from vlfast.extraction._selftest import compare_caches, fake_features
-from vlfast.extraction.integrity import check_part, verify_folder
-from vlfast.extraction.layout import DamagedFile, OutputInUse, OutputNotWritable, read_errors, read_index_part
-from vlfast.extraction.store import read_state
+from vlfast.extraction.store.format import (
+    DamagedFile,
+    OutputInUse,
+    OutputNotWritable,
+    read_errors,
+    read_index_part,
+)
+from vlfast.extraction.store.integrity import check_part, verify_folder
+from vlfast.extraction.store.writer import read_state
 
 CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}
 IDS = [f"s{i}" for i in range(9)]
@@ -306,8 +312,8 @@ def test_read_only_filesystem_for_real(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         from vlfast.extraction import FeatureCache, FeatureStore
-        from vlfast.extraction.layout import OutputNotWritable
-        from vlfast.extraction.store import read_state
+        from vlfast.extraction.store.format import OutputNotWritable
+        from vlfast.extraction.store.writer import read_state
         out = {str(out)!r}
         assert len(FeatureCache(out)) == 9 and FeatureCache(out).verify().ok
         assert len(read_state(out, {CFG!r}).done) == 9
@@ -441,8 +447,8 @@ def test_the_record_of_full_checks_and_what_verify_does_to_it(tmp_path: Path) ->
     (even with its mtime put back) makes it hashed again. Damage no stamp shows (bytes decaying under the
     filesystem, simulated by recording the damaged shard as checked) is the record's documented blind spot:
     --verify still finds it and drops it from the record, so its advice, the same command, then repairs it."""
-    from vlfast.extraction.integrity import HashRecord
-    from vlfast.extraction.resume import confirm_hashed
+    from vlfast.extraction.store.integrity import HashRecord
+    from vlfast.extraction.store.resume import confirm_hashed
 
     out = tmp_path / "out"
     _fill(out)

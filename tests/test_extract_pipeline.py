@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from vlfast.extraction import FeatureCache, RunConfigMismatch
-from vlfast.extraction.batching import TokenBudget, is_oom, pack, run_split_on_oom
-from vlfast.extraction.inputs import Sample, scan_folder
+from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
+from vlfast.extraction.model.batching import TokenBudget, is_oom, pack, run_split_on_oom
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.preprocess import Preprocessor, build_processor_config
+from vlfast.extraction.sources.inputs import Sample, scan_folder
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -240,7 +240,7 @@ def test_pack_and_oom_helpers():
 def test_deepstack_mergers_run_only_when_asked(tiny_qwen3_vl):
     """Without `deepstack` among the features the tower skips its DeepStack mergers (~6% of a 2B tower's
     forward); the merged tokens stay bit-identical, and the tower is left as it was, even on an error."""
-    from vlfast.extraction.features import VisionBatch, compute_vision_features, deepstack_skipped
+    from vlfast.extraction.model.features import VisionBatch, compute_vision_features, deepstack_skipped
     from vlfast.models import load_vision_tower, tower_outputs
 
     tower = load_vision_tower(str(tiny_qwen3_vl), dtype=torch.float32).eval()

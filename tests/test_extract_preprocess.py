@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from vlfast.extraction.inputs import Sample
-from vlfast.extraction.preprocess import (
+from vlfast.extraction.decode.preprocess import (
     Preprocessor,
     SampleError,
     build_processor_config,
@@ -33,6 +32,7 @@ from vlfast.extraction.preprocess import (
     sample_frame_indices,
     video_resize_shape,
 )
+from vlfast.extraction.sources.inputs import Sample
 
 pytest.importorskip("transformers")
 
@@ -93,7 +93,7 @@ def test_recorded_image_processor_is_the_class_built(tiny_qwen3_vl, monkeypatch)
 
     import transformers
 
-    from vlfast.extraction import preprocess
+    from vlfast.extraction.decode import preprocess
 
     calls = []
     real = transformers.AutoImageProcessor.from_pretrained.__func__
@@ -442,7 +442,7 @@ def test_sparse_decode_matches_a_full_decode(tmp_path, cfg, name, codec, options
     bit, whatever the codec, container, reordering or sampling (repeats included)."""
     import av
 
-    from vlfast.extraction.preprocess import _decode_at, _decode_sparse, _packet_pts
+    from vlfast.extraction.decode.preprocess import _decode_at, _decode_sparse, _packet_pts
 
     path = _encode(tmp_path / name, codec, **options)
     with av.open(str(path)) as container:
@@ -466,7 +466,7 @@ def test_sparse_decode_matches_a_full_decode(tmp_path, cfg, name, codec, options
 def test_sparse_decode_needs_unique_timestamps(tmp_path):
     import av
 
-    from vlfast.extraction.preprocess import _decode_sparse
+    from vlfast.extraction.decode.preprocess import _decode_sparse
 
     path = _encode(tmp_path / "clip.mp4", "libx264", frames=10)
     with av.open(str(path)) as container:
@@ -522,7 +522,7 @@ def test_truncated_video_reason(tmp_path, cfg, name, codec):
         assert {outcomes[f] for f in outcomes if f <= 0.9} == {"refused"}, outcomes
     assert outcomes[0.05] == "refused", outcomes
     frames, _ = read_video(str(whole), cfg)  # the whole file is fine
-    from vlfast.extraction.containers import container_truncation
+    from vlfast.extraction.decode.truncation import container_truncation
 
     assert container_truncation(str(whole), len(data)) is None
 
@@ -621,7 +621,7 @@ def test_video_placeholder_matches_qwen3_processor(cfg):
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.video_utils import VideoMetadata
 
-    from vlfast.extraction.features import PromptBuilder
+    from vlfast.extraction.model.features import PromptBuilder
 
     indices = [0, 3, 6, 9, 12]
     meta = VideoMetadata(total_num_frames=13, fps=5.0, frames_indices=np.array(indices))

@@ -97,8 +97,8 @@ def test_a_killed_ray_job_resumes_with_only_what_is_missing(ray_cluster, tiny_qw
     rest, nothing twice, and ends equal to an uninterrupted run. The command joins the test's cluster
     (--ray-address), as a job on a long-lived cluster does; the killed job's actors may still commit for a
     moment, which the second run (the Python API, in this process: a few seconds less) waits for."""
+    from vlfast.extraction.engines.ray import extract_ray
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.ray_engine import extract_ray
 
     n = 100  # two model calls (64 rows each at most): the kill lands in the first
     inputs = tmp_path / "in"
@@ -160,8 +160,8 @@ def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_v
     line, a decoder that kills its worker (retried once, then recorded) and one that hangs (stopped)."""
     from ray import cloudpickle
 
+    from vlfast.extraction.engines.ray import extract_ray
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.ray_engine import extract_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
     manifest, good, bad = _manifest(media_dir, tmp_path / "clips.jsonl")
@@ -193,9 +193,9 @@ def test_ray_engine_into_an_s3_out_equals_the_local_engine(ray_cluster, tiny_qwe
     local engine, read back from S3 (moto's server on 127.0.0.1); a second run has nothing to do."""
     pytest.importorskip("s3fs")
     from _s3 import client, moto_s3, options
-    from vlfast.extraction.layout import resolve_out
+    from vlfast.extraction.engines.ray import extract_ray
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.ray_engine import extract_ray
+    from vlfast.extraction.store.format import resolve_out
 
     inputs = tmp_path / "in"
     make_images(inputs, [(32 + 8 * k, 32) for k in range(6)])
@@ -241,8 +241,8 @@ def test_counts_equal_what_out_holds_after_a_model_actor_is_killed(ray_cluster, 
     which finds the record there ("known"). The summary still counts that record, and every sample."""
     from ray import cloudpickle
 
+    from vlfast.extraction.engines.ray import extract_ray
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.ray_engine import extract_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     inputs = tmp_path / "in"
@@ -286,8 +286,8 @@ def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_
     import psutil
     from ray import cloudpickle
 
+    from vlfast.extraction.engines.ray import extract_ray
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.ray_engine import extract_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     inputs = tmp_path / "in"
@@ -350,9 +350,9 @@ def test_sigterm_to_the_ray_driver_stops_the_job_with_its_work_committed(
     """The real command on the test's cluster, SIGTERMed while its model actor holds uncommitted samples
     (--commit-every 3600): the driver stops the dataset, waits for the actor to finish what it was given,
     commit and release its rank, says so and exits 143; the next run extracts only the rest and ends equal to the local engine."""
+    from vlfast.extraction.engines.ray import extract_ray
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.ray_engine import extract_ray
-    from vlfast.extraction.store import rank_is_held
+    from vlfast.extraction.store.writer import rank_is_held
 
     n = 24
     inputs = tmp_path / "in"
@@ -407,7 +407,7 @@ def test_a_bug_while_decoding_on_ray_leaves_the_sample_undone(ray_cluster, tiny_
     recorded for the sample, it is not done, and it is not taken for a sample lost with an actor."""
     from ray import cloudpickle
 
-    from vlfast.extraction.ray_engine import extract_ray
+    from vlfast.extraction.engines.ray import extract_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     inputs = tmp_path / "in"

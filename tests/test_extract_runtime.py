@@ -163,7 +163,7 @@ def test_sigterm_commits_what_is_done_and_the_same_command_resumes(tiny_qwen3_vl
     """SIGTERM mid-run with nothing committed yet (--commit-every 3600): the run commits what it extracted,
     releases its lock, says so and exits 143; the same command then extracts only the rest, and OUT ends
     byte-identical to an uninterrupted run."""
-    from vlfast.extraction.store import rank_is_held
+    from vlfast.extraction.store.writer import rank_is_held
 
     inputs = tmp_path / "in"
     make_images(inputs, [(32 + 8 * (k % 4), 32) for k in range(24)])
@@ -218,7 +218,7 @@ def test_a_signal_inside_a_commit_waits_for_it(tmp_path, signum, python_signal_d
     import torch
 
     from vlfast.extraction.interrupts import Terminated, sigterm_like_sigint
-    from vlfast.extraction.store import FeatureStore
+    from vlfast.extraction.store.writer import FeatureStore
 
     out = tmp_path / "o"
     with sigterm_like_sigint():

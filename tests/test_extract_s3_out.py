@@ -25,9 +25,9 @@ from _s3 import client, enforced_auth, free_port, moto_s3
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction._selftest import RUN_CONFIG, compare_caches, fake_features
-from vlfast.extraction.layout import DamagedFile, resolve_out
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.store import FeatureStore
+from vlfast.extraction.store.format import DamagedFile, resolve_out
+from vlfast.extraction.store.writer import FeatureStore
 
 pytest.importorskip("s3fs")
 pytest.importorskip("upath")
@@ -120,7 +120,7 @@ def test_a_finished_out_on_s3_is_checked_and_repaired(endpoint, media, tiny_qwen
     """A flipped byte inside a tensor of a finished OUT on S3: the same command does not say "nothing to
     do" but moves the shard aside and redoes it; an untouched OUT is then not hashed again (checked.json,
     keyed on each shard's ETag), and any new upload of a shard (a new ETag) is hashed again."""
-    from vlfast.extraction import integrity
+    from vlfast.extraction.store import integrity
 
     out = _fresh("finished")
     one = media / "img0000.jpg"
@@ -153,7 +153,7 @@ def test_a_finished_out_on_s3_is_checked_and_repaired(endpoint, media, tiny_qwen
         return real(part, data=data)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("vlfast.extraction.resume.check_part", counting)
+        mp.setattr("vlfast.extraction.store.resume.check_part", counting)
         assert "nothing to do" in runner.invoke(app, args).output and hashed == [False, True]
         hashed.clear()
         assert "nothing to do" in runner.invoke(app, args).output and hashed == [False]  # recorded
@@ -242,7 +242,7 @@ def test_a_shard_without_its_index_part_is_invisible_then_cleaned_when_old(endpo
     with _store(out) as again:  # young: may be a live writer's upload, so it stays
         assert again.done_ids() == {"a"}
     assert len([k for k in _keys(prefix) if "/shards/" in k]) == 2
-    monkeypatch.setattr("vlfast.extraction.store.ORPHAN_AGE", 0.0)
+    monkeypatch.setattr("vlfast.extraction.store.writer.ORPHAN_AGE", 0.0)
     with _store(out) as again:  # old: garbage, deleted; its sample is redone
         assert again.done_ids() == {"a"}
         again.add("b", fake_features("b"))
@@ -273,7 +273,7 @@ def test_two_writers_of_one_rank_never_overwrite_each_other(endpoint):
 
 
 def test_exclusive_create_is_enforced_by_the_server(endpoint):
-    from vlfast.extraction.store import _put_remote
+    from vlfast.extraction.store.writer import _put_remote
 
     path = resolve_out(_fresh("exclusive")) / "object"
     _put_remote(path, b"first", exclusive=True)
@@ -402,8 +402,8 @@ def test_a_local_out_imports_neither_fsspec_nor_upath(tmp_path):
 def test_a_shard_committed_after_a_cached_listing_is_not_taken_for_missing(endpoint):
     """fsspec caches listings per filesystem instance: a resume that listed shards/ before another rank
     committed must still find that rank's new shard (else it would quarantine good work)."""
-    from vlfast.extraction.integrity import check_part
-    from vlfast.extraction.layout import committed_parts, list_names
+    from vlfast.extraction.store.format import committed_parts, list_names
+    from vlfast.extraction.store.integrity import check_part
 
     out = _fresh("listing")
     with _store(out) as store:
@@ -458,7 +458,7 @@ def test_dataloader_workers_read_s3_when_forked(endpoint):
 
 
 def test_a_store_that_does_not_answer_is_not_called_damage(endpoint, monkeypatch):
-    from vlfast.extraction.cache import ShardReadError
+    from vlfast.extraction.store.reader import ShardReadError
 
     out = _fresh("unanswered")
     with _store(out) as store:

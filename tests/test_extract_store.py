@@ -14,7 +14,7 @@ import torch
 
 from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch, dist_info, partition
 from vlfast.extraction._selftest import compare_caches, fake_features
-from vlfast.extraction.layout import DamagedFile
+from vlfast.extraction.store.format import DamagedFile
 
 CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}
 
@@ -301,7 +301,7 @@ def test_reads_are_memory_mapped_and_imports_light(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import sys, psutil
-        import vlfast.extraction.store
+        import vlfast.extraction.store.writer
         assert "pyarrow" not in sys.modules, "store must import pyarrow lazily"
         from vlfast.extraction import FeatureCache
         assert "vlfast.extraction.pipeline" not in sys.modules
@@ -362,7 +362,7 @@ def test_kill_during_overwrite_leaves_a_consistent_folder(
 ) -> None:
     import shutil
 
-    import vlfast.extraction.store as store_mod
+    import vlfast.extraction.store.writer as store_mod
 
     _fill(tmp_path, ["a", "b", "c"], shard_max_samples=2)
     real_rmtree = shutil.rmtree

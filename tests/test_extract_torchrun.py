@@ -63,7 +63,7 @@ def test_sigterm_to_torchrun_commits_every_rank_and_resumes(tiny_qwen3_vl, tmp_p
     (nothing was committed before: --commit-every 3600), releases its lock and exits 143; the same command
     then finishes, equal to one uninterrupted process."""
     from vlfast.extraction._selftest import compare_caches
-    from vlfast.extraction.store import rank_is_held
+    from vlfast.extraction.store.writer import rank_is_held
 
     inputs = tmp_path / "in"
     make_images(inputs, [(32 + 8 * (k % 4), 32) for k in range(16)])

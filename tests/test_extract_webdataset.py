@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction._selftest import compare_caches
-from vlfast.extraction.inputs import load_inputs
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.webdataset import MAX_SHARDS, TarMember, expand_braces
+from vlfast.extraction.sources.inputs import load_inputs
+from vlfast.extraction.sources.webdataset import MAX_SHARDS, TarMember, expand_braces
 
 runner = CliRunner()
 # One sample per forward and store shards of two samples: a kill lands between commits, mid tar shard.
@@ -380,7 +380,7 @@ def test_member_reads_in_place(shards):
         f.seek(5)
         assert f.read(7) == data[5:12]
     # a shard cut after it was listed: the decoder is told, not fed a short file
-    from vlfast.extraction.preprocess import SampleError, read_video
+    from vlfast.extraction.decode.preprocess import SampleError, read_video
 
     beyond = TarMember(member.shard, member.name, member.offset, member.size + 10**6)
     with pytest.raises(SampleError, match="truncated shard: .* inside member 'sample_0002.mp4'"):

@@ -1,4 +1,4 @@
-"""WorkerPool (vlfast.extraction.workers): ordered results, and real faults in real worker processes.
+"""WorkerPool (vlfast.extraction.decode.workers): ordered results, and real faults in real worker processes.
 
 Every fault here is the real thing: a worker SIGKILLs itself, dereferences NULL, exits, hangs, or loses its
 parent to SIGKILL. Tasks are module-level functions (the pool forks, so closures would work too).
@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch
 
-from vlfast.extraction.workers import WorkerPool, death_reason
+from vlfast.extraction.decode.workers import WorkerPool, death_reason
 
 TIMEOUT_REASON = (
     "decoding took longer than {:g} s (--decode-timeout; raise it for long videos); the worker was stopped"
@@ -381,7 +381,7 @@ def test_a_hung_worker_dies_with_its_parent(tmp_path):
         f"""
         import os, time
         from pathlib import Path
-        from vlfast.extraction.workers import WorkerPool
+        from vlfast.extraction.decode.workers import WorkerPool
 
         def hang(i):
             Path({str(pid_file)!r} + ".tmp").write_text(str(os.getpid()))
@@ -424,7 +424,7 @@ def test_workers_of_a_parent_that_ran_openmp_do_not_hang(tmp_path):
             import torch
             x = torch.randn(1500, 1500)
             (x @ x).sum()  # a parallel region in the parent, before the fork
-            from vlfast.extraction.workers import WorkerPool
+            from vlfast.extraction.decode.workers import WorkerPool
 
             def fn(i):
                 y = torch.randn(800, 800)

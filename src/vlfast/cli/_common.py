@@ -27,7 +27,7 @@ from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from vlfast.errors import VlfastError
-from vlfast.extraction.layout import OutputFull, OutputInUse, OutputNotWritable
+from vlfast.extraction.store.format import OutputFull, OutputInUse, OutputNotWritable
 
 if TYPE_CHECKING:
     from typer._click import Context, HelpFormatter  # typer's own copy of click

@@ -246,7 +246,7 @@ def extract(
         return
     from vlfast.extraction.interrupts import EXIT_TERMINATED, Terminated
     from vlfast.extraction.pipeline import UnexpectedSampleErrors
-    from vlfast.extraction.resume import RunConfigMismatch
+    from vlfast.extraction.store.resume import RunConfigMismatch
 
     if demo:
         if len(paths) != 1:
@@ -268,7 +268,7 @@ def extract(
         source, out = paths
         if model is None:
             raise UsageError("--model is required: a checkpoint directory or ref:NAME (see `vlfast models`)")
-    from vlfast.extraction.store import RESUME_CHECKS
+    from vlfast.extraction.store.writer import RESUME_CHECKS
 
     if resume_check not in RESUME_CHECKS:
         raise UsageError(f"--resume-check must be one of {', '.join(RESUME_CHECKS)}, got {resume_check!r}")
@@ -400,7 +400,7 @@ def _engine(
         raise UsageError(f"--ray-cpus-per-worker must be > 0, got {cpus:g}")
     if workers is not None and workers < 1:
         raise UsageError(f"with --engine ray, --workers is the number of decode actors: >= 1, got {workers}")
-    from vlfast.extraction.ray_engine import extract_ray
+    from vlfast.extraction.engines.ray import extract_ray
 
     args: dict = {"ray_address": ray_address, "ray_workers": ray_workers or 1, "num_gpus_per_worker": gpus}
     if cpus is not None:
@@ -424,7 +424,7 @@ def _storage_options(text: str | None) -> dict | None:
 
 
 def _is_url(text: str) -> bool:
-    from vlfast.extraction.remote import is_url
+    from vlfast.extraction.objstore import is_url
 
     return is_url(text)
 
@@ -478,7 +478,7 @@ def _print_summary(summary, out: str) -> None:
         console.print(
             f"errors with reasons: {_errors_dir(out)}", highlight=False, markup=False, soft_wrap=True
         )
-    from vlfast.extraction.layout import TRANSIENT_PREFIX
+    from vlfast.extraction.store.format import TRANSIENT_PREFIX
 
     if summary.errors.get(TRANSIENT_PREFIX):
         console.print(
@@ -495,12 +495,12 @@ def _print_summary(summary, out: str) -> None:
 
 def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
     """``vlfast extract --verify OUT``: hash everything, list every bad sample, exit 1 if any."""
-    from vlfast.extraction.integrity import verify_folder
-    from vlfast.extraction.layout import REDO_HINT, is_local, resolve_out
+    from vlfast.extraction.store.format import REDO_HINT, is_local, resolve_out
+    from vlfast.extraction.store.integrity import verify_folder
 
     path = resolve_out(out, storage_options)
     if not is_local(path):
-        from vlfast.extraction.remote import probe_out
+        from vlfast.extraction.objstore import probe_out
 
         probe_out(path)
     report = verify_folder(path)

@@ -11,21 +11,21 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "FeatureStore": "vlfast.extraction.store",
-    "RunConfigMismatch": "vlfast.extraction.resume",
-    "partition": "vlfast.extraction.resume",
-    "dist_info": "vlfast.extraction.resume",
-    "FeatureCache": "vlfast.extraction.cache",
+    "FeatureStore": "vlfast.extraction.store.writer",
+    "RunConfigMismatch": "vlfast.extraction.store.resume",
+    "partition": "vlfast.extraction.store.resume",
+    "dist_info": "vlfast.extraction.store.resume",
+    "FeatureCache": "vlfast.extraction.store.reader",
     "extract": "vlfast.extraction.pipeline",
-    "extract_ray": "vlfast.extraction.ray_engine",  # imports ray only when called
+    "extract_ray": "vlfast.extraction.engines.ray",  # imports ray only when called
 }
 
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from vlfast.extraction.cache import FeatureCache  # noqa: F401
-    from vlfast.extraction.resume import RunConfigMismatch, dist_info, partition  # noqa: F401
-    from vlfast.extraction.store import FeatureStore  # noqa: F401
+    from vlfast.extraction.store.reader import FeatureCache  # noqa: F401
+    from vlfast.extraction.store.resume import RunConfigMismatch, dist_info, partition  # noqa: F401
+    from vlfast.extraction.store.writer import FeatureStore  # noqa: F401
 
 
 def __getattr__(name: str):

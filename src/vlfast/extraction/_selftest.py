@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vlfast.extraction.store import FeatureStore, dist_info
+from vlfast.extraction.store.writer import FeatureStore, dist_info
 
 RUN_CONFIG = {"model": "selftest", "dtype": "bfloat16", "features": ["tokens", "mean", "deep", "grid_thw"]}
 
@@ -99,7 +99,7 @@ def compare_caches(a: str | os.PathLike, b: str | os.PathLike) -> list[str]:
     Shard boundaries, row numbers and which rank wrote a sample are deliberately not compared: a resumed
     or re-sharded run is equal to an uninterrupted one when every sample is.
     """
-    from vlfast.extraction.cache import FeatureCache
+    from vlfast.extraction.store.reader import FeatureCache
 
     ca, cb = FeatureCache(a), FeatureCache(b)
     diffs: list[str] = []

@@ -29,25 +29,25 @@ from typing import Any
 import torch
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.batching import Failed, TokenBudget, pack, run_split_on_oom
-from vlfast.extraction.features import (
-    FeatureSpec,
-    PromptBuilder,
-    VisionBatch,
-    compute_llm_features,
-    compute_vision_features,
-)
-from vlfast.extraction.inputs import InputProblem, Sample, load_inputs
-from vlfast.extraction.interrupts import sigterm_like_sigint
-from vlfast.extraction.preprocess import (
+from vlfast.extraction.decode.preprocess import (
     Preprocessor,
     ProcessorConfig,
     SampleError,
     build_processor_config,
     normalize_video_patches,
 )
-from vlfast.extraction.remote import TransientReadError
-from vlfast.extraction.workers import unexpected_item
+from vlfast.extraction.decode.workers import unexpected_item
+from vlfast.extraction.interrupts import sigterm_like_sigint
+from vlfast.extraction.model.batching import Failed, TokenBudget, pack, run_split_on_oom
+from vlfast.extraction.model.features import (
+    FeatureSpec,
+    PromptBuilder,
+    VisionBatch,
+    compute_llm_features,
+    compute_vision_features,
+)
+from vlfast.extraction.objstore import TransientReadError
+from vlfast.extraction.sources.inputs import InputProblem, Sample, load_inputs
 
 __all__ = [
     "UNEXPECTED_IN_A_ROW",
@@ -182,7 +182,7 @@ class _Unexpected:
 
 def _error_kind(reason: str) -> str:
     """A short class of an error reason for counts (and ``--retry-errors``): see ``layout.reason_kind``."""
-    from vlfast.extraction.layout import reason_kind
+    from vlfast.extraction.store.format import reason_kind
 
     return reason_kind(reason)
 
@@ -521,9 +521,9 @@ def extract(
     spent) is recorded with kind "transient" and tried again by the next run; ``retry_errors`` ("all", or
     kinds such as "error" or a reason class as the summary counts it) tries recorded failures again.
     """
-    from vlfast.extraction.fingerprint import weights_fingerprint
-    from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND, parse_retry
-    from vlfast.extraction.resume import (
+    from vlfast.extraction.store.fingerprint import weights_fingerprint
+    from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND, parse_retry
+    from vlfast.extraction.store.resume import (
         DEFAULT_VOLATILE_KEYS,
         confirm_hashed,
         dist_info,
@@ -531,7 +531,7 @@ def extract(
         plan_positions,
         read_state,
     )
-    from vlfast.extraction.store import FeatureStore
+    from vlfast.extraction.store.writer import FeatureStore
 
     model = str(model)
     spec = FeatureSpec(
@@ -580,11 +580,11 @@ def extract(
 
     # Everything below up to the store reads only: bad input, a different configuration, different
     # weights or a finished OUT are answered before a lock is taken or a model is built.
-    from vlfast.extraction.layout import is_local, resolve_out
+    from vlfast.extraction.store.format import is_local, resolve_out
 
     out = resolve_out(out, storage_options)
     if not is_local(out):
-        from vlfast.extraction.remote import probe_out
+        from vlfast.extraction.objstore import probe_out
 
         probe_out(out)
     samples, problems = load_inputs(inputs, storage_options)
@@ -807,7 +807,7 @@ class _Job:
 
 
 def _mine(sample_id: str, rank: int, world_size: int) -> bool:
-    from vlfast.extraction.resume import owner_rank
+    from vlfast.extraction.store.resume import owner_rank
 
     return world_size == 1 or owner_rank(sample_id, world_size) == rank
 
@@ -833,8 +833,8 @@ class _Entries:
 
     def pending(self, done: Collection[str], is_recorded: Callable[[tuple], bool]) -> int:
         """Entries of this rank still to handle: samples to extract, repeats and bad rows not yet recorded."""
-        from vlfast.extraction.layout import DUPLICATE_KIND, INPUT_KIND
-        from vlfast.extraction.resume import duplicate_reason, plan_positions
+        from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND
+        from vlfast.extraction.store.resume import duplicate_reason, plan_positions
 
         todo, repeats = plan_positions(self.ids, self.rank, self.world_size, done)
         n = len(todo)
@@ -996,7 +996,7 @@ def _run(
     forward_hook: Callable | None,
     decode_hook: Callable | None,
 ) -> None:
-    from vlfast.extraction.workers import WorkerPool
+    from vlfast.extraction.decode.workers import WorkerPool
 
     # Workers send videos as uint8 patches, normalised here (on the device when there is one).
     pre, prompts = _decoding(loaded.spec, loaded.family, cfg, spec, any(s.kind == "image" for s in todo))

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.integrity import HashRecord, check_part
-from vlfast.extraction.layout import (
+from vlfast.extraction.store.format import (
     LOCK_DIR,
     RUN_FILE,
     DamagedFile,
@@ -47,6 +46,7 @@ from vlfast.extraction.layout import (
     shard_of_part,
     stable_config,
 )
+from vlfast.extraction.store.integrity import HashRecord, check_part
 
 __all__ = [
     "DEFAULT_VOLATILE_KEYS",
@@ -231,7 +231,7 @@ def check_run_config(
 def _a_rank_is_live(out: Path, held_rank: int | None) -> bool:
     """Whether a live process holds a rank of the local folder ``out``: a run that has not committed yet
     but is running, whose run.json must not be replaced under it (object storage has no locks: False)."""
-    from vlfast.extraction.store import rank_is_held  # the writer's lock; store imports this module
+    from vlfast.extraction.store.writer import rank_is_held  # the writer's lock; store imports this module
 
     if not is_local(out) or not (out / LOCK_DIR).is_dir():
         return False
@@ -285,7 +285,7 @@ def read_state(
     is compared with the request: a part of another one (added to a finished OUT under a free sequence
     number, say) is refused with :class:`RunConfigMismatch`, as the writer refuses it. The full checksum
     pass is :func:`confirm_hashed` (a finished OUT) or the writer's, when it opens. Recorded failures that
-    ``retry`` selects (``--retry-errors``, see :func:`~vlfast.extraction.layout.parse_retry`) are not done,
+    ``retry`` selects (``--retry-errors``, see :func:`~vlfast.extraction.store.format.parse_retry`) are not done,
     nor are transient ones.
     """
     out = resolve_out(out)
@@ -321,7 +321,7 @@ def read_state(
 def confirm_hashed(out: str | os.PathLike, state: OutState, tag: str = "r00000") -> list[str]:
     """The full check of the parts ``read_state`` found sound: every tensor hashed, except in the parts
     whose shards passed an earlier full check and are untouched since (``OUT/checked.json``, see
-    :class:`~vlfast.extraction.integrity.HashRecord`). Returns the names of the parts that fail, and records
+    :class:`~vlfast.extraction.store.integrity.HashRecord`). Returns the names of the parts that fail, and records
     the ones that pass (best effort: a read-only OUT records nothing)."""
     out = resolve_out(out)
     record = HashRecord(out, tag)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.layout import (
+from vlfast.extraction.store.format import (
     CHECK_FILE,
     PART_RE,
     SHARD_DIR,

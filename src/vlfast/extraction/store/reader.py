@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.layout import (
+from vlfast.extraction.store.format import (
     FAILURE_KINDS,
     REDO_HINT,
     DamagedFile,
@@ -97,7 +97,7 @@ class FeatureCache(torch.utils.data.Dataset):
         if tables:
             table = pa.concat_tables(tables, promote_options="default")
         else:
-            from vlfast.extraction.layout import index_schema
+            from vlfast.extraction.store.format import index_schema
 
             table = index_schema().empty_table()
         ids = table.column("id").to_pylist()
@@ -239,7 +239,7 @@ class FeatureCache(torch.utils.data.Dataset):
     def verify(self, progress=None):
         """Read and hash every byte the folder's readers rely on: a :class:`VerifyReport` naming every bad
         sample by id (``report.ok`` when none). The same scan as ``vlfast extract --verify OUT``."""
-        from vlfast.extraction.integrity import verify_folder
+        from vlfast.extraction.store.integrity import verify_folder
 
         return verify_folder(self.out, progress=progress)
 
@@ -356,7 +356,7 @@ class _RangeShard:
     with one ranged GET of exactly its bytes, so a lookup never downloads the shard."""
 
     def __init__(self, path: Any, size: int):
-        from vlfast.extraction.integrity import _RemoteShard
+        from vlfast.extraction.store.integrity import _RemoteShard
 
         self._fs, self._key, self._url = path.fs, path.path, str(path)
         self._data_start, self.raw_header, self._header = _RemoteShard(path, size).header()  # size just asked
@@ -366,8 +366,8 @@ class _RangeShard:
         return self._header.get("__metadata__")
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        from vlfast.extraction.integrity import SAFETENSORS_DTYPE
-        from vlfast.extraction.store import DTYPE_BY_NAME
+        from vlfast.extraction.store.integrity import SAFETENSORS_DTYPE
+        from vlfast.extraction.store.writer import DTYPE_BY_NAME
 
         entry = self._header[name]
         start, end = (self._data_start + x for x in entry["data_offsets"])

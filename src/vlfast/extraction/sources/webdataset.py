@@ -9,17 +9,17 @@ member that crashes or hangs a decoder could not be named. Here:
 * :func:`expand_braces` expands the pattern as bash does (``{000000..000099}`` zero-padded ranges,
   ``{a,b}`` lists, several or nested braces), so a quoted pattern works without a shell;
 * :func:`load_shards` lists each shard once (headers only, plus the small ``KEY.json`` / ``KEY.txt``
-  prompt members) into :class:`~vlfast.extraction.inputs.Sample` s whose :class:`TarMember` says where
+  prompt members) into :class:`~vlfast.extraction.sources.inputs.Sample` s whose :class:`TarMember` says where
   the media's bytes are: the decode workers read just those bytes (:meth:`TarMember.open`), so resume,
   timeouts and crash isolation work per sample exactly as for plain files;
 * shards at an fsspec URL (``s3://bucket/shards/{000..099}.tar``) go through the same listing
-  (:func:`_scan`, :func:`_entries`) over a ranged reader from :mod:`vlfast.extraction.remote`, and their
+  (:func:`_scan`, :func:`_entries`) over a ranged reader from :mod:`vlfast.extraction.objstore`, and their
   members are read with ranged requests; local shards never import fsspec and keep ``pread``;
 * a sample's id is ``{shard}/{__key__}``, ``shard`` being the shard's path relative to the folder the
   pattern's first brace is in (``shards/{000..099}.tar`` -> ``003.tar/sample_0042``): unique across
   shards, and the same whether the pattern is given relative, absolute or as a URL;
 * a shard cut short (an interrupted download) is recorded, not fatal: the key at the cut and the shard
-  itself become :class:`~vlfast.extraction.inputs.InputProblem` s naming what was lost, and the rest is
+  itself become :class:`~vlfast.extraction.sources.inputs.InputProblem` s naming what was lost, and the rest is
   extracted. A missing shard, or a file that is not a plain tar, refuses the whole input before any work.
 """
 
@@ -36,7 +36,8 @@ from typing import Any, BinaryIO
 
 from vlfast._files import ByteWindow
 from vlfast.errors import InputRefused
-from vlfast.extraction.inputs import (
+from vlfast.extraction.objstore import _BUCKET_PROTOCOLS, is_url
+from vlfast.extraction.sources.inputs import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
     InputProblem,
@@ -45,7 +46,6 @@ from vlfast.extraction.inputs import (
     _storable,
     _where,
 )
-from vlfast.extraction.remote import _BUCKET_PROTOCOLS, is_url
 
 __all__ = ["MAX_SHARDS", "TarMember", "expand_braces", "is_shard_input", "load_shards"]
 
@@ -239,14 +239,14 @@ class TarMember:
     def open(self) -> io.BufferedReader:
         """The member's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
         if self.at_url:
-            from vlfast.extraction.remote import open_range
+            from vlfast.extraction.objstore import open_range
 
             return open_range(self.shard, self.options_json, self.offset, self.size, str(self))
         return io.BufferedReader(_MemberFile(self.shard, self.offset, self.size, str(self)), 1 << 16)
 
     def read_bytes(self) -> bytes:
         if self.at_url:  # one ranged request for the whole member
-            from vlfast.extraction.remote import read_range
+            from vlfast.extraction.objstore import read_range
 
             return read_range(self.shard, self.options_json, self.offset, self.size, str(self))
         with self.open() as f:
@@ -537,7 +537,7 @@ def load_shards(
     the shard itself), and per key, two media members, a prompt member that cannot be read, a repeated
     extension, an id that cannot be stored. A key whose members are neither media nor prompts is skipped,
     as a folder scan skips captions. A pattern at an fsspec URL is listed through
-    :func:`vlfast.extraction.remote.list_shards` with ``storage_options``; its ids are those the same
+    :func:`vlfast.extraction.objstore.list_shards` with ``storage_options``; its ids are those the same
     shards would have on disk.
     """
     text = os.fspath(pattern)
@@ -546,7 +546,7 @@ def load_shards(
     base = _base_folder(text)
     rels = [shard[len(base) :].lstrip("/") if base else shard for shard in shards]
     if url:
-        from vlfast.extraction.remote import list_shards
+        from vlfast.extraction.objstore import list_shards
 
         listed = list_shards(text, shards, rels, storage_options)
     else:

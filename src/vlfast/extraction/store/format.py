@@ -119,7 +119,7 @@ def resolve_out(out: Any, storage_options: dict[str, Any] | None = None) -> Path
     fsspec filesystem, opened with ``storage_options``. A path object is returned as it is."""
     if isinstance(out, Path) or hasattr(out, "fs"):  # a local path, or already a UPath
         return out
-    from vlfast.extraction.remote import is_url
+    from vlfast.extraction.objstore import is_url
 
     text = os.fspath(out)
     if not is_url(text):

@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.containers import container_truncation
-from vlfast.extraction.inputs import Sample
-from vlfast.extraction.remote import RemoteFile, is_transient, transient_error
-from vlfast.extraction.webdataset import TarMember
+from vlfast.extraction.decode.truncation import container_truncation
+from vlfast.extraction.objstore import RemoteFile, is_transient, transient_error
+from vlfast.extraction.sources.inputs import Sample
+from vlfast.extraction.sources.webdataset import TarMember
 
 __all__ = [
     "Preprocessor",
@@ -303,7 +303,7 @@ def build_processor_config(
     values: dict[str, Any] = dict(defaults)
     video_cfg: dict[str, Any] = {}
     if model.startswith("ref:"):
-        source = f"published {family} defaults (vlfast.extraction.preprocess._FAMILY_DEFAULTS)"
+        source = f"published {family} defaults (vlfast.extraction.decode.preprocess._FAMILY_DEFAULTS)"
     else:
         image_cfg, image_from, video_cfg, video_from = _processor_dicts(Path(model))
         if video_from is None:

@@ -3,7 +3,7 @@
 INPUT, a folder's files and a manifest's ``path`` values may be URLs with a scheme (``s3://``, ``gs://``,
 ``memory://``, ``file://``...). Local paths never reach this module, so a purely local run imports no fsspec.
 
-* :func:`load_url` lists a folder URL as :func:`~vlfast.extraction.inputs.load_inputs` scans a local
+* :func:`load_url` lists a folder URL as :func:`~vlfast.extraction.sources.inputs.load_inputs` scans a local
   folder (recursive, hidden entries skipped, ids relative to the folder), takes a single media URL (its
   id is the URL), or reads a manifest at a URL (its relative paths are relative to its URL). The INPUT is probed first: an unreachable endpoint, a missing bucket or refused
   credentials raise :class:`RemoteInputError` naming the URL before any work.
@@ -12,7 +12,7 @@ INPUT, a folder's files and a manifest's ``path`` values may be URLs with a sche
   worker and recorded like a missing local file.
 * :class:`RemoteFile` is what the decode workers open, as they open a tar member: images are read whole,
   videos through fsspec's seekable file object for PyAV.
-* :func:`list_shards` lists WebDataset shards at URLs with :mod:`vlfast.extraction.webdataset`'s own
+* :func:`list_shards` lists WebDataset shards at URLs with :mod:`vlfast.extraction.sources.webdataset`'s own
   listing, over a :class:`_RangeReader`; a shard member at a URL is then read by :func:`read_range` /
   :func:`open_range`, ranged requests over just its bytes.
 
@@ -46,7 +46,7 @@ from vlfast._files import ByteWindow
 from vlfast.errors import InputRefused
 
 if TYPE_CHECKING:
-    from vlfast.extraction.inputs import InputProblem, Sample
+    from vlfast.extraction.sources.inputs import InputProblem, Sample
 
 __all__ = [
     "RemoteFile",
@@ -185,7 +185,7 @@ def is_transient(e: BaseException) -> bool:
 
 def transient_error(url: str, e: BaseException, options_json: str = "{}") -> TransientReadError:
     """The TransientReadError for ``e`` while reading ``url``: names the URL, never the options."""
-    from vlfast.extraction.layout import TRANSIENT_PREFIX
+    from vlfast.extraction.store.format import TRANSIENT_PREFIX
 
     reason = _masked(_reason(e), options_json)
     return TransientReadError(
@@ -368,7 +368,7 @@ def load_url(
 ) -> tuple[list[Sample], list[InputProblem]]:
     """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL
     (a ``.tar`` or a brace pattern, see :func:`list_shards`), or one image or video URL."""
-    from vlfast.extraction.inputs import (
+    from vlfast.extraction.sources.inputs import (
         IMAGE_SUFFIXES,
         MANIFEST_SUFFIXES,
         VIDEO_SUFFIXES,
@@ -378,13 +378,13 @@ def load_url(
         _kind_of,
         _storable,
     )
-    from vlfast.extraction.webdataset import is_shard_input
+    from vlfast.extraction.sources.webdataset import is_shard_input
 
     options = _options_json(storage_options)
     suffix = os.path.splitext(url.rstrip("/"))[1].lower()
     if is_shard_input(url):
-        from vlfast.extraction.inputs import _required
-        from vlfast.extraction.webdataset import load_shards
+        from vlfast.extraction.sources.inputs import _required
+        from vlfast.extraction.sources.webdataset import load_shards
 
         samples, problems = load_shards(url, storage_options)
         _required("WebDataset shards", url, samples, problems)
@@ -431,7 +431,7 @@ def _remote_manifest(
     import tempfile
     from pathlib import Path
 
-    from vlfast.extraction.inputs import _read_manifest, _required, _with_remote
+    from vlfast.extraction.sources.inputs import _read_manifest, _required, _with_remote
 
     options = _options_json(storage_options)
     with tempfile.TemporaryDirectory(prefix="vlfast-manifest-") as tmp:
@@ -455,7 +455,7 @@ def attach(
     """``samples`` with a :class:`RemoteFile` on each whose path is a URL; a frame list of URLs is a
     problem (not supported yet). Each bucket is probed once: an unreachable endpoint, missing bucket or
     refused credentials raise before any work, while a missing object is left to the worker to record."""
-    from vlfast.extraction.inputs import InputProblem
+    from vlfast.extraction.sources.inputs import InputProblem
 
     options = _options_json(storage_options)
     out: list[Sample] = []
@@ -626,7 +626,7 @@ def list_shards(
     pattern: str, shards: Sequence[str], rels: Sequence[str], storage_options: Mapping[str, Any] | None
 ) -> list[tuple[list[Sample], list[InputProblem]]]:
     """Each shard URL's samples and problems (ids ``{rel}/{__key__}``), listed by the same code as a local
-    shard (:func:`~vlfast.extraction.webdataset._scan` and ``_entries``) over a :class:`_RangeReader`,
+    shard (:func:`~vlfast.extraction.sources.webdataset._scan` and ``_entries``) over a :class:`_RangeReader`,
     up to :data:`_LIST_THREADS` shards at once.
 
     Refused before any shard is read, naming ``pattern`` and never the credentials: an unreachable
@@ -636,7 +636,7 @@ def list_shards(
     :class:`RemoteInputError`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vlfast.extraction.webdataset import _refuse_missing
+    from vlfast.extraction.sources.webdataset import _refuse_missing
 
     options = _options_json(storage_options)
     bucket = re.match(r"^([^:]+)://[^/]*", pattern)
@@ -703,9 +703,9 @@ def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) ->
 def _list_one(
     fs, shard: str, path: str, rel: str, entry: Mapping[str, Any], options_json: str
 ) -> tuple[list[Sample], list[InputProblem]]:
-    """One shard listed by :mod:`~vlfast.extraction.webdataset`'s own code over a :class:`_RangeReader`;
+    """One shard listed by :mod:`~vlfast.extraction.sources.webdataset`'s own code over a :class:`_RangeReader`;
     ``entry`` is its folder listing's entry (its size)."""
-    from vlfast.extraction.webdataset import _entries, _scan
+    from vlfast.extraction.sources.webdataset import _entries, _scan
 
     if entry.get("size") is None:
         raise RemoteInputError(

@@ -3,7 +3,7 @@
 A *sample* is one image, one video file, or one clip given as a list of frame images. Ids are what the
 feature store keys on, so they must be unique and storable: a folder's ids are paths relative to it, a
 manifest's are its ``id`` column (or the path when the id is absent), WebDataset shards' are
-``{shard}/{__key__}`` (:mod:`vlfast.extraction.webdataset`). Nothing is silently dropped:
+``{shard}/{__key__}`` (:mod:`vlfast.extraction.sources.webdataset`). Nothing is silently dropped:
 
 * :func:`load_inputs` is what a run reads its input with. A manifest row or folder entry that cannot become
   a sample (bad JSON, no path, a path that is not text, bytes that are not UTF-8, an id the store cannot
@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.layout import MAX_ID_BYTES
-from vlfast.extraction.remote import is_url
+from vlfast.extraction.objstore import is_url
+from vlfast.extraction.store.format import MAX_ID_BYTES
 
 if TYPE_CHECKING:
-    from vlfast.extraction.remote import RemoteFile
-    from vlfast.extraction.webdataset import TarMember
+    from vlfast.extraction.objstore import RemoteFile
+    from vlfast.extraction.sources.webdataset import TarMember
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -83,8 +83,8 @@ class Sample:
     """One unit of extraction. ``paths`` holds one file, or the frames of a clip in order.
 
     For a member of a WebDataset tar shard, ``member`` says where its bytes are and ``paths`` holds its
-    display name ``{shard}/{member name}`` (see :mod:`vlfast.extraction.webdataset`). For a URL,
-    ``member`` is a :class:`~vlfast.extraction.remote.RemoteFile` and ``paths`` holds the URL."""
+    display name ``{shard}/{member name}`` (see :mod:`vlfast.extraction.sources.webdataset`). For a URL,
+    ``member`` is a :class:`~vlfast.extraction.objstore.RemoteFile` and ``paths`` holds the URL."""
 
     id: str
     kind: Kind
@@ -579,7 +579,7 @@ def _with_remote(
     samples, problems = got
     if not any(is_url(p) for s in samples for p in s.paths):
         return samples, problems
-    from vlfast.extraction.remote import attach
+    from vlfast.extraction.objstore import attach
 
     samples, more = attach(samples, storage_options)
     return samples, problems + more
@@ -590,7 +590,7 @@ def load_inputs(
     storage_options: dict[str, Any] | None = None,
 ) -> tuple[list[Sample], list[InputProblem]]:
     """The samples of a folder, a manifest, a media file, WebDataset tar shards (a ``.tar`` path or a brace
-    pattern, see :mod:`vlfast.extraction.webdataset`), or a list of samples or dict rows, and the problems.
+    pattern, see :mod:`vlfast.extraction.sources.webdataset`), or a list of samples or dict rows, and the problems.
 
     A row or entry that cannot become a sample is an :class:`InputProblem` (where, reason, id) and the rest
     go on. A list passed by an API user is treated alike: a :class:`Sample` whose id or paths cannot be
@@ -599,7 +599,7 @@ def load_inputs(
     :class:`EmptyInput` if it had no problems either, else ValueError listing the first problems.
     Relative manifest paths resolve against the manifest's folder; missing files are not checked here (they
     fail at load time and are recorded). ``source`` and manifest paths may be fsspec URLs, opened with
-    ``storage_options`` (see :mod:`vlfast.extraction.remote`).
+    ``storage_options`` (see :mod:`vlfast.extraction.objstore`).
     """
     if not isinstance(source, (str, os.PathLike)):
         if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
@@ -608,7 +608,7 @@ def load_inputs(
             )
         return _with_remote(_load_list(source), storage_options)
     if is_url(source):
-        from vlfast.extraction.remote import load_url
+        from vlfast.extraction.objstore import load_url
 
         return load_url(source, storage_options)  # type: ignore[arg-type]
     path = Path(source)
@@ -617,7 +617,7 @@ def load_inputs(
         samples, problems = _scan_folder(path)
         _required("folder", name, samples, problems)
         return samples, problems
-    from vlfast.extraction.webdataset import is_shard_input, load_shards
+    from vlfast.extraction.sources.webdataset import is_shard_input, load_shards
 
     if is_shard_input(source):
         samples, problems = load_shards(source)

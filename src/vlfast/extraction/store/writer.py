@@ -58,9 +58,8 @@ import torch
 
 from vlfast._files import honour_umask
 from vlfast.errors import InputRefused
-from vlfast.extraction.integrity import HashRecord, PartCheck, check_part
 from vlfast.extraction.interrupts import commit_section
-from vlfast.extraction.layout import (
+from vlfast.extraction.store.format import (
     CHECK_FILE,
     DUPLICATE_KIND,
     ERROR_DIR,
@@ -107,7 +106,8 @@ from vlfast.extraction.layout import (
     tensor_xxh3,
     xxh3,
 )
-from vlfast.extraction.resume import (
+from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
+from vlfast.extraction.store.resume import (
     DEFAULT_VOLATILE_KEYS,
     OutState,
     RunConfigMismatch,
@@ -236,7 +236,7 @@ def _put_remote(path: Any, data: bytes | Path, exclusive: bool) -> None:
         try:
             put()
         except FileNotFoundError:
-            from vlfast.extraction.remote import has_buckets
+            from vlfast.extraction.objstore import has_buckets
 
             if has_buckets(fs):  # the bucket itself is gone: never create one behind the user's back
                 raise
@@ -1062,7 +1062,7 @@ class FeatureStore:
         rank, or an orphan not yet cleaned)."""
         from safetensors.torch import save_file
 
-        from vlfast.extraction.integrity import read_header
+        from vlfast.extraction.store.integrity import read_header
 
         tensors = {
             f"{row}/{name}": t for row, (_, feats, _) in enumerate(self._buffer) for name, t in feats.items()

@@ -42,9 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.inputs import Sample
 from vlfast.extraction.interrupts import EXIT_TERMINATED, deferred, sigterm_handler
-from vlfast.extraction.layout import OutputInUse, done_by_error, error_key, is_local, read_errors
 from vlfast.extraction.pipeline import (
     ExtractSummary,
     _cost,
@@ -57,7 +55,9 @@ from vlfast.extraction.pipeline import (
     _worker_init,
     extract,
 )
-from vlfast.extraction.store import rank_is_held
+from vlfast.extraction.sources.inputs import Sample
+from vlfast.extraction.store.format import OutputInUse, done_by_error, error_key, is_local, read_errors
+from vlfast.extraction.store.writer import rank_is_held
 
 __all__ = ["INSTALL_HINT", "extract_ray"]
 
@@ -193,8 +193,8 @@ def _schemas():
 
 
 def _member_classes() -> dict[str, type]:
-    from vlfast.extraction.remote import RemoteFile
-    from vlfast.extraction.webdataset import TarMember
+    from vlfast.extraction.objstore import RemoteFile
+    from vlfast.extraction.sources.webdataset import TarMember
 
     return {"TarMember": TarMember, "RemoteFile": RemoteFile}
 
@@ -239,7 +239,7 @@ class _Decode:
         import pyarrow as pa
         from safetensors.torch import save
 
-        from vlfast.extraction.workers import WorkerPool
+        from vlfast.extraction.decode.workers import WorkerPool
 
         samples = [_sample_of(r, self.classes) for r in table.to_pylist()]
         dataset = _SampleDataset(samples, self.pre, self.prompts, self.default_prompt, self.hook)
@@ -318,7 +318,7 @@ class _ModelStage:
         import pyarrow as pa
         from safetensors.torch import load
 
-        from vlfast.extraction.batching import pack
+        from vlfast.extraction.model.batching import pack
 
         rows: list[dict[str, Any]] = []
         store = self.store
@@ -404,7 +404,7 @@ def _claim_rank(out, run_config, volatile_keys, store_options, ranks: Sequence[i
     the one it replaces, and an actor of an earlier run still exiting keeps its rank until it is gone. On
     object storage there are no locks: each actor (a restarted one too) takes a fresh rank from the job's
     ``counter`` instead, so no two live actors share one."""
-    from vlfast.extraction.store import FeatureStore
+    from vlfast.extraction.store.writer import FeatureStore
 
     if counter is not None:
         import ray
@@ -450,7 +450,7 @@ class _RankCounter:
 
     @classmethod
     def start(cls, ray, out) -> Any:
-        from vlfast.extraction.layout import INDEX_DIR, PART_RE, SHARD_DIR, SHARD_RE, list_names
+        from vlfast.extraction.store.format import INDEX_DIR, PART_RE, SHARD_DIR, SHARD_RE, list_names
 
         seen = [0]
         for folder, rx in ((INDEX_DIR, PART_RE), (SHARD_DIR, SHARD_RE)):
@@ -690,7 +690,7 @@ class _RayEngine:
     def _held_ranks(job: _Job) -> list[int]:
         """Ranks of OUT other than the driver's whose lock a live process holds now (none on object storage,
         which has no locks)."""
-        from vlfast.extraction.layout import LOCK_DIR
+        from vlfast.extraction.store.format import LOCK_DIR
 
         if not is_local(job.store.out):
             return []

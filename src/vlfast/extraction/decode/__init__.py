@@ -1,0 +1,1 @@
+"""Sample -> pixels: image and video decoding, truncation checks, the decode worker pool."""

@@ -1,0 +1,1 @@
+"""Where the work runs: this process and its ranks, or Ray Data."""

@@ -1,0 +1,1 @@
+"""What runs the model: feature definitions and token-budget batching."""

@@ -1,0 +1,1 @@
+"""Where samples come from: folders, manifests, WebDataset shards, object storage (the leaf: Sample)."""

@@ -1,0 +1,1 @@
+"""OUT on disk: the format, the writer (FeatureStore), the reader (FeatureCache), integrity."""
