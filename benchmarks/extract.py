@@ -131,11 +131,11 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
     """Sections 1 and 2a: the same images, the same tower."""
     from PIL import Image
 
+    from vlfast.demo import make_images
     from vlfast.extraction import FeatureCache
     from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
     from vlfast.extraction.model.features import deepstack_skipped
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.synthetic import make_images
     from vlfast.models import build_reference, tower_outputs
     from vlfast.patching.gemm import patch
 
@@ -233,6 +233,7 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
     """Section 2b: short videos through a small model: decoding and preprocessing dominate."""
     from transformers.video_utils import read_video_pyav
 
+    from vlfast.demo import make_tiny_qwen3_vl, make_video
     from vlfast.extraction import FeatureCache
     from vlfast.extraction.decode.preprocess import (
         build_processor_config,
@@ -240,7 +241,6 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
         video_resize_shape,
     )
     from vlfast.extraction.pipeline import extract
-    from vlfast.extraction.synthetic import make_tiny_qwen3_vl, make_video
     from vlfast.models import load_vision_tower, tower_outputs
     from vlfast.patching.gemm import patch
 
@@ -352,7 +352,7 @@ def _summaries(text: str) -> list[dict]:
 
 def engines(work: Path, n_videos: int, rounds: int) -> dict:
     """Section 3: the local engine vs two torchrun ranks vs the Ray engine, on the same clips."""
-    from vlfast.extraction.synthetic import make_tiny_qwen3_vl, make_video
+    from vlfast.demo import make_tiny_qwen3_vl, make_video
 
     ckpt = make_tiny_qwen3_vl(work / "tiny-engines")
     clips = work / "engine-videos"

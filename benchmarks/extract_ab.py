@@ -78,7 +78,7 @@ def main() -> None:
         return
 
     from extract import _machine, cli_extract, json_of  # the sibling benchmark's helpers
-    from vlfast.extraction.synthetic import make_images
+    from vlfast.demo import make_images
 
     with tempfile.TemporaryDirectory(prefix="vlfast-ab-") as tmp:
         images = Path(tmp) / "images"

@@ -152,8 +152,8 @@ def run(
     under ``folder`` (default /dev/shm: the disk's writeback stalls would swamp a few-percent difference)."""
     from upath import UPath
 
+    from vlfast.demo import make_images, make_tiny_qwen3_vl
     from vlfast.extraction import FeatureStore
-    from vlfast.extraction.synthetic import make_images, make_tiny_qwen3_vl
 
     moto, endpoint = start_moto()
     tmp = Path(tempfile.mkdtemp(prefix="vlfast-storage-bench-", dir=folder))

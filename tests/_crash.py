@@ -1,4 +1,4 @@
-"""SIGKILL the store's crash driver (``python -m vlfast.extraction._selftest OUT -v``) at random points."""
+"""SIGKILL the store's crash driver (``python tests/_selftest.py OUT -v``) at random points."""
 
 from __future__ import annotations
 

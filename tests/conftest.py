@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl(tmp_path_factory) -> Path:
     """A random-weight Qwen3-VL checkpoint directory (2-layer LLM and tower, trained BPE tokenizer)."""
-    from vlfast.extraction.synthetic import make_tiny_qwen3_vl
+    from vlfast.demo import make_tiny_qwen3_vl
 
     return make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl"))
 
@@ -36,24 +36,24 @@ def media_dir(tmp_path_factory) -> Path:
     """
     from PIL import Image
 
-    from vlfast.extraction.synthetic import _pattern, make_video
+    from vlfast.demo import make_video, pattern
 
     root = tmp_path_factory.mktemp("media")
     good, bad = root / "good", root / "bad"
-    rgb = Image.fromarray(_pattern(120, 160, 1))
+    rgb = Image.fromarray(pattern(120, 160, 1))
     _save(rgb, good / "rgb.jpg", quality=90)
     _save(rgb, good / "rgb.png")
-    rgba = np.dstack([_pattern(90, 100, 2), np.linspace(0, 255, 90 * 100).reshape(90, 100).astype(np.uint8)])
+    rgba = np.dstack([pattern(90, 100, 2), np.linspace(0, 255, 90 * 100).reshape(90, 100).astype(np.uint8)])
     _save(Image.fromarray(rgba), good / "rgba.png")
     _save(rgb.convert("L"), good / "gray.png")
     _save(rgb.convert("P", palette=Image.Palette.ADAPTIVE), good / "palette.png")
     _save(rgb.convert("CMYK"), good / "cmyk.jpg")
     sixteen = (np.asarray(rgb.convert("L"), dtype=np.uint16) * 257).astype(np.uint16)
     _save(Image.fromarray(sixteen), good / "gray16.png")
-    _save(Image.fromarray(_pattern(3, 5, 3)), good / "tiny.png")  # 5x3 pixels: upscaled to the minimum
-    frames = [Image.fromarray(_pattern(64, 64, 10 + k)) for k in range(3)]
+    _save(Image.fromarray(pattern(3, 5, 3)), good / "tiny.png")  # 5x3 pixels: upscaled to the minimum
+    frames = [Image.fromarray(pattern(64, 64, 10 + k)) for k in range(3)]
     _save(frames[0], good / "animated.gif", save_all=True, append_images=frames[1:], duration=100, loop=0)
-    _save(Image.fromarray(_pattern(20, 3000, 4)), good / "wide150.png")  # 150:1, within Qwen's limit
+    _save(Image.fromarray(pattern(20, 3000, 4)), good / "wide150.png")  # 150:1, within Qwen's limit
     make_video(good / "clip.mp4", frames=10, fps=5, width=96, height=64)
     make_video(good / "one_frame.mp4", frames=1, fps=5, width=64, height=64)
     make_video(good / "odd.mp4", frames=3, fps=2, width=64, height=48)  # 3 frames: padded to even
@@ -63,7 +63,7 @@ def media_dir(tmp_path_factory) -> Path:
     (bad / "text.png").write_text("this is not an image\n")
     data = (good / "rgb.jpg").read_bytes()
     (bad / "truncated.jpg").write_bytes(data[: len(data) // 3])
-    _save(Image.fromarray(_pattern(2, 500, 5)), bad / "wide250.png")  # 250:1 > 200:1
+    _save(Image.fromarray(pattern(2, 500, 5)), bad / "wide250.png")  # 250:1 > 200:1
     (bad / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 20)
     (bad / "empty.mp4").write_bytes(b"")
     expected = {

@@ -29,7 +29,7 @@ IMAGES = ("rgb.jpg", "rgba.png", "palette.png", "gray.png", "cmyk.jpg", "tiny.pn
 @pytest.fixture(scope="module")
 def saved_processor(tmp_path_factory) -> Path:
     """The tiny checkpoint as transformers 5 saves it: ``Qwen3VLProcessor.save_pretrained``."""
-    from vlfast.extraction.synthetic import make_tiny_qwen3_vl
+    from vlfast.demo import make_tiny_qwen3_vl
 
     return make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl-processor"), layout="processor")
 
@@ -203,12 +203,12 @@ def test_video_path_matches_transformers_on_the_saved_layout(saved_processor):
     import numpy as np
     from transformers import AutoVideoProcessor
 
+    from vlfast.demo import pattern
     from vlfast.extraction.decode.preprocess import patchify_video
-    from vlfast.extraction.synthetic import _pattern
 
     processor = AutoVideoProcessor.from_pretrained(str(saved_processor), local_files_only=True)
     cfg = build_processor_config(str(saved_processor), family="qwen3_vl")
-    video = np.stack([_pattern(240, 320, 20 + k) for k in range(8)])
+    video = np.stack([pattern(240, 320, 20 + k) for k in range(8)])
     kwargs = {"size": {"shortest_edge": cfg.video_min_pixels, "longest_edge": cfg.video_max_pixels}}
     ref = processor(videos=[video], do_sample_frames=False, return_tensors="pt", **kwargs)
     ours, grid = patchify_video(torch.from_numpy(video).permute(0, 3, 1, 2), cfg)
@@ -224,7 +224,8 @@ def test_a_resumed_run_refuses_another_image_processor_backend(
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from vlfast.extraction import RunConfigMismatch, preprocess
+    from vlfast.extraction import RunConfigMismatch
+    from vlfast.extraction.decode import preprocess
     from vlfast.extraction.pipeline import extract
 
     samples = [Sample("rgb", "image", (str(media_dir / "good/rgb.jpg"),))]

@@ -29,7 +29,7 @@ def _digest(t: torch.Tensor) -> list:
 @pytest.fixture(scope="module")
 def checkpoint() -> Path:
     """The deterministic tiny checkpoint the old OUT was written with, rebuilt at the path its run.json names."""
-    from vlfast.extraction.synthetic import make_tiny_qwen3_vl
+    from vlfast.demo import make_tiny_qwen3_vl
 
     CHECKPOINT.parent.mkdir(parents=True, exist_ok=True)
     with open(CHECKPOINT.parent / ".lock", "w") as lock:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from _selftest import compare_caches
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction._selftest import compare_caches
 
 runner = CliRunner()
 
@@ -53,7 +53,7 @@ def _fill(disk: Path) -> Path:
 
 @pytest.mark.parametrize("first_write", ["shard", "error record"])
 def test_full_disk_exits_4_naming_out_and_resumes(first_write, small_disk, tiny_qwen3_vl, tmp_path):
-    from vlfast.extraction.synthetic import make_images
+    from vlfast.demo import make_images
 
     sizes = [(40 + 8 * (k % 4), 48 + 8 * (k // 4)) for k in range(10)]
     media = tmp_path / "media"
@@ -104,9 +104,9 @@ def test_full_temp_folder_under_an_s3_out_names_it(small_disk, tiny_qwen3_vl, tm
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     from _s3 import client, moto_s3, options
+    from vlfast.demo import make_images
     from vlfast.extraction.pipeline import extract
     from vlfast.extraction.store.format import OutputFull
-    from vlfast.extraction.synthetic import make_images
 
     media = tmp_path / "media"
     make_images(media, [(40, 48), (48, 56)])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from _selftest import compare_caches, run, sample_ids
 from vlfast.extraction import FeatureCache
-from vlfast.extraction._selftest import compare_caches, run, sample_ids
 
 N = 90
 
@@ -22,8 +22,7 @@ def _env() -> dict[str, str]:
 
 def _driver(out: Path, *extra: str) -> list[str]:
     return [
-        "-m",
-        "vlfast.extraction._selftest",
+        str(Path(__file__).with_name("_selftest.py")),
         str(out),
         "--samples",
         str(N),

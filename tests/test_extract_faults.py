@@ -20,10 +20,10 @@ import psutil
 import pytest
 from PIL import Image
 
+from _selftest import compare_caches
+from vlfast.demo import make_video, pattern
 from vlfast.extraction import FeatureCache
-from vlfast.extraction._selftest import compare_caches
 from vlfast.extraction.store.format import read_errors
-from vlfast.extraction.synthetic import _pattern, make_video
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def manifest(tmp_path_factory) -> Path:
     for k in range(84):
         path = root / "img" / f"{k:03d}.png"
         path.parent.mkdir(exist_ok=True)
-        Image.fromarray(_pattern(48 + k % 5 * 8, 64, k)).save(path)
+        Image.fromarray(pattern(48 + k % 5 * 8, 64, k)).save(path)
         lines.append(json.dumps({"id": f"good-{k:03d}", "path": str(path)}))
     for k in range(6):
         clip = make_video(root / "vid" / f"{k}.mp4", frames=6, fps=3, width=64, height=48, seed=k)

@@ -32,7 +32,7 @@ SECRET = "s3cr3t-never-shown"
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory) -> Path:
-    from vlfast.extraction.synthetic import make_images, make_video
+    from vlfast.demo import make_images, make_video
 
     root = tmp_path_factory.mktemp("fsspec-media") / "data"
     make_images(root / "img", [(64, 48), (40, 56)])

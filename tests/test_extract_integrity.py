@@ -20,9 +20,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from _selftest import compare_caches, fake_features
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch
-from vlfast.extraction._selftest import compare_caches, fake_features
 from vlfast.extraction.store.format import (
     DamagedFile,
     OutputInUse,

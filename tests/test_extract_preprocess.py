@@ -343,9 +343,9 @@ def test_two_equal_frames_match_the_image_processor(tmp_path, cfg):
     """A still repeated is what the image processor makes of an image (same T=2 layout)."""
     from PIL import Image
 
-    from vlfast.extraction.synthetic import _pattern
+    from vlfast.demo import pattern
 
-    arr = _pattern(256, 256, 7)  # 65,536 pixels, multiple of 32: neither path resizes
+    arr = pattern(256, 256, 7)  # 65,536 pixels, multiple of 32: neither path resizes
     Image.fromarray(arr).save(tmp_path / "still.png")
     img_pixels, img_grid, _ = Preprocessor(cfg).image(str(tmp_path / "still.png"))
     frames = torch.from_numpy(np.stack([arr, arr])).permute(0, 3, 1, 2).contiguous()
@@ -370,11 +370,11 @@ def test_video_matches_transformers_video_processor(tiny_qwen3_vl, frames, heigh
     pytest.importorskip("torchvision")
     from transformers import AutoVideoProcessor
 
-    from vlfast.extraction.synthetic import _pattern
+    from vlfast.demo import pattern
 
     processor = AutoVideoProcessor.from_pretrained(str(tiny_qwen3_vl), local_files_only=True)
     cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl", video_max_pixels=budget)
-    video = np.stack([_pattern(height, width, 20 + k) for k in range(frames)])  # (T, H, W, 3) uint8
+    video = np.stack([pattern(height, width, 20 + k) for k in range(frames)])  # (T, H, W, 3) uint8
     kwargs = {"size": {"shortest_edge": cfg.video_min_pixels, "longest_edge": cfg.video_max_pixels}}
     ref = processor(videos=[video], do_sample_frames=False, return_tensors="pt", **kwargs)
     ours, grid = patchify_video(torch.from_numpy(video).permute(0, 3, 1, 2), cfg)
@@ -411,7 +411,7 @@ def _encode(path: Path, codec: str, frames: int = 45, **options) -> Path:
     """A 64x48, 15 fps clip in any codec and container PyAV writes, or a skip where this build lacks it."""
     import av
 
-    from vlfast.extraction.synthetic import make_video
+    from vlfast.demo import make_video
 
     if codec not in av.codecs_available:
         pytest.skip(f"{codec} is not in this PyAV build")
@@ -501,7 +501,7 @@ def test_truncated_video_reason(tmp_path, cfg, name, codec):
     """A video cut anywhere is either still decodable (what remains is extracted) or refused as
     "truncated or corrupt video", naming where the file ends inside its container; never another error
     (FFmpeg's own failures range from invalid data to end of file to a refused seek)."""
-    from vlfast.extraction.synthetic import make_video
+    from vlfast.demo import make_video
 
     whole = make_video(tmp_path / name, frames=30, fps=10, width=64, height=48, seed=9, codec=codec)
     data = whole.read_bytes()
@@ -535,7 +535,7 @@ def test_truncated_video_seek_failure_is_named(tmp_path, cfg):
     output is not byte-stable across runs), so every cut through the index is tried: each refusal names
     the box it ends in, and the packet-less cut, wherever it falls, says so.
     """
-    from vlfast.extraction.synthetic import make_video
+    from vlfast.demo import make_video
 
     whole = make_video(tmp_path / "clip.mp4", frames=10, fps=5, width=96, height=64)
     data = whole.read_bytes()
@@ -603,16 +603,16 @@ def test_symlinks_and_folders_raise_with_reason(tmp_path, cfg, kind):
 def test_frame_list_clip(media_dir, cfg, tmp_path):
     from PIL import Image
 
-    from vlfast.extraction.synthetic import _pattern
+    from vlfast.demo import pattern
 
     paths = []
     for k in range(3):
         p = tmp_path / f"f{k}.png"
-        Image.fromarray(_pattern(64, 64, k)).save(p)
+        Image.fromarray(pattern(64, 64, k)).save(p)
         paths.append(str(p))
     pixels, grid, meta = Preprocessor(cfg)(Sample("clip", "frames", tuple(paths)))
     assert grid[0] == 2 and meta["frame_indices"] == [0, 1, 2]
-    Image.fromarray(_pattern(32, 64, 9)).save(tmp_path / "odd_size.png")
+    Image.fromarray(pattern(32, 64, 9)).save(tmp_path / "odd_size.png")
     with pytest.raises(SampleError, match="differ in size"):
         Preprocessor(cfg)(Sample("bad", "frames", (paths[0], str(tmp_path / "odd_size.png"))))
 

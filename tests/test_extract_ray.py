@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from _selftest import compare_caches
 from vlfast.cli.main import app
+from vlfast.demo import make_images
 from vlfast.extraction import FeatureCache
-from vlfast.extraction._selftest import compare_caches
-from vlfast.extraction.synthetic import make_images
 
 runner = CliRunner()
 

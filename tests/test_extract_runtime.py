@@ -15,11 +15,11 @@ import pytest
 from typer.testing import CliRunner
 
 import vlfast.extraction.pipeline as pipeline
+from _selftest import compare_caches
 from vlfast.cli.main import app
+from vlfast.demo import make_images
 from vlfast.extraction import FeatureCache
-from vlfast.extraction._selftest import compare_caches
 from vlfast.extraction.pipeline import UNEXPECTED_IN_A_ROW, UnexpectedSampleErrors, extract
-from vlfast.extraction.synthetic import make_images
 
 runner = CliRunner()
 

@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 
 from _crash import kill_at_random_points
 from _s3 import client, enforced_auth, free_port, moto_s3
+from _selftest import RUN_CONFIG, compare_caches, fake_features
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction._selftest import RUN_CONFIG, compare_caches, fake_features
 from vlfast.extraction.pipeline import extract
 from vlfast.extraction.store.format import DamagedFile, resolve_out
 from vlfast.extraction.store.writer import FeatureStore
@@ -71,7 +71,7 @@ def _fresh(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory) -> Path:
-    from vlfast.extraction.synthetic import make_images, make_video
+    from vlfast.demo import make_images, make_video
 
     root = tmp_path_factory.mktemp("s3-out-media")
     make_images(root, [(64, 48), (40, 56), (48, 48), (56, 40), (32, 64), (64, 64)])
@@ -164,7 +164,7 @@ def test_a_finished_out_on_s3_is_checked_and_repaired(endpoint, media, tiny_qwen
 
 
 def _selftest(out: str, n: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "vlfast.extraction._selftest", out, "--samples", str(n), *extra]
+    return [sys.executable, str(Path(__file__).with_name("_selftest.py")), out, "--samples", str(n), *extra]
 
 
 def test_sigkill_three_times_then_resume_is_bit_identical_on_s3(endpoint, tmp_path):
@@ -391,11 +391,12 @@ def test_overwrite_on_s3_deletes_only_what_the_format_owns(endpoint):
 
 def test_a_local_out_imports_neither_fsspec_nor_upath(tmp_path):
     code = (
-        "import sys; from vlfast.extraction import _selftest, FeatureCache; "
+        "import sys; import _selftest; from vlfast.extraction import FeatureCache; "
         f"_selftest.run({str(tmp_path / 'out')!r}, 10); FeatureCache({str(tmp_path / 'out')!r}).verify(); "
         "print(sorted(m for m in ('fsspec', 'upath', 's3fs') if m in sys.modules))"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.stdout == "[]\n", r.stderr
 
 

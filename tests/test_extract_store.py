@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _selftest import compare_caches, fake_features
 from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch, dist_info, partition
-from vlfast.extraction._selftest import compare_caches, fake_features
 from vlfast.extraction.store.format import DamagedFile
 
 CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}

@@ -9,9 +9,9 @@ import sys
 
 import torch
 
+from vlfast.demo import make_images, make_video
 from vlfast.extraction import FeatureCache
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.synthetic import make_images, make_video
 
 
 def test_torchrun_two_ranks_equal_one_process(tiny_qwen3_vl, tmp_path):
@@ -62,7 +62,7 @@ def test_sigterm_to_torchrun_commits_every_rank_and_resumes(tiny_qwen3_vl, tmp_p
     """A scheduler's SIGTERM reaches torchrun, which passes it to its ranks: each commits what it extracted
     (nothing was committed before: --commit-every 3600), releases its lock and exits 143; the same command
     then finishes, equal to one uninterrupted process."""
-    from vlfast.extraction._selftest import compare_caches
+    from _selftest import compare_caches
     from vlfast.extraction.store.writer import rank_is_held
 
     inputs = tmp_path / "in"

@@ -39,7 +39,7 @@ VIDEO_KEY = f"/{BUCKET}/data/clips/walk.mp4"
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory) -> Path:
-    from vlfast.extraction.synthetic import make_images, make_video
+    from vlfast.demo import make_images, make_video
 
     root = tmp_path_factory.mktemp("transient-media") / "data"
     make_images(root / "img", [(64, 48), (40, 56)])

@@ -18,9 +18,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from _selftest import compare_caches
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction._selftest import compare_caches
 from vlfast.extraction.pipeline import extract
 from vlfast.extraction.sources.inputs import load_inputs
 from vlfast.extraction.sources.webdataset import MAX_SHARDS, TarMember, expand_braces
@@ -34,20 +34,20 @@ CORRUPT = "001.tar/sample_0004"
 def _png(seed: int, h: int = 48, w: int = 64) -> bytes:
     from PIL import Image
 
-    from vlfast.extraction.synthetic import _pattern
+    from vlfast.demo import pattern
 
     buf = io.BytesIO()
-    Image.fromarray(_pattern(h, w, seed)).save(buf, "PNG")
+    Image.fromarray(pattern(h, w, seed)).save(buf, "PNG")
     return buf.getvalue()
 
 
 def _jpg(seed: int) -> bytes:
     from PIL import Image
 
-    from vlfast.extraction.synthetic import _pattern
+    from vlfast.demo import pattern
 
     buf = io.BytesIO()
-    Image.fromarray(_pattern(56, 72, seed)).save(buf, "JPEG", quality=90)
+    Image.fromarray(pattern(56, 72, seed)).save(buf, "JPEG", quality=90)
     return buf.getvalue()
 
 
@@ -64,7 +64,7 @@ def _write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
 def shards(tmp_path_factory) -> dict:
     """Three shards (`shards/{000..002}.tar`), the same media as plain files with a manifest giving them
     the shards' ids, and the expected ids."""
-    from vlfast.extraction.synthetic import make_video
+    from vlfast.demo import make_video
 
     root = tmp_path_factory.mktemp("wds")
     video = make_video(root / "clip.mp4", frames=10, fps=5, width=96, height=64).read_bytes()

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 import test_extract_webdataset as wds
 from _s3 import client, enforced_auth, free_port, moto_s3, options
+from _selftest import compare_caches
 from test_extract_fsspec import _assert_same
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction._selftest import compare_caches
 from vlfast.extraction.pipeline import extract
 from vlfast.extraction.sources.inputs import load_inputs
 

@@ -61,7 +61,7 @@ CLASSES, CAPTION_LEN, BATCH, N_BATCHES = 4, 4, 4, 8
 
 
 def _config():
-    from vlfast.extraction.synthetic import tiny_qwen3_vl_config
+    from vlfast.demo import tiny_qwen3_vl_config
 
     config = tiny_qwen3_vl_config(
         VOCAB,

@@ -24,7 +24,7 @@ def demo_checkpoint(
     as_json: JsonOpt = False,
 ) -> None:
     """Write a tiny random-weight Qwen3-VL checkpoint (2 MB, seconds) with a language model and tokenizer."""
-    from vlfast.extraction.synthetic import make_tiny_qwen3_vl
+    from vlfast.demo import make_tiny_qwen3_vl
 
     folder = Path(out)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):

@@ -252,7 +252,7 @@ def extract(
         if len(paths) != 1:
             raise UsageError("with --demo give only OUT, e.g. `vlfast extract --demo demo-out`")
         tmp = tempfile.TemporaryDirectory(prefix="vlfast-demo-")
-        from vlfast.extraction.synthetic import make_demo_inputs
+        from vlfast.demo import make_demo_inputs
 
         source: str = str(make_demo_inputs(tmp.name))
         out = paths[0]

@@ -1,4 +1,4 @@
-"""Offline stand-ins for tests, benchmarks and ``vlfast extract --demo``: media files and a tiny Qwen3-VL.
+"""Offline stand-ins for `vlfast demo-checkpoint`, `vlfast extract --demo`, tests and benchmarks: media and a tiny Qwen3-VL.
 
 ``make_tiny_qwen3_vl`` saves a random-weight Qwen3-VL checkpoint (2-layer LLM and tower, a byte-level BPE
 tokenizer trained on the spot with Qwen's special tokens and a chat template, the image processor and a
@@ -18,7 +18,7 @@ import numpy as np
 
 from vlfast.errors import InputRefused
 
-__all__ = ["make_images", "make_tiny_qwen3_vl", "make_video", "make_demo_inputs"]
+__all__ = ["make_demo_inputs", "make_images", "make_tiny_qwen3_vl", "make_video", "pattern"]
 
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -199,7 +199,7 @@ def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") 
     return path
 
 
-def _pattern(h: int, w: int, seed: int) -> np.ndarray:
+def pattern(h: int, w: int, seed: int) -> np.ndarray:
     """A smooth colour pattern (compresses well, resizes meaningfully): (h, w, 3) uint8."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:h, 0:w].astype(np.float32)
@@ -219,7 +219,7 @@ def make_images(
     paths = []
     for k, (w, h) in enumerate(sizes):
         p = folder / f"{prefix}{k:04d}.jpg"
-        Image.fromarray(_pattern(h, w, seed + k)).save(p, quality=90)
+        Image.fromarray(pattern(h, w, seed + k)).save(p, quality=90)
         paths.append(p)
     return paths
 
@@ -241,7 +241,7 @@ def make_video(
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    base = _pattern(height, width * 2, seed)
+    base = pattern(height, width * 2, seed)
     with av.open(str(path), mode="w") as container:
         codec = codec or ("libx264" if "libx264" in av.codecs_available else "mpeg4")
         stream = container.add_stream(codec, rate=fps)

@@ -1,7 +1,7 @@
 """A model-free extraction run through FeatureStore, for crash, resume and scale-out tests.
 
-    python -m vlfast.extraction._selftest OUT --samples 200            # one process
-    torchrun --nproc_per_node 2 -m vlfast.extraction._selftest OUT --samples 200 --dist   # gloo, CPU
+    python tests/_selftest.py OUT --samples 200            # one process
+    torchrun --nproc_per_node 2 tests/_selftest.py OUT --samples 200 --dist   # gloo, CPU
 
 Every sample's features derive from a RNG seeded by its id alone, so any run, interrupted or not, on any
 number of ranks, must produce the same bytes per id. The input has repeated ids and some ids that "fail"
