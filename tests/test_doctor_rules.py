@@ -248,7 +248,7 @@ def test_mixed_cudnn_libraries_are_reported():
     facts.cudnn_libraries = mixed
     assert "cudnn-mixed-libraries" in fired(facts)
     assert "cudnn-mixed-libraries" not in fired(Facts(device="cpu", cudnn_libraries=mixed))
-    from vlfast.diagnosis.doctor import _libraries
+    from vlfast.diagnosis.doctor import libraries_cell
 
-    assert "/usr/lib/x86_64-linux-gnu" in _libraries(facts) and wheel in _libraries(facts)
-    assert _libraries(gpu(cudnn_libraries=same)) == f"2 from {wheel}"
+    assert "/usr/lib/x86_64-linux-gnu" in libraries_cell(facts) and wheel in libraries_cell(facts)
+    assert libraries_cell(gpu(cudnn_libraries=same)) == f"2 from {wheel}"

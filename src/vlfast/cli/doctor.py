@@ -37,7 +37,7 @@ _VERDICT_STYLE = {"slow-path": "bold red", "gain": "bold yellow", "ok": "bold gr
 
 
 def _render(report) -> None:
-    from vlfast.diagnosis.doctor import _cpu_features, _libraries, _ratio_cell, _timed
+    from vlfast.diagnosis.doctor import cpu_features_cell, libraries_cell, ratio_cell, timed_cell
     from vlfast.diagnosis.facts import cudnn_version_str
 
     f = report.facts
@@ -72,7 +72,7 @@ def _render(report) -> None:
         f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",
         cuda,
     )
-    row("cuDNN libraries loaded", _libraries(f), cuda)
+    row("cuDNN libraries loaded", libraries_cell(f), cuda)
     row(
         "GPU",
         f.gpu_name and f"{f.gpu_name} (compute capability {'.'.join(map(str, f.gpu_capability or ()))})",
@@ -82,7 +82,7 @@ def _render(report) -> None:
     row("oneDNN available / enabled", f"{f.onednn_available} / {f.onednn_enabled}")
     row("CPU", f.cpu_model)
     row("CPU capability (instruction set) / threads", f"{f.cpu_capability} / {f.num_threads}")
-    row("CPU bf16/fp16 features", _cpu_features(f))
+    row("CPU bf16/fp16 features", cpu_features_cell(f))
     row("dtype", f"{f.dtype}: {report.dtype_reason}" if report.dtype_reason else f.dtype)
     row(
         "transformers",
@@ -118,7 +118,7 @@ def _render(report) -> None:
         return "-" if v is None else f"{v:,.2f}"
 
     def ratio(v, spread, reliable, status=None) -> str:
-        text = _ratio_cell(v, spread, reliable)
+        text = ratio_cell(v, spread, reliable)
         style = _STATUS_STYLE.get(status or "", "") if v is not None else ""
         return f"[{style}]{text}[/{style}]" if style else text
 
@@ -130,7 +130,7 @@ def _render(report) -> None:
         probe.add_row(
             p.shape.describe(),
             escape(names),
-            _timed(p),
+            timed_cell(p),
             ms(p.per_sample_ms("conv")),
             ms(p.per_sample_ms("gemm")),
             ratio(p.ratio, p.spread, p.reliable, x.forward_status),

@@ -71,7 +71,7 @@ def _render_notes(report) -> None:
 def _render_pair(report, before, after) -> None:
     """One configuration's table, printed as soon as it is measured (a killed run keeps what it printed)."""
     from vlfast.diagnosis.profiler import INLINE, MIN_ROUNDS
-    from vlfast.diagnosis.profiler import _load as load_now
+    from vlfast.diagnosis.profiler import load_average as load_now
 
     end = report.load[1] if report.load[1] is not None else load_now()
     ref = before or after

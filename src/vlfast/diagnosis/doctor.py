@@ -275,13 +275,13 @@ class DoctorReport:
                 "cudnn enabled / benchmark / tf32",
                 f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",
             ),
-            ("cuDNN libraries loaded", _libraries(f)),
+            ("cuDNN libraries loaded", libraries_cell(f)),
             ("GPU", gpu),
             ("MPS (built / available)", f"{f.mps_built} / {f.mps_available}"),
             ("oneDNN (available / enabled)", f"{f.onednn_available} / {f.onednn_enabled}"),
             ("CPU", f.cpu_model),
             ("CPU capability / threads", f"{f.cpu_capability} / {f.num_threads}"),
-            ("CPU bf16/fp16 features", _cpu_features(f)),
+            ("CPU bf16/fp16 features", cpu_features_cell(f)),
             ("dtype", f"{f.dtype}: {self.dtype_reason}" if self.dtype_reason else f.dtype),
             ("transformers", f"{f.transformers_version} (fusion_config: {f.transformers_fusion})"),
             ("VLFAST_PATCH", f.autopatch_env or "unset"),
@@ -312,10 +312,10 @@ class DoctorReport:
             p = x.probe
             lines.append(
                 f"| {p.shape.describe()} | {', '.join(p.shape.names[:3])}{' ...' if len(p.shape.names) > 3 else ''} "
-                f"| {_timed(p)} | {_num(p.per_sample_ms('conv'))} | {_num(p.per_sample_ms('gemm'))} "
-                f"| {_ratio_cell(p.ratio, p.spread, p.reliable)} "
+                f"| {timed_cell(p)} | {_num(p.per_sample_ms('conv'))} | {_num(p.per_sample_ms('gemm'))} "
+                f"| {ratio_cell(p.ratio, p.spread, p.reliable)} "
                 f"| {_num(p.per_sample_ms('conv_backward'))} | {_num(p.per_sample_ms('gemm_backward'))} "
-                f"| {_ratio_cell(p.backward_ratio, p.backward_spread, p.backward_reliable)} "
+                f"| {ratio_cell(p.backward_ratio, p.backward_spread, p.backward_reliable)} "
                 f"| {_num(p.channels_last_ratio, 'x')} | {p.backend or '-'} "
                 f"| {x.status}{' (' + p.error + ')' if p.error else ''} "
                 f"| {', '.join(x.rules) or '-'} |"
@@ -342,14 +342,14 @@ def _num(v: float | None, unit: str = "") -> str:
     return f"{v:,.1f}{unit}" if v >= 10 else f"{v:.3g}{unit}"
 
 
-def _timed(p: ProbeResult) -> str:
+def timed_cell(p: ProbeResult) -> str:
     """ "768 x 3": windows per timed call x rounds (figures are scaled to the sample's windows)."""
     if p.windows_timed is None or p.conv is None:
         return "-"
     return f"{p.windows_timed:,} x {p.conv.n}"
 
 
-def _ratio_cell(ratio: float | None, spread: float | None, reliable: bool) -> str:
+def ratio_cell(ratio: float | None, spread: float | None, reliable: bool) -> str:
     """ "4.12x (spread 6%)", or "4.12x (unreliable)" under MIN_ROUNDS rounds per side."""
     if ratio is None:
         return "-"
@@ -358,7 +358,7 @@ def _ratio_cell(ratio: float | None, spread: float | None, reliable: bool) -> st
     return f"{ratio:.2f}x (spread {spread:.0%})" if spread is not None else f"{ratio:.2f}x"
 
 
-def _libraries(f: Facts) -> str | None:
+def libraries_cell(f: Facts) -> str | None:
     """The loaded cuDNN libraries, listed in full only when they come from more than one place."""
     libs = f.cudnn_libraries
     if not libs:
@@ -369,7 +369,7 @@ def _libraries(f: Facts) -> str | None:
     return "; ".join(f"{name}: {path}" for name, path in sorted(libs.items()))
 
 
-def _cpu_features(f: Facts) -> str | None:
+def cpu_features_cell(f: Facts) -> str | None:
     if f.cpu_flags is None and f.onednn_bf16 is None:
         return None
     flags = ", ".join(x for x in (f.cpu_flags or ()) if x not in ("avx2", "avx512f")) or "none"

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlfast.diagnosis.timing import Timing, _timed_call
+from vlfast.diagnosis.timing import Timing, timed_call
 from vlfast.errors import InputRefused
 from vlfast.patching.gemm import eligibility, is_patched
 
@@ -181,7 +181,7 @@ def _now() -> float:
 
 def _time_once(fn: Callable[[], object], dev: torch.device) -> float:
     """Milliseconds of one call; the one place the probe reads time (tests replace it)."""
-    return _timed_call(fn, dev)
+    return timed_call(fn, dev)
 
 
 def choose_windows(

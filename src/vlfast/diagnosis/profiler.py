@@ -258,7 +258,7 @@ def _fmt_load(v: float | None) -> str:
     return "unknown" if v is None else f"{v:.2f}"
 
 
-def _load() -> float | None:
+def load_average() -> float | None:
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -626,7 +626,7 @@ def profile(
     elif choice is not None and dtype is None:
         report.notes.append(f"dtype {choice.dtype} ({choice.reason})")
     report.omp_wait_policy = os.environ.get("OMP_WAIT_POLICY")
-    report.load = (_load(), None)
+    report.load = (load_average(), None)
     if torch.device(dev).type == "cpu" and (report.omp_wait_policy or "").upper() != "PASSIVE":
         report.notes.append(
             "OMP_WAIT_POLICY is not PASSIVE: idle OpenMP threads spin, and beside a busy process single "
@@ -684,7 +684,7 @@ def profile(
         unpatch(scope)
         if before_names:
             patch(scope, filter=lambda name, m: name in before_names)
-    report.load = (report.load[0], _load())
+    report.load = (report.load[0], load_average())
     for before, after in report.pairs():
         if before and after:
             bad = [  # fewer than MIN_ROUNDS rounds has its own note above

@@ -74,7 +74,7 @@ class Timing:
         }
 
 
-def _timed_call(fn: Callable[[], Any], dev: torch.device) -> float:
+def timed_call(fn: Callable[[], Any], dev: torch.device) -> float:
     """Milliseconds of one call of ``fn``, with the device idle before and after."""
     if dev.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,7 +133,7 @@ def _measure(
 ) -> Timing:
     spent_ms = 0.0
     for i in range(warmup):
-        ms = _timed_call(fn, dev)
+        ms = timed_call(fn, dev)
         spent_ms += ms
         if i == 0 and budget_s is not None and ms > 0.5 * budget_s * 1e3:
             return Timing((ms,), warmup=0, budget_hit=True, first_call=True)
@@ -143,7 +143,7 @@ def _measure(
         if budget_s is not None and len(times) >= min_repeats and spent_ms >= budget_s * 1e3:
             budget_hit = True
             break
-        ms = _timed_call(fn, dev)
+        ms = timed_call(fn, dev)
         spent_ms += ms
         times.append(ms)
     return Timing(tuple(times), warmup=warmup, budget_hit=budget_hit)

@@ -399,7 +399,7 @@ def patched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def _compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
+def compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
     if filter is None:
         return lambda name, m: True
     if isinstance(filter, str):
@@ -447,7 +447,7 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
     again is harmless: already patched modules are reported as such.
     """
     _check_module(model, "patch")
-    keep = _compile_filter(filter)
+    keep = compile_filter(filter)
     report = PatchReport()
     # Decide for every module first, change nothing until all decisions are made: a filter or an odd
     # module that raises half-way must not leave the model half patched.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
-from vlfast.patching.gemm import Filter, _compile_filter, patch
+from vlfast.patching.gemm import Filter, compile_filter, patch
 
 __all__ = [
     "Family",
@@ -122,7 +122,7 @@ def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> Non
     """
     from transformers import PreTrainedModel
 
-    user = _compile_filter(filter)
+    user = compile_filter(filter)
     keep = user if all_convs else (lambda name, m: _conv3d_only(name, m) and user(name, m))
     with _lock:
         original = _state.get("original_post_init", PreTrainedModel.post_init)
