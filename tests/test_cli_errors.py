@@ -24,7 +24,7 @@ def test_refusals_are_one_family_that_old_callers_still_catch():
 
     assert vlfast.VlfastError is VlfastError and vlfast.InputRefused is InputRefused
     from vlfast.extraction.objstore import RemoteInputError
-    from vlfast.extraction.sources.inputs import EmptyInput
+    from vlfast.extraction.sources import EmptyInput
     from vlfast.extraction.store.format import DamagedFile, OutputInUse, OutputNotWritable
     from vlfast.extraction.store.resume import RunConfigMismatch
 

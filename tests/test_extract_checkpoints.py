@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from vlfast.extraction.decode.preprocess import Preprocessor, _processor_dicts, build_processor_config
-from vlfast.extraction.sources.inputs import Sample
+from vlfast.extraction.sources import Sample
 
 pytest.importorskip("transformers")
 

@@ -19,7 +19,7 @@ from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.sources.inputs import load_inputs
+from vlfast.extraction.sources import load_inputs
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -176,7 +176,7 @@ def test_memory_url_and_local_inputs_import_no_fsspec(media, local_run, tiny_qwe
     import sys
 
     code = (
-        "import sys; from vlfast.extraction.sources.inputs import load_inputs; "
+        "import sys; from vlfast.extraction.sources import load_inputs; "
         f"load_inputs({str(media)!r}); print('fsspec' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "False\n"

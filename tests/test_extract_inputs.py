@@ -10,18 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from vlfast.extraction.sources.inputs import (
-    IMAGE_SUFFIXES,
-    MAX_ID_BYTES,
-    EmptyInput,
-    InputProblem,
-    Sample,
-    dedupe,
-    load_inputs,
-    read_inputs,
-    read_manifest,
-    scan_folder,
-)
+from vlfast.extraction.ids import MAX_ID_BYTES
+from vlfast.extraction.sources import EmptyInput, InputProblem, Sample, load_inputs
+from vlfast.extraction.sources.manifest import load_manifest
+from vlfast.extraction.sources.sample import IMAGE_SUFFIXES
 
 needs_symlinks = pytest.mark.skipif(sys.platform == "win32", reason="symlinks need privileges on Windows")
 
@@ -32,6 +24,16 @@ def _touch(p, data=b"x"):
     return p
 
 
+def strict(source):
+    """The samples of ``source``; ValueError listing the problems if there are any, so nothing is dropped."""
+    samples, problems = load_inputs(source)
+    if problems:
+        raise ValueError(
+            f"{len(problems)} problem(s): " + "; ".join(f"{p.where}: {p.reason}" for p in problems)
+        )
+    return samples
+
+
 def _jsonl(path, *lines: str | bytes):
     path.write_bytes(b"".join((ln if isinstance(ln, bytes) else ln.encode()) + b"\n" for ln in lines))
     return path
@@ -40,7 +42,7 @@ def _jsonl(path, *lines: str | bytes):
 def test_scan_folder_recursive_sorted_media_only(tmp_path):
     for name in ["b.jpg", "a/c.PNG", "a/v.mp4", "notes.txt", ".hidden/x.jpg", "a/.y.jpg", "a-b.jpg"]:
         _touch(tmp_path / name)
-    samples = scan_folder(tmp_path)
+    samples = strict(tmp_path)
     assert [s.id for s in samples] == ["a/c.PNG", "a/v.mp4", "a-b.jpg", "b.jpg"]  # by path components
     assert [s.kind for s in samples] == ["image", "video", "image", "image"]
     assert load_inputs(tmp_path) == (samples, [])
@@ -70,7 +72,7 @@ def test_manifests_jsonl_csv_parquet_agree(tmp_path):
         ),
         tmp_path / "m.parquet",
     )
-    got = [read_manifest(tmp_path / f"m.{ext}") for ext in ("jsonl", "csv", "parquet")]
+    got = [strict(tmp_path / f"m.{ext}") for ext in ("jsonl", "csv", "parquet")]
     assert got[0] == got[1] == got[2]
     one, clip, vid = got[0]
     assert one == Sample("one", "image", (str(tmp_path / "img/1.jpg"),), "What is this?")
@@ -81,14 +83,12 @@ def test_manifests_jsonl_csv_parquet_agree(tmp_path):
 def test_manifest_id_defaults_to_path_and_strict_readers_name_the_row(tmp_path):
     m = _jsonl(tmp_path / "m.jsonl", '{"path": "a.jpg"}', '{"id": "x"}')
     with pytest.raises(ValueError, match=r"m\.jsonl line 2: no path"):
-        read_manifest(m)
-    with pytest.raises(ValueError, match=r"m\.jsonl line 2: no path"):
-        read_inputs(m)
+        strict(m)
     n = _jsonl(tmp_path / "n.jsonl", '{"path": "a.jpg"}', "not json")
     with pytest.raises(ValueError, match=r"n\.jsonl line 2: not valid JSON"):
-        read_manifest(n)
+        strict(n)
     o = _jsonl(tmp_path / "o.jsonl", '{"path": "/abs/a.jpg"}', '{"path": "a//b.jpg"}')
-    assert [s.id for s in read_manifest(o)] == ["/abs/a.jpg", "a/b.jpg"]
+    assert [s.id for s in strict(o)] == ["/abs/a.jpg", "a/b.jpg"]
 
 
 BAD_JSONL_ROWS = [
@@ -131,7 +131,7 @@ def test_a_bad_jsonl_line_is_a_problem_and_the_rest_go_on(tmp_path, line, reason
     assert p.id == row_id
     p.reason.encode("utf-8")  # the record itself can always be written
     with pytest.raises(ValueError, match=r"line 3: "):
-        read_inputs(m)
+        strict(m)
 
 
 def test_ids_and_paths_must_be_storable(tmp_path):
@@ -148,7 +148,7 @@ def test_ids_and_paths_must_be_storable(tmp_path):
     limit = f"longer than the {MAX_ID_BYTES}-byte limit; give a shorter id"
     assert problems[0].reason == f"id is {MAX_ID_BYTES + 1} bytes in UTF-8, {limit}"
     assert problems[1].reason.startswith("id (taken from the path) is 4101 bytes")
-    # Samples built by an API user go through the same check: a problem each, read_inputs refuses.
+    # Samples built by an API user go through the same check: a problem each.
     given = [Sample("a", "image", ("a.jpg",)), Sample("\ud800", "image", ("b.jpg",))]
     given += [Sample("c", "image", ("c\x00.jpg",)), {"id": True, "path": "d.jpg"}, {"path": "e.mp4"}]
     samples, problems = load_inputs(given)
@@ -159,8 +159,8 @@ def test_ids_and_paths_must_be_storable(tmp_path):
         ("inputs[3]", None),
     ]
     with pytest.raises(ValueError, match=r"inputs\[1\]: id holds a lone surrogate"):
-        read_inputs(given)
-    assert load_inputs([]) == ([], []) and read_inputs([]) == []  # an API caller may pass nothing
+        strict(given)
+    assert load_inputs([]) == ([], [])  # an API caller may pass nothing
 
 
 def test_csv_bad_rows_use_data_row_numbers(tmp_path):
@@ -199,10 +199,10 @@ def test_a_utf8_bom_is_not_part_of_the_first_column(tmp_path):
     (tmp_path / "m.csv").write_bytes(bom + b"id,path\nx,a.jpg\n")
     _jsonl(tmp_path / "m.jsonl", bom + b'{"id": "x", "path": "a.jpg"}')
     want = [Sample("x", "image", (str(tmp_path / "a.jpg"),))]
-    assert read_manifest(tmp_path / "m.csv") == read_manifest(tmp_path / "m.jsonl") == want
+    assert strict(tmp_path / "m.csv") == strict(tmp_path / "m.jsonl") == want
     # Only at the very start: a BOM elsewhere is data.
     (tmp_path / "n.csv").write_bytes(b"id,path\n" + bom + b"x,a.jpg\n")
-    assert read_manifest(tmp_path / "n.csv")[0].id == "\ufeffx"
+    assert strict(tmp_path / "n.csv")[0].id == "\ufeffx"
 
 
 def test_ids_mean_the_same_in_jsonl_csv_and_parquet(tmp_path):
@@ -239,7 +239,7 @@ def test_ids_mean_the_same_in_jsonl_csv_and_parquet(tmp_path):
     assert [s.prompt for s in samples] == ["p"] + [None] * 6
     # A list column is a frame list as well; a one-frame list is its file's kind.
     pq.write_table(pa.table({"path": pa.array([["f0.png", "f1.png"], ["v.mp4"]])}), tmp_path / "l.parquet")
-    assert [(s.id, s.kind) for s in read_manifest(tmp_path / "l.parquet")] == [
+    assert [(s.id, s.kind) for s in strict(tmp_path / "l.parquet")] == [
         ("f0.png", "frames"),
         ("v.mp4", "video"),
     ]
@@ -247,7 +247,7 @@ def test_ids_mean_the_same_in_jsonl_csv_and_parquet(tmp_path):
 
 def test_text_ids_are_kept_exactly_and_bools_refused(tmp_path):
     (tmp_path / "m.csv").write_text("id,path\n1.0,a.jpg\n007,b.jpg\n true,c.jpg\n")
-    assert [s.id for s in read_manifest(tmp_path / "m.csv")] == ["1.0", "007", " true"]
+    assert [s.id for s in strict(tmp_path / "m.csv")] == ["1.0", "007", " true"]
     m = _jsonl(tmp_path / "m.jsonl", '{"id": "1.0", "path": "a.jpg"}', '{"id": false, "path": "b.jpg"}')
     samples, problems = load_inputs(m)
     assert [s.id for s in samples] == ["1.0"]
@@ -261,13 +261,13 @@ def test_text_ids_are_kept_exactly_and_bools_refused(tmp_path):
         load_inputs(tmp_path / "b.parquet")  # no usable row at all: the input is refused whole
     big = pa.array([2**62, None], pa.int64())
     pq.write_table(pa.table({"id": big, "path": ["a.jpg", "b.jpg"]}), tmp_path / "i.parquet")
-    assert [s.id for s in read_manifest(tmp_path / "i.parquet")] == [str(2**62), "b.jpg"]
+    assert [s.id for s in strict(tmp_path / "i.parquet")] == [str(2**62), "b.jpg"]
 
 
 def test_wholly_unusable_manifests_raise_at_once(tmp_path):
     (tmp_path / "m.txt").write_text("a.jpg\n")
     with pytest.raises(ValueError, match=r"must end in \.jsonl, \.csv or \.parquet"):
-        read_manifest(tmp_path / "m.txt")
+        load_manifest(tmp_path / "m.txt")
     (tmp_path / "cols.csv").write_text("id,file\nx,a.jpg\n")
     with pytest.raises(ValueError, match=r"has no 'path' column \(columns: 'id', 'file'\)"):
         load_inputs(tmp_path / "cols.csv")
@@ -299,11 +299,7 @@ def test_empty_inputs_raise_empty_input(tmp_path):
             load_inputs(tmp_path / name)
         msg = str(e.value)
         assert str(tmp_path / name) in msg and ".jpg" in msg and ".mp4" in msg and ".parquet" in msg
-        with pytest.raises(EmptyInput):
-            read_inputs(tmp_path / name)
     assert issubclass(EmptyInput, ValueError)
-    with pytest.raises(EmptyInput):
-        scan_folder(tmp_path / "empty")
 
 
 @needs_symlinks
@@ -334,7 +330,7 @@ def test_folder_dangling_symlinks_and_loops_are_problems(tmp_path):
         ),
     ]
     with pytest.raises(ValueError, match=r"4 problem\(s\): .*a\.png: symlink loop"):
-        scan_folder(tmp_path)
+        strict(tmp_path)
 
 
 @needs_symlinks
@@ -346,7 +342,7 @@ def test_folder_scan_does_not_enter_symlinked_folders(tmp_path):
     os.symlink(".", root / "sub" / "self")  # loops that would never end if followed
     os.symlink("..", root / "sub" / "up")
     os.symlink("sub", root / "dir.mp4")  # a folder with a media name is still a folder
-    assert [s.id for s in scan_folder(root)] == ["sub/a.jpg"]
+    assert [s.id for s in strict(root)] == ["sub/a.jpg"]
     os.remove(root / "sub" / "a.jpg")
     with pytest.raises(EmptyInput, match="symlinked folders are not entered"):
         load_inputs(root)
@@ -366,16 +362,7 @@ def test_folder_entry_with_a_non_utf8_name_is_a_problem(tmp_path):
     p.where.encode("utf-8")
 
 
-def test_dedupe_keeps_first_and_reports_the_rest():
-    s = [Sample("a", "image", ("1.jpg",)), Sample("b", "image", ("2.jpg",)), Sample("a", "image", ("3.jpg",))]
-    kept, dups = dedupe(s)
-    assert [k.paths[0] for k in kept] == ["1.jpg", "2.jpg"]
-    assert len(dups) == 1 and dups[0].source == "3.jpg" and "1.jpg" in dups[0].reason
-
-
-def test_read_inputs_rejects_unknown(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a folder"):
-        read_inputs(tmp_path / "missing")
+def test_unknown_inputs_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a folder") as e:
         load_inputs(tmp_path / "missing")
     assert all(s in str(e.value) for s in IMAGE_SUFFIXES)

@@ -13,7 +13,7 @@ from vlfast.extraction import FeatureCache, RunConfigMismatch
 from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
 from vlfast.extraction.model.batching import TokenBudget, is_oom, pack, run_split_on_oom
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.sources.inputs import Sample, scan_folder
+from vlfast.extraction.sources import Sample, load_inputs
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,7 +64,7 @@ def test_features_match_the_naive_loop(full_run, media_dir, tiny_qwen3_vl):
     cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
     pre = Preprocessor(cfg, image_processor_dir=str(tiny_qwen3_vl))
     tower = load_vision_tower(str(tiny_qwen3_vl), dtype=torch.float32)
-    for s in scan_folder(media_dir / "good"):
+    for s in load_inputs(media_dir / "good")[0]:
         pixels, grid, _ = pre(s)
         with torch.inference_mode():
             ref = tower_outputs(tower(pixels, grid_thw=torch.tensor([grid])))
@@ -112,7 +112,7 @@ def test_resume_skips_and_changed_config_is_refused(full_run, media_dir, tiny_qw
 
 
 def test_llm_features_batched_equal_single(good_dir, tiny_qwen3_vl, tmp_path):
-    samples = [s for s in scan_folder(good_dir) if s.id in ("rgb.jpg", "clip.mp4", "gray.png", "odd.mp4")]
+    samples = [s for s in load_inputs(good_dir)[0] if s.id in ("rgb.jpg", "clip.mp4", "gray.png", "odd.mp4")]
     samples[0] = Sample(samples[0].id, samples[0].kind, samples[0].paths, "What colour dominates?")
     kw = dict(
         model=str(tiny_qwen3_vl),

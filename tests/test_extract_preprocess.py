@@ -32,7 +32,7 @@ from vlfast.extraction.decode.preprocess import (
     sample_frame_indices,
     video_resize_shape,
 )
-from vlfast.extraction.sources.inputs import Sample
+from vlfast.extraction.sources import Sample
 
 pytest.importorskip("transformers")
 

@@ -24,7 +24,7 @@ from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction.objstore import is_transient
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.sources.inputs import load_inputs
+from vlfast.extraction.sources import load_inputs
 from vlfast.extraction.store.format import read_errors
 
 pytest.importorskip("s3fs")

@@ -22,7 +22,7 @@ from _selftest import compare_caches
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.sources.inputs import load_inputs
+from vlfast.extraction.sources import load_inputs
 from vlfast.extraction.sources.webdataset import MAX_SHARDS, TarMember, expand_braces
 
 runner = CliRunner()

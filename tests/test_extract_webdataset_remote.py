@@ -19,7 +19,7 @@ from test_extract_fsspec import _assert_same
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction.pipeline import extract
-from vlfast.extraction.sources.inputs import load_inputs
+from vlfast.extraction.sources import load_inputs
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -129,7 +129,7 @@ def test_braces_expand_in_the_path_only_and_local_shards_import_no_fsspec(shards
     with pytest.raises(ValueError, match=re.escape("'memory://s/{0..1.tar': the brace at character 12")):
         load_inputs("memory://s/{0..1.tar")
     code = (
-        "import sys; from vlfast.extraction.sources.inputs import load_inputs; "
+        "import sys; from vlfast.extraction.sources import load_inputs; "
         f"load_inputs({shards['pattern']!r}); print('fsspec' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "False\n"

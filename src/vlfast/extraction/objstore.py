@@ -1,36 +1,34 @@
-"""Object storage as extraction input: fsspec URLs (``s3://bucket/key``, ``memory://...``) read in place.
+"""Object storage, the base layer of extraction: the ONLY module that imports fsspec.
 
-INPUT, a folder's files and a manifest's ``path`` values may be URLs with a scheme (``s3://``, ``gs://``,
-``memory://``, ``file://``...). Local paths never reach this module, so a purely local run imports no fsspec.
+Local paths never reach this module's filesystems, so a purely local run imports no fsspec (importing this
+module does not import it either). Here, once for the package:
 
-* :func:`load_url` lists a folder URL as :func:`~vlfast.extraction.sources.inputs.load_inputs` scans a local
-  folder (recursive, hidden entries skipped, ids relative to the folder), takes a single media URL (its
-  id is the URL), or reads a manifest at a URL (its relative paths are relative to its URL). The INPUT is probed first: an unreachable endpoint, a missing bucket or refused
-  credentials raise :class:`RemoteInputError` naming the URL before any work.
-* :func:`attach` gives each manifest sample whose path is a URL a :class:`RemoteFile` (its id, when the
-  manifest has none, is the URL) after probing each bucket once; a missing object is found by the decode
-  worker and recorded like a missing local file.
-* :class:`RemoteFile` is what the decode workers open, as they open a tar member: images are read whole,
-  videos through fsspec's seekable file object for PyAV.
-* :func:`list_shards` lists WebDataset shards at URLs with :mod:`vlfast.extraction.sources.webdataset`'s own
-  listing, over a :class:`_RangeReader`; a shard member at a URL is then read by :func:`read_range` /
-  :func:`open_range`, ranged requests over just its bytes.
+* URLs: :func:`url_scheme`, :func:`is_url`, :func:`bucket_root` (``s3://bucket`` for stores whose first path
+  component is a bucket, :data:`BUCKET_PROTOCOLS`), :func:`url_path` (OUT's path object), and what a
+  filesystem is (:func:`is_local_fs`, :func:`has_buckets`);
+* filesystems: :func:`filesystem` opens the fsspec filesystem of a URL with the storage options (passed as
+  JSON, :func:`encode_options`: hashable and picklable), S3 with :data:`S3_RETRIES`; :func:`probe` asks a
+  URL's ``info`` and turns what fails into :func:`refusal`'s messages;
+* transient errors: a connection reset, a 5xx or SlowDown, a timeout (:func:`is_transient`) are retried by
+  the client where it has retries of its own (S3: botocore's ``retries`` config, :data:`S3_RETRIES` unless
+  ``config_kwargs`` or ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` set one, plus s3fs's own loop over
+  connection errors; gcsfs and adlfs retry by themselves) and by :func:`retrying` here for other stores
+  (plain HTTP). What still fails is :class:`TransientReadError`, whose message starts with
+  :data:`TRANSIENT_PREFIX`: the sample's error record is "transient", not done, tried again by the next run;
+* OUT on object storage: :func:`probe_out` (reachable, bucket present, s3fs able to create exclusively);
+* ranged reads: :func:`read_range` / :func:`open_range` read bytes of an object in place (a tar member at a
+  URL), :class:`RangeReader` is the unbuffered view a shard is listed through.
 
-Transient failures (a connection reset, a 5xx or SlowDown, a timeout: :func:`is_transient`) are retried by
-the client where it has retries of its own (S3: botocore's ``retries`` config, :data:`S3_RETRIES` unless
-``config_kwargs`` or ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` set one, plus s3fs's own loop over
-connection errors; gcsfs and adlfs retry by themselves) and by :func:`_retrying` here for other stores
-(plain HTTP). What still fails is :class:`TransientReadError`, which the sample's error record marks
-"transient": not done, tried again by the next run.
+What is read as INPUT at URLs (folders, manifests, media, WebDataset shards) is listed in
+:mod:`vlfast.extraction.sources` (``remote``, ``webdataset``).
 
 Credentials come from the environment and fsspec's configuration, plus ``storage_options`` (passed to
-``fsspec.filesystem``). They are never shown: a :class:`RemoteFile`'s repr and every message name the URL
-only, and any option value that a library error echoes is masked.
+``fsspec.filesystem``). They are never shown: every message names the URL only, and any option value that
+a library error echoes is masked (:func:`masked`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import io
 import json
@@ -38,36 +36,105 @@ import os
 import random
 import re
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
 
 from vlfast._files import ByteWindow
 from vlfast.errors import InputRefused
 
-if TYPE_CHECKING:
-    from vlfast.extraction.sources.inputs import InputProblem, Sample
-
 __all__ = [
-    "RemoteFile",
+    "BUCKET_PROTOCOLS",
+    "TRANSIENT_PREFIX",
+    "RangeReader",
     "RemoteInputError",
     "TransientReadError",
-    "attach",
+    "bucket_root",
+    "encode_options",
+    "filesystem",
+    "has_buckets",
+    "is_local_fs",
     "is_transient",
     "is_url",
-    "list_shards",
-    "load_url",
+    "open_range",
+    "probe",
     "probe_out",
+    "read_range",
+    "refusal",
+    "retrying",
+    "transient_error",
+    "url_path",
+    "url_scheme",
 ]
+
+T = TypeVar("T")
+
+# ------------------------------------------------------------------------------------------------ URLs
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Stores whose first path component is a bucket: probed once per bucket before any work.
-_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"})
+BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"})
 _INSTALL = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 
 
+def url_scheme(source: Any) -> str | None:
+    """The lower-cased scheme of text with a ``scheme://`` prefix (``"s3"``), or None (a local path)."""
+    m = _SCHEME.match(source) if isinstance(source, str) else None
+    return m.group(1).lower() if m else None
+
+
+def is_url(source: Any) -> bool:
+    """Whether ``source`` is text with a ``scheme://`` prefix (a local path never is)."""
+    return url_scheme(source) is not None
+
+
+def url_path(url: str, storage_options: Mapping[str, Any] | None = None) -> Path:
+    """OUT's URL as a path object: a ``pathlib.Path`` for ``file://`` (a local folder), else a
+    ``upath.UPath`` on the URL's fsspec filesystem, opened with ``storage_options``."""
+    if url_scheme(url) == "file":
+        from urllib.parse import unquote, urlsplit
+
+        return Path(unquote(urlsplit(url).path))
+    try:
+        from upath import UPath
+    except ImportError:
+        raise ImportError(
+            f"OUT {url} is on object storage, which needs universal_pathlib and the fsspec backend of its "
+            "scheme: pip install 'vlfast[s3]' (s3fs; gcsfs / adlfs for gs:// and az://)"
+        ) from None
+    return UPath(url, **(storage_options or {}))
+
+
+def bucket_root(url: str) -> str | None:
+    """``scheme://bucket`` as written in ``url`` for a store whose first path component is a bucket (S3,
+    GCS, Azure...: :data:`BUCKET_PROTOCOLS`), else None (``memory://``, ``file://``, ``http://``...)."""
+    if url_scheme(url) not in BUCKET_PROTOCOLS:
+        return None
+    m = re.match(r"^[^:]+://[^/]+", url)
+    return m.group(0) if m else None
+
+
+def _protocols(fs: Any) -> set[str]:
+    return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+
+
+def is_local_fs(fs: Any) -> bool:
+    """Whether an fsspec filesystem is fsspec's local one (``file://``)."""
+    return not {"file", "local"}.isdisjoint(_protocols(fs))
+
+
+def has_buckets(fs: Any) -> bool:
+    """Whether an fsspec filesystem's first path component is a bucket (S3, GCS, Azure...)."""
+    return bool(_protocols(fs) & BUCKET_PROTOCOLS)
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+TRANSIENT_PREFIX = "transient storage error"  # how such a reason begins (add_error infers the kind from it)
+
+
 class RemoteInputError(InputRefused):
-    """An INPUT URL that cannot be read at all (endpoint unreachable, bucket missing, access refused)."""
+    """A URL that cannot be read at all (endpoint unreachable, bucket missing, access refused)."""
 
 
 class TransientReadError(Exception):
@@ -185,39 +252,43 @@ def is_transient(e: BaseException) -> bool:
 
 def transient_error(url: str, e: BaseException, options_json: str = "{}") -> TransientReadError:
     """The TransientReadError for ``e`` while reading ``url``: names the URL, never the options."""
-    from vlfast.extraction.store.format import TRANSIENT_PREFIX
-
-    reason = _masked(_reason(e), options_json)
+    reason = masked(error_reason(e), options_json)
     return TransientReadError(
         f"{TRANSIENT_PREFIX}: cannot read {url} ({type(e).__name__}: {reason}) after the storage client's "
         "retries; the next run tries it again"
     )
 
 
-def _retrying(fs, call, url: str, options_json: str):
-    """``call()``, tried up to :data:`OWN_ATTEMPTS` times while it fails transiently when ``fs``'s client
-    has no retries of its own (else once: the client has retried already); TransientReadError when the
-    last attempt fails transiently, the error itself otherwise."""
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    attempts = 1 if protocols & _CLIENT_RETRIES else OWN_ATTEMPTS
-    for attempt in range(attempts):
-        try:
-            return call()
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            if attempt == attempts - 1:
-                raise transient_error(url, e, options_json) from e
-            time.sleep(0.5 * 2**attempt * random.uniform(0.5, 1.0))  # jitter: ranks must not retry in step
-    raise AssertionError("unreachable")
+def error_reason(e: BaseException) -> str:
+    """A library error's text for a message, cut to 300 characters (pass it through :func:`masked`)."""
+    text = str(e).strip() or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
-def is_url(source: Any) -> bool:
-    """Whether ``source`` is text with a ``scheme://`` prefix (a local path never is)."""
-    return isinstance(source, str) and _SCHEME.match(source) is not None
+def refusal(label: str, e: BaseException, options_json: str, missing: str | None = None) -> Exception:
+    """The exception that says why a request about an input failed, naming ``label`` (the URL, or what it
+    is to the input) and never the options. ``missing`` replaces the default not-found message."""
+    if isinstance(e, FileNotFoundError):
+        return FileNotFoundError(
+            missing or f"{label} does not exist (or its bucket does not, or the credentials cannot see it)"
+        )
+    reason = masked(error_reason(e), options_json)
+    if isinstance(e, PermissionError):  # s3fs: a wrong secret or unknown key id (403), or no permission
+        return RemoteInputError(
+            f"{label}: access refused ({reason}); check the credentials "
+            "(environment, fsspec configuration or --storage-options)"
+        )
+    # unreachable endpoint, bad credentials: each client raises its own types
+    return RemoteInputError(
+        f"{label} cannot be reached ({type(e).__name__}: {reason}); check the endpoint and the credentials"
+    )
 
 
-def _options_json(options: Mapping[str, Any] | None) -> str:
+# ------------------------------------------------------------------------------------------ options
+
+
+def encode_options(options: Mapping[str, Any] | None) -> str:
+    """Storage options as JSON text: what :func:`filesystem` takes, hashable and picklable."""
     if options is None:
         return "{}"
     if not isinstance(options, Mapping):
@@ -243,13 +314,17 @@ def _secrets(options_json: str) -> list[str]:
     return out
 
 
-def _masked(text: str, options_json: str) -> str:
+def masked(text: str, options_json: str) -> str:
+    """``text`` with every text value of the options replaced by ``***``."""
     for secret in _secrets(options_json):
         text = text.replace(secret, "***")
     return text
 
 
-def _filesystem(url: str, options_json: str):
+# -------------------------------------------------------------------------------- filesystems, retries
+
+
+def filesystem(url: str, options_json: str):
     """(fsspec filesystem, path within it). fsspec caches instances per process (and drops them in a forked
     worker, whose event loop thread did not survive the fork)."""
     try:
@@ -257,7 +332,7 @@ def _filesystem(url: str, options_json: str):
         from fsspec.core import url_to_fs
     except ImportError:
         raise ImportError("reading URLs needs fsspec: pip install 'vlfast[s3]'") from None
-    protocol = _SCHEME.match(url).group(1).lower()  # type: ignore[union-attr]
+    protocol = url_scheme(url)
     options = json.loads(options_json)
     if protocol in ("s3", "s3a"):
         config = options.setdefault("config_kwargs", {})
@@ -270,7 +345,7 @@ def _filesystem(url: str, options_json: str):
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError:
-        package = _INSTALL.get(protocol, f"the fsspec package for {protocol}://")
+        package = _INSTALL.get(protocol, f"the fsspec package for {protocol}://")  # type: ignore[arg-type]
         extra = "vlfast[s3]" if package == "s3fs" else package
         raise ImportError(f"reading {protocol}:// URLs needs {package}: pip install '{extra}'") from None
     except ValueError:
@@ -278,212 +353,36 @@ def _filesystem(url: str, options_json: str):
     return url_to_fs(url, **options)
 
 
-@dataclass(frozen=True)
-class RemoteFile:
-    """One sample's media at a URL, opened through fsspec in the decode worker. ``str()`` is the URL; the
-    storage options are kept out of the repr."""
-
-    url: str
-    options_json: str = field(default="{}", repr=False)  # JSON: hashable and picklable
-
-    def __str__(self) -> str:
-        return self.url
-
-    def size(self) -> int:
-        """Bytes of the object; FileNotFoundError when it does not exist, OSError when it cannot be read."""
-        fs, path = _filesystem(self.url, self.options_json)
+def retrying(fs, call: Callable[[], T], url: str, options_json: str) -> T:
+    """``call()``, tried up to :data:`OWN_ATTEMPTS` times while it fails transiently when ``fs``'s client
+    has no retries of its own (else once: the client has retried already); TransientReadError when the
+    last attempt fails transiently, the error itself otherwise."""
+    attempts = 1 if _protocols(fs) & _CLIENT_RETRIES else OWN_ATTEMPTS
+    for attempt in range(attempts):
         try:
-            info = _retrying(fs, lambda: fs.info(path), self.url, self.options_json)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"file not found: {self.url}") from None
-        except TransientReadError:
-            raise
-        except Exception as e:  # network and permission errors come as many types
-            raise OSError(f"cannot access {self.url}: {_masked(_reason(e), self.options_json)}") from None
-        if info.get("type") == "directory":
-            raise IsADirectoryError(f"not a file: {self.url}")
-        return int(info.get("size") or 0)
-
-    def open(self) -> io.IOBase:
-        """The object's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
-        fs, path = _filesystem(self.url, self.options_json)
-        try:
-            return _retrying(fs, lambda: fs.open(path, "rb"), self.url, self.options_json)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"file not found: {self.url}") from None
-        except OSError as e:
-            raise OSError(f"cannot open {self.url}: {_masked(_reason(e), self.options_json)}") from None
-
-    def read_bytes(self) -> bytes:
-        """The whole object (an image); TransientReadError when the store keeps failing transiently."""
-        fs, path = _filesystem(self.url, self.options_json)
-        try:
-            return _retrying(fs, lambda: fs.cat_file(path), self.url, self.options_json)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"file not found: {self.url}") from None
-        except TransientReadError:
-            raise
+            return call()
         except Exception as e:
-            raise OSError(f"cannot read {self.url}: {_masked(_reason(e), self.options_json)}") from None
+            if not is_transient(e):
+                raise
+            if attempt == attempts - 1:
+                raise transient_error(url, e, options_json) from e
+            time.sleep(0.5 * 2**attempt * random.uniform(0.5, 1.0))  # jitter: ranks must not retry in step
+    raise AssertionError("unreachable")
 
 
-def _reason(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _refusal(label: str, e: BaseException, options_json: str, missing: str | None = None) -> Exception:
-    """The exception that says why a request about an input failed, naming ``label`` (the URL, or what it
-    is to the input) and never the options. ``missing`` replaces the default not-found message."""
-    if isinstance(e, FileNotFoundError):
-        return FileNotFoundError(
-            missing or f"{label} does not exist (or its bucket does not, or the credentials cannot see it)"
-        )
-    reason = _masked(_reason(e), options_json)
-    if isinstance(e, PermissionError):  # s3fs: a wrong secret or unknown key id (403), or no permission
-        return RemoteInputError(
-            f"{label}: access refused ({reason}); check the credentials "
-            "(environment, fsspec configuration or --storage-options)"
-        )
-    # unreachable endpoint, bad credentials: each client raises its own types
-    return RemoteInputError(
-        f"{label} cannot be reached ({type(e).__name__}: {reason}); check the endpoint and the credentials"
-    )
-
-
-def _probe(
+def probe(
     url: str, options_json: str, label: str | None = None, missing: str | None = None
 ) -> dict[str, Any]:
     """``fs.info`` of ``url``, or RemoteInputError / FileNotFoundError naming the URL (never the options)."""
-    fs, path = _filesystem(url, options_json)
+    fs, path = filesystem(url, options_json)
     fs.invalidate_cache()  # a run sees the store as it is now, not a listing this process cached earlier
     try:
         return fs.info(path)
     except Exception as e:
-        raise _refusal(label or f"input {url}", e, options_json, missing) from None
+        raise refusal(label or f"input {url}", e, options_json, missing) from None
 
 
-def load_url(
-    url: str, storage_options: Mapping[str, Any] | None = None
-) -> tuple[list[Sample], list[InputProblem]]:
-    """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL
-    (a ``.tar`` or a brace pattern, see :func:`list_shards`), or one image or video URL."""
-    from vlfast.extraction.sources.inputs import (
-        IMAGE_SUFFIXES,
-        MANIFEST_SUFFIXES,
-        VIDEO_SUFFIXES,
-        EmptyInput,
-        InputProblem,
-        Sample,
-        _kind_of,
-        _storable,
-    )
-    from vlfast.extraction.sources.webdataset import is_shard_input
-
-    options = _options_json(storage_options)
-    suffix = os.path.splitext(url.rstrip("/"))[1].lower()
-    if is_shard_input(url):
-        from vlfast.extraction.sources.inputs import _required
-        from vlfast.extraction.sources.webdataset import load_shards
-
-        samples, problems = load_shards(url, storage_options)
-        _required("WebDataset shards", url, samples, problems)
-        return samples, problems
-    info = _probe(url, options)
-    if suffix in MANIFEST_SUFFIXES:
-        return _remote_manifest(url, suffix, storage_options)
-    media = IMAGE_SUFFIXES | VIDEO_SUFFIXES
-    if info.get("type") != "directory":
-        if suffix not in media:
-            raise RemoteInputError(f"input {url} is neither a folder nor an image or video file")
-        return [Sample(url, _kind_of(url), (url,), member=RemoteFile(url, options))], []
-    fs, root = _filesystem(url, options)
-    root = root.rstrip("/")
-    found: list[tuple[tuple[str, ...], Sample | InputProblem]] = []
-    for path in fs.find(root, withdirs=False, detail=False):
-        rel = path[len(root) :].lstrip("/") if path.startswith(root) else path
-        parts = tuple(rel.split("/"))
-        if any(p.startswith(".") for p in parts):  # hidden files and folders, as in a local scan
-            continue
-        if os.path.splitext(parts[-1])[1].lower() not in media:
-            continue
-        file_url = fs.unstrip_protocol(path)
-        reason = _storable(rel, (), None)
-        if reason:
-            found.append((parts, InputProblem(file_url, reason)))
-        else:
-            member = RemoteFile(file_url, options)
-            found.append((parts, Sample(rel, _kind_of(rel), (file_url,), member=member)))
-    found.sort(key=lambda kv: kv[0])
-    samples = [x for _, x in found if isinstance(x, Sample)]
-    problems = [x for _, x in found if not isinstance(x, Sample)]
-    if not samples and not problems:
-        raise EmptyInput(f"input folder {url} holds no image or video file (hidden files are skipped)")
-    return samples, problems  # type: ignore[return-value]
-
-
-def _remote_manifest(
-    url: str, suffix: str, storage_options: Mapping[str, Any] | None
-) -> tuple[list[Sample], list[InputProblem]]:
-    """A manifest at a URL, copied to a temporary file and read as a local one; its relative paths are
-    relative to its URL's folder, its errors name the URL."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from vlfast.extraction.sources.inputs import _read_manifest, _required, _with_remote
-
-    options = _options_json(storage_options)
-    with tempfile.TemporaryDirectory(prefix="vlfast-manifest-") as tmp:
-        local = Path(tmp) / f"manifest{suffix}"
-        try:
-            with RemoteFile(url, options).open() as src, local.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"manifest {url} does not exist") from None
-        except (OSError, TransientReadError) as e:
-            raise RemoteInputError(f"manifest {url} cannot be read: {e}") from None
-        got = _read_manifest(local, name=url, base=url.rsplit("/", 1)[0])
-    samples, problems = _with_remote(got, dict(storage_options or {}))
-    _required("manifest", url, samples, problems)
-    return samples, problems
-
-
-def attach(
-    samples: Sequence[Sample], storage_options: Mapping[str, Any] | None = None
-) -> tuple[list[Sample], list[InputProblem]]:
-    """``samples`` with a :class:`RemoteFile` on each whose path is a URL; a frame list of URLs is a
-    problem (not supported yet). Each bucket is probed once: an unreachable endpoint, missing bucket or
-    refused credentials raise before any work, while a missing object is left to the worker to record."""
-    from vlfast.extraction.sources.inputs import InputProblem
-
-    options = _options_json(storage_options)
-    out: list[Sample] = []
-    problems: list[InputProblem] = []
-    probed: set[str] = set()
-    for s in samples:
-        if s.member is not None or not any(is_url(p) for p in s.paths):
-            out.append(s)
-            continue
-        if len(s.paths) > 1:
-            problems.append(
-                InputProblem(s.source, "a frame list of URLs is not supported yet; give a video URL", s.id)
-            )
-            continue
-        url = s.paths[0]
-        m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/]+)", url)
-        if m and m.group(1).lower() in _BUCKET_PROTOCOLS and m.group(0) not in probed:
-            probed.add(m.group(0))
-            _probe(m.group(0), options)
-        out.append(dataclasses.replace(s, member=RemoteFile(url, options)))
-    return out, problems
-
-
-def has_buckets(fs: Any) -> bool:
-    """Whether an fsspec filesystem's first path component is a bucket (S3, GCS, Azure...)."""
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    return bool(protocols & _BUCKET_PROTOCOLS)
-
+# ----------------------------------------------------------------------------------- OUT on object storage
 
 # s3fs sends S3's If-None-Match on an exclusive create from 2024.12 on; before, mode="create" was a
 # check-then-write, so two writers racing for one name could both win and the commit was not atomic.
@@ -510,7 +409,7 @@ def probe_out(out: Any) -> None:
     """An OUT on object storage must be reachable with the credentials given, and its bucket must exist
     (OUT itself need not): else RemoteInputError / FileNotFoundError naming the URL, before any work."""
     url = str(out)
-    options_json = _options_json(getattr(out, "storage_options", None))
+    options_json = encode_options(getattr(out, "storage_options", None))
     fs, path = out.fs, out.path
     _check_exclusive_create(fs, url)
     fs.invalidate_cache()
@@ -522,10 +421,13 @@ def probe_out(out: Any) -> None:
             fs.ls(bucket, detail=False)  # one request; a missing bucket raises FileNotFoundError
     except Exception as e:
         missing = f"output {url}: its bucket {bucket!r} does not exist (or the credentials cannot see it); create it first"
-        raise _refusal(f"output {url}", e, options_json, missing) from None
+        raise refusal(f"output {url}", e, options_json, missing) from None
 
 
-# ------------------------------------------------------------------------------- WebDataset shards at URLs
+# ------------------------------------------------------------------------------------------ ranged reads
+
+# The ranged reads below still call these by their old names.
+_filesystem, _retrying, _masked, _reason = filesystem, retrying, masked, error_reason
 
 
 def _fetch(fs, path: str, url: str, options_json: str, start: int, end: int) -> bytes:
@@ -619,102 +521,4 @@ def read_range(url: str, options_json: str, offset: int, size: int, name: str) -
     return data
 
 
-_LIST_THREADS = 8  # shards listed at once: a listing waits on requests more than on the CPU
-
-
-def list_shards(
-    pattern: str, shards: Sequence[str], rels: Sequence[str], storage_options: Mapping[str, Any] | None
-) -> list[tuple[list[Sample], list[InputProblem]]]:
-    """Each shard URL's samples and problems (ids ``{rel}/{__key__}``), listed by the same code as a local
-    shard (:func:`~vlfast.extraction.sources.webdataset._scan` and ``_entries``) over a :class:`_RangeReader`,
-    up to :data:`_LIST_THREADS` shards at once.
-
-    Refused before any shard is read, naming ``pattern`` and never the credentials: an unreachable
-    endpoint, a missing bucket or refused credentials (one request about the bucket), and shards that do
-    not exist or are not files (one listing of each folder holding shards, see :func:`_shard_infos`). A
-    shard that is not a plain tar raises ValueError naming it; one that cannot be read mid-listing,
-    :class:`RemoteInputError`."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from vlfast.extraction.sources.webdataset import _refuse_missing
-
-    options = _options_json(storage_options)
-    bucket = re.match(r"^([^:]+)://[^/]*", pattern)
-    if bucket and bucket.group(1).lower() in _BUCKET_PROTOCOLS:
-        label = f"bucket {bucket.group(0)} of input {pattern}"
-        _probe(bucket.group(0), options, label, f"{label} does not exist (or the credentials cannot see it)")
-    fs, _ = _filesystem(shards[0], options)
-    fs.invalidate_cache()
-    paths = {s: fs._strip_protocol(s) for s in shards}
-    pool = ThreadPoolExecutor(min(_LIST_THREADS, len(shards)), thread_name_prefix="vlfast-list")
-    try:
-        found = _shard_infos(fs, pattern, list(paths.values()), options, pool.map)
-        missing = [s for s in shards if paths[s] not in found]
-        not_files = [s for s in shards if paths[s] in found and found[paths[s]].get("type") != "file"]
-        _refuse_missing(pattern, list(shards), missing, not_files)
-
-        def one(shard: str, rel: str) -> tuple[list[Sample], list[InputProblem]]:
-            return _list_one(fs, shard, paths[shard], rel, found[paths[shard]], options)
-
-        return list(pool.map(one, shards, rels))
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) -> dict[str, dict[str, Any]]:
-    """The entries (``fs.info``'s) of the shards that exist, by path: one listing per folder. A folder whose
-    listing holds none of its shards is missing, or on a store that cannot list folders (plain HTTP): its
-    first shard is asked for, and the others (``map_``: in parallel) only if that one exists. Shards listed
-    without a size are asked for too."""
-
-    def info(path: str) -> dict[str, Any] | None:
-        try:
-            return fs.info(path)
-        except FileNotFoundError:
-            return None
-        except Exception as e:
-            raise _refusal(f"input {pattern}", e, options_json) from None
-
-    folders: dict[str, list[str]] = {}
-    for path in paths:
-        folders.setdefault(fs._parent(path), []).append(path)
-    found: dict[str, dict[str, Any]] = {}
-    for folder, wanted in folders.items():
-        try:
-            entries = fs.ls(folder, detail=True)
-        except FileNotFoundError:
-            entries = []
-        except Exception as e:
-            raise _refusal(f"input {pattern}", e, options_json) from None
-        listed = {fs._strip_protocol(e["name"]).rstrip("/"): e for e in entries}
-        found.update(listed)
-        if any(path in listed for path in wanted):
-            continue
-        first = info(wanted[0])
-        if first is not None:
-            found[wanted[0]] = first
-            found.update((p, i) for p, i in zip(wanted[1:], map_(info, wanted[1:])) if i is not None)
-    # an HTTP index page lists files without their sizes: ask each one
-    unsized = [p for p in paths if p in found and found[p].get("size") is None]
-    found.update((p, i) for p, i in zip(unsized, map_(info, unsized)) if i is not None)
-    return found
-
-
-def _list_one(
-    fs, shard: str, path: str, rel: str, entry: Mapping[str, Any], options_json: str
-) -> tuple[list[Sample], list[InputProblem]]:
-    """One shard listed by :mod:`~vlfast.extraction.sources.webdataset`'s own code over a :class:`_RangeReader`;
-    ``entry`` is its folder listing's entry (its size)."""
-    from vlfast.extraction.sources.webdataset import _entries, _scan
-
-    if entry.get("size") is None:
-        raise RemoteInputError(
-            f"shard {shard}: the store does not give its size, which reading its members in place needs"
-        )
-    size = int(entry["size"])
-    with _RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
-        try:
-            members, cut, texts = _scan(f, size, shard)
-        except (OSError, TransientReadError) as e:  # the message names the URL, never the options
-            raise RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
-    return _entries(shard, rel, members, cut, texts, options_json)
+RangeReader = _RangeReader  # public: WebDataset shards at URLs are listed through it (sources.webdataset)

@@ -47,7 +47,8 @@ from vlfast.extraction.model.features import (
     compute_vision_features,
 )
 from vlfast.extraction.objstore import TransientReadError
-from vlfast.extraction.sources.inputs import InputProblem, Sample, load_inputs
+from vlfast.extraction.sources.listing import load_inputs
+from vlfast.extraction.sources.sample import InputProblem, Sample
 
 __all__ = [
     "UNEXPECTED_IN_A_ROW",

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.decode.truncation import container_truncation
-from vlfast.extraction.objstore import RemoteFile, is_transient, transient_error
-from vlfast.extraction.sources.inputs import Sample
+from vlfast.extraction.objstore import is_transient, transient_error
+from vlfast.extraction.sources.remote import RemoteFile
+from vlfast.extraction.sources.sample import Sample
 from vlfast.extraction.sources.webdataset import TarMember
 
 __all__ = [

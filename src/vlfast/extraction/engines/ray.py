@@ -55,7 +55,7 @@ from vlfast.extraction.pipeline import (
     _worker_init,
     extract,
 )
-from vlfast.extraction.sources.inputs import Sample
+from vlfast.extraction.sources.sample import Sample
 from vlfast.extraction.store.format import OutputInUse, done_by_error, error_key, is_local, read_errors
 from vlfast.extraction.store.writer import rank_is_held
 
@@ -193,7 +193,7 @@ def _schemas():
 
 
 def _member_classes() -> dict[str, type]:
-    from vlfast.extraction.objstore import RemoteFile
+    from vlfast.extraction.sources.remote import RemoteFile
     from vlfast.extraction.sources.webdataset import TarMember
 
     return {"TarMember": TarMember, "RemoteFile": RemoteFile}

@@ -9,7 +9,7 @@ member that crashes or hangs a decoder could not be named. Here:
 * :func:`expand_braces` expands the pattern as bash does (``{000000..000099}`` zero-padded ranges,
   ``{a,b}`` lists, several or nested braces), so a quoted pattern works without a shell;
 * :func:`load_shards` lists each shard once (headers only, plus the small ``KEY.json`` / ``KEY.txt``
-  prompt members) into :class:`~vlfast.extraction.sources.inputs.Sample` s whose :class:`TarMember` says where
+  prompt members) into :class:`~vlfast.extraction.sources.sample.Sample` s whose :class:`TarMember` says where
   the media's bytes are: the decode workers read just those bytes (:meth:`TarMember.open`), so resume,
   timeouts and crash isolation work per sample exactly as for plain files;
 * shards at an fsspec URL (``s3://bucket/shards/{000..099}.tar``) go through the same listing
@@ -19,7 +19,7 @@ member that crashes or hangs a decoder could not be named. Here:
   pattern's first brace is in (``shards/{000..099}.tar`` -> ``003.tar/sample_0042``): unique across
   shards, and the same whether the pattern is given relative, absolute or as a URL;
 * a shard cut short (an interrupted download) is recorded, not fatal: the key at the cut and the shard
-  itself become :class:`~vlfast.extraction.sources.inputs.InputProblem` s naming what was lost, and the rest is
+  itself become :class:`~vlfast.extraction.sources.sample.InputProblem` s naming what was lost, and the rest is
   extracted. A missing shard, or a file that is not a plain tar, refuses the whole input before any work.
 """
 
@@ -30,24 +30,36 @@ import json
 import os
 import re
 import tarfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from vlfast._files import ByteWindow
 from vlfast.errors import InputRefused
-from vlfast.extraction.objstore import _BUCKET_PROTOCOLS, is_url
-from vlfast.extraction.sources.inputs import (
+from vlfast.extraction.objstore import (
+    RangeReader,
+    RemoteInputError,
+    TransientReadError,
+    bucket_root,
+    encode_options,
+    filesystem,
+    is_url,
+    open_range,
+    probe,
+    read_range,
+    refusal,
+)
+from vlfast.extraction.sources.sample import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
     InputProblem,
     Sample,
-    _kind_of,
-    _storable,
-    _where,
+    display_path,
+    kind_of,
+    storable,
 )
 
-__all__ = ["MAX_SHARDS", "TarMember", "expand_braces", "is_shard_input", "load_shards"]
+__all__ = ["MAX_SHARDS", "TarMember", "expand_braces", "is_shard_input", "list_shards", "load_shards"]
 
 MAX_SHARDS = 1_000_000  # a pattern expanding to more is a typo (a range with one digit too many)
 _BLOCK = 512  # tar's block: headers are one block, data is padded to whole blocks
@@ -159,9 +171,10 @@ def _expand_url(pattern: str) -> list[str]:
     s3, gs, az...) the bucket, so ``s3://b/{0..1}.tar`` is ``s3://b/0.tar s3://b/1.tar``."""
     scheme, _, rest = pattern.partition("://")
     prefix = f"{scheme}://"
-    if scheme.lower() in _BUCKET_PROTOCOLS:
-        bucket, _, rest = rest.partition("/")
-        prefix += f"{bucket}/"
+    bucket = bucket_root(pattern)
+    if bucket is not None:
+        prefix = f"{bucket}/"
+        rest = pattern[len(prefix) :]
     if "{" in prefix or "}" in prefix:
         raise InputRefused(
             f"pattern {pattern!r}: braces are expanded in the path only, not in the scheme or bucket; "
@@ -239,15 +252,11 @@ class TarMember:
     def open(self) -> io.BufferedReader:
         """The member's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
         if self.at_url:
-            from vlfast.extraction.objstore import open_range
-
             return open_range(self.shard, self.options_json, self.offset, self.size, str(self))
         return io.BufferedReader(_MemberFile(self.shard, self.offset, self.size, str(self)), 1 << 16)
 
     def read_bytes(self) -> bytes:
         if self.at_url:  # one ranged request for the whole member
-            from vlfast.extraction.objstore import read_range
-
             return read_range(self.shard, self.options_json, self.offset, self.size, str(self))
         with self.open() as f:
             return f.read()
@@ -261,7 +270,7 @@ def _compressed(path: str, head: bytes) -> str | None:
     for magic, kind in _COMPRESSED_MAGIC.items():
         if head.startswith(magic):
             return (
-                f"{_where(path)} is a {kind}-compressed file: vlfast reads members in place and needs plain "
+                f"{display_path(path)} is a {kind}-compressed file: vlfast reads members in place and needs plain "
                 ".tar shards; decompress them first"
             )
     return None
@@ -317,7 +326,7 @@ def _scan(f: BinaryIO, size: int, where: str) -> tuple[list[tarfile.TarInfo], st
         if size < _BLOCK and head[257:262] == b"ustar":  # a header cut in two: still a tar
             return [], f"it ends at byte {size:,}, inside the header of its first member", {}
         raise InputRefused(
-            f"{_where(where)} is not a tar archive ({e}); a WebDataset pattern must name .tar shards"
+            f"{display_path(where)} is not a tar archive ({e}); a WebDataset pattern must name .tar shards"
         ) from None
     members: list[tarfile.TarInfo] = []
     texts: dict[int, bytes] = {}
@@ -396,7 +405,7 @@ def _prompt(raw: bytes, ext: str) -> str | None:
 
 def _storable_id(sid: str) -> str | None:
     """``sid`` when the store can hold it (UTF-8 text within the length limit), else None."""
-    return None if _storable(sid, (), None) else sid
+    return None if storable(sid, (), None) else sid
 
 
 def _key_sample(
@@ -411,7 +420,7 @@ def _key_sample(
     refs = [(ext, TarMember(shard, m.name, m.offset_data, m.size, options_json), m) for ext, m in members]
 
     def problem(ref: TarMember, reason: str) -> InputProblem:
-        return InputProblem(_where(str(ref)), reason, _storable_id(sid))
+        return InputProblem(display_path(str(ref)), reason, _storable_id(sid))
 
     seen: set[str] = set()
     for ext, ref, _ in refs:
@@ -448,10 +457,10 @@ def _key_sample(
             except ValueError as e:
                 return problem(text, f"{e}; fix or remove it")
     display = str(ref)
-    reason = _storable(sid, (display,), prompt)
+    reason = storable(sid, (display,), prompt)
     if reason:
         return problem(ref, reason)
-    return Sample(sid, _kind_of(m.name), (display,), prompt, member=ref)
+    return Sample(sid, kind_of(m.name), (display,), prompt, member=ref)
 
 
 def _shard_entries(shard: str, rel: str) -> tuple[list[Sample], list[InputProblem]]:
@@ -481,7 +490,7 @@ def _entries(
             # The key at the cut: its media, or a prompt member after it, may be lost.
             problems.append(
                 InputProblem(
-                    _where(f"{shard}/{group[-1][1].name}"),
+                    display_path(f"{shard}/{group[-1][1].name}"),
                     f"truncated shard: {cut}; this key's members may be incomplete, so it is not extracted; "
                     "download or rewrite the shard, then run again",
                     _storable_id(sid),
@@ -497,13 +506,113 @@ def _entries(
         after = f"{members[-1].name!r} " if members else "its start "
         problems.append(
             InputProblem(
-                _where(shard),
+                display_path(shard),
                 f"truncated shard: {cut}; whatever members followed {after}cannot be listed and are not "
                 "extracted; download or rewrite the shard, then run again",
                 _storable_id(rel),
             )
         )
     return samples, problems
+
+
+# ------------------------------------------------------------------------------- shards at URLs
+
+
+_LIST_THREADS = 8  # shards listed at once: a listing waits on requests more than on the CPU
+
+
+def list_shards(
+    pattern: str, shards: Sequence[str], rels: Sequence[str], storage_options: Mapping[str, Any] | None
+) -> list[tuple[list[Sample], list[InputProblem]]]:
+    """Each shard URL's samples and problems (ids ``{rel}/{__key__}``), listed by the same code as a local
+    shard (:func:`_scan` and :func:`_entries`) over a :class:`~vlfast.extraction.objstore.RangeReader`,
+    up to :data:`_LIST_THREADS` shards at once.
+
+    Refused before any shard is read, naming ``pattern`` and never the credentials: an unreachable
+    endpoint, a missing bucket or refused credentials (one request about the bucket), and shards that do
+    not exist or are not files (one listing of each folder holding shards, see :func:`_shard_infos`). A
+    shard that is not a plain tar raises ValueError naming it; one that cannot be read mid-listing,
+    :class:`RemoteInputError`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    options = encode_options(storage_options)
+    bucket = bucket_root(pattern)
+    if bucket is not None:
+        label = f"bucket {bucket} of input {pattern}"
+        probe(bucket, options, label, f"{label} does not exist (or the credentials cannot see it)")
+    fs, _ = filesystem(shards[0], options)
+    fs.invalidate_cache()
+    paths = {s: fs._strip_protocol(s) for s in shards}
+    pool = ThreadPoolExecutor(min(_LIST_THREADS, len(shards)), thread_name_prefix="vlfast-list")
+    try:
+        found = _shard_infos(fs, pattern, list(paths.values()), options, pool.map)
+        missing = [s for s in shards if paths[s] not in found]
+        not_files = [s for s in shards if paths[s] in found and found[paths[s]].get("type") != "file"]
+        _refuse_missing(pattern, list(shards), missing, not_files)
+
+        def one(shard: str, rel: str) -> tuple[list[Sample], list[InputProblem]]:
+            return _list_one(fs, shard, paths[shard], rel, found[paths[shard]], options)
+
+        return list(pool.map(one, shards, rels))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) -> dict[str, dict[str, Any]]:
+    """The entries (``fs.info``'s) of the shards that exist, by path: one listing per folder. A folder whose
+    listing holds none of its shards is missing, or on a store that cannot list folders (plain HTTP): its
+    first shard is asked for, and the others (``map_``: in parallel) only if that one exists. Shards listed
+    without a size are asked for too."""
+
+    def info(path: str) -> dict[str, Any] | None:
+        try:
+            return fs.info(path)
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise refusal(f"input {pattern}", e, options_json) from None
+
+    folders: dict[str, list[str]] = {}
+    for path in paths:
+        folders.setdefault(fs._parent(path), []).append(path)
+    found: dict[str, dict[str, Any]] = {}
+    for folder, wanted in folders.items():
+        try:
+            entries = fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            entries = []
+        except Exception as e:
+            raise refusal(f"input {pattern}", e, options_json) from None
+        listed = {fs._strip_protocol(e["name"]).rstrip("/"): e for e in entries}
+        found.update(listed)
+        if any(path in listed for path in wanted):
+            continue
+        first = info(wanted[0])
+        if first is not None:
+            found[wanted[0]] = first
+            found.update((p, i) for p, i in zip(wanted[1:], map_(info, wanted[1:])) if i is not None)
+    # an HTTP index page lists files without their sizes: ask each one
+    unsized = [p for p in paths if p in found and found[p].get("size") is None]
+    found.update((p, i) for p, i in zip(unsized, map_(info, unsized)) if i is not None)
+    return found
+
+
+def _list_one(
+    fs, shard: str, path: str, rel: str, entry: Mapping[str, Any], options_json: str
+) -> tuple[list[Sample], list[InputProblem]]:
+    """One shard listed by the same code as a local one over a :class:`~vlfast.extraction.objstore.RangeReader`;
+    ``entry`` is its folder listing's entry (its size)."""
+    if entry.get("size") is None:
+        raise RemoteInputError(
+            f"shard {shard}: the store does not give its size, which reading its members in place needs"
+        )
+    size = int(entry["size"])
+    with RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
+        try:
+            members, cut, texts = _scan(f, size, shard)
+        except (OSError, TransientReadError) as e:  # the message names the URL, never the options
+            raise RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
+    return _entries(shard, rel, members, cut, texts, options_json)
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -513,7 +622,7 @@ def _refuse_missing(pattern: str, shards: list[str], missing: list[str], not_fil
     """FileNotFoundError naming the shards of ``pattern`` that do not exist, or the first that is not a
     file: a pattern that names nothing to list is refused before any work, local or at a URL."""
     if missing:
-        shown = ", ".join(_where(s) for s in missing[:5]) + (
+        shown = ", ".join(display_path(s) for s in missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         what = "the shard" if len(shards) == 1 else f"{len(missing)} of the {len(shards)} shards"
@@ -522,7 +631,7 @@ def _refuse_missing(pattern: str, shards: list[str], missing: list[str], not_fil
         )
     if not_files:
         raise FileNotFoundError(
-            f"{_where(not_files[0])} (named by {pattern!r}) is not a file: a shard is a .tar file"
+            f"{display_path(not_files[0])} (named by {pattern!r}) is not a file: a shard is a .tar file"
         )
 
 
@@ -537,7 +646,7 @@ def load_shards(
     the shard itself), and per key, two media members, a prompt member that cannot be read, a repeated
     extension, an id that cannot be stored. A key whose members are neither media nor prompts is skipped,
     as a folder scan skips captions. A pattern at an fsspec URL is listed through
-    :func:`vlfast.extraction.objstore.list_shards` with ``storage_options``; its ids are those the same
+    :func:`list_shards` with ``storage_options``; its ids are those the same
     shards would have on disk.
     """
     text = os.fspath(pattern)
@@ -546,8 +655,6 @@ def load_shards(
     base = _base_folder(text)
     rels = [shard[len(base) :].lstrip("/") if base else shard for shard in shards]
     if url:
-        from vlfast.extraction.objstore import list_shards
-
         listed = list_shards(text, shards, rels, storage_options)
     else:
         missing = [s for s in shards if not os.path.exists(s)]

@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused, VlfastError
+from vlfast.extraction.ids import check_id as check_id  # re-exported: the writer imports it from here
+from vlfast.extraction.objstore import TRANSIENT_PREFIX as TRANSIENT_PREFIX  # re-exported, as check_id
+from vlfast.extraction.objstore import is_local_fs, is_url, url_path
 
 FORMAT_VERSION = 2
 RUN_FILE = "run.json"
@@ -39,7 +42,6 @@ ERROR_DIR = "errors"
 LOCK_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
 CHECK_FILE = "checked.json"  # parts whose shards passed a full check, with the shards' stamps then
-MAX_ID_BYTES = 4096  # an id is stored in Parquet, JSON and the shard header; longer ones are refused
 
 SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
 # The 16 hex digits are the xxh3-64 of the part file itself (absent in format 1).
@@ -61,7 +63,6 @@ ERROR_KIND = "error"  # the sample itself cannot be extracted: its id is done
 # Reading the sample from storage failed in a way that says nothing about the sample (a connection reset,
 # a 5xx or SlowDown, a timeout) after the client's retries: its id is not done, the next run tries again.
 TRANSIENT_KIND = "transient"
-TRANSIENT_PREFIX = "transient storage error"  # how such a reason begins (add_error infers the kind from it)
 FAILURE_KINDS = (ERROR_KIND, TRANSIENT_KIND)  # what a sample's attempt can end as; the latest one counts
 
 
@@ -108,8 +109,7 @@ def is_local(out: Any) -> bool:
     local one. Never by class: universal_pathlib 0.2's ``UPath("s3://...")`` is a ``pathlib.Path``."""
     fs = getattr(out, "fs", None)
     if fs is not None:
-        protocol = fs.protocol
-        return not {"file", "local"}.isdisjoint((protocol,) if isinstance(protocol, str) else protocol)
+        return is_local_fs(fs)
     return isinstance(out, Path)
 
 
@@ -119,23 +119,8 @@ def resolve_out(out: Any, storage_options: dict[str, Any] | None = None) -> Path
     fsspec filesystem, opened with ``storage_options``. A path object is returned as it is."""
     if isinstance(out, Path) or hasattr(out, "fs"):  # a local path, or already a UPath
         return out
-    from vlfast.extraction.objstore import is_url
-
     text = os.fspath(out)
-    if not is_url(text):
-        return Path(text)
-    if text.lower().startswith("file://"):
-        from urllib.parse import unquote, urlsplit
-
-        return Path(unquote(urlsplit(text).path))
-    try:
-        from upath import UPath
-    except ImportError:
-        raise ImportError(
-            f"OUT {text} is on object storage, which needs universal_pathlib and the fsspec backend of its "
-            "scheme: pip install 'vlfast[s3]' (s3fs; gcsfs / adlfs for gs:// and az://)"
-        ) from None
-    return UPath(text, **(storage_options or {}))
+    return url_path(text, storage_options) if is_url(text) else Path(text)
 
 
 def list_names(folder: Path) -> list[str]:
@@ -438,18 +423,3 @@ def done_by_error(rec: dict, retry: Collection[str] | None = None) -> bool:
     if not retry:
         return True
     return not ("all" in retry or rec.get("kind") in retry or reason_kind(rec.get("reason", "")) in retry)
-
-
-def check_id(sample_id: Any) -> str:
-    """``sample_id`` if the folder can store it, else ValueError/TypeError saying why."""
-    if not isinstance(sample_id, str) or not sample_id:
-        raise InputRefused(f"sample_id must be a non-empty str, got {sample_id!r}")
-    try:
-        n = len(sample_id.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InputRefused(f"sample id {sample_id!r} is not valid Unicode text (a lone surrogate)") from None
-    if n > MAX_ID_BYTES:
-        raise InputRefused(
-            f"sample id of {n} bytes is longer than the {MAX_ID_BYTES}-byte limit: {sample_id[:60]!r}..."
-        )
-    return sample_id

@@ -3,7 +3,8 @@
 Read-only throughout, so the pipeline answers a different configuration (``RunConfigMismatch``) or a
 finished OUT ("nothing to do") before it takes a lock or builds a model, and a read-only OUT works:
 
-- ``partition`` / ``owner_rank`` / ``dist_info``: the split of ids between ranks (a hash of the id alone);
+- ``dist_info``, and ``partition`` / ``owner_rank`` (from :mod:`vlfast.extraction.ids`): the split of ids
+  between ranks (a hash of the id alone);
 - ``check_run_config``: the configuration against run.json or, if it was deleted, against what the
   committed index parts carry;
 - ``plan_positions``: which entries this rank still has to extract, and its repeated ids;
@@ -17,7 +18,6 @@ The writer (store.py) runs the same checks again under its lock.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from vlfast.errors import InputRefused
+from vlfast.extraction.ids import owner_rank, partition  # re-exported: callers import them from here
 from vlfast.extraction.store.format import (
     LOCK_DIR,
     RUN_FILE,
@@ -111,29 +112,6 @@ class RunConfigMismatch(InputRefused):
 
 # ----------------------------------------------------------------------------------------------------
 # scale-out helpers
-
-
-def partition(ids: Sequence[str], rank: int, world_size: int) -> list[str]:
-    """The ids rank ``rank`` of ``world_size`` owns, in input order.
-
-    An id's owner is a hash of the id alone (blake2b, not Python's salted ``hash``), so the split does not
-    depend on list order or on what other ranks see: ranks that list files in different orders still
-    divide the work with no gaps or duplicates, and a repeated id always lands on the same rank, where
-    FeatureStore records the repeat as a "duplicate id" error. Partition the FULL id list and then drop
-    ``done_ids()``; partitioning only the remaining ids would depend on when each rank looked.
-    """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InputRefused(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InputRefused(f"rank must be in [0, {world_size}), got {rank!r}")
-    if world_size == 1:
-        return list(ids)
-    return [i for i in ids if owner_rank(i, world_size) == rank]
-
-
-def owner_rank(sample_id: str, world_size: int) -> int:
-    digest = hashlib.blake2b(sample_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % world_size
 
 
 def dist_info() -> tuple[int, int]:

@@ -1,0 +1,104 @@
+"""What a run extracts: :func:`load_inputs`, the one entry point that names the source for an INPUT.
+
+A folder (:mod:`~vlfast.extraction.sources.folder`), a manifest (:mod:`~vlfast.extraction.sources.manifest`),
+a media file, WebDataset tar shards (:mod:`~vlfast.extraction.sources.webdataset`), anything of these at an
+fsspec URL (:mod:`~vlfast.extraction.sources.remote`), or a list of samples or dict rows from an API user.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vlfast.errors import InputRefused
+from vlfast.extraction.objstore import is_url
+from vlfast.extraction.sources.folder import load_folder
+from vlfast.extraction.sources.manifest import load_manifest, row_sample
+from vlfast.extraction.sources.remote import load_url, with_remote
+from vlfast.extraction.sources.sample import (
+    IMAGE_SUFFIXES,
+    MANIFEST_SUFFIXES,
+    SUPPORTED,
+    VIDEO_SUFFIXES,
+    InputProblem,
+    Sample,
+    display_path,
+    kind_of,
+    require_samples,
+    storable,
+)
+from vlfast.extraction.sources.webdataset import is_shard_input, load_shards
+
+__all__ = ["load_inputs"]
+
+
+def _load_list(items: Sequence[Any]) -> tuple[list[Sample], list[InputProblem]]:
+    samples: list[Sample] = []
+    problems: list[InputProblem] = []
+    for i, item in enumerate(items):
+        where = f"inputs[{i}]"
+        if isinstance(item, Sample):
+            reason = storable(item.id, item.paths, item.prompt)
+            if reason:
+                ok_id = item.id if storable(item.id, (), None) is None else None
+                problems.append(InputProblem(where, reason, ok_id))
+            else:
+                samples.append(item)
+        elif isinstance(item, dict):
+            got = row_sample(item, where, None)  # paths as given: there is no manifest folder
+            (problems if isinstance(got, InputProblem) else samples).append(got)  # type: ignore[arg-type]
+        else:
+            raise InputRefused(
+                f"inputs must be a path, or a list of Sample or dict rows; got {type(item).__name__}"
+            )
+    return samples, problems
+
+
+def load_inputs(
+    source: str | os.PathLike | Sequence[Sample | dict],
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[list[Sample], list[InputProblem]]:
+    """The samples of a folder, a manifest, a media file, WebDataset tar shards (a ``.tar`` path or a brace
+    pattern, see :mod:`vlfast.extraction.sources.webdataset`), or a list of samples or dict rows, and the problems.
+
+    A row or entry that cannot become a sample is an :class:`InputProblem` (where, reason, id) and the rest
+    go on. A list passed by an API user is treated alike: a :class:`Sample` whose id or paths cannot be
+    stored (lone surrogate, NUL in a path, id over ``MAX_ID_BYTES``) or a bad dict row is a problem at
+    ``inputs[i]``; an empty list is allowed and gives nothing. A folder or manifest giving no sample raises
+    :class:`~vlfast.extraction.sources.sample.EmptyInput` if it had no problems either, else ValueError
+    listing the first problems. Relative manifest paths resolve against the manifest's folder; missing
+    files are not checked here (they fail at load time and are recorded). ``source`` and manifest paths may
+    be fsspec URLs, opened with ``storage_options`` (see :mod:`vlfast.extraction.sources.remote`).
+    """
+    if not isinstance(source, (str, os.PathLike)):
+        if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
+            raise InputRefused(
+                f"inputs must be a path, or a list of Sample or dict rows; got {type(source).__name__}"
+            )
+        return with_remote(_load_list(source), storage_options)
+    if is_url(source):
+        return load_url(source, storage_options)  # type: ignore[arg-type]
+    path = Path(source)
+    name = display_path(path)
+    if path.is_dir():
+        samples, problems = load_folder(path)
+        require_samples("folder", name, samples, problems)
+        return samples, problems
+    if is_shard_input(source):
+        samples, problems = load_shards(source)
+        require_samples("WebDataset shards", name, samples, problems)
+        return samples, problems
+    if path.suffix.lower() in MANIFEST_SUFFIXES:
+        samples, problems = with_remote(load_manifest(path), storage_options)
+        require_samples("manifest", name, samples, problems)
+        return samples, problems
+    if path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES):
+        reason = storable(path.name, (), None)  # as in a folder scan: the path opens as the OS gave it
+        if reason:
+            raise InputRefused(f"input {name}: {reason}")
+        return [Sample(path.name, kind_of(path.name), (str(path),))], []
+    raise FileNotFoundError(
+        f"input {name} is neither a folder, a manifest nor an image or video file; {SUPPORTED}"
+    )

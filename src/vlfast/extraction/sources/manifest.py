@@ -1,0 +1,297 @@
+"""Manifests as extraction input: JSONL, CSV or Parquet rows with a ``path`` and optionally ``id``, ``prompt``.
+
+``path`` is an image, a video, or a list of frame images forming one clip (in CSV and Parquet, a JSON list
+written as text). Relative paths are resolved against the manifest's folder (or its URL's, for a manifest
+read through fsspec). A row that cannot become a sample (bad JSON, no path, a path that is not text, bytes
+that are not UTF-8, an id the store cannot hold...) is an :class:`~vlfast.extraction.sources.sample.InputProblem`
+naming the file and line or row; only a manifest that is wholly unusable raises (an unknown suffix, a CSV or
+Parquet file without a ``path`` column, an unreadable Parquet file).
+
+Ids mean the same in all three formats: a missing, empty, null or NaN id falls back to the path; a number
+becomes its decimal text, with integral floats written as integers (``1.0`` -> ``"1"``, since pandas stores
+an integer column holding one NaN as float64); a boolean is refused; text is kept exactly (a CSV ``1.0``
+stays ``"1.0"``: CSV holds text). A UTF-8 byte-order mark at the start of a CSV or JSONL file (Excel's "CSV
+UTF-8") is skipped.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import json
+import numbers
+import re
+from collections.abc import Iterator, Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from vlfast.errors import InputRefused
+from vlfast.extraction.objstore import is_url
+from vlfast.extraction.sources.sample import (
+    VIDEO_SUFFIXES,
+    InputProblem,
+    Kind,
+    Sample,
+    display_path,
+    kind_of,
+    quoted,
+    storable,
+)
+
+__all__ = ["load_manifest", "row_sample"]
+
+_ESCAPED_BYTE = re.compile(
+    "[\udc80-\udcff]"
+)  # what surrogateescape (and os.fsdecode) make of a non-UTF-8 byte
+
+
+def _value(value: Any) -> str:
+    """A wrong-typed value for a reason: its type and a short, escaped repr."""
+    r = repr(value)
+    return f"{type(value).__name__} {r if len(r) <= 60 else r[:56] + '...'}"
+
+
+def _is_missing(value: Any) -> bool:
+    """None, "", JSON null, or NaN (what Parquet and pandas write for a missing number)."""
+    if value is None or (isinstance(value, str) and value == ""):
+        return True
+    if isinstance(value, numbers.Real):
+        return value != value
+    return isinstance(value, Decimal) and value.is_nan()
+
+
+def _id_text(value: Any) -> tuple[str | None, str | None]:
+    """(the id as text, None) for a present id, or (None, the reason it cannot be one)."""
+    if isinstance(value, str):
+        return value, None  # kept exactly: CSV holds text, so "1.0" there means "1.0"
+    if isinstance(value, bool):  # before int: bool is an int subclass, and str(True) would be a surprise
+        word = str(value).lower()
+        return None, f"id is a boolean ({word}); give text or a number (in quotes if the word is the id)"
+    if isinstance(value, numbers.Integral):  # numbers: numpy's int64 from a user's own rows too
+        return str(int(value)), None
+    if isinstance(value, (numbers.Real, Decimal)):
+        if value in (float("inf"), float("-inf")):
+            return str(value), None
+        # pandas writes an integer column holding one NaN as float64: 1.0 means the id 1
+        return (str(int(value)) if value == int(value) else str(value)), None
+    return None, f"id must be text or a number, got {_value(value)}"
+
+
+def _paths_field(value: Any) -> list[str] | str:
+    """The paths of a path, a list of frame paths, or a JSON list written as text; else the reason why not."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("[") and text.endswith("]"):
+            # CSV and Parquet have no lists, so a frame list is written as JSON text. A name that merely
+            # starts with "[" ("[2020] trip.mp4") stays a file name.
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                return (
+                    f"path looks like a JSON list but is not valid JSON ({e.msg}); "
+                    'write frames as ["f0.png", "f1.png"]'
+                )
+            if not isinstance(value, list):
+                return f"path looks like a JSON list but is {type(value).__name__}"
+        else:
+            return [value]
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "path is an empty list; give at least one frame"
+        for i, v in enumerate(value):
+            if not isinstance(v, str) or not v:
+                return f"path list must hold only non-empty text paths; item {i} is {_value(v)}"
+        return list(value)
+    return f"path must be a file path (text) or a list of frame paths, got {_value(value)}"
+
+
+def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Sample | InputProblem:
+    """One manifest row (or dict passed by an API user) as a sample, or the problem that stops it; relative
+    paths are joined to ``base`` (None: kept as given)."""
+    raw_id = row.get("id")
+    given_id: str | None = None
+    if not _is_missing(raw_id):
+        got, reason = _id_text(raw_id)
+        if got is None:
+            return InputProblem(where, reason or "")
+        reason = storable(got, (), None)
+        if reason:
+            return InputProblem(where, reason)
+        given_id = got
+    raw = row.get("path")
+    if _is_missing(raw):
+        raw = row.get("paths")
+    if _is_missing(raw):
+        cols = ", ".join(quoted(str(k), 40) for k in list(row)[:8]) + (", ..." if len(row) > 8 else "")
+        return InputProblem(
+            where,
+            f"no path (the row has {cols or 'no values'}); give 'path': a file, or a list of frame files",
+            given_id,
+        )
+    got_paths = _paths_field(raw)
+    if isinstance(got_paths, str):
+        return InputProblem(where, got_paths, given_id)
+    paths = got_paths
+    if len(paths) > 1:
+        for i, p in enumerate(paths):
+            if Path(p).suffix.lower() in VIDEO_SUFFIXES:
+                return InputProblem(
+                    where,
+                    f"frame lists hold images; item {i} ({quoted(p)}) is a video: "
+                    "give a video as a plain path",
+                    given_id,
+                )
+    prompt = row.get("prompt")
+    if _is_missing(prompt):
+        prompt = None
+    elif not isinstance(prompt, str):
+        return InputProblem(where, f"prompt must be text, got {_value(prompt)}", given_id)
+    # a URL's id is the URL itself (Path would fold its "//")
+    sid = given_id if given_id is not None else (paths[0] if is_url(paths[0]) else Path(paths[0]).as_posix())
+    reason = storable(sid, paths, prompt, id_from_path=given_id is None)
+    if reason:
+        return InputProblem(where, reason, given_id)
+    kind: Kind = "frames" if len(paths) > 1 else kind_of(paths[0])  # a one-frame list is its file's kind
+    if base is not None:
+        paths = [p if is_url(p) or Path(p).is_absolute() else _joined(base, p) for p in paths]
+    try:
+        return Sample(sid, kind, tuple(paths), prompt)
+    except (TypeError, ValueError) as e:  # checked above; kept so a gap here is a row problem, not a crash
+        return InputProblem(where, str(e), given_id)
+
+
+def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | InputProblem]]:
+    # Bytes, decoded line by line: one line in another encoding is that line's problem, not the file's.
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            where = f"{name} line {lineno}"
+            if lineno == 1 and line.startswith(codecs.BOM_UTF8):
+                line = line[len(codecs.BOM_UTF8) :]
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                reason = (
+                    f"not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line); "
+                    "save the manifest as UTF-8"
+                )
+                yield where, InputProblem(where, reason)
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                reason = f"not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+                yield where, InputProblem(where, reason)
+                continue
+            if not isinstance(row, dict):
+                kind = type(row).__name__
+                reason = f'a JSON {kind} is not a row; each line must be an object like {{"path": "a.jpg"}}'
+                yield where, InputProblem(where, reason)
+                continue
+            yield where, row
+
+
+def _no_path_column(name: str, columns: Sequence[str]) -> ValueError:
+    return ValueError(
+        f"{name} has no 'path' column (columns: {', '.join(quoted(c, 40) for c in columns) or 'none'}); "
+        "a manifest needs 'path' (a file, or a JSON list of frames) and may have 'id' and 'prompt'"
+    )
+
+
+def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | InputProblem]]:
+    # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark that would otherwise rename the first
+    # column "\ufeffid". surrogateescape: a row in another encoding is that row's problem, not the file's.
+    with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise InputRefused(f"{name}: the header line is not valid CSV ({e})") from None
+        if "path" not in header and "paths" not in header:
+            raise _no_path_column(name, header)
+        rowno = 0  # data rows, 1-based, header excluded; a quoted newline does not start a new row
+        while True:
+            try:
+                record = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                rowno += 1
+                where = f"{name} row {rowno}"
+                yield where, InputProblem(where, f"not valid CSV ({e}); check its quotes")
+                continue
+            rowno += 1
+            where = f"{name} row {rowno}"
+            if not any(record):
+                continue  # a blank line, or a row of empty cells as spreadsheets export: nothing to read
+            bad = next((m for c in record for m in [_ESCAPED_BYTE.search(c)] if m), None)
+            if bad is not None:
+                reason = (
+                    f"not valid UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x}); save the manifest as UTF-8"
+                )
+                yield where, InputProblem(where, reason)
+                continue
+            if len(record) > len(header) and any(record[len(header) :]):
+                # an unquoted comma shifts every later value into the wrong column: refuse, never guess
+                reason = (
+                    f"the row has {len(record)} values but the header has {len(header)} columns; "
+                    "quote values that contain a comma"
+                )
+                yield where, InputProblem(where, reason)
+                continue
+            yield where, dict(zip(header, record))
+
+
+def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | InputProblem]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        columns = list(pf.schema_arrow.names)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a file it cannot read
+        raise InputRefused(f"{name} cannot be read as Parquet ({e})") from None
+    if "path" not in columns and "paths" not in columns:
+        raise _no_path_column(name, columns)
+    wanted = [c for c in ("id", "path", "paths", "prompt") if c in columns]
+    rowno = 0
+    try:
+        for batch in pf.iter_batches(columns=wanted):  # batches: a large manifest is not read whole
+            for row in batch.to_pylist():
+                rowno += 1
+                yield f"{name} row {rowno}", row
+    except Exception as e:
+        raise InputRefused(f"{name} cannot be read as Parquet after row {rowno} ({e})") from None
+
+
+def _joined(base: Path | str, path: str) -> str:
+    """``path`` relative to a manifest's folder: a local folder, or a URL (a manifest read through fsspec)."""
+    return f"{base.rstrip('/')}/{path}" if isinstance(base, str) else str(base / path)
+
+
+def load_manifest(
+    path: Path, name: str | None = None, base: str | None = None
+) -> tuple[list[Sample], list[InputProblem]]:
+    """The samples and problems of the manifest at ``path``, its rows in order. ``name`` and ``base`` stand in
+    for a local copy of a manifest read from a URL (the URL, and the URL's folder)."""
+    name = name or display_path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = _jsonl_rows(path, name)
+    elif suffix == ".csv":
+        rows = _csv_rows(path, name)
+    elif suffix == ".parquet":
+        rows = _parquet_rows(path, name)
+    else:
+        raise InputRefused(f"{name}: a manifest must end in .jsonl, .csv or .parquet")
+    if not path.is_file():
+        raise FileNotFoundError(f"manifest {name} does not exist")
+    samples: list[Sample] = []
+    problems: list[InputProblem] = []
+    for where, row in rows:
+        got = row if isinstance(row, InputProblem) else row_sample(row, where, base or path.parent)
+        (problems if isinstance(got, InputProblem) else samples).append(got)  # type: ignore[arg-type]
+    return samples, problems

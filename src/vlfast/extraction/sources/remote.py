@@ -1,0 +1,220 @@
+"""Inputs at URLs: fsspec URLs (``s3://bucket/key``, ``memory://...``) read in place.
+
+INPUT, a folder's files and a manifest's ``path`` values may be URLs with a scheme (``s3://``, ``gs://``,
+``memory://``, ``file://``...); the filesystems, retries and error messages are
+:mod:`vlfast.extraction.objstore`'s. Local paths never reach this module's functions, so a purely local run
+imports no fsspec.
+
+* :func:`load_url` lists a folder URL as a local folder is scanned (recursive, hidden entries skipped, ids
+  relative to the folder), takes a single media URL (its id is the URL), reads a manifest at a URL (its
+  relative paths are relative to its URL), or lists WebDataset shards at URLs
+  (:func:`~vlfast.extraction.sources.webdataset.load_shards`). The INPUT is probed first: an unreachable
+  endpoint, a missing bucket or refused credentials raise :class:`~vlfast.extraction.objstore.RemoteInputError`
+  naming the URL before any work.
+* :func:`attach` gives each manifest sample whose path is a URL a :class:`RemoteFile` (its id, when the
+  manifest has none, is the URL) after probing each bucket once; a missing object is found by the decode
+  worker and recorded like a missing local file.
+* :class:`RemoteFile` is what the decode workers open, as they open a tar member: images are read whole,
+  videos through fsspec's seekable file object for PyAV.
+
+Credentials are never shown: a :class:`RemoteFile`'s repr and every message name the URL only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlfast.extraction.objstore import (
+    RemoteInputError,
+    TransientReadError,
+    bucket_root,
+    encode_options,
+    error_reason,
+    filesystem,
+    is_url,
+    masked,
+    probe,
+    retrying,
+)
+from vlfast.extraction.sources.folder import is_media_name
+from vlfast.extraction.sources.manifest import load_manifest
+from vlfast.extraction.sources.sample import (
+    IMAGE_SUFFIXES,
+    MANIFEST_SUFFIXES,
+    VIDEO_SUFFIXES,
+    EmptyInput,
+    InputProblem,
+    Sample,
+    kind_of,
+    require_samples,
+    storable,
+)
+from vlfast.extraction.sources.webdataset import is_shard_input, load_shards
+
+__all__ = ["RemoteFile", "attach", "load_url", "with_remote"]
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One sample's media at a URL, opened through fsspec in the decode worker. ``str()`` is the URL; the
+    storage options are kept out of the repr."""
+
+    url: str
+    options_json: str = field(default="{}", repr=False)  # JSON: hashable and picklable
+
+    def __str__(self) -> str:
+        return self.url
+
+    def size(self) -> int:
+        """Bytes of the object; FileNotFoundError when it does not exist, OSError when it cannot be read."""
+        fs, path = filesystem(self.url, self.options_json)
+        try:
+            info = retrying(fs, lambda: fs.info(path), self.url, self.options_json)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"file not found: {self.url}") from None
+        except TransientReadError:
+            raise
+        except Exception as e:  # network and permission errors come as many types
+            raise OSError(f"cannot access {self.url}: {self._reason(e)}") from None
+        if info.get("type") == "directory":
+            raise IsADirectoryError(f"not a file: {self.url}")
+        return int(info.get("size") or 0)
+
+    def open(self) -> io.IOBase:
+        """The object's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
+        fs, path = filesystem(self.url, self.options_json)
+        try:
+            return retrying(fs, lambda: fs.open(path, "rb"), self.url, self.options_json)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"file not found: {self.url}") from None
+        except OSError as e:
+            raise OSError(f"cannot open {self.url}: {self._reason(e)}") from None
+
+    def read_bytes(self) -> bytes:
+        """The whole object (an image); TransientReadError when the store keeps failing transiently."""
+        fs, path = filesystem(self.url, self.options_json)
+        try:
+            return retrying(fs, lambda: fs.cat_file(path), self.url, self.options_json)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"file not found: {self.url}") from None
+        except TransientReadError:
+            raise
+        except Exception as e:
+            raise OSError(f"cannot read {self.url}: {self._reason(e)}") from None
+
+    def _reason(self, e: BaseException) -> str:
+        return masked(error_reason(e), self.options_json)
+
+
+def load_url(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[list[Sample], list[InputProblem]]:
+    """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL
+    (a ``.tar`` or a brace pattern), or one image or video URL."""
+    options = encode_options(storage_options)
+    suffix = os.path.splitext(url.rstrip("/"))[1].lower()
+    if is_shard_input(url):
+        samples, problems = load_shards(url, storage_options)
+        require_samples("WebDataset shards", url, samples, problems)
+        return samples, problems
+    info = probe(url, options)
+    if suffix in MANIFEST_SUFFIXES:
+        return _remote_manifest(url, suffix, storage_options)
+    if info.get("type") != "directory":
+        if suffix not in IMAGE_SUFFIXES | VIDEO_SUFFIXES:
+            raise RemoteInputError(f"input {url} is neither a folder nor an image or video file")
+        return [Sample(url, kind_of(url), (url,), member=RemoteFile(url, options))], []
+    return _load_folder_url(url, options)
+
+
+def _load_folder_url(url: str, options: str) -> tuple[list[Sample], list[InputProblem]]:
+    """A folder at a URL, as :func:`~vlfast.extraction.sources.folder.load_folder` scans a local one."""
+    fs, root = filesystem(url, options)
+    root = root.rstrip("/")
+    found: list[tuple[tuple[str, ...], Sample | InputProblem]] = []
+    for path in fs.find(root, withdirs=False, detail=False):
+        rel = path[len(root) :].lstrip("/") if path.startswith(root) else path
+        parts = tuple(rel.split("/"))
+        if any(p.startswith(".") for p in parts) or not is_media_name(parts[-1]):
+            continue  # hidden files and folders, and other suffixes, as in a local scan
+        file_url = fs.unstrip_protocol(path)
+        reason = storable(rel, (), None)
+        if reason:
+            found.append((parts, InputProblem(file_url, reason)))
+        else:
+            member = RemoteFile(file_url, options)
+            found.append((parts, Sample(rel, kind_of(rel), (file_url,), member=member)))
+    found.sort(key=lambda kv: kv[0])
+    samples = [x for _, x in found if isinstance(x, Sample)]
+    problems = [x for _, x in found if not isinstance(x, Sample)]
+    if not samples and not problems:
+        raise EmptyInput(f"input folder {url} holds no image or video file (hidden files are skipped)")
+    return samples, problems  # type: ignore[return-value]
+
+
+def _remote_manifest(
+    url: str, suffix: str, storage_options: Mapping[str, Any] | None
+) -> tuple[list[Sample], list[InputProblem]]:
+    """A manifest at a URL, copied to a temporary file and read as a local one; its relative paths are
+    relative to its URL's folder, its errors name the URL."""
+    options = encode_options(storage_options)
+    with tempfile.TemporaryDirectory(prefix="vlfast-manifest-") as tmp:
+        local = Path(tmp) / f"manifest{suffix}"
+        try:
+            with RemoteFile(url, options).open() as src, local.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"manifest {url} does not exist") from None
+        except (OSError, TransientReadError) as e:
+            raise RemoteInputError(f"manifest {url} cannot be read: {e}") from None
+        got = load_manifest(local, name=url, base=url.rsplit("/", 1)[0])
+    samples, problems = with_remote(got, dict(storage_options or {}))
+    require_samples("manifest", url, samples, problems)
+    return samples, problems
+
+
+def attach(
+    samples: Sequence[Sample], storage_options: Mapping[str, Any] | None = None
+) -> tuple[list[Sample], list[InputProblem]]:
+    """``samples`` with a :class:`RemoteFile` on each whose path is a URL; a frame list of URLs is a
+    problem (not supported yet). Each bucket is probed once: an unreachable endpoint, missing bucket or
+    refused credentials raise before any work, while a missing object is left to the worker to record."""
+    options = encode_options(storage_options)
+    out: list[Sample] = []
+    problems: list[InputProblem] = []
+    probed: set[str] = set()
+    for s in samples:
+        if s.member is not None or not any(is_url(p) for p in s.paths):
+            out.append(s)
+            continue
+        if len(s.paths) > 1:
+            problems.append(
+                InputProblem(s.source, "a frame list of URLs is not supported yet; give a video URL", s.id)
+            )
+            continue
+        url = s.paths[0]
+        bucket = bucket_root(url)
+        if bucket is not None and bucket not in probed:
+            probed.add(bucket)
+            probe(bucket, options)
+        out.append(dataclasses.replace(s, member=RemoteFile(url, options)))
+    return out, problems
+
+
+def with_remote(
+    got: tuple[list[Sample], list[InputProblem]], storage_options: Mapping[str, Any] | None
+) -> tuple[list[Sample], list[InputProblem]]:
+    """``got`` with :func:`attach` applied when a sample's path is a URL (so fsspec only then)."""
+    samples, problems = got
+    if not any(is_url(p) for s in samples for p in s.paths):
+        return samples, problems
+    samples, more = attach(samples, storage_options)
+    return samples, problems + more

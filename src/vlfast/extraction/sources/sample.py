@@ -1,0 +1,209 @@
+"""The leaf of extraction's inputs: what a sample is, what a bad input row is, and what the store can hold.
+
+A *sample* is one image, one video file, or one clip given as a list of frame images. Ids are what the
+feature store keys on, so they must be unique and storable: a folder's ids are paths relative to it
+(:mod:`~vlfast.extraction.sources.folder`), a manifest's are its ``id`` column or the path
+(:mod:`~vlfast.extraction.sources.manifest`), WebDataset shards' are ``{shard}/{__key__}``
+(:mod:`~vlfast.extraction.sources.webdataset`). Nothing is silently dropped: a row or entry that cannot become
+a sample is an :class:`InputProblem` naming the file and line or row, recorded in OUT/errors while the run
+goes on; an input that gives nothing at all raises (:func:`require_samples`).
+
+Imports nothing from the other sources: they all import this.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Literal, Protocol
+
+from vlfast.errors import InputRefused
+from vlfast.extraction.ids import MAX_ID_BYTES
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "MANIFEST_SUFFIXES",
+    "MAX_ID_BYTES",
+    "SUPPORTED",
+    "VIDEO_SUFFIXES",
+    "EmptyInput",
+    "InputProblem",
+    "Kind",
+    "Member",
+    "Sample",
+    "display_path",
+    "kind_of",
+    "require_samples",
+    "quoted",
+    "storable",
+]
+
+IMAGE_SUFFIXES = frozenset(
+    {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".jfif"}
+)
+VIDEO_SUFFIXES = frozenset({".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg", ".ts", ".flv"})
+MANIFEST_SUFFIXES = frozenset({".jsonl", ".csv", ".parquet"})
+
+Kind = Literal["image", "video", "frames"]
+
+_SHOWN_PROBLEMS = 5  # how many problems an input's refusal lists
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class Member(Protocol):
+    """Where a sample's bytes are when they are not a local file of its own, read in place by the decoders:
+    a WebDataset tar member (:class:`~vlfast.extraction.sources.webdataset.TarMember`) or an object at a URL
+    (:class:`~vlfast.extraction.sources.remote.RemoteFile`). ``str()`` names it in error records."""
+
+    def open(self) -> BinaryIO: ...
+
+    def read_bytes(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One unit of extraction. ``paths`` holds one file, or the frames of a clip in order.
+
+    For a member of a WebDataset tar shard, ``member`` says where its bytes are and ``paths`` holds its
+    display name ``{shard}/{member name}`` (see :mod:`vlfast.extraction.sources.webdataset`). For a URL,
+    ``member`` is a :class:`~vlfast.extraction.sources.remote.RemoteFile` and ``paths`` holds the URL."""
+
+    id: str
+    kind: Kind
+    paths: tuple[str, ...]
+    prompt: str | None = None
+    member: Member | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise InputRefused(f"sample id must be a non-empty string, got {self.id!r}")
+        if self.kind not in ("image", "video", "frames"):
+            raise InputRefused(f"sample {self.id!r}: kind must be image, video or frames, got {self.kind!r}")
+        if not self.paths or not all(isinstance(p, str) and p for p in self.paths):
+            raise InputRefused(f"sample {self.id!r}: paths must be non-empty strings, got {self.paths!r}")
+        if self.kind != "frames" and len(self.paths) != 1:
+            raise InputRefused(
+                f"sample {self.id!r}: a {self.kind} has exactly one path, got {len(self.paths)}"
+            )
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise InputRefused(f"sample {self.id!r}: prompt must be a string or None")
+        if self.member is not None and self.kind == "frames":
+            raise InputRefused(
+                f"sample {self.id!r}: a tar member or URL is one image or video, not a frame list"
+            )
+
+    @property
+    def source(self) -> str:
+        """The input as a user would name it in an error report."""
+        return self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} (+{len(self.paths) - 1} frames)"
+
+
+@dataclass(frozen=True)
+class InputProblem:
+    """An input row or folder entry that cannot become a sample; recorded in OUT/errors, the run goes on."""
+
+    where: str  # the file and line/row ("clips.jsonl line 7", "clips.csv row 3"), or a folder entry's path
+    reason: str  # plain words saying what is wrong and what to do
+    id: str | None = None  # the row's id when it is valid text, else None
+
+
+class EmptyInput(InputRefused):
+    """A folder or manifest that holds no sample and no bad row: most likely the wrong input was named."""
+
+
+def _suffix_list(suffixes: Iterable[str]) -> str:
+    return " ".join(sorted(suffixes))
+
+
+SUPPORTED = (
+    f"images: {_suffix_list(IMAGE_SUFFIXES)}; videos: {_suffix_list(VIDEO_SUFFIXES)}; "
+    f"manifests: {_suffix_list(MANIFEST_SUFFIXES)} with a 'path' column; "
+    "WebDataset: .tar shards or a quoted pattern like 'shards/{000000..000099}.tar'"
+)
+
+
+def kind_of(path: str) -> Kind:
+    """A single file's kind, by its suffix: a video, else an image."""
+    return "video" if Path(path).suffix.lower() in VIDEO_SUFFIXES else "image"
+
+
+def quoted(text: str, limit: int = 80) -> str:
+    """``text`` safe to print and store: escapes (a non-UTF-8 byte shows as \\udcff), cut to ``limit``."""
+    r = repr(text)
+    return r if len(r) <= limit else r[: limit - 4] + "...'"
+
+
+def display_path(path: str | os.PathLike) -> str:
+    """A path as a problem's ``where``: a path from the file system may hold non-UTF-8 bytes (as
+    surrogates), shown as \\xff so the record itself can always be written."""
+    text = os.fsdecode(path)
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that no byte made: show it escaped
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _text_problem(what: str, text: str) -> str | None:
+    """Why ``text`` cannot be stored as UTF-8, or None."""
+    m = _SURROGATE.search(text)
+    if m is None:
+        return None
+    ch = ord(m.group())
+    if 0xDC80 <= ch <= 0xDCFF:  # a byte that did not decode, escaped by surrogateescape or os.fsdecode
+        byte = ch - 0xDC00
+        return f"{what} holds bytes that are not valid UTF-8 (0x{byte:02x}); rename it or save it as UTF-8"
+    return (
+        f"{what} holds a lone surrogate (\\u{ch:04x}), which is not valid Unicode text and cannot be stored"
+    )
+
+
+def storable(
+    sample_id: str, paths: Sequence[str], prompt: str | None, *, id_from_path: bool = False
+) -> str | None:
+    """Why a sample with these fields could not be stored or loaded, or None. Every input kind uses this.
+
+    The store writes ids as UTF-8 into Parquet, JSON and shard headers, and the loaders hand paths to the OS,
+    so a lone surrogate (valid JSON ``"\\ud800"``, or a non-UTF-8 byte) or a NUL would crash far from the row.
+    """
+    what = "id (taken from the path)" if id_from_path else "id"
+    reason = _text_problem(what, sample_id)
+    if reason:
+        return reason
+    n = len(sample_id.encode("utf-8"))
+    if n > MAX_ID_BYTES:
+        return f"{what} is {n} bytes in UTF-8, longer than the {MAX_ID_BYTES}-byte limit; give a shorter id"
+    for p in paths:
+        reason = _text_problem(f"path {quoted(p)}", p)
+        if reason:
+            return reason
+        if "\x00" in p:
+            return f"path {quoted(p)} holds a NUL character, which no file name can hold"
+    if prompt is not None:
+        return _text_problem("prompt", prompt)
+    return None
+
+
+def require_samples(kind: str, name: str, samples: list[Sample], problems: list[InputProblem]) -> None:
+    """Raise when a folder, manifest or set of shards gave nothing to extract: the wrong input, not a run
+    with gaps. :class:`EmptyInput` when there were no problems either, else InputRefused listing the first."""
+    if samples:
+        return
+    if not problems:
+        if kind == "folder":
+            raise EmptyInput(
+                f"input folder {name} holds no image or video file (hidden files are skipped and symlinked "
+                f"folders are not entered); supported: {SUPPORTED}"
+            )
+        if kind == "WebDataset shards":
+            raise EmptyInput(
+                f"WebDataset shards {name} hold no image or video member; supported: {SUPPORTED}"
+            )
+        raise EmptyInput(f"manifest {name} has no rows; supported: {SUPPORTED}")
+    first = "; ".join(f"{p.where}: {p.reason}" for p in problems[:_SHOWN_PROBLEMS])
+    more = len(problems) - _SHOWN_PROBLEMS
+    listed = f"{len(problems)} problem(s): {first}" + (f"; and {more} more" if more > 0 else "")
+    raise InputRefused(f"{kind} {name} has no usable sample: {listed}")
