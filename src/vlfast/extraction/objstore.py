@@ -13,7 +13,7 @@ INPUT, a folder's files and a manifest's ``path`` values may be URLs with a sche
 * :class:`RemoteFile` is what the decode workers open, as they open a tar member: images are read whole,
   videos through fsspec's seekable file object for PyAV.
 * :func:`list_shards` lists WebDataset shards at URLs with :mod:`vlfast.extraction.sources.webdataset`'s own
-  listing, over a :class:`_RangeReader`; a shard member at a URL is then read by :func:`read_range` /
+  listing, over a :class:`RangeReader`; a shard member at a URL is then read by :func:`read_range` /
   :func:`open_range`, ranged requests over just its bytes.
 
 Transient failures (a connection reset, a 5xx or SlowDown, a timeout: :func:`is_transient`) are retried by
@@ -525,27 +525,34 @@ def probe_out(out: Any) -> None:
         raise _refusal(f"output {url}", e, options_json, missing) from None
 
 
-# ------------------------------------------------------------------------------- WebDataset shards at URLs
+# ------------------------------------------------------------------------------------------- ranged reads
+
+
+class StorageReadError(OSError):
+    """Stored bytes could not be read (network, credentials, throttling): it says nothing about the bytes,
+    so it is never reported as damage."""
+
+
+# What a failed ranged read becomes, per caller (ObjectRange's ``policy``):
+# "input"    a sample's input (a tar member): a transient failure is retried where the client has no
+#            retries of its own, then TransientReadError; a missing object FileNotFoundError naming the
+#            URL; anything else OSError naming the URL, never the options.
+# "storage"  bytes of the extraction folder read back (a tensor): a missing object FileNotFoundError as
+#            the client raises it; anything else StorageReadError naming what was read and the URL.
+# "raw"      the client's own exception, for a check that classifies failures itself (integrity).
+RANGE_POLICIES = ("input", "storage", "raw")
 
 
 def _fetch(fs, path: str, url: str, options_json: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of an object (fewer at its end): one ranged request. OSError naming the URL,
-    never the options; also when the store ignores the range (a plain HTTP server may send the whole file,
-    whose first bytes would pass for the member's)."""
+    """Bytes ``[start, end)`` of an object (fewer at its end) under the "input" policy: one ranged request."""
     try:
-        data = _retrying(fs, lambda: fs.cat_file(path, start=start, end=end), url, options_json)
+        return _retrying(fs, lambda: fs.cat_file(path, start=start, end=end), url, options_json)
     except FileNotFoundError:
         raise FileNotFoundError(f"file not found: {url}") from None
     except TransientReadError:
         raise
     except Exception as e:  # network and permission errors come as many types
         raise OSError(f"cannot read {url}: {_masked(_reason(e), options_json)}") from None
-    if len(data) > end - start:
-        raise OSError(
-            f"cannot read {url} in place: asked for bytes {start:,} to {end:,}, the store sent {len(data):,} "
-            "bytes; tar members are read with ranged requests, which this server does not serve"
-        )
-    return data
 
 
 def _short(url: str, what: str, start: int, got: int, end: int) -> OSError:
@@ -555,9 +562,57 @@ def _short(url: str, what: str, start: int, got: int, end: int) -> OSError:
     )
 
 
-class _RangeReader(ByteWindow):
+class ObjectRange:
+    """One object on storage, read by byte ranges: each :meth:`read` is one ranged request for exactly the
+    bytes asked (fewer at the object's end), never more. ``policy`` (one of :data:`RANGE_POLICIES`) is what
+    a failure becomes for this caller. A store that ignores the range (a plain HTTP server may send the
+    whole file, whose first bytes would pass for the ones asked) is refused under every policy."""
+
+    def __init__(self, fs, path: str, url: str, options_json: str = "{}", *, policy: str = "input"):
+        if policy not in RANGE_POLICIES:
+            raise ValueError(f"policy must be one of {RANGE_POLICIES}, got {policy!r}")
+        self.fs, self.path, self.url, self.options_json, self.policy = fs, path, url, options_json, policy
+
+    @classmethod
+    def of(cls, upath: Any, policy: str) -> ObjectRange:
+        """The object at a ``upath.UPath`` (its filesystem, key and URL)."""
+        return cls(upath.fs, upath.path, str(upath), policy=policy)
+
+    def size(self) -> int:
+        """The object's size, asked of the store itself (never of fsspec's listings cache: another writer
+        may have replaced it since the last listing)."""
+        self.fs.invalidate_cache(self.path)
+        return int(self.fs.size(self.path))
+
+    def read(self, start: int, end: int, what: str = "") -> bytes:
+        """Bytes ``[start, end)`` (fewer at the object's end); ``what`` names them in a StorageReadError."""
+        if end <= start:
+            return b""
+        if self.policy == "input":
+            data = _fetch(self.fs, self.path, self.url, self.options_json, start, end)
+        elif self.policy == "raw":
+            data = self.fs.cat_file(self.path, start=start, end=end)
+        else:
+            try:
+                data = self.fs.cat_file(self.path, start=start, end=end)
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # noqa: BLE001 - each client raises its own types
+                raise StorageReadError(
+                    f"cannot read {what or f'bytes {start:,} to {end:,}'} from {self.url}: "
+                    f"{type(e).__name__}: {_masked(_reason(e), self.options_json)}"
+                ) from None
+        if len(data) > end - start:
+            raise OSError(
+                f"cannot read {self.url} in place: asked for bytes {start:,} to {end:,}, the store sent "
+                f"{len(data):,} bytes; ranged requests are needed, which this server does not serve"
+            )
+        return data
+
+
+class RangeReader(ByteWindow):
     """A read-only, seekable view of the ``size`` bytes at ``offset`` of an object, fetched with ranged
-    requests that never reach past the view's end.
+    requests (:class:`ObjectRange`, ``policy``) that never reach past the view's end.
 
     Reads are served from one buffer; a miss fetches at least a block from the read position. The block
     doubles (64 KiB up to 8 MiB) while misses land within one block of the last buffer's end, and drops
@@ -568,10 +623,21 @@ class _RangeReader(ByteWindow):
 
     MIN_BLOCK, MAX_BLOCK = 64 << 10, 8 << 20
 
-    def __init__(self, fs, path: str, url: str, options_json: str, offset: int, size: int, name: str):
+    def __init__(
+        self,
+        fs,
+        path: str,
+        url: str,
+        options_json: str,
+        offset: int,
+        size: int,
+        name: str,
+        *,
+        policy: str = "input",
+    ):
         super().__init__(size, name)
-        self._fs, self._path, self._url, self._options = fs, path, url, options_json
-        self._offset = offset
+        self._object = ObjectRange(fs, path, url, options_json, policy=policy)
+        self._url, self._offset = url, offset
         self._buf, self._buf_at, self._block = b"", 0, self.MIN_BLOCK
         self.requests = self.fetched = 0  # what it cost, for measurements
 
@@ -580,7 +646,7 @@ class _RangeReader(ByteWindow):
         self._block = min(2 * self._block, self.MAX_BLOCK) if dense else self.MIN_BLOCK
         end = min(self._size, self._pos + max(want, self._block))
         start = self._offset + self._pos
-        data = _fetch(self._fs, self._path, self._url, self._options, start, self._offset + end)
+        data = self._object.read(start, self._offset + end, self.name)
         self.requests += 1
         self.fetched += len(data)
         if len(data) < end - self._pos:
@@ -603,20 +669,27 @@ class _RangeReader(ByteWindow):
         return done
 
 
+_RangeReader = RangeReader  # the name before issue 21
+
+
 def open_range(url: str, options_json: str, offset: int, size: int, name: str) -> io.BufferedReader:
     """The ``size`` bytes at ``offset`` of the object at ``url`` as a seekable binary file (a tar member,
-    for PyAV): ranged requests over just those bytes, nothing written to disk."""
+    for PyAV): ranged requests over just those bytes ("input" policy), nothing written to disk."""
     fs, path = _filesystem(url, options_json)
-    return io.BufferedReader(_RangeReader(fs, path, url, options_json, offset, size, name), 1 << 16)
+    return io.BufferedReader(RangeReader(fs, path, url, options_json, offset, size, name), 1 << 16)
 
 
 def read_range(url: str, options_json: str, offset: int, size: int, name: str) -> bytes:
-    """The ``size`` bytes at ``offset`` of the object at ``url``, in one ranged request (an image member)."""
+    """The ``size`` bytes at ``offset`` of the object at ``url``, in one ranged request (an image member),
+    under the "input" policy."""
     fs, path = _filesystem(url, options_json)
-    data = _fetch(fs, path, url, options_json, offset, offset + size)
+    data = ObjectRange(fs, path, url, options_json).read(offset, offset + size, name)
     if len(data) < size:
         raise _short(url, name, offset, len(data), offset + size)
     return data
+
+
+# ------------------------------------------------------------------------------- WebDataset shards at URLs
 
 
 _LIST_THREADS = 8  # shards listed at once: a listing waits on requests more than on the CPU
@@ -626,7 +699,7 @@ def list_shards(
     pattern: str, shards: Sequence[str], rels: Sequence[str], storage_options: Mapping[str, Any] | None
 ) -> list[tuple[list[Sample], list[InputProblem]]]:
     """Each shard URL's samples and problems (ids ``{rel}/{__key__}``), listed by the same code as a local
-    shard (:func:`~vlfast.extraction.sources.webdataset._scan` and ``_entries``) over a :class:`_RangeReader`,
+    shard (:func:`~vlfast.extraction.sources.webdataset._scan` and ``_entries``) over a :class:`RangeReader`,
     up to :data:`_LIST_THREADS` shards at once.
 
     Refused before any shard is read, naming ``pattern`` and never the credentials: an unreachable
@@ -703,7 +776,7 @@ def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) ->
 def _list_one(
     fs, shard: str, path: str, rel: str, entry: Mapping[str, Any], options_json: str
 ) -> tuple[list[Sample], list[InputProblem]]:
-    """One shard listed by :mod:`~vlfast.extraction.sources.webdataset`'s own code over a :class:`_RangeReader`;
+    """One shard listed by :mod:`~vlfast.extraction.sources.webdataset`'s own code over a :class:`RangeReader`;
     ``entry`` is its folder listing's entry (its size)."""
     from vlfast.extraction.sources.webdataset import _entries, _scan
 
@@ -712,7 +785,7 @@ def _list_one(
             f"shard {shard}: the store does not give its size, which reading its members in place needs"
         )
     size = int(entry["size"])
-    with _RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
+    with RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
         try:
             members, cut, texts = _scan(f, size, shard)
         except (OSError, TransientReadError) as e:  # the message names the URL, never the options
