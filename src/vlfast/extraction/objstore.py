@@ -70,6 +70,10 @@ class RemoteInputError(InputRefused):
     """An INPUT URL that cannot be read at all (endpoint unreachable, bucket missing, access refused)."""
 
 
+# How the reason of a sample that failed that way begins: its error record is then "transient" (not done).
+TRANSIENT_PREFIX = "transient storage error"
+
+
 class TransientReadError(Exception):
     """Reading a sample's input failed for a reason that says nothing about the sample (see
     :func:`is_transient`), after the retries. Its message starts with ``TRANSIENT_PREFIX``, which makes the
@@ -185,8 +189,6 @@ def is_transient(e: BaseException) -> bool:
 
 def transient_error(url: str, e: BaseException, options_json: str = "{}") -> TransientReadError:
     """The TransientReadError for ``e`` while reading ``url``: names the URL, never the options."""
-    from vlfast.extraction.store.format import TRANSIENT_PREFIX
-
     reason = _masked(_reason(e), options_json)
     return TransientReadError(
         f"{TRANSIENT_PREFIX}: cannot read {url} ({type(e).__name__}: {reason}) after the storage client's "

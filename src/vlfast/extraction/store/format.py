@@ -18,6 +18,11 @@ from typing import Any
 
 from vlfast.errors import InputRefused, VlfastError
 
+# TRANSIENT_PREFIX: how the reason of a "transient" failure begins (add_error infers the kind from it); it
+# is objstore's, which raises those errors, and is re-exported here for the store's readers.
+from vlfast.extraction.objstore import TRANSIENT_PREFIX as TRANSIENT_PREFIX
+from vlfast.extraction.objstore import is_url
+
 FORMAT_VERSION = 2
 RUN_FILE = "run.json"
 SHARD_DIR = "shards"
@@ -83,7 +88,6 @@ ERROR_KIND = "error"  # the sample itself cannot be extracted: its id is done
 # Reading the sample from storage failed in a way that says nothing about the sample (a connection reset,
 # a 5xx or SlowDown, a timeout) after the client's retries: its id is not done, the next run tries again.
 TRANSIENT_KIND = "transient"
-TRANSIENT_PREFIX = "transient storage error"  # how such a reason begins (add_error infers the kind from it)
 FAILURE_KINDS = (ERROR_KIND, TRANSIENT_KIND)  # what a sample's attempt can end as; the latest one counts
 
 
@@ -141,8 +145,6 @@ def resolve_out(out: Any, storage_options: dict[str, Any] | None = None) -> Path
     fsspec filesystem, opened with ``storage_options``. A path object is returned as it is."""
     if isinstance(out, Path) or hasattr(out, "fs"):  # a local path, or already a UPath
         return out
-    from vlfast.extraction.objstore import is_url
-
     text = os.fspath(out)
     if not is_url(text):
         return Path(text)
