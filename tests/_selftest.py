@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from vlfast.extraction.store.format import DUPLICATE_KIND
+from vlfast.extraction.store.resume import duplicate_reason, plan_positions
 from vlfast.extraction.store.writer import FeatureStore, dist_info
 
 RUN_CONFIG = {"model": "selftest", "dtype": "bfloat16", "features": ["tokens", "mean", "deep", "grid_thw"]}
@@ -69,7 +71,9 @@ def run(
     with FeatureStore(
         out, RUN_CONFIG | {"dim": dim}, rank=rank, world_size=world_size, shard_max_samples=shard_max_samples
     ) as store:
-        todo = store.plan(ids, [f"videos/{i}.mp4" for i in ids])
+        todo, repeats = plan_positions(ids, rank, world_size, store.done_ids())
+        for k, first in repeats:  # what extract records for a repeated id
+            store.add_error(ids[k], f"videos/{ids[k]}.mp4", duplicate_reason(k, first), kind=DUPLICATE_KIND)
         if verbose:
             print(f"pending {len(todo)}", flush=True)
         for k, pos in enumerate(todo):

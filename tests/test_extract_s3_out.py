@@ -242,7 +242,7 @@ def test_a_shard_without_its_index_part_is_invisible_then_cleaned_when_old(endpo
     with _store(out) as again:  # young: may be a live writer's upload, so it stays
         assert again.done_ids() == {"a"}
     assert len([k for k in _keys(prefix) if "/shards/" in k]) == 2
-    monkeypatch.setattr("vlfast.extraction.store.writer.ORPHAN_AGE", 0.0)
+    monkeypatch.setattr("vlfast.extraction.store.backend.ORPHAN_AGE", 0.0)
     with _store(out) as again:  # old: garbage, deleted; its sample is redone
         assert again.done_ids() == {"a"}
         again.add("b", fake_features("b"))
@@ -273,12 +273,12 @@ def test_two_writers_of_one_rank_never_overwrite_each_other(endpoint):
 
 
 def test_exclusive_create_is_enforced_by_the_server(endpoint):
-    from vlfast.extraction.store.writer import _put_remote
+    from vlfast.extraction.store.backend import put_object
 
     path = resolve_out(_fresh("exclusive")) / "object"
-    _put_remote(path, b"first", exclusive=True)
+    put_object(path, b"first", exclusive=True)
     with pytest.raises(FileExistsError):
-        _put_remote(path, b"second", exclusive=True)
+        put_object(path, b"second", exclusive=True)
     assert path.read_bytes() == b"first"
 
 

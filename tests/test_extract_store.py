@@ -14,13 +14,24 @@ import torch
 
 from _selftest import compare_caches, fake_features
 from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch, dist_info, partition
-from vlfast.extraction.store.format import DamagedFile
+from vlfast.extraction.store.format import DUPLICATE_KIND, DamagedFile
+from vlfast.extraction.store.resume import duplicate_reason, plan_positions
 
 CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}
 
 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _plan(store: FeatureStore, ids: list[str], sources: list[str] | None = None) -> list[int]:
+    """How extract plans a rank's work (FeatureStore.plan did this before issue 21): its positions still to
+    do, and every repeat of an id recorded as a "duplicate" error."""
+    todo, repeats = plan_positions(ids, store.rank, store.world_size, store.done_ids())
+    for k, first in repeats:
+        source = sources[k] if sources is not None else ""
+        store.add_error(ids[k], source, duplicate_reason(k, first), kind=DUPLICATE_KIND)
+    return todo
 
 
 def _fill(out: Path, ids, **kw) -> None:
@@ -188,7 +199,7 @@ def test_resume_continues_numbering_and_skips_done(tmp_path: Path) -> None:
     _fill(tmp_path, ["a", "b", "c"], shard_max_samples=2)
     s = FeatureStore(tmp_path, CFG, shard_max_samples=2)
     assert s.done_ids() == {"a", "b", "c"}
-    assert s.plan(["a", "b", "c", "d"]) == [3]
+    assert _plan(s, ["a", "b", "c", "d"]) == [3]
     s.add("d", fake_features("d"))
     s.close()
     names = sorted(p.name[:18] for p in (tmp_path / "index").iterdir())
@@ -215,7 +226,7 @@ def test_config_mismatch_refused_volatile_allowed(tmp_path: Path) -> None:
 def test_duplicates_and_errors(tmp_path: Path) -> None:
     ids = ["a", "b", "a", "c", "b", "a"]
     with FeatureStore(tmp_path, CFG, shard_max_samples=100) as s:
-        todo = s.plan(ids, [f"{i}.mp4" for i in ids])
+        todo = _plan(s, ids, [f"{i}.mp4" for i in ids])
         assert todo == [0, 1, 3]
         s.add("a", {"x": torch.ones(1)})
         s.add("a", {"x": torch.zeros(1)})  # a repeat reaching add is caught too, first one wins
@@ -241,7 +252,7 @@ def test_duplicates_and_errors(tmp_path: Path) -> None:
     with err_file.open("a") as f:
         f.write('{"id": "torn')  # a crash mid-append
     s2 = FeatureStore(tmp_path, CFG)
-    assert s2.plan(ids, [f"{i}.mp4" for i in ids]) == []
+    assert _plan(s2, ids, [f"{i}.mp4" for i in ids]) == []
     assert s2.num_errors == 0
     s2.add_error("d", "d.mp4", "too long")  # lands on its own line after the torn one
     assert len(FeatureCache(tmp_path).errors()) == 6
@@ -362,7 +373,7 @@ def test_kill_during_overwrite_leaves_a_consistent_folder(
 ) -> None:
     import shutil
 
-    import vlfast.extraction.store.writer as store_mod
+    import vlfast.extraction.store.backend as store_mod
 
     _fill(tmp_path, ["a", "b", "c"], shard_max_samples=2)
     real_rmtree = shutil.rmtree

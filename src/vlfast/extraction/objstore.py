@@ -16,7 +16,7 @@ module does not import it either). Here, once for the package:
   (plain HTTP). What still fails is :class:`TransientReadError`, whose message starts with
   :data:`TRANSIENT_PREFIX`: the sample's error record is "transient", not done, tried again by the next run;
 * OUT on object storage: :func:`probe_out` (reachable, bucket present, s3fs able to create exclusively);
-* ranged reads: :func:`read_range` / :func:`open_range` read bytes of an object in place (a tar member at a
+* ranged reads: :class:`ObjectRange` (one ranged request per read, with the caller's error policy, :data:`RANGE_POLICIES`); :func:`read_range` / :func:`open_range` read bytes of an object in place (a tar member at a
   URL), :class:`RangeReader` is the unbuffered view a shard is listed through.
 
 What is read as INPUT at URLs (folders, manifests, media, WebDataset shards) is listed in
@@ -424,30 +424,34 @@ def probe_out(out: Any) -> None:
         raise refusal(f"output {url}", e, options_json, missing) from None
 
 
-# ------------------------------------------------------------------------------------------ ranged reads
+# ------------------------------------------------------------------------------------------- ranged reads
 
-# The ranged reads below still call these by their old names.
-_filesystem, _retrying, _masked, _reason = filesystem, retrying, masked, error_reason
+
+class StorageReadError(OSError):
+    """Stored bytes could not be read (network, credentials, throttling): it says nothing about the bytes,
+    so it is never reported as damage."""
+
+
+# What a failed ranged read becomes, per caller (ObjectRange's ``policy``):
+# "input"    a sample's input (a tar member): a transient failure is retried where the client has no
+#            retries of its own, then TransientReadError; a missing object FileNotFoundError naming the
+#            URL; anything else OSError naming the URL, never the options.
+# "storage"  bytes of the extraction folder read back (a tensor): a missing object FileNotFoundError as
+#            the client raises it; anything else StorageReadError naming what was read and the URL.
+# "raw"      the client's own exception, for a check that classifies failures itself (integrity).
+RANGE_POLICIES = ("input", "storage", "raw")
 
 
 def _fetch(fs, path: str, url: str, options_json: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of an object (fewer at its end): one ranged request. OSError naming the URL,
-    never the options; also when the store ignores the range (a plain HTTP server may send the whole file,
-    whose first bytes would pass for the member's)."""
+    """Bytes ``[start, end)`` of an object (fewer at its end) under the "input" policy: one ranged request."""
     try:
-        data = _retrying(fs, lambda: fs.cat_file(path, start=start, end=end), url, options_json)
+        return retrying(fs, lambda: fs.cat_file(path, start=start, end=end), url, options_json)
     except FileNotFoundError:
         raise FileNotFoundError(f"file not found: {url}") from None
     except TransientReadError:
         raise
     except Exception as e:  # network and permission errors come as many types
-        raise OSError(f"cannot read {url}: {_masked(_reason(e), options_json)}") from None
-    if len(data) > end - start:
-        raise OSError(
-            f"cannot read {url} in place: asked for bytes {start:,} to {end:,}, the store sent {len(data):,} "
-            "bytes; tar members are read with ranged requests, which this server does not serve"
-        )
-    return data
+        raise OSError(f"cannot read {url}: {masked(error_reason(e), options_json)}") from None
 
 
 def _short(url: str, what: str, start: int, got: int, end: int) -> OSError:
@@ -457,9 +461,57 @@ def _short(url: str, what: str, start: int, got: int, end: int) -> OSError:
     )
 
 
-class _RangeReader(ByteWindow):
+class ObjectRange:
+    """One object on storage, read by byte ranges: each :meth:`read` is one ranged request for exactly the
+    bytes asked (fewer at the object's end), never more. ``policy`` (one of :data:`RANGE_POLICIES`) is what
+    a failure becomes for this caller. A store that ignores the range (a plain HTTP server may send the
+    whole file, whose first bytes would pass for the ones asked) is refused under every policy."""
+
+    def __init__(self, fs, path: str, url: str, options_json: str = "{}", *, policy: str = "input"):
+        if policy not in RANGE_POLICIES:
+            raise ValueError(f"policy must be one of {RANGE_POLICIES}, got {policy!r}")
+        self.fs, self.path, self.url, self.options_json, self.policy = fs, path, url, options_json, policy
+
+    @classmethod
+    def of(cls, upath: Any, policy: str) -> ObjectRange:
+        """The object at a ``upath.UPath`` (its filesystem, key and URL)."""
+        return cls(upath.fs, upath.path, str(upath), policy=policy)
+
+    def size(self) -> int:
+        """The object's size, asked of the store itself (never of fsspec's listings cache: another writer
+        may have replaced it since the last listing)."""
+        self.fs.invalidate_cache(self.path)
+        return int(self.fs.size(self.path))
+
+    def read(self, start: int, end: int, what: str = "") -> bytes:
+        """Bytes ``[start, end)`` (fewer at the object's end); ``what`` names them in a StorageReadError."""
+        if end <= start:
+            return b""
+        if self.policy == "input":
+            data = _fetch(self.fs, self.path, self.url, self.options_json, start, end)
+        elif self.policy == "raw":
+            data = self.fs.cat_file(self.path, start=start, end=end)
+        else:
+            try:
+                data = self.fs.cat_file(self.path, start=start, end=end)
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # noqa: BLE001 - each client raises its own types
+                raise StorageReadError(
+                    f"cannot read {what or f'bytes {start:,} to {end:,}'} from {self.url}: "
+                    f"{type(e).__name__}: {masked(error_reason(e), self.options_json)}"
+                ) from None
+        if len(data) > end - start:
+            raise OSError(
+                f"cannot read {self.url} in place: asked for bytes {start:,} to {end:,}, the store sent "
+                f"{len(data):,} bytes; ranged requests are needed, which this server does not serve"
+            )
+        return data
+
+
+class RangeReader(ByteWindow):
     """A read-only, seekable view of the ``size`` bytes at ``offset`` of an object, fetched with ranged
-    requests that never reach past the view's end.
+    requests (:class:`ObjectRange`, ``policy``) that never reach past the view's end.
 
     Reads are served from one buffer; a miss fetches at least a block from the read position. The block
     doubles (64 KiB up to 8 MiB) while misses land within one block of the last buffer's end, and drops
@@ -470,10 +522,21 @@ class _RangeReader(ByteWindow):
 
     MIN_BLOCK, MAX_BLOCK = 64 << 10, 8 << 20
 
-    def __init__(self, fs, path: str, url: str, options_json: str, offset: int, size: int, name: str):
+    def __init__(
+        self,
+        fs,
+        path: str,
+        url: str,
+        options_json: str,
+        offset: int,
+        size: int,
+        name: str,
+        *,
+        policy: str = "input",
+    ):
         super().__init__(size, name)
-        self._fs, self._path, self._url, self._options = fs, path, url, options_json
-        self._offset = offset
+        self._object = ObjectRange(fs, path, url, options_json, policy=policy)
+        self._url, self._offset = url, offset
         self._buf, self._buf_at, self._block = b"", 0, self.MIN_BLOCK
         self.requests = self.fetched = 0  # what it cost, for measurements
 
@@ -482,7 +545,7 @@ class _RangeReader(ByteWindow):
         self._block = min(2 * self._block, self.MAX_BLOCK) if dense else self.MIN_BLOCK
         end = min(self._size, self._pos + max(want, self._block))
         start = self._offset + self._pos
-        data = _fetch(self._fs, self._path, self._url, self._options, start, self._offset + end)
+        data = self._object.read(start, self._offset + end, self.name)
         self.requests += 1
         self.fetched += len(data)
         if len(data) < end - self._pos:
@@ -505,20 +568,21 @@ class _RangeReader(ByteWindow):
         return done
 
 
+_RangeReader = RangeReader  # the name before issue 21
+
+
 def open_range(url: str, options_json: str, offset: int, size: int, name: str) -> io.BufferedReader:
     """The ``size`` bytes at ``offset`` of the object at ``url`` as a seekable binary file (a tar member,
-    for PyAV): ranged requests over just those bytes, nothing written to disk."""
-    fs, path = _filesystem(url, options_json)
-    return io.BufferedReader(_RangeReader(fs, path, url, options_json, offset, size, name), 1 << 16)
+    for PyAV): ranged requests over just those bytes ("input" policy), nothing written to disk."""
+    fs, path = filesystem(url, options_json)
+    return io.BufferedReader(RangeReader(fs, path, url, options_json, offset, size, name), 1 << 16)
 
 
 def read_range(url: str, options_json: str, offset: int, size: int, name: str) -> bytes:
-    """The ``size`` bytes at ``offset`` of the object at ``url``, in one ranged request (an image member)."""
-    fs, path = _filesystem(url, options_json)
-    data = _fetch(fs, path, url, options_json, offset, offset + size)
+    """The ``size`` bytes at ``offset`` of the object at ``url``, in one ranged request (an image member),
+    under the "input" policy."""
+    fs, path = filesystem(url, options_json)
+    data = ObjectRange(fs, path, url, options_json).read(offset, offset + size, name)
     if len(data) < size:
         raise _short(url, name, offset, len(data), offset + size)
     return data
-
-
-RangeReader = _RangeReader  # public: WebDataset shards at URLs are listed through it (sources.webdataset)

@@ -91,8 +91,7 @@ def hash_tensors(selected: dict[Path, list[str] | None]) -> tuple[str, int, int]
 
     import xxhash
 
-    from vlfast.extraction.store.format import canonical_json
-    from vlfast.extraction.store.integrity import read_header
+    from vlfast.extraction.store.format import canonical_json, read_header
 
     jobs: list[tuple[str, str, list[int], Any, int, int]] = []  # name, dtype, shape, map, start, end
     with contextlib.ExitStack() as stack:

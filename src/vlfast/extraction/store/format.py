@@ -1,22 +1,8 @@
 """The extraction folder's format: names, schema, run file, index parts and error records, and how to read them.
 
-Both the writer (store.py) and the reader (cache.py) go through these functions, so what a folder holds is
-decided in one place. The layout (format version 2)::
-
-    OUT/run.json                                          configuration (model, weights, dtype, processor...)
-    OUT/shards/shard-r{rank:05d}-{seq:06d}.safetensors     per-sample tensors, entries "{row}/{feature}"
-    OUT/index/part-r{rank:05d}-{seq:06d}-{xxh3}.parquet    one index part per shard: THE COMMIT MARKER
-    OUT/errors/errors-r{rank:05d}.jsonl                   one JSON line per failed or duplicate sample
-    OUT/errors/errors-r{rank:05d}-{session}.jsonl         the same on object storage (no appends): one per session
-    OUT/locks/rank-{rank:05d}.lock                        flock of the one process writing that rank
-    OUT/quarantine/...                                    damaged shards moved aside on resume (never read)
-    OUT/checked.json                                      parts whose shards passed a full check, with stamps
-
-Every byte a reader relies on is covered by a checksum (xxh3-64, from the maintained ``xxhash`` package):
-an index part by the hash in its own file name (Parquet's footer has no checksum of its own, and a flipped
-byte there can silently change values), a shard's header by a hash its index part records, each tensor
-by a hash per tensor in the index, and each error record by a hash in its own line. Format 1 folders
-(no hashes) are still read; they cannot be verified.
+The writer (writer.py), the reader (reader.py) and the checks (integrity.py) go through these functions, so
+what a folder holds is decided in one place. The format itself (layout, index schema, what each checksum
+covers) is specified once, in docs/extract.md ("On-disk layout", "Checksums: what covers what").
 """
 
 from __future__ import annotations
@@ -25,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +20,9 @@ from vlfast.errors import InputRefused, VlfastError
 from vlfast.extraction.ids import check_id as check_id  # re-exported: the writer imports it from here
 from vlfast.extraction.objstore import TRANSIENT_PREFIX as TRANSIENT_PREFIX  # re-exported, as check_id
 from vlfast.extraction.objstore import is_local_fs, is_url, url_path
+
+# TRANSIENT_PREFIX: how the reason of a "transient" failure begins (add_error infers the kind from it); it
+# is objstore's, which raises those errors, and is re-exported here for the store's readers.
 
 FORMAT_VERSION = 2
 RUN_FILE = "run.json"
@@ -56,6 +46,41 @@ META_CONFIG = b"vlfast.config"  # canonical JSON of the run configuration withou
 META_CONFIG_HASH = b"vlfast.config_hash"  # sha256 of META_CONFIG
 META_SHARD_BYTES = b"vlfast.shard_bytes"  # size of the shard file
 META_SHARD_HEADER = b"vlfast.shard_header_xxh3"  # xxh3-64 of the shard's 8-byte length + JSON header
+
+# The one dtype table: torch's dtype name (as the index stores it) -> safetensors' header code. What a shard
+# can hold; ``add`` refuses anything else, the checks compare headers with it, the reader maps codes back.
+DTYPES: dict[str, str] = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+DTYPE_BY_CODE: dict[str, str] = {code: name for name, code in DTYPES.items()}
+# What extraction may convert floating features to before storing them (``store_dtype``, ``--store-dtype``).
+STORE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+
+
+def torch_dtypes() -> dict:
+    """torch.dtype -> its name in :data:`DTYPES`, for the dtypes this torch has (float8 is recent)."""
+    import torch
+
+    return {getattr(torch, n): n for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
+def torch_dtype(name: str):
+    """The torch.dtype of a name in :data:`DTYPES` (torch's own names)."""
+    import torch
+
+    return getattr(torch, name)
+
 
 DUPLICATE_KIND = "duplicate"
 INPUT_KIND = "input"  # a manifest row or folder entry that is not a sample; never makes an id done
@@ -137,13 +162,6 @@ def list_names(folder: Path) -> list[str]:
     return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
 
-def remote_size(path: Any) -> int:
-    """Size of an object, asked of the store itself: fsspec answers ``size`` from a cached listing of the
-    parent when it has one, and a shard another rank committed after that listing would look missing."""
-    path.fs.invalidate_cache(path.path)
-    return int(path.fs.size(path.path))
-
-
 # ------------------------------------------------------------------------------------------ checksums
 
 
@@ -159,6 +177,25 @@ def tensor_xxh3(t: Any) -> str:
     import torch
 
     return xxh3(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def read_header(f: Any, size: int, *, strict: bool = True) -> tuple[int, bytes, dict | None]:
+    """The one safetensors header reader: (data start, raw header bytes incl. the 8-byte length prefix,
+    parsed header) of a file ``f`` positioned at its start, ``size`` bytes long. ``strict=False`` reads the
+    raw bytes only (parsed header None) and never raises for a damaged length, which is then not trusted
+    for the read's size: for a caller that compares the bytes with a checksum anyway."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        if not strict:
+            return 8, prefix, None
+        raise InputRefused(f"file is {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix)
+    if not strict:
+        return 8 + n, prefix + f.read(max(0, min(n, size - 8))), None
+    if n > size - 8:
+        raise InputRefused(f"header claims {n} bytes but the file has {size - 8} after the length")
+    raw = f.read(n)
+    return 8 + n, prefix + raw, json.loads(raw)
 
 
 def canonical_json(obj: Any) -> str:

@@ -1,6 +1,6 @@
 """Integrity checks of an extraction folder: one index part with its shard, or the whole folder.
 
-What is checked (see layout.py for where each checksum lives):
+What is checked (docs/extract.md, "Checksums: what covers what", says where each checksum lives):
 
 - the index part's bytes against the hash in its name, then Parquet's own page checksums;
 - the shard: present, exactly the size the part recorded (a truncated copy fails here), its header bytes
@@ -9,8 +9,8 @@ What is checked (see layout.py for where each checksum lives):
 - with ``data=True``, every tensor's bytes against its xxh3-64 in the index (the only check that reads the
   data: ~1.5 GB/s here, bounded by the disk or page cache, not by the hash).
 
-The writer runs :func:`check_part` on resume and moves what fails aside; :func:`verify_folder` is
-``vlfast extract --verify OUT`` and ``FeatureCache.verify()``.
+The writer runs :func:`check_part` on resume and moves what fails aside; :func:`check_folder` is
+``vlfast extract --verify OUT`` and ``FeatureCache.check()``.
 
 :class:`HashRecord` is what lets a full check skip rehashing shards nothing has touched since their last
 full check: ``OUT/checked.json`` maps each index part that passed a full check to its shard's stamp then
@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlfast.errors import InputRefused
 from vlfast.extraction.store.format import (
     CHECK_FILE,
+    DTYPES,
     PART_RE,
     SHARD_DIR,
     SHARD_RE,
@@ -46,32 +46,26 @@ from vlfast.extraction.store.format import (
     is_local,
     part_meta,
     read_error_file,
+    read_header,
     read_index_part,
     read_run_file,
-    remote_size,
     resolve_out,
     shard_of_part,
     stable_config,
     xxh3,
 )
 
-__all__ = ["HashRecord", "PartCheck", "VerifyReport", "check_part", "verify_folder"]
+__all__ = [
+    "CheckReport",
+    "HashRecord",
+    "PartCheck",
+    "RemoteShard",
+    "check_folder",
+    "check_part",
+    "open_shard",
+]
 
-# torch dtype name (as the index stores it) -> safetensors header dtype
-SAFETENSORS_DTYPE = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
+SAFETENSORS_DTYPE = DTYPES  # the name before issue 21: format.DTYPES is the one table
 
 
 @dataclass
@@ -91,18 +85,6 @@ class PartCheck:
     @property
     def ok(self) -> bool:
         return self.problem is None and not self.bad
-
-
-def read_header(f, size: int) -> tuple[int, bytes, dict]:
-    """(data start, raw header bytes incl. the length prefix, parsed header) of an open safetensors file."""
-    prefix = f.read(8)
-    if len(prefix) < 8:
-        raise InputRefused(f"file is {size} bytes, too short for a safetensors header")
-    (n,) = struct.unpack("<Q", prefix)
-    if n > size - 8:
-        raise InputRefused(f"header claims {n} bytes but the file has {size - 8} after the length")
-    raw = f.read(n)
-    return 8 + n, prefix + raw, json.loads(raw)
 
 
 def _header_ids(shard: Path) -> list[str]:
@@ -144,25 +126,28 @@ class _LocalShard:
         self._f.close()
 
 
-class _RemoteShard:
-    """A shard on object storage, read by byte ranges: the header in one request (two if it is long), the
-    data in windows of up to 64 MiB, so a check never holds a whole shard in memory."""
+class RemoteShard:
+    """A shard on object storage, read by byte ranges (objstore's ranged reader, ``policy`` as the caller
+    needs): the header in one request (two if it is long), the data in windows of up to 64 MiB, so a check
+    never holds a whole shard in memory."""
 
     WINDOW = 64 << 20
 
-    def __init__(self, path: Any, size: int | None = None):
-        self._fs, self._key = path.fs, path.path
-        self.size = remote_size(path) if size is None else size
+    def __init__(self, path: Any, size: int | None = None, *, policy: str = "raw"):
+        from vlfast.extraction.objstore import ObjectRange
 
-    def read(self, start: int, n: int) -> bytes:
-        return self._fs.cat_file(self._key, start=start, end=start + n) if n > 0 else b""
+        self.object = ObjectRange.of(path, policy)
+        self.size = self.object.size() if size is None else size
+
+    def read(self, start: int, n: int, what: str = "") -> bytes:
+        return self.object.read(start, start + n, what)
 
     def header(self) -> tuple[int, bytes, dict]:
-        head = self.read(0, min(self.size, 1 << 16))
+        head = self.read(0, min(self.size, 1 << 16), "the header")
         if len(head) >= 8:
             (n,) = struct.unpack("<Q", head[:8])
             if 8 + n > len(head) and n <= self.size - 8:
-                head += self.read(len(head), 8 + n - len(head))
+                head += self.read(len(head), 8 + n - len(head), "the header")
         return read_header(io.BytesIO(head), self.size)
 
     def hash_tensors(self, feats: list[dict]) -> list[str]:
@@ -191,9 +176,9 @@ class _RemoteShard:
         pass
 
 
-def open_shard(path: Any) -> _LocalShard | _RemoteShard:
+def open_shard(path: Any) -> _LocalShard | RemoteShard:
     """A shard opened for checking: ``size``, ``header()`` and ``hash_tensors(features)``."""
-    return _LocalShard(path) if is_local(path) else _RemoteShard(path)
+    return _LocalShard(path) if is_local(path) else RemoteShard(path)
 
 
 def check_part(part: Path, *, data: bool = True) -> PartCheck:
@@ -266,7 +251,7 @@ def _layout_problem(rows: list, ids: list[str], header: dict, data_start: int, s
                 start is None
                 or data_start + start != feat["offset"]
                 or end - start != feat["nbytes"]
-                or entry.get("dtype") != SAFETENSORS_DTYPE.get(feat["dtype"])
+                or entry.get("dtype") != DTYPES.get(feat["dtype"])
                 or list(entry.get("shape", [])) != list(feat["shape"])
                 or data_start + end > size
             ):
@@ -275,7 +260,7 @@ def _layout_problem(rows: list, ids: list[str], header: dict, data_start: int, s
 
 
 @dataclass
-class VerifyReport:
+class CheckReport:
     """What ``vlfast extract --verify OUT`` found. ``ok`` when nothing is damaged."""
 
     out: str
@@ -297,11 +282,14 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def verify_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+VerifyReport = CheckReport  # the name before issue 21 (vlfast.verify's VerifyReport is another thing)
+
+
+def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> CheckReport:
     """Check everything a reader of ``out`` relies on, reading every byte; report every bad sample by id."""
     out = resolve_out(out)
     started = time.perf_counter()
-    report = VerifyReport(str(out))
+    report = CheckReport(str(out))
     run = read_run_file(out)
     volatile = run.get("volatile_keys", [])
     expected_hash = config_hash(stable_config(run.get("config", {}), volatile))
@@ -495,3 +483,6 @@ def _shard_stamps(out: Any, since: int | None) -> dict[str, str]:
         if SHARD_RE.match(name) and etag and e.get("size") is not None:
             stamps[name] = f"{e['size']}:{str(etag).strip(chr(34))}"
     return stamps
+
+
+verify_folder = check_folder  # the name before issue 21

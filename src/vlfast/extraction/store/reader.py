@@ -1,6 +1,6 @@
 """FeatureCache: read an extraction folder (all ranks' committed shards) as one torch Dataset.
 
-Only committed data is visible: the cache reads the index parts (the commit markers, see ``store.py``) and
+Only committed data is visible: the cache reads the index parts (the commit markers, see docs/extract.md) and
 never lists shards, so temp files and orphan shards left by a crash are invisible. Tensors are read
 through safetensors' memory map: looking up one sample reads that sample's bytes, not the shard. On
 object storage (``FeatureCache("s3://bucket/out")``) each tensor is one ranged GET of exactly its bytes.
@@ -10,7 +10,7 @@ run.json; once per shard opened, its size against what was written (a truncated 
 sample asked for), its header bytes against the checksum its index part recorded and the header's
 configuration hash against run.json's (a same-named shard of another run, same size and ids, is refused),
 and on every lookup the sample's id against the header's. With ``verify=True`` every tensor read is also
-hashed and compared with its checksum; ``verify()`` scans the whole folder (integrity.py).
+hashed and compared with its checksum; ``check()`` scans the whole folder (integrity.py).
 """
 
 from __future__ import annotations
@@ -27,23 +27,28 @@ from typing import Any
 import torch
 
 from vlfast.errors import InputRefused
+from vlfast.extraction.objstore import StorageReadError
 from vlfast.extraction.store.format import (
+    DTYPE_BY_CODE,
     FAILURE_KINDS,
     REDO_HINT,
     DamagedFile,
     committed_parts,
     config_hash,
+    index_schema,
     is_local,
     part_meta,
     read_errors,
+    read_header,
     read_index_part,
     read_run_file,
-    remote_size,
     resolve_out,
     stable_config,
     tensor_xxh3,
+    torch_dtype,
     xxh3,
 )
+from vlfast.extraction.store.integrity import CheckReport, RemoteShard, check_folder
 
 _MAX_OPEN_SHARDS = 64  # open safetensors handles kept (each holds a file descriptor and a mapping)
 
@@ -97,8 +102,6 @@ class FeatureCache(torch.utils.data.Dataset):
         if tables:
             table = pa.concat_tables(tables, promote_options="default")
         else:
-            from vlfast.extraction.store.format import index_schema
-
             table = index_schema().empty_table()
         ids = table.column("id").to_pylist()
         shards = table.column("shard").to_pylist()
@@ -236,12 +239,13 @@ class FeatureCache(torch.utils.data.Dataset):
             r for r in read_errors(self.out) if r.get("kind") not in FAILURE_KINDS or r["id"] not in self._pos
         ]
 
-    def verify(self, progress=None):
-        """Read and hash every byte the folder's readers rely on: a :class:`VerifyReport` naming every bad
-        sample by id (``report.ok`` when none). The same scan as ``vlfast extract --verify OUT``."""
-        from vlfast.extraction.store.integrity import verify_folder
+    def check(self, progress=None) -> CheckReport:
+        """Read and hash every byte the folder's readers rely on: a :class:`CheckReport` naming every bad
+        sample by id (``report.ok`` when none). The same scan as ``vlfast extract --verify OUT``. (Checksums,
+        not numerics: ``vlfast.verify`` is the numerical comparison of a patched model.)"""
+        return check_folder(self.out, progress=progress)
 
-        return verify_folder(self.out, progress=progress)
+    verify = check  # the name before issue 21
 
     def __repr__(self) -> str:
         return f"FeatureCache({str(self.out)!r}, samples={len(self)}, shards={len(self._shard_paths)})"
@@ -264,7 +268,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 st = path.stat()
                 size, stamp = st.st_size, (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             else:
-                size = remote_size(path)
+                size = RemoteShard(path).size
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path} (sample {sample_id!r}) is listed in {self.out}/index but missing; the folder was "
@@ -339,16 +343,12 @@ class FeatureCache(torch.utils.data.Dataset):
 def _local_header(path: Any, size: int) -> bytes:
     """A local shard's raw header (8-byte length + JSON), as its index part hashed it: one small read. A
     damaged length is not trusted for the read's size (the checksum then fails)."""
-    import struct
-
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
-        return prefix + f.read(max(0, min(n, size - 8)))
+        return read_header(f, size, strict=False)[1]
 
 
-class ShardReadError(OSError):
-    """A shard on object storage could not be read (network, credentials, throttling): not damage."""
+# A shard on object storage could not be read (network, credentials, throttling): not damage.
+ShardReadError = StorageReadError
 
 
 class _RangeShard:
@@ -356,32 +356,21 @@ class _RangeShard:
     with one ranged GET of exactly its bytes, so a lookup never downloads the shard."""
 
     def __init__(self, path: Any, size: int):
-        from vlfast.extraction.store.integrity import _RemoteShard
-
-        self._fs, self._key, self._url = path.fs, path.path, str(path)
-        self._data_start, self.raw_header, self._header = _RemoteShard(path, size).header()  # size just asked
+        self._shard = RemoteShard(path, size, policy="storage")  # size just asked
+        self._fs = self._shard.object.fs
+        self._data_start, self.raw_header, self._header = self._shard.header()
         self._size = size
 
     def metadata(self) -> dict[str, str] | None:
         return self._header.get("__metadata__")
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        from vlfast.extraction.store.integrity import SAFETENSORS_DTYPE
-        from vlfast.extraction.store.writer import DTYPE_BY_NAME
-
         entry = self._header[name]
         start, end = (self._data_start + x for x in entry["data_offsets"])
         if end > self._size:
             raise InputRefused(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._size:,}")
-        dtype = DTYPE_BY_NAME[next(k for k, v in SAFETENSORS_DTYPE.items() if v == entry["dtype"])]
-        try:
-            data = (
-                bytearray(self._fs.cat_file(self._key, start=start, end=end)) if end > start else bytearray()
-            )
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # noqa: BLE001 - each client raises its own types
-            raise ShardReadError(f"cannot read {name!r} from {self._url}: {type(e).__name__}: {e}") from None
+        dtype = torch_dtype(DTYPE_BY_CODE[entry["dtype"]])
+        data = bytearray(self._shard.read(start, end - start, repr(name)))
         if len(data) != end - start:
             raise InputRefused(f"tensor {name!r}: {len(data):,} bytes read of {end - start:,}")
         if not data:

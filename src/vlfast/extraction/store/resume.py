@@ -13,14 +13,13 @@ finished OUT ("nothing to do") before it takes a lock or builds a model, and a r
 - ``confirm_hashed``: the full check of a finished OUT, before it is called done (hashes what the record
   of earlier full checks, ``OUT/checked.json``, does not vouch for).
 
-The writer (store.py) runs the same checks again under its lock.
+The writer (writer.py) runs the same checks again under its lock.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +29,8 @@ import torch
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.ids import owner_rank, partition  # re-exported: callers import them from here
+from vlfast.extraction.store.backend import live_ranks
 from vlfast.extraction.store.format import (
-    LOCK_DIR,
     RUN_FILE,
     DamagedFile,
     committed_parts,
@@ -53,7 +52,9 @@ __all__ = [
     "DEFAULT_VOLATILE_KEYS",
     "OutState",
     "RunConfigMismatch",
+    "canonical_config",
     "check_run_config",
+    "config_diffs",
     "confirm_hashed",
     "dist_info",
     "duplicate_reason",
@@ -62,8 +63,6 @@ __all__ = [
     "plan_positions",
     "read_state",
 ]
-
-_LOCK_RE = re.compile(r"rank-(\d+)\.lock")
 
 # Top-level run-config keys allowed to differ on resume: library versions change when a user upgrades
 # mid-job, which does not change what the extraction means. Callers can pass their own set.
@@ -128,7 +127,7 @@ def dist_info() -> tuple[int, int]:
     return rank, world
 
 
-def _canonical(obj: Any) -> Any:
+def canonical_config(obj: Any) -> Any:
     """JSON round trip: tuples become lists, keys become strings, so stored and new configs compare equal."""
     try:
         return json.loads(json.dumps(obj, sort_keys=True))
@@ -156,7 +155,8 @@ def _is_volatile(key: str, volatile: Collection[str]) -> bool:
     return any(".".join(parts[: i + 1]) in volatile for i in range(len(parts)))
 
 
-def _config_diffs(run_config: dict, old: dict, volatile: Collection[str]) -> list[tuple[str, Any, Any]]:
+def config_diffs(run_config: dict, old: dict, volatile: Collection[str]) -> list[tuple[str, Any, Any]]:
+    """What differs between ``run_config`` and ``old`` (key, old, new), volatile keys left out."""
     return [d for d in _flat_diff(old, run_config) if not _is_volatile(d[0], volatile)]
 
 
@@ -177,13 +177,13 @@ def check_run_config(
     itself (the writer), which is no other live run.
     """
     out = resolve_out(out)
-    config = _canonical(dict(run_config))
+    config = canonical_config(dict(run_config))
     try:
         old = read_run_file(out)
     except FileNotFoundError:
         old = None
     if old is not None:
-        diffs = _config_diffs(config, old.get("config", {}), volatile_keys)
+        diffs = config_diffs(config, old.get("config", {}), volatile_keys)
         if not diffs:
             return True
         if committed_parts(out) or read_errors(out) or _a_rank_is_live(out, held_rank):
@@ -199,7 +199,7 @@ def check_run_config(
                 f"{out} holds shards but its {RUN_FILE} is missing, and they were written by an older vlfast "
                 "that did not record their configuration: use a new OUT, or overwrite it"
             )
-        diffs = _config_diffs(config, meta["config"], volatile_keys)
+        diffs = config_diffs(config, meta["config"], volatile_keys)
         if diffs:
             raise RunConfigMismatch(out, diffs, where=f"{part} ({RUN_FILE} is missing)")
         break
@@ -209,12 +209,7 @@ def check_run_config(
 def _a_rank_is_live(out: Path, held_rank: int | None) -> bool:
     """Whether a live process holds a rank of the local folder ``out``: a run that has not committed yet
     but is running, whose run.json must not be replaced under it (object storage has no locks: False)."""
-    from vlfast.extraction.store.writer import rank_is_held  # the writer's lock; store imports this module
-
-    if not is_local(out) or not (out / LOCK_DIR).is_dir():
-        return False
-    ranks = [int(m.group(1)) for p in (out / LOCK_DIR).iterdir() if (m := _LOCK_RE.fullmatch(p.name))]
-    return any(rank_is_held(out, r) for r in ranks if r != held_rank)
+    return any(r != held_rank for r in live_ranks(out))
 
 
 def plan_positions(
@@ -273,7 +268,7 @@ def read_state(
         if not out.is_dir():
             raise NotADirectoryError(f"{out} exists and is not a folder; choose another OUT")
     has_run_file = check_run_config(out, run_config, volatile_keys)
-    config = _canonical(dict(run_config))
+    config = canonical_config(dict(run_config))
     expected = config_hash(stable_config(config, frozenset(volatile_keys)))
     state = OutState()
     for part in committed_parts(out):
@@ -281,7 +276,7 @@ def read_state(
         if check.problem is None and check.config is not None and check.config_hash != expected:
             raise RunConfigMismatch(
                 out,
-                _config_diffs(config, check.config, volatile_keys),
+                config_diffs(config, check.config, volatile_keys),
                 where=str(part),
                 foreign=part if has_run_file else None,
             )

@@ -1,56 +1,29 @@
 """FeatureStore: the crash-safe, resumable, rank-sharded writer behind ``vlfast extract``.
 
-The folder's format is in layout.py. A shard is committed in this order: write ``shards/.tmp-...`` ->
-fsync -> ``os.replace`` to its final name -> fsync the folder -> write its index part the same way, named
-with the part's own xxh3. A shard without an index part (a crash between the two renames) and any
-``.tmp-*`` file are garbage: readers never look at them and the next FeatureStore on that folder deletes
-them. So a crash at any instant loses at most the samples still buffered in memory (at most
-``commit_every`` seconds or one shard of work), and those are re-extracted on resume. Nothing committed is
-ever rewritten.
-
-On object storage (OUT an fsspec URL) there is no rename and no lock: the shard is uploaded once under its
-final name with an exclusive create (S3's If-None-Match; a taken name moves to the next sequence number),
-then its index part, the commit marker, the same way; each session's error records are one object,
-uploaded again on every commit; an orphan shard is deleted only once ``ORPHAN_AGE`` old. docs/extract.md
-("OUT on object storage") has the whole protocol.
+What it writes and in which order is specified in docs/extract.md ("On-disk layout", "Commits and crash
+safety", "OUT on object storage"): a shard, then its index part (the commit marker), each whole or not at
+all, so a crash at any instant loses at most the samples still buffered in memory (at most
+``commit_every`` seconds or one shard of work), and nothing committed is ever rewritten. Where the bytes go
+(a local folder: temp file, rename, flock; object storage: exclusive uploads) is the backend's
+(backend.py), chosen once when the store opens.
 
 On resume the store checks what it is about to rely on before skipping it (integrity.py): every committed
 index part against the configuration it carries (a different one is refused, even if run.json was
 deleted), and its shard's size, header and, by default, every tensor's checksum. A part or shard that
 fails is moved to ``OUT/quarantine/`` (never deleted) and its samples are extracted again.
-
-Index part schema (all parts share it; ``pyarrow.dataset.dataset(OUT / "index")`` reads them as one table;
-temp files start with "." and are skipped by pyarrow's default ``ignore_prefixes``)::
-
-    id        string        sample id (unique across the whole folder)
-    shard     string        shard path relative to OUT, e.g. "shards/shard-r00001-000042.safetensors"
-    row       int32         the sample's row in the shard; its tensors are the entries "{row}/{feature}"
-    rank      int32         rank that wrote it
-    features  list<struct<name, dtype, shape: list<int64>, offset: int64, nbytes: int64, xxh3: string>>
-              one entry per tensor; offset = absolute byte offset of the tensor data in the shard file
-              (so non-Python readers can seek straight to it), dtype = torch name ("bfloat16", ...),
-              xxh3 = xxh3-64 of the tensor's bytes (16 hex digits)
-    grid_thw  list<list<int64>>  the (k, 3) grid: feature "grid_thw", else "*grid_thw", else meta; or null
-    meta      string        JSON of the per-sample metadata given to ``add`` (path, prompt, n_tokens, ...)
-
-Equality after a resume is per sample: shard boundaries and row numbers may differ from an uninterrupted
-run, but every id's tensors (bytes, dtype, shape) and meta are identical.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import json
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +32,7 @@ import torch
 from vlfast._files import honour_umask
 from vlfast.errors import InputRefused
 from vlfast.extraction.interrupts import commit_section
+from vlfast.extraction.store.backend import backend_for, disk_full, rank_is_held
 from vlfast.extraction.store.format import (
     CHECK_FILE,
     DUPLICATE_KIND,
@@ -68,7 +42,6 @@ from vlfast.extraction.store.format import (
     FORMAT_VERSION,
     INDEX_DIR,
     INPUT_KIND,
-    LOCK_DIR,
     META_CONFIG,
     META_CONFIG_HASH,
     META_FORMAT,
@@ -94,16 +67,17 @@ from vlfast.extraction.store.format import (
     error_key,
     error_line,
     index_schema,
-    is_local,
     list_names,
     parse_retry,
     part_name,
     read_errors,
+    read_header,
     read_index_part,
     read_run_file,
     resolve_out,
     stable_config,
     tensor_xxh3,
+    torch_dtypes,
     xxh3,
 )
 from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
@@ -111,9 +85,9 @@ from vlfast.extraction.store.resume import (
     DEFAULT_VOLATILE_KEYS,
     OutState,
     RunConfigMismatch,
-    _canonical,
-    _config_diffs,
+    canonical_config,
     check_run_config,
+    config_diffs,
     dist_info,
     duplicate_reason,
     owner_rank,
@@ -147,198 +121,16 @@ __all__ = [
 ]
 
 RESUME_CHECKS = ("full", "quick")
-# On object storage, a shard without its index part is deleted only once it is this old (seconds): younger,
-# it may be a live writer's upload whose part is still on its way (there are no locks to ask).
-ORPHAN_AGE = 3600.0
 
-# Dtypes safetensors can store; checked in ``add`` so a bad tensor fails at the sample, not at flush.
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "float64",
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.int16: "int16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.bool: "bool",
-}
-for _name in ("float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _name):
-        _DTYPES[getattr(torch, _name)] = _name
+# torch.dtype -> its name: the dtypes safetensors can store (format.DTYPES); checked in ``add`` so a bad
+# tensor fails at the sample, not at flush.
+_DTYPES: dict[torch.dtype, str] = torch_dtypes()
 DTYPE_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
 
 
 def _dist_group_size() -> int:
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-# ----------------------------------------------------------------------------------------------------
-# file helpers
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename is only durable once the folder entry is; without this a power loss can undo it.
-    if os.name == "nt":  # Windows cannot open a folder as a file; NTFS journals the rename itself
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _atomic_write_bytes(path: Path, data: bytes, tmp_tag: str, *, exclusive: bool = False) -> None:
-    """Write ``data`` to ``path`` whole or not at all. Locally: a temp file, fsync, rename, fsync the folder.
-    On object storage one PUT is atomic already (readers see the old object, the new one, or none);
-    ``exclusive`` then refuses to replace an existing object (FileExistsError) where the store can say so
-    atomically (S3's If-None-Match)."""
-    if not is_local(path):
-        _put_remote(path, data, exclusive)
-        return
-    tmp = path.parent / f".tmp-{tmp_tag}-{path.name}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # ours and never renamed: garbage that would hold space (a full disk)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _put_remote(path: Any, data: bytes | Path, exclusive: bool) -> None:
-    """One PUT of ``data`` (bytes, or a local file streamed up) to the object ``path``.
-
-    ``exclusive``: fail with FileExistsError instead of replacing an object that exists. s3fs sends S3's
-    ``If-None-Match: *`` (also on the multipart upload's completion), so two writers racing for one name
-    cannot both win; other fsspec stores check for the name first (not atomic).
-    """
-    fs, key = path.fs, path.path
-    mode = "create" if exclusive else "overwrite"
-
-    def put() -> None:
-        if isinstance(data, Path):
-            fs.put_file(str(data), key, mode=mode)
-        else:
-            fs.pipe_file(key, data, mode=mode)
-
-    try:
-        try:
-            put()
-        except FileNotFoundError:
-            from vlfast.extraction.objstore import has_buckets
-
-            if has_buckets(fs):  # the bucket itself is gone: never create one behind the user's back
-                raise
-            fs.makedirs(fs._parent(key), exist_ok=True)  # a store with real folders (fsspec's local, SFTP)
-            put()
-    except FileExistsError:
-        raise
-    except OSError:
-        fs.invalidate_cache(key)
-        if exclusive and fs.exists(key):  # S3 answers PreconditionFailed, which s3fs maps to EINVAL
-            raise FileExistsError(str(path)) from None
-        raise
-    fs.invalidate_cache(key)
-
-
-def _remote_modified(path: Any) -> float | None:
-    """The object's last-modified time (epoch seconds), or None if the store does not say."""
-    try:
-        return path.fs.modified(path.path).timestamp()
-    except (NotImplementedError, FileNotFoundError, OSError, AttributeError):
-        return None
-
-
-def _try_lock(path: Path) -> int | None:
-    """Exclusive, non-blocking advisory lock on ``path``: the open fd, or None if another process holds it.
-
-    flock locks die with their process, so a SIGKILLed run never leaves a stale lock behind.
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - no flock on Windows: run unguarded
-        return -1
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None
-        # Some network filesystems (Lustre without -o flock, old NFS) do not do locks at all: run
-        # unguarded rather than refuse to run.
-        warnings.warn(
-            f"cannot lock {path} ({e}); running without the one-writer-per-rank guard", stacklevel=3
-        )
-        return -1
-    return fd
-
-
-def _unlock(fd: int | None) -> None:
-    if fd is not None and fd >= 0:
-        os.close(fd)  # closing the descriptor releases the flock
-
-
-_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, a spent quota
-
-
-def _disk_full(e: BaseException) -> bool:
-    """Whether a write failed for want of space: ENOSPC or EDQUOT, as an OSError or as safetensors' own
-    error (a Rust io::Error it reports as text: "No space left on device (os error 28)")."""
-    if isinstance(e, OSError):
-        return e.errno in _NO_SPACE
-    text = str(e)
-    return type(e).__name__ == "SafetensorError" and any(f"os error {c})" in text for c in _NO_SPACE)
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.1f} MiB"
-
-
-def _full_error(out: Path, remote: bool, e: BaseException, doing: str) -> OutputFull:
-    """The OutputFull for ``e``: the folder that is full, its free space, and how to go on."""
-    folder = Path(tempfile.gettempdir()) if remote else out
-    try:
-        usage = shutil.disk_usage(folder)
-        space = f"{_mib(usage.free)} free of {_mib(usage.total)}"
-    except OSError:
-        space = "free space unknown"
-    why = (
-        "disk quota exceeded"
-        if getattr(e, "errno", None) == getattr(errno, "EDQUOT", None)
-        else "no space left"
-    )
-    if remote:
-        return OutputFull(
-            errno.ENOSPC,
-            f"the local temp folder {folder} is full ({why}; {space}) while {doing} for {out}: shards of an "
-            "OUT on object storage are staged there before their upload. Everything committed is intact. Set "
-            "TMPDIR to a folder with room, then run the same command again to resume.",
-        )
-    return OutputFull(
-        errno.ENOSPC,
-        f"{out} is full ({why} on its disk; {space}) while {doing}. Everything committed is intact and the "
-        "partial file was removed. Free space (or point OUT/shards at a bigger disk with a symlink), then "
-        "run the same command again to resume.",
-    )
-
-
-def _not_writable(out: Path, e: OSError) -> OutputNotWritable:
-    return OutputNotWritable(
-        f"cannot write to {out} ({e.strerror or e}): it is on a read-only filesystem or you lack permission. "
-        "What it holds can still be read with vlfast.FeatureCache; to extract more, choose a writable OUT."
-    )
 
 
 def library_versions() -> dict[str, str | None]:
@@ -368,45 +160,6 @@ def _grid_of(feats: Mapping[str, torch.Tensor], meta_json: str) -> list[list[int
         return [[int(v) for v in row] for row in meta_grid] if meta_grid is not None else None
     except (TypeError, ValueError):
         return None
-
-
-def _clear_owned(folder: Path, owned: Any) -> None:
-    """Delete what this format owns in ``folder``; through a symlinked folder, only its files, never the link.
-
-    Users point shards/ at a bigger disk with a symlink; ``rmtree`` refuses symlinks, and ignoring that
-    error once kept a whole old index alive under a new configuration. Errors propagate.
-    """
-    if folder.is_symlink():
-        if not folder.exists():  # a dangling link holds nothing: drop it, mkdir makes a real folder
-            folder.unlink()
-            return
-        for p in folder.iterdir():
-            if owned(p.name):
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p)
-                else:
-                    p.unlink()
-        return
-    if folder.exists():
-        shutil.rmtree(folder)
-
-
-def _lock_path(out: Path, rank: int) -> Path:
-    return out / LOCK_DIR / f"rank-{rank:05d}.lock"
-
-
-def rank_is_held(out: Any, rank: int) -> bool:
-    """Whether a live process holds ``rank`` of the local folder ``out`` now (its store is open). Always
-    False on object storage, which has no locks."""
-    out = resolve_out(out)
-    if not is_local(out):
-        return False
-    path = _lock_path(out, rank)
-    if not path.exists():
-        return False
-    fd = _try_lock(path)
-    _unlock(fd)
-    return fd is None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -454,36 +207,31 @@ class FeatureStore:
             raise InputRefused(f"resume_check must be one of {RESUME_CHECKS}, got {resume_check!r}")
         self.out = resolve_out(out)
         self._retry = parse_retry(retry_errors)  # recorded failures to try again (see done_by_error)
-        # On object storage there are no renames and no locks: shards are uploaded whole under names
-        # created exclusively, the index part (the commit marker) last; errors go to one object per session.
-        self._remote = not is_local(self.out)
         self.rank, self.world_size = rank, world_size
         self.shard_max_bytes, self.shard_max_samples = int(shard_max_bytes), int(shard_max_samples)
         self.commit_every = commit_every
         self.volatile_keys = frozenset(volatile_keys)
-        self.run_config = _canonical(dict(run_config))
+        self.run_config = canonical_config(dict(run_config))
         self._stable = stable_config(self.run_config, self.volatile_keys)
         self.config_hash = config_hash(self._stable)
-        if not self._remote and self.out.exists() and not self.out.is_dir():
-            raise NotADirectoryError(f"{self.out} exists and is not a folder; choose another OUT")
-
         self._tag = f"r{rank:05d}"
         self._session = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + secrets.token_hex(4)
-        if self._remote:
-            self._lock = -1
-        else:
-            self._lock_local(rank)
+        # Where the bytes go, chosen once: a local folder (renames, locks) or object storage (uploads).
+        self._backend = backend_for(self.out, self._session)
+        self._backend.check_folder()
+        self._backend.lock(rank)
         try:
             if overwrite:
                 self._overwrite()
-            if not self._remote:
-                for sub in (SHARD_DIR, INDEX_DIR, ERROR_DIR):
-                    (self.out / sub).mkdir(exist_ok=True)
+            self._backend.make_folders()
             try:
                 self._write_or_check_run_file()
             except PermissionError as e:
-                raise _not_writable(self.out, e) from None
-            self._clean_garbage()
+                raise self._backend.not_writable(e) from None
+            # Garbage of rank r is cleaned by one live rank: r itself if it is live, else r % world_size,
+            # so a resume with fewer ranks still cleans the old ranks' leftovers and no rank deletes a live
+            # temp file.
+            self._backend.clean_garbage(lambda r: r % self.world_size == self.rank)
             self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
             self._bad_parts: set[str] = set()
             self._parts_read: set[str] = set()  # index parts already in _committed
@@ -501,40 +249,12 @@ class FeatureStore:
             self._buffer_bytes = 0
             self._buffer_since: float | None = None  # when the oldest buffered sample was added
             self._num_errors = 0
-            self._num_added = 0
             self._closed = False
             self._full = False  # a commit found the disk full: nothing more is written
-            name = (
-                f"errors-{self._tag}-{self._session}.jsonl" if self._remote else f"errors-{self._tag}.jsonl"
-            )
-            self._error_file = self.out / ERROR_DIR / name
-            self._session_errors: list[str] = []  # object storage: this session's lines, one object
-            self._errors_pending_since: float | None = None  # ... of which some are not uploaded yet
+            self._errors = self._backend.error_log(self._tag, self._session)  # this rank's error records
         except BaseException:
             self._release()
             raise
-
-    def _lock_local(self, rank: int) -> None:
-        try:
-            (self.out / LOCK_DIR).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise _not_writable(self.out, e) from None
-            raise
-        # Two processes writing the same rank would overwrite each other's shard names (two runs without
-        # torchrun, or a stale run still alive): refuse the second one.
-        try:
-            self._lock = _try_lock(self._lock_path(rank))
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise _not_writable(self.out, e) from None
-            raise
-        if self._lock is None:
-            raise OutputInUse(
-                f"another process is already writing rank {rank} into {self.out} (lock "
-                f"{self._lock_path(rank)}). Wait for it or stop it; to run several processes, launch them "
-                "with torchrun so each gets its own RANK."
-            )
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -550,21 +270,7 @@ class FeatureStore:
                 ERROR_DIR: lambda n: n.startswith("errors-r") and n.endswith(".jsonl"),
                 QUARANTINE_DIR: lambda n: True,
             }
-            for sub, owns in owned.items():
-                if self._remote:
-                    folder = self.out / sub
-                    doomed = [(folder / n).path for n in list_names(folder) if owns(n)]
-                    if doomed:
-                        self.out.fs.rm(doomed, recursive=True)
-                else:
-                    _clear_owned(self.out / sub, owns)
-            for name in (CHECK_FILE, RUN_FILE):  # run.json last (see above)
-                doomed_file = self.out / name
-                if self._remote:
-                    with contextlib.suppress(FileNotFoundError):
-                        self.out.fs.rm(doomed_file.path)
-                else:
-                    doomed_file.unlink(missing_ok=True)
+            self._backend.clear(owned, (CHECK_FILE, RUN_FILE))  # run.json last (see above)
         dist = torch.distributed
         if self.world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
@@ -575,7 +281,7 @@ class FeatureStore:
             dist.barrier()  # other ranks must not write before rank 0 has cleared the folder
 
     def _diffs(self, old: dict) -> list[tuple[str, Any, Any]]:
-        return _config_diffs(self.run_config, old, self.volatile_keys)
+        return config_diffs(self.run_config, old, self.volatile_keys)
 
     def _write_or_check_run_file(self) -> None:
         path = self.out / RUN_FILE
@@ -593,14 +299,14 @@ class FeatureStore:
         # Several ranks may race here; each writes the same config through its own temp file, so the
         # last rename wins with identical content.
         try:
-            _atomic_write_bytes(
+            self._backend.write(
                 path,
                 (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
                 f"r{self.rank:05d}-{os.getpid()}",
             )
         except OSError as e:
-            if _disk_full(e):
-                raise _full_error(self.out, self._remote, e, f"writing {RUN_FILE}") from None
+            if disk_full(e):
+                raise self._backend.full_error(e, f"writing {RUN_FILE}") from None
             raise
 
     def _check_committed(self, mode: str) -> None:
@@ -661,96 +367,29 @@ class FeatureStore:
         The shard goes first: a kill between the two moves leaves a part whose shard is missing, which the
         next start moves aside in turn, instead of an orphan shard that garbage cleaning would delete.
         """
-        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._session if self._remote else os.getpid()}"
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._backend.instance}"
         dest = self.out / QUARANTINE_DIR / f"{check.part.stem}-{stamp}"
-        if not self._remote:
-            dest.mkdir(parents=True, exist_ok=True)
+        self._backend.make_quarantine(dest)
         reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
         record = {"part": check.part.name, "shard": check.shard.name, "reason": reason, "ids": check.ids}
-        _atomic_write_bytes(dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag)
-        moved = False
-        for src in (check.shard, check.part):
-            with contextlib.suppress(FileNotFoundError):  # another rank moved it first, or it was missing
-                if self._remote:  # copy, then delete: an object store has no move
-                    self.out.fs.mv(src.path, (dest / src.name).path)
-                else:
-                    shutil.move(src, dest / src.name)
-                moved = True
-        if moved and not self._remote:
-            for folder in (self.out / SHARD_DIR, self.out / INDEX_DIR, dest):
-                _fsync_dir(folder)
+        self._backend.write(dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag)
+        self._backend.quarantine(dest, (check.shard, check.part))
         self.quarantined.append({**record, "moved_to": str(dest)})
         warnings.warn(
             f"{check.part.name}: {reason}; moved to {dest}, its {len(check.ids)} samples will be extracted again",
             stacklevel=3,
         )
 
-    def _lock_path(self, rank: int) -> Path:
-        return _lock_path(self.out, rank)
-
     def _release(self) -> None:
-        _unlock(getattr(self, "_lock", None))
-        self._lock = None
+        backend = getattr(self, "_backend", None)
+        if backend is not None:
+            backend.release()
 
     def __del__(self) -> None:
         # An abandoned store must not keep its rank locked for the rest of the process; buffered samples
         # are NOT flushed here (that needs close()), so they are redone on resume.
         with contextlib.suppress(Exception):  # at interpreter shutdown os may be torn down already
             self._release()
-
-    def _owns_rank(self, r: int) -> bool:
-        # Garbage of rank r is cleaned by one live rank: r itself if it is live, else r % world_size, so a
-        # resume with fewer ranks still cleans the old ranks' leftovers and no rank deletes a live temp file.
-        return r % self.world_size == self.rank
-
-    def _clean_garbage(self) -> None:
-        if self._remote:
-            self._clean_remote_orphans()
-            return
-        index = self.out / INDEX_DIR
-        committed = {m.group(1, 2) for p in index.iterdir() if (m := PART_RE.match(p.name))}
-        garbage: dict[int, list[Path]] = {}
-        for folder in (self.out / SHARD_DIR, index, self.out):
-            for p in folder.iterdir():
-                m = TMP_RE.match(p.name)
-                if m and p.is_file():
-                    garbage.setdefault(int(m.group(1)), []).append(p)
-        for p in (self.out / SHARD_DIR).iterdir():
-            m = SHARD_RE.match(p.name)
-            if m and m.group(1, 2) not in committed:
-                # shard renamed but its index part never written: uncommitted, its samples will be redone
-                garbage.setdefault(int(m.group(1)), []).append(p)
-        for r, paths in garbage.items():
-            if not self._owns_rank(r):
-                continue
-            lock = self._lock if r == self.rank else _try_lock(self._lock_path(r))
-            if lock is None:
-                continue  # a process of an earlier run is still writing rank r: its files are not garbage
-            try:
-                for p in paths:
-                    p.unlink(missing_ok=True)
-            finally:
-                if r != self.rank:
-                    _unlock(lock)
-
-    def _clean_remote_orphans(self) -> None:
-        """Delete shards whose index part never came (a writer killed between its two uploads).
-
-        Without locks a young orphan cannot be told from a live writer's upload whose part is still on its
-        way, so only orphans older than ``ORPHAN_AGE`` seconds go; younger ones wait for a later run.
-        Readers never see orphans either way: they follow index parts only.
-        """
-        committed = {m.group(1, 2) for n in list_names(self.out / INDEX_DIR) if (m := PART_RE.match(n))}
-        now = time.time()
-        for name in list_names(self.out / SHARD_DIR):
-            m = SHARD_RE.match(name)
-            if not m or m.group(1, 2) in committed or not self._owns_rank(int(m.group(1))):
-                continue
-            shard = self.out / SHARD_DIR / name
-            modified = _remote_modified(shard)
-            if modified is not None and now - modified > ORPHAN_AGE:
-                with contextlib.suppress(FileNotFoundError):
-                    self.out.fs.rm(shard.path)
 
     def _next_seq(self) -> int:
         seqs = [-1]
@@ -761,14 +400,7 @@ class FeatureStore:
                 if m and int(m.group(1)) == self.rank:
                     seqs.append(int(m.group(2)))
         # A quarantined shard's number is never reused either, so its name stays unique.
-        quarantine = self.out / QUARANTINE_DIR
-        quarantined: list[str] = []
-        if self._remote:
-            with contextlib.suppress(FileNotFoundError):
-                quarantined = [k.rsplit("/", 1)[-1] for k in self.out.fs.find(quarantine.path)]
-        elif quarantine.is_dir():
-            quarantined = [p.name for p in quarantine.glob("*/shard-*.safetensors")]
-        for name in quarantined:
+        for name in self._backend.quarantined_shards():
             m = SHARD_RE.match(name)
             if m and int(m.group(1)) == self.rank:
                 seqs.append(int(m.group(2)))
@@ -797,21 +429,6 @@ class FeatureStore:
         errored = {r["id"] for r in read_errors(self.out) if done_by_error(r, self._retry)}
         return self._committed | errored | self._errored | self._buffer_ids
 
-    def plan(self, ids: Sequence[str], sources: Sequence[str] | None = None) -> list[int]:
-        """Positions in ``ids`` (the FULL input list, same on every rank) this rank still has to extract.
-
-        Applies ``partition`` for this store's rank, drops ``done_ids()``, and records every repeat of an
-        id after its first occurrence as a "duplicate id" error (once: a resumed run writes nothing new).
-        Returned in input order, so the caller maps positions back to its samples.
-        """
-        if sources is not None and len(sources) != len(ids):
-            raise InputRefused(f"sources has {len(sources)} entries for {len(ids)} ids")
-        todo, repeats = plan_positions(ids, self.rank, self.world_size, self.done_ids())
-        for k, first in repeats:
-            source = str(sources[k]) if sources is not None else ""
-            self.add_error(ids[k], source, duplicate_reason(k, first), kind=DUPLICATE_KIND)
-        return todo
-
     def is_recorded(self, key: tuple) -> bool:
         """Whether the error record (id, source, reason, kind) is already in the errors files."""
         return key in self._error_keys
@@ -820,11 +437,6 @@ class FeatureStore:
     def num_errors(self) -> int:
         """Errors recorded by this store (this rank, this session), duplicates included: for --max-errors."""
         return self._num_errors
-
-    @property
-    def num_added(self) -> int:
-        """Samples accepted by ``add`` in this session (committed or still buffered)."""
-        return self._num_added
 
     def add(self, sample_id: str, features: Mapping[str, torch.Tensor], meta: Mapping | None = None) -> None:
         """Buffer one sample. A repeated id is recorded as a "duplicate id" error instead of overwriting."""
@@ -879,7 +491,6 @@ class FeatureStore:
         self._buffer.append((sample_id, tensors, meta_json))
         self._buffer_ids.add(sample_id)
         self._buffer_bytes += nbytes
-        self._num_added += 1
         if self._buffer_since is None:
             self._buffer_since = time.monotonic()
         if len(self._buffer) >= self.shard_max_samples or self._buffer_bytes >= self.shard_max_bytes:
@@ -893,7 +504,7 @@ class FeatureStore:
         if self.commit_every is None:
             return
         oldest = min(
-            (t for t in (self._buffer_since, self._errors_pending_since) if t is not None), default=None
+            (t for t in (self._buffer_since, self._errors.pending_since) if t is not None), default=None
         )
         if oldest is not None and time.monotonic() - oldest >= self.commit_every:
             self.flush()
@@ -934,21 +545,13 @@ class FeatureStore:
             # microseconds: which of an id's attempts is the latest is read from this (read_errors)
             "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         }
-        line = error_line(rec)
-        if self._remote:
-            self._session_errors.append(line)
-            if self._errors_pending_since is None:
-                self._errors_pending_since = time.monotonic()
-        else:
-            try:
-                self._append_error_line(line)
-            except OSError as e:
-                if _disk_full(e):
-                    self._full = True  # nothing more is written: close() must not try the shard too
-                    raise _full_error(
-                        self.out, False, e, f"recording an error in {self._error_file}"
-                    ) from None
-                raise
+        try:
+            self._errors.append(error_line(rec))
+        except OSError as e:
+            if disk_full(e):
+                self._full = True  # nothing more is written: close() must not try the shard too
+                raise self._backend.full_error(e, f"recording an error in {self._errors.path}") from None
+            raise
         self._error_keys.add(key)
         if kind in FAILURE_KINDS:
             self._session_failures.add(key)
@@ -956,33 +559,6 @@ class FeatureStore:
         if done_by_error(rec):
             self._errored.add(str(sample_id))
         self.tick()
-
-    def _append_error_line(self, line: str) -> None:
-        with commit_section():
-            self._append_error_line_now(line)
-
-    def _append_error_line_now(self, line: str) -> None:
-        fresh = not self._error_file.exists()
-        with open(self._error_file, "ab+") as f:
-            # A crash mid-append leaves a torn line without "\n"; start ours on a new line so it parses.
-            if f.tell() > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    line = "\n" + line
-            f.write(line.encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        if fresh:
-            _fsync_dir(self._error_file.parent)
-
-    def _commit_errors(self) -> None:
-        """Object storage cannot append: this session's error lines are uploaded again as one object (one
-        PUT replaces it whole) on every commit. Lines not uploaded when a kill comes are lost, and their
-        samples are simply tried again by the next run."""
-        if self._errors_pending_since is None:
-            return
-        _put_remote(self._error_file, "".join(self._session_errors).encode("utf-8"), exclusive=False)
-        self._errors_pending_since = None
 
     def flush(self) -> None:
         """Commit the buffered samples as one shard now (no-op when the buffer is empty), and on object
@@ -995,14 +571,13 @@ class FeatureStore:
             try:
                 self._flush()
             except Exception as e:
-                if not _disk_full(e):
+                if not disk_full(e):
                     raise
                 self._full = True
-                raise _full_error(self.out, self._remote, e, "committing a shard") from None
+                raise self._backend.full_error(e, "committing a shard") from None
 
     def _flush(self) -> None:
-        if self._remote:
-            self._commit_errors()
+        self._errors.commit()  # on object storage the session's error records are one object, put anew
         if not self._buffer:
             return
         # The checksums are computed on another thread while safetensors writes the same (read-only)
@@ -1057,12 +632,9 @@ class FeatureStore:
 
     def _write_shard(self) -> tuple[Path, tuple[int, str, int, dict]]:
         """Write the shard under its final name: (its path, (size, xxh3 of its header, data start, parsed
-        header)). Locally through a temp file and a rename; on object storage from a local temp file in one
-        exclusive upload, taking the next sequence number while the name is taken (a second writer of this
-        rank, or an orphan not yet cleaned)."""
+        header)). Staged and published by the backend: locally a temp file and a rename; on object storage
+        a local temp file in one exclusive upload, under the next sequence number while a name is taken."""
         from safetensors.torch import save_file
-
-        from vlfast.extraction.store.integrity import read_header
 
         tensors = {
             f"{row}/{name}": t for row, (_, feats, _) in enumerate(self._buffer) for name, t in feats.items()
@@ -1076,13 +648,7 @@ class FeatureStore:
             "config_hash": self.config_hash,
             "versions": json.dumps(self._versions, sort_keys=True),  # provenance per shard, across resumes
         }
-        shard = self._shard_path()
-        if self._remote:
-            fd, name = tempfile.mkstemp(prefix=f"vlfast-{self._tag}-", suffix=".safetensors")
-            os.close(fd)
-            tmp = Path(name)
-        else:
-            tmp = shard.parent / f".tmp-{self._tag}-{os.getpid()}-{shard.name}"
+        tmp = self._backend.stage(self._shard_path(), self._tag)
         try:
             save_file(tensors, tmp, metadata=metadata)
             honour_umask(
@@ -1091,27 +657,18 @@ class FeatureStore:
             with open(tmp, "rb+") as f:
                 size = os.fstat(f.fileno()).st_size
                 data_start, raw_header, header = read_header(f, size)
-                if not self._remote:
-                    os.fsync(f.fileno())
+                self._backend.sync(f)
             written = (size, xxh3(raw_header), data_start, header)
-            if not self._remote:
-                os.replace(tmp, shard)
-                _fsync_dir(shard.parent)
-                return shard, written
-            for _ in range(1000):
-                try:
-                    _put_remote(shard, tmp, exclusive=True)
-                    return shard, written
-                except FileExistsError:
-                    self._seq += 1
-                    shard = self._shard_path()
-            raise RuntimeError(f"{self.out}: 1000 shard names of rank {self.rank} in a row are taken")
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # ours and never renamed: on a full disk, space to give back now
-            raise
+            return self._backend.publish(tmp, self._shard_path(), self._next_shard_path), written
         finally:
-            if self._remote:  # a local temp file in OUT is garbage the next start cleans; this one is ours
-                tmp.unlink(missing_ok=True)
+            # Ours: after a failure never renamed (on a full disk, space to give back now); on object storage
+            # the local staging copy. After a rename there is nothing left under this name.
+            tmp.unlink(missing_ok=True)
+
+    def _next_shard_path(self) -> Path:
+        """The name after a taken one (object storage: another writer of this rank, or an orphan)."""
+        self._seq += 1
+        return self._shard_path()
 
     def _write_index_part(
         self, shard: Path, written: tuple[int, str, int, dict], checksums: list[dict[str, str]]
@@ -1158,7 +715,5 @@ class FeatureStore:
         data = sink.getvalue().to_pybytes()
         part = self.out / INDEX_DIR / part_name(self.rank, self._seq, xxh3(data))
         with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
-            _atomic_write_bytes(
-                part, data, f"{self._tag}-{os.getpid()}", exclusive=True
-            )  # <- the commit point
+            self._backend.write(part, data, f"{self._tag}-{os.getpid()}", exclusive=True)  # <- the commit
         self._parts_read.add(part.name)

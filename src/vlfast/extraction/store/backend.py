@@ -1,0 +1,532 @@
+"""Where a FeatureStore's bytes go: a local folder or a folder on object storage, behind one interface.
+
+:class:`LocalBackend` commits through a temp file, fsync, rename and an fsync of the folder, and guards each
+rank with an flock; :class:`ObjectBackend` has no renames and no locks: it uploads each file whole, the
+commit markers with an exclusive create, and deletes an orphan shard only once it is ``ORPHAN_AGE`` old.
+:func:`backend_for` picks one for an OUT; the writer asks it and never branches on where OUT is. The
+commit protocol both serve is specified in docs/extract.md ("Commits and crash safety", "OUT on object
+storage").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from vlfast.extraction.interrupts import commit_section
+from vlfast.extraction.store.format import (
+    ERROR_DIR,
+    INDEX_DIR,
+    LOCK_DIR,
+    PART_RE,
+    QUARANTINE_DIR,
+    SHARD_DIR,
+    SHARD_RE,
+    TMP_RE,
+    OutputFull,
+    OutputInUse,
+    OutputNotWritable,
+    is_local,
+    list_names,
+    resolve_out,
+)
+
+__all__ = ["ORPHAN_AGE", "LocalBackend", "ObjectBackend", "backend_for", "live_ranks", "rank_is_held"]
+
+# On object storage, a shard without its index part is deleted only once it is this old (seconds): younger,
+# it may be a live writer's upload whose part is still on its way (there are no locks to ask).
+ORPHAN_AGE = 3600.0
+
+_LOCK_RE = re.compile(r"rank-(\d+)\.lock")
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, a spent quota
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+# ----------------------------------------------------------------------------------------------------
+# locks (local folders only)
+
+
+def try_lock(path: Path) -> int | None:
+    """Exclusive, non-blocking advisory lock on ``path``: the open fd, or None if another process holds it.
+
+    flock locks die with their process, so a SIGKILLed run never leaves a stale lock behind.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no flock on Windows: run unguarded
+        return -1
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        # Some network filesystems (Lustre without -o flock, old NFS) do not do locks at all: run
+        # unguarded rather than refuse to run.
+        warnings.warn(
+            f"cannot lock {path} ({e}); running without the one-writer-per-rank guard", stacklevel=3
+        )
+        return -1
+    return fd
+
+
+def unlock(fd: int | None) -> None:
+    if fd is not None and fd >= 0:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def lock_path(out: Path, rank: int) -> Path:
+    return out / LOCK_DIR / f"rank-{rank:05d}.lock"
+
+
+def rank_is_held(out: Any, rank: int) -> bool:
+    """Whether a live process holds ``rank`` of the local folder ``out`` now (its store is open). Always
+    False on object storage, which has no locks."""
+    out = resolve_out(out)
+    if not is_local(out):
+        return False
+    path = lock_path(out, rank)
+    if not path.exists():
+        return False
+    fd = try_lock(path)
+    unlock(fd)
+    return fd is None
+
+
+def live_ranks(out: Any) -> list[int]:
+    """The ranks of the local folder ``out`` that a live process holds now ([] on object storage)."""
+    out = resolve_out(out)
+    if not is_local(out) or not (out / LOCK_DIR).is_dir():
+        return []
+    ranks = [int(m.group(1)) for p in (out / LOCK_DIR).iterdir() if (m := _LOCK_RE.fullmatch(p.name))]
+    return [r for r in ranks if rank_is_held(out, r)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# file helpers
+
+
+def fsync_dir(path: Path) -> None:
+    # The rename is only durable once the folder entry is; without this a power loss can undo it.
+    if os.name == "nt":  # Windows cannot open a folder as a file; NTFS journals the rename itself
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def put_object(path: Any, data: bytes | Path, exclusive: bool) -> None:
+    """One PUT of ``data`` (bytes, or a local file streamed up) to the object ``path``.
+
+    ``exclusive``: fail with FileExistsError instead of replacing an object that exists. s3fs sends S3's
+    ``If-None-Match: *`` (also on the multipart upload's completion), so two writers racing for one name
+    cannot both win; other fsspec stores check for the name first (not atomic).
+    """
+    fs, key = path.fs, path.path
+    mode = "create" if exclusive else "overwrite"
+
+    def put() -> None:
+        if isinstance(data, Path):
+            fs.put_file(str(data), key, mode=mode)
+        else:
+            fs.pipe_file(key, data, mode=mode)
+
+    try:
+        try:
+            put()
+        except FileNotFoundError:
+            from vlfast.extraction.objstore import has_buckets
+
+            if has_buckets(fs):  # the bucket itself is gone: never create one behind the user's back
+                raise
+            fs.makedirs(fs._parent(key), exist_ok=True)  # a store with real folders (fsspec's local, SFTP)
+            put()
+    except FileExistsError:
+        raise
+    except OSError:
+        fs.invalidate_cache(key)
+        if exclusive and fs.exists(key):  # S3 answers PreconditionFailed, which s3fs maps to EINVAL
+            raise FileExistsError(str(path)) from None
+        raise
+    fs.invalidate_cache(key)
+
+
+def _modified(path: Any) -> float | None:
+    """The object's last-modified time (epoch seconds), or None if the store does not say."""
+    try:
+        return path.fs.modified(path.path).timestamp()
+    except (NotImplementedError, FileNotFoundError, OSError, AttributeError):
+        return None
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC or EDQUOT, as an OSError or as safetensors' own
+    error (a Rust io::Error it reports as text: "No space left on device (os error 28)")."""
+    if isinstance(e, OSError):
+        return e.errno in _NO_SPACE
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and any(f"os error {c})" in text for c in _NO_SPACE)
+
+
+def _space(folder: Path, e: BaseException) -> tuple[str, str]:
+    """(why the write failed, the free space of ``folder``), for an OutputFull's message."""
+
+    def mib(n: int) -> str:
+        return f"{n / (1 << 20):,.1f} MiB"
+
+    try:
+        usage = shutil.disk_usage(folder)
+        space = f"{mib(usage.free)} free of {mib(usage.total)}"
+    except OSError:
+        space = "free space unknown"
+    why = (
+        "disk quota exceeded"
+        if getattr(e, "errno", None) == getattr(errno, "EDQUOT", None)
+        else "no space left"
+    )
+    return why, space
+
+
+def _not_writable(out: Any, e: OSError) -> OutputNotWritable:
+    return OutputNotWritable(
+        f"cannot write to {out} ({e.strerror or e}): it is on a read-only filesystem or you lack permission. "
+        "What it holds can still be read with vlfast.FeatureCache; to extract more, choose a writable OUT."
+    )
+
+
+def _clear_owned(folder: Path, owned: Callable[[str], bool]) -> None:
+    """Delete what this format owns in ``folder``; through a symlinked folder, only its files, never the link.
+
+    Users point shards/ at a bigger disk with a symlink; ``rmtree`` refuses symlinks, and ignoring that
+    error once kept a whole old index alive under a new configuration. Errors propagate.
+    """
+    if folder.is_symlink():
+        if not folder.exists():  # a dangling link holds nothing: drop it, mkdir makes a real folder
+            folder.unlink()
+            return
+        for p in folder.iterdir():
+            if owned(p.name):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+        return
+    if folder.exists():
+        shutil.rmtree(folder)
+
+
+# ----------------------------------------------------------------------------------------------------
+# error logs: one file per rank that grows by fsync'd appends, or one object per session
+
+
+class LocalErrorLog:
+    """A rank's errors file, appended to one fsync'd line at a time: a record is durable when written."""
+
+    pending_since: float | None = None  # nothing ever waits for a commit
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def append(self, line: str) -> None:
+        with commit_section():
+            fresh = not self.path.exists()
+            with open(self.path, "ab+") as f:
+                # A crash mid-append leaves a torn line without "\n"; start ours on a new line so it parses.
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        line = "\n" + line
+                f.write(line.encode("utf-8"))
+                f.flush()
+                os.fsync(f.fileno())
+            if fresh:
+                fsync_dir(self.path.parent)
+
+    def commit(self) -> None:
+        pass
+
+
+class ObjectErrorLog:
+    """Object storage cannot append: this session's error lines are uploaded again as one object (one PUT
+    replaces it whole) on every commit. Lines not uploaded when a kill comes are lost, and their samples are
+    simply tried again by the next run."""
+
+    def __init__(self, path: Any):
+        self.path = path
+        self._lines: list[str] = []
+        self.pending_since: float | None = None  # when the oldest line not uploaded yet was added
+
+    def append(self, line: str) -> None:
+        self._lines.append(line)
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
+
+    def commit(self) -> None:
+        if self.pending_since is None:
+            return
+        put_object(self.path, "".join(self._lines).encode("utf-8"), exclusive=False)
+        self.pending_since = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# the backends
+
+
+class LocalBackend:
+    """A local folder: temp file + fsync + rename + fsync of the folder for every file, flock per rank."""
+
+    def __init__(self, out: Path, session: str):
+        self.out = out
+        self.instance = str(os.getpid())  # what tells this process's files apart (temp names, quarantine)
+        self._lock: int | None = None
+        self._rank: int | None = None
+
+    def check_folder(self) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise NotADirectoryError(f"{self.out} exists and is not a folder; choose another OUT")
+
+    def not_writable(self, e: OSError) -> OutputNotWritable:
+        return _not_writable(self.out, e)
+
+    def lock(self, rank: int) -> None:
+        """Hold ``rank``: two processes writing the same rank would overwrite each other's shard names (two
+        runs without torchrun, or a stale run still alive), so the second one is refused."""
+        self._rank = rank
+        try:
+            (self.out / LOCK_DIR).mkdir(parents=True, exist_ok=True)
+            self._lock = try_lock(lock_path(self.out, rank))
+        except OSError as e:
+            if e.errno in _READ_ONLY:
+                raise self.not_writable(e) from None
+            raise
+        if self._lock is None:
+            raise OutputInUse(
+                f"another process is already writing rank {rank} into {self.out} (lock "
+                f"{lock_path(self.out, rank)}). Wait for it or stop it; to run several processes, launch them "
+                "with torchrun so each gets its own RANK."
+            )
+
+    def release(self) -> None:
+        unlock(self._lock)
+        self._lock = None
+
+    def make_folders(self) -> None:
+        for sub in (SHARD_DIR, INDEX_DIR, ERROR_DIR):
+            (self.out / sub).mkdir(exist_ok=True)
+
+    def write(self, path: Path, data: bytes, tmp_tag: str, *, exclusive: bool = False) -> None:
+        """Write ``data`` to ``path`` whole or not at all: a temp file, fsync, rename, fsync the folder.
+        (``exclusive`` is for object storage; a rename replaces.)"""
+        tmp = path.parent / f".tmp-{tmp_tag}-{path.name}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # ours and never renamed: garbage that would hold space (a full disk)
+            raise
+        fsync_dir(path.parent)
+
+    def stage(self, shard: Path, tag: str) -> Path:
+        """Where a shard is written before its commit: a temp name beside it, garbage if never renamed."""
+        return shard.parent / f".tmp-{tag}-{os.getpid()}-{shard.name}"
+
+    def sync(self, f: Any) -> None:
+        os.fsync(f.fileno())
+
+    def publish(self, staged: Path, shard: Path, next_name: Callable[[], Path]) -> Path:
+        """Give the staged shard its final name (a rename, then an fsync of the folder)."""
+        os.replace(staged, shard)
+        fsync_dir(shard.parent)
+        return shard
+
+    def error_log(self, tag: str, session: str) -> LocalErrorLog:
+        return LocalErrorLog(self.out / ERROR_DIR / f"errors-{tag}.jsonl")
+
+    def clear(self, owned: Mapping[str, Callable[[str], bool]], files: tuple[str, ...]) -> None:
+        """Delete what the format owns, folder by folder in the order given, then ``files`` in order."""
+        for sub, owns in owned.items():
+            _clear_owned(self.out / sub, owns)
+        for name in files:
+            (self.out / name).unlink(missing_ok=True)
+
+    def quarantine(self, dest: Path, sources: tuple[Path, ...]) -> None:
+        """Move ``sources`` (in order) into the folder ``dest``, which holds its reason.json already."""
+        moved = False
+        for src in sources:
+            with contextlib.suppress(FileNotFoundError):  # another rank moved it first, or it was missing
+                shutil.move(src, dest / src.name)
+                moved = True
+        if moved:
+            for folder in (self.out / SHARD_DIR, self.out / INDEX_DIR, dest):
+                fsync_dir(folder)
+
+    def make_quarantine(self, dest: Path) -> None:
+        dest.mkdir(parents=True, exist_ok=True)
+
+    def quarantined_shards(self) -> list[str]:
+        quarantine = self.out / QUARANTINE_DIR
+        return [p.name for p in quarantine.glob("*/shard-*.safetensors")] if quarantine.is_dir() else []
+
+    def clean_garbage(self, owns_rank: Callable[[int], bool]) -> None:
+        """Delete temp files and shards without an index part (a crash between the two renames) of the ranks
+        ``owns_rank`` gives this store, unless a live process holds that rank."""
+        index = self.out / INDEX_DIR
+        committed = {m.group(1, 2) for p in index.iterdir() if (m := PART_RE.match(p.name))}
+        garbage: dict[int, list[Path]] = {}
+        for folder in (self.out / SHARD_DIR, index, self.out):
+            for p in folder.iterdir():
+                m = TMP_RE.match(p.name)
+                if m and p.is_file():
+                    garbage.setdefault(int(m.group(1)), []).append(p)
+        for p in (self.out / SHARD_DIR).iterdir():
+            m = SHARD_RE.match(p.name)
+            if m and m.group(1, 2) not in committed:
+                # shard renamed but its index part never written: uncommitted, its samples will be redone
+                garbage.setdefault(int(m.group(1)), []).append(p)
+        for r, paths in garbage.items():
+            if not owns_rank(r):
+                continue
+            lock = self._lock if r == self._rank else try_lock(lock_path(self.out, r))
+            if lock is None:
+                continue  # a process of an earlier run is still writing rank r: its files are not garbage
+            try:
+                for p in paths:
+                    p.unlink(missing_ok=True)
+            finally:
+                if r != self._rank:
+                    unlock(lock)
+
+    def full_error(self, e: BaseException, doing: str) -> OutputFull:
+        """The OutputFull for ``e``: the folder that is full, its free space, and how to go on."""
+        why, space = _space(self.out, e)
+        return OutputFull(
+            errno.ENOSPC,
+            f"{self.out} is full ({why} on its disk; {space}) while {doing}. Everything committed is intact and "
+            "the partial file was removed. Free space (or point OUT/shards at a bigger disk with a symlink), "
+            "then run the same command again to resume.",
+        )
+
+
+class ObjectBackend:
+    """A folder on object storage: no renames and no locks. Each file is one PUT of its final name (a PUT
+    is atomic: readers see the old object, the new one, or none); shards and index parts are created
+    exclusively (S3's If-None-Match), a shard staged in a local temp file first."""
+
+    def __init__(self, out: Any, session: str):
+        self.out = out
+        self.instance = session  # what tells this process's files apart (quarantine)
+        self._rank = 0
+
+    def check_folder(self) -> None:
+        pass
+
+    def not_writable(self, e: OSError) -> OutputNotWritable:
+        return _not_writable(self.out, e)
+
+    def lock(self, rank: int) -> None:
+        self._rank = rank  # no locks: a second writer of a rank takes the next free shard names
+
+    def release(self) -> None:
+        pass
+
+    def make_folders(self) -> None:
+        pass  # an object store has no folders to make
+
+    def write(self, path: Any, data: bytes, tmp_tag: str, *, exclusive: bool = False) -> None:
+        """One PUT; ``exclusive`` refuses to replace an existing object (FileExistsError) where the store
+        can say so atomically."""
+        put_object(path, data, exclusive)
+
+    def stage(self, shard: Any, tag: str) -> Path:
+        fd, name = tempfile.mkstemp(prefix=f"vlfast-{tag}-", suffix=".safetensors")
+        os.close(fd)
+        return Path(name)
+
+    def sync(self, f: Any) -> None:
+        pass  # the upload reads the file back; nothing on this disk needs to survive a crash
+
+    def publish(self, staged: Path, shard: Any, next_name: Callable[[], Any]) -> Any:
+        """Upload the staged shard in one exclusive create, taking the next name (``next_name``) while the
+        name is taken (a second writer of this rank, or an orphan not yet cleaned)."""
+        for _ in range(1000):
+            try:
+                put_object(shard, staged, exclusive=True)
+                return shard
+            except FileExistsError:
+                shard = next_name()
+        raise RuntimeError(f"{self.out}: 1000 shard names of rank {self._rank} in a row are taken")
+
+    def error_log(self, tag: str, session: str) -> ObjectErrorLog:
+        return ObjectErrorLog(self.out / ERROR_DIR / f"errors-{tag}-{session}.jsonl")
+
+    def clear(self, owned: Mapping[str, Callable[[str], bool]], files: tuple[str, ...]) -> None:
+        for sub, owns in owned.items():
+            folder = self.out / sub
+            doomed = [(folder / n).path for n in list_names(folder) if owns(n)]
+            if doomed:
+                self.out.fs.rm(doomed, recursive=True)
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                self.out.fs.rm((self.out / name).path)
+
+    def quarantine(self, dest: Any, sources: tuple[Any, ...]) -> None:
+        for src in sources:
+            with contextlib.suppress(FileNotFoundError):  # another rank moved it first, or it was missing
+                self.out.fs.mv(src.path, (dest / src.name).path)  # copy, then delete: no move on a store
+
+    def make_quarantine(self, dest: Any) -> None:
+        pass
+
+    def quarantined_shards(self) -> list[str]:
+        with contextlib.suppress(FileNotFoundError):
+            return [k.rsplit("/", 1)[-1] for k in self.out.fs.find((self.out / QUARANTINE_DIR).path)]
+        return []
+
+    def clean_garbage(self, owns_rank: Callable[[int], bool]) -> None:
+        """Delete shards whose index part never came (a writer killed between its two uploads).
+
+        Without locks a young orphan cannot be told from a live writer's upload whose part is still on its
+        way, so only orphans older than ``ORPHAN_AGE`` seconds go; younger ones wait for a later run.
+        Readers never see orphans either way: they follow index parts only.
+        """
+        committed = {m.group(1, 2) for n in list_names(self.out / INDEX_DIR) if (m := PART_RE.match(n))}
+        now = time.time()
+        for name in list_names(self.out / SHARD_DIR):
+            m = SHARD_RE.match(name)
+            if not m or m.group(1, 2) in committed or not owns_rank(int(m.group(1))):
+                continue
+            shard = self.out / SHARD_DIR / name
+            modified = _modified(shard)
+            if modified is not None and now - modified > ORPHAN_AGE:
+                with contextlib.suppress(FileNotFoundError):
+                    self.out.fs.rm(shard.path)
+
+    def full_error(self, e: BaseException, doing: str) -> OutputFull:
+        folder = Path(tempfile.gettempdir())
+        why, space = _space(folder, e)
+        return OutputFull(
+            errno.ENOSPC,
+            f"the local temp folder {folder} is full ({why}; {space}) while {doing} for {self.out}: shards of "
+            "an OUT on object storage are staged there before their upload. Everything committed is intact. "
+            "Set TMPDIR to a folder with room, then run the same command again to resume.",
+        )
+
+
+def backend_for(out: Any, session: str) -> LocalBackend | ObjectBackend:
+    """The backend of a resolved OUT (see ``format.resolve_out``): chosen once, by its filesystem."""
+    return LocalBackend(out, session) if is_local(out) else ObjectBackend(out, session)
