@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import vlfast.extraction.pipeline as pipeline
+import vlfast.extraction.config as extract_config
+import vlfast.extraction.model.runner as model_runner
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache, RunConfigMismatch
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
 
 runner = CliRunner()
 
@@ -32,7 +33,7 @@ def few(media_dir, tmp_path) -> Path:
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if the pipeline builds a model."""
-    monkeypatch.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("the model was loaded"))
 
 
 # ------------------------------------------------------------------------------ --no-patch is configuration
@@ -46,7 +47,7 @@ def test_a_resume_with_another_patch_setting_is_refused(few, tiny_qwen3_vl, tmp_
     assert FeatureCache(unpatched).run_config["patch_convs"] is False
     (few / "rgb.jpg").rename(few / "new.jpg")  # something left to do, so only the configuration can stop it
 
-    monkeypatch.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+    monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
     with pytest.raises(RunConfigMismatch, match="patch_convs"):
         extract(few, patched, model=str(tiny_qwen3_vl), num_workers=0, patch_convs=False)
     with pytest.raises(RunConfigMismatch, match="patch_convs"):
@@ -75,7 +76,7 @@ def test_layers_past_the_llm_are_refused_before_out_is_written(few, tiny_qwen3_v
     """The tiny LLM has 2 layers: hidden states 0..2, or -3..-1."""
     out = tmp_path / "out"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+        mp.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
         r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--features", "llm", "--layers", layers)
     assert r.exit_code == 2, r.output
     assert "--layers" in r.output and "2 layers" in r.output and "-3 to -1" in r.output, r.output
@@ -126,8 +127,8 @@ def test_a_missing_gpu_index_is_named(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert pipeline._device_problem(torch.device("cuda:1")) is None
-    assert "cuda:0..cuda:1" in pipeline._device_problem(torch.device("cuda:2"))
+    assert extract_config.device_problem(torch.device("cuda:1")) is None
+    assert "cuda:0..cuda:1" in extract_config.device_problem(torch.device("cuda:2"))
 
 
 def test_a_run_json_nothing_depends_on_is_replaced(few, tiny_qwen3_vl, tmp_path):
