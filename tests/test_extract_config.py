@@ -156,3 +156,28 @@ def test_a_run_json_with_records_or_a_live_writer_is_still_refused(few, tiny_qwe
     # a run that is running and has committed nothing yet
     with FeatureStore(live, {"model": "another"}, rank=1, world_size=2), pytest.raises(RunConfigMismatch):
         extract(few, live, model=str(tiny_qwen3_vl), num_workers=0)
+
+
+# ------------------------------------------------------------------- one dtype policy for every command
+
+
+@pytest.mark.parametrize(
+    ("given", "dtype"), [("bf16", "bfloat16"), ("fp16", "float16"), ("float32", "float32")]
+)
+def test_extract_takes_the_dtype_spellings_doctor_takes(given, dtype):
+    import torch
+
+    from vlfast.diagnosis.facts import dtype_name
+    from vlfast.extraction.config import ExtractConfig
+
+    assert ExtractConfig(model="ref:qwen3-vl-2b", dtype=given).torch_dtype == getattr(torch, dtype)
+    assert dtype_name(given) == dtype
+    assert ExtractConfig(model="ref:qwen3-vl-2b", store_dtype=given).stored_as == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("flag", ["--dtype", "--store-dtype"])
+def test_float64_is_refused_before_out_is_written(few, tmp_path, no_model_load, flag):
+    out = tmp_path / "out"
+    r = _cli(few, out, "-m", "ref:qwen3-vl-2b", flag, "float64")
+    assert r.exit_code == 2 and "float64" in r.output and "float16" in r.output, r.output
+    assert not out.exists()
