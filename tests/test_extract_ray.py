@@ -170,9 +170,10 @@ def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_v
     options = dict(model=str(tiny_qwen3_vl), decode_timeout=6)
     hooks = Hooks(decode=_poisoned_decoder)
     local = extract(manifest, tmp_path / "local", num_workers=1, engine=LocalEngine(hooks), **options)
-    monkeypatch.setattr(RayEngine, "hooks", hooks)
-    # Two model actors at half a CPU each, so the decode actor has the cluster's other CPU.
-    ray = extract_ray(manifest, tmp_path / "ray", ray_workers=2, cpus_per_worker=0.5, **options)
+    with monkeypatch.context() as mp:
+        mp.setattr(RayEngine, "hooks", hooks)
+        # Two model actors at half a CPU each, so the decode actor has the cluster's other CPU.
+        ray = extract_ray(manifest, tmp_path / "ray", ray_workers=2, cpus_per_worker=0.5, **options)
     assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
     # Failed: the bad files, the repeat, the bad line, the two poisoned decodes.
     assert (ray.engine, ray.extracted, ray.failed) == ("ray", good - 2, bad + 4)
@@ -417,8 +418,11 @@ def test_a_bug_while_decoding_on_ray_leaves_the_sample_undone(
     make_images(inputs, [(32 + 8 * (k % 3), 32) for k in range(5)])
     (inputs / "zz-bad.png").write_text("not an image")
     out = tmp_path / "ray"
-    with pytest.warns(RuntimeWarning, match=r"unexpected error \(.*AttributeError"):
-        monkeypatch.setattr(RayEngine, "hooks", Hooks(decode=_bug_on("img0002.jpg")))
+    with (
+        pytest.warns(RuntimeWarning, match=r"unexpected error \(.*AttributeError"),
+        monkeypatch.context() as mp,
+    ):
+        mp.setattr(RayEngine, "hooks", Hooks(decode=_bug_on("img0002.jpg")))
         s = extract_ray(inputs, out, model=str(tiny_qwen3_vl))
     assert (s.extracted, s.failed, s.unexpected, s.stopped) == (4, 1, 1, None)
     cache = FeatureCache(out)
