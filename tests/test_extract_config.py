@@ -181,3 +181,27 @@ def test_float64_is_refused_before_out_is_written(few, tmp_path, no_model_load, 
     r = _cli(few, out, "-m", "ref:qwen3-vl-2b", flag, "float64")
     assert r.exit_code == 2 and "float64" in r.output and "float16" in r.output, r.output
     assert not out.exists()
+
+
+def test_extract_dispatches_a_validated_config_and_its_plan_to_any_engine(few, tmp_path, no_model_load):
+    """The Engine protocol: ``configure`` may adjust the checked configuration, ``run`` gets it with the plan."""
+    import dataclasses
+
+    from vlfast.extraction.engines.base import Engine
+
+    seen = []
+
+    class Recorder:
+        name = "recorder"
+
+        def configure(self, config):
+            return dataclasses.replace(config, max_batch_samples=3)
+
+        def run(self, plan, config):
+            seen.append((sorted(s.id for s in plan.samples), config.budget.max_samples))
+            return plan.summary(config)
+
+    assert isinstance(Recorder(), Engine)
+    s = extract(few, tmp_path / "out", engine=Recorder(), model="ref:qwen3-vl-2b")
+    assert seen == [(["gray.png", "rgb.jpg"], 3)] and (s.total, s.assigned) == (2, 2)
+    assert not (tmp_path / "out").exists()  # the engine writes OUT, not extract
