@@ -133,9 +133,11 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
 
     from vlfast.demo import make_images
     from vlfast.extraction import FeatureCache
+    from vlfast.extraction.api import extract
     from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
+    from vlfast.extraction.engines.base import Hooks
+    from vlfast.extraction.engines.local import LocalEngine
     from vlfast.extraction.model.features import deepstack_skipped
-    from vlfast.extraction.pipeline import extract
     from vlfast.models import build_reference, tower_outputs
     from vlfast.patching.gemm import patch
 
@@ -148,8 +150,8 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
     batches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def capture(batch):
-        pixels = torch.cat([it["pixel_values"] for it in batch])
-        grid = torch.tensor([list(it["grid"]) for it in batch])
+        pixels = torch.cat([it.pixel_values for it in batch])
+        grid = torch.tensor([list(it.grid) for it in batch])
         batches.append((pixels.clone(), grid))
 
     def replay() -> tuple[float, float]:
@@ -184,7 +186,11 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
         shutil.rmtree(work / "out", ignore_errors=True)
         batches.clear()
         summary = extract(
-            work / "images", work / "out", model=model, features="vision,vision_mean", _forward_hook=capture
+            work / "images",
+            work / "out",
+            model=model,
+            features="vision,vision_mean",
+            engine=LocalEngine(Hooks(forward=capture)),
         )
         e2e_runs.append(summary.seconds)
         e2e_cpu.append(summary.cpu_seconds)
@@ -235,12 +241,12 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
 
     from vlfast.demo import make_tiny_qwen3_vl, make_video
     from vlfast.extraction import FeatureCache
+    from vlfast.extraction.api import extract
     from vlfast.extraction.decode.preprocess import (
         build_processor_config,
         sample_frame_indices,
         video_resize_shape,
     )
-    from vlfast.extraction.pipeline import extract
     from vlfast.models import load_vision_tower, tower_outputs
     from vlfast.patching.gemm import patch
 

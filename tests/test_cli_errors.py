@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-import vlfast.extraction.pipeline as pipeline
+import vlfast.extraction.plan as extract_plan
 from vlfast.cli.main import app
 from vlfast.errors import InputRefused, VlfastError
 
@@ -53,7 +53,7 @@ def test_a_bug_is_exit_3_with_the_traceback_hint(one_image, tmp_path, monkeypatc
     def broken(*a, **k):
         raise bug
 
-    monkeypatch.setattr(pipeline, "load_inputs", broken)
+    monkeypatch.setattr(extract_plan, "load_inputs", broken)
     monkeypatch.delenv("VLFAST_DEBUG", raising=False)
     r = runner.invoke(app, ["extract", one_image, str(tmp_path / "o"), "-m", "ref:qwen3-vl-2b"])
     assert r.exit_code == 3, r.output

@@ -177,7 +177,7 @@ def test_extract_reads_a_checkpoint_saved_by_transformers(
 ):
     """``vlfast extract --model DIR`` on the transformers 5 layout: the features of the published layout."""
     from vlfast.extraction import FeatureCache
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract
 
     good = media_dir / "good"
     samples = [Sample(n, "image", (str(good / n),)) for n in ("rgb.jpg", "tiny.png")]
@@ -225,8 +225,8 @@ def test_a_resumed_run_refuses_another_image_processor_backend(
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from vlfast.extraction import RunConfigMismatch
+    from vlfast.extraction.api import extract
     from vlfast.extraction.decode import preprocess
-    from vlfast.extraction.pipeline import extract
 
     samples = [Sample("rgb", "image", (str(media_dir / "good/rgb.jpg"),))]
     out = tmp_path / "out"

@@ -84,7 +84,7 @@ def test_api_warns_when_openmp_threads_spin(tiny_qwen3_vl, tmp_path, monkeypatch
     import pytest
     import torch
 
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract
 
     if torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: nothing spins")

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import vlfast.extraction.pipeline as pipeline
+import vlfast.extraction.config as extract_config
+import vlfast.extraction.model.runner as model_runner
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache, RunConfigMismatch
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
 
 runner = CliRunner()
 
@@ -32,7 +33,7 @@ def few(media_dir, tmp_path) -> Path:
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if the pipeline builds a model."""
-    monkeypatch.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("the model was loaded"))
 
 
 # ------------------------------------------------------------------------------ --no-patch is configuration
@@ -46,7 +47,7 @@ def test_a_resume_with_another_patch_setting_is_refused(few, tiny_qwen3_vl, tmp_
     assert FeatureCache(unpatched).run_config["patch_convs"] is False
     (few / "rgb.jpg").rename(few / "new.jpg")  # something left to do, so only the configuration can stop it
 
-    monkeypatch.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+    monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
     with pytest.raises(RunConfigMismatch, match="patch_convs"):
         extract(few, patched, model=str(tiny_qwen3_vl), num_workers=0, patch_convs=False)
     with pytest.raises(RunConfigMismatch, match="patch_convs"):
@@ -75,7 +76,7 @@ def test_layers_past_the_llm_are_refused_before_out_is_written(few, tiny_qwen3_v
     """The tiny LLM has 2 layers: hidden states 0..2, or -3..-1."""
     out = tmp_path / "out"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+        mp.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
         r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--features", "llm", "--layers", layers)
     assert r.exit_code == 2, r.output
     assert "--layers" in r.output and "2 layers" in r.output and "-3 to -1" in r.output, r.output
@@ -126,8 +127,8 @@ def test_a_missing_gpu_index_is_named(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert pipeline._device_problem(torch.device("cuda:1")) is None
-    assert "cuda:0..cuda:1" in pipeline._device_problem(torch.device("cuda:2"))
+    assert extract_config.device_problem(torch.device("cuda:1")) is None
+    assert "cuda:0..cuda:1" in extract_config.device_problem(torch.device("cuda:2"))
 
 
 def test_a_run_json_nothing_depends_on_is_replaced(few, tiny_qwen3_vl, tmp_path):
@@ -155,3 +156,52 @@ def test_a_run_json_with_records_or_a_live_writer_is_still_refused(few, tiny_qwe
     # a run that is running and has committed nothing yet
     with FeatureStore(live, {"model": "another"}, rank=1, world_size=2), pytest.raises(RunConfigMismatch):
         extract(few, live, model=str(tiny_qwen3_vl), num_workers=0)
+
+
+# ------------------------------------------------------------------- one dtype policy for every command
+
+
+@pytest.mark.parametrize(
+    ("given", "dtype"), [("bf16", "bfloat16"), ("fp16", "float16"), ("float32", "float32")]
+)
+def test_extract_takes_the_dtype_spellings_doctor_takes(given, dtype):
+    import torch
+
+    from vlfast.diagnosis.facts import dtype_name
+    from vlfast.extraction.config import ExtractConfig
+
+    assert ExtractConfig(model="ref:qwen3-vl-2b", dtype=given).torch_dtype == getattr(torch, dtype)
+    assert dtype_name(given) == dtype
+    assert ExtractConfig(model="ref:qwen3-vl-2b", store_dtype=given).stored_as == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("flag", ["--dtype", "--store-dtype"])
+def test_float64_is_refused_before_out_is_written(few, tmp_path, no_model_load, flag):
+    out = tmp_path / "out"
+    r = _cli(few, out, "-m", "ref:qwen3-vl-2b", flag, "float64")
+    assert r.exit_code == 2 and "float64" in r.output and "float16" in r.output, r.output
+    assert not out.exists()
+
+
+def test_extract_dispatches_a_validated_config_and_its_plan_to_any_engine(few, tmp_path, no_model_load):
+    """The Engine protocol: ``configure`` may adjust the checked configuration, ``run`` gets it with the plan."""
+    import dataclasses
+
+    from vlfast.extraction.engines.base import Engine
+
+    seen = []
+
+    class Recorder:
+        name = "recorder"
+
+        def configure(self, config):
+            return dataclasses.replace(config, max_batch_samples=3)
+
+        def run(self, plan, config):
+            seen.append((sorted(s.id for s in plan.samples), config.budget.max_samples))
+            return plan.summary(config)
+
+    assert isinstance(Recorder(), Engine)
+    s = extract(few, tmp_path / "out", engine=Recorder(), model="ref:qwen3-vl-2b")
+    assert seen == [(["gray.png", "rgb.jpg"], 3)] and (s.total, s.assigned) == (2, 2)
+    assert not (tmp_path / "out").exists()  # the engine writes OUT, not extract

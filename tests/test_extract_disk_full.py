@@ -105,7 +105,7 @@ def test_full_temp_folder_under_an_s3_out_names_it(small_disk, tiny_qwen3_vl, tm
     pytest.importorskip("moto.server")
     from _s3 import client, moto_s3, options
     from vlfast.demo import make_images
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract
     from vlfast.extraction.store.format import OutputFull
 
     media = tmp_path / "media"

@@ -31,7 +31,8 @@ DRIVER = textwrap.dedent(
     """
     # vlfast-fault-driver: `vlfast extract` with a decoder that crashes or hangs on chosen ids.
     import functools, os, signal, sys, time
-    import vlfast.extraction.pipeline as pipeline
+    from vlfast.extraction.engines.base import Hooks
+    from vlfast.extraction.engines.local import LocalEngine
 
     def decode(sample):
         if sample.id in ("good-000", "good-001") and not os.environ.get("VLFAST_STORE_HEALED"):
@@ -49,7 +50,7 @@ DRIVER = textwrap.dedent(
         forwards.append(len(batch))
         print(f"forward {len(forwards)}", flush=True)
 
-    pipeline.extract = functools.partial(pipeline.extract, _decode_hook=decode, _forward_hook=forward)
+    LocalEngine.hooks = Hooks(decode=decode, forward=forward)
     from vlfast.cli.main import main
 
     sys.argv = ["vlfast", "extract", *sys.argv[1:]]

@@ -18,7 +18,7 @@ from _s3 import moto_s3
 from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
 from vlfast.extraction.sources import load_inputs
 
 pytest.importorskip("s3fs")

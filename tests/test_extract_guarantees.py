@@ -15,10 +15,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import vlfast.extraction.pipeline as pipeline
+import vlfast.extraction.engines.base as engine_base
+import vlfast.extraction.model.runner as model_runner
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache, FeatureStore, RunConfigMismatch
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
 
 runner = CliRunner()
 
@@ -45,7 +46,7 @@ def no_model_load(monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(pipeline, "_load", boom)
+    monkeypatch.setattr(model_runner, "load", boom)
 
 
 def _fine_tune(model_dir: Path, which: str) -> None:
@@ -72,7 +73,7 @@ def test_changed_weights_in_the_same_folder_are_refused(model_dir, few, tmp_path
     assert extract(few, out, model=str(model_dir), num_workers=0).nothing_to_do
 
     _fine_tune(model_dir, "vision")  # the tower changed: mixing would be silently wrong
-    monkeypatch.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+    monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
     with pytest.raises(RunConfigMismatch, match=r"weights\.xxh3_128"):
         extract(few, out, model=str(model_dir), num_workers=0)
     r = runner.invoke(app, ["extract", str(few), str(out), "-m", str(model_dir), "--workers", "0"])
@@ -114,7 +115,7 @@ def test_output_in_use_is_exit_2_before_the_model(few, tiny_qwen3_vl, tmp_path, 
     # Another process is writing rank 0 of this OUT (same configuration): hold its lock here.
     cfg = json.loads((out / "run.json").read_text())["config"]
     holder = FeatureStore(out, cfg, volatile_keys=("versions", "runtime"))
-    monkeypatch.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+    monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
     try:
         r = runner.invoke(app, ["extract", str(few), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0"])
     finally:
@@ -135,13 +136,13 @@ def test_counts_agree_across_bar_summary_and_json(media_dir, tiny_qwen3_vl, tmp_
     manifest.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
     bars = []
 
-    class Recorder(pipeline._Progress):
+    class Recorder(engine_base.Progress):
         def __init__(self, enabled, total, label):
             super().__init__(False, total, label)
             self.total = total
             bars.append(self)
 
-    monkeypatch.setattr(pipeline, "_Progress", Recorder)
+    monkeypatch.setattr(engine_base, "Progress", Recorder)
     out = tmp_path / "out"
     s = extract(manifest, out, model=str(tiny_qwen3_vl), num_workers=0, progress=True)
     assert (s.total, s.assigned, s.skipped, s.extracted, s.failed) == (6, 6, 0, 2, 4)
@@ -308,7 +309,7 @@ def test_a_mixed_out_is_refused_not_done(few, tiny_qwen3_vl, tmp_path, monkeypat
     shutil.copy(part, out / "index" / part.name)
     shutil.copy(shard, out / "shards" / shard.name)
 
-    monkeypatch.setattr(pipeline, "_load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
+    monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
     r = runner.invoke(app, ["extract", str(few), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0"])
     assert r.exit_code == 2, r.output
     assert part.name in r.output and shard.name in r.output and "mixes two extractions" in r.output

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from vlfast.extraction import FeatureCache, RunConfigMismatch
+from vlfast.extraction.api import extract
 from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
+from vlfast.extraction.engines.base import Hooks
+from vlfast.extraction.engines.local import LocalEngine
 from vlfast.extraction.model.batching import TokenBudget, is_oom, pack, run_split_on_oom
-from vlfast.extraction.pipeline import extract
 from vlfast.extraction.sources import Sample, load_inputs
 
 
@@ -186,7 +188,7 @@ def test_oom_batches_are_split_and_retried(good_dir, tiny_qwen3_vl, tmp_path):
         seen.append(len(batch))
         if len(batch) > 1:
             raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        if batch[0]["kind"] == "video" and batch[0]["grid"][0] > 1:
+        if batch[0].kind == "video" and batch[0].grid[0] > 1:
             raise torch.OutOfMemoryError("CUDA out of memory (fake)")
 
     s = extract(
@@ -195,7 +197,7 @@ def test_oom_batches_are_split_and_retried(good_dir, tiny_qwen3_vl, tmp_path):
         model=str(tiny_qwen3_vl),
         num_workers=0,
         max_batch_samples=4,
-        _forward_hook=fake_oom,
+        engine=LocalEngine(Hooks(forward=fake_oom)),
     )
     cache = FeatureCache(tmp_path / "o")
     errs = {e["id"]: e["reason"] for e in cache.errors()}
@@ -282,21 +284,22 @@ def test_device_decisions_on_fabricated_facts(monkeypatch):
     device per LOCAL_RANK, dtype, and the pinned, non-blocking copy with normalisation after it."""
     import os
 
-    from vlfast.extraction import pipeline as pl
+    from vlfast.extraction import config as pl
+    from vlfast.extraction.model import runner
 
     for cores, cpu, gpu in ((1, 0, 0), (2, 2, 1), (16, 8, 8), (9, 8, 8)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _, n=cores: set(range(n)), raising=False)
         assert (pl.default_num_workers("cpu"), pl.default_num_workers("cuda:0")) == (cpu, gpu), cores
     assert pl.default_batch_tokens("cuda:1") == 32_768 and pl.default_batch_tokens("cpu") == 4_096
-    assert pl._resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
-    assert pl._resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert pl.resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert pl.resolve_dtype(None, torch.device("cpu")) == torch.float32
     with pytest.raises(ValueError, match="dtype must be"):
-        pl._resolve_dtype("int8", torch.device("cpu"))
+        pl.resolve_dtype("int8", torch.device("cpu"))
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "5")  # more local ranks than GPUs: ranks wrap around the devices
-    assert pl._default_device() == torch.device("cuda", 1)
+    assert pl.default_device() == torch.device("cuda", 1)
 
     calls = []
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: False)
@@ -312,12 +315,12 @@ def test_device_decisions_on_fabricated_facts(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", fake_to)
     cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl")
     video = torch.randint(0, 256, (4, 3, 2 * 16 * 16), dtype=torch.uint8)
-    out = pl._pixels_to(video, torch.device("cuda", 0), cfg)
+    out = runner.pixels_to(video, torch.device("cuda", 0), cfg)
     assert calls == ["pin", ("to", "cuda:0", True)]  # pinned first, then an asynchronous copy
     assert out.dtype == torch.float32 and out.shape == (4, 3 * 2 * 16 * 16)  # normalised after the copy
     calls.clear()
     image = torch.randn(4, 1536)
-    assert pl._pixels_to(image, torch.device("cpu"), cfg) is image and calls == []  # nothing to pin on CPU
+    assert runner.pixels_to(image, torch.device("cpu"), cfg) is image and calls == []  # nothing to pin on CPU
 
 
 @pytest.mark.parametrize(

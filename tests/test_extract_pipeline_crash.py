@@ -9,7 +9,7 @@ import textwrap
 import torch
 
 from vlfast.extraction import FeatureCache
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
 
 KILL_AFTER = 5  # forwards
 
@@ -20,13 +20,15 @@ def test_killed_run_resumes_to_identical_features(media_dir, tiny_qwen3_vl, tmp_
     script = textwrap.dedent(
         f"""
         import os
-        from vlfast.extraction.pipeline import extract
+        from vlfast.extraction.api import extract
+        from vlfast.extraction.engines.base import Hooks
+        from vlfast.extraction.engines.local import LocalEngine
         calls = []
         def die(batch):
             calls.append(1)
             if len(calls) > {KILL_AFTER}:
                 os._exit(9)
-        extract({str(media_dir)!r}, {str(out)!r}, model={str(tiny_qwen3_vl)!r}, _forward_hook=die, **{kw!r})
+        extract({str(media_dir)!r}, {str(out)!r}, model={str(tiny_qwen3_vl)!r}, engine=LocalEngine(Hooks(forward=die)), **{kw!r})
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

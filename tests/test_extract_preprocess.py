@@ -442,7 +442,7 @@ def test_sparse_decode_matches_a_full_decode(tmp_path, cfg, name, codec, options
     bit, whatever the codec, container, reordering or sampling (repeats included)."""
     import av
 
-    from vlfast.extraction.decode.preprocess import _decode_at, _decode_sparse, _packet_pts
+    from vlfast.extraction.decode.video import _decode_at, _decode_sparse, _packet_pts
 
     path = _encode(tmp_path / name, codec, **options)
     with av.open(str(path)) as container:
@@ -466,7 +466,7 @@ def test_sparse_decode_matches_a_full_decode(tmp_path, cfg, name, codec, options
 def test_sparse_decode_needs_unique_timestamps(tmp_path):
     import av
 
-    from vlfast.extraction.decode.preprocess import _decode_sparse
+    from vlfast.extraction.decode.video import _decode_sparse
 
     path = _encode(tmp_path / "clip.mp4", "libx264", frames=10)
     with av.open(str(path)) as container:

@@ -19,6 +19,9 @@ from _selftest import compare_caches
 from vlfast.cli.main import app
 from vlfast.demo import make_images
 from vlfast.extraction import FeatureCache
+from vlfast.extraction.engines.base import Hooks
+from vlfast.extraction.engines.local import LocalEngine
+from vlfast.extraction.engines.ray import RayEngine
 
 runner = CliRunner()
 
@@ -97,8 +100,7 @@ def test_a_killed_ray_job_resumes_with_only_what_is_missing(ray_cluster, tiny_qw
     rest, nothing twice, and ends equal to an uninterrupted run. The command joins the test's cluster
     (--ray-address), as a job on a long-lived cluster does; the killed job's actors may still commit for a
     moment, which the second run (the Python API, in this process: a few seconds less) waits for."""
-    from vlfast.extraction.engines.ray import extract_ray
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract, extract_ray
 
     n = 100  # two model calls (64 rows each at most): the kill lands in the first
     inputs = tmp_path / "in"
@@ -155,21 +157,23 @@ def _poisoned_decoder(sample):
 
 
 @pytest.mark.slow
-def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_vl, tmp_path):
+def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_vl, tmp_path, monkeypatch):
     """Same features, meta and error records as the local engine: bad files, a repeated id, a bad manifest
     line, a decoder that kills its worker (retried once, then recorded) and one that hangs (stopped)."""
     from ray import cloudpickle
 
-    from vlfast.extraction.engines.ray import extract_ray
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract, extract_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
     manifest, good, bad = _manifest(media_dir, tmp_path / "clips.jsonl")
     # The timeout applies to every sample: 2 s once cut off the real clip's decode on a loaded 2-core host.
-    options = dict(model=str(tiny_qwen3_vl), decode_timeout=6, _decode_hook=_poisoned_decoder)
-    local = extract(manifest, tmp_path / "local", num_workers=1, **options)
-    # Two model actors at half a CPU each, so the decode actor has the cluster's other CPU.
-    ray = extract_ray(manifest, tmp_path / "ray", ray_workers=2, cpus_per_worker=0.5, **options)
+    options = dict(model=str(tiny_qwen3_vl), decode_timeout=6)
+    hooks = Hooks(decode=_poisoned_decoder)
+    local = extract(manifest, tmp_path / "local", num_workers=1, engine=LocalEngine(hooks), **options)
+    with monkeypatch.context() as mp:
+        mp.setattr(RayEngine, "hooks", hooks)
+        # Two model actors at half a CPU each, so the decode actor has the cluster's other CPU.
+        ray = extract_ray(manifest, tmp_path / "ray", ray_workers=2, cpus_per_worker=0.5, **options)
     assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
     # Failed: the bad files, the repeat, the bad line, the two poisoned decodes.
     assert (ray.engine, ray.extracted, ray.failed) == ("ray", good - 2, bad + 4)
@@ -193,8 +197,7 @@ def test_ray_engine_into_an_s3_out_equals_the_local_engine(ray_cluster, tiny_qwe
     local engine, read back from S3 (moto's server on 127.0.0.1); a second run has nothing to do."""
     pytest.importorskip("s3fs")
     from _s3 import client, moto_s3, options
-    from vlfast.extraction.engines.ray import extract_ray
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract, extract_ray
     from vlfast.extraction.store.format import resolve_out
 
     inputs = tmp_path / "in"
@@ -236,22 +239,22 @@ def _kill_first_actor(marker: str):
 
 
 @pytest.mark.slow
-def test_counts_equal_what_out_holds_after_a_model_actor_is_killed(ray_cluster, tiny_qwen3_vl, tmp_path):
+def test_counts_equal_what_out_holds_after_a_model_actor_is_killed(
+    ray_cluster, tiny_qwen3_vl, tmp_path, monkeypatch
+):
     """A model actor SIGKILLed after recording a bad file's error: Ray restarts it and retries the call,
     which finds the record there ("known"). The summary still counts that record, and every sample."""
     from ray import cloudpickle
 
-    from vlfast.extraction.engines.ray import extract_ray
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract, extract_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     inputs = tmp_path / "in"
     make_images(inputs, [(32 + 8 * (k % 3), 32) for k in range(6)])
     (inputs / "zz-bad.png").write_text("not an image")
     out = tmp_path / "ray"
-    s = extract_ray(
-        inputs, out, model=str(tiny_qwen3_vl), _forward_hook=_kill_first_actor(str(tmp_path / "killed"))
-    )
+    monkeypatch.setattr(RayEngine, "hooks", Hooks(forward=_kill_first_actor(str(tmp_path / "killed"))))
+    s = extract_ray(inputs, out, model=str(tiny_qwen3_vl))
     assert (tmp_path / "killed").exists()  # the kill happened
     cache = FeatureCache(out)
     assert s.failed == len(cache.errors()) == 1 and sum(s.errors.values()) == 1
@@ -277,7 +280,7 @@ def _slow_forward_in(pid_file: str):
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_vl, tmp_path):
+def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_vl, tmp_path, monkeypatch):
     """SIGTERM to a model actor (a node draining, a pod deleted) with nothing committed yet (commit_every
     3600): it commits the samples it holds before it exits; the restarted actor skips them, and the run
     ends equal to the local engine, every sample once."""
@@ -286,8 +289,7 @@ def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_
     import psutil
     from ray import cloudpickle
 
-    from vlfast.extraction.engines.ray import extract_ray
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract, extract_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     inputs = tmp_path / "in"
@@ -307,6 +309,7 @@ def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_
             psutil.Process(pid).wait(timeout=30)
         seen["committed_at_exit"] = len(FeatureCache(out)) if (out / "index").exists() else 0
 
+    monkeypatch.setattr(RayEngine, "hooks", Hooks(forward=_slow_forward_in(str(pid_file))))
     killer = threading.Thread(target=preempt, daemon=True)
     killer.start()
     s = extract_ray(
@@ -315,7 +318,6 @@ def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_
         model=str(tiny_qwen3_vl),
         commit_every=3600,
         max_batch_tokens=32,  # one image per forward
-        _forward_hook=_slow_forward_in(str(pid_file)),
     )
     killer.join(timeout=60)
     assert seen.get("committed_at_exit", 0) >= 2, seen  # the two forwards before the signal, at least
@@ -328,14 +330,15 @@ def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_
 
 RAY_DRIVER = """
 import functools, os, sys, time
-import vlfast.extraction.pipeline as pipeline
+from vlfast.extraction.engines.base import Hooks
+from vlfast.extraction.engines.ray import RayEngine
 
 def slow(pid_file, batch):  # runs in the model actor: pickled by value from __main__
     with open(pid_file, "a") as f:
         f.write(f"{os.getpid()}\\n")
     time.sleep(0.1)
 
-pipeline.extract = functools.partial(pipeline.extract, _forward_hook=functools.partial(slow, sys.argv.pop(1)))
+RayEngine.hooks = Hooks(forward=functools.partial(slow, sys.argv.pop(1)))
 from vlfast.cli.main import main
 
 sys.argv = ["vlfast", "extract", *sys.argv[1:]]
@@ -350,8 +353,7 @@ def test_sigterm_to_the_ray_driver_stops_the_job_with_its_work_committed(
     """The real command on the test's cluster, SIGTERMed while its model actor holds uncommitted samples
     (--commit-every 3600): the driver stops the dataset, waits for the actor to finish what it was given,
     commit and release its rank, says so and exits 143; the next run extracts only the rest and ends equal to the local engine."""
-    from vlfast.extraction.engines.ray import extract_ray
-    from vlfast.extraction.pipeline import extract
+    from vlfast.extraction.api import extract, extract_ray
     from vlfast.extraction.store.writer import rank_is_held
 
     n = 24
@@ -402,20 +404,26 @@ def _bug_on(sample_id: str):
 
 
 @pytest.mark.slow
-def test_a_bug_while_decoding_on_ray_leaves_the_sample_undone(ray_cluster, tiny_qwen3_vl, tmp_path):
+def test_a_bug_while_decoding_on_ray_leaves_the_sample_undone(
+    ray_cluster, tiny_qwen3_vl, tmp_path, monkeypatch
+):
     """As on the local engine: the decode actor's unexpected exception reaches the driver as such; nothing is
     recorded for the sample, it is not done, and it is not taken for a sample lost with an actor."""
     from ray import cloudpickle
 
-    from vlfast.extraction.engines.ray import extract_ray
+    from vlfast.extraction.api import extract_ray
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     inputs = tmp_path / "in"
     make_images(inputs, [(32 + 8 * (k % 3), 32) for k in range(5)])
     (inputs / "zz-bad.png").write_text("not an image")
     out = tmp_path / "ray"
-    with pytest.warns(RuntimeWarning, match=r"unexpected error \(.*AttributeError"):
-        s = extract_ray(inputs, out, model=str(tiny_qwen3_vl), _decode_hook=_bug_on("img0002.jpg"))
+    with (
+        pytest.warns(RuntimeWarning, match=r"unexpected error \(.*AttributeError"),
+        monkeypatch.context() as mp,
+    ):
+        mp.setattr(RayEngine, "hooks", Hooks(decode=_bug_on("img0002.jpg")))
+        s = extract_ray(inputs, out, model=str(tiny_qwen3_vl))
     assert (s.extracted, s.failed, s.unexpected, s.stopped) == (4, 1, 1, None)
     cache = FeatureCache(out)
     assert "img0002.jpg" not in set(cache.ids()) and [e["id"] for e in cache.errors()] == ["zz-bad.png"]

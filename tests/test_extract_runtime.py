@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import vlfast.extraction.pipeline as pipeline
 from _selftest import compare_caches
 from vlfast.cli.main import app
 from vlfast.demo import make_images
 from vlfast.extraction import FeatureCache
-from vlfast.extraction.pipeline import UNEXPECTED_IN_A_ROW, UnexpectedSampleErrors, extract
+from vlfast.extraction.api import UNEXPECTED_IN_A_ROW, UnexpectedSampleErrors, extract
+from vlfast.extraction.engines.base import Hooks
+from vlfast.extraction.engines.local import LocalEngine
 
 runner = CliRunner()
 
@@ -51,7 +52,11 @@ def test_a_bug_while_decoding_leaves_the_sample_undone(images, tiny_qwen3_vl, tm
     out = tmp_path / "out"
     with pytest.warns(RuntimeWarning, match="unexpected AttributeError"):
         s = extract(
-            images, out, model=str(tiny_qwen3_vl), num_workers=workers, _decode_hook=_refactor_bug(buggy)
+            images,
+            out,
+            model=str(tiny_qwen3_vl),
+            num_workers=workers,
+            engine=LocalEngine(Hooks(decode=_refactor_bug(buggy))),
         )
     assert (s.extracted, s.failed, s.unexpected, s.stopped) == (6, 1, 2, None)
     assert s.skipped + s.extracted + s.failed + s.unexpected == s.assigned == 9
@@ -71,7 +76,7 @@ def test_a_bug_on_every_sample_stops_the_run_with_its_traceback(images, tiny_qwe
     # The first two decode; then the bug hits every sample: the run stops at the third in a row.
     bug = _refactor_bug(set(ids[2:]))
     with pytest.raises(UnexpectedSampleErrors) as e:
-        extract(images, out, model=str(tiny_qwen3_vl), num_workers=1, _decode_hook=bug)
+        extract(images, out, model=str(tiny_qwen3_vl), num_workers=1, engine=LocalEngine(Hooks(decode=bug)))
     message = str(e.value)
     assert (
         f"{UNEXPECTED_IN_A_ROW} samples in a row" in message and ids[2 + UNEXPECTED_IN_A_ROW - 1] in message
@@ -91,14 +96,13 @@ def test_a_bug_is_exit_3_with_its_traceback_and_undone_samples_exit_1(
     images, tiny_qwen3_vl, tmp_path, monkeypatch
 ):
     base = ["extract", str(images), "-m", str(tiny_qwen3_vl), "--workers", "0"]
-    real = pipeline.extract
-    monkeypatch.setattr(pipeline, "extract", lambda *a, **k: real(*a, **k, _decode_hook=_refactor_bug(None)))
+    monkeypatch.setattr(LocalEngine, "hooks", Hooks(decode=_refactor_bug(None)))
     r = runner.invoke(app, [*base[:2], str(tmp_path / "a"), *base[2:]])
     assert r.exit_code == 3, r.output
     assert "stopped by a bug" in r.output and "no_such_attribute" in r.output
 
     one = {sorted(p.name for p in images.iterdir())[3]}
-    monkeypatch.setattr(pipeline, "extract", lambda *a, **k: real(*a, **k, _decode_hook=_refactor_bug(one)))
+    monkeypatch.setattr(LocalEngine, "hooks", Hooks(decode=_refactor_bug(one)))
     r = runner.invoke(app, [*base[:2], str(tmp_path / "b"), *base[2:]])
     assert r.exit_code == 1, r.output
     assert "1 samples failed with an unexpected error" in r.output
@@ -130,7 +134,8 @@ DRIVER = textwrap.dedent(
     """
     # `vlfast extract` with a slow forward that says when it runs, so a test can signal it mid-run.
     import functools, sys, time
-    import vlfast.extraction.pipeline as pipeline
+    from vlfast.extraction.engines.base import Hooks
+    from vlfast.extraction.engines.local import LocalEngine
 
     forwards = []
 
@@ -139,7 +144,7 @@ DRIVER = textwrap.dedent(
         print(f"forward {len(forwards)}", flush=True)
         time.sleep(0.1)
 
-    pipeline.extract = functools.partial(pipeline.extract, _forward_hook=forward)
+    LocalEngine.hooks = Hooks(forward=forward)
     from vlfast.cli.main import main
 
     sys.argv = ["vlfast", "extract", *sys.argv[1:]]

@@ -25,7 +25,7 @@ from _s3 import client, enforced_auth, free_port, moto_s3
 from _selftest import RUN_CONFIG, compare_caches, fake_features
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
 from vlfast.extraction.store.format import DamagedFile, resolve_out
 from vlfast.extraction.store.writer import FeatureStore
 

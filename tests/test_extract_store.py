@@ -315,7 +315,7 @@ def test_reads_are_memory_mapped_and_imports_light(tmp_path: Path) -> None:
         import vlfast.extraction.store.writer
         assert "pyarrow" not in sys.modules, "store must import pyarrow lazily"
         from vlfast.extraction import FeatureCache
-        assert "vlfast.extraction.pipeline" not in sys.modules
+        assert "vlfast.extraction.api" not in sys.modules and "vlfast.extraction.engines.local" not in sys.modules
         c = FeatureCache({str(tmp_path)!r})
         p = psutil.Process()
         before = p.memory_info().rss

@@ -11,7 +11,7 @@ import torch
 
 from vlfast.demo import make_images, make_video
 from vlfast.extraction import FeatureCache
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
 
 
 def test_torchrun_two_ranks_equal_one_process(tiny_qwen3_vl, tmp_path):
@@ -41,7 +41,8 @@ def test_torchrun_two_ranks_equal_one_process(tiny_qwen3_vl, tmp_path):
 
 DRIVER = """
 import functools, os, sys, time
-import vlfast.extraction.pipeline as pipeline
+from vlfast.extraction.engines.base import Hooks
+from vlfast.extraction.engines.local import LocalEngine
 
 forwards = []
 
@@ -50,7 +51,7 @@ def forward(batch):
     print(f"forward {len(forwards)} rank {os.environ.get('RANK', '0')}", flush=True)
     time.sleep(0.2)
 
-pipeline.extract = functools.partial(pipeline.extract, _forward_hook=forward)
+LocalEngine.hooks = Hooks(forward=forward)
 from vlfast.cli.main import main
 
 sys.argv = ["vlfast", "extract", *sys.argv[1:]]

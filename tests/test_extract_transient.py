@@ -22,8 +22,8 @@ from _s3 import moto_s3
 from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
+from vlfast.extraction.api import extract
 from vlfast.extraction.objstore import is_transient
-from vlfast.extraction.pipeline import extract
 from vlfast.extraction.sources import load_inputs
 from vlfast.extraction.store.format import read_errors
 
@@ -282,7 +282,7 @@ def test_retry_errors_with_the_ray_engine(media, clean, tiny_qwen3_vl, tmp_path)
     import shutil
 
     ray = pytest.importorskip("ray")
-    from vlfast.extraction.engines.ray import extract_ray
+    from vlfast.extraction.api import extract_ray
 
     src = tmp_path / "in"
     shutil.copytree(media, src)

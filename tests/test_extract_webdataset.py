@@ -21,7 +21,9 @@ from typer.testing import CliRunner
 from _selftest import compare_caches
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
+from vlfast.extraction.engines.base import Hooks
+from vlfast.extraction.engines.local import LocalEngine
 from vlfast.extraction.sources import load_inputs
 from vlfast.extraction.sources.webdataset import MAX_SHARDS, TarMember, expand_braces
 
@@ -306,14 +308,16 @@ def test_killed_run_resumes_only_the_missing_keys(shards, shard_run, tiny_qwen3_
     script = textwrap.dedent(
         f"""
         import os
-        from vlfast.extraction.pipeline import extract
+        from vlfast.extraction.api import extract
+        from vlfast.extraction.engines.base import Hooks
+        from vlfast.extraction.engines.local import LocalEngine
         calls = []
         def die(batch):
             calls.append(1)
             if len(calls) > {kill_after}:
                 os._exit(9)
         extract({shards["pattern"]!r}, {str(out)!r}, model={str(tiny_qwen3_vl)!r}, num_workers=0,
-                _forward_hook=die, **{KW!r})
+                engine=LocalEngine(Hooks(forward=die)), **{KW!r})
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -330,7 +334,7 @@ def test_killed_run_resumes_only_the_missing_keys(shards, shard_run, tiny_qwen3_
         out,
         model=str(tiny_qwen3_vl),
         num_workers=0,
-        _decode_hook=lambda s: decoded.append(s.id),
+        engine=LocalEngine(Hooks(decode=lambda s: decoded.append(s.id))),
         **KW,
     )
     assert sorted(decoded) == sorted(set(shards["ids"]) - committed - recorded)

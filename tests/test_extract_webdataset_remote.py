@@ -18,7 +18,9 @@ from _selftest import compare_caches
 from test_extract_fsspec import _assert_same
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
-from vlfast.extraction.pipeline import extract
+from vlfast.extraction.api import extract
+from vlfast.extraction.engines.base import Hooks
+from vlfast.extraction.engines.local import LocalEngine
 from vlfast.extraction.sources import load_inputs
 
 pytest.importorskip("s3fs")
@@ -204,7 +206,7 @@ def test_interrupted_run_resumes_only_the_missing_keys(s3, url_run, tiny_qwen3_v
 
     run = dict(model=str(tiny_qwen3_vl), num_workers=0, storage_options=s3[1], **wds.KW)
     with pytest.raises(Interrupted):
-        extract(PATTERN, out, _forward_hook=interrupt, **run)
+        extract(PATTERN, out, engine=LocalEngine(Hooks(forward=interrupt)), **run)
     committed = set(FeatureCache(out).ids())
     recorded = {e["id"] for e in FeatureCache(out).errors()}
     # stopped half-way through a tar shard: some of its keys are committed, some are not
@@ -212,7 +214,7 @@ def test_interrupted_run_resumes_only_the_missing_keys(s3, url_run, tiny_qwen3_v
     assert 0 < len(committed) <= stop_after and any(0 < len(v) < 4 for v in by_shard.values()), committed
 
     decoded: list[str] = []
-    resumed = extract(PATTERN, out, _decode_hook=lambda s: decoded.append(s.id), **run)
+    resumed = extract(PATTERN, out, engine=LocalEngine(Hooks(decode=lambda s: decoded.append(s.id))), **run)
     all_ids = {s.id for s in load_inputs(PATTERN, s3[1])[0]}
     assert sorted(decoded) == sorted(all_ids - committed - recorded)
     assert resumed.skipped == len(committed | recorded)

@@ -46,8 +46,10 @@ def test_the_top_level_holds_the_capability_packages_and_little_else():
     modules = {p.stem for p in root.glob("*.py")}
     packages = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
     assert packages == {"patching", "diagnosis", "extraction", "tokens", "cli"}
-    # errors: the refusals every capability raises, a leaf that imports nothing of ours
-    assert modules == {"__init__", "_files", "errors", "models", "run"}
+    # errors: the refusals every capability raises, a leaf that imports nothing of ours; dtypes: the one
+    # policy for --dtype that every command shares; demo: the offline checkpoint and media the demo commands,
+    # tests and benchmarks use
+    assert modules == {"__init__", "_files", "demo", "dtypes", "errors", "models", "run"}
 
 
 def test_the_autopatch_hook_imports_no_torch():

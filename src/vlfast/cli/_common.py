@@ -55,7 +55,10 @@ DeviceOpt = Annotated[
 ]
 DtypeOpt = Annotated[
     str | None,
-    typer.Option("--dtype", help="float32, bfloat16 or float16. Default: bfloat16 where supported."),
+    typer.Option(
+        "--dtype",
+        help="float32, bfloat16 or float16 (or fp32, bf16, fp16). Default: bfloat16 where supported.",
+    ),
 ]
 
 console = Console()

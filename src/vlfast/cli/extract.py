@@ -244,8 +244,8 @@ def extract(
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
         _verify(paths[0], as_json, _storage_options(storage_options))
         return
+    from vlfast.extraction.api import UnexpectedSampleErrors
     from vlfast.extraction.interrupts import EXIT_TERMINATED, Terminated
-    from vlfast.extraction.pipeline import UnexpectedSampleErrors
     from vlfast.extraction.store.resume import RunConfigMismatch
 
     if demo:
@@ -268,21 +268,12 @@ def extract(
         source, out = paths
         if model is None:
             raise UsageError("--model is required: a checkpoint directory or ref:NAME (see `vlfast models`)")
-    from vlfast.extraction.store.writer import RESUME_CHECKS
+    from vlfast.extraction.api import extract as run_extract
 
-    if resume_check not in RESUME_CHECKS:
-        raise UsageError(f"--resume-check must be one of {', '.join(RESUME_CHECKS)}, got {resume_check!r}")
     pools = tuple(p.strip() for p in pool.split(",") if p.strip())
-    names = {f.strip() for f in features.split(",")}
-    if "llm" not in names and (layers != "-1" or pool != "last"):
-        # Both select LLM hidden states; without llm features they would be ignored without a word.
-        flag = "--layers" if layers != "-1" else "--pool"
-        raise UsageError(
-            f"{flag} selects LLM hidden states: add llm to --features (e.g. --features vision,llm)"
-        )
     options = _storage_options(storage_options)
-    run_extract, engine_args = _engine(
-        engine, ray_address, ray_workers, num_gpus_per_worker, ray_cpus_per_worker, rank, world_size, workers
+    chosen = _engine(
+        engine, ray_address, ray_workers, num_gpus_per_worker, ray_cpus_per_worker, rank, world_size
     )
     if engine == "ray":
         quiet_ray(verbose)
@@ -290,6 +281,7 @@ def extract(
         summary = run_extract(
             source,
             out,
+            engine=chosen,
             model=model,
             features=features,
             layers=_ints(layers, "--layers"),
@@ -314,7 +306,8 @@ def extract(
             retry_errors=retry_errors,
             progress=not as_json,
             storage_options=options,
-            **engine_args,
+            rank=rank,
+            world_size=world_size,
         )
     except RunConfigMismatch as e:
         e.remedy = "pass --overwrite to delete what it holds and start again"
@@ -362,16 +355,12 @@ def _engine(
     cpus: float | None,
     rank: int | None,
     world_size: int | None,
-    workers: int | None,
 ):
-    """The extract function --engine names and its engine's own arguments; wrong combinations are refused
-    here, before anything is read. Ray is imported only for --engine ray (exit 2 with the hint if missing)."""
+    """The engine --engine names, with its own flags; flags of the other engine are refused here. The values
+    themselves are checked once, by the engine and ExtractConfig, before anything is read. Ray is imported
+    only for --engine ray (exit 2 with the hint if missing)."""
     if (rank is None) != (world_size is None):
         raise UsageError("give --rank and --world-size together, e.g. --rank 3 --world-size 8")
-    if world_size is not None and not (world_size >= 1 and 0 <= rank < world_size):
-        raise UsageError(
-            f"--rank must be in 0..{world_size - 1} and --world-size >= 1, got {rank} of {world_size}"
-        )
     ray_flags = {
         "--ray-address": ray_address,
         "--ray-workers": ray_workers,
@@ -382,30 +371,14 @@ def _engine(
         given = [flag for flag, value in ray_flags.items() if value is not None]
         if given:
             raise UsageError(f"{', '.join(given)} apply to --engine ray only")
-        from vlfast.extraction.pipeline import extract as run_local
-
-        return run_local, {} if rank is None else {"rank": rank, "world_size": world_size}
+        return "local"
     if engine != "ray":
         raise UsageError(f"--engine must be local or ray, got {engine!r}")
-    if rank is not None:
-        raise UsageError(
-            "--rank/--world-size split the input between processes you launch; with --engine ray the actors "
-            "share it: drop them, or use --engine local"
-        )
-    if ray_workers is not None and ray_workers < 1:
-        raise UsageError(f"--ray-workers must be >= 1, got {ray_workers}")
-    if gpus is not None and gpus < 0:
-        raise UsageError(f"--num-gpus-per-worker must be >= 0, got {gpus:g}")
-    if cpus is not None and not cpus > 0:
-        raise UsageError(f"--ray-cpus-per-worker must be > 0, got {cpus:g}")
-    if workers is not None and workers < 1:
-        raise UsageError(f"with --engine ray, --workers is the number of decode actors: >= 1, got {workers}")
-    from vlfast.extraction.engines.ray import extract_ray
+    from vlfast.extraction.engines.ray import RayEngine
 
-    args: dict = {"ray_address": ray_address, "ray_workers": ray_workers or 1, "num_gpus_per_worker": gpus}
-    if cpus is not None:
-        args["cpus_per_worker"] = cpus
-    return extract_ray, args
+    return RayEngine(
+        ray_address, 1 if ray_workers is None else ray_workers, gpus, 1.0 if cpus is None else cpus
+    )
 
 
 def _storage_options(text: str | None) -> dict | None:

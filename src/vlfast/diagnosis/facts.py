@@ -44,29 +44,12 @@ T = TypeVar("T")
 _HALF = ("bfloat16", "float16")
 
 
-_DTYPE_ALIASES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-}
-
-
 def dtype_name(dtype: str | torch.dtype) -> str:
-    """Canonical name of a dtype given as ``torch.bfloat16``, ``"bf16"``, ``"bfloat16"``, ..."""
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
-    elif isinstance(dtype, str):
-        name = dtype.lower().removeprefix("torch.")
-    else:
-        raise InputRefused(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
-    if name not in _DTYPE_ALIASES:
-        raise InputRefused(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
-    return _DTYPE_ALIASES[name]
+    """Canonical name of a dtype given as ``torch.bfloat16``, ``"bf16"``, ``"bfloat16"``, ...: the one
+    policy of every command, :func:`vlfast.dtypes.dtype_name`."""
+    from vlfast.dtypes import dtype_name as canonical
+
+    return canonical(dtype)
 
 
 def version_tuple(version: str | None) -> tuple[int, ...] | None:

@@ -1,8 +1,9 @@
 """Large-scale, resumable, multi-GPU feature extraction and its output format.
 
-``FeatureStore`` writes (store.py), ``FeatureCache`` reads (cache.py), ``extract`` runs a model over inputs
-(pipeline.py), ``extract_ray`` the same as Ray Data stages (ray_engine.py). Names load lazily so reading a
-cache never imports the pipeline's dependencies, nor anything Ray.
+``FeatureStore`` writes (store/writer.py), ``FeatureCache`` reads (store/reader.py), ``extract`` runs a model
+over inputs (api.py: config, plan, then an engine), ``extract_ray`` the same as Ray Data stages
+(engines/ray.py). Names load lazily so reading a cache never imports the pipeline's dependencies, nor
+anything Ray.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ _EXPORTS = {
     "partition": "vlfast.extraction.store.resume",
     "dist_info": "vlfast.extraction.store.resume",
     "FeatureCache": "vlfast.extraction.store.reader",
-    "extract": "vlfast.extraction.pipeline",
-    "extract_ray": "vlfast.extraction.engines.ray",  # imports ray only when called
+    "extract": "vlfast.extraction.api",
+    "extract_ray": "vlfast.extraction.api",  # imports ray only when called
 }
 
 __all__ = list(_EXPORTS)

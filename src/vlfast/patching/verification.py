@@ -33,19 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlfast.dtypes import ALIASES as DTYPE_ALIASES
 from vlfast.errors import InputRefused
 from vlfast.patching.gemm import eligibility, patch, unpatch
 
 __all__ = ["Check", "Step", "Thresholds", "VerifyReport", "compare", "verify"]
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+# Every spelling --dtype accepts (vlfast.dtypes: one policy for every command).
+DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_ALIASES.items()}
 
 # Elements per float64 chunk in compare(): 2 MiB per buffer, whatever the size of the tensor.
 _CHUNK = 1 << 18

@@ -96,10 +96,9 @@ def resolve(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
     device = check_device(device or default_device())
     if dtype is None:
         return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
-    value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise InputRefused(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return device, value
+    from vlfast.dtypes import torch_dtype
+
+    return device, torch_dtype(dtype)
 
 
 def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):

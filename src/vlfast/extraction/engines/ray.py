@@ -5,15 +5,16 @@ asked), writing the same OUT as the local engine, so ``FeatureCache``, ``--verif
 
 The driver (the calling process) runs ``extract`` itself up to the model: the input listed, the run
 configuration and weights fingerprint, OUT checked (a different configuration is refused, "nothing to do"
-answered), OUT locked as rank 0, duplicates and bad input rows recorded. Then, instead of loading a model::
+answered: the plan), OUT locked as rank 0, duplicates and bad input rows recorded (``run_session``). Then,
+instead of loading a model, :class:`RayEngine` runs::
 
     the remaining samples (plain columns: id, kind, paths, prompt, tar member or URL as JSON)
       -> map_batches(_Decode, actor pool, num_cpus=1): each call decodes its samples in ONE forked worker of
          the actor (vlfast's WorkerPool): a decoder that crashes it is retried once alone, then recorded; one
          that hangs past ``decode_timeout`` is killed and recorded; either way a row, never a failed task
       -> map_batches(_ModelStage, N actors, num_gpus=G): each claims the first free rank 1..N (an flock per
-         rank, as under torchrun), opens its own FeatureStore, loads the model once (the same ``_load``,
-         convs patched), packs by token budget and runs the same ``_Forward`` as the local engine, adds the
+         rank, as under torchrun), opens its own FeatureStore, loads the model once (the same ``runner.load``,
+         convs patched), packs by token budget and runs the same ``Forward`` as the local engine, adds the
          results and records errors; it returns one tiny row per sample (id, status), so features never
          travel to the driver
       -> the driver counts the rows: progress bar, ``max_errors``, the summary.
@@ -30,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -42,24 +42,17 @@ from typing import Any, NamedTuple
 import torch
 
 from vlfast.errors import InputRefused
+from vlfast.extraction.config import ExtractConfig, ExtractSummary
+from vlfast.extraction.decode.stage import DecodedSample, SampleDataset, prepare_decoding, worker_init
+from vlfast.extraction.engines.base import Hooks, Session, UnexpectedErrors, run_session
 from vlfast.extraction.interrupts import EXIT_TERMINATED, deferred, sigterm_handler
-from vlfast.extraction.pipeline import (
-    ExtractSummary,
-    _cost,
-    _decoding,
-    _Forward,
-    _Job,
-    _load,
-    _SampleDataset,
-    _Unexpected,
-    _worker_init,
-    extract,
-)
+from vlfast.extraction.model import runner
+from vlfast.extraction.plan import RunPlan
 from vlfast.extraction.sources.sample import Sample
 from vlfast.extraction.store.format import OutputInUse, done_by_error, error_key, is_local, read_errors
 from vlfast.extraction.store.writer import rank_is_held
 
-__all__ = ["INSTALL_HINT", "extract_ray"]
+__all__ = ["INSTALL_HINT", "RayEngine"]
 
 INSTALL_HINT = "pip install 'vlfast[ray]'"
 DECODE_BATCH = 16  # samples per decode call, in one forked worker (~0.1 s to fork and reap it)
@@ -81,72 +74,6 @@ def _import_ray():
             f"--engine ray needs Ray Data, which is not installed ({e}): {INSTALL_HINT}"
         ) from None
     return ray
-
-
-def extract_ray(
-    inputs: str | os.PathLike | Sequence[Sample],
-    out: str | os.PathLike,
-    *,
-    ray_address: str | None = None,
-    ray_workers: int = 1,
-    num_gpus_per_worker: float | None = None,
-    cpus_per_worker: float = 1.0,
-    device: str | torch.device | None = None,
-    num_workers: int | None = None,
-    **kwargs: Any,
-) -> ExtractSummary:
-    """:func:`~vlfast.extraction.pipeline.extract` on a Ray cluster; the same keyword arguments (``kwargs``).
-
-    ``ray_address``: the cluster (``ray://head:10001``, ``head:6379``, ``auto``); default ``RAY_ADDRESS``,
-    else a cluster started with ``ray start`` on this machine, else a local one for this call (shut down
-    at the end). ``ray_workers`` model actors, each with ``num_gpus_per_worker`` GPUs (default 1 when
-    ``device`` is CUDA, else 0: CPU) and ``cpus_per_worker`` CPUs. ``num_workers`` is the number of decode
-    actors (1 CPU each; default: as many as the cluster's free CPUs allow, scaled by Ray Data). Without a
-    GPU the device defaults to CPU; with GPUs, to CUDA (bfloat16), whatever the driver machine has.
-    ``rank``/``world_size`` are refused: the actors share the work. OUT must be a folder every node sees
-    (a shared filesystem whose ``flock`` works across nodes when actors run on several), or an fsspec URL
-    (``s3://bucket/out``, with ``storage_options``): then each model actor takes a fresh rank from a counter
-    actor and commits at the end of each call.
-    """
-    _import_ray()  # first: a missing Ray is a usage error before anything is read or written
-    if kwargs.get("rank") is not None or kwargs.get("world_size") is not None:
-        raise InputRefused(
-            "rank/world_size split the input between processes you launch (torchrun, a Slurm array); with "
-            "the Ray engine the actors share the work: drop them, or use the local engine"
-        )
-    kwargs.pop("rank", None)
-    kwargs.pop("world_size", None)
-    if not isinstance(ray_workers, int) or ray_workers < 1:
-        raise InputRefused(
-            f"ray_workers (--ray-workers) must be a positive number of model actors, got {ray_workers!r}"
-        )
-    if num_gpus_per_worker is not None and not num_gpus_per_worker >= 0:
-        raise InputRefused(
-            f"num_gpus_per_worker (--num-gpus-per-worker) must be >= 0, got {num_gpus_per_worker!r}"
-        )
-    if not cpus_per_worker > 0:
-        raise InputRefused(f"cpus_per_worker (--ray-cpus-per-worker) must be > 0, got {cpus_per_worker!r}")
-    if num_workers is not None and num_workers < 1:
-        raise InputRefused(
-            f"with the Ray engine num_workers (--workers) is the number of decode actors, >= 1; got {num_workers}"
-        )
-    wants_cuda = device is not None and torch.device(device).type == "cuda"
-    gpus = float(num_gpus_per_worker) if num_gpus_per_worker is not None else (1.0 if wants_cuda else 0.0)
-    if device is None:
-        device = "cuda" if gpus > 0 else "cpu"
-    elif gpus > 0 and not wants_cuda:
-        raise InputRefused(f"num_gpus_per_worker={gpus:g} needs device cuda, got {device!r}")
-    elif wants_cuda and gpus == 0:
-        raise InputRefused(
-            "device cuda needs GPUs on the model actors: num_gpus_per_worker >= 1 (--num-gpus-per-worker)"
-        )
-    engine = _RayEngine(ray_address, ray_workers, gpus, float(cpus_per_worker))
-    summary = extract(
-        inputs, out, device=device, num_workers=num_workers, rank=0, world_size=1, _engine=engine, **kwargs
-    )
-    summary.engine = "ray"
-    summary.cpu_seconds = None  # the actors' CPU time is spent in other processes, on other machines
-    return summary
 
 
 # ------------------------------------------------------------------------------------------ row formats
@@ -222,6 +149,34 @@ class _Ref(NamedTuple):
     kind: str
 
 
+def _decoded_row(item: DecodedSample, save) -> dict[str, Any]:
+    """The decoded schema's columns of a sample that decoded (``save``: safetensors' ``save``)."""
+    tensors = {"pixel_values": item.pixel_values.contiguous()}
+    if item.input_ids is not None:
+        tensors["input_ids"] = item.input_ids.contiguous()
+    return {
+        "tensors": save(tensors),
+        "grid": [int(x) for x in item.grid],
+        "tokens": int(item.tokens),
+        "meta": json.dumps(item.meta),
+    }
+
+
+def _decoded_sample(row: dict[str, Any], i: int, load) -> DecodedSample:
+    """A row of the decoded schema back as the model's input (``load``: safetensors' ``load``)."""
+    tensors = load(row["tensors"])
+    return DecodedSample(
+        i=i,
+        kind=row["kind"],
+        pixel_values=tensors["pixel_values"],
+        grid=tuple(row["grid"]),
+        tokens=row["tokens"],
+        meta=json.loads(row["meta"]),
+        input_ids=tensors.get("input_ids"),
+        ref=_Ref(row["id"], row["source"], row["kind"]),
+    )
+
+
 # ------------------------------------------------------------------------------------------- the stages
 
 
@@ -230,7 +185,7 @@ class _Decode:
 
     def __init__(self, model, family, cfg, spec, images, decode_timeout, decode_hook):
         torch.set_num_threads(1)  # one sample at a time; the forked worker stays on one thread too
-        self.pre, self.prompts = _decoding(model, family, cfg, spec, images)
+        self.pre, self.prompts = prepare_decoding(model, family, cfg, spec.needs_llm, images)
         self.default_prompt, self.timeout, self.hook = spec.prompt, decode_timeout, decode_hook
         self.classes = _member_classes()
         self.schema = _schemas()[1]
@@ -242,7 +197,7 @@ class _Decode:
         from vlfast.extraction.decode.workers import WorkerPool
 
         samples = [_sample_of(r, self.classes) for r in table.to_pylist()]
-        dataset = _SampleDataset(samples, self.pre, self.prompts, self.default_prompt, self.hook)
+        dataset = SampleDataset(samples, self.pre, self.prompts, self.default_prompt, self.hook)
         rows = []
         # A forked worker per call, as the local engine's: a crashing decoder kills it, not this actor (Ray
         # would retry the call forever), and a hung one is stopped after decode_timeout.
@@ -252,23 +207,15 @@ class _Decode:
             num_workers=1,
             timeout=self.timeout,
             prefetch=max(1, len(samples)),
-            worker_init=_worker_init,
+            worker_init=worker_init,
         ) as pool:
             for item in pool:
-                s = samples[item["i"]]
+                s = samples[item.i if isinstance(item, DecodedSample) else item["i"]]
                 row = {"id": s.id, "source": s.source, "kind": s.kind, "reason": None, "traceback": None}
-                if item.get("unexpected"):
+                if isinstance(item, DecodedSample):
+                    row.update(_decoded_row(item, save))
+                elif item.get("unexpected"):
                     row.update(reason=item["reason"], traceback=item.get("traceback") or item["reason"])
-                elif item["ok"]:
-                    tensors = {"pixel_values": item["pixel_values"].contiguous()}
-                    if "input_ids" in item:
-                        tensors["input_ids"] = item["input_ids"].contiguous()
-                    row.update(
-                        tensors=save(tensors),
-                        grid=[int(x) for x in item["grid"]],
-                        tokens=int(item["tokens"]),
-                        meta=json.dumps(item["meta"]),
-                    )
                 else:
                     row["reason"] = item["reason"]
                 rows.append(row)
@@ -301,9 +248,9 @@ class _ModelStage:
         self.store = _claim_rank(out, run_config, volatile_keys, store_options, ranks, rank_counter)
         try:
             model, family, spec, device, dtype, patch_convs = load_args
-            loaded = _load(model, family, spec, device, dtype, patch_convs)
-            prompts = _decoding(model, family, cfg, spec, images=False)[1] if spec.needs_llm else None
-            self.forward = _Forward(loaded, spec, cfg, stored_as, prompts, hook)
+            loaded = runner.load(model, family, spec, device, dtype, patch_convs)
+            prompts = prepare_decoding(model, family, cfg, True, images=False)[1] if spec.needs_llm else None
+            self.forward = runner.Forward(loaded, spec, cfg, stored_as, prompts, hook)
             # What another actor committed before dying: its batch in flight is retried here, and must not
             # be added twice (a second copy would be recorded as a duplicate).
             self.done = self.store.done_ids()
@@ -317,8 +264,6 @@ class _ModelStage:
     def __call__(self, table):
         import pyarrow as pa
         from safetensors.torch import load
-
-        from vlfast.extraction.model.batching import pack
 
         rows: list[dict[str, Any]] = []
         store = self.store
@@ -343,21 +288,10 @@ class _ModelStage:
             elif r["reason"] is not None:
                 record(r["id"], r["source"], r["reason"])
             else:
-                tensors = load(r["tensors"])
-                item = {
-                    "ref": _Ref(r["id"], r["source"], r["kind"]),
-                    "kind": r["kind"],
-                    "pixel_values": tensors["pixel_values"],
-                    "grid": tuple(r["grid"]),
-                    "tokens": r["tokens"],
-                    "meta": json.loads(r["meta"]),
-                }
-                if "input_ids" in tensors:
-                    item["input_ids"] = tensors["input_ids"]
-                items.append(item)
+                items.append(_decoded_sample(r, len(items), load))
         compute0, splits0 = self.forward.compute_seconds, self.forward.oom_splits
-        for batch in pack(items, _cost, self.budget):
-            for ref, patches in self.forward.store(batch, store, lambda it: it["ref"], record):
+        for batch in runner.batches(items, self.budget):
+            for ref, patches in self.forward.store(batch, store, lambda it: it.ref, record):
                 rows.append({"id": ref.id, "status": "ok", "patches": patches})
         if is_local(store.out):
             store.tick()  # commit_every counts here too, between calls
@@ -480,14 +414,78 @@ def _map_batches_bounded(ds, fn, **kwargs):
             return ds.map_batches(fn, **kwargs)
 
 
-class _RayEngine:
-    """Called by ``extract`` with the planned job, in place of loading a model in this process."""
+class RayEngine:
+    """Ray Data stages in place of a model in this process (see the module's docstring).
 
-    def __init__(self, address: str | None, workers: int, gpus: float, cpus: float):
-        self.address, self.workers, self.gpus, self.cpus = address, workers, gpus, cpus
+    ``address``: the cluster (``ray://head:10001``, ``head:6379``, ``auto``); default ``RAY_ADDRESS``, else a
+    cluster started with ``ray start`` on this machine, else a local one for the run (shut down at the end).
+    ``workers`` model actors, each with ``gpus_per_worker`` GPUs (default 1 when the device is CUDA, else 0:
+    CPU) and ``cpus_per_worker`` CPUs. The options are checked here, once, for the CLI and the library.
+    """
+
+    name = "ray"
+    hooks = Hooks()  # tests only
+
+    def __init__(
+        self,
+        address: str | None = None,
+        workers: int = 1,
+        gpus_per_worker: float | None = None,
+        cpus_per_worker: float = 1.0,
+        hooks: Hooks | None = None,
+    ):
+        if not isinstance(workers, int) or workers < 1:
+            raise InputRefused(f"--ray-workers must be >= 1 (ray_workers: model actors), got {workers!r}")
+        if gpus_per_worker is not None and not gpus_per_worker >= 0:
+            raise InputRefused(
+                f"--num-gpus-per-worker must be >= 0 (num_gpus_per_worker), got {gpus_per_worker:g}"
+            )
+        if not cpus_per_worker > 0:
+            raise InputRefused(
+                f"--ray-cpus-per-worker must be > 0 (cpus_per_worker), got {cpus_per_worker:g}"
+            )
+        self.address, self.workers, self.cpus = address, workers, float(cpus_per_worker)
+        self.gpus_asked = gpus_per_worker
+        self.gpus = 0.0 if gpus_per_worker is None else float(gpus_per_worker)
+        if hooks is not None:
+            self.hooks = hooks
         self.stage_env: dict[str, Any] | None = None
 
-    def __call__(self, job: _Job) -> None:
+    def configure(self, config: ExtractConfig) -> ExtractConfig:
+        """The driver is rank 0 of one; the device follows the GPUs asked for (the model actors' machines, not
+        this one, must have it). A missing Ray is a usage error here, before anything is read."""
+        if config.rank is not None or config.world_size is not None:
+            raise InputRefused(
+                "--rank/--world-size (rank, world_size) split the input between processes you launch; with "
+                "--engine ray the actors share it: drop them, or use --engine local"
+            )
+        if config.num_workers is not None and config.num_workers < 1:
+            raise InputRefused(
+                f"with --engine ray, --workers is the number of decode actors (num_workers): >= 1, got "
+                f"{config.num_workers}"
+            )
+        device = config.device
+        wants_cuda = device is not None and config.torch_device.type == "cuda"
+        gpus = self.gpus if self.gpus_asked is not None else (1.0 if wants_cuda else 0.0)
+        if device is None:
+            device = "cuda" if gpus > 0 else "cpu"
+        elif gpus > 0 and not wants_cuda:
+            raise InputRefused(f"num_gpus_per_worker={gpus:g} needs device cuda, got {device!r}")
+        elif wants_cuda and gpus == 0:
+            raise InputRefused(
+                "device cuda needs GPUs on the model actors: num_gpus_per_worker >= 1 (--num-gpus-per-worker)"
+            )
+        self.gpus = gpus
+        _import_ray()
+        return dataclasses.replace(config, device=device, rank=0, world_size=1)
+
+    def run(self, plan: RunPlan, config: ExtractConfig) -> ExtractSummary:
+        summary = run_session(plan, config, self._session)
+        summary.engine = "ray"
+        summary.cpu_seconds = None  # the actors' CPU time is spent in other processes, on other machines
+        return summary
+
+    def _session(self, job: Session) -> None:
         ray = _import_ray()
         t0 = time.perf_counter()
         started = not ray.is_initialized()
@@ -505,8 +503,7 @@ class _RayEngine:
             self.stage_env = {"env_vars": ENV}
         ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own bar
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # ... and says so
-        job.summary.load_seconds = time.perf_counter() - t0
-        job.bar.restart_clock()
+        job.model_built(time.perf_counter() - t0, None)
         # ray.init made SIGTERM exit at once (sys.exit): here it unwinds like Ctrl-C instead, so the model
         # actors are stopped and given time to commit (see _extract), and the driver's store commits too.
         previous = None
@@ -520,7 +517,7 @@ class _RayEngine:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
-    def _extract(self, ray, job: _Job) -> None:
+    def _extract(self, ray, job: Session) -> None:
         summary = job.summary
         # Model actors of an earlier run may outlive their killed driver for a few seconds and still commit
         # shards: wait until they are gone, then drop what they committed, so nothing is extracted twice.
@@ -538,7 +535,7 @@ class _RayEngine:
         counted: Counter[str] = Counter()  # reasons of the error rows the driver saw
         added: dict[str, int] = {}  # id -> patches, of samples a model actor added (buffered or committed)
         load_s = 0.0
-        unexpected = _Unexpected(summary)
+        unexpected = UnexpectedErrors(summary)
         for attempt in range(MAX_PASSES):
             if not remaining:
                 break
@@ -568,8 +565,7 @@ class _RayEngine:
                     elif row["status"] == "error":
                         counted[row["reason"]] += 1
                         job.count_error(row["reason"])
-                        if job.max_errors is not None and job.errors_so_far() > job.max_errors:
-                            summary.stopped = f"more than {job.max_errors} errors (--max-errors)"
+                        if job.over_max_errors():
                             break
             except KeyboardInterrupt:  # SIGTERM (Terminated) or Ctrl-C: let the actors commit, then go
                 self._close(rows)
@@ -613,7 +609,7 @@ class _RayEngine:
                 f"{MAX_PASSES} times; run the same command again to extract them"
             )
 
-    def _dataset(self, ray, job: _Job, samples: list[Sample]):
+    def _dataset(self, ray, job: Session, samples: list[Sample]):
         import pyarrow as pa
 
         sample_schema = _schemas()[0]
@@ -621,8 +617,8 @@ class _RayEngine:
         # Blocks of a few calls each, at most ~2,000 of them: enough to spread over the decode actors.
         rows = max(DECODE_BATCH, -(-len(samples) // 2000))
         blocks = [table.slice(k, rows) for k in range(0, len(samples), rows)]
-        if job.num_workers is not None:
-            decoders = ray.data.ActorPoolStrategy(size=job.num_workers)
+        if job.config.num_workers is not None:
+            decoders = ray.data.ActorPoolStrategy(size=job.config.num_workers)
         else:
             free = int(ray.cluster_resources().get("CPU", 1) - self.workers * self.cpus)
             decoders = ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, free))
@@ -635,29 +631,29 @@ class _RayEngine:
             num_cpus=1,
             runtime_env=self.stage_env,
             fn_constructor_kwargs=dict(
-                model=job.model,
-                family=job.family,
-                cfg=job.cfg,
-                spec=job.spec,
+                model=job.config.model,
+                family=job.plan.family,
+                cfg=job.plan.processor,
+                spec=job.config.spec,
                 images=any(s.kind == "image" for s in samples),
-                decode_timeout=job.decode_timeout,
-                decode_hook=job.decode_hook,
+                decode_timeout=job.config.decode_timeout,
+                decode_hook=self.hooks.decode,
             ),
         )
         store_options = dict(
-            shard_max_bytes=job.shard_max_bytes,
-            shard_max_samples=job.shard_max_samples,
-            commit_every=job.commit_every,
+            shard_max_bytes=job.config.shard_max_bytes,
+            shard_max_samples=job.config.shard_max_samples,
+            commit_every=job.config.commit_every,
             # The driver's store has just checked OUT as asked (full by default); each actor re-checks
             # sizes and headers only, instead of every actor hashing every shard again.
             resume_check="quick",
-            retry_errors=job.retry_errors,  # else an actor's store would refuse a retried id as done
+            retry_errors=job.config.retry,  # else an actor's store would refuse a retried id as done
         )
-        device = torch.device(job.device.type)  # Ray gives each actor its GPUs as cuda:0..
+        device = torch.device(job.config.torch_device.type)  # Ray gives each actor its GPUs as cuda:0..
         return _map_batches_bounded(
             decoded,
             _ModelStage,
-            batch_size=job.budget.max_samples,
+            batch_size=job.config.budget.max_samples,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=self.workers),
             num_cpus=self.cpus,
@@ -667,16 +663,23 @@ class _RayEngine:
             runtime_env=self.stage_env,
             fn_constructor_kwargs=dict(
                 out=job.store.out,  # a Path, or a UPath carrying its storage options
-                run_config=job.run_config,
-                volatile_keys=tuple(job.volatile_keys),
+                run_config=job.plan.run_config,
+                volatile_keys=tuple(job.plan.volatile_keys),
                 store_options=store_options,
                 ranks=list(range(1, self.workers + 1)) if is_local(job.store.out) else None,
                 rank_counter=None if is_local(job.store.out) else _RankCounter.start(ray, job.store.out),
-                load_args=(job.model, job.family, job.spec, device, job.dtype, job.patch_convs),
-                cfg=job.cfg,
-                stored_as=job.stored_as,
-                budget=job.budget,
-                hook=job.forward_hook,
+                load_args=(
+                    job.config.model,
+                    job.plan.family,
+                    job.config.spec,
+                    device,
+                    job.config.torch_dtype,
+                    job.config.patch_convs,
+                ),
+                cfg=job.plan.processor,
+                stored_as=job.config.stored_as,
+                budget=job.config.budget,
+                hook=self.hooks.forward,
             ),
         )
 
@@ -687,7 +690,7 @@ class _RayEngine:
             close()
 
     @staticmethod
-    def _held_ranks(job: _Job) -> list[int]:
+    def _held_ranks(job: Session) -> list[int]:
         """Ranks of OUT other than the driver's whose lock a live process holds now (none on object storage,
         which has no locks)."""
         from vlfast.extraction.store.format import LOCK_DIR
@@ -697,7 +700,7 @@ class _RayEngine:
         ranks = (int(p.stem.removeprefix("rank-")) for p in (job.store.out / LOCK_DIR).glob("rank-*.lock"))
         return sorted(r for r in ranks if r != job.store.rank and rank_is_held(job.store.out, r))
 
-    def _wait_for_actors(self, job: _Job, timeout: float, after: str) -> None:
+    def _wait_for_actors(self, job: Session, timeout: float, after: str) -> None:
         """Wait for the model actors to release their ranks; warn, saying what follows, if some are still held
         ``timeout`` seconds ``after`` (the stop, or the end of the dataset)."""
         if self._wait_released(job, range(1, self.workers + 1), timeout):
@@ -708,7 +711,7 @@ class _RayEngine:
             )
 
     @staticmethod
-    def _wait_released(job: _Job, ranks: Collection[int], timeout: float) -> list[int]:
+    def _wait_released(job: Session, ranks: Collection[int], timeout: float) -> list[int]:
         """Wait until no process holds these ranks of OUT: each writer has closed its store (committed its
         last shard) or died. Returns the ranks still held after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout

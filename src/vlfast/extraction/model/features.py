@@ -19,12 +19,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from vlfast.errors import InputRefused
+from vlfast.extraction.decode.prompts import PromptBuilder, video_timestamps  # noqa: F401 - their old home
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vlfast.extraction.decode.stage import DecodedSample
 
 __all__ = [
     "ALL_FEATURES",
@@ -160,75 +164,6 @@ def compute_vision_features(tower: nn.Module, batch: VisionBatch, names: Sequenc
 # ------------------------------------------------------------------------------------------------ LLM
 
 
-@dataclass
-class PromptBuilder:
-    """Builds the token ids of a chat prompt holding one image or video, as the model's processor would.
-
-    The placeholder expansion mirrors ``Qwen3VLProcessor.replace_image_token`` / ``replace_video_token``
-    (one pad token per merged vision token; Qwen3-VL videos get ``<t seconds>`` per temporal patch) and
-    ``Qwen2VLProcessor``'s plain repetition for Qwen2/2.5-VL. Runs in the DataLoader workers.
-    """
-
-    checkpoint: str
-    family: str
-    merge_size: int
-    temporal_patch_size: int
-    _tokenizer: Any = field(default=None, init=False, repr=False)
-
-    def tokenizer(self):
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.checkpoint, local_files_only=True)
-        return self._tokenizer
-
-    def placeholder(self, kind: str, grid: Sequence[int], meta: dict[str, Any]) -> str:
-        t, h, w = (int(x) for x in grid)
-        if kind == "image":
-            return "<|image_pad|>" * (t * h * w // self.merge_size**2)
-        if not self.family.startswith("qwen3"):
-            return "<|video_pad|>" * (t * h * w // self.merge_size**2)
-        frame_tokens = h * w // self.merge_size**2
-        stamps = video_timestamps(
-            meta["frame_indices"], meta.get("video_fps") or 24.0, self.temporal_patch_size
-        )
-        return "".join(
-            f"<{stamps[i]:.1f} seconds><|vision_start|>" + "<|video_pad|>" * frame_tokens + "<|vision_end|>"
-            for i in range(t)
-        )
-
-    def __call__(self, kind: str, prompt: str, grid: Sequence[int], meta: dict[str, Any]) -> torch.Tensor:
-        """input_ids (L,) int64 of the user turn plus the generation prompt."""
-        media = "image" if kind == "image" else "video"
-        prompt = prompt.replace("{kind}", media)
-        tok = self.tokenizer()
-        messages = [
-            {
-                "role": "user",
-                "content": [{"type": media}, {"type": "text", "text": prompt}],
-            }
-        ]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        pad = "<|image_pad|>" if media == "image" else "<|video_pad|>"
-        if text.count(pad) != 1:
-            raise InputRefused(
-                f"the chat template of {self.checkpoint} must place exactly one {pad} for one {media}; "
-                f"it placed {text.count(pad)}"
-            )
-        text = text.replace(pad, self.placeholder(media, grid, meta))
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        return torch.tensor(ids, dtype=torch.int64)
-
-
-def video_timestamps(indices: Sequence[int], fps: float, temporal: int) -> list[float]:
-    """Seconds at the middle of each temporal patch (``Qwen3VLProcessor._calculate_timestamps``)."""
-    idx = list(indices)
-    if len(idx) % temporal:
-        idx.extend(idx[-1] for _ in range(temporal - len(idx) % temporal))
-    secs = [i / fps for i in idx]
-    return [(secs[i] + secs[i + temporal - 1]) / 2 for i in range(0, len(secs), temporal)]
-
-
 class TowerTap:
     """Forward hook on the vision tower that keeps its outputs during a whole-model forward."""
 
@@ -249,7 +184,7 @@ class TowerTap:
 def compute_llm_features(
     model: nn.Module,
     tower: nn.Module,
-    items: Sequence[dict[str, Any]],
+    items: Sequence[DecodedSample],
     spec: FeatureSpec,
     *,
     image_token_id: int,
@@ -260,20 +195,20 @@ def compute_llm_features(
 ) -> list[dict[str, torch.Tensor]]:
     """One whole-model forward for a batch of samples (right-padded prompts).
 
-    Each item holds ``pixel_values``, ``grid`` (t, h, w), ``kind`` and ``input_ids``. Images and videos go
+    Each item holds ``pixel_values`` (on the CPU), ``grid`` (t, h, w), ``kind`` and ``input_ids``. Images and videos go
     in as the processor would pass them (``pixel_values`` / ``pixel_values_videos``); the tower's outputs
     are captured by a hook, images first then videos, as the model calls it.
     """
 
-    order = [i for i, it in enumerate(items) if it["kind"] == "image"] + [
-        i for i, it in enumerate(items) if it["kind"] != "image"
+    order = [i for i, it in enumerate(items) if it.kind == "image"] + [
+        i for i, it in enumerate(items) if it.kind != "image"
     ]
-    lengths = [int(it["input_ids"].numel()) for it in items]
+    lengths = [int(it.input_ids.numel()) for it in items]
     longest = max(lengths)
     ids = torch.full((len(items), longest), pad_token_id, dtype=torch.int64)
     mask = torch.zeros((len(items), longest), dtype=torch.int64)
     for i, it in enumerate(items):
-        ids[i, : lengths[i]] = it["input_ids"]
+        ids[i, : lengths[i]] = it.input_ids
         mask[i, : lengths[i]] = 1
     mm_types = torch.where(ids == image_token_id, 1, torch.where(ids == video_token_id, 2, 0)) * mask
     kwargs: dict[str, Any] = {}
@@ -281,12 +216,10 @@ def compute_llm_features(
         ("image", "pixel_values", "image_grid_thw"),
         ("video", "pixel_values_videos", "video_grid_thw"),
     ):
-        sel = [it for it in items if (it["kind"] == "image") == (kind == "image")]
+        sel = [it for it in items if (it.kind == "image") == (kind == "image")]
         if sel:
-            kwargs[pv_key] = torch.cat([it["pixel_values"] for it in sel]).to(device=device, dtype=dtype)
-            kwargs[grid_key] = torch.tensor(
-                [list(it["grid"]) for it in sel], dtype=torch.int64, device=device
-            )
+            kwargs[pv_key] = torch.cat([it.pixel_values for it in sel]).to(device=device, dtype=dtype)
+            kwargs[grid_key] = torch.tensor([list(it.grid) for it in sel], dtype=torch.int64, device=device)
     tap = TowerTap(tower)
     try:
         out = model(
@@ -323,8 +256,8 @@ def compute_llm_features(
         sorted_items = [items[i] for i in order]
         batch = VisionBatch(
             pixel_values=torch.empty(0),
-            grid_thw=torch.tensor([list(it["grid"]) for it in sorted_items], dtype=torch.int64),
-            tokens=[int(it["tokens"]) for it in sorted_items],
+            grid_thw=torch.tensor([list(it.grid) for it in sorted_items], dtype=torch.int64),
+            tokens=[int(it.tokens) for it in sorted_items],
         )
         for pos, feats in zip(order, vision_features(vision_names, merged_all, deep_all, batch)):
             results[pos].update(feats)

@@ -134,12 +134,13 @@ def _dist_group_size() -> int:
 
 
 def library_versions() -> dict[str, str | None]:
-    """Versions of what shapes the bytes on disk; read from package metadata, so nothing heavy is imported."""
+    """Versions of what shapes the features and the bytes on disk (decoders included): run.json's and each
+    shard's provenance, the one list; read from package metadata, so nothing heavy is imported."""
     import platform
     from importlib import metadata
 
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in ("vlfast", "torch", "transformers", "safetensors", "pyarrow", "numpy"):
+    for dist in ("vlfast", "torch", "transformers", "av", "pillow", "safetensors", "pyarrow", "numpy"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -1,0 +1,118 @@
+"""``extract``: run a model over images and videos and store per-sample features, resumably.
+
+Validate once (:class:`~vlfast.extraction.config.ExtractConfig`), plan (:mod:`~vlfast.extraction.plan`:
+everything up to the store reads only, so bad input, a different configuration, different weights or a
+finished OUT are answered before a lock is taken or a model is built), dispatch to an engine
+(:mod:`~vlfast.extraction.engines`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from vlfast.extraction.config import ExtractConfig, ExtractSummary, default_batch_tokens, default_num_workers
+from vlfast.extraction.engines.base import UNEXPECTED_IN_A_ROW, Engine, UnexpectedSampleErrors
+from vlfast.extraction.plan import make_plan
+from vlfast.extraction.sources.sample import Sample
+
+__all__ = [
+    "UNEXPECTED_IN_A_ROW",
+    "Engine",
+    "ExtractConfig",
+    "ExtractSummary",
+    "UnexpectedSampleErrors",
+    "default_batch_tokens",
+    "default_num_workers",
+    "engine_named",
+    "extract",
+    "extract_ray",
+]
+
+
+def engine_named(engine: str | Engine) -> Engine:
+    """The engine ``--engine`` names ("local", "ray" with its defaults), or the one given."""
+    if not isinstance(engine, str):
+        return engine
+    if engine == "local":
+        from vlfast.extraction.engines.local import LocalEngine
+
+        return LocalEngine()
+    if engine == "ray":
+        from vlfast.extraction.engines.ray import RayEngine
+
+        return RayEngine()
+    raise ValueError(f"engine must be 'local', 'ray' or an Engine, got {engine!r}")
+
+
+def extract(
+    inputs: str | os.PathLike | Sequence[Sample],
+    out: str | os.PathLike,
+    *,
+    engine: str | Engine = "local",
+    **options: Any,
+) -> ExtractSummary:
+    """Extract ``features`` of every sample in ``inputs`` with ``model`` into the folder ``out``.
+
+    ``options`` are :class:`~vlfast.extraction.config.ExtractConfig`'s fields: ``model`` (a checkpoint
+    directory, or ``ref:NAME``: vision features only, random weights), ``features``, ``layers``, ``pools``,
+    ``prompt``, ``device``, ``dtype``, ``store_dtype``, ... ``inputs`` is a folder (images and videos,
+    recursive), a manifest (.jsonl/.csv/.parquet with ``path`` and optional ``id``, ``prompt``), WebDataset
+    tar shards (``"shards/{000000..000099}.tar"``; ids ``{shard}/{__key__}``), or a list of
+    :class:`Sample`; it and ``out`` may be fsspec URLs (``s3://bucket/key``, with ``storage_options``).
+
+    ``engine``: "local" (this process and its decode workers; under ``torchrun`` each rank takes its share,
+    or pass ``rank``/``world_size``), "ray" (:func:`~vlfast.extraction.engines.ray.extract_ray` for its
+    options), or an :class:`Engine`. Running the same call again skips what ``out`` holds, after checking
+    it (``resume_check``: "full" hashes every committed tensor, "quick" checks sizes and headers); damaged
+    shards are moved aside and redone; a different configuration or different weights are refused with
+    :class:`RunConfigMismatch` before the model loads. Bad samples, bad input rows, and samples whose
+    decoder crashed or ran past ``decode_timeout`` seconds are recorded in ``out/errors`` and the run goes
+    on; past ``max_errors`` recorded errors it stops (committed work is kept). A sample whose input could
+    not be read for a transient reason is recorded with kind "transient" and tried again by the next run;
+    ``retry_errors`` ("all", or kinds) tries recorded failures again. A sample whose decoding raises an
+    unexpected exception (a bug, not its media) is not recorded: ``summary.unexpected`` counts it and the
+    next run tries it again; ``UNEXPECTED_IN_A_ROW`` in a row raise :class:`UnexpectedSampleErrors`. Work
+    is committed at least every ``commit_every`` seconds, and on SIGTERM or Ctrl-C, which then raise
+    :class:`~vlfast.extraction.interrupts.Terminated` or ``KeyboardInterrupt``. The format of ``out``:
+    docs/extract.md.
+    """
+    runner = engine_named(engine)
+    config = runner.configure(ExtractConfig(**options))
+    plan = make_plan(inputs, out, config)
+    finished = plan.finished(config)
+    if finished is not None:
+        finished.engine = runner.name
+        return finished
+    return runner.run(plan, config)
+
+
+def extract_ray(
+    inputs: str | os.PathLike | Sequence[Sample],
+    out: str | os.PathLike,
+    *,
+    ray_address: str | None = None,
+    ray_workers: int = 1,
+    num_gpus_per_worker: float | None = None,
+    cpus_per_worker: float = 1.0,
+    **options: Any,
+) -> ExtractSummary:
+    """:func:`extract` on a Ray cluster (:class:`~vlfast.extraction.engines.ray.RayEngine`); the same
+    keyword arguments (``options``).
+
+    ``ray_address``: the cluster (``ray://head:10001``, ``head:6379``, ``auto``); default ``RAY_ADDRESS``,
+    else a cluster started with ``ray start`` on this machine, else a local one for this call (shut down
+    at the end). ``ray_workers`` model actors, each with ``num_gpus_per_worker`` GPUs (default 1 when
+    ``device`` is CUDA, else 0: CPU) and ``cpus_per_worker`` CPUs. ``num_workers`` is the number of decode
+    actors (1 CPU each; default: as many as the cluster's free CPUs allow, scaled by Ray Data). Without a
+    GPU the device defaults to CPU; with GPUs, to CUDA (bfloat16), whatever the driver machine has.
+    ``rank``/``world_size`` are refused: the actors share the work. OUT must be a folder every node sees
+    (a shared filesystem whose ``flock`` works across nodes when actors run on several), or an fsspec URL
+    (``s3://bucket/out``, with ``storage_options``): then each model actor takes a fresh rank from a counter
+    actor and commits at the end of each call.
+    """
+    from vlfast.extraction.engines.ray import RayEngine
+
+    engine = RayEngine(ray_address, ray_workers, num_gpus_per_worker, cpus_per_worker)
+    return extract(inputs, out, engine=engine, **options)

@@ -1,0 +1,286 @@
+"""What ``extract`` is asked to do (:class:`ExtractConfig`, checked once, when it is built) and what a run
+did (:class:`ExtractSummary`); the device and dtype policy of extraction.
+
+A wrong value is refused here (exit 2, naming the flag), before anything is read or written. Whether this
+machine can run the model on the device asked for is the engine's question (the local engine asks it, the
+Ray engine's model actors run elsewhere): :func:`device_problem`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from vlfast.errors import InputRefused
+from vlfast.extraction.model.batching import TokenBudget
+from vlfast.extraction.model.features import FeatureSpec
+
+__all__ = [
+    "STORE_DTYPES",
+    "ExtractConfig",
+    "ExtractSummary",
+    "default_batch_tokens",
+    "default_device",
+    "default_num_workers",
+    "device_problem",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_store_dtype",
+]
+
+STORE_DTYPES = ("float16", "bfloat16", "float32")  # what the store writes (numpy reads all but bfloat16)
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """Every option of ``extract`` but its inputs, OUT and engine, checked in ``__post_init__``.
+
+    The fields are the keyword arguments of :func:`vlfast.extraction.extract` (same names, same defaults);
+    the resolved values the run uses (``spec``, ``torch_device``, ``torch_dtype``, ``stored_as``,
+    ``workers``, ``budget``, ``retry``) are derived from them. See ``extract`` for what each one does.
+    """
+
+    # What is computed: configuration (run.json; a resume with other values is refused).
+    model: str
+    features: str | Sequence[str] = ("vision", "vision_mean")
+    layers: Sequence[int] = (-1,)
+    pools: Sequence[str] = ("last",)
+    prompt: str | None = None
+    dtype: str | torch.dtype | None = None
+    store_dtype: str | torch.dtype | None = None
+    patch_convs: bool = True
+    # How media becomes patches: configuration too (the processor's numbers in run.json).
+    fps: float | None = None
+    num_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    video_max_pixels: int | None = None
+    # How it runs: may change on resume.
+    device: str | torch.device | None = None
+    max_batch_tokens: int | None = None
+    max_batch_samples: int = 64
+    num_workers: int | None = None
+    decode_timeout: float | None = 120.0
+    rank: int | None = None
+    world_size: int | None = None
+    progress: bool = False
+    # OUT: where and how it is written, what is redone.
+    overwrite: bool = False
+    shard_max_bytes: int = 256 << 20
+    shard_max_samples: int = 1024
+    commit_every: float | None = 60.0
+    resume_check: str = "full"
+    storage_options: dict[str, Any] | None = None
+    retry_errors: str | Sequence[str] | None = None
+    max_errors: int | None = None
+
+    # Resolved from the fields above.
+    spec: FeatureSpec = field(init=False, repr=False, compare=False)
+    torch_device: torch.device = field(init=False, repr=False, compare=False)
+    torch_dtype: torch.dtype = field(init=False, repr=False, compare=False)
+    stored_as: torch.dtype | None = field(init=False, repr=False, compare=False)
+    workers: int = field(init=False, repr=False, compare=False)
+    budget: TokenBudget = field(init=False, repr=False, compare=False)
+    retry: frozenset[str] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from vlfast.extraction.store.format import parse_retry
+
+        resolved = dict(model=str(self.model), spec=_feature_spec(self))
+        _check_numbers(self)
+        resolved["torch_device"] = dev = resolve_device(self.device)
+        resolved["torch_dtype"] = resolve_dtype(self.dtype, dev)
+        resolved["stored_as"] = resolve_store_dtype(self.store_dtype)
+        workers = default_num_workers(dev) if self.num_workers is None else int(self.num_workers)
+        if workers < 0:
+            raise InputRefused(f"num_workers (--workers) must be >= 0, got {workers}")
+        resolved["workers"] = workers
+        resolved["budget"] = TokenBudget(
+            max_tokens=int(self.max_batch_tokens or default_batch_tokens(dev)),
+            max_samples=int(self.max_batch_samples),
+        )
+        resolved["retry"] = parse_retry(self.retry_errors)
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+
+def _feature_spec(config: ExtractConfig) -> FeatureSpec:
+    features = config.features
+    names = tuple(features.split(",")) if isinstance(features, str) else tuple(features)
+    layers = tuple(int(x) for x in config.layers)
+    pools = tuple(config.pools)
+    if "llm" not in {n.strip() for n in names} and (layers != (-1,) or pools != ("last",)):
+        # Both select LLM hidden states; without llm features they would be ignored without a word.
+        flag = "--layers (layers)" if layers != (-1,) else "--pool (pools)"
+        raise InputRefused(
+            f"{flag} selects LLM hidden states: add llm to --features (e.g. --features vision,llm)"
+        )
+    return FeatureSpec(
+        names=names, layers=layers, pools=pools, **({"prompt": config.prompt} if config.prompt else {})
+    )
+
+
+def _check_numbers(config: ExtractConfig) -> None:
+    from vlfast.extraction.store.writer import RESUME_CHECKS
+
+    if config.max_errors is not None and config.max_errors < 0:
+        raise InputRefused(f"max_errors (--max-errors) must be >= 0, got {config.max_errors}")
+    if config.decode_timeout is not None and not config.decode_timeout > 0:
+        raise InputRefused(
+            f"decode_timeout must be a positive number of seconds or None, got {config.decode_timeout!r}"
+        )
+    if config.resume_check not in RESUME_CHECKS:
+        raise InputRefused(
+            f"--resume-check (resume_check) must be one of {', '.join(RESUME_CHECKS)}, got {config.resume_check!r}"
+        )
+    rank, world = config.rank, config.world_size
+    if world is not None and (not isinstance(world, int) or world < 1):
+        raise InputRefused(f"--world-size (world_size) must be >= 1, got {world!r}")
+    if rank is not None and world is not None and not (isinstance(rank, int) and 0 <= rank < world):
+        raise InputRefused(f"--rank must be in 0..{world - 1} and --world-size >= 1, got {rank} of {world}")
+
+
+# ------------------------------------------------------------------------------- devices and dtypes
+
+
+def default_num_workers(device: torch.device | str = "cpu") -> int:
+    """Decode/preprocess worker processes: one per core on CPU, all cores but one with an accelerator.
+
+    On CPU the workers only use a core while there is preprocessing to do (they prefetch a few samples,
+    then wait), so a compute-bound run loses nothing and a preprocessing-bound run gets every core. With
+    an accelerator the main process keeps a core to feed it. At most 8; 0 (in-process) on one core.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores <= 1:
+        return 0
+    return min(8, cores if torch.device(device).type == "cpu" else cores - 1)
+
+
+def default_batch_tokens(device: torch.device | str = "cpu") -> int:
+    """Patches per forward: 32,768 on CUDA, where larger GEMMs fill the GPU; 4,096 elsewhere, where a
+    1,200-patch image already fills the cores and bigger batches only hold more activations."""
+    return 32_768 if torch.device(device).type == "cuda" else 4_096
+
+
+def default_device() -> torch.device:
+    """This rank's GPU (``LOCAL_RANK``, wrapping around the GPUs there are), else the CPU."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device asked for (refused, naming --device, unless torch can parse it), else the default."""
+    if device is None:
+        return default_device()
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputRefused(
+            f"--device {device!r} is not a device: use cpu, cuda, cuda:N or mps ({str(e).splitlines()[0]})"
+        ) from None
+
+
+def device_problem(dev: torch.device) -> str | None:
+    """Why this process cannot run on ``dev``, or None if it can (torch's own availability checks)."""
+    if dev.type in ("cpu", "meta"):
+        return None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return "no CUDA GPU is available to this process (torch.cuda.is_available() is False)"
+        if dev.index is not None and dev.index >= count:
+            return f"this process sees {count} CUDA GPU{'s' if count > 1 else ''} (cuda:0..cuda:{count - 1})"
+        return None
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return None if mps is not None and mps.is_available() else "MPS is not available on this machine"
+    backend = getattr(torch, dev.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        return f"torch reports no {dev.type} device available"
+    return None
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The compute dtype: any spelling :mod:`vlfast.dtypes` accepts (the policy of every command), else
+    bfloat16 on CUDA, where the hardware runs it fast, and float32 elsewhere (bf16 matmuls are emulated on
+    most CPUs)."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    from vlfast.dtypes import torch_dtype
+
+    return torch_dtype(dtype)
+
+
+def resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None keeps each feature as computed; else floating features are stored in this dtype, one of
+    :data:`STORE_DTYPES` (numpy reads float16/float32, not bfloat16)."""
+    if store_dtype is None:
+        return None
+    from vlfast.dtypes import dtype_name
+
+    try:
+        name = dtype_name(store_dtype)
+    except InputRefused:
+        name = None
+    if name not in STORE_DTYPES:
+        raise InputRefused(
+            f"store_dtype (--store-dtype) must be one of {', '.join(STORE_DTYPES)}, got {store_dtype!r}"
+        )
+    return getattr(torch, name)
+
+
+# ------------------------------------------------------------------------------------------ the summary
+
+
+@dataclass
+class ExtractSummary:
+    """What a run did. ``errors`` counts this run's recorded failures by reason kind."""
+
+    out: str
+    model: str
+    rank: int
+    world_size: int
+    # Entries are the input's samples, repeated ids and rows that are not samples (bad manifest rows).
+    # When a run completes: skipped + extracted + failed == assigned, as the progress bar counts them.
+    total: int  # entries in the input (all ranks)
+    assigned: int  # this rank's share of them
+    skipped: int  # already handled in OUT (committed, or recorded as an error) when the run started
+    extracted: int  # added this run
+    failed: int  # recorded as errors this run (duplicates and bad input rows included)
+    errors: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0  # vision patches processed
+    seconds: float = 0.0  # the run's own time: checking OUT, decoding, forwards, writing; not the model build
+    compute_seconds: float = 0.0  # inside model forwards (device synchronised)
+    oom_splits: int = 0
+    cpu_seconds: float | None = None  # CPU time of this process and its finished workers during the run
+    stopped: str | None = None  # why the run stopped early (--max-errors), else None
+    # Samples whose decoding raised an unexpected exception (a bug, not their media): neither extracted nor
+    # recorded, so not done: the next run tries them again. Complete run: skipped + extracted + failed +
+    # unexpected == assigned.
+    unexpected: int = 0
+    features: list[str] = field(default_factory=list)
+    nothing_to_do: bool = False  # OUT already held everything: no lock taken, no model loaded
+    quarantined: list[str] = field(default_factory=list)  # damaged index parts moved aside, redone
+    fingerprint_seconds: float = 0.0  # hashing the weights the features depend on
+    load_seconds: float = 0.0  # building the model (not in ``seconds``); Ray: connecting + actors' builds
+    engine: str = "local"  # "local" (this process and its decode workers) or "ray" (engines.ray)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.extracted / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(samples_per_s=round(self.samples_per_s, 3), tokens_per_s=round(self.tokens_per_s, 1))
+        return d

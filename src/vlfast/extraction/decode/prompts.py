@@ -1,0 +1,83 @@
+"""A sample's prompt as the model's processor would tokenize it, for ``llm`` features: built where the
+sample is decoded (a worker, a Ray decode actor), so the tokenizer runs there and not where the model does."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlfast.errors import InputRefused
+
+__all__ = ["PromptBuilder", "video_timestamps"]
+
+
+@dataclass
+class PromptBuilder:
+    """Builds the token ids of a chat prompt holding one image or video, as the model's processor would.
+
+    The placeholder expansion mirrors ``Qwen3VLProcessor.replace_image_token`` / ``replace_video_token``
+    (one pad token per merged vision token; Qwen3-VL videos get ``<t seconds>`` per temporal patch) and
+    ``Qwen2VLProcessor``'s plain repetition for Qwen2/2.5-VL. Runs in the DataLoader workers.
+    """
+
+    checkpoint: str
+    family: str
+    merge_size: int
+    temporal_patch_size: int
+    _tokenizer: Any = field(default=None, init=False, repr=False)
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.checkpoint, local_files_only=True)
+        return self._tokenizer
+
+    def placeholder(self, kind: str, grid: Sequence[int], meta: dict[str, Any]) -> str:
+        t, h, w = (int(x) for x in grid)
+        if kind == "image":
+            return "<|image_pad|>" * (t * h * w // self.merge_size**2)
+        if not self.family.startswith("qwen3"):
+            return "<|video_pad|>" * (t * h * w // self.merge_size**2)
+        frame_tokens = h * w // self.merge_size**2
+        stamps = video_timestamps(
+            meta["frame_indices"], meta.get("video_fps") or 24.0, self.temporal_patch_size
+        )
+        return "".join(
+            f"<{stamps[i]:.1f} seconds><|vision_start|>" + "<|video_pad|>" * frame_tokens + "<|vision_end|>"
+            for i in range(t)
+        )
+
+    def __call__(self, kind: str, prompt: str, grid: Sequence[int], meta: dict[str, Any]) -> torch.Tensor:
+        """input_ids (L,) int64 of the user turn plus the generation prompt."""
+        media = "image" if kind == "image" else "video"
+        prompt = prompt.replace("{kind}", media)
+        tok = self.tokenizer()
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": media}, {"type": "text", "text": prompt}],
+            }
+        ]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        pad = "<|image_pad|>" if media == "image" else "<|video_pad|>"
+        if text.count(pad) != 1:
+            raise InputRefused(
+                f"the chat template of {self.checkpoint} must place exactly one {pad} for one {media}; "
+                f"it placed {text.count(pad)}"
+            )
+        text = text.replace(pad, self.placeholder(media, grid, meta))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.int64)
+
+
+def video_timestamps(indices: Sequence[int], fps: float, temporal: int) -> list[float]:
+    """Seconds at the middle of each temporal patch (``Qwen3VLProcessor._calculate_timestamps``)."""
+    idx = list(indices)
+    if len(idx) % temporal:
+        idx.extend(idx[-1] for _ in range(temporal - len(idx) % temporal))
+    secs = [i / fps for i in idx]
+    return [(secs[i] + secs[i + temporal - 1]) / 2 for i in range(0, len(secs), temporal)]

@@ -1,0 +1,124 @@
+"""The decode stage every engine runs: a :class:`Sample` in, a :class:`DecodedSample` (the model's input) or
+the reason it failed out, never an exception.
+
+The local engine runs it in its worker pool, the Ray engine in its decode actors (which send a
+``DecodedSample`` on as an Arrow row: ``engines.ray``). Failures keep the worker pool's form, a dict
+``{"i", "ok": False, "reason"}`` (plus ``"unexpected": True`` and ``"traceback"`` for a bug rather than bad
+media, see :func:`~vlfast.extraction.decode.workers.unexpected_item`), since the pool makes them too (a dead
+or hung worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlfast.extraction.decode.preprocess import Preprocessor, ProcessorConfig, SampleError
+from vlfast.extraction.decode.prompts import PromptBuilder
+from vlfast.extraction.decode.workers import unexpected_item
+from vlfast.extraction.objstore import TransientReadError
+from vlfast.extraction.sources.sample import Sample
+
+__all__ = ["DecodedSample", "SampleDataset", "is_failure", "prepare_decoding", "worker_init"]
+
+
+@dataclass
+class DecodedSample:
+    """One sample ready for the model."""
+
+    i: int  # its position in the list being decoded
+    kind: str  # "image" or "video"
+    pixel_values: torch.Tensor  # (t*h*w, C*T*P*P): float32, or uint8 video patches normalised by the model
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    tokens: int  # merged vision tokens
+    meta: dict[str, Any] = field(default_factory=dict)  # what preprocessing recorded (frames, sizes, prompt)
+    input_ids: torch.Tensor | None = None  # the prompt's token ids, for llm features
+    ref: Any = None  # what the consumer maps it back to its sample with (the Ray engine's row)
+
+    @property
+    def cost(self) -> int:
+        """Its share of the token budget: its patches, plus its prompt for ``llm``."""
+        prompt = 0 if self.input_ids is None else int(self.input_ids.numel())
+        return int(self.pixel_values.shape[0]) + prompt
+
+    @property
+    def patches(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+
+def is_failure(item: DecodedSample | dict[str, Any]) -> bool:
+    """Whether the stage (or the pool around it) answered with a failure dict instead of a sample."""
+    return not isinstance(item, DecodedSample)
+
+
+class SampleDataset:
+    """Map-style dataset: sample -> :class:`DecodedSample`, or a failure dict. Never raises."""
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        pre: Preprocessor,
+        prompts: PromptBuilder | None,
+        default_prompt: str,
+        hook: Callable[[Sample], None] | None = None,
+    ):
+        self.samples, self.pre, self.prompts = list(samples), pre, prompts
+        self.default_prompt = default_prompt
+        self.hook = hook  # tests inject faults here (a crashing or hanging decoder)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> DecodedSample | dict[str, Any]:
+        s = self.samples[i]
+        try:
+            if self.hook is not None:
+                self.hook(s)
+            pixels, grid, meta = self.pre(s)
+            item = DecodedSample(
+                i=i,
+                kind=s.kind,
+                pixel_values=pixels,
+                grid=grid,
+                tokens=grid[0] * grid[1] * grid[2] // self.pre.cfg.merge_size**2,
+                meta=meta,
+            )
+            if self.prompts is not None:
+                prompt = s.prompt or self.default_prompt
+                item.input_ids = self.prompts(s.kind, prompt, grid, meta)
+                media = "image" if s.kind == "image" else "video"
+                item.meta = {**meta, "prompt": prompt.replace("{kind}", media)}
+            return item
+        except (SampleError, TransientReadError) as e:  # bad media or input, or storage that did not answer
+            return {"i": i, "ok": False, "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - a worker must never kill the run; the caller decides
+            # Not a media problem but a bug (an AttributeError after a refactor): never recorded as the
+            # sample's error, which would make it done; see engines.base.UnexpectedErrors.
+            return unexpected_item(i, e)
+
+
+def worker_init(_: int) -> None:
+    """Workers preprocess one sample at a time; intra-op threads would only fight the main process."""
+    torch.set_num_threads(1)
+
+
+def prepare_decoding(
+    model: str, family: str, cfg: ProcessorConfig, needs_llm: bool, images: bool
+) -> tuple[Preprocessor, PromptBuilder | None]:
+    """What decoding needs, built once where samples are decoded (this process, or a Ray decode actor):
+    the model's own preprocessing, which leaves videos as uint8 patches to be normalised where the model
+    runs, and for ``llm`` the prompt builder with its tokenizer loaded, so forked workers inherit both."""
+    # A reference has no processor files: its family's published defaults apply (cfg).
+    pre = Preprocessor(
+        cfg, image_processor_dir=None if model.startswith("ref:") else model, defer_video_normalize=True
+    )
+    if images:
+        pre.image_processor()  # import and build it once here, so forked workers inherit it
+    prompts = None
+    if needs_llm:
+        prompts = PromptBuilder(model, family, cfg.merge_size, cfg.temporal_patch_size)
+        prompts.tokenizer()
+    return pre, prompts

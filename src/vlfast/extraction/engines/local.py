@@ -1,0 +1,149 @@
+"""The local engine: the model in this process, decoding in its worker pool; under torchrun or a Slurm
+array each rank is one such process with its share of the input.
+
+Per rank::
+
+    plan (inputs, run configuration, OUT checked) -> FeatureStore (lock; damaged shards moved aside)
+      -> model -> worker processes: decode + the model's own preprocessing (errors, dead and hung workers
+         come back as records) -> pack by token budget (no padding: the tower takes one flat patch sequence)
+      -> forward (convs patched; an out-of-memory batch is split and retried)
+      -> FeatureStore (atomic shard commits by size or every ``commit_every`` seconds, errors file)
+
+Decoding and preprocessing run in worker processes while the main process computes, so on a machine with
+a free core the end-to-end time approaches the model's own forward time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from vlfast.errors import InputRefused
+from vlfast.extraction.config import ExtractConfig, ExtractSummary, device_problem
+from vlfast.extraction.decode.stage import DecodedSample, SampleDataset, prepare_decoding, worker_init
+from vlfast.extraction.engines.base import Hooks, Session, UnexpectedErrors, cpu_seconds, run_session
+from vlfast.extraction.model import runner
+from vlfast.extraction.plan import RunPlan
+
+__all__ = ["LocalEngine"]
+
+
+class LocalEngine:
+    """This process and its decode workers (see the module's docstring)."""
+
+    name = "local"
+    hooks = Hooks()  # tests only
+
+    def __init__(self, hooks: Hooks | None = None):
+        if hooks is not None:
+            self.hooks = hooks
+
+    def configure(self, config: ExtractConfig) -> ExtractConfig:
+        """The device must exist here: refused (exit 2, naming --device) before OUT is written, not when
+        the model is moved onto it."""
+        problem = device_problem(config.torch_device)
+        if problem is not None:
+            raise InputRefused(f"--device {config.device}: {problem}; use another --device or leave it out")
+        if (
+            config.workers > 0
+            and config.torch_device.type == "cpu"
+            and torch.get_num_threads() > 1
+            and "OMP_WAIT_POLICY" not in os.environ
+        ):
+            warnings.warn(
+                "torch's idle OpenMP threads spin on the cores the decode workers need: set "
+                "OMP_WAIT_POLICY=PASSIVE before torch is imported (`vlfast extract` does) for ~1.3x faster "
+                "preprocessing-bound runs; see docs/extract.md",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return config
+
+    def run(self, plan: RunPlan, config: ExtractConfig) -> ExtractSummary:
+        return run_session(plan, config, self._extract)
+
+    def _extract(self, session: Session) -> None:
+        config, plan = session.config, session.plan
+        t0, cpu0 = time.perf_counter(), cpu_seconds()
+        loaded = runner.load(
+            config.model,
+            plan.family,
+            config.spec,
+            config.torch_device,
+            config.torch_dtype,
+            config.patch_convs,
+        )
+        cpu1 = cpu_seconds()
+        session.model_built(time.perf_counter() - t0, None if cpu0 is None or cpu1 is None else cpu1 - cpu0)
+        _Extraction(session, loaded, self.hooks).run()
+
+
+class _Extraction:
+    """The todo list through the worker pool and the model, into the session's store."""
+
+    def __init__(self, session: Session, loaded: runner.LoadedModel, hooks: Hooks):
+        config, plan = session.config, session.plan
+        self.session, self.todo = session, session.todo
+        # Workers send videos as uint8 patches, normalised here (on the device when there is one).
+        pre, prompts = prepare_decoding(
+            loaded.spec,
+            loaded.family,
+            plan.processor,
+            config.spec.needs_llm,
+            any(s.kind == "image" for s in self.todo),
+        )
+        self.dataset = SampleDataset(self.todo, pre, prompts, config.spec.prompt, hooks.decode)
+        self.forward = runner.Forward(
+            loaded, config.spec, plan.processor, config.stored_as, prompts, hooks.forward
+        )
+        self.unexpected = UnexpectedErrors(session.summary)
+
+    def decoded(self, pool) -> Iterator[DecodedSample]:
+        """The samples that decoded; failures recorded (or counted, when unexpected) on the way."""
+        session = self.session
+        for item in pool:
+            session.store.tick()  # a slow stretch of decoding still commits what is buffered
+            if isinstance(item, DecodedSample):
+                self.unexpected.other()
+                yield item
+                continue
+            sample = self.todo[item["i"]]
+            if item.get("unexpected"):
+                session.bar.update(samples=1)
+                self.unexpected.add(sample.id, sample.source, item["reason"], item.get("traceback"))
+                continue
+            self.unexpected.other()
+            session.record(sample.id, sample.source, item["reason"])
+            if session.over_max_errors():
+                return
+
+    def run(self) -> None:
+        from vlfast.extraction.decode.workers import WorkerPool
+
+        session, summary, config = self.session, self.session.summary, self.session.config
+        try:
+            with WorkerPool(
+                self.dataset.__getitem__,
+                len(self.dataset),
+                num_workers=config.workers,
+                timeout=config.decode_timeout,
+                prefetch=8,
+                worker_init=worker_init,
+            ) as pool:
+                for batch in runner.batches(self.decoded(pool), config.budget, first_alone=True):
+                    added = self.forward.store(
+                        batch, session.store, lambda it: self.todo[it.i], session.record
+                    )
+                    for _, patches in added:
+                        summary.extracted += 1
+                        summary.tokens += patches
+                        session.bar.update(samples=1, tokens=patches)
+                    if session.over_max_errors():
+                        break
+        finally:
+            summary.compute_seconds += self.forward.compute_seconds
+            summary.oom_splits += self.forward.oom_splits

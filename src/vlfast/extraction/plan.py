@@ -1,0 +1,243 @@
+"""What a run will do, decided before a lock is taken or a model is built: :class:`RunPlan`.
+
+The input listed (bad rows become error records), the run configuration (run.json, hashed into every shard:
+see docs/extract.md) with the weights' fingerprint, a read-only check of OUT (a different configuration is
+refused, a finished OUT answered "nothing to do"), and this rank's share of the entries. The planning of a
+rank's work lives here and only here: the pure rule is ``store.resume.plan_positions``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlfast.errors import InputRefused
+from vlfast.extraction.config import ExtractConfig, ExtractSummary
+from vlfast.extraction.decode.preprocess import ProcessorConfig, build_processor_config
+from vlfast.extraction.model.features import FeatureSpec
+from vlfast.extraction.model.runner import family_of
+from vlfast.extraction.sources.listing import load_inputs
+from vlfast.extraction.sources.sample import InputProblem, Sample
+
+__all__ = ["RUNTIME_KEY", "RunPlan", "make_plan", "problem_record"]
+
+RUNTIME_KEY = "runtime"  # run-config entries that may change on resume (how, not what, is computed)
+
+
+def problem_record(problem: InputProblem) -> tuple[str, str, str]:
+    """(id, source, reason) of a bad input row's error record; a row without a usable id is named by where
+    it is (its record never makes any id done)."""
+    return problem.id or problem.where, problem.where, problem.reason
+
+
+def _mine(sample_id: str, rank: int, world_size: int) -> bool:
+    from vlfast.extraction.store.resume import owner_rank
+
+    return world_size == 1 or owner_rank(sample_id, world_size) == rank
+
+
+@dataclass
+class RunPlan:
+    """Everything ``extract`` decides before OUT is locked; the engines run it."""
+
+    out: Any  # resolved: a Path, or a UPath carrying its storage options
+    samples: list[Sample]
+    problems: list[InputProblem]
+    rank: int
+    world_size: int
+    family: str
+    processor: ProcessorConfig
+    run_config: dict[str, Any]
+    volatile_keys: tuple[str, ...]
+    fingerprint_seconds: float = 0.0
+    mine_problems: list[InputProblem] = field(init=False)
+    total: int = field(init=False)  # entries in the input (all ranks)
+    assigned: int = field(init=False)  # this rank's share of them
+
+    def __post_init__(self) -> None:
+        self.mine_problems = [
+            p for p in self.problems if _mine(problem_record(p)[0], self.rank, self.world_size)
+        ]
+        self.total = len(self.samples) + len(self.problems)
+        ids = [s.id for s in self.samples]
+        self.assigned = sum(_mine(i, self.rank, self.world_size) for i in ids) + len(self.mine_problems)
+
+    @property
+    def ids(self) -> list[str]:
+        return [s.id for s in self.samples]
+
+    def work(self, done: Collection[str]) -> tuple[list[Sample], list[tuple[str, str, str, str]]]:
+        """This rank's samples still to extract, and the error records its entries call for (a repeated
+        id, a bad input row): (id, source, reason, kind) each, recorded once (a resumed run writes none)."""
+        from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND
+        from vlfast.extraction.store.resume import duplicate_reason, plan_positions
+
+        todo, repeats = plan_positions(self.ids, self.rank, self.world_size, done)
+        records = [
+            (self.samples[k].id, self.samples[k].source, duplicate_reason(k, first), DUPLICATE_KIND)
+            for k, first in repeats
+        ]
+        records += [(*problem_record(p), INPUT_KIND) for p in self.mine_problems]
+        return [self.samples[k] for k in todo], records
+
+    def pending(self, done: Collection[str], is_recorded: Callable[[tuple], bool]) -> int:
+        """Entries of this rank still to handle: samples to extract, repeats and bad rows not yet recorded."""
+        todo, records = self.work(done)
+        return len(todo) + sum(not is_recorded(r) for r in records)
+
+    def summary(self, config: ExtractConfig) -> ExtractSummary:
+        """The summary of a run of this plan before it starts."""
+        return ExtractSummary(
+            out=str(self.out),
+            model=config.model,
+            rank=self.rank,
+            world_size=self.world_size,
+            total=self.total,
+            assigned=self.assigned,
+            skipped=0,
+            extracted=0,
+            failed=0,
+            features=list(config.spec.names),
+            fingerprint_seconds=self.fingerprint_seconds,
+        )
+
+    def finished(self, config: ExtractConfig) -> ExtractSummary | None:
+        """The "nothing to do" summary when OUT already holds all of this rank's work, read without a lock or
+        a write (a different configuration is refused here); None when there is work, or with
+        ``overwrite``. A finished OUT gets the check a resume would (``resume_check``): what fails it is
+        left to the store, which moves it aside and redoes it, instead of "nothing to do" over a flipped
+        byte."""
+        from vlfast.extraction.store.resume import confirm_hashed, read_state
+
+        if config.overwrite:
+            return None
+        state = read_state(self.out, self.run_config, self.volatile_keys, config.retry)
+        pending = self.pending(state.done, state.error_keys.__contains__)
+        if not pending and not state.damaged and config.resume_check == "full":
+            state.damaged = confirm_hashed(self.out, state, f"r{self.rank:05d}")
+        if pending or state.damaged:
+            return None
+        summary = self.summary(config)
+        summary.skipped, summary.nothing_to_do = self.assigned, True
+        return summary
+
+
+def make_plan(
+    inputs: str | os.PathLike | Sequence[Sample], out: str | os.PathLike, config: ExtractConfig
+) -> RunPlan:
+    """List the input, build the run configuration and check what the model can give; reads only."""
+    from vlfast.extraction.store.format import is_local, resolve_out
+    from vlfast.extraction.store.resume import DEFAULT_VOLATILE_KEYS, dist_info
+
+    rank, world_size = config.rank, config.world_size
+    if rank is None or world_size is None:
+        env_rank, env_world = dist_info()
+        rank = env_rank if rank is None else rank
+        world_size = env_world if world_size is None else world_size
+    out = resolve_out(out, config.storage_options)
+    if not is_local(out):
+        from vlfast.extraction.objstore import probe_out
+
+        probe_out(out)
+    samples, problems = load_inputs(inputs, config.storage_options)
+    family = family_of(config.model)
+    check_llm_request(config.model, config.spec)
+    processor = build_processor_config(
+        config.model,
+        family=family,
+        fps=config.fps,
+        num_frames=config.num_frames,
+        min_pixels=config.min_pixels,
+        max_pixels=config.max_pixels,
+        video_max_pixels=config.video_max_pixels,
+    )
+    from vlfast.extraction.store.fingerprint import weights_fingerprint
+
+    t0 = time.perf_counter()
+    weights = weights_fingerprint(config.model, whole=config.spec.needs_llm)
+    fingerprint_seconds = time.perf_counter() - t0
+    return RunPlan(
+        out=out,
+        samples=list(samples),
+        problems=list(problems),
+        rank=rank,
+        world_size=world_size,
+        family=family,
+        processor=processor,
+        run_config=run_configuration(config, family, processor, weights, world_size),
+        volatile_keys=(*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY),
+        fingerprint_seconds=fingerprint_seconds,
+    )
+
+
+def run_configuration(
+    config: ExtractConfig, family: str, processor: ProcessorConfig, weights: Any, world_size: int
+) -> dict[str, Any]:
+    """run.json's configuration (docs/extract.md): what is computed, and under ``runtime`` how."""
+    from vlfast.extraction.store.writer import library_versions
+
+    model = config.model
+    return {
+        "task": "vlfast.extract",
+        "model": model if model.startswith("ref:") else str(Path(model).resolve()),
+        "model_identity": identity(model, family),
+        "weights": weights,
+        "dtype": str(config.torch_dtype).removeprefix("torch."),
+        "store_dtype": None if config.stored_as is None else str(config.stored_as).removeprefix("torch."),
+        "features": config.spec.to_dict(),
+        "processor": processor.to_dict(),
+        "versions": library_versions(),
+        # The GEMM patch changes the features' bits (up to ~1e-6 relative in float32, more in bfloat16), so a
+        # resume must not mix patched and unpatched samples. Recorded only when unpatched: an OUT written
+        # with the default by a vlfast from before this key was configuration stays resumable.
+        **({} if config.patch_convs else {"patch_convs": False}),
+        RUNTIME_KEY: {
+            "device": str(config.torch_device),
+            "num_workers": config.workers,
+            "max_batch_tokens": config.budget.max_tokens,
+            "world_size": world_size,
+            "decode_timeout": config.decode_timeout,
+            "commit_every": config.commit_every,
+        },
+    }
+
+
+def identity(model: str, family: str) -> dict[str, Any]:
+    """What tower the features come from, from its config alone (before anything is loaded)."""
+    from vlfast.models import vision_config_of, vision_model_class
+
+    cfg = vision_config_of(model)
+    vision_config = cfg.to_dict()
+    for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation"):
+        vision_config.pop(k, None)
+    return {"family": family, "tower_class": vision_model_class(cfg).__name__, "vision_config": vision_config}
+
+
+def check_llm_request(model: str, spec: FeatureSpec) -> None:
+    """Refuse llm features that the model cannot give, from its config alone (exit 2, naming the flag):
+    a reference (a vision tower only) or a ``--layers`` index past the LLM's hidden states."""
+    if not spec.needs_llm:
+        return
+    if model.startswith("ref:"):
+        raise InputRefused(
+            f"{model} is a vision tower only: llm features need a local checkpoint directory "
+            "(drop 'llm' from --features, or pass --model DIR)"
+        )
+    from vlfast.models import load_config
+
+    config = load_config(model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    if not isinstance(n, int):
+        return  # the forward's own check stays (features.compute_llm_features)
+    states = n + 1  # output_hidden_states: the embeddings, then one per layer
+    bad = [layer for layer in spec.layers if not -states <= layer < states]
+    if bad:
+        raise InputRefused(
+            f"--layers {','.join(map(str, bad))}: the language model of {model} has {n} layers, so its "
+            f"hidden states are 0 (the embeddings) to {n}, or -{states} to -1 counting from the last"
+        )
