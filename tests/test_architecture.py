@@ -1,0 +1,106 @@
+"""Rules of the source tree that no linter we use checks: read from the code's syntax, nothing is imported.
+
+The import layers and cycles are import-linter's job (`lint-imports`, contracts in pyproject.toml; `.ci/run`
+runs it). Here: no module reaches into another module's private names, and extraction's functions stay short.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "vlfast"
+LONGEST = 100  # lines a function in vlfast/extraction may take
+
+
+def _module(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _target(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_reach_ins(root: Path = PACKAGE) -> list[str]:
+    """``path:line: module takes other._name`` for each import of, or attribute read of, another module's private name."""
+    src = root.parent
+    modules = {_module(p, src) for p in root.rglob("*.py")}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        me = _module(path, src)
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> vlfast module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _target(node, me, path.name == "__init__.py")
+                if not target.startswith("vlfast"):
+                    continue
+                for a in node.names:
+                    if f"{target}.{a.name}" in modules:  # a submodule, not a name
+                        aliases[a.asname or a.name] = f"{target}.{a.name}"
+                    elif _private(a.name) and target != me:
+                        found.append(f"{path.relative_to(src)}:{node.lineno}: {me} takes {target}.{a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("vlfast") and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and _private(node.attr)
+                and aliases[node.value.id] != me
+            ):
+                found.append(
+                    f"{path.relative_to(src)}:{node.lineno}: {me} takes {aliases[node.value.id]}.{node.attr}"
+                )
+    return found
+
+
+def long_functions(root: Path = PACKAGE / "extraction", limit: int = LONGEST) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {node.name} is {lines} lines")
+    return found
+
+
+def test_no_module_takes_another_modules_private_names():
+    assert private_reach_ins() == []
+
+
+def test_no_function_in_extraction_is_over_100_lines():
+    assert long_functions() == []
+
+
+def test_the_checks_find_what_they_look_for(tmp_path):
+    pkg = tmp_path / "vlfast" / "extraction"
+    pkg.mkdir(parents=True)
+    (tmp_path / "vlfast" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def _helper():\n    pass\n\n\ndef public():\n" + "    x = 1\n" * 101)
+    (pkg / "b.py").write_text(
+        "from vlfast.extraction.a import _helper\n"
+        "from . import a\n"
+        "import vlfast.extraction.a as mod\n"
+        "mod._helper()\n"
+        "a._helper()\n"
+        "from .a import public\n"
+    )
+    found = private_reach_ins(tmp_path / "vlfast")
+    assert len(found) == 3 and all("vlfast.extraction.a._helper" in f for f in found), found
+    assert [f.split(": ", 1)[1] for f in long_functions(pkg)] == ["public is 102 lines"]
