@@ -205,3 +205,11 @@ def test_extract_dispatches_a_validated_config_and_its_plan_to_any_engine(few, t
     s = extract(few, tmp_path / "out", engine=Recorder(), model="ref:qwen3-vl-2b")
     assert seen == [(["gray.png", "rgb.jpg"], 3)] and (s.total, s.assigned) == (2, 2)
     assert not (tmp_path / "out").exists()  # the engine writes OUT, not extract
+
+
+def test_a_misspelt_option_is_named_with_its_fix_before_out_is_written(few, tmp_path, no_model_load):
+    from vlfast import extract
+
+    with pytest.raises(TypeError, match="'featurs'; did you mean 'features'"):
+        extract(few, tmp_path / "out", model="ref:qwen3-vl-2b", featurs="vision")
+    assert not (tmp_path / "out").exists()

@@ -79,13 +79,27 @@ def extract(
     docs/extract.md.
     """
     runner = engine_named(engine)
-    config = runner.configure(ExtractConfig(**options))
+    config = runner.configure(ExtractConfig(**_known(options)))
     plan = make_plan(inputs, out, config)
     finished = plan.finished(config)
     if finished is not None:
         finished.engine = runner.name
         return finished
     return runner.run(plan, config)
+
+
+def _known(options: dict[str, Any]) -> dict[str, Any]:
+    """``options``, once each name is one of ExtractConfig's: a misspelt keyword is named with its fix."""
+    import dataclasses
+    import difflib
+
+    fields = [f.name for f in dataclasses.fields(ExtractConfig) if f.init]
+    for name in options:
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {', '.join(fields)}"
+            raise TypeError(f"extract() got an unexpected keyword argument {name!r}{hint}")
+    return options
 
 
 def extract_ray(
