@@ -66,11 +66,17 @@ def run(
     world_size: int = 1,
     verbose: bool = False,
     compact_every: int | None = None,
+    compact_min_parts: int | None = 8,
 ) -> int:
     """Extract the fake dataset into ``out`` (resuming); returns the number of samples handled."""
     ids: Sequence[str] = sample_ids(n)
     with FeatureStore(
-        out, RUN_CONFIG | {"dim": dim}, rank=rank, world_size=world_size, shard_max_samples=shard_max_samples
+        out,
+        RUN_CONFIG | {"dim": dim},
+        rank=rank,
+        world_size=world_size,
+        shard_max_samples=shard_max_samples,
+        compact_min_parts=compact_min_parts,
     ) as store:
         todo, repeats = plan_positions(ids, rank, world_size, store.done_ids())
         for k, first in repeats:  # what extract records for a repeated id
