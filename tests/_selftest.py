@@ -65,11 +65,18 @@ def run(
     rank: int = 0,
     world_size: int = 1,
     verbose: bool = False,
+    compact_every: int | None = None,
+    compact_min_parts: int | None = 8,
 ) -> int:
     """Extract the fake dataset into ``out`` (resuming); returns the number of samples handled."""
     ids: Sequence[str] = sample_ids(n)
     with FeatureStore(
-        out, RUN_CONFIG | {"dim": dim}, rank=rank, world_size=world_size, shard_max_samples=shard_max_samples
+        out,
+        RUN_CONFIG | {"dim": dim},
+        rank=rank,
+        world_size=world_size,
+        shard_max_samples=shard_max_samples,
+        compact_min_parts=compact_min_parts,
     ) as store:
         todo, repeats = plan_positions(ids, rank, world_size, store.done_ids())
         for k, first in repeats:  # what extract records for a repeated id
@@ -87,6 +94,10 @@ def run(
                 store.add(sid, feats, {"path": f"videos/{sid}.mp4", "n_tokens": feats["tokens"].shape[0]})
             if verbose:
                 print(f"added {k + 1}", flush=True)
+            if compact_every and (k + 1) % compact_every == 0:
+                if verbose:
+                    print("compacting", flush=True)
+                store.compact()
             if sleep:
                 time.sleep(sleep)
     return len(todo)
@@ -142,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per sample, so kills land mid-run")
     p.add_argument("--shard-samples", type=int, default=8)
     p.add_argument("--crash-after", type=int, default=None)
+    p.add_argument("--compact-every", type=int, default=None, help="compact the index after every K samples")
     p.add_argument("--dist", action="store_true", help="init torch.distributed (gloo) from torchrun's env")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
@@ -159,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             rank=rank,
             world_size=world,
             verbose=a.verbose,
+            compact_every=a.compact_every,
         )
         if a.dist:
             torch.distributed.barrier()  # every rank's shards are committed before anyone reports done

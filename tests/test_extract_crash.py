@@ -56,6 +56,39 @@ def test_sigkill_five_times_then_resume_is_bit_identical(tmp_path: Path) -> None
     assert compare_caches(ref, out) == []
     c = FeatureCache(out)
     assert len(c) + sum(e["kind"] == "error" for e in c.errors()) == len(set(sample_ids(N)))
-    # Nothing left over: no temp files, no shard without its index part.
+    _nothing_left_over(out)
+
+
+def _nothing_left_over(out: Path) -> None:
+    """No temp file, no shard without a part pointing at it, no superseded part, no id indexed twice."""
+    import pyarrow.dataset as ds
+
+    from vlfast.extraction.store.format import committed_parts, list_names
+
     assert not [p for p in out.rglob(".tmp*")]
-    assert len(list((out / "shards").iterdir())) == len(list((out / "index").iterdir()))
+    live = committed_parts(out)
+    assert sorted(p.name for p in live) == sorted(list_names(out / "index"))  # nothing superseded left
+    table = ds.dataset(out / "index", format="parquet").to_table(columns=["id", "shard"])
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids))  # pyarrow.dataset over index/ reads each sample once
+    assert set(table.column("shard").to_pylist()) == {f"shards/{p.name}" for p in (out / "shards").iterdir()}
+
+
+def test_sigkill_during_compaction_then_resume_is_bit_identical(tmp_path: Path) -> None:
+    """The driver compacts its index every 30 samples; five kills each land within 30 ms after a compaction
+    starts (while it reads the parts, writes the consolidated one, or deletes what it replaces)."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    r = subprocess.run(_cmd(ref), env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rng = random.Random(int(os.environ.get("VLFAST_CRASH_SEED", "20261122")))
+    cmd = _cmd(out, "-v", "--compact-every", "30")
+    progress = kill_at_random_points(cmd, 5, rng, 0.03, during="compacting")
+    print(f"(pending at start, added when killed) for the 5 kills: {progress}")
+    assert progress[-1][0] < progress[0][0], progress
+    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert compare_caches(ref, out) == []
+    c = FeatureCache(out)
+    assert len(c) + sum(e["kind"] == "error" for e in c.errors()) == len(set(sample_ids(N)))
+    _nothing_left_over(out)
+    assert len(list((out / "index").iterdir())) == 1  # the run's close compacted everything

@@ -155,6 +155,14 @@ def extract(
             "exit 1 if any. Give only OUT.",
         ),
     ] = False,
+    compact: Annotated[
+        bool,
+        typer.Option(
+            "--compact",
+            help="Replace each rank's many index parts by one consolidated part (a finished run does it "
+            "itself; this is for folders written before, or runs stopped before they ended). Give only OUT.",
+        ),
+    ] = False,
     storage_options: Annotated[
         str | None,
         typer.Option(
@@ -243,6 +251,11 @@ def extract(
         if demo or len(paths) != 1:
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
         _verify(paths[0], as_json, _storage_options(storage_options))
+        return
+    if compact:
+        if demo or len(paths) != 1:
+            raise UsageError("with --compact give only OUT, e.g. `vlfast extract --compact OUT`")
+        _compact(paths[0], as_json, _storage_options(storage_options))
         return
     from vlfast.extraction.api import UnexpectedSampleErrors
     from vlfast.extraction.interrupts import EXIT_TERMINATED, Terminated
@@ -464,6 +477,32 @@ def _print_summary(summary, out: str) -> None:
     console.print(
         f"read back with: vlfast.FeatureCache({str(out)!r})", highlight=False, markup=False, soft_wrap=True
     )
+
+
+def _compact(out: str, as_json: bool, storage_options: dict | None) -> None:
+    """``vlfast extract --compact OUT``: one consolidated index part per rank."""
+    from vlfast.extraction.store.compact import compact_folder
+    from vlfast.extraction.store.format import is_local, resolve_out
+
+    path = resolve_out(out, storage_options)
+    if not is_local(path):
+        from vlfast.extraction.objstore import probe_out
+
+        probe_out(path)
+    results = compact_folder(path)
+    if as_json:
+        print_json({"out": out, "ranks": [r.to_dict() for r in results]})
+        return
+    for r in results:
+        if r.skipped:
+            what = f"skipped: {r.skipped}"
+        elif r.part:
+            what = f"{r.replaced} parts -> {r.part} ({r.samples} samples)"
+        else:
+            what = "nothing to compact"
+        if r.deleted:
+            what += f"; {r.deleted} superseded parts deleted"
+        console.print(f"rank {r.rank}: {what}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:

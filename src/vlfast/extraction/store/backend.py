@@ -27,7 +27,6 @@ from vlfast.extraction.store.format import (
     ERROR_DIR,
     INDEX_DIR,
     LOCK_DIR,
-    PART_RE,
     QUARANTINE_DIR,
     SHARD_DIR,
     SHARD_RE,
@@ -37,6 +36,7 @@ from vlfast.extraction.store.format import (
     OutputNotWritable,
     is_local,
     list_names,
+    referenced_shards,
     resolve_out,
 )
 
@@ -341,6 +341,13 @@ class LocalBackend:
             raise
         fsync_dir(path.parent)
 
+    def remove(self, paths: list[Path]) -> None:
+        """Delete ``paths`` (missing ones are skipped), then make the deletions durable."""
+        for p in paths:
+            p.unlink(missing_ok=True)
+        for folder in {p.parent for p in paths}:
+            fsync_dir(folder)
+
     def stage(self, shard: Path, tag: str) -> Path:
         """Where a shard is written before its commit: a temp name beside it, garbage if never renamed."""
         return shard.parent / f".tmp-{tag}-{os.getpid()}-{shard.name}"
@@ -386,7 +393,7 @@ class LocalBackend:
         """Delete temp files and shards without an index part (a crash between the two renames) of the ranks
         ``owns_rank`` gives this store, unless a live process holds that rank."""
         index = self.out / INDEX_DIR
-        committed = {m.group(1, 2) for p in index.iterdir() if (m := PART_RE.match(p.name))}
+        referenced = referenced_shards(self.out)
         garbage: dict[int, list[Path]] = {}
         for folder in (self.out / SHARD_DIR, index, self.out):
             for p in folder.iterdir():
@@ -395,7 +402,7 @@ class LocalBackend:
                     garbage.setdefault(int(m.group(1)), []).append(p)
         for p in (self.out / SHARD_DIR).iterdir():
             m = SHARD_RE.match(p.name)
-            if m and m.group(1, 2) not in committed:
+            if m and not referenced(p.name):
                 # shard renamed but its index part never written: uncommitted, its samples will be redone
                 garbage.setdefault(int(m.group(1)), []).append(p)
         for r, paths in garbage.items():
@@ -452,6 +459,13 @@ class ObjectBackend:
         can say so atomically."""
         put_object(path, data, exclusive)
 
+    def remove(self, paths: list[Any]) -> None:
+        """Delete the objects ``paths`` (missing ones are skipped)."""
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                self.out.fs.rm(p.path)
+            self.out.fs.invalidate_cache(p.path)
+
     def stage(self, shard: Any, tag: str) -> Path:
         fd, name = tempfile.mkstemp(prefix=f"vlfast-{tag}-", suffix=".safetensors")
         os.close(fd)
@@ -504,11 +518,11 @@ class ObjectBackend:
         way, so only orphans older than ``ORPHAN_AGE`` seconds go; younger ones wait for a later run.
         Readers never see orphans either way: they follow index parts only.
         """
-        committed = {m.group(1, 2) for n in list_names(self.out / INDEX_DIR) if (m := PART_RE.match(n))}
+        referenced = referenced_shards(self.out)
         now = time.time()
         for name in list_names(self.out / SHARD_DIR):
             m = SHARD_RE.match(name)
-            if not m or m.group(1, 2) in committed or not owns_rank(int(m.group(1))):
+            if not m or referenced(name) or not owns_rank(int(m.group(1))):
                 continue
             shard = self.out / SHARD_DIR / name
             modified = _modified(shard)

@@ -24,7 +24,7 @@ from vlfast.extraction.objstore import is_local_fs, is_url, url_path
 # TRANSIENT_PREFIX: how the reason of a "transient" failure begins (add_error infers the kind from it); it
 # is objstore's, which raises those errors, and is re-exported here for the store's readers.
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: index/ may hold consolidated parts (compaction); 2 and 1 are still read
 RUN_FILE = "run.json"
 SHARD_DIR = "shards"
 INDEX_DIR = "index"
@@ -36,6 +36,8 @@ CHECK_FILE = "checked.json"  # parts whose shards passed a full check, with the 
 SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
 # The 16 hex digits are the xxh3-64 of the part file itself (absent in format 1).
 PART_RE = re.compile(r"^part-r(\d{5})-(\d{6})(?:-([0-9a-f]{16}))?\.parquet$")
+# A consolidated part (compaction): the rows of several parts of one rank, sequence numbers first..last.
+COMPACT_RE = re.compile(r"^part-r(\d{5})-(\d{6})-(\d{6})-([0-9a-f]{16})\.parquet$")
 TMP_RE = re.compile(r"^\.tmp-r(\d{5})-")
 # errors-r{rank}.jsonl locally; errors-r{rank}-{session}.jsonl on object storage, which cannot append.
 ERRORS_RE = re.compile(r"^errors-r(\d{5})(?:-[0-9A-Za-z]+)?\.jsonl$")
@@ -46,6 +48,10 @@ META_CONFIG = b"vlfast.config"  # canonical JSON of the run configuration withou
 META_CONFIG_HASH = b"vlfast.config_hash"  # sha256 of META_CONFIG
 META_SHARD_BYTES = b"vlfast.shard_bytes"  # size of the shard file
 META_SHARD_HEADER = b"vlfast.shard_header_xxh3"  # xxh3-64 of the shard's 8-byte length + JSON header
+# Consolidated parts (format 3) instead of the two keys above: every shard their rows point at, and the parts
+# they replace (a reader ignores those while both exist: a crash between the commit and the deletions).
+META_SHARDS = b"vlfast.shards"  # canonical JSON {"shards/NAME": [size, header xxh3]}
+META_SUPERSEDES = b"vlfast.supersedes"  # canonical JSON list of part names, sorted
 
 # The one dtype table: torch's dtype name (as the index stores it) -> safetensors' header code. What a shard
 # can hold; ``add`` refuses anything else, the checks compare headers with it, the reader maps codes back.
@@ -226,6 +232,7 @@ def config_hash(stable: dict) -> str:
 
 
 def read_run_file(out: Path) -> dict:
+    """run.json, parsed; refused if a newer vlfast wrote it (its format_version is higher than ours)."""
     path = out / RUN_FILE
     if not is_local(path):
         path.fs.invalidate_cache(path.path)  # another rank may have written it since we last looked
@@ -263,10 +270,111 @@ def shard_of_part(part: Path) -> Path:
     return part.parent.parent / SHARD_DIR / f"shard-r{m.group(1)}-{m.group(2)}.safetensors"
 
 
+def compact_part_name(rank: int, first: int, last: int, digest: str) -> str:
+    return f"part-r{rank:05d}-{first:06d}-{last:06d}-{digest}.parquet"
+
+
+def is_part_name(name: str) -> bool:
+    """Whether ``name`` is an index part's: one shard's, or a consolidated one."""
+    return bool(PART_RE.match(name) or COMPACT_RE.match(name))
+
+
+def is_consolidated(part: Path) -> bool:
+    return COMPACT_RE.match(part.name) is not None
+
+
+def part_span(name: str) -> tuple[int, int, int] | None:
+    """(rank, first seq, last seq) of a part's name: first == last for one shard's part."""
+    m = PART_RE.match(name)
+    if m is not None:
+        return int(m.group(1)), int(m.group(2)), int(m.group(2))
+    m = COMPACT_RE.match(name)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m is not None else None
+
+
+def read_part_footer(part: Path) -> dict[bytes, bytes] | None:
+    """A consolidated part's key-value metadata from its Parquet footer alone (the end of the file: on object
+    storage two small ranged reads), or None if it cannot be read. Not checked against the part's
+    checksum: whoever reads the part's rows checks that, and a damaged part is then moved aside."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if is_local(part):
+            meta = pq.read_metadata(str(part))
+        else:
+            with part.fs.open(part.path, "rb") as f:
+                meta = pq.read_metadata(f)
+        return dict(meta.metadata or {})
+    except (OSError, ValueError, pa.ArrowException):
+        return None
+
+
+def consolidated_info(part: Path) -> tuple[dict[str, list], list[str]] | None:
+    """({"shards/NAME": [size, header xxh3]}, names it supersedes) of a consolidated part, from its footer;
+    None if unreadable."""
+    raw = read_part_footer(part)
+    try:
+        return json.loads(raw[META_SHARDS]), list(json.loads(raw[META_SUPERSEDES]))
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def live_part_names(index: Path, names: Collection[str]) -> list[str]:
+    """The parts a reader follows, sorted by name (so by rank, then sequence number): every part but those a
+    consolidated part present supersedes. A consolidated part whose footer is unreadable supersedes
+    nothing: the parts it replaced, while they exist, are read instead, and it is reported as damaged."""
+    parts = sorted(n for n in names if is_part_name(n))
+    superseded: set[str] = set()
+    for name in parts:
+        if COMPACT_RE.match(name):
+            info = consolidated_info(index / name)
+            if info is not None:
+                superseded.update(info[1])
+    return [n for n in parts if n not in superseded]
+
+
 def committed_parts(out: Path) -> list[Path]:
-    """Committed index parts, sorted by (rank, seq)."""
+    """Committed index parts a reader follows, sorted by (rank, seq): see :func:`live_part_names`."""
     index = out / INDEX_DIR
-    return [index / name for name in sorted(list_names(index)) if PART_RE.match(name)]
+    return [index / name for name in live_part_names(index, list_names(index))]
+
+
+def part_shards(part: Path, meta: dict[str, Any]) -> dict[str, tuple[int | None, str | None]]:
+    """Shard (path relative to OUT) -> (size, header xxh3) as written, for every shard ``part`` points at."""
+    if meta.get("shards") is not None:
+        return {s: (v[0], v[1]) for s, v in meta["shards"].items()}
+    shard = shard_of_part(part)
+    return {f"{SHARD_DIR}/{shard.name}": (meta["shard_bytes"], meta["shard_header_xxh3"])}
+
+
+def referenced_shards(out: Path, exclude: str | None = None) -> Any:
+    """A test ``(shard name) -> bool``: is the shard pointed at by a part present in index/ (live or not)?
+    Garbage cleaning deletes the others. A consolidated part whose footer cannot be read protects every
+    shard of its rank in its sequence range, so damage to it never gets its shards deleted. ``exclude``: a
+    part name not to count."""
+    index = out / INDEX_DIR
+    names: set[str] = set()
+    ranges: list[tuple[int, int, int]] = []
+    for name in list_names(index):
+        if name == exclude:
+            continue
+        if PART_RE.match(name):
+            names.add(shard_of_part(index / name).name)
+        elif COMPACT_RE.match(name):
+            info = consolidated_info(index / name)
+            if info is None:
+                ranges.append(part_span(name))
+            else:
+                names.update(s.rsplit("/", 1)[-1] for s in info[0])
+
+    def referenced(shard: str) -> bool:
+        if shard in names:
+            return True
+        m = SHARD_RE.match(shard)
+        return m is not None and any(r == int(m.group(1)) and a <= int(m.group(2)) <= b for r, a, b in ranges)
+
+    return referenced
 
 
 def read_index_part(part: Path, columns: Sequence[str] | None = None):
@@ -303,7 +411,10 @@ def part_meta(table) -> dict[str, Any]:
 
     shard_bytes = get(META_SHARD_BYTES)
     config = get(META_CONFIG)
+    shards, supersedes = get(META_SHARDS), get(META_SUPERSEDES)
     return {
+        "shards": json.loads(shards) if shards is not None else None,  # consolidated parts only
+        "supersedes": json.loads(supersedes) if supersedes is not None else [],
         "format_version": int(get(META_FORMAT) or 1),
         "config": json.loads(config) if config is not None else None,
         "config_hash": get(META_CONFIG_HASH),
@@ -320,7 +431,7 @@ REDO_HINT = (
 
 
 def _redo_hint(part: Path) -> str:
-    shard = shard_of_part(part).name if PART_RE.match(part.name) else "its shard"
+    shard = shard_of_part(part).name if PART_RE.match(part.name) else "the shards it points at"
     return f"{REDO_HINT[:-1]} (or delete it and {shard})."
 
 

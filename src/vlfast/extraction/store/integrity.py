@@ -34,6 +34,7 @@ from typing import Any
 
 from vlfast.extraction.store.format import (
     CHECK_FILE,
+    COMPACT_RE,
     DTYPES,
     PART_RE,
     SHARD_DIR,
@@ -43,8 +44,10 @@ from vlfast.extraction.store.format import (
     committed_parts,
     config_hash,
     error_files,
+    is_consolidated,
     is_local,
     part_meta,
+    part_shards,
     read_error_file,
     read_header,
     read_index_part,
@@ -81,10 +84,14 @@ class PartCheck:
     format_version: int = 2
     config: dict | None = None  # the run configuration the part was made with (format 2)
     config_hash: str | None = None
+    shards: list[str] = field(default_factory=list)  # the shards it points at, relative to OUT
+    row_shards: list[str] = field(default_factory=list)  # each id's shard, relative to OUT (parallel to ids)
+    # a consolidated part's damaged shards (relative to OUT) -> what is wrong: only their samples are redone
+    bad_shards: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return self.problem is None and not self.bad
+        return self.problem is None and not self.bad and not self.bad_shards
 
 
 def _header_ids(shard: Path) -> list[str]:
@@ -182,12 +189,15 @@ def open_shard(path: Any) -> _LocalShard | RemoteShard:
 
 
 def check_part(part: Path, *, data: bool = True) -> PartCheck:
-    """Check one index part and the shard it points at; never raises for damage, only reports it."""
-    shard = shard_of_part(part)
+    """Check one index part and every shard it points at; never raises for damage, only reports it. A
+    consolidated part's shards are judged one by one (``PartCheck.bad_shards``), so damage in one of them
+    costs that shard's samples only."""
+    consolidated = is_consolidated(part)
+    shard = part if consolidated else shard_of_part(part)
     try:
         table = read_index_part(part)
     except DamagedFile as e:
-        return PartCheck(part, shard, _header_ids(shard), problem=str(e))
+        return PartCheck(part, shard, [] if consolidated else _header_ids(shard), problem=str(e))
     meta = part_meta(table)
     ids = table.column("id").to_pylist()
     check = PartCheck(
@@ -198,45 +208,77 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
         config=meta["config"],
         config_hash=meta["config_hash"],
     )
-    shards = set(table.column("shard").to_pylist())
-    if shards and shards != {f"{SHARD_DIR}/{shard.name}"}:
-        check.problem = (
-            f"index part {part.name} points at {sorted(shards)}, not at its own shard {shard.name}"
-        )
+    check.row_shards = table.column("shard").to_pylist()
+    expected = part_shards(part, meta)
+    check.shards = sorted(expected)
+    stray = sorted(set(check.row_shards) - set(expected))
+    if stray:
+        what = "the shards its metadata lists" if consolidated else f"its own shard {shard.name}"
+        check.problem = f"index part {part.name} points at {stray}, not at {what}"
         return check
     rows = table.column("features").to_pylist()
+    by_shard: dict[str, list[int]] = {}
+    for k, rel in enumerate(check.row_shards):
+        by_shard.setdefault(rel, []).append(k)
+    for rel, (size, header_hash) in expected.items():
+        keep = by_shard.get(rel, [])
+        problem = _check_shard(
+            check,
+            part.parent.parent / rel,
+            [ids[k] for k in keep],
+            [rows[k] for k in keep],
+            size,
+            header_hash,
+            data,
+        )
+        if problem is not None:
+            if not consolidated:
+                check.problem = problem
+                return check
+            check.bad_shards[rel] = problem
+    return check
+
+
+def _check_shard(
+    check: PartCheck,
+    shard: Path,
+    ids: list[str],
+    rows: list,
+    shard_bytes: int | None,
+    header_hash: str | None,
+    data: bool,
+) -> str | None:
+    """One shard against what its part recorded: the problem with it as a whole, if any; damaged tensors
+    are added to ``check.bad`` (and, in a consolidated part, make the shard bad)."""
     try:
         with open_shard(shard) as f:
             size = f.size
-            if meta["shard_bytes"] is not None and size != meta["shard_bytes"]:
-                check.problem = (
-                    f"shard {shard} is {size:,} bytes but was written with {meta['shard_bytes']:,}: "
-                    "truncated or replaced"
-                )
-                return check
+            if shard_bytes is not None and size != shard_bytes:
+                return f"shard {shard} is {size:,} bytes but was written with {shard_bytes:,}: truncated or replaced"
             data_start, raw_header, header = f.header()
-            if meta["shard_header_xxh3"] is not None and xxh3(raw_header) != meta["shard_header_xxh3"]:
-                check.problem = f"shard {shard} has a damaged header (checksum mismatch)"
-                return check
+            if header_hash is not None and xxh3(raw_header) != header_hash:
+                return f"shard {shard} has a damaged header (checksum mismatch)"
             header_ids = json.loads(header.get("__metadata__", {}).get("ids", "null") or "null")
             if header_ids is not None and header_ids != ids:
-                check.problem = f"shard {shard} holds other samples than its index part lists"
-                return check
+                return f"shard {shard} holds other samples than its index part lists"
             problem = _layout_problem(rows, ids, header, data_start, size)
             if problem:
-                check.problem = f"shard {shard}: {problem}"
-                return check
+                return f"shard {shard}: {problem}"
             if data and check.format_version >= 2 and size > 0:
                 flat = [(sid, feat) for sid, feats in zip(ids, rows) for feat in feats]
+                bad = []
                 for (sid, feat), digest in zip(flat, f.hash_tensors([feat for _, feat in flat])):
                     if digest != feat["xxh3"]:
-                        check.bad.append((sid, feat["name"]))
+                        bad.append((sid, feat["name"]))
                     check.checked_bytes += feat["nbytes"]
+                check.bad.extend(bad)
+                if bad and is_consolidated(check.part):
+                    return f"shard {shard}: {len(bad)} tensors fail their checksum: {bad[:5]}"
     except FileNotFoundError:
-        check.problem = f"shard {shard} is missing"
+        return f"shard {shard} is missing"
     except (OSError, ValueError) as e:
-        check.problem = f"shard {shard} is unreadable: {e}"
-    return check
+        return f"shard {shard} is unreadable: {e}"
+    return None
 
 
 def _layout_problem(rows: list, ids: list[str], header: dict, data_start: int, size: int) -> str | None:
@@ -301,30 +343,13 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
             # What this scan finds is what the next run must act on: a damaged part loses its record (even if
             # its shard's stamp did not change: decay under the filesystem), a sound one gains it.
             if check.ok:
-                record.hashed(part)
+                record.hashed(part, check.shards)
             else:
                 record.forget(part)
             report.parts += 1
             report.samples += len(check.ids)
             report.bytes_checked += check.checked_bytes
-            # shards/NAME: not relative_to, which keeps a URL's scheme on universal_pathlib 0.2
-            shard = f"{check.shard.parent.name}/{check.shard.name}"
-            if check.problem is not None:
-                report.bad_parts.append(
-                    {"part": part.name, "shard": shard, "reason": check.problem, "samples": len(check.ids)}
-                )
-                report.bad_samples.extend(
-                    {"id": sid, "shard": shard, "feature": "*", "reason": check.problem} for sid in check.ids
-                )
-            for sid, feature in check.bad:
-                report.bad_samples.append(
-                    {
-                        "id": sid,
-                        "shard": shard,
-                        "feature": feature,
-                        "reason": "bytes do not match their checksum",
-                    }
-                )
+            _report_damage(report, check)
             if check.problem is None and check.format_version < 2:
                 report.unverifiable_parts += 1
             if check.config_hash is not None and check.config_hash != expected_hash:
@@ -337,6 +362,38 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
         report.damaged_error_lines += read_error_file(path)[1]
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _report_damage(report: CheckReport, check: PartCheck) -> None:
+    """Add what ``check`` found wrong to ``report``: bad parts and shards with their samples, bad tensors."""
+    # shards/NAME: not relative_to, which keeps a URL's scheme on universal_pathlib 0.2
+    own = f"{check.shard.parent.name}/{check.shard.name}"
+    if check.problem is not None:
+        report.bad_parts.append(
+            {"part": check.part.name, "shard": own, "reason": check.problem, "samples": len(check.ids)}
+        )
+        report.bad_samples.extend(
+            {"id": sid, "shard": own, "feature": "*", "reason": check.problem} for sid in check.ids
+        )
+    shard_of = dict(zip(check.ids, check.row_shards)) if check.row_shards else {}
+    for rel, problem in check.bad_shards.items():
+        ids = [sid for sid, s in zip(check.ids, check.row_shards) if s == rel]
+        report.bad_parts.append(
+            {"part": check.part.name, "shard": rel, "reason": problem, "samples": len(ids)}
+        )
+        if "fail their checksum" not in problem:
+            report.bad_samples.extend(
+                {"id": sid, "shard": rel, "feature": "*", "reason": problem} for sid in ids
+            )
+    for sid, feature in check.bad:
+        report.bad_samples.append(
+            {
+                "id": sid,
+                "shard": shard_of.get(sid, own),
+                "feature": feature,
+                "reason": "bytes do not match their checksum",
+            }
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -378,7 +435,7 @@ class HashRecord:
                 pass  # read-only: rely on an earlier record, write none
         self._stamps = _shard_stamps(out, since)
         old = self._read()
-        self._entries = {p: st for p, st in old.items() if st == self._stamps.get(_shard_name(p))}
+        self._entries = {p: st for p, st in old.items() if self._current(p, st)}
         self._changed = len(self._entries) != len(old)
         self._forgotten: set[str] = set()
 
@@ -386,9 +443,24 @@ class HashRecord:
         """Whether ``part``'s shard passed a full check and is untouched since (no need to hash it again)."""
         return part.name in self._entries
 
-    def hashed(self, part: Path) -> None:
-        """``part`` and its shard just passed a full check."""
-        stamp = self._stamps.get(_shard_name(part.name))
+    def _current(self, part_name: str, stamp: str) -> bool:
+        """Whether the recorded ``stamp`` of a part is still its shards' stamp now."""
+        if COMPACT_RE.match(part_name):
+            names = [x.split("=", 1)[0] for x in stamp.split(";")]
+            return stamp == self._stamp_of(names)
+        return stamp == self._stamps.get(_shard_name(part_name))
+
+    def _stamp_of(self, shards: list[str]) -> str | None:
+        """A consolidated part's stamp: every shard's (names, not paths), or None if one has none."""
+        stamps = [(n, self._stamps.get(n)) for n in sorted(shards)]
+        return ";".join(f"{n}={st}" for n, st in stamps) if all(st for _, st in stamps) else None
+
+    def hashed(self, part: Path, shards: list[str] | None = None) -> None:
+        """``part`` and its shards (relative to OUT; required for a consolidated part) passed a full check."""
+        if is_consolidated(part):
+            stamp = self._stamp_of([s.rsplit("/", 1)[-1] for s in shards or []]) if shards else None
+        else:
+            stamp = self._stamps.get(_shard_name(part.name))
         if stamp is not None and self._entries.get(part.name) != stamp:
             self._entries[part.name] = stamp
             self._changed = True
@@ -407,7 +479,7 @@ class HashRecord:
                 merged = {
                     p: st
                     for p, st in self._read().items()
-                    if st == self._stamps.get(_shard_name(p)) and p not in self._forgotten
+                    if self._current(p, st) and p not in self._forgotten
                 }
                 merged.update(self._entries)
                 doc = {"format": "vlfast-checked", "parts": dict(sorted(merged.items()))}

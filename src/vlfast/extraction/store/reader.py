@@ -38,6 +38,7 @@ from vlfast.extraction.store.format import (
     index_schema,
     is_local,
     part_meta,
+    part_shards,
     read_errors,
     read_header,
     read_index_part,
@@ -83,22 +84,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self._config_hash = expected = config_hash(
             stable_config(self._run.get("config", {}), self._run.get("volatile_keys", []))
         )
-        parts = committed_parts(self.out)
-        tables = []
-        self._shard_bytes: dict[str, int | None] = {}  # shard path -> its size when written (format 2)
-        header_hash: dict[str, str | None] = {}  # shard path -> xxh3 of its header when written (format 2)
-        for part in parts:
-            table = read_index_part(part)
-            meta = part_meta(table)
-            if meta["config_hash"] is not None and meta["config_hash"] != expected:
-                raise DamagedFile(
-                    f"index part {part} was made with another configuration than {self.out / 'run.json'}: "
-                    "the folder mixes two runs. Run `vlfast extract --verify` on it to see what else differs."
-                )
-            for shard in set(table.column("shard").to_pylist()):
-                self._shard_bytes[shard] = meta["shard_bytes"]
-                header_hash[shard] = meta["shard_header_xxh3"]
-            tables.append(table.replace_schema_metadata(None))
+        tables, self._shard_bytes, header_hash = _read_parts(self.out, expected)
         if tables:
             table = pa.concat_tables(tables, promote_options="default")
         else:
@@ -338,6 +324,39 @@ class FeatureCache(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         return state
+
+
+def _read_parts(out: Any, expected: str) -> tuple[list, dict[str, int | None], dict[str, str | None]]:
+    """Every live index part as a table, with each shard's size and header checksum as written. A part that
+    disappears while it is read (a writer compacting its rank: the parts a consolidated part replaces are
+    deleted once it is committed) makes the listing be taken again."""
+    for attempt in range(5):
+        tables, sizes, headers = [], {}, {}
+        try:
+            for part in committed_parts(out):
+                try:
+                    table = read_index_part(part)
+                except DamagedFile:
+                    if attempt < 4 and not part.exists():
+                        raise _Relist from None
+                    raise
+                meta = part_meta(table)
+                if meta["config_hash"] is not None and meta["config_hash"] != expected:
+                    raise DamagedFile(
+                        f"index part {part} was made with another configuration than {out / 'run.json'}: the "
+                        "folder mixes two runs. Run `vlfast extract --verify` on it to see what else differs."
+                    )
+                for shard, (size, header) in part_shards(part, meta).items():
+                    sizes[shard], headers[shard] = size, header
+                tables.append(table.replace_schema_metadata(None))
+        except _Relist:
+            continue
+        return tables, sizes, headers
+    raise AssertionError("unreachable")  # the last attempt raises instead of listing again
+
+
+class _Relist(Exception):
+    pass
 
 
 def _local_header(path: Any, size: int) -> bytes:

@@ -37,6 +37,7 @@ from vlfast.extraction.store.format import (
     config_hash,
     done_by_error,
     error_key,
+    is_consolidated,
     is_local,
     part_meta,
     read_errors,
@@ -95,7 +96,9 @@ class RunConfigMismatch(InputRefused):
         if not lines:
             lines = [f"  {self.where} carries another configuration hash"]
         if self.foreign is not None:
-            shard = shard_of_part(self.foreign)
+            shard = (
+                "the shards it points at" if is_consolidated(self.foreign) else shard_of_part(self.foreign)
+            )
             return (
                 f"{self.out} mixes two extractions: {RUN_FILE} agrees with this run, but an index part does not:\n"
                 + "\n".join(lines)
@@ -303,8 +306,9 @@ def confirm_hashed(out: str | os.PathLike, state: OutState, tag: str = "r00000")
         for part in state.sound:
             if record.vouches(part):
                 continue
-            if check_part(part, data=True).ok:
-                record.hashed(part)
+            check = check_part(part, data=True)
+            if check.ok:
+                record.hashed(part, check.shards)
             else:
                 failed.append(part.name)
     finally:

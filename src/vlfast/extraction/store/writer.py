@@ -33,6 +33,7 @@ from vlfast._files import honour_umask
 from vlfast.errors import InputRefused
 from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.store.backend import backend_for, disk_full, rank_is_held
+from vlfast.extraction.store.compact import CLOSE_MIN_PARTS, Compaction, compact_rank
 from vlfast.extraction.store.format import (
     CHECK_FILE,
     DUPLICATE_KIND,
@@ -47,7 +48,6 @@ from vlfast.extraction.store.format import (
     META_FORMAT,
     META_SHARD_BYTES,
     META_SHARD_HEADER,
-    PART_RE,
     QUARANTINE_DIR,
     RUN_FILE,
     SHARD_DIR,
@@ -67,9 +67,12 @@ from vlfast.extraction.store.format import (
     error_key,
     error_line,
     index_schema,
+    is_consolidated,
+    is_part_name,
     list_names,
     parse_retry,
     part_name,
+    part_span,
     read_errors,
     read_header,
     read_index_part,
@@ -81,6 +84,7 @@ from vlfast.extraction.store.format import (
     xxh3,
 )
 from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
+from vlfast.extraction.store.repair import quarantine_consolidated
 from vlfast.extraction.store.resume import (
     DEFAULT_VOLATILE_KEYS,
     OutState,
@@ -191,6 +195,7 @@ class FeatureStore:
         volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
         resume_check: str = "full",
         retry_errors: str | Collection[str] | None = None,
+        compact_min_parts: int | None = CLOSE_MIN_PARTS,
     ):
         if not isinstance(run_config, Mapping):
             raise InputRefused(f"run_config must be a dict, got {type(run_config).__name__}")
@@ -211,6 +216,9 @@ class FeatureStore:
         self.rank, self.world_size = rank, world_size
         self.shard_max_bytes, self.shard_max_samples = int(shard_max_bytes), int(shard_max_samples)
         self.commit_every = commit_every
+        # close() compacts this rank's index once it has this many live parts (None or 0: never)
+        self.compact_min_parts = compact_min_parts
+        self.compaction: Compaction | None = None  # what close() compacted
         self.volatile_keys = frozenset(volatile_keys)
         self.run_config = canonical_config(dict(run_config))
         self._stable = stable_config(self.run_config, self.volatile_keys)
@@ -266,7 +274,7 @@ class FeatureStore:
             # start) under the old config, never index parts pointing at deleted shards, and never old data
             # that a run with the new config would take for its own.
             owned = {
-                INDEX_DIR: lambda n: bool(PART_RE.match(n) or TMP_RE.match(n)),
+                INDEX_DIR: lambda n: bool(is_part_name(n) or TMP_RE.match(n)),
                 SHARD_DIR: lambda n: bool(SHARD_RE.match(n) or TMP_RE.match(n)),
                 ERROR_DIR: lambda n: n.startswith("errors-r") and n.endswith(".jsonl"),
                 QUARANTINE_DIR: lambda n: True,
@@ -330,24 +338,14 @@ class FeatureStore:
             for k, part in enumerate(parts):
                 if split and k % self.world_size != self.rank:
                     continue
-                data = record is not None and not record.vouches(part)
-                check = check_part(part, data=data)
-                if (
-                    check.problem is None
-                    and check.config is not None
-                    and check.config_hash != self.config_hash
-                ):
-                    raise RunConfigMismatch(
-                        self.out, self._diffs(check.config), where=str(part), foreign=part
-                    )
-                if not check.ok:
-                    bad[k] = True
-                    self._quarantine(check)
-                else:  # its ids are read: no need to read the part again in _refresh_committed
-                    if data:
-                        record.hashed(part)
-                    self._committed.update(check.ids)
-                    self._parts_read.add(part.name)
+                bad[k] = not self._check_one(part, record)
+            # Parts that appeared meanwhile: those a damaged consolidated part hid (the parts it replaced,
+            # read again now that it is moved aside), or another rank's commit. Every rank checks them.
+            seen = {p.name for p in parts}
+            for part in committed_parts(self.out):
+                fresh = part.name not in seen and part.name not in self._parts_read
+                if fresh and not self._check_one(part, record):
+                    self._bad_parts.add(part.name)
         finally:
             if record is not None:
                 record.save()
@@ -355,7 +353,25 @@ class FeatureStore:
             flags = torch.tensor(bad, dtype=torch.uint8)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
             bad = [bool(v) for v in flags.tolist()]
-        self._bad_parts = {p.name for p, b in zip(parts, bad) if b}
+        self._bad_parts |= {p.name for p, b in zip(parts, bad) if b}
+
+    def _check_one(self, part: Path, record: HashRecord | None) -> bool:
+        """Check one part (refusing another configuration's); take in its ids if sound, else move the damage
+        aside (and take in the ids that stay committed). Returns whether it was sound."""
+        data = record is not None and not record.vouches(part)
+        check = check_part(part, data=data)
+        if check.problem is None and check.config is not None and check.config_hash != self.config_hash:
+            raise RunConfigMismatch(self.out, self._diffs(check.config), where=str(part), foreign=part)
+        if check.ok:  # its ids are read: no need to read the part again in _refresh_committed
+            if data:
+                record.hashed(part, check.shards)
+            self._committed.update(check.ids)
+            self._parts_read.add(part.name)
+            return True
+        if not part.exists():
+            return True  # replaced meanwhile by another rank's compaction: its successor is read instead
+        self._quarantine(check)
+        return False
 
     def _same_on_all_ranks(self, n: int) -> bool:
         t = torch.tensor([n, -n], dtype=torch.int64)
@@ -363,21 +379,31 @@ class FeatureStore:
         return int(t[0]) == -int(t[1])
 
     def _quarantine(self, check: PartCheck) -> None:
-        """Move a damaged part and its shard to OUT/quarantine/<part>/.
+        """Move a damaged part and its shard to OUT/quarantine/<part>/ (a consolidated part: repair.py).
 
         The shard goes first: a kill between the two moves leaves a part whose shard is missing, which the
         next start moves aside in turn, instead of an orphan shard that garbage cleaning would delete.
         """
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._backend.instance}"
         dest = self.out / QUARANTINE_DIR / f"{check.part.stem}-{stamp}"
-        self._backend.make_quarantine(dest)
-        reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
-        record = {"part": check.part.name, "shard": check.shard.name, "reason": reason, "ids": check.ids}
-        self._backend.write(dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag)
-        self._backend.quarantine(dest, (check.shard, check.part))
+        if is_consolidated(check.part):
+            record, kept, new = quarantine_consolidated(self.out, self._backend, check, dest, self._tag)
+            self._committed.update(kept)
+            if new is not None:
+                self._parts_read.add(new)
+            reason = record["reason"]
+        else:
+            self._backend.make_quarantine(dest)
+            reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
+            record = {"part": check.part.name, "shard": check.shard.name, "reason": reason, "ids": check.ids}
+            self._backend.write(
+                dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag
+            )
+            self._backend.quarantine(dest, (check.shard, check.part))
         self.quarantined.append({**record, "moved_to": str(dest)})
         warnings.warn(
-            f"{check.part.name}: {reason}; moved to {dest}, its {len(check.ids)} samples will be extracted again",
+            f"{check.part.name}: {reason}; moved to {dest}, its {len(record['ids'])} samples will be extracted "
+            "again",
             stacklevel=3,
         )
 
@@ -394,12 +420,14 @@ class FeatureStore:
 
     def _next_seq(self) -> int:
         seqs = [-1]
-        folders = [(self.out / SHARD_DIR, SHARD_RE), (self.out / INDEX_DIR, PART_RE)]
-        for folder, rx in folders:
-            for name in list_names(folder):
-                m = rx.match(name)
-                if m and int(m.group(1)) == self.rank:
-                    seqs.append(int(m.group(2)))
+        for name in list_names(self.out / SHARD_DIR):
+            m = SHARD_RE.match(name)
+            if m and int(m.group(1)) == self.rank:
+                seqs.append(int(m.group(2)))
+        for name in list_names(self.out / INDEX_DIR):
+            span = part_span(name)
+            if span is not None and span[0] == self.rank:
+                seqs.append(span[2])
         # A quarantined shard's number is never reused either, so its name stays unique.
         for name in self._backend.quarantined_shards():
             m = SHARD_RE.match(name)
@@ -610,9 +638,32 @@ class FeatureStore:
         try:
             if not self._full:
                 self.flush()
+                self._compact()
         finally:
             self._closed = True
             self._release()
+
+    def _compact(self) -> None:
+        if self.compact_min_parts:
+            self.compact(self.compact_min_parts)
+
+    def compact(self, min_parts: int = 2) -> Compaction:
+        """Commit what is buffered, then replace this rank's live index parts by one consolidated part if
+        there are at least ``min_parts`` (compact.py); ``close`` does it with ``compact_min_parts``. A full
+        disk raises OutputFull and leaves the parts as they were."""
+        self.flush()
+        with commit_section():
+            try:
+                self.compaction = compact_rank(
+                    self.out, self.rank, self._backend, min_parts=min_parts, tag=f"{self._tag}-{os.getpid()}"
+                )
+            except OutputFull:
+                self._full = True
+                raise
+        # what it replaced is read: the consolidated part needs no reading by _refresh_committed
+        if self.compaction.part is not None:
+            self._parts_read.add(self.compaction.part)
+        return self.compaction
 
     def __enter__(self) -> FeatureStore:
         return self

@@ -1,0 +1,203 @@
+"""Compaction of index parts (store/compact.py): one consolidated part per rank, committed before the parts it
+replaces are deleted; a damaged consolidated part is moved aside and rebuilt from them while they exist; a
+full disk while compacting leaves the folder as it was; on object storage the same order of writes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from _selftest import RUN_CONFIG, compare_caches, run
+from vlfast.cli.main import app
+from vlfast.extraction import FeatureCache
+from vlfast.extraction.store.backend import LocalBackend
+from vlfast.extraction.store.compact import compact_rank
+from vlfast.extraction.store.format import COMPACT_RE, PART_RE, OutputFull, committed_parts, read_run_file
+from vlfast.extraction.store.writer import FeatureStore
+
+N = 120  # with shards of 6: about 20 parts
+
+
+def _out(tmp_path: Path, name: str = "out", **kw) -> Path:
+    out = tmp_path / name
+    run(str(out), N, shard_max_samples=6, **kw)
+    return out
+
+
+def _uncompacted(tmp_path: Path, name: str = "raw") -> Path:
+    """An OUT as written before compaction existed: many small parts (the store told not to compact)."""
+    out = tmp_path / name
+    run(str(out), N, shard_max_samples=6, compact_min_parts=None)
+    return out
+
+
+def _names(out: Path, rx) -> list[str]:
+    return sorted(p.name for p in (out / "index").iterdir() if rx.match(p.name))
+
+
+def test_close_compacts_and_reads_the_same(tmp_path):
+    raw = _uncompacted(tmp_path)
+    assert len(_names(raw, PART_RE)) > 15 and not _names(raw, COMPACT_RE)
+    out = _out(tmp_path)  # the same samples, compacted by the store's close
+    assert _names(out, PART_RE) == [] and len(_names(out, COMPACT_RE)) == 1
+    assert compare_caches(raw, out) == []
+    assert read_run_file(out)["format_version"] == 3
+    assert FeatureCache(out).check().ok
+    # a resume over it: nothing to redo, nothing duplicated
+    assert run(str(out), N, shard_max_samples=6) == 0
+    assert compare_caches(raw, out) == []
+
+
+def test_cli_compacts_an_old_folder(tmp_path):
+    raw = _uncompacted(tmp_path)
+    ref = _uncompacted(tmp_path, "ref")
+    r = CliRunner().invoke(app, ["extract", "--compact", str(raw), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["ranks"][0]["replaced"] > 15 and doc["ranks"][0]["part"]
+    assert _names(raw, PART_RE) == []
+    assert compare_caches(ref, raw) == []
+    r = CliRunner().invoke(app, ["extract", "--compact", str(raw)])
+    assert r.exit_code == 0 and "nothing to compact" in r.output, r.output
+
+
+def test_kill_between_commit_and_deletions_reads_each_sample_once(tmp_path, monkeypatch):
+    raw, ref = _uncompacted(tmp_path), _uncompacted(tmp_path, "ref")
+    small = _names(raw, PART_RE)
+    monkeypatch.setattr(LocalBackend, "remove", lambda self, paths: None)  # "killed" before any deletion
+    compact_rank(raw, 0, LocalBackend(raw, "s"))
+    monkeypatch.undo()
+    assert _names(raw, PART_RE) == small and len(_names(raw, COMPACT_RE)) == 1  # both are there
+    assert [p.name for p in committed_parts(raw)] == _names(raw, COMPACT_RE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FeatureCache warns on an id indexed twice
+        assert compare_caches(ref, raw) == []
+    assert FeatureCache(raw).check().ok
+    # the next compaction (or a run's close) finishes the deletions
+    assert compact_rank(raw, 0, LocalBackend(raw, "s")).deleted == len(small)
+    assert _names(raw, PART_RE) == [] and compare_caches(ref, raw) == []
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_consolidated_part_is_rebuilt_from_the_parts_it_replaced(tmp_path, monkeypatch):
+    raw, ref = _uncompacted(tmp_path), _uncompacted(tmp_path, "ref")
+    monkeypatch.setattr(LocalBackend, "remove", lambda self, paths: None)
+    compact_rank(raw, 0, LocalBackend(raw, "s"))
+    monkeypatch.undo()
+    (part,) = [raw / "index" / n for n in _names(raw, COMPACT_RE)]
+    _flip(part, part.stat().st_size // 3)  # a data page: the footer (its list of replaced parts) still reads
+    with pytest.warns(UserWarning, match="moved to"):
+        assert run(str(raw), N, shard_max_samples=6) == 0  # nothing redone: the small parts are read again
+    (moved,) = (raw / "quarantine").iterdir()
+    reason = json.loads((moved / "reason.json").read_text())
+    assert reason["part"] == part.name and reason["rebuilt_from"] and reason["shards"] == []
+    assert [n for n in _names(raw, COMPACT_RE)] and _names(raw, PART_RE) == []  # rebuilt by the close
+    assert compare_caches(ref, raw) == []
+
+
+def test_damaged_consolidated_part_after_the_deletions_redoes_its_samples(tmp_path):
+    out, ref = _out(tmp_path), _out(tmp_path, "ref")
+    (part,) = [out / "index" / n for n in _names(out, COMPACT_RE)]
+    _flip(part, 100)
+    with pytest.raises(Exception, match="damaged"):
+        FeatureCache(out)
+    with pytest.warns(UserWarning, match="moved to"):
+        assert run(str(out), N, shard_max_samples=6) > 100
+    (moved,) = (out / "quarantine").iterdir()
+    assert len(json.loads((moved / "reason.json").read_text())["shards"]) > 15  # its shards went with it
+    assert compare_caches(ref, out) == []
+
+
+def test_damaged_shard_under_a_consolidated_part_costs_that_shard_only(tmp_path):
+    out, ref = _out(tmp_path), _out(tmp_path, "ref")
+    shard = sorted((out / "shards").iterdir())[3]
+    _flip(shard, shard.stat().st_size - 5)  # in a tensor
+    report = FeatureCache(out).check()
+    assert not report.ok and {b["shard"] for b in report.bad_samples} == {f"shards/{shard.name}"}
+    with pytest.warns(UserWarning, match="moved to"):
+        redone = run(str(out), N, shard_max_samples=6)
+    assert 0 < redone <= 6
+    assert compare_caches(ref, out) == [] and FeatureCache(out).check().ok
+
+
+def test_full_disk_while_compacting_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    raw, ref = _uncompacted(tmp_path), _uncompacted(tmp_path, "ref")
+    before = sorted(p.name for p in (raw / "index").iterdir())
+    real = LocalBackend.write
+
+    def full(self, path, data, tag, *, exclusive=False):
+        if COMPACT_RE.match(path.name):
+            tmp = path.parent / f".tmp-{tag}-{path.name}"
+            tmp.write_bytes(data[: len(data) // 2])  # a partial write, then the disk is full
+            tmp.unlink()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, path, data, tag, exclusive=exclusive)
+
+    monkeypatch.setattr(LocalBackend, "write", full)
+    with pytest.raises(OutputFull, match="compacting the index of rank 0"):
+        compact_rank(raw, 0, LocalBackend(raw, "s"))
+    r = CliRunner().invoke(app, ["extract", "--compact", str(raw)])
+    assert r.exit_code == 4, r.output
+    monkeypatch.undo()
+    assert sorted(p.name for p in (raw / "index").iterdir()) == before
+    assert compare_caches(ref, raw) == [] and FeatureCache(raw).check().ok
+    assert compact_rank(raw, 0, LocalBackend(raw, "s")).part  # with room, it compacts
+
+
+def test_object_storage_commits_before_it_deletes(tmp_path, monkeypatch):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from _s3 import client, moto_s3, options
+    from vlfast.extraction.store.backend import ObjectBackend
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    ref = _uncompacted(tmp_path, "ref")
+    with moto_s3() as endpoint:
+        client(endpoint).create_bucket(Bucket="vlfast-compact")
+        url, opts = "s3://vlfast-compact/out", options(endpoint)
+        from vlfast.extraction.store.format import resolve_out
+
+        out = resolve_out(url, opts)
+        with FeatureStore(
+            out, RUN_CONFIG | {"dim": 64}, shard_max_samples=6, compact_min_parts=None
+        ) as store:
+            from _selftest import fails, fake_features, sample_ids
+
+            for sid in dict.fromkeys(sample_ids(N)):
+                if fails(sid):
+                    store.add_error(sid, f"videos/{sid}.mp4", "decode failed: simulated corrupt file")
+                else:
+                    feats = fake_features(sid)
+                    store.add(sid, feats, {"path": f"videos/{sid}.mp4", "n_tokens": feats["tokens"].shape[0]})
+        events: list[str] = []
+        real_write, real_remove = ObjectBackend.write, ObjectBackend.remove
+        monkeypatch.setattr(
+            ObjectBackend,
+            "write",
+            lambda self, p, *a, **k: (events.append(f"put {p.name}"), real_write(self, p, *a, **k))[1],
+        )
+        monkeypatch.setattr(
+            ObjectBackend,
+            "remove",
+            lambda self, ps: (events.extend(f"rm {p.name}" for p in ps), real_remove(self, ps))[1],
+        )
+        result = compact_rank(out, 0, ObjectBackend(out, "s"))
+        puts = [e for e in events if e.startswith("put part-")]
+        assert puts == [f"put {result.part}"]
+        assert events.index(puts[0]) < min(k for k, e in enumerate(events) if e.startswith("rm "))
+        assert sum(e.startswith("rm ") for e in events) == result.replaced
+        cache = FeatureCache(url, storage_options=opts)
+        assert sorted(cache.ids()) == sorted(FeatureCache(ref).ids())
+        assert cache.check().ok
