@@ -19,14 +19,14 @@ N = int(os.environ.get("VLFAST_CRASH_SAMPLES", "240"))
 SMALL = N <= 1000
 
 
-def _cmd(out: Path, *extra: str) -> list[str]:
+def _cmd(out: Path, *extra: str, n: int = N) -> list[str]:
     shard = "6" if SMALL else "256"
     return [
         sys.executable,
         str(Path(__file__).with_name("_selftest.py")),
         str(out),
         "--samples",
-        str(N),
+        str(n),
         "--shard-samples",
         shard,
         *extra,
@@ -76,12 +76,17 @@ def _nothing_left_over(out: Path) -> None:
 
 def test_sigkill_during_compaction_then_resume_is_bit_identical(tmp_path: Path) -> None:
     """The driver compacts its index every 30 samples; five kills each land within 30 ms after a compaction
-    starts (while it reads the parts, writes the consolidated one, or deletes what it replaces)."""
+    starts (while it reads the parts, writes the consolidated one, or deletes what it replaces).
+
+    Each run is killed at the first compaction past up to a third of what it had pending, so a run may take
+    pending / 3 + 30 samples: with 240 the fourth run could start with fewer than 30 pending and end without
+    compacting. 600 leave at least 47 for the fifth."""
+    n = max(N, 600)
     ref, out = tmp_path / "ref", tmp_path / "out"
-    r = subprocess.run(_cmd(ref), env=env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(_cmd(ref, n=n), env=env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     rng = random.Random(int(os.environ.get("VLFAST_CRASH_SEED", "20261122")))
-    cmd = _cmd(out, "-v", "--compact-every", "30")
+    cmd = _cmd(out, "-v", "--compact-every", "30", n=n)
     progress = kill_at_random_points(cmd, 5, rng, 0.03, during="compacting")
     print(f"(pending at start, added when killed) for the 5 kills: {progress}")
     assert progress[-1][0] < progress[0][0], progress
@@ -89,6 +94,12 @@ def test_sigkill_during_compaction_then_resume_is_bit_identical(tmp_path: Path) 
     assert r.returncode == 0, r.stderr
     assert compare_caches(ref, out) == []
     c = FeatureCache(out)
-    assert len(c) + sum(e["kind"] == "error" for e in c.errors()) == len(set(sample_ids(N)))
+    assert len(c) + sum(e["kind"] == "error" for e in c.errors()) == len(set(sample_ids(n)))
     _nothing_left_over(out)
-    assert len(list((out / "index").iterdir())) == 1  # the run's close compacted everything
+    from vlfast.extraction.store.format import COMPACT_RE
+
+    names = [p.name for p in (out / "index").iterdir()]
+    consolidated = [name for name in names if COMPACT_RE.match(name)]
+    # one consolidated part holds what the killed runs compacted; the last run's close compacts only from
+    # 8 parts on (compact_min_parts), and no part a consolidated one superseded is left behind
+    assert len(consolidated) == 1 and len(names) - 1 < 8, names

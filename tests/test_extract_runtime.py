@@ -242,3 +242,33 @@ def test_a_signal_inside_a_commit_waits_for_it(tmp_path, signum, python_signal_d
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert sorted(FeatureCache(out).ids()) == ["a"]
+
+
+def test_a_sigterm_python_drops_still_stops_the_run(python_signal_defaults):
+    """SIGTERM landing where Python drops exceptions (a finalizer; logging's at-fork hook after each decode
+    worker's fork) printed 'Exception ignored' and the run went on to exit 0. It is raised again where the
+    run loops, and at the block's end."""
+    import gc
+
+    from vlfast.extraction.interrupts import Terminated, raise_if_terminated, sigterm_like_sigint
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here: its exception is dropped
+            time.sleep(0.05)
+
+    with pytest.raises(Terminated), sigterm_like_sigint():
+        Finalized()
+        gc.collect()
+        raise_if_terminated()
+        pytest.fail("the loop went on")
+    with pytest.raises(Terminated), sigterm_like_sigint():  # no loop check: the block's end raises it
+        Finalized()
+        gc.collect()
+    with sigterm_like_sigint():  # a new block starts clean
+        raise_if_terminated()
+    with pytest.raises(Terminated), sigterm_like_sigint():  # one that propagated is not raised twice
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    with sigterm_like_sigint():
+        raise_if_terminated()

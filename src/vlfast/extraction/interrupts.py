@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "Terminated",
     "commit_section",
     "deferred",
+    "raise_if_terminated",
     "sigterm_handler",
     "sigterm_like_sigint",
 ]
@@ -32,6 +34,11 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a proces
 _Handler = Callable[[int, Any], Any]
 _depth = 0  # commit sections the main thread is inside
 _pending: list[tuple[_Handler, int]] = []  # handlers held back until the outermost section ends
+# Terminated exceptions Python dropped inside sigterm_like_sigint. An exception raised where it cannot
+# propagate (a finalizer, an at-fork hook such as logging's after each decode worker's fork) goes to
+# sys.unraisablehook and is printed as "Exception ignored": a SIGTERM landing there would be lost, and the
+# run would go on to exit 0. raise_if_terminated() and the block's end raise it again.
+_dropped: list[BaseException] = []
 
 
 class Terminated(KeyboardInterrupt):
@@ -82,6 +89,31 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
+def raise_if_terminated() -> None:
+    """Raise :class:`Terminated` if a SIGTERM's exception was dropped by Python in this block (see
+    ``_dropped``). Call it where the run loops, between batches."""
+    if _dropped and _main_thread():
+        dropped = _dropped[-1]
+        _dropped.clear()
+        raise Terminated() if isinstance(dropped, Terminated) else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
+def _noting_dropped() -> Iterator[None]:
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):  # Terminated, or Ctrl-C's
+            _dropped.append(unraisable.exc_value)
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt()
 
@@ -104,8 +136,17 @@ def sigterm_like_sigint() -> Iterator[None]:
         previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, sigterm_handler())
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, deferred(_raise_interrupt))
+    _dropped.clear()
     try:
-        yield
+        with _noting_dropped():
+            yield
+    except BaseException:
+        _dropped.clear()  # the run unwinds anyway
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if _dropped:  # the block ended normally, yet a signal's exception was dropped on the way
+        dropped = _dropped[-1]
+        _dropped.clear()
+        raise Terminated() if isinstance(dropped, Terminated) else KeyboardInterrupt()

@@ -26,6 +26,7 @@ from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary, device_problem
 from vlfast.extraction.decode.stage import DecodedSample, SampleDataset, prepare_decoding, worker_init
 from vlfast.extraction.engines.base import Hooks, Session, UnexpectedErrors, cpu_seconds, run_session
+from vlfast.extraction.interrupts import raise_if_terminated
 from vlfast.extraction.model import runner
 from vlfast.extraction.plan import RunPlan
 
@@ -135,6 +136,7 @@ class _Extraction:
                 worker_init=worker_init,
             ) as pool:
                 for batch in runner.batches(self.decoded(pool), config.budget, first_alone=True):
+                    raise_if_terminated()  # a SIGTERM whose exception a fork hook dropped
                     added = self.forward.store(
                         batch, session.store, lambda it: self.todo[it.i], session.record
                     )
