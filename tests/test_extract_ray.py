@@ -1,5 +1,5 @@
 """`vlfast extract --engine ray`: the same OUT as the local engine, resumable after a SIGKILL, and refused
-cleanly without Ray or with flags that do not fit. Ray runs on a local 2-CPU cluster this module starts."""
+cleanly without Ray or with flags that do not fit. Ray runs on the session's local 2-CPU cluster (conftest)."""
 
 from __future__ import annotations
 
@@ -75,20 +75,7 @@ def test_rank_and_world_size_flags_split_like_torchrun(media_dir, tiny_qwen3_vl,
 # ------------------------------------------------------------------------------------ with a real Ray
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    # The job's workers get what `vlfast extract` sets for itself, so the engine adds no per-stage env.
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}},
-        logging_level="WARNING",
-    )
-    before = signal.getsignal(signal.SIGTERM)
-    yield ray
-    ray.shutdown()
-    signal.signal(signal.SIGTERM, before)  # ray.init's handler (it exits) must not outlive the cluster
+# ray_cluster: the session's cluster (conftest.py)
 
 
 @pytest.mark.slow

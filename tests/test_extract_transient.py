@@ -9,7 +9,6 @@ which the next run retries; a plain HTTP store (no client retries) is retried by
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -276,12 +275,11 @@ def test_shard_members_that_keep_failing_are_transient_then_extracted(s3, media,
 
 
 @pytest.mark.slow
-def test_retry_errors_with_the_ray_engine(media, clean, tiny_qwen3_vl, tmp_path):
+def test_retry_errors_with_the_ray_engine(ray_cluster, media, clean, tiny_qwen3_vl, tmp_path):
     """The model actors' own stores must not take a retried id for done (they would record it as a
     duplicate of its error)."""
     import shutil
 
-    ray = pytest.importorskip("ray")
     from vlfast.extraction.ray_engine import extract_ray
 
     src = tmp_path / "in"
@@ -291,15 +289,9 @@ def test_retry_errors_with_the_ray_engine(media, clean, tiny_qwen3_vl, tmp_path)
     out = tmp_path / "out"
     assert extract(src, out, model=str(tiny_qwen3_vl), **KW).failed == 1
     (src / "img" / "img0001.jpg").write_bytes(good)
-    before = signal.getsignal(signal.SIGTERM)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
-        summary = extract_ray(
-            src, out, model=str(tiny_qwen3_vl), ray_workers=1, cpus_per_worker=0.5, retry_errors="error"
-        )
-    finally:
-        ray.shutdown()
-        signal.signal(signal.SIGTERM, before)  # ray.init's handler (it exits) must not outlive the cluster
+    summary = extract_ray(
+        src, out, model=str(tiny_qwen3_vl), ray_workers=1, cpus_per_worker=0.5, retry_errors="error"
+    )
     assert (summary.skipped, summary.extracted, summary.failed) == (2, 1, 0), summary
     cache = FeatureCache(out)
     _same(cache, clean, {i: i for i in IDS})
