@@ -143,3 +143,18 @@ def ray_cluster(_ray_session, request):
         if request.node.nodeid == request.config.stash.get(_LAST_RAY_TEST, None):
             ray.shutdown()
         signal.signal(signal.SIGTERM, before)
+
+
+# ----------------------------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """One moto S3 server on 127.0.0.1 for the session (tests/_s3.py); yields its endpoint URL. Moto keeps
+    buckets per process, not per server, so sharing one server changes nothing a test sees: each module
+    makes buckets of its own, each test writes under a bucket or prefix of its own."""
+    pytest.importorskip("moto.server")
+    from _s3 import moto_s3
+
+    with moto_s3() as endpoint:
+        yield endpoint

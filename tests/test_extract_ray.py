@@ -174,12 +174,14 @@ def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_v
 
 
 @pytest.mark.slow
-def test_ray_engine_into_an_s3_out_equals_the_local_engine(ray_cluster, tiny_qwen3_vl, tmp_path):
+def test_ray_engine_into_an_s3_out_equals_the_local_engine(
+    ray_cluster, moto_endpoint, tiny_qwen3_vl, tmp_path
+):
     """A Ray cluster without a shared filesystem writes to object storage: no locks there, so each model
     actor takes a fresh rank from the job's counter and commits before its rows go back. Same OUT as the
     local engine, read back from S3 (moto's server on 127.0.0.1); a second run has nothing to do."""
     pytest.importorskip("s3fs")
-    from _s3 import client, moto_s3, options
+    from _s3 import client, options
     from vlfast.extraction.layout import resolve_out
     from vlfast.extraction.pipeline import extract
     from vlfast.extraction.ray_engine import extract_ray
@@ -188,26 +190,26 @@ def test_ray_engine_into_an_s3_out_equals_the_local_engine(ray_cluster, tiny_qwe
     make_images(inputs, [(32 + 8 * k, 32) for k in range(6)])
     (inputs / "zz-bad.png").write_text("not an image")
     local = extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
-    with moto_s3() as endpoint:
-        client(endpoint, aws_access_key_id="k", aws_secret_access_key="s").create_bucket(Bucket="vlfast-ray")
-        # explicit credentials: the cluster's workers were started before this test set any environment
-        storage = options(endpoint, key="ray-key", secret="ray-secret")
-        out = "s3://vlfast-ray/features"
-        ray = extract_ray(
-            inputs,
-            out,
-            model=str(tiny_qwen3_vl),
-            ray_workers=2,
-            cpus_per_worker=0.5,
-            storage_options=storage,
-        )
-        assert (ray.extracted, ray.failed, ray.errors) == (local.extracted, local.failed, local.errors)
-        remote = resolve_out(out, storage)
-        assert compare_caches(tmp_path / "local", remote) == []
-        shards = [n.rsplit("/", 1)[-1] for n in remote.fs.ls(f"{remote.path}/shards", detail=False)]
-        assert shards and all(not n.startswith("shard-r00000-") for n in shards)  # actors' fresh ranks
-        again = extract_ray(inputs, out, model=str(tiny_qwen3_vl), storage_options=storage)
-        assert again.nothing_to_do
+    endpoint = moto_endpoint  # the session's server (conftest)
+    client(endpoint, aws_access_key_id="k", aws_secret_access_key="s").create_bucket(Bucket="vlfast-ray")
+    # explicit credentials: the cluster's workers were started before this test set any environment
+    storage = options(endpoint, key="ray-key", secret="ray-secret")
+    out = "s3://vlfast-ray/features"
+    ray = extract_ray(
+        inputs,
+        out,
+        model=str(tiny_qwen3_vl),
+        ray_workers=2,
+        cpus_per_worker=0.5,
+        storage_options=storage,
+    )
+    assert (ray.extracted, ray.failed, ray.errors) == (local.extracted, local.failed, local.errors)
+    remote = resolve_out(out, storage)
+    assert compare_caches(tmp_path / "local", remote) == []
+    shards = [n.rsplit("/", 1)[-1] for n in remote.fs.ls(f"{remote.path}/shards", detail=False)]
+    assert shards and all(not n.startswith("shard-r00000-") for n in shards)  # actors' fresh ranks
+    again = extract_ray(inputs, out, model=str(tiny_qwen3_vl), storage_options=storage)
+    assert again.nothing_to_do
 
 
 def _kill_first_actor(marker: str):

@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 
 from _flaky import always, first, flaky_store
 from _s3 import client as _client
-from _s3 import moto_s3
 from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
@@ -47,20 +46,20 @@ def media(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def s3(media):
-    """moto's S3 server with ``media`` under s3://BUCKET/data/ (objects public-read, for plain HTTP too)."""
+def s3(media, moto_endpoint):
+    """The session's moto S3 server with ``media`` under s3://BUCKET/data/ (objects public-read, for plain
+    HTTP too)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
     mp.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
     mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
     try:
-        with moto_s3() as endpoint:
-            client = _client(endpoint)
-            client.create_bucket(Bucket=BUCKET)
-            for path in sorted(p for p in media.rglob("*") if p.is_file()):
-                key = f"data/{path.relative_to(media).as_posix()}"
-                client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes(), ACL="public-read")
-            yield endpoint
+        client = _client(moto_endpoint)
+        client.create_bucket(Bucket=BUCKET)
+        for path in sorted(p for p in media.rglob("*") if p.is_file()):
+            key = f"data/{path.relative_to(media).as_posix()}"
+            client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes(), ACL="public-read")
+        yield moto_endpoint
     finally:
         mp.undo()
 
