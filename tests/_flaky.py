@@ -52,10 +52,17 @@ class FlakyStore:
         store = self
 
         class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as the clients expect
+            protocol_version = "HTTP/1.1"
 
             def log_message(self, *args) -> None:  # quiet
                 pass
+
+            def end_headers(self) -> None:
+                # One request per connection, said in every answer so no client reuses one. With keep-alive a
+                # request sent on a pooled connection now and then got no answer until s3fs's 15 s read
+                # timeout (then a retry), which cost the suite 15-60 s at random.
+                self.send_header("Connection", "close")
+                super().end_headers()
 
             def _any(self) -> None:
                 path = self.path.split("?", 1)[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +90,71 @@ def tokens_app():
 
     register(app)
     return app
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+
+_LAST_RAY_TEST = pytest.StashKey[str | None]()
+
+
+def pytest_collection_finish(session) -> None:
+    """Note the last test that uses the Ray cluster: the cluster stops after it, not at the session's end,
+    so the tests after it do not run beside an idle cluster (its daemons, its workers, its SIGTERM handler)."""
+    users = [item.nodeid for item in session.items if "ray_cluster" in getattr(item, "fixturenames", ())]
+    session.config.stash[_LAST_RAY_TEST] = users[-1] if users else None
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    """One local 2-CPU Ray cluster for every test that needs one (starting one takes seconds on 2 cores).
+    Yields ``(ray, start)``; ``start()`` (re)starts it when needed and returns the SIGTERM handler ray.init
+    installed."""
+    ray = pytest.importorskip("ray")
+    state: dict = {}
+
+    def start():
+        if not ray.is_initialized():
+            before = signal.getsignal(signal.SIGTERM)
+            # The job's workers get what `vlfast extract` sets for itself, so the engine adds no per-stage env.
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}},
+                logging_level="WARNING",
+            )
+            # ray.init's handler (it exits) is put in place by ray_cluster for its tests only
+            state["handler"] = signal.signal(signal.SIGTERM, before)
+        return state["handler"]
+
+    yield ray, start
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(_ray_session, request):
+    """The session's Ray cluster, as this process's ``ray`` module: during the test SIGTERM has ray.init's
+    handler, as in a driver that called ray.init itself; after it, the handler the test found."""
+    ray, start = _ray_session
+    before = signal.signal(signal.SIGTERM, start())
+    try:
+        yield ray
+    finally:
+        if request.node.nodeid == request.config.stash.get(_LAST_RAY_TEST, None):
+            ray.shutdown()
+        signal.signal(signal.SIGTERM, before)
+
+
+# ----------------------------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """One moto S3 server on 127.0.0.1 for the session (tests/_s3.py); yields its endpoint URL. Moto keeps
+    buckets per process, not per server, so sharing one server changes nothing a test sees: each module
+    makes buckets of its own, each test writes under a bucket or prefix of its own."""
+    pytest.importorskip("moto.server")
+    from _s3 import moto_s3
+
+    with moto_s3() as endpoint:
+        yield endpoint

@@ -153,10 +153,14 @@ def test_loading_bar_only_with_verbose(tiny_qwen3_vl, media_dir, tmp_path):
     inputs.mkdir()
     (inputs / "rgb.png").write_bytes((media_dir / "good" / "rgb.png").read_bytes())
     args = [str(inputs), *args[1:]]
-    quiet = _extract([*args[:1], str(tmp_path / "quiet"), *args[1:]], tmp_path)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # two independent processes (two OUTs): one per core
+        quiet = pool.submit(_extract, [*args[:1], str(tmp_path / "quiet"), *args[1:]], tmp_path)
+        loud = pool.submit(_extract, [*args[:1], str(tmp_path / "loud"), *args[1:], "--verbose"], tmp_path)
+        quiet, loud = quiet.result(), loud.result()
     assert quiet.returncode == 0, quiet.stderr
     assert "Loading weights" not in quiet.stdout + quiet.stderr
-    loud = _extract([*args[:1], str(tmp_path / "loud"), *args[1:], "--verbose"], tmp_path)
     assert loud.returncode == 0, loud.stderr
     assert "Loading weights" in loud.stdout + loud.stderr
 

@@ -129,3 +129,15 @@ def test_relative_links_resolve():
                 if anchor not in {_anchor(h) for h in headings}:
                     bad.append(f"{path.relative_to(ROOT)}: {target}: no such heading")
     assert not bad, "\n".join(bad)
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The README's set-up command 2 and .ci/run install and test alike (CI's log shows --durations=25)."""
+
+    def command(text: str) -> str:
+        (line,) = [line for line in text.splitlines() if "python -m pytest" in line and "pip install" in line]
+        return line.replace("pip install -q ", "pip install ").strip()  # CI's pip is quiet
+
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    assert command(readme) == command(ci)
+    assert "--durations=25" in command(ci)

@@ -187,10 +187,16 @@ def test_every_listed_fix_fixes_every_losing_conv(monkeypatch, tmp_path):
     assert any(t.startswith("VLFAST_PATCH=all ") for t in texts), texts
     assert any("vlfast.run --all-convs" in t for t in texts), texts
     assert not any("fusion_config" in t for t in texts), texts  # it replaces the patch embedding only
-    for fix in report.fixes:
-        if fix.kind == "environment":
-            continue  # no environment rule covers a CPU
-        assert _apply_and_reprobe(fix, tmp_path) == "patched", fix.text
+    from concurrent.futures import ThreadPoolExecutor
+
+    fixes = [fix for fix in report.fixes if fix.kind != "environment"]  # no environment rule covers a CPU
+    folders = [tmp_path / f"fix{k}" for k in range(len(fixes))]
+    for folder in folders:
+        folder.mkdir()
+    with ThreadPoolExecutor(2) as pool:  # each fix in a process and a folder of its own: one per core
+        verdicts = list(pool.map(_apply_and_reprobe, fixes, folders))
+    for fix, verdict in zip(fixes, verdicts):
+        assert verdict == "patched", fix.text
 
 
 def test_the_conv3d_only_switch_would_not_have_fixed_it(tmp_path):

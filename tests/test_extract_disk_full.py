@@ -96,14 +96,16 @@ def test_full_disk_exits_4_naming_out_and_resumes(first_write, small_disk, tiny_
     assert compare_caches(clean, out) == []  # the same result as a run that never met a full disk
 
 
-def test_full_temp_folder_under_an_s3_out_names_it(small_disk, tiny_qwen3_vl, tmp_path, monkeypatch):
+def test_full_temp_folder_under_an_s3_out_names_it(
+    small_disk, moto_endpoint, tiny_qwen3_vl, tmp_path, monkeypatch
+):
     """Shards of an OUT on object storage are staged in the local temp folder: when that is full, the
     message names it (and TMPDIR), not OUT; the same command resumes once there is room."""
     import tempfile
 
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    from _s3 import client, moto_s3, options
+    from _s3 import client, options
     from vlfast.demo import make_images
     from vlfast.extraction.api import extract
     from vlfast.extraction.store.format import OutputFull
@@ -114,17 +116,17 @@ def test_full_temp_folder_under_an_s3_out_names_it(small_disk, tiny_qwen3_vl, tm
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     kw = dict(model=str(tiny_qwen3_vl), features="vision,vision_mean", num_workers=0)
-    with moto_s3() as endpoint:
-        client(endpoint).create_bucket(Bucket="vlfast-full")
-        out, opts = "s3://vlfast-full/out", options(endpoint)
-        ballast = _fill(small_disk)
-        monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
-        with pytest.raises(OutputFull) as e:
-            extract(media, out, storage_options=opts, **kw)
-        text = str(e.value)
-        assert f"the local temp folder {small_disk} is full" in text and "TMPDIR" in text and out in text
-        assert "MiB free of 4.0 MiB" in text
-        assert [p.name for p in small_disk.iterdir()] == ["ballast"]  # the staged file was removed
-        ballast.unlink()
-        summary = extract(media, out, storage_options=opts, **kw)
-        assert (summary.extracted, summary.failed) == (2, 0)
+    endpoint = moto_endpoint  # the session's server (conftest)
+    client(endpoint).create_bucket(Bucket="vlfast-full")
+    out, opts = "s3://vlfast-full/out", options(endpoint)
+    ballast = _fill(small_disk)
+    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
+    with pytest.raises(OutputFull) as e:
+        extract(media, out, storage_options=opts, **kw)
+    text = str(e.value)
+    assert f"the local temp folder {small_disk} is full" in text and "TMPDIR" in text and out in text
+    assert "MiB free of 4.0 MiB" in text
+    assert [p.name for p in small_disk.iterdir()] == ["ballast"]  # the staged file was removed
+    ballast.unlink()
+    summary = extract(media, out, storage_options=opts, **kw)
+    assert (summary.extracted, summary.failed) == (2, 0)

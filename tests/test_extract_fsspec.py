@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from _s3 import client as _client
 from _s3 import free_port as _free_port
-from _s3 import moto_s3
 from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
@@ -46,17 +45,16 @@ def _files(root: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def s3(media, monkeypatch_module):
-    """A moto S3 server with ``media`` uploaded under s3://BUCKET/data/; yields its endpoint."""
+def s3(media, monkeypatch_module, moto_endpoint):
+    """The session's moto S3 server with ``media`` uploaded under s3://BUCKET/data/; yields its endpoint."""
     monkeypatch_module.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
     monkeypatch_module.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     monkeypatch_module.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    with moto_s3() as endpoint:
-        client = _client(endpoint)
-        client.create_bucket(Bucket=BUCKET)
-        for rel in _files(media):
-            client.upload_file(str(media / rel), BUCKET, f"data/{rel}")
-        yield endpoint
+    client = _client(moto_endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    for rel in _files(media):
+        client.upload_file(str(media / rel), BUCKET, f"data/{rel}")
+    return moto_endpoint
 
 
 @pytest.fixture(scope="module")

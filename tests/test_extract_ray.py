@@ -1,5 +1,5 @@
 """`vlfast extract --engine ray`: the same OUT as the local engine, resumable after a SIGKILL, and refused
-cleanly without Ray or with flags that do not fit. Ray runs on a local 2-CPU cluster this module starts."""
+cleanly without Ray or with flags that do not fit. Ray runs on the session's local 2-CPU cluster (conftest)."""
 
 from __future__ import annotations
 
@@ -78,20 +78,7 @@ def test_rank_and_world_size_flags_split_like_torchrun(media_dir, tiny_qwen3_vl,
 # ------------------------------------------------------------------------------------ with a real Ray
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    # The job's workers get what `vlfast extract` sets for itself, so the engine adds no per-stage env.
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}},
-        logging_level="WARNING",
-    )
-    before = signal.getsignal(signal.SIGTERM)
-    yield ray
-    ray.shutdown()
-    signal.signal(signal.SIGTERM, before)  # ray.init's handler (it exits) must not outlive the cluster
+# ray_cluster: the session's cluster (conftest.py)
 
 
 @pytest.mark.slow
@@ -191,12 +178,14 @@ def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_v
 
 
 @pytest.mark.slow
-def test_ray_engine_into_an_s3_out_equals_the_local_engine(ray_cluster, tiny_qwen3_vl, tmp_path):
+def test_ray_engine_into_an_s3_out_equals_the_local_engine(
+    ray_cluster, moto_endpoint, tiny_qwen3_vl, tmp_path
+):
     """A Ray cluster without a shared filesystem writes to object storage: no locks there, so each model
     actor takes a fresh rank from the job's counter and commits before its rows go back. Same OUT as the
     local engine, read back from S3 (moto's server on 127.0.0.1); a second run has nothing to do."""
     pytest.importorskip("s3fs")
-    from _s3 import client, moto_s3, options
+    from _s3 import client, options
     from vlfast.extraction.api import extract, extract_ray
     from vlfast.extraction.store.format import resolve_out
 
@@ -204,26 +193,26 @@ def test_ray_engine_into_an_s3_out_equals_the_local_engine(ray_cluster, tiny_qwe
     make_images(inputs, [(32 + 8 * k, 32) for k in range(6)])
     (inputs / "zz-bad.png").write_text("not an image")
     local = extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
-    with moto_s3() as endpoint:
-        client(endpoint, aws_access_key_id="k", aws_secret_access_key="s").create_bucket(Bucket="vlfast-ray")
-        # explicit credentials: the cluster's workers were started before this test set any environment
-        storage = options(endpoint, key="ray-key", secret="ray-secret")
-        out = "s3://vlfast-ray/features"
-        ray = extract_ray(
-            inputs,
-            out,
-            model=str(tiny_qwen3_vl),
-            ray_workers=2,
-            cpus_per_worker=0.5,
-            storage_options=storage,
-        )
-        assert (ray.extracted, ray.failed, ray.errors) == (local.extracted, local.failed, local.errors)
-        remote = resolve_out(out, storage)
-        assert compare_caches(tmp_path / "local", remote) == []
-        shards = [n.rsplit("/", 1)[-1] for n in remote.fs.ls(f"{remote.path}/shards", detail=False)]
-        assert shards and all(not n.startswith("shard-r00000-") for n in shards)  # actors' fresh ranks
-        again = extract_ray(inputs, out, model=str(tiny_qwen3_vl), storage_options=storage)
-        assert again.nothing_to_do
+    endpoint = moto_endpoint  # the session's server (conftest)
+    client(endpoint, aws_access_key_id="k", aws_secret_access_key="s").create_bucket(Bucket="vlfast-ray")
+    # explicit credentials: the cluster's workers were started before this test set any environment
+    storage = options(endpoint, key="ray-key", secret="ray-secret")
+    out = "s3://vlfast-ray/features"
+    ray = extract_ray(
+        inputs,
+        out,
+        model=str(tiny_qwen3_vl),
+        ray_workers=2,
+        cpus_per_worker=0.5,
+        storage_options=storage,
+    )
+    assert (ray.extracted, ray.failed, ray.errors) == (local.extracted, local.failed, local.errors)
+    remote = resolve_out(out, storage)
+    assert compare_caches(tmp_path / "local", remote) == []
+    shards = [n.rsplit("/", 1)[-1] for n in remote.fs.ls(f"{remote.path}/shards", detail=False)]
+    assert shards and all(not n.startswith("shard-r00000-") for n in shards)  # actors' fresh ranks
+    again = extract_ray(inputs, out, model=str(tiny_qwen3_vl), storage_options=storage)
+    assert again.nothing_to_do
 
 
 def _kill_first_actor(marker: str):
@@ -427,5 +416,12 @@ def test_a_bug_while_decoding_on_ray_leaves_the_sample_undone(
     assert (s.extracted, s.failed, s.unexpected, s.stopped) == (4, 1, 1, None)
     cache = FeatureCache(out)
     assert "img0002.jpg" not in set(cache.ids()) and [e["id"] for e in cache.errors()] == ["zz-bad.png"]
-    again = extract_ray(inputs, out, model=str(tiny_qwen3_vl))
-    assert (again.extracted, again.unexpected) == (1, 0)
+    # The next run extracts it: what is done is OUT's to say, whichever engine reads it (the local one here,
+    # the command in this process: a Ray job's actors take seconds to start; the Ray engine's resume is tested
+    # above).
+    r = runner.invoke(
+        app, ["extract", str(inputs), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    again = json.loads(r.stdout)
+    assert (again["extracted"], again["unexpected"]) == (1, 0)

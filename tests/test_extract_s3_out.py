@@ -21,7 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 from _crash import kill_at_random_points
-from _s3 import client, enforced_auth, free_port, moto_s3
+from _s3 import client, enforced_auth, free_port
 from _selftest import RUN_CONFIG, compare_caches, fake_features
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
@@ -39,17 +39,17 @@ KW = dict(features="vision,vision_mean", max_batch_samples=2, num_workers=2)
 
 
 @pytest.fixture(scope="module")
-def endpoint():
-    """A moto S3 server on 127.0.0.1 with an empty bucket; the environment points boto at it, so
+def endpoint(moto_endpoint):
+    """The session's moto S3 server with an empty bucket; the environment points boto at it, so
     subprocesses and plain ``s3://`` URLs reach it too."""
     mp = pytest.MonkeyPatch()
-    with moto_s3() as url:
-        mp.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
-        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        mp.setenv("AWS_ENDPOINT_URL", url)
-        client(url).create_bucket(Bucket=BUCKET)
-        yield url
+    url = moto_endpoint
+    mp.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
+    mp.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    mp.setenv("AWS_ENDPOINT_URL", url)
+    client(url).create_bucket(Bucket=BUCKET)
+    yield url
     mp.undo()
     import s3fs
 

@@ -9,7 +9,6 @@ which the next run retries; a plain HTTP store (no client retries) is retried by
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from typer.testing import CliRunner
 
 from _flaky import always, first, flaky_store
 from _s3 import client as _client
-from _s3 import moto_s3
 from _s3 import options as _options
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
@@ -48,20 +46,20 @@ def media(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def s3(media):
-    """moto's S3 server with ``media`` under s3://BUCKET/data/ (objects public-read, for plain HTTP too)."""
+def s3(media, moto_endpoint):
+    """The session's moto S3 server with ``media`` under s3://BUCKET/data/ (objects public-read, for plain
+    HTTP too)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
     mp.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
     mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
     try:
-        with moto_s3() as endpoint:
-            client = _client(endpoint)
-            client.create_bucket(Bucket=BUCKET)
-            for path in sorted(p for p in media.rglob("*") if p.is_file()):
-                key = f"data/{path.relative_to(media).as_posix()}"
-                client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes(), ACL="public-read")
-            yield endpoint
+        client = _client(moto_endpoint)
+        client.create_bucket(Bucket=BUCKET)
+        for path in sorted(p for p in media.rglob("*") if p.is_file()):
+            key = f"data/{path.relative_to(media).as_posix()}"
+            client.put_object(Bucket=BUCKET, Key=key, Body=path.read_bytes(), ACL="public-read")
+        yield moto_endpoint
     finally:
         mp.undo()
 
@@ -276,12 +274,11 @@ def test_shard_members_that_keep_failing_are_transient_then_extracted(s3, media,
 
 
 @pytest.mark.slow
-def test_retry_errors_with_the_ray_engine(media, clean, tiny_qwen3_vl, tmp_path):
+def test_retry_errors_with_the_ray_engine(ray_cluster, media, clean, tiny_qwen3_vl, tmp_path):
     """The model actors' own stores must not take a retried id for done (they would record it as a
     duplicate of its error)."""
     import shutil
 
-    ray = pytest.importorskip("ray")
     from vlfast.extraction.api import extract_ray
 
     src = tmp_path / "in"
@@ -291,15 +288,9 @@ def test_retry_errors_with_the_ray_engine(media, clean, tiny_qwen3_vl, tmp_path)
     out = tmp_path / "out"
     assert extract(src, out, model=str(tiny_qwen3_vl), **KW).failed == 1
     (src / "img" / "img0001.jpg").write_bytes(good)
-    before = signal.getsignal(signal.SIGTERM)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
-        summary = extract_ray(
-            src, out, model=str(tiny_qwen3_vl), ray_workers=1, cpus_per_worker=0.5, retry_errors="error"
-        )
-    finally:
-        ray.shutdown()
-        signal.signal(signal.SIGTERM, before)  # ray.init's handler (it exits) must not outlive the cluster
+    summary = extract_ray(
+        src, out, model=str(tiny_qwen3_vl), ray_workers=1, cpus_per_worker=0.5, retry_errors="error"
+    )
     assert (summary.skipped, summary.extracted, summary.failed) == (2, 1, 0), summary
     cache = FeatureCache(out)
     _same(cache, clean, {i: i for i in IDS})

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 import test_extract_webdataset as wds
-from _s3 import client, enforced_auth, free_port, moto_s3, options
+from _s3 import client, enforced_auth, free_port, options
 from _selftest import compare_caches
 from test_extract_fsspec import _assert_same
 from vlfast.cli.main import app
@@ -37,10 +37,12 @@ shard_run = wds.shard_run
 
 
 @pytest.fixture(scope="module")
-def s3(shards):
-    """A moto server refusing wrong credentials, holding the shards under s3://BUCKET/shards/, one image
-    under s3://BUCKET/media/ and a file that is not a tar; yields (endpoint, good storage options)."""
-    with moto_s3() as endpoint, enforced_auth(endpoint) as (key, secret):
+def s3(shards, moto_endpoint):
+    """The session's moto server, refusing wrong credentials while this module runs, holding the shards under
+    s3://BUCKET/shards/, one image under s3://BUCKET/media/ and a file that is not a tar; yields (endpoint,
+    good storage options)."""
+    endpoint = moto_endpoint
+    with enforced_auth(endpoint) as (key, secret):
         s3 = client(endpoint, aws_access_key_id=key, aws_secret_access_key=secret)
         s3.create_bucket(Bucket=BUCKET)
         for shard in sorted((shards["root"] / "shards").iterdir()):

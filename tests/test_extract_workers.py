@@ -248,7 +248,9 @@ def test_a_hung_task_times_out_and_the_run_finishes(tmp_path):
     elapsed = time.monotonic() - t0
     _check(items, 10, {2: TIMEOUT_REASON.format(1.0)})
     assert items[2]["reason"] == TIMEOUT_REASON.format(1)
-    assert 1.0 <= elapsed < 6.0
+    # At least the timeout (load only adds to that); the run ending at all, the task hanging 3600 s, shows the
+    # worker was stopped: no upper bound on the wall clock, which a loaded host breaks.
+    assert elapsed >= 1.0
     assert (stats.timeouts, stats.deaths, stats.retried) == (1, 0, 0)  # stopped, not died: no retry
     assert _gone(int((tmp_path / "started-2").read_text()))
 

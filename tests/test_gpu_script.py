@@ -188,8 +188,8 @@ def test_a_failed_and_a_hung_step_are_recorded_and_the_run_goes_on(tmp_path):
             "hangs",
             "starts a child, then sleeps past its timeout",
             "{python} -c 'import subprocess, sys, time; "
-            'p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]); '
-            "print(p.pid, flush=True); time.sleep(60)'",
+            'p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]); '
+            'print(p.pid, flush=True); time.sleep(60); print("woke", flush=True)\'',
             timeout_s=1,
             output="text",
         ),
@@ -201,11 +201,9 @@ def test_a_failed_and_a_hung_step_are_recorded_and_the_run_goes_on(tmp_path):
         ),
         gpu.Step("after_failure", "needs the failed step", "{python} -c pass", needs=("fails",)),
     ]
-    t0 = time.monotonic()
     run = gpu.execute(
         steps, tmp_path, mode="cpu-smoke", facts=CPU_FACTS, facts_source="test", log=lambda s: None
     )
-    assert time.monotonic() - t0 < 30
     assert run.exit_code == gpu.EXIT_FAILED
     got = {s["name"]: s for s in _read(tmp_path)["steps"]}
 
@@ -215,9 +213,11 @@ def test_a_failed_and_a_hung_step_are_recorded_and_the_run_goes_on(tmp_path):
 
     hung = got["hangs"]
     assert (hung["status"], hung["returncode"], hung["timeout_s"]) == ("timeout", None, 1)
-    assert hung["wall_s"] < 15 and "killed after 1 s" in hung["reason"]
-    child = int((tmp_path / hung["stdout"]).read_text().split()[0])  # printed before the hang: kept
-    deadline = time.monotonic() + 5
+    assert "killed after 1 s" in hung["reason"]
+    printed = (tmp_path / hung["stdout"]).read_text().split()
+    assert "woke" not in printed  # killed at its timeout, not waited for (no wall-clock bound: CI is loaded)
+    child = int(printed[0])  # printed before the hang: kept
+    deadline = time.monotonic() + 60  # the child sleeps 600 s: gone before then means it was killed
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child), "the hung step's own child outlived its timeout"

@@ -179,10 +179,12 @@ def _run(args, env_extra=None, cwd=None):
 
 
 def test_env_var_switch_patches_a_plain_script(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    off = _run([str(script)])
-    on = _run([str(script)], {"VLFAST_PATCH": "1"})
+    with ThreadPoolExecutor(2) as pool:  # two independent processes: one per core
+        off, on = pool.map(lambda env: _run([str(script)], env), [None, {"VLFAST_PATCH": "1"}])
     assert "NOT" in off.stdout, off.stderr
     assert "PATCHED" in on.stdout, on.stderr
 
@@ -200,11 +202,15 @@ def test_run_module_wraps_scripts_and_modules(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "job.py").write_text(SCRIPT)
-    by_path = _run(["-m", "vlfast.run", str(tmp_path / "train.py"), "--lr", "1"])
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # independent processes: one per core
+        by_path = pool.submit(_run, ["-m", "vlfast.run", str(tmp_path / "train.py"), "--lr", "1"])
+        by_module = pool.submit(_run, ["-m", "vlfast.run", "-m", "pkg.job", "x"], cwd=tmp_path)
+        usage = pool.submit(_run, ["-m", "vlfast.run"])
+        by_path, by_module, usage = by_path.result(), by_module.result(), usage.result()
     assert "PATCHED ['--lr', '1']" in by_path.stdout, by_path.stderr
-    by_module = _run(["-m", "vlfast.run", "-m", "pkg.job", "x"], cwd=tmp_path)
     assert "PATCHED ['x']" in by_module.stdout, by_module.stderr
-    usage = _run(["-m", "vlfast.run"])
     assert usage.returncode == 2 and "usage" in usage.stderr
 
 
