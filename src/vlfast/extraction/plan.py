@@ -234,7 +234,11 @@ def check_llm_request(model: str, spec: FeatureSpec) -> None:
     n = getattr(text, "num_hidden_layers", None)
     if not isinstance(n, int):
         return  # the forward's own check stays (features.compute_llm_features)
-    states = n + 1  # output_hidden_states: the embeddings, then one per layer
+    # The indices of output_hidden_states, unchanged: 0 the embeddings, k decoder layer k's output, n (-1)
+    # after the final norm. They are read by hooks and the forward stops after the deepest, so memory no
+    # longer grows with n + 1 states: one layer's (B, L, D) at most, and no (B, L, vocab) logits
+    # (features.HiddenStateTaps); the token budget needs no term for them.
+    states = n + 1
     bad = [layer for layer in spec.layers if not -states <= layer < states]
     if bad:
         raise InputRefused(

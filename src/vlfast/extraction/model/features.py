@@ -8,7 +8,9 @@ Feature names (several at once):
 - ``deepstack``: the DeepStack levels (Qwen3-VL), ``deepstack.{k}`` each (n_tokens, D_out);
 - ``llm``: LLM hidden states for a prompt about the sample: for each chosen layer and pooling,
   ``llm.{pool}.layer{L}`` of shape (D_text,), with ``pool`` "last" (last prompt token) or "mean"
-  (mean over all tokens). Layer indices follow ``output_hidden_states``: 0 is the embeddings, -1 the last.
+  (mean over all tokens). Layer indices follow ``output_hidden_states``: 0 is the embeddings, -1 the last
+  (after the final norm). They are read by hooks on the requested decoder layers, and the forward stops
+  after the deepest (:class:`HiddenStateTaps`), not by keeping every layer's hidden states.
 
 Vision features come from the tower alone (only its weights are loaded); ``llm`` needs the whole
 checkpoint, and then the vision features are taken from the same forward through a hook on the tower.
@@ -17,7 +19,7 @@ checkpoint, and then the vision features are taken from the same forward through
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +35,14 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "ALL_FEATURES",
     "FeatureSpec",
+    "HiddenStateTaps",
     "PromptBuilder",
     "VisionBatch",
     "compute_llm_features",
     "compute_vision_features",
     "deepstack_skipped",
+    "find_decoder",
+    "llm_inputs",
     "parse_features",
 ]
 
@@ -180,6 +185,146 @@ class TowerTap:
         self._handle.remove()
 
 
+# Where a VLM keeps its decoder (the module holding the decoder layers and the final norm), tried in this
+# order. transformers 5 puts it at ``model.language_model`` under every ...ForConditionalGeneration of the
+# families extract supports (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, GLM-4.1V); ``language_model`` is
+# the bare ...Model, ``model`` a text-only ...ForCausalLM.
+DECODER_PATHS = ("model.language_model", "language_model", "model")
+
+
+def find_decoder(model: nn.Module) -> tuple[str, nn.Module, nn.ModuleList]:
+    """The language model's decoder in ``model``: (its path, the module, its non-empty ``layers`` list).
+
+    Raises :class:`InputRefused` naming the model's class when none of :data:`DECODER_PATHS` holds one:
+    ``llm`` features read hidden states through hooks on those layers, and never fall back silently."""
+    for path in DECODER_PATHS:
+        module: Any = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+        layers = getattr(module, "layers", None)
+        if isinstance(module, nn.Module) and isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return path, module, layers
+    raise InputRefused(
+        f"llm features: no decoder layers found in {type(model).__name__}: expected a non-empty ModuleList "
+        f"`layers` at {' or '.join('model.' + p for p in DECODER_PATHS)} (the layout of transformers' "
+        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4.1V); drop llm from --features for this model"
+    )
+
+
+class _Stop(Exception):
+    """Raised by a hook once the deepest requested hidden state is taken: the rest of the forward is skipped."""
+
+
+class HiddenStateTaps:
+    """Forward hooks that hand the requested LLM hidden states to ``take(index, h)`` during a whole-model
+    forward, and stop the forward right after the deepest one (later layers, the final norm and the LM head
+    are never run). Only the states asked for are ever seen; ``take`` pools them at once.
+
+    Indices are those of ``output_hidden_states``, and each state is captured where transformers 5
+    captures it (so the values are bit-identical, tested): with n decoder layers,
+
+    - 0: the input of the first decoder layer (the embeddings, vision tokens in place);
+    - k in 1..n-1: what decoder layer k (counting from 1) returns. For Qwen3-VL this is before the DeepStack
+      features are added to it: the language model adds them after the layer returns, so they show in
+      state k + 1, as in ``output_hidden_states``;
+    - n, or -1: the decoder's ``last_hidden_state``, after its final norm (transformers replaces the last
+      layer's output with it).
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int], take: Any):
+        _, decoder, blocks = find_decoder(model)
+        n = len(blocks)
+        self.n_states = n + 1
+        for layer in layers:
+            if not -self.n_states <= layer < self.n_states:
+                raise InputRefused(
+                    f"layer {layer} out of range: the model has hidden states 0..{self.n_states - 1}"
+                )
+        self.resolved = [layer % self.n_states for layer in layers]
+        self.wanted = sorted(set(self.resolved))
+        self.taken: set[int] = set()
+        self._take = take
+        self._deepest = self.wanted[-1]
+        self._decoder, self._blocks = decoder, blocks
+
+    def _emit(self, index: int, h: torch.Tensor) -> None:
+        self._take(index, h)
+        self.taken.add(index)
+        if index == self._deepest:
+            raise _Stop
+
+    def run(self, forward: Any) -> None:
+        """Call ``forward()`` with the hooks in place; they are removed whatever happens."""
+        n = self.n_states - 1
+        handles = []
+        try:
+            for index in self.wanted:
+                if index == 0:
+
+                    def first_input(_m, args, kwargs):
+                        self._emit(0, args[0] if args else kwargs["hidden_states"])
+
+                    handles.append(self._blocks[0].register_forward_pre_hook(first_input, with_kwargs=True))
+                elif index < n:
+
+                    def layer_output(_m, _i, out, index=index):
+                        self._emit(index, out[0] if isinstance(out, tuple) else out)
+
+                    handles.append(self._blocks[index - 1].register_forward_hook(layer_output))
+                else:
+
+                    def last_state(_m, _i, out):
+                        h = getattr(out, "last_hidden_state", None)
+                        self._emit(n, h if h is not None else out[0])
+
+                    handles.append(self._decoder.register_forward_hook(last_state))
+            with suppress(_Stop):  # the deepest state was taken: the rest of the forward is skipped
+                forward()
+        finally:
+            for h in handles:
+                h.remove()
+        missing = sorted(set(self.wanted) - self.taken)
+        if missing:
+            raise RuntimeError(
+                f"the forward never reached hidden state(s) {missing}: the decoder was not run"
+            )
+
+
+def llm_inputs(
+    items: Sequence[DecodedSample],
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    pad_token_id: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[dict[str, Any], list[int]]:
+    """The whole model's keyword inputs for a batch of samples (right-padded prompts; images and videos as
+    the processor would pass them, ``pixel_values`` / ``pixel_values_videos``), and each prompt's length."""
+    lengths = [int(it.input_ids.numel()) for it in items]
+    longest = max(lengths)
+    ids = torch.full((len(items), longest), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(items), longest), dtype=torch.int64)
+    for i, it in enumerate(items):
+        ids[i, : lengths[i]] = it.input_ids
+        mask[i, : lengths[i]] = 1
+    mm_types = torch.where(ids == image_token_id, 1, torch.where(ids == video_token_id, 2, 0)) * mask
+    kwargs: dict[str, Any] = {
+        "input_ids": ids.to(device),
+        "attention_mask": mask.to(device),
+        "mm_token_type_ids": mm_types.to(device),
+    }
+    for kind, pv_key, grid_key in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
+        sel = [it for it in items if (it.kind == "image") == (kind == "image")]
+        if sel:
+            kwargs[pv_key] = torch.cat([it.pixel_values for it in sel]).to(device=device, dtype=dtype)
+            kwargs[grid_key] = torch.tensor([list(it.grid) for it in sel], dtype=torch.int64, device=device)
+    return kwargs, lengths
+
+
 @torch.inference_mode()
 def compute_llm_features(
     model: nn.Module,
@@ -193,58 +338,50 @@ def compute_llm_features(
     device: torch.device,
     dtype: torch.dtype,
 ) -> list[dict[str, torch.Tensor]]:
-    """One whole-model forward for a batch of samples (right-padded prompts).
+    """One whole-model forward for a batch of samples (right-padded prompts), up to the deepest layer asked.
 
-    Each item holds ``pixel_values`` (on the CPU), ``grid`` (t, h, w), ``kind`` and ``input_ids``. Images and videos go
-    in as the processor would pass them (``pixel_values`` / ``pixel_values_videos``); the tower's outputs
+    Each item holds ``pixel_values`` (on the CPU), ``grid`` (t, h, w), ``kind`` and ``input_ids``. The
+    requested hidden states are pooled as the forward reaches them (:class:`HiddenStateTaps`), so at most
+    one layer's (B, L, D) is held beyond the forward's own working set, and the forward stops after the
+    deepest: ``--layers -1`` runs every layer and the final norm but not the LM head. The tower's outputs
     are captured by a hook, images first then videos, as the model calls it.
     """
 
     order = [i for i, it in enumerate(items) if it.kind == "image"] + [
         i for i, it in enumerate(items) if it.kind != "image"
     ]
-    lengths = [int(it.input_ids.numel()) for it in items]
-    longest = max(lengths)
-    ids = torch.full((len(items), longest), pad_token_id, dtype=torch.int64)
-    mask = torch.zeros((len(items), longest), dtype=torch.int64)
-    for i, it in enumerate(items):
-        ids[i, : lengths[i]] = it.input_ids
-        mask[i, : lengths[i]] = 1
-    mm_types = torch.where(ids == image_token_id, 1, torch.where(ids == video_token_id, 2, 0)) * mask
-    kwargs: dict[str, Any] = {}
-    for kind, pv_key, grid_key in (
-        ("image", "pixel_values", "image_grid_thw"),
-        ("video", "pixel_values_videos", "video_grid_thw"),
-    ):
-        sel = [it for it in items if (it.kind == "image") == (kind == "image")]
-        if sel:
-            kwargs[pv_key] = torch.cat([it.pixel_values for it in sel]).to(device=device, dtype=dtype)
-            kwargs[grid_key] = torch.tensor([list(it.grid) for it in sel], dtype=torch.int64, device=device)
+    inputs, lengths = llm_inputs(
+        items,
+        image_token_id=image_token_id,
+        video_token_id=video_token_id,
+        pad_token_id=pad_token_id,
+        device=device,
+        dtype=dtype,
+    )
+    pooled: dict[int, list[dict[str, torch.Tensor]]] = {}
+
+    def take(index: int, hidden: torch.Tensor) -> None:
+        h = hidden.float()  # (B, L, D_text)
+        per = []
+        for i, n in enumerate(lengths):
+            f = {}
+            if "last" in spec.pools:
+                f[f"llm.last.layer{index}"] = h[i, n - 1].clone()
+            if "mean" in spec.pools:
+                f[f"llm.mean.layer{index}"] = h[i, :n].mean(dim=0)
+            per.append(f)
+        pooled[index] = per
+
+    taps = HiddenStateTaps(model, spec.layers, take)
     tap = TowerTap(tower)
     try:
-        out = model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            mm_token_type_ids=mm_types.to(device),
-            output_hidden_states=True,
-            use_cache=False,
-            **kwargs,
-        )
+        taps.run(lambda: model(**inputs, use_cache=False))
     finally:
         tap.remove()
-    hidden = out.hidden_states  # tuple of (B, L, D_text), embeddings first
-    n_layers = len(hidden)
     results: list[dict[str, torch.Tensor]] = [{} for _ in items]
-    for layer in spec.layers:
-        if not -n_layers <= layer < n_layers:
-            raise InputRefused(f"layer {layer} out of range: the model has hidden states 0..{n_layers - 1}")
-        resolved = layer % n_layers
-        h = hidden[layer].float()
-        for i, n in enumerate(lengths):
-            if "last" in spec.pools:
-                results[i][f"llm.last.layer{resolved}"] = h[i, n - 1].clone()
-            if "mean" in spec.pools:
-                results[i][f"llm.mean.layer{resolved}"] = h[i, :n].mean(dim=0)
+    for index in taps.resolved:  # in the order asked, as before
+        for i, f in enumerate(pooled[index]):
+            results[i].update(f)
     vision_names = [n for n in spec.names if n != "llm"]
     if vision_names:
         merged, deep = [], []

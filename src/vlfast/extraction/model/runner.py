@@ -20,6 +20,7 @@ from vlfast.extraction.model.features import (
     VisionBatch,
     compute_llm_features,
     compute_vision_features,
+    find_decoder,
 )
 
 __all__ = ["Forward", "LoadedModel", "batches", "family_of", "load"]
@@ -54,6 +55,7 @@ def load(
 
     if spec.needs_llm:
         whole = load_model(model, device=device, dtype=dtype)
+        find_decoder(whole)  # no decoder layers for the llm hooks: refused before any work
         tower = find_vision_tower(whole)[1]
     else:
         whole = None
