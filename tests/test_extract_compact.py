@@ -47,7 +47,10 @@ def test_close_compacts_and_reads_the_same(tmp_path):
     assert _names(out, PART_RE) == [] and len(_names(out, COMPACT_RE)) == 1
     assert compare_caches(raw, out) == []
     assert read_run_file(out)["format_version"] == 3
-    assert FeatureCache(out).check().ok
+    report = FeatureCache(out).check()
+    assert report.ok and report.parts == 1 and report.shards == len(_names(raw, PART_RE)), report
+    r = CliRunner().invoke(app, ["extract", "--verify", str(out)])
+    assert f"{report.shards} shards in 1 index part," in r.output, r.output
     # a resume over it: nothing to redo, nothing duplicated
     assert run(str(out), N, shard_max_samples=6) == 0
     assert compare_caches(raw, out) == []

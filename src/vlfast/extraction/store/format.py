@@ -234,10 +234,14 @@ def config_hash(stable: dict) -> str:
 def read_run_file(out: Path) -> dict:
     """run.json, parsed; refused if a newer vlfast wrote it (its format_version is higher than ours)."""
     path = out / RUN_FILE
-    if not is_local(path):
-        path.fs.invalidate_cache(path.path)  # another rank may have written it since we last looked
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        if is_local(path):
+            data = path.read_bytes()
+        else:  # through the path's own filesystem, never the class's local methods
+            path.fs.invalidate_cache(path.path)  # another rank may have written it since we last looked
+            with path.fs.open(path.path, "rb") as f:
+                data = f.read()
+        doc = json.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{path} not found: {out} is not a vlfast extraction folder (run `vlfast extract` first)"

@@ -306,7 +306,8 @@ class CheckReport:
     """What ``vlfast extract --verify OUT`` found. ``ok`` when nothing is damaged."""
 
     out: str
-    parts: int = 0
+    parts: int = 0  # index parts (a consolidated one points at many shards)
+    shards: int = 0
     samples: int = 0
     bytes_checked: int = 0
     seconds: float = 0.0
@@ -347,6 +348,7 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
             else:
                 record.forget(part)
             report.parts += 1
+            report.shards += len(check.shards)
             report.samples += len(check.ids)
             report.bytes_checked += check.checked_bytes
             _report_damage(report, check)
