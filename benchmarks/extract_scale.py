@@ -440,30 +440,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(report: dict[str, Any]) -> str:
-    """One Markdown row per storage."""
+    """One Markdown row per storage: seconds, then requests on S3, then peak RSS."""
     lines = [
-        "| storage | samples | index parts | FeatureCache open | resume, half done: quick / full "
-        "| resume, finished: quick / full / full vouched | peak RSS (bookkeeping) | write |",
+        "| storage | samples (per part) | index parts | FeatureCache open "
+        "| resume planning, half done: quick / full | finished: quick / full / full vouched "
+        "| peak RSS: resume / FeatureCache | write |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def cell(steps: list[dict[str, Any]], key: str = "planning_s") -> str:
+        text = " / ".join(f"{x[key]:.2f}" for x in steps) + " s"
+        if all("requests" in x for x in steps):
+            text += "; " + " / ".join(f"{x['requests']['total']:,}" for x in steps) + " req"
+        return text
+
     for storage, r in report["results"].items():
         h, f, c = r["half"], r["finished"], r["cache_open"]
-        peak = max(x["peak_rss_mib"] for x in (*h.values(), *f.values(), c))
-        book = max(x["bookkeeping_mib"] for x in (*h.values(), *f.values(), c))
-        req = ""
-        if "requests" in c:
-            req = (
-                f" ({c['requests']['total']:,} req)",
-                f" ({h['quick']['requests']['total']:,} / {h['full']['requests']['total']:,} req)",
-                f" ({f['quick']['requests']['total']:,} / {f['full']['requests']['total']:,} / "
-                f"{f['full_vouched']['requests']['total']:,} req)",
-            )
+        resumes = [*h.values(), *f.values()]
+        peak = max(x["peak_rss_mib"] for x in resumes)
         lines.append(
-            f"| {storage} | {report['samples']:,} | {r['index_parts']:,} | {c['open_s']:.2f} s{req and req[0]} "
-            f"| {h['quick']['planning_s']:.2f} / {h['full']['planning_s']:.2f} s{req and req[1]} "
-            f"| {f['quick']['planning_s']:.2f} / {f['full']['planning_s']:.2f} / "
-            f"{f['full_vouched']['planning_s']:.2f} s{req and req[2]} "
-            f"| {peak:,.0f} MiB ({book:,.0f}) "
+            f"| {storage} | {report['samples']:,} ({report['per_part']:,}) | {r['index_parts']:,} "
+            f"| {cell([c], 'open_s')} | {cell([h['quick'], h['full']])} "
+            f"| {cell([f['quick'], f['full'], f['full_vouched']])} "
+            f"| {peak:,.0f} / {c['peak_rss_mib']:,.0f} MiB "
             f"| {r['write']['samples_per_s']:,.0f} samples/s |"
         )
     return "\n".join(lines)
