@@ -6,8 +6,9 @@ a model: the input as a list of ``Sample``, a ``RunPlan``, ``RunPlan.finished`` 
 the engines' own ``_opened_store``, ``done_ids()`` and ``RunPlan.work``. Every measured step runs in a
 fresh process (``--_step``), so its peak RSS (``ru_maxrss``) is its own:
 
-1. write, first half: each of ``--ranks`` ranks writes half of its share and stops cleanly (a run
-   interrupted half way: its buffer committed, as on SIGTERM);
+1. write, first half: each of ``--ranks`` ranks (one after another, each its own process, shards and
+   parts) writes half of its share and stops cleanly (a run interrupted half way: its buffer committed, as
+   on SIGTERM);
 2. resume planning on that half-finished OUT, ``--resume-check quick`` then ``full``: what a rank does
    from holding its input list to the point where its first forward would start (preflight, store open
    with its check of every committed shard, ``done_ids``, the plan of what is left);
