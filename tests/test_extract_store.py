@@ -414,3 +414,27 @@ def test_damaged_index_part_is_named_then_moved_aside_on_resume(tmp_path: Path) 
     assert kept == sorted([part.name, "reason.json", "shard-r00000-000001.safetensors"])
     _fill(tmp_path / "ref", ["a", "b", "c"], shard_max_samples=2)
     assert compare_caches(tmp_path, tmp_path / "ref") == []
+
+
+def test_gc_paused_restores_the_collector_however_it_ends():
+    import gc
+
+    from vlfast.extraction.store.format import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner one found it paused and leaves it paused
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is kept
+    finally:
+        gc.enable()

@@ -44,6 +44,7 @@ from vlfast.extraction.store.format import (
     compact_part_name,
     config_hash,
     consolidated_info,
+    gc_paused,
     list_names,
     part_meta,
     part_shards,
@@ -153,6 +154,7 @@ def _gather(out: Path, rank: int, expected: str) -> tuple[list, dict, list[str],
     return tables, shards, supersedes, config, used
 
 
+@gc_paused()
 def compact_rank(
     out: Any, rank: int, backend: Any, *, min_parts: int = 2, tag: str | None = None
 ) -> Compaction:

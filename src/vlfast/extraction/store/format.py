@@ -7,12 +7,14 @@ covers) is specified once, in docs/extract.md ("On-disk layout", "Checksums: wha
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
 import re
 import struct
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +228,21 @@ def stable_config(config: dict, volatile: Collection[str]) -> dict:
 
 def config_hash(stable: dict) -> str:
     return hashlib.sha256(canonical_json(stable).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while bookkeeping builds millions of objects (ids, index
+    rows, sets). They hold no reference cycles, yet each collection pass walks them all: on 300,000 ids a
+    resume's check of OUT took 2.5 s with the collector on, 0.55 s paused (benchmarks/extract_scale.py).
+    Usable as a decorator; the collector's previous state comes back, nested uses included."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 # ------------------------------------------------------------------------------------- the run file

@@ -35,6 +35,7 @@ from vlfast.extraction.store.format import (
     DamagedFile,
     committed_parts,
     config_hash,
+    gc_paused,
     index_schema,
     is_local,
     part_meta,
@@ -61,6 +62,7 @@ class FeatureCache(torch.utils.data.Dataset):
     not carried across processes, each worker opens its own).
     """
 
+    @gc_paused()
     def __init__(
         self,
         out: str | os.PathLike,

@@ -37,6 +37,7 @@ from vlfast.extraction.store.format import (
     config_hash,
     done_by_error,
     error_key,
+    gc_paused,
     is_consolidated,
     is_local,
     part_meta,
@@ -249,6 +250,7 @@ class OutState:
     sound: list[Path] = field(default_factory=list)  # parts that pass it
 
 
+@gc_paused()
 def read_state(
     out: str | os.PathLike,
     run_config: Mapping[str, Any],

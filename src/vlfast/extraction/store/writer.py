@@ -66,6 +66,7 @@ from vlfast.extraction.store.format import (
     done_by_error,
     error_key,
     error_line,
+    gc_paused,
     index_schema,
     is_consolidated,
     is_part_name,
@@ -181,6 +182,7 @@ class FeatureStore:
     and hashes every tensor (default), "quick" checks sizes, headers and ids only.
     """
 
+    @gc_paused()
     def __init__(
         self,
         out: str | os.PathLike,
