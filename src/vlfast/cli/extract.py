@@ -520,7 +520,7 @@ def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
         print_json(report.to_dict())
     else:
         console.print(
-            f"{out}: {report.shards} shards in {report.parts} index part{'' if report.parts == 1 else 's'}, "
+            f"{out}: {report.shards} shard{'' if report.shards == 1 else 's'} in {report.parts} index part{'' if report.parts == 1 else 's'}, "
             f"{report.samples} samples, {report.bytes_checked / 2**20:,.1f} MiB "
             f"checked in {report.seconds:.1f} s",
             highlight=False,
