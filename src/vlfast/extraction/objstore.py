@@ -56,6 +56,7 @@ __all__ = [
     "is_local_fs",
     "is_transient",
     "is_url",
+    "named_call",
     "open_range",
     "probe",
     "probe_out",
@@ -442,16 +443,23 @@ class StorageReadError(OSError):
 RANGE_POLICIES = ("input", "storage", "raw")
 
 
-def _fetch(fs, path: str, url: str, options_json: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of an object (fewer at its end) under the "input" policy: one ranged request."""
+def named_call(fs, call: Callable[[], T], url: str, options_json: str, doing: str = "read") -> T:
+    """``call()`` (one request about ``url``) through :func:`retrying`, its failures named for ``url``:
+    FileNotFoundError ("file not found"), TransientReadError as it comes, anything else OSError ("cannot
+    {doing} {url}: ..." with the credentials masked)."""
     try:
-        return retrying(fs, lambda: fs.cat_file(path, start=start, end=end), url, options_json)
+        return retrying(fs, call, url, options_json)
     except FileNotFoundError:
         raise FileNotFoundError(f"file not found: {url}") from None
     except TransientReadError:
         raise
     except Exception as e:  # network and permission errors come as many types
-        raise OSError(f"cannot read {url}: {masked(error_reason(e), options_json)}") from None
+        raise OSError(f"cannot {doing} {url}: {masked(error_reason(e), options_json)}") from None
+
+
+def _fetch(fs, path: str, url: str, options_json: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an object (fewer at its end) under the "input" policy: one ranged request."""
+    return named_call(fs, lambda: fs.cat_file(path, start=start, end=end), url, options_json)
 
 
 def _short(url: str, what: str, start: int, got: int, end: int) -> OSError:

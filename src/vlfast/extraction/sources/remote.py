@@ -41,6 +41,7 @@ from vlfast.extraction.objstore import (
     filesystem,
     is_url,
     masked,
+    named_call,
     probe,
     retrying,
 )
@@ -76,14 +77,7 @@ class RemoteFile:
     def size(self) -> int:
         """Bytes of the object; FileNotFoundError when it does not exist, OSError when it cannot be read."""
         fs, path = filesystem(self.url, self.options_json)
-        try:
-            info = retrying(fs, lambda: fs.info(path), self.url, self.options_json)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"file not found: {self.url}") from None
-        except TransientReadError:
-            raise
-        except Exception as e:  # network and permission errors come as many types
-            raise OSError(f"cannot access {self.url}: {self._reason(e)}") from None
+        info = named_call(fs, lambda: fs.info(path), self.url, self.options_json, "access")
         if info.get("type") == "directory":
             raise IsADirectoryError(f"not a file: {self.url}")
         return int(info.get("size") or 0)
@@ -101,14 +95,7 @@ class RemoteFile:
     def read_bytes(self) -> bytes:
         """The whole object (an image); TransientReadError when the store keeps failing transiently."""
         fs, path = filesystem(self.url, self.options_json)
-        try:
-            return retrying(fs, lambda: fs.cat_file(path), self.url, self.options_json)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"file not found: {self.url}") from None
-        except TransientReadError:
-            raise
-        except Exception as e:
-            raise OSError(f"cannot read {self.url}: {self._reason(e)}") from None
+        return named_call(fs, lambda: fs.cat_file(path), self.url, self.options_json)
 
     def _reason(self, e: BaseException) -> str:
         return masked(error_reason(e), self.options_json)
