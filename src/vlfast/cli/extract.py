@@ -479,9 +479,9 @@ def _print_summary(summary, out: str) -> None:
     )
 
 
-def _compact(out: str, as_json: bool, storage_options: dict | None) -> None:
-    """``vlfast extract --compact OUT``: one consolidated index part per rank."""
-    from vlfast.extraction.store.compact import compact_folder
+def _reachable_out(out: str, storage_options: dict | None):
+    """OUT as a path object for --verify and --compact; on object storage, probed first (reachable, bucket
+    present), so a wrong endpoint is named before any work."""
     from vlfast.extraction.store.format import is_local, resolve_out
 
     path = resolve_out(out, storage_options)
@@ -489,7 +489,14 @@ def _compact(out: str, as_json: bool, storage_options: dict | None) -> None:
         from vlfast.extraction.objstore import probe_out
 
         probe_out(path)
-    results = compact_folder(path)
+    return path
+
+
+def _compact(out: str, as_json: bool, storage_options: dict | None) -> None:
+    """``vlfast extract --compact OUT``: one consolidated index part per rank."""
+    from vlfast.extraction.store.compact import compact_folder
+
+    results = compact_folder(_reachable_out(out, storage_options))
     if as_json:
         print_json({"out": out, "ranks": [r.to_dict() for r in results]})
         return
@@ -507,15 +514,10 @@ def _compact(out: str, as_json: bool, storage_options: dict | None) -> None:
 
 def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
     """``vlfast extract --verify OUT``: hash everything, list every bad sample, exit 1 if any."""
-    from vlfast.extraction.store.format import REDO_HINT, is_local, resolve_out
-    from vlfast.extraction.store.integrity import verify_folder
+    from vlfast.extraction.store.format import REDO_HINT
+    from vlfast.extraction.store.integrity import check_folder
 
-    path = resolve_out(out, storage_options)
-    if not is_local(path):
-        from vlfast.extraction.objstore import probe_out
-
-        probe_out(path)
-    report = verify_folder(path)
+    report = check_folder(_reachable_out(out, storage_options))
     if as_json:
         print_json(report.to_dict())
     else:
