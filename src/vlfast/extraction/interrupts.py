@@ -93,9 +93,13 @@ def raise_if_terminated() -> None:
     """Raise :class:`Terminated` if a SIGTERM's exception was dropped by Python in this block (see
     ``_dropped``). Call it where the run loops, between batches."""
     if _dropped and _main_thread():
-        dropped = _dropped[-1]
-        _dropped.clear()
-        raise Terminated() if isinstance(dropped, Terminated) else KeyboardInterrupt()
+        _raise_dropped()
+
+
+def _raise_dropped() -> None:
+    dropped = _dropped[-1]
+    _dropped.clear()
+    raise Terminated() if isinstance(dropped, Terminated) else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
@@ -147,6 +151,4 @@ def sigterm_like_sigint() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if _dropped:  # the block ended normally, yet a signal's exception was dropped on the way
-        dropped = _dropped[-1]
-        _dropped.clear()
-        raise Terminated() if isinstance(dropped, Terminated) else KeyboardInterrupt()
+        _raise_dropped()
