@@ -7,8 +7,9 @@ module on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from vlfast._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -42,14 +43,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from vlfast.patching.gemm import PatchReport, is_patched, patch, unpatch  # noqa: F401
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vlfast' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -8,8 +8,9 @@ anything Ray.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from vlfast._lazy import lazy_exports
 
 _EXPORTS = {
     "FeatureStore": "vlfast.extraction.store.writer",
@@ -29,14 +30,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from vlfast.extraction.store.writer import FeatureStore  # noqa: F401
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vlfast.extraction' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

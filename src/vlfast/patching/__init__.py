@@ -10,7 +10,7 @@ Importing this package is free (no torch): the start-up hook imports ``autopatch
 
 from __future__ import annotations
 
-import importlib
+from vlfast._lazy import lazy_exports
 
 _EXPORTS = {
     "patch": "gemm",
@@ -31,12 +31,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vlfast.patching' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -7,8 +7,9 @@ for an INPUT. Names load lazily, so importing :class:`Sample` does not import ev
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from vlfast._lazy import lazy_exports
 
 _EXPORTS = {
     "EmptyInput": "vlfast.extraction.sources.sample",
@@ -24,14 +25,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from vlfast.extraction.sources.sample import EmptyInput, InputProblem, Sample  # noqa: F401
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vlfast.extraction.sources' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
