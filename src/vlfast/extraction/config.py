@@ -18,6 +18,9 @@ import torch
 from vlfast.errors import InputRefused
 from vlfast.extraction.model.batching import TokenBudget
 from vlfast.extraction.model.features import FeatureSpec
+from vlfast.extraction.store.format import (
+    STORE_DTYPES,  # what the store writes (numpy reads all but bfloat16)
+)
 
 __all__ = [
     "STORE_DTYPES",
@@ -31,8 +34,6 @@ __all__ = [
     "resolve_dtype",
     "resolve_store_dtype",
 ]
-
-STORE_DTYPES = ("float16", "bfloat16", "float32")  # what the store writes (numpy reads all but bfloat16)
 
 
 @dataclass(frozen=True)
