@@ -336,13 +336,23 @@ def test_read_only_filesystem_for_real(tmp_path: Path) -> None:
 
 def _other_run(out: Path, cfg: dict, negate: bool) -> None:
     """The same ids into another OUT: with ``negate`` the features of other weights (same dtypes, shapes and
-    so the same shard sizes), else the very same bytes written under other library versions."""
-    with FeatureStore(out, cfg, shard_max_samples=3) as s:
-        for sid in IDS:
-            feats = fake_features(sid)
-            if negate:
-                feats = {k: -v if v.is_floating_point() else v for k, v in feats.items()}
-            s.add(sid, feats, {"path": f"{sid}.mp4"})
+    so the same shard sizes), else the very same tensors written under another torch (a version string of
+    the same length, so the same shard size). The header must differ by content: safetensors writes its
+    metadata keys in a random order, so two runs' headers differ by chance alone, and were equal in 1 CI run."""
+    from vlfast.extraction.store import writer
+
+    versions = writer.library_versions()
+    if not negate:
+        torch_version = versions["torch"]
+        versions["torch"] = torch_version[:-1] + ("0" if torch_version[-1] != "0" else "1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(writer, "library_versions", lambda: dict(versions))
+        with FeatureStore(out, cfg, shard_max_samples=3) as s:
+            for sid in IDS:
+                feats = fake_features(sid)
+                if negate:
+                    feats = {k: -v if v.is_floating_point() else v for k, v in feats.items()}
+                s.add(sid, feats, {"path": f"{sid}.mp4"})
 
 
 @pytest.mark.parametrize(
