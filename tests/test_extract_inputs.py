@@ -95,7 +95,7 @@ BAD_JSONL_ROWS = [
     (b"{not json", "not valid JSON (Expecting property name enclosed in double quotes at column 2)", None),
     (b'["a.jpg"]', "a JSON list is not a row", None),
     (b'"a.jpg"', "a JSON str is not a row", None),
-    (b'{"id": "r"}', "no path (the row has 'id')", "r"),
+    (b'{"id": "r"}', "no path and no text (the row has 'id')", "r"),
     (b'{"id": "r", "path": ""}', "no path", "r"),
     (b'{"id": "r", "path": null}', "no path", "r"),
     (b'{"id": "r", "path": 5}', "path must be a file path (text) or a list of frame paths, got int 5", "r"),
@@ -190,7 +190,7 @@ def test_csv_bad_rows_use_data_row_numbers(tmp_path):
     assert problems[1].reason == (
         "the row has 4 values but the header has 3 columns; quote values that contain a comma"
     )
-    assert problems[2].reason.startswith("no path (the row has 'id', 'path', 'prompt')")
+    assert problems[2].reason.startswith("no path and no text (the row has 'id', 'path', 'prompt')")
     assert problems[3].reason.startswith("path looks like a JSON list but is not valid JSON")
 
 

@@ -45,7 +45,7 @@ def extract(
         list[str],
         typer.Argument(
             help="INPUT is a folder of images/videos (recursive), a manifest (.jsonl, .csv, "
-            ".parquet with columns path, id, prompt) or WebDataset .tar shards as a quoted pattern, e.g. "
+            ".parquet with columns path, id, prompt, text, instruction) or WebDataset .tar shards as a quoted pattern, e.g. "
             "'shards/{000000..000099}.tar'; OUT is the output folder. With --demo or --verify, only OUT.",
             show_default=False,
             metavar="INPUT OUT",
@@ -61,7 +61,12 @@ def extract(
     ] = None,
     features: Annotated[
         str,
-        typer.Option("--features", "-f", help="Comma-separated: vision, vision_mean, deepstack, llm."),
+        typer.Option(
+            "--features",
+            "-f",
+            help="Comma-separated: vision, vision_mean, deepstack, llm; or embedding (Qwen3-VL-Embedding's "
+            "vector of each row's media and text).",
+        ),
     ] = "vision,vision_mean",
     layers: Annotated[
         str, typer.Option("--layers", help="LLM hidden-state layers for 'llm' (0 = embeddings, -1 = last).")
@@ -71,6 +76,21 @@ def extract(
         str | None,
         typer.Option(
             "--prompt", help="Prompt for 'llm' when a manifest row has none ('{kind}' = image/video)."
+        ),
+    ] = None,
+    instruction: Annotated[
+        str | None,
+        typer.Option(
+            "--instruction",
+            help="For 'embedding': the system instruction of rows without their own 'instruction' "
+            '(default: "Represent the user\'s input.").',
+        ),
+    ] = None,
+    dim: Annotated[
+        int | None,
+        typer.Option(
+            "--dim",
+            help="For 'embedding': keep the first N dimensions, normalised again (Matryoshka, >= 64).",
         ),
     ] = None,
     device: DeviceOpt = None,
@@ -300,6 +320,8 @@ def extract(
             layers=_ints(layers, "--layers"),
             pools=pools,
             prompt=prompt,
+            instruction=instruction,
+            dim=dim,
             device=device,
             dtype=dtype,
             store_dtype=store_dtype,

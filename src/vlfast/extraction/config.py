@@ -51,6 +51,8 @@ class ExtractConfig:
     layers: Sequence[int] = (-1,)
     pools: Sequence[str] = ("last",)
     prompt: str | None = None
+    instruction: str | None = None
+    dim: int | None = None
     dtype: str | torch.dtype | None = None
     store_dtype: str | torch.dtype | None = None
     patch_convs: bool = True
@@ -120,8 +122,23 @@ def _feature_spec(config: ExtractConfig) -> FeatureSpec:
         raise InputRefused(
             f"{flag} selects LLM hidden states: add llm to --features (e.g. --features vision,llm)"
         )
+    embedding = "embedding" in {n.strip() for n in names}
+    if not embedding and config.instruction is not None:
+        raise InputRefused(
+            "--instruction (instruction) is for --features embedding; add embedding to --features"
+        )
+    if "llm" not in {n.strip() for n in names} and config.prompt is not None:
+        raise InputRefused(
+            "--prompt (prompt) is for --features llm"
+            + ("; an embedding's text comes from the manifest's 'text' column" if embedding else "")
+        )
+    given = {"prompt": config.prompt, "instruction": config.instruction}
     return FeatureSpec(
-        names=names, layers=layers, pools=pools, **({"prompt": config.prompt} if config.prompt else {})
+        names=names,
+        layers=layers,
+        pools=pools,
+        dim=config.dim,
+        **{k: v for k, v in given.items() if v is not None},
     )
 
 

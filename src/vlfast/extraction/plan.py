@@ -222,18 +222,28 @@ def check_llm_request(model: str, spec: FeatureSpec) -> None:
     a reference (a vision tower only) or a ``--layers`` index past the LLM's hidden states."""
     if not spec.needs_llm:
         return
+    what = "embedding" if spec.embedding else "llm"
     if model.startswith("ref:"):
         raise InputRefused(
-            f"{model} is a vision tower only: llm features need a local checkpoint directory "
-            "(drop 'llm' from --features, or pass --model DIR)"
+            f"{model} is a vision tower only: {what} features need a local checkpoint directory with its "
+            f"language model (drop '{what}' from --features, or pass --model DIR)"
         )
     from vlfast.models import load_config
 
     config = load_config(model)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = getattr(text, "num_hidden_layers", None)
-    if not isinstance(n, int):
-        return  # the forward's own check stays (features.compute_llm_features)
+    width = getattr(text, "hidden_size", None)
+    if not isinstance(n, int) or n < 1:
+        raise InputRefused(
+            f"{model}: its config ({type(config).__name__}) names no language model with decoder layers, "
+            f"which {what} features run; drop '{what}' from --features, or pass a vision-language checkpoint"
+        )
+    if spec.dim is not None and isinstance(width, int) and spec.dim > width:
+        raise InputRefused(
+            f"--dim {spec.dim}: the language model of {model} is {width} wide, so an embedding has at most "
+            f"{width} dimensions; give --dim between 64 and {width}, or leave it out for all {width}"
+        )
     # The indices of output_hidden_states, unchanged: 0 the embeddings, k decoder layer k's output, n (-1)
     # after the final norm. They are read by hooks and the forward stops after the deepest, so memory no
     # longer grows with n + 1 states: one layer's (B, L, D) at most, and no (B, L, vocab) logits

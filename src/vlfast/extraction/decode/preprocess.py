@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from vlfast.errors import InputRefused
+from vlfast.extraction.decode.embedding import RECIPE_PIXELS, is_embedding_checkpoint
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media, media_of
 from vlfast.extraction.decode.video import (  # noqa: F401 - sample_frame_indices, video_resize_shape: here before
     normalize_video_patches,
@@ -84,15 +85,23 @@ class ProcessorConfig:
     rescale_factor: float = 1 / 255
     video_resize: str = "torch.nn.functional.interpolate(uint8, bicubic, antialias=True)"
     frames_list_fps: float = 24.0  # timestamps of a clip given as frame images (transformers' default)
+    # "processor": the video processor's smart_resize over all frames; "qwen-vl-utils": qwen-vl-utils'
+    # fetch_video (a per-frame budget from video_max_pixels as the total, per-frame video_min_pixels and
+    # max_video_tokens), as Qwen3-VL-Embedding prepares videos (with frame_sampling "qwen-vl-utils").
+    video_sizing: str = "processor"
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise InputRefused(f"{name} must be a positive int, got {v!r}")
-        if self.frame_sampling not in ("qwen3-vl", "qwen2-vl"):
+        if self.frame_sampling not in ("qwen3-vl", "qwen2-vl", "qwen-vl-utils"):
             raise InputRefused(
-                f"frame_sampling must be 'qwen3-vl' or 'qwen2-vl', got {self.frame_sampling!r}"
+                f"frame_sampling must be 'qwen3-vl', 'qwen2-vl' or 'qwen-vl-utils', got {self.frame_sampling!r}"
+            )
+        if self.video_sizing not in ("processor", "qwen-vl-utils"):
+            raise InputRefused(
+                f"video_sizing must be 'processor' or 'qwen-vl-utils', got {self.video_sizing!r}"
             )
         if (self.fps is None) == (self.num_frames is None):
             raise InputRefused("give exactly one of fps and num_frames for video sampling")
@@ -118,6 +127,8 @@ class ProcessorConfig:
         # Written by every vlfast so far, always empty (a field that was never passed to the processor):
         # kept so that an OUT written before resumes, its configuration being compared as a whole.
         d["image_kwargs"] = {}
+        if d["video_sizing"] == "processor":  # added with embeddings: absent from older OUTs' run.json
+            del d["video_sizing"]
         return d
 
 
@@ -329,6 +340,13 @@ def build_processor_config(
         values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
         values["merge_size"] = int(image_cfg.get("merge_size", 2))
         values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
+    recipe = is_embedding_checkpoint(model)
+    if (
+        recipe
+    ):  # Qwen3-VL-Embedding prepares pixels its own way (decode.embedding), not by its processor files
+        values.update(RECIPE_PIXELS)
+        source += "; Qwen3-VL-Embedding recipe (vlfast.extraction.decode.embedding.RECIPE_PIXELS)"
+        video_cfg = {k: RECIPE_PIXELS[k] for k in ("fps", "min_frames", "max_frames", "max_video_tokens")}
     if min_pixels is not None:
         values["image_min_pixels"] = int(min_pixels)
     if max_pixels is not None:
@@ -364,6 +382,7 @@ def build_processor_config(
         cap_pixels_per_frame=bool(video_cfg.get("cap_pixels_per_frame") or False),
         max_video_tokens=int(video_cfg.get("max_video_tokens", 768)),
         rescale_factor=values.get("rescale_factor", 1 / 255),
+        video_sizing=values.get("video_sizing", "processor"),
     )
 
 
@@ -469,6 +488,11 @@ class Preprocessor:
                 )
             self._image_processor = proc
         return self._image_processor
+
+    def no_pixels(self) -> torch.Tensor:
+        """A text sample's pixel_values: no patch rows."""
+        c = self.cfg
+        return torch.empty((0, 3 * c.temporal_patch_size * c.patch_size**2), dtype=torch.float32)
 
     def _size(self) -> dict[str, int]:
         return {"shortest_edge": self.cfg.image_min_pixels, "longest_edge": self.cfg.image_max_pixels}

@@ -10,12 +10,14 @@ or hung worker).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vlfast.extraction.decode.embedding import EmbeddingPrompt
 from vlfast.extraction.decode.preprocess import Preprocessor, ProcessorConfig, SampleError
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.workers import unexpected_item
@@ -30,7 +32,7 @@ class DecodedSample:
     """One sample ready for the model."""
 
     i: int  # its position in the list being decoded
-    kind: str  # "image" or "video"
+    kind: str  # "image", "video", "frames", or "text" (no pixels: an embedding of a text alone)
     pixel_values: torch.Tensor  # (t*h*w, C*T*P*P): float32, or uint8 video patches normalised by the model
     grid: tuple[int, int, int]  # (t, h, w) in patches
     tokens: int  # merged vision tokens
@@ -61,7 +63,7 @@ class SampleDataset:
         self,
         samples: Sequence[Sample],
         pre: Preprocessor,
-        prompts: PromptBuilder | None,
+        prompts: PromptBuilder | EmbeddingPrompt | None,
         default_prompt: str,
         hook: Callable[[Sample], None] | None = None,
     ):
@@ -77,7 +79,15 @@ class SampleDataset:
         try:
             if self.hook is not None:
                 self.hook(s)
-            pixels, grid, meta = self.pre(s)
+            if s.kind == "text":
+                if not isinstance(self.prompts, EmbeddingPrompt):
+                    raise SampleError(
+                        "a text row (no path) has nothing to extract but an embedding: give it a 'path', "
+                        "or run --features embedding"
+                    )
+                pixels, grid, meta = self.pre.no_pixels(), (0, 0, 0), {}
+            else:
+                pixels, grid, meta = self.pre(s)
             item = DecodedSample(
                 i=i,
                 kind=s.kind,
@@ -86,7 +96,10 @@ class SampleDataset:
                 tokens=grid[0] * grid[1] * grid[2] // self.pre.cfg.merge_size**2,
                 meta=meta,
             )
-            if self.prompts is not None:
+            if isinstance(self.prompts, EmbeddingPrompt):
+                item.input_ids, recorded = self.prompts(s, grid, meta)
+                item.meta = {**meta, **recorded}
+            elif self.prompts is not None:
                 prompt = s.prompt or self.default_prompt
                 item.input_ids = self.prompts(s.kind, prompt, grid, meta)
                 media = "image" if s.kind == "image" else "video"
@@ -106,11 +119,17 @@ def worker_init(_: int) -> None:
 
 
 def prepare_decoding(
-    model: str, family: str, cfg: ProcessorConfig, needs_llm: bool, images: bool
-) -> tuple[Preprocessor, PromptBuilder | None]:
+    model: str,
+    family: str,
+    cfg: ProcessorConfig,
+    needs_llm: bool,
+    images: bool,
+    embedding: EmbeddingPrompt | None = None,
+) -> tuple[Preprocessor, PromptBuilder | EmbeddingPrompt | None]:
     """What decoding needs, built once where samples are decoded (this process, or a Ray decode actor):
     the model's own preprocessing, which leaves videos as uint8 patches to be normalised where the model
-    runs, and for ``llm`` the prompt builder with its tokenizer loaded, so forked workers inherit both."""
+    runs, and for ``llm`` the prompt builder with its tokenizer loaded, so forked workers inherit both.
+    ``embedding`` (its ``builder`` left None: made here) asks for the embedding conversation instead."""
     # A reference has no processor files: its family's published defaults apply (cfg).
     pre = Preprocessor(
         cfg, image_processor_dir=None if model.startswith("ref:") else model, defer_video_normalize=True
@@ -121,4 +140,6 @@ def prepare_decoding(
     if needs_llm:
         prompts = PromptBuilder(model, family, cfg.merge_size, cfg.temporal_patch_size)
         prompts.tokenizer()
+        if embedding is not None:
+            return pre, dataclasses.replace(embedding, builder=prompts)
     return pre, prompts

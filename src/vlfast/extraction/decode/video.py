@@ -31,6 +31,8 @@ def sample_frame_indices(total: int, video_fps: float | None, cfg: ProcessorConf
     """Which frames of a ``total``-frame video to keep, by the rule ``cfg.frame_sampling`` names."""
     if total < 1:
         raise SampleError("video has no frames")
+    if cfg.frame_sampling == "qwen-vl-utils":  # qwen_vl_utils.vision_process.smart_nframes (0.0.14)
+        return _qwen_vl_utils_indices(total, video_fps, cfg)
     if cfg.frame_sampling == "qwen3-vl":  # Qwen3VLVideoProcessor.sample_frames
         n = cfg.num_frames
         if n is None:
@@ -51,9 +53,50 @@ def sample_frame_indices(total: int, video_fps: float | None, cfg: ProcessorConf
     return torch.arange(0, total, total / n).int().numpy()
 
 
+def _qwen_vl_utils_indices(total: int, video_fps: float | None, cfg: ProcessorConfig) -> np.ndarray:
+    """qwen-vl-utils' ``smart_nframes`` (fps rule; frame factor = the temporal patch) and the indices its
+    readers take, ``torch.linspace(0, total - 1, n).round()``. ``num_frames`` is its ``nframes`` rule."""
+    t = cfg.temporal_patch_size
+    if cfg.num_frames is not None:
+        n = round(cfg.num_frames / t) * t
+    else:
+        rate = video_fps or 24.0
+        min_frames = math.ceil(cfg.min_frames / t) * t
+        max_frames = math.floor(min(cfg.max_frames, total) / t) * t
+        n = min(min(max(total / rate * cfg.fps, min_frames), max_frames), total)
+        n = math.floor(n / t) * t
+    if not t <= n <= total:
+        raise SampleError(f"cannot sample {n} frames from a {total}-frame video (rule qwen-vl-utils)")
+    return torch.linspace(0, total - 1, n).round().long().numpy()
+
+
+def _image_smart_resize(height: int, width: int, factor: int, lo: float, hi: float) -> tuple[int, int]:
+    """qwen-vl-utils' (and transformers' Qwen2-VL image) ``smart_resize`` of one frame."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise SampleError(f"video aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds 200:1")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > hi:
+        beta = math.sqrt((height * width) / hi)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < lo:
+        beta = math.sqrt(lo / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorConfig) -> tuple[int, int]:
-    """(h, w) of every frame after resizing: the video ``smart_resize`` with the total pixel budget."""
+    """(h, w) of every frame after resizing: the video ``smart_resize`` with the total pixel budget, or
+    for ``video_sizing="qwen-vl-utils"`` qwen-vl-utils' ``fetch_video``: each frame within
+    [video_min_pixels, max(min(max_video_tokens * factor**2, video_max_pixels / n * T), 1.05 * min)]."""
     factor, tf = cfg.factor, cfg.temporal_patch_size
+    if cfg.video_sizing == "qwen-vl-utils":
+        lo = cfg.video_min_pixels
+        frame_max = cfg.max_video_tokens * factor * factor
+        hi = max(min(frame_max, cfg.video_max_pixels / num_frames * tf), int(lo * 1.05))
+        return _image_smart_resize(height, width, factor, lo, hi)
     max_pixels = cfg.video_max_pixels
     if cfg.cap_pixels_per_frame:
         frame_cap = cfg.max_video_tokens * factor * factor

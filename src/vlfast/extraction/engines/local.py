@@ -96,6 +96,7 @@ class _Extraction:
             plan.processor,
             config.spec.needs_llm,
             any(s.kind == "image" for s in self.todo),
+            embedding=config.spec.embedding_prompt(),
         )
         self.dataset = SampleDataset(self.todo, pre, prompts, config.spec.prompt, hooks.decode)
         self.forward = runner.Forward(

@@ -88,6 +88,8 @@ def _schemas():
             ("kind", pa.string()),
             ("paths", pa.list_(pa.string())),
             ("prompt", pa.string()),
+            ("text", pa.string()),
+            ("instruction", pa.string()),
             ("member", pa.string()),  # JSON of a TarMember / RemoteFile with its class name, or null
         ]
     )
@@ -130,7 +132,15 @@ def _sample_row(s: Sample) -> dict[str, Any]:
     member = None
     if s.member is not None:
         member = json.dumps({"class": type(s.member).__name__, **dataclasses.asdict(s.member)})
-    return {"id": s.id, "kind": s.kind, "paths": list(s.paths), "prompt": s.prompt, "member": member}
+    return {
+        "id": s.id,
+        "kind": s.kind,
+        "paths": list(s.paths),
+        "prompt": s.prompt,
+        "text": s.text,
+        "instruction": s.instruction,
+        "member": member,
+    }
 
 
 def _sample_of(row: dict[str, Any], classes: dict[str, type]) -> Sample:
@@ -138,7 +148,15 @@ def _sample_of(row: dict[str, Any], classes: dict[str, type]) -> Sample:
     if row["member"] is not None:
         fields = json.loads(row["member"])
         member = classes[fields.pop("class")](**fields)
-    return Sample(row["id"], row["kind"], tuple(row["paths"]), row["prompt"], member)
+    return Sample(
+        row["id"],
+        row["kind"],
+        tuple(row["paths"]),
+        row["prompt"],
+        member,
+        text=row.get("text"),
+        instruction=row.get("instruction"),
+    )
 
 
 class _Ref(NamedTuple):
@@ -185,7 +203,9 @@ class _Decode:
 
     def __init__(self, model, family, cfg, spec, images, decode_timeout, decode_hook):
         torch.set_num_threads(1)  # one sample at a time; the forked worker stays on one thread too
-        self.pre, self.prompts = prepare_decoding(model, family, cfg, spec.needs_llm, images)
+        self.pre, self.prompts = prepare_decoding(
+            model, family, cfg, spec.needs_llm, images, embedding=spec.embedding_prompt()
+        )
         self.default_prompt, self.timeout, self.hook = spec.prompt, decode_timeout, decode_hook
         self.classes = _member_classes()
         self.schema = _schemas()[1]
@@ -249,7 +269,11 @@ class _ModelStage:
         try:
             model, family, spec, device, dtype, patch_convs = load_args
             loaded = runner.load(model, family, spec, device, dtype, patch_convs)
-            prompts = prepare_decoding(model, family, cfg, True, images=False)[1] if spec.needs_llm else None
+            prompts = (
+                prepare_decoding(model, family, cfg, True, False, embedding=spec.embedding_prompt())[1]
+                if spec.needs_llm
+                else None
+            )
             self.forward = runner.Forward(loaded, spec, cfg, stored_as, prompts, hook)
             # What another actor committed before dying: its batch in flight is retried here, and must not
             # be added twice (a second copy would be recorded as a duplicate).

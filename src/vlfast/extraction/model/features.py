@@ -10,7 +10,10 @@ Feature names (several at once):
   ``llm.{pool}.layer{L}`` of shape (D_text,), with ``pool`` "last" (last prompt token) or "mean"
   (mean over all tokens). Layer indices follow ``output_hidden_states``: 0 is the embeddings, -1 the last
   (after the final norm). They are read by hooks on the requested decoder layers, and the forward stops
-  after the deepest (:class:`HiddenStateTaps`), not by keeping every layer's hidden states.
+  after the deepest (:class:`HiddenStateTaps`), not by keeping every layer's hidden states;
+- ``embedding``: Qwen3-VL-Embedding's vector, (D,) float32: the final-norm hidden state at the last token
+  of the recipe's conversation (:mod:`vlfast.extraction.decode.embedding`), L2-normalised; with ``dim``
+  (Matryoshka) its first ``dim`` values, normalised again.
 
 Vision features come from the tower alone (only its weights are loaded); ``llm`` needs the whole
 checkpoint, and then the vision features are taken from the same forward through a hook on the tower.
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from vlfast.errors import InputRefused
+from vlfast.extraction.decode.embedding import DEFAULT_INSTRUCTION, MAX_LENGTH, EmbeddingPrompt
 from vlfast.extraction.decode.prompts import PromptBuilder, video_timestamps  # noqa: F401 - their old home
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,13 +45,15 @@ __all__ = [
     "compute_llm_features",
     "compute_vision_features",
     "deepstack_skipped",
+    "embedding_of",
     "find_decoder",
     "llm_inputs",
     "parse_features",
 ]
 
 VISION_FEATURES = ("vision", "vision_mean", "deepstack")
-ALL_FEATURES = (*VISION_FEATURES, "llm")
+ALL_FEATURES = (*VISION_FEATURES, "llm", "embedding")
+MIN_EMBEDDING_DIM = 64  # Qwen3-VL-Embedding's smallest Matryoshka dimension
 POOLS = ("last", "mean")
 DEFAULT_PROMPT = "Describe this {kind}."
 
@@ -72,9 +78,27 @@ class FeatureSpec:
     layers: tuple[int, ...] = (-1,)
     pools: tuple[str, ...] = ("last",)
     prompt: str = DEFAULT_PROMPT  # used when a sample has no prompt; "{kind}" becomes image/video
+    instruction: str = DEFAULT_INSTRUCTION  # ``embedding``: for a sample without its own instruction
+    dim: int | None = None  # ``embedding``: Matryoshka dimension (None: the model's width)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", parse_features(self.names))
+        if "llm" in self.names and "embedding" in self.names:
+            raise InputRefused(
+                "features llm and embedding cannot be extracted in one run: each builds its own prompt "
+                "(llm: --prompt about the media; embedding: the recipe's conversation); run them into two OUTs"
+            )
+        if not isinstance(self.instruction, str) or not self.instruction.strip():
+            raise InputRefused("instruction must be a non-empty string")
+        if self.dim is not None and (
+            isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < MIN_EMBEDDING_DIM
+        ):
+            raise InputRefused(
+                f"dim (--dim) must be an integer >= {MIN_EMBEDDING_DIM} (the smallest Matryoshka dimension "
+                f"Qwen3-VL-Embedding was trained for), got {self.dim!r}"
+            )
+        if self.dim is not None and "embedding" not in self.names:
+            raise InputRefused("dim (--dim) applies to --features embedding only")
         if not self.layers or not all(isinstance(x, int) for x in self.layers):
             raise InputRefused(f"layers must be a non-empty tuple of ints, got {self.layers!r}")
         if not self.pools or any(p not in POOLS for p in self.pools):
@@ -84,12 +108,27 @@ class FeatureSpec:
 
     @property
     def needs_llm(self) -> bool:
-        return "llm" in self.names
+        """Whether the whole VLM runs (``llm`` or ``embedding``), not the vision tower alone."""
+        return "llm" in self.names or self.embedding
+
+    @property
+    def embedding(self) -> bool:
+        return "embedding" in self.names
+
+    def embedding_prompt(self) -> EmbeddingPrompt | None:
+        """For ``embedding``: what the decode stage builds each conversation with (its tokenizer added by
+        :func:`~vlfast.extraction.decode.stage.prepare_decoding`), else None."""
+        if not self.embedding:
+            return None
+        media = any(n in VISION_FEATURES for n in self.names)
+        return EmbeddingPrompt(None, instruction=self.instruction, media_features=media)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"names": list(self.names)}
-        if self.needs_llm:
+        if "llm" in self.names:
             d.update(layers=list(self.layers), pools=list(self.pools), default_prompt=self.prompt)
+        if self.embedding:
+            d.update(instruction=self.instruction, dim=self.dim, max_length=MAX_LENGTH)
         return d
 
 
@@ -298,16 +337,20 @@ def llm_inputs(
     pad_token_id: int,
     device: torch.device,
     dtype: torch.dtype,
+    padding_side: str = "right",
 ) -> tuple[dict[str, Any], list[int]]:
-    """The whole model's keyword inputs for a batch of samples (right-padded prompts; images and videos as
-    the processor would pass them, ``pixel_values`` / ``pixel_values_videos``), and each prompt's length."""
+    """The whole model's keyword inputs for a batch of samples (prompts padded on ``padding_side``; images
+    and videos as the processor would pass them, ``pixel_values`` / ``pixel_values_videos``; a text sample
+    has none), and each prompt's length."""
     lengths = [int(it.input_ids.numel()) for it in items]
     longest = max(lengths)
     ids = torch.full((len(items), longest), pad_token_id, dtype=torch.int64)
     mask = torch.zeros((len(items), longest), dtype=torch.int64)
+    left = padding_side == "left"
     for i, it in enumerate(items):
-        ids[i, : lengths[i]] = it.input_ids
-        mask[i, : lengths[i]] = 1
+        span = slice(longest - lengths[i], longest) if left else slice(0, lengths[i])
+        ids[i, span] = it.input_ids
+        mask[i, span] = 1
     mm_types = torch.where(ids == image_token_id, 1, torch.where(ids == video_token_id, 2, 0)) * mask
     kwargs: dict[str, Any] = {
         "input_ids": ids.to(device),
@@ -318,11 +361,26 @@ def llm_inputs(
         ("image", "pixel_values", "image_grid_thw"),
         ("video", "pixel_values_videos", "video_grid_thw"),
     ):
-        sel = [it for it in items if (it.kind == "image") == (kind == "image")]
+        sel = [it for it in items if _modality(it) == kind]
         if sel:
             kwargs[pv_key] = torch.cat([it.pixel_values for it in sel]).to(device=device, dtype=dtype)
             kwargs[grid_key] = torch.tensor([list(it.grid) for it in sel], dtype=torch.int64, device=device)
     return kwargs, lengths
+
+
+def _modality(item: DecodedSample) -> str:
+    """ "image", "video" (a video file or a frame list) or "text" (no media)."""
+    return "video" if item.kind == "frames" else item.kind
+
+
+def embedding_of(hidden: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Qwen3-VL-Embedding's vector from the last token's final-norm hidden state: L2-normalised in float32;
+    with ``dim`` (Matryoshka) the first ``dim`` values normalised again (the same as cutting the
+    unnormalised state, normalisation being a positive scale)."""
+    h = hidden.float()
+    if dim is not None:
+        h = h[:dim]
+    return torch.nn.functional.normalize(h, p=2, dim=-1)
 
 
 @torch.inference_mode()
@@ -337,8 +395,10 @@ def compute_llm_features(
     pad_token_id: int,
     device: torch.device,
     dtype: torch.dtype,
+    padding_side: str = "right",
 ) -> list[dict[str, torch.Tensor]]:
-    """One whole-model forward for a batch of samples (right-padded prompts), up to the deepest layer asked.
+    """One whole-model forward for a batch of samples (right-padded prompts, or left: the same vectors),
+    up to the deepest layer asked (the last for ``embedding``).
 
     Each item holds ``pixel_values`` (on the CPU), ``grid`` (t, h, w), ``kind`` and ``input_ids``. The
     requested hidden states are pooled as the forward reaches them (:class:`HiddenStateTaps`), so at most
@@ -347,43 +407,49 @@ def compute_llm_features(
     are captured by a hook, images first then videos, as the model calls it.
     """
 
-    order = [i for i, it in enumerate(items) if it.kind == "image"] + [
-        i for i, it in enumerate(items) if it.kind != "image"
+    order = [i for i, it in enumerate(items) if _modality(it) == "image"] + [
+        i for i, it in enumerate(items) if _modality(it) == "video"
     ]
-    inputs, lengths = llm_inputs(
+    inputs, _ = llm_inputs(
         items,
         image_token_id=image_token_id,
         video_token_id=video_token_id,
         pad_token_id=pad_token_id,
         device=device,
         dtype=dtype,
+        padding_side=padding_side,
     )
+    mask = inputs["attention_mask"].bool()
+    # The last non-padding position of each row, whichever side was padded (the reference's _pooling_last).
+    last = (mask.shape[1] - 1 - mask.int().flip(dims=[1]).argmax(dim=1)).tolist()
     pooled: dict[int, list[dict[str, torch.Tensor]]] = {}
 
     def take(index: int, hidden: torch.Tensor) -> None:
         h = hidden.float()  # (B, L, D_text)
         per = []
-        for i, n in enumerate(lengths):
+        for i, end in enumerate(last):
             f = {}
-            if "last" in spec.pools:
-                f[f"llm.last.layer{index}"] = h[i, n - 1].clone()
-            if "mean" in spec.pools:
-                f[f"llm.mean.layer{index}"] = h[i, :n].mean(dim=0)
+            if spec.embedding:
+                f["embedding"] = embedding_of(hidden[i, end], spec.dim)
+            if "last" in spec.pools and "llm" in spec.names:
+                f[f"llm.last.layer{index}"] = h[i, end].clone()
+            if "mean" in spec.pools and "llm" in spec.names:
+                f[f"llm.mean.layer{index}"] = h[i][mask[i]].mean(dim=0)
             per.append(f)
         pooled[index] = per
 
-    taps = HiddenStateTaps(model, spec.layers, take)
+    taps = HiddenStateTaps(model, (-1,) if spec.embedding else spec.layers, take)
     tap = TowerTap(tower)
     try:
         taps.run(lambda: model(**inputs, use_cache=False))
     finally:
         tap.remove()
     results: list[dict[str, torch.Tensor]] = [{} for _ in items]
-    for index in taps.resolved:  # in the order asked, as before
+    for index in sorted(set(taps.resolved), key=taps.resolved.index):  # in the order asked, as before
         for i, f in enumerate(pooled[index]):
             results[i].update(f)
-    vision_names = [n for n in spec.names if n != "llm"]
-    if vision_names:
+    vision_names = [n for n in spec.names if n in VISION_FEATURES]
+    if vision_names and order:
         merged, deep = [], []
         for t in tap.outputs:  # one call per modality present, images first
             merged.append(t["merged"])

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from vlfast.extraction.decode.embedding import EmbeddingPrompt
 from vlfast.extraction.decode.preprocess import ProcessorConfig, normalize_video_patches
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.stage import DecodedSample
@@ -94,7 +95,7 @@ class Forward:
         spec: FeatureSpec,
         cfg: ProcessorConfig,
         stored_as: torch.dtype | None,
-        prompts: PromptBuilder | None,
+        prompts: PromptBuilder | EmbeddingPrompt | None,
         hook: Callable[[list[DecodedSample]], None] | None = None,
     ):
         self.loaded, self.spec, self.cfg, self.stored_as, self.hook = loaded, spec, cfg, stored_as, hook
@@ -168,7 +169,8 @@ class Forward:
                     sample.id, sample.source, f"out of memory even alone ({item.cost} tokens): {result.error}"
                 )
                 continue
-            meta = {"path": sample.source, "kind": sample.kind, "n_tokens": int(item.tokens), **item.meta}
+            path = None if sample.kind == "text" else sample.source
+            meta = {"path": path, "kind": sample.kind, "n_tokens": int(item.tokens), **item.meta}
             store.add(sample.id, result, meta)
             added.append((sample, item.patches))
         return added

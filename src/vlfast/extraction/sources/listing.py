@@ -40,7 +40,9 @@ def _load_list(items: Sequence[Any]) -> tuple[list[Sample], list[InputProblem]]:
     for i, item in enumerate(items):
         where = f"inputs[{i}]"
         if isinstance(item, Sample):
-            reason = storable(item.id, item.paths, item.prompt)
+            reason = storable(
+                item.id, item.paths, item.prompt, texts={"text": item.text, "instruction": item.instruction}
+            )
             if reason:
                 ok_id = item.id if storable(item.id, (), None) is None else None
                 problems.append(InputProblem(where, reason, ok_id))

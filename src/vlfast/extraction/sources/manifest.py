@@ -1,4 +1,5 @@
-"""Manifests as extraction input: JSONL, CSV or Parquet rows with a ``path`` and optionally ``id``, ``prompt``.
+"""Manifests as extraction input: JSONL, CSV or Parquet rows with a ``path`` and optionally ``id``, ``prompt``,
+``text`` and ``instruction`` (for ``embedding``: a row may be a ``text`` alone, given an ``id``).
 
 ``path`` is an image, a video, or a list of frame images forming one clip (in CSV and Parquet, a JSON list
 written as text). Relative paths are resolved against the manifest's folder (or its URL's, for a manifest
@@ -119,16 +120,19 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
         if reason:
             return InputProblem(where, reason)
         given_id = got
+    texts: dict[str, str | None] = {}
+    for name in ("prompt", "text", "instruction"):
+        value = row.get(name)
+        if _is_missing(value):
+            value = None
+        elif not isinstance(value, str):
+            return InputProblem(where, f"{name} must be text, got {_value(value)}", given_id)
+        texts[name] = value
     raw = row.get("path")
     if _is_missing(raw):
         raw = row.get("paths")
     if _is_missing(raw):
-        cols = ", ".join(quoted(str(k), 40) for k in list(row)[:8]) + (", ..." if len(row) > 8 else "")
-        return InputProblem(
-            where,
-            f"no path (the row has {cols or 'no values'}); give 'path': a file, or a list of frame files",
-            given_id,
-        )
+        return _text_row(row, where, given_id, texts)
     got_paths = _paths_field(raw)
     if isinstance(got_paths, str):
         return InputProblem(where, got_paths, given_id)
@@ -142,23 +146,39 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
                     "give a video as a plain path",
                     given_id,
                 )
-    prompt = row.get("prompt")
-    if _is_missing(prompt):
-        prompt = None
-    elif not isinstance(prompt, str):
-        return InputProblem(where, f"prompt must be text, got {_value(prompt)}", given_id)
+    prompt = texts.pop("prompt")
     # a URL's id is the URL itself (Path would fold its "//")
     sid = given_id if given_id is not None else (paths[0] if is_url(paths[0]) else Path(paths[0]).as_posix())
-    reason = storable(sid, paths, prompt, id_from_path=given_id is None)
+    reason = storable(sid, paths, prompt, id_from_path=given_id is None, texts=texts)
     if reason:
         return InputProblem(where, reason, given_id)
     kind: Kind = "frames" if len(paths) > 1 else kind_of(paths[0])  # a one-frame list is its file's kind
     if base is not None:
         paths = [p if is_url(p) or Path(p).is_absolute() else _joined(base, p) for p in paths]
     try:
-        return Sample(sid, kind, tuple(paths), prompt)
+        return Sample(sid, kind, tuple(paths), prompt, text=texts["text"], instruction=texts["instruction"])
     except (TypeError, ValueError) as e:  # checked above; kept so a gap here is a row problem, not a crash
         return InputProblem(where, str(e), given_id)
+
+
+def _text_row(
+    row: dict[str, Any], where: str, given_id: str | None, texts: dict[str, str | None]
+) -> Sample | InputProblem:
+    """A row without a path: a text sample (``embedding`` embeds a text alone), or the problem that stops it."""
+    if not texts["text"]:
+        cols = ", ".join(quoted(str(k), 40) for k in list(row)[:8]) + (", ..." if len(row) > 8 else "")
+        return InputProblem(
+            where,
+            f"no path and no text (the row has {cols or 'no values'}); give 'path' (a file, or a list of "
+            "frame files) or, for --features embedding, a non-empty 'text'",
+            given_id,
+        )
+    if given_id is None:
+        return InputProblem(where, "a text row without a path needs an 'id' (nothing else names it)")
+    reason = storable(given_id, (), texts["prompt"], texts={k: texts[k] for k in ("text", "instruction")})
+    if reason:
+        return InputProblem(where, reason, given_id)
+    return Sample(given_id, "text", (), texts["prompt"], text=texts["text"], instruction=texts["instruction"])
 
 
 def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | InputProblem]]:
@@ -196,7 +216,8 @@ def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | I
 def _no_path_column(name: str, columns: Sequence[str]) -> ValueError:
     return ValueError(
         f"{name} has no 'path' column (columns: {', '.join(quoted(c, 40) for c in columns) or 'none'}); "
-        "a manifest needs 'path' (a file, or a JSON list of frames) and may have 'id' and 'prompt'"
+        "a manifest needs 'path' (a file, or a JSON list of frames) or 'text', and may have 'id', "
+        "'prompt' and 'instruction'"
     )
 
 
@@ -211,7 +232,7 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | Inp
             return
         except csv.Error as e:
             raise InputRefused(f"{name}: the header line is not valid CSV ({e})") from None
-        if "path" not in header and "paths" not in header:
+        if not {"path", "paths", "text"} & set(header):
             raise _no_path_column(name, header)
         rowno = 0  # data rows, 1-based, header excluded; a quoted newline does not start a new row
         while True:
@@ -254,9 +275,9 @@ def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] |
         columns = list(pf.schema_arrow.names)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a file it cannot read
         raise InputRefused(f"{name} cannot be read as Parquet ({e})") from None
-    if "path" not in columns and "paths" not in columns:
+    if not {"path", "paths", "text"} & set(columns):
         raise _no_path_column(name, columns)
-    wanted = [c for c in ("id", "path", "paths", "prompt") if c in columns]
+    wanted = [c for c in ("id", "path", "paths", "prompt", "text", "instruction") if c in columns]
     rowno = 0
     try:
         for batch in pf.iter_batches(columns=wanted):  # batches: a large manifest is not read whole

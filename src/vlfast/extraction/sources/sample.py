@@ -1,6 +1,7 @@
 """The leaf of extraction's inputs: what a sample is, what a bad input row is, and what the store can hold.
 
-A *sample* is one image, one video file, or one clip given as a list of frame images. Ids are what the
+A *sample* is one image, one video file, or one clip given as a list of frame images, optionally with a
+text; for ``embedding`` features also a text alone (kind ``"text"``, no paths). Ids are what the
 feature store keys on, so they must be unique and storable: a folder's ids are paths relative to it
 (:mod:`~vlfast.extraction.sources.folder`), a manifest's are its ``id`` column or the path
 (:mod:`~vlfast.extraction.sources.manifest`), WebDataset shards' are ``{shard}/{__key__}``
@@ -47,7 +48,7 @@ IMAGE_SUFFIXES = frozenset(
 VIDEO_SUFFIXES = frozenset({".mp4", ".mkv", ".webm", ".avi", ".mov", ".m4v", ".mpg", ".mpeg", ".ts", ".flv"})
 MANIFEST_SUFFIXES = frozenset({".jsonl", ".csv", ".parquet"})
 
-Kind = Literal["image", "video", "frames"]
+Kind = Literal["image", "video", "frames", "text"]
 
 _SHOWN_PROBLEMS = 5  # how many problems an input's refusal lists
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -69,27 +70,39 @@ class Sample:
 
     For a member of a WebDataset tar shard, ``member`` says where its bytes are and ``paths`` holds its
     display name ``{shard}/{member name}`` (see :mod:`vlfast.extraction.sources.webdataset`). For a URL,
-    ``member`` is a :class:`~vlfast.extraction.sources.remote.RemoteFile` and ``paths`` holds the URL."""
+    ``member`` is a :class:`~vlfast.extraction.sources.remote.RemoteFile` and ``paths`` holds the URL.
+
+    ``text`` and ``instruction`` are what an ``embedding`` embeds with the media (a manifest's columns);
+    a ``"text"`` sample has no paths and a non-empty ``text``."""
 
     id: str
     kind: Kind
     paths: tuple[str, ...]
     prompt: str | None = None
     member: Member | None = None
+    text: str | None = None
+    instruction: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
             raise InputRefused(f"sample id must be a non-empty string, got {self.id!r}")
-        if self.kind not in ("image", "video", "frames"):
-            raise InputRefused(f"sample {self.id!r}: kind must be image, video or frames, got {self.kind!r}")
+        if self.kind not in ("image", "video", "frames", "text"):
+            raise InputRefused(
+                f"sample {self.id!r}: kind must be image, video, frames or text, got {self.kind!r}"
+            )
+        for name in ("prompt", "text", "instruction"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InputRefused(f"sample {self.id!r}: {name} must be a string or None")
+        if self.kind == "text":
+            if self.paths or self.member is not None or not self.text:
+                raise InputRefused(f"sample {self.id!r}: a text sample has a non-empty text and no paths")
+            return
         if not self.paths or not all(isinstance(p, str) and p for p in self.paths):
             raise InputRefused(f"sample {self.id!r}: paths must be non-empty strings, got {self.paths!r}")
         if self.kind != "frames" and len(self.paths) != 1:
             raise InputRefused(
                 f"sample {self.id!r}: a {self.kind} has exactly one path, got {len(self.paths)}"
             )
-        if self.prompt is not None and not isinstance(self.prompt, str):
-            raise InputRefused(f"sample {self.id!r}: prompt must be a string or None")
         if self.member is not None and self.kind == "frames":
             raise InputRefused(
                 f"sample {self.id!r}: a tar member or URL is one image or video, not a frame list"
@@ -98,6 +111,8 @@ class Sample:
     @property
     def source(self) -> str:
         """The input as a user would name it in an error report."""
+        if not self.paths:
+            return f"text {quoted(self.text or '', 60)}"
         return self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} (+{len(self.paths) - 1} frames)"
 
 
@@ -162,7 +177,12 @@ def _text_problem(what: str, text: str) -> str | None:
 
 
 def storable(
-    sample_id: str, paths: Sequence[str], prompt: str | None, *, id_from_path: bool = False
+    sample_id: str,
+    paths: Sequence[str],
+    prompt: str | None,
+    *,
+    id_from_path: bool = False,
+    texts: dict[str, str | None] | None = None,
 ) -> str | None:
     """Why a sample with these fields could not be stored or loaded, or None. Every input kind uses this.
 
@@ -182,8 +202,9 @@ def storable(
             return reason
         if "\x00" in p:
             return f"path {quoted(p)} holds a NUL character, which no file name can hold"
-    if prompt is not None:
-        return _text_problem("prompt", prompt)
+    for name, value in {"prompt": prompt, **(texts or {})}.items():
+        if value is not None and (reason := _text_problem(name, value)):
+            return reason
     return None
 
 
