@@ -1,0 +1,305 @@
+"""`--features embedding` around the recipe: instructions, manifests with text rows, padding on either side,
+what is refused before OUT is written (exit 2) and what is recorded per row. The parity with an independent
+one-at-a-time implementation of the recipe is tests/test_extract_embedding.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vlfast.cli.main import app
+from vlfast.errors import InputRefused
+from vlfast.extraction import FeatureCache, extract
+from vlfast.extraction.decode.embedding import (
+    DEFAULT_INSTRUCTION,
+    EmbeddingPrompt,
+    is_embedding_checkpoint,
+    normalized_instruction,
+)
+from vlfast.extraction.decode.preprocess import build_processor_config
+from vlfast.extraction.decode.prompts import PromptBuilder
+from vlfast.extraction.decode.stage import DecodedSample
+from vlfast.extraction.decode.video import sample_frame_indices, video_resize_shape
+from vlfast.extraction.model import runner as model_runner
+from vlfast.extraction.model.features import FeatureSpec, compute_llm_features, embedding_of
+from vlfast.extraction.sources.listing import load_inputs
+from vlfast.extraction.sources.sample import Sample
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> dict[str, Path]:
+    from vlfast.demo import make_images, make_video
+
+    d = tmp_path_factory.mktemp("emb-media")
+    a, b = make_images(d, [(64, 48), (90, 70)])
+    return {"a": a, "b": b, "v": make_video(d / "v.mp4", frames=12, fps=4)}
+
+
+def _manifest(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------------ the instruction
+
+
+@pytest.mark.parametrize(
+    ("given", "used"),
+    [
+        (None, DEFAULT_INSTRUCTION),
+        ("", DEFAULT_INSTRUCTION),
+        ("   ", DEFAULT_INSTRUCTION),
+        ("Find the clip", "Find the clip."),
+        ("  Find the clip?  ", "Find the clip?"),
+        ("找到图片。", "找到图片。"),  # a CJK full stop is punctuation (category Po)
+        ("Match (this)", "Match (this)"),  # a closing bracket is punctuation (Pe): nothing added
+        ("Rank 5", "Rank 5."),
+    ],
+)
+def test_the_instruction_is_normalised_as_the_reference_does(given, used):
+    assert normalized_instruction(given, DEFAULT_INSTRUCTION) == used
+
+
+def test_only_a_checkpoint_naming_the_embedding_architecture_gets_the_recipe(tiny_qwen3_vl, tmp_path):
+    """The recipe's pixel budgets replace the processor files' numbers for Qwen3-VL-Embedding checkpoints;
+    any other Qwen3-VL keeps its own (and the run.json of such a run is unchanged: no new key)."""
+    import shutil
+
+    assert not is_embedding_checkpoint(str(tiny_qwen3_vl))
+    plain = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
+    assert plain.video_sizing == "processor" and "video_sizing" not in plain.to_dict()
+    emb = tmp_path / "emb"
+    shutil.copytree(tiny_qwen3_vl, emb)
+    config = json.loads((emb / "config.json").read_text())
+    (emb / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3VLForEmbedding"]}))
+    assert is_embedding_checkpoint(str(emb))
+    cfg = build_processor_config(str(emb), family="qwen3_vl")
+    assert (cfg.image_min_pixels, cfg.image_max_pixels) == (4 * 32 * 32, 1800 * 32 * 32)
+    assert (cfg.fps, cfg.max_frames, cfg.frame_sampling, cfg.video_sizing) == (
+        1.0,
+        64,
+        "qwen-vl-utils",
+        "qwen-vl-utils",
+    )
+    assert "Qwen3-VL-Embedding recipe" in cfg.source
+    user = build_processor_config(str(emb), family="qwen3_vl", max_pixels=256 * 32 * 32, fps=2.0)
+    assert user.image_max_pixels == 256 * 32 * 32 and user.fps == 2.0  # the user's numbers win
+
+
+def test_qwen_vl_utils_frames_and_sizes(tiny_qwen3_vl, tmp_path):
+    """qwen-vl-utils 0.0.14's smart_nframes and fetch_video budget, worked by hand for a few videos."""
+    import shutil
+
+    emb = tmp_path / "emb"
+    shutil.copytree(tiny_qwen3_vl, emb)
+    config = json.loads((emb / "config.json").read_text())
+    (emb / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3VLForEmbedding"]}))
+    cfg = build_processor_config(str(emb), family="qwen3_vl")
+    # 300 frames at 30 fps = 10 s at 1 fps: 10 frames, linspace(0, 299, 10).round()
+    assert sample_frame_indices(300, 30.0, cfg).tolist() == [0, 33, 66, 100, 133, 166, 199, 233, 266, 299]
+    # 2 s at 1 fps = 2 frames, raised to the 4-frame minimum
+    assert len(sample_frame_indices(60, 30.0, cfg)) == 4
+    # an hour: capped at 64
+    assert len(sample_frame_indices(108_000, 30.0, cfg)) == 64
+    # 3 frames in all: 2 (the frame factor, floored)
+    assert len(sample_frame_indices(3, 30.0, cfg)) == 2
+    # 1080p, 10 frames: the 768-token frame cap binds (1920x1080 -> within 786,432 pixels, multiples of 32)
+    h, w = video_resize_shape(10, 1080, 1920, cfg)
+    assert (h, w) == (640, 1152) and h * w <= 768 * 32 * 32
+    # 64 frames: the 10 x 768 x 32 x 32 total binds: 7,864,320 / 64 * 2 = 245,760 pixels a frame
+    h, w = video_resize_shape(64, 1080, 1920, cfg)
+    assert h * w <= 245_760 and (h, w) == (352, 640)
+    # tiny frames go up to the 128-token minimum
+    h, w = video_resize_shape(4, 48, 64, cfg)
+    assert h * w >= 128 * 32 * 32 and h % 32 == 0 and w % 32 == 0
+
+
+# ------------------------------------------------------------------------------------------------ manifests
+
+
+def test_manifest_text_and_instruction_columns(tmp_path, media):
+    m = _manifest(
+        tmp_path / "m.jsonl",
+        [
+            {"id": "a", "path": str(media["a"]), "text": "a cat", "instruction": "Find it"},
+            {"id": "t", "text": "only words"},
+            {"text": "no id"},
+            {"id": "empty", "text": ""},
+            {"id": "nothing"},
+            {"id": "num", "text": 5},
+        ],
+    )
+    samples, problems = load_inputs(m)
+    assert [(s.id, s.kind, s.text, s.instruction) for s in samples] == [
+        ("a", "image", "a cat", "Find it"),
+        ("t", "text", "only words", None),
+    ]
+    reasons = [p.reason for p in problems]
+    assert "needs an 'id'" in reasons[0]
+    assert reasons[1].startswith("no path and no text") and reasons[2].startswith("no path and no text")
+    assert reasons[3] == "text must be text, got int 5"
+
+
+def test_csv_and_parquet_manifests_may_have_text_without_path(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    csv = tmp_path / "m.csv"
+    csv.write_text('id,text,instruction\nq1,"a dog, running",Find the clip\n')
+    pq.write_table(pa.table({"id": ["q1"], "text": ["a dog, running"]}), tmp_path / "m.parquet")
+    for m in (csv, tmp_path / "m.parquet"):
+        (s,), problems = load_inputs(m)
+        assert problems == [] and (s.kind, s.text) == ("text", "a dog, running")
+
+
+# -------------------------------------------------------------------------------------------------- padding
+
+
+def test_left_or_right_padding_gives_the_same_vectors(tiny_qwen3_vl, media):
+    """Rows of different lengths and modalities in one batch: the vector at the last real token is the
+    same whichever side the padding is on (positions come from the attention mask)."""
+    from vlfast.extraction.decode.preprocess import Preprocessor
+    from vlfast.models import load_model
+
+    cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
+    pre = Preprocessor(cfg, image_processor_dir=str(tiny_qwen3_vl))
+    prompt = EmbeddingPrompt(PromptBuilder(str(tiny_qwen3_vl), "qwen3_vl", 2, 2))
+    samples = [
+        Sample("a", "image", (str(media["a"]),), text="a long caption " * 6),
+        Sample("t", "text", (), text="short"),
+        Sample("v", "video", (str(media["v"]),)),
+        Sample("b", "image", (str(media["b"]),)),
+    ]
+    items = []
+    for i, s in enumerate(samples):
+        pixels, grid, meta = pre(s) if s.kind != "text" else (pre.no_pixels(), (0, 0, 0), {})
+        from vlfast.extraction.decode.video import normalize_video_patches
+
+        if pixels.dtype == torch.uint8:
+            pixels = normalize_video_patches(pixels, cfg)
+        item = DecodedSample(i, s.kind, pixels, grid, grid[0] * grid[1] * grid[2] // 4, meta)
+        item.input_ids, _ = prompt(s, grid, meta)
+        items.append(item)
+    assert len({int(it.input_ids.numel()) for it in items}) == 4  # all lengths differ
+    model = load_model(tiny_qwen3_vl, dtype=torch.float32)
+    tok = prompt.tokenizer()
+    ids = {
+        "image_token_id": int(tok.convert_tokens_to_ids("<|image_pad|>")),
+        "video_token_id": int(tok.convert_tokens_to_ids("<|video_pad|>")),
+        "pad_token_id": int(tok.pad_token_id),
+    }
+    spec = FeatureSpec(("embedding",))
+    kw = dict(device=torch.device("cpu"), dtype=torch.float32, **ids)
+    right = compute_llm_features(model, model.model.visual, items, spec, padding_side="right", **kw)
+    left = compute_llm_features(model, model.model.visual, items, spec, padding_side="left", **kw)
+    alone = [compute_llm_features(model, model.model.visual, [it], spec, **kw)[0] for it in items]
+    for r, lp, a in zip(right, left, alone):
+        assert float(r["embedding"] @ lp["embedding"]) >= 0.99999
+        assert float(r["embedding"] @ a["embedding"]) >= 0.99999
+        assert torch.allclose(r["embedding"].norm(), torch.tensor(1.0))
+
+
+def test_matryoshka_is_the_cut_state_normalised_again():
+    h = torch.randn(128, dtype=torch.bfloat16)
+    full, cut = embedding_of(h, None), embedding_of(h, 64)
+    assert cut.shape == (64,) and cut.dtype == torch.float32
+    assert torch.allclose(cut, torch.nn.functional.normalize(full[:64], dim=0), atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------- refused before OUT
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+def _cli(inputs, out, *args):
+    return runner.invoke(app, ["extract", str(inputs), str(out), "--workers", "0", *args])
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--dim", "32"), "--dim) must be an integer >= 64"),
+        (("--dim", "65"), "is 64 wide"),  # the tiny model's width is 64
+        (("--features", "embedding,llm"), "cannot be extracted in one run"),
+        (
+            ("--features", "vision", "--instruction", "x"),
+            "--instruction (instruction) is for --features embedding",
+        ),
+        (("--features", "vision", "--dim", "64"), "applies to --features embedding only"),
+        (("--prompt", "Describe"), "--prompt (prompt) is for --features llm"),
+        (("--instruction", "   "), "instruction must be a non-empty string"),
+    ],
+)
+def test_bad_embedding_flags_are_refused_before_out_is_written(
+    tmp_path, media, tiny_qwen3_vl, no_model_load, args, says
+):
+    m = _manifest(tmp_path / "m.jsonl", [{"id": "a", "path": str(media["a"])}])
+    out = tmp_path / "out"
+    flags = ("--features", "embedding") if "--features" not in args else ()
+    r = _cli(m, out, "-m", str(tiny_qwen3_vl), *flags, *args)
+    assert r.exit_code == 2, r.output
+    assert says in " ".join(r.output.split()), r.output
+    assert not out.exists()
+
+
+def test_embedding_of_a_vision_tower_alone_is_refused_before_out_is_written(tmp_path, media, no_model_load):
+    m = _manifest(tmp_path / "m.jsonl", [{"id": "a", "path": str(media["a"])}])
+    out = tmp_path / "out"
+    r = _cli(m, out, "-m", "ref:qwen3-vl-2b", "--features", "embedding")
+    assert r.exit_code == 2 and "vision tower only" in r.output and "embedding" in r.output, r.output
+    assert not out.exists()
+
+
+def test_the_api_refuses_the_same(tmp_path, media, tiny_qwen3_vl, no_model_load):
+    m = _manifest(tmp_path / "m.jsonl", [{"id": "a", "path": str(media["a"])}])
+    with pytest.raises(InputRefused, match="integer >= 64"):
+        extract(m, tmp_path / "out", model=str(tiny_qwen3_vl), features="embedding", dim=True)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ recorded per row
+
+
+def test_rows_that_cannot_be_embedded_are_recorded_and_the_rest_extracted(tmp_path, media, tiny_qwen3_vl):
+    """A row with neither path nor text is an input error; a text row beside vision features has nothing
+    to give them; a 10,000-character instruction is cut at 8,192 tokens for a text row (recorded in its
+    meta) and refused for an image row, whose cut would go through its image tokens."""
+    long = "x" * 10_000
+    rows = [
+        {"id": "img", "path": str(media["a"]), "text": "a square"},
+        {"id": "txt", "text": "words"},
+        {"id": "none", "text": ""},
+        {"id": "long-text", "text": "words", "instruction": long},
+        {"id": "long-image", "path": str(media["b"]), "instruction": long},
+    ]
+    m = _manifest(tmp_path / "m.jsonl", rows)
+    out = tmp_path / "out"
+    summary = extract(m, out, model=str(tiny_qwen3_vl), features="embedding", num_workers=0, device="cpu")
+    assert summary.extracted == 3 and summary.failed == 2, summary
+    cache = FeatureCache(out)
+    assert sorted(cache.ids()) == ["img", "long-text", "txt"]
+    meta = cache.meta("long-text")
+    assert meta["truncated_from"] > 8192 and meta["prompt_tokens"] == 8192 and meta["path"] is None
+    assert meta["instruction"] == long + "." and meta["text"] == "words"
+    assert "instruction" not in cache.meta("img")  # the run's default is in run.json, not on every row
+    assert (
+        json.loads((out / "run.json").read_text())["config"]["features"]["instruction"] == DEFAULT_INSTRUCTION
+    )
+    errors = {r["id"]: r["reason"] for r in cache.errors()}
+    assert errors["none"].startswith("no path and no text")
+    assert "would go through the image or video tokens" in errors["long-image"]
+
+    out2 = tmp_path / "out2"
+    extract(m, out2, model=str(tiny_qwen3_vl), features="embedding,vision_mean", num_workers=0, device="cpu")
+    errors = {r["id"]: r["reason"] for r in FeatureCache(out2).errors()}
+    assert "no image or video for the vision features" in errors["txt"]
+    assert sorted(FeatureCache(out2)["img"]) == ["embedding", "vision_mean"]
