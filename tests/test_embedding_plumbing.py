@@ -303,3 +303,46 @@ def test_rows_that_cannot_be_embedded_are_recorded_and_the_rest_extracted(tmp_pa
     errors = {r["id"]: r["reason"] for r in FeatureCache(out2).errors()}
     assert "no image or video for the vision features" in errors["txt"]
     assert sorted(FeatureCache(out2)["img"]) == ["embedding", "vision_mean"]
+
+
+def _qwen_vl_utils(*names: str) -> dict:
+    """Functions of qwen-vl-utils compiled from its installed source (its module imports torchvision)."""
+    import importlib.util
+    import logging
+    import math
+
+    from test_extract_preprocess import _from_source
+
+    spec = importlib.util.find_spec("qwen_vl_utils")
+    if spec is None:
+        pytest.skip("qwen-vl-utils is not installed (it is in the test extras)")
+    origin = Path(next(iter(spec.submodule_search_locations))) / "vision_process.py"
+    wanted = {"round_by_factor", "ceil_by_factor", "floor_by_factor", *names}
+    wanted |= {"FPS", "FRAME_FACTOR", "FPS_MIN_FRAMES", "FPS_MAX_FRAMES", "MAX_RATIO"}
+    wanted |= {"IMAGE_MIN_TOKEN_NUM", "IMAGE_MAX_TOKEN_NUM"}
+    ns = {"math": math, "logger": logging.getLogger("qwen_vl_utils")}
+    ns.update(Dict=dict, Any=object, Union=object, Optional=object, Tuple=tuple)
+    return _from_source(origin, wanted, ns)
+
+
+def test_recipe_frames_and_sizes_equal_qwen_vl_utils_own_code(tiny_qwen3_vl, tmp_path):
+    """The embedding recipe's video rules against qwen-vl-utils' smart_nframes and smart_resize themselves,
+    with the reference's arguments (fps 1, max_frames 64; the fetch_video per-frame budget), over a sweep."""
+    import shutil
+
+    ns = _qwen_vl_utils("smart_nframes", "smart_resize")
+    emb = tmp_path / "emb"
+    shutil.copytree(tiny_qwen3_vl, emb)
+    config = json.loads((emb / "config.json").read_text())
+    (emb / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3VLForEmbedding"]}))
+    cfg = build_processor_config(str(emb), family="qwen3_vl")
+    for total in (2, 3, 5, 30, 61, 299, 1_000, 4_000, 200_000):
+        for fps in (1.0, 12.5, 24.0, 29.97, 60.0):
+            n = ns["smart_nframes"]({"fps": 1, "max_frames": 64}, total_frames=total, video_fps=fps)
+            theirs = torch.linspace(0, total - 1, n).round().long().numpy()
+            assert sample_frame_indices(total, fps, cfg).tolist() == theirs.tolist(), (total, fps)
+    f, lo, budget = 32, 128 * 32 * 32, 10 * 768 * 32 * 32
+    for n in (2, 4, 10, 32, 64):
+        for h, w in ((48, 64), (240, 320), (480, 854), (1080, 1920), (2160, 3840), (100, 1500)):
+            hi = max(min(768 * f * f, budget / n * 2), int(lo * 1.05))
+            assert video_resize_shape(n, h, w, cfg) == ns["smart_resize"](h, w, f, lo, hi), (n, h, w)
