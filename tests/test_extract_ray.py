@@ -425,3 +425,26 @@ def test_a_bug_while_decoding_on_ray_leaves_the_sample_undone(
     assert r.exit_code == 0, r.output
     again = json.loads(r.stdout)
     assert (again["extracted"], again["unexpected"]) == (1, 0)
+
+
+@pytest.mark.slow
+def test_embeddings_through_ray_equal_the_local_engine(ray_cluster, media_dir, tiny_qwen3_vl, tmp_path):
+    """Text rows (no media) and each row's text and instruction cross Ray's sample and decoded schemas:
+    the same embeddings and meta as the local engine. One sample per forward in both: a padded batch's
+    matmuls differ from a lone row's in their last bits (the parity tests bound that), which would hide
+    nothing here but make "the same" approximate."""
+    from vlfast.extraction.api import extract, extract_ray
+
+    rows = [
+        {"id": "img", "path": str(media_dir / "good" / "rgb.jpg"), "text": "a picture"},
+        {"id": "txt", "text": "words alone", "instruction": "Find the picture"},
+        {"id": "none", "text": ""},
+    ]
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = dict(model=str(tiny_qwen3_vl), features="embedding", dim=64, max_batch_samples=1)
+    extract(manifest, tmp_path / "local", num_workers=0, **options)
+    ray = extract_ray(manifest, tmp_path / "ray", ray_workers=1, **options)
+    assert (ray.extracted, ray.failed) == (2, 1)
+    assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
+    assert FeatureCache(tmp_path / "ray").meta("txt")["instruction"] == "Find the picture."
