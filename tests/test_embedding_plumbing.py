@@ -346,3 +346,15 @@ def test_recipe_frames_and_sizes_equal_qwen_vl_utils_own_code(tiny_qwen3_vl, tmp
         for h, w in ((48, 64), (240, 320), (480, 854), (1080, 1920), (2160, 3840), (100, 1500)):
             hi = max(min(768 * f * f, budget / n * 2), int(lo * 1.05))
             assert video_resize_shape(n, h, w, cfg) == ns["smart_resize"](h, w, f, lo, hi), (n, h, w)
+
+
+def test_a_sentence_transformers_qwen3_vl_is_an_embedding_checkpoint(tiny_qwen3_vl, tmp_path):
+    """The published checkpoints are Sentence-Transformers models too: that marks them whatever their
+    config.json's architectures say."""
+    import shutil
+
+    st = tmp_path / "st"
+    shutil.copytree(tiny_qwen3_vl, st)
+    assert not is_embedding_checkpoint(str(st))
+    (st / "modules.json").write_text("[]")
+    assert is_embedding_checkpoint(str(st))

@@ -57,17 +57,29 @@ RECIPE_PIXELS: dict[str, Any] = {
 }
 
 
+# What Sentence-Transformers saves beside a model: the published embedding checkpoints are also
+# Sentence-Transformers models, whatever their config.json's "architectures" says.
+SENTENCE_TRANSFORMERS_FILES = ("config_sentence_transformers.json", "modules.json")
+
+
 def is_embedding_checkpoint(model: str) -> bool:
-    """Whether ``model``'s config.json names the embedding architecture (read as JSON: cheap, and a
-    config transformers cannot read is refused where the model is loaded, not here)."""
+    """Whether ``model`` is a Qwen3-VL-Embedding checkpoint: its config.json names the embedding
+    architecture, or it is a Qwen3-VL saved as a Sentence-Transformers model (read as JSON: cheap; a config
+    transformers cannot read is refused where the model is loaded, not here)."""
     if model.startswith("ref:"):
         return False
     try:
         config = json.loads(Path(model, "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    names = config.get("architectures") if isinstance(config, dict) else None
-    return isinstance(names, list) and bool(EMBEDDING_ARCHITECTURES & set(map(str, names)))
+    if not isinstance(config, dict):
+        return False
+    names = config.get("architectures")
+    if isinstance(names, list) and EMBEDDING_ARCHITECTURES & set(map(str, names)):
+        return True
+    return config.get("model_type") == "qwen3_vl" and any(
+        Path(model, f).is_file() for f in SENTENCE_TRANSFORMERS_FILES
+    )
 
 
 def normalized_instruction(instruction: str | None, default: str) -> str:
