@@ -156,13 +156,12 @@ def fetch_image(path: str | Path):
     PIL's ``resize`` with its default filter."""
     from PIL import Image
 
-    image = Image.open(path)
-    if image.mode == "RGBA":
-        white = Image.new("RGB", image.size, (255, 255, 255))
-        white.paste(image, mask=image.split()[3])
-        image = white
-    else:
-        image = image.convert("RGB")
+    with Image.open(path) as opened:
+        if opened.mode == "RGBA":
+            image = Image.new("RGB", opened.size, (255, 255, 255))
+            image.paste(opened, mask=opened.split()[3])
+        else:
+            image = opened.convert("RGB")
     width, height = image.size
     h, w = smart_resize(height, width, IMAGE_FACTOR, MIN_PIXELS, MAX_PIXELS)
     return image.resize((w, h))
