@@ -5,6 +5,8 @@ tokenizer trained on the spot with Qwen's special tokens and a chat template, th
 video processor config) that transformers loads back with ``AutoModelForImageTextToText`` /
 ``AutoImageProcessor`` / ``AutoTokenizer``: the real loading path, without any download. Its processor
 files come in either layout a real checkpoint has: the published one, or the one transformers 5 saves.
+With ``embedding=True`` it is saved as Qwen3-VL-Embedding publishes its checkpoints (``Qwen3VLForEmbedding``:
+the ``Qwen3VLModel`` alone, no LM head).
 """
 
 from __future__ import annotations
@@ -67,17 +69,37 @@ def _video_processors_accepted() -> Iterator[None]:
 LAYOUTS = ("hub", "processor")
 
 
-def tiny_qwen3_vl_config(vocab_size: int, *, max_position_embeddings: int = 8192, **token_ids: int):
-    """A Qwen3-VL config at test size: 2-layer LLM and tower (64 wide, DeepStack at both tower layers)
-    with the real patch geometry (16 x 16, T = 2, merge 2); ``token_ids`` are the config's image/video
-    and vision start/end token ids."""
+def _embedding_model_class() -> type:
+    """Qwen3-VL-Embedding's ``Qwen3VLForEmbedding`` (QwenLM/Qwen3-VL-Embedding,
+    src/models/qwen3_vl_embedding.py) as far as saving goes: ``Qwen3VLModel`` as ``self.model``, no LM head;
+    ``save_pretrained`` names the architecture after the class."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLPreTrainedModel
+
+    class Qwen3VLForEmbedding(Qwen3VLPreTrainedModel):
+        _checkpoint_conversion_mapping: dict[str, str] = {}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = Qwen3VLModel(config)
+            self.post_init()
+
+    return Qwen3VLForEmbedding
+
+
+def tiny_qwen3_vl_config(
+    vocab_size: int, *, max_position_embeddings: int = 8192, text_hidden_size: int = 64, **token_ids: int
+):
+    """A Qwen3-VL config at test size: 2-layer LLM and tower (the tower 64 wide, DeepStack at both tower
+    layers; the LLM ``text_hidden_size`` wide, as is the tower's output, which feeds it) with the real patch
+    geometry (16 x 16, T = 2, merge 2); ``token_ids`` are the config's image/video and vision start/end
+    token ids."""
     from transformers import Qwen3VLConfig
 
     return Qwen3VLConfig(
         text_config={
             "vocab_size": vocab_size,
-            "hidden_size": 64,
-            "intermediate_size": 128,
+            "hidden_size": text_hidden_size,
+            "intermediate_size": 2 * text_hidden_size,
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
@@ -91,7 +113,7 @@ def tiny_qwen3_vl_config(vocab_size: int, *, max_position_embeddings: int = 8192
             "hidden_size": 64,
             "intermediate_size": 128,
             "num_heads": 4,
-            "out_hidden_size": 64,
+            "out_hidden_size": text_hidden_size,
             "deepstack_visual_indexes": [0, 1],
             "num_position_embeddings": 64,
             "patch_size": 16,
@@ -102,8 +124,10 @@ def tiny_qwen3_vl_config(vocab_size: int, *, max_position_embeddings: int = 8192
     )
 
 
-def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") -> Path:
-    """Save a tiny random Qwen3-VL checkpoint at ``path`` (about 1 MB, a few seconds).
+def make_tiny_qwen3_vl(
+    path: str | Path, *, seed: int = 0, layout: str = "hub", embedding: bool = False
+) -> Path:
+    """Save a tiny random Qwen3-VL checkpoint at ``path`` (2 to 3 MB, a few seconds).
 
     ``layout`` is how its processor is saved, the same numbers either way:
 
@@ -113,6 +137,13 @@ def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") 
       has: ``Qwen3VLProcessor.save_pretrained`` (image processor, tokenizer and ``Qwen3VLVideoProcessor``),
       one processor_config.json with "image_processor" and "video_processor" entries, and no
       preprocessor_config.json.
+
+    ``embedding``: save it as the Qwen3-VL-Embedding checkpoints are published: config.json names the
+    architecture "Qwen3VLForEmbedding", the weights are that class's (``Qwen3VLModel`` as ``self.model``:
+    every key under ``model.``, no ``lm_head``), and the LLM is 128 wide, so that an embedding can be cut
+    to 64 dimensions (Matryoshka). ``AutoModelForImageTextToText`` still loads it, as a
+    ``Qwen3VLForConditionalGeneration`` whose LM head, missing, is left at random. False: that class's own
+    checkpoint, with a 64-wide LLM.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -140,13 +171,16 @@ def make_tiny_qwen3_vl(path: str | Path, *, seed: int = 0, layout: str = "hub") 
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     config = tiny_qwen3_vl_config(
         len(tok),
+        text_hidden_size=128 if embedding else 64,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    model = (
+        _embedding_model_class()(config) if embedding else Qwen3VLForConditionalGeneration(config)
+    ).eval()
     model.save_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=16,
