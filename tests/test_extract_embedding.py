@@ -557,3 +557,36 @@ def test_cli_extracts_embeddings_with_instruction_and_dim(setup, tmp_path):
     got = _embeddings(out)
     want = {k: reference_embed(setup.ckpt, row, instruction=INSTRUCTION, dim=64) for k, row in rows.items()}
     _assert_close_to(got, want, COS_FP32)
+
+
+def test_vlfast_decodes_each_row_to_the_references_model_inputs_bit_for_bit(setup):
+    """Before any forward: for every row, vlfast's decode stage gives the token ids and pixel values the
+    reference hands the model, exactly (images: qwen-vl-utils' sizes then the processor; videos: qwen-vl-utils'
+    frames, sizes and torchvision's float resize, then the processor's normalisation and patchify)."""
+    from vlfast.extraction.decode.preprocess import build_processor_config
+    from vlfast.extraction.decode.stage import SampleDataset, prepare_decoding
+    from vlfast.extraction.decode.video import normalize_video_patches
+    from vlfast.extraction.model.features import FeatureSpec
+    from vlfast.extraction.sources.listing import load_inputs
+
+    ckpt = str(setup.ckpt)
+    cfg = build_processor_config(ckpt, family="qwen3_vl")
+    spec = FeatureSpec(("embedding",))
+    pre, prompts = prepare_decoding(ckpt, "qwen3_vl", cfg, True, True, embedding=spec.embedding_prompt())
+    samples, problems = load_inputs(setup.manifest)
+    assert problems == []
+    dataset = SampleDataset(samples, pre, prompts, "")
+    for i, s in enumerate(samples):
+        item = dataset[i]
+        theirs = model_inputs(setup.ckpt, [setup.rows[s.id]])[0]
+        assert torch.equal(item.input_ids, theirs["input_ids"][0]), s.id
+        if s.kind == "text":
+            assert item.pixel_values.shape[0] == 0
+            continue
+        pixels = item.pixel_values
+        if pixels.dtype == torch.uint8:
+            pixels = normalize_video_patches(pixels, cfg)
+        key = "pixel_values" if s.kind == "image" else "pixel_values_videos"
+        assert torch.equal(pixels, theirs[key]), s.id
+        grid_key = "image_grid_thw" if s.kind == "image" else "video_grid_thw"
+        assert list(item.grid) == theirs[grid_key][0].tolist(), s.id

@@ -150,7 +150,15 @@ def patchify_video(
     # smart_resize refuses fewer frames than the temporal patch; a one-frame clip is treated as the
     # processor treats an image: the frame repeated.
     h, w = video_resize_shape(max(n, cfg.temporal_patch_size), frames.shape[-2], frames.shape[-1], cfg)
-    if (h, w) != tuple(frames.shape[-2:]):
+    if (h, w) != tuple(frames.shape[-2:]) and cfg.video_sizing == "qwen-vl-utils":
+        # qwen-vl-utils resizes with torchvision's v1 ``transforms.functional.resize``: on uint8 it casts to
+        # float32, interpolates, clamps, rounds and casts back (``_functional_tensor.resize``), which
+        # differs by a level here and there from the uint8 kernel transformers' video processors run.
+        frames = F.interpolate(
+            frames.to(torch.float32), size=(h, w), mode="bicubic", align_corners=False, antialias=True
+        )
+        frames = frames.clamp_(0, 255).round_().to(torch.uint8)
+    elif (h, w) != tuple(frames.shape[-2:]):
         frames = F.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
     tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     if pad := -n % tp:

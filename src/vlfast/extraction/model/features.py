@@ -30,7 +30,12 @@ import torch
 from torch import nn
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.decode.embedding import DEFAULT_INSTRUCTION, MAX_LENGTH, EmbeddingPrompt
+from vlfast.extraction.decode.embedding import (
+    DEFAULT_INSTRUCTION,
+    MAX_LENGTH,
+    EmbeddingPrompt,
+    normalized_instruction,
+)
 from vlfast.extraction.decode.prompts import PromptBuilder, video_timestamps  # noqa: F401 - their old home
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,6 +95,8 @@ class FeatureSpec:
             )
         if not isinstance(self.instruction, str) or not self.instruction.strip():
             raise InputRefused("instruction must be a non-empty string")
+        # As a row's own: the same text gives the same vector whether a row or --instruction carries it.
+        object.__setattr__(self, "instruction", normalized_instruction(self.instruction, DEFAULT_INSTRUCTION))
         if self.dim is not None and (
             isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < MIN_EMBEDDING_DIM
         ):
