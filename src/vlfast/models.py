@@ -496,9 +496,15 @@ def safetensors_files(spec: str | Path) -> list[Path]:
 
 
 def load_model(
-    spec: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    spec: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    head: bool = True,
 ) -> nn.Module:
-    """The whole model of a checkpoint directory (offline), or a reference's vision tower."""
+    """The whole model of a checkpoint directory (offline), or a reference's vision tower. ``head=False``
+    builds the bare model (``AutoModel``: no LM head) first, for checkpoints saved without one, such as
+    Qwen3-VL-Embedding's: a random head would be built, reported missing and, untied, take memory."""
     if str(spec).startswith(REF_PREFIX):
         return build_reference(str(spec), device=device, dtype=dtype or torch.float32)
     path = _checkpoint_dir(spec)
@@ -509,7 +515,8 @@ def load_model(
     if dtype is not None:
         kwargs["dtype"] = dtype
     last_error: Exception | None = None
-    for auto in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModel"):
+    autos = ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModel")
+    for auto in autos if head else ("AutoModel", *autos[:2]):
         cls = getattr(transformers, auto, None)
         if cls is None:
             continue

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from vlfast.extraction.decode.embedding import EmbeddingPrompt
+from vlfast.extraction.decode.embedding import EmbeddingPrompt, is_embedding_checkpoint
 from vlfast.extraction.decode.preprocess import ProcessorConfig, normalize_video_patches
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.stage import DecodedSample
@@ -55,7 +55,8 @@ def load(
     from vlfast.models import find_vision_tower, load_model, load_vision_tower
 
     if spec.needs_llm:
-        whole = load_model(model, device=device, dtype=dtype)
+        # An embedding checkpoint has no LM head, and no features need one: the bare model, no random head.
+        whole = load_model(model, device=device, dtype=dtype, head=not is_embedding_checkpoint(model))
         find_decoder(whole)  # no decoder layers for the llm hooks: refused before any work
         tower = find_vision_tower(whole)[1]
     else:
