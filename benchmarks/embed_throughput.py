@@ -1,0 +1,191 @@
+"""Embeddings per second: ``vlfast extract --features embedding`` against the reference's way.
+
+The reference (QwenLM/Qwen3-VL-Embedding, ``Qwen3VLEmbedder.process``) embeds a list in one padded forward:
+it decodes and preprocesses the whole list, then runs the model, then the next list; nothing overlaps and
+the list's length, not its tokens, sets the batch. ``reference`` below is that loop over lists of
+``--list-size`` rows, built on tests/_embedding_reference.py (the same recipe, bit for bit the same model
+inputs as the reference's processor: tests/test_extract_embedding.py). ``vlfast`` is
+``vlfast.extraction.extract`` with its defaults: decode worker processes beside the model, batches packed by
+token budget.
+
+Both embed the same manifest (images with and without a caption, short videos, texts alone) with the same
+random-weight Qwen3-VL-Embedding-shaped checkpoint (``--size small``: a 6-layer, 512-wide language model and
+a 6-layer tower, built offline; ``tiny``: the tests' checkpoint). Each variant runs in its own subprocess,
+in alternating order for ``--rounds`` rounds, so the ratio is taken in one run under the same load; wall
+time covers model load to the last vector, peak RSS is the child's (``wait4``).
+
+    python benchmarks/embed_throughput.py [--size small] [--rows 96] [--rounds 3] [--device cpu] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = {  # a random Qwen3-VL-Embedding-shaped model big enough that the forward is real work
+    "text": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [8, 12, 12], "mrope_interleaved": True},
+    },
+    "vision": {
+        "depth": 6,
+        "hidden_size": 384,
+        "intermediate_size": 1536,
+        "num_heads": 6,
+        "out_hidden_size": 512,
+        "deepstack_visual_indexes": [1, 3, 5],
+    },
+}
+
+
+def build(folder: Path, size: str, rows: int) -> tuple[Path, Path]:
+    """The checkpoint and a manifest of ``rows`` rows: half images (half of them captioned), a quarter
+    videos, a quarter texts alone."""
+    import torch
+
+    from vlfast.demo import _embedding_model_class, make_images, make_tiny_qwen3_vl, make_video
+
+    ckpt = make_tiny_qwen3_vl(folder / "ckpt", embedding=True)
+    if size == "small":
+        from transformers import Qwen3VLConfig
+
+        raw = json.loads((ckpt / "config.json").read_text())
+        raw["text_config"].update(SMALL["text"])
+        raw["vision_config"].update(SMALL["vision"])
+        config = Qwen3VLConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+        torch.manual_seed(0)
+        _embedding_model_class()(config).eval().save_pretrained(ckpt)
+    n_img, n_vid = rows // 2, rows // 4
+    sizes = [(320 + 32 * (i % 7), 240 + 24 * (i % 5)) for i in range(n_img)]
+    images = make_images(folder / "media", sizes)
+    videos = [
+        make_video(folder / "media" / f"v{i}.mp4", frames=8 + 4 * (i % 3), fps=4, width=160, height=120, seed=i)
+        for i in range(n_vid)
+    ]
+    lines = []
+    for i, p in enumerate(images):
+        row = {"id": f"img{i}", "path": str(p)}
+        if i % 2:
+            row["text"] = "a photograph of a patterned surface " * (1 + i % 3)
+        lines.append(row)
+    lines += [{"id": f"vid{i}", "path": str(p), "text": "what happens"} for i, p in enumerate(videos)]
+    lines += [
+        {"id": f"txt{i}", "text": f"query {i}: a red bicycle leaning on a wall " * (1 + i % 4)}
+        for i in range(rows - n_img - n_vid)
+    ]
+    manifest = folder / "rows.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return ckpt, manifest
+
+
+CHILD = r"""
+import json, sys, time
+import torch
+variant, ckpt, manifest, out, list_size, device = sys.argv[1:7]
+t0 = time.perf_counter()
+rows = [json.loads(line) for line in open(manifest)]
+if variant == "vlfast":
+    from vlfast.extraction import extract
+    s = extract(manifest, out, model=ckpt, features="embedding", dtype="float32", device=device)
+    n = s.extracted
+else:
+    sys.path.insert(0, sys.argv[7])
+    from _embedding_reference import reference_embed_batch
+    k = int(list_size)
+    n = 0
+    for i in range(0, len(rows), k):
+        part = [{key: r[key] for key in ("path", "text", "instruction") if key in r} for r in rows[i : i + k]]
+        n += reference_embed_batch(ckpt, part, torch.float32).shape[0]
+print(json.dumps({"n": n, "seconds": time.perf_counter() - t0}))
+"""
+
+
+def run_child(variant: str, ckpt: Path, manifest: Path, out: Path, args) -> dict:
+    env = os.environ | {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    cmd = [sys.executable, "-c", CHILD, variant, str(ckpt), str(manifest), str(out)]
+    cmd += [str(args.list_size), args.device, str(ROOT / "tests")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{variant} failed:\n{stderr[-3000:]}")
+    got = json.loads(stdout.strip().splitlines()[-1])
+    return {**got, "rate": got["n"] / got["seconds"], "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "?"
+    return f"{cpu}, {os.cpu_count()} cores, {isa}, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=("tiny", "small"), default="small")
+    ap.add_argument("--rows", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--list-size", type=int, default=8, help="rows per reference forward (its list)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vlfast-embed-bench-") as tmp:
+        folder = Path(tmp)
+        ckpt, manifest = build(folder, args.size, args.rows)
+        results: dict[str, list[dict]] = {"vlfast": [], "reference": []}
+        ratios = []
+        for r in range(args.rounds):
+            order = ("vlfast", "reference") if r % 2 == 0 else ("reference", "vlfast")
+            got = {v: run_child(v, ckpt, manifest, folder / f"out-{r}", args) for v in order}
+            for v in order:
+                results[v].append(got[v])
+            ratios.append(got["vlfast"]["rate"] / got["reference"]["rate"])
+    summary = {
+        "machine": machine(),
+        "size": args.size,
+        "rows": args.rows,
+        "list_size": args.list_size,
+        "device": args.device,
+        "rounds": results,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(summary["machine"])
+    for v, rs in results.items():
+        rates = [x["rate"] for x in rs]
+        rss = max(x["peak_rss_mib"] for x in rs)
+        print(
+            f"{v:9s} {statistics.median(rates):7.2f} embeddings/s "
+            f"(min {min(rates):.2f}, max {max(rates):.2f}), peak RSS {rss:,.0f} MiB"
+        )
+    print(f"ratio vlfast/reference: median {summary['ratio_median']:.2f}x "
+          f"(min {summary['ratio_min']:.2f}, max {summary['ratio_max']:.2f}) over {args.rounds} rounds")
+
+
+if __name__ == "__main__":
+    main()
