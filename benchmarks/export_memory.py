@@ -54,7 +54,11 @@ def make_out(out: Path, n: int, dim: int) -> None:
     g = torch.Generator().manual_seed(0)
     with FeatureStore(out, {"model": "export-bench"}, shard_max_samples=1024, commit_every=None) as store:
         for i in range(n):
-            meta = {"path": f"media/{i:07d}.jpg", "n_tokens": 64, "text": "a caption of about fifty characters"}
+            meta = {
+                "path": f"media/{i:07d}.jpg",
+                "n_tokens": 64,
+                "text": "a caption of about fifty characters",
+            }
             store.add(f"id{i:07d}", {"embedding": torch.randn(dim, generator=g)}, meta)
 
 

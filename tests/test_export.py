@@ -137,7 +137,7 @@ def test_parquet_reads_back_with_pyarrow_and_hf_datasets(out, tmp_path, monkeypa
 
 
 def test_float16_and_vision_mean(out, tmp_path):
-    dest = tmp_path / "half.parquet"
+    dest = tmp_path / "new" / "folder" / "half.parquet"  # DEST's folders are made (after every check)
     export(out, dest, dtype="float16")
     check_table(pq.read_table(dest), out, dtype="float16")
 
