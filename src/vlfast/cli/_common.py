@@ -156,6 +156,19 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
 ]
 
 
+def parse_storage_options(text: str | None) -> dict | None:
+    """--storage-options as a dict. The message never echoes the text: it may hold credentials."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--storage-options is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--storage-options must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     sys.stdout.flush()

@@ -38,6 +38,11 @@ EXAMPLES: dict[str, list[str]] = {
         "vlfast extract manifest.jsonl s3://bucket/features -m ./Qwen3-VL-4B-Instruct   # pip install 'vlfast[s3]'",
         "vlfast extract --verify clips_out",
     ],
+    "export": [
+        "vlfast export clips_out clips.parquet --feature vision_mean",
+        "vlfast export clips_out clips.lance --feature vision_mean --dtype float16   # pip install 'vlfast[export]'",
+        "vlfast export s3://bucket/features table.parquet --overwrite",
+    ],
     "tokens": [
         "vlfast tokens audit --model ./Qwen3-8B-Base",
         "vlfast tokens rewrite --map think=thinking ...",

@@ -20,6 +20,7 @@ from vlfast.cli._common import (
     console,
     err_console,
     handle_errors,
+    parse_storage_options,
     print_json,
     print_table,
 )
@@ -270,12 +271,12 @@ def extract(
     if verify:
         if demo or len(paths) != 1:
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
-        _verify(paths[0], as_json, _storage_options(storage_options))
+        _verify(paths[0], as_json, parse_storage_options(storage_options))
         return
     if compact:
         if demo or len(paths) != 1:
             raise UsageError("with --compact give only OUT, e.g. `vlfast extract --compact OUT`")
-        _compact(paths[0], as_json, _storage_options(storage_options))
+        _compact(paths[0], as_json, parse_storage_options(storage_options))
         return
     from vlfast.extraction.api import UnexpectedSampleErrors
     from vlfast.extraction.interrupts import EXIT_TERMINATED, Terminated
@@ -304,7 +305,7 @@ def extract(
     from vlfast.extraction.api import extract as run_extract
 
     pools = tuple(p.strip() for p in pool.split(",") if p.strip())
-    options = _storage_options(storage_options)
+    options = parse_storage_options(storage_options)
     chosen = _engine(
         engine, ray_address, ray_workers, num_gpus_per_worker, ray_cpus_per_worker, rank, world_size
     )
@@ -414,21 +415,6 @@ def _engine(
     return RayEngine(
         ray_address, 1 if ray_workers is None else ray_workers, gpus, 1.0 if cpus is None else cpus
     )
-
-
-def _storage_options(text: str | None) -> dict | None:
-    """--storage-options as a dict. The message never echoes the text: it may hold credentials."""
-    if text is None:
-        return None
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--storage-options is not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"--storage-options must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _is_url(text: str) -> bool:

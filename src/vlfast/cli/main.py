@@ -47,6 +47,7 @@ _COMMAND_MODULES = [
     "vlfast.cli.doctor",
     "vlfast.cli.profile",
     "vlfast.cli.extract",
+    "vlfast.cli.export",
     "vlfast.cli.tokens",
     "vlfast.cli.demo",
 ]

@@ -1,6 +1,7 @@
 """Large-scale, resumable, multi-GPU feature extraction and its output format.
 
-``FeatureStore`` writes (store/writer.py), ``FeatureCache`` reads (store/reader.py), ``extract`` runs a model
+``FeatureStore`` writes (store/writer.py), ``FeatureCache`` reads (store/reader.py), ``export`` writes one
+vector per sample as a Parquet or Lance table (store/export.py), ``extract`` runs a model
 over inputs (api.py: config, plan, then an engine), ``extract_ray`` the same as Ray Data stages
 (engines/ray.py). Names load lazily so reading a cache never imports the pipeline's dependencies, nor
 anything Ray.
@@ -20,11 +21,13 @@ _EXPORTS = {
     "FeatureCache": "vlfast.extraction.store.reader",
     "extract": "vlfast.extraction.api",
     "extract_ray": "vlfast.extraction.api",  # imports ray only when called
+    "export": "vlfast.extraction.store.export",  # imports lance only for format="lance"
 }
 
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from vlfast.extraction.store.export import export  # noqa: F401
     from vlfast.extraction.store.reader import FeatureCache  # noqa: F401
     from vlfast.extraction.store.resume import RunConfigMismatch, dist_info, partition  # noqa: F401
     from vlfast.extraction.store.writer import FeatureStore  # noqa: F401
