@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +73,9 @@ def build(folder: Path, size: str, rows: int) -> tuple[Path, Path]:
     sizes = [(320 + 32 * (i % 7), 240 + 24 * (i % 5)) for i in range(n_img)]
     images = make_images(folder / "media", sizes)
     videos = [
-        make_video(folder / "media" / f"v{i}.mp4", frames=8 + 4 * (i % 3), fps=4, width=160, height=120, seed=i)
+        make_video(
+            folder / "media" / f"v{i}.mp4", frames=8 + 4 * (i % 3), fps=4, width=160, height=120, seed=i
+        )
         for i in range(n_vid)
     ]
     lines = []
@@ -131,13 +132,18 @@ def run_child(variant: str, ckpt: Path, manifest: Path, out: Path, args) -> dict
 def machine() -> str:
     import torch
 
-    cpu = platform.processor()
+    cpu, flags = platform.processor() or platform.machine(), ""
     try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        cpu = next(
+            (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), cpu
+        )
+        flags = info
+    except OSError:
         pass
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "?"
+    isa = os.environ.get("ATEN_CPU_CAPABILITY", isa)  # a run limited to AVX2 says so
     return f"{cpu}, {os.cpu_count()} cores, {isa}, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}"
 
 
@@ -183,8 +189,10 @@ def main() -> None:
             f"{v:9s} {statistics.median(rates):7.2f} embeddings/s "
             f"(min {min(rates):.2f}, max {max(rates):.2f}), peak RSS {rss:,.0f} MiB"
         )
-    print(f"ratio vlfast/reference: median {summary['ratio_median']:.2f}x "
-          f"(min {summary['ratio_min']:.2f}, max {summary['ratio_max']:.2f}) over {args.rounds} rounds")
+    print(
+        f"ratio vlfast/reference: median {summary['ratio_median']:.2f}x "
+        f"(min {summary['ratio_min']:.2f}, max {summary['ratio_max']:.2f}) over {args.rounds} rounds"
+    )
 
 
 if __name__ == "__main__":

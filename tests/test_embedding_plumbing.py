@@ -358,3 +358,34 @@ def test_a_sentence_transformers_qwen3_vl_is_an_embedding_checkpoint(tiny_qwen3_
     assert not is_embedding_checkpoint(str(st))
     (st / "modules.json").write_text("[]")
     assert is_embedding_checkpoint(str(st))
+
+
+def test_the_exported_table_holds_each_rows_instruction_and_text(tmp_path, media, tiny_qwen3_vl):
+    """A real embedding OUT through `vlfast export`: rows without their own instruction get the run's (kept
+    once in run.json), text rows have no path, and each vector is its own nearest neighbour in Lance."""
+    import pyarrow.parquet as pq
+
+    from vlfast.extraction import export
+
+    rows = [
+        {"id": "img", "path": str(media["a"]), "text": "a square"},
+        {"id": "vid", "path": str(media["v"])},
+        {"id": "txt", "text": "words", "instruction": "Find the picture"},
+    ]
+    m = _manifest(tmp_path / "m.jsonl", rows)
+    out = tmp_path / "out"
+    extract(m, out, model=str(tiny_qwen3_vl), features="embedding", instruction="Match it", num_workers=0)
+    export(out, tmp_path / "t.parquet")
+    table = {r["id"]: r for r in pq.read_table(tmp_path / "t.parquet").to_pylist()}
+    assert table["img"]["instruction"] == table["vid"]["instruction"] == "Match it."
+    assert table["txt"]["instruction"] == "Find the picture." and table["txt"]["path"] is None
+    assert table["img"]["text"] == "a square" and table["vid"]["text"] is None
+    cache = FeatureCache(out)
+    for sid, row in table.items():
+        assert torch.equal(torch.tensor(row["embedding"]), cache[sid]["embedding"])
+    lance = pytest.importorskip("lance")
+    export(out, tmp_path / "t.lance")
+    ds = lance.dataset(str(tmp_path / "t.lance"))
+    for sid in table:
+        hit = ds.to_table(nearest={"column": "embedding", "q": cache[sid]["embedding"].numpy(), "k": 1})
+        assert hit.column("id").to_pylist() == [sid]

@@ -79,8 +79,6 @@ def export(
     """
     from vlfast.extraction.store.export import export as run_export
 
-    if format is None:
-        format = "lance" if dest.rstrip("/").endswith(".lance") else "parquet"
     result = run_export(
         out,
         dest,

@@ -65,7 +65,7 @@ def export(
     out: str | os.PathLike,
     dest: str | os.PathLike,
     *,
-    format: str = "parquet",
+    format: str | None = None,
     feature: str | None = None,
     dtype: str = "float32",
     overwrite: bool = False,
@@ -74,9 +74,12 @@ def export(
 ) -> ExportResult:
     """Write one vector per sample of ``out`` (a local folder or an fsspec URL, opened with
     ``storage_options``) with its meta columns as one table at the local path ``dest``: a Parquet file
-    or a Lance dataset folder. ``feature`` defaults to ``embedding``; ``dtype`` is the vectors' type in the
-    table. Rows come in OUT's stored order (rank, then commit order; what ``FeatureCache`` iterates)."""
+    or a Lance dataset folder (``format`` None: lance when ``dest`` ends in .lance, else parquet, as the
+    CLI). ``feature`` defaults to ``embedding``; ``dtype`` is the vectors' type in the table. Rows come in
+    OUT's stored order (rank, then commit order; what ``FeatureCache`` iterates)."""
     start = time.monotonic()
+    if format is None:
+        format = "lance" if str(dest).rstrip("/").endswith(".lance") else "parquet"
     format = _choice(format, FORMATS, "format")
     dtype = _choice(dtype, VECTOR_DTYPES, "dtype")
     if int(batch_rows) < 1:
@@ -284,9 +287,14 @@ def _provenance(cache: FeatureCache, feature: str) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------ rows
 
 
-def _meta_columns(meta: dict) -> tuple[str | None, str | None, str | None, int | None]:
+def _meta_columns(
+    meta: dict, instruction: str | None = None
+) -> tuple[str | None, str | None, str | None, int | None]:
+    """The meta columns of one sample; ``instruction`` stands for the run's, which a row without its own
+    was embedded with (run.json holds it once rather than every row)."""
+
     def text(key: str) -> str | None:
-        value = meta.get(key)
+        value = meta.get(key, instruction if key == "instruction" else None)
         return value if isinstance(value, str) or value is None else json.dumps(value, ensure_ascii=False)
 
     n = meta.get("n_tokens")
@@ -303,6 +311,10 @@ def _batches(cache: FeatureCache, feature: str, dim: int, dtype: str, schema, ro
 
     to = torch.float16 if dtype == "float16" else torch.float32
     vector_type = schema.field("embedding").type
+    features = cache.run_config.get("features")
+    instruction = None
+    if feature == "embedding" and isinstance(features, dict):
+        instruction = features.get("instruction")
     ids: list[str] = []
     vectors: list[Any] = []
     metas: list[tuple] = []
@@ -321,7 +333,7 @@ def _batches(cache: FeatureCache, feature: str, dim: int, dtype: str, schema, ro
             )
         ids.append(sample_id)
         vectors.append(vector.to(to).numpy())
-        metas.append(_meta_columns(cache.meta(i)))
+        metas.append(_meta_columns(cache.meta(i), instruction))
         if len(ids) == rows:
             yield batch()
             ids, vectors, metas = [], [], []
