@@ -389,3 +389,26 @@ def test_the_exported_table_holds_each_rows_instruction_and_text(tmp_path, media
     for sid in table:
         hit = ds.to_table(nearest={"column": "embedding", "q": cache[sid]["embedding"].numpy(), "k": 1})
         assert hit.column("id").to_pylist() == [sid]
+
+
+def test_padded_packing_sorts_within_a_window_and_bounds_the_padding():
+    """For the whole VLM (rows padded to the longest): each item exactly once, each batch within the budget
+    as padded (rows x longest) and within the sample cap, no row padded by more than a quarter of its
+    batch's shortest, and order changes only within a window."""
+    import random
+
+    from vlfast.extraction.model.batching import TokenBudget, pack_padded
+
+    rng = random.Random(0)
+    lengths = [rng.choice([40, 41, 90, 300, 310, 1200, 5000]) + rng.randrange(8) for _ in range(500)]
+    budget = TokenBudget(max_tokens=4096, max_samples=16)
+    batches = list(pack_padded(range(len(lengths)), lengths.__getitem__, budget, window=64))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        longest, shortest = max(lengths[i] for i in b), min(lengths[i] for i in b)
+        assert len(b) == 1 or (len(b) * longest <= budget.max_tokens and len(b) <= budget.max_samples)
+        assert longest <= 1.25 * shortest or len(b) == 1
+    for b in batches:  # windows of 64: a batch holds items of one window only
+        assert {i // 64 for i in b} == {min(b) // 64}
+    first = next(pack_padded([7, 3], int, budget, first_alone=True))
+    assert first == [7]

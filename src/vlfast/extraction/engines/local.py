@@ -136,7 +136,8 @@ class _Extraction:
                 prefetch=8,
                 worker_init=worker_init,
             ) as pool:
-                for batch in runner.batches(self.decoded(pool), config.budget, first_alone=True):
+                padded = config.spec.needs_llm
+                for batch in runner.batches(self.decoded(pool), config.budget, True, padded):
                     raise_if_terminated()  # a SIGTERM whose exception a fork hook dropped
                     added = self.forward.store(
                         batch, session.store, lambda it: self.todo[it.i], session.record

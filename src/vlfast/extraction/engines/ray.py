@@ -314,7 +314,7 @@ class _ModelStage:
             else:
                 items.append(_decoded_sample(r, len(items), load))
         compute0, splits0 = self.forward.compute_seconds, self.forward.oom_splits
-        for batch in runner.batches(items, self.budget):
+        for batch in runner.batches(items, self.budget, padded=self.forward.spec.needs_llm):
             for ref, patches in self.forward.store(batch, store, lambda it: it.ref, record):
                 rows.append({"id": ref.id, "status": "ok", "patches": patches})
         if is_local(store.out):

@@ -17,7 +17,7 @@ import torch
 
 from vlfast.errors import InputRefused
 
-__all__ = ["TokenBudget", "is_oom", "pack", "run_split_on_oom"]
+__all__ = ["TokenBudget", "is_oom", "pack", "pack_padded", "run_split_on_oom"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -60,6 +60,52 @@ def pack(
         used += c
     if batch:
         yield batch
+
+
+def pack_padded(
+    items: Iterable[T],
+    length: Callable[[T], int],
+    budget: TokenBudget,
+    *,
+    window: int | None = None,
+    first_alone: bool = False,
+) -> Iterator[list[T]]:
+    """Batches for a model that pads each row to the batch's longest (the whole VLM for ``llm`` and
+    ``embedding``): a batch costs ``len(batch) * longest``, which must fit ``max_tokens``.
+
+    Items are taken ``window`` at a time (default ``4 * max_samples``) and sorted by length before packing,
+    so rows of like length share a batch and little of each forward is padding (a text of 40 tokens beside
+    an image of 1,200 would otherwise run as 1,200); a batch also ends where the next row is over
+    ``1 + max_padding`` times its shortest, which bounds the padding to that share. Every item comes out
+    exactly once; only the order within a window changes. ``first_alone`` as in :func:`pack`.
+    """
+    max_padding = 0.25
+    window = window or 4 * budget.max_samples
+    held: list[T] = []
+
+    def flush() -> Iterator[list[T]]:
+        held.sort(key=length)
+        batch: list[T] = []
+        for item in held:
+            longest = max(length(batch[-1]), length(item)) if batch else length(item)
+            full = (len(batch) + 1) * longest > budget.max_tokens or len(batch) >= budget.max_samples
+            if batch and (full or length(item) > (1 + max_padding) * length(batch[0])):
+                yield batch
+                batch = []
+            batch.append(item)
+        if batch:
+            yield batch
+        held.clear()
+
+    for item in items:
+        if first_alone:
+            first_alone = False
+            yield [item]
+            continue
+        held.append(item)
+        if len(held) >= window:
+            yield from flush()
+    yield from flush()
 
 
 def is_oom(error: BaseException) -> bool:

@@ -15,7 +15,7 @@ from vlfast.extraction.decode.embedding import EmbeddingPrompt, is_embedding_che
 from vlfast.extraction.decode.preprocess import ProcessorConfig, normalize_video_patches
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.stage import DecodedSample
-from vlfast.extraction.model.batching import Failed, TokenBudget, pack, run_split_on_oom
+from vlfast.extraction.model.batching import Failed, TokenBudget, pack, pack_padded, run_split_on_oom
 from vlfast.extraction.model.features import (
     FeatureSpec,
     VisionBatch,
@@ -70,8 +70,16 @@ def load(
     return LoadedModel(model, family, tower, whole, device, dtype)
 
 
-def batches(items: Iterable[DecodedSample], budget: TokenBudget, first_alone: bool = False):
-    """Decoded samples packed by token budget (see :func:`~vlfast.extraction.model.batching.pack`)."""
+def batches(
+    items: Iterable[DecodedSample], budget: TokenBudget, first_alone: bool = False, padded: bool = False
+):
+    """Decoded samples packed by token budget (see :func:`~vlfast.extraction.model.batching.pack`); with
+    ``padded`` (the whole VLM runs: its rows are padded to the longest) sorted by length within a window
+    and costed as padded (:func:`~vlfast.extraction.model.batching.pack_padded`)."""
+    if (
+        padded
+    ):  # the sort key and padding are the prompt's length (vision tokens in it); a text has no patches
+        return pack_padded(items, lambda it: it.cost, budget, first_alone=first_alone)
     return pack(items, lambda it: it.cost, budget, first_alone=first_alone)
 
 
