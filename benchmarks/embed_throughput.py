@@ -14,7 +14,8 @@ a 6-layer tower, built offline; ``tiny``: the tests' checkpoint). Each variant r
 in alternating order for ``--rounds`` rounds, so the ratio is taken in one run under the same load; wall
 time covers model load to the last vector, peak RSS is the child's (``wait4``).
 
-    python benchmarks/embed_throughput.py [--size small] [--rows 96] [--rounds 3] [--device cpu] [--json]
+    python benchmarks/embed_throughput.py [--size small] [--rows 96] [--rounds 3] [--device cpu]
+        [--dtype float32] [--list-size 8] [--json]
 """
 
 from __future__ import annotations
@@ -97,21 +98,35 @@ def build(folder: Path, size: str, rows: int) -> tuple[Path, Path]:
 CHILD = r"""
 import json, sys, time
 import torch
-variant, ckpt, manifest, out, list_size, device = sys.argv[1:7]
+variant, ckpt, manifest, out, list_size, device, dtype, tests = sys.argv[1:9]
 t0 = time.perf_counter()
 rows = [json.loads(line) for line in open(manifest)]
 if variant == "vlfast":
     from vlfast.extraction import extract
-    s = extract(manifest, out, model=ckpt, features="embedding", dtype="float32", device=device)
+    s = extract(manifest, out, model=ckpt, features="embedding", dtype=dtype, device=device)
     n = s.extracted
 else:
-    sys.path.insert(0, sys.argv[7])
-    from _embedding_reference import reference_embed_batch
+    sys.path.insert(0, tests)
+    import _embedding_reference as ref
+    torch_dtype = getattr(torch, dtype)
+
+    def forward(ckpt, inputs, dtype):  # the reference's _forward, on the benchmark's device
+        model = ref._load(str(ckpt), dtype)[3].to(device)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        with torch.no_grad():
+            hidden = model(**inputs, use_cache=False).last_hidden_state
+        mask = inputs["attention_mask"]
+        col = mask.shape[1] - mask.flip(dims=[1]).argmax(dim=1) - 1
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), col]
+
+    ref._forward = forward
     k = int(list_size)
     n = 0
     for i in range(0, len(rows), k):
         part = [{key: r[key] for key in ("path", "text", "instruction") if key in r} for r in rows[i : i + k]]
-        n += reference_embed_batch(ckpt, part, torch.float32).shape[0]
+        n += ref.reference_embed_batch(ckpt, part, torch_dtype).cpu().shape[0]
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 print(json.dumps({"n": n, "seconds": time.perf_counter() - t0}))
 """
 
@@ -119,7 +134,7 @@ print(json.dumps({"n": n, "seconds": time.perf_counter() - t0}))
 def run_child(variant: str, ckpt: Path, manifest: Path, out: Path, args) -> dict:
     env = os.environ | {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     cmd = [sys.executable, "-c", CHILD, variant, str(ckpt), str(manifest), str(out)]
-    cmd += [str(args.list_size), args.device, str(ROOT / "tests")]
+    cmd += [str(args.list_size), args.device, args.dtype, str(ROOT / "tests")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
     stdout, stderr = proc.stdout.read(), proc.stderr.read()
@@ -147,15 +162,16 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {isa}, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=("tiny", "small"), default="small")
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--list-size", type=int, default=8, help="rows per reference forward (its list)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="vlfast-embed-bench-") as tmp:
         folder = Path(tmp)
         ckpt, manifest = build(folder, args.size, args.rows)
@@ -173,6 +189,7 @@ def main() -> None:
         "rows": args.rows,
         "list_size": args.list_size,
         "device": args.device,
+        "dtype": args.dtype,
         "rounds": results,
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),

@@ -167,6 +167,16 @@ STEPS: tuple[Step, ...] = (
         needs=("inputs",),
     ),
     Step(
+        "embed_throughput",
+        "embeddings/s: vlfast extract --features embedding against the reference's one padded forward "
+        "per list (Qwen3-VL-Embedding-shaped random model, images, videos, texts)",
+        "{python} {bench}/embed_throughput.py --device {device} --json",
+        full="--size small --rows 256 --rounds 3 --dtype bfloat16",
+        smoke="--size tiny --rows 8 --rounds 1",
+        timeout_s=180,
+        kind="embed",
+    ),
+    Step(
         "verify_full",
         "vlfast verify, full-size ref:qwen3-vl-4b tower: fp32, bf16, gradients",
         "{vlfast} verify --model ref:qwen3-vl-4b --device {device} --json",
@@ -498,6 +508,10 @@ HEADLINES: dict[str, Callable[[Any], str]] = {
     "verify": _headline_verify,
     "inputs": lambda r: f"{r['images']} images (640x480), {r['videos']} videos (2 s), tiny checkpoint",
     "extract": _headline_extract,
+    "embed": lambda r: (
+        f"vlfast/reference {r['ratio_median']:.2f}x (min {r['ratio_min']:.2f}, max {r['ratio_max']:.2f}), "
+        f"{r['rows']} rows, {r['size']} model, {r['dtype']}"
+    ),
 }
 
 

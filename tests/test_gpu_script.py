@@ -315,6 +315,7 @@ def test_every_planned_flag_exists(capsys):
     known = {
         "patch_embed.py": _argparse_flags(_load("patch_embed").main, capsys),
         "gpu.py": _argparse_flags(gpu.main, capsys),
+        "embed_throughput.py": _argparse_flags(_load("embed_throughput").main, capsys),
     }
     for name, command in cli.commands.items():
         known[name] = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
