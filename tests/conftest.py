@@ -97,6 +97,19 @@ def tokens_app():
 _LAST_RAY_TEST = pytest.StashKey[str | None]()
 
 
+@pytest.hookimpl(
+    tryfirst=True
+)  # before pytest-xdist's own hook, which reads the group marks into the node ids
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``--dist loadgroup``) every test that uses the Ray cluster runs in one worker, one
+    after another: one cluster for the run, stopped after its last test (below) by the worker that started it.
+    Split across workers, each would start a cluster of its own on the 2 cores, and a worker whose share did
+    not include the last Ray test would keep its cluster (its daemons are that worker's children) to the end."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 def pytest_collection_finish(session) -> None:
     """Note the last test that uses the Ray cluster: the cluster stops after it, not at the session's end,
     so the tests after it do not run beside an idle cluster (its daemons, its workers, its SIGTERM handler)."""
