@@ -97,9 +97,17 @@ def tokens_app():
 _LAST_RAY_TEST = pytest.StashKey[str | None]()
 
 
-@pytest.hookimpl(
-    tryfirst=True
-)  # before pytest-xdist's own hook, which reads the group marks into the node ids
+def pytest_configure(config) -> None:
+    """With pytest-xdist, only ``--dist loadgroup`` keeps the Ray tests together (below); any other mode
+    would start a Ray cluster in each worker that runs one of them, and leave some running to the end."""
+    numprocesses = getattr(config.option, "numprocesses", None)
+    dist = getattr(config.option, "dist", "no")
+    if numprocesses and dist not in ("no", "loadgroup") and not hasattr(config, "workerinput"):
+        raise pytest.UsageError(f"run the tests with -n N --dist loadgroup, not --dist {dist}")
+
+
+# tryfirst: before pytest-xdist's own hook, which reads the group marks into the node ids
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (``--dist loadgroup``) every test that uses the Ray cluster runs in one worker, one
     after another: one cluster for the run, stopped after its last test (below) by the worker that started it.
