@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import json
 import socket
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
 from urllib.parse import quote, unquote
 
+_HELD: list[socket.socket] = []
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def refused_port() -> int:
+    """A port on 127.0.0.1 that refuses every connection for the rest of the process: an unreachable
+    endpoint. Its socket stays bound and never listens, so no other process (another pytest-xdist worker's
+    server) can take the port meanwhile, as one merely found free could be."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return s.getsockname()[1]
 
 
 @contextmanager
@@ -27,11 +34,13 @@ def moto_s3() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 for the duration; yields its endpoint URL."""
     from moto.server import ThreadedMotoServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Port 0: the kernel picks a free port as the server binds it. A port merely found free beforehand
+    # can be taken in between by another test process (pytest-xdist's workers each start servers), and then
+    # ThreadedMotoServer.start() waits forever for a server that failed to bind.
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{server.get_host_and_port()[1]}"
     finally:
         server.stop()
 
@@ -75,7 +84,7 @@ def enforced_auth(endpoint: str) -> Iterator[tuple[str, str]]:
     from moto.iam.access_control import IAMRequestBase
 
     iam = client(endpoint, "iam", aws_access_key_id="bootstrap", aws_secret_access_key="bootstrap")
-    user = f"vlfast-test-{free_port()}"
+    user = f"vlfast-test-{uuid.uuid4().hex[:12]}"
     iam.create_user(UserName=user)
     policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
     iam.put_user_policy(UserName=user, PolicyName="everything", PolicyDocument=json.dumps(policy))

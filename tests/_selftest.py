@@ -86,6 +86,11 @@ def run(
         for k, pos in enumerate(todo):
             sid = ids[pos]
             if crash_after is not None and k == crash_after:
+                if torch.distributed.is_initialized():
+                    # Every rank reaches its crash point before any dies: the first rank to exit makes torchrun
+                    # stop the others at once, wherever they are (on a loaded host, one can be between a
+                    # shard's rename and its index part, or not have committed anything yet).
+                    torch.distributed.barrier()
                 os._exit(3)  # a crash: nothing buffered is flushed, no cleanup runs
             if fails(sid):
                 store.add_error(sid, f"videos/{sid}.mp4", "decode failed: simulated corrupt file")
@@ -152,7 +157,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per sample, so kills land mid-run")
     p.add_argument("--shard-samples", type=int, default=8)
-    p.add_argument("--crash-after", type=int, default=None)
+    p.add_argument(
+        "--crash-after", type=int, default=None, help="exit 3 after K samples (with --dist: all ranks)"
+    )
     p.add_argument("--compact-every", type=int, default=None, help="compact the index after every K samples")
     p.add_argument("--dist", action="store_true", help="init torch.distributed (gloo) from torchrun's env")
     p.add_argument("-v", "--verbose", action="store_true")

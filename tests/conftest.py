@@ -97,6 +97,27 @@ def tokens_app():
 _LAST_RAY_TEST = pytest.StashKey[str | None]()
 
 
+def pytest_configure(config) -> None:
+    """With pytest-xdist, only ``--dist loadgroup`` keeps the Ray tests together (below); any other mode
+    would start a Ray cluster in each worker that runs one of them, and leave some running to the end."""
+    numprocesses = getattr(config.option, "numprocesses", None)
+    dist = getattr(config.option, "dist", "no")
+    if numprocesses and dist not in ("no", "loadgroup") and not hasattr(config, "workerinput"):
+        raise pytest.UsageError(f"run the tests with -n N --dist loadgroup, not --dist {dist}")
+
+
+# tryfirst: before pytest-xdist's own hook, which reads the group marks into the node ids
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``--dist loadgroup``) every test that uses the Ray cluster runs in one worker, one
+    after another: one cluster for the run, stopped after its last test (below) by the worker that started it.
+    Split across workers, each would start a cluster of its own on the 2 cores, and a worker whose share did
+    not include the last Ray test would keep its cluster (its daemons are that worker's children) to the end."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 def pytest_collection_finish(session) -> None:
     """Note the last test that uses the Ray cluster: the cluster stops after it, not at the session's end,
     so the tests after it do not run beside an idle cluster (its daemons, its workers, its SIGTERM handler)."""

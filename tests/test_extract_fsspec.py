@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from _s3 import client as _client
-from _s3 import free_port as _free_port
 from _s3 import options as _options
+from _s3 import refused_port
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction.api import extract
@@ -153,7 +153,7 @@ def test_bad_s3_input_exits_2_naming_the_url(case, s3, tiny_qwen3_vl, tmp_path):
     if case == "missing bucket":
         url = "s3://no-such-bucket/data"
     else:
-        options["client_kwargs"]["endpoint_url"] = f"http://127.0.0.1:{_free_port()}"
+        options["client_kwargs"]["endpoint_url"] = f"http://127.0.0.1:{refused_port()}"
     options["key"], options["secret"] = "another-key-id", SECRET  # credentials in the options too
     out = tmp_path / "out"
     args = ["extract", url, str(out), "-m", str(tiny_qwen3_vl), "--storage-options", json.dumps(options)]

@@ -21,7 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 from _crash import kill_at_random_points
-from _s3 import client, enforced_auth, free_port
+from _s3 import client, enforced_auth, refused_port
 from _selftest import RUN_CONFIG, compare_caches, fake_features
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
@@ -363,7 +363,7 @@ def test_bad_out_url_exits_2_naming_it_before_any_work(case, endpoint, media, ti
     else:
         out = f"s3://{BUCKET}/unreachable"
         options = {
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{refused_port()}"},
             "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},
         }
         expected = "cannot be reached"

@@ -45,11 +45,14 @@ from vlfast.extraction.engines.base import Hooks
 from vlfast.extraction.engines.local import LocalEngine
 
 forwards = []
+HOLD_AFTER = int(os.environ.get("HOLD_AFTER", "0"))
 
 def forward(batch):
     forwards.append(len(batch))
     print(f"forward {len(forwards)} rank {os.environ.get('RANK', '0')}", flush=True)
-    time.sleep(0.2)
+    # With HOLD_AFTER=n, forwards after the n-th wait for the signal: a rank cannot run out of work before
+    # the other has started (rank 0 holds only 4 of the 16 samples, under a second of forwards).
+    time.sleep(300 if HOLD_AFTER and len(forwards) > HOLD_AFTER else 0.2)
 
 LocalEngine.hooks = Hooks(forward=forward)
 from vlfast.cli.main import main
@@ -76,7 +79,12 @@ def test_sigterm_to_torchrun_commits_every_rank_and_resumes(tiny_qwen3_vl, tmp_p
         "--workers", "0", "--batch-tokens", "64", "--commit-every", "3600",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Each rank holds at its third forward until the signal: on a loaded host (another test beside this one)
+    # one rank can start seconds after the other, and a rank that has finished and exited 0 before the signal
+    # comes is no test of what a SIGTERM does to it.
+    launcher = subprocess.Popen(
+        cmd, env=env | {"HOLD_AFTER": "2"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     seen: dict[str, int] = {}
     for line in launcher.stdout:  # both ranks print here
         if line.startswith("forward "):
@@ -84,9 +92,9 @@ def test_sigterm_to_torchrun_commits_every_rank_and_resumes(tiny_qwen3_vl, tmp_p
             seen[rank] = seen.get(rank, 0) + 1
         # Each rank at its second forward, so its first one is done and held: the hook prints before the
         # forward it precedes, and a rank SIGTERMed inside its first forward has nothing to commit, rightly.
-        # On a loaded host one rank can be several forwards ahead while the other still loads.
         if len(seen) == 2 and min(seen.values()) >= 2:
             break
+    assert len(seen) == 2 and min(seen.values()) >= 2, (seen, launcher.communicate()[1][-4000:])
     launcher.send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode != 0

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 import test_extract_webdataset as wds
-from _s3 import client, enforced_auth, free_port, options
+from _s3 import client, enforced_auth, options, refused_port
 from _selftest import compare_caches
 from test_extract_fsspec import _assert_same
 from vlfast.cli.main import app
@@ -244,7 +244,7 @@ def _case(name: str, s3) -> tuple[str, dict, str]:
         ),
         "unreachable endpoint": (
             PATTERN,
-            options(f"http://127.0.0.1:{free_port()}", key=good["key"], secret=good["secret"]),
+            options(f"http://127.0.0.1:{refused_port()}", key=good["key"], secret=good["secret"]),
             f"bucket s3://{BUCKET} of input {PATTERN} cannot be reached",
         ),
         "missing bucket": (
