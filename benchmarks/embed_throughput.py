@@ -14,7 +14,7 @@ a 6-layer tower, built offline; ``tiny``: the tests' checkpoint). Each variant r
 in alternating order for ``--rounds`` rounds, so the ratio is taken in one run under the same load; wall
 time covers model load to the last vector, peak RSS is the child's (``wait4``).
 
-    python benchmarks/embed_throughput.py [--size small] [--rows 96] [--rounds 3] [--device cpu]
+    python benchmarks/embed_throughput.py [--size small] [--rows 96] [--media small|camera] [--rounds 3] [--device cpu]
         [--dtype float32] [--list-size 8] [--json]
 """
 
@@ -53,9 +53,16 @@ SMALL = {  # a random Qwen3-VL-Embedding-shaped model big enough that the forwar
 }
 
 
-def build(folder: Path, size: str, rows: int) -> tuple[Path, Path]:
+MEDIA = {  # image sizes (w, h) by row, video (width, height, frames, fps)
+    "small": {"image": (320, 240), "video": (160, 120, 8, 4)},
+    # what a corpus holds: camera-sized photos and 10 s clips at 30 fps, decoded at 1 fps
+    "camera": {"image": (1280, 960), "video": (640, 360, 300, 30)},
+}
+
+
+def build(folder: Path, size: str, rows: int, media: str = "small") -> tuple[Path, Path]:
     """The checkpoint and a manifest of ``rows`` rows: half images (half of them captioned), a quarter
-    videos, a quarter texts alone."""
+    videos, a quarter texts alone; ``media`` sets their sizes (:data:`MEDIA`)."""
     import torch
 
     from vlfast.demo import _embedding_model_class, make_images, make_tiny_qwen3_vl, make_video
@@ -71,11 +78,17 @@ def build(folder: Path, size: str, rows: int) -> tuple[Path, Path]:
         torch.manual_seed(0)
         _embedding_model_class()(config).eval().save_pretrained(ckpt)
     n_img, n_vid = rows // 2, rows // 4
-    sizes = [(320 + 32 * (i % 7), 240 + 24 * (i % 5)) for i in range(n_img)]
+    (iw, ih), (vw, vh, frames, fps) = MEDIA[media]["image"], MEDIA[media]["video"]
+    sizes = [(iw + 32 * (i % 7), ih + 24 * (i % 5)) for i in range(n_img)]
     images = make_images(folder / "media", sizes)
     videos = [
         make_video(
-            folder / "media" / f"v{i}.mp4", frames=8 + 4 * (i % 3), fps=4, width=160, height=120, seed=i
+            folder / "media" / f"v{i}.mp4",
+            frames=frames + fps * (i % 3),
+            fps=fps,
+            width=vw,
+            height=vh,
+            seed=i,
         )
         for i in range(n_vid)
     ]
@@ -166,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=("tiny", "small"), default="small")
     ap.add_argument("--rows", type=int, default=96)
+    ap.add_argument("--media", choices=tuple(MEDIA), default="small")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--list-size", type=int, default=8, help="rows per reference forward (its list)")
     ap.add_argument("--device", default="cpu")
@@ -174,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="vlfast-embed-bench-") as tmp:
         folder = Path(tmp)
-        ckpt, manifest = build(folder, args.size, args.rows)
+        ckpt, manifest = build(folder, args.size, args.rows, args.media)
         results: dict[str, list[dict]] = {"vlfast": [], "reference": []}
         ratios = []
         for r in range(args.rounds):
@@ -187,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(),
         "size": args.size,
         "rows": args.rows,
+        "media": args.media,
         "list_size": args.list_size,
         "device": args.device,
         "dtype": args.dtype,
