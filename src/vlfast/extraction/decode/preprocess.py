@@ -283,6 +283,14 @@ def _image_processor(
     return proc
 
 
+def _embedding_recipe(values: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
+    """Qwen3-VL-Embedding prepares pixels its own way (decode.embedding), not by its processor files: its
+    numbers into ``values``; returns the source named and the video settings that replace the files'."""
+    values.update(RECIPE_PIXELS)
+    source += "; Qwen3-VL-Embedding recipe (vlfast.extraction.decode.embedding.RECIPE_PIXELS)"
+    return source, {k: RECIPE_PIXELS[k] for k in ("fps", "min_frames", "max_frames", "max_video_tokens")}
+
+
 def build_processor_config(
     model: str,
     *,
@@ -340,13 +348,8 @@ def build_processor_config(
         values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
         values["merge_size"] = int(image_cfg.get("merge_size", 2))
         values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
-    recipe = is_embedding_checkpoint(model)
-    if (
-        recipe
-    ):  # Qwen3-VL-Embedding prepares pixels its own way (decode.embedding), not by its processor files
-        values.update(RECIPE_PIXELS)
-        source += "; Qwen3-VL-Embedding recipe (vlfast.extraction.decode.embedding.RECIPE_PIXELS)"
-        video_cfg = {k: RECIPE_PIXELS[k] for k in ("fps", "min_frames", "max_frames", "max_video_tokens")}
+    if is_embedding_checkpoint(model):
+        source, video_cfg = _embedding_recipe(values, source)
     if min_pixels is not None:
         values["image_min_pixels"] = int(min_pixels)
     if max_pixels is not None:
