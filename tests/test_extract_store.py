@@ -165,6 +165,10 @@ def test_crash_between_shard_and_index_part(tmp_path: Path, monkeypatch: pytest.
     assert orphan.exists() and not list((tmp_path / "index").glob("part-r00000-000001*"))
     (tmp_path / "shards" / ".tmp-r00000-999-shard-r00000-000002.safetensors").write_bytes(b"half a shard")
     (tmp_path / "index" / ".tmp-r00000-999-part-r00000-000002.parquet").write_bytes(b"half a part")
+    # A SIGKILL inside safetensors' save_file: its own temp file (.tmpXXXXXX) in the rank's staging folder.
+    staging = tmp_path / "shards" / ".tmp-r00000-999.d"
+    staging.mkdir()
+    (staging / ".tmpAbC123").write_bytes(b"half of safetensors' own temp")
     # Readers see only the committed shard; the orphan's and temp files' samples do not exist.
     c = FeatureCache(tmp_path)
     assert c.ids() == ids[:4]
@@ -189,9 +193,13 @@ def test_cleanup_respects_live_ranks(tmp_path: Path) -> None:
     rank1_tmp.write_bytes(b"x")
     rank3_orphan.write_bytes(b"x")
     FeatureStore(tmp_path, CFG, rank=0, world_size=2)
-    assert rank1_tmp.exists() and rank3_orphan.exists()
+    rank1_staging = shards / ".tmp-r00001-5.d"  # and its staging folder, with safetensors' own temp
+    rank1_staging.mkdir()
+    (rank1_staging / ".tmpXyZ789").write_bytes(b"x")
+    FeatureStore(tmp_path, CFG, rank=0, world_size=2)
+    assert rank1_tmp.exists() and rank3_orphan.exists() and rank1_staging.exists()
     FeatureStore(tmp_path, CFG, rank=1, world_size=2)
-    assert not rank1_tmp.exists() and not rank3_orphan.exists()
+    assert not rank1_tmp.exists() and not rank3_orphan.exists() and not rank1_staging.exists()
     assert FeatureCache(tmp_path).ids() == ["a"]
 
 

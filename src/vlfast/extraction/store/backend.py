@@ -349,8 +349,19 @@ class LocalBackend:
             fsync_dir(folder)
 
     def stage(self, shard: Path, tag: str) -> Path:
-        """Where a shard is written before its commit: a temp name beside it, garbage if never renamed."""
-        return shard.parent / f".tmp-{tag}-{os.getpid()}-{shard.name}"
+        """Where a shard is written before its commit: in a temp folder of this rank beside it, garbage if
+        never renamed. A folder, not a name: safetensors' ``save_file`` writes through a temp file of its own
+        (``.tmpXXXXXX``, no rank in it) next to its target, which a SIGKILL would leave where no one could
+        tell whose it is; in this folder it is this rank's, and cleaned with it."""
+        folder = shard.parent / f".tmp-{tag}-{os.getpid()}.d"
+        folder.mkdir(exist_ok=True)
+        return folder / shard.name
+
+    def unstage(self, staged: Path) -> None:
+        """Remove what staging left: the staged file unless renamed, and its folder once empty."""
+        staged.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another shard of this process staged there meanwhile
+            staged.parent.rmdir()
 
     def sync(self, f: Any) -> None:
         os.fsync(f.fileno())
@@ -398,7 +409,7 @@ class LocalBackend:
         for folder in (self.out / SHARD_DIR, index, self.out):
             for p in folder.iterdir():
                 m = TMP_RE.match(p.name)
-                if m and p.is_file():
+                if m and (p.is_file() or (p.is_dir() and not p.is_symlink())):
                     garbage.setdefault(int(m.group(1)), []).append(p)
         for p in (self.out / SHARD_DIR).iterdir():
             m = SHARD_RE.match(p.name)
@@ -413,7 +424,10 @@ class LocalBackend:
                 continue  # a process of an earlier run is still writing rank r: its files are not garbage
             try:
                 for p in paths:
-                    p.unlink(missing_ok=True)
+                    if p.is_dir() and not p.is_symlink():  # a staging folder (stage), with what it holds
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
             finally:
                 if r != self._rank:
                     unlock(lock)
@@ -467,9 +481,10 @@ class ObjectBackend:
             self.out.fs.invalidate_cache(p.path)
 
     def stage(self, shard: Any, tag: str) -> Path:
-        fd, name = tempfile.mkstemp(prefix=f"vlfast-{tag}-", suffix=".safetensors")
-        os.close(fd)
-        return Path(name)
+        return Path(tempfile.mkdtemp(prefix=f"vlfast-{tag}-")) / "shard.safetensors"
+
+    def unstage(self, staged: Path) -> None:
+        shutil.rmtree(staged.parent, ignore_errors=True)  # the local copy, and any temp safetensors left
 
     def sync(self, f: Any) -> None:
         pass  # the upload reads the file back; nothing on this disk needs to survive a crash

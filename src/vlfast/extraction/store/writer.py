@@ -717,7 +717,7 @@ class FeatureStore:
         finally:
             # Ours: after a failure never renamed (on a full disk, space to give back now); on object storage
             # the local staging copy. After a rename there is nothing left under this name.
-            tmp.unlink(missing_ok=True)
+            self._backend.unstage(tmp)
 
     def _next_shard_path(self) -> Path:
         """The name after a taken one (object storage: another writer of this rank, or an orphan)."""
