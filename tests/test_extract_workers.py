@@ -34,9 +34,14 @@ TIMEOUT_REASON = (
 
 @pytest.fixture(autouse=True)
 def no_leftover_children():
-    """Whatever a test does, the pool must leave no child process behind (running or zombie)."""
+    """Whatever a test does, the pool must leave no child process behind (running or zombie). Children
+    that were there before the test are not its own: the session's Ray cluster (its daemons are this
+    process's children) lives from the first Ray test to the last, and under pytest-xdist other tests of
+    the same worker may run in between."""
+    before = {k.pid for k in psutil.Process().children()}
     yield
-    kids = psutil.Process().children(recursive=True)
+    new = [k for k in psutil.Process().children() if k.pid not in before]  # the pool's workers are direct
+    kids = new + [d for k in new for d in k.children(recursive=True)]
     assert not kids, f"left behind: {[(k.pid, k.status()) for k in kids]}"
     assert not multiprocessing.active_children()
 
