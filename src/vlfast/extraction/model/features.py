@@ -432,15 +432,16 @@ def compute_llm_features(
     pooled: dict[int, list[dict[str, torch.Tensor]]] = {}
 
     def take(index: int, hidden: torch.Tensor) -> None:
-        h = hidden.float()  # (B, L, D_text)
+        llm = "llm" in spec.names
+        h = hidden.float() if llm else None  # (B, L, D_text); an embedding needs one row of it only
         per = []
         for i, end in enumerate(last):
             f = {}
             if spec.embedding:
                 f["embedding"] = embedding_of(hidden[i, end], spec.dim)
-            if "last" in spec.pools and "llm" in spec.names:
+            if llm and "last" in spec.pools:
                 f[f"llm.last.layer{index}"] = h[i, end].clone()
-            if "mean" in spec.pools and "llm" in spec.names:
+            if llm and "mean" in spec.pools:
                 f[f"llm.mean.layer{index}"] = h[i][mask[i]].mean(dim=0)
             per.append(f)
         pooled[index] = per
@@ -452,7 +453,7 @@ def compute_llm_features(
     finally:
         tap.remove()
     results: list[dict[str, torch.Tensor]] = [{} for _ in items]
-    for index in sorted(set(taps.resolved), key=taps.resolved.index):  # in the order asked, as before
+    for index in taps.resolved:  # in the order asked, as before
         for i, f in enumerate(pooled[index]):
             results[i].update(f)
     vision_names = [n for n in spec.names if n in VISION_FEATURES]
