@@ -41,6 +41,16 @@ def media(tmp_path_factory) -> dict[str, Path]:
     return {"a": a, "b": b, "v": make_video(d / "v.mp4", frames=12, fps=4)}
 
 
+def _named_embedding(checkpoint: Path, dest: Path) -> Path:
+    """A copy of ``checkpoint`` whose config.json names the embedding architecture."""
+    import shutil
+
+    shutil.copytree(checkpoint, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3VLForEmbedding"]}))
+    return dest
+
+
 def _manifest(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -69,15 +79,11 @@ def test_the_instruction_is_normalised_as_the_reference_does(given, used):
 def test_only_a_checkpoint_naming_the_embedding_architecture_gets_the_recipe(tiny_qwen3_vl, tmp_path):
     """The recipe's pixel budgets replace the processor files' numbers for Qwen3-VL-Embedding checkpoints;
     any other Qwen3-VL keeps its own (and the run.json of such a run is unchanged: no new key)."""
-    import shutil
 
     assert not is_embedding_checkpoint(str(tiny_qwen3_vl))
     plain = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
     assert plain.video_sizing == "processor" and "video_sizing" not in plain.to_dict()
-    emb = tmp_path / "emb"
-    shutil.copytree(tiny_qwen3_vl, emb)
-    config = json.loads((emb / "config.json").read_text())
-    (emb / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3VLForEmbedding"]}))
+    emb = _named_embedding(tiny_qwen3_vl, tmp_path / "emb")
     assert is_embedding_checkpoint(str(emb))
     cfg = build_processor_config(str(emb), family="qwen3_vl")
     assert (cfg.image_min_pixels, cfg.image_max_pixels) == (4 * 32 * 32, 1800 * 32 * 32)
@@ -94,12 +100,8 @@ def test_only_a_checkpoint_naming_the_embedding_architecture_gets_the_recipe(tin
 
 def test_qwen_vl_utils_frames_and_sizes(tiny_qwen3_vl, tmp_path):
     """qwen-vl-utils 0.0.14's smart_nframes and fetch_video budget, worked by hand for a few videos."""
-    import shutil
 
-    emb = tmp_path / "emb"
-    shutil.copytree(tiny_qwen3_vl, emb)
-    config = json.loads((emb / "config.json").read_text())
-    (emb / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3VLForEmbedding"]}))
+    emb = _named_embedding(tiny_qwen3_vl, tmp_path / "emb")
     cfg = build_processor_config(str(emb), family="qwen3_vl")
     # 300 frames at 30 fps = 10 s at 1 fps: 10 frames, linspace(0, 299, 10).round()
     assert sample_frame_indices(300, 30.0, cfg).tolist() == [0, 33, 66, 100, 133, 166, 199, 233, 266, 299]
@@ -328,13 +330,9 @@ def _qwen_vl_utils(*names: str) -> dict:
 def test_recipe_frames_and_sizes_equal_qwen_vl_utils_own_code(tiny_qwen3_vl, tmp_path):
     """The embedding recipe's video rules against qwen-vl-utils' smart_nframes and smart_resize themselves,
     with the reference's arguments (fps 1, max_frames 64; the fetch_video per-frame budget), over a sweep."""
-    import shutil
 
     ns = _qwen_vl_utils("smart_nframes", "smart_resize")
-    emb = tmp_path / "emb"
-    shutil.copytree(tiny_qwen3_vl, emb)
-    config = json.loads((emb / "config.json").read_text())
-    (emb / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3VLForEmbedding"]}))
+    emb = _named_embedding(tiny_qwen3_vl, tmp_path / "emb")
     cfg = build_processor_config(str(emb), family="qwen3_vl")
     for total in (2, 3, 5, 30, 61, 299, 1_000, 4_000, 200_000):
         for fps in (1.0, 12.5, 24.0, 29.97, 60.0):
