@@ -31,7 +31,7 @@ def _plan(store: FeatureStore, ids: list[str], sources: list[str] | None = None)
     for k, first in repeats:
         source = sources[k] if sources is not None else ""
         store.add_error(ids[k], source, duplicate_reason(k, first), kind=DUPLICATE_KIND)
-    return todo
+    return todo.tolist()
 
 
 def _fill(out: Path, ids, **kw) -> None:

@@ -7,13 +7,30 @@ inputs in different orders still divide them with no gaps or duplicates.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 from vlfast.errors import InputRefused
 
-__all__ = ["MAX_ID_BYTES", "check_id", "owner_rank", "partition"]
+__all__ = [
+    "MAX_ID_BYTES",
+    "ArrowStrings",
+    "IdSet",
+    "check_id",
+    "first_copies",
+    "hash_ids",
+    "owner_rank",
+    "partition",
+]
 
 MAX_ID_BYTES = 4096  # an id is stored in Parquet, JSON and the shard header; longer ones are refused
 
@@ -54,3 +71,275 @@ def partition(ids: Sequence[str], rank: int, world_size: int) -> list[str]:
 def owner_rank(sample_id: str, world_size: int) -> int:
     digest = hashlib.blake2b(sample_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % world_size
+
+
+# ----------------------------------------------------------------------------------------------------
+# ids held as data: millions of ids in a few arrays instead of millions of Python objects (issue 22)
+
+_CHUNK = 1 << 16  # ids converted to Python objects at a time when hashing an Arrow column
+
+
+def _hash_one(sample_id: str) -> int:
+    return xxhash.xxh3_64_intdigest(sample_id.encode("utf-8", "surrogatepass"))
+
+
+def hash_ids(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The 64-bit xxh3 of each id's UTF-8 bytes, as a uint64 array in the ids' order. An Arrow column is
+    read ``_CHUNK`` ids at a time, so hashing it never holds it all as Python strings."""
+    import pyarrow as pa
+
+    if isinstance(ids, (pa.Array, pa.ChunkedArray)):
+        parts = [_hash_list(ids.slice(k, _CHUNK).to_pylist()) for k in range(0, len(ids), _CHUNK)]
+        return np.concatenate(parts) if parts else np.empty(0, np.uint64)
+    return _hash_list(ids if isinstance(ids, list) else list(ids))
+
+
+def _hash_list(ids: list[str]) -> np.ndarray:
+    return np.fromiter(map(_hash_one, ids), dtype=np.uint64, count=len(ids))
+
+
+def _as_strings(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
+    import pyarrow as pa
+
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks() if ids.num_chunks else pa.array([], pa.large_string())
+    if not isinstance(ids, pa.Array):
+        ids = pa.array(ids if isinstance(ids, list) else list(ids), pa.large_string())
+    return ids.cast(pa.large_string()) if ids.type != pa.large_string() else ids
+
+
+class SortedIds:
+    """Ids sorted by their hash: ``hash`` (uint64, ascending) and ``ids`` (Arrow, same order), plus
+    ``source`` (each entry's position in the order it was given). Lookups bisect the hashes and confirm
+    each hit against the id itself, so two ids whose hashes collide are never taken for each other."""
+
+    __slots__ = ("hash", "ids", "runs", "source")
+
+    def __init__(self, hashes: np.ndarray, ids: pa.Array, *, presorted: bool = False):
+        import pyarrow as pa
+
+        if presorted:
+            self.hash, self.ids, self.source = hashes, ids, None
+        else:
+            order = np.argsort(hashes, kind="stable")  # stable: equal hashes keep the given order
+            self.hash, self.ids, self.source = hashes[order], ids.take(pa.array(order)), order
+        # Whether any hash appears twice (a repeated id or a collision): only then do lookups walk a run.
+        self.runs = bool(len(self.hash) > 1 and np.any(self.hash[1:] == self.hash[:-1]))
+
+    def __len__(self) -> int:
+        return len(self.hash)
+
+    def find(self, sample_id: str, h: int | None = None) -> int:
+        """The sorted position of ``sample_id`` (its first copy), or -1."""
+        h = _hash_one(sample_id) if h is None else h
+        i = bisect.bisect_left(self.hash, h)
+        while i < len(self.hash) and int(self.hash[i]) == h:
+            if self.ids[i].as_py() == sample_id:
+                return i
+            i += 1
+        return -1
+
+    def find_many(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
+        """The sorted position of each of ``ids`` (with their ``hashes``), -1 where absent; vectorised."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        n = len(self.hash)
+        found = np.full(len(hashes), -1, np.int64)
+        if n == 0 or len(hashes) == 0:
+            return found
+        pos = np.minimum(np.searchsorted(self.hash, hashes, side="left"), n - 1)
+        hit = np.flatnonzero(self.hash[pos] == hashes)
+        if hit.size:
+            same = pc.equal(self.ids.take(pa.array(pos[hit])), ids.take(pa.array(hit)))
+            same = same.to_numpy(zero_copy_only=False)
+            found[hit[same]] = pos[hit[same]]
+            if self.runs:  # a hash shared by several ids: walk its run for the hits that did not match
+                for k in hit[~same]:
+                    found[k] = self.find(ids[int(k)].as_py(), int(hashes[k]))
+        return found
+
+
+def first_copies(ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
+    """For each entry, the position of the first entry with the same id (itself when it is the first)."""
+    n = len(hashes)
+    first = np.arange(n, dtype=np.int64)
+    if n < 2:
+        return first
+    order = np.argsort(hashes, kind="stable")
+    h = hashes[order]
+    tied = np.flatnonzero(h[1:] == h[:-1])
+    if tied.size == 0:
+        return first
+    # Entries in runs of equal hashes, sorted: settle each run by its ids (a repeat, or a rare collision).
+    starts = np.flatnonzero(np.r_[True, h[1:] != h[:-1]])
+    ends = np.r_[starts[1:], n]
+    for s, e in zip(starts, ends):
+        if e - s < 2:
+            continue
+        seen: dict[str, int] = {}
+        for k in order[s:e]:  # given order within a run (stable sort)
+            k = int(k)
+            first[k] = seen.setdefault(ids[k].as_py(), k)
+    return first
+
+
+class IdSet(AbstractSet[str]):
+    """A set of ids held as data: the hashes of the ids in a sorted numpy array and the ids in an Arrow
+    array (about 30 bytes an id, against about 100 for a ``set`` of ``str``), with the ids added one by one
+    kept in a small ``set`` until they are an eighth of the rest, then merged in (amortised linear).
+
+    Exact: a hash hit is confirmed against the id, so a collision never makes an id a member. Equal to
+    a ``set`` with the same ids; ``isin`` answers for a whole list at once. Arrays are never changed in
+    place, so ``union`` and ``copy`` share them."""
+
+    __slots__ = ("_recent", "_sorted")
+    _MIN_MERGE = 1 << 17
+
+    def __init__(self, ids: Iterable[str] | pa.Array | pa.ChunkedArray = ()):
+        self._sorted: SortedIds | None = None  # made on the first merge: an empty set imports no pyarrow
+        self._recent: set[str] = set()
+        self.update(ids)
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def __contains__(self, sample_id: object) -> bool:
+        if not isinstance(sample_id, str):
+            return False
+        return sample_id in self._recent or (self._sorted is not None and self._sorted.find(sample_id) >= 0)
+
+    def __len__(self) -> int:
+        return self._stored() + len(self._recent)
+
+    def _stored(self) -> int:
+        return 0 if self._sorted is None else len(self._sorted)
+
+    def __iter__(self) -> Iterator[str]:
+        for k in range(0, self._stored(), _CHUNK):
+            yield from self._sorted.ids.slice(k, _CHUNK).to_pylist()
+        yield from list(self._recent)
+
+    def __repr__(self) -> str:
+        return f"IdSet({len(self)} ids)"
+
+    def isin(
+        self, ids: Sequence[str] | pa.Array | pa.ChunkedArray, hashes: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Whether each of ``ids`` is a member, as a bool array (``hashes``: their :func:`hash_ids`)."""
+        import pyarrow as pa
+
+        strings = _as_strings(ids)
+        hashes = hash_ids(strings) if hashes is None else hashes
+        member = np.zeros(len(strings), bool)
+        if self._sorted is not None:
+            member = self._sorted.find_many(strings, hashes) >= 0
+        if self._recent:
+            rest = np.flatnonzero(~member)
+            if rest.size:
+                values = strings.take(pa.array(rest)).to_pylist()
+                member[rest] = np.fromiter(map(self._recent.__contains__, values), bool, len(values))
+        return member
+
+    # -- writing ---------------------------------------------------------------------------------------
+
+    def add(self, sample_id: str) -> None:
+        if sample_id not in self:
+            self._recent.add(sample_id)
+            if len(self._recent) >= max(self._MIN_MERGE, self._stored() >> 3):
+                self._merge(_as_strings(list(self._recent)), None)
+
+    def update(self, *others: Iterable[str] | pa.Array | pa.ChunkedArray) -> None:
+        for other in others:
+            arrow = type(other).__module__.startswith("pyarrow")
+            if isinstance(other, IdSet):
+                if other._sorted is not None:
+                    self._merge(other._sorted.ids, other._sorted.hash)
+                self.update(other._recent)
+            elif isinstance(other, ArrowStrings):
+                self._merge(other.array, None)
+            elif arrow or len_hint(other) > 4096:
+                self._merge(_as_strings(other), None)
+            else:
+                for sample_id in other:
+                    self.add(sample_id)
+
+    def union(self, *others: Iterable[str]) -> IdSet:
+        """A new set: this one's arrays, shared, plus the others' ids."""
+        new = self.copy()
+        new.update(*others)
+        return new
+
+    def copy(self) -> IdSet:
+        new = IdSet.__new__(IdSet)
+        new._sorted, new._recent = self._sorted, set(self._recent)
+        return new
+
+    def _merge(self, ids: pa.Array, hashes: np.ndarray | None) -> None:
+        """Take ``ids`` (and the recent ones) into the sorted arrays, each id once."""
+        import pyarrow as pa
+
+        if self._recent:
+            ids = pa.concat_arrays([_as_strings(ids), pa.array(list(self._recent), pa.large_string())])
+            hashes = None
+            self._recent = set()
+        if len(ids) == 0:
+            return
+        hashes = hash_ids(ids) if hashes is None else hashes
+        new = np.flatnonzero(first_copies(ids, hashes) == np.arange(len(ids)))
+        old = self._sorted
+        if old is not None:
+            new = new[old.find_many(ids.take(pa.array(new)), hashes[new]) < 0]
+        if new.size == 0:
+            return
+        if old is None:
+            self._sorted = SortedIds(hashes[new], ids.take(pa.array(new)))
+        else:
+            both = np.concatenate([old.hash, hashes[new]])
+            self._sorted = SortedIds(both, pa.concat_arrays([old.ids, ids.take(pa.array(new))]))
+        self._sorted.source = None
+
+
+def len_hint(obj: object) -> int:
+    try:
+        return len(obj)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+
+
+class ArrowStrings(Sequence[str]):
+    """A read-only sequence of ``str`` over an Arrow string column, converted a chunk at a time as it is
+    iterated: an index part's million ids cost their Arrow bytes, not a million ``str`` objects.
+    ``IdSet.update`` takes the column itself. Compares equal to a list with the same strings."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: pa.Array | pa.ChunkedArray):
+        self.array = _as_strings(array)
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return self.array.to_pylist()[k] if k.step not in (None, 1) else self._slice(k)
+        return self.array[k].as_py()
+
+    def _slice(self, k: slice) -> list[str]:
+        start, stop, _ = k.indices(len(self.array))
+        return self.array.slice(start, max(0, stop - start)).to_pylist()
+
+    def __iter__(self) -> Iterator[str]:
+        for k in range(0, len(self.array), _CHUNK):
+            yield from self.array.slice(k, _CHUNK).to_pylist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ArrowStrings):
+            return self.array.equals(other.array)
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ArrowStrings({len(self)} strings)"

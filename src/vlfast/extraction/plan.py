@@ -58,13 +58,18 @@ class RunPlan:
     total: int = field(init=False)  # entries in the input (all ranks)
     assigned: int = field(init=False)  # this rank's share of them
 
+    _mine: Any = field(init=False, repr=False)  # which entries are this rank's (bool array)
+    _hashes: Any = field(init=False, repr=False, default=None)  # the ids' hashes, once work() needs them
+
     def __post_init__(self) -> None:
+        from vlfast.extraction.store.resume import owned
+
         self.mine_problems = [
             p for p in self.problems if _mine(problem_record(p)[0], self.rank, self.world_size)
         ]
         self.total = len(self.samples) + len(self.problems)
-        ids = [s.id for s in self.samples]
-        self.assigned = sum(_mine(i, self.rank, self.world_size) for i in ids) + len(self.mine_problems)
+        self._mine = owned(self.ids, self.rank, self.world_size)
+        self.assigned = int(self._mine.sum()) + len(self.mine_problems)
 
     @property
     def ids(self) -> list[str]:
@@ -73,16 +78,22 @@ class RunPlan:
     def work(self, done: Collection[str]) -> tuple[list[Sample], list[tuple[str, str, str, str]]]:
         """This rank's samples still to extract, and the error records its entries call for (a repeated
         id, a bad input row): (id, source, reason, kind) each, recorded once (a resumed run writes none)."""
+        from vlfast.extraction.ids import hash_ids
         from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND
         from vlfast.extraction.store.resume import duplicate_reason, plan_positions
 
-        todo, repeats = plan_positions(self.ids, self.rank, self.world_size, done)
+        ids = self.ids
+        if self._hashes is None:
+            self._hashes = hash_ids(ids)
+        todo, repeats = plan_positions(
+            ids, self.rank, self.world_size, done, hashes=self._hashes, mine=self._mine
+        )
         records = [
             (self.samples[k].id, self.samples[k].source, duplicate_reason(k, first), DUPLICATE_KIND)
             for k, first in repeats
         ]
         records += [(*problem_record(p), INPUT_KIND) for p in self.mine_problems]
-        return [self.samples[k] for k in todo], records
+        return [self.samples[k] for k in todo.tolist()], records
 
     def pending(self, done: Collection[str], is_recorded: Callable[[tuple], bool]) -> int:
         """Entries of this rank still to handle: samples to extract, repeats and bad rows not yet recorded."""

@@ -27,11 +27,17 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+from vlfast.extraction.ids import ArrowStrings
 from vlfast.extraction.store.format import (
     CHECK_FILE,
     COMPACT_RE,
@@ -78,7 +84,9 @@ class PartCheck:
 
     part: Path
     shard: Path
-    ids: list[str]  # ids the part indexes (from the shard header when the part itself is unreadable)
+    ids: Sequence[
+        str
+    ]  # ids the part indexes, an ArrowStrings (a list, from the shard header, when the part is unreadable)
     problem: str | None = None  # what is wrong with the part or shard as a whole
     bad: list[tuple[str, str]] = field(default_factory=list)  # (id, feature) whose bytes fail their checksum
     checked_bytes: int = 0  # tensor bytes hashed
@@ -86,7 +94,9 @@ class PartCheck:
     config: dict | None = None  # the run configuration the part was made with (format 2)
     config_hash: str | None = None
     shards: list[str] = field(default_factory=list)  # the shards it points at, relative to OUT
-    row_shards: list[str] = field(default_factory=list)  # each id's shard, relative to OUT (parallel to ids)
+    row_shards: Sequence[str] = field(
+        default_factory=list
+    )  # each id's shard, relative to OUT (parallel to ids)
     # a consolidated part's damaged shards (relative to OUT) -> what is wrong: only their samples are redone
     bad_shards: dict[str, str] = field(default_factory=dict)
 
@@ -192,7 +202,8 @@ def open_shard(path: Any) -> _LocalShard | RemoteShard:
 def check_part(part: Path, *, data: bool = True) -> PartCheck:
     """Check one index part and every shard it points at; never raises for damage, only reports it. A
     consolidated part's shards are judged one by one (``PartCheck.bad_shards``), so damage in one of them
-    costs that shard's samples only."""
+    costs that shard's samples only. The part's ids stay an Arrow column (``PartCheck.ids``); a shard's
+    rows become Python objects only when its check reads them."""
     consolidated = is_consolidated(part)
     shard = part if consolidated else shard_of_part(part)
     try:
@@ -200,7 +211,7 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
     except DamagedFile as e:
         return PartCheck(part, shard, [] if consolidated else _header_ids(shard), problem=str(e))
     meta = part_meta(table)
-    ids = table.column("id").to_pylist()
+    ids = ArrowStrings(table.column("id"))
     check = PartCheck(
         part,
         shard,
@@ -209,31 +220,25 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
         config=meta["config"],
         config_hash=meta["config_hash"],
     )
-    check.row_shards = table.column("shard").to_pylist()
+    check.row_shards = ArrowStrings(table.column("shard"))
     expected = part_shards(part, meta)
     check.shards = sorted(expected)
-    stray = sorted(set(check.row_shards) - set(expected))
+    groups = _rows_by_shard(check.row_shards.array)
+    stray = sorted(set(groups) - set(expected))
     if stray:
         what = "the shards its metadata lists" if consolidated else f"its own shard {shard.name}"
         check.problem = f"index part {part.name} points at {stray}, not at {what}"
         return check
     features = table.column("features")
-    by_shard: dict[str, list[int]] = {}
-    for k, rel in enumerate(check.row_shards):
-        by_shard.setdefault(rel, []).append(k)
     for rel, (size, header_hash) in expected.items():
-        keep = by_shard.get(rel, [])
-        # One shard's rows at a time as Python objects: a consolidated part's whole column at once costs a
-        # million dicts per million samples (peak memory, and the garbage collector's passes over them).
-        if keep and keep[-1] - keep[0] + 1 == len(keep):
-            rows = features.slice(keep[0], len(keep)).to_pylist()
-        else:
-            rows = features.take(keep).to_pylist() if keep else []
+        keep = groups.get(rel, np.empty(0, np.int64))
         problem = _check_shard(
             check,
             part.parent.parent / rel,
-            [ids[k] for k in keep],
-            rows,
+            # One shard's rows at a time as Python objects, and only when they are read: a consolidated
+            # part's whole column at once costs a million dicts per million samples.
+            lambda keep=keep: _rows(ids.array, keep),
+            lambda keep=keep: _rows(features, keep),
             size,
             header_hash,
             data,
@@ -246,17 +251,40 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
     return check
 
 
+def _rows_by_shard(shards: pa.Array) -> dict[str, np.ndarray]:
+    """Each shard name -> the positions of its rows, ascending."""
+    encoded = shards.dictionary_encode()
+    codes = encoded.indices.to_numpy(zero_copy_only=False)
+    order = np.argsort(codes, kind="stable")
+    bounds = np.searchsorted(codes[order], np.arange(len(encoded.dictionary) + 1))
+    names = encoded.dictionary.to_pylist()
+    return {name: order[bounds[k] : bounds[k + 1]] for k, name in enumerate(names)}
+
+
+def _rows(column: Any, keep: np.ndarray) -> list:
+    if len(keep) == 0:
+        return []
+    if keep[-1] - keep[0] + 1 == len(keep):
+        return column.slice(int(keep[0]), len(keep)).to_pylist()
+    return column.take(keep).to_pylist()
+
+
 def _check_shard(
     check: PartCheck,
     shard: Path,
-    ids: list[str],
-    rows: list,
+    ids_of: Callable[[], list[str]],
+    rows_of: Callable[[], list],
     shard_bytes: int | None,
     header_hash: str | None,
     data: bool,
 ) -> str | None:
     """One shard against what its part recorded: the problem with it as a whole, if any; damaged tensors
-    are added to ``check.bad`` (and, in a consolidated part, make the shard bad)."""
+    are added to ``check.bad`` (and, in a consolidated part, make the shard bad).
+
+    Without ``data``, a header whose bytes match the checksum its part recorded ends the check: the part is
+    pinned by the hash in its name and the header byte for byte by this one, so the ids and the layout are
+    the ones checked against each other when both were written (a part without the header's checksum,
+    format 1, is compared row by row)."""
     try:
         with open_shard(shard) as f:
             size = f.size
@@ -265,6 +293,9 @@ def _check_shard(
             data_start, raw_header, header = f.header()
             if header_hash is not None and xxh3(raw_header) != header_hash:
                 return f"shard {shard} has a damaged header (checksum mismatch)"
+            if header_hash is not None and not data:
+                return None
+            ids, rows = ids_of(), rows_of()
             header_ids = json.loads(header.get("__metadata__", {}).get("ids", "null") or "null")
             if header_ids is not None and header_ids != ids:
                 return f"shard {shard} holds other samples than its index part lists"
@@ -385,7 +416,7 @@ def _report_damage(report: CheckReport, check: PartCheck) -> None:
         report.bad_samples.extend(
             {"id": sid, "shard": own, "feature": "*", "reason": check.problem} for sid in check.ids
         )
-    shard_of = dict(zip(check.ids, check.row_shards)) if check.row_shards else {}
+    shard_of = dict(zip(check.ids, check.row_shards)) if check.bad and check.row_shards else {}
     for rel, problem in check.bad_shards.items():
         ids = [sid for sid, s in zip(check.ids, check.row_shards) if s == rel]
         report.bad_parts.append(

@@ -86,47 +86,58 @@ class FeatureCache(torch.utils.data.Dataset):
         self._config_hash = expected = config_hash(
             stable_config(self._run.get("config", {}), self._run.get("volatile_keys", []))
         )
-        tables, self._shard_bytes, header_hash = _read_parts(self.out, expected)
+        tables, self._shard_bytes, self._header_hash = _read_parts(self.out, expected)
         if tables:
             table = pa.concat_tables(tables, promote_options="default")
         else:
             table = index_schema().empty_table()
-        ids = table.column("id").to_pylist()
-        shards = table.column("shard").to_pylist()
-        rows = table.column("row").to_pylist()
-        # Keep the first copy of an id. Two copies only appear if two writers ran with the same rank at once.
-        self._pos: dict[str, int] = {}
-        keep: list[int] = []
-        dups: list[str] = []
-        for i, sid in enumerate(ids):
-            if sid in self._pos:
-                dups.append(sid)
-                continue
-            self._pos[sid] = len(keep)
-            keep.append(i)
-        if dups:
-            warnings.warn(
-                f"{self.out}: {len(dups)} ids committed more than once (kept the first), e.g. {dups[:3]}",
-                stacklevel=2,
-            )
-        self._ids = [ids[i] for i in keep]
-        shard_names = sorted(set(shards))
-        shard_no = {s: k for k, s in enumerate(shard_names)}
-        self._shard_names = shard_names
-        self._shard_paths = [self.out / s for s in shard_names]
-        self._pid = os.getpid()
-        self._expected_bytes = [self._shard_bytes.get(s) for s in shard_names]
-        self._expected_header = [header_hash.get(s) for s in shard_names]
-        self._shard = [shard_no[shards[i]] for i in keep]
-        self._row = [rows[i] for i in keep]
-        take = pa.array(keep, type=pa.int64())
-        self._features = table.column("features").take(take).combine_chunks() if keep else None
-        self._meta = table.column("meta").take(take).combine_chunks() if keep else None
+        self._build_index(table)
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._shard_ids: dict[int, list[str] | None] = {}  # shard -> ids from its header, read on first open
         # shard -> (inode, size, mtime, ctime) when its header passed: a shard opened again past the open
         # handles' limit, unchanged since, is not read twice (any write moves its ctime)
         self._header_ok: dict[int, tuple[int, int, int, int]] = {}
+
+    def _build_index(self, table: Any) -> None:
+        """The lookups, held as data (see :class:`~vlfast.extraction.ids.IdSet`): the ids as an Arrow column,
+        their hashes sorted for ``cache["id"]``, each sample's shard number and row in numpy arrays."""
+        import numpy as np
+
+        from vlfast.extraction.ids import ArrowStrings, SortedIds, first_copies, hash_ids
+
+        all_ids = ArrowStrings(table.column("id")).array
+        hashes = hash_ids(all_ids)
+        # Keep the first copy of an id. Two copies only appear if two writers ran with the same rank at once.
+        first = first_copies(all_ids, hashes)
+        repeated = np.flatnonzero(first != np.arange(len(first)))
+        if repeated.size:
+            warnings.warn(
+                f"{self.out}: {repeated.size} ids committed more than once (kept the first), e.g. "
+                f"{all_ids.take(repeated[:3]).to_pylist()}",
+                stacklevel=3,
+            )
+        keep = np.flatnonzero(first == np.arange(len(first)))
+        self._ids = ArrowStrings(all_ids.take(keep) if repeated.size else all_ids)
+        self._lookup = SortedIds(hashes[keep], self._ids.array)  # .source: each sorted entry's position
+        shards = table.column("shard").combine_chunks().dictionary_encode()
+        names = shards.dictionary.to_pylist()
+        rank = np.empty(len(names), np.int64)  # shard numbers in name order
+        rank[np.argsort(np.array(names, dtype=object))] = np.arange(len(names))
+        self._shard_names = sorted(names)
+        self._shard_paths = [self.out / s for s in self._shard_names]
+        self._pid = os.getpid()
+        self._expected_bytes = [self._shard_bytes.get(s) for s in self._shard_names]
+        self._expected_header = [self._header_hash.get(s) for s in self._shard_names]
+        codes = shards.indices.to_numpy(zero_copy_only=False)
+        self._shard = rank[codes[keep]] if len(names) else np.empty(0, np.int64)
+        self._row = table.column("row").to_numpy()[keep]
+        self._features = table.column("features").take(keep).combine_chunks() if keep.size else None
+        self._meta = table.column("meta").take(keep).combine_chunks() if keep.size else None
+
+    def _position(self, sample_id: str) -> int:
+        """The position of ``sample_id``, or -1."""
+        i = self._lookup.find(sample_id)
+        return -1 if i < 0 else int(self._lookup.source[i])
 
     # -- Dataset -------------------------------------------------------------------------------------
 
@@ -137,16 +148,14 @@ class FeatureCache(torch.utils.data.Dataset):
         return list(self._ids)
 
     def __contains__(self, sample_id: object) -> bool:
-        return sample_id in self._pos
+        return isinstance(sample_id, str) and self._position(sample_id) >= 0
 
     def _index(self, key: int | str) -> int:
         if isinstance(key, str):
-            try:
-                return self._pos[key]
-            except KeyError:
-                raise KeyError(
-                    f"id {key!r} is not in {self.out} (not extracted, failed, or not committed)"
-                ) from None
+            i = self._position(key)
+            if i < 0:
+                raise KeyError(f"id {key!r} is not in {self.out} (not extracted, failed, or not committed)")
+            return i
         i = operator.index(key)
         n = len(self._ids)
         if not -n <= i < n:
@@ -155,9 +164,8 @@ class FeatureCache(torch.utils.data.Dataset):
 
     def __getitem__(self, key: int | str) -> dict[str, torch.Tensor]:
         i = self._index(key)
-        k = self._shard[i]
+        k, row = int(self._shard[i]), int(self._row[i])
         handle = self._handle(k, self._ids[i])
-        row = self._row[i]
         # The shard header names its ids: a mismatch means the folder was tampered with or two writers
         # shared a rank; fail loudly rather than return another sample's features.
         if self._shard_ids[k] is not None and self._shard_ids[k][row] != self._ids[i]:
@@ -212,7 +220,7 @@ class FeatureCache(torch.utils.data.Dataset):
         return {
             "id": self._ids[i],
             "shard": self._shard_names[self._shard[i]],  # as the index names it (relative to OUT)
-            "row": self._row[i],
+            "row": int(self._row[i]),
             "features": self._features[i].as_py(),
         }
 
@@ -223,9 +231,7 @@ class FeatureCache(torch.utils.data.Dataset):
     def errors(self) -> list[dict]:
         """The folder's error records as they stand: of each id's failures only the latest attempt, and none
         for an id that a later attempt extracted (see ``read_errors``)."""
-        return [
-            r for r in read_errors(self.out) if r.get("kind") not in FAILURE_KINDS or r["id"] not in self._pos
-        ]
+        return [r for r in read_errors(self.out) if r.get("kind") not in FAILURE_KINDS or r["id"] not in self]
 
     def check(self, progress=None) -> CheckReport:
         """Read and hash every byte the folder's readers rely on: a :class:`CheckReport` naming every bad

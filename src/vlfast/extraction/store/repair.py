@@ -73,7 +73,7 @@ def quarantine_consolidated(
             "part": part.name,
             "shards": [s.name for s in shards],
             "reason": check.problem,
-            "ids": check.ids,
+            "ids": list(check.ids),
             "rebuilt_from": sorted(info[1]) if info is not None and not shards else [],
         }
         _write_reason(backend, dest, record, tag)

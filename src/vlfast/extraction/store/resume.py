@@ -23,12 +23,22 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    pass
+
 from vlfast.errors import InputRefused
-from vlfast.extraction.ids import owner_rank, partition  # re-exported: callers import them from here
+from vlfast.extraction.ids import (  # owner_rank and partition re-exported: callers import them from here
+    IdSet,
+    first_copies,
+    hash_ids,
+    owner_rank,
+    partition,
+)
 from vlfast.extraction.store.backend import live_ranks
 from vlfast.extraction.store.format import (
     RUN_FILE,
@@ -61,6 +71,7 @@ __all__ = [
     "dist_info",
     "duplicate_reason",
     "owner_rank",
+    "owned",
     "partition",
     "plan_positions",
     "read_state",
@@ -217,23 +228,41 @@ def _a_rank_is_live(out: Path, held_rank: int | None) -> bool:
 
 
 def plan_positions(
-    ids: Sequence[str], rank: int, world_size: int, done: Collection[str]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """(positions of ``ids`` this rank still has to extract, (repeat, first) position pairs of this rank's
-    repeated ids), in input order. A pure function: the store's ``plan`` and the read-only preflight agree."""
-    first: dict[str, int] = {}
-    todo: list[int] = []
-    repeats: list[tuple[int, int]] = []
-    for k, sid in enumerate(ids):
-        if world_size > 1 and owner_rank(sid, world_size) != rank:
-            continue
-        if sid in first:
-            repeats.append((k, first[sid]))
-            continue
-        first[sid] = k
-        if sid not in done:
-            todo.append(k)
-    return todo, repeats
+    ids: Sequence[str],
+    rank: int,
+    world_size: int,
+    done: Collection[str],
+    *,
+    hashes: np.ndarray | None = None,
+    mine: np.ndarray | None = None,
+) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(positions of ``ids`` this rank still has to extract, as an int64 array; (repeat, first) position
+    pairs of this rank's repeated ids), in input order. A pure function: the store's ``plan`` and the
+    read-only preflight agree. Works on the ids as arrays (their hashes, see :class:`IdSet`), so ten
+    million entries cost seconds and no set of ``str``; ``hashes`` (:func:`hash_ids`) and ``mine`` (this
+    rank's entries, :func:`owned`) may be passed when the caller has them."""
+    import pyarrow as pa
+
+    strings = pa.array(ids if isinstance(ids, list) else list(ids), pa.large_string())
+    hashes = hash_ids(ids) if hashes is None else hashes
+    mine = owned(ids, rank, world_size) if mine is None else mine
+    positions = np.flatnonzero(mine)
+    first = first_copies(strings.take(pa.array(positions)), hashes[positions])
+    repeat = first != np.arange(len(positions))
+    repeats = list(zip(positions[repeat].tolist(), positions[first[repeat]].tolist()))
+    keep = positions[~repeat]
+    if isinstance(done, IdSet):
+        is_done = done.isin(strings.take(pa.array(keep)), hashes[keep])
+    else:
+        is_done = np.fromiter((ids[k] in done for k in keep.tolist()), bool, len(keep))
+    return keep[~is_done], repeats
+
+
+def owned(ids: Sequence[str], rank: int, world_size: int) -> np.ndarray:
+    """Whether rank ``rank`` of ``world_size`` owns each of ``ids`` (:func:`owner_rank`), as a bool array."""
+    if world_size == 1:
+        return np.ones(len(ids), bool)
+    return np.fromiter((owner_rank(sid, world_size) == rank for sid in ids), bool, len(ids))
 
 
 def duplicate_reason(k: int, first: int) -> str:
@@ -244,7 +273,7 @@ def duplicate_reason(k: int, first: int) -> str:
 class OutState:
     """What an output folder holds, read without a lock or a write (a read-only OUT works)."""
 
-    done: set[str] = field(default_factory=set)  # committed ids and ids recorded as failed
+    done: IdSet = field(default_factory=IdSet)  # committed ids and ids recorded as failed
     error_keys: set[tuple] = field(default_factory=set)  # (id, source, reason, kind) already recorded
     damaged: list[str] = field(default_factory=list)  # parts whose shard fails the quick check
     sound: list[Path] = field(default_factory=list)  # parts that pass it

@@ -31,6 +31,7 @@ import torch
 
 from vlfast._files import honour_umask
 from vlfast.errors import InputRefused
+from vlfast.extraction.ids import IdSet
 from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.store.backend import backend_for, disk_full, rank_is_held
 from vlfast.extraction.store.compact import CLOSE_MIN_PARTS, Compaction, compact_rank
@@ -246,7 +247,7 @@ class FeatureStore:
             self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
             self._bad_parts: set[str] = set()
             self._parts_read: set[str] = set()  # index parts already in _committed
-            self._committed: set[str] = set()
+            self._committed = IdSet()  # ids as data: see vlfast.extraction.ids
             self._check_committed(resume_check)  # takes in the ids of the parts it found sound
             self._refresh_committed()
             errors = read_errors(self.out)
@@ -397,7 +398,12 @@ class FeatureStore:
         else:
             self._backend.make_quarantine(dest)
             reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
-            record = {"part": check.part.name, "shard": check.shard.name, "reason": reason, "ids": check.ids}
+            record = {
+                "part": check.part.name,
+                "shard": check.shard.name,
+                "reason": reason,
+                "ids": list(check.ids),
+            }
             self._backend.write(
                 dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag
             )
@@ -442,23 +448,24 @@ class FeatureStore:
             if part.name in self._parts_read or part.name in self._bad_parts:
                 continue
             try:
-                self._committed.update(read_index_part(part, ["id"]).column("id").to_pylist())
+                self._committed.update(read_index_part(part, ["id"]).column("id"))
             except DamagedFile:
                 continue  # committed by another rank after our check and already damaged: next resume's
             self._parts_read.add(part.name)
 
     # -- public API ----------------------------------------------------------------------------------
 
-    def done_ids(self) -> set[str]:
+    def done_ids(self) -> IdSet:
         """Ids committed by any rank plus ids recorded as failed: skip these on resume.
 
         A "duplicate id" or "input" record does not make an id done: the id's first occurrence may still be
         in an uncommitted buffer, and it must be redone after a crash. Nor does a "transient" one, or a
-        failure that ``retry_errors`` selects: those are tried again.
+        failure that ``retry_errors`` selects: those are tried again. An :class:`~vlfast.extraction.ids.IdSet`
+        (equal to the ``set`` of the same ids), sharing the store's arrays: no copy of millions of ids.
         """
         self._refresh_committed()
         errored = {r["id"] for r in read_errors(self.out) if done_by_error(r, self._retry)}
-        return self._committed | errored | self._errored | self._buffer_ids
+        return self._committed.union(errored, self._errored, self._buffer_ids)
 
     def is_recorded(self, key: tuple) -> bool:
         """Whether the error record (id, source, reason, kind) is already in the errors files."""

@@ -1,0 +1,112 @@
+"""Ids held as data (issue 22): ``IdSet``, ``first_copies`` and ``plan_positions`` against plain Python sets,
+lists and dicts, including the case that a hash never decides alone: ids whose hashes collide."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import vlfast.extraction.ids as ids_module
+from vlfast.extraction.ids import ArrowStrings, IdSet, first_copies, hash_ids
+from vlfast.extraction.store.resume import owner_rank, plan_positions
+
+
+@pytest.fixture(params=["xxh3", "colliding"])
+def hashing(request, monkeypatch):
+    """The real hash, and one under which most ids collide (a hash hit must be confirmed by the id)."""
+    if request.param == "colliding":
+        monkeypatch.setattr(ids_module, "_hash_one", lambda sid: len(sid) % 3)
+    monkeypatch.setattr(IdSet, "_MIN_MERGE", 8)  # merges early and often
+    return request.param
+
+
+def _pool(rnd: random.Random) -> list[str]:
+    return [f"x{rnd.randrange(300)}" * rnd.randrange(1, 3) for _ in range(400)] + ["é", "a\U0001f600"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_an_idset_is_a_set_of_its_ids(hashing, seed):
+    rnd = random.Random(seed)
+    pool = _pool(rnd)
+    ref: set[str] = set()
+    s = IdSet()
+    for step in range(150):
+        op = rnd.random()
+        if op < 0.5:
+            x = rnd.choice(pool)
+            s.add(x)
+            ref.add(x)
+        elif op < 0.7:
+            xs = rnd.sample(pool, rnd.randrange(0, 50))
+            s.update(pa.array(xs, pa.string()))  # an Arrow column, as an index part gives it
+            ref.update(xs)
+        elif op < 0.8:
+            xs = rnd.sample(pool, rnd.randrange(0, 50))
+            s = s.union(IdSet(xs), {"extra"})
+            ref |= {*xs, "extra"}
+        elif op < 0.9:
+            xs = rnd.sample(pool, rnd.randrange(0, 30))
+            s.update(ArrowStrings(pa.array(xs)))
+            ref.update(xs)
+        query = rnd.sample(pool, 60) + ["never-added"]
+        assert s.isin(query).tolist() == [q in ref for q in query], step
+        assert [q in s for q in query] == [q in ref for q in query]
+        assert s == ref and len(s) == len(ref) and set(s) == ref
+    assert 3 not in s and None not in s
+
+
+def test_union_and_copy_leave_the_original_alone():
+    a = IdSet([f"i{k}" for k in range(5000)])  # past the bulk threshold: merged into arrays
+    b = a.union(["new"])
+    c = a.copy()
+    c.add("other")
+    assert "new" in b and "new" not in a and "other" not in a and len(a) == 5000
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_copies_names_each_ids_first_entry(hashing, seed):
+    rnd = random.Random(seed)
+    pool = _pool(rnd)
+    entries = [rnd.choice(pool) for _ in range(500)]
+    first = first_copies(pa.array(entries, pa.large_string()), hash_ids(entries))
+    assert first.tolist() == [entries.index(x) for x in entries]
+
+
+def _reference_plan(ids, rank, world_size, done):
+    """plan_positions as it was written with a dict and a set of str (before issue 22)."""
+    first: dict[str, int] = {}
+    todo, repeats = [], []
+    for k, sid in enumerate(ids):
+        if world_size > 1 and owner_rank(sid, world_size) != rank:
+            continue
+        if sid in first:
+            repeats.append((k, first[sid]))
+            continue
+        first[sid] = k
+        if sid not in done:
+            todo.append(k)
+    return todo, repeats
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_plan_positions_matches_the_set_of_str_rule(hashing, seed, world_size):
+    rnd = random.Random(seed)
+    pool = _pool(rnd)
+    ids = [rnd.choice(pool) for _ in range(700)]
+    done_list = rnd.sample(pool, 150)
+    for done in (set(done_list), IdSet(done_list)):
+        for rank in range(world_size):
+            todo, repeats = plan_positions(ids, rank, world_size, done)
+            assert isinstance(todo, np.ndarray)
+            assert (todo.tolist(), repeats) == _reference_plan(ids, rank, world_size, set(done_list))
+
+
+def test_arrow_strings_reads_like_a_list():
+    values = [f"s{k}" for k in range(70_000)]  # more than one conversion chunk
+    col = ArrowStrings(pa.chunked_array([values[:10], values[10:]]))
+    assert len(col) == 70_000 and col[3] == "s3" and col[-1] == "s69999" and col[5:8] == ["s5", "s6", "s7"]
+    assert list(col) == values and col == values and col != values[:-1]
