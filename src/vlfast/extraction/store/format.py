@@ -416,7 +416,11 @@ def read_index_part(part: Path, columns: Sequence[str] | None = None):
         # ParquetFile.read on the calling thread: pq.read_table goes through the dataset API, which starts
         # Arrow's thread pools; with torch loaded, those threads dying at interpreter exit aborted reader
         # scripts now and then (SIGABRT, "terminate called without an active exception"). Parts are small.
-        table = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read(use_threads=False)
+        # Only the columns asked for are decoded: a quick check of a consolidated part needs its ids and
+        # shards, not a million rows of per-feature entries.
+        table = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read(
+            columns=None if columns is None else list(columns), use_threads=False
+        )
     except (OSError, pa.ArrowException) as e:
         raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
     return table.select(list(columns)) if columns is not None else table
