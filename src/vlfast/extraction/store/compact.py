@@ -45,6 +45,8 @@ from vlfast.extraction.store.format import (
     config_hash,
     consolidated_info,
     gc_paused,
+    index_schema,
+    is_local,
     list_names,
     part_meta,
     part_shards,
@@ -56,7 +58,14 @@ from vlfast.extraction.store.format import (
     xxh3,
 )
 
-__all__ = ["Compaction", "compact_folder", "compact_rank", "finish_deletions", "write_consolidated"]
+__all__ = [
+    "Compaction",
+    "commit_consolidated",
+    "compact_folder",
+    "compact_rank",
+    "finish_deletions",
+    "write_consolidated",
+]
 
 # FeatureStore.close compacts its rank once it has at least this many live parts (fewer cost little to open).
 CLOSE_MIN_PARTS = 8
@@ -81,20 +90,27 @@ def write_consolidated(
     out: Path, backend: Any, table, span: tuple[int, int, int], meta: dict[bytes, bytes], tag: str
 ) -> Path:
     """Commit ``table`` (the index schema) as the consolidated part of ``span`` (rank, first, last) with the
-    key-value metadata ``meta``: named with its own xxh3, written whole or not at all, exclusively. run.json
-    says format 3 first, so a vlfast too old to know consolidated parts refuses the folder instead of taking
-    their shards for orphans."""
+    key-value metadata ``meta``: named with its own xxh3, written whole or not at all, exclusively."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    _require_format_3(out, backend, tag)
     sink = pa.BufferOutputStream()
     pq.write_table(table.replace_schema_metadata(meta), sink, write_page_checksum=True)
-    data = sink.getvalue().to_pybytes()
-    part = out / INDEX_DIR / compact_part_name(*span, xxh3(data))
+    return commit_consolidated(out, backend, sink.getvalue(), span, tag)
+
+
+def commit_consolidated(out: Path, backend: Any, data: Any, span: tuple[int, int, int], tag: str) -> Path:
+    """Commit the Parquet bytes ``data`` (a buffer) as the consolidated part of ``span``: named with their
+    own xxh3, written whole or not at all, exclusively. run.json says format 3 first, so a vlfast too old to
+    know consolidated parts refuses the folder instead of taking their shards for orphans."""
+    _require_format_3(out, backend, tag)
+    view = memoryview(data)
+    part = out / INDEX_DIR / compact_part_name(*span, xxh3(view))
+    payload = view if is_local(out) else bytes(view)  # a local write takes the buffer as it is
     with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
-        backend.write(part, data, tag, exclusive=True)  # <- the commit
-    read_index_part(part)  # read back against its name before anything it supersedes is deleted
+        backend.write(part, payload, tag, exclusive=True)  # <- the commit
+    # Read back against its name (every byte) before anything it supersedes is deleted; its ids decoded.
+    read_index_part(part, ["id"])
     return part
 
 
@@ -131,27 +147,74 @@ def finish_deletions(out: Path, backend: Any, rank: int) -> int:
     return len(doomed)
 
 
-def _gather(out: Path, rank: int, expected: str) -> tuple[list, dict, list[str], bytes | None, list[Path]]:
-    """The sound live parts of ``rank``: (tables, shards, names superseded, config bytes, parts). A damaged
-    part, one of another configuration or one without a configuration (format 1) stays as it is."""
-    tables, shards, supersedes, config, used = [], {}, [], None, []
-    for part in committed_parts(out):
-        span = part_span(part.name)
-        if span is None or span[0] != rank:
-            continue
+_ROW_GROUP = 1 << 17  # rows per row group of a consolidated part, and at most held at once while compacting
+
+
+class _Stream:
+    """The rows of a rank's sound live parts, written into one Parquet file as they are read: memory holds
+    one row group, not the rank's whole index. What the parts say of themselves is gathered on the way:
+    (shards, names superseded, configuration bytes, parts used). A damaged part, one of another
+    configuration or one without a configuration (format 1) stays as it is."""
+
+    def __init__(self, expected: str):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.expected = expected
+        self.schema = index_schema()
+        self.sink = pa.BufferOutputStream()
+        self.writer = pq.ParquetWriter(self.sink, self.schema, write_page_checksum=True)
+        self.pending: list = []
+        self.held = self.rows = 0
+        self.shards: dict[str, list] = {}
+        self.supersedes: list[str] = []
+        self.config: bytes | None = None
+        self.used: list[Path] = []
+
+    def add(self, part: Path) -> None:
         try:
             table = read_index_part(part)
         except DamagedFile:
-            continue
+            return
         meta = part_meta(table)
-        if meta["config_hash"] != expected:
-            continue
-        config = config or (table.schema.metadata or {}).get(META_CONFIG)
-        shards.update({s: list(v) for s, v in part_shards(part, meta).items()})
-        supersedes += [part.name, *meta["supersedes"]]
-        tables.append(table.replace_schema_metadata(None))
-        used.append(part)
-    return tables, shards, supersedes, config, used
+        if meta["config_hash"] != self.expected:
+            return
+        self.config = self.config or (table.schema.metadata or {}).get(META_CONFIG)
+        self.shards.update({s: list(v) for s, v in part_shards(part, meta).items()})
+        self.supersedes += [part.name, *meta["supersedes"]]
+        self.used.append(part)
+        self.pending.append(_conform(table, self.schema))
+        self.held += table.num_rows
+        if self.held >= _ROW_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if self.pending:
+            self.writer.write_table(pa.concat_tables(self.pending), row_group_size=self.held)
+            self.rows += self.held
+        self.pending, self.held = [], 0
+
+    def close(self, meta: dict[bytes, bytes] | None) -> Any:
+        """The file's bytes (with ``meta`` as its key-value metadata), or None to abandon it."""
+        self._flush()
+        if meta is not None:
+            self.writer.add_key_value_metadata(meta)
+        self.writer.close()
+        return self.sink.getvalue() if meta is not None else None
+
+
+def _conform(table: Any, schema: Any) -> Any:
+    """``table`` as ``schema``: its columns in order and type, a column it lacks as nulls."""
+    import pyarrow as pa
+
+    names = table.column_names
+    columns = [
+        table.column(f.name).cast(f.type) if f.name in names else pa.nulls(table.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 @gc_paused()
@@ -160,30 +223,36 @@ def compact_rank(
 ) -> Compaction:
     """Replace the live parts of ``rank`` by one consolidated part when there are at least ``min_parts``,
     then delete them (and whatever an earlier, killed compaction left). The caller holds the rank (its lock
-    locally). A full disk raises the backend's OutputFull: the parts stay and the folder reads as before."""
-    import pyarrow as pa
-
+    locally). A full disk raises the backend's OutputFull: the parts stay and the folder reads as before.
+    The rows stream through one row group at a time (:class:`_Stream`)."""
     out = resolve_out(out)
     tag = tag or f"r{rank:05d}-{os.getpid()}"
     result = Compaction(rank)
     try:
         result.deleted = finish_deletions(out, backend, rank)
+        candidates = [p for p in committed_parts(out) if (part_span(p.name) or (-1,))[0] == rank]
+        if len(candidates) < max(2, min_parts):
+            return result
         run = read_run_file(out)
-        expected = config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", [])))
-        tables, shards, supersedes, config, used = _gather(out, rank, expected)
-        if len(used) < max(2, min_parts) or config is None:
+        stream = _Stream(config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", []))))
+        for part in candidates:
+            stream.add(part)
+        used = stream.used
+        if len(used) < max(2, min_parts) or stream.config is None:
+            stream.close(None)
             return result
         spans = [part_span(p.name) for p in used]
-        table = pa.concat_tables(tables, promote_options="default")
-        meta = {
-            META_FORMAT: str(FORMAT_VERSION).encode(),
-            META_CONFIG: config,
-            META_CONFIG_HASH: expected.encode(),
-            META_SHARDS: canonical_json(dict(sorted(shards.items()))).encode("utf-8"),
-            META_SUPERSEDES: canonical_json(sorted(set(supersedes))).encode("utf-8"),
-        }
+        data = stream.close(
+            {
+                META_FORMAT: str(FORMAT_VERSION).encode(),
+                META_CONFIG: stream.config,
+                META_CONFIG_HASH: stream.expected.encode(),
+                META_SHARDS: canonical_json(dict(sorted(stream.shards.items()))).encode("utf-8"),
+                META_SUPERSEDES: canonical_json(sorted(set(stream.supersedes))).encode("utf-8"),
+            }
+        )
         span = (rank, min(s[1] for s in spans), max(s[2] for s in spans))
-        part = write_consolidated(out, backend, table, span, meta, tag)
+        part = commit_consolidated(out, backend, data, span, tag)
         # Only now, with the consolidated part committed and read back, go the parts it replaces.
         backend.remove([p for p in used if p.name != part.name])
         result.deleted += finish_deletions(out, backend, rank)
@@ -191,7 +260,7 @@ def compact_rank(
         if disk_full(e):
             raise backend.full_error(e, f"compacting the index of rank {rank}") from None
         raise
-    result.part, result.replaced, result.samples = part.name, len(used), table.num_rows
+    result.part, result.replaced, result.samples = part.name, len(used), stream.rows
     return result
 
 
