@@ -131,8 +131,11 @@ class FeatureCache(torch.utils.data.Dataset):
         codes = shards.indices.to_numpy(zero_copy_only=False)
         self._shard = rank[codes[keep]] if len(names) else np.empty(0, np.int64)
         self._row = table.column("row").to_numpy()[keep]
-        self._features = table.column("features").take(keep).combine_chunks() if keep.size else None
-        self._meta = table.column("meta").take(keep).combine_chunks() if keep.size else None
+        columns = table.select(["features", "meta"])
+        if repeated.size:
+            columns = columns.take(keep)
+        self._features = columns.column("features").combine_chunks() if keep.size else None
+        self._meta = columns.column("meta").combine_chunks() if keep.size else None
 
     def _position(self, sample_id: str) -> int:
         """The position of ``sample_id``, or -1."""
