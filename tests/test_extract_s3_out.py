@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -489,3 +490,56 @@ def test_an_s3fs_without_exclusive_create_is_refused_before_any_work(
     assert r.exit_code == 2, r.output
     assert "s3fs 2024.10.0" in r.output and "pip install 's3fs>=2024.12'" in " ".join(r.output.split())
     assert not _keys("old-s3fs")
+
+
+def test_a_consolidated_part_on_s3_checks_its_shards_at_once_and_names_each_damaged_one(endpoint):
+    """A rank's consolidated part over 12 shards: the quick check takes the shards' sizes from one listing
+    and reads their headers in threads (issue 22); a truncated shard and one with a flipped header byte are
+    each found, in their own place, and only their samples are redone."""
+    from vlfast.extraction.store.integrity import check_part
+    from vlfast.extraction.store.resume import read_state
+
+    out = _fresh("concurrent-check")
+    ids = [f"c{k:02d}" for k in range(24)]
+    with FeatureStore(out, RUN_CONFIG, shard_max_samples=2, commit_every=None) as store:
+        for sid in ids:
+            store.add(sid, fake_features(sid))
+    assert store.compaction is not None and store.compaction.replaced == 12
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+    shards = sorted(k for k in _keys(prefix) if "/shards/" in k)
+    assert len(shards) == 12
+    truncated, flipped = shards[4], shards[9]
+    raw = _client().get_object(Bucket=BUCKET, Key=truncated)["Body"].read()
+    _client().put_object(Bucket=BUCKET, Key=truncated, Body=raw[:-5])
+    raw = bytearray(_client().get_object(Bucket=BUCKET, Key=flipped)["Body"].read())
+    raw[20] ^= 0x01  # inside the header's JSON
+    _client().put_object(Bucket=BUCKET, Key=flipped, Body=bytes(raw))
+
+    state = read_state(out, RUN_CONFIG)
+    (part,) = state.damaged  # the preflight leaves the repair to the store
+    from vlfast.extraction.objstore import ObjectRange
+
+    asked, threads = [], set()
+    size, read = ObjectRange.size, ObjectRange.read
+
+    def counted_size(self):
+        asked.append(self.path)
+        return size(self)
+
+    def noted_read(self, *a, **k):
+        threads.add(threading.current_thread().name)
+        return read(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ObjectRange, "size", counted_size)
+        mp.setattr(ObjectRange, "read", noted_read)
+        check = check_part(resolve_out(out) / "index" / part, data=False)
+    assert asked == []  # the sizes came from one listing of the shard folder
+    assert len(threads) > 1 and all(t.startswith("vlfast-check") for t in threads)
+    bad = {rel.rsplit("/", 1)[-1] for rel in check.bad_shards}
+    assert bad == {truncated.rsplit("/", 1)[-1], flipped.rsplit("/", 1)[-1]}
+    lost = {ids[8], ids[9], ids[18], ids[19]}  # the two samples of each damaged shard
+    with pytest.warns(UserWarning, match="moved to"), _store(out) as again:
+        assert again.done_ids() == set(ids) - lost
+        reason = again.quarantined[0]["reason"]
+    assert "truncated or replaced" in reason and "damaged header" in reason

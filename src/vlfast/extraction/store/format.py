@@ -15,7 +15,7 @@ import os
 import re
 import struct
 import sys
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -404,6 +404,22 @@ def referenced_shards(out: Path, exclude: str | None = None) -> Any:
         return m is not None and any(r == int(m.group(1)) and a <= int(m.group(2)) <= b for r, a, b in ranges)
 
     return referenced
+
+
+_READ_THREADS = 16  # index parts read at once from object storage
+
+
+def map_parts(out: Any, fn: Callable[[Any], Any], parts: Sequence[Any]) -> Iterator[Any]:
+    """``fn(part)`` of each part, in order, the first exception (in order) raised: locally one after
+    another as they are consumed; on object storage up to 16 at once (each read waits on a request, not on
+    the CPU)."""
+    if is_local(out) or len(parts) < 2:
+        yield from map(fn, parts)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(_READ_THREADS, len(parts)), thread_name_prefix="vlfast-parts") as pool:
+        yield from pool.map(fn, parts)
 
 
 def read_index_part(part: Path, columns: Sequence[str] | None = None):

@@ -26,8 +26,10 @@ import json
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,9 +196,10 @@ class RemoteShard:
         pass
 
 
-def open_shard(path: Any) -> _LocalShard | RemoteShard:
-    """A shard opened for checking: ``size``, ``header()`` and ``hash_tensors(features)``."""
-    return _LocalShard(path) if is_local(path) else RemoteShard(path)
+def open_shard(path: Any, size: int | None = None) -> _LocalShard | RemoteShard:
+    """A shard opened for checking: ``size``, ``header()`` and ``hash_tensors(features)``. ``size``: an
+    object's size as a fresh listing gave it (else one request asks for it)."""
+    return _LocalShard(path) if is_local(path) else RemoteShard(path, size)
 
 
 def check_part(part: Path, *, data: bool = True) -> PartCheck:
@@ -231,25 +234,71 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
         check.problem = f"index part {part.name} points at {stray}, not at {what}"
         return check
     features = _Column(table, part, "features")
-    for rel, (size, header_hash) in expected.items():
+    out = part.parent.parent
+    listed = _listed_sizes(out, len(expected))
+
+    def one(item: tuple[str, tuple[int | None, str | None]]) -> tuple[str, _Verdict]:
+        rel, (size, header_hash) = item
         keep = groups.get(rel, np.empty(0, np.int64))
-        problem = _check_shard(
-            check,
-            part.parent.parent / rel,
+        verdict = _Verdict(check.part, check.format_version)
+        verdict.problem = _check_shard(
+            verdict,
+            out / rel,
             # One shard's rows at a time as Python objects, and only when they are read: a consolidated
             # part's whole column at once costs a million dicts per million samples.
-            lambda keep=keep: _rows(ids.array, keep),
-            lambda keep=keep: _rows(features, keep),
+            lambda: _rows(ids.array, keep),
+            lambda: _rows(features, keep),
             size,
             header_hash,
             data,
+            listed.get(rel.rsplit("/", 1)[-1]),
         )
-        if problem is not None:
+        return rel, verdict
+
+    items = list(expected.items())
+    if listed and len(items) > 1:  # on object storage the shards' checks wait on requests: run them at once
+        with ThreadPoolExecutor(min(_CHECK_THREADS, len(items)), thread_name_prefix="vlfast-check") as pool:
+            verdicts = list(pool.map(one, items))
+    else:
+        verdicts = map(one, items)
+    for rel, verdict in verdicts:
+        check.bad.extend(verdict.bad)
+        check.checked_bytes += verdict.checked_bytes
+        if verdict.problem is not None:
             if not consolidated:
-                check.problem = problem
+                check.problem = verdict.problem
                 return check
-            check.bad_shards[rel] = problem
+            check.bad_shards[rel] = verdict.problem
     return check
+
+
+_CHECK_THREADS = 16  # shards of one part checked at once on object storage
+
+
+@dataclass
+class _Verdict:
+    """What the check of one shard found: its problem, its damaged tensors, the bytes it hashed."""
+
+    part: Path
+    format_version: int
+    problem: str | None = None
+    bad: list[tuple[str, str]] = field(default_factory=list)
+    checked_bytes: int = 0
+
+
+def _listed_sizes(out: Any, shards: int) -> dict[str, int]:
+    """On object storage, the size of every shard of ``out`` from one fresh listing of its shard folder
+    (a page per 1,000 shards) instead of one request per shard; {} locally or for a part of one shard."""
+    if is_local(out) or shards < 2:
+        return {}
+    folder = out / SHARD_DIR
+    try:
+        entries = folder.fs.ls(folder.path, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in entries if e.get("size") is not None
+    }
 
 
 class _Column:
@@ -257,10 +306,12 @@ class _Column:
 
     def __init__(self, table: Any, part: Path, name: str):
         self._table, self._part, self._name = table, part, name
+        self._lock = threading.Lock()  # shards may be checked in threads: the part is read once
 
     def __getattr__(self, attr: str) -> Any:
-        if self._name not in self._table.column_names:
-            self._table = read_index_part(self._part)
+        with self._lock:
+            if self._name not in self._table.column_names:
+                self._table = read_index_part(self._part)
         return getattr(self._table.column(self._name), attr)
 
 
@@ -283,13 +334,14 @@ def _rows(column: Any, keep: np.ndarray) -> list:
 
 
 def _check_shard(
-    check: PartCheck,
+    check: _Verdict,
     shard: Path,
     ids_of: Callable[[], list[str]],
     rows_of: Callable[[], list],
     shard_bytes: int | None,
     header_hash: str | None,
     data: bool,
+    listed_size: int | None = None,
 ) -> str | None:
     """One shard against what its part recorded: the problem with it as a whole, if any; damaged tensors
     are added to ``check.bad`` (and, in a consolidated part, make the shard bad).
@@ -299,7 +351,7 @@ def _check_shard(
     the ones checked against each other when both were written (a part without the header's checksum,
     format 1, is compared row by row)."""
     try:
-        with open_shard(shard) as f:
+        with open_shard(shard, listed_size) as f:
             size = f.size
             if shard_bytes is not None and size != shard_bytes:
                 return f"shard {shard} is {size:,} bytes but was written with {shard_bytes:,}: truncated or replaced"

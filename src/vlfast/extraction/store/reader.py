@@ -38,6 +38,7 @@ from vlfast.extraction.store.format import (
     gc_paused,
     index_schema,
     is_local,
+    map_parts,
     part_meta,
     part_shards,
     read_errors,
@@ -344,13 +345,8 @@ def _read_parts(out: Any, expected: str) -> tuple[list, dict[str, int | None], d
     for attempt in range(5):
         tables, sizes, headers = [], {}, {}
         try:
-            for part in committed_parts(out):
-                try:
-                    table = read_index_part(part)
-                except DamagedFile:
-                    if attempt < 4 and not part.exists():
-                        raise _Relist from None
-                    raise
+            parts = committed_parts(out)
+            for part, table in zip(parts, map_parts(out, _reader(attempt), parts)):
                 meta = part_meta(table)
                 if meta["config_hash"] is not None and meta["config_hash"] != expected:
                     raise DamagedFile(
@@ -368,6 +364,18 @@ def _read_parts(out: Any, expected: str) -> tuple[list, dict[str, int | None], d
 
 class _Relist(Exception):
     pass
+
+
+def _reader(attempt: int) -> Any:
+    def read(part: Any) -> Any:
+        try:
+            return read_index_part(part)
+        except DamagedFile:
+            if attempt < 4 and not part.exists():
+                raise _Relist from None
+            raise
+
+    return read
 
 
 def _local_header(path: Any, size: int) -> bytes:

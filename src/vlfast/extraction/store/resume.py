@@ -50,6 +50,7 @@ from vlfast.extraction.store.format import (
     gc_paused,
     is_consolidated,
     is_local,
+    map_parts,
     part_meta,
     read_errors,
     read_index_part,
@@ -305,8 +306,8 @@ def read_state(
     config = canonical_config(dict(run_config))
     expected = config_hash(stable_config(config, frozenset(volatile_keys)))
     state = OutState()
-    for part in committed_parts(out):
-        check = check_part(part, data=False)
+    parts = committed_parts(out)
+    for part, check in zip(parts, map_parts(out, lambda p: check_part(p, data=False), parts)):
         if check.problem is None and check.config is not None and check.config_hash != expected:
             raise RunConfigMismatch(
                 out,
