@@ -114,14 +114,9 @@ class SortedIds:
 
     __slots__ = ("hash", "ids", "runs", "source")
 
-    def __init__(self, hashes: np.ndarray, ids: pa.Array, *, presorted: bool = False):
-        import pyarrow as pa
-
-        if presorted:
-            self.hash, self.ids, self.source = hashes, ids, None
-        else:
-            order = np.argsort(hashes, kind="stable")  # stable: equal hashes keep the given order
-            self.hash, self.ids, self.source = hashes[order], ids.take(pa.array(order)), order
+    def __init__(self, hashes: np.ndarray, ids: pa.Array):
+        order = np.argsort(hashes, kind="stable")  # stable: equal hashes keep the given order
+        self.hash, self.ids, self.source = hashes[order], ids.take(order), order
         # Whether any hash appears twice (a repeated id or a collision): only then do lookups walk a run.
         self.runs = bool(len(self.hash) > 1 and np.any(self.hash[1:] == self.hash[:-1]))
 
