@@ -18,7 +18,13 @@ from vlfast.extraction.store.resume import owner_rank, plan_positions
 def hashing(request, monkeypatch):
     """The real hash, and one under which most ids collide (a hash hit must be confirmed by the id)."""
     if request.param == "colliding":
+
+        def column(col):
+            return np.array([len(s) % 3 for s in col.to_pylist()], np.uint64)
+
         monkeypatch.setattr(ids_module, "_hash_one", lambda sid: len(sid) % 3)
+        monkeypatch.setattr(ids_module, "_hash_column", column)
+        monkeypatch.setattr(ids_module, "_SMALL", 0)  # every list through the column path too
     monkeypatch.setattr(IdSet, "_MIN_MERGE", 8)  # merges early and often
     return request.param
 
@@ -110,3 +116,19 @@ def test_arrow_strings_reads_like_a_list():
     col = ArrowStrings(pa.chunked_array([values[:10], values[10:]]))
     assert len(col) == 70_000 and col[3] == "s3" and col[-1] == "s69999" and col[5:8] == ["s5", "s6", "s7"]
     assert list(col) == values and col == values and col != values[:-1]
+
+
+def test_the_column_hash_is_the_one_by_one_hash():
+    """hash_ids over an Arrow column (numpy, a byte position at a time) equals _hash_one per id, for ids of
+    any length and script, in sliced and chunked columns, and for long lists of str."""
+    rnd = random.Random(7)
+    alphabet = "ab/é\u4e2d\U0001f600-_0"
+    values = [
+        "".join(rnd.choice(alphabet) for _ in range(rnd.choice([0, 1, 2, 13, 40, 300]))) for _ in range(5000)
+    ]
+    one = [ids_module._hash_one(v) for v in values]
+    assert hash_ids(pa.array(values, pa.large_string())).tolist() == one
+    assert hash_ids(pa.array(values, pa.string()).slice(17, 300)).tolist() == one[17:317]
+    assert hash_ids(pa.chunked_array([values[:10], values[10:]])).tolist() == one
+    assert hash_ids(values).tolist() == one  # past _SMALL: made a column first
+    assert hash_ids(values[:5]).tolist() == one[:5]

@@ -13,7 +13,6 @@ from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -75,26 +74,62 @@ def owner_rank(sample_id: str, world_size: int) -> int:
 # ----------------------------------------------------------------------------------------------------
 # ids held as data: millions of ids in a few arrays instead of millions of Python objects (issue 22)
 
-_CHUNK = 1 << 16  # ids converted to Python objects at a time when hashing an Arrow column
+_CHUNK = 1 << 16  # ids converted to Python objects at a time when a column is iterated
+
+
+# The hash is FNV-1a (64-bit) of the id's UTF-8 bytes: numpy computes it for a whole Arrow column at once
+# from its buffers (1.4 s for 10M ids here, against 4.4 s for a library hash called once per id), and it is
+# never stored, only used to sort and bisect; every hit is confirmed against the id itself.
+_FNV_OFFSET, _FNV_PRIME, _MASK = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
+_SMALL = 4096  # fewer ids than this are hashed one by one
 
 
 def _hash_one(sample_id: str) -> int:
-    return xxhash.xxh3_64_intdigest(sample_id.encode("utf-8", "surrogatepass"))
+    h = _FNV_OFFSET
+    for byte in sample_id.encode("utf-8", "surrogatepass"):
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK
+    return h
 
 
 def hash_ids(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """The 64-bit xxh3 of each id's UTF-8 bytes, as a uint64 array in the ids' order. An Arrow column is
-    read ``_CHUNK`` ids at a time, so hashing it never holds it all as Python strings."""
+    """The 64-bit FNV-1a of each id's UTF-8 bytes, as a uint64 array in the ids' order: computed over an
+    Arrow column's buffers, a byte position at a time for all ids at once (a list of ``str`` longer than
+    a few thousand is made a column first)."""
     import pyarrow as pa
 
-    if isinstance(ids, (pa.Array, pa.ChunkedArray)):
-        parts = [_hash_list(ids.slice(k, _CHUNK).to_pylist()) for k in range(0, len(ids), _CHUNK)]
-        return np.concatenate(parts) if parts else np.empty(0, np.uint64)
-    return _hash_list(ids if isinstance(ids, list) else list(ids))
+    if not isinstance(ids, (pa.Array, pa.ChunkedArray)):
+        ids = ids if isinstance(ids, list) else list(ids)
+        if len(ids) < _SMALL:
+            return np.fromiter(map(_hash_one, ids), dtype=np.uint64, count=len(ids))
+        ids = pa.array(ids, pa.large_string())
+    chunks = ids.chunks if isinstance(ids, pa.ChunkedArray) else [ids]
+    parts = [_hash_column(_as_strings(c)) for c in chunks]
+    return np.concatenate(parts) if parts else np.empty(0, np.uint64)
 
 
-def _hash_list(ids: list[str]) -> np.ndarray:
-    return np.fromiter(map(_hash_one, ids), dtype=np.uint64, count=len(ids))
+def _hash_column(column: pa.Array) -> np.ndarray:
+    """FNV-1a of each string of a ``large_string`` column, vectorised over the ids: step ``j`` mixes in
+    byte ``j`` of every id at least ``j + 1`` bytes long (longest first, so each step takes a prefix)."""
+    n = len(column)
+    if n == 0:
+        return np.empty(0, np.uint64)
+    buffers = column.buffers()
+    offsets = np.frombuffer(buffers[1], dtype=np.int64, count=n + 1, offset=column.offset * 8)
+    data = np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None else np.empty(0, np.uint8)
+    starts = offsets[:-1]
+    lengths = offsets[1:] - starts
+    order = np.argsort(-lengths, kind="stable")
+    by_length, starts = lengths[order], starts[order]
+    active = np.searchsorted(-by_length, -np.arange(int(by_length[0])), side="left")  # ids longer than j
+    h = np.full(n, _FNV_OFFSET, np.uint64)
+    prime = np.uint64(_FNV_PRIME)
+    for j, count in enumerate(active.tolist()):
+        part = h[:count]
+        np.bitwise_xor(part, data[starts[:count] + j], out=part)
+        np.multiply(part, prime, out=part)  # wraps modulo 2**64, as FNV does
+    out = np.empty(n, np.uint64)
+    out[order] = h
+    return out
 
 
 def _as_strings(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -115,7 +150,7 @@ class SortedIds:
     __slots__ = ("hash", "ids", "runs", "source")
 
     def __init__(self, hashes: np.ndarray, ids: pa.Array):
-        order = np.argsort(hashes, kind="stable")  # stable: equal hashes keep the given order
+        order = np.argsort(hashes)  # ids are unique here: the order among equal hashes does not matter
         self.hash, self.ids, self.source = hashes[order], ids.take(order), order
         # Whether any hash appears twice (a repeated id or a collision): only then do lookups walk a run.
         self.runs = bool(len(self.hash) > 1 and np.any(self.hash[1:] == self.hash[:-1]))
@@ -142,7 +177,12 @@ class SortedIds:
         found = np.full(len(hashes), -1, np.int64)
         if n == 0 or len(hashes) == 0:
             return found
-        pos = np.minimum(np.searchsorted(self.hash, hashes, side="left"), n - 1)
+        # Searched in hash order: a sorted search walks the table once (0.3 s for 10M ids into 5M here)
+        # where unsorted ones jump about it (7.5 s).
+        order = np.argsort(hashes)
+        pos = np.empty(len(hashes), np.int64)
+        pos[order] = np.searchsorted(self.hash, hashes[order], side="left")
+        np.minimum(pos, n - 1, out=pos)
         hit = np.flatnonzero(self.hash[pos] == hashes)
         if hit.size:
             same = pc.equal(self.ids.take(pa.array(pos[hit])), ids.take(pa.array(hit)))
@@ -160,7 +200,7 @@ def first_copies(ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
     first = np.arange(n, dtype=np.int64)
     if n < 2:
         return first
-    order = np.argsort(hashes, kind="stable")
+    order = np.argsort(hashes)  # not stable (2.5x faster): a run of equal hashes is put in order below
     h = hashes[order]
     tied = np.flatnonzero(h[1:] == h[:-1])
     if tied.size == 0:
@@ -168,12 +208,10 @@ def first_copies(ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
     # Entries in runs of equal hashes, sorted: settle each run by its ids (a repeat, or a rare collision).
     starts = np.flatnonzero(np.r_[True, h[1:] != h[:-1]])
     ends = np.r_[starts[1:], n]
-    for s, e in zip(starts, ends):
-        if e - s < 2:
-            continue
+    runs = np.flatnonzero(ends - starts > 1)  # only these: ten million runs of one are not walked in Python
+    for s, e in zip(starts[runs].tolist(), ends[runs].tolist()):
         seen: dict[str, int] = {}
-        for k in order[s:e]:  # given order within a run (stable sort)
-            k = int(k)
+        for k in sorted(order[s:e].tolist()):  # in the given order within a run
             first[k] = seen.setdefault(ids[k].as_py(), k)
     return first
 

@@ -124,9 +124,9 @@ class _LocalShard:
         self._f = open(path, "rb")  # noqa: SIM115 - closed by __exit__
         self.size = os.fstat(self._f.fileno()).st_size
 
-    def header(self) -> tuple[int, bytes, dict]:
+    def header(self, parse: bool = True) -> tuple[int, bytes, dict]:
         self._f.seek(0)
-        return read_header(self._f, self.size)
+        return read_header(self._f, self.size, parse=parse)
 
     def hash_tensors(self, feats: list[dict]) -> list[str]:
         """xxh3 of each feature's bytes (``offset``/``nbytes`` as the index gives them), in order."""
@@ -162,13 +162,13 @@ class RemoteShard:
     def read(self, start: int, n: int, what: str = "") -> bytes:
         return self.object.read(start, start + n, what)
 
-    def header(self) -> tuple[int, bytes, dict]:
+    def header(self, parse: bool = True) -> tuple[int, bytes, dict]:
         head = self.read(0, min(self.size, 1 << 16), "the header")
         if len(head) >= 8:
             (n,) = struct.unpack("<Q", head[:8])
             if 8 + n > len(head) and n <= self.size - 8:
                 head += self.read(len(head), 8 + n - len(head), "the header")
-        return read_header(io.BytesIO(head), self.size)
+        return read_header(io.BytesIO(head), self.size, parse=parse)
 
     def hash_tensors(self, feats: list[dict]) -> list[str]:
         order = sorted(range(len(feats)), key=lambda k: feats[k]["offset"])
@@ -355,7 +355,7 @@ def _check_shard(
             size = f.size
             if shard_bytes is not None and size != shard_bytes:
                 return f"shard {shard} is {size:,} bytes but was written with {shard_bytes:,}: truncated or replaced"
-            data_start, raw_header, header = f.header()
+            data_start, raw_header, header = f.header(parse=header_hash is None or data)
             if header_hash is not None and xxh3(raw_header) != header_hash:
                 return f"shard {shard} has a damaged header (checksum mismatch)"
             if header_hash is not None and not data:

@@ -248,12 +248,14 @@ def plan_positions(
     hashes = hash_ids(ids) if hashes is None else hashes
     mine = owned(ids, rank, world_size) if mine is None else mine
     positions = np.flatnonzero(mine)
-    first = first_copies(strings.take(pa.array(positions)), hashes[positions])
+    every = len(positions) == len(ids)  # one rank: no copies of the ids and their hashes
+    first = first_copies(*((strings, hashes) if every else (strings.take(positions), hashes[positions])))
     repeat = first != np.arange(len(positions))
     repeats = list(zip(positions[repeat].tolist(), positions[first[repeat]].tolist()))
     keep = positions[~repeat]
     if isinstance(done, IdSet):
-        is_done = done.isin(strings.take(pa.array(keep)), hashes[keep])
+        every = len(keep) == len(ids)
+        is_done = done.isin(*((strings, hashes) if every else (strings.take(keep), hashes[keep])))
     else:
         is_done = np.fromiter((ids[k] in done for k in keep.tolist()), bool, len(keep))
     return keep[~is_done], repeats
