@@ -346,7 +346,12 @@ class ArrowStrings(Sequence[str]):
     __slots__ = ("array",)
 
     def __init__(self, array: pa.Array | pa.ChunkedArray):
-        self.array = _as_strings(array)
+        import pyarrow as pa
+
+        if pa.types.is_dictionary(array.type):  # kept encoded: its values are read as they are asked for
+            self.array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+        else:
+            self.array = _as_strings(array)
 
     def __len__(self) -> int:
         return len(self.array)

@@ -95,6 +95,7 @@ def write_consolidated(
     import pyarrow.parquet as pq
 
     sink = pa.BufferOutputStream()
+    table = _conform(table, index_schema())  # the shard column may have been read as a dictionary
     pq.write_table(table.replace_schema_metadata(meta), sink, write_page_checksum=True)
     return commit_consolidated(out, backend, sink.getvalue(), span, tag)
 

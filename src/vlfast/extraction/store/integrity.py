@@ -319,7 +319,9 @@ class _Column:
 
 def _rows_by_shard(shards: pa.Array) -> dict[str, np.ndarray]:
     """Each shard name -> the positions of its rows, ascending."""
-    encoded = shards.dictionary_encode()
+    import pyarrow as pa
+
+    encoded = shards if pa.types.is_dictionary(shards.type) else shards.dictionary_encode()
     codes = encoded.indices.to_numpy(zero_copy_only=False)
     order = np.argsort(codes, kind="stable")
     bounds = np.searchsorted(codes[order], np.arange(len(encoded.dictionary) + 1))

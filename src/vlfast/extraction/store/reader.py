@@ -103,6 +103,7 @@ class FeatureCache(torch.utils.data.Dataset):
         """The lookups, held as data (see :class:`~vlfast.extraction.ids.IdSet`): the ids as an Arrow column,
         their hashes sorted for ``cache["id"]``, each sample's shard number and row in numpy arrays."""
         import numpy as np
+        import pyarrow as pa
 
         from vlfast.extraction.ids import ArrowStrings, SortedIds, first_copies, hash_ids
 
@@ -120,7 +121,9 @@ class FeatureCache(torch.utils.data.Dataset):
         keep = np.flatnonzero(first == np.arange(len(first)))
         self._ids = ArrowStrings(all_ids.take(keep) if repeated.size else all_ids)
         self._lookup = SortedIds(hashes[keep], self._ids.array)  # .source: each sorted entry's position
-        shards = table.column("shard").combine_chunks().dictionary_encode()
+        shards = table.column("shard").combine_chunks()  # read as a dictionary; chunks' ones are unified
+        if not pa.types.is_dictionary(shards.type):
+            shards = shards.dictionary_encode()
         names = shards.dictionary.to_pylist()
         rank = np.empty(len(names), np.int64)  # shard numbers in name order
         rank[np.argsort(np.array(names, dtype=object))] = np.arange(len(names))
