@@ -132,3 +132,17 @@ def test_the_column_hash_is_the_one_by_one_hash():
     assert hash_ids(pa.chunked_array([values[:10], values[10:]])).tolist() == one
     assert hash_ids(values).tolist() == one  # past _SMALL: made a column first
     assert hash_ids(values[:5]).tolist() == one[:5]
+
+
+def test_an_id_arrow_cannot_hold_stays_a_member():
+    """A lone surrogate (only the Python API can make one; the store refuses to write it) survives merges
+    and bulk updates as a plain str member instead of crashing the set."""
+    odd = "bad\ud800id"
+    s = IdSet([odd])
+    s.update([f"i{k}" for k in range(IdSet._MIN_MERGE + 10)])  # a bulk update, then a merge by add
+    for k in range(10):
+        s.add(f"j{k}")
+    big = [f"k{k}" for k in range(5000)] + ["bad\udc80"]
+    s.update(big)
+    assert odd in s and "bad\udc80" in s and "i5" in s and "k4999" in s
+    assert len(s) == 1 + IdSet._MIN_MERGE + 10 + 10 + 5001

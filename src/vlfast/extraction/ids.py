@@ -278,7 +278,7 @@ class IdSet(AbstractSet[str]):
         if sample_id not in self:
             self._recent.add(sample_id)
             if len(self._recent) >= max(self._MIN_MERGE, self._stored() >> 3):
-                self._merge(_as_strings(list(self._recent)), None)
+                self._merge(None, None)
 
     def update(self, *others: Iterable[str] | pa.Array | pa.ChunkedArray) -> None:
         for other in others:
@@ -289,7 +289,7 @@ class IdSet(AbstractSet[str]):
                 self.update(other._recent)
             elif isinstance(other, ArrowStrings):
                 self._merge(other.array, None)
-            elif arrow or len_hint(other) > 4096:
+            elif arrow or len_hint(other) > _SMALL and all(map(_utf8, other)):
                 self._merge(_as_strings(other), None)
             else:
                 for sample_id in other:
@@ -306,14 +306,20 @@ class IdSet(AbstractSet[str]):
         new._sorted, new._recent = self._sorted, set(self._recent)
         return new
 
-    def _merge(self, ids: pa.Array, hashes: np.ndarray | None) -> None:
+    def _merge(self, ids: pa.Array | None, hashes: np.ndarray | None) -> None:
         """Take ``ids`` (and the recent ones) into the sorted arrays, each id once."""
         import pyarrow as pa
 
+        parts = [] if ids is None else [ids]
         if self._recent:
-            ids = pa.concat_arrays([_as_strings(ids), pa.array(list(self._recent), pa.large_string())])
-            hashes = None
-            self._recent = set()
+            # An id Arrow cannot hold (a lone surrogate: only the Python API can give one; the store
+            # refuses to write it) stays in the Python set.
+            kept = {sid for sid in self._recent if not _utf8(sid)}
+            parts.append(_as_strings([sid for sid in self._recent if sid not in kept]))
+            hashes, self._recent = None, kept
+        if not parts:
+            return
+        ids = pa.concat_arrays(parts) if len(parts) > 1 else parts[0]
         if len(ids) == 0:
             return
         hashes = hash_ids(ids) if hashes is None else hashes
@@ -329,6 +335,15 @@ class IdSet(AbstractSet[str]):
             both = np.concatenate([old.hash, hashes[new]])
             self._sorted = SortedIds(both, pa.concat_arrays([old.ids, ids.take(pa.array(new))]))
         self._sorted.source = None
+
+
+def _utf8(sample_id: str) -> bool:
+    """Whether Arrow can hold ``sample_id`` (no lone surrogate)."""
+    try:
+        sample_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def len_hint(obj: object) -> int:
