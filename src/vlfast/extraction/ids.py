@@ -289,8 +289,12 @@ class IdSet(AbstractSet[str]):
                 self.update(other._recent)
             elif isinstance(other, ArrowStrings):
                 self._merge(other.array, None)
-            elif arrow or len_hint(other) > _SMALL and all(map(_utf8, other)):
+            elif arrow:
                 self._merge(_as_strings(other), None)
+            elif len_hint(other) > _SMALL:
+                column, kept = _column_of(list(other))
+                self._merge(column, None)
+                self.update(kept)
             else:
                 for sample_id in other:
                     self.add(sample_id)
@@ -312,11 +316,9 @@ class IdSet(AbstractSet[str]):
 
         parts = [] if ids is None else [ids]
         if self._recent:
-            # An id Arrow cannot hold (a lone surrogate: only the Python API can give one; the store
-            # refuses to write it) stays in the Python set.
-            kept = {sid for sid in self._recent if not _utf8(sid)}
-            parts.append(_as_strings([sid for sid in self._recent if sid not in kept]))
-            hashes, self._recent = None, kept
+            column, self._recent = _column_of(list(self._recent))
+            parts.append(column)
+            hashes = None
         if not parts:
             return
         ids = pa.concat_arrays(parts) if len(parts) > 1 else parts[0]
@@ -337,8 +339,17 @@ class IdSet(AbstractSet[str]):
         self._sorted.source = None
 
 
+def _column_of(values: list[str]) -> tuple[pa.Array, set[str]]:
+    """``values`` as an Arrow column, and apart those Arrow cannot hold: an id with a lone surrogate (only
+    the Python API can give one; the store refuses to write it), which an ``IdSet`` keeps as a ``str``."""
+    try:
+        return _as_strings(values), set()
+    except UnicodeEncodeError:
+        kept = {v for v in values if not _utf8(v)}
+        return _as_strings([v for v in values if v not in kept]), kept
+
+
 def _utf8(sample_id: str) -> bool:
-    """Whether Arrow can hold ``sample_id`` (no lone surrogate)."""
     try:
         sample_id.encode("utf-8")
     except UnicodeEncodeError:
