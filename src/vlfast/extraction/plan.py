@@ -59,7 +59,8 @@ class RunPlan:
     assigned: int = field(init=False)  # this rank's share of them
 
     _mine: Any = field(init=False, repr=False)  # which entries are this rank's (bool array)
-    _hashes: Any = field(init=False, repr=False, default=None)  # the ids' hashes, once work() needs them
+    _column: Any = field(init=False, repr=False, default=None)  # the ids as Arrow, once work() needs them
+    _hashes: Any = field(init=False, repr=False, default=None)  # and their hashes
 
     def __post_init__(self) -> None:
         from vlfast.extraction.store.resume import owned
@@ -78,15 +79,17 @@ class RunPlan:
     def work(self, done: Collection[str]) -> tuple[list[Sample], list[tuple[str, str, str, str]]]:
         """This rank's samples still to extract, and the error records its entries call for (a repeated
         id, a bad input row): (id, source, reason, kind) each, recorded once (a resumed run writes none)."""
-        from vlfast.extraction.ids import hash_ids
+        import pyarrow as pa
+
+        from vlfast.extraction.ids import ArrowStrings, hash_ids
         from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND
         from vlfast.extraction.store.resume import duplicate_reason, plan_positions
 
-        ids = self.ids
-        if self._hashes is None:
-            self._hashes = hash_ids(ids)
+        if self._column is None:  # made once: the preflight and the engine both plan
+            self._column = ArrowStrings(pa.array(self.ids, pa.large_string()))
+            self._hashes = hash_ids(self._column.array)
         todo, repeats = plan_positions(
-            ids, self.rank, self.world_size, done, hashes=self._hashes, mine=self._mine
+            self._column, self.rank, self.world_size, done, hashes=self._hashes, mine=self._mine
         )
         records = [
             (self.samples[k].id, self.samples[k].source, duplicate_reason(k, first), DUPLICATE_KIND)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.ids import (  # owner_rank and partition re-exported: callers import them from here
+    ArrowStrings,
     IdSet,
     first_copies,
     hash_ids,
@@ -241,11 +242,15 @@ def plan_positions(
     pairs of this rank's repeated ids), in input order. A pure function: the store's ``plan`` and the
     read-only preflight agree. Works on the ids as arrays (their hashes, see :class:`IdSet`), so ten
     million entries cost seconds and no set of ``str``; ``hashes`` (:func:`hash_ids`) and ``mine`` (this
-    rank's entries, :func:`owned`) may be passed when the caller has them."""
+    rank's entries, :func:`owned`) may be passed when the caller has them, and ``ids`` as an
+    :class:`~vlfast.extraction.ids.ArrowStrings` column."""
     import pyarrow as pa
 
-    strings = pa.array(ids if isinstance(ids, list) else list(ids), pa.large_string())
-    hashes = hash_ids(ids) if hashes is None else hashes
+    if isinstance(ids, ArrowStrings):  # a caller planning again passes the column it made the first time
+        strings = ids.array
+    else:
+        strings = pa.array(ids if isinstance(ids, list) else list(ids), pa.large_string())
+    hashes = hash_ids(strings) if hashes is None else hashes
     mine = owned(ids, rank, world_size) if mine is None else mine
     positions = np.flatnonzero(mine)
     every = len(positions) == len(ids)  # one rank: no copies of the ids and their hashes
