@@ -152,29 +152,24 @@ _ROW_GROUP = 1 << 17  # rows per row group of a consolidated part, and at most h
 
 
 class _Stream:
-    """The rows of a rank's sound live parts, written into one Parquet file as they are read: memory holds
-    one row group, not the rank's whole index. What the parts say of themselves is gathered on the way:
-    (shards, names superseded, configuration bytes, parts used). A damaged part, one of another
-    configuration or one without a configuration (format 1) stays as it is."""
+    """The rows of a rank's sound live parts, written into one Parquet file one row group at a time: memory
+    holds one row group, not the rank's whole index. Two passes, since the file's key-value metadata is
+    given when its writer opens (pyarrow 15, the declared floor, cannot add it later): :meth:`gather`
+    reads each part's ids and metadata (shards, names superseded, configuration, parts used; a damaged
+    part, one of another configuration or one without a configuration, format 1, stays as it is), then
+    :meth:`write` reads the parts used again, whole, and streams their rows."""
 
     def __init__(self, expected: str):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         self.expected = expected
-        self.schema = index_schema()
-        self.sink = pa.BufferOutputStream()
-        self.writer = pq.ParquetWriter(self.sink, self.schema, write_page_checksum=True)
-        self.pending: list = []
-        self.held = self.rows = 0
+        self.rows = 0
         self.shards: dict[str, list] = {}
         self.supersedes: list[str] = []
         self.config: bytes | None = None
         self.used: list[Path] = []
 
-    def add(self, part: Path) -> None:
+    def gather(self, part: Path) -> None:
         try:
-            table = read_index_part(part)
+            table = read_index_part(part, ["id"])
         except DamagedFile:
             return
         meta = part_meta(table)
@@ -184,26 +179,28 @@ class _Stream:
         self.shards.update({s: list(v) for s, v in part_shards(part, meta).items()})
         self.supersedes += [part.name, *meta["supersedes"]]
         self.used.append(part)
-        self.pending.append(_conform(table, self.schema))
-        self.held += table.num_rows
-        if self.held >= _ROW_GROUP:
-            self._flush()
 
-    def _flush(self) -> None:
+    def write(self, meta: dict[bytes, bytes]) -> Any:
+        """The consolidated file's bytes, with ``meta`` as its key-value metadata. A part used that cannot
+        be read now (it was a moment ago, under this rank's lock) raises DamagedFile, and compaction leaves
+        the parts as they are for the next check to judge."""
         import pyarrow as pa
+        import pyarrow.parquet as pq
 
-        if self.pending:
-            self.writer.write_table(pa.concat_tables(self.pending), row_group_size=self.held)
-            self.rows += self.held
-        self.pending, self.held = [], 0
-
-    def close(self, meta: dict[bytes, bytes] | None) -> Any:
-        """The file's bytes (with ``meta`` as its key-value metadata), or None to abandon it."""
-        self._flush()
-        if meta is not None:
-            self.writer.add_key_value_metadata(meta)
-        self.writer.close()
-        return self.sink.getvalue() if meta is not None else None
+        schema = index_schema()
+        sink = pa.BufferOutputStream()
+        pending: list = []
+        held = 0
+        with pq.ParquetWriter(sink, schema.with_metadata(meta), write_page_checksum=True) as writer:
+            for k, part in enumerate(self.used):
+                table = read_index_part(part)
+                pending.append(_conform(table, schema))
+                held += table.num_rows
+                if held >= _ROW_GROUP or k == len(self.used) - 1:
+                    writer.write_table(pa.concat_tables(pending), row_group_size=held)
+                    self.rows += held
+                    pending, held = [], 0
+        return sink.getvalue()
 
 
 def _conform(table: Any, schema: Any) -> Any:
@@ -237,21 +234,22 @@ def compact_rank(
         run = read_run_file(out)
         stream = _Stream(config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", []))))
         for part in candidates:
-            stream.add(part)
+            stream.gather(part)
         used = stream.used
         if len(used) < max(2, min_parts) or stream.config is None:
-            stream.close(None)
             return result
         spans = [part_span(p.name) for p in used]
-        data = stream.close(
-            {
-                META_FORMAT: str(FORMAT_VERSION).encode(),
-                META_CONFIG: stream.config,
-                META_CONFIG_HASH: stream.expected.encode(),
-                META_SHARDS: canonical_json(dict(sorted(stream.shards.items()))).encode("utf-8"),
-                META_SUPERSEDES: canonical_json(sorted(set(stream.supersedes))).encode("utf-8"),
-            }
-        )
+        meta = {
+            META_FORMAT: str(FORMAT_VERSION).encode(),
+            META_CONFIG: stream.config,
+            META_CONFIG_HASH: stream.expected.encode(),
+            META_SHARDS: canonical_json(dict(sorted(stream.shards.items()))).encode("utf-8"),
+            META_SUPERSEDES: canonical_json(sorted(set(stream.supersedes))).encode("utf-8"),
+        }
+        try:
+            data = stream.write(meta)
+        except DamagedFile:
+            return result
         span = (rank, min(s[1] for s in spans), max(s[2] for s in spans))
         part = commit_consolidated(out, backend, data, span, tag)
         # Only now, with the consolidated part committed and read back, go the parts it replaces.
