@@ -61,6 +61,44 @@ def test_bad_engine_flags_are_refused(tmp_path, flags, message):
     assert not out.exists()
 
 
+def test_the_command_keeps_rays_restart_alarm_off_unless_verbose():
+    """The CLI's engine spends Ray's once-per-process C++ alarm (ray #53727) out of sight unless --verbose;
+    a library caller gets Ray's own behaviour. That the line then never prints is checked on the real command
+    (test_sigterm_to_the_ray_driver_stops_the_job_with_its_work_committed)."""
+    from vlfast.cli.extract import _engine
+    from vlfast.extraction.engines.ray import RayEngine
+
+    assert _engine("ray", None, None, None, None, None, None, verbose=False).quiet
+    assert not _engine("ray", None, None, None, None, None, None, verbose=True).quiet
+    assert not RayEngine().quiet
+
+
+def test_rays_restart_alarm_is_spent_in_silence(ray_cluster, capfd):
+    """The probe writes nothing to the console, stderr works after it, and a later actor of the same kind
+    (a by-reference constructor argument, max_restarts > 0: every Ray Data pool) adds no C++ alarm line."""
+    from vlfast.extraction.engines.ray import _spend_actor_restart_alarm
+
+    ray = ray_cluster
+    capfd.readouterr()
+    _spend_actor_restart_alarm(ray)
+
+    @ray.remote(num_cpus=0, max_restarts=1)
+    class Pool:
+        def __init__(self, arg):
+            self.arg = arg
+
+        def get(self):
+            return self.arg
+
+    actor = Pool.remote(ray.put(7))
+    assert ray.get(actor.get.remote()) == 7
+    ray.kill(actor)
+    print("still here", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "core_worker.cc" not in err and "53727" not in err, err
+    assert "still here" in err
+
+
 def test_rank_and_world_size_flags_split_like_torchrun(media_dir, tiny_qwen3_vl, tmp_path):
     """A Slurm array's tasks: `--rank $SLURM_ARRAY_TASK_ID --world-size $SLURM_ARRAY_TASK_COUNT`."""
     base = ["extract", str(media_dir / "good"), "-m", str(tiny_qwen3_vl), "--workers", "0", "--json"]
@@ -372,6 +410,7 @@ def test_sigterm_to_the_ray_driver_stops_the_job_with_its_work_committed(
             job.kill()
     assert job.returncode == 143, stderr[-3000:]
     assert "terminated (SIGTERM)" in stderr
+    assert "core_worker.cc" not in stderr  # Ray's C++ actor-restart alarm, spent out of sight
     committed = len(FeatureCache(out))
     # The dataset stops; what the model actor had been given (its call in flight, and those Ray Data had
     # queued on it: here all of them) is finished and committed before the driver exits.

@@ -1,8 +1,8 @@
 """Third-party chatter off unless ``--verbose``: transformers' progress bars, Ray's INFO and WARNING lines.
 
 A command's own progress bar and summary are what its user reads; "Loading weights 70/70", "Writing
-model shards", Ray's start-up notes and its C++ core worker's ``E`` lines (printed for conditions Ray
-handles itself) buried them. Everything is still in Ray's session logs (``/tmp/ray/session_latest/logs``).
+model shards", Ray's start-up notes and its C++ core worker's ``E`` line (an actor-restart alarm that does
+not apply to Ray Data's pools; ``RayEngine(quiet=True)`` keeps it off) buried them. Everything is still in Ray's session logs (``/tmp/ray/session_latest/logs``).
 Set through the environment where it can be, so decode workers and Ray workers started from here
 inherit it, and never over a value the user set.
 """

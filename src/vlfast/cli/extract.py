@@ -307,7 +307,7 @@ def extract(
     pools = tuple(p.strip() for p in pool.split(",") if p.strip())
     options = parse_storage_options(storage_options)
     chosen = _engine(
-        engine, ray_address, ray_workers, num_gpus_per_worker, ray_cpus_per_worker, rank, world_size
+        engine, ray_address, ray_workers, num_gpus_per_worker, ray_cpus_per_worker, rank, world_size, verbose
     )
     if engine == "ray":
         quiet_ray(verbose)
@@ -391,10 +391,11 @@ def _engine(
     cpus: float | None,
     rank: int | None,
     world_size: int | None,
+    verbose: bool = False,
 ):
     """The engine --engine names, with its own flags; flags of the other engine are refused here. The values
     themselves are checked once, by the engine and ExtractConfig, before anything is read. Ray is imported
-    only for --engine ray (exit 2 with the hint if missing)."""
+    only for --engine ray (exit 2 with the hint if missing); its console alarms stay off unless ``verbose``."""
     if (rank is None) != (world_size is None):
         raise UsageError("give --rank and --world-size together, e.g. --rank 3 --world-size 8")
     ray_flags = {
@@ -413,7 +414,11 @@ def _engine(
     from vlfast.extraction.engines.ray import RayEngine
 
     return RayEngine(
-        ray_address, 1 if ray_workers is None else ray_workers, gpus, 1.0 if cpus is None else cpus
+        ray_address,
+        1 if ray_workers is None else ray_workers,
+        gpus,
+        1.0 if cpus is None else cpus,
+        quiet=not verbose,
     )
 
 

@@ -31,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -438,13 +440,45 @@ def _map_batches_bounded(ds, fn, **kwargs):
             return ds.map_batches(fn, **kwargs)
 
 
+def _spend_actor_restart_alarm(ray) -> None:
+    """Have Ray's core worker print its actor-restart alarm once, to nowhere, so that it does not print it later.
+
+    For an actor with ``max_restarts > 0`` whose constructor takes an object-store reference, the driver's C++
+    core worker writes an ``E`` line to the console, once per process (ray #53727): a restarted actor would
+    fail if the reference were gone. Every Ray Data actor pool is such an actor (its map function is ``put``
+    once and passed to each actor) and keeps that reference for the pool's lifetime, so for vlfast's stages
+    the alarm is false; and a C++ log line cannot be filtered like Python's. So one such actor is created
+    here while file descriptor 2 points at /dev/null, for the duration of that one call (the line is written
+    during it), and killed at once. ``--verbose`` skips this: the line prints as Ray means it to.
+    """
+
+    @ray.remote(num_cpus=0, max_restarts=1)
+    class _Probe:
+        def __init__(self, _arg):
+            pass
+
+    arg = ray.put(0)
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        probe = _Probe.remote(arg)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+    ray.kill(probe)
+
+
 class RayEngine:
     """Ray Data stages in place of a model in this process (see the module's docstring).
 
     ``address``: the cluster (``ray://head:10001``, ``head:6379``, ``auto``); default ``RAY_ADDRESS``, else a
     cluster started with ``ray start`` on this machine, else a local one for the run (shut down at the end).
     ``workers`` model actors, each with ``gpus_per_worker`` GPUs (default 1 when the device is CUDA, else 0:
-    CPU) and ``cpus_per_worker`` CPUs. The options are checked here, once, for the CLI and the library.
+    CPU) and ``cpus_per_worker`` CPUs. ``quiet``: keep Ray's C++ actor-restart alarm, false for Ray Data's
+    pools, off the console (see ``_spend_actor_restart_alarm``; the CLI sets it unless ``--verbose``). The
+    options are checked here, once, for the CLI and the library.
     """
 
     name = "ray"
@@ -457,6 +491,7 @@ class RayEngine:
         gpus_per_worker: float | None = None,
         cpus_per_worker: float = 1.0,
         hooks: Hooks | None = None,
+        quiet: bool = False,
     ):
         if not isinstance(workers, int) or workers < 1:
             raise InputRefused(f"--ray-workers must be >= 1 (ray_workers: model actors), got {workers!r}")
@@ -470,6 +505,7 @@ class RayEngine:
             )
         self.address, self.workers, self.cpus = address, workers, float(cpus_per_worker)
         self.gpus_asked = gpus_per_worker
+        self.quiet = quiet
         self.gpus = 0.0 if gpus_per_worker is None else float(gpus_per_worker)
         if hooks is not None:
             self.hooks = hooks
@@ -525,6 +561,8 @@ class RayEngine:
         job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
         if any(job_env.get(k) != v for k, v in ENV.items()):
             self.stage_env = {"env_vars": ENV}
+        if self.quiet:
+            _spend_actor_restart_alarm(ray)
         ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own bar
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # ... and says so
         job.model_built(time.perf_counter() - t0, None)
