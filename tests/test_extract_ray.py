@@ -325,16 +325,21 @@ def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_
     seen: dict[str, int] = {}
 
     def preempt():
-        deadline = time.monotonic() + 240
-        while not pid_file.exists() or not pid_file.read_text().strip():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
-        pid = int(pid_file.read_text().split()[0])
-        os.kill(pid, signal.SIGTERM)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            psutil.Process(pid).wait(timeout=30)
-        seen["committed_at_exit"] = len(FeatureCache(out)) if (out / "index").exists() else 0
+        try:
+            deadline = time.monotonic() + 240
+            while not pid_file.exists() or not pid_file.read_text().strip():
+                if time.monotonic() > deadline:
+                    seen["error"] = "no third forward in 240 s"
+                    return
+                time.sleep(0.05)
+            pid = int(pid_file.read_text().split()[0])
+            os.kill(pid, signal.SIGTERM)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).wait(timeout=120)
+            seen["committed_at_exit"] = len(FeatureCache(out)) if (out / "index").exists() else 0
+        except BaseException as e:  # reported by the assertion below, not lost with the thread
+            seen["error"] = repr(e)
+            raise
 
     monkeypatch.setattr(RayEngine, "hooks", Hooks(forward=_slow_forward_in(str(pid_file))))
     killer = threading.Thread(target=preempt, daemon=True)
@@ -346,7 +351,7 @@ def test_sigterm_to_a_model_actor_commits_what_it_holds(ray_cluster, tiny_qwen3_
         commit_every=3600,
         max_batch_tokens=32,  # one image per forward
     )
-    killer.join(timeout=60)
+    killer.join(timeout=150)
     assert seen.get("committed_at_exit", 0) >= 2, seen  # the two forwards before the signal, at least
     index = pq.read_table(out / "index", columns=["id"]).column("id").to_pylist()
     assert sorted(index) == sorted(set(index)) and len(index) == 12  # every sample committed once

@@ -244,6 +244,7 @@ def test_a_signal_inside_a_commit_waits_for_it(tmp_path, signum, python_signal_d
     assert sorted(FeatureCache(out).ids()) == ["a"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the drop it makes
 def test_a_sigterm_python_drops_still_stops_the_run(python_signal_defaults):
     """SIGTERM landing where Python drops exceptions (a finalizer; logging's at-fork hook after each decode
     worker's fork) printed 'Exception ignored' and the run went on to exit 0. It is raised again where the
