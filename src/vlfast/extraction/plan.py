@@ -20,6 +20,7 @@ from vlfast.extraction.config import ExtractConfig, ExtractSummary
 from vlfast.extraction.decode.preprocess import ProcessorConfig, build_processor_config
 from vlfast.extraction.model.features import FeatureSpec
 from vlfast.extraction.model.runner import family_of
+from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.listing import load_inputs
 from vlfast.extraction.sources.sample import InputProblem, Sample
 
@@ -54,6 +55,7 @@ class RunPlan:
     run_config: dict[str, Any]
     volatile_keys: tuple[str, ...]
     fingerprint_seconds: float = 0.0
+    listings: dict[str, bytes] = field(default_factory=dict, repr=False)  # shard listings for OUT to keep
     mine_problems: list[InputProblem] = field(init=False)
     total: int = field(init=False)  # entries in the input (all ranks)
     assigned: int = field(init=False)  # this rank's share of them
@@ -120,8 +122,9 @@ class RunPlan:
         )
 
     def finished(self, config: ExtractConfig) -> ExtractSummary | None:
-        """The "nothing to do" summary when OUT already holds all of this rank's work, read without a lock or
-        a write (a different configuration is refused here); None when there is work, or with
+        """The "nothing to do" summary when OUT already holds all of this rank's work, read without a lock (a
+        different configuration is refused here; the only writes are caches: checked.json and the shard
+        listings, skipped where OUT is read-only); None when there is work, or with
         ``overwrite``. A finished OUT gets the check a resume would (``resume_check``): what fails it is
         left to the store, which moves it aside and redoes it, instead of "nothing to do" over a flipped
         byte."""
@@ -135,6 +138,10 @@ class RunPlan:
             state.damaged = confirm_hashed(self.out, state, f"r{self.rank:05d}")
         if pending or state.damaged:
             return None
+        from vlfast.extraction.store.backend import keep_listings
+
+        # Like checked.json, a cache this path writes when it can (a read-only OUT keeps none)
+        keep_listings(self.out, self.listings, f"r{self.rank:05d}-{os.getpid()}")
         summary = self.summary(config)
         summary.skipped, summary.nothing_to_do = self.assigned, True
         return summary
@@ -157,7 +164,10 @@ def make_plan(
         from vlfast.extraction.objstore import probe_out
 
         probe_out(out)
-    samples, problems = load_inputs(inputs, config.storage_options)
+    from vlfast.extraction.store.format import LISTING_DIR
+
+    kept = KeptListings.of_folder(out / LISTING_DIR, rank, world_size)  # read here, written once OUT is ours
+    samples, problems = load_inputs(inputs, config.storage_options, kept)
     family = family_of(config.model)
     check_llm_request(config.model, config.spec)
     processor = build_processor_config(
@@ -185,6 +195,7 @@ def make_plan(
         run_config=run_configuration(config, family, processor, weights, world_size),
         volatile_keys=(*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY),
         fingerprint_seconds=fingerprint_seconds,
+        listings=kept.fresh,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from vlfast.errors import InputRefused
 from vlfast.extraction.objstore import is_url
 from vlfast.extraction.sources.folder import load_folder
+from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.manifest import load_manifest, row_sample
 from vlfast.extraction.sources.remote import load_url, with_remote
 from vlfast.extraction.sources.sample import (
@@ -61,6 +62,7 @@ def _load_list(items: Sequence[Any]) -> tuple[list[Sample], list[InputProblem]]:
 def load_inputs(
     source: str | os.PathLike | Sequence[Sample | dict],
     storage_options: dict[str, Any] | None = None,
+    kept: KeptListings | None = None,
 ) -> tuple[list[Sample], list[InputProblem]]:
     """The samples of a folder, a manifest, a media file, WebDataset tar shards (a ``.tar`` path or a brace
     pattern, see :mod:`vlfast.extraction.sources.webdataset`), or a list of samples or dict rows, and the problems.
@@ -73,6 +75,7 @@ def load_inputs(
     listing the first problems. Relative manifest paths resolve against the manifest's folder; missing
     files are not checked here (they fail at load time and are recorded). ``source`` and manifest paths may
     be fsspec URLs, opened with ``storage_options`` (see :mod:`vlfast.extraction.sources.remote`).
+    ``kept``: the WebDataset shard listings an OUT keeps (see :mod:`vlfast.extraction.sources.kept`).
     """
     if not isinstance(source, (str, os.PathLike)):
         if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
@@ -81,7 +84,7 @@ def load_inputs(
             )
         return with_remote(_load_list(source), storage_options)
     if is_url(source):
-        return load_url(source, storage_options)  # type: ignore[arg-type]
+        return load_url(source, storage_options, kept)  # type: ignore[arg-type]
     path = Path(source)
     name = display_path(path)
     if path.is_dir():
@@ -89,7 +92,7 @@ def load_inputs(
         require_samples("folder", name, samples, problems)
         return samples, problems
     if is_shard_input(source):
-        samples, problems = load_shards(source)
+        samples, problems = load_shards(source, kept=kept)
         require_samples("WebDataset shards", name, samples, problems)
         return samples, problems
     if path.suffix.lower() in MANIFEST_SUFFIXES:

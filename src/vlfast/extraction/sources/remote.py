@@ -46,6 +46,7 @@ from vlfast.extraction.objstore import (
     retrying,
 )
 from vlfast.extraction.sources.folder import is_media_name
+from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.manifest import load_manifest
 from vlfast.extraction.sources.sample import (
     IMAGE_SUFFIXES,
@@ -102,14 +103,14 @@ class RemoteFile:
 
 
 def load_url(
-    url: str, storage_options: Mapping[str, Any] | None = None
+    url: str, storage_options: Mapping[str, Any] | None = None, kept: KeptListings | None = None
 ) -> tuple[list[Sample], list[InputProblem]]:
     """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL
     (a ``.tar`` or a brace pattern), or one image or video URL."""
     options = encode_options(storage_options)
     suffix = os.path.splitext(url.rstrip("/"))[1].lower()
     if is_shard_input(url):
-        samples, problems = load_shards(url, storage_options)
+        samples, problems = load_shards(url, storage_options, kept)
         require_samples("WebDataset shards", url, samples, problems)
         return samples, problems
     info = probe(url, options)

@@ -18,6 +18,8 @@ member that crashes or hangs a decoder could not be named. Here:
 * a sample's id is ``{shard}/{__key__}``, ``shard`` being the shard's path relative to the folder the
   pattern's first brace is in (``shards/{000..099}.tar`` -> ``003.tar/sample_0042``): unique across
   shards, and the same whether the pattern is given relative, absolute or as a URL;
+* what a listing finds is kept in OUT (:mod:`vlfast.extraction.sources.kept`): a later run lists the same
+  file without reading it;
 * a shard cut short (an interrupted download) is recorded, not fatal: the key at the cut and the shard
   itself become :class:`~vlfast.extraction.sources.sample.InputProblem` s naming what was lost, and the rest is
   extracted. A missing shard, or a file that is not a plain tar, refuses the whole input before any work.
@@ -48,6 +50,13 @@ from vlfast.extraction.objstore import (
     probe,
     read_range,
     refusal,
+)
+from vlfast.extraction.sources.kept import (
+    KeptListings,
+    ListedMember,
+    Listing,
+    local_identity,
+    remote_identity,
 )
 from vlfast.extraction.sources.sample import (
     IMAGE_SUFFIXES,
@@ -276,7 +285,7 @@ def _compressed(path: str, head: bytes) -> str | None:
     return None
 
 
-def _cut(size: int, members: list[tarfile.TarInfo], read_at) -> str | None:
+def _cut(size: int, members: list[ListedMember], read_at) -> str | None:
     """How the shard is cut short or broken, in words, or None when its end-of-archive marker is there."""
     if not members:
         return None
@@ -300,13 +309,13 @@ def _cut(size: int, members: list[tarfile.TarInfo], read_at) -> str | None:
     return f"the member header at byte {end:,}, after member {last.name!r}, is not valid tar (corrupt data)"
 
 
-def _is_prompt(m: tarfile.TarInfo) -> bool:
+def _is_prompt(m: tarfile.TarInfo | ListedMember) -> bool:
     """Whether a member may be a key's prompt (``KEY.json``, ``KEY.txt``), as :func:`_groups` names them."""
     match = _KEY.match(m.name) if m.isreg() else None
     return match is not None and match.group(2).lower() in _PROMPT_EXTS
 
 
-def _scan(f: BinaryIO, size: int, where: str) -> tuple[list[tarfile.TarInfo], str | None, dict[int, bytes]]:
+def _scan(f: BinaryIO, size: int, where: str) -> Listing:
     """The shard's members in order (headers only), how it is cut short (None if it is whole), and the
     bytes of its prompt members by data offset; raises ValueError when it is not a plain tar at all.
 
@@ -328,7 +337,7 @@ def _scan(f: BinaryIO, size: int, where: str) -> tuple[list[tarfile.TarInfo], st
         raise InputRefused(
             f"{display_path(where)} is not a tar archive ({e}); a WebDataset pattern must name .tar shards"
         ) from None
-    members: list[tarfile.TarInfo] = []
+    members: list[ListedMember] = []
     texts: dict[int, bytes] = {}
     while True:
         try:
@@ -337,7 +346,7 @@ def _scan(f: BinaryIO, size: int, where: str) -> tuple[list[tarfile.TarInfo], st
             break
         if m is None:  # a zero block, the end of the file, or a header tarfile rejects
             break
-        members.append(m)
+        members.append(ListedMember.of(m))
         if _is_prompt(m):  # tarfile seeks to the next header itself
             f.seek(m.offset_data)
             texts[m.offset_data] = f.read(m.size)
@@ -350,12 +359,12 @@ def _scan(f: BinaryIO, size: int, where: str) -> tuple[list[tarfile.TarInfo], st
     return members, _cut(size, members, read_at), texts
 
 
-def _groups(members: list[tarfile.TarInfo]) -> Iterator[tuple[str, list[tuple[str, tarfile.TarInfo]]]]:
+def _groups(members: list[ListedMember]) -> Iterator[tuple[str, list[tuple[str, ListedMember]]]]:
     """(__key__, [(extension, member), ...]) for runs of consecutive members sharing a key, as webdataset
     groups them: regular files only, its own ``__meta__`` members and names without an extension skipped,
     extensions lower-cased."""
     key: str | None = None
-    group: list[tuple[str, tarfile.TarInfo]] = []
+    group: list[tuple[str, ListedMember]] = []
     for m in members:
         if (
             not m.isreg()
@@ -411,7 +420,7 @@ def _storable_id(sid: str) -> str | None:
 def _key_sample(
     shard: str,
     sid: str,
-    members: list[tuple[str, tarfile.TarInfo]],
+    members: list[tuple[str, ListedMember]],
     texts: Mapping[int, bytes],
     options_json: str,
 ) -> Sample | InputProblem | None:
@@ -463,18 +472,26 @@ def _key_sample(
     return Sample(sid, kind_of(m.name), (display,), prompt, member=ref)
 
 
-def _shard_entries(shard: str, rel: str) -> tuple[list[Sample], list[InputProblem]]:
-    """The samples and problems of one local shard; ``rel`` qualifies its keys into ids."""
+def _shard_entries(
+    shard: str, rel: str, kept: KeptListings | None = None, position: int = 0
+) -> tuple[list[Sample], list[InputProblem]]:
+    """The samples and problems of one local shard; ``rel`` qualifies its keys into ids. Its listing is
+    ``kept``'s when OUT keeps one for this very file, else read (and offered to ``kept``)."""
     size = os.stat(shard).st_size
-    with open(shard, "rb") as f:
-        members, cut, texts = _scan(f, size, shard)
-    return _entries(shard, rel, members, cut, texts)
+    identity = local_identity(shard) if kept is not None else None
+    listing = kept.get(identity, size) if kept is not None else None
+    if listing is None:
+        with open(shard, "rb") as f:
+            listing = _scan(f, size, shard)
+        if kept is not None:
+            kept.keep(identity, listing, position)
+    return _entries(shard, rel, *listing)
 
 
 def _entries(
     shard: str,
     rel: str,
-    members: list[tarfile.TarInfo],
+    members: list[ListedMember],
     cut: str | None,
     texts: Mapping[int, bytes],
     options_json: str = "{}",
@@ -522,7 +539,11 @@ _LIST_THREADS = 8  # shards listed at once: a listing waits on requests more tha
 
 
 def list_shards(
-    pattern: str, shards: Sequence[str], rels: Sequence[str], storage_options: Mapping[str, Any] | None
+    pattern: str,
+    shards: Sequence[str],
+    rels: Sequence[str],
+    storage_options: Mapping[str, Any] | None,
+    kept: KeptListings | None = None,
 ) -> list[tuple[list[Sample], list[InputProblem]]]:
     """Each shard URL's samples and problems (ids ``{rel}/{__key__}``), listed by the same code as a local
     shard (:func:`_scan` and :func:`_entries`) over a :class:`~vlfast.extraction.objstore.RangeReader`,
@@ -550,10 +571,10 @@ def list_shards(
         not_files = [s for s in shards if paths[s] in found and found[paths[s]].get("type") != "file"]
         _refuse_missing(pattern, list(shards), missing, not_files)
 
-        def one(shard: str, rel: str) -> tuple[list[Sample], list[InputProblem]]:
-            return _list_one(fs, shard, paths[shard], rel, found[paths[shard]], options)
+        def one(shard: str, rel: str, position: int) -> tuple[list[Sample], list[InputProblem]]:
+            return _list_one(fs, shard, paths[shard], rel, found[paths[shard]], options, kept, position)
 
-        return list(pool.map(one, shards, rels))
+        return list(pool.map(one, shards, rels, range(len(shards))))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -598,21 +619,33 @@ def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) ->
 
 
 def _list_one(
-    fs, shard: str, path: str, rel: str, entry: Mapping[str, Any], options_json: str
+    fs,
+    shard: str,
+    path: str,
+    rel: str,
+    entry: Mapping[str, Any],
+    options_json: str,
+    kept: KeptListings | None = None,
+    position: int = 0,
 ) -> tuple[list[Sample], list[InputProblem]]:
     """One shard listed by the same code as a local one over a :class:`~vlfast.extraction.objstore.RangeReader`;
-    ``entry`` is its folder listing's entry (its size)."""
+    ``entry`` is its folder listing's entry (its size, its ETag for ``kept``)."""
     if entry.get("size") is None:
         raise RemoteInputError(
             f"shard {shard}: the store does not give its size, which reading its members in place needs"
         )
     size = int(entry["size"])
-    with RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
-        try:
-            members, cut, texts = _scan(f, size, shard)
-        except (OSError, TransientReadError) as e:  # the message names the URL, never the options
-            raise RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
-    return _entries(shard, rel, members, cut, texts, options_json)
+    identity = remote_identity(shard, entry) if kept is not None else None
+    listing = kept.get(identity, size) if kept is not None else None
+    if listing is None:
+        with RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
+            try:
+                listing = _scan(f, size, shard)
+            except (OSError, TransientReadError) as e:  # the message names the URL, never the options
+                raise RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
+        if kept is not None:
+            kept.keep(identity, listing, position)
+    return _entries(shard, rel, *listing, options_json)
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -636,7 +669,9 @@ def _refuse_missing(pattern: str, shards: list[str], missing: list[str], not_fil
 
 
 def load_shards(
-    pattern: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
+    pattern: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None = None,
+    kept: KeptListings | None = None,
 ) -> tuple[list[Sample], list[InputProblem]]:
     """Samples of every shard ``pattern`` names, in pattern then tar order, and the problems found.
 
@@ -647,7 +682,8 @@ def load_shards(
     extension, an id that cannot be stored. A key whose members are neither media nor prompts is skipped,
     as a folder scan skips captions. A pattern at an fsspec URL is listed through
     :func:`list_shards` with ``storage_options``; its ids are those the same
-    shards would have on disk.
+    shards would have on disk. ``kept``: the listings OUT keeps (:mod:`vlfast.extraction.sources.kept`),
+    used for the shards they were made from, and offered the fresh ones.
     """
     text = os.fspath(pattern)
     url = is_url(text)
@@ -655,12 +691,12 @@ def load_shards(
     base = _base_folder(text)
     rels = [shard[len(base) :].lstrip("/") if base else shard for shard in shards]
     if url:
-        listed = list_shards(text, shards, rels, storage_options)
+        listed = list_shards(text, shards, rels, storage_options, kept)
     else:
         missing = [s for s in shards if not os.path.exists(s)]
         not_files = [s for s in shards if not os.path.isfile(s) and os.path.exists(s)]
         _refuse_missing(text, shards, missing, not_files)
-        listed = [_shard_entries(shard, rel) for shard, rel in zip(shards, rels)]
+        listed = [_shard_entries(shard, rel, kept, i) for i, (shard, rel) in enumerate(zip(shards, rels))]
     samples: list[Sample] = []
     problems: list[InputProblem] = []
     for got, bad in listed:

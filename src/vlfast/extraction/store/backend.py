@@ -26,6 +26,7 @@ from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.store.format import (
     ERROR_DIR,
     INDEX_DIR,
+    LISTING_DIR,
     LOCK_DIR,
     QUARANTINE_DIR,
     SHARD_DIR,
@@ -40,7 +41,15 @@ from vlfast.extraction.store.format import (
     resolve_out,
 )
 
-__all__ = ["ORPHAN_AGE", "LocalBackend", "ObjectBackend", "backend_for", "live_ranks", "rank_is_held"]
+__all__ = [
+    "ORPHAN_AGE",
+    "LocalBackend",
+    "ObjectBackend",
+    "backend_for",
+    "keep_listings",
+    "live_ranks",
+    "rank_is_held",
+]
 
 # On object storage, a shard without its index part is deleted only once it is this old (seconds): younger,
 # it may be a live writer's upload whose part is still on its way (there are no locks to ask).
@@ -341,6 +350,19 @@ class LocalBackend:
             raise
         fsync_dir(path.parent)
 
+    def write_cache(self, folder: Path, files: Mapping[str, bytes], tmp_tag: str) -> None:
+        """Write ``files`` (name -> bytes) into ``folder``, each whole or not at all (temp + rename), without
+        fsync: for a cache whose reader checks every file (kept listings), where a torn write costs a miss."""
+        folder.mkdir(exist_ok=True)
+        for name, data in files.items():
+            tmp = folder / f".tmp-{tmp_tag}-{name}"
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, folder / name)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
     def remove(self, paths: list[Path]) -> None:
         """Delete ``paths`` (missing ones are skipped), then make the deletions durable."""
         for p in paths:
@@ -406,7 +428,8 @@ class LocalBackend:
         index = self.out / INDEX_DIR
         referenced = referenced_shards(self.out)
         garbage: dict[int, list[Path]] = {}
-        for folder in (self.out / SHARD_DIR, index, self.out):
+        listings = self.out / LISTING_DIR
+        for folder in (self.out / SHARD_DIR, index, self.out, *([listings] if listings.is_dir() else [])):
             for p in folder.iterdir():
                 m = TMP_RE.match(p.name)
                 if m and (p.is_file() or (p.is_dir() and not p.is_symlink())):
@@ -472,6 +495,13 @@ class ObjectBackend:
         """One PUT; ``exclusive`` refuses to replace an existing object (FileExistsError) where the store
         can say so atomically."""
         put_object(path, data, exclusive)
+
+    def write_cache(self, folder: Any, files: Mapping[str, bytes], tmp_tag: str) -> None:
+        """One PUT per file, 16 at once (see :meth:`LocalBackend.write_cache`)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(16, len(files)) or 1, thread_name_prefix="vlfast-cache") as pool:
+            list(pool.map(lambda item: put_object(folder / item[0], item[1], False), files.items()))
 
     def remove(self, paths: list[Any]) -> None:
         """Delete the objects ``paths`` (missing ones are skipped)."""
@@ -559,3 +589,17 @@ class ObjectBackend:
 def backend_for(out: Any, session: str) -> LocalBackend | ObjectBackend:
     """The backend of a resolved OUT (see ``format.resolve_out``): chosen once, by its filesystem."""
     return LocalBackend(out, session) if is_local(out) else ObjectBackend(out, session)
+
+
+def keep_listings(out: Any, listings: Mapping[str, bytes], tmp_tag: str) -> int:
+    """Write an input's shard listings (name -> bytes, :mod:`vlfast.extraction.sources.kept`) into
+    ``OUT/listings``; how many were written. A cache: a write that fails (a full disk, a read-only OUT, a
+    refused upload) is skipped and costs the next run a listing; the samples' own commits report such
+    failures. ``tmp_tag`` starts with the writer's rank (``r00003-...``), whose garbage cleaning covers it."""
+    if not listings:
+        return 0
+    try:
+        backend_for(out, "").write_cache(out / LISTING_DIR, listings, tmp_tag)
+    except Exception:
+        return 0
+    return len(listings)

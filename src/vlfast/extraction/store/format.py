@@ -34,6 +34,7 @@ INDEX_DIR = "index"
 ERROR_DIR = "errors"
 LOCK_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
+LISTING_DIR = "listings"  # WebDataset shard listings kept for later runs (vlfast.extraction.sources.kept)
 CHECK_FILE = "checked.json"  # parts whose shards passed a full check, with the shards' stamps then
 
 SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")

@@ -33,7 +33,7 @@ from vlfast._files import honour_umask
 from vlfast.errors import InputRefused
 from vlfast.extraction.ids import IdSet
 from vlfast.extraction.interrupts import commit_section
-from vlfast.extraction.store.backend import backend_for, disk_full, rank_is_held
+from vlfast.extraction.store.backend import backend_for, disk_full, keep_listings, rank_is_held
 from vlfast.extraction.store.compact import CLOSE_MIN_PARTS, Compaction, compact_rank
 from vlfast.extraction.store.format import (
     CHECK_FILE,
@@ -535,6 +535,10 @@ class FeatureStore:
             self.flush()
         else:
             self.tick()
+
+    def keep_listings(self, listings: Mapping[str, bytes]) -> int:
+        """Write the input's shard listings into ``OUT/listings`` (see ``backend.keep_listings``)."""
+        return keep_listings(self.out, listings, f"{self._tag}-{os.getpid()}")
 
     def tick(self) -> None:
         """Commit the buffer if its oldest sample has waited ``commit_every`` seconds. ``add`` and
