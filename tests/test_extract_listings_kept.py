@@ -127,6 +127,31 @@ def test_a_refused_run_writes_no_listing(pattern, tiny_qwen3_vl, tmp_path, settl
     assert not (out / "listings").exists()
 
 
+def test_a_listing_that_cannot_be_written_costs_the_run_nothing(
+    pattern, tiny_qwen3_vl, tmp_path, settled, monkeypatch
+):
+    """A full disk or a refused upload while keeping listings: the run goes on (its own commits report such
+    failures); a killed writer's temp file is the next run's garbage."""
+    import errno
+
+    from vlfast.extraction.store import backend
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(backend.LocalBackend, "write_cache", full)
+        summary = extract(pattern, tmp_path / "out", model=str(tiny_qwen3_vl), **KW)
+    assert summary.extracted == 11 and not (tmp_path / "out" / "listings").exists()
+    garbage = tmp_path / "out" / "listings" / ".tmp-r00000-123-0123abcd.json.gz"
+    garbage.parent.mkdir()
+    garbage.write_bytes(b"half a listing")
+    extract(pattern, tmp_path / "out", model=str(tiny_qwen3_vl), **KW)  # nothing to do: keeps them
+    assert len(list(garbage.parent.glob("*.json.gz"))) == 4  # three listings and the garbage
+    extract(pattern, tmp_path / "out", model=str(tiny_qwen3_vl), overwrite=True, **KW)  # a writer's run
+    assert not garbage.exists() and len(list(garbage.parent.glob("*.json.gz"))) == 3
+
+
 def test_a_shard_just_written_is_listed_but_not_kept(pattern):
     kept = KeptListings(lambda name: None)
     load_inputs(pattern, kept=kept)  # the copy was made a moment ago: within the 2 s a tick could hide
