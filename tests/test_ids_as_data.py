@@ -11,7 +11,7 @@ import pytest
 
 import vlfast.extraction.ids as ids_module
 from vlfast.extraction.ids import ArrowStrings, IdSet, first_copies, hash_ids
-from vlfast.extraction.store.resume import owner_rank, plan_positions
+from vlfast.extraction.store.resume import owned, owner_rank, plan_positions, unique_positions
 
 
 @pytest.fixture(params=["xxh3", "colliding"])
@@ -109,6 +109,14 @@ def test_plan_positions_matches_the_set_of_str_rule(hashing, seed, world_size):
             todo, repeats = plan_positions(ids, rank, world_size, done)
             assert isinstance(todo, np.ndarray)
             assert (todo.tolist(), repeats) == _reference_plan(ids, rank, world_size, set(done_list))
+    # what does not depend on done, made once and given back (as RunPlan does for every later plan)
+    strings = pa.array(ids, pa.large_string())
+    hashes = hash_ids(strings)
+    for rank in range(world_size):
+        unique = unique_positions(strings, hashes, owned(ids, rank, world_size))
+        for done_now in (set(), set(done_list), set(pool)):
+            todo, repeats = plan_positions(ids, rank, world_size, IdSet(list(done_now)), unique=unique)
+            assert (todo.tolist(), repeats) == _reference_plan(ids, rank, world_size, done_now)
 
 
 def test_arrow_strings_reads_like_a_list():

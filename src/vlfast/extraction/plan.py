@@ -63,6 +63,7 @@ class RunPlan:
     _mine: Any = field(init=False, repr=False)  # which entries are this rank's (bool array)
     _column: Any = field(init=False, repr=False, default=None)  # the ids as Arrow, once work() needs them
     _hashes: Any = field(init=False, repr=False, default=None)  # and their hashes
+    _unique: Any = field(init=False, repr=False, default=None)  # first copies and repeats: done-independent
 
     def __post_init__(self) -> None:
         from vlfast.extraction.store.resume import owned
@@ -85,13 +86,14 @@ class RunPlan:
 
         from vlfast.extraction.ids import ArrowStrings, hash_ids
         from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND
-        from vlfast.extraction.store.resume import duplicate_reason, plan_positions
+        from vlfast.extraction.store.resume import duplicate_reason, plan_positions, unique_positions
 
         if self._column is None:  # made once: the preflight and the engine both plan
             self._column = ArrowStrings(pa.array(self.ids, pa.large_string()))
             self._hashes = hash_ids(self._column.array)
+            self._unique = unique_positions(self._column.array, self._hashes, self._mine)
         todo, repeats = plan_positions(
-            self._column, self.rank, self.world_size, done, hashes=self._hashes, mine=self._mine
+            self._column, self.rank, self.world_size, done, hashes=self._hashes, unique=self._unique
         )
         records = [
             (self.samples[k].id, self.samples[k].source, duplicate_reason(k, first), DUPLICATE_KIND)
@@ -100,9 +102,12 @@ class RunPlan:
         records += [(*problem_record(p), INPUT_KIND) for p in self.mine_problems]
         return [self.samples[k] for k in todo.tolist()], records
 
-    def pending(self, done: Collection[str], is_recorded: Callable[[tuple], bool]) -> int:
-        """Entries of this rank still to handle: samples to extract, repeats and bad rows not yet recorded."""
-        todo, records = self.work(done)
+    def pending(
+        self, done: Collection[str], is_recorded: Callable[[tuple], bool], work: tuple | None = None
+    ) -> int:
+        """Entries of this rank still to handle: samples to extract, repeats and bad rows not yet recorded.
+        ``work``: what :meth:`work` gave for the same ``done``, when the caller has it."""
+        todo, records = self.work(done) if work is None else work
         return len(todo) + sum(not is_recorded(r) for r in records)
 
     def summary(self, config: ExtractConfig) -> ExtractSummary:

@@ -242,7 +242,7 @@ def run_session(
         summary.quarantined = [q["part"] for q in store.quarantined]
         done = store.done_ids()  # reads every index part and errors file: once
         todo, records = plan.work(done)
-        pending = plan.pending(done, store.is_recorded)
+        pending = plan.pending(done, store.is_recorded, (todo, records))
         summary.skipped = plan.assigned - pending
         label = f"extract r{plan.rank}" if plan.world_size > 1 else "extract"
         session = Session(plan, config, store, summary, Progress(config.progress, pending, label))

@@ -77,6 +77,7 @@ __all__ = [
     "partition",
     "plan_positions",
     "read_state",
+    "unique_positions",
 ]
 
 # Top-level run-config keys allowed to differ on resume: library versions change when a user upgrades
@@ -237,13 +238,15 @@ def plan_positions(
     *,
     hashes: np.ndarray | None = None,
     mine: np.ndarray | None = None,
+    unique: tuple[np.ndarray, list[tuple[int, int]]] | None = None,
 ) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """(positions of ``ids`` this rank still has to extract, as an int64 array; (repeat, first) position
     pairs of this rank's repeated ids), in input order. A pure function: the store's ``plan`` and the
     read-only preflight agree. Works on the ids as arrays (their hashes, see :class:`IdSet`), so ten
     million entries cost seconds and no set of ``str``; ``hashes`` (:func:`hash_ids`) and ``mine`` (this
     rank's entries, :func:`owned`) may be passed when the caller has them, and ``ids`` as an
-    :class:`~vlfast.extraction.ids.ArrowStrings` column."""
+    :class:`~vlfast.extraction.ids.ArrowStrings` column; so may ``unique``, what :func:`unique_positions`
+    gave for the same ids (it does not depend on ``done``)."""
     import pyarrow as pa
 
     if isinstance(ids, ArrowStrings):  # a caller planning again passes the column it made the first time
@@ -251,19 +254,29 @@ def plan_positions(
     else:
         strings = pa.array(ids if isinstance(ids, list) else list(ids), pa.large_string())
     hashes = hash_ids(strings) if hashes is None else hashes
-    mine = owned(ids, rank, world_size) if mine is None else mine
-    positions = np.flatnonzero(mine)
-    every = len(positions) == len(ids)  # one rank: no copies of the ids and their hashes
-    first = first_copies(*((strings, hashes) if every else (strings.take(positions), hashes[positions])))
-    repeat = first != np.arange(len(positions))
-    repeats = list(zip(positions[repeat].tolist(), positions[first[repeat]].tolist()))
-    keep = positions[~repeat]
+    if unique is None:
+        mine = owned(ids, rank, world_size) if mine is None else mine
+        unique = unique_positions(strings, hashes, mine)
+    keep, repeats = unique
     if isinstance(done, IdSet):
         every = len(keep) == len(ids)
         is_done = done.isin(*((strings, hashes) if every else (strings.take(keep), hashes[keep])))
     else:
         is_done = np.fromiter((ids[k] in done for k in keep.tolist()), bool, len(keep))
     return keep[~is_done], repeats
+
+
+def unique_positions(
+    strings: Any, hashes: np.ndarray, mine: np.ndarray
+) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(positions of the first copy of each id among this rank's entries ``mine``, as an int64 array;
+    (repeat, first) position pairs of the others), for the ids as an Arrow column and their hashes."""
+    positions = np.flatnonzero(mine)
+    every = len(positions) == len(strings)  # one rank: no copies of the ids and their hashes
+    first = first_copies(*((strings, hashes) if every else (strings.take(positions), hashes[positions])))
+    repeat = first != np.arange(len(positions))
+    repeats = list(zip(positions[repeat].tolist(), positions[first[repeat]].tolist()))
+    return positions[~repeat], repeats
 
 
 def owned(ids: Sequence[str], rank: int, world_size: int) -> np.ndarray:
