@@ -30,6 +30,8 @@ a library error echoes is masked (:func:`masked`).
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import io
 import json
 import os
@@ -61,6 +63,7 @@ __all__ = [
     "probe",
     "probe_out",
     "read_range",
+    "read_whole",
     "refusal",
     "retrying",
     "transient_error",
@@ -441,6 +444,26 @@ class StorageReadError(OSError):
 #            the client raises it; anything else StorageReadError naming what was read and the URL.
 # "raw"      the client's own exception, for a check that classifies failures itself (integrity).
 RANGE_POLICIES = ("input", "storage", "raw")
+
+
+def read_whole(path: Any) -> bytes:
+    """A file's bytes: a local path's own ``read_bytes``; an object (a UPath) in one GET. fsspec's file
+    objects, and s3fs's ``cat_file`` unless told to read in one request, ask for the size first (a HEAD):
+    two requests per index part, errors file or listing where one does."""
+    fs = getattr(path, "fs", None)
+    if fs is None or is_local_fs(fs):
+        return path.read_bytes()
+    return fs.cat_file(path.path, **_one_request(type(fs)))
+
+
+@functools.cache
+def _one_request(cls: type) -> dict[str, Any]:
+    """The keyword that makes ``cls.cat_file`` one request (s3fs's ``max_concurrency=1``), if it has one."""
+    try:
+        params = inspect.signature(getattr(cls, "_cat_file", cls.cat_file)).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"max_concurrency": 1} if "max_concurrency" in params else {}
 
 
 def named_call(fs, call: Callable[[], T], url: str, options_json: str, doing: str = "read") -> T:

@@ -32,6 +32,8 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from vlfast.extraction.objstore import read_whole
+
 __all__ = ["LISTING_DIR", "SETTLE_S", "KeptListings", "ListedMember", "local_identity", "remote_identity"]
 
 LISTING_DIR = "listings"
@@ -155,17 +157,10 @@ class KeptListings:
     def of_folder(cls, folder: Any, rank: int = 0, world_size: int = 1) -> KeptListings:
         """The listings kept in ``folder`` (a Path, or a UPath: one GET per listing). A listing that is not
         there, or cannot be read, is a miss: the shard is listed as if none had been kept."""
-        remote = hasattr(folder, "fs")  # a UPath; a local Path has no filesystem object
 
         def read(name: str) -> bytes | None:
-            path = folder / name
             try:
-                if not remote:
-                    return path.read_bytes()
-                try:  # s3fs sends a HEAD first unless told to read in one request
-                    return path.fs.cat_file(path.path, max_concurrency=1)
-                except TypeError:
-                    return path.fs.cat_file(path.path)
+                return read_whole(folder / name)  # one GET on object storage
             except Exception:
                 return None
 

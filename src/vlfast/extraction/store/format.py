@@ -22,7 +22,7 @@ from typing import Any
 from vlfast.errors import InputRefused, VlfastError
 from vlfast.extraction.ids import check_id as check_id  # re-exported: the writer imports it from here
 from vlfast.extraction.objstore import TRANSIENT_PREFIX as TRANSIENT_PREFIX  # re-exported, as check_id
-from vlfast.extraction.objstore import is_local_fs, is_url, url_path
+from vlfast.extraction.objstore import is_local_fs, is_url, read_whole, url_path
 
 # TRANSIENT_PREFIX: how the reason of a "transient" failure begins (add_error infers the kind from it); it
 # is objstore's, which raises those errors, and is re-exported here for the store's readers.
@@ -269,8 +269,7 @@ def read_run_file(out: Path) -> dict:
             data = path.read_bytes()
         else:  # through the path's own filesystem, never the class's local methods
             path.fs.invalidate_cache(path.path)  # another rank may have written it since we last looked
-            with path.fs.open(path.path, "rb") as f:
-                data = f.read()
+            data = read_whole(path)
         doc = json.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(
@@ -434,7 +433,7 @@ def read_index_part(part: Path, columns: Sequence[str] | None = None):
 
     m = PART_RE.match(part.name)
     try:
-        data = part.read_bytes()
+        data = read_whole(part)
     except OSError as e:
         raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
     if m is not None and m.group(3) is not None and xxh3(data) != m.group(3):
@@ -537,7 +536,7 @@ def read_error_file(path: Path) -> tuple[list[dict], int]:
     """(records, damaged lines) of one errors file. A torn last line (a crash mid-append) and a line whose
     checksum fails are not records; the second kind is counted so a verification can report it."""
     records, damaged = [], 0
-    lines = path.read_bytes().split(b"\n")
+    lines = read_whole(path).split(b"\n")
     for k, raw in enumerate(lines):
         if not raw.strip():
             continue

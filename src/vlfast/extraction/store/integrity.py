@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 from vlfast.extraction.ids import ArrowStrings
+from vlfast.extraction.objstore import read_whole
 from vlfast.extraction.store.format import (
     CHECK_FILE,
     COMPACT_RE,
@@ -620,7 +621,7 @@ class HashRecord:
         try:
             if not self._local:
                 path.fs.invalidate_cache(path.path)
-            doc = json.loads(path.read_bytes())
+            doc = json.loads(read_whole(path))
             check = doc.pop("xxh3")
             if check != xxh3(canonical_json(doc).encode()) or doc.get("format") != "vlfast-checked":
                 return {}
