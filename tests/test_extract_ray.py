@@ -99,6 +99,31 @@ def test_rays_restart_alarm_is_spent_in_silence(ray_cluster, capfd):
     assert "still here" in err
 
 
+def test_a_refused_probe_costs_the_run_nothing(monkeypatch):
+    """The probe is cosmetic: a Ray that refuses it (a client connection, a full cluster) leaves stderr as it
+    was and raises nothing."""
+    from vlfast.extraction.engines.ray import _spend_actor_restart_alarm
+
+    class Refusing:
+        def remote(self, **_):
+            return lambda cls: type("P", (), {"remote": staticmethod(self.refuse)})
+
+        def put(self, value):
+            return value
+
+        @staticmethod
+        def refuse(*_):
+            raise RuntimeError("cluster full")
+
+        def kill(self, _):
+            raise AssertionError("nothing to kill")
+
+    before = os.fstat(2)
+    _spend_actor_restart_alarm(Refusing())
+    after = os.fstat(2)
+    assert (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino)  # fd 2 is where it was
+
+
 def test_rank_and_world_size_flags_split_like_torchrun(media_dir, tiny_qwen3_vl, tmp_path):
     """A Slurm array's tasks: `--rank $SLURM_ARRAY_TASK_ID --world-size $SLURM_ARRAY_TASK_COUNT`."""
     base = ["extract", str(media_dir / "good"), "-m", str(tiny_qwen3_vl), "--workers", "0", "--json"]

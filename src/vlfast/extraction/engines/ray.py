@@ -28,6 +28,7 @@ recorded, or says how many it lost.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -449,7 +450,8 @@ def _spend_actor_restart_alarm(ray) -> None:
     once and passed to each actor) and keeps that reference for the pool's lifetime, so for vlfast's stages
     the alarm is false; and a C++ log line cannot be filtered like Python's. So one such actor is created
     here while file descriptor 2 points at /dev/null, for the duration of that one call (the line is written
-    during it), and killed at once. ``--verbose`` skips this: the line prints as Ray means it to.
+    during it), and killed at once. ``--verbose`` skips this: the line prints as Ray means it to. Cosmetic,
+    so best effort: if Ray refuses the probe, the run goes on and the line may print.
     """
 
     @ray.remote(num_cpus=0, max_restarts=1)
@@ -457,17 +459,22 @@ def _spend_actor_restart_alarm(ray) -> None:
         def __init__(self, _arg):
             pass
 
-    arg = ray.put(0)
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    probe = None
     try:
-        os.dup2(null, 2)
-        probe = _Probe.remote(arg)
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-    ray.kill(probe)
+        arg = ray.put(0)
+        sys.stderr.flush()
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+            probe = _Probe.remote(arg)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(null)
+    except Exception:
+        return
+    with contextlib.suppress(Exception):
+        ray.kill(probe)
 
 
 class RayEngine:
