@@ -67,9 +67,9 @@ Listing = tuple[
 ]  # members, how it is cut short, prompt bytes
 
 
-def local_identity(path: str) -> list[Any] | None:
-    """The identity of a local shard, or None when it changed too recently to be kept."""
-    st = os.stat(path)
+def local_identity(path: str, st: os.stat_result) -> list[Any] | None:
+    """The identity of a local shard (``st``: its ``os.stat``), or None when it changed too recently to be
+    kept."""
     if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < SETTLE_S * 1e9:
         return None
     return ["file", os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
@@ -179,6 +179,17 @@ class KeptListings:
                 self.damaged.append(name)
             else:
                 self.used += 1
+        return listing
+
+    def listing(
+        self, identity: Sequence[Any] | None, size: int, position: int, scan: Callable[[], Listing]
+    ) -> Listing:
+        """The shard's kept listing if there is a sound one for ``identity``, else ``scan()``'s, offered to
+        be kept (``position``: the shard's place in the pattern)."""
+        listing = self.get(identity, size)
+        if listing is None:
+            listing = scan()
+            self.keep(identity, listing, position)
         return listing
 
     def keep(self, identity: Sequence[Any] | None, listing: Listing, position: int) -> None:

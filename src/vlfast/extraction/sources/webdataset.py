@@ -477,14 +477,13 @@ def _shard_entries(
 ) -> tuple[list[Sample], list[InputProblem]]:
     """The samples and problems of one local shard; ``rel`` qualifies its keys into ids. Its listing is
     ``kept``'s when OUT keeps one for this very file, else read (and offered to ``kept``)."""
-    size = os.stat(shard).st_size
-    identity = local_identity(shard) if kept is not None else None
-    listing = kept.get(identity, size) if kept is not None else None
-    if listing is None:
+    st = os.stat(shard)
+
+    def scan() -> Listing:
         with open(shard, "rb") as f:
-            listing = _scan(f, size, shard)
-        if kept is not None:
-            kept.keep(identity, listing, position)
+            return _scan(f, st.st_size, shard)
+
+    listing = scan() if kept is None else kept.listing(local_identity(shard, st), st.st_size, position, scan)
     return _entries(shard, rel, *listing)
 
 
@@ -635,16 +634,15 @@ def _list_one(
             f"shard {shard}: the store does not give its size, which reading its members in place needs"
         )
     size = int(entry["size"])
-    identity = remote_identity(shard, entry) if kept is not None else None
-    listing = kept.get(identity, size) if kept is not None else None
-    if listing is None:
+
+    def scan() -> Listing:
         with RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
             try:
-                listing = _scan(f, size, shard)
+                return _scan(f, size, shard)
             except (OSError, TransientReadError) as e:  # the message names the URL, never the options
                 raise RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
-        if kept is not None:
-            kept.keep(identity, listing, position)
+
+    listing = scan() if kept is None else kept.listing(remote_identity(shard, entry), size, position, scan)
     return _entries(shard, rel, *listing, options_json)
 
 
