@@ -265,11 +265,9 @@ def read_run_file(out: Path) -> dict:
     """run.json, parsed; refused if a newer vlfast wrote it (its format_version is higher than ours)."""
     path = out / RUN_FILE
     try:
-        if is_local(path):
-            data = path.read_bytes()
-        else:  # through the path's own filesystem, never the class's local methods
+        if not is_local(path):
             path.fs.invalidate_cache(path.path)  # another rank may have written it since we last looked
-            data = read_whole(path)
+        data = read_whole(path)  # a local read, or one GET through the path's own filesystem
         doc = json.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(
