@@ -2,7 +2,7 @@
 
 N tiny samples (one 64-value float16 feature each, so the bookkeeping is all there is) go through the real
 ``FeatureStore``, locally and/or on S3 (moto's server on 127.0.0.1), driven the way a run drives it without
-a model: the input as a list of ``Sample``, a ``RunPlan``, ``RunPlan.finished`` (the read-only preflight),
+a model: the input list, a ``RunPlan``, ``RunPlan.finished`` (the read-only preflight),
 the engines' own ``_opened_store``, ``done_ids()`` and ``RunPlan.work``. Every measured step runs in a
 fresh process (``--_step``), so its peak RSS (``ru_maxrss``) is its own:
 
@@ -18,9 +18,11 @@ fresh process (``--_step``), so its peak RSS (``ru_maxrss``) is its own:
 5. ``FeatureCache(OUT)`` opened (and ``len``).
 
 Planning is measured for rank 0 of ``--ranks`` (every rank reads the same index parts and errors files
-today, so the others cost the same). Building the input list (``Sample`` objects, what listing a folder
-or a manifest gives) is timed apart and not in the planning time; the peak RSS includes it, and
-``bookkeeping_mib`` is the peak minus the RSS once the inputs were built.
+today, so the others cost the same). The input is a JSONL manifest of N rows (``{"id", "path"}``), written
+once by the driver and read in each step by vlfast's own source into a ``SampleTable`` (columns), or with
+``--input list`` a list of N ``Sample`` objects as an API caller would pass it. Building it is timed apart
+(``inputs_s``) and not in the planning time; the peak RSS includes it, and ``bookkeeping_mib`` is the peak
+minus the RSS once the inputs were built.
 
 On S3 every HTTP request any client of the measured process makes is counted **at the server**: the moto
 server runs in this process behind a WSGI middleware that counts each request by method and kind (list,
@@ -75,10 +77,30 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _inputs(n: int):
+def _inputs(spec: dict):
+    """The input list: the manifest the driver wrote, read by the real source (a SampleTable of columns),
+    or (``--input list``) a list of ``Sample`` objects as an API caller would hold it."""
+    if spec["input"] == "manifest":
+        from vlfast.extraction.sources.listing import load_inputs
+
+        samples, problems = load_inputs(spec["manifest"])
+        assert not problems and len(samples) == spec["samples"], (len(samples), problems[:3])
+        return samples
     from vlfast.extraction.sources.sample import Sample
 
-    return [Sample(sample_id(i), "image", (f"images/{sample_id(i)}.jpg",)) for i in range(n)]
+    return [Sample(sample_id(i), "image", (f"images/{sample_id(i)}.jpg",)) for i in range(spec["samples"])]
+
+
+def write_manifest(path: Path, n: int) -> None:
+    """A JSONL manifest of ``n`` rows, ``{"id": ..., "path": "images/....jpg"}``."""
+    with open(path, "w") as f:
+        for start in range(0, n, 100_000):
+            f.write(
+                "".join(
+                    f'{{"id": "{sample_id(i)}", "path": "images/{sample_id(i)}.jpg"}}\n'
+                    for i in range(start, min(n, start + 100_000))
+                )
+            )
 
 
 def _plan(spec: dict, samples: list):
@@ -131,7 +153,7 @@ def step(spec: dict) -> dict[str, Any]:
         return res
 
     t0 = time.perf_counter()
-    samples = _inputs(spec["samples"])
+    samples = _inputs(spec)
     res["inputs_s"] = time.perf_counter() - t0
     res["rss_inputs_mib"] = _rss_mib()
 
@@ -299,7 +321,12 @@ def measure(storage: str, a: argparse.Namespace, workdir: Path) -> dict[str, Any
         else:
             out = f"s3://{BUCKET}/out-{a.samples}-{a.per_part}-r{a.ranks}"
             options = {"client_kwargs": {"endpoint_url": endpoint}}
+        manifest = workdir / f"inputs-{a.samples}.jsonl"
+        if a.input == "manifest" and not manifest.exists():
+            write_manifest(manifest, a.samples)
         base = {
+            "input": a.input,
+            "manifest": str(manifest),
             "out": out,
             "storage_options": options,
             "samples": a.samples,
@@ -387,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-part", type=int, default=1024, help="samples per shard and index part")
     p.add_argument("--storage", choices=("local", "s3", "both"), default="local")
     p.add_argument("--ranks", type=int, default=1, help="ranks that write (each its own shards and parts)")
+    p.add_argument(
+        "--input",
+        choices=("manifest", "list"),
+        default="manifest",
+        help="the input: a JSONL manifest read by vlfast's source (default), or a list of Sample objects",
+    )
     p.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
     p.add_argument("--keep", default=None, help="write the local OUT into this folder and keep it")
     p.add_argument(
@@ -420,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples": a.samples,
         "per_part": a.per_part,
         "ranks": a.ranks,
+        "input": a.input,
         "feature": f"one ({DIM},) float16 tensor per sample",
         "inline": a.inline,
         "load_average_start": os.getloadavg(),

@@ -23,6 +23,7 @@ from vlfast.extraction.model.runner import family_of
 from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.listing import load_inputs
 from vlfast.extraction.sources.sample import InputProblem, Sample
+from vlfast.extraction.sources.table import SampleTable
 
 __all__ = ["RUNTIME_KEY", "RunPlan", "make_plan", "problem_record"]
 
@@ -46,7 +47,7 @@ class RunPlan:
     """Everything ``extract`` decides before OUT is locked; the engines run it."""
 
     out: Any  # resolved: a Path, or a UPath carrying its storage options
-    samples: list[Sample]
+    samples: SampleTable  # a sequence of Sample given here is made a table
     problems: list[InputProblem]
     rank: int
     world_size: int
@@ -68,6 +69,7 @@ class RunPlan:
     def __post_init__(self) -> None:
         from vlfast.extraction.store.resume import owned
 
+        self.samples = SampleTable.of(self.samples)
         self.mine_problems = [
             p for p in self.problems if _mine(problem_record(p)[0], self.rank, self.world_size)
         ]
@@ -76,20 +78,21 @@ class RunPlan:
         self.assigned = int(self._mine.sum()) + len(self.mine_problems)
 
     @property
-    def ids(self) -> list[str]:
-        return [s.id for s in self.samples]
+    def ids(self) -> Sequence[str]:
+        """The input's ids in order, read from the table's column a chunk at a time."""
+        from vlfast.extraction.ids import ArrowStrings
 
-    def work(self, done: Collection[str]) -> tuple[list[Sample], list[tuple[str, str, str, str]]]:
+        return ArrowStrings(self.samples.ids)
+
+    def work(self, done: Collection[str]) -> tuple[SampleTable, list[tuple[str, str, str, str]]]:
         """This rank's samples still to extract, and the error records its entries call for (a repeated
         id, a bad input row): (id, source, reason, kind) each, recorded once (a resumed run writes none)."""
-        import pyarrow as pa
-
-        from vlfast.extraction.ids import ArrowStrings, hash_ids
+        from vlfast.extraction.ids import hash_ids
         from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND
         from vlfast.extraction.store.resume import duplicate_reason, plan_positions, unique_positions
 
         if self._column is None:  # made once: the preflight and the engine both plan
-            self._column = ArrowStrings(pa.array(self.ids, pa.large_string()))
+            self._column = self.ids  # the table's own column: no copy
             self._hashes = hash_ids(self._column.array)
             self._unique = unique_positions(self._column.array, self._hashes, self._mine)
         todo, repeats = plan_positions(
@@ -100,7 +103,7 @@ class RunPlan:
             for k, first in repeats
         ]
         records += [(*problem_record(p), INPUT_KIND) for p in self.mine_problems]
-        return [self.samples[k] for k in todo.tolist()], records
+        return self.samples.take(todo), records
 
     def pending(
         self, done: Collection[str], is_recorded: Callable[[tuple], bool], work: tuple | None = None
@@ -191,7 +194,7 @@ def make_plan(
     fingerprint_seconds = time.perf_counter() - t0
     return RunPlan(
         out=out,
-        samples=list(samples),
+        samples=SampleTable.of(samples),
         problems=list(problems),
         rank=rank,
         world_size=world_size,

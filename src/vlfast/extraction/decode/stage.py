@@ -23,6 +23,7 @@ from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.workers import unexpected_item
 from vlfast.extraction.objstore import TransientReadError
 from vlfast.extraction.sources.sample import Sample
+from vlfast.extraction.sources.table import SampleTable
 
 __all__ = ["DecodedSample", "SampleDataset", "is_failure", "prepare_decoding", "worker_init"]
 
@@ -67,7 +68,9 @@ class SampleDataset:
         default_prompt: str,
         hook: Callable[[Sample], None] | None = None,
     ):
-        self.samples, self.pre, self.prompts = list(samples), pre, prompts
+        # A SampleTable is kept as it is (its samples are made as they are decoded); a list is copied
+        self.samples = samples if isinstance(samples, SampleTable) else list(samples)
+        self.pre, self.prompts = pre, prompts
         self.default_prompt = default_prompt
         self.hook = hook  # tests inject faults here (a crashing or hanging decoder)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -161,7 +161,7 @@ class Session:
 
     def __init__(self, plan: RunPlan, config: ExtractConfig, store, summary: ExtractSummary, bar: Progress):
         self.plan, self.config, self.store, self.summary, self.bar = plan, config, store, summary, bar
-        self.todo: list[Sample] = []
+        self.todo: Sequence[Sample] = ()  # a SampleTable once planned
         self.errors: Counter[str] = Counter()
         self.recorded_elsewhere = 0
         self.cpu_excluded = 0.0  # CPU seconds outside the run's own time (the model build)

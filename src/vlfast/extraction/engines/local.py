@@ -95,7 +95,7 @@ class _Extraction:
             loaded.family,
             plan.processor,
             config.spec.needs_llm,
-            any(s.kind == "image" for s in self.todo),
+            self.todo.has_kind("image"),
             embedding=config.spec.embedding_prompt(),
         )
         self.dataset = SampleDataset(self.todo, pre, prompts, config.spec.prompt, hooks.decode)

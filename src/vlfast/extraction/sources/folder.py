@@ -24,6 +24,7 @@ from vlfast.extraction.sources.sample import (
     kind_of,
     storable,
 )
+from vlfast.extraction.sources.table import SampleTable
 
 __all__ = ["is_media_name", "load_folder"]
 
@@ -50,7 +51,7 @@ def _unreadable_reason(path: Path) -> str | None:
     return None
 
 
-def load_folder(root: Path) -> tuple[list[Sample], list[InputProblem]]:
+def load_folder(root: Path) -> tuple[SampleTable, list[InputProblem]]:
     """The samples under ``root`` sorted by path components, and the problems; FileNotFoundError when
     ``root`` is not a folder."""
     if not root.is_dir():
@@ -82,6 +83,6 @@ def load_folder(root: Path) -> tuple[list[Sample], list[InputProblem]]:
             else:
                 found.append((rel.parts, Sample(sid, kind_of(fname), (str(path),))))
     found.sort(key=lambda kv: kv[0])  # the order Path sorting gives: by path components
-    samples = [x for _, x in found if isinstance(x, Sample)]
+    samples = SampleTable.of(x for _, x in found if isinstance(x, Sample))
     problems = [x for _, x in found if isinstance(x, InputProblem)]
     return samples, problems

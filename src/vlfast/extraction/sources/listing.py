@@ -30,13 +30,14 @@ from vlfast.extraction.sources.sample import (
     require_samples,
     storable,
 )
+from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
 from vlfast.extraction.sources.webdataset import is_shard_input, load_shards
 
 __all__ = ["load_inputs"]
 
 
-def _load_list(items: Sequence[Any]) -> tuple[list[Sample], list[InputProblem]]:
-    samples: list[Sample] = []
+def _load_list(items: Sequence[Any]) -> tuple[SampleTable, list[InputProblem]]:
+    samples = SampleTableBuilder()
     problems: list[InputProblem] = []
     for i, item in enumerate(items):
         where = f"inputs[{i}]"
@@ -56,16 +57,17 @@ def _load_list(items: Sequence[Any]) -> tuple[list[Sample], list[InputProblem]]:
             raise InputRefused(
                 f"inputs must be a path, or a list of Sample or dict rows; got {type(item).__name__}"
             )
-    return samples, problems
+    return samples.build(), problems
 
 
 def load_inputs(
     source: str | os.PathLike | Sequence[Sample | dict],
     storage_options: dict[str, Any] | None = None,
     kept: KeptListings | None = None,
-) -> tuple[list[Sample], list[InputProblem]]:
+) -> tuple[SampleTable, list[InputProblem]]:
     """The samples of a folder, a manifest, a media file, WebDataset tar shards (a ``.tar`` path or a brace
     pattern, see :mod:`vlfast.extraction.sources.webdataset`), or a list of samples or dict rows, and the problems.
+    The samples come as a :class:`~vlfast.extraction.sources.table.SampleTable` (columns, not objects).
 
     A row or entry that cannot become a sample is an :class:`InputProblem` (where, reason, id) and the rest
     go on. A list passed by an API user is treated alike: a :class:`Sample` whose id or paths cannot be
@@ -103,7 +105,7 @@ def load_inputs(
         reason = storable(path.name, (), None)  # as in a folder scan: the path opens as the OS gave it
         if reason:
             raise InputRefused(f"input {name}: {reason}")
-        return [Sample(path.name, kind_of(path.name), (str(path),))], []
+        return SampleTable.of([Sample(path.name, kind_of(path.name), (str(path),))]), []
     raise FileNotFoundError(
         f"input {name} is neither a folder, a manifest nor an image or video file; {SUPPORTED}"
     )

@@ -35,10 +35,14 @@ from vlfast.extraction.sources.sample import (
     Kind,
     Sample,
     display_path,
+    is_posix_form,
     kind_of,
+    posix_form,
     quoted,
     storable,
+    suffix_of,
 )
+from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
 
 __all__ = ["load_manifest", "row_sample"]
 
@@ -139,7 +143,7 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
     paths = got_paths
     if len(paths) > 1:
         for i, p in enumerate(paths):
-            if Path(p).suffix.lower() in VIDEO_SUFFIXES:
+            if suffix_of(p).lower() in VIDEO_SUFFIXES:
                 return InputProblem(
                     where,
                     f"frame lists hold images; item {i} ({quoted(p)}) is a video: "
@@ -148,13 +152,13 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
                 )
     prompt = texts.pop("prompt")
     # a URL's id is the URL itself (Path would fold its "//")
-    sid = given_id if given_id is not None else (paths[0] if is_url(paths[0]) else Path(paths[0]).as_posix())
+    sid = given_id if given_id is not None else (paths[0] if is_url(paths[0]) else posix_form(paths[0]))
     reason = storable(sid, paths, prompt, id_from_path=given_id is None, texts=texts)
     if reason:
         return InputProblem(where, reason, given_id)
     kind: Kind = "frames" if len(paths) > 1 else kind_of(paths[0])  # a one-frame list is its file's kind
     if base is not None:
-        paths = [p if is_url(p) or Path(p).is_absolute() else _joined(base, p) for p in paths]
+        paths = [p if p.startswith("/") or is_url(p) else _joined(base, p) for p in paths]
     try:
         return Sample(sid, kind, tuple(paths), prompt, text=texts["text"], instruction=texts["instruction"])
     except (TypeError, ValueError) as e:  # checked above; kept so a gap here is a row problem, not a crash
@@ -289,13 +293,19 @@ def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] |
 
 
 def _joined(base: Path | str, path: str) -> str:
-    """``path`` relative to a manifest's folder: a local folder, or a URL (a manifest read through fsspec)."""
-    return f"{base.rstrip('/')}/{path}" if isinstance(base, str) else str(base / path)
+    """``path`` relative to a manifest's folder: a local folder (``str(base / path)``, from the strings when
+    ``path`` is already in posix form), or a URL (a manifest read through fsspec)."""
+    if isinstance(base, str):
+        return f"{base.rstrip('/')}/{path}"
+    if not is_posix_form(path):
+        return str(base / path)
+    folder = str(base)  # a Path's string is already in posix form
+    return path if folder == "." else f"{folder.rstrip('/')}/{path}"
 
 
 def load_manifest(
     path: Path, name: str | None = None, base: str | None = None
-) -> tuple[list[Sample], list[InputProblem]]:
+) -> tuple[SampleTable, list[InputProblem]]:
     """The samples and problems of the manifest at ``path``, its rows in order. ``name`` and ``base`` stand in
     for a local copy of a manifest read from a URL (the URL, and the URL's folder)."""
     name = name or display_path(path)
@@ -310,9 +320,9 @@ def load_manifest(
         raise InputRefused(f"{name}: a manifest must end in .jsonl, .csv or .parquet")
     if not path.is_file():
         raise FileNotFoundError(f"manifest {name} does not exist")
-    samples: list[Sample] = []
+    samples = SampleTableBuilder()  # columns: a manifest of millions of rows is not millions of objects
     problems: list[InputProblem] = []
     for where, row in rows:
         got = row if isinstance(row, InputProblem) else row_sample(row, where, base or path.parent)
         (problems if isinstance(got, InputProblem) else samples).append(got)  # type: ignore[arg-type]
-    return samples, problems
+    return samples.build(), problems

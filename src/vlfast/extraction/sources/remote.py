@@ -59,6 +59,7 @@ from vlfast.extraction.sources.sample import (
     require_samples,
     storable,
 )
+from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
 from vlfast.extraction.sources.webdataset import is_shard_input, load_shards
 
 __all__ = ["RemoteFile", "attach", "load_url", "with_remote"]
@@ -104,7 +105,7 @@ class RemoteFile:
 
 def load_url(
     url: str, storage_options: Mapping[str, Any] | None = None, kept: KeptListings | None = None
-) -> tuple[list[Sample], list[InputProblem]]:
+) -> tuple[SampleTable, list[InputProblem]]:
     """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL
     (a ``.tar`` or a brace pattern), or one image or video URL."""
     options = encode_options(storage_options)
@@ -119,11 +120,11 @@ def load_url(
     if info.get("type") != "directory":
         if suffix not in IMAGE_SUFFIXES | VIDEO_SUFFIXES:
             raise RemoteInputError(f"input {url} is neither a folder nor an image or video file")
-        return [Sample(url, kind_of(url), (url,), member=RemoteFile(url, options))], []
+        return SampleTable.of([Sample(url, kind_of(url), (url,), member=RemoteFile(url, options))]), []
     return _load_folder_url(url, options)
 
 
-def _load_folder_url(url: str, options: str) -> tuple[list[Sample], list[InputProblem]]:
+def _load_folder_url(url: str, options: str) -> tuple[SampleTable, list[InputProblem]]:
     """A folder at a URL, as :func:`~vlfast.extraction.sources.folder.load_folder` scans a local one."""
     fs, root = filesystem(url, options)
     root = root.rstrip("/")
@@ -141,7 +142,7 @@ def _load_folder_url(url: str, options: str) -> tuple[list[Sample], list[InputPr
             member = RemoteFile(file_url, options)
             found.append((parts, Sample(rel, kind_of(rel), (file_url,), member=member)))
     found.sort(key=lambda kv: kv[0])
-    samples = [x for _, x in found if isinstance(x, Sample)]
+    samples = SampleTable.of(x for _, x in found if isinstance(x, Sample))
     problems = [x for _, x in found if not isinstance(x, Sample)]
     if not samples and not problems:
         raise EmptyInput(f"input folder {url} holds no image or video file (hidden files are skipped)")
@@ -150,7 +151,7 @@ def _load_folder_url(url: str, options: str) -> tuple[list[Sample], list[InputPr
 
 def _remote_manifest(
     url: str, suffix: str, storage_options: Mapping[str, Any] | None
-) -> tuple[list[Sample], list[InputProblem]]:
+) -> tuple[SampleTable, list[InputProblem]]:
     """A manifest at a URL, copied to a temporary file and read as a local one; its relative paths are
     relative to its URL's folder, its errors name the URL."""
     options = encode_options(storage_options)
@@ -171,12 +172,12 @@ def _remote_manifest(
 
 def attach(
     samples: Sequence[Sample], storage_options: Mapping[str, Any] | None = None
-) -> tuple[list[Sample], list[InputProblem]]:
+) -> tuple[SampleTable, list[InputProblem]]:
     """``samples`` with a :class:`RemoteFile` on each whose path is a URL; a frame list of URLs is a
     problem (not supported yet). Each bucket is probed once: an unreachable endpoint, missing bucket or
     refused credentials raise before any work, while a missing object is left to the worker to record."""
     options = encode_options(storage_options)
-    out: list[Sample] = []
+    out = SampleTableBuilder()
     problems: list[InputProblem] = []
     probed: set[str] = set()
     for s in samples:
@@ -194,15 +195,15 @@ def attach(
             probed.add(bucket)
             probe(bucket, options)
         out.append(dataclasses.replace(s, member=RemoteFile(url, options)))
-    return out, problems
+    return out.build(), problems
 
 
 def with_remote(
-    got: tuple[list[Sample], list[InputProblem]], storage_options: Mapping[str, Any] | None
-) -> tuple[list[Sample], list[InputProblem]]:
+    got: tuple[SampleTable, list[InputProblem]], storage_options: Mapping[str, Any] | None
+) -> tuple[SampleTable, list[InputProblem]]:
     """``got`` with :func:`attach` applied when a sample's path is a URL (so fsspec only then)."""
     samples, problems = got
-    if not any(is_url(p) for s in samples for p in s.paths):
+    if not samples.any_path(is_url):
         return samples, problems
     samples, more = attach(samples, storage_options)
     return samples, problems + more

@@ -67,6 +67,7 @@ from vlfast.extraction.sources.sample import (
     kind_of,
     storable,
 )
+from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
 
 __all__ = ["MAX_SHARDS", "TarMember", "expand_braces", "is_shard_input", "list_shards", "load_shards"]
 
@@ -670,7 +671,7 @@ def load_shards(
     pattern: str | os.PathLike,
     storage_options: Mapping[str, Any] | None = None,
     kept: KeptListings | None = None,
-) -> tuple[list[Sample], list[InputProblem]]:
+) -> tuple[SampleTable, list[InputProblem]]:
     """Samples of every shard ``pattern`` names, in pattern then tar order, and the problems found.
 
     Refused before anything is read (so before any work): a pattern that does not parse, a shard that does
@@ -695,9 +696,9 @@ def load_shards(
         not_files = [s for s in shards if not os.path.isfile(s) and os.path.exists(s)]
         _refuse_missing(text, shards, missing, not_files)
         listed = [_shard_entries(shard, rel, kept, i) for i, (shard, rel) in enumerate(zip(shards, rels))]
-    samples: list[Sample] = []
+    samples = SampleTableBuilder()
     problems: list[InputProblem] = []
     for got, bad in listed:
-        samples += got
+        samples.extend(got)
         problems += bad
-    return samples, problems
+    return samples.build(), problems

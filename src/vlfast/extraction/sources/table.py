@@ -1,0 +1,319 @@
+"""The input list as columns: :class:`SampleTable`, a read-only sequence of :class:`Sample` whose fields are
+held in Arrow and numpy arrays, and :class:`SampleTableBuilder`, which sources append to.
+
+A run's input at ten million entries was ten million ``Sample`` objects with their strings (about 280 bytes
+each, 2.8 GiB), held by every rank for the whole run. Here a sample costs its bytes: its id, its file name
+(the folder part of a path is kept once per distinct folder), a kind byte, and what it has of prompt, text
+and instruction. A ``Sample`` is made only when one is asked for (``table[i]``, iteration a chunk at a time),
+so the planning (:class:`~vlfast.extraction.plan.RunPlan`) works on the id column and the engines make the
+objects of the samples being decoded. Every field round-trips exactly, a path holding a non-UTF-8 byte from
+the file system included (text is kept as ``surrogatepass`` UTF-8 bytes).
+
+Members (a WebDataset tar member, an object at a URL) are kept as the objects the source made, one per
+sample that has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vlfast.errors import InputRefused
+from vlfast.extraction.sources.sample import Member, Sample
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["SampleTable", "SampleTableBuilder"]
+
+KINDS = ("image", "video", "frames", "text")
+_CODE = {k: i for i, k in enumerate(KINDS)}
+_FRAMES, _TEXT = _CODE["frames"], _CODE["text"]
+_CHUNK = 1 << 16  # rows turned into Arrow at a time while building, and into samples while iterating
+_MAX_DIRS = 1 << 16  # distinct folders kept once; a path in a folder past these is kept whole
+_OPTIONAL = ("prompt", "text", "instruction")
+
+
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # any str, a lone surrogate included, round-trips
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogatepass")
+
+
+class SampleTable(Sequence[Sample]):
+    """The samples of an input, in order, as columns. Indexing gives a :class:`Sample`; a slice or
+    :meth:`take` gives another table; :attr:`ids` is the id column itself (Arrow ``large_string``).
+    Compares equal to any sequence holding equal samples in the same order."""
+
+    __slots__ = ("_dir", "_dirs", "_frames", "_ids", "_kinds", "_members", "_names", "_optional")
+
+    def __init__(
+        self,
+        ids: pa.Array,
+        kinds: np.ndarray,
+        dirs: list[str],
+        dir_index: np.ndarray,
+        names: pa.Array,
+        frames: dict[int, tuple[str, ...]],
+        optional: dict[str, pa.Array],
+        members: list[Member | None] | None,
+    ):
+        self._ids, self._kinds, self._dirs, self._dir, self._names = ids, kinds, dirs, dir_index, names
+        self._frames, self._optional, self._members = frames, optional, members
+
+    # ------------------------------------------------------------------------------------ constructing
+
+    @classmethod
+    def of(cls, samples: Iterable[Sample]) -> SampleTable:
+        """``samples`` as a table (a table is returned as it is)."""
+        if isinstance(samples, SampleTable):
+            return samples
+        builder = SampleTableBuilder()
+        builder.extend(samples)
+        return builder.build()
+
+    @classmethod
+    def empty(cls) -> SampleTable:
+        return SampleTableBuilder().build()
+
+    # ------------------------------------------------------------------------------------ reading
+
+    def __len__(self) -> int:
+        return len(self._kinds)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return self.take(np.arange(len(self))[k])
+        n = len(self)
+        if not -n <= k < n:
+            raise IndexError(f"sample {k} of a table of {n}")
+        k = int(k) % n if k < 0 else int(k)
+        return self._sample(
+            k,
+            self._ids[k].as_py(),
+            self._names[k].as_py(),
+            {name: col[k].as_py() for name, col in self._optional.items()},
+        )
+
+    def _sample(self, k: int, sample_id: str, name: bytes, optional: dict[str, bytes | None]) -> Sample:
+        code = int(self._kinds[k])
+        if code == _FRAMES:
+            paths = self._frames[k]
+        elif code == _TEXT:
+            paths = ()
+        else:
+            d = int(self._dir[k])
+            paths = ((self._dirs[d] if d >= 0 else "") + _decode(name),)
+        texts = {key: None if v is None else _decode(v) for key, v in optional.items()}
+        return Sample(
+            sample_id,
+            KINDS[code],  # type: ignore[arg-type]
+            paths,
+            texts.get("prompt"),
+            None if self._members is None else self._members[k],
+            text=texts.get("text"),
+            instruction=texts.get("instruction"),
+        )
+
+    def __iter__(self) -> Iterator[Sample]:
+        for start in range(0, len(self), _CHUNK):
+            ids = self._ids.slice(start, _CHUNK).to_pylist()
+            names = self._names.slice(start, _CHUNK).to_pylist()
+            optional = {name: col.slice(start, _CHUNK).to_pylist() for name, col in self._optional.items()}
+            for j, (sample_id, name) in enumerate(zip(ids, names)):
+                yield self._sample(start + j, sample_id, name, {key: v[j] for key, v in optional.items()})
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking sequences are not hashable, as list
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(s) for s in self[:2]) if len(self) else ""
+        return f"SampleTable({len(self)} samples{': ' + shown if shown else ''}{', ...' if len(self) > 2 else ''})"
+
+    @property
+    def ids(self) -> pa.Array:
+        """The samples' ids, an Arrow ``large_string`` array in the table's order."""
+        return self._ids
+
+    def id_list(self) -> list[str]:
+        return self._ids.to_pylist()
+
+    def any_path(self, test: Callable[[str], bool]) -> bool:
+        """Whether ``test`` holds for some path of some sample (folder parts are tested once each: a test
+        that looks at a path's start, such as ``is_url``, sees the whole of it there)."""
+        used = self._dir[self._dir >= 0]
+        if any(test(self._dirs[d]) for d in np.unique(used).tolist()):
+            return True
+        whole = np.flatnonzero((self._dir < 0) & (self._kinds != _FRAMES) & (self._kinds != _TEXT))
+        if any(test(_decode(self._names[int(k)].as_py())) for k in whole):
+            return True
+        return any(test(p) for paths in self._frames.values() for p in paths)
+
+    def has_kind(self, kind: str) -> bool:
+        return bool((self._kinds == _CODE[kind]).any())
+
+    def source(self, k: int) -> str:
+        """``self[k].source`` (the input as an error report names it)."""
+        return self[k].source
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the columns hold (the folder names and members' objects not counted)."""
+        arrays = [self._ids, self._names, *self._optional.values()]
+        return sum(a.nbytes for a in arrays) + self._kinds.nbytes + self._dir.nbytes
+
+    def take(self, positions: Sequence[int] | np.ndarray) -> SampleTable:
+        """The samples at ``positions``, in that order, as a table."""
+        import pyarrow as pa
+
+        idx = np.asarray(positions, dtype=np.int64)
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"positions outside a table of {len(self)}")
+        if len(idx) == len(self) and (len(idx) == 0 or (idx[0] == 0 and bool((np.diff(idx) == 1).all()))):
+            return self  # all of it, in order (a first run's work): the same columns, not a copy
+        arrow_idx = pa.array(idx, pa.int64())
+        frames = (
+            {j: self._frames[int(k)] for j, k in enumerate(idx) if int(k) in self._frames}
+            if self._frames
+            else {}
+        )
+        return SampleTable(
+            self._ids.take(arrow_idx),
+            self._kinds[idx],
+            self._dirs,
+            self._dir[idx],
+            self._names.take(arrow_idx),
+            frames,
+            {name: col.take(arrow_idx) for name, col in self._optional.items()},
+            None if self._members is None else [self._members[int(k)] for k in idx],
+        )
+
+
+class SampleTableBuilder:
+    """Samples appended one at a time, turned into Arrow every 65,536 rows: a source listing millions of
+    entries never holds more than one chunk of them as objects."""
+
+    def __init__(self) -> None:
+        import pyarrow as pa
+
+        self._pa = pa
+        self._n = 0
+        self._dirs: list[str] = []
+        self._dir_of: dict[str, int] = {}
+        self._frames: dict[int, tuple[str, ...]] = {}
+        self._members: list[Member | None] | None = None
+        self._has: set[str] = set()  # optional columns some sample has a value in
+        self._chunks: dict[str, list[Any]] = {k: [] for k in ("ids", "names", "kinds", "dir", *_OPTIONAL)}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ids: list[str] = []
+        self._names: list[bytes] = []
+        self._kinds: list[int] = []
+        self._dir: list[int] = []
+        self._optional: dict[str, list[bytes | None]] = {k: [] for k in _OPTIONAL}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def append(self, s: Sample) -> None:
+        if not isinstance(s, Sample):
+            raise TypeError(f"a SampleTable holds Sample objects, got {type(s).__name__}")
+        code = _CODE[s.kind]
+        d, name = -1, b""
+        if code == _FRAMES:
+            self._frames[self._n] = tuple(s.paths)
+        elif code != _TEXT:
+            head, sep, tail = s.paths[0].rpartition("/")
+            prefix = head + sep
+            d = self._dir_of.get(prefix, -1)
+            if d < 0 and len(self._dirs) < _MAX_DIRS:
+                d = self._dir_of[prefix] = len(self._dirs)
+                self._dirs.append(prefix)
+            name = _encode(tail if d >= 0 else s.paths[0])
+        if s.member is not None and self._members is None:
+            self._members = [None] * self._n
+        if self._members is not None:
+            self._members.append(s.member)
+        self._ids.append(s.id)
+        self._names.append(name)
+        self._kinds.append(code)
+        self._dir.append(d)
+        for key, value in (("prompt", s.prompt), ("text", s.text), ("instruction", s.instruction)):
+            if value is not None:
+                self._has.add(key)
+                self._optional[key].append(_encode(value))
+            else:
+                self._optional[key].append(None)
+        self._n += 1
+        if len(self._ids) >= _CHUNK:
+            self._flush()
+
+    def extend(self, samples: Iterable[Sample]) -> None:
+        for s in samples:
+            self.append(s)
+
+    def _flush(self) -> None:
+        pa = self._pa
+        if not self._ids:
+            return
+        try:
+            ids = pa.array(self._ids, pa.large_string())
+        except (UnicodeEncodeError, pa.ArrowInvalid) as e:  # every source checks ids (storable) first
+            raise InputRefused(
+                f"a sample id cannot be stored as UTF-8 text ({e}); give ids of valid text"
+            ) from None
+        self._chunks["ids"].append(ids)
+        self._chunks["names"].append(pa.array(self._names, pa.large_binary()))
+        self._chunks["kinds"].append(np.array(self._kinds, np.uint8))
+        self._chunks["dir"].append(np.array(self._dir, np.int32))
+        for key in _OPTIONAL:  # a chunk without a value in a column is kept as its length alone
+            values = self._optional[key]
+            filled = any(v is not None for v in values)
+            self._chunks[key].append(pa.array(values, pa.large_binary()) if filled else len(values))
+        self._reset()
+        pa.default_memory_pool().release_unused()
+
+    def build(self) -> SampleTable:
+        """The table of what was appended (the builder is spent)."""
+        pa = self._pa
+        self._flush()
+        c = self._chunks
+
+        def joined(chunks: list[Any], empty: Any) -> Any:
+            if not chunks:
+                return empty
+            if isinstance(chunks[0], np.ndarray):
+                return np.concatenate(chunks)
+            return pa.concat_arrays(chunks) if len(chunks) > 1 else chunks[0]
+
+        optional = {
+            key: joined(
+                [pa.nulls(x, pa.large_binary()) if isinstance(x, int) else x for x in c[key]],
+                pa.array([], pa.large_binary()),
+            )
+            for key in _OPTIONAL
+            if key in self._has
+        }
+        table = SampleTable(
+            joined(c["ids"], pa.array([], pa.large_string())),
+            joined(c["kinds"], np.empty(0, np.uint8)),
+            self._dirs,
+            joined(c["dir"], np.empty(0, np.int32)),
+            joined(c["names"], pa.array([], pa.large_binary())),
+            self._frames,
+            optional,
+            self._members,
+        )
+        self._chunks = {k: [] for k in c}
+        del c
+        pa.default_memory_pool().release_unused()  # the chunks were copied into one array each: give them back
+        return table

@@ -1,0 +1,166 @@
+"""The input list as columns (issue 22): SampleTable gives back exactly the samples it was given, and the
+sources, the plan and the engines take it without making one object per sample."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from vlfast.extraction.sources import table as table_module
+from vlfast.extraction.sources.listing import load_inputs
+from vlfast.extraction.sources.remote import RemoteFile
+from vlfast.extraction.sources.sample import Sample
+from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
+from vlfast.extraction.sources.webdataset import TarMember
+
+
+def _every_kind() -> list[Sample]:
+    return [
+        Sample("a", "image", ("/data/x/a.jpg",)),
+        Sample("b", "video", ("b.mp4",), "describe it"),
+        Sample("c", "frames", ("f/0.png", "f/1.png", "f/2.png")),
+        Sample("t", "text", (), text="a text alone", instruction="Find it."),
+        Sample("u", "image", ("/data/\udcffbad-byte.jpg",)),  # a name the OS gave with a non-UTF-8 byte
+        Sample("w", "image", ("s3://bucket/k/w.jpg",), member=RemoteFile("s3://bucket/k/w.jpg", "{}")),
+        Sample("m", "image", ("s/000.tar/m.jpg",), "p", member=TarMember("s/000.tar", "m.jpg", 512, 9)),
+        Sample("é", "image", ("/data/x/é.png",), "ünïcode", text="", instruction="\u2603"),
+        Sample("r", "image", ("root.jpg",)),
+        Sample("s", "image", ("/top.jpg",)),
+    ]
+
+
+@pytest.fixture(params=[1 << 16, 3], ids=["one-chunk", "chunks-of-3"])
+def chunk(request, monkeypatch):
+    monkeypatch.setattr(table_module, "_CHUNK", request.param)
+    return request.param
+
+
+def test_every_field_round_trips(chunk):
+    samples = _every_kind()
+    t = SampleTable.of(samples)
+    assert len(t) == len(samples)
+    assert list(t) == samples  # iteration, a chunk at a time
+    assert [t[k] for k in range(len(t))] == samples  # indexing
+    assert t == samples and samples == list(t)
+    assert t[-1] == samples[-1] and t[-len(t)] == samples[0]
+    assert t[2:7] == samples[2:7] and t[::-2] == samples[::-2]
+    assert t.take([9, 0, 0, 4]) == [samples[9], samples[0], samples[0], samples[4]]
+    assert pickle.loads(pickle.dumps(t)) == samples  # the local engine's workers and Ray get it pickled
+    assert t.ids.to_pylist() == [s.id for s in samples]
+    assert SampleTable.of(t) is t
+    with pytest.raises(IndexError):
+        t[len(t)]
+    with pytest.raises(IndexError):
+        t.take([len(t)])
+
+
+def test_a_column_first_filled_in_a_later_chunk(chunk):
+    """Columns that no sample of the first chunks has (a prompt in row 7 alone) come out null there."""
+    samples = [Sample(f"s{i}", "image", (f"d/{i}.jpg",)) for i in range(9)]
+    samples[7] = Sample("s7", "image", ("d/7.jpg",), "only here", text="and here")
+    assert SampleTable.of(samples) == samples
+
+
+def test_folders_past_the_kept_number_are_kept_whole(monkeypatch):
+    monkeypatch.setattr(table_module, "_MAX_DIRS", 2)
+    samples = [Sample(f"s{i}", "image", (f"dir{i}/x{i}.jpg",)) for i in range(6)]
+    t = SampleTable.of(samples)
+    assert t == samples and len(t._dirs) == 2
+
+
+def test_any_path_sees_urls_wherever_a_path_is_kept(monkeypatch):
+    local = [Sample("a", "image", ("/d/a.jpg",)), Sample("t", "text", (), text="x")]
+    assert not SampleTable.of(local).any_path(lambda p: "://" in p)
+    url = Sample("u", "image", ("s3://b/u.jpg",))
+    assert SampleTable.of([*local, url]).any_path(lambda p: "://" in p)
+    frames = Sample("f", "frames", ("s3://b/0.png", "s3://b/1.png"))
+    assert SampleTable.of([*local, frames]).any_path(lambda p: "://" in p)
+    monkeypatch.setattr(table_module, "_MAX_DIRS", 1)  # the URL's folder is not kept: its path is whole
+    assert SampleTable.of([*local, url]).any_path(lambda p: "://" in p)
+    # a table taken from another shares its folders: only the folders its own rows use count
+    both = SampleTable.of([*local, url])
+    assert not both.take([0, 1]).any_path(lambda p: "://" in p)
+
+
+def test_builder_refuses_what_is_not_a_sample():
+    with pytest.raises(TypeError, match="Sample"):
+        SampleTableBuilder().append({"path": "a.jpg"})  # type: ignore[arg-type]
+
+
+def test_an_empty_table():
+    t = SampleTable.empty()
+    assert len(t) == 0 and list(t) == [] and t == [] and not t
+    assert t.take(np.empty(0, np.int64)) == []
+    assert not t.has_kind("image")
+
+
+def test_sources_give_tables(tmp_path, chunk):
+    (tmp_path / "imgs").mkdir()
+    for name in ("a.jpg", "b.png"):
+        (tmp_path / "imgs" / name).write_bytes(b"x")
+    rows = [{"id": f"r{i}", "path": f"imgs/{'a.jpg' if i % 2 else 'b.png'}"} for i in range(7)]
+    rows.append({"id": "t", "text": "words", "instruction": "Say."})
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples, problems = load_inputs(manifest)
+    assert isinstance(samples, SampleTable) and not problems
+    assert [s.id for s in samples] == [r["id"] for r in rows]
+    assert samples[0].paths == (str(tmp_path / "imgs" / "b.png"),)
+    assert samples[7] == Sample("t", "text", (), text="words", instruction="Say.")
+    folder, _ = load_inputs(tmp_path / "imgs")
+    assert isinstance(folder, SampleTable) and [s.id for s in folder] == ["a.jpg", "b.png"]
+    given = [Sample("x", "image", ("x.jpg",))]
+    listed, _ = load_inputs(given)
+    assert isinstance(listed, SampleTable) and listed == given
+
+
+def test_a_plan_works_on_the_table(tmp_path):
+    """RunPlan keeps the table and hands the engine another table: its ids column is the plan's."""
+    from vlfast.extraction.plan import RunPlan
+
+    samples = [Sample(f"id{i % 5}", "image", (f"d/{i}.jpg",)) for i in range(8)]  # ids 0-2 repeat
+    plan = RunPlan(
+        out=tmp_path,
+        samples=samples,
+        problems=[],
+        rank=0,
+        world_size=1,
+        family="qwen3_vl",
+        processor=None,
+        run_config={},
+        volatile_keys=(),
+    )
+    assert isinstance(plan.samples, SampleTable)
+    todo, records = plan.work({"id1"})
+    assert isinstance(todo, SampleTable)
+    assert [s.id for s in todo] == ["id0", "id2", "id3", "id4"]
+    assert [r[0] for r in records] == ["id0", "id1", "id2"]  # the repeats, each recorded once
+
+
+def test_path_forms_match_pathlib_exhaustively():
+    """posix_form, suffix_of and a manifest's join, which skip pathlib for paths already in posix form, give
+    what pathlib gives for every string of up to 7 characters over the characters that matter."""
+    import itertools
+    from pathlib import Path, PurePosixPath
+
+    from vlfast.extraction.sources.manifest import _joined
+    from vlfast.extraction.sources.sample import posix_form, suffix_of
+
+    bases = [Path("."), Path("/"), Path("/data/m"), Path("rel/dir")]
+    for n in range(1, 8):
+        for chars in itertools.product("a./", repeat=n):
+            p = "".join(chars)
+            assert posix_form(p) == PurePosixPath(p).as_posix(), p
+            assert suffix_of(p) == PurePosixPath(p).suffix, p
+            if not p.startswith("/"):
+                for base in bases:
+                    assert _joined(base, p) == str(base / p), (base, p)
+
+
+def test_taking_all_in_order_is_the_table_itself():
+    t = SampleTable.of([Sample(f"s{i}", "image", (f"{i}.jpg",)) for i in range(4)])
+    assert t.take(np.arange(4)) is t  # a first run's work costs no copy
+    assert t.take([0, 1, 3, 2]) is not t and t.take([0, 1, 3, 2])[2].id == "s3"
