@@ -164,3 +164,27 @@ def test_taking_all_in_order_is_the_table_itself():
     t = SampleTable.of([Sample(f"s{i}", "image", (f"{i}.jpg",)) for i in range(4)])
     assert t.take(np.arange(4)) is t  # a first run's work costs no copy
     assert t.take([0, 1, 3, 2]) is not t and t.take([0, 1, 3, 2])[2].id == "s3"
+
+
+def _tar(i: int, shard: str = "shards/000.tar") -> Sample:
+    name = f"key{i}.jpg" if i % 3 else f"k\udcff{i}.mp4"  # a member name with a non-UTF-8 byte
+    return Sample(f"000/key{i}", "image", (f"{shard}/{name}",), member=TarMember(shard, name, 512 * i, i))
+
+
+def test_tar_members_are_kept_as_columns(chunk):
+    samples = [_tar(i, f"s/{i // 4:03d}.tar") for i in range(10)]
+    samples.insert(0, Sample("plain", "image", ("a.jpg",)))  # rows without a member, before and among them
+    samples.insert(6, Sample("text", "text", (), text="t"))
+    t = SampleTable.of(samples)
+    assert isinstance(t._members, table_module._Members)
+    assert len(t._members.columns["shard"].dictionary) == 3  # each shard's path kept once
+    assert list(t) == samples and t.take([11, 0, 6, 2]) == [samples[k] for k in (11, 0, 6, 2)]
+    assert pickle.loads(pickle.dumps(t)) == samples
+
+
+def test_members_of_mixed_classes_are_kept_as_objects(chunk):
+    samples = [_tar(0), _tar(1), Sample("u", "image", ("s3://b/u.jpg",), member=RemoteFile("s3://b/u.jpg"))]
+    samples += [_tar(i) for i in range(2, 6)]
+    t = SampleTable.of(samples)
+    assert isinstance(t._members, list)
+    assert list(t) == samples and t[2:5] == samples[2:5]

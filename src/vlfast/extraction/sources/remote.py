@@ -65,7 +65,7 @@ from vlfast.extraction.sources.webdataset import is_shard_input, load_shards
 __all__ = ["RemoteFile", "attach", "load_url", "with_remote"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RemoteFile:
     """One sample's media at a URL, opened through fsspec in the decode worker. ``str()`` is the URL; the
     storage options are kept out of the repr."""

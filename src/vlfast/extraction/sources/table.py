@@ -9,8 +9,9 @@ so the planning (:class:`~vlfast.extraction.plan.RunPlan`) works on the id colum
 objects of the samples being decoded. Every field round-trips exactly, a path holding a non-UTF-8 byte from
 the file system included (text is kept as ``surrogatepass`` UTF-8 bytes).
 
-Members (a WebDataset tar member, an object at a URL) are kept as the objects the source made, one per
-sample that has one.
+Members (a WebDataset tar member, an object at a URL) are kept as columns of their dataclass's fields (a
+shard's path once, a member's name, offset and size per row); members of mixed or other classes, as the
+objects themselves.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class SampleTable(Sequence[Sample]):
         names: pa.Array,
         frames: dict[int, tuple[str, ...]],
         optional: dict[str, pa.Array],
-        members: list[Member | None] | None,
+        members: _Members | list[Member | None] | None,
     ):
         self._ids, self._kinds, self._dirs, self._dir, self._names = ids, kinds, dirs, dir_index, names
         self._frames, self._optional, self._members = frames, optional, members
@@ -170,6 +171,11 @@ class SampleTable(Sequence[Sample]):
         arrays = [self._ids, self._names, *self._optional.values()]
         return sum(a.nbytes for a in arrays) + self._kinds.nbytes + self._dir.nbytes
 
+    def _take_members(self, idx: np.ndarray) -> _Members | list[Member | None] | None:
+        if self._members is None or isinstance(self._members, _Members):
+            return None if self._members is None else self._members.take(idx)
+        return [self._members[int(k)] for k in idx]
+
     def take(self, positions: Sequence[int] | np.ndarray) -> SampleTable:
         """The samples at ``positions``, in that order, as a table."""
         import pyarrow as pa
@@ -193,8 +199,139 @@ class SampleTable(Sequence[Sample]):
             self._names.take(arrow_idx),
             frames,
             {name: col.take(arrow_idx) for name, col in self._optional.items()},
-            None if self._members is None else [self._members[int(k)] for k in idx],
+            self._take_members(idx),
         )
+
+
+class _Members:
+    """The members of a table's samples as columns: every member is of one dataclass (a tar member, a file at
+    a URL), whose text fields are kept dictionary-encoded (a shard's path or the storage options once, a
+    member's name per row) and whose int fields as int64. ``present`` says which rows have one."""
+
+    __slots__ = ("cls", "columns", "present")
+
+    def __init__(self, cls: type, columns: dict[str, Any], present: np.ndarray):
+        self.cls, self.columns, self.present = cls, columns, present
+
+    def __getitem__(self, k: int) -> Member | None:
+        if not self.present[k]:
+            return None
+        fields = {
+            name: int(col[k]) if isinstance(col, np.ndarray) else _decode(col[k].as_py())
+            for name, col in self.columns.items()
+        }
+        return self.cls(**fields)
+
+    def __len__(self) -> int:
+        return len(self.present)
+
+    def take(self, idx: np.ndarray) -> _Members:
+        import pyarrow as pa
+
+        arrow_idx = pa.array(idx, pa.int64())
+        columns = {
+            name: col[idx] if isinstance(col, np.ndarray) else col.take(arrow_idx)
+            for name, col in self.columns.items()
+        }
+        return _Members(self.cls, columns, self.present[idx])
+
+
+class _MemberChunks:
+    """Builds :class:`_Members` a chunk at a time; falls back to a list of the objects themselves for members
+    that are not all of one dataclass with text and int fields."""
+
+    def __init__(self) -> None:
+        self.cls: type | None = None
+        self.kinds: dict[str, type] = {}  # field -> str or int
+        self.objects: list[Member | None] | None = None  # the fallback
+        self.rows: list[Member | None] = []  # this chunk's
+        self.chunks: list[Any] = []  # per chunk: (present, {field: array}) or its length when it has none
+        self.any = False
+
+    def _columnar(self, m: Member) -> bool:
+        import dataclasses
+
+        if self.cls is None:
+            if not dataclasses.is_dataclass(m) or isinstance(m, type):
+                return False
+            kinds = {}
+            for f in dataclasses.fields(m):
+                value = getattr(m, f.name)
+                if isinstance(value, bool) or not isinstance(value, (str, int)):
+                    return False
+                kinds[f.name] = str if isinstance(value, str) else int
+            self.cls, self.kinds = type(m), kinds
+            return True
+        if type(m) is not self.cls:
+            return False
+        return all(
+            isinstance(getattr(m, name), kind) and not isinstance(getattr(m, name), bool)
+            for name, kind in self.kinds.items()
+        )
+
+    def append(self, m: Member | None) -> None:
+        if self.objects is not None:
+            self.objects.append(m)
+            return
+        if m is not None:
+            if not self._columnar(m):
+                self.objects = list(self.built_members())
+                self.objects.append(m)
+                self.rows, self.chunks = [], []
+                return
+            self.any = True
+        self.rows.append(m)
+
+    def flush(self) -> None:
+        if self.objects is not None or not self.rows:
+            return
+        import pyarrow as pa
+
+        rows = self.rows
+        if not any(m is not None for m in rows):
+            self.chunks.append(len(rows))
+        else:
+            present = np.array([m is not None for m in rows], bool)
+            columns: dict[str, Any] = {}
+            for name, kind in self.kinds.items():
+                values = [None if m is None else getattr(m, name) for m in rows]
+                if kind is int:
+                    columns[name] = np.array([0 if v is None else v for v in values], np.int64)
+                else:
+                    encoded = [None if v is None else _encode(v) for v in values]
+                    columns[name] = pa.array(encoded, pa.large_binary()).dictionary_encode()
+            self.chunks.append((present, columns))
+        self.rows = []
+
+    def built_members(self) -> Any:
+        """The members so far: None (no row has one), a list (the fallback) or :class:`_Members`."""
+        if self.objects is not None:
+            return self.objects
+        self.flush()
+        if not self.any or self.cls is None:
+            return None
+        import pyarrow as pa
+
+        presents: list[np.ndarray] = []
+        parts: dict[str, list[Any]] = {name: [] for name in self.kinds}
+        for chunk in self.chunks:
+            if isinstance(chunk, int):
+                presents.append(np.zeros(chunk, bool))
+                for name, kind in self.kinds.items():
+                    empty = pa.nulls(chunk, pa.large_binary()).dictionary_encode()
+                    parts[name].append(np.zeros(chunk, np.int64) if kind is int else empty)
+                continue
+            present, columns = chunk
+            presents.append(present)
+            for name in self.kinds:
+                parts[name].append(columns[name])
+        columns = {
+            name: np.concatenate(arrays)
+            if self.kinds[name] is int
+            else pa.chunked_array(arrays).unify_dictionaries().combine_chunks()
+            for name, arrays in parts.items()
+        }
+        return _Members(self.cls, columns, np.concatenate(presents))
 
 
 class SampleTableBuilder:
@@ -209,7 +346,7 @@ class SampleTableBuilder:
         self._dirs: list[str] = []
         self._dir_of: dict[str, int] = {}
         self._frames: dict[int, tuple[str, ...]] = {}
-        self._members: list[Member | None] | None = None
+        self._members = _MemberChunks()
         self._has: set[str] = set()  # optional columns some sample has a value in
         self._chunks: dict[str, list[Any]] = {k: [] for k in ("ids", "names", "kinds", "dir", *_OPTIONAL)}
         self._reset()
@@ -239,10 +376,7 @@ class SampleTableBuilder:
                 d = self._dir_of[prefix] = len(self._dirs)
                 self._dirs.append(prefix)
             name = _encode(tail if d >= 0 else s.paths[0])
-        if s.member is not None and self._members is None:
-            self._members = [None] * self._n
-        if self._members is not None:
-            self._members.append(s.member)
+        self._members.append(s.member)
         self._ids.append(s.id)
         self._names.append(name)
         self._kinds.append(code)
@@ -279,6 +413,7 @@ class SampleTableBuilder:
             values = self._optional[key]
             filled = any(v is not None for v in values)
             self._chunks[key].append(pa.array(values, pa.large_binary()) if filled else len(values))
+        self._members.flush()
         self._reset()
         pa.default_memory_pool().release_unused()
 
@@ -311,7 +446,7 @@ class SampleTableBuilder:
             joined(c["names"], pa.array([], pa.large_binary())),
             self._frames,
             optional,
-            self._members,
+            self._members.built_members(),
         )
         self._chunks = {k: [] for k in c}
         del c

@@ -230,7 +230,7 @@ class _MemberFile(ByteWindow):
         super().close()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per key of a listing of millions
 class TarMember:
     """Where one sample's media lies inside a tar shard. Decoders read it in place (:meth:`open`); it is
     never extracted to disk. ``str()`` is ``{shard}/{name}``, the path errors and ``meta["path"]`` show."""
@@ -544,10 +544,12 @@ def list_shards(
     rels: Sequence[str],
     storage_options: Mapping[str, Any] | None,
     kept: KeptListings | None = None,
-) -> list[tuple[list[Sample], list[InputProblem]]]:
-    """Each shard URL's samples and problems (ids ``{rel}/{__key__}``), listed by the same code as a local
-    shard (:func:`_scan` and :func:`_entries`) over a :class:`~vlfast.extraction.objstore.RangeReader`,
-    up to :data:`_LIST_THREADS` shards at once.
+) -> Iterator[tuple[list[Sample], list[InputProblem]]]:
+    """Each shard URL's samples and problems (ids ``{rel}/{__key__}``) in order, as they are listed: by the
+    same code as a local shard (:func:`_scan` and :func:`_entries`) over a
+    :class:`~vlfast.extraction.objstore.RangeReader`, up to :data:`_LIST_THREADS` shards at once. A generator
+    (the caller takes each shard's samples into its table as it comes): the refusals below raise at the
+    first ``next``.
 
     Refused before any shard is read, naming ``pattern`` and never the credentials: an unreachable
     endpoint, a missing bucket or refused credentials (one request about the bucket), and shards that do
@@ -574,7 +576,7 @@ def list_shards(
         def one(shard: str, rel: str, position: int) -> tuple[list[Sample], list[InputProblem]]:
             return _list_one(fs, shard, paths[shard], rel, found[paths[shard]], options, kept, position)
 
-        return list(pool.map(one, shards, rels, range(len(shards))))
+        yield from pool.map(one, shards, rels, range(len(shards)))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -695,7 +697,8 @@ def load_shards(
         missing = [s for s in shards if not os.path.exists(s)]
         not_files = [s for s in shards if not os.path.isfile(s) and os.path.exists(s)]
         _refuse_missing(text, shards, missing, not_files)
-        listed = [_shard_entries(shard, rel, kept, i) for i, (shard, rel) in enumerate(zip(shards, rels))]
+        # one shard's samples at a time into the table, not every shard's objects at once
+        listed = (_shard_entries(shard, rel, kept, i) for i, (shard, rel) in enumerate(zip(shards, rels)))
     samples = SampleTableBuilder()
     problems: list[InputProblem] = []
     for got, bad in listed:
