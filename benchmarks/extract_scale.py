@@ -183,8 +183,14 @@ def step(spec: dict) -> dict[str, Any]:
                 # Distinct values per sample without a generator call each: rows of a fixed table.
                 table = torch.randn(4096, DIM, generator=torch.Generator().manual_seed(0)).half()
                 limit = len(todo) if spec["fraction"] >= 1 else math.ceil(len(todo) * spec["fraction"])
-                for k, sample in enumerate(todo[:limit]):
-                    store.add(sample.id, {"feature": table[k % 4096]}, {"path": sample.paths[0]})
+                # The ids straight from the plan's column (a run's samples are made by its decode stage,
+                # not here): what is timed is the store. The path in meta is the list input's form.
+                from itertools import islice
+
+                from vlfast.extraction.ids import ArrowStrings
+
+                for k, sample_id in enumerate(islice(ArrowStrings(todo.ids), limit)):
+                    store.add(sample_id, {"feature": table[k % 4096]}, {"path": f"images/{sample_id}.jpg"})
                 store.flush()
                 res["written"] = limit
                 res["write_s"] = time.perf_counter() - t5  # adds and commits, the last one included
