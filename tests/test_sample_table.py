@@ -188,3 +188,43 @@ def test_members_of_mixed_classes_are_kept_as_objects(chunk):
     t = SampleTable.of(samples)
     assert isinstance(t._members, list)
     assert list(t) == samples and t[2:5] == samples[2:5]
+
+
+def test_a_rank_keeps_only_its_share_and_records_name_the_whole_input(tmp_path):
+    """With ranks, the plan keeps this rank's rows alone; counts and a repeat's record still name entries by
+    their place in the whole input, as the plan over the whole input did."""
+    from vlfast.extraction.ids import owner_rank
+    from vlfast.extraction.plan import RunPlan
+    from vlfast.extraction.store.format import DUPLICATE_KIND
+
+    samples = [Sample(f"id{i % 40}", "image", (f"d/{i}.jpg",)) for i in range(50)]  # ids 0-9 repeat
+    plans = [
+        RunPlan(
+            out=tmp_path,
+            samples=samples,
+            problems=[],
+            rank=r,
+            world_size=3,
+            family="qwen3_vl",
+            processor=None,
+            run_config={},
+            volatile_keys=(),
+        )
+        for r in range(3)
+    ]
+    assert sum(len(p.samples) for p in plans) == 50 and {p.total for p in plans} == {50}
+    for r, plan in enumerate(plans):
+        assert {owner_rank(s.id, 3) for s in plan.samples} <= {r}
+        assert plan.assigned == len(plan.samples)
+        todo, records = plan.work(set())
+        expected = [s.id for k, s in enumerate(samples) if owner_rank(s.id, 3) == r and k < 40]
+        assert [s.id for s in todo] == expected
+        wanted = {
+            (samples[k].id, f"duplicate id: input entry {k} repeats entry {k - 40}")
+            for k in range(40, 50)
+            if owner_rank(samples[k].id, 3) == r
+        }
+        assert {(rec[0], rec[2]) for rec in records if rec[3] == DUPLICATE_KIND} == wanted
+    share = plans[0].samples
+    assert share.listed == 50 and share.own(np.arange(len(share))).listed == 50
+    assert share.own(np.array([1])).entry(0) == share.entry(1)  # a share of a share names the whole input

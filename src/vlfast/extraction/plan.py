@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary
 from vlfast.extraction.decode.preprocess import ProcessorConfig, build_processor_config
@@ -73,9 +75,13 @@ class RunPlan:
         self.mine_problems = [
             p for p in self.problems if _mine(problem_record(p)[0], self.rank, self.world_size)
         ]
-        self.total = len(self.samples) + len(self.problems)
-        self._mine = owned(self.ids, self.rank, self.world_size)
-        self.assigned = int(self._mine.sum()) + len(self.mine_problems)
+        self.total = self.samples.listed + len(self.problems)
+        if self.world_size > 1:
+            # Only this rank's share is kept (a repeated id's copies share one owner, so the repeats are all
+            # found in it); records name entries by their position in the whole input.
+            self.samples = self.samples.own(np.flatnonzero(owned(self.ids, self.rank, self.world_size)))
+        self._mine = np.ones(len(self.samples), bool)
+        self.assigned = len(self.samples) + len(self.mine_problems)
 
     @property
     def ids(self) -> Sequence[str]:
@@ -98,8 +104,14 @@ class RunPlan:
         todo, repeats = plan_positions(
             self._column, self.rank, self.world_size, done, hashes=self._hashes, unique=self._unique
         )
+        entry = self.samples.entry
         records = [
-            (self.samples[k].id, self.samples[k].source, duplicate_reason(k, first), DUPLICATE_KIND)
+            (
+                self.samples[k].id,
+                self.samples[k].source,
+                duplicate_reason(entry(k), entry(first)),
+                DUPLICATE_KIND,
+            )
             for k, first in repeats
         ]
         records += [(*problem_record(p), INPUT_KIND) for p in self.mine_problems]
@@ -192,7 +204,7 @@ def make_plan(
     t0 = time.perf_counter()
     weights = weights_fingerprint(config.model, whole=config.spec.needs_llm)
     fingerprint_seconds = time.perf_counter() - t0
-    return RunPlan(
+    plan = RunPlan(
         out=out,
         samples=SampleTable.of(samples),
         problems=list(problems),
@@ -205,6 +217,12 @@ def make_plan(
         fingerprint_seconds=fingerprint_seconds,
         listings=kept.fresh,
     )
+    if world_size > 1:  # the whole input's columns are gone now that the plan keeps this rank's share
+        import pyarrow as pa
+
+        del samples
+        pa.default_memory_pool().release_unused()
+    return plan
 
 
 def run_configuration(

@@ -50,7 +50,18 @@ class SampleTable(Sequence[Sample]):
     :meth:`take` gives another table; :attr:`ids` is the id column itself (Arrow ``large_string``).
     Compares equal to any sequence holding equal samples in the same order."""
 
-    __slots__ = ("_dir", "_dirs", "_frames", "_ids", "_kinds", "_members", "_names", "_optional")
+    __slots__ = (
+        "_dir",
+        "_dirs",
+        "_entries",
+        "_frames",
+        "_ids",
+        "_kinds",
+        "_listed",
+        "_members",
+        "_names",
+        "_optional",
+    )
 
     def __init__(
         self,
@@ -65,6 +76,8 @@ class SampleTable(Sequence[Sample]):
     ):
         self._ids, self._kinds, self._dirs, self._dir, self._names = ids, kinds, dirs, dir_index, names
         self._frames, self._optional, self._members = frames, optional, members
+        self._entries: np.ndarray | None = None  # set by own(): each row's position in the whole input
+        self._listed: int | None = None  # and the number of samples the whole input had
 
     # ------------------------------------------------------------------------------------ constructing
 
@@ -176,8 +189,38 @@ class SampleTable(Sequence[Sample]):
             return None if self._members is None else self._members.take(idx)
         return [self._members[int(k)] for k in idx]
 
+    @property
+    def listed(self) -> int:
+        """The number of samples of the whole input: ``len(self)``, or for a rank's share (:meth:`own`) the
+        input's, all ranks' included."""
+        return len(self) if self._listed is None else self._listed
+
+    def entry(self, k: int) -> int:
+        """Row ``k``'s position among the whole input's samples (itself, unless the table is a rank's share)."""
+        return k if self._entries is None else int(self._entries[k])
+
+    def own(self, positions: np.ndarray) -> SampleTable:
+        """A rank's share: the rows at ``positions`` (increasing), remembering where each was in this table
+        and how many this table had, so that counts and error records still name the whole input."""
+        share = self.take(positions)
+        if share is self:  # a new object all the same: this table keeps what it is
+            share = SampleTable(
+                self._ids,
+                self._kinds,
+                self._dirs,
+                self._dir,
+                self._names,
+                self._frames,
+                self._optional,
+                self._members,
+            )
+        idx = np.asarray(positions, dtype=np.int64)
+        share._entries = idx if self._entries is None else self._entries[idx]
+        share._listed = self.listed
+        return share
+
     def take(self, positions: Sequence[int] | np.ndarray) -> SampleTable:
-        """The samples at ``positions``, in that order, as a table."""
+        """The samples at ``positions``, in that order, as a table (a table of its own: see :meth:`own`)."""
         import pyarrow as pa
 
         idx = np.asarray(positions, dtype=np.int64)
