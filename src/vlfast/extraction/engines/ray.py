@@ -42,16 +42,19 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary
 from vlfast.extraction.decode.stage import DecodedSample, SampleDataset, prepare_decoding, worker_init
 from vlfast.extraction.engines.base import Hooks, Session, UnexpectedErrors, run_session
+from vlfast.extraction.ids import IdSet
 from vlfast.extraction.interrupts import EXIT_TERMINATED, deferred, sigterm_handler
 from vlfast.extraction.model import runner
 from vlfast.extraction.plan import RunPlan
 from vlfast.extraction.sources.sample import Sample
+from vlfast.extraction.sources.table import SampleTable
 from vlfast.extraction.store.format import OutputInUse, done_by_error, error_key, is_local, read_errors
 from vlfast.extraction.store.writer import rank_is_held
 
@@ -597,9 +600,11 @@ class RayEngine:
                 "another job writes this OUT, or actors of an earlier one have not exited; wait or stop them"
             )
         done = job.store.done_ids()
-        remaining = [s for s in job.todo if s.id not in done]
-        summary.skipped += len(job.todo) - len(remaining)
-        to_extract = {s.id for s in remaining}
+        todo = SampleTable.of(job.todo)
+        remaining = todo.take(np.flatnonzero(~done.isin(todo.ids)))  # columns, not a Sample per entry
+        summary.skipped += len(todo) - len(remaining)
+        to_extract_ids = remaining.ids
+        to_extract = IdSet(to_extract_ids)
         recorded_before = {error_key(r) for r in read_errors(job.store.out)}
         counted: Counter[str] = Counter()  # reasons of the error rows the driver saw
         added: dict[str, int] = {}  # id -> patches, of samples a model actor added (buffered or committed)
@@ -654,7 +659,10 @@ class RayEngine:
             )
             done = job.store.done_ids()
             # A sample whose decoding hit a bug is not done, but not lost either: the next run retries it.
-            remaining = [s for s in remaining if s.id not in done and s.id not in unexpected.ids]
+            keep = ~done.isin(remaining.ids)
+            if unexpected.ids:
+                keep &= ~IdSet(list(unexpected.ids)).isin(remaining.ids)
+            remaining = remaining.take(np.flatnonzero(keep))
             if summary.stopped:
                 break
         # Counts from what OUT holds, not from the rows: an actor killed after committing (or recording an
@@ -668,9 +676,10 @@ class RayEngine:
         # Only this run's records: a record from before that --retry-errors selected is superseded by the
         # sample's commit now.
         failed_ids = {r["id"] for r in errors_now if error_key(r) not in recorded_before and done_by_error(r)}
-        extracted = {i for i in to_extract if i in done and i not in failed_ids}
-        summary.extracted = len(extracted)
-        summary.tokens = sum(p for i, p in added.items() if i in extracted)
+        failed = IdSet(list(failed_ids))
+        extracted = done.isin(to_extract_ids) & ~failed.isin(to_extract_ids)
+        summary.extracted = int(extracted.sum())
+        summary.tokens = sum(p for i, p in added.items() if i in to_extract and i in done and i not in failed)
         summary.load_seconds += load_s
         if remaining and not summary.stopped:
             summary.stopped = (
@@ -678,11 +687,21 @@ class RayEngine:
                 f"{MAX_PASSES} times; run the same command again to extract them"
             )
 
-    def _dataset(self, ray, job: Session, samples: list[Sample]):
+    def _dataset(self, ray, job: Session, samples: SampleTable):
         import pyarrow as pa
 
         sample_schema = _schemas()[0]
-        table = pa.Table.from_pylist([_sample_row(s) for s in samples], schema=sample_schema)
+        # Rows a chunk of samples at a time: never a dict per entry of the whole todo list at once
+        step = 1 << 16
+        table = pa.Table.from_batches(
+            [
+                pa.RecordBatch.from_pylist(
+                    [_sample_row(s) for s in samples[k : k + step]], schema=sample_schema
+                )
+                for k in range(0, len(samples), step)
+            ],
+            schema=sample_schema,
+        )
         # Blocks of a few calls each, at most ~2,000 of them: enough to spread over the decode actors.
         rows = max(DECODE_BATCH, -(-len(samples) // 2000))
         blocks = [table.slice(k, rows) for k in range(0, len(samples), rows)]
@@ -704,7 +723,7 @@ class RayEngine:
                 family=job.plan.family,
                 cfg=job.plan.processor,
                 spec=job.config.spec,
-                images=any(s.kind == "image" for s in samples),
+                images=samples.has_kind("image"),
                 decode_timeout=job.config.decode_timeout,
                 decode_hook=self.hooks.decode,
             ),
