@@ -42,3 +42,20 @@ def test_extract_scale_smoke(tmp_path: Path) -> None:
     assert local["write"]["samples_per_s"] > 0 and {"seconds", "peak_rss_mib"} <= set(local["write"])
     assert sum(s["written"] for s in local["write"]["steps"]) == 300
     assert (tmp_path / "out-300-64-r1" / "run.json").is_file()  # --keep kept the OUT
+
+
+def test_input_memory_smoke() -> None:
+    """benchmarks/input_memory.py lists both inputs at a tiny N and reports every figure docs/extract.md uses."""
+    script = REPO / "benchmarks" / "input_memory.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--entries", "30", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert set(report["results"]) == {"manifest after", "webdataset after"}
+    for got in report["results"].values():
+        assert got["entries"] == 30 and got["held"] == "SampleTable"
+        assert {"seconds", "rss_added_mib", "peak_added_mib"} <= set(got)
