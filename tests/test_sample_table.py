@@ -228,3 +228,67 @@ def test_a_rank_keeps_only_its_share_and_records_name_the_whole_input(tmp_path):
     share = plans[0].samples
     assert share.listed == 50 and share.own(np.arange(len(share))).listed == 50
     assert share.own(np.array([1])).entry(0) == share.entry(1)  # a share of a share names the whole input
+
+
+def test_plain_parquet_batches_give_what_the_row_path_gives(tmp_path, monkeypatch):
+    """A Parquet manifest's batches of plain rows are made from their columns (issue 22); every batch, plain
+    or not, gives exactly the samples and problems that reading each row as a dict gives."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlfast.extraction.sources import manifest
+
+    plain = [
+        {"id": "a", "path": "imgs/a.jpg", "prompt": None, "text": "cat", "instruction": ""},
+        {"id": "b", "path": "/abs/b.MP4", "prompt": "p", "text": None, "instruction": "Find."},
+        {"id": "c", "path": "c.mkv", "prompt": "", "text": "", "instruction": None},
+        {"id": "d", "path": "x/.mp4", "prompt": None, "text": None, "instruction": None},  # a hidden name
+        {"id": "é", "path": "ünï/é.webm", "prompt": None, "text": None, "instruction": None},
+        {"id": "f", "path": "a.b.mov", "prompt": None, "text": None, "instruction": None},
+        {"id": "g", "path": "x/..", "prompt": None, "text": None, "instruction": None},
+        {"id": "h", "path": "y.", "prompt": None, "text": None, "instruction": None},
+    ]
+    unusual = [
+        {"id": "", "path": "imgs/e.jpg", "prompt": None, "text": None, "instruction": None},  # id from path
+        {"id": "u", "path": "s3://bucket/u.jpg", "prompt": None, "text": None, "instruction": None},
+        {"id": "fr", "path": '["f0.png", "f1.png"]', "prompt": None, "text": None, "instruction": None},
+        {"id": "n", "path": "nul\x00.jpg", "prompt": None, "text": None, "instruction": None},
+        {"id": "l" * 2000, "path": "long.jpg", "prompt": None, "text": None, "instruction": None},
+        {"id": "dot", "path": "./here.jpg", "prompt": None, "text": None, "instruction": None},
+        {"id": "dbl", "path": "a//b.jpg", "prompt": None, "text": None, "instruction": None},
+        {"id": "t", "path": None, "prompt": None, "text": "a text alone", "instruction": None},
+        {"id": None, "path": "", "prompt": None, "text": None, "instruction": None},
+        {"id": "tr", "path": "dir/", "prompt": None, "text": None, "instruction": None},
+    ]
+    rows = plain[:4] + unusual[:3] + plain[4:] + unusual[3:] + plain  # plain batches and mixed ones
+    table = pa.Table.from_pylist(rows)
+    path = tmp_path / "m.parquet"
+    pq.write_table(table, path, row_group_size=4)
+    intable = pa.Table.from_pylist(
+        [{**r, "id": k} for k, r in enumerate(plain)],
+        schema=pa.schema(
+            [
+                ("id", pa.int64()),
+                ("path", pa.string()),
+                ("prompt", pa.string()),
+                ("text", pa.string()),
+                ("instruction", pa.string()),
+            ]
+        ),
+    )
+    pq.write_table(intable, tmp_path / "ints.parquet", row_group_size=3)
+    pq.write_table(table.drop_columns(["id"]).slice(0, 4), tmp_path / "noid.parquet")
+
+    monkeypatch.setattr(manifest, "_PARQUET_BATCH", 4)
+    made = []
+    real = manifest._plain_batch
+    monkeypatch.setattr(manifest, "_plain_batch", lambda b, base: made.append(real(b, base)) or made[-1])
+    for name in ("m.parquet", "ints.parquet", "noid.parquet"):
+        made.clear()
+        got, got_problems = manifest.load_manifest(tmp_path / name)
+        assert any(m is not None for m in made) and (name != "m.parquet" or None in made)
+        want, want_problems = [], []
+        for k, row in enumerate(pq.read_table(tmp_path / name).to_pylist(), 1):
+            one = manifest.row_sample(row, f"{tmp_path / name} row {k}", tmp_path)
+            (want_problems if isinstance(one, manifest.InputProblem) else want).append(one)
+        assert list(got) == want and got_problems == want_problems, name

@@ -30,6 +30,7 @@ from typing import Any
 from vlfast.errors import InputRefused
 from vlfast.extraction.objstore import is_url
 from vlfast.extraction.sources.sample import (
+    MAX_ID_BYTES,
     VIDEO_SUFFIXES,
     InputProblem,
     Kind,
@@ -271,7 +272,84 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | Inp
             yield where, dict(zip(header, record))
 
 
-def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | InputProblem]]:
+_PARQUET_BATCH = 65_536  # rows of a Parquet manifest read at a time
+_PLAIN_BAD = ("[", "\x00", "://", "//", "/./")  # a frame list, a NUL, a URL, a path pathlib would fold
+
+
+def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
+    """The samples of a Parquet batch in which every row is the plain case, as the fields of
+    :meth:`~vlfast.extraction.sources.table.SampleTableBuilder.append_plain`, made from its columns with no
+    per-row checks left to do; None when any row is not (the batch then takes the row path, which gives the
+    same samples and names what is wrong with the rest).
+
+    Plain: a text ``path`` on every row, in posix form, not a URL, not a JSON frame list, without NUL;
+    no ``paths`` column; an ``id`` column of text (none empty) or integers, or none (the id is the path);
+    ``prompt``, ``text`` and ``instruction`` of text or all null. Every such row gives what
+    :func:`row_sample` gives (``tests/test_sample_table.py`` compares the two on mixed batches)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def is_text(col: Any) -> bool:
+        return pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
+
+    names = batch.schema.names
+    if "path" not in names or "paths" in names or batch.num_rows == 0:
+        return None
+    try:
+        batch.validate(full=True)  # text that is not UTF-8: the row path reports it
+    except pa.ArrowInvalid:
+        return None
+    path = batch.column("path")
+    if not is_text(path) or path.null_count:
+        return None
+    bad = pc.or_(pc.equal(path, ""), pc.equal(path, "."))
+    for needle in _PLAIN_BAD:
+        bad = pc.or_(bad, pc.match_substring(path, needle))
+    bad = pc.or_(bad, pc.starts_with(path, "./"))
+    bad = pc.or_(bad, pc.or_(pc.ends_with(path, "/"), pc.ends_with(path, "/.")))
+    if pc.any(bad).as_py():
+        return None
+    ids = path
+    if "id" in names:
+        ids = batch.column("id")
+        if ids.null_count:
+            return None
+        if is_text(ids):
+            if pc.any(pc.equal(ids, "")).as_py():
+                return None
+        elif pa.types.is_integer(ids.type):
+            ids = ids.cast(pa.string())  # decimal text, as str(int) gives
+        else:
+            return None
+    if pc.max(pc.binary_length(ids)).as_py() > MAX_ID_BYTES:
+        return None
+    texts: dict[str, list[str | None]] = {}
+    for key in ("prompt", "text", "instruction"):
+        if key not in names:
+            texts[key] = [None] * batch.num_rows
+            continue
+        col = batch.column(key)
+        if not (is_text(col) or pa.types.is_null(col.type)):
+            return None
+        texts[key] = [v or None for v in col.to_pylist()]  # "" is missing, as in a row
+    paths = path.to_pylist()
+    return list(
+        zip(
+            ids.to_pylist(),
+            map(kind_of, paths),
+            [p if p.startswith("/") else _joined(base, p) for p in paths],
+            texts["prompt"],
+            texts["text"],
+            texts["instruction"],
+        )
+    )
+
+
+def _parquet_rows(
+    path: Path, name: str, base: Path | str | None = None
+) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
+    """Each row as a dict, or already a plain sample's fields where its whole batch is the plain case
+    (:func:`_plain_batch`, given ``base``)."""
     import pyarrow.parquet as pq
 
     try:
@@ -284,8 +362,10 @@ def _parquet_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] |
     wanted = [c for c in ("id", "path", "paths", "prompt", "text", "instruction") if c in columns]
     rowno = 0
     try:
-        for batch in pf.iter_batches(columns=wanted):  # batches: a large manifest is not read whole
-            for row in batch.to_pylist():
+        # batches: a large manifest is not read whole
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=wanted):
+            plain = None if base is None else _plain_batch(batch, base)
+            for row in batch.to_pylist() if plain is None else plain:
                 rowno += 1
                 yield f"{name} row {rowno}", row
     except Exception as e:
@@ -315,7 +395,7 @@ def load_manifest(
     elif suffix == ".csv":
         rows = _csv_rows(path, name)
     elif suffix == ".parquet":
-        rows = _parquet_rows(path, name)
+        rows = _parquet_rows(path, name, base or path.parent)
     else:
         raise InputRefused(f"{name}: a manifest must end in .jsonl, .csv or .parquet")
     if not path.is_file():
@@ -323,6 +403,9 @@ def load_manifest(
     samples = SampleTableBuilder()  # columns: a manifest of millions of rows is not millions of objects
     problems: list[InputProblem] = []
     for where, row in rows:
+        if isinstance(row, tuple):  # a plain Parquet row, checked with its batch
+            samples.append_plain(*row)
+            continue
         got = row if isinstance(row, InputProblem) else row_sample(row, where, base or path.parent)
         (problems if isinstance(got, InputProblem) else samples).append(got)  # type: ignore[arg-type]
     return samples.build(), problems

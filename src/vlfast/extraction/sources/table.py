@@ -407,24 +407,40 @@ class SampleTableBuilder:
     def append(self, s: Sample) -> None:
         if not isinstance(s, Sample):
             raise TypeError(f"a SampleTable holds Sample objects, got {type(s).__name__}")
-        code = _CODE[s.kind]
+        self._add(s.id, _CODE[s.kind], s.paths, s.member, s.prompt, s.text, s.instruction)
+
+    def append_plain(
+        self,
+        sample_id: str,
+        kind: str,
+        path: str,
+        prompt: str | None,
+        text: str | None,
+        instruction: str | None,
+    ) -> None:
+        """``append(Sample(sample_id, kind, (path,), prompt, text=text, instruction=instruction))`` without
+        making the ``Sample``: for a source that has already checked every field (an image or a video, one
+        path, no member)."""
+        self._add(sample_id, _CODE[kind], (path,), None, prompt, text, instruction)
+
+    def _add(self, sample_id, code, paths, member, prompt, text, instruction) -> None:
         d, name = -1, b""
         if code == _FRAMES:
-            self._frames[self._n] = tuple(s.paths)
+            self._frames[self._n] = tuple(paths)
         elif code != _TEXT:
-            head, sep, tail = s.paths[0].rpartition("/")
+            head, sep, tail = paths[0].rpartition("/")
             prefix = head + sep
             d = self._dir_of.get(prefix, -1)
             if d < 0 and len(self._dirs) < _MAX_DIRS:
                 d = self._dir_of[prefix] = len(self._dirs)
                 self._dirs.append(prefix)
-            name = _encode(tail if d >= 0 else s.paths[0])
-        self._members.append(s.member)
-        self._ids.append(s.id)
+            name = _encode(tail if d >= 0 else paths[0])
+        self._members.append(member)
+        self._ids.append(sample_id)
         self._names.append(name)
         self._kinds.append(code)
         self._dir.append(d)
-        for key, value in (("prompt", s.prompt), ("text", s.text), ("instruction", s.instruction)):
+        for key, value in (("prompt", prompt), ("text", text), ("instruction", instruction)):
             if value is not None:
                 self._has.add(key)
                 self._optional[key].append(_encode(value))
