@@ -11,7 +11,7 @@ the file system included (text is kept as ``surrogatepass`` UTF-8 bytes).
 
 Members (a WebDataset tar member, an object at a URL) are kept as columns of their dataclass's fields (a
 shard's path once, a member's name, offset and size per row); members of mixed or other classes, as the
-objects themselves.
+objects themselves. A clip given as a list of frame files keeps its paths as a tuple (an object per clip).
 """
 
 from __future__ import annotations
