@@ -3,6 +3,7 @@ sources, the plan and the engines take it without making one object per sample."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 
@@ -292,3 +293,47 @@ def test_plain_parquet_batches_give_what_the_row_path_gives(tmp_path, monkeypatc
             one = manifest.row_sample(row, f"{tmp_path / name} row {k}", tmp_path)
             (want_problems if isinstance(one, manifest.InputProblem) else want).append(one)
         assert list(got) == want and got_problems == want_problems, name
+
+
+class _OwnMember:
+    """A member an API user wrote: the Member protocol, not a dataclass."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def open(self):
+        import io
+
+        return io.BytesIO(self.data)
+
+    def read_bytes(self) -> bytes:
+        return self.data
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _OwnMember) and other.data == self.data
+
+
+@dataclasses.dataclass(frozen=True)
+class _DerivedMember:
+    """A dataclass member with a field its __init__ does not take: it cannot be made again from columns."""
+
+    url: str
+    scheme: str = dataclasses.field(init=False, default="s3")
+
+    def open(self): ...
+
+    def read_bytes(self) -> bytes:
+        return b""
+
+
+@pytest.mark.parametrize(
+    "member", [_OwnMember(b"x"), _DerivedMember("s3://b/k.jpg")], ids=["not-a-dataclass", "init-false-field"]
+)
+def test_members_that_are_not_plain_dataclasses_are_kept_as_objects(chunk, member):
+    """Such a member, first seen after rows without one (or first of all), is kept as the object itself."""
+    plain = [Sample(f"p{i}", "image", (f"{i}.jpg",)) for i in range(4)]
+    with_member = Sample("m", "image", ("m.jpg",), member=member)
+    for samples in ([*plain, with_member, *plain[:2]], [with_member, *plain]):
+        t = SampleTable.of(samples)
+        assert isinstance(t._members, list)
+        assert list(t) == samples and t.take([len(samples) - 1, 0]) == [samples[-1], samples[0]]

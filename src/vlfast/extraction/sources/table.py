@@ -290,6 +290,7 @@ class _MemberChunks:
         self.rows: list[Member | None] = []  # this chunk's
         self.chunks: list[Any] = []  # per chunk: (present, {field: array}) or its length when it has none
         self.any = False
+        self.n = 0  # rows appended
 
     def _columnar(self, m: Member) -> bool:
         import dataclasses
@@ -299,6 +300,8 @@ class _MemberChunks:
                 return False
             kinds = {}
             for f in dataclasses.fields(m):
+                if not f.init:  # made again from its fields: every field must be one __init__ takes
+                    return False
                 value = getattr(m, f.name)
                 if isinstance(value, bool) or not isinstance(value, (str, int)):
                     return False
@@ -313,12 +316,14 @@ class _MemberChunks:
         )
 
     def append(self, m: Member | None) -> None:
+        self.n += 1
         if self.objects is not None:
             self.objects.append(m)
             return
         if m is not None:
             if not self._columnar(m):
-                self.objects = list(self.built_members())
+                built = self.built_members()  # None when no row before this one has a member
+                self.objects = [None] * (self.n - 1) if built is None else list(built)
                 self.objects.append(m)
                 self.rows, self.chunks = [], []
                 return
