@@ -63,7 +63,6 @@ class RunPlan:
     total: int = field(init=False)  # entries in the input (all ranks)
     assigned: int = field(init=False)  # this rank's share of them
 
-    _mine: Any = field(init=False, repr=False)  # which entries are this rank's (bool array)
     _column: Any = field(init=False, repr=False, default=None)  # the ids as Arrow, once work() needs them
     _hashes: Any = field(init=False, repr=False, default=None)  # and their hashes
     _unique: Any = field(init=False, repr=False, default=None)  # first copies and repeats: done-independent
@@ -80,7 +79,6 @@ class RunPlan:
             # Only this rank's share is kept (a repeated id's copies share one owner, so the repeats are all
             # found in it); records name entries by their position in the whole input.
             self.samples = self.samples.own(np.flatnonzero(owned(self.ids, self.rank, self.world_size)))
-        self._mine = np.ones(len(self.samples), bool)
         self.assigned = len(self.samples) + len(self.mine_problems)
 
     @property
@@ -100,20 +98,16 @@ class RunPlan:
         if self._column is None:  # made once: the preflight and the engine both plan
             self._column = self.ids  # the table's own column: no copy
             self._hashes = hash_ids(self._column.array)
-            self._unique = unique_positions(self._column.array, self._hashes, self._mine)
+            every = np.ones(len(self.samples), bool)  # the table holds this rank's entries alone
+            self._unique = unique_positions(self._column.array, self._hashes, every)
         todo, repeats = plan_positions(
             self._column, self.rank, self.world_size, done, hashes=self._hashes, unique=self._unique
         )
         entry = self.samples.entry
-        records = [
-            (
-                self.samples[k].id,
-                self.samples[k].source,
-                duplicate_reason(entry(k), entry(first)),
-                DUPLICATE_KIND,
-            )
-            for k, first in repeats
-        ]
+        records = []
+        for k, first in repeats:
+            s = self.samples[k]
+            records.append((s.id, s.source, duplicate_reason(entry(k), entry(first)), DUPLICATE_KIND))
         records += [(*problem_record(p), INPUT_KIND) for p in self.mine_problems]
         return self.samples.take(todo), records
 
@@ -206,7 +200,7 @@ def make_plan(
     fingerprint_seconds = time.perf_counter() - t0
     plan = RunPlan(
         out=out,
-        samples=SampleTable.of(samples),
+        samples=samples,
         problems=list(problems),
         rank=rank,
         world_size=world_size,

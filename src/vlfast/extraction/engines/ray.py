@@ -661,7 +661,7 @@ class RayEngine:
             # A sample whose decoding hit a bug is not done, but not lost either: the next run retries it.
             keep = ~done.isin(remaining.ids)
             if unexpected.ids:
-                keep &= ~IdSet(list(unexpected.ids)).isin(remaining.ids)
+                keep &= ~IdSet(unexpected.ids).isin(remaining.ids)
             remaining = remaining.take(np.flatnonzero(keep))
             if summary.stopped:
                 break
@@ -676,7 +676,7 @@ class RayEngine:
         # Only this run's records: a record from before that --retry-errors selected is superseded by the
         # sample's commit now.
         failed_ids = {r["id"] for r in errors_now if error_key(r) not in recorded_before and done_by_error(r)}
-        failed = IdSet(list(failed_ids))
+        failed = IdSet(failed_ids)
         extracted = done.isin(to_extract_ids) & ~failed.isin(to_extract_ids)
         summary.extracted = int(extracted.sum())
         summary.tokens = sum(p for i, p in added.items() if i in to_extract and i in done and i not in failed)

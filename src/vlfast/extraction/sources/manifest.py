@@ -159,7 +159,7 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
         return InputProblem(where, reason, given_id)
     kind: Kind = "frames" if len(paths) > 1 else kind_of(paths[0])  # a one-frame list is its file's kind
     if base is not None:
-        paths = [p if p.startswith("/") or is_url(p) else _joined(base, p) for p in paths]
+        paths = [_resolved(base, p) for p in paths]
     try:
         return Sample(sid, kind, tuple(paths), prompt, text=texts["text"], instruction=texts["instruction"])
     except (TypeError, ValueError) as e:  # checked above; kept so a gap here is a row problem, not a crash
@@ -337,7 +337,7 @@ def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
         zip(
             ids.to_pylist(),
             map(kind_of, paths),
-            [p if p.startswith("/") else _joined(base, p) for p in paths],
+            [_resolved(base, p) for p in paths],
             texts["prompt"],
             texts["text"],
             texts["instruction"],
@@ -370,6 +370,11 @@ def _parquet_rows(
                 yield f"{name} row {rowno}", row
     except Exception as e:
         raise InputRefused(f"{name} cannot be read as Parquet after row {rowno} ({e})") from None
+
+
+def _resolved(base: Path | str, path: str) -> str:
+    """A manifest's path as a sample holds it: an absolute path or a URL as it is, else joined to ``base``."""
+    return path if path.startswith("/") or is_url(path) else _joined(base, path)
 
 
 def _joined(base: Path | str, path: str) -> str:

@@ -16,6 +16,7 @@ objects themselves. A clip given as a list of frame files keeps its paths as a t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -157,9 +158,6 @@ class SampleTable(Sequence[Sample]):
         """The samples' ids, an Arrow ``large_string`` array in the table's order."""
         return self._ids
 
-    def id_list(self) -> list[str]:
-        return self._ids.to_pylist()
-
     def any_path(self, test: Callable[[str], bool]) -> bool:
         """Whether ``test`` holds for some path of some sample (folder parts are tested once each: a test
         that looks at a path's start, such as ``is_url``, sees the whole of it there)."""
@@ -173,16 +171,6 @@ class SampleTable(Sequence[Sample]):
 
     def has_kind(self, kind: str) -> bool:
         return bool((self._kinds == _CODE[kind]).any())
-
-    def source(self, k: int) -> str:
-        """``self[k].source`` (the input as an error report names it)."""
-        return self[k].source
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the columns hold (the folder names and members' objects not counted)."""
-        arrays = [self._ids, self._names, *self._optional.values()]
-        return sum(a.nbytes for a in arrays) + self._kinds.nbytes + self._dir.nbytes
 
     def _take_members(self, idx: np.ndarray) -> _Members | list[Member | None] | None:
         if self._members is None or isinstance(self._members, _Members):
@@ -203,17 +191,8 @@ class SampleTable(Sequence[Sample]):
         """A rank's share: the rows at ``positions`` (increasing), remembering where each was in this table
         and how many this table had, so that counts and error records still name the whole input."""
         share = self.take(positions)
-        if share is self:  # a new object all the same: this table keeps what it is
-            share = SampleTable(
-                self._ids,
-                self._kinds,
-                self._dirs,
-                self._dir,
-                self._names,
-                self._frames,
-                self._optional,
-                self._members,
-            )
+        if share is self:  # a new object all the same (the same columns): this table keeps what it is
+            share = copy.copy(self)
         idx = np.asarray(positions, dtype=np.int64)
         share._entries = idx if self._entries is None else self._entries[idx]
         share._listed = self.listed
@@ -479,7 +458,6 @@ class SampleTableBuilder:
             self._chunks[key].append(pa.array(values, pa.large_binary()) if filled else len(values))
         self._members.flush()
         self._reset()
-        pa.default_memory_pool().release_unused()
 
     def build(self) -> SampleTable:
         """The table of what was appended (the builder is spent)."""
