@@ -268,6 +268,27 @@ def test_duplicates_and_errors(tmp_path: Path) -> None:
     assert json.loads(lines[-1])["id"] == "d" and lines[-2] == '{"id": "torn'
 
 
+def test_cache_keeps_the_first_copy_of_an_id_two_writers_committed(tmp_path: Path) -> None:
+    """Two writers that shared a rank can each commit an id (here: another folder's rank-1 files copied in).
+    The cache warns, keeps the first copy, and every other sample is still found by position and id."""
+    import shutil
+
+    first, second = tmp_path / "out", tmp_path / "other"
+    for out, rank, value in ((first, 0, 1.0), (second, 1, 2.0)):
+        with FeatureStore(out, CFG, rank=rank, world_size=2) as s:
+            s.add("a", {"x": torch.full((2,), value)})
+            s.add(f"only{rank}", {"x": torch.full((2,), value)})
+    for sub in ("shards", "index"):
+        for f in (second / sub).iterdir():
+            shutil.copy(f, first / sub / f.name)
+    with pytest.warns(UserWarning, match=r"1 ids committed more than once \(kept the first\), e.g. \['a'\]"):
+        c = FeatureCache(first)
+    assert len(c) == 3 and c.ids() == ["a", "only0", "only1"]
+    assert c["a"]["x"].tolist() == [1.0, 1.0] and c["only1"]["x"].tolist() == [2.0, 2.0]
+    assert [c[i]["x"][0].item() for i in range(3)] == [1.0, 1.0, 2.0]
+    assert c.meta("only1") is not None and "b" not in c
+
+
 def test_dataloader(tmp_path: Path) -> None:
     ids = [f"s{i}" for i in range(12)]
     _fill(tmp_path, ids, shard_max_samples=5)

@@ -26,6 +26,7 @@ def hashing(request, monkeypatch):
         monkeypatch.setattr(ids_module, "_hash_column", column)
         monkeypatch.setattr(ids_module, "_SMALL", 0)  # every list through the column path too
     monkeypatch.setattr(IdSet, "_MIN_MERGE", 8)  # merges early and often
+    monkeypatch.setattr(ids_module, "_CONFIRM", 3)  # hash hits confirmed a few at a time, as at scale
     return request.param
 
 

@@ -75,6 +75,7 @@ def owner_rank(sample_id: str, world_size: int) -> int:
 # ids held as data: millions of ids in a few arrays instead of millions of Python objects (issue 22)
 
 _CHUNK = 1 << 16  # ids converted to Python objects at a time when a column is iterated
+_CONFIRM = 1 << 18  # hash hits confirmed against their ids at a time (a copy of this many ids a side)
 
 
 # The hash is FNV-1a (64-bit) of the id's UTF-8 bytes: numpy computes it for a whole Arrow column at once
@@ -184,13 +185,16 @@ class SortedIds:
         pos[order] = np.searchsorted(self.hash, hashes[order], side="left")
         np.minimum(pos, n - 1, out=pos)
         hit = np.flatnonzero(self.hash[pos] == hashes)
-        if hit.size:
-            same = pc.equal(self.ids.take(pa.array(pos[hit])), ids.take(pa.array(hit)))
+        # Each hit confirmed against the id itself, a slice of hits at a time: both sides' ids are copied to
+        # be compared, which for ten million hits at once would be twice the ids' bytes more at the peak.
+        for k in range(0, hit.size, _CONFIRM):
+            part = hit[k : k + _CONFIRM]
+            same = pc.equal(self.ids.take(pa.array(pos[part])), ids.take(pa.array(part)))
             same = same.to_numpy(zero_copy_only=False)
-            found[hit[same]] = pos[hit[same]]
+            found[part[same]] = pos[part[same]]
             if self.runs:  # a hash shared by several ids: walk its run for the hits that did not match
-                for k in hit[~same]:
-                    found[k] = self.find(ids[int(k)].as_py(), int(hashes[k]))
+                for j in part[~same]:
+                    found[j] = self.find(ids[int(j)].as_py(), int(hashes[j]))
         return found
 
 
@@ -325,18 +329,39 @@ class IdSet(AbstractSet[str]):
         if len(ids) == 0:
             return
         hashes = hash_ids(ids) if hashes is None else hashes
-        new = np.flatnonzero(first_copies(ids, hashes) == np.arange(len(ids)))
+        if self._sorted is None:
+            # Into an empty set, as a store reads its first part: sorted once, and when no hash repeats no id
+            # does either, so there are no copies to drop (first_copies would sort the hashes again).
+            fresh = SortedIds(hashes, ids)
+            if not fresh.runs:
+                fresh.source, self._sorted = None, fresh
+                return
+            del fresh
+        first = first_copies(ids, hashes)
+        new = np.flatnonzero(first == np.arange(len(ids)))
+        del first
         old = self._sorted
         if old is not None:
-            new = new[old.find_many(ids.take(pa.array(new)), hashes[new]) < 0]
+            new = new[old.find_many(_subset(ids, new), hashes[new] if len(new) < len(ids) else hashes) < 0]
         if new.size == 0:
             return
+        # Every id new (a part's ids, read into an empty set): the column and its hashes as they are, not
+        # copies of them, which at ten million ids would be a transient of their size again.
+        new_ids, new_hashes = _subset(ids, new), hashes[new] if len(new) < len(ids) else hashes
+        del ids, hashes, new
         if old is None:
-            self._sorted = SortedIds(hashes[new], ids.take(pa.array(new)))
+            self._sorted = SortedIds(new_hashes, new_ids)
         else:
-            both = np.concatenate([old.hash, hashes[new]])
-            self._sorted = SortedIds(both, pa.concat_arrays([old.ids, ids.take(pa.array(new))]))
+            both = np.concatenate([old.hash, new_hashes])
+            self._sorted = SortedIds(both, pa.concat_arrays([old.ids, new_ids]))
         self._sorted.source = None
+
+
+def _subset(ids: pa.Array, positions: np.ndarray) -> pa.Array:
+    """``ids`` at ``positions`` (ascending, distinct): the column itself when that is all of it."""
+    import pyarrow as pa
+
+    return ids if len(positions) == len(ids) else ids.take(pa.array(positions))
 
 
 def _column_of(values: list[str]) -> tuple[pa.Array, set[str]]:

@@ -36,6 +36,7 @@ _FRAMES, _TEXT = _CODE["frames"], _CODE["text"]
 _CHUNK = 1 << 16  # rows turned into Arrow at a time while building, and into samples while iterating
 _MAX_DIRS = 1 << 16  # distinct folders kept once; a path in a folder past these is kept whole
 _OPTIONAL = ("prompt", "text", "instruction")
+_CHUNKED = ("ids", "names", "kinds", "dir", *_OPTIONAL)  # the builder's columns, kept in chunks until built
 
 
 def _encode(text: str) -> bytes:
@@ -375,7 +376,7 @@ class SampleTableBuilder:
         self._frames: dict[int, tuple[str, ...]] = {}
         self._members = _MemberChunks()
         self._has: set[str] = set()  # optional columns some sample has a value in
-        self._chunks: dict[str, list[Any]] = {k: [] for k in ("ids", "names", "kinds", "dir", *_OPTIONAL)}
+        self._chunks: dict[str, list[Any]] = {k: [] for k in _CHUNKED}
         self._reset()
 
     def _reset(self) -> None:
@@ -472,25 +473,24 @@ class SampleTableBuilder:
                 return np.concatenate(chunks)
             return pa.concat_arrays(chunks) if len(chunks) > 1 else chunks[0]
 
+        # Each column joined and its chunks dropped before the next is joined: the peak is the chunks plus
+        # one joined column, not the chunks plus every joined column (twice the table at the end).
         optional = {
             key: joined(
-                [pa.nulls(x, pa.large_binary()) if isinstance(x, int) else x for x in c[key]],
+                [pa.nulls(x, pa.large_binary()) if isinstance(x, int) else x for x in c.pop(key)],
                 pa.array([], pa.large_binary()),
             )
             for key in _OPTIONAL
             if key in self._has
         }
+        ids = joined(c.pop("ids"), pa.array([], pa.large_string()))
+        names = joined(c.pop("names"), pa.array([], pa.large_binary()))
+        kinds = joined(c.pop("kinds"), np.empty(0, np.uint8))
+        folders = joined(c.pop("dir"), np.empty(0, np.int32))
         table = SampleTable(
-            joined(c["ids"], pa.array([], pa.large_string())),
-            joined(c["kinds"], np.empty(0, np.uint8)),
-            self._dirs,
-            joined(c["dir"], np.empty(0, np.int32)),
-            joined(c["names"], pa.array([], pa.large_binary())),
-            self._frames,
-            optional,
-            self._members.built_members(),
+            ids, kinds, self._dirs, folders, names, self._frames, optional, self._members.built_members()
         )
-        self._chunks = {k: [] for k in c}
+        self._chunks = {k: [] for k in _CHUNKED}
         del c
         pa.default_memory_pool().release_unused()  # the chunks were copied into one array each: give them back
         return table

@@ -109,18 +109,23 @@ class FeatureCache(torch.utils.data.Dataset):
 
         all_ids = ArrowStrings(table.column("id")).array
         hashes = hash_ids(all_ids)
-        # Keep the first copy of an id. Two copies only appear if two writers ran with the same rank at once.
-        first = first_copies(all_ids, hashes)
-        repeated = np.flatnonzero(first != np.arange(len(first)))
+        self._lookup = SortedIds(hashes, all_ids)  # .source: each sorted entry's position
+        keep = np.arange(len(all_ids))
+        repeated = keep[:0]
+        if self._lookup.runs:  # a hash seen twice: an id committed twice, or a collision
+            # Keep the first copy of an id. Two copies only appear if two writers ran with the same rank at once.
+            first = first_copies(all_ids, hashes)
+            repeated = np.flatnonzero(first != keep)
+            keep = np.flatnonzero(first == keep)
         if repeated.size:
             warnings.warn(
                 f"{self.out}: {repeated.size} ids committed more than once (kept the first), e.g. "
                 f"{all_ids.take(repeated[:3]).to_pylist()}",
                 stacklevel=3,
             )
-        keep = np.flatnonzero(first == np.arange(len(first)))
-        self._ids = ArrowStrings(all_ids.take(keep) if repeated.size else all_ids)
-        self._lookup = SortedIds(hashes[keep], self._ids.array)  # .source: each sorted entry's position
+            all_ids = all_ids.take(keep)
+            self._lookup = SortedIds(hashes[keep], all_ids)
+        self._ids = ArrowStrings(all_ids)
         shards = table.column("shard").combine_chunks()  # read as a dictionary; chunks' ones are unified
         if not pa.types.is_dictionary(shards.type):
             shards = shards.dictionary_encode()
@@ -133,8 +138,9 @@ class FeatureCache(torch.utils.data.Dataset):
         self._expected_bytes = [self._shard_bytes.get(s) for s in self._shard_names]
         self._expected_header = [self._header_hash.get(s) for s in self._shard_names]
         codes = shards.indices.to_numpy(zero_copy_only=False)
-        self._shard = rank[codes[keep]] if len(names) else np.empty(0, np.int64)
-        self._row = table.column("row").to_numpy()[keep]
+        kept = keep if repeated.size else slice(None)  # every row: no copies of the columns to select them
+        self._shard = rank[codes[kept]] if len(names) else np.empty(0, np.int64)
+        self._row = table.column("row").to_numpy()[kept]
         columns = table.select(["features", "meta"])
         if repeated.size:
             columns = columns.take(keep)
