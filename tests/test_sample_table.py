@@ -295,6 +295,72 @@ def test_plain_parquet_batches_give_what_the_row_path_gives(tmp_path, monkeypatc
         assert list(got) == want and got_problems == want_problems, name
 
 
+def test_plain_jsonl_blocks_give_what_the_row_path_gives(tmp_path, monkeypatch):
+    """A JSONL manifest's blocks of plain rows go into the table from columns (issue 22): each line is still
+    parsed on its own, and every block, plain or not, gives exactly what reading each line as a row gives;
+    blocks of 4 lines here, so every odd line below lands in a block of its own kind or in a mixed one."""
+    import json
+
+    from vlfast.extraction.sources import manifest
+
+    plain = [
+        '{"id": "a", "path": "imgs/a.jpg", "text": "cat", "instruction": ""}',
+        '{"id": "b", "path": "/abs/b.MP4", "prompt": "p", "instruction": "Find.", "label": [1, 2]}',
+        '{"id": "c", "path": "c.mkv", "prompt": null, "text": null}',
+        '{"id": "é", "path": "ünï/é.webm"}',
+    ]
+    ints = ['{"id": 7, "path": "x/7.jpg"}', '{"id": -3, "path": "y.png"}', '{"id": 0, "path": "z.mp4"}']
+    no_id = ['{"path": "n/a.jpg"}', '{"path": "n/b.jpg", "text": "t"}']
+    unusual = [
+        '{"id": true, "path": "bool.jpg"}',
+        '{"id": 1.0, "path": "float.jpg"}',
+        '{"id": 99999999999999999999999, "path": "big.jpg"}',
+        '{"id": null, "path": "null-id.jpg"}',
+        '{"id": "s", "path": "\\ud800.jpg"}',
+        '{"id": "\\ud800", "path": "sur.jpg"}',
+        '{"id": "l", "path": ["f0.png", "f1.png"]}',
+        '{"id": "ps", "paths": ["f0.png", "f1.png"]}',
+        '{"id": "dup", "path": "first.jpg", "path": "second.jpg"}',
+        '{"id": "u", "path": "s3://bucket/u.jpg"}',
+        '{"id": "t", "text": "a text alone"}',
+        '{"id": "pr", "path": "p.jpg", "prompt": 3}',
+        '{"id": "nul", "path": "nul\\u0000.jpg"}',
+        '{"id": "dot", "path": "./here.jpg"}',
+        "",
+        "   ",
+        "{not json",
+        "[1, 2]",
+        '"just text"',
+    ]
+    lines = plain + ints + unusual[:5] + plain + no_id + unusual[5:] + plain + ints[:1] + plain
+    monkeypatch.setattr(manifest, "_JSONL_BLOCK", 4)
+    made: list = []
+    real = manifest._plain_batch
+    monkeypatch.setattr(manifest, "_plain_batch", lambda b, base: made.append(real(b, base)) or made[-1])
+    for case, text in {
+        "mixed": "\n".join(lines) + "\n",
+        "bom": "\ufeff" + "\n".join(plain + plain) + "\n",
+        "int-and-text-ids": "\n".join(plain[:2] + ints[:2]) + "\n",
+        "a-boolean-among-int-ids": "\n".join(ints[:2] + unusual[:1] + ints[2:] + ints) + "\n",
+        "no-id": "\n".join(no_id * 2),  # no newline at the end
+    }.items():
+        path = tmp_path / f"{case}.jsonl"
+        path.write_bytes(text.encode("utf-8", "surrogatepass"))
+        made.clear()
+        got, got_problems = manifest.load_manifest(path)
+        want, want_problems = [], []
+        for where, row in manifest._jsonl_lines(path, str(path)):
+            one = row if isinstance(row, manifest.InputProblem) else manifest.row_sample(row, where, tmp_path)
+            (want_problems if isinstance(one, manifest.InputProblem) else want).append(one)
+        assert list(got) == want and got_problems == want_problems, case
+        by_columns = sum(len(m) for m in made if m)
+        # some blocks took the columns' path; a block of ids both numbers and text never does
+        assert (by_columns == 0) == (case == "int-and-text-ids"), case
+        if case == "mixed":
+            assert len(got_problems) == 8 and by_columns < len(got)  # and some the row path
+    assert json.loads(plain[1])["label"] == [1, 2]  # a key no sample field reads is ignored, as by rows
+
+
 class _OwnMember:
     """A member an API user wrote: the Member protocol, not a dataclass."""
 

@@ -186,7 +186,67 @@ def _text_row(
     return Sample(given_id, "text", (), texts["prompt"], text=texts["text"], instruction=texts["instruction"])
 
 
-def _jsonl_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | InputProblem]]:
+_JSONL_BLOCK = 65_536  # lines of a JSONL manifest checked as columns at a time
+_COLUMNS = ("id", "path", "paths", "prompt", "text", "instruction")  # what a row's sample is made of
+
+
+def _jsonl_rows(
+    path: Path, name: str, base: Path | str | None = None
+) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
+    """Each line as a dict or its problem, or already a plain sample's fields where a block of lines are
+    all plain rows (see :func:`_plain_batch`, given ``base``): every line is still parsed on its own."""
+    block: list[tuple[str, dict[str, Any] | InputProblem]] = []
+    for item in _jsonl_lines(path, name):
+        block.append(item)
+        if len(block) == _JSONL_BLOCK:
+            yield from _jsonl_block(block, base)
+            block = []
+    yield from _jsonl_block(block, base)
+
+
+def _jsonl_block(
+    block: list[tuple[str, dict[str, Any] | InputProblem]], base: Path | str | None
+) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
+    plain = None
+    if base is not None and block and all(isinstance(row, dict) for _, row in block):
+        batch = _batch_of([row for _, row in block])  # type: ignore[misc]
+        plain = None if batch is None else _plain_batch(batch, base)
+    if plain is None:
+        yield from block
+    else:
+        for (where, _), fields in zip(block, plain):
+            yield where, fields
+
+
+def _batch_of(rows: list[dict[str, Any]]) -> Any:
+    """JSON rows as an Arrow batch of the columns a sample is made of, or None unless each column holds
+    values of one kind Arrow keeps as they are: text, integers (never a boolean), or JSON nulls. Anything
+    else leaves the rows to the row path."""
+    import pyarrow as pa
+
+    columns: dict[str, Any] = {}
+    for key in _COLUMNS:
+        values = [row.get(key) for row in rows]
+        kinds = {type(v) for v in values}
+        kinds.discard(type(None))
+        if not kinds:
+            if any(key in row for row in rows):
+                columns[key] = pa.nulls(len(rows), pa.string())
+            continue
+        if kinds == {str}:
+            kind = pa.string()
+        elif kinds == {int} and key == "id":
+            kind = pa.int64()
+        else:
+            return None
+        try:
+            columns[key] = pa.array(values, kind)
+        except (pa.ArrowException, OverflowError, UnicodeEncodeError):  # past int64; a lone surrogate
+            return None
+    return pa.RecordBatch.from_pydict(columns) if "path" in columns else None
+
+
+def _jsonl_lines(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | InputProblem]]:
     # Bytes, decoded line by line: one line in another encoding is that line's problem, not the file's.
     with path.open("rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -333,11 +393,16 @@ def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
             return None
         texts[key] = [v or None for v in col.to_pylist()]  # "" is missing, as in a row
     paths = path.to_pylist()
+    # Joined to the manifest's folder as a column: each path is already known to be in posix form, not a URL
+    # (what _resolved checks a row at a time), so an absolute one stays as it is and the rest take the prefix.
+    if not (isinstance(base, Path) and str(base) == "."):
+        prefix = f"{str(base).rstrip('/')}/"
+        path = pc.if_else(pc.starts_with(path, "/"), path, pc.binary_join_element_wise(prefix, path, ""))
     return list(
         zip(
             ids.to_pylist(),
             map(kind_of, paths),
-            [_resolved(base, p) for p in paths],
+            path.to_pylist(),
             texts["prompt"],
             texts["text"],
             texts["instruction"],
@@ -396,7 +461,7 @@ def load_manifest(
     name = name or display_path(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        rows = _jsonl_rows(path, name)
+        rows = _jsonl_rows(path, name, base or path.parent)
     elif suffix == ".csv":
         rows = _csv_rows(path, name)
     elif suffix == ".parquet":
@@ -408,7 +473,7 @@ def load_manifest(
     samples = SampleTableBuilder()  # columns: a manifest of millions of rows is not millions of objects
     problems: list[InputProblem] = []
     for where, row in rows:
-        if isinstance(row, tuple):  # a plain Parquet row, checked with its batch
+        if isinstance(row, tuple):  # a plain row, checked with its batch (Parquet) or block (JSONL)
             samples.append_plain(*row)
             continue
         got = row if isinstance(row, InputProblem) else row_sample(row, where, base or path.parent)
