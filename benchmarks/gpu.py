@@ -111,7 +111,9 @@ STEPS: tuple[Step, ...] = (
             f"patch_embed_{dt}",
             f"patch-embed forward, {dt}, every reference shape: conv (cuDNN on), fallback (cuDNN off), "
             "channels_last_3d, patched, F.linear",
-            f"{{python}} {{bench}}/patch_embed.py --devices {{device}} --channels-last --dtypes {dt}",
+            # the fallback takes 22-31 s a call on an H200: one shape's call, then "not timed"
+            f"{{python}} {{bench}}/patch_embed.py --devices {{device}} --channels-last --dtypes {dt} "
+            "--fallback-budget 30",
             # on CPU, fp32 alone checks the plumbing: a bf16 fallback there takes seconds per call
             smoke="--refs qwen3-vl-4b --patches 32 --rounds 2 --fallback-rounds 1" if dt == "fp32" else None,
             timeout_s=150,
@@ -122,11 +124,12 @@ STEPS: tuple[Step, ...] = (
     ),
     Step(
         "doctor",
-        "vlfast doctor on every reference (exit 1, a slow path found, is a finding, not a failure)",
+        "vlfast doctor on every reference (exit 1, a slow path found, and 4, an ordinary gain, are findings, "
+        "not failures)",
         "{vlfast} doctor --json --device {device}",
         smoke="--no-probe",
         timeout_s=90,
-        ok_codes=(0, 1),
+        ok_codes=(0, 1, 4),
     ),
     Step(
         "verify_tiny",

@@ -126,9 +126,15 @@ def bench_shape(
     rounds: int,
     fallback_rounds: int,
     channels_last: bool = False,
+    fallback_budget: FallbackBudget | None = None,
 ) -> dict[str, list[float]]:
     """Milliseconds per variant and round (the fallback in the first rounds only) for one configuration;
-    with ``channels_last``, also ``conv_cl`` and ``patched_cl`` (module and input in channels_last_3d)."""
+    with ``channels_last``, also ``conv_cl`` and ``patched_cl`` (module and input in channels_last_3d).
+
+    A fallback call slower than ``fallback_budget.once_ms`` is timed once, its warm-up call being the
+    figure (on an H200 one call took 22-31 s: three rounds and a warm-up of every shape would take half an
+    hour); once the budget's seconds are spent, the remaining shapes' fallback is not timed (an empty
+    list)."""
     c, t, p, d = shape.in_channels, shape.temporal, shape.patch, shape.out
     gen = torch.Generator().manual_seed(0)
     conv = nn.Conv3d(c, d, (t, p, p), stride=(t, p, p)).to(device=device, dtype=dtype)
@@ -165,16 +171,55 @@ def bench_shape(
         _check_agreement(conv, patched, pixels, w2d, bias)
         if channels_last:
             _check_channels_last(conv, conv_cl, patched_cl, pixels.view(-1, c, t, p, p), x_cl)
-        for fn in variants.values():  # warm-up: allocator, oneDNN primitive cache, cuBLAS handles
+        budget = fallback_budget or FallbackBudget()
+        for name, fn in variants.items():  # warm-up: allocator, oneDNN primitive cache, cuBLAS handles
+            if name == "fallback":
+                if not budget.allows():
+                    fallback_rounds = 0
+                    continue
+                first = budget.spend(measure(fn, device=device, warmup=0, repeats=1).times_ms[0])
+                if first >= budget.once_ms:
+                    times["fallback"].append(first)
+                    budget.once += 1
+                    fallback_rounds = 0
+                continue
             measure(fn, device=device, warmup=0, repeats=1)
         names = list(variants)
         for r in range(rounds):
             # Rotate the order each round so no variant always runs right after the slow fallback.
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                if name == "fallback" and r >= fallback_rounds:
+                if name == "fallback" and (r >= fallback_rounds or not budget.allows()):
                     continue
-                times[name].append(measure(variants[name], device=device, warmup=0, repeats=1).times_ms[0])
+                ms = measure(variants[name], device=device, warmup=0, repeats=1).times_ms[0]
+                times[name].append(budget.spend(ms) if name == "fallback" else ms)
     return times
+
+
+@dataclass
+class FallbackBudget:
+    """How much time the fallback (seconds per call on a GPU) may take in one run: ``seconds`` in all
+    (None: no limit), and ``once_ms``, past which one call is its only timing."""
+
+    seconds: float | None = None
+    once_ms: float = 10_000.0
+    spent_s: float = 0.0
+    once: int = 0  # shapes whose fallback was timed once, being slower than once_ms
+
+    def allows(self) -> bool:
+        return self.seconds is None or self.spent_s < self.seconds
+
+    def spend(self, ms: float) -> float:
+        self.spent_s += ms / 1e3
+        return ms
+
+
+def _fallback_ms(t: dict[str, list[float]], once: bool) -> str:
+    v = t["fallback"]
+    return "not timed" if not v else f"{statistics.median(v):.1f}" + ("\\*" if once else "")
+
+
+def _fallback_ratio(t: dict[str, list[float]]) -> str:
+    return f"{paired_ratio(t, 'fallback', 'patched'):.1f}x" if t["fallback"] else "-"
 
 
 def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
@@ -326,7 +371,7 @@ def render(
     ]
     for r in rows:
         t = r["times"]
-        m = {k: statistics.median(v) for k, v in t.items()}
+        m = {k: statistics.median(v) for k, v in t.items() if v}
         cl_times = f"| {m['conv_cl']:.1f} | {m['patched_cl']:.1f} " if cl else ""
         cl_ratios = (
             f" {paired_ratio(t, 'conv_cl', 'patched'):.2f}x | {paired_ratio(t, 'patched_cl', 'linear'):.3f} |"
@@ -335,9 +380,9 @@ def render(
         )
         lines.append(
             f"| {', '.join(r['shape'].refs)} | {r['shape'].label} | {r['device']} | {r['dtype']} "
-            f"| {m['conv']:.1f} | {m['fallback']:.1f} | {m['patched']:.1f} | {m['linear']:.1f} "
+            f"| {m['conv']:.1f} | {_fallback_ms(t, r.get('fallback_once', False))} | {m['patched']:.1f} | {m['linear']:.1f} "
             + cl_times
-            + f"| {paired_ratio(t, 'conv', 'patched'):.2f}x | {paired_ratio(t, 'fallback', 'patched'):.1f}x "
+            + f"| {paired_ratio(t, 'conv', 'patched'):.2f}x | {_fallback_ratio(t)} "
             f"| {paired_ratio(t, 'patched', 'linear'):.3f} |" + cl_ratios
         )
     lines += [
@@ -349,6 +394,12 @@ def render(
         "disabled, the slow path torch >= 2.9 takes for bf16 5-D convs with cuDNN 9.8-9.14; patched: after "
         "`vlfast.patch`; F.linear: the raw GEMM on a pre-reshaped weight (the limit).",
     ]
+    if any(r.get("fallback_once") or not r["times"]["fallback"] for r in rows):
+        lines += [
+            "",
+            "fallback\\*: one call, its first (a call that takes seconds leaves no warm-up effect to "
+            "measure); not timed: the run's `--fallback-budget` was spent on the shapes above it.",
+        ]
     if cl:
         lines += [
             "",
@@ -420,6 +471,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--fallback-rounds", type=int, default=3)
+    ap.add_argument(
+        "--fallback-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="time the fallback for at most this long in all; the shapes after it show 'not timed' "
+        "(default: no limit). A fallback call over 10 s is timed once either way",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument(
         "--write-docs", action="store_true", help=f"write the tables into {BENCH_DOC.relative_to(ROOT)}"
@@ -450,11 +509,13 @@ def main(argv: list[str] | None = None) -> int:
     baseline = load_baseline(args.baseline) if args.baseline else None
     command = "python benchmarks/patch_embed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     dev = torch.device("cuda") if "cuda" in devices else torch.device("cpu")
+    budget = FallbackBudget(args.fallback_budget)
     rows = []
     for dev_name in [] if args.per_call_only else devices:
         device = torch.device(dev_name)
         for shape in shapes:
             for dt in args.dtypes:
+                before = budget.once
                 times = bench_shape(
                     shape,
                     DTYPES[dt],
@@ -463,11 +524,15 @@ def main(argv: list[str] | None = None) -> int:
                     args.rounds,
                     args.fallback_rounds,
                     args.channels_last,
+                    budget,
                 )
-                rows.append({"shape": shape, "dtype": dt, "device": dev_name, "times": times})
+                once = budget.once > before  # timed once: one slow call
+                rows.append(
+                    {"shape": shape, "dtype": dt, "device": dev_name, "times": times, "fallback_once": once}
+                )
                 print(
                     f"{shape.label:>22} {dev_name:>4} {dt}: "
-                    + "  ".join(f"{k} {statistics.median(v):.1f} ms" for k, v in times.items()),
+                    + "  ".join(f"{k} {statistics.median(v):.1f} ms" for k, v in times.items() if v),
                     file=sys.stderr,
                     flush=True,
                 )

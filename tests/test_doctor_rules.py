@@ -31,6 +31,11 @@ def fired(facts: Facts, conv: ConvGeometry = QWEN) -> set[str]:
     return {h.id for h in evaluate(facts, [conv])}
 
 
+def slow(facts: Facts, conv: ConvGeometry = QWEN) -> set[str]:
+    """The pathological rules that fire: a machine that is "fine" may still have an ordinary gain."""
+    return {h.id for h in evaluate(facts, [conv]) if h.pathological}
+
+
 def test_torch_29_cudnn_910_bf16_is_slow():
     assert "cudnn-skip-conv3d" in fired(gpu())
 
@@ -41,15 +46,15 @@ def test_fp16_is_slow_too():
 
 @pytest.mark.parametrize("cudnn", [91500, 91900, 90701])
 def test_cudnn_outside_9_8_to_9_15_is_fine(cudnn):
-    assert not fired(gpu(cudnn_runtime=cudnn))
+    assert not slow(gpu(cudnn_runtime=cudnn))
 
 
 def test_fp32_is_fine():
-    assert not fired(gpu(dtype="float32"))
+    assert not slow(gpu(dtype="float32"))
 
 
 def test_torch_28_is_fine():
-    assert not fired(gpu(torch_version="2.8.0+cu128"))
+    assert not slow(gpu(torch_version="2.8.0+cu128"))
 
 
 def test_torch_210_with_its_default_cudnn_910_is_slow():
@@ -58,7 +63,7 @@ def test_torch_210_with_its_default_cudnn_910_is_slow():
 
 
 def test_torch_211_default_wheel_is_fine():
-    assert not fired(gpu(torch_version="2.11.0+cu128", cudnn_runtime=91900))
+    assert not slow(gpu(torch_version="2.11.0+cu128", cudnn_runtime=91900))
 
 
 def test_pointwise_and_2d_convs_keep_cudnn():
@@ -67,11 +72,11 @@ def test_pointwise_and_2d_convs_keep_cudnn():
 
 
 def test_unknown_cudnn_version_fires_nothing():
-    assert not fired(gpu(cudnn_runtime=None))
+    assert not slow(gpu(cudnn_runtime=None))
 
 
 def test_blackwell_cudnn_910_bf16():
-    hits = fired(gpu(gpu_capability=(12, 0), torch_version="2.8.0+cu128"))
+    hits = slow(gpu(gpu_capability=(12, 0), torch_version="2.8.0+cu128"))
     assert hits == {"blackwell-cudnn910-bf16"}
     assert "blackwell-cudnn910-bf16" not in fired(gpu(gpu_capability=(12, 0), dtype="float16"))
     assert "blackwell-cudnn910-bf16" not in fired(gpu(gpu_capability=(12, 0), cudnn_runtime=91500))
@@ -116,6 +121,16 @@ def test_cpu_default_path_rule_names_onednn_convs_only():
     assert "cpu-onednn-window-conv" not in fired(gpu())
 
 
+def test_gpu_default_path_rule_names_cudnn_convs_only():
+    """What the H200 showed: cuDNN 9.19 in use, 2.9-3.5x, explained instead of 'please report it'."""
+    h200 = gpu(torch_version="2.11.0+cu130", cudnn_runtime=91900, cudnn_compile=91900)
+    assert "cudnn-window-conv" in fired(h200) and "cudnn-skip-conv3d" not in fired(h200)
+    assert "cudnn-window-conv" in fired(gpu(torch_version="2.11.0+cu130", dtype="float32"))
+    assert "cudnn-window-conv" not in fired(gpu())  # skipped by torch: the fallback rule instead
+    assert "cudnn-window-conv" not in fired(gpu(cudnn_enabled=False))
+    assert "cudnn-window-conv" not in fired(Facts(device="cpu", dtype="float32"))
+
+
 def test_every_rule_has_a_source_and_fix_and_unique_id():
     ids = [r.id for r in RULES]
     assert len(ids) == len(set(ids))
@@ -130,7 +145,7 @@ def test_rule_fires_by_id_and_unknown_id():
 
 
 def test_evaluate_lists_the_convs_each_rule_concerns():
-    (hit,) = evaluate(gpu(), [QWEN, POINTWISE, CONV2D])
+    (hit,) = [h for h in evaluate(gpu(), [QWEN, POINTWISE, CONV2D]) if h.pathological]
     assert hit.id == "cudnn-skip-conv3d" and hit.convs == ["patch_embed.proj"]
     assert set(hit.to_dict()) == {
         "id",

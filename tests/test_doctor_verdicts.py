@@ -323,8 +323,8 @@ def test_cpu_conv3d_backward():
     assert "cpu-conv3d-backward" not in _fired(_gpu())
 
 
-def test_only_the_cpu_window_rule_is_an_ordinary_gain():
-    assert {r.id for r in RULES if not r.pathological} == {"cpu-onednn-window-conv"}
+def test_only_the_window_rules_are_ordinary_gains():
+    assert {r.id for r in RULES if not r.pathological} == {"cpu-onednn-window-conv", "cudnn-window-conv"}
 
 
 def test_the_json_is_strict_and_carries_schema_2(monkeypatch):

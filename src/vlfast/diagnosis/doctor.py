@@ -749,6 +749,7 @@ _RULE_BACKENDS: dict[str, tuple[str, ...]] = {
     "mps-conv3d": ("Mps",),
     "rocm-miopen-conv3d": ("Miopen",),
     "cpu-onednn-window-conv": ("Mkldnn",),
+    "cudnn-window-conv": ("Cudnn",),
     "cpu-no-onednn": ("Slow2d", "Slow3d", "SlowDilated2d", "SlowDilated3d"),
 }
 

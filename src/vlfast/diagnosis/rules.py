@@ -231,6 +231,18 @@ def _cpu_onednn_window(f: Facts, c: ConvGeometry) -> bool:
     return f.device_type == "cpu" and f.onednn_available is not False and f.onednn_enabled is not False
 
 
+def _cudnn_window(f: Facts, c: ConvGeometry) -> bool:
+    # cuDNN in use (not skipped, not disabled): its heuristics pick a general implicit-GEMM kernel for a
+    # kernel-sized conv (implicit_convolveNd_sgemm for the 3-channel Conv3d on an H200), a few x its GEMM.
+    return (
+        _cuda(f)
+        and f.cudnn_enabled is not False
+        and f.cudnn_runtime is not None
+        and any(k != 1 for k in c.kernel_size)  # a 1x1 conv is a GEMM to cuDNN too
+        and not _cudnn_skipped(f, c)
+    )
+
+
 _UPGRADE = _upgrade_cudnn
 
 RULES: tuple[Rule, ...] = (
@@ -314,6 +326,19 @@ RULES: tuple[Rule, ...] = (
         "none in the environment; the GEMM patch is the fix",
         pathological=False,
         phases=("forward",),
+    ),
+    Rule(
+        "cudnn-window-conv",
+        "GPU convolution over kernel-sized windows (cuDNN's default path)",
+        "vlfast benchmarks/gpu.sh on an NVIDIA H200, torch 2.11.0+cu130, cuDNN 9.19.0, bf16: Conv3d "
+        "2.9-3.5x forward and 3.0-4.9x backward, Conv2d k=2x2 2.6x / 1.9x (benchmarks/gpu-runs/2026-11-27-h200)",
+        _cudnn_window,
+        "With cuDNN in use, a patch-embedding conv (3 input channels, one output pixel per window) runs a "
+        "general implicit-GEMM kernel (implicit_convolveNd_sgemm for the Conv3d on an H200) that stays a "
+        "few times slower than the same product as one GEMM, forward and backward. Not a fallback: "
+        "milliseconds, not seconds.",
+        "none in the environment; the GEMM patch is the fix",
+        pathological=False,
     ),
     Rule(
         "cpu-conv3d-backward",

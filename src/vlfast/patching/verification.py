@@ -36,6 +36,7 @@ from torch import nn
 from vlfast.dtypes import ALIASES as DTYPE_ALIASES
 from vlfast.errors import InputRefused
 from vlfast.patching.gemm import eligibility, patch, unpatch
+from vlfast.patching.precision import fp32_settings, ieee_fp32
 
 __all__ = ["Check", "Step", "Thresholds", "VerifyReport", "compare", "verify"]
 
@@ -105,6 +106,10 @@ class VerifyReport:
     device: str
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Where this process's float32 settings give the stock conv and the GEMM different precisions (TF32
+    # convs on an NVIDIA GPU, by default): what that difference measures on the first conv. The checks
+    # themselves run in IEEE float32 on both sides (vlfast.patching.precision).
+    precision: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:
@@ -121,6 +126,7 @@ class VerifyReport:
             "passed": self.passed,
             "checks": [asdict(c) for c in self.checks],
             "notes": list(self.notes),
+            "precision": self.precision,
         }
 
     def __str__(self) -> str:
@@ -591,14 +597,67 @@ def verify(
     steps.total = len(convs) * (1 + len(low) + backward)
     if tower is not None:
         steps.total += len(grids) * (1 + len(low)) + bool(backward and grids)
+    settings = fp32_settings(device)
+    if settings["conv"][0] != settings["matmul"][0]:
+        name, conv = convs[0]
+        report.precision = _settings_difference(name, conv, n_windows, device, seed, settings)
+        report.notes.append(_settings_note(report.precision))
     gen = torch.Generator().manual_seed(seed)
-    for name, conv in convs:
-        _layer_checks(name, conv, n_windows, low, device, th, gen, backward, steps)
-    if tower is None:
-        report.notes.append("no vision tower (forward taking grid_thw) found: layer checks only")
-        return report
-    _tower_checks(tower, list(grids), low, device, th, seed, backward, steps, owned)
+    with ieee_fp32():  # the identity the patch claims, whatever rounding this process allows either side
+        for name, conv in convs:
+            _layer_checks(name, conv, n_windows, low, device, th, gen, backward, steps)
+        if tower is None:
+            report.notes.append("no vision tower (forward taking grid_thw) found: layer checks only")
+            return report
+        _tower_checks(tower, list(grids), low, device, th, seed, backward, steps, owned)
     return report
+
+
+def _settings_difference(name: str, conv: nn.Module, n_windows: int, device, seed: int, settings) -> dict:
+    """Stock against patched in float32 under this process's own settings, each against a float64
+    reference: what a user whose settings round one side and not the other sees change (not a check)."""
+    gen = torch.Generator().manual_seed(seed + 7919)  # its own: the checks' random inputs stay as they were
+    x = torch.randn(n_windows, conv.in_channels, *tuple(conv.kernel_size), generator=gen)
+    layer = copy.deepcopy(conv).float().to(device)
+    with torch.no_grad():
+        stock = _run(layer, False, lambda: layer(x.to(device)))
+        patched = _run(layer, True, lambda: layer(x.to(device)))
+        exact_device = device if device.type == "cuda" else torch.device("cpu")  # MPS has no float64
+        layer64 = copy.deepcopy(conv).to(exact_device, torch.float64)
+        exact = _run(layer64, False, lambda: layer64(x.to(exact_device, torch.float64)))
+    return {
+        "layer": name,
+        "conv": settings["conv"][0],
+        "conv_setting": settings["conv"][1],
+        "matmul": settings["matmul"][0],
+        "matmul_setting": settings["matmul"][1],
+        "patched_vs_stock_max_rel": compare(stock, patched)["max_rel"],
+        "stock_vs_float64_max_rel": compare(exact, stock.to(exact.device))["max_rel"],
+        "patched_vs_float64_max_rel": compare(exact, patched.to(exact.device))["max_rel"],
+    }
+
+
+def _settings_note(d: dict) -> str:
+    closer = (
+        "closer to" if d["patched_vs_float64_max_rel"] <= d["stock_vs_float64_max_rel"] else "further from"
+    )
+    return (
+        f"this process's settings run float32 convs in {d['conv']} ({d['conv_setting']}) but float32 matmuls "
+        f"in {d['matmul']} ({d['matmul_setting']}); the patched conv is a matmul, so with these settings its "
+        f"float32 outputs differ from the stock conv's by {d['patched_vs_stock_max_rel']:.2g} relative on "
+        f"{d['layer']} (against float64: stock {d['stock_vs_float64_max_rel']:.2g}, patched "
+        f"{d['patched_vs_float64_max_rel']:.2g}, {closer} exact). That is the settings' rounding, not the "
+        f"patch: the float32 checks ran in IEEE float32 on both sides. For both to compute alike, either "
+        f"{d['conv_setting']} = {_setting_value(d['conv_setting'], d['matmul'])} (the convs in "
+        f"{d['matmul']}) or {d['matmul_setting']} = {_setting_value(d['matmul_setting'], d['conv'])} "
+        f"(every float32 matmul in {d['conv']}, not only the patched convs)"
+    )
+
+
+def _setting_value(knob: str, precision: str) -> str:
+    if knob.endswith("allow_tf32"):
+        return str(precision == "tf32")
+    return repr(precision)
 
 
 def _gemm_rate(dtype: torch.dtype, device: torch.device) -> float:

@@ -1,0 +1,117 @@
+"""float32 that is float32: the settings that let a float32 conv or matmul round its inputs, read and set.
+
+A stock conv and the GEMM that replaces it take their float32 precision from different settings: on CUDA,
+cuDNN convs from ``torch.backends.cudnn.conv.fp32_precision``, which is ``"tf32"`` by default (legacy:
+``torch.backends.cudnn.allow_tf32 = True``), and cuBLAS matmuls from
+``torch.backends.cuda.matmul.fp32_precision``, IEEE by default; on CPU, oneDNN's ``mkldnn.conv`` and
+``mkldnn.matmul`` (``"bf16"`` and ``"tf32"`` are opt-in). So on any NVIDIA GPU since Ampere, with torch's
+defaults, a float32 patch-embedding conv runs in TF32 (10-bit mantissa inputs) and the patched GEMM in full
+float32: outputs differ by ~3e-4 relative, the patched ones being the more precise (measured on an H200,
+docs/patch.md). :func:`ieee_fp32` turns every such setting to IEEE for the duration of a comparison, so
+verify's float32 checks prove the identity the patch claims; :func:`fp32_settings` says what this process
+would otherwise use, so verify can report the difference a user's own settings make.
+
+torch >= 2.9 has the per-backend ``fp32_precision`` settings, and raises when they are read through the
+legacy ``allow_tf32`` flags after being set apart; older torch has only the legacy flags. Each is used
+alone, never both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["fp32_settings", "ieee_fp32", "precision_knob"]
+
+# (backend, op): the float32 conv and matmul of each device family.
+_FAMILY = {"cuda": (("cudnn", "conv"), ("cuda", "matmul")), "cpu": (("mkldnn", "conv"), ("mkldnn", "matmul"))}
+
+
+def _new_api() -> bool:
+    try:
+        torch.backends.cudnn.conv.fp32_precision  # noqa: B018
+        torch.backends.mkldnn.matmul.fp32_precision  # noqa: B018
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _get(backend: str, op: str) -> str:
+    return getattr(getattr(torch.backends, backend), op).fp32_precision
+
+
+def _set(backend: str, op: str, value: str) -> None:
+    getattr(getattr(torch.backends, backend), op).fp32_precision = value
+
+
+def precision_knob(backend: str, op: str) -> str:
+    """The setting a user changes, as they would write it: ``torch.backends.cudnn.conv.fp32_precision``."""
+    if _new_api():
+        return f"torch.backends.{backend}.{op}.fp32_precision"
+    return {
+        ("cudnn", "conv"): "torch.backends.cudnn.allow_tf32",
+        ("cuda", "matmul"): "torch.backends.cuda.matmul.allow_tf32",
+    }.get((backend, op), f"torch.backends.{backend}")
+
+
+def _effective(backend: str, op: str) -> str:
+    """What ``backend``'s ``op`` does with float32: "ieee", "tf32" or "bf16". In torch's own order: the op's
+    setting, else its backend's ("all"), else the global one; "none" all the way down is IEEE."""
+    if not _new_api():
+        if (backend, op) == ("cudnn", "conv"):
+            return "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+        if (backend, op) == ("cuda", "matmul"):
+            return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        if (backend, op) == ("mkldnn", "matmul") and torch.get_float32_matmul_precision() == "medium":
+            return "bf16"
+        return "ieee"
+    for value in (
+        _get(backend, op),
+        getattr(getattr(torch.backends, backend), "fp32_precision", "none"),
+        getattr(torch.backends, "fp32_precision", "none"),
+    ):
+        if value != "none":
+            return value
+    return "ieee"
+
+
+def fp32_settings(device: str | torch.device) -> dict[str, tuple[str, str]]:
+    """For ``device``'s family (cuda, else cpu): ``{"conv": (precision, knob), "matmul": (precision, knob)}``,
+    what a stock float32 conv and the patched GEMM compute in under this process's settings, and the setting
+    that decides it. An MPS or other device reports its CPU-side settings, which it does not read: the
+    caller compares only where :func:`fp32_settings` names the device's own family."""
+    family = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    (cb, co), (mb, mo) = _FAMILY[family]
+    return {
+        "conv": (_effective(cb, co), precision_knob(cb, co)),
+        "matmul": (_effective(mb, mo), precision_knob(mb, mo)),
+    }
+
+
+@contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """Every float32 conv and matmul in IEEE float32 inside the block (cuDNN, cuBLAS, oneDNN), each setting
+    put back as it was afterwards, also when the block raises. Process-wide, as torch's settings are."""
+    if _new_api():
+        knobs = [pair for pairs in _FAMILY.values() for pair in pairs]
+        saved = [(b, o, _get(b, o)) for b, o in knobs]
+        try:
+            for b, o in knobs:
+                _set(b, o, "ieee")
+            yield
+        finally:
+            for b, o, value in saved:
+                _set(b, o, value)
+        return
+    matmul = torch.get_float32_matmul_precision()
+    saved_legacy = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)  # first: it sets cuBLAS's flag too
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved_legacy
