@@ -13,6 +13,9 @@ import pytest
 # What `vlfast extract` does before torch loads (vlfast.cli.let_idle_threads_sleep): the suite runs
 # the pipeline with decode workers on a 2-core machine. Conftest loads before any test module imports torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ... and vlfast.cli.same_bits_for_any_thread_count: the suite compares features bit for bit between this
+# process (2 threads, batches of several samples), torchrun ranks and Ray actors (1 thread each).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 @pytest.fixture(scope="session")

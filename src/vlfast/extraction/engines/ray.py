@@ -68,7 +68,9 @@ RELEASE_WAIT_S = 600.0  # the driver waits this long for the model actors to com
 TERM_WAIT_S = 60.0
 MAX_RANK = 99_999  # rank numbers have five digits in file names
 MAX_PASSES = 3  # dataset passes: the first, plus re-runs of samples lost with a model actor that died
-ENV = {"OMP_WAIT_POLICY": "PASSIVE"}  # idle OpenMP threads sleep (see vlfast.cli.let_idle_threads_sleep)
+# Idle OpenMP threads sleep, and MKL's products give the same bits with the actor's one thread as with the
+# driver's or a local run's several (see vlfast.cli.let_idle_threads_sleep, same_bits_for_any_thread_count)
+ENV = {"OMP_WAIT_POLICY": "PASSIVE", "MKL_CBWR": "AUTO,STRICT"}
 
 
 def _import_ray():

@@ -1,0 +1,74 @@
+"""MKL's summation order, kept one whatever the thread count and the rows of a product (vlfast.cli).
+
+Found on an Intel Xeon with AVX-512: features extracted by torchrun ranks (OMP_NUM_THREADS=1), Ray actors
+(one thread) or with other batch sizes differed in their last bits from a 2-thread, batched run's, so the
+bit-for-bit comparisons of resumed and re-engined runs failed although no sample was mishandled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import json, os, sys
+import vlfast.cli  # sets what the CLI sets before torch loads
+import torch
+torch.manual_seed(0)
+a, b = torch.randn(37, 1536), torch.randn(1536, 1024)
+out = {}
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    out[threads] = a @ b
+one_row = a[:1] @ b
+print(json.dumps({
+    "env": os.environ.get("MKL_CBWR"),
+    "threads_equal": torch.equal(out[1], out[2]),
+    "rows_equal": torch.equal(one_row, out[2][:1]),
+}))
+"""
+
+
+def _probe(env: dict[str, str]) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | env
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], env=clean, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_cli_package_sets_mkl_strict_mode_before_torch_loads():
+    got = _probe({})
+    assert got["env"] == "AUTO,STRICT"
+    assert got["threads_equal"] and got["rows_equal"]
+
+
+def test_a_users_own_setting_is_kept():
+    assert _probe({"MKL_CBWR": "COMPATIBLE"})["env"] == "COMPATIBLE"
+
+
+def test_too_late_once_torch_is_imported(monkeypatch):
+    import torch  # noqa: F401  (the suite's process has it)
+
+    from vlfast import cli
+
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    assert cli.same_bits_for_any_thread_count() is False and "MKL_CBWR" not in os.environ
+
+
+def test_without_it_this_cpu_may_differ():
+    """Why it is set: where MKL's default order depends on threads or rows here, the probe shows it (an
+    AMD or AVX2 machine may agree either way; then there is nothing to show)."""
+    probe = PROBE.replace("import vlfast.cli  # sets what the CLI sets before torch loads\n", "")
+    clean = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=clean, capture_output=True, text=True, timeout=120
+    )
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if got["threads_equal"] and got["rows_equal"]:
+        pytest.skip("MKL's default order already depends on neither threads nor rows on this CPU")
+    assert got["env"] is None
