@@ -114,3 +114,16 @@ def test_no_note_when_conv_and_matmul_agree(restore_settings):
     report = verify("ref:qwen3-vl-4b", tiny=True, n_windows=64, dtypes=("float32",), backward=False)
     assert report.passed and report.precision is None
     assert not any("settings" in n for n in report.notes)
+
+
+def test_doctor_facts_read_the_conv_setting_even_when_the_apis_were_mixed(restore_settings):
+    """torch raises on reading the legacy cudnn.allow_tf32 once conv and rnn were set apart by the new
+    settings; the facts read the conv's own setting instead of recording nothing."""
+    from vlfast.diagnosis.facts import collect_facts
+
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # rnn stays "tf32": the legacy getter now raises
+    with pytest.raises(RuntimeError):
+        torch.backends.cudnn.allow_tf32  # noqa: B018
+    assert collect_facts("cpu", "float32").cudnn_allow_tf32 is False
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    assert collect_facts("cpu", "float32").cudnn_allow_tf32 is True

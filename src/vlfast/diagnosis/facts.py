@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from vlfast.errors import InputRefused
+from vlfast.patching.precision import fp32_settings
 
 __all__ = [
     "Facts",
@@ -440,7 +441,8 @@ def collect_facts(device: str, dtype: str, *, model_patched: bool | None = None)
         cudnn_runtime=_soft(cudnn.version) if not hip else None,
         cudnn_enabled=_soft(lambda: bool(cudnn.enabled)),
         cudnn_benchmark=_soft(lambda: bool(cudnn.benchmark)),
-        cudnn_allow_tf32=_soft(lambda: bool(cudnn.allow_tf32)),
+        # through the per-op setting where torch has one: the legacy flag raises once the two are mixed
+        cudnn_allow_tf32=_soft(lambda: fp32_settings("cuda")["conv"][0] == "tf32"),
         cudnn_deterministic=_soft(lambda: bool(cudnn.deterministic)),
         cudnn_libraries=_soft(cudnn_libraries) if torch.version.cuda else None,
         miopen_version=_soft(_miopen_version) if hip else None,
