@@ -12,7 +12,11 @@ Both embed the same manifest (images with and without a caption, short videos, t
 random-weight Qwen3-VL-Embedding-shaped checkpoint (``--size small``: a 6-layer, 512-wide language model and
 a 6-layer tower, built offline; ``tiny``: the tests' checkpoint). Each variant runs in its own subprocess,
 in alternating order for ``--rounds`` rounds, so the ratio is taken in one run under the same load; wall
-time covers model load to the last vector, peak RSS is the child's (``wait4``).
+time covers model load to the last vector, peak RSS is the child's (``wait4``). Each round also says where
+the time went: ``forward_s`` (the model's forwards, synchronised on CUDA; vlfast's own
+``compute_seconds``), and for vlfast ``loop_s`` (its loop over the samples, decoding overlapped) and
+``load_s``; the rest of ``seconds`` is starting, listing and planning (vlfast) or reading, decoding and
+preprocessing (the reference).
 
     python benchmarks/embed_throughput.py [--size small] [--rows 96] [--media small|camera] [--rounds 3] [--device cpu]
         [--dtype float32] [--list-size 8] [--json]
@@ -118,19 +122,28 @@ if variant == "vlfast":
     from vlfast.extraction import extract
     s = extract(manifest, out, model=ckpt, features="embedding", dtype=dtype, device=device)
     n = s.extracted
+    # where the time went: the loop over samples (decoding overlapped), its forwards, loading the model
+    parts = {"loop_s": s.seconds, "forward_s": s.compute_seconds, "load_s": s.load_seconds}
 else:
     sys.path.insert(0, tests)
     import _embedding_reference as ref
     torch_dtype = getattr(torch, dtype)
 
+    parts = {"forward_s": 0.0}
+
     def forward(ckpt, inputs, dtype):  # the reference's _forward, on the benchmark's device
         model = ref._load(str(ckpt), dtype)[3].to(device)
+        t = time.perf_counter()
         inputs = {k: v.to(device) for k, v in inputs.items()}
         with torch.no_grad():
             hidden = model(**inputs, use_cache=False).last_hidden_state
         mask = inputs["attention_mask"]
         col = mask.shape[1] - mask.flip(dims=[1]).argmax(dim=1) - 1
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), col]
+        got = hidden[torch.arange(hidden.shape[0], device=hidden.device), col]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        parts["forward_s"] += time.perf_counter() - t  # the rest is reading, decoding and preprocessing
+        return got
 
     ref._forward = forward
     k = int(list_size)
@@ -140,7 +153,7 @@ else:
         n += ref.reference_embed_batch(ckpt, part, torch_dtype).cpu().shape[0]
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-print(json.dumps({"n": n, "seconds": time.perf_counter() - t0}))
+print(json.dumps({"n": n, "seconds": time.perf_counter() - t0, **parts}))
 """
 
 
@@ -217,9 +230,11 @@ def main(argv: list[str] | None = None) -> None:
     for v, rs in results.items():
         rates = [x["rate"] for x in rs]
         rss = max(x["peak_rss_mib"] for x in rs)
+        fwd = statistics.median(x["forward_s"] / x["seconds"] for x in rs)
         print(
             f"{v:9s} {statistics.median(rates):7.2f} embeddings/s "
-            f"(min {min(rates):.2f}, max {max(rates):.2f}), peak RSS {rss:,.0f} MiB"
+            f"(min {min(rates):.2f}, max {max(rates):.2f}), peak RSS {rss:,.0f} MiB, "
+            f"{fwd:.0%} of the wall time in forwards"
         )
     print(
         f"ratio vlfast/reference: median {summary['ratio_median']:.2f}x "
