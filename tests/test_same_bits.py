@@ -72,3 +72,11 @@ def test_without_it_this_cpu_may_differ():
     if got["threads_equal"] and got["rows_equal"]:
         pytest.skip("MKL's default order already depends on neither threads nor rows on this CPU")
     assert got["env"] is None
+
+
+def test_ray_workers_get_what_every_command_sets_for_itself():
+    """The Ray engine's worker environment repeats the CLI's (the library cannot import the CLI): kept equal."""
+    from vlfast.cli import SAME_BITS_ENV
+    from vlfast.extraction.engines.ray import ENV
+
+    assert SAME_BITS_ENV.items() <= ENV.items() and ENV["OMP_WAIT_POLICY"] == "PASSIVE"
