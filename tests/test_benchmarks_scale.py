@@ -59,3 +59,22 @@ def test_input_memory_smoke() -> None:
     for got in report["results"].values():
         assert got["entries"] == 30 and got["held"] == "SampleTable"
         assert {"seconds", "rss_added_mib", "peak_added_mib"} <= set(got)
+
+
+def test_kept_manifest_smoke() -> None:
+    """benchmarks/kept_manifest.py keeps a manifest's table, reads it both ways and reports every figure
+    docs/extract.md uses; the kept read is the kept table's (the step asserts it)."""
+    script = REPO / "benchmarks" / "kept_manifest.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--entries", "50", "--rounds", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["entries"] == 50 and report["kept_bytes"] > 0
+    for mode in ("parse", "kept"):
+        (got,) = report["rounds"][mode]
+        assert got["entries"] == 50 and got["kept_used"] == (mode == "kept")
+        assert {"seconds", "anon_added_mib", "file_added_mib", "peak_added_mib"} <= set(got)

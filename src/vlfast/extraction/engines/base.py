@@ -239,6 +239,7 @@ def run_session(
     started, cpu_started = time.perf_counter(), cpu_seconds()
     with _opened_store(plan, config) as store:
         store.keep_listings(plan.listings)  # now that OUT is this run's: never written by a refused run
+        plan.listings.clear()  # a kept manifest table holds the whole input's columns until it is written
         summary.quarantined = [q["part"] for q in store.quarantined]
         done = store.done_ids()  # reads every index part and errors file: once
         todo, records = plan.work(done)

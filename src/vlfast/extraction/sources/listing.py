@@ -15,7 +15,7 @@ from typing import Any
 from vlfast.errors import InputRefused
 from vlfast.extraction.objstore import is_url
 from vlfast.extraction.sources.folder import load_folder
-from vlfast.extraction.sources.kept import KeptListings
+from vlfast.extraction.sources.kept import KeptListings, manifest_identity
 from vlfast.extraction.sources.manifest import load_manifest, row_sample
 from vlfast.extraction.sources.remote import load_url, with_remote
 from vlfast.extraction.sources.sample import (
@@ -98,7 +98,11 @@ def load_inputs(
         require_samples("WebDataset shards", name, samples, problems)
         return samples, problems
     if path.suffix.lower() in MANIFEST_SUFFIXES:
-        samples, problems = with_remote(load_manifest(path), storage_options)
+        identity = manifest_identity(path, path.parent) if kept is not None and path.is_file() else None
+        listed = (
+            kept.table(identity, lambda: load_manifest(path)) if kept is not None else load_manifest(path)
+        )
+        samples, problems = with_remote(listed, storage_options)
         require_samples("manifest", name, samples, problems)
         return samples, problems
     if path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES):

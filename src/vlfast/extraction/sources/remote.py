@@ -46,7 +46,7 @@ from vlfast.extraction.objstore import (
     retrying,
 )
 from vlfast.extraction.sources.folder import is_media_name
-from vlfast.extraction.sources.kept import KeptListings
+from vlfast.extraction.sources.kept import KeptListings, remote_manifest_identity
 from vlfast.extraction.sources.manifest import load_manifest
 from vlfast.extraction.sources.sample import (
     IMAGE_SUFFIXES,
@@ -116,7 +116,8 @@ def load_url(
         return samples, problems
     info = probe(url, options)
     if suffix in MANIFEST_SUFFIXES:
-        return _remote_manifest(url, suffix, storage_options)
+        identity = remote_manifest_identity(url, info) if kept is not None else None
+        return _remote_manifest(url, suffix, storage_options, kept, identity)
     if info.get("type") != "directory":
         if suffix not in IMAGE_SUFFIXES | VIDEO_SUFFIXES:
             raise RemoteInputError(f"input {url} is neither a folder nor an image or video file")
@@ -150,10 +151,27 @@ def _load_folder_url(url: str, options: str) -> tuple[SampleTable, list[InputPro
 
 
 def _remote_manifest(
-    url: str, suffix: str, storage_options: Mapping[str, Any] | None
+    url: str,
+    suffix: str,
+    storage_options: Mapping[str, Any] | None,
+    kept: KeptListings | None = None,
+    identity: list[Any] | None = None,
 ) -> tuple[SampleTable, list[InputProblem]]:
     """A manifest at a URL, copied to a temporary file and read as a local one; its relative paths are
-    relative to its URL's folder, its errors name the URL."""
+    relative to its URL's folder, its errors name the URL. Its table is kept in OUT (``kept``) when the
+    store gives an ETag, and read from there while the manifest's identity is unchanged."""
+    if kept is not None:
+        got = kept.table(identity, lambda: _read_remote_manifest(url, suffix, storage_options))
+    else:
+        got = _read_remote_manifest(url, suffix, storage_options)
+    samples, problems = with_remote(got, dict(storage_options or {}))
+    require_samples("manifest", url, samples, problems)
+    return samples, problems
+
+
+def _read_remote_manifest(
+    url: str, suffix: str, storage_options: Mapping[str, Any] | None
+) -> tuple[SampleTable, list[InputProblem]]:
     options = encode_options(storage_options)
     with tempfile.TemporaryDirectory(prefix="vlfast-manifest-") as tmp:
         local = Path(tmp) / f"manifest{suffix}"
@@ -164,10 +182,7 @@ def _remote_manifest(
             raise FileNotFoundError(f"manifest {url} does not exist") from None
         except (OSError, TransientReadError) as e:
             raise RemoteInputError(f"manifest {url} cannot be read: {e}") from None
-        got = load_manifest(local, name=url, base=url.rsplit("/", 1)[0])
-    samples, problems = with_remote(got, dict(storage_options or {}))
-    require_samples("manifest", url, samples, problems)
-    return samples, problems
+        return load_manifest(local, name=url, base=url.rsplit("/", 1)[0])
 
 
 def attach(

@@ -225,6 +225,64 @@ class SampleTable(Sequence[Sample]):
             self._take_members(idx),
         )
 
+    # ------------------------------------------------------------------------------------ as Arrow
+
+    def can_keep(self) -> bool:
+        """Whether :meth:`to_arrow` can hold this table: a whole input's, without members (a manifest or a
+        folder of local files; members of tar shards or URLs are listed again, with their own identity)."""
+        return self._members is None and self._entries is None
+
+    def to_arrow(self) -> tuple[pa.RecordBatch, dict[str, Any]]:
+        """The table as one Arrow record batch (its columns, not copies) and what is not a column: the
+        folders and the frame lists, JSON-ready. :meth:`from_arrow` makes the same table again."""
+        import pyarrow as pa
+
+        if not self.can_keep():
+            raise ValueError("only a whole input's table without members can be kept as Arrow")
+        columns = {
+            "ids": self._ids,
+            "kinds": pa.array(self._kinds, pa.uint8()),
+            "dir": pa.array(self._dir, pa.int32()),
+            "names": self._names,
+            **self._optional,
+        }
+        extras = {
+            "dirs": list(self._dirs),
+            "frames": {str(k): list(v) for k, v in self._frames.items()},
+            "optional": list(self._optional),
+        }
+        return pa.RecordBatch.from_pydict(columns), extras
+
+    @classmethod
+    def from_arrow(cls, batch: pa.RecordBatch, extras: dict[str, Any]) -> SampleTable:
+        """The table :meth:`to_arrow` gave ``batch`` and ``extras`` for; the columns are used as they are (a
+        batch read from a memory map stays in the map). Raises ValueError if they do not fit together."""
+        import pyarrow as pa
+
+        expected = {
+            "ids": pa.large_string(),
+            "kinds": pa.uint8(),
+            "dir": pa.int32(),
+            "names": pa.large_binary(),
+            **{key: pa.large_binary() for key in extras["optional"]},
+        }
+        if dict(zip(batch.schema.names, batch.schema.types)) != expected:
+            raise ValueError(f"columns {batch.schema} are not a sample table's")
+        kinds = batch.column("kinds").to_numpy(zero_copy_only=True)
+        folders = batch.column("dir").to_numpy(zero_copy_only=True)
+        dirs = [str(d) for d in extras["dirs"]]
+        frames = {int(k): tuple(str(p) for p in v) for k, v in extras["frames"].items()}
+        n = batch.num_rows
+        if batch.column("ids").null_count or (len(kinds) and int(kinds.max()) >= len(KINDS)):
+            raise ValueError("an id is missing or a kind is unknown")
+        if len(folders) and not -1 <= int(folders.min()) <= int(folders.max()) < max(len(dirs), 1):
+            raise ValueError("a folder index is out of range")
+        framed = np.flatnonzero(kinds == _FRAMES)
+        if set(framed.tolist()) != set(frames) or any(not 0 <= k < n for k in frames):
+            raise ValueError("the frame lists do not match the rows of kind 'frames'")
+        optional = {key: batch.column(key) for key in extras["optional"]}
+        return cls(batch.column("ids"), kinds, dirs, folders, batch.column("names"), frames, optional, None)
+
 
 class _Members:
     """The members of a table's samples as columns: every member is of one dataclass (a tar member, a file at

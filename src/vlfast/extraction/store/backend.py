@@ -357,7 +357,10 @@ class LocalBackend:
         for name, data in files.items():
             tmp = folder / f".tmp-{tmp_tag}-{name}"
             try:
-                tmp.write_bytes(data)
+                if hasattr(data, "write_file"):  # a kept table writes itself, without a copy in memory
+                    data.write_file(tmp)
+                else:
+                    tmp.write_bytes(data)
                 os.replace(tmp, folder / name)
             except BaseException:
                 tmp.unlink(missing_ok=True)
@@ -501,7 +504,7 @@ class ObjectBackend:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(min(16, len(files)) or 1, thread_name_prefix="vlfast-cache") as pool:
-            list(pool.map(lambda item: put_object(folder / item[0], item[1], False), files.items()))
+            list(pool.map(lambda item: put_object(folder / item[0], _bytes(item[1]), False), files.items()))
 
     def remove(self, paths: list[Any]) -> None:
         """Delete the objects ``paths`` (missing ones are skipped)."""
@@ -591,15 +594,29 @@ def backend_for(out: Any, session: str) -> LocalBackend | ObjectBackend:
     return LocalBackend(out, session) if is_local(out) else ObjectBackend(out, session)
 
 
-def keep_listings(out: Any, listings: Mapping[str, bytes], tmp_tag: str) -> int:
-    """Write an input's shard listings (name -> bytes, :mod:`vlfast.extraction.sources.kept`) into
-    ``OUT/listings``; how many were written. A cache: a write that fails (a full disk, a read-only OUT, a
-    refused upload) is skipped and costs the next run a listing; the samples' own commits report such
-    failures. ``tmp_tag`` starts with the writer's rank (``r00003-...``), whose garbage cleaning covers it."""
+def _bytes(data: Any) -> Any:
+    return data.to_bytes() if hasattr(data, "to_bytes") else data
+
+
+def keep_listings(out: Any, listings: Mapping[str, Any], tmp_tag: str) -> int:
+    """Write an input's shard listings and manifest tables (name -> bytes, or an object that writes itself:
+    :mod:`vlfast.extraction.sources.kept`) into ``OUT/listings``; how many were written. A cache: a write
+    that fails (a full disk, a read-only OUT, a refused upload) is skipped and costs the next run a listing;
+    the samples' own commits report such failures. ``tmp_tag`` starts with the writer's rank
+    (``r00003-...``), whose garbage cleaning covers it. An object with a ``supersedes`` prefix (a manifest's
+    table) replaces the kept files of that prefix once it is written: an earlier version of its manifest."""
     if not listings:
         return 0
+    backend = backend_for(out, "")
+    folder = out / LISTING_DIR
     try:
-        backend_for(out, "").write_cache(out / LISTING_DIR, listings, tmp_tag)
+        backend.write_cache(folder, listings, tmp_tag)
     except Exception:
         return 0
+    prefixes = {getattr(v, "supersedes", None) for v in listings.values()} - {None}
+    if prefixes:
+        with contextlib.suppress(Exception):  # a cache: what is not deleted now is deleted next time
+            names = list_names(folder)
+            old = [n for n in names if n not in listings and any(n.startswith(p) for p in prefixes)]
+            backend.remove([folder / n for n in old])
     return len(listings)
