@@ -80,3 +80,29 @@ def test_ray_workers_get_what_every_command_sets_for_itself():
     from vlfast.extraction.engines.ray import ENV
 
     assert SAME_BITS_ENV.items() <= ENV.items() and ENV["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_an_api_caller_without_it_is_told(monkeypatch):
+    """``vlfast.extract`` from a user's own Python on CPU: without MKL_CBWR the local engine says what may
+    differ and how to set it (before anything runs); with it, or on a torch without MKL, it says nothing."""
+    import warnings
+
+    import torch
+
+    from vlfast.extraction.config import ExtractConfig
+    from vlfast.extraction.engines.local import LocalEngine
+
+    config = ExtractConfig(model="ref:qwen3-vl-2b", device="cpu", num_workers=0)
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.backends.mkl, "is_available", lambda: True)
+        with pytest.warns(RuntimeWarning, match="MKL_CBWR=AUTO,STRICT set before torch is imported"):
+            LocalEngine().configure(config)
+        mp.setattr(torch.backends.mkl, "is_available", lambda: False)  # e.g. an aarch64 build
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            LocalEngine().configure(config)
+    monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LocalEngine().configure(config)

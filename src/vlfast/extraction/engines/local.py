@@ -33,6 +33,13 @@ from vlfast.extraction.plan import RunPlan
 __all__ = ["LocalEngine"]
 
 
+def same_bits_mode() -> bool:
+    """Whether MKL's products give the same bits whatever the thread count and batch: ``MKL_CBWR`` set (it
+    counts only when set before torch loaded MKL, as every ``vlfast`` command does: see ``vlfast.cli``), or
+    a torch without MKL (its BLAS is then another library's)."""
+    return "MKL_CBWR" in os.environ or not torch.backends.mkl.is_available()
+
+
 class LocalEngine:
     """This process and its decode workers (see the module's docstring)."""
 
@@ -59,6 +66,15 @@ class LocalEngine:
                 "torch's idle OpenMP threads spin on the cores the decode workers need: set "
                 "OMP_WAIT_POLICY=PASSIVE before torch is imported (`vlfast extract` does) for ~1.3x faster "
                 "preprocessing-bound runs; see docs/extract.md",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if config.torch_device.type == "cpu" and not same_bits_mode():
+            warnings.warn(
+                "MKL picks its summation order by thread count and batch: without MKL_CBWR=AUTO,STRICT set "
+                "before torch is imported (`vlfast extract` sets it), a sample's features can differ in their "
+                "last bits between this run and a resume with other workers or threads, a torchrun rank or a "
+                "Ray actor; see docs/extract.md",
                 RuntimeWarning,
                 stacklevel=3,
             )
