@@ -85,10 +85,27 @@ def test_a_changed_shard_is_listed_again(pattern, tiny_qwen3_vl, tmp_path, settl
     summary = extract(pattern, out, model=str(tiny_qwen3_vl), **KW)
     assert scans == [shard.stat().st_size]  # that shard alone was read
     assert summary.extracted == 2
-    assert len(list((out / "listings").glob("*.json.gz"))) == 4  # the new listing beside the old one
+    assert len(list((out / "listings").glob("*.json.gz"))) == 3  # the new listing replaced the old one
     reference = tmp_path / "reference"
     extract(pattern, reference, model=str(tiny_qwen3_vl), **KW)
     assert compare_caches(reference, out) == []
+
+
+def test_listings_named_as_before_are_deleted_when_new_ones_are_written(
+    pattern, tiny_qwen3_vl, tmp_path, settled
+):
+    """A listing named the way an earlier vlfast named them (``<sha256[:32]>.json.gz``) is read by no version
+    now: the next run that keeps listings deletes it; other files in the folder are left alone."""
+    out = tmp_path / "out"
+    listings = out / "listings"
+    listings.mkdir(parents=True)
+    before = listings / f"{'0123abcd' * 4}.json.gz"
+    before.write_bytes(b"a listing of before")
+    other = listings / "notes.txt"
+    other.write_text("the user's")
+    extract(pattern, out, model=str(tiny_qwen3_vl), **KW)
+    assert not before.exists() and other.exists()
+    assert len(list(listings.glob("*.json.gz"))) == 3
 
 
 def test_damaged_truncated_or_swapped_listings_are_never_used(

@@ -103,8 +103,11 @@ def remote_identity(url: str, entry: Mapping[str, Any]) -> list[Any] | None:
 
 
 def listing_name(identity: Sequence[Any]) -> str:
+    """``<shard's hash>-<identity's hash>.json.gz``: the first part is the shard's path or URL alone, so the
+    listing of a changed shard replaces its earlier one (see ``store.backend.keep_listings``)."""
+    where = hashlib.sha256(json.dumps([FORMAT, *identity[:2]]).encode()).hexdigest()
     digest = hashlib.sha256(json.dumps([FORMAT, *identity]).encode()).hexdigest()
-    return f"{digest[:32]}.json.gz"
+    return f"{where[:16]}-{digest[:32]}.json.gz"
 
 
 def encode(identity: Sequence[Any], listing: Listing) -> bytes:
@@ -193,7 +196,7 @@ def _parser() -> str:
 
 def table_name(identity: Sequence[Any]) -> str:
     """``manifest-<path's hash>-<identity's hash>.arrow``: a new version of the same manifest shares the
-    first part, which :attr:`KeptTable.supersedes` names."""
+    first part, so its table replaces the earlier one (see ``store.backend.keep_listings``)."""
     where = hashlib.sha256(json.dumps(list(identity[:5])).encode()).hexdigest()[:16]  # up to its path
     return f"manifest-{where}-{hashlib.sha256(json.dumps(list(identity)).encode()).hexdigest()[:32]}.arrow"
 
@@ -205,8 +208,6 @@ class KeptTable:
 
     def __init__(self, identity: Sequence[Any], table: Any, problems: Sequence[Any]):
         self.identity, self.table, self.problems = list(identity), table, list(problems)
-        # what the store deletes once this is written: the kept tables of earlier versions of the manifest
-        self.supersedes = table_name(identity)[: len("manifest-") + 17]
 
     def _trailer(self, stream_bytes: int, digest: str, extras: dict[str, Any]) -> bytes:
         doc = {

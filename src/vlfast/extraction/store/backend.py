@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -598,13 +598,30 @@ def _bytes(data: Any) -> Any:
     return data.to_bytes() if hasattr(data, "to_bytes") else data
 
 
+# A kept file is named ``<key>-<32 hex digits of its identity>.<suffix>``: the key is what it is of (a shard's
+# path or URL, a manifest's), the digits which version of it. Before, a listing was ``<32 hex>.json.gz``.
+_KEPT = re.compile(r"^(.+)-[0-9a-f]{32}(\.[a-z.]+)$")
+_KEPT_BEFORE = re.compile(r"^[0-9a-f]{32}\.json\.gz$")
+
+
+def superseded(names: Collection[str], written: Collection[str]) -> list[str]:
+    """The kept files among ``names`` that the files ``written`` replace: other versions of the same key and
+    suffix (a shard or manifest that changed since), and listings named the way no version reads now."""
+    keys = {(m.group(1), m.group(2)) for n in written if (m := _KEPT.match(n))}
+    old = []
+    for name in names:
+        m = _KEPT.match(name)
+        if name not in written and ((m and (m.group(1), m.group(2)) in keys) or _KEPT_BEFORE.match(name)):
+            old.append(name)
+    return old
+
+
 def keep_listings(out: Any, listings: Mapping[str, Any], tmp_tag: str) -> int:
     """Write an input's shard listings and manifest tables (name -> bytes, or an object that writes itself:
-    :mod:`vlfast.extraction.sources.kept`) into ``OUT/listings``; how many were written. A cache: a write
-    that fails (a full disk, a read-only OUT, a refused upload) is skipped and costs the next run a listing;
-    the samples' own commits report such failures. ``tmp_tag`` starts with the writer's rank
-    (``r00003-...``), whose garbage cleaning covers it. An object with a ``supersedes`` prefix (a manifest's
-    table) replaces the kept files of that prefix once it is written: an earlier version of its manifest."""
+    :mod:`vlfast.extraction.sources.kept`) into ``OUT/listings``, then delete what they replace (see
+    :func:`superseded`); how many were written. A cache: a write that fails (a full disk, a read-only OUT, a
+    refused upload) is skipped and costs the next run a listing; the samples' own commits report such
+    failures. ``tmp_tag`` starts with the writer's rank (``r00003-...``), whose garbage cleaning covers it."""
     if not listings:
         return 0
     backend = backend_for(out, "")
@@ -613,10 +630,8 @@ def keep_listings(out: Any, listings: Mapping[str, Any], tmp_tag: str) -> int:
         backend.write_cache(folder, listings, tmp_tag)
     except Exception:
         return 0
-    prefixes = {getattr(v, "supersedes", None) for v in listings.values()} - {None}
-    if prefixes:
-        with contextlib.suppress(Exception):  # a cache: what is not deleted now is deleted next time
-            names = list_names(folder)
-            old = [n for n in names if n not in listings and any(n.startswith(p) for p in prefixes)]
+    with contextlib.suppress(Exception):  # a cache: what is not deleted now is deleted by a later run
+        old = superseded(list_names(folder), set(listings))
+        if old:
             backend.remove([folder / n for n in old])
     return len(listings)
