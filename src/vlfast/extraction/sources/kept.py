@@ -203,8 +203,8 @@ def table_name(identity: Sequence[Any]) -> str:
 
 class KeptTable:
     """A manifest's table to be kept: written by the store's backend once OUT is claimed, straight into
-    its file (:meth:`write_file`) or as bytes for an upload (:meth:`to_bytes`); the table itself is held
-    until then, not a serialised copy of it."""
+    its file (:meth:`write_file`; on object storage a local temp file, then uploaded); the table itself is
+    held until then, not a serialised copy of it."""
 
     def __init__(self, identity: Sequence[Any], table: Any, problems: Sequence[Any]):
         self.identity, self.table, self.problems = list(identity), table, list(problems)
@@ -238,18 +238,6 @@ class KeptTable:
             digest = xxhash.xxh3_128_hexdigest(memoryview(m.read_buffer(n)))
         with open(path, "ab") as f:
             f.write(self._trailer(n, digest, extras))
-
-    def to_bytes(self) -> bytes:
-        import pyarrow as pa
-        import xxhash
-
-        batch, extras = self.table.to_arrow()
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, batch.schema) as writer:
-            writer.write_batch(batch)
-        stream = sink.getvalue()
-        digest = xxhash.xxh3_128_hexdigest(memoryview(stream))
-        return stream.to_pybytes() + self._trailer(stream.size, digest, extras)
 
 
 def decode_table(buffer: Any, identity: Sequence[Any]) -> tuple[Any, list[Any]] | None:

@@ -504,7 +504,7 @@ class ObjectBackend:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(min(16, len(files)) or 1, thread_name_prefix="vlfast-cache") as pool:
-            list(pool.map(lambda item: put_object(folder / item[0], _bytes(item[1]), False), files.items()))
+            list(pool.map(lambda item: _put_cache(folder / item[0], item[1]), files.items()))
 
     def remove(self, paths: list[Any]) -> None:
         """Delete the objects ``paths`` (missing ones are skipped)."""
@@ -594,8 +594,16 @@ def backend_for(out: Any, session: str) -> LocalBackend | ObjectBackend:
     return LocalBackend(out, session) if is_local(out) else ObjectBackend(out, session)
 
 
-def _bytes(data: Any) -> Any:
-    return data.to_bytes() if hasattr(data, "to_bytes") else data
+def _put_cache(path: Any, data: Any) -> None:
+    """One PUT of a kept file: bytes as they are; an object that writes itself (a manifest's table, hundreds
+    of MB at ten million rows) into a local temp file first, streamed up from there, never copied in memory."""
+    if not hasattr(data, "write_file"):
+        put_object(path, data, False)
+        return
+    with tempfile.TemporaryDirectory(prefix="vlfast-kept-") as tmp:
+        local = Path(tmp) / "kept"
+        data.write_file(local)
+        put_object(path, local, False)
 
 
 # A kept file is named ``<key>-<32 hex digits of its identity>.<suffix>``: the key is what it is of (a shard's
