@@ -155,3 +155,16 @@ def test_an_id_arrow_cannot_hold_stays_a_member():
     s.update(big)
     assert odd in s and "bad\udc80" in s and "i5" in s and "k4999" in s
     assert len(s) == 1 + IdSet._MIN_MERGE + 10 + 10 + 5001
+
+
+def test_owned_from_an_arrow_column_gives_each_ids_owner():
+    """The column's path (blake2b of the UTF-8 bytes, a chunk at a time) names the same owner as
+    owner_rank for every id: plain, non-ASCII, long, past a chunk's end; and a dictionary column too."""
+    ids = [f"img-{i:06d}" for i in range(70_000)] + ["café/é.jpg", "☃" * 300, "a b", "x"]
+    for world_size in (2, 3, 8):
+        for rank in (0, world_size - 1):
+            want = [owner_rank(i, world_size) == rank for i in ids]
+            assert owned(ArrowStrings(pa.array(ids, pa.large_string())), rank, world_size).tolist() == want
+            assert owned(ids, rank, world_size).tolist() == want
+            encoded = ArrowStrings(pa.array(ids).dictionary_encode())
+            assert owned(encoded, rank, world_size).tolist() == want
