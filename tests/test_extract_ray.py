@@ -245,12 +245,13 @@ def test_ray_engine_into_an_s3_out_equals_the_local_engine(
     ray_cluster, moto_endpoint, tiny_qwen3_vl, tmp_path
 ):
     """A Ray cluster without a shared filesystem writes to object storage: no locks there, so each model
-    actor takes a fresh rank from the job's counter and commits before its rows go back. Same OUT as the
-    local engine, read back from S3 (moto's server on 127.0.0.1); a second run has nothing to do."""
+    actor takes a fresh rank from the job's counter and commits before its rows go back (here one sample a
+    call: six parts). Once the dataset is over the driver compacts each actor rank's parts into one. Same
+    OUT as the local engine, read back from S3 (moto's server on 127.0.0.1); a second run has nothing to do."""
     pytest.importorskip("s3fs")
     from _s3 import client, options
     from vlfast.extraction.api import extract, extract_ray
-    from vlfast.extraction.store.format import resolve_out
+    from vlfast.extraction.store.format import committed_parts, is_consolidated, resolve_out
 
     inputs = tmp_path / "in"
     make_images(inputs, [(32 + 8 * k, 32) for k in range(6)])
@@ -268,12 +269,17 @@ def test_ray_engine_into_an_s3_out_equals_the_local_engine(
         ray_workers=2,
         cpus_per_worker=0.5,
         storage_options=storage,
+        max_batch_samples=1,
     )
     assert (ray.extracted, ray.failed, ray.errors) == (local.extracted, local.failed, local.errors)
     remote = resolve_out(out, storage)
     assert compare_caches(tmp_path / "local", remote) == []
     shards = [n.rsplit("/", 1)[-1] for n in remote.fs.ls(f"{remote.path}/shards", detail=False)]
-    assert shards and all(not n.startswith("shard-r00000-") for n in shards)  # actors' fresh ranks
+    assert len(shards) == 6 and all(not n.startswith("shard-r00000-") for n in shards)  # actors' fresh ranks
+    parts = [p.name for p in committed_parts(remote)]
+    ranks = {n.split("-")[1] for n in shards}
+    assert len(parts) == len(ranks) and any(is_consolidated(remote / "index" / p) for p in parts), parts
+    assert len(list(remote.fs.ls(f"{remote.path}/index", detail=False))) == len(ranks)  # replaced ones gone
     again = extract_ray(inputs, out, model=str(tiny_qwen3_vl), storage_options=storage)
     assert again.nothing_to_do
 

@@ -409,10 +409,15 @@ class _RankCounter:
 
     def __init__(self, first: int):
         self.next = first
+        self.taken: list[int] = []
 
     def take(self) -> int:
         rank, self.next = self.next, self.next % MAX_RANK + 1
+        self.taken.append(rank)
         return rank
+
+    def handed_out(self) -> list[int]:
+        return list(self.taken)
 
     @classmethod
     def start(cls, ray, out) -> Any:
@@ -522,6 +527,7 @@ class RayEngine:
         if hooks is not None:
             self.hooks = hooks
         self.stage_env: dict[str, Any] | None = None
+        self._counters: list[Any] = []  # this run's rank counters (object storage): whose parts to compact
 
     def configure(self, config: ExtractConfig) -> ExtractConfig:
         """The driver is rank 0 of one; the device follows the GPUs asked for (the model actors' machines, not
@@ -593,6 +599,7 @@ class RayEngine:
 
     def _extract(self, ray, job: Session) -> None:
         summary = job.summary
+        self._counters.clear()  # an engine run again: counters of a cluster since shut down
         # Model actors of an earlier run may outlive their killed driver for a few seconds and still commit
         # shards: wait until they are gone, then drop what they committed, so nothing is extracted twice.
         stale = self._wait_released(job, self._held_ranks(job), RANK_WAIT_S)
@@ -667,6 +674,7 @@ class RayEngine:
             remaining = remaining.take(np.flatnonzero(keep))
             if summary.stopped:
                 break
+        self._compact_actor_ranks(ray, job)
         # Counts from what OUT holds, not from the rows: an actor killed after committing (or recording an
         # error) but before returning its rows is restarted and its call retried, which then finds those
         # samples done ("done", "known") and would leave them uncounted.
@@ -739,6 +747,13 @@ class RayEngine:
             resume_check="quick",
             retry_errors=job.config.retry,  # else an actor's store would refuse a retried id as done
         )
+        if not is_local(job.store.out):
+            # An actor's close at the dataset's end may be cut short by its teardown (no lock tells the
+            # driver when it is done), and a late one could race the driver's: the driver compacts them.
+            store_options["compact_min_parts"] = None
+        counter = None if is_local(job.store.out) else _RankCounter.start(ray, job.store.out)
+        if counter is not None:
+            self._counters.append(counter)
         device = torch.device(job.config.torch_device.type)  # Ray gives each actor its GPUs as cuda:0..
         return _map_batches_bounded(
             decoded,
@@ -757,7 +772,7 @@ class RayEngine:
                 volatile_keys=tuple(job.plan.volatile_keys),
                 store_options=store_options,
                 ranks=list(range(1, self.workers + 1)) if is_local(job.store.out) else None,
-                rank_counter=None if is_local(job.store.out) else _RankCounter.start(ray, job.store.out),
+                rank_counter=counter,
                 load_args=(
                     job.config.model,
                     job.plan.family,
@@ -772,6 +787,27 @@ class RayEngine:
                 hook=self.hooks.forward,
             ),
         )
+
+    def _compact_actor_ranks(self, ray, job: Session) -> None:
+        """On object storage: compact the index parts of the ranks this job's model actors wrote (each
+        committed one part per call), now that the dataset is over and they are gone, so that opening OUT
+        reads a part per rank, not one per model call. A failure costs only that: the parts stay, and
+        ``vlfast extract --compact OUT`` (or the next run) does it."""
+        from vlfast.extraction.store.compact import compact_folder
+
+        ranks = sorted({r for c in self._counters for r in ray.get(c.handed_out.remote())})
+        self._counters.clear()
+        if not ranks:
+            return
+        try:
+            compact_folder(job.store.out, ranks=ranks)
+        except Exception as e:  # the samples are committed: compaction only makes OUT quicker to open
+            warnings.warn(
+                f"the model actors' index parts of {job.store.out} were not compacted ({e}); "
+                "`vlfast extract --compact OUT` does it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @staticmethod
     def _close(rows) -> None:

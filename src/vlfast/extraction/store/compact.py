@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -263,13 +264,20 @@ def compact_rank(
     return result
 
 
-def compact_folder(out: Any, storage_options: dict | None = None, *, min_parts: int = 2) -> list[Compaction]:
+def compact_folder(
+    out: Any,
+    storage_options: dict | None = None,
+    *,
+    min_parts: int = 2,
+    ranks: Collection[int] | None = None,
+) -> list[Compaction]:
     """``vlfast extract --compact OUT``: compact every rank's parts (for folders written before compaction
-    existed, or whose runs were stopped before they closed). Locally each rank's lock is taken in turn: a
-    rank a live process is writing is skipped, and says so."""
+    existed, or whose runs were stopped before they closed), or only ``ranks``. Locally each rank's lock is
+    taken in turn: a rank a live process is writing is skipped, and says so."""
     out = resolve_out(out, storage_options)
     read_run_file(out)  # a vlfast folder, and not a newer vlfast's
-    ranks = sorted({s[0] for n in list_names(out / INDEX_DIR) if (s := part_span(n)) is not None})
+    present = {s[0] for n in list_names(out / INDEX_DIR) if (s := part_span(n)) is not None}
+    ranks = sorted(present if ranks is None else present & set(ranks))
     session = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + secrets.token_hex(4)
     results = []
     for rank in ranks:
