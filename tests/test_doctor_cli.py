@@ -185,12 +185,19 @@ def test_real_probe_json_schema_is_stable():
     data = json.loads(res.stdout)
     assert set(data) == TOP_KEYS
     assert data["schema"] == "vlfast.doctor/2" and data["exit_code"] == res.exit_code
-    assert data["workload"] == "training" and data["backward_verdict"] is not None
+    assert data["workload"] == "training"
     assert data["patches_per_sample"] == 64
     (finding,) = data["findings"]
     assert set(finding) == FINDING_KEYS
     assert finding["ratio"] > 0 and finding["conv_timing"]["n"] == finding["gemm_timing"]["n"]
-    assert finding["backward"]["ratio"] > 0 and finding["backward_status"] in ("ok", "gain", "slow-path")
+    if finding["backward"]["ratio"] is not None:
+        assert finding["backward"]["ratio"] > 0 and finding["backward_status"] in ("ok", "gain", "slow-path")
+        assert data["backward_verdict"] is not None
+    else:  # a loaded host: the 3 s budget left the backward out, and the report says so (never a guess)
+        assert finding["backward_status"] == "skipped", finding["backward_status"]
+        assert data["backward_verdict"] in (None, "skipped"), data["backward_verdict"]
+        assert finding["left_out"].startswith("the backward")
+        assert any("the backward" in line for line in data["left_out"])
     assert finding["shape"]["kernel_size"] == [2, 16, 16]
     facts = data["facts"]
     for key in ("torch_version", "cudnn_runtime", "onednn_enabled", "transformers_version", "model_patched"):
