@@ -168,6 +168,38 @@ def test_a_manifest_just_written_is_parsed_but_not_kept(manifest):
     assert len(kept.fresh) == 1
 
 
+def test_each_ranks_share_of_the_kept_table_is_its_share_of_the_parsed_rows(manifest, tmp_path, settled):
+    """Every rank plans from the kept table (a memory map) what it plans from the rows: the same samples,
+    the same positions in the whole input (which error records name), the same counts."""
+    from vlfast.extraction.plan import RunPlan
+
+    folder = tmp_path / "listings"
+    folder.mkdir()
+    kept = KeptListings.of_folder(folder)
+    load_inputs(manifest, kept=kept)
+    for name, table in kept.fresh.items():
+        table.write_file(folder / name)
+
+    def share(rank: int, from_kept: bool) -> RunPlan:
+        source = KeptListings.of_folder(folder, rank, 2) if from_kept else None
+        samples, problems = load_inputs(manifest, kept=source)
+        assert source is None or source.used == 1
+        return RunPlan(tmp_path / "out", samples, problems, rank, 2, "qwen3_vl", None, {}, ())
+
+    for rank in range(2):
+        parsed, mapped = share(rank, False), share(rank, True)
+        assert 0 < len(parsed.samples) < 7  # a share, not all or nothing
+        assert list(mapped.samples) == list(parsed.samples)
+        assert [mapped.samples.entry(k) for k in range(len(mapped.samples))] == [
+            parsed.samples.entry(k) for k in range(len(parsed.samples))
+        ]
+        assert (mapped.total, mapped.assigned, mapped.mine_problems) == (
+            parsed.total,
+            parsed.assigned,
+            parsed.mine_problems,
+        )
+
+
 def test_only_rank_0_keeps_it(manifest, settled):
     offered = []
     for rank in range(2):
