@@ -189,15 +189,21 @@ def test_real_probe_json_schema_is_stable():
     assert data["patches_per_sample"] == 64
     (finding,) = data["findings"]
     assert set(finding) == FINDING_KEYS
-    assert finding["ratio"] > 0 and finding["conv_timing"]["n"] == finding["gemm_timing"]["n"]
+    # On a loaded host the 3 s budget may leave the backward, or the whole shape, out: the report says so
+    # (never a guessed ratio), and the schema is the same.
+    left_out = finding["left_out"] or ""
+    if left_out.startswith("the whole shape"):
+        assert finding["ratio"] is None and any("the whole shape" in line for line in data["left_out"])
+    else:
+        assert finding["ratio"] > 0 and finding["conv_timing"]["n"] == finding["gemm_timing"]["n"]
     if finding["backward"]["ratio"] is not None:
         assert finding["backward"]["ratio"] > 0 and finding["backward_status"] in ("ok", "gain", "slow-path")
         assert data["backward_verdict"] is not None
-    else:  # a loaded host: the 3 s budget left the backward out, and the report says so (never a guess)
+    else:
         assert finding["backward_status"] == "skipped", finding["backward_status"]
-        assert data["backward_verdict"] in (None, "skipped"), data["backward_verdict"]
-        assert finding["left_out"].startswith("the backward")
-        assert any("the backward" in line for line in data["left_out"])
+        assert data["backward_verdict"] in (None, "skipped", "unmeasured"), data["backward_verdict"]
+        assert left_out.startswith(("the backward", "the whole shape")), left_out
+        assert any(("the backward" in line or "the whole shape" in line) for line in data["left_out"])
     assert finding["shape"]["kernel_size"] == [2, 16, 16]
     facts = data["facts"]
     for key in ("torch_version", "cudnn_runtime", "onednn_enabled", "transformers_version", "model_patched"):
