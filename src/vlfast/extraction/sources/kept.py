@@ -312,16 +312,15 @@ class KeptListings:
         def read_mapped(name: str) -> Any:
             import pyarrow as pa
 
-            if getattr(folder, "fs", None) is not None:  # object storage: one GET, into memory
-                data = read(name)
-                return None if data is None else pa.py_buffer(data)
             try:
                 with pa.memory_map(os.fspath(folder / name)) as m:
                     return m.read_buffer()  # the map stays open while its buffer is referenced
             except (OSError, pa.ArrowException):
                 return None
 
-        return cls(read, rank, world_size, read_mapped)
+        # on object storage a kept table is one GET into memory, as ``read`` gives it
+        local = getattr(folder, "fs", None) is None
+        return cls(read, rank, world_size, read_mapped if local else None)
 
     def table(
         self, identity: Sequence[Any] | None, load: Callable[[], tuple[Any, list[Any]]]

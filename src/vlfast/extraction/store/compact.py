@@ -22,7 +22,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -193,7 +193,7 @@ class _Stream:
         pending: list = []
         held = 0
         with pq.ParquetWriter(sink, schema.with_metadata(meta), write_page_checksum=True) as writer:
-            for k, table in enumerate(_read_ahead(out, read_index_part, self.used)):
+            for k, table in enumerate(map_parts(out, read_index_part, self.used)):
                 pending.append(_conform(table, schema))
                 held += table.num_rows
                 if held >= _ROW_GROUP or k == len(self.used) - 1:
@@ -201,17 +201,6 @@ class _Stream:
                     self.rows += held
                     pending, held = [], 0
         return sink.getvalue()
-
-
-_AHEAD = 256  # parts read ahead at most while compacting (object storage reads 16 of them at once)
-
-
-def _read_ahead(out: Any, fn: Callable[[Any], Any], parts: Sequence[Any]) -> Iterator[Any]:
-    """``fn(part)`` of each part in order, through :func:`map_parts` (on object storage 16 requests at once:
-    a Ray job's 156,000 parts at ten million samples are not read one after another), a window of
-    :data:`_AHEAD` parts at a time, so what is read ahead stays bounded."""
-    for k in range(0, len(parts), _AHEAD):
-        yield from map_parts(out, fn, parts[k : k + _AHEAD])
 
 
 def _ids_or_none(part: Path) -> Any:
@@ -251,7 +240,7 @@ def compact_rank(
             return result
         run = read_run_file(out)
         stream = _Stream(config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", []))))
-        for part, table in zip(candidates, _read_ahead(out, _ids_or_none, candidates)):
+        for part, table in zip(candidates, map_parts(out, _ids_or_none, candidates)):
             stream.gather(part, table)
         used = stream.used
         if len(used) < max(2, min_parts) or stream.config is None:
