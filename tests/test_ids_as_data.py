@@ -27,6 +27,7 @@ def hashing(request, monkeypatch):
         monkeypatch.setattr(ids_module, "_SMALL", 0)  # every list through the column path too
     monkeypatch.setattr(IdSet, "_MIN_MERGE", 8)  # merges early and often
     monkeypatch.setattr(ids_module, "_CONFIRM", 3)  # hash hits confirmed a few at a time, as at scale
+    monkeypatch.setattr(ids_module, "_MAX_CHUNKS", 3)  # ids appended in chunks, and combined, often
     return request.param
 
 
@@ -63,6 +64,47 @@ def test_an_idset_is_a_set_of_its_ids(hashing, seed):
         assert [q in s for q in query] == [q in ref for q in query]
         assert s == ref and len(s) == len(ref) and set(s) == ref
     assert 3 not in s and None not in s
+
+
+def test_columns_given_one_by_one_are_merged_once(monkeypatch):
+    """A store takes in each index part's ids as it reads the part: ten thousand parts must not sort the
+    set ten thousand times (it did: 63 s for a million ids in 977 parts, quadratic). The columns wait until
+    the set is read, and are then merged at once."""
+    merges = []
+    real = IdSet._merge
+    monkeypatch.setattr(IdSet, "_merge", lambda self: merges.append(1) or real(self))
+    s = IdSet()
+    for k in range(0, 50_000, 100):
+        s.update(pa.array([f"i{j}" for j in range(k, k + 100)], pa.string()))
+    s.update(pa.array(["i7", "i7", "extra"]))  # repeats, within and across columns
+    assert merges == []
+    assert len(s) == 50_001 and "i49999" in s and "extra" in s and "i50000" not in s
+    assert merges == [1]
+    s.update(pa.array(["later"]))
+    assert s.isin(["later", "i3", "no"]).tolist() == [True, True, False] and len(merges) == 2
+
+
+def test_ids_taken_from_chunks_are_those_of_the_combined_column():
+    rnd = random.Random(3)
+    chunks = [[f"c{c}-{k}" for k in range(rnd.randrange(0, 40))] for c in range(9)]
+    column = pa.chunked_array(chunks, pa.large_string())
+    whole = column.combine_chunks()
+    for _ in range(20):
+        positions = np.array([rnd.randrange(len(whole)) for _ in range(rnd.randrange(0, 60))], np.int64)
+        assert ids_module.take(column, positions).to_pylist() == whole.take(pa.array(positions)).to_pylist()
+
+
+def test_a_sorted_table_holds_the_ids_once():
+    """Sorting by hash moves the hashes and their positions, never the ids: the table's ids are the column
+    it was given, and merged tables append to them (issue 22: a copy of ten million ids is 220 MB)."""
+    column = pa.array([f"i{k}" for k in range(1000)], pa.large_string())
+    table = ids_module.SortedIds(hash_ids(column), column)
+    assert table.ids is column and table.source.dtype == np.int32
+    more = pa.array([f"j{k}" for k in range(10)], pa.large_string())
+    merged = table.with_ids(more, hash_ids(more))
+    assert merged.ids.chunk(0).buffers()[2].address == column.buffers()[2].address
+    assert [merged.find(f"j{k}") >= 0 for k in range(10)] == [True] * 10 and merged.find("zz") == -1
+    assert np.all(merged.hash[1:] >= merged.hash[:-1]) and len(merged) == 1010
 
 
 def test_union_and_copy_leave_the_original_alone():

@@ -144,34 +144,62 @@ def _as_strings(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 class SortedIds:
-    """Ids sorted by their hash: ``hash`` (uint64, ascending) and ``ids`` (Arrow, same order), plus
-    ``source`` (each entry's position in the order it was given). Lookups bisect the hashes and confirm
-    each hit against the id itself, so two ids whose hashes collide are never taken for each other."""
+    """Ids sorted by their hash without moving the ids: ``hash`` (uint64, ascending), ``source`` (each sorted
+    entry's position in ``ids``) and ``ids`` (Arrow, in the order given: never copied to be sorted, and a
+    ``ChunkedArray`` when merges appended to it). Lookups bisect the hashes and confirm each hit against
+    the id itself, so two ids whose hashes collide are never taken for each other."""
 
     __slots__ = ("hash", "ids", "runs", "source")
 
-    def __init__(self, hashes: np.ndarray, ids: pa.Array):
-        order = np.argsort(hashes)  # ids are unique here: the order among equal hashes does not matter
-        self.hash, self.ids, self.source = hashes[order], ids.take(order), order
+    def __init__(self, hashes: np.ndarray, ids: pa.Array | pa.ChunkedArray, order: np.ndarray | None = None):
+        order = np.argsort(hashes) if order is None else order  # ids are unique: ties in any order
+        self.hash, self.ids, self.source = hashes[order], ids, order.astype(_index_type(len(ids)), copy=False)
+        self._runs()
+
+    def _runs(self) -> None:
         # Whether any hash appears twice (a repeated id or a collision): only then do lookups walk a run.
         self.runs = bool(len(self.hash) > 1 and np.any(self.hash[1:] == self.hash[:-1]))
 
     def __len__(self) -> int:
         return len(self.hash)
 
+    def id_at(self, i: int) -> str:
+        """The id at sorted position ``i``."""
+        return self.ids[int(self.source[i])].as_py()
+
+    def ids_at(self, positions: np.ndarray) -> pa.Array:
+        """The ids at sorted ``positions``, as one Arrow array."""
+        return take(self.ids, self.source[positions])
+
+    def with_ids(self, ids: pa.Array | pa.ChunkedArray, hashes: np.ndarray) -> SortedIds:
+        """A new table: these entries and ``ids`` (new, distinct from these, with their ``hashes``), the
+        ids appended after this table's (no copy of them) and the hashes merged in one pass (no sort of
+        what is sorted already)."""
+        order = np.argsort(hashes)
+        new_hashes = hashes[order]
+        at = np.searchsorted(self.hash, new_hashes)
+        merged = SortedIds.__new__(SortedIds)
+        merged.ids = _appended(self.ids, ids)
+        index = _index_type(len(merged.ids))
+        merged.hash = np.insert(self.hash, at, new_hashes)
+        merged.source = np.insert(
+            self.source.astype(index, copy=False), at, (order + len(self.ids)).astype(index)
+        )
+        merged._runs()
+        return merged
+
     def find(self, sample_id: str, h: int | None = None) -> int:
         """The sorted position of ``sample_id`` (its first copy), or -1."""
         key = np.uint64(_hash_one(sample_id) if h is None else h)
         i, n = int(self.hash.searchsorted(key)), len(self.hash)  # a numpy scalar: half bisect's time
         while i < n and self.hash[i] == key:
-            if self.ids[i].as_py() == sample_id:
+            if self.id_at(i) == sample_id:
                 return i
             i += 1
         return -1
 
     def find_many(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
         """The sorted position of each of ``ids`` (with their ``hashes``), -1 where absent; vectorised."""
-        import pyarrow as pa
         import pyarrow.compute as pc
 
         n = len(self.hash)
@@ -189,13 +217,55 @@ class SortedIds:
         # be compared, which for ten million hits at once would be twice the ids' bytes more at the peak.
         for k in range(0, hit.size, _CONFIRM):
             part = hit[k : k + _CONFIRM]
-            same = pc.equal(self.ids.take(pa.array(pos[part])), ids.take(pa.array(part)))
+            same = pc.equal(self.ids_at(pos[part]), take(ids, part))
             same = same.to_numpy(zero_copy_only=False)
             found[part[same]] = pos[part[same]]
             if self.runs:  # a hash shared by several ids: walk its run for the hits that did not match
                 for j in part[~same]:
                     found[j] = self.find(ids[int(j)].as_py(), int(hashes[j]))
         return found
+
+
+_MAX_CHUNKS = 64  # chunks of ids a SortedIds keeps before combining them (one copy, rare)
+
+
+def _index_type(n: int) -> type:
+    return np.int32 if n < 2**31 else np.int64
+
+
+def _appended(ids: pa.Array | pa.ChunkedArray, more: pa.Array | pa.ChunkedArray) -> pa.ChunkedArray:
+    """``ids`` then ``more`` as one ChunkedArray of their chunks (no copy), combined once there are more
+    than :data:`_MAX_CHUNKS`."""
+    import pyarrow as pa
+
+    chunks = [c for a in (ids, more) for c in (a.chunks if isinstance(a, pa.ChunkedArray) else [a]) if len(c)]
+    joined = pa.chunked_array(chunks, pa.large_string())
+    return pa.chunked_array([joined.combine_chunks()]) if len(chunks) > _MAX_CHUNKS else joined
+
+
+def take(ids: pa.Array | pa.ChunkedArray, positions: np.ndarray) -> pa.Array:
+    """``ids`` at ``positions`` as one array. A ChunkedArray is taken from chunk by chunk: some pyarrow
+    versions combine every chunk (a copy of all the ids) to take a few."""
+    import pyarrow as pa
+
+    if isinstance(ids, pa.ChunkedArray):
+        if ids.num_chunks == 1:
+            ids = ids.chunk(0)
+        else:
+            bounds = np.cumsum([0] + [len(c) for c in ids.chunks])
+            which = np.searchsorted(bounds, positions, side="right") - 1
+            order = np.argsort(which, kind="stable")
+            cuts = np.searchsorted(which[order], np.arange(ids.num_chunks + 1))
+            pieces = [
+                ids.chunk(c).take(pa.array(positions[order[cuts[c] : cuts[c + 1]]] - bounds[c]))
+                for c in range(ids.num_chunks)
+                if cuts[c + 1] > cuts[c]
+            ]
+            gathered = pa.concat_arrays(pieces) if pieces else pa.array([], ids.type)
+            back = np.empty(len(order), np.int64)
+            back[order] = np.arange(len(order))
+            return gathered.take(pa.array(back))
+    return ids.take(pa.array(positions))
 
 
 def first_copies(ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
@@ -221,20 +291,24 @@ def first_copies(ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
 
 
 class IdSet(AbstractSet[str]):
-    """A set of ids held as data: the hashes of the ids in a sorted numpy array and the ids in an Arrow
-    array (about 30 bytes an id, against about 100 for a ``set`` of ``str``), with the ids added one by one
+    """A set of ids held as data: the hashes of the ids in a sorted numpy array and the ids in Arrow arrays
+    (about 30 bytes an id, against about 100 for a ``set`` of ``str``), with the ids added one by one
     kept in a small ``set`` until they are an eighth of the rest, then merged in (amortised linear).
+    Columns given in bulk (an index part's ids) are held as given until the set is next read, then taken
+    in all at once: a store that reads ten thousand parts merges once, not ten thousand times (which
+    sorted the whole set each time: an hour at ten million ids).
 
     Exact: a hash hit is confirmed against the id, so a collision never makes an id a member. Equal to
     a ``set`` with the same ids; ``isin`` answers for a whole list at once. Arrays are never changed in
     place, so ``union`` and ``copy`` share them."""
 
-    __slots__ = ("_recent", "_sorted")
+    __slots__ = ("_pending", "_recent", "_sorted")
     _MIN_MERGE = 1 << 17
 
     def __init__(self, ids: Iterable[str] | pa.Array | pa.ChunkedArray = ()):
         self._sorted: SortedIds | None = None  # made on the first merge: an empty set imports no pyarrow
         self._recent: set[str] = set()
+        self._pending: list[tuple[Any, np.ndarray | None]] = []  # (Arrow ids, their hashes or None)
         self.update(ids)
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -242,12 +316,14 @@ class IdSet(AbstractSet[str]):
     def __contains__(self, sample_id: object) -> bool:
         if not isinstance(sample_id, str):
             return False
+        self._settle()
         return sample_id in self._recent or (self._sorted is not None and self._sorted.find(sample_id) >= 0)
 
     def __len__(self) -> int:
         return self._stored() + len(self._recent)
 
     def _stored(self) -> int:
+        self._settle()
         return 0 if self._sorted is None else len(self._sorted)
 
     def __iter__(self) -> Iterator[str]:
@@ -262,8 +338,7 @@ class IdSet(AbstractSet[str]):
         self, ids: Sequence[str] | pa.Array | pa.ChunkedArray, hashes: np.ndarray | None = None
     ) -> np.ndarray:
         """Whether each of ``ids`` is a member, as a bool array (``hashes``: their :func:`hash_ids`)."""
-        import pyarrow as pa
-
+        self._settle()
         strings = _as_strings(ids)
         hashes = hash_ids(strings) if hashes is None else hashes
         member = np.zeros(len(strings), bool)
@@ -272,7 +347,7 @@ class IdSet(AbstractSet[str]):
         if self._recent:
             rest = np.flatnonzero(~member)
             if rest.size:
-                values = strings.take(pa.array(rest)).to_pylist()
+                values = take(strings, rest).to_pylist()
                 member[rest] = np.fromiter(map(self._recent.__contains__, values), bool, len(values))
         return member
 
@@ -282,23 +357,26 @@ class IdSet(AbstractSet[str]):
         if sample_id not in self:
             self._recent.add(sample_id)
             if len(self._recent) >= max(self._MIN_MERGE, self._stored() >> 3):
-                self._merge(None, None)
+                self._merge()
 
     def update(self, *others: Iterable[str] | pa.Array | pa.ChunkedArray) -> None:
         for other in others:
             arrow = type(other).__module__.startswith("pyarrow")
             if isinstance(other, IdSet):
+                other._settle()
                 if other._sorted is not None:
-                    self._merge(other._sorted.ids, other._sorted.hash)
+                    hashes = np.empty(len(other._sorted), np.uint64)  # in the ids' order
+                    hashes[other._sorted.source] = other._sorted.hash
+                    self._pending.append((other._sorted.ids, hashes))
                 self.update(other._recent)
             elif isinstance(other, ArrowStrings):
-                self._merge(other.array, None)
+                self._pending.append((other.array, None))
             elif arrow:
-                self._merge(_as_strings(other), None)
+                self._pending.append((other, None))
             elif len_hint(other) > _SMALL:
                 column, kept = _column_of(list(other))
-                self._merge(column, None)
-                self.update(kept)
+                self._pending.append((column, None))
+                self._recent.update(kept)  # ids Arrow cannot hold are never in the arrays
             else:
                 for sample_id in other:
                     self.add(sample_id)
@@ -310,31 +388,44 @@ class IdSet(AbstractSet[str]):
         return new
 
     def copy(self) -> IdSet:
+        self._settle()
         new = IdSet.__new__(IdSet)
-        new._sorted, new._recent = self._sorted, set(self._recent)
+        new._sorted, new._recent, new._pending = self._sorted, set(self._recent), []
         return new
 
-    def _merge(self, ids: pa.Array | None, hashes: np.ndarray | None) -> None:
-        """Take ``ids`` (and the recent ones) into the sorted arrays, each id once."""
+    def _settle(self) -> None:
+        if self._pending:
+            self._merge()
+
+    def _merge(self) -> None:
+        """Take the pending columns and the recent ids into the sorted arrays, each id once."""
         import pyarrow as pa
 
-        parts = [] if ids is None else [ids]
+        pieces, self._pending = self._pending, []
         if self._recent:
             column, self._recent = _column_of(list(self._recent))
-            parts.append(column)
-            hashes = None
-        if not parts:
-            return
-        ids = pa.concat_arrays(parts) if len(parts) > 1 else parts[0]
+            pieces.append((column, None))
+        chunks, hashes = [], []
+        for ids, given in pieces:
+            for chunk in ids.chunks if isinstance(ids, pa.ChunkedArray) else [ids]:
+                chunks.append(_as_strings(chunk))
+            hashes.append(hash_ids(ids) if given is None else given)
+        del pieces
+        ids = pa.chunked_array([c for c in chunks if len(c)], pa.large_string())
+        if (
+            ids.num_chunks > _MAX_CHUNKS
+        ):  # ten thousand parts' columns: one copy now, not a slow lookup each time
+            ids = pa.chunked_array([ids.combine_chunks()])
+        del chunks
         if len(ids) == 0:
             return
-        hashes = hash_ids(ids) if hashes is None else hashes
+        hashes = np.concatenate(hashes) if len(hashes) > 1 else hashes[0]
         if self._sorted is None:
-            # Into an empty set, as a store reads its first part: sorted once, and when no hash repeats no id
+            # Into an empty set, as a store reads its first parts: sorted once, and when no hash repeats no id
             # does either, so there are no copies to drop (first_copies would sort the hashes again).
             fresh = SortedIds(hashes, ids)
             if not fresh.runs:
-                fresh.source, self._sorted = None, fresh
+                self._sorted = fresh
                 return
             del fresh
         first = first_copies(ids, hashes)
@@ -349,19 +440,12 @@ class IdSet(AbstractSet[str]):
         # copies of them, which at ten million ids would be a transient of their size again.
         new_ids, new_hashes = _subset(ids, new), hashes[new] if len(new) < len(ids) else hashes
         del ids, hashes, new
-        if old is None:
-            self._sorted = SortedIds(new_hashes, new_ids)
-        else:
-            both = np.concatenate([old.hash, new_hashes])
-            self._sorted = SortedIds(both, pa.concat_arrays([old.ids, new_ids]))
-        self._sorted.source = None
+        self._sorted = SortedIds(new_hashes, new_ids) if old is None else old.with_ids(new_ids, new_hashes)
 
 
-def _subset(ids: pa.Array, positions: np.ndarray) -> pa.Array:
+def _subset(ids: pa.Array | pa.ChunkedArray, positions: np.ndarray) -> pa.Array | pa.ChunkedArray:
     """``ids`` at ``positions`` (ascending, distinct): the column itself when that is all of it."""
-    import pyarrow as pa
-
-    return ids if len(positions) == len(ids) else ids.take(pa.array(positions))
+    return ids if len(positions) == len(ids) else take(ids, positions)
 
 
 def _column_of(values: list[str]) -> tuple[pa.Array, set[str]]:
