@@ -8,7 +8,8 @@ fresh process (``--_step``), so its peak RSS (``ru_maxrss``) is its own:
 
 1. write, first half: each of ``--ranks`` ranks (one after another, each its own process, shards and
    parts) writes half of its share and stops cleanly (a run interrupted half way: its buffer committed, as
-   on SIGTERM);
+   on SIGTERM); with ``--killed``, as a SIGKILL after its last commit leaves it: every part it committed
+   is there, none compacted (a clean stop compacts them into one at close);
 2. resume planning on that half-finished OUT, ``--resume-check quick`` then ``full``: what a rank does
    from holding its input list to the point where its first forward would start (preflight, store open
    with its check of every committed shard, ``done_ids``, the plan of what is left);
@@ -178,6 +179,8 @@ def step(spec: dict) -> dict[str, Any]:
         res["todo"] = 0
     else:
         with _opened_store(plan, config) as store:
+            if spec.get("killed"):  # its parts left as a SIGKILL after its last commit leaves them
+                store.compact_min_parts = None
             store.keep_listings(listings)  # as run_session does, once OUT is this run's (not timed)
             listings.clear()
             t3 = time.perf_counter()
@@ -375,7 +378,7 @@ def measure(storage: str, a: argparse.Namespace, workdir: Path) -> dict[str, Any
 
         result: dict[str, Any] = {"out": out}
         write = [
-            run(f"write r{r} first half", step="write", rank=r, mode="quick", fraction=0.5)
+            run(f"write r{r} first half", step="write", rank=r, mode="quick", fraction=0.5, killed=a.killed)
             for r in range(a.ranks)
         ]
         result["half"] = {
@@ -449,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
         "--parse-every-time",
         action="store_true",
         help="read the manifest's rows in every step, not its table kept in OUT by the first (as before)",
+    )
+    p.add_argument(
+        "--killed",
+        action="store_true",
+        help="the first half stops as a SIGKILL after its last commit leaves it: every part, none compacted",
     )
     p.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
     p.add_argument("--keep", default=None, help="write the local OUT into this folder and keep it")

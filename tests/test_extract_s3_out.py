@@ -88,6 +88,18 @@ def local_run(media, tiny_qwen3_vl, tmp_path_factory) -> Path:
     return out
 
 
+def _index_rows(cache: FeatureCache) -> list[dict]:
+    """Every row of the index parts of ``cache``'s OUT on S3, read with pyarrow alone."""
+    import pyarrow.parquet as pq
+
+    fs, root = cache.out.fs, cache.out.path
+    rows = []
+    for key in fs.ls(f"{root}/index", detail=False):
+        with fs.open(key, "rb") as f:
+            rows += pq.read_table(f).to_pylist()
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- runs
 
 
@@ -104,6 +116,14 @@ def test_cli_to_s3_equals_local_and_reads_back(endpoint, media, local_run, tiny_
     assert len(cache) == 7 and cache.run_config == FeatureCache(local_run).run_config
     assert [e["reason"] for e in cache.errors()] == [e["reason"] for e in FeatureCache(local_run).errors()]
     assert cache.info(cache.ids()[0])["shard"].startswith("shards/shard-r00000-")
+    # entries made from each shard's header, read by range: the index rows themselves, as locally
+    local = FeatureCache(local_run)
+    for sid in cache.ids():
+        assert [(f["name"], f["shape"], f["dtype"], f["xxh3"]) for f in cache.info(sid)["features"]] == [
+            (f["name"], f["shape"], f["dtype"], f["xxh3"]) for f in local.info(sid)["features"]
+        ]
+    index = {r["id"]: r for r in _index_rows(cache)}
+    assert all(cache.info(sid)["features"] == index[sid]["features"] for sid in cache.ids())
     # the bucket holds the format's objects only: no temp files, no locks, errors in a session object
     prefix = out.removeprefix(f"s3://{BUCKET}/")
     names = [k.removeprefix(prefix + "/") for k in _keys(prefix)]

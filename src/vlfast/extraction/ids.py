@@ -488,6 +488,14 @@ class ArrowStrings(Sequence[str]):
         else:
             self.array = _as_strings(array)
 
+    @classmethod
+    def of_chunks(cls, array: pa.ChunkedArray) -> ArrowStrings:
+        """Over a ``large_string`` ChunkedArray as it is: its chunks are not combined (a copy of every id).
+        Its ``array`` is then that ChunkedArray, which not every caller of ``array`` takes."""
+        new = cls.__new__(cls)
+        new.array = array
+        return new
+
     def __len__(self) -> int:
         return len(self.array)
 

@@ -430,6 +430,13 @@ def map_parts(out: Any, fn: Callable[[Any], Any], parts: Sequence[Any]) -> Itera
 
 def read_index_part(part: Path, columns: Sequence[str] | None = None):
     """One index part as an Arrow table, after checking the hash its name carries; damage is named."""
+    table = read_part_groups(open_index_part(part), part, None, columns)
+    return table.select(list(columns)) if columns is not None else table
+
+
+def open_index_part(part: Path):
+    """One index part as a ``pyarrow.parquet.ParquetFile`` over its bytes, read whole and checked against
+    the hash its name carries; its row groups are read with :func:`read_part_groups`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -443,19 +450,33 @@ def read_index_part(part: Path, columns: Sequence[str] | None = None):
             f"index part {part} is damaged: its bytes do not match the checksum in its name. {_redo_hint(part)}"
         )
     try:
-        # ParquetFile.read on the calling thread: pq.read_table goes through the dataset API, which starts
-        # Arrow's thread pools; with torch loaded, those threads dying at interpreter exit aborted reader
-        # scripts now and then (SIGABRT, "terminate called without an active exception"). Parts are small.
-        # Only the columns asked for are decoded: a quick check of a consolidated part needs its ids and
-        # shards, not a million rows of per-feature entries.
         # The shard column as a dictionary: about 40 characters repeated on a thousand rows each, 0.4 GB of
         # strings at 10M samples against 40 MB of codes.
-        table = pq.ParquetFile(
+        return pq.ParquetFile(
             pa.BufferReader(data), page_checksum_verification=True, read_dictionary=["shard"]
-        ).read(columns=None if columns is None else list(columns), use_threads=False)
+        )
     except (OSError, pa.ArrowException) as e:
         raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
-    return table.select(list(columns)) if columns is not None else table
+
+
+def read_part_groups(
+    file: Any, part: Path, groups: Sequence[int] | None = None, columns: Sequence[str] | None = None
+):
+    """Row groups ``groups`` (all when None) of an opened index part, as one Arrow table; damage is named."""
+    import pyarrow as pa
+
+    try:
+        # On the calling thread: pq.read_table goes through the dataset API, which starts Arrow's thread
+        # pools; with torch loaded, those threads dying at interpreter exit aborted reader scripts now and
+        # then (SIGABRT, "terminate called without an active exception"). Only the columns asked for are
+        # decoded: a quick check of a consolidated part needs its ids and shards, not a million rows of
+        # per-feature entries.
+        columns = None if columns is None else list(columns)
+        if groups is None:
+            return file.read(columns=columns, use_threads=False)
+        return file.read_row_groups(list(groups), columns=columns, use_threads=False)
+    except (OSError, pa.ArrowException) as e:
+        raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
 
 
 def part_meta(table) -> dict[str, Any]:

@@ -15,6 +15,7 @@ hashed and compared with its checksum; ``check()`` scans the whole folder (integ
 
 from __future__ import annotations
 
+import bisect
 import json
 import operator
 import os
@@ -36,14 +37,14 @@ from vlfast.extraction.store.format import (
     committed_parts,
     config_hash,
     gc_paused,
-    index_schema,
     is_local,
     map_parts,
+    open_index_part,
     part_meta,
     part_shards,
     read_errors,
     read_header,
-    read_index_part,
+    read_part_groups,
     read_run_file,
     resolve_out,
     stable_config,
@@ -76,7 +77,6 @@ class FeatureCache(torch.utils.data.Dataset):
         ``verify`` hashes every tensor read and raises :class:`DamagedFile` naming it if it does not match.
         ``out`` may be an fsspec URL (``s3://bucket/out``), opened with ``storage_options``; its samples
         are then read by byte range, one request per tensor."""
-        import pyarrow as pa
 
         self.out = resolve_out(out, storage_options)
         if isinstance(features, str):
@@ -87,67 +87,55 @@ class FeatureCache(torch.utils.data.Dataset):
         self._config_hash = expected = config_hash(
             stable_config(self._run.get("config", {}), self._run.get("volatile_keys", []))
         )
-        tables, self._shard_bytes, self._header_hash = _read_parts(self.out, expected)
-        if tables:
-            table = pa.concat_tables(tables, promote_options="default")
-        else:
-            table = index_schema().empty_table()
-        self._build_index(table)
+        rows, self._shard_bytes, self._header_hash = _read_parts(self.out, expected)
+        self._build_index(rows)
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._shard_ids: dict[int, list[str] | None] = {}  # shard -> ids from its header, read on first open
         # shard -> (inode, size, mtime, ctime) when its header passed: a shard opened again past the open
         # handles' limit, unchanged since, is not read twice (any write moves its ctime)
         self._header_ok: dict[int, tuple[int, int, int, int]] = {}
 
-    def _build_index(self, table: Any) -> None:
+    def _build_index(self, rows: _Rows) -> None:
         """The lookups, held as data (see :class:`~vlfast.extraction.ids.IdSet`): the ids as an Arrow column,
-        their hashes sorted for ``cache["id"]``, each sample's shard number and row in numpy arrays."""
+        their hashes sorted for ``cache["id"]``, each sample's shard number and row in numpy arrays, its
+        feature names and checksums as :class:`_Rows` kept them."""
         import numpy as np
-        import pyarrow as pa
 
-        from vlfast.extraction.ids import ArrowStrings, SortedIds, first_copies, hash_ids
+        from vlfast.extraction.ids import ArrowStrings, SortedIds, first_copies, hash_ids, take
 
-        all_ids = ArrowStrings(table.column("id")).array
+        all_ids = rows.ids
         hashes = hash_ids(all_ids)
         self._lookup = SortedIds(hashes, all_ids)  # .source: each sorted entry's position
-        keep = np.arange(len(all_ids))
-        repeated = keep[:0]
+        self._kept: np.ndarray | None = None  # each sample's row in `rows` when a repeat was left out
         if self._lookup.runs:  # a hash seen twice: an id committed twice, or a collision
             # Keep the first copy of an id. Two copies only appear if two writers ran with the same rank at once.
             first = first_copies(all_ids, hashes)
-            repeated = np.flatnonzero(first != keep)
-            keep = np.flatnonzero(first == keep)
-        if repeated.size:
-            warnings.warn(
-                f"{self.out}: {repeated.size} ids committed more than once (kept the first), e.g. "
-                f"{all_ids.take(repeated[:3]).to_pylist()}",
-                stacklevel=3,
-            )
-            all_ids = all_ids.take(keep)
-            self._lookup = SortedIds(hashes[keep], all_ids)
-        self._ids = ArrowStrings(all_ids)
-        shards = table.column("shard").combine_chunks()  # read as a dictionary; chunks' ones are unified
-        if not pa.types.is_dictionary(shards.type):
-            shards = shards.dictionary_encode()
-        names = shards.dictionary.to_pylist()
-        rank = np.empty(len(names), np.int64)  # shard numbers in name order
-        rank[np.argsort(np.array(names, dtype=object))] = np.arange(len(names))
-        self._shard_names = sorted(names)
+            keep = np.flatnonzero(first == np.arange(len(all_ids)))
+            repeated = np.flatnonzero(first != np.arange(len(all_ids)))
+            if repeated.size:
+                warnings.warn(
+                    f"{self.out}: {repeated.size} ids committed more than once (kept the first), e.g. "
+                    f"{take(all_ids, repeated[:3]).to_pylist()}",
+                    stacklevel=3,
+                )
+                all_ids = take(all_ids, keep)
+                self._lookup = SortedIds(hashes[keep], all_ids)
+                self._kept = keep
+        self._ids = ArrowStrings.of_chunks(all_ids) if self._kept is None else ArrowStrings(all_ids)
+        self._shard_names = rows.shard_names
         self._shard_paths = [self.out / s for s in self._shard_names]
         self._pid = os.getpid()
         self._expected_bytes = [self._shard_bytes.get(s) for s in self._shard_names]
         self._expected_header = [self._header_hash.get(s) for s in self._shard_names]
-        codes = shards.indices.to_numpy(zero_copy_only=False)
-        kept = keep if repeated.size else slice(None)  # every row: no copies of the columns to select them
-        self._shard = rank[codes[kept]] if len(names) else np.empty(0, np.int64)
-        self._row = table.column("row").to_numpy()[kept]
-        columns = table.select(["features", "meta"])
-        if repeated.size:
-            columns = columns.take(keep)
-        # Kept in the chunks Parquet gave (a lookup finds its chunk by bisection): combining them would copy
-        # about 110 bytes a sample at the peak of opening.
-        self._features = columns.column("features") if keep.size else None
-        self._meta = columns.column("meta") if keep.size else None
+        self._shard, self._row = rows.shards, rows.rows
+        if self._kept is not None:
+            self._shard, self._row = self._shard[self._kept], self._row[self._kept]
+        self._rows = rows
+        self._headers: OrderedDict[int, tuple[int, dict]] = OrderedDict()  # for info(): parsed shard headers
+
+    def _stored(self, i: int) -> int:
+        """The row in ``self._rows`` of sample ``i``."""
+        return i if self._kept is None else int(self._kept[i])
 
     def _position(self, sample_id: str) -> int:
         """The position of ``sample_id``, or -1."""
@@ -188,7 +176,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"{self._shard_paths[k]} row {row} holds {self._shard_ids[k][row]!r}, but the index says "
                 f"{self._ids[i]!r}: the folder is damaged. Re-run the extraction into a new OUT."
             )
-        entries = {f["name"]: f for f in self._features[i].as_py()}
+        entries = self._rows.entries(self._stored(i))  # name -> checksum
         names = list(entries)
         if self.features is not None:
             missing = self.features.difference(names)
@@ -207,7 +195,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 raise DamagedFile(
                     f"cannot read feature {n!r} of sample {self._ids[i]!r} from {self._shard_paths[k]}: {e}"
                 ) from None
-            checksum = entries[n].get("xxh3") if self.verify_reads else None
+            checksum = entries[n] if self.verify_reads else None
             if checksum is not None and tensor_xxh3(t) != checksum:
                 raise DamagedFile(
                     f"feature {n!r} of sample {self._ids[i]!r} in {self._shard_paths[k]} is damaged: its "
@@ -227,17 +215,69 @@ class FeatureCache(torch.utils.data.Dataset):
     # -- metadata ------------------------------------------------------------------------------------
 
     def meta(self, sample_id: int | str) -> dict:
-        return json.loads(self._meta[self._index(sample_id)].as_py())
+        return json.loads(self._rows.meta[self._stored(self._index(sample_id))].as_py())
 
     def info(self, sample_id: int | str) -> dict:
-        """The sample's index row: shard, row, and per feature dtype, shape, byte offset and size."""
+        """The sample's index row: shard, row, and per feature dtype, shape, byte offset, size and checksum.
+        The entries of rows kept compact (names and checksums, see :class:`_Rows`) are made again from the
+        shard's header, checked against the checksum its index part recorded: the bytes they were made
+        from when the shard was written."""
         i = self._index(sample_id)
+        k, row = int(self._shard[i]), int(self._row[i])
+        features = self._rows.given_entries(self._stored(i))
+        if features is None:
+            data_start, header = self._header(k, self._ids[i])
+            features = []
+            for name, checksum in self._rows.entries(self._stored(i)).items():
+                entry = header.get(f"{row}/{name}")
+                if not isinstance(entry, dict):
+                    raise DamagedFile(
+                        f"{self._shard_paths[k]} holds no feature {name!r} for row {row}, but the index says "
+                        f"sample {self._ids[i]!r} has it. {REDO_HINT}"
+                    )
+                start, end = entry["data_offsets"]
+                features.append(
+                    {
+                        "name": name,
+                        "dtype": DTYPE_BY_CODE[entry["dtype"]],
+                        "shape": list(entry["shape"]),
+                        "offset": data_start + start,
+                        "nbytes": end - start,
+                        "xxh3": checksum,
+                    }
+                )
         return {
             "id": self._ids[i],
-            "shard": self._shard_names[self._shard[i]],  # as the index names it (relative to OUT)
-            "row": int(self._row[i]),
-            "features": self._features[i].as_py(),
+            "shard": self._shard_names[k],  # as the index names it (relative to OUT)
+            "row": row,
+            "features": features,
         }
+
+    def _header(self, k: int, sample_id: str) -> tuple[int, dict]:
+        """Shard ``k``'s data start and parsed header, checked as a read checks them (size, configuration,
+        the header's bytes against the recorded checksum, the row's id); the last few kept."""
+        got = self._headers.get(k)
+        if got is not None:
+            self._headers.move_to_end(k)
+            return got
+        h = self._handle(k, sample_id)
+        path = self._shard_paths[k]
+        if isinstance(h, _RangeShard):
+            raw, got = h.raw_header, (h._data_start, h._header)
+        else:
+            with open(path, "rb") as f:
+                data_start, raw, header = read_header(f, os.fstat(f.fileno()).st_size)
+            got = (data_start, header)
+        expected = self._expected_header[k]
+        if expected is not None and xxh3(raw) != expected:
+            raise DamagedFile(
+                f"{path} is not the shard its index part was written with (its header fails the recorded "
+                f"checksum: replaced or damaged): sample {sample_id!r} cannot be read. {REDO_HINT}"
+            )
+        self._headers[k] = got
+        if len(self._headers) > _MAX_OPEN_SHARDS:
+            self._headers.popitem(last=False)
+        return got
 
     @property
     def run_config(self) -> dict:
@@ -349,27 +389,33 @@ class FeatureCache(torch.utils.data.Dataset):
         return state
 
 
-def _read_parts(out: Any, expected: str) -> tuple[list, dict[str, int | None], dict[str, str | None]]:
-    """Every live index part as a table, with each shard's size and header checksum as written. A part that
-    disappears while it is read (a writer compacting its rank: the parts a consolidated part replaces are
-    deleted once it is committed) makes the listing be taken again."""
+def _read_parts(out: Any, expected: str) -> tuple[_Rows, dict[str, int | None], dict[str, str | None]]:
+    """Every live index part's rows, a row group at a time, with each shard's size and header checksum as
+    written. A part that disappears while it is read (a writer compacting its rank: the parts a consolidated
+    part replaces are deleted once it is committed) makes the listing be taken again."""
     for attempt in range(5):
-        tables, sizes, headers = [], {}, {}
+        rows, sizes, headers = _Rows(), {}, {}
         try:
             parts = committed_parts(out)
-            for part, table in zip(parts, map_parts(out, _reader(attempt), parts)):
-                meta = part_meta(table)
+            for part, file in zip(parts, map_parts(out, _reader(attempt), parts)):
+                meta = part_meta(file.schema_arrow.empty_table())
                 if meta["config_hash"] is not None and meta["config_hash"] != expected:
                     raise DamagedFile(
                         f"index part {part} was made with another configuration than {out / 'run.json'}: the "
                         "folder mixes two runs. Run `vlfast extract --verify` on it to see what else differs."
                     )
-                for shard, (size, header) in part_shards(part, meta).items():
+                shards = part_shards(part, meta)
+                for shard, (size, header) in shards.items():
                     sizes[shard], headers[shard] = size, header
-                tables.append(table.replace_schema_metadata(None))
+                # Entries made again from a shard's header only where the part recorded its checksum.
+                compact = all(header is not None for _, header in shards.values())
+                for g in range(file.num_row_groups):
+                    rows.add(read_part_groups(file, part, [g]), compact)
+                del file
         except _Relist:
             continue
-        return tables, sizes, headers
+        rows.finish()
+        return rows, sizes, headers
     raise AssertionError("unreachable")  # the last attempt raises instead of listing again
 
 
@@ -380,7 +426,7 @@ class _Relist(Exception):
 def _reader(attempt: int) -> Any:
     def read(part: Any) -> Any:
         try:
-            return read_index_part(part)
+            return open_index_part(part)
         except DamagedFile:
             if attempt < 4 and not part.exists():
                 raise _Relist from None
@@ -425,3 +471,190 @@ class _RangeShard:
         if not data:
             return torch.empty(entry["shape"], dtype=dtype)
         return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# what FeatureCache keeps of its index rows
+
+_COALESCE = 1 << 16  # rows of ids or meta gathered into one chunk (parts of a thousand rows are not one each)
+
+
+class _Rows:
+    """What :class:`FeatureCache` keeps of its index rows, taken in a row group at a time (the peak of
+    opening is one decoded row group above what is kept, not the whole index): the ids and the meta
+    strings as Arrow chunks of at least 65,536 rows, each row's shard number and row as int32, and each
+    row's feature names and checksums. A row group whose rows all name the same features with a 16-digit
+    checksum each (every vlfast run's) keeps one tuple of names and a uint64 per entry (8 bytes a feature
+    where Parquet's list of structs decodes to about 80); another keeps its entries as Parquet gave them."""
+
+    def __init__(self) -> None:
+        import pyarrow as pa
+
+        self._ids, self._meta = _Chunks(pa.large_string()), _Chunks(pa.string())
+        self._shards: list[Any] = []
+        self._rows: list[Any] = []
+        self._shard_number: dict[str, int] = {}  # in the order first seen
+        self._starts: list[int] = []  # first row of each row group taken in
+        self._layouts: list[_Same | _Given] = []
+        self._n = 0
+
+    def add(self, table: Any, compact: bool) -> None:
+        """Take in ``table`` (rows of the index schema); ``compact``: its entries may be kept as names and
+        checksums (their part recorded its shards' header checksums, from which ``info`` makes them again)."""
+        import numpy as np
+        import pyarrow as pa
+
+        n = table.num_rows
+        if n == 0:
+            return
+        self._ids.append(table.column("id"))
+        self._meta.append(table.column("meta") if "meta" in table.column_names else pa.nulls(n, pa.string()))
+        shard = table.column("shard").combine_chunks()
+        if not pa.types.is_dictionary(shard.type):
+            shard = shard.dictionary_encode()
+        number = self._shard_number
+        lut = np.array([number.setdefault(v, len(number)) for v in shard.dictionary.to_pylist()], np.int32)
+        self._shards.append(lut[shard.indices.to_numpy(zero_copy_only=False)])
+        self._rows.append(table.column("row").to_numpy().astype(np.int32))
+        features = table.column("features").combine_chunks()
+        self._starts.append(self._n)
+        self._layouts.append((_Same.of(features) if compact else None) or _Given(features))
+        self._n += n
+
+    def finish(self) -> None:
+        import numpy as np
+
+        self.ids, self.meta = self._ids.finish(), self._meta.finish()
+        names = list(self._shard_number)
+        rank = np.empty(len(names), np.int32)  # shard numbers in name order
+        rank[np.argsort(np.array(names, dtype=object))] = np.arange(len(names), dtype=np.int32)
+        self.shard_names = sorted(names)
+        self.shards = rank[np.concatenate(self._shards)] if self._shards else np.empty(0, np.int32)
+        self.rows = np.concatenate(self._rows) if self._rows else np.empty(0, np.int32)
+        del self._shards, self._rows, self._ids, self._meta
+
+    def _layout(self, r: int) -> tuple[_Same | _Given, int]:
+        k = bisect.bisect_right(self._starts, r) - 1
+        return self._layouts[k], r - self._starts[k]
+
+    def entries(self, r: int) -> dict[str, str | None]:
+        """Row ``r``'s features: name -> checksum (None where the index has none), in the index's order."""
+        layout, j = self._layout(r)
+        return layout.entries(j)
+
+    def given_entries(self, r: int) -> list[dict] | None:
+        """Row ``r``'s feature entries as Parquet gave them, or None where only names and checksums are kept."""
+        layout, j = self._layout(r)
+        return layout.column[j].as_py() if isinstance(layout, _Given) else None
+
+
+class _Chunks:
+    """Arrow chunks taken in one by one, gathered into chunks of at least :data:`_COALESCE` rows."""
+
+    def __init__(self, type_: Any):
+        self.type, self.done, self.pending, self.held = type_, [], [], 0
+
+    def append(self, column: Any) -> None:
+        import pyarrow as pa
+
+        for chunk in column.chunks if isinstance(column, pa.ChunkedArray) else [column]:
+            self.pending.append(chunk if chunk.type == self.type else chunk.cast(self.type))
+            self.held += len(chunk)
+        if self.held >= _COALESCE:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+
+        if self.pending:
+            self.done.append(pa.concat_arrays(self.pending) if len(self.pending) > 1 else self.pending[0])
+        self.pending, self.held = [], 0
+
+    def finish(self) -> Any:
+        import pyarrow as pa
+
+        self._flush()
+        return pa.chunked_array(self.done, self.type)
+
+
+class _Given:
+    """A row group's feature entries as Parquet gave them (a list of structs per row)."""
+
+    __slots__ = ("column",)
+
+    def __init__(self, column: Any):
+        self.column = column
+
+    def entries(self, j: int) -> dict[str, str | None]:
+        return {f["name"]: f.get("xxh3") for f in self.column[j].as_py()}
+
+
+class _Same:
+    """A row group whose rows all name the same features in the same order, each with a checksum of 16
+    hex digits: the names once, the checksums as uint64 (rows x features)."""
+
+    __slots__ = ("names", "sums")
+
+    def __init__(self, names: tuple[str, ...], sums: Any):
+        self.names, self.sums = names, sums
+
+    @staticmethod
+    def of(features: Any) -> _Same | None:
+        """``features`` (a list-of-structs column) kept this way, or None where it cannot be."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        n = len(features)
+        if features.null_count:
+            return None
+        offsets = features.offsets.to_numpy()
+        k = int(offsets[1] - offsets[0]) if n else 0
+        if np.any(np.diff(offsets) != k):
+            return None
+        entries = features.flatten()  # n * k structs, the column's slice taken into account
+        fields = dict(zip([f.name for f in entries.type], entries.flatten()))
+        names, sums = fields.get("name"), fields.get("xxh3")
+        if names is None or sums is None or names.null_count:
+            return None
+        first = tuple(names.slice(0, k).to_pylist())
+        if len(set(first)) != k:
+            return None
+        codes = pc.dictionary_encode(names).indices.to_numpy(zero_copy_only=False)  # first seen: 0..k-1
+        if not np.array_equal(codes, np.tile(np.arange(k, dtype=codes.dtype), n)):
+            return None
+        values = _hex64(sums)
+        return None if values is None else _Same(first, values.reshape(n, k))
+
+    def entries(self, j: int) -> dict[str, str | None]:
+        return {name: f"{int(v):016x}" for name, v in zip(self.names, self.sums[j])}
+
+
+_NIBBLE = bytes(
+    ((c - 48) if 48 <= c <= 57 else (c - 87) if 97 <= c <= 102 else 255) for c in range(256)
+)  # "0"-"9", "a"-"f" -> their value; anything else (upper case included: it would not print back) 255
+
+
+def _hex64(values: Any) -> Any:
+    """Each of ``values`` (text of exactly 16 lower-case hex digits, no nulls) as a uint64; None otherwise."""
+    import numpy as np
+    import pyarrow as pa
+
+    n = len(values)
+    if values.null_count:
+        return None
+    if n == 0:
+        return np.empty(0, np.uint64)
+    values = values.cast(pa.large_string())
+    buffers = values.buffers()
+    offsets = np.frombuffer(buffers[1], np.int64, n + 1, values.offset * 8)
+    if np.any(np.diff(offsets) != 16):
+        return None
+    data = np.frombuffer(buffers[2], np.uint8, 16 * n, int(offsets[0])).reshape(n, 16)
+    nibbles = np.frombuffer(_NIBBLE, np.uint8)[data]
+    if np.any(nibbles > 15):
+        return None
+    out = np.zeros(n, np.uint64)
+    for c in range(16):
+        out <<= np.uint64(4)
+        out |= nibbles[:, c]
+    return out
