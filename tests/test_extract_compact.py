@@ -56,6 +56,38 @@ def test_close_compacts_and_reads_the_same(tmp_path):
     assert compare_caches(raw, out) == []
 
 
+def test_a_consolidated_part_is_compacted_again_a_row_group_at_a_time(tmp_path, monkeypatch):
+    """A resumed run's close compacts the earlier run's consolidated part with its own new parts: that part
+    is read a row group at a time (at ten million samples, decoding it whole was the writer's peak), and
+    the result holds every row once, in row groups of at most the bound."""
+    import pyarrow.parquet as pq
+
+    import vlfast.extraction.store.compact as compact
+
+    monkeypatch.setattr(compact, "_ROW_GROUP", 7)
+    out = tmp_path / "out"
+    run(str(out), 50, shard_max_samples=3)  # 17 parts -> one consolidated part of 8 row groups
+    first = _names(out, COMPACT_RE)
+    assert len(first) == 1 and pq.ParquetFile(out / "index" / first[0]).num_row_groups > 1
+    read = []
+    real = compact.read_part_groups
+    monkeypatch.setattr(
+        compact, "read_part_groups", lambda f, p, g, c=None: read.append(g) or real(f, p, g, c)
+    )
+    run(str(out), N, shard_max_samples=3)  # the rest, then its close compacts everything again
+    assert all(len(g) == 1 for g in read) and len(read) > 20
+    (part,) = _names(out, COMPACT_RE)
+    meta = pq.ParquetFile(out / "index" / part).metadata
+    raw = tmp_path / "raw"  # the same two runs, never compacted
+    for n in (50, N):
+        run(str(raw), n, shard_max_samples=3, compact_min_parts=None)
+    assert (
+        meta.num_rows == len(FeatureCache(raw))
+        and max(meta.row_group(k).num_rows for k in range(meta.num_row_groups)) <= 9
+    )
+    assert compare_caches(raw, out) == []
+
+
 def test_cli_compacts_an_old_folder(tmp_path):
     raw = _uncompacted(tmp_path)
     ref = _uncompacted(tmp_path, "ref")

@@ -50,10 +50,12 @@ from vlfast.extraction.store.format import (
     is_local,
     list_names,
     map_parts,
+    open_index_part,
     part_meta,
     part_shards,
     part_span,
     read_index_part,
+    read_part_groups,
     read_run_file,
     resolve_out,
     stable_config,
@@ -193,14 +195,25 @@ class _Stream:
         pending: list = []
         held = 0
         with pq.ParquetWriter(sink, schema.with_metadata(meta), write_page_checksum=True) as writer:
-            for k, table in enumerate(map_parts(out, read_index_part, self.used)):
-                pending.append(_conform(table, schema))
-                held += table.num_rows
-                if held >= _ROW_GROUP or k == len(self.used) - 1:
-                    writer.write_table(pa.concat_tables(pending), row_group_size=held)
-                    self.rows += held
-                    pending, held = [], 0
+            # A part's row groups one at a time: the consolidated part of an earlier run (millions of rows)
+            # is never decoded whole.
+            for part, file in zip(self.used, map_parts(out, open_index_part, self.used)):
+                for g in range(file.num_row_groups):
+                    table = read_part_groups(file, part, [g])
+                    pending.append(_conform(table, schema))
+                    held += table.num_rows
+                    if held >= _ROW_GROUP:
+                        self._flush(writer, pending, held)
+                        pending, held = [], 0
+            if pending:
+                self._flush(writer, pending, held)
         return sink.getvalue()
+
+    def _flush(self, writer: Any, pending: list, held: int) -> None:
+        import pyarrow as pa
+
+        writer.write_table(pa.concat_tables(pending), row_group_size=max(held, 1))
+        self.rows += held
 
 
 def _ids_or_none(part: Path) -> Any:
