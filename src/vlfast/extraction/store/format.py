@@ -441,11 +441,14 @@ def open_index_part(part: Path):
     import pyarrow.parquet as pq
 
     m = PART_RE.match(part.name)
+    # A consolidated part is named with its checksum too: checked like any part's (a flip in its footer, or
+    # in a column a step does not decode, would otherwise pass: Parquet's footer has no checksum).
+    digest = m.group(3) if m is not None else (c.group(4) if (c := COMPACT_RE.match(part.name)) else None)
     try:
         data = read_whole(part)
     except OSError as e:
         raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
-    if m is not None and m.group(3) is not None and xxh3(data) != m.group(3):
+    if digest is not None and xxh3(data) != digest:
         raise DamagedFile(
             f"index part {part} is damaged: its bytes do not match the checksum in its name. {_redo_hint(part)}"
         )
