@@ -15,9 +15,17 @@ from typer.testing import CliRunner
 from _selftest import RUN_CONFIG, compare_caches, run
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
+from vlfast.extraction.store import integrity
 from vlfast.extraction.store.backend import LocalBackend
 from vlfast.extraction.store.compact import compact_rank
-from vlfast.extraction.store.format import COMPACT_RE, PART_RE, OutputFull, committed_parts, read_run_file
+from vlfast.extraction.store.format import (
+    COMPACT_RE,
+    PART_RE,
+    DamagedFile,
+    OutputFull,
+    committed_parts,
+    read_run_file,
+)
 from vlfast.extraction.store.writer import FeatureStore
 
 N = 120  # with shards of 6: about 20 parts
@@ -140,6 +148,24 @@ def test_damaged_consolidated_part_is_rebuilt_from_the_parts_it_replaced(tmp_pat
     assert compare_caches(ref, raw) == []
 
 
+def test_a_consolidated_part_is_checked_against_the_checksum_in_its_name(tmp_path):
+    """Its name carries the xxh3 of its bytes, as a small part's does; it was never compared. A flip in its
+    footer (Parquet keeps no checksum there), here in the list of parts it supersedes, left the part
+    readable and wrong; now every reader names it damaged, and a resume rebuilds it."""
+    out, ref = _out(tmp_path), _out(tmp_path, "ref")
+    (part,) = [out / "index" / n for n in _names(out, COMPACT_RE)]
+    data = bytearray(part.read_bytes())
+    at = data.rindex(b"part-r00000-000001") + len("part-r00000-00000")
+    data[at : at + 1] = b"9"  # still valid JSON, still a part name
+    part.write_bytes(bytes(data))
+    with pytest.raises(DamagedFile, match="do not match the checksum in its name"):
+        FeatureCache(out)
+    assert not integrity.check_part(part, data=False).ok
+    with pytest.warns(UserWarning, match="moved to"):
+        run(str(out), N, shard_max_samples=6)
+    assert compare_caches(ref, out) == [] and FeatureCache(out).check().ok
+
+
 def test_damaged_consolidated_part_after_the_deletions_redoes_its_samples(tmp_path):
     out, ref = _out(tmp_path), _out(tmp_path, "ref")
     (part,) = [out / "index" / n for n in _names(out, COMPACT_RE)]
@@ -163,6 +189,36 @@ def test_damaged_shard_under_a_consolidated_part_costs_that_shard_only(tmp_path)
         redone = run(str(out), N, shard_max_samples=6)
     assert 0 < redone <= 6
     assert compare_caches(ref, out) == [] and FeatureCache(out).check().ok
+
+
+def test_a_full_check_decodes_a_consolidated_part_a_row_group_at_a_time(tmp_path, monkeypatch):
+    """A full check (and a resume's --resume-check full) hashes every tensor against the entries of its
+    index row: those are decoded a row group at a time as each shard's check asks for them, never the whole
+    part (at ten million samples that was 1-3 GiB). Shards whose rows straddle row groups are judged right:
+    a flipped byte in one of them is named, with its sample, and the others pass."""
+    import vlfast.extraction.store.compact as compact
+
+    monkeypatch.setattr(compact, "_ROW_GROUP", 7)
+    out = tmp_path / "out"
+    run(str(out), N, shard_max_samples=5)
+    (part,) = _names(out, COMPACT_RE)
+    decoded = []
+    real = integrity.read_part_groups
+    monkeypatch.setattr(
+        integrity, "read_part_groups", lambda f, p, g, c=None: decoded.append((g, c)) or real(f, p, g, c)
+    )
+    check = integrity.check_part(out / "index" / part, data=True)
+    assert check.ok and check.checked_bytes > 0
+    groups = [g[0] for g, c in decoded if c == ["features"]]
+    assert groups == sorted(set(groups)) and len(groups) > 10  # each row group once, one at a time
+    assert (None, ["id", "shard"]) in decoded
+
+    cache = FeatureCache(out)
+    sample = cache.ids()[len(cache) // 2]
+    entry = cache.info(sample)["features"][0]
+    _flip(out / cache.info(sample)["shard"], entry["offset"])
+    check = integrity.check_part(out / "index" / part, data=True)
+    assert (sample, entry["name"]) in check.bad and list(check.bad_shards) == [cache.info(sample)["shard"]]
 
 
 def test_full_disk_while_compacting_leaves_the_folder_as_it_was(tmp_path, monkeypatch):

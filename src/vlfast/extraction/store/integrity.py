@@ -28,6 +28,7 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -56,11 +57,12 @@ from vlfast.extraction.store.format import (
     gc_paused,
     is_consolidated,
     is_local,
+    open_index_part,
     part_meta,
     part_shards,
     read_error_file,
     read_header,
-    read_index_part,
+    read_part_groups,
     read_run_file,
     resolve_out,
     shard_of_part,
@@ -213,8 +215,10 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
     consolidated = is_consolidated(part)
     shard = part if consolidated else shard_of_part(part)
     try:
-        # A quick check reads a shard's rows only where its header has no recorded checksum (format 1).
-        table = read_index_part(part, None if data else ["id", "shard"])
+        # The ids and shards now; the feature entries a shard's rows at a time when its check reads them
+        # (a full check; a quick one only where a header has no recorded checksum, format 1).
+        file = open_index_part(part)
+        table = read_part_groups(file, part, None, ["id", "shard"])
     except DamagedFile as e:
         return PartCheck(part, shard, [] if consolidated else _header_ids(shard), problem=str(e))
     meta = part_meta(table)
@@ -236,7 +240,7 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
         what = "the shards its metadata lists" if consolidated else f"its own shard {shard.name}"
         check.problem = f"index part {part.name} points at {stray}, not at {what}"
         return check
-    features = _Column(table, part, "features")
+    features = _Entries(file, part)
     out = part.parent.parent
     listed = _listed_sizes(out, len(expected))
 
@@ -250,7 +254,7 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
             # One shard's rows at a time as Python objects, and only when they are read: a consolidated
             # part's whole column at once costs a million dicts per million samples.
             lambda: _rows(ids.array, keep),
-            lambda: _rows(features, keep),
+            lambda: features.rows(keep),
             size,
             header_hash,
             data,
@@ -304,18 +308,44 @@ def _listed_sizes(out: Any, shards: int) -> dict[str, int]:
     }
 
 
-class _Column:
-    """A column of ``table``, read from ``part`` again on first use when ``table`` was read without it."""
+class _Entries:
+    """The feature entries of an opened index part's rows, decoded a row group at a time as a shard's
+    check asks for them (a consolidated part of millions of rows is never decoded whole); the last few row
+    groups are kept, since a shard's rows are consecutive and shards are checked in order."""
 
-    def __init__(self, table: Any, part: Path, name: str):
-        self._table, self._part, self._name = table, part, name
-        self._lock = threading.Lock()  # shards may be checked in threads: the part is read once
+    KEEP = 4  # row groups decoded and kept (shards checked in threads on object storage touch a few)
 
-    def __getattr__(self, attr: str) -> Any:
+    def __init__(self, file: Any, part: Path):
+        meta = file.metadata
+        self._file, self._part = file, part
+        self._starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+        self._groups: OrderedDict[int, Any] = OrderedDict()
+        self._lock = threading.Lock()  # shards may be checked in threads
+
+    def _group(self, g: int) -> Any:
         with self._lock:
-            if self._name not in self._table.column_names:
-                self._table = read_index_part(self._part)
-        return getattr(self._table.column(self._name), attr)
+            column = self._groups.get(g)
+            if column is None:
+                column = (
+                    read_part_groups(self._file, self._part, [g], ["features"]).column(0).combine_chunks()
+                )
+                self._groups[g] = column
+                if len(self._groups) > self.KEEP:
+                    self._groups.popitem(last=False)
+            else:
+                self._groups.move_to_end(g)
+            return column
+
+    def rows(self, keep: np.ndarray) -> list:
+        """The entries of rows ``keep`` (ascending) as Python objects."""
+        out: list = []
+        if len(keep) == 0:
+            return out
+        groups = np.searchsorted(self._starts, keep, side="right") - 1
+        for g in np.unique(groups).tolist():
+            local = keep[groups == g] - self._starts[g]
+            out += _rows(self._group(g), local)
+        return out
 
 
 def _rows_by_shard(shards: pa.Array) -> dict[str, np.ndarray]:
