@@ -114,8 +114,9 @@ def commit_consolidated(out: Path, backend: Any, data: Any, span: tuple[int, int
     payload = view if is_local(out) else bytes(view)  # a local write takes the buffer as it is
     with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
         backend.write(part, payload, tag, exclusive=True)  # <- the commit
-    # Read back against its name (every byte) before anything it supersedes is deleted; its ids decoded.
-    read_index_part(part, ["id"])
+    # Read back against its name (every byte) before anything it supersedes is deleted. Nothing more is
+    # decoded: the name's xxh3 covers every byte (decoding its ids was 220 MB more at ten million samples).
+    open_index_part(part)
     return part
 
 
@@ -143,7 +144,7 @@ def finish_deletions(out: Path, backend: Any, rank: int) -> int:
         if not present:
             continue
         try:
-            read_index_part(index / name)
+            open_index_part(index / name)  # every byte against the checksum in its name; nothing decoded
         except DamagedFile:
             continue
         doomed.update(present)
