@@ -77,7 +77,6 @@ class FeatureCache(torch.utils.data.Dataset):
         ``verify`` hashes every tensor read and raises :class:`DamagedFile` naming it if it does not match.
         ``out`` may be an fsspec URL (``s3://bucket/out``), opened with ``storage_options``; its samples
         are then read by byte range, one request per tensor."""
-
         self.out = resolve_out(out, storage_options)
         if isinstance(features, str):
             features = [features]
@@ -255,7 +254,8 @@ class FeatureCache(torch.utils.data.Dataset):
 
     def _header(self, k: int, sample_id: str) -> tuple[int, dict]:
         """Shard ``k``'s data start and parsed header, checked as a read checks them (size, configuration,
-        the header's bytes against the recorded checksum, the row's id); the last few kept."""
+        the header's bytes against the checksum its part recorded, which pins the ids and offsets the part's
+        rows were made from); the last few kept."""
         got = self._headers.get(k)
         if got is not None:
             self._headers.move_to_end(k)
@@ -268,12 +268,7 @@ class FeatureCache(torch.utils.data.Dataset):
             with open(path, "rb") as f:
                 data_start, raw, header = read_header(f, os.fstat(f.fileno()).st_size)
             got = (data_start, header)
-        expected = self._expected_header[k]
-        if expected is not None and xxh3(raw) != expected:
-            raise DamagedFile(
-                f"{path} is not the shard its index part was written with (its header fails the recorded "
-                f"checksum: replaced or damaged): sample {sample_id!r} cannot be read. {REDO_HINT}"
-            )
+        self._check_header(k, h, raw, sample_id)  # these bytes, not only those the open checked
         self._headers[k] = got
         if len(self._headers) > _MAX_OPEN_SHARDS:
             self._headers.popitem(last=False)
