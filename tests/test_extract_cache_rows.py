@@ -5,6 +5,8 @@ header by ``info``. Everything it answers must equal the index rows themselves."
 from __future__ import annotations
 
 import json
+import pickle
+import random
 from pathlib import Path
 
 import pyarrow as pa
@@ -13,9 +15,10 @@ import pytest
 import torch
 
 from vlfast.extraction import FeatureCache, FeatureStore
+from vlfast.extraction.store import reader
 from vlfast.extraction.store.compact import compact_folder
 from vlfast.extraction.store.format import DamagedFile
-from vlfast.extraction.store.reader import _Given, _hex64, _Same
+from vlfast.extraction.store.reader import _Given, _hex64, _PackedText, _Same
 
 CFG = {"model": "m", "dtype": "bfloat16"}
 
@@ -137,3 +140,50 @@ def test_rows_of_other_shapes_are_kept_as_given():
         [[entry], None],  # a null row
     ):
         assert _Same.of(pa.array(rows, schema)) is None, rows
+
+
+def test_packed_text_answers_every_row_as_given(monkeypatch):
+    """The compressed meta (blocks of 7 rows here) against the strings themselves: chunks of any size,
+    sliced and chunked columns, nulls, empty and non-ASCII text, read in any order and after pickling (a
+    DataLoader worker's copy)."""
+    monkeypatch.setattr(reader, "_TEXT_BLOCK", 7)
+    rng = random.Random(0)
+    alphabet = 'ab{}"é\\\u2603'
+    values = [
+        None if rng.random() < 0.1 else "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 9)))
+        for _ in range(300)
+    ]
+    text, i = _PackedText(), 0
+    while i < len(values):
+        k = rng.randrange(0, 20)
+        column = pa.array(values[i : i + k], pa.string())
+        i += k
+        if k > 2 and rng.random() < 0.5:
+            column = pa.chunked_array([column.slice(0, 1), column.slice(1)])
+        elif k > 2 and rng.random() < 0.5:
+            column = pa.array(["x", *values[i - k : i]], pa.large_string()).slice(
+                1
+            )  # another type, an offset
+        text.append(column)
+    text.finish()
+    assert len(text) == len(values) and len(text._blocks) == -(-len(values) // 7)
+    order = list(range(len(values)))
+    rng.shuffle(order)
+    assert [text[j] for j in order] == [values[j] for j in order]
+    assert [pickle.loads(pickle.dumps(text))[j] for j in range(len(values))] == values
+
+
+def test_meta_read_across_compressed_blocks_equals_the_index(tmp_path, monkeypatch):
+    """A FeatureCache whose meta spans many compressed blocks (13 rows each) and parts answers every
+    sample's meta as its index row has it, in index order and by id, before and after compaction."""
+    monkeypatch.setattr(reader, "_TEXT_BLOCK", 13)
+    _write(tmp_path / "a", 200, 9)
+    cache = _check_against_index(tmp_path / "a")
+    assert len(cache._rows.meta._blocks) == -(-200 // 13)
+    assert [cache.meta(i)["k"] for i in range(len(cache))] == [int(sid[1:]) for sid in cache.ids()]
+    compact_folder(tmp_path / "a")
+    cache = _check_against_index(tmp_path / "a")
+    # an index part without a meta column (read as nulls): no meta is an empty dict, not an error
+    cache._rows.meta = _PackedText()
+    cache._rows.meta.append(pa.nulls(len(cache), pa.string()))
+    assert cache._rows.meta.finish() is cache._rows.meta and cache.meta(5) == {}

@@ -214,7 +214,8 @@ class FeatureCache(torch.utils.data.Dataset):
     # -- metadata ------------------------------------------------------------------------------------
 
     def meta(self, sample_id: int | str) -> dict:
-        return json.loads(self._rows.meta[self._stored(self._index(sample_id))].as_py())
+        text = self._rows.meta[self._stored(self._index(sample_id))]
+        return {} if text is None else json.loads(text)
 
     def info(self, sample_id: int | str) -> dict:
         """The sample's index row: shard, row, and per feature dtype, shape, byte offset, size and checksum.
@@ -471,13 +472,15 @@ class _RangeShard:
 # ----------------------------------------------------------------------------------------------------
 # what FeatureCache keeps of its index rows
 
-_COALESCE = 1 << 16  # rows of ids or meta gathered into one chunk (parts of a thousand rows are not one each)
+_COALESCE = 1 << 16  # rows of ids gathered into one chunk (parts of a thousand rows are not one each)
+_TEXT_BLOCK = 1024  # rows of meta compressed together: a row read at random decompresses its block (~0.05 ms)
 
 
 class _Rows:
     """What :class:`FeatureCache` keeps of its index rows, taken in a row group at a time (the peak of
-    opening is one decoded row group above what is kept, not the whole index): the ids and the meta
-    strings as Arrow chunks of at least 65,536 rows, each row's shard number and row as int32, and each
+    opening is one decoded row group above what is kept, not the whole index): the ids as Arrow chunks of
+    at least 65,536 rows, the meta strings compressed (:class:`_PackedText`), each row's shard number and
+    row as int32, and each
     row's feature names and checksums. A row group whose rows all name the same features with a 16-digit
     checksum each (every vlfast run's) keeps one tuple of names and a uint64 per entry (8 bytes a feature
     where Parquet's list of structs decodes to about 80); another keeps its entries as Parquet gave them."""
@@ -485,7 +488,7 @@ class _Rows:
     def __init__(self) -> None:
         import pyarrow as pa
 
-        self._ids, self._meta = _Chunks(pa.large_string()), _Chunks(pa.string())
+        self._ids, self._meta = _Chunks(pa.large_string()), _PackedText()
         self._shards: list[Any] = []
         self._rows: list[Any] = []
         self._shard_number: dict[str, int] = {}  # in the order first seen
@@ -570,6 +573,95 @@ class _Chunks:
 
         self._flush()
         return pa.chunked_array(self.done, self.type)
+
+
+class _PackedText:
+    """Strings (the index's meta: JSON that repeats its keys row after row) kept zstd-compressed in blocks of
+    :data:`_TEXT_BLOCK` rows, each block's text and its rows' lengths. The scale benchmark's meta is held at
+    a 50th of its Arrow size; a row read at random decompresses its block (about 0.05 ms), and the last
+    block read is kept for the next row, so reading in order costs what it did. ``text[i]`` -> str, or None
+    (null)."""
+
+    def __init__(self) -> None:
+        self._blocks: list[tuple[int, int, bytes, bytes, Any]] = []  # rows, text size, text, lengths, nulls
+        self._pending: list[Any] = []
+        self._held = 0
+        self._n = 0
+        self._last: tuple[int, bytes, Any, Any] | None = None  # block, its text, offsets, nulls
+
+    def __len__(self) -> int:
+        return self._n
+
+    def append(self, column: Any) -> None:
+        import pyarrow as pa
+
+        for chunk in column.chunks if isinstance(column, pa.ChunkedArray) else [column]:
+            self._pending.append(chunk if chunk.type == pa.string() else chunk.cast(pa.string()))
+            self._held += len(chunk)
+        if self._held >= _TEXT_BLOCK:
+            self._pack(final=False)
+
+    def finish(self) -> _PackedText:
+        self._pack(final=True)
+        return self
+
+    def _pack(self, final: bool) -> None:
+        import pyarrow as pa
+
+        if not self._pending:
+            return
+        whole = pa.concat_arrays(self._pending) if len(self._pending) > 1 else self._pending[0]
+        start = 0
+        while len(whole) - start >= _TEXT_BLOCK or (final and start < len(whole)):
+            block = whole.slice(start, _TEXT_BLOCK)
+            self._blocks.append(_compress_block(block))
+            self._n += len(block)
+            start += len(block)
+        self._pending = [whole.slice(start)] if start < len(whole) else []
+        self._held = len(whole) - start
+
+    def __getitem__(self, i: int) -> str | None:
+        b, j = divmod(i, _TEXT_BLOCK)
+        if self._last is None or self._last[0] != b:
+            self._last = (b, *_decompress_block(self._blocks[b]))
+        _, text, offsets, nulls = self._last
+        if nulls is not None and nulls[j]:
+            return None
+        return text[offsets[j] : offsets[j + 1]].decode("utf-8")
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_last": None}
+
+
+def _codec() -> Any:
+    import pyarrow as pa
+
+    return pa.Codec("zstd", compression_level=1)
+
+
+def _compress_block(block: Any) -> tuple[int, int, bytes, bytes, Any]:
+    """A string array of one block: its row count, text size, compressed text and lengths, null mask."""
+    import numpy as np
+
+    n = len(block)
+    buffers = block.buffers()
+    offsets = np.frombuffer(buffers[1], np.int32, n + 1, block.offset * 4)
+    start, end = int(offsets[0]), int(offsets[-1])
+    lengths = np.diff(offsets).astype(np.int32)
+    nulls = block.is_null().to_numpy(zero_copy_only=False) if block.null_count else None
+    codec = _codec()
+    text = codec.compress(buffers[2].slice(start, end - start), asbytes=True) if end > start else b""
+    return n, end - start, text, codec.compress(lengths.tobytes(), asbytes=True), nulls
+
+
+def _decompress_block(block: tuple[int, int, bytes, bytes, Any]) -> tuple[bytes, Any, Any]:
+    import numpy as np
+
+    n, size, text, lengths, nulls = block
+    codec = _codec()
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(np.frombuffer(codec.decompress(lengths, 4 * n, asbytes=True), np.int32), out=offsets[1:])
+    return (codec.decompress(text, size, asbytes=True) if size else b""), offsets, nulls
 
 
 class _Given:
