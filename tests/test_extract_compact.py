@@ -4,7 +4,6 @@ full disk while compacting leaves the folder as it was; on object storage the sa
 
 from __future__ import annotations
 
-import errno
 import json
 import warnings
 from pathlib import Path
@@ -221,20 +220,22 @@ def test_a_full_check_decodes_a_consolidated_part_a_row_group_at_a_time(tmp_path
     assert (sample, entry["name"]) in check.bad and list(check.bad_shards) == [cache.info(sample)["shard"]]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="writes to /dev/full to fill the disk")
 def test_full_disk_while_compacting_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    """The consolidated part is written to a staged file first: a disk full there (its writes go to
+    /dev/full, which answers ENOSPC as a full disk does) is OutputFull, exit 4 from the command, and the
+    folder is left as it was, its staging folder gone."""
     raw, ref = _uncompacted(tmp_path), _uncompacted(tmp_path, "ref")
     before = sorted(p.name for p in (raw / "index").iterdir())
-    real = LocalBackend.write
+    real = LocalBackend.stage
 
-    def full(self, path, data, tag, *, exclusive=False):
-        if COMPACT_RE.match(path.name):
-            tmp = path.parent / f".tmp-{tag}-{path.name}"
-            tmp.write_bytes(data[: len(data) // 2])  # a partial write, then the disk is full
-            tmp.unlink()
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, path, data, tag, exclusive=exclusive)
+    def full(self, path, tag):
+        staged = real(self, path, tag)
+        if path.parent.name == "index":
+            staged.symlink_to("/dev/full")
+        return staged
 
-    monkeypatch.setattr(LocalBackend, "write", full)
+    monkeypatch.setattr(LocalBackend, "stage", full)
     with pytest.raises(OutputFull, match="compacting the index of rank 0"):
         compact_rank(raw, 0, LocalBackend(raw, "s"))
     r = CliRunner().invoke(app, ["extract", "--compact", str(raw)])
@@ -273,11 +274,20 @@ def test_object_storage_commits_before_it_deletes(tmp_path, monkeypatch):
                     feats = fake_features(sid)
                     store.add(sid, feats, {"path": f"videos/{sid}.mp4", "n_tokens": feats["tokens"].shape[0]})
         events: list[str] = []
-        real_write, real_remove = ObjectBackend.write, ObjectBackend.remove
+        real_write, real_commit, real_remove = (
+            ObjectBackend.write,
+            ObjectBackend.commit_file,
+            ObjectBackend.remove,
+        )
         monkeypatch.setattr(
             ObjectBackend,
             "write",
             lambda self, p, *a, **k: (events.append(f"put {p.name}"), real_write(self, p, *a, **k))[1],
+        )
+        monkeypatch.setattr(  # a consolidated part is streamed up from its staged file
+            ObjectBackend,
+            "commit_file",
+            lambda self, staged, p: (events.append(f"put {p.name}"), real_commit(self, staged, p))[1],
         )
         monkeypatch.setattr(
             ObjectBackend,

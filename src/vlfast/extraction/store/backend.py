@@ -391,6 +391,14 @@ class LocalBackend:
     def sync(self, f: Any) -> None:
         os.fsync(f.fileno())
 
+    def commit_file(self, staged: Path, path: Path) -> None:
+        """Give the staged file (:meth:`stage`) the name ``path``, whole or not at all: fsync, rename, fsync
+        of the folder (a rename replaces: a same-named index part has the same bytes)."""
+        with open(staged, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(staged, path)
+        fsync_dir(path.parent)
+
     def publish(self, staged: Path, shard: Path, next_name: Callable[[], Path]) -> Path:
         """Give the staged shard its final name (a rename, then an fsync of the folder)."""
         os.replace(staged, shard)
@@ -521,6 +529,11 @@ class ObjectBackend:
 
     def sync(self, f: Any) -> None:
         pass  # the upload reads the file back; nothing on this disk needs to survive a crash
+
+    def commit_file(self, staged: Path, path: Any) -> None:
+        """Stream the staged file (:meth:`stage`) up to ``path`` in one exclusive create (FileExistsError
+        if it exists)."""
+        put_object(path, staged, exclusive=True)
 
     def publish(self, staged: Path, shard: Any, next_name: Callable[[], Any]) -> Any:
         """Upload the staged shard in one exclusive create, taking the next name (``next_name``) while the

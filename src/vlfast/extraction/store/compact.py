@@ -22,7 +22,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,6 @@ from vlfast.extraction.store.format import (
     consolidated_info,
     gc_paused,
     index_schema,
-    is_local,
     list_names,
     map_parts,
     open_index_part,
@@ -59,7 +58,6 @@ from vlfast.extraction.store.format import (
     read_run_file,
     resolve_out,
     stable_config,
-    xxh3,
 )
 
 __all__ = [
@@ -95,29 +93,51 @@ def write_consolidated(
 ) -> Path:
     """Commit ``table`` (the index schema) as the consolidated part of ``span`` (rank, first, last) with the
     key-value metadata ``meta``: named with its own xxh3, written whole or not at all, exclusively."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    sink = pa.BufferOutputStream()
     table = _conform(table, index_schema())  # the shard column may have been read as a dictionary
-    pq.write_table(table.replace_schema_metadata(meta), sink, write_page_checksum=True)
-    return commit_consolidated(out, backend, sink.getvalue(), span, tag)
+    with _staged(out, backend, tag) as staged:
+        pq.write_table(table.replace_schema_metadata(meta), staged, write_page_checksum=True)
+        return commit_consolidated(out, backend, staged, span, tag)
 
 
-def commit_consolidated(out: Path, backend: Any, data: Any, span: tuple[int, int, int], tag: str) -> Path:
-    """Commit the Parquet bytes ``data`` (a buffer) as the consolidated part of ``span``: named with their
-    own xxh3, written whole or not at all, exclusively. run.json says format 3 first, so a vlfast too old to
-    know consolidated parts refuses the folder instead of taking their shards for orphans."""
+@contextlib.contextmanager
+def _staged(out: Any, backend: Any, tag: str) -> Iterator[Path]:
+    """A local file to write a consolidated part into before its commit (the backend's staging: beside the
+    index locally, in a temp folder for object storage), removed afterwards unless committed."""
+    staged = backend.stage(out / INDEX_DIR / "consolidated.parquet", tag)
+    try:
+        yield staged
+    finally:
+        backend.unstage(staged)
+
+
+def commit_consolidated(out: Any, backend: Any, staged: Path, span: tuple[int, int, int], tag: str) -> Path:
+    """Commit the Parquet file ``staged`` (written by :func:`_staged`) as the consolidated part of ``span``:
+    named with its own xxh3, written whole or not at all, exclusively. The file is hashed as it is read, and
+    moved (locally) or streamed up (object storage): its bytes are never held in memory (140 MB at ten million
+    samples, twice on object storage before). run.json says format 3 first, so a vlfast too old to know
+    consolidated parts refuses the folder instead of taking their shards for orphans."""
     _require_format_3(out, backend, tag)
-    view = memoryview(data)
-    part = out / INDEX_DIR / compact_part_name(*span, xxh3(view))
-    payload = view if is_local(out) else bytes(view)  # a local write takes the buffer as it is
+    part = out / INDEX_DIR / compact_part_name(*span, _file_xxh3(staged))
     with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
-        backend.write(part, payload, tag, exclusive=True)  # <- the commit
+        backend.commit_file(staged, part)  # <- the commit
     # Read back against its name (every byte) before anything it supersedes is deleted. Nothing more is
     # decoded: the name's xxh3 covers every byte (decoding its ids was 220 MB more at ten million samples).
     open_index_part(part)
     return part
+
+
+def _file_xxh3(path: Path) -> str:
+    """xxh3-64 of a local file's bytes (as :func:`~vlfast.extraction.store.format.xxh3` of them), read 8 MiB at
+    a time."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _require_format_3(out: Path, backend: Any, tag: str) -> None:
@@ -184,18 +204,16 @@ class _Stream:
         self.supersedes += [part.name, *meta["supersedes"]]
         self.used.append(part)
 
-    def write(self, out: Any, meta: dict[bytes, bytes]) -> Any:
-        """The consolidated file's bytes, with ``meta`` as its key-value metadata. A part used that cannot
+    def write(self, out: Any, meta: dict[bytes, bytes], dest: Path) -> None:
+        """Write the consolidated file to ``dest``, with ``meta`` as its key-value metadata. A part used that cannot
         be read now (it was a moment ago, under this rank's lock) raises DamagedFile, and compaction leaves
         the parts as they are for the next check to judge."""
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         schema = index_schema()
-        sink = pa.BufferOutputStream()
         pending: list = []
         held = 0
-        with pq.ParquetWriter(sink, schema.with_metadata(meta), write_page_checksum=True) as writer:
+        with pq.ParquetWriter(dest, schema.with_metadata(meta), write_page_checksum=True) as writer:
             # A part's row groups one at a time: the consolidated part of an earlier run (millions of rows)
             # is never decoded whole.
             for part, file in zip(self.used, map_parts(out, open_index_part, self.used)):
@@ -208,7 +226,6 @@ class _Stream:
                         pending, held = [], 0
             if pending:
                 self._flush(writer, pending, held)
-        return sink.getvalue()
 
     def _flush(self, writer: Any, pending: list, held: int) -> None:
         import pyarrow as pa
@@ -267,12 +284,13 @@ def compact_rank(
             META_SHARDS: canonical_json(dict(sorted(stream.shards.items()))).encode("utf-8"),
             META_SUPERSEDES: canonical_json(sorted(set(stream.supersedes))).encode("utf-8"),
         }
-        try:
-            data = stream.write(out, meta)
-        except DamagedFile:
-            return result
         span = (rank, min(s[1] for s in spans), max(s[2] for s in spans))
-        part = commit_consolidated(out, backend, data, span, tag)
+        with _staged(out, backend, tag) as staged:
+            try:
+                stream.write(out, meta, staged)
+            except DamagedFile:
+                return result
+            part = commit_consolidated(out, backend, staged, span, tag)
         # Only now, with the consolidated part committed and read back, go the parts it replaces.
         backend.remove([p for p in used if p.name != part.name])
         result.deleted += finish_deletions(out, backend, rank)
