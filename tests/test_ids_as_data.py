@@ -210,3 +210,17 @@ def test_owned_from_an_arrow_column_gives_each_ids_owner():
             assert owned(ids, rank, world_size).tolist() == want
             encoded = ArrowStrings(pa.array(ids).dictionary_encode())
             assert owned(encoded, rank, world_size).tolist() == want
+
+
+def test_ids_added_one_by_one_stay_a_64th_of_the_set(monkeypatch):
+    """A writer adds each committed id on its own: they wait in a ``set`` of ``str`` (about 90 bytes an id)
+    only until they are a 64th of the set (at least ``_MIN_MERGE``), then are merged into the arrays."""
+    monkeypatch.setattr(IdSet, "_MIN_MERGE", 16)
+    s = IdSet(pa.array([f"old-{k:05d}" for k in range(6400)]))
+    largest = 0
+    for k in range(2000):
+        s.update(f"new-{k:05d}-{j}" for j in range(2))  # a generator: the ids go through add, one by one
+        largest = max(largest, len(s._recent))
+        assert len(s._recent) < max(16, (len(s) - len(s._recent)) // 64) + 2
+    assert largest >= 100  # the bound grew with the set (6400 / 64), not stuck at the minimum
+    assert len(s) == 6400 + 4000 and "new-01999-1" in s and "old-00000" in s and "new-2000-0" not in s
