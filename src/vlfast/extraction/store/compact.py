@@ -53,7 +53,6 @@ from vlfast.extraction.store.format import (
     part_meta,
     part_shards,
     part_span,
-    read_index_part,
     read_part_groups,
     read_run_file,
     resolve_out,
@@ -193,7 +192,7 @@ class _Stream:
         self.used: list[Path] = []
 
     def gather(self, part: Path, table: Any | None) -> None:
-        """Take in ``part`` (``table``: its ids as :func:`_ids_or_none` read them, None if damaged)."""
+        """Take in ``part`` (``table``: its schema as :func:`_schema_or_none` read it, None if damaged)."""
         if table is None:
             return
         meta = part_meta(table)
@@ -234,9 +233,12 @@ class _Stream:
         self.rows += held
 
 
-def _ids_or_none(part: Path) -> Any:
+def _schema_or_none(part: Path) -> Any:
+    """``part``'s schema and key-value metadata (an empty table) once its bytes pass the checksum in its name,
+    or None if they do not. Nothing is decoded: the ids of a consolidated part of ten million rows were
+    decoded here only to be dropped (about 220 MB at a writer's close)."""
     try:
-        return read_index_part(part, ["id"])
+        return open_index_part(part).schema_arrow.empty_table()
     except DamagedFile:
         return None
 
@@ -271,7 +273,7 @@ def compact_rank(
             return result
         run = read_run_file(out)
         stream = _Stream(config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", []))))
-        for part, table in zip(candidates, map_parts(out, _ids_or_none, candidates)):
+        for part, table in zip(candidates, map_parts(out, _schema_or_none, candidates)):
             stream.gather(part, table)
         used = stream.used
         if len(used) < max(2, min_parts) or stream.config is None:
