@@ -128,8 +128,8 @@ def commit_consolidated(out: Any, backend: Any, staged: Path, span: tuple[int, i
 
 
 def _file_xxh3(path: Path) -> str:
-    """xxh3-64 of a local file's bytes (as :func:`~vlfast.extraction.store.format.xxh3` of them), read 8 MiB at
-    a time."""
+    """xxh3-64 of a local file's bytes (as :func:`~vlfast.extraction.store.format.xxh3` of them), read 8 MiB
+    at a time."""
     import xxhash
 
     h = xxhash.xxh3_64()
@@ -179,9 +179,9 @@ class _Stream:
     """The rows of a rank's sound live parts, written into one Parquet file one row group at a time: memory
     holds one row group, not the rank's whole index. Two passes, since the file's key-value metadata is
     given when its writer opens (pyarrow 15, the declared floor, cannot add it later): :meth:`gather`
-    reads each part's ids and metadata (shards, names superseded, configuration, parts used; a damaged
+    takes each part's footer metadata (shards, names superseded, configuration, parts used; a damaged
     part, one of another configuration or one without a configuration, format 1, stays as it is), then
-    :meth:`write` reads the parts used again, whole, and streams their rows."""
+    :meth:`write` reads the parts used again and streams their rows into a staged file."""
 
     def __init__(self, expected: str):
         self.expected = expected
@@ -204,9 +204,9 @@ class _Stream:
         self.used.append(part)
 
     def write(self, out: Any, meta: dict[bytes, bytes], dest: Path) -> None:
-        """Write the consolidated file to ``dest``, with ``meta`` as its key-value metadata. A part used that cannot
-        be read now (it was a moment ago, under this rank's lock) raises DamagedFile, and compaction leaves
-        the parts as they are for the next check to judge."""
+        """Write the consolidated file to ``dest``, with ``meta`` as its key-value metadata. A part used that
+        cannot be read now (it was a moment ago, under this rank's lock) raises DamagedFile, and compaction
+        leaves the parts as they are for the next check to judge."""
         import pyarrow.parquet as pq
 
         schema = index_schema()
