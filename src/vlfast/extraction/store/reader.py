@@ -553,11 +553,9 @@ class _Chunks:
         self.type, self.done, self.pending, self.held = type_, [], [], 0
 
     def append(self, column: Any) -> None:
-        import pyarrow as pa
-
-        for chunk in column.chunks if isinstance(column, pa.ChunkedArray) else [column]:
-            self.pending.append(chunk if chunk.type == self.type else chunk.cast(self.type))
-            self.held += len(chunk)
+        chunks = _chunks_as(column, self.type)
+        self.pending += chunks
+        self.held += sum(map(len, chunks))
         if self.held >= _COALESCE:
             self._flush()
 
@@ -573,6 +571,14 @@ class _Chunks:
 
         self._flush()
         return pa.chunked_array(self.done, self.type)
+
+
+def _chunks_as(column: Any, type_: Any) -> list:
+    """The chunks of ``column`` (an Array is one chunk), each cast to ``type_`` where it is another type."""
+    import pyarrow as pa
+
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    return [c if c.type == type_ else c.cast(type_) for c in chunks]
 
 
 class _PackedText:
@@ -595,9 +601,9 @@ class _PackedText:
     def append(self, column: Any) -> None:
         import pyarrow as pa
 
-        for chunk in column.chunks if isinstance(column, pa.ChunkedArray) else [column]:
-            self._pending.append(chunk if chunk.type == pa.string() else chunk.cast(pa.string()))
-            self._held += len(chunk)
+        chunks = _chunks_as(column, pa.string())
+        self._pending += chunks
+        self._held += sum(map(len, chunks))
         if self._held >= _TEXT_BLOCK:
             self._pack(final=False)
 
