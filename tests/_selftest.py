@@ -112,6 +112,16 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def _how(x: torch.Tensor, y: torch.Tensor, name: str, ca) -> str:
+    """How two tensors of one shape differ: how many elements, by how much, and whether ``y`` is exactly
+    another sample's ``name`` in ``ca`` (a row served for the wrong id, not arithmetic)."""
+    fx, fy = x.float(), y.float()
+    unequal = (fx != fy) & ~(fx.isnan() & fy.isnan())
+    said = f"{int(unequal.sum())}/{x.numel()} elements, max |diff| {float((fx - fy).abs().nan_to_num().max()):.3g}"
+    same_as = [sid for sid in ca.ids() if name in ca[sid] and _bytes(ca[sid][name]) == _bytes(y)]
+    return said + (f"; equals {same_as[:3]} of the first" if same_as else "")
+
+
 def compare_caches(a: str | os.PathLike, b: str | os.PathLike) -> list[str]:
     """Differences between two extraction folders, per sample: ids, and for each id every feature's dtype,
     shape and bytes, and its meta; then the error records (ignoring time and rank). Empty means equal.
@@ -135,10 +145,10 @@ def compare_caches(a: str | os.PathLike, b: str | os.PathLike) -> list[str]:
             continue
         for name in fa:
             x, y = fa[name], fb[name]
-            if x.dtype != y.dtype or x.shape != y.shape or _bytes(x) != _bytes(y):
-                diffs.append(
-                    f"{sid}/{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)} or bytes differ"
-                )
+            if x.dtype != y.dtype or x.shape != y.shape:
+                diffs.append(f"{sid}/{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
+            elif _bytes(x) != _bytes(y):
+                diffs.append(f"{sid}/{name}: {x.dtype}{tuple(x.shape)}, bytes differ; {_how(x, y, name, ca)}")
         if ca.meta(sid) != cb.meta(sid):
             diffs.append(f"{sid}: meta {ca.meta(sid)} vs {cb.meta(sid)}")
 

@@ -106,3 +106,59 @@ def test_an_api_caller_without_it_is_told(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         LocalEngine().configure(config)
+
+
+# ------------------------------------------------------------------ MKL's vector math, set up on one thread
+
+
+def test_settle_vector_math_calls_each_function_on_one_element_once_per_process():
+    """One element is never split between threads: each VML function is first used by this thread alone.
+    (The race it prevents is inside MKL and shows in about one fresh run in seven: measured by
+    benchmarks/vector_math_first_call.py, not by a test.)"""
+    probe = """
+import json, torch
+from torch.overrides import TorchFunctionMode
+import vlfast.numerics as n
+calls = []
+class Spy(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in n.VECTOR_MATH_OPS:
+            calls.append([name, str(args[0].dtype), args[0].numel()])
+        return func(*args, **(kwargs or {}))
+with Spy():
+    first, again = n.settle_vector_math(), n.settle_vector_math()
+print(json.dumps({"first": first, "again": again, "calls": calls}))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    from vlfast.numerics import VECTOR_MATH_OPS
+
+    assert got["first"] is True and got["again"] is False
+    expected = {(op, dtype, 1) for op in VECTOR_MATH_OPS for dtype in ("torch.float32", "torch.float64")}
+    assert {tuple(c) for c in got["calls"]} == expected and len(got["calls"]) == len(expected)
+
+
+def test_extraction_and_verify_settle_vector_math_before_a_model_runs(monkeypatch, tiny_qwen3_vl):
+    import torch
+
+    import vlfast.numerics
+    from vlfast.extraction.model import runner
+    from vlfast.extraction.model.features import FeatureSpec
+    from vlfast.models import build_reference
+    from vlfast.patching.verification import verify
+
+    seen = []
+    monkeypatch.setattr(vlfast.numerics, "settle_vector_math", lambda: seen.append("settled") or True)
+    runner.load(
+        str(tiny_qwen3_vl),
+        "qwen3_vl",
+        FeatureSpec(names=("vision",)),
+        torch.device("cpu"),
+        torch.float32,
+        True,
+    )
+    assert seen == ["settled"]
+    verify(build_reference("qwen3-vl-4b", tiny=True), grids=[(1, 2, 2)], n_windows=8, backward=False)
+    assert seen == ["settled", "settled"]

@@ -51,8 +51,12 @@ def family_of(model: str) -> str:
 def load(
     model: str, family: str, spec: FeatureSpec, device: torch.device, dtype: torch.dtype, patch_convs: bool
 ) -> LoadedModel:
-    """The vision tower (and for ``llm`` the whole VLM) on ``device`` in ``dtype``, convs patched."""
+    """The vision tower (and for ``llm`` the whole VLM) on ``device`` in ``dtype``, convs patched; MKL's
+    vector math set up on one thread first (:func:`vlfast.numerics.settle_vector_math`)."""
     from vlfast.models import find_vision_tower, load_model, load_vision_tower
+    from vlfast.numerics import settle_vector_math
+
+    settle_vector_math()  # else the first forward's cos may be wrong in one thread's half (see there)
 
     if spec.needs_llm:
         # An embedding checkpoint has no LM head, and no features need one: the bare model, no random head.
