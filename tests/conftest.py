@@ -16,6 +16,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # ... and vlfast.cli.same_bits_for_any_thread_count: the suite compares features bit for bit between this
 # process (2 threads, batches of several samples), torchrun ranks and Ray actors (1 thread each).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# MKL reads it at its first call, not when torch loads: make that call now, so a test that removes the
+# variable (test_same_bits.py) cannot leave MKL's strict mode off for the tests after it in this process.
+import torch  # noqa: E402
+
+torch.ones(64, 64) @ torch.ones(64, 64)
 
 
 @pytest.fixture(scope="session")

@@ -162,3 +162,44 @@ def test_extraction_and_verify_settle_vector_math_before_a_model_runs(monkeypatc
     assert seen == ["settled"]
     verify(build_reference("qwen3-vl-4b", tiny=True), grids=[(1, 2, 2)], n_windows=8, backward=False)
     assert seen == ["settled", "settled"]
+
+
+# ------------------------------------------------- a row's bits whatever else is in the product, measured
+
+
+def test_rows_keep_their_bits_here_and_the_probe_sees_products_that_do_not(monkeypatch):
+    """True on this suite's CPU (MKL_CBWR set before torch loaded, conftest.py); False for a product whose
+    rows change with the rows beside them, or with the thread count, as MKL's on an AMD CPU do (seen under
+    qemu-x86_64 -cpu EPYC-Rome: 9 of 36 products)."""
+    import torch
+    import torch.nn.functional as F
+
+    from vlfast.numerics import rows_keep_their_bits
+
+    state = torch.random.get_rng_state()
+    assert rows_keep_their_bits()
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random stream is untouched
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b: real(x, w, b) * (1 + 1e-6 * (x.shape[0] % 3)))
+    assert not rows_keep_their_bits()
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(F, "linear", lambda x, w, b: real(x, w, b) + 1e-6 * (torch.get_num_threads() == 1))
+    assert not rows_keep_their_bits()
+    assert torch.get_num_threads() == threads  # restored
+
+
+def test_a_cpu_whose_rows_change_with_the_batch_is_reported(monkeypatch):
+    import warnings
+
+    from vlfast.extraction.config import ExtractConfig
+    from vlfast.extraction.engines import local
+
+    config = ExtractConfig(model="ref:qwen3-vl-2b", device="cpu", num_workers=0)
+    monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
+    monkeypatch.setattr(local, "rows_keep_their_bits", lambda: False)
+    with pytest.warns(RuntimeWarning, match="other bits when other rows share the product.*not AMD's"):
+        local.LocalEngine().configure(config)
+    monkeypatch.setattr(local, "rows_keep_their_bits", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        local.LocalEngine().configure(config)

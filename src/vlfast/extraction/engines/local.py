@@ -29,6 +29,7 @@ from vlfast.extraction.engines.base import Hooks, Session, UnexpectedErrors, cpu
 from vlfast.extraction.interrupts import raise_if_terminated
 from vlfast.extraction.model import runner
 from vlfast.extraction.plan import RunPlan
+from vlfast.numerics import rows_keep_their_bits
 
 __all__ = ["LocalEngine"]
 
@@ -75,6 +76,15 @@ class LocalEngine:
                 "before torch is imported (`vlfast extract` sets it), a sample's features can differ in their "
                 "last bits between this run and a resume with other workers or threads, a torchrun rank or a "
                 "Ray actor; see docs/extract.md",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif config.torch_device.type == "cpu" and not rows_keep_their_bits():
+            warnings.warn(
+                "this CPU's products give a row other bits when other rows share the product, even with "
+                f"MKL_CBWR={os.environ.get('MKL_CBWR', '')} (MKL's strict mode covers its code for Intel CPUs, "
+                "not AMD's): a sample's features can differ in their last bits between this run and a resume, "
+                "a torchrun rank or a Ray actor; see docs/extract.md",
                 RuntimeWarning,
                 stacklevel=3,
             )
