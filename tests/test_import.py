@@ -48,8 +48,10 @@ def test_the_top_level_holds_the_capability_packages_and_little_else():
     assert packages == {"patching", "diagnosis", "extraction", "tokens", "cli"}
     # errors: the refusals every capability raises, a leaf that imports nothing of ours; dtypes: the one
     # policy for --dtype that every command shares; demo: the offline checkpoint and media the demo commands,
-    # tests and benchmarks use; _lazy: the lazy public names of the package faces
-    assert modules == {"__init__", "_files", "_lazy", "demo", "dtypes", "errors", "models", "run"}
+    # tests and benchmarks use; _lazy: the lazy public names of the package faces; numerics: the process-wide
+    # steps for the same bits every run (MKL's vector math set up on one thread, the row check) that both
+    # extraction and verify take
+    assert modules == {"__init__", "_files", "_lazy", "demo", "dtypes", "errors", "models", "numerics", "run"}
 
 
 def test_the_autopatch_hook_imports_no_torch():
