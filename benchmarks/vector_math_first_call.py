@@ -21,10 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from patch_embed import cpu_model  # noqa: E402  (benchmarks/patch_embed.py: the CPU's name, /proc/cpuinfo)
 
 CHILD = """
 import sys
@@ -36,16 +39,6 @@ if sys.argv[1] == "settled":
 x = torch.linspace(0, 20, 40000)
 print(float((x.cos() - x.double().cos().float()).abs().max()))
 """
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -70,7 +63,7 @@ def main() -> None:
             )
             errors[side].append(float(done.stdout.strip().splitlines()[-1]))
     result = {
-        "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "threads": args.threads,
         "runs_per_side": args.runs,
         **{f"{side}_wrong": sum(e > 1e-6 for e in es) for side, es in errors.items()},
