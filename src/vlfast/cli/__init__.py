@@ -30,10 +30,10 @@ def let_idle_threads_sleep() -> bool:
 # MKL (torch's CPU BLAS on x86) picks its summation order by the thread count and the number of rows: on
 # an Intel Xeon with AVX-512, a (37 x 1536) @ (1536 x 1024) float32 product differs in its last bits between
 # 1 and 2 threads, and a 1-row product from the same row of a bigger one. Its strict reproducibility mode
-# (MKL_CBWR, read at MKL's first call: once torch has run a product it is too late) keeps one order whatever the threads and rows, at no measured cost
-# (a 3072 x 1536 x 1024 product: 45 against 46-50 ms), so a sample extracted by a torchrun rank with
-# OMP_NUM_THREADS=1, a Ray actor, in another batch or on resume with other --workers is bit-identical to an
-# uninterrupted run's. The Ray engine's workers get the same (vlfast.extraction.engines.ray.ENV).
+# (MKL_CBWR, read at MKL's first call: once torch has run a product it is too late) keeps one order
+# whatever the threads and rows, at no measured cost (a 3072 x 1536 x 1024 product: 45 against 46-50 ms),
+# so a sample extracted by a torchrun rank with OMP_NUM_THREADS=1, a Ray actor, in another batch or on
+# resume with other --workers is bit-identical to an uninterrupted run's. The Ray engine's workers get the same (vlfast.extraction.engines.ray.ENV).
 SAME_BITS_ENV = {"MKL_CBWR": "AUTO,STRICT"}
 
 
