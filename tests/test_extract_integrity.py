@@ -499,3 +499,35 @@ def test_a_shard_swapped_while_a_reader_runs_is_refused_when_opened_again(tmp_pa
     cache._handles.clear()  # as when more than 64 shards were opened since
     with pytest.raises(DamagedFile, match="shard-r00000-000001.*not the shard its index part"):
         cache["s4"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_by_shard_gives_each_shards_rows_in_order(seed: int) -> None:
+    """A shard's rows as a range when consecutive (as every writer leaves them), as positions when not
+    (an index written otherwise): either way each shard's rows, ascending, and nothing for unused names."""
+    import random
+
+    import numpy as np
+    import pyarrow as pa
+
+    from vlfast.extraction.store.integrity import _rows_by_shard
+
+    rnd = random.Random(seed)
+    names = [f"shards/s{k}.safetensors" for k in range(5)]
+    runs = [names[k] for k in range(5) for _ in range(rnd.randrange(1, 4))]
+    shuffled = runs[:]
+    rnd.shuffle(shuffled)
+    for column in (runs, shuffled, runs[:1], []):
+        expected = {n: [i for i, s in enumerate(column) if s == n] for n in set(column)}
+        for array in (pa.array(column, pa.string()), pa.array(column, pa.string()).dictionary_encode()):
+            if column:  # a dictionary with a name no row uses, as a row group's dictionary may hold
+                array = pa.DictionaryArray.from_arrays(
+                    array.dictionary_encode().indices,
+                    pa.array([*array.dictionary_encode().dictionary.to_pylist(), "unused"]),
+                )
+            got = _rows_by_shard(array)
+            assert {
+                n: list(np.asarray(v) if not isinstance(v, range) else v) for n, v in got.items()
+            } == expected
+            if column is runs:
+                assert all(isinstance(v, range) for v in got.values())

@@ -28,6 +28,7 @@ def hashing(request, monkeypatch):
     monkeypatch.setattr(IdSet, "_MIN_MERGE", 8)  # merges early and often
     monkeypatch.setattr(ids_module, "_CONFIRM", 3)  # hash hits confirmed a few at a time, as at scale
     monkeypatch.setattr(ids_module, "_MAX_CHUNKS", 3)  # ids appended in chunks, and combined, often
+    monkeypatch.setattr(ids_module, "_FIND", 7)  # lookups a slice at a time, as at scale
     return request.param
 
 
@@ -57,7 +58,9 @@ def test_an_idset_is_a_set_of_its_ids(hashing, seed):
             ref |= {*xs, "extra"}
         elif op < 0.9:
             xs = rnd.sample(pool, rnd.randrange(0, 30))
-            s.update(ArrowStrings(pa.array(xs)))
+            cut = rnd.randrange(0, len(xs) + 1)  # a part's column in row groups, as check_part keeps it
+            chunked = pa.chunked_array([pa.array(xs[:cut], pa.string()), pa.array(xs[cut:], pa.string())])
+            s.update(ArrowStrings(pa.array(xs)) if rnd.random() < 0.5 else ArrowStrings.of_chunks(chunked))
             ref.update(xs)
         query = rnd.sample(pool, 60) + ["never-added"]
         assert s.isin(query).tolist() == [q in ref for q in query], step
@@ -224,3 +227,41 @@ def test_ids_added_one_by_one_stay_a_64th_of_the_set(monkeypatch):
         assert len(s._recent) < max(16, (len(s) - len(s._recent)) // 64) + 2
     assert largest >= 100  # the bound grew with the set (6400 / 64), not stuck at the minimum
     assert len(s) == 6400 + 4000 and "new-01999-1" in s and "old-00000" in s and "new-2000-0" not in s
+
+
+def test_chunks_are_combined_only_when_many_and_small(monkeypatch):
+    """A consolidated part's ids come in row groups of 131,072: kept as chunks (combining them copied every
+    id); thousands of small parts' columns are combined once, so lookups do not walk thousands of chunks."""
+    monkeypatch.setattr(ids_module, "_MAX_CHUNKS", 4)
+    monkeypatch.setattr(ids_module, "_MIN_CHUNK", 10)
+    big = [pa.array([f"b{k}-{i}" for i in range(12)], pa.large_string()) for k in range(6)]
+    small = [pa.array([f"s{k}-{i}" for i in range(3)], pa.large_string()) for k in range(6)]
+    assert ids_module._appended(*big).num_chunks == 6
+    assert ids_module._appended(*small).num_chunks == 1
+    assert ids_module._appended(*big[:2]).to_pylist() == big[0].to_pylist() + big[1].to_pylist()
+    s = IdSet()
+    s.update(ArrowStrings.of_chunks(pa.chunked_array([c.cast(pa.string()) for c in big])))
+    s.update(ArrowStrings(pa.array(["late"])))
+    ref = {x for c in big for x in c.to_pylist()} | {"late"}
+    assert s == ref
+    assert s.isin([*sorted(ref), "b9-0"]).tolist() == [True] * len(ref) + [False]
+
+
+def test_of_chunks_keeps_the_bytes_and_reads_like_a_list():
+    chunked = pa.chunked_array([pa.array(["a", "bé"], pa.string()), pa.array(["c"], pa.string())])
+    strings = ArrowStrings.of_chunks(chunked)
+    assert strings.array.type == pa.large_string() and strings.array.num_chunks == 2
+    assert strings.array.chunk(0).buffers()[2].address == chunked.chunk(0).buffers()[2].address
+    assert list(strings) == ["a", "bé", "c"] and strings[1] == "bé" and strings[1:3] == ["bé", "c"]
+
+
+def test_a_sorted_table_sorts_the_callers_hashes_only_when_given_them():
+    ids = pa.array(["c", "a", "b", "a2"], pa.large_string())
+    hashes = hash_ids(ids)
+    kept = hashes.copy()
+    table = ids_module.SortedIds(hashes, ids)
+    assert np.array_equal(hashes, kept)  # FeatureCache takes subsets of its hashes afterwards
+    consumed = ids_module.SortedIds(hashes, ids, consume=True)
+    assert consumed.hash is hashes and np.array_equal(consumed.hash, table.hash)
+    assert np.array_equal(consumed.source, table.source) or len(set(kept.tolist())) < len(kept)
+    assert [consumed.id_at(i) for i in range(4)] == [table.id_at(i) for i in range(4)]

@@ -76,6 +76,7 @@ def owner_rank(sample_id: str, world_size: int) -> int:
 
 _CHUNK = 1 << 16  # ids converted to Python objects at a time when a column is iterated
 _CONFIRM = 1 << 18  # hash hits confirmed against their ids at a time (a copy of this many ids a side)
+_FIND = 1 << 21  # ids looked up at a time: ten million at once held three 80 MB copies of their hashes
 
 
 # The hash is FNV-1a (64-bit) of the id's UTF-8 bytes: numpy computes it for a whole Arrow column at once
@@ -104,8 +105,13 @@ def hash_ids(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> np.ndarray:
             return np.fromiter(map(_hash_one, ids), dtype=np.uint64, count=len(ids))
         ids = pa.array(ids, pa.large_string())
     chunks = ids.chunks if isinstance(ids, pa.ChunkedArray) else [ids]
-    parts = [_hash_column(_as_strings(c)) for c in chunks]
-    return np.concatenate(parts) if parts else np.empty(0, np.uint64)
+    if len(chunks) == 1:
+        return _hash_column(_as_strings(chunks[0]))
+    out, at = np.empty(sum(len(c) for c in chunks), np.uint64), 0
+    for c in chunks:  # into one array as they come: a list of parts and their concatenation held both
+        out[at : at + len(c)] = _hash_column(_as_strings(c))
+        at += len(c)
+    return out
 
 
 def _hash_column(column: pa.Array) -> np.ndarray:
@@ -151,9 +157,14 @@ class SortedIds:
 
     __slots__ = ("hash", "ids", "runs", "source")
 
-    def __init__(self, hashes: np.ndarray, ids: pa.Array | pa.ChunkedArray):
+    def __init__(self, hashes: np.ndarray, ids: pa.Array | pa.ChunkedArray, *, consume: bool = False):
+        """``consume``: ``hashes`` is the caller's to give up, and is sorted in place (no sorted copy beside
+        it: 80 MB less at the peak of ten million ids, for a second sort)."""
         order = np.argsort(hashes)  # ids are unique here: the order among equal hashes does not matter
-        self.hash, self.ids, self.source = hashes[order], ids, order.astype(_index_type(len(ids)), copy=False)
+        if consume:
+            hashes.sort()  # the same values as hashes[order]: equal hashes are equal
+        self.hash = hashes if consume else hashes[order]
+        self.ids, self.source = ids, order.astype(_index_type(len(ids)), copy=False)
         self._runs()
 
     def _runs(self) -> None:
@@ -200,33 +211,43 @@ class SortedIds:
 
     def find_many(self, ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
         """The sorted position of each of ``ids`` (with their ``hashes``), -1 where absent; vectorised."""
-        import pyarrow.compute as pc
-
         n = len(self.hash)
         found = np.full(len(hashes), -1, np.int64)
         if n == 0 or len(hashes) == 0:
             return found
+        for k in range(0, len(hashes), _FIND):  # a slice at a time: its sort's copies are a slice's size
+            found[k : k + _FIND] = self._find_slice(ids, hashes, k, min(len(hashes), k + _FIND))
+        return found
+
+    def _find_slice(self, ids: pa.Array, hashes: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        import pyarrow.compute as pc
+
+        n = len(self.hash)
+        hashes = hashes[lo:hi]
+        found = np.full(len(hashes), -1, np.int64)
         # Searched in hash order: a sorted search walks the table once (0.3 s for 10M ids into 5M here)
         # where unsorted ones jump about it (7.5 s).
         order = np.argsort(hashes)
         pos = np.empty(len(hashes), np.int64)
         pos[order] = np.searchsorted(self.hash, hashes[order], side="left")
+        del order
         np.minimum(pos, n - 1, out=pos)
         hit = np.flatnonzero(self.hash[pos] == hashes)
         # Each hit confirmed against the id itself, a slice of hits at a time: both sides' ids are copied to
         # be compared, which for ten million hits at once would be twice the ids' bytes more at the peak.
         for k in range(0, hit.size, _CONFIRM):
             part = hit[k : k + _CONFIRM]
-            same = pc.equal(self.ids_at(pos[part]), take(ids, part))
+            same = pc.equal(self.ids_at(pos[part]), take(ids, part + lo))
             same = same.to_numpy(zero_copy_only=False)
             found[part[same]] = pos[part[same]]
             if self.runs:  # a hash shared by several ids: walk its run for the hits that did not match
                 for j in part[~same]:
-                    found[j] = self.find(ids[int(j)].as_py(), int(hashes[j]))
+                    found[j] = self.find(ids[int(j) + lo].as_py(), int(hashes[j]))
         return found
 
 
-_MAX_CHUNKS = 64  # chunks of ids a SortedIds keeps before combining them (one copy, rare)
+_MAX_CHUNKS = 64  # chunks of ids a SortedIds keeps before combining them (one copy, rare)...
+_MIN_CHUNK = 1 << 16  # ...when they hold fewer ids than this on average
 
 
 def _index_type(n: int) -> type:
@@ -241,7 +262,10 @@ def _appended(*columns: pa.Array | pa.ChunkedArray) -> pa.ChunkedArray:
 
     chunks = [c for a in columns for c in (a.chunks if isinstance(a, pa.ChunkedArray) else [a]) if len(c)]
     joined = pa.chunked_array(chunks, pa.large_string())
-    return pa.chunked_array([joined.combine_chunks()]) if len(chunks) > _MAX_CHUNKS else joined
+    small = len(chunks) > _MAX_CHUNKS and len(joined) < _MIN_CHUNK * len(chunks)
+    # Only many small chunks are combined: a consolidated part's column comes in row groups of 131,072
+    # (77 at ten million ids), which lookups take from as they are; copying them was 220 MB more.
+    return pa.chunked_array([joined.combine_chunks()]) if small else joined
 
 
 def take(ids: pa.Array | pa.ChunkedArray, positions: np.ndarray) -> pa.Array:
@@ -422,10 +446,13 @@ class IdSet(AbstractSet[str]):
         if self._sorted is None:
             # Into an empty set, as a store reads its first parts: sorted once, and when no hash repeats no id
             # does either, so there are no copies to drop (first_copies would sort the hashes again).
-            fresh = SortedIds(hashes, ids)
+            # The hashes are this merge's own (made above, or by update): sorted in place.
+            fresh = SortedIds(hashes, ids, consume=True)
             if not fresh.runs:
                 self._sorted = fresh
                 return
+            hashes = np.empty_like(fresh.hash)  # back in the ids' order, for first_copies
+            hashes[fresh.source] = fresh.hash
             del fresh
         first = first_copies(ids, hashes)
         new = np.flatnonzero(first == np.arange(len(ids)))
@@ -489,9 +516,14 @@ class ArrowStrings(Sequence[str]):
 
     @classmethod
     def of_chunks(cls, array: pa.ChunkedArray) -> ArrowStrings:
-        """Over a ``large_string`` ChunkedArray as it is: its chunks are not combined (a copy of every id).
-        Its ``array`` is then that ChunkedArray, which not every caller of ``array`` takes."""
+        """Over a string ChunkedArray as it is: its chunks are not combined (a copy of every id), only made
+        ``large_string`` one by one (new offsets, the same bytes). Its ``array`` is then a ChunkedArray,
+        which not every caller of ``array`` takes."""
+        import pyarrow as pa
+
         new = cls.__new__(cls)
+        if array.type != pa.large_string():
+            array = pa.chunked_array([c.cast(pa.large_string()) for c in array.chunks], pa.large_string())
         new.array = array
         return new
 

@@ -142,6 +142,8 @@ class RunPlan:
         ``overwrite``. A finished OUT gets the check a resume would (``resume_check``): what fails it is
         left to the store, which moves it aside and redoes it, instead of "nothing to do" over a flipped
         byte."""
+        from vlfast.extraction.ids import IdSet
+        from vlfast.extraction.store.format import release_arrow_memory
         from vlfast.extraction.store.resume import confirm_hashed, read_state
 
         if config.overwrite:
@@ -149,6 +151,10 @@ class RunPlan:
         state = read_state(self.out, self.run_config, self.volatile_keys, config.retry)
         pending = self.pending(state.done, state.error_keys.__contains__)
         if not pending and not state.damaged and config.resume_check == "full":
+            # The ids are not needed past here: the full check holds a part's rows instead (at ten million
+            # samples, 1.38 GiB above the input at its peak with both; 1.04 GiB without the ids).
+            state.done = IdSet()
+            release_arrow_memory()
             state.damaged = confirm_hashed(self.out, state, f"r{self.rank:05d}")
         if pending or state.damaged:
             return None

@@ -253,9 +253,14 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-            arrow = sys.modules.get("pyarrow")
-            if arrow is not None:
-                arrow.default_memory_pool().release_unused()
+            release_arrow_memory()
+
+
+def release_arrow_memory() -> None:
+    """Give the memory Arrow's allocator holds freed back to the system (mimalloc keeps it for reuse)."""
+    arrow = sys.modules.get("pyarrow")
+    if arrow is not None:
+        arrow.default_memory_pool().release_unused()
 
 
 # ------------------------------------------------------------------------------------- the run file
