@@ -188,6 +188,7 @@ def step(spec: dict) -> dict[str, Any]:
             t4 = time.perf_counter()
             todo, records = plan.work(done)
             plan.pending(done, store.is_recorded, (todo, records))  # as run_session does
+            del done  # as run_session does
             t5 = time.perf_counter()
             res.update(store_open_s=t3 - t2, done_ids_s=t4 - t3, work_s=t5 - t4, planning_s=t5 - t0)
             res["todo"] = len(todo)

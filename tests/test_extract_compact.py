@@ -251,6 +251,27 @@ def test_a_full_check_decodes_a_consolidated_part_a_row_group_at_a_time(tmp_path
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="writes to /dev/full to fill the disk")
+def test_a_consolidated_part_damaged_as_it_is_committed_deletes_nothing(tmp_path, monkeypatch):
+    """The committed part is read back, every byte against the checksum in its name, before the parts it
+    replaces go: a byte changed on its way to the disk raises DamagedFile, and every small part stays."""
+    raw, ref = _uncompacted(tmp_path), _uncompacted(tmp_path, "ref")
+    small = _names(raw, PART_RE)
+    real = LocalBackend.commit_file
+
+    def damaging(self, staged, dest):
+        real(self, staged, dest)
+        _flip(Path(dest), 100)
+
+    monkeypatch.setattr(LocalBackend, "commit_file", damaging)
+    with pytest.raises(DamagedFile, match="do not match the checksum in its name"):
+        compact_rank(raw, 0, LocalBackend(raw, "s"))
+    monkeypatch.undo()
+    assert _names(raw, PART_RE) == small  # nothing it replaces was deleted
+    with pytest.warns(UserWarning, match="moved to"):
+        assert run(str(raw), N, shard_max_samples=6) == 0  # nothing redone: the small parts are read again
+    assert compare_caches(ref, raw) == [] and FeatureCache(raw).check().ok
+
+
 def test_full_disk_while_compacting_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
     """The consolidated part is written to a staged file first: a disk full there (its writes go to
     /dev/full, which answers ENOSPC as a full disk does) is OutputFull, exit 4 from the command, and the
