@@ -184,7 +184,7 @@ def step(spec: dict) -> dict[str, Any]:
             store.keep_listings(listings)  # as run_session does, once OUT is this run's (not timed)
             listings.clear()
             t3 = time.perf_counter()
-            done = store.done_ids()
+            done = store.done_ids(mine=True)  # as run_session does
             t4 = time.perf_counter()
             todo, records = plan.work(done)
             plan.pending(done, store.is_recorded, (todo, records))  # as run_session does

@@ -148,7 +148,14 @@ class RunPlan:
 
         if config.overwrite:
             return None
-        state = read_state(self.out, self.run_config, self.volatile_keys, config.retry)
+        state = read_state(
+            self.out,
+            self.run_config,
+            self.volatile_keys,
+            config.retry,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         pending = self.pending(state.done, state.error_keys.__contains__)
         if not pending and not state.damaged and config.resume_check == "full":
             # The ids are not needed past here: the full check holds a part's rows instead (at ten million

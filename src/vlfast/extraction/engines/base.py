@@ -241,7 +241,8 @@ def run_session(
         store.keep_listings(plan.listings)  # now that OUT is this run's: never written by a refused run
         plan.listings.clear()  # a kept manifest table holds the whole input's columns until it is written
         summary.quarantined = [q["part"] for q in store.quarantined]
-        done = store.done_ids()  # reads every index part and errors file: once
+        # Reads every index part that may hold this rank's ids (not other ranks' own), and the errors: once.
+        done = store.done_ids(mine=True)
         todo, records = plan.work(done)
         pending = plan.pending(done, store.is_recorded, (todo, records))
         # Not held through the run: it shares the store's arrays as they were (5M ids, 170 MB at 10M),

@@ -35,6 +35,7 @@ from vlfast.extraction.store.format import (
     META_CONFIG,
     META_CONFIG_HASH,
     META_FORMAT,
+    META_OWNED_UNDER,
     META_SHARDS,
     META_SUPERSEDES,
     RUN_FILE,
@@ -198,6 +199,7 @@ class _Stream:
         self.supersedes: list[str] = []
         self.config: bytes | None = None
         self.used: list[Path] = []
+        self.owned_under: set[int | None] = set()  # what the parts used say of who owns their ids
 
     def gather(self, part: Path, table: Any | None) -> None:
         """Take in ``part`` (``table``: its schema as :func:`_schema_or_none` read it, None if damaged)."""
@@ -209,6 +211,7 @@ class _Stream:
         self.config = self.config or (table.schema.metadata or {}).get(META_CONFIG)
         self.shards.update({s: list(v) for s, v in part_shards(part, meta).items()})
         self.supersedes += [part.name, *meta["supersedes"]]
+        self.owned_under.add(meta["owned_under"])
         self.used.append(part)
 
     def write(self, out: Any, meta: dict[bytes, bytes], dest: Path) -> None:
@@ -294,6 +297,8 @@ def compact_rank(
             META_SHARDS: canonical_json(dict(sorted(stream.shards.items()))).encode("utf-8"),
             META_SUPERSEDES: canonical_json(sorted(set(stream.supersedes))).encode("utf-8"),
         }
+        if len(stream.owned_under) == 1 and None not in stream.owned_under:  # all its parts say the same
+            meta[META_OWNED_UNDER] = str(next(iter(stream.owned_under))).encode()
         span = (rank, min(s[1] for s in spans), max(s[2] for s in spans))
         with _staged(out, backend, tag) as staged:
             try:

@@ -56,6 +56,10 @@ META_SHARD_HEADER = b"vlfast.shard_header_xxh3"  # xxh3-64 of the shard's 8-byte
 # they replace (a reader ignores those while both exist: a crash between the commit and the deletions).
 META_SHARDS = b"vlfast.shards"  # canonical JSON {"shards/NAME": [size, header xxh3]}
 META_SUPERSEDES = b"vlfast.supersedes"  # canonical JSON list of part names, sorted
+# Every id of the part is owned (ids.owner_rank) by the rank its name carries when the job has this many
+# ranks: a rank of a job of that size needs nothing from another rank's part so marked. Absent when some id
+# is not (a FeatureStore user's own split), on one rank's parts, and in parts written before it existed.
+META_OWNED_UNDER = b"vlfast.owned_under_world_size"
 
 # The one dtype table: torch's dtype name (as the index stores it) -> safetensors' header code. What a shard
 # can hold; ``add`` refuses anything else, the checks compare headers with it, the reader maps codes back.
@@ -376,6 +380,45 @@ def committed_parts(out: Path) -> list[Path]:
     return [index / name for name in live_part_names(index, list_names(index))]
 
 
+def owned_under(raw: dict[bytes, bytes] | None) -> int | None:
+    """The world size under which every id of a part is its rank's (:data:`META_OWNED_UNDER`), from its
+    key-value metadata; None when it has none."""
+    value = (raw or {}).get(META_OWNED_UNDER)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def others_only(part: Path, rank: int, world_size: int) -> bool:
+    """Whether ``part`` holds only ids that another rank than ``rank`` owns when the job has ``world_size``
+    ranks: another rank's part marked so (its footer alone is read). Such a part tells this rank nothing
+    about its own ids, and it is that rank's to check. A footer that cannot be read says no."""
+    span = part_span(part.name)
+    if world_size < 2 or span is None or span[0] == rank:
+        return False
+    return owned_under(read_part_footer(part)) == world_size
+
+
+def split_parts(out: Any, parts: Sequence[Path], rank: int, world_size: int) -> tuple[list, list, list]:
+    """``parts`` as (this rank's own, marked as owned under ``world_size``; the parts every rank reads: not
+    so marked, whoever wrote them; other ranks' own). The second list is the same on every rank."""
+    own: list[Path] = []
+    common: list[Path] = []
+    others: list[Path] = []
+
+    def owned(part: Path) -> bool:
+        return world_size > 1 and owned_under(read_part_footer(part)) == world_size
+
+    for part, marked in zip(parts, map_parts(out, owned, parts)):
+        span = part_span(part.name)
+        if not marked or span is None:
+            common.append(part)
+        else:
+            (own if span[0] == rank else others).append(part)
+    return own, common, others
+
+
 def part_shards(part: Path, meta: dict[str, Any]) -> dict[str, tuple[int | None, str | None]]:
     """Shard (path relative to OUT) -> (size, header xxh3) as written, for every shard ``part`` points at."""
     if meta.get("shards") is not None:
@@ -506,6 +549,7 @@ def part_meta(table) -> dict[str, Any]:
         "config_hash": get(META_CONFIG_HASH),
         "shard_bytes": int(shard_bytes) if shard_bytes is not None else None,
         "shard_header_xxh3": get(META_SHARD_HEADER),
+        "owned_under": owned_under(raw),
     }
 
 

@@ -59,6 +59,7 @@ from vlfast.extraction.store.format import (
     read_run_file,
     resolve_out,
     shard_of_part,
+    split_parts,
     stable_config,
 )
 from vlfast.extraction.store.integrity import HashRecord, check_part
@@ -322,8 +323,13 @@ def read_state(
     run_config: Mapping[str, Any],
     volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
     retry: Collection[str] | None = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> OutState:
     """Check ``run_config`` against ``out`` and say what it already holds; writes nothing, takes no lock.
+    With ``world_size`` > 1, what it holds of the ids rank ``rank`` owns: another rank's parts that hold only
+    ids that rank owns are not read (see :func:`~vlfast.extraction.store.format.split_parts`).
 
     The quick check (sizes, headers, ids) finds truncated or replaced shards, and every part's configuration
     is compared with the request: a part of another one (added to a finished OUT under a free sequence
@@ -343,6 +349,9 @@ def read_state(
     expected = config_hash(stable_config(config, frozenset(volatile_keys)))
     state = OutState()
     parts = committed_parts(out)
+    if world_size > 1:
+        skipped = {p.name for p in split_parts(out, parts, rank, world_size)[2]}
+        parts = [p for p in parts if p.name not in skipped]
     for part, check in zip(parts, map_parts(out, lambda p: check_part(p, data=False), parts)):
         if check.problem is None and check.config is not None and check.config_hash != expected:
             raise RunConfigMismatch(

@@ -47,6 +47,7 @@ from vlfast.extraction.store.format import (
     META_CONFIG,
     META_CONFIG_HASH,
     META_FORMAT,
+    META_OWNED_UNDER,
     META_SHARD_BYTES,
     META_SHARD_HEADER,
     QUARANTINE_DIR,
@@ -72,6 +73,7 @@ from vlfast.extraction.store.format import (
     is_consolidated,
     is_part_name,
     list_names,
+    others_only,
     parse_retry,
     part_name,
     part_span,
@@ -80,6 +82,7 @@ from vlfast.extraction.store.format import (
     read_index_part,
     read_run_file,
     resolve_out,
+    split_parts,
     stable_config,
     tensor_xxh3,
     torch_dtypes,
@@ -247,6 +250,9 @@ class FeatureStore:
             self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
             self._bad_parts: set[str] = set()
             self._parts_read: set[str] = set()  # index parts already in _committed
+            # Other ranks' parts that hold only ids they own in a job of this size: not read while this
+            # store adds only its own ids (see _widen); None once it has read everything.
+            self._parts_skipped: set[str] | None = set() if world_size > 1 else None
             self._committed = IdSet()  # ids as data: see vlfast.extraction.ids
             self._check_committed(resume_check)  # takes in the ids of the parts it found sound
             self._refresh_committed()
@@ -324,11 +330,19 @@ class FeatureStore:
     def _check_committed(self, mode: str) -> None:
         """Check what a resume will rely on; refuse parts of another configuration, move damaged ones aside.
 
-        With torch.distributed initialised the ranks split the parts between them and agree on the verdicts
-        (one all_reduce), so each shard is read once; otherwise each rank checks every part itself, which
-        gives every rank the same view without any coordination.
+        A rank of a job of N ranks checks its own parts that hold only ids it owns among N, and the parts
+        every rank reads (any not so marked: an earlier job's of another size, or a FeatureStore user's own
+        split); another rank's parts so marked are that rank's to check, and tell this one nothing
+        (``META_OWNED_UNDER``). With torch.distributed initialised the ranks split the parts every rank reads
+        between them and agree on the verdicts (one all_reduce), so each shard is read once; otherwise each
+        rank checks them all itself, which gives every rank the same view without any coordination.
         """
-        parts = committed_parts(self.out)
+        every = committed_parts(self.out)
+        if self._parts_skipped is not None:
+            own, parts, others = split_parts(self.out, every, self.rank, self.world_size)
+            self._parts_skipped = {p.name for p in others}
+        else:
+            own, parts, others = [], every, []
         group = _dist_group_size()
         split = group > 1 and group == self.world_size
         if split and not self._same_on_all_ranks(len(parts)):
@@ -338,16 +352,19 @@ class FeatureStore:
         # (OUT/checked.json; integrity.HashRecord says what that record can and cannot vouch for).
         record = HashRecord(self.out, self._tag) if mode == "full" else None
         try:
+            for part in own:
+                if not self._check_one(part, record):
+                    self._bad_parts.add(part.name)
             for k, part in enumerate(parts):
                 if split and k % self.world_size != self.rank:
                     continue
                 bad[k] = not self._check_one(part, record)
             # Parts that appeared meanwhile: those a damaged consolidated part hid (the parts it replaced,
             # read again now that it is moved aside), or another rank's commit. Every rank checks them.
-            seen = {p.name for p in parts}
+            seen = {p.name for p in (*own, *parts, *others)}
             for part in committed_parts(self.out):
                 fresh = part.name not in seen and part.name not in self._parts_read
-                if fresh and not self._check_one(part, record):
+                if fresh and not self._skips(part) and not self._check_one(part, record):
                     self._bad_parts.add(part.name)
         finally:
             if record is not None:
@@ -357,6 +374,24 @@ class FeatureStore:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
             bad = [bool(v) for v in flags.tolist()]
         self._bad_parts |= {p.name for p, b in zip(parts, bad) if b}
+
+    def _skips(self, part: Path) -> bool:
+        """Whether this store leaves ``part`` unread: another rank's, holding only ids that rank owns."""
+        if self._parts_skipped is None:
+            return False
+        if part.name in self._parts_skipped:
+            return True
+        if others_only(part, self.rank, self.world_size):
+            self._parts_skipped.add(part.name)
+            return True
+        return False
+
+    def _widen(self) -> None:
+        """From now on read every part: this store is asked about ids other ranks own (``done_ids()``, or
+        ``add`` of an id another rank owns, which must be recorded as a duplicate if that rank has it)."""
+        if self._parts_skipped is not None:
+            self._parts_skipped = None
+            self._refresh_committed()
 
     def _check_one(self, part: Path, record: HashRecord | None) -> bool:
         """Check one part (refusing another configuration's); take in its ids if sound, else move the damage
@@ -445,7 +480,7 @@ class FeatureStore:
 
     def _refresh_committed(self) -> None:
         for part in committed_parts(self.out):
-            if part.name in self._parts_read or part.name in self._bad_parts:
+            if part.name in self._parts_read or part.name in self._bad_parts or self._skips(part):
                 continue
             try:
                 self._committed.update(read_index_part(part, ["id"]).column("id"))
@@ -455,14 +490,21 @@ class FeatureStore:
 
     # -- public API ----------------------------------------------------------------------------------
 
-    def done_ids(self) -> IdSet:
+    def done_ids(self, *, mine: bool = False) -> IdSet:
         """Ids committed by any rank plus ids recorded as failed: skip these on resume.
 
         A "duplicate id" or "input" record does not make an id done: the id's first occurrence may still be
         in an uncommitted buffer, and it must be redone after a crash. Nor does a "transient" one, or a
         failure that ``retry_errors`` selects: those are tried again. An :class:`~vlfast.extraction.ids.IdSet`
         (equal to the ``set`` of the same ids), sharing the store's arrays: no copy of millions of ids.
+
+        ``mine=True``: complete only for the ids this rank owns among ``world_size`` ranks
+        (:func:`~vlfast.extraction.ids.owner_rank`), which is all a rank of a job plans: other ranks' parts
+        that hold only their own ids are not read (at ten million samples on eight ranks, an eighth of the
+        ids). It may hold other ids too.
         """
+        if not mine:
+            self._widen()
         self._refresh_committed()
         errored = {r["id"] for r in read_errors(self.out) if done_by_error(r, self._retry)}
         return self._committed.union(errored, self._errored, self._buffer_ids)
@@ -483,6 +525,8 @@ class FeatureStore:
         if not isinstance(features, Mapping) or not features:
             raise InputRefused(f"features for {sample_id!r} must be a non-empty dict of name -> tensor")
         source = str(meta.get("path", meta.get("source", ""))) if isinstance(meta, Mapping) else ""
+        if self._parts_skipped is not None and owner_rank(sample_id, self.world_size) != self.rank:
+            self._widen()  # another rank's id: it may have committed it, in a part not read so far
         if sample_id in self._buffer_ids or sample_id in self._committed:
             self.add_error(sample_id, source, "duplicate id: already extracted", kind=DUPLICATE_KIND)
             return
@@ -661,6 +705,8 @@ class FeatureStore:
     def _forget_committed(self) -> None:
         """Drop the committed ids (10M ids: 323 MB). ``done_ids`` after ``close`` reads every part again."""
         self._committed, self._parts_read = IdSet(), set()
+        if self._parts_skipped is not None:
+            self._parts_skipped = set()
 
     def _compact(self) -> None:
         if self.compact_min_parts:
@@ -780,6 +826,9 @@ class FeatureStore:
             META_SHARD_BYTES: str(size).encode(),
             META_SHARD_HEADER: header_hash.encode(),
         }
+        n = self.world_size
+        if n > 1 and all(owner_rank(sid, n) == self.rank for sid in rows["id"]):
+            metadata[META_OWNED_UNDER] = str(n).encode()  # other ranks of a job this size need not read it
         table = pa.table(rows, schema=index_schema().with_metadata(metadata))
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, write_page_checksum=True)
