@@ -15,13 +15,14 @@ import vlfast.extraction.store.writer as writer_module
 from _selftest import fake_features
 from vlfast.extraction import FeatureCache, FeatureStore
 from vlfast.extraction.ids import owner_rank
-from vlfast.extraction.store.backend import LocalBackend
+from vlfast.extraction.store.backend import LocalBackend, backend_for
 from vlfast.extraction.store.compact import compact_rank
 from vlfast.extraction.store.format import (
     DUPLICATE_KIND,
     META_OWNED_UNDER,
     committed_parts,
     read_errors,
+    resolve_out,
 )
 from vlfast.extraction.store.resume import read_state
 
@@ -157,3 +158,35 @@ def test_compaction_keeps_the_mark_only_when_every_part_has_it(tmp_path):
     compact_rank(out, 0, LocalBackend(out, "s"))
     (part,) = committed_parts(out)
     assert _mark(part) is None
+
+
+def test_on_object_storage_only_consolidated_parts_are_left_unread(moto_endpoint, monkeypatch, parts_read):
+    """On S3 a small part's footer costs two requests, about what the part does: another rank's small parts
+    are read whole as before; its consolidated part (one per rank after a clean end) is left unread."""
+    pytest.importorskip("s3fs")
+    from _s3 import client
+
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": moto_endpoint,
+    }.items():
+        monkeypatch.setenv(key, value)
+    client(moto_endpoint).create_bucket(Bucket="vlfast-own-parts")
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    out = resolve_out("s3://vlfast-own-parts/out")
+    _two_ranks(out, compact_min_parts=None)
+    theirs = [p.name for p in committed_parts(out) if _rank_of(p.name) == 1]
+    parts_read.clear()
+    FeatureStore(out, CFG, rank=0, world_size=2).close()
+    assert set(theirs) <= set(parts_read)  # small parts on S3: read, as before
+    compact_rank(out, 1, backend_for(out, "s"))
+    (consolidated,) = [p.name for p in committed_parts(out) if _rank_of(p.name) == 1]
+    parts_read.clear()
+    state = read_state(out, CFG, rank=0, world_size=2)
+    assert consolidated not in parts_read and {_rank_of(n) for n in parts_read} == {0}
+    assert state.done == set(_owned(0, 2))
+    s3fs.S3FileSystem.clear_instance_cache()
