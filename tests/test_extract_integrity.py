@@ -531,3 +531,35 @@ def test_rows_by_shard_gives_each_shards_rows_in_order(seed: int) -> None:
             } == expected
             if column is runs:
                 assert all(isinstance(v, range) for v in got.values())
+
+
+def test_a_pinned_header_is_trusted_for_the_layout_and_its_tensors_still_hashed(tmp_path: Path) -> None:
+    """A header whose bytes match the checksum its part recorded is not compared with the index row by row
+    (both pinned, they were compared when written): a full check then hashes the tensors at the index's
+    offsets. A header without a recorded checksum (format 1) is compared: other ids are caught."""
+    from vlfast.extraction.store.format import committed_parts, read_header, xxh3
+    from vlfast.extraction.store.integrity import _check_shard, _Verdict
+
+    with FeatureStore(tmp_path, {"model": "m"}) as s:
+        for sid in ("a", "b"):
+            s.add(sid, fake_features(sid))
+    (part,) = committed_parts(tmp_path)
+    shard = next((tmp_path / "shards").iterdir())
+    rows = read_index_part(part).column("features").to_pylist()
+    with open(shard, "rb") as f:
+        _, raw, _ = read_header(f, shard.stat().st_size)
+
+    def check(header_hash, ids, data=True):
+        verdict = _Verdict(part, 2)
+        return _check_shard(verdict, shard, lambda: ids, lambda: rows, None, header_hash, data), verdict
+
+    problem, verdict = check(None, ["b", "a"])
+    assert problem is not None and "other samples" in problem
+    problem, verdict = check(xxh3(raw), ["a", "b"])
+    assert problem is None and not verdict.bad and verdict.checked_bytes > 0
+    problem, _ = check(xxh3(raw)[::-1], ["a", "b"])
+    assert problem is not None and "damaged header" in problem
+    moved = [[{**e, "offset": e["offset"] + 1} for e in row] for row in rows]  # index off by one byte
+    verdict = _Verdict(part, 2)
+    _check_shard(verdict, shard, lambda: ["a", "b"], lambda: moved, None, xxh3(raw), True)
+    assert verdict.bad  # hashed where the index says: the tensors fail their checksums
