@@ -225,10 +225,10 @@ def make_plan(
         listings=kept.fresh,
     )
     if world_size > 1:  # the whole input's columns are gone now that the plan keeps this rank's share
-        import pyarrow as pa
+        from vlfast.extraction.store.format import release_arrow_memory
 
         del samples
-        pa.default_memory_pool().release_unused()
+        release_arrow_memory()
     return plan
 
 

@@ -42,13 +42,14 @@ from vlfast.extraction.store.format import (
     DamagedFile,
     OutputInUse,
     canonical_json,
+    check_part_bytes,
     committed_parts,
     compact_part_name,
     config_hash,
     consolidated_info,
+    file_xxh3,
     gc_paused,
     index_schema,
-    is_local,
     list_names,
     map_parts,
     open_index_part,
@@ -120,32 +121,13 @@ def commit_consolidated(out: Any, backend: Any, staged: Path, span: tuple[int, i
     samples, twice on object storage before). run.json says format 3 first, so a vlfast too old to know
     consolidated parts refuses the folder instead of taking their shards for orphans."""
     _require_format_3(out, backend, tag)
-    part = out / INDEX_DIR / compact_part_name(*span, _file_xxh3(staged))
+    part = out / INDEX_DIR / compact_part_name(*span, file_xxh3(staged))
     with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
         backend.commit_file(staged, part)  # <- the commit
     # Read back against its name (every byte) before anything it supersedes is deleted. Nothing more is
     # decoded: the name's xxh3 covers every byte (decoding its ids was 220 MB more at ten million samples).
-    # A local part is hashed as it is read (its bytes whole were 129 MB more at a writer's close at 10M).
-    if is_local(part):
-        if _file_xxh3(part) != COMPACT_RE.match(part.name).group(4):
-            raise DamagedFile(
-                f"index part {part} is damaged: its bytes do not match the checksum in its name"
-            )
-    else:
-        open_index_part(part)
+    check_part_bytes(part)
     return part
-
-
-def _file_xxh3(path: Path) -> str:
-    """xxh3-64 of a local file's bytes (as :func:`~vlfast.extraction.store.format.xxh3` of them), read 8 MiB
-    at a time."""
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _require_format_3(out: Path, backend: Any, tag: str) -> None:
@@ -172,7 +154,7 @@ def finish_deletions(out: Path, backend: Any, rank: int) -> int:
         if not present:
             continue
         try:
-            open_index_part(index / name)  # every byte against the checksum in its name; nothing decoded
+            check_part_bytes(index / name)  # every byte against the checksum in its name; nothing decoded
         except DamagedFile:
             continue
         doomed.update(present)

@@ -360,9 +360,8 @@ def _rows_by_shard(shards: pa.Array) -> dict[str, range | np.ndarray]:
     names = encoded.dictionary.to_pylist()
     if len(codes) == 0:
         return {}
-    starts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
-    starts = np.concatenate(([0], starts))
-    ends = np.concatenate((starts[1:], [len(codes)]))
+    starts = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]])  # runs of one code, as first_copies finds
+    ends = np.r_[starts[1:], len(codes)]
     run_codes = codes[starts]
     if len(np.unique(run_codes)) == len(run_codes):  # each shard's rows in one run
         return {names[c]: range(s, e) for c, s, e in zip(run_codes.tolist(), starts.tolist(), ends.tolist())}

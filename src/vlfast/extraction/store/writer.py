@@ -361,7 +361,7 @@ class FeatureStore:
                 bad[k] = not self._check_one(part, record)
             # Parts that appeared meanwhile: those a damaged consolidated part hid (the parts it replaced,
             # read again now that it is moved aside), or another rank's commit. Every rank checks them.
-            seen = {p.name for p in (*own, *parts, *others)}
+            seen = {p.name for p in every}
             for part in committed_parts(self.out):
                 fresh = part.name not in seen and part.name not in self._parts_read
                 if fresh and not self._skips(part) and not self._check_one(part, record):
