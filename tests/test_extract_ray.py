@@ -206,10 +206,19 @@ def _poisoned_decoder(sample):
         time.sleep(600)
 
 
+def _rows_vary() -> bool:
+    """A model actor's CPU whose products change a row's bits with the rows beside it (an AMD CPU's MKL)."""
+    return False
+
+
 @pytest.mark.slow
 def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_vl, tmp_path, monkeypatch):
     """Same features, meta and error records as the local engine: bad files, a repeated id, a bad manifest
-    line, a decoder that kills its worker (retried once, then recorded) and one that hangs (stopped)."""
+    line, a decoder that kills its worker (retried once, then recorded) and one that hangs (stopped). The
+    model actors also probe their own CPU's products (here: a stand-in that finds rows vary); the driver
+    warns once, however many actors say so."""
+    import warnings
+
     from ray import cloudpickle
 
     from vlfast.extraction.api import extract, extract_ray
@@ -220,11 +229,14 @@ def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_v
     options = dict(model=str(tiny_qwen3_vl), decode_timeout=6)
     hooks = Hooks(decode=_poisoned_decoder)
     local = extract(manifest, tmp_path / "local", num_workers=1, engine=LocalEngine(hooks), **options)
-    with monkeypatch.context() as mp:
-        mp.setattr(RayEngine, "hooks", hooks)
+    with monkeypatch.context() as mp, warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mp.setattr(RayEngine, "hooks", Hooks(decode=_poisoned_decoder, rows_probe=_rows_vary))
         # Two model actors at half a CPU each, so the decode actor has the cluster's other CPU.
         ray = extract_ray(manifest, tmp_path / "ray", ray_workers=2, cpus_per_worker=0.5, **options)
     assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
+    bits = [str(w.message) for w in said if "give a row other bits" in str(w.message)]
+    assert len(bits) == 1 and bits[0].startswith("a model actor: this CPU's products"), bits
     # Failed: the bad files, the repeat, the bad line, the two poisoned decodes.
     assert (ray.engine, ray.extracted, ray.failed) == ("ray", good - 2, bad + 4)
     assert (ray.total, ray.errors) == (local.total, local.errors)
@@ -508,6 +520,8 @@ def test_embeddings_through_ray_equal_the_local_engine(ray_cluster, media_dir, t
     the same embeddings and meta as the local engine. One sample per forward in both: a padded batch's
     matmuls differ from a lone row's in their last bits (the parity tests bound that), which would hide
     nothing here but make "the same" approximate."""
+    import warnings
+
     from vlfast.extraction.api import extract, extract_ray
 
     rows = [
@@ -519,7 +533,11 @@ def test_embeddings_through_ray_equal_the_local_engine(ray_cluster, media_dir, t
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     options = dict(model=str(tiny_qwen3_vl), features="embedding", dim=64, max_batch_samples=1)
     extract(manifest, tmp_path / "local", num_workers=0, **options)
-    ray = extract_ray(manifest, tmp_path / "ray", ray_workers=1, **options)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ray = extract_ray(manifest, tmp_path / "ray", ray_workers=1, **options)
+    # The actor's own probe of its CPU (the real one): MKL_CBWR reached it, and rows keep their bits here
+    assert not [w for w in said if "bits" in str(w.message)], [str(w.message) for w in said]
     assert (ray.extracted, ray.failed) == (2, 1)
     assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
     assert FeatureCache(tmp_path / "ray").meta("txt")["instruction"] == "Find the picture."

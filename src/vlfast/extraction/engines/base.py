@@ -26,6 +26,7 @@ __all__ = [
     "Session",
     "UnexpectedErrors",
     "UnexpectedSampleErrors",
+    "cpu_bits_problem",
     "cpu_seconds",
     "run_session",
 ]
@@ -58,6 +59,8 @@ class Hooks:
 
     forward: Callable[[list[Any]], None] | None = None
     decode: Callable[[Sample], None] | None = None
+    #: stands in for :func:`vlfast.numerics.rows_keep_their_bits` (where the model runs: a Ray model actor's too)
+    rows_probe: Callable[[], bool] | None = None
 
 
 class UnexpectedSampleErrors(RuntimeError):
@@ -95,6 +98,35 @@ class UnexpectedErrors:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def cpu_bits_problem(rows_probe: Callable[[], bool] | None = None) -> str | None:
+    """Why this process's CPU products may give a sample other bits in a resume, another rank or a Ray actor
+    than in this run (docs/extract.md, "Same bits"), or None: ``MKL_CBWR`` not set before torch loaded MKL
+    (every ``vlfast`` command and the Ray engine's workers set it), or, with it set, a product whose rows
+    change with the rows beside them (``rows_probe``, by default :func:`vlfast.numerics.rows_keep_their_bits`:
+    MKL's strict mode covers its code for Intel CPUs, not AMD's). For a CPU run only; tens of milliseconds."""
+    import os
+
+    import torch
+
+    if "MKL_CBWR" not in os.environ and torch.backends.mkl.is_available():
+        return (
+            "MKL picks its summation order by thread count and batch: without MKL_CBWR=AUTO,STRICT set "
+            "before torch is imported (`vlfast extract` sets it), a sample's features can differ in their "
+            "last bits between this run and a resume with other workers or threads, a torchrun rank or a "
+            "Ray actor; see docs/extract.md"
+        )
+    if rows_probe is None:
+        from vlfast.numerics import rows_keep_their_bits as rows_probe
+    if not rows_probe():
+        return (
+            "this CPU's products give a row other bits when other rows share the product, even with "
+            f"MKL_CBWR={os.environ.get('MKL_CBWR', '')} (MKL's strict mode covers its code for Intel CPUs, "
+            "not AMD's): a sample's features can differ in their last bits between this run and a resume, "
+            "a torchrun rank or a Ray actor; see docs/extract.md"
+        )
+    return None
 
 
 def cpu_seconds() -> float | None:

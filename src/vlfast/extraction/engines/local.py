@@ -25,20 +25,19 @@ import torch
 from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary, device_problem
 from vlfast.extraction.decode.stage import DecodedSample, SampleDataset, prepare_decoding, worker_init
-from vlfast.extraction.engines.base import Hooks, Session, UnexpectedErrors, cpu_seconds, run_session
+from vlfast.extraction.engines.base import (
+    Hooks,
+    Session,
+    UnexpectedErrors,
+    cpu_bits_problem,
+    cpu_seconds,
+    run_session,
+)
 from vlfast.extraction.interrupts import raise_if_terminated
 from vlfast.extraction.model import runner
 from vlfast.extraction.plan import RunPlan
-from vlfast.numerics import rows_keep_their_bits
 
 __all__ = ["LocalEngine"]
-
-
-def same_bits_mode() -> bool:
-    """Whether MKL's products give the same bits whatever the thread count and batch: ``MKL_CBWR`` set (it
-    counts only when set before torch loaded MKL, as every ``vlfast`` command does: see ``vlfast.cli``), or
-    a torch without MKL (its BLAS is then another library's)."""
-    return "MKL_CBWR" in os.environ or not torch.backends.mkl.is_available()
 
 
 class LocalEngine:
@@ -70,24 +69,10 @@ class LocalEngine:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        if config.torch_device.type == "cpu" and not same_bits_mode():
-            warnings.warn(
-                "MKL picks its summation order by thread count and batch: without MKL_CBWR=AUTO,STRICT set "
-                "before torch is imported (`vlfast extract` sets it), a sample's features can differ in their "
-                "last bits between this run and a resume with other workers or threads, a torchrun rank or a "
-                "Ray actor; see docs/extract.md",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        elif config.torch_device.type == "cpu" and not rows_keep_their_bits():
-            warnings.warn(
-                "this CPU's products give a row other bits when other rows share the product, even with "
-                f"MKL_CBWR={os.environ.get('MKL_CBWR', '')} (MKL's strict mode covers its code for Intel CPUs, "
-                "not AMD's): a sample's features can differ in their last bits between this run and a resume, "
-                "a torchrun rank or a Ray actor; see docs/extract.md",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if config.torch_device.type == "cpu":
+            problem = cpu_bits_problem(self.hooks.rows_probe)
+            if problem is not None:
+                warnings.warn(problem, RuntimeWarning, stacklevel=3)
         return config
 
     def run(self, plan: RunPlan, config: ExtractConfig) -> ExtractSummary:

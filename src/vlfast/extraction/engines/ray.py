@@ -48,7 +48,7 @@ import torch
 from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary
 from vlfast.extraction.decode.stage import DecodedSample, SampleDataset, prepare_decoding, worker_init
-from vlfast.extraction.engines.base import Hooks, Session, UnexpectedErrors, run_session
+from vlfast.extraction.engines.base import Hooks, Session, UnexpectedErrors, cpu_bits_problem, run_session
 from vlfast.extraction.ids import IdSet
 from vlfast.extraction.interrupts import EXIT_TERMINATED, deferred, sigterm_handler
 from vlfast.extraction.model import runner
@@ -124,9 +124,26 @@ def _schemas():
             ("compute_s", pa.float64()),  # this call's time inside forwards, on its first row
             ("oom_splits", pa.int64()),  # likewise
             ("load_s", pa.float64()),  # the actor's model build, on its first call's first row
+            # why its CPU's products may give a sample other bits (cpu_bits_problem), likewise
+            ("bits_problem", pa.string()),
         ]
     )
     return samples, decoded, done
+
+
+class _ActorFacts:
+    """What model actors say on their first call's first row: the longest model build, and each reason a
+    sample's bits may differ on their CPU (warned once, however many actors find it)."""
+
+    def __init__(self):
+        self.load_s, self.said = 0.0, set()
+
+    def take(self, row: dict[str, Any]) -> None:
+        self.load_s = max(self.load_s, row["load_s"] or 0.0)
+        problem = row["bits_problem"]
+        if problem and problem not in self.said:
+            self.said.add(problem)
+            warnings.warn(f"a model actor: {problem}", RuntimeWarning, stacklevel=4)
 
 
 def _member_classes() -> dict[str, type]:
@@ -271,6 +288,7 @@ class _ModelStage:
         budget,
         hook,
         rank_counter=None,
+        rows_probe=None,
     ):
         t0 = time.perf_counter()
         self.store = _claim_rank(out, run_config, volatile_keys, store_options, ranks, rank_counter)
@@ -283,6 +301,8 @@ class _ModelStage:
                 else None
             )
             self.forward = runner.Forward(loaded, spec, cfg, stored_as, prompts, hook)
+            # Measured where the model runs: the actors' nodes need not have the driver's CPU.
+            self.bits_problem = cpu_bits_problem(rows_probe) if device.type == "cpu" else None
             # What another actor committed before dying: its batch in flight is retried here, and must not
             # be added twice (a second copy would be recorded as a duplicate).
             self.done = self.store.done_ids()
@@ -336,8 +356,9 @@ class _ModelStage:
                 compute_s=self.forward.compute_seconds - compute0,
                 oom_splits=self.forward.oom_splits - splits0,
                 load_s=self.load_s,
+                bits_problem=self.bits_problem,
             )
-            self.load_s = 0.0
+            self.load_s, self.bits_problem = 0.0, None
         return pa.Table.from_pylist(rows, schema=self.schema)
 
     def __del__(self):
@@ -617,7 +638,7 @@ class RayEngine:
         recorded_before = {error_key(r) for r in read_errors(job.store.out)}
         counted: Counter[str] = Counter()  # reasons of the error rows the driver saw
         added: dict[str, int] = {}  # id -> patches, of samples a model actor added (buffered or committed)
-        load_s = 0.0
+        actors = _ActorFacts()
         unexpected = UnexpectedErrors(summary)
         for attempt in range(MAX_PASSES):
             if not remaining:
@@ -634,7 +655,7 @@ class RayEngine:
                 for row in rows:
                     summary.compute_seconds += row["compute_s"] or 0.0
                     summary.oom_splits += row["oom_splits"] or 0
-                    load_s = max(load_s, row["load_s"] or 0.0)
+                    actors.take(row)
                     if row["status"] == "unexpected":
                         job.bar.update(samples=1)
                         trace = row["reason"]
@@ -690,7 +711,7 @@ class RayEngine:
         extracted = done.isin(to_extract_ids) & ~failed.isin(to_extract_ids)
         summary.extracted = int(extracted.sum())
         summary.tokens = sum(p for i, p in added.items() if i in to_extract and i in done and i not in failed)
-        summary.load_seconds += load_s
+        summary.load_seconds += actors.load_s
         if remaining and not summary.stopped:
             summary.stopped = (
                 f"{len(remaining)} samples were lost with model actors that died before committing them, "
@@ -785,6 +806,7 @@ class RayEngine:
                 stored_as=job.config.stored_as,
                 budget=job.config.budget,
                 hook=self.hooks.forward,
+                rows_probe=self.hooks.rows_probe,
             ),
         )
 
