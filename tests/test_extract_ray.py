@@ -124,6 +124,28 @@ def test_a_refused_probe_costs_the_run_nothing(monkeypatch):
     assert (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino)  # fd 2 is where it was
 
 
+def test_the_driver_says_each_actors_bits_problem_once():
+    """Each model actor reports its CPU's problem (cpu_bits_problem) on its first row; the driver warns once
+    per reason, however many actors (or restarted ones) report it, and keeps the longest model build."""
+    import warnings
+
+    from vlfast.extraction.engines.ray import _ActorFacts
+
+    facts = _ActorFacts()
+    rows = [
+        {"load_s": 2.0, "bits_problem": "rows vary"},
+        {"load_s": 3.5, "bits_problem": "rows vary"},  # the other actor, the same CPU
+        {"load_s": None, "bits_problem": None},  # any later row
+        {"load_s": 1.0, "bits_problem": "MKL_CBWR unset"},  # an actor started without the job's env
+    ]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for row in rows:
+            facts.take(row)
+    assert [str(w.message) for w in said] == ["a model actor: rows vary", "a model actor: MKL_CBWR unset"]
+    assert all(w.category is RuntimeWarning for w in said) and facts.load_s == 3.5
+
+
 def test_rank_and_world_size_flags_split_like_torchrun(media_dir, tiny_qwen3_vl, tmp_path):
     """A Slurm array's tasks: `--rank $SLURM_ARRAY_TASK_ID --world-size $SLURM_ARRAY_TASK_COUNT`."""
     base = ["extract", str(media_dir / "good"), "-m", str(tiny_qwen3_vl), "--workers", "0", "--json"]
