@@ -566,7 +566,11 @@ def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
             console.print(note, highlight=False, markup=False, soft_wrap=True)
         if report.ok:
             console.print(
-                "OK: every byte matches its checksum", highlight=False, markup=False, soft_wrap=True
+                # What was checked, and no more: bytes against checksums, not whether the values are sound.
+                "checksums OK: the stored bytes are the ones written",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
             )
         else:
             # Each finding gets the advice that works for it: the same command quarantines and redoes damage,

@@ -47,6 +47,7 @@ __all__ = [
     "HiddenStateTaps",
     "PromptBuilder",
     "VisionBatch",
+    "cast_for_store",
     "compute_llm_features",
     "compute_vision_features",
     "deepstack_skipped",
@@ -473,3 +474,43 @@ def compute_llm_features(
         for pos, feats in zip(order, vision_features(vision_names, merged_all, deep_all, batch)):
             results[pos].update(feats)
     return results
+
+
+# ------------------------------------------------------------------------------------------- storing
+
+_STORE_CHOICES = ("bfloat16", "float32")  # what a refusal suggests instead, in order of size
+
+
+def cast_for_store(
+    feats: dict[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """One sample's features with every floating tensor cast to ``dtype`` (``--store-dtype``), or (None,
+    why) when the cast would turn a finite value into inf: the store dtype cannot hold this sample, and
+    storing it would be a silent inf. A NaN or inf the model computed is kept as computed (extraction does
+    not judge values); only what the cast changes is refused. Integers are left alone.
+
+    The cost is one reduction per tensor (its largest magnitude, no copy) beside the cast itself; the exact
+    element test runs only when that maximum is past ``dtype``'s largest value (or not finite)."""
+    limit = torch.finfo(dtype).max
+    out: dict[str, torch.Tensor] = {}
+    for name, t in feats.items():
+        if not t.is_floating_point() or t.dtype == dtype:
+            out[name] = t
+            continue
+        cast = t.to(dtype)
+        if t.numel() and not float(torch.linalg.vector_norm(t, ord=float("inf"))) <= limit:
+            # Past the limit, or a NaN somewhere: did the cast make an inf of a finite value? (A value up to
+            # half an ulp past the limit rounds to it, and is held.)
+            made = torch.isinf(cast) & torch.isfinite(t)
+            if bool(made.any()):
+                peak = float(t[torch.isfinite(t)].abs().max())
+                name_of = str(dtype).removeprefix("torch.")
+                wider = [d for d in _STORE_CHOICES if torch.finfo(getattr(torch, d)).max > peak]
+                use = f"use --store-dtype {' or '.join(wider)}" if wider else "store it as computed"
+                return None, (
+                    f"not storable as {name_of}: max |value| {peak:.3g} of feature {name!r} exceeds "
+                    f"{name_of}'s largest value {limit:.6g} ({int(made.sum())} values would be stored as "
+                    f"inf): {use}"
+                )
+        out[name] = cast
+    return out, None

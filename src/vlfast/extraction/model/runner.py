@@ -19,6 +19,7 @@ from vlfast.extraction.model.batching import Failed, TokenBudget, pack, pack_pad
 from vlfast.extraction.model.features import (
     FeatureSpec,
     VisionBatch,
+    cast_for_store,
     compute_llm_features,
     compute_vision_features,
     find_decoder,
@@ -159,11 +160,7 @@ class Forward:
         if cuda:
             torch.cuda.synchronize(loaded.device)
         self.compute_seconds += time.perf_counter() - t0
-        if self.stored_as is not None:
-            feats = [
-                {k: v.to(self.stored_as) if v.is_floating_point() else v for k, v in f.items()} for f in feats
-            ]
-        return feats
+        return feats  # cast to the store dtype per sample, in store(): one that cannot hold it is recorded
 
     def _split(self, n: int) -> None:
         self.oom_splits += 1
@@ -182,6 +179,11 @@ class Forward:
                     sample.id, sample.source, f"out of memory even alone ({item.cost} tokens): {result.error}"
                 )
                 continue
+            if self.stored_as is not None:
+                result, refused = cast_for_store(result, self.stored_as)
+                if refused is not None:  # an overflow to inf: recorded, never stored
+                    record(sample.id, sample.source, refused)
+                    continue
             path = None if sample.kind == "text" else sample.source
             meta = {"path": path, "kind": sample.kind, "n_tokens": int(item.tokens), **item.meta}
             store.add(sample.id, result, meta)
