@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from vlfast.tokens.report import Alternative, TagReport
+from vlfast.tokens.report import Alternative, TagReport, TokenVerdict
 
-if TYPE_CHECKING:
-    from vlfast.tokens.audit import Analysis
+
+class SpellsTags(Protocol):
+    """What a proposal needs of an audit's analysis (``vlfast.tokens.audit.Analysis``): a tag's ids,
+    tokens and verdict. A protocol, not an import: the audit imports this module."""
+
+    def tag_verdict(self, tag: str) -> tuple[list[int], list[TokenVerdict], str]: ...
+
 
 # Synonyms per tag name, best first; other names get the general pool. `<think>` -> `<thinking>` is the
 # remedy the zero-RL reports used.
@@ -32,7 +37,7 @@ def tag_name(tag: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
-def propose(an: Analysis, tag: str) -> list[Alternative]:
+def propose(an: SpellsTags, tag: str) -> list[Alternative]:
     """Up to MAX_ALTERNATIVES replacements for `tag` whose opening and closing forms are both trained."""
     parsed = tag_name(tag)
     if parsed is None:

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, Media, SampleError, at_url, checked_media
+from vlfast.extraction.decode.processor_config import ProcessorConfig
 from vlfast.extraction.decode.truncation import container_truncation
 from vlfast.extraction.objstore import is_transient, transient_error
-
-if TYPE_CHECKING:  # pragma: no cover
-    from vlfast.extraction.decode.preprocess import ProcessorConfig
 
 __all__ = [
     "normalize_video_patches",

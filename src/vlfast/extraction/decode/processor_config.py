@@ -1,0 +1,86 @@
+"""``ProcessorConfig``: every number preprocessing uses, as data. Its own module, below both
+:mod:`~vlfast.extraction.decode.preprocess` (which builds it from a checkpoint or a family's defaults) and
+:mod:`~vlfast.extraction.decode.video` (whose rules read it), so neither imports the other to name it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vlfast.errors import InputRefused
+
+__all__ = ["ProcessorConfig"]
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """Every number preprocessing uses; recorded in the run config so a run is reproducible."""
+
+    source: str  # where the numbers come from: the checkpoint's files read, or the family defaults
+    image_processor: str  # class of the image processor built for images, e.g. "Qwen2VLImageProcessorPil"
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_min_pixels: int
+    image_max_pixels: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    video_min_pixels: int
+    video_max_pixels: int
+    video_mean: tuple[float, ...]
+    video_std: tuple[float, ...]
+    frame_sampling: str  # "qwen3-vl" or "qwen2-vl": whose sample_frames rule
+    fps: float | None = 2.0
+    num_frames: int | None = None
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
+    rescale_factor: float = 1 / 255
+    video_resize: str = "torch.nn.functional.interpolate(uint8, bicubic, antialias=True)"
+    frames_list_fps: float = 24.0  # timestamps of a clip given as frame images (transformers' default)
+    # "processor": the video processor's smart_resize over all frames; "qwen-vl-utils": qwen-vl-utils'
+    # fetch_video (a per-frame budget from video_max_pixels as the total, per-frame video_min_pixels and
+    # max_video_tokens), as Qwen3-VL-Embedding prepares videos (with frame_sampling "qwen-vl-utils").
+    video_sizing: str = "processor"
+
+    def __post_init__(self) -> None:
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InputRefused(f"{name} must be a positive int, got {v!r}")
+        if self.frame_sampling not in ("qwen3-vl", "qwen2-vl", "qwen-vl-utils"):
+            raise InputRefused(
+                f"frame_sampling must be 'qwen3-vl', 'qwen2-vl' or 'qwen-vl-utils', got {self.frame_sampling!r}"
+            )
+        if self.video_sizing not in ("processor", "qwen-vl-utils"):
+            raise InputRefused(
+                f"video_sizing must be 'processor' or 'qwen-vl-utils', got {self.video_sizing!r}"
+            )
+        if (self.fps is None) == (self.num_frames is None):
+            raise InputRefused("give exactly one of fps and num_frames for video sampling")
+        if self.fps is not None and self.fps <= 0:
+            raise InputRefused(f"fps must be positive, got {self.fps}")
+        if self.num_frames is not None and self.num_frames < 1:
+            raise InputRefused(f"num_frames must be >= 1, got {self.num_frames}")
+        if not 0 < self.image_min_pixels <= self.image_max_pixels:
+            raise InputRefused("need 0 < image_min_pixels <= image_max_pixels")
+        if not 0 < self.video_min_pixels <= self.video_max_pixels:
+            raise InputRefused("need 0 < video_min_pixels <= video_max_pixels")
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run configuration's ``processor`` entry (run.json; docs/extract.md)."""
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        # Written by every vlfast so far, always empty (a field that was never passed to the processor):
+        # kept so that an OUT written before resumes, its configuration being compared as a whole.
+        d["image_kwargs"] = {}
+        if d["video_sizing"] == "processor":  # added with embeddings: absent from older OUTs' run.json
+            del d["video_sizing"]
+        return d
