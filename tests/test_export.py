@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,6 +155,74 @@ def test_a_bfloat16_vector_is_exported_exactly(tmp_path):
     export(out, tmp_path / "t.parquet")
     got = pq.read_table(tmp_path / "t.parquet").column("embedding").to_pylist()
     assert got == [v.float().tolist() for v in stored(out).values()]
+
+
+def _big(sid: str) -> dict[str, torch.Tensor]:
+    """`embedding` past float16's range on sample s03 only (1e6 and -7e4), the others unit vectors."""
+    emb = features(sid)["embedding"]
+    if sid == "s03":
+        emb = emb.clone()
+        emb[2], emb[5] = 1e6, -7e4
+    return {"embedding": emb}
+
+
+def test_float16_refuses_values_it_cannot_hold_naming_the_sample(tmp_path):
+    """Before: exit 0 and inf stored for every value of s03 beyond 65504."""
+    out = tmp_path / "big"
+    fill(out, ids=IDS[:6], feats=_big)
+    for fmt in ("parquet", "lance"):
+        if fmt == "lance":
+            pytest.importorskip("lance")
+        dest = tmp_path / f"t.{fmt}"
+        r = runner.invoke(app, ["export", str(out), str(dest), "--dtype", "float16", "--format", fmt])
+        assert r.exit_code == 2, r.output
+        err = " ".join(r.stderr.split())
+        assert "sample 's03': 'embedding' holds values up to 1e+06 in magnitude" in err, err
+        assert "float16 holds at most 65504" in err and "--dtype float32" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]  # no table, no temp
+    export(out, tmp_path / "t.parquet")  # float32 holds them: stored as computed
+    got = pq.read_table(tmp_path / "t.parquet").column("embedding").to_pylist()
+    assert got == [v.float().tolist() for v in stored(out).values()]
+    # Stored non-finite values are not the cast's doing: exported as they are, in either dtype.
+    nan = tmp_path / "nan"
+    fill(
+        nan,
+        ids=IDS[:3],
+        feats=lambda sid: {"embedding": torch.full((4,), float("nan") if sid == "s01" else 1.0)},
+    )
+    export(nan, tmp_path / "n.parquet", dtype="float16")
+    assert np.isnan(pq.read_table(tmp_path / "n.parquet").column("embedding").to_pylist()[1]).all()
+
+
+def test_dest_inside_or_at_out_is_refused(out, tmp_path):
+    """Before: DEST an index part of OUT with --overwrite replaced it with the table: OUT was damaged."""
+    work = tmp_path / "out"
+    shutil.copytree(out, work)
+    part = sorted((work / "index").iterdir())[0]
+    before = {p: p.read_bytes() for p in work.rglob("*") if p.is_file()}
+    (tmp_path / "link").symlink_to(work)
+    cases = [
+        ([str(part), "--overwrite"], "is inside OUT"),
+        ([str(work / "t.parquet")], "is inside OUT"),
+        ([str(tmp_path / "link" / "t.lance")], "is inside OUT"),
+        ([str(work), "--overwrite", "--format", "lance"], "is OUT"),
+        ([str(tmp_path / "link"), "--overwrite"], "is OUT"),
+    ]
+    for argv, message in cases:
+        r = runner.invoke(app, ["export", str(work), *argv])
+        assert r.exit_code == 2, (argv, r.output)
+        assert message in " ".join(r.stderr.split()), (argv, r.stderr)
+        assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file()} == before, argv
+    export(work, tmp_path / "t.parquet")  # OUT is whole
+    check_table(pq.read_table(tmp_path / "t.parquet"), out)
+
+
+@pytest.mark.parametrize("rows", [0, -1, float("nan"), float("inf"), 1.5, True, "4", 10**30])
+def test_batch_rows_is_refused_unless_a_sane_count(out, tmp_path, rows):
+    """Before: nan and inf raised ValueError and OverflowError from int() (a bug's exit 3)."""
+    with pytest.raises(InputRefused, match="batch_rows must be a whole number from 1 to"):
+        export(out, tmp_path / "t.parquet", batch_rows=rows)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------ lance

@@ -1,4 +1,10 @@
-"""File helpers: the mode every other program would give a new file, and a seekable window of bytes.
+"""File helpers: how vlfast writes a user's file or folder, the mode a new file gets, and a seekable window of bytes.
+
+``write_atomically`` is the one way vlfast writes what a user asked for (``tokens rewrite``, ``tokens fix``,
+``export``, ``demo-checkpoint``): beside the destination under a hidden temp name, made durable, renamed
+into place only when whole, the temp removed on any failure. ``refuse_same_files`` and ``is_inside`` tell
+an output that is an input by identity (device and inode: a hard link, a symlink, another spelling), so
+the commands refuse it before anything is opened for writing.
 
 safetensors' writer creates its files with mode 0600, so shards and fixed checkpoints written on shared
 storage were unreadable by teammates. ``honour_umask`` gives a written file ``0666 & ~umask``, as ``open``
@@ -8,8 +14,19 @@ ranged requests from one at a URL.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import io
 import os
+import secrets
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from vlfast.errors import InputRefused
+
+PathLike = str | os.PathLike
 
 
 def _umask() -> int:
@@ -29,6 +46,175 @@ def _umask() -> int:
 def honour_umask(path: str | os.PathLike) -> None:
     """Give ``path`` the permissions a plain ``open(path, "w")`` would have: 0666 minus the umask."""
     os.chmod(path, 0o666 & ~_umask())
+
+
+def same_file(a: PathLike, b: PathLike) -> bool:
+    """Whether ``a`` and ``b`` name one existing file or folder: same device and inode, so a hard link, a
+    symlink and a relative spelling all count. False when either does not exist."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except (OSError, ValueError):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def is_inside(path: PathLike, folder: PathLike) -> bool:
+    """Whether ``path`` (which need not exist) lies under ``folder``: one of its existing parent folders,
+    after symlinks and ``..`` are resolved, is ``folder`` by identity."""
+    try:
+        target = os.stat(folder)
+    except (OSError, ValueError):
+        return False
+    for parent in Path(os.path.realpath(path)).parents:
+        try:
+            st = os.stat(parent)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
+
+
+def refuse_same_files(outputs: Mapping[str, PathLike | None], inputs: Mapping[str, PathLike | None]) -> None:
+    """Refuse (InputRefused, naming both) an output that is an input, or another output, by identity or by
+    resolved name; keys are what the user called them (``--out``, ``--dataset``). None entries are unused."""
+    given = {k: v for k, v in outputs.items() if v is not None}
+    sources = {k: v for k, v in inputs.items() if v is not None}
+    for k, (out_flag, out) in enumerate(given.items()):
+        for in_flag, src in sources.items():
+            if same_file(out, src) or os.path.realpath(out) == os.path.realpath(src):
+                raise InputRefused(
+                    f"{out_flag} {os.fspath(out)} is the same file as {in_flag} {os.fspath(src)}: vlfast never "
+                    f"writes over its input; name a new {out_flag}"
+                )
+        for other_flag, other in list(given.items())[:k]:
+            if same_file(out, other) or os.path.realpath(out) == os.path.realpath(other):
+                raise InputRefused(
+                    f"{out_flag} {os.fspath(out)} is the same file as {other_flag} {os.fspath(other)}: one "
+                    "output would replace the other; name two files"
+                )
+
+
+# renameat2(2) flags (Linux 3.15+): a rename that refuses an existing target, and an atomic swap.
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+
+
+def temp_name(dest: Path, tag: str) -> Path:
+    """The hidden name beside ``dest`` that ``write_atomically`` writes under: ``.NAME.vlfast-TAG-PID-XXXXXXXX``."""
+    return dest.parent / f".{dest.name}.vlfast-{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def write_atomically(
+    dest: PathLike, write: Callable[[Path], object], *, overwrite: bool = False, tag: str = "write"
+) -> None:
+    """``write(tmp)`` a file or folder at a hidden temp name beside ``dest``, make it durable, then rename
+    it to ``dest``: readers see nothing, the previous ``dest``, or the whole new one. The temp is removed if
+    anything fails (a SIGKILL leaves it behind under its hidden name). An existing ``dest`` is replaced
+    only with ``overwrite``, except an empty folder, which a folder takes the place of as a new one would
+    (if it gains files meanwhile, nothing is replaced)."""
+    dest = Path(dest)
+    tmp = temp_name(dest, tag)
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        _place(tmp, dest, overwrite)
+    except BaseException:
+        _remove(tmp)
+        raise
+    _fsync_dir(dest.parent)
+
+
+def _exists_refused(dest: Path) -> InputRefused:
+    return InputRefused(
+        f"{dest} exists (or appeared while it was being written): nothing was replaced; name a new destination"
+    )
+
+
+def _place(tmp: Path, dest: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``dest``: refused if ``dest`` exists (without ``overwrite``); a folder replaces the
+    previous one by an atomic swap where the kernel has one (renameat2), else by two renames (in between,
+    ``dest`` is briefly absent, never partial)."""
+    if not overwrite and tmp.is_dir() and dest.is_dir() and not dest.is_symlink():
+        try:
+            os.rename(tmp, dest)  # replaces an empty folder only: one with files fails
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise _exists_refused(dest) from None
+            raise
+        return
+    exists = dest.exists() or dest.is_symlink()
+    if not overwrite or not exists:
+        try:
+            if _renameat2(tmp, dest, _RENAME_NOREPLACE):
+                return
+        except FileExistsError:
+            raise _exists_refused(dest) from None
+        if not overwrite and (dest.exists() or dest.is_symlink()):
+            raise _exists_refused(dest)
+    if not tmp.is_dir() or not exists:
+        os.replace(tmp, dest)
+        return
+    if _renameat2(tmp, dest, _RENAME_EXCHANGE):
+        _remove(tmp)  # now the previous folder
+        return
+    aside = tmp.with_name(tmp.name + "-old")
+    os.rename(dest, aside)
+    os.rename(tmp, dest)
+    _remove(aside)
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux's renameat2; False where the C library or the filesystem lacks it (the caller falls back)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _fsync_tree(path: Path) -> None:
+    """Every file and folder under ``path`` durable before the rename makes it the destination."""
+    if path.is_file():
+        _fsync_file(path)
+        return
+    for folder, _, files in os.walk(path):
+        for name in files:
+            _fsync_file(Path(folder, name))
+        _fsync_dir(Path(folder))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is only durable once the folder entry is; without this a power loss can undo it.
+    if os.name == "nt":  # Windows cannot open a folder as a file; NTFS journals the rename itself
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 class ByteWindow(io.RawIOBase):

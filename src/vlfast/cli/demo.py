@@ -24,12 +24,15 @@ def demo_checkpoint(
     as_json: JsonOpt = False,
 ) -> None:
     """Write a tiny random-weight Qwen3-VL checkpoint (2 MB, seconds) with a language model and tokenizer."""
+    from vlfast._files import write_atomically
     from vlfast.demo import make_tiny_qwen3_vl
 
     folder = Path(out)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise UsageError(f"{out} exists and is not an empty folder; name a new one")
-    make_tiny_qwen3_vl(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Beside OUT, renamed into place when whole: a failure half-way leaves no partial checkpoint.
+    write_atomically(folder, make_tiny_qwen3_vl, tag="demo")
     if as_json:
         print_json({"path": str(folder), "files": sorted(p.name for p in folder.iterdir())})
         return

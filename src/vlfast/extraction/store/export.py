@@ -4,30 +4,30 @@
 list of float32, or float16), ``path``, ``text``, ``instruction`` and ``n_tokens`` (the last four from each
 sample's meta, null where it has none). What is refused is refused before anything is written: a feature
 that is not one vector per sample, vectors of different lengths (naming the sample), an existing DEST
-without ``overwrite``. The table is written under a hidden temp name beside DEST and renamed into place
-once complete, so a killed export leaves DEST absent or as it was, never half a table under its name.
+without ``overwrite``, a DEST that is OUT or inside it (by identity). A value ``dtype`` cannot hold (float16
+overflows past 65504) is refused naming the sample once the streaming write reaches it: the temp table is
+removed, so nothing is written then either. The table is written under a hidden temp name beside DEST and
+renamed into place once complete (``vlfast._files.write_atomically``), so a killed export leaves DEST absent
+or as it was, never half a table under its name.
 Rows stream in batches of ``batch_rows``: memory holds one batch of vectors, plus the index of OUT that
 :class:`FeatureCache` keeps (ids and meta, not tensors). docs/extract.md, "Export", says the rest.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
 import json
+import numbers
 import os
-import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from vlfast._files import is_inside, same_file, write_atomically
 from vlfast.errors import InputRefused
 from vlfast.extraction.objstore import is_url, url_scheme
-from vlfast.extraction.store.backend import disk_full, fsync_dir
+from vlfast.extraction.store.backend import disk_full
 from vlfast.extraction.store.format import OutputFull, is_local, resolve_out
 from vlfast.extraction.store.reader import FeatureCache
 
@@ -38,13 +38,9 @@ VECTOR_DTYPES = ("float32", "float16")
 DEFAULT_FEATURE = "embedding"
 META_COLUMNS = ("path", "text", "instruction", "n_tokens")  # read from each sample's meta
 BATCH_ROWS = 4096
-TMP_MARK = ".vlfast-export-"  # a hidden ".DEST.vlfast-export-PID-XXXX" beside DEST while it is written
+MAX_BATCH_ROWS = 1 << 20  # a batch of vectors is held in memory: past this, memory is the limit, not speed
 LANCE_HINT = 'pip install "vlfast[export]"'
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
-
-# renameat2(2) flags (Linux 3.15+): a rename that refuses an existing target, and an atomic swap.
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
-_AT_FDCWD = -100
 
 
 @dataclass
@@ -82,8 +78,15 @@ def export(
         format = "lance" if str(dest).rstrip("/").endswith(".lance") else "parquet"
     format = _choice(format, FORMATS, "format")
     dtype = _choice(dtype, VECTOR_DTYPES, "dtype")
-    if int(batch_rows) < 1:
-        raise InputRefused(f"batch_rows must be at least 1, got {batch_rows}")
+    if (
+        isinstance(batch_rows, bool)
+        or not isinstance(batch_rows, numbers.Integral)
+        or not 1 <= batch_rows <= MAX_BATCH_ROWS
+    ):
+        raise InputRefused(
+            f"batch_rows must be a whole number from 1 to {MAX_BATCH_ROWS:,}, got {batch_rows!r}"
+        )
+    _refuse_dest_in_out(out, dest)
     target = _check_dest(dest, format, overwrite)
     lance = _import_lance() if format == "lance" else None
     cache = _open(out, storage_options)
@@ -97,7 +100,7 @@ def export(
     else:
         write = _lance_writer(lance, schema, batches, len(cache))
     try:
-        write_atomically(target, write, overwrite)
+        write_atomically(target, write, overwrite=overwrite, tag="export")
     except OSError as e:
         if disk_full(e):
             raise OutputFull(f"cannot write {target}: no space left on its disk ({e.strerror})") from None
@@ -129,6 +132,27 @@ def _choice(value: str, allowed: tuple[str, ...], what: str) -> str:
     if text not in allowed:
         raise InputRefused(f"unknown {what} {value!r}: give one of {', '.join(allowed)}")
     return text
+
+
+def _refuse_dest_in_out(out: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """DEST must lie outside OUT (by identity: symlinks and other spellings count): the table written
+    there would replace OUT's own files (an index part is a Parquet file) or sit among them."""
+    if hasattr(out, "fs") or any(
+        is_url(os.fspath(t)) and url_scheme(os.fspath(t)) != "file" for t in (out, dest)
+    ):
+        return  # an OUT on object storage is never a local DEST; a remote DEST is refused in _check_dest
+    out_path, dest_path = resolve_out(out), resolve_out(dest)
+    if not (is_local(out_path) and is_local(dest_path)):
+        return
+    if same_file(dest_path, out_path):
+        raise InputRefused(
+            f"DEST {dest_path} is OUT {out_path}, the extraction folder it reads: name a DEST outside OUT"
+        )
+    if is_inside(dest_path, out_path):
+        raise InputRefused(
+            f"DEST {dest_path} is inside OUT {out_path}, the extraction folder it reads: a table there would "
+            "replace or sit among OUT's own files; name a DEST outside OUT"
+        )
 
 
 def _check_dest(dest: str | os.PathLike, format: str, overwrite: bool) -> Path:
@@ -331,14 +355,36 @@ def _batches(cache: FeatureCache, feature: str, dim: int, dtype: str, schema, ro
             raise InputRefused(
                 f"sample {sample_id!r}: {feature!r} has shape {tuple(vector.shape)}, not ({dim},)"
             )
+        cast = vector.to(to)
+        _refuse_overflow(sample_id, feature, vector, cast, dtype)
         ids.append(sample_id)
-        vectors.append(vector.to(to).numpy())
+        vectors.append(cast.numpy())
         metas.append(_meta_columns(cache.meta(i), instruction))
         if len(ids) == rows:
             yield batch()
             ids, vectors, metas = [], [], []
     if ids:
         yield batch()
+
+
+def _refuse_overflow(sample_id: str, feature: str, stored, cast, dtype: str) -> None:
+    """Refuse a vector that ``dtype`` cannot hold: finite stored values the cast made inf (float16 tops
+    out at 65504). Non-finite stored values are exported as they are: they are what was computed."""
+    import torch
+
+    if bool(torch.isfinite(cast).all()):
+        return
+    finite = torch.isfinite(stored)
+    if not bool((finite & ~torch.isfinite(cast)).any()):
+        return
+    peak = float(stored[finite].double().abs().max())
+    limit = float(torch.finfo(cast.dtype).max)
+    instead = "export with --dtype float32, or scale" if dtype != "float32" else "scale"
+    raise InputRefused(
+        f"sample {sample_id!r}: {feature!r} holds values up to {peak:.6g} in magnitude, and {dtype} holds at "
+        f"most {limit:g}: the table would store inf in their place. Nothing was written; {instead} the "
+        "vectors first"
+    )
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -390,85 +436,3 @@ class _Source:
         except Exception as e:
             self.error = e
             raise
-
-
-def write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool) -> None:
-    """``write(tmp)`` a file or folder at a hidden temp name beside ``dest``, make it durable, then rename
-    it to ``dest``: readers see no table, the previous one, or the whole new one. The temp is removed if
-    anything fails; a SIGKILL leaves it behind under its hidden name (``.NAME.vlfast-export-*``)."""
-    tmp = dest.parent / f".{dest.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        write(tmp)
-        _fsync_tree(tmp)
-        _place(tmp, dest, overwrite)
-    except BaseException:
-        _remove(tmp)
-        raise
-    fsync_dir(dest.parent)
-
-
-def _place(tmp: Path, dest: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``dest``: refused if ``dest`` appeared meanwhile (without ``overwrite``); a
-    folder replaces the previous one by an atomic swap where the kernel has one (renameat2), else by two
-    renames (in between, ``dest`` is briefly absent, never partial)."""
-    exists = dest.exists() or dest.is_symlink()
-    if not overwrite or not exists:
-        try:
-            if _renameat2(tmp, dest, _RENAME_NOREPLACE):
-                return
-        except FileExistsError:
-            raise InputRefused(f"DEST {dest} appeared while exporting; nothing was replaced") from None
-        if not overwrite and (dest.exists() or dest.is_symlink()):
-            raise InputRefused(f"DEST {dest} appeared while exporting; nothing was replaced")
-    if not tmp.is_dir() or not exists:
-        os.replace(tmp, dest)
-        return
-    if _renameat2(tmp, dest, _RENAME_EXCHANGE):
-        _remove(tmp)  # now the previous table
-        return
-    aside = tmp.with_name(tmp.name + "-old")
-    os.rename(dest, aside)
-    os.rename(tmp, dest)
-    _remove(aside)
-
-
-def _renameat2(src: Path, dst: Path, flags: int) -> bool:
-    """Linux's renameat2; False where the C library or the filesystem lacks it (the caller falls back)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(dst))
-
-
-def _fsync_tree(path: Path) -> None:
-    """Every file and folder under ``path`` durable before the rename makes it the table."""
-    if path.is_file():
-        _fsync_file(path)
-        return
-    for folder, _, files in os.walk(path):
-        for name in files:
-            _fsync_file(Path(folder, name))
-        fsync_dir(Path(folder))
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
