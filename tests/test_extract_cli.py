@@ -20,7 +20,8 @@ def test_extract_json_then_resume(media_dir, tiny_qwen3_vl, tmp_path):
     assert summary["extracted"] == len(list((media_dir / "good").iterdir())) and summary["failed"] == 0
     r = runner.invoke(app, args)  # human output, resumed: nothing left to do
     assert r.exit_code == 0, r.output
-    assert "nothing to do: all 13 input entries" in r.output and f"already in {out} " in r.output
+    assert "nothing to do: all 13 input entries are already in" in r.output and f"already in {out} " in r.output
+    assert "rank" not in r.output  # a single process has no ranks to tell apart
     r = runner.invoke(app, [*args, "--features", "vision"])
     assert r.exit_code == 2 and "features" in r.output
 
@@ -91,3 +92,10 @@ def test_api_warns_when_openmp_threads_spin(tiny_qwen3_vl, tmp_path, monkeypatch
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY=PASSIVE"):
         extract([], tmp_path / "o", model=str(tiny_qwen3_vl), device="cpu", num_workers=1)
+
+
+def test_demo_help_says_it_takes_model():
+    """`--demo -h` names --model and its default, as the README pairs `--demo` with `--model tiny-ckpt`."""
+    r = runner.invoke(app, ["extract", "-h"])
+    text = " ".join(r.output.split())
+    assert "extract them with --model (default ref:qwen3-vl-2b" in text, text

@@ -246,7 +246,8 @@ def extract(
         bool,
         typer.Option(
             "--demo",
-            help=f"Make a few images and a short video in a temp folder and extract them with {DEMO_MODEL}.",
+            help="Make a few images and a short video in a temp folder and extract them with --model (default "
+            f"{DEMO_MODEL}: vision features; a checkpoint from `vlfast demo-checkpoint tiny-ckpt` adds LLM ones).",
         ),
     ] = False,
     verbose: Annotated[
@@ -361,7 +362,7 @@ def extract(
         print_json(summary.to_dict())
     elif summary.nothing_to_do:
         console.print(
-            f"nothing to do: all {summary.assigned} input entries of this rank are already in {out} "
+            f"nothing to do: all {summary.assigned} input entries{_of_rank(summary)} are already in {out} "
             f"(extracted, or recorded in {_errors_dir(out)})",
             highlight=False,
             markup=False,
@@ -433,6 +434,11 @@ def _errors_dir(out: str) -> str:
     return f"{out.rstrip('/')}/errors" if _is_url(out) else str(Path(out) / "errors")
 
 
+def _of_rank(summary, word: str = "of") -> str:
+    """Which rank, where ranks share the input (" of rank 3"); nothing for a single process."""
+    return f" {word} rank {summary.rank}" if summary.world_size > 1 else ""
+
+
 def _print_summary(summary, out: str) -> None:
     shown = out if _is_url(out) else str(Path(out))
     table = Table(title=f"vlfast extract -> {escape(shown)}", show_header=False)
@@ -444,7 +450,11 @@ def _print_summary(summary, out: str) -> None:
         ("rank", f"{summary.rank} of {summary.world_size}")
         if summary.engine == "local"
         else ("engine", f"{summary.engine}: the driver is rank 0, model actors ranks 1 and up"),
-        ("entries", f"{summary.total} in input, {summary.assigned} for this rank"),
+        (
+            "entries",
+            f"{summary.total} in input"
+            + (f", {summary.assigned}{_of_rank(summary, 'for')}" if summary.world_size > 1 else ""),
+        ),
         ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
         ("failed", f"{summary.failed} recorded in OUT/errors" if summary.failed else "0"),
         ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
