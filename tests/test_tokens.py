@@ -415,7 +415,7 @@ def test_rewrite_jsonl_parquet_template_regex(tmp_path):
             field="nope",
             dataset_out=tmp_path / "z.parquet",
         )
-    with pytest.raises(ValueError, match="must differ"):
+    with pytest.raises(ValueError, match="is the same file as --dataset"):
         rewrite_tags(["think=thinking"], dataset=src, field="completion", dataset_out=src)
 
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,12 +122,17 @@ class Analysis:
         return out
 
 
-def _parse_reference(values: Sequence[int | str] | None) -> list[int] | None:
-    """[1, '5-7', '9,10'] -> [1, 5, 6, 7, 9, 10]. A blank value or a reversed range is an error: either
-    would silently leave the audit without the reference rows the user meant to give."""
+_ID_OR_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?", re.ASCII)
+
+
+def _parse_reference(values: Sequence[int | str] | None) -> list[tuple[int, int, str]] | None:
+    """[1, '5-7', '9,10'] -> [(1, 1, '1'), (5, 7, '5-7'), (9, 9, '9'), (10, 10, '10')]: ranges, never
+    expanded here (0-1000000000000 is two numbers, not a list). A blank value, a reversed range or anything
+    but whole numbers from 0 is an error: each would silently leave the audit without the reference rows
+    the user meant to give."""
     if values is None:
         return None
-    out: list[int] = []
+    out: list[tuple[int, int, str]] = []
     for v in [values] if isinstance(values, str) else values:
         parts = [p for p in str(v).replace(" ", "").split(",") if p]
         if not parts:
@@ -134,14 +140,43 @@ def _parse_reference(values: Sequence[int | str] | None) -> list[int] | None:
                 f"--reference-ids {str(v)!r} names no id; give ids or ranges such as 151669-152063"
             )
         for part in parts:
-            try:
-                a, b = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
-            except ValueError:
-                raise InputRefused(f"reference id {part!r} is not an id or a range like 5-7") from None
+            m = _ID_OR_RANGE.fullmatch(part)
+            if m is None:
+                raise InputRefused(
+                    f"--reference-ids value {_shown(part)!r} is not an id or a range like 5-7: ids are whole "
+                    "numbers from 0"
+                )
+            a, b = (_bounded_int(x) for x in (m[1], m[2] or m[1]))
             if a > b:
-                raise InputRefused(f"reference range {part!r} is reversed; write {b}-{a}")
-            out.extend(range(a, b + 1))
-    return sorted(set(out))
+                swap = f"; write {m[2]}-{m[1]}" if len(part) <= 60 else ""
+                raise InputRefused(f"reference range {_shown(part)!r} is reversed{swap}")
+            out.append((a, b, part))
+    return out
+
+
+_BEYOND = 1 << 64  # stands for any id written with more digits than an embedding could have rows
+
+
+def _bounded_int(digits: str) -> int:
+    # int() of thousands of digits is slow and, past 4,300, refused by Python: any such id is out of range
+    return int(digits) if len(digits.lstrip("0")) <= 19 else _BEYOND
+
+
+def _shown(part: str) -> str:
+    return part if len(part) <= 60 else part[:57] + "..."
+
+
+def _reference_mask(ranges: list[tuple[int, int, str]], rows: int) -> np.ndarray:
+    """The rows the user's ranges name, each checked against the matrix before any is expanded."""
+    mask = np.zeros(rows, bool)
+    for a, b, part in ranges:
+        if b >= rows:
+            what = f"id {_shown(part)!r} is" if a == b else f"range {_shown(part)!r} reaches"
+            raise InputRefused(
+                f"--reference-ids {what} past the embedding's {rows} rows (valid ids: 0-{rows - 1})"
+            )
+        mask[a : b + 1] = True
+    return mask
 
 
 def analyse(
@@ -158,6 +193,7 @@ def analyse(
     `exclude_ids` (the audited tags' tokens) are kept out of both the reference and the ordinary rows,
     so a tag never vouches for itself.
     """
+    user = _parse_reference(reference_ids)  # before any file is read: a typo is named first
     weights = CheckpointWeights.open(model, embedding_name, lm_head_name)
     vocab = vocab or Vocabulary.load(model)
     rows, _ = weights.shape(weights.embedding_name)
@@ -174,13 +210,10 @@ def analyse(
             "the tokenizer and the weights do not belong together"
         )
     excluded = set(int(i) for i in exclude_ids)
-    user = _parse_reference(reference_ids)
     if user is not None:
-        bad = [i for i in user if i >= rows or i < 0]
-        if bad:
-            raise InputRefused(f"reference ids {bad[:5]} are outside the {rows} embedding rows")
-        sources = {"user": len(user)}
-        ref = [i for i in user if i not in excluded]
+        mask = _reference_mask(user, rows)
+        sources = {"user": int(mask.sum())}
+        ref = [i for i in np.flatnonzero(mask).tolist() if i not in excluded]
     else:
         padding = list(range(vocab.length, rows))
         named = vocab.unused_by_name()

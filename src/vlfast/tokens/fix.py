@@ -6,7 +6,8 @@ without the added token (`<think>` -> `<`, `think`, `>`), per matrix. `mean`: th
 fixed rows never coincide. Every fixed row is then scaled to its matrix's median trained norm, because an
 average of vectors is shorter than any of them: a short input row is what marks a row as untrained, and
 a short untied lm_head row keeps the token's logit below its pieces', so the model never produces it.
-The original folder is only read; every other file is copied unchanged.
+The original folder is only read; every other file is copied unchanged. OUT is written beside its name
+and renamed into place when whole, so a failure leaves no partial checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlfast._files import is_inside, same_file, write_atomically
 from vlfast.errors import InputRefused
 from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, split_placeholders
 from vlfast.tokens.report import TokenAudit, strict_json
@@ -120,9 +122,16 @@ def fix_tokens(
         raise FileNotFoundError(
             f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
         )
-    if out.resolve() == model.resolve():
-        raise InputRefused("OUT must be a new folder: the original checkpoint is never modified")
-    if out.exists() and any(out.iterdir()):
+    if same_file(out, model) or out.resolve() == model.resolve():
+        raise InputRefused(
+            f"OUT {out} is the checkpoint --model {model}: the original is never modified; name a new folder"
+        )
+    if is_inside(out, model):
+        raise InputRefused(
+            f"OUT {out} is inside the checkpoint --model {model}: the checkpoint folder is only read; name a "
+            "new folder outside it"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputRefused(f"{out} exists and is not empty; choose a new folder for the fixed checkpoint")
 
     wanted = collect_tags(tags, template, reward_regex)
@@ -181,7 +190,11 @@ def fix_tokens(
             values[tid] = row
         new_values[name] = values
 
-    files_rewritten, files_copied = _write(w, model, out, new_values)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[list[str], list[str]]] = []
+    # Beside OUT, renamed into place when whole: a failure half-way leaves no partial checkpoint.
+    write_atomically(out, lambda tmp: written.append(_write(w, model, tmp, new_values)), tag="fix")
+    files_rewritten, files_copied = written[0]
     report = FixReport(str(model), str(out), init, rows, files_rewritten, files_copied, before, None, notes)
     if verify and wanted:
         report.after = audit_tokens(
@@ -196,7 +209,7 @@ def _write(w, model: Path, out: Path, new_values: dict[str, dict[int, torch.Tens
 
     from vlfast._files import honour_umask
 
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir()
     edit_files = {w.tensor_files[name] for name, v in new_values.items() if v}
     rewritten, copied = [], []
     for src in sorted(model.iterdir()):

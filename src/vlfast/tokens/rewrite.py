@@ -4,14 +4,17 @@ dataset field (JSONL or Parquet), a chat template and a reward regex, so data, p
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
+import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlfast._files import refuse_same_files, write_atomically
 from vlfast.errors import InputRefused
 from vlfast.tokens.tags import BARE_NAME, compile_reward_regex, tag_pair
 
@@ -141,49 +144,119 @@ def _present(text: str, targets: list[str]) -> dict[str, int]:
     return {t: text.count(t) for t in targets if t in text}
 
 
+# A JSON \u escape of a UTF-16 surrogate that is not half of a pair (after skipping escaped backslashes):
+# json.loads gives it as a lone surrogate, which is not Unicode text and cannot be written as UTF-8.
+_SURROGATE_ESCAPE = re.compile(
+    r"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[dD][89a-fA-F][0-9a-fA-F]{2}"
+)
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+
+def _lone_surrogate(line: str) -> re.Match | None:
+    for m in _SURROGATE_ESCAPE.finditer(line):
+        if len(m.group()) == 6:  # not an escaped backslash (2) nor a pair (12)
+            return m
+    return None
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, record) of every non-blank line of a JSON-lines file, read as manifests read one: a
+    UTF-8 byte-order mark at the start is skipped. A line that is not UTF-8, not JSON, or holds a lone
+    surrogate is refused naming the line and the file's byte offset of the fault."""
+    with path.open("rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, start = raw[len(codecs.BOM_UTF8) :], start + len(codecs.BOM_UTF8)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputRefused(
+                    f"{path} line {lineno}, byte {start + e.start}: 0x{raw[e.start]:02x} is not UTF-8; the "
+                    "dataset must be UTF-8 text (re-encode it, e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputRefused(
+                    f"{path} line {lineno} is not JSON ({e}); the file must be JSON lines"
+                ) from None
+            bad = _lone_surrogate(line) if "\\u" in line else None
+            if bad is not None:
+                raise InputRefused(
+                    f"{path} line {lineno}, byte {start + len(line[: bad.start()].encode())}: a lone surrogate "
+                    f"{bad.group()} (half of a UTF-16 pair), which is not Unicode text and cannot be written "
+                    "as UTF-8; fix or drop that record"
+                )
+            yield lineno, rec
+
+
+def _read_parquet(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            raise
+        raise InputRefused(
+            f"{path} is not a readable Parquet file ({e}); pass a .parquet table or a .jsonl file"
+        ) from None
+
+
+def _check_dataset(path: Path, field_name: str, out: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    if path.suffix != ".parquet" and path.suffix not in JSONL_SUFFIXES:
+        raise InputRefused(f"dataset {path} must be .jsonl or .parquet")
+    if not field_name or out is None:
+        raise InputRefused("a dataset needs --field (the text column) and --out (a new file)")
+
+
 def rewrite_dataset(
     path: str | Path, field_name: str, out: str | Path, mapping: Mapping[str, str]
 ) -> FileRewrite:
-    """Rewrite `field_name` of every record of a .jsonl/.json-lines or .parquet file into `out`."""
+    """Rewrite `field_name` of every record of a .jsonl/.json-lines or .parquet file into `out`, written
+    beside it and renamed into place when whole: a refused record anywhere leaves `out` as it was."""
     path, out = Path(path), Path(out)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset {path} does not exist")
-    if out.resolve() == path.resolve():
-        raise InputRefused("--out must differ from the dataset: the original is never overwritten")
+    _check_dataset(path, field_name, out)
+    refuse_same_files({"--out": out}, {"--dataset": path})
     counts: dict[str, int] = {}
     targets = list(mapping.values())
     present: dict[str, int] = {}
+    dest = Path(os.path.realpath(out))  # through a symlink, as open() would write
+    dest.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        table = _read_parquet(path)
         if field_name not in table.column_names:
             raise InputRefused(
                 f"{path} has no column {field_name!r}; columns: {', '.join(table.column_names)}"
             )
+        if not table.num_rows:
+            raise InputRefused(f"{path} holds no records: nothing to rewrite")
         col = table.column(field_name)
         values = col.to_pylist()
         for k, v in _present(json.dumps(values, ensure_ascii=False), targets).items():
             present[k] = present.get(k, 0) + v
         new = pa.array([_rewrite_value(v, mapping, counts) for v in values], type=col.type)
         table = table.set_column(table.column_names.index(field_name), field_name, new)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, out)
-        n = table.num_rows
-    elif path.suffix in (".jsonl", ".ndjson", ".json"):
-        n, seen = 0, 0
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with path.open(encoding="utf-8") as src, out.open("w", encoding="utf-8") as dst:
-            for lineno, line in enumerate(src, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputRefused(
-                        f"{path} line {lineno} is not JSON ({e}); the file must be JSON lines"
-                    ) from None
+        write_atomically(dest, lambda tmp: pq.write_table(table, tmp), overwrite=True, tag="rewrite")
+        return FileRewrite(str(path), str(out), counts, table.num_rows, present)
+
+    n = 0
+
+    def write(tmp: Path) -> None:
+        nonlocal n
+        seen = 0
+        with tmp.open("w", encoding="utf-8") as dst:
+            for _, rec in _jsonl_records(path):
                 if isinstance(rec, dict) and field_name in rec:
                     seen += 1
                     for k, v in _present(json.dumps(rec[field_name], ensure_ascii=False), targets).items():
@@ -191,14 +264,27 @@ def rewrite_dataset(
                     rec[field_name] = _rewrite_value(rec[field_name], mapping, counts)
                 dst.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 n += 1
-        if n and not seen:
-            out.unlink()
+        if not n:
+            raise InputRefused(f"{path} holds no records: nothing to rewrite")
+        if not seen:
             raise InputRefused(
                 f"no record of {path} has a field {field_name!r}; pass the field that holds the text"
             )
-    else:
-        raise InputRefused(f"dataset {path} must be .jsonl or .parquet")
+
+    write_atomically(dest, write, overwrite=True, tag="rewrite")
     return FileRewrite(str(path), str(out), counts, n, present)
+
+
+def _read_template(path: Path) -> str:
+    # newline="": the template's own line endings are kept
+    with path.open(encoding="utf-8", newline="") as f:
+        try:
+            return f.read()
+        except UnicodeDecodeError as e:
+            raise InputRefused(
+                f"template {path}, byte {e.start}: 0x{e.object[e.start]:02x} is not UTF-8; a chat template "
+                "must be UTF-8 text"
+            ) from None
 
 
 def rewrite_tags(
@@ -211,30 +297,47 @@ def rewrite_tags(
     template_out: str | Path | None = None,
     reward_regex: str | None = None,
 ) -> RewriteReport:
-    """Apply one tag mapping to any of: a dataset field, a chat template file, a reward regex."""
+    """Apply one tag mapping to any of: a dataset field, a chat template file, a reward regex.
+
+    Everything is checked before anything is written: the inputs exist, no output is an input or the other
+    output (by identity), the regex compiles, the template is UTF-8. Each output is then written beside its
+    destination and renamed into place when whole."""
     m = parse_mapping(mapping)
     if dataset is None and template is None and reward_regex is None:
         raise InputRefused("nothing to rewrite: give --dataset, --template and/or --reward-regex")
     report = RewriteReport(m)
     if dataset is not None:
-        if not field or dataset_out is None:
-            raise InputRefused("a dataset needs --field (the text column) and --out (a new file)")
-        report.dataset = rewrite_dataset(dataset, field, dataset_out, m)
+        _check_dataset(Path(dataset), field or "", dataset_out)
     if template is not None:
         template = Path(template)
         if not template.is_file():
             raise FileNotFoundError(f"template {template} does not exist")
-        if template_out is None or Path(template_out).resolve() == template.resolve():
+        if template_out is None:
             raise InputRefused(
                 "a template needs --template-out, a new file (the original is never overwritten)"
             )
-        text = template.read_text(encoding="utf-8")
-        counts: dict[str, int] = {}
-        Path(template_out).write_text(rewrite_text(text, m, counts), encoding="utf-8")
-        report.template = FileRewrite(
-            str(template), str(template_out), counts, None, _present(text, list(m.values()))
-        )
+    refuse_same_files(
+        {"--out": dataset_out if dataset is not None else None, "--template-out": template_out},
+        {"--dataset": dataset, "--template": template},
+    )
     if reward_regex is not None:
         report.reward_regex = reward_regex
         report.reward_regex_out = rewrite_regex(reward_regex, m, report.reward_replacements)
+    template_text = None if template is None else _read_template(template)
+    if dataset is not None:
+        report.dataset = rewrite_dataset(dataset, field, dataset_out, m)
+    if template is not None:
+        counts: dict[str, int] = {}
+        new = rewrite_text(template_text, m, counts)
+
+        def write(tmp: Path) -> None:
+            with tmp.open("w", encoding="utf-8", newline="") as f:
+                f.write(new)
+
+        dest = Path(os.path.realpath(template_out))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(dest, write, overwrite=True, tag="rewrite")
+        report.template = FileRewrite(
+            str(template), str(template_out), counts, None, _present(template_text, list(m.values()))
+        )
     return report
