@@ -26,7 +26,7 @@ _EXPORTS = {
     "verify": "vlfast.patching.verification",
     "VerifyReport": "vlfast.patching.verification",
     "load_model": "vlfast.models",
-    "list_references": "vlfast.models",
+    "list_references": "vlfast.references",
     "doctor": "vlfast.diagnosis.doctor",
     "profile": "vlfast.diagnosis.profiler",
     "extract": "vlfast.extraction",

@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def models(as_json: JsonOpt = False) -> None:
     """List the built-in references usable as --model ref:NAME (random weights, published dimensions)."""
-    from vlfast.models import REF_PREFIX, list_references
+    from vlfast.references import REF_PREFIX, list_references  # plain data: no torch, no transformers
 
     refs = list_references()
     if as_json:
@@ -28,17 +28,14 @@ def models(as_json: JsonOpt = False) -> None:
     for col in ("--model", "family", "depth", "width", "heads", "patch (T, P)", "out", "source"):
         table.add_column(col)
     for r in refs:
-        v = r.vision
-        width = v.get("embed_dim", v.get("hidden_size"))
-        out = v.get("out_hidden_size", v.get("hidden_size") if "embed_dim" in v else None)
         table.add_row(
             REF_PREFIX + r.name,
             r.family,
-            str(v["depth"]),
-            str(width),
-            str(v["num_heads"]),
-            f"({v['temporal_patch_size']}, {v['patch_size']})",
-            str(out),
+            str(r.depth),
+            str(r.width),
+            str(r.heads),
+            str(r.patch),
+            str(r.out_width),
             r.source.split(" ")[0].removeprefix("huggingface.co/"),
         )
     print_table(table)
