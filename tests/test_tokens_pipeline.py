@@ -338,14 +338,14 @@ def test_unreadable_template_names_it(models, tmp_path, monkeypatch):
     # Tests run as root here, so chmod cannot make a file unreadable: fail the read instead.
     tmpl = tmp_path / "chat.jinja"
     tmpl.write_text(QWEN3)
-    real = Path.read_text
+    real = Path.read_bytes
 
-    def read_text(self, *a, **kw):
+    def read_bytes(self):
         if self == tmpl:
             raise PermissionError(13, "Permission denied", str(self))
-        return real(self, *a, **kw)
+        return real(self)
 
-    monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
     with pytest.raises(
         ValueError, match=r"chat\.jinja could not be read \(Permission denied\); pass a readable"
     ):

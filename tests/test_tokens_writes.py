@@ -219,6 +219,64 @@ def test_rewrite_twice_and_on_its_own_output(tokens_app, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "o.jsonl", "o2.jsonl"]
 
 
+def test_outputs_and_inputs_of_the_wrong_kind_are_refused_and_leave_no_folders(tokens_app, tmp_path):
+    """Before: --out a folder was refused naming the temp file; --dataset a folder 'does not exist'; --out
+    under a file was exit 3 (FileExistsError); a refused rewrite left the folders it made for --out."""
+    src = _jsonl(tmp_path / "d.jsonl")
+    (tmp_path / "folder").mkdir()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    cases = [
+        (
+            ["--dataset", str(src), "--out", str(tmp_path / "folder")],
+            f"--out {tmp_path / 'folder'} is a folder",
+        ),
+        (
+            ["--dataset", str(tmp_path / "folder"), "--out", str(tmp_path / "o.jsonl")],
+            "is a folder; pass a .jsonl",
+        ),
+        (["--dataset", str(src), "--out", str(src / "o.jsonl")], f"{src} is a file, not a folder"),
+        (["--dataset", str(src), "--out", str(src / "a" / "o.jsonl")], f"{src} is a file, not a folder"),
+        (
+            ["--dataset", str(bad), "--out", str(tmp_path / "new" / "deeper" / "o.jsonl")],
+            "line 1 is not JSON",
+        ),
+    ]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for argv, message in cases:
+        r = _rewrite(tokens_app, *argv, "--field", "text")
+        assert r.exit_code == 2, (argv, r.output)
+        assert message in _err(r), (argv, r.stderr)
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before, argv
+
+
+def test_templates_that_are_not_utf8_are_refused_and_a_bom_is_read(tokens_app, model, tmp_path):
+    """Before: `audit --template` of a Latin-1 file was exit 3 (UnicodeDecodeError); a tokenizer_config.json
+    with a byte-order mark was 'not valid JSON'."""
+    latin = tmp_path / "chat.jinja"
+    latin.write_bytes(b"caf\xe9 <think>")
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(model), "--template", str(latin)])
+    assert r.exit_code == 2, r.output
+    assert f"template {latin} could not be read: byte 3 is 0xe9, not UTF-8" in _err(r), r.stderr
+    r = _rewrite(tokens_app, "--template", str(latin), "--template-out", str(tmp_path / "o.jinja"))
+    assert r.exit_code == 2 and f"template {latin} could not be read: byte 3 is 0xe9, not UTF-8" in _err(r), r.output
+    assert not (tmp_path / "o.jinja").exists()
+    config = tmp_path / "tokenizer_config.json"
+    config.write_bytes(b"\xef\xbb\xbf" + json.dumps({"chat_template": "<think>{{ x }}</think>"}).encode())
+    r = runner.invoke(
+        tokens_app, ["tokens", "audit", "--model", str(model), "--template", str(config), "--json"]
+    )
+    assert r.exit_code == 1, r.output  # the tags are untrained in this checkpoint: read, audited
+    assert [t["tag"] for t in json.loads(r.stdout)["tags"]] == ["<think>", "</think>"]
+
+
+def test_a_template_keeps_its_line_endings(tmp_path):
+    tmpl = tmp_path / "chat.jinja"
+    tmpl.write_bytes(b"<think>\r\n{{ x }}\r\n</think>\r\n")
+    rewrite_tags(["think=thinking"], template=tmpl, template_out=tmp_path / "o.jinja")
+    assert (tmp_path / "o.jinja").read_bytes() == b"<thinking>\r\n{{ x }}\r\n</thinking>\r\n"
+
+
 # -- fix ---------------------------------------------------------------------------------------------
 
 

@@ -110,19 +110,38 @@ def write_atomically(
 ) -> None:
     """``write(tmp)`` a file or folder at a hidden temp name beside ``dest``, make it durable, then rename
     it to ``dest``: readers see nothing, the previous ``dest``, or the whole new one. The temp is removed if
-    anything fails (a SIGKILL leaves it behind under its hidden name). An existing ``dest`` is replaced
-    only with ``overwrite``, except an empty folder, which a folder takes the place of as a new one would
-    (if it gains files meanwhile, nothing is replaced)."""
+    anything fails (a SIGKILL leaves it behind under its hidden name), and so are the folders above ``dest``
+    it made. An existing ``dest`` is replaced only with ``overwrite``, except an empty folder, which a
+    folder takes the place of as a new one would (if it gains files meanwhile, nothing is replaced)."""
     dest = Path(dest)
     tmp = temp_name(dest, tag)
+    made = _make_parents(dest)
     try:
         write(tmp)
         _fsync_tree(tmp)
         _place(tmp, dest, overwrite)
     except BaseException:
         _remove(tmp)
+        for folder in reversed(made):  # the folders made for it, unless something else went in meanwhile
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     _fsync_dir(dest.parent)
+
+
+def _make_parents(dest: Path) -> list[Path]:
+    """Make the missing folders above ``dest`` (outermost first, returned); refuse a file or a broken
+    symlink where a folder must be, naming it."""
+    missing, parent = [], dest.parent
+    while not (parent.exists() or parent.is_symlink()):
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        what = "a broken symlink" if parent.is_symlink() and not parent.exists() else "a file"
+        raise NotADirectoryError(f"{dest}: {parent} is {what}, not a folder")
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+    return missing[::-1]
 
 
 def _exists_refused(dest: Path) -> InputRefused:

@@ -30,7 +30,6 @@ def demo_checkpoint(
     folder = Path(out)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise UsageError(f"{out} exists and is not an empty folder; name a new one")
-    folder.parent.mkdir(parents=True, exist_ok=True)
     # Beside OUT, renamed into place when whole: a failure half-way leaves no partial checkpoint.
     write_atomically(folder, make_tiny_qwen3_vl, tag="demo")
     if as_json:

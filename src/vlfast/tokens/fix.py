@@ -190,7 +190,6 @@ def fix_tokens(
             values[tid] = row
         new_values[name] = values
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     written: list[tuple[list[str], list[str]]] = []
     # Beside OUT, renamed into place when whole: a failure half-way leaves no partial checkpoint.
     write_atomically(out, lambda tmp: written.append(_write(w, model, tmp, new_values)), tag="fix")

@@ -16,7 +16,7 @@ from typing import Any
 
 from vlfast._files import refuse_same_files, write_atomically
 from vlfast.errors import InputRefused
-from vlfast.tokens.tags import BARE_NAME, compile_reward_regex, tag_pair
+from vlfast.tokens.tags import BARE_NAME, compile_reward_regex, read_utf8, tag_pair
 
 
 def parse_mapping(values: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
@@ -208,13 +208,21 @@ def _read_parquet(path: Path):
         ) from None
 
 
-def _check_dataset(path: Path, field_name: str, out: Path) -> None:
+def _check_output(flag: str, path: str | Path) -> None:
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"{flag} {path} is a folder; name the file to write")
+
+
+def _check_dataset(path: Path, field_name: str, out: Path | None) -> None:
+    if path.is_dir():
+        raise IsADirectoryError(f"dataset {path} is a folder; pass a .jsonl or .parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
     if path.suffix != ".parquet" and path.suffix not in JSONL_SUFFIXES:
         raise InputRefused(f"dataset {path} must be .jsonl or .parquet")
     if not field_name or out is None:
         raise InputRefused("a dataset needs --field (the text column) and --out (a new file)")
+    _check_output("--out", out)
 
 
 def rewrite_dataset(
@@ -229,7 +237,6 @@ def rewrite_dataset(
     targets = list(mapping.values())
     present: dict[str, int] = {}
     dest = Path(os.path.realpath(out))  # through a symlink, as open() would write
-    dest.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -275,18 +282,6 @@ def rewrite_dataset(
     return FileRewrite(str(path), str(out), counts, n, present)
 
 
-def _read_template(path: Path) -> str:
-    # newline="": the template's own line endings are kept
-    with path.open(encoding="utf-8", newline="") as f:
-        try:
-            return f.read()
-        except UnicodeDecodeError as e:
-            raise InputRefused(
-                f"template {path}, byte {e.start}: 0x{e.object[e.start]:02x} is not UTF-8; a chat template "
-                "must be UTF-8 text"
-            ) from None
-
-
 def rewrite_tags(
     mapping: Sequence[str] | Mapping[str, str],
     *,
@@ -316,6 +311,7 @@ def rewrite_tags(
             raise InputRefused(
                 "a template needs --template-out, a new file (the original is never overwritten)"
             )
+        _check_output("--template-out", template_out)
     refuse_same_files(
         {"--out": dataset_out if dataset is not None else None, "--template-out": template_out},
         {"--dataset": dataset, "--template": template},
@@ -323,7 +319,7 @@ def rewrite_tags(
     if reward_regex is not None:
         report.reward_regex = reward_regex
         report.reward_regex_out = rewrite_regex(reward_regex, m, report.reward_replacements)
-    template_text = None if template is None else _read_template(template)
+    template_text = None if template is None else read_utf8(template, "template")
     if dataset is not None:
         report.dataset = rewrite_dataset(dataset, field, dataset_out, m)
     if template is not None:
@@ -335,7 +331,6 @@ def rewrite_tags(
                 f.write(new)
 
         dest = Path(os.path.realpath(template_out))
-        dest.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(dest, write, overwrite=True, tag="rewrite")
         report.template = FileRewrite(
             str(template), str(template_out), counts, None, _present(template_text, list(m.values()))

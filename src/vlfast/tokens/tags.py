@@ -87,6 +87,19 @@ def tags_in_regex(pattern: str) -> list[str]:
     return tags_in_text(unescaped)
 
 
+def read_utf8(path: Path, what: str) -> str:
+    """The text of ``path`` exactly (line endings kept); a byte that is not UTF-8 is refused naming its
+    offset, where ``read_text`` would raise UnicodeDecodeError (a bug's exit 3)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputRefused(
+            f"{what} {path} could not be read: byte {e.start} is 0x{data[e.start]:02x}, not UTF-8; pass a "
+            f"readable UTF-8 {what}"
+        ) from None
+
+
 def read_template(path: str | Path) -> str:
     """Template text from a .jinja file, or the `chat_template` of a tokenizer_config.json."""
     path = Path(path)
@@ -94,8 +107,9 @@ def read_template(path: str | Path) -> str:
         raise FileNotFoundError(
             f"template {path} does not exist; pass a .jinja file or a tokenizer_config.json"
         )
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path, "template").replace("\r\n", "\n").replace("\r", "\n")  # as open() reads it
     if path.suffix == ".json":
+        text = text.removeprefix("\ufeff")  # a byte-order mark, as manifests accept it
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

@@ -93,7 +93,6 @@ def export(
     feature, dim = pick_vector(cache, feature)
     cache.features = frozenset([feature])  # each lookup reads this one tensor, nothing else
     schema = table_schema(dim, dtype, _provenance(cache, feature))
-    target.parent.mkdir(parents=True, exist_ok=True)
     batches = _batches(cache, feature, dim, dtype, schema, int(batch_rows))
     if lance is None:
         write = _parquet_writer(schema, batches, len(cache))
