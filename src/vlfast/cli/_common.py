@@ -13,6 +13,7 @@ pipe. Anything this module prints through Rich goes through :func:`escape` first
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -26,7 +27,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
-from vlfast.errors import VlfastError
+from vlfast.errors import InputRefused, VlfastError
+from vlfast.limits import LIMITS
 
 if TYPE_CHECKING:
     from typer._click import Context, HelpFormatter  # typer's own copy of click
@@ -69,7 +71,8 @@ class HelpCommand(TyperCommand):
 
     Typer tags every value with its Python type (``<str>``, ``<list[str]>``) and writes required
     arguments as ``{OUT}``. Here a value without a metavar is ``N`` when it is a number, else named
-    after its option in capitals as argparse does (``--template TEMPLATE``); flags take none.
+    after its option in capitals as argparse does (``--template TEMPLATE``); flags take none. Every number
+    given is checked against :data:`vlfast.limits.LIMITS` as the options are parsed, before the command runs.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -79,10 +82,26 @@ class HelpCommand(TyperCommand):
                 continue
             if isinstance(p, TyperArgument):
                 p.metavar = (p.name or "value").upper() + ("..." if p.nargs != 1 else "")
-            elif getattr(getattr(p, "type_descriptor", None), "annotation", None) in (int, float):
+            elif _number_type(p) is not None:
                 p.metavar = "N"
             else:
                 p.metavar = max(p.opts, key=len).lstrip("-").replace("-", "_").upper()
+
+    def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
+        rest = super().parse_args(ctx, args)
+        for p in self.params:
+            value = ctx.params.get(p.name) if p.name else None
+            if value is None or isinstance(p, TyperArgument) or _number_type(p) is None:
+                continue
+            flag = max(p.opts, key=len)
+            try:
+                if flag in LIMITS:
+                    LIMITS[flag].check(value, flag)
+                elif isinstance(value, float) and not math.isfinite(value):  # an option with no entry yet
+                    raise InputRefused(f"{flag} must be a finite number, got {value!r}")
+            except InputRefused as e:
+                ctx.fail(str(e))  # exit 2 with the usage line, as for a value that is not a number
+        return rest
 
     def collect_usage_pieces(self, ctx: Context) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -105,6 +124,18 @@ class HelpCommand(TyperCommand):
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
+
+
+def _number_type(param: Any) -> type | None:
+    """int or float for an option that takes one number (typer >= 0.20 keeps the annotation; older typer
+    gives a click type), else None."""
+    if getattr(param, "is_flag", False) or getattr(param, "multiple", False):
+        return None
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if annotation in (int, float):
+        return annotation
+    name = getattr(getattr(param, "type", None), "name", "")
+    return int if name.startswith("integer") else float if name.startswith("float") else None
 
 
 class HelpGroup(TyperGroup):

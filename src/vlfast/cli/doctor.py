@@ -183,7 +183,6 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(
                 "--patches",
-                min=1,
                 help="Patches per sample fed to the probe. Default 3,072: one 8-frame 512x384 clip.",
                 show_default=False,
             ),
@@ -192,7 +191,6 @@ def register(app: typer.Typer) -> None:
             float,
             typer.Option(
                 "--budget",
-                min=0.1,
                 help="Seconds the probe may spend in total (held within 20%): it times fewer windows, "
                 "fewer rounds or fewer shapes to keep it, and says what it left out.",
             ),

@@ -19,6 +19,7 @@ from vlfast.cli._common import (
     print_json,
     print_table,
 )
+from vlfast.limits import check
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -26,8 +27,10 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise UsageError(f"{what} must be comma-separated integers such as 1,2,4; got {text!r}") from None
-    if not values or min(values) < 1:
+    if not values:
         raise UsageError(f"{what} must be positive integers; got {text!r}")
+    for v in values:
+        check(what, v)
     return values
 
 
@@ -39,7 +42,7 @@ def _size(text: str | None) -> tuple[int, int] | None:
         h, w = (int(p) for p in parts)
     except ValueError:
         raise UsageError(f"--size must be HEIGHTxWIDTH in pixels such as 384x512; got {text!r}") from None
-    return (h, w)
+    return (check("--size", h), check("--size", w))
 
 
 def _require_matplotlib() -> None:
@@ -173,12 +176,8 @@ def register(app: typer.Typer) -> None:
                 help="Frame size HEIGHTxWIDTH in pixels. Default 384x512 on GPU, 224x224 on CPU.",
             ),
         ] = None,
-        warmup: Annotated[
-            int, typer.Option("--warmup", min=0, help="Discarded forwards per configuration.")
-        ] = 1,
-        repeats: Annotated[
-            int, typer.Option("--repeats", min=1, help="Timed forwards per configuration.")
-        ] = 3,
+        warmup: Annotated[int, typer.Option("--warmup", help="Discarded forwards per configuration.")] = 1,
+        repeats: Annotated[int, typer.Option("--repeats", help="Timed forwards per configuration.")] = 3,
         tiny: Annotated[
             bool, typer.Option("--tiny", help="Build references at test size (seconds on CPU).")
         ] = False,
@@ -195,7 +194,6 @@ def register(app: typer.Typer) -> None:
             float,
             typer.Option(
                 "--budget",
-                min=0.1,
                 help="Seconds the timing may take in total (model building not counted): each "
                 "configuration cuts its rounds to fit and says so.",
             ),

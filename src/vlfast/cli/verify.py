@@ -21,6 +21,7 @@ from vlfast.cli._common import (
     print_json,
     print_table,
 )
+from vlfast.limits import check
 
 if TYPE_CHECKING:
     from rich.status import Status
@@ -89,7 +90,7 @@ def _parse_grid(text: str) -> tuple[int, int, int]:
         t, h, w = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise UsageError(f"--grid {text!r} must look like TxHxW in patches, e.g. 2x16x16") from None
-    return t, h, w
+    return check("--grid", t), check("--grid", h), check("--grid", w)
 
 
 @handle_errors

@@ -98,12 +98,10 @@ class ExtractConfig:
         resolved["torch_device"] = dev = resolve_device(self.device)
         resolved["torch_dtype"] = resolve_dtype(self.dtype, dev)
         resolved["stored_as"] = resolve_store_dtype(self.store_dtype)
-        workers = default_num_workers(dev) if self.num_workers is None else int(self.num_workers)
-        if workers < 0:
-            raise InputRefused(f"num_workers (--workers) must be >= 0, got {workers}")
-        resolved["workers"] = workers
+        resolved["workers"] = default_num_workers(dev) if self.num_workers is None else int(self.num_workers)
+        tokens = self.max_batch_tokens
         resolved["budget"] = TokenBudget(
-            max_tokens=int(self.max_batch_tokens or default_batch_tokens(dev)),
+            max_tokens=int(default_batch_tokens(dev) if tokens is None else tokens),
             max_samples=int(self.max_batch_samples),
         )
         resolved["retry"] = parse_retry(self.retry_errors)
@@ -142,12 +140,32 @@ def _feature_spec(config: ExtractConfig) -> FeatureSpec:
     )
 
 
+# The numeric fields and their flags: vlfast.limits says what each takes (NaN, infinities, a zero batch and
+# budgets no image can reach are refused there, for the CLI and the library alike).
+_NUMBER_FLAGS = {
+    "fps": "--fps",
+    "num_frames": "--num-frames",
+    "min_pixels": "--min-pixels",
+    "max_pixels": "--max-pixels",
+    "video_max_pixels": "--video-max-pixels",
+    "max_batch_tokens": "--batch-tokens",
+    "num_workers": "--workers",
+    "decode_timeout": "--decode-timeout",
+    "commit_every": "--commit-every",
+    "max_errors": "--max-errors",
+    "rank": "--rank",
+    "world_size": "--world-size",
+}
+
+
 def _check_numbers(config: ExtractConfig) -> None:
     from vlfast.extraction.store.writer import RESUME_CHECKS
+    from vlfast.limits import check
 
-    if config.max_errors is not None and config.max_errors < 0:
-        raise InputRefused(f"max_errors (--max-errors) must be >= 0, got {config.max_errors}")
-    if config.decode_timeout is not None and not config.decode_timeout > 0:
+    for keyword, flag in _NUMBER_FLAGS.items():
+        if getattr(config, keyword) is not None:
+            check(flag, getattr(config, keyword), keyword)
+    if config.decode_timeout is not None and not config.decode_timeout > 0:  # None is no limit here
         raise InputRefused(
             f"decode_timeout must be a positive number of seconds or None, got {config.decode_timeout!r}"
         )
@@ -156,8 +174,6 @@ def _check_numbers(config: ExtractConfig) -> None:
             f"--resume-check (resume_check) must be one of {', '.join(RESUME_CHECKS)}, got {config.resume_check!r}"
         )
     rank, world = config.rank, config.world_size
-    if world is not None and (not isinstance(world, int) or world < 1):
-        raise InputRefused(f"--world-size (world_size) must be >= 1, got {world!r}")
     if rank is not None and world is not None and not (isinstance(rank, int) and 0 <= rank < world):
         raise InputRefused(f"--rank must be in 0..{world - 1} and --world-size >= 1, got {rank} of {world}")
 

@@ -27,7 +27,7 @@ from vlfast.extraction.sources.listing import load_inputs
 from vlfast.extraction.sources.sample import InputProblem, Sample
 from vlfast.extraction.sources.table import SampleTable
 
-__all__ = ["RUNTIME_KEY", "RunPlan", "make_plan", "problem_record"]
+__all__ = ["RUNTIME_KEY", "RunPlan", "check_retry_kinds", "make_plan", "problem_record"]
 
 RUNTIME_KEY = "runtime"  # run-config entries that may change on resume (how, not what, is computed)
 
@@ -36,6 +36,53 @@ def problem_record(problem: InputProblem) -> tuple[str, str, str]:
     """(id, source, reason) of a bad input row's error record; a row without a usable id is named by where
     it is (its record never makes any id done)."""
     return problem.id or problem.where, problem.where, problem.reason
+
+
+def check_retry_kinds(retry: Collection[str], recorded: Collection[tuple]) -> None:
+    """Refuse ``--retry-errors`` kinds that select nothing: each must be "all", a record kind ("error",
+    "transient") or the reason class of a failure OUT records (``recorded``: its records' (id, source,
+    reason, kind)). A misspelt kind would otherwise retry nothing and answer "nothing to do"."""
+    import difflib
+
+    from vlfast.extraction.store.format import (
+        DUPLICATE_KIND,
+        ERROR_KIND,
+        INPUT_KIND,
+        TRANSIENT_KIND,
+        reason_kind,
+    )
+
+    kinds = {"all", ERROR_KIND, TRANSIENT_KIND}
+    never = sorted(set(retry) & {DUPLICATE_KIND, INPUT_KIND})
+    if never:
+        raise InputRefused(
+            f"--retry-errors (retry_errors) {', '.join(never)}: a repeated id or a bad input row is no failure "
+            "of a sample and is never retried; fix the input instead"
+        )
+    asked = set(retry) - kinds
+    if not asked:
+        return
+    classes = {reason_kind(r[2]) for r in recorded if r[3] not in (DUPLICATE_KIND, INPUT_KIND)}
+    unknown = sorted(asked - classes)
+    if not unknown:
+        return
+    hints = [
+        f"{k!r}: did you mean {close[0]!r}?"
+        for k in unknown
+        if (close := difflib.get_close_matches(k, [*sorted(kinds), *sorted(classes)], n=1, cutoff=0.6))
+    ]
+    shown = sorted(classes)[:10]
+    held = (
+        f"the reason classes of the failures it records: {', '.join(map(repr, shown))}"
+        + (f" and {len(classes) - len(shown)} more" if len(classes) > len(shown) else "")
+        if classes
+        else "it records no failure"
+    )
+    raise InputRefused(
+        f"--retry-errors (retry_errors) {', '.join(map(repr, unknown))} selects no failure OUT could hold: give "
+        f"'all', a kind ({ERROR_KIND}, {TRANSIENT_KIND}) or the reason class of a failure OUT records; {held}"
+        + (f". {' '.join(hints)}" if hints else "")
+    )
 
 
 def _mine(sample_id: str, rank: int, world_size: int) -> bool:
@@ -156,6 +203,8 @@ class RunPlan:
             rank=self.rank,
             world_size=self.world_size,
         )
+        if config.retry:
+            check_retry_kinds(config.retry, state.error_keys)
         pending = self.pending(state.done, state.error_keys.__contains__)
         if not pending and not state.damaged and config.resume_check == "full":
             # The ids are not needed past here: the full check holds a part's rows instead (at ten million
@@ -166,9 +215,15 @@ class RunPlan:
         if pending or state.damaged:
             return None
         from vlfast.extraction.store.backend import keep_listings
+        from vlfast.extraction.store.run_file import restore_run_file
+        from vlfast.extraction.store.writer import library_versions
 
+        tag = f"r{self.rank:05d}-{os.getpid()}"
         # Like checked.json, a cache this path writes when it can (a read-only OUT keeps none)
-        keep_listings(self.out, self.listings, f"r{self.rank:05d}-{os.getpid()}")
+        keep_listings(self.out, self.listings, tag)
+        # A lost run.json, from the configuration the request and every part agree on (read_state compared
+        # them): readers need it. Written when it can be, as the caches are.
+        restore_run_file(self.out, self.run_config, self.volatile_keys, library_versions(), tag)
         summary = self.summary(config)
         summary.skipped, summary.nothing_to_do = self.assigned, True
         return summary
