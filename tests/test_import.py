@@ -51,8 +51,9 @@ def test_the_top_level_holds_the_capability_packages_and_little_else():
     # tests and benchmarks use; _lazy: the lazy public names of the package faces; numerics: the process-wide
     # steps for the same bits every run (MKL's vector math set up on one thread, the row check) that both
     # extraction and verify take; references: the built-in references as plain data, which `vlfast models`
-    # lists without importing torch
-    top = "__init__ _files _lazy demo dtypes errors models numerics references run"
+    # lists without importing torch; limits: the range of every numeric option, which the CLI and the library
+    # check alike (as dtypes for --dtype)
+    top = "__init__ _files _lazy demo dtypes errors limits models numerics references run"
     assert modules == set(top.split())
 
 
