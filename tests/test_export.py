@@ -216,6 +216,17 @@ def test_dest_inside_or_at_out_is_refused(out, tmp_path):
     export(work, tmp_path / "t.parquet")  # OUT is whole
     check_table(pq.read_table(tmp_path / "t.parquet"), out)
 
+    # OUT inside a folder that --overwrite may replace (it has the _versions of a Lance dataset): replacing
+    # it would delete OUT.
+    pytest.importorskip("lance")
+    ds = tmp_path / "ds.lance"
+    (ds / "_versions").mkdir(parents=True)
+    shutil.copytree(out, ds / "out")
+    r = runner.invoke(app, ["export", str(ds / "out"), str(ds), "--overwrite"])
+    assert r.exit_code == 2 and "is inside DEST" in " ".join(r.stderr.split()), r.output
+    export(ds / "out", tmp_path / "t2.parquet")
+    check_table(pq.read_table(tmp_path / "t2.parquet"), out)
+
 
 @pytest.mark.parametrize("rows", [0, -1, float("nan"), float("inf"), 1.5, True, "4", 10**30])
 def test_batch_rows_is_refused_unless_a_sane_count(out, tmp_path, rows):

@@ -116,6 +116,10 @@ def test_demo_checkpoint_twice_and_into_an_empty_folder(tmp_path):
     assert r.exit_code == 0, r.output
     files = {p.name: p.read_bytes() for p in target.iterdir()}
     assert "config.json" in files and "tokenizer.json" in files
+    # Before: model.safetensors was 0600, as safetensors writes it: unreadable by teammates.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in target.iterdir()} == dict.fromkeys(files, 0o666 & ~mask)
     r = runner.invoke(app, ["demo-checkpoint", str(target)])
     assert r.exit_code == 2 and "not an empty folder" in r.output
     assert {p.name: p.read_bytes() for p in target.iterdir()} == files

@@ -24,14 +24,21 @@ def demo_checkpoint(
     as_json: JsonOpt = False,
 ) -> None:
     """Write a tiny random-weight Qwen3-VL checkpoint (2 MB, seconds) with a language model and tokenizer."""
-    from vlfast._files import write_atomically
+    from vlfast._files import honour_umask, write_atomically
     from vlfast.demo import make_tiny_qwen3_vl
 
     folder = Path(out)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise UsageError(f"{out} exists and is not an empty folder; name a new one")
+
+    def write(tmp: Path) -> None:
+        make_tiny_qwen3_vl(tmp)
+        for path in tmp.rglob("*"):
+            if path.is_file():  # safetensors writes its weights 0600: readable by the user alone
+                honour_umask(path)
+
     # Beside OUT, renamed into place when whole: a failure half-way leaves no partial checkpoint.
-    write_atomically(folder, make_tiny_qwen3_vl, tag="demo")
+    write_atomically(folder, write, tag="demo")
     if as_json:
         print_json({"path": str(folder), "files": sorted(p.name for p in folder.iterdir())})
         return

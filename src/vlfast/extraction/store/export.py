@@ -134,8 +134,9 @@ def _choice(value: str, allowed: tuple[str, ...], what: str) -> str:
 
 
 def _refuse_dest_in_out(out: str | os.PathLike, dest: str | os.PathLike) -> None:
-    """DEST must lie outside OUT (by identity: symlinks and other spellings count): the table written
-    there would replace OUT's own files (an index part is a Parquet file) or sit among them."""
+    """DEST must lie outside OUT and OUT outside DEST (by identity: symlinks and other spellings count):
+    the table written there would replace OUT's own files (an index part is a Parquet file) or sit among
+    them, or replacing DEST would delete OUT."""
     if hasattr(out, "fs") or any(
         is_url(os.fspath(t)) and url_scheme(os.fspath(t)) != "file" for t in (out, dest)
     ):
@@ -151,6 +152,11 @@ def _refuse_dest_in_out(out: str | os.PathLike, dest: str | os.PathLike) -> None
         raise InputRefused(
             f"DEST {dest_path} is inside OUT {out_path}, the extraction folder it reads: a table there would "
             "replace or sit among OUT's own files; name a DEST outside OUT"
+        )
+    if is_inside(out_path, dest_path):
+        raise InputRefused(
+            f"OUT {out_path} is inside DEST {dest_path}: replacing DEST would delete the folder being read; "
+            "name a DEST outside OUT"
         )
 
 
