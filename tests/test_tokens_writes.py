@@ -221,7 +221,8 @@ def test_rewrite_twice_and_on_its_own_output(tokens_app, tmp_path):
 
 def test_outputs_and_inputs_of_the_wrong_kind_are_refused_and_leave_no_folders(tokens_app, tmp_path):
     """Before: --out a folder was refused naming the temp file; --dataset a folder 'does not exist'; --out
-    under a file was exit 3 (FileExistsError); a refused rewrite left the folders it made for --out."""
+    under a file was exit 3 (FileExistsError); a refused rewrite left the folders it made for --out; a JSONL
+    dataset was written as JSON lines to an --out named .parquet (and Parquet to .jsonl), exit 0."""
     src = _jsonl(tmp_path / "d.jsonl")
     (tmp_path / "folder").mkdir()
     bad = tmp_path / "bad.jsonl"
@@ -242,6 +243,17 @@ def test_outputs_and_inputs_of_the_wrong_kind_are_refused_and_leave_no_folders(t
             "line 1 is not JSON",
         ),
     ]
+    pq.write_table(pa.Table.from_pylist(RECORDS), tmp_path / "d.parquet")
+    cases += [  # the output would be named for the format it is not in
+        (
+            ["--dataset", str(src), "--out", str(tmp_path / "o.parquet")],
+            "is written as the dataset is, JSON lines",
+        ),
+        (
+            ["--dataset", str(tmp_path / "d.parquet"), "--out", str(tmp_path / "o.jsonl")],
+            "dataset is, Parquet",
+        ),
+    ]
     before = sorted(p.name for p in tmp_path.rglob("*"))
     for argv, message in cases:
         r = _rewrite(tokens_app, *argv, "--field", "text")
@@ -255,11 +267,15 @@ def test_templates_that_are_not_utf8_are_refused_and_a_bom_is_read(tokens_app, m
     with a byte-order mark was 'not valid JSON'."""
     latin = tmp_path / "chat.jinja"
     latin.write_bytes(b"caf\xe9 <think>")
+    r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(model), "--template", str(tmp_path)])
+    assert r.exit_code == 2 and f"template {tmp_path} is a folder" in _err(r), r.output
     r = runner.invoke(tokens_app, ["tokens", "audit", "--model", str(model), "--template", str(latin)])
     assert r.exit_code == 2, r.output
     assert f"template {latin} could not be read: byte 3 is 0xe9, not UTF-8" in _err(r), r.stderr
     r = _rewrite(tokens_app, "--template", str(latin), "--template-out", str(tmp_path / "o.jinja"))
-    assert r.exit_code == 2 and f"template {latin} could not be read: byte 3 is 0xe9, not UTF-8" in _err(r), r.output
+    assert r.exit_code == 2 and f"template {latin} could not be read: byte 3 is 0xe9, not UTF-8" in _err(r), (
+        r.output
+    )
     assert not (tmp_path / "o.jinja").exists()
     config = tmp_path / "tokenizer_config.json"
     config.write_bytes(b"\xef\xbb\xbf" + json.dumps({"chat_template": "<think>{{ x }}</think>"}).encode())

@@ -223,6 +223,13 @@ def _check_dataset(path: Path, field_name: str, out: Path | None) -> None:
     if not field_name or out is None:
         raise InputRefused("a dataset needs --field (the text column) and --out (a new file)")
     _check_output("--out", out)
+    kind = "Parquet" if path.suffix == ".parquet" else "JSON lines"
+    other = Path(out).suffix in JSONL_SUFFIXES if kind == "Parquet" else Path(out).suffix == ".parquet"
+    if other:
+        raise InputRefused(
+            f"--out {out} names the other format: the rewrite is written as the dataset is, {kind}; name "
+            f"--out {Path(out).with_suffix(path.suffix).name} (a converter can change the format afterwards)"
+        )
 
 
 def rewrite_dataset(

@@ -103,6 +103,10 @@ def read_utf8(path: Path, what: str) -> str:
 def read_template(path: str | Path) -> str:
     """Template text from a .jinja file, or the `chat_template` of a tokenizer_config.json."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"template {path} is a folder; pass the .jinja file or the tokenizer_config.json itself"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"template {path} does not exist; pass a .jinja file or a tokenizer_config.json"
