@@ -271,28 +271,77 @@ def release_arrow_memory() -> None:
 
 
 def read_run_file(out: Path) -> dict:
-    """run.json, parsed; refused if a newer vlfast wrote it (its format_version is higher than ours)."""
+    """run.json, parsed and checked; refused if a newer vlfast wrote it (its format_version is higher than
+    ours). One that is not as vlfast writes it (not JSON, a field of another type, a configuration edited
+    since its ``config_hash`` was taken) is :class:`DamagedFile`, and a missing one FileNotFoundError: both
+    say how to get it back from the index parts without losing a sample."""
     path = out / RUN_FILE
     try:
         if not is_local(path):
             path.fs.invalidate_cache(path.path)  # another rank may have written it since we last looked
         data = read_whole(path)  # a local read, or one GET through the path's own filesystem
-        doc = json.loads(data.decode("utf-8"))
     except FileNotFoundError:
+        if _has_parts(out):
+            raise FileNotFoundError(
+                f"{path} is missing, but {out} holds index parts: run the same `vlfast extract` command "
+                "again, which writes it anew from the configuration they carry (nothing is extracted again)"
+            ) from None
         raise FileNotFoundError(
             f"{path} not found: {out} is not a vlfast extraction folder (run `vlfast extract` first)"
         ) from None
+    except IsADirectoryError:
+        raise DamagedFile(_damaged_run_file(out, "is a folder, not a file")) from None
+    try:
+        doc = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DamagedFile(
-            f"{path} is not valid JSON ({e}); the folder is damaged, re-run with a new OUT"
-        ) from None
-    if not isinstance(doc, dict) or doc.get("format") != "vlfast-features":
-        raise InputRefused(f"{path} is not a vlfast run file")
-    if doc.get("format_version", 0) > FORMAT_VERSION:
+        raise DamagedFile(_damaged_run_file(out, f"is not valid JSON ({e})")) from None
+    problem = _run_file_problem(doc)
+    if problem is not None:
+        raise DamagedFile(_damaged_run_file(out, problem))
+    if doc["format_version"] > FORMAT_VERSION:
         raise InputRefused(
             f"{out} was written by a newer vlfast (format {doc['format_version']} > {FORMAT_VERSION}); upgrade vlfast"
         )
     return doc
+
+
+def _has_parts(out: Path) -> bool:
+    return any(is_part_name(n) for n in list_names(out / INDEX_DIR))
+
+
+def _run_file_problem(doc: Any) -> str | None:
+    """What in a parsed run.json is not as vlfast writes it, or None (format 1 has no hash to check)."""
+    if not isinstance(doc, dict):
+        return "is not a JSON object"
+    if doc.get("format") != "vlfast-features":
+        return 'does not say "format": "vlfast-features"'
+    version = doc.get("format_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        return f"gives format_version {version!r}, not a whole number from 1"
+    if not isinstance(doc.get("config", {}), dict):
+        return "gives a config that is not a JSON object"
+    volatile = doc.get("volatile_keys", [])
+    if not isinstance(volatile, list) or not all(isinstance(k, str) for k in volatile):
+        return "gives volatile_keys that are not a list of names"
+    recorded = doc.get("config_hash")
+    if recorded is not None and not isinstance(recorded, str):
+        return "gives a config_hash that is not text"
+    stable = stable_config(doc.get("config", {}), frozenset(volatile))
+    if version >= 2 and recorded is not None and config_hash(stable) != recorded:
+        return "no longer matches its config_hash: its configuration was edited since it was written"
+    return None
+
+
+def _damaged_run_file(out: Path, problem: str) -> str:
+    """A damaged run.json's message: what is wrong, and how to recover without deleting sound parts."""
+    path = out / RUN_FILE
+    if _has_parts(out):
+        return (
+            f"{path} {problem}. Its index parts carry the configuration: move it aside (mv {path} "
+            f"{path}.damaged) and run the same `vlfast extract` command again, which writes run.json anew from "
+            "them; nothing is extracted again."
+        )
+    return f"{path} {problem}, and {out} holds no committed sample: delete it, then run again."
 
 
 # ------------------------------------------------------------------------------------ index parts

@@ -97,6 +97,7 @@ class RunConfigMismatch(InputRefused):
         where: str | None = None,
         *,
         foreign: Path | None = None,
+        run_file_odd: str | None = None,
     ):
         self.out = out
         self.diffs = diffs
@@ -104,6 +105,10 @@ class RunConfigMismatch(InputRefused):
         # An index part of another configuration in an OUT whose run.json agrees with the request: a part and
         # shard of another run were added (or copied) in. The part is named so the user can move it out.
         self.foreign = foreign
+        # run.json disagrees with every index part it was read against, and they agree with each other: it
+        # was replaced or edited, and the parts are the work to keep. "parts": they agree with this run (run
+        # the same command with run.json moved aside); "request": run.json agrees with this run, they do not.
+        self.run_file_odd = run_file_odd
         # How to start over, in the caller's words: the CLI replaces it with its flag.
         self.remedy = "pass overwrite=True (CLI: --overwrite) to delete the existing shards and start again"
         super().__init__(out, diffs)
@@ -112,6 +117,24 @@ class RunConfigMismatch(InputRefused):
         lines = [f"  {key}: {old!r} in {self.where} vs {new!r} now" for key, old, new in self.diffs]
         if not lines:
             lines = [f"  {self.where} carries another configuration hash"]
+        run_file = self.out / RUN_FILE
+        if self.run_file_odd == "parts":
+            return (
+                f"{run_file} differs from this run's configuration, but every index part of {self.out} carries "
+                "this run's: run.json was replaced or edited since they were written.\n"
+                + "\n".join(lines)
+                + f"\nMove it aside (mv {run_file} {run_file}.replaced) and run the same command again: it "
+                "writes run.json anew from the index parts; nothing is extracted again."
+            )
+        if self.run_file_odd == "request":
+            return (
+                f"{run_file} agrees with this run, but none of the index parts of {self.out} does: they carry "
+                "another configuration, so run.json was replaced or edited since they were written.\n"
+                + "\n".join(lines)
+                + f"\nTo keep their samples, move run.json aside (mv {run_file} {run_file}.replaced) and run the "
+                f"command that wrote them (its values are the ones 'in' the part above); to extract with this "
+                f"configuration, use a new OUT, or {self.remedy}."
+            )
         if self.foreign is not None:
             shard = (
                 "the shards it points at" if is_consolidated(self.foreign) else shard_of_part(self.foreign)
@@ -206,7 +229,10 @@ def check_run_config(
         diffs = config_diffs(config, old.get("config", {}), volatile_keys)
         if not diffs:
             return True
-        if committed_parts(out) or read_errors(out) or _a_rank_is_live(out, held_rank):
+        parts = committed_parts(out)
+        if parts and not config_diffs(config, _first_part_config(parts) or {}, volatile_keys):
+            raise RunConfigMismatch(out, diffs, run_file_odd="parts")
+        if parts or read_errors(out) or _a_rank_is_live(out, held_rank):
             raise RunConfigMismatch(out, diffs)
         return False
     for part in committed_parts(out):
@@ -224,6 +250,16 @@ def check_run_config(
             raise RunConfigMismatch(out, diffs, where=f"{part} ({RUN_FILE} is missing)")
         break
     return False
+
+
+def _first_part_config(parts: Sequence[Path]) -> dict | None:
+    """The configuration the first readable index part carries (None: none is readable, or format 1)."""
+    for part in parts:
+        try:
+            return part_meta(read_index_part(part, ["id"]))["config"]
+        except (DamagedFile, TypeError, ValueError):
+            continue
+    return None
 
 
 def _a_rank_is_live(out: Path, held_rank: int | None) -> bool:
@@ -352,19 +388,26 @@ def read_state(
     if world_size > 1:
         skipped = {p.name for p in split_parts(out, parts, rank, world_size)[2]}
         parts = [p for p in parts if p.name not in skipped]
+    foreign, agreeing = None, 0
     for part, check in zip(parts, map_parts(out, lambda p: check_part(p, data=False), parts)):
-        if check.problem is None and check.config is not None and check.config_hash != expected:
-            raise RunConfigMismatch(
-                out,
-                config_diffs(config, check.config, volatile_keys),
-                where=str(part),
-                foreign=part if has_run_file else None,
-            )
+        if check.problem is None and check.config is not None:
+            if check.config_hash != expected:
+                foreign = foreign or (part, config_diffs(config, check.config, volatile_keys))
+                if not has_run_file:
+                    break
+                continue  # to tell a part added to OUT from a run.json that no part agrees with
+            agreeing += 1
         if check.ok:
             state.done.update(check.ids)
             state.sound.append(part)
         else:
             state.damaged.append(part.name)
+    if foreign is not None:
+        part, diffs = foreign
+        odd = "request" if has_run_file and not agreeing else None
+        raise RunConfigMismatch(
+            out, diffs, where=str(part), foreign=part if has_run_file and not odd else None, run_file_odd=odd
+        )
     errors = read_errors(out)
     state.done.update(r["id"] for r in errors if done_by_error(r, retry))
     state.error_keys = {error_key(r) for r in errors}

@@ -104,6 +104,7 @@ from vlfast.extraction.store.resume import (
     plan_positions,
     read_state,
 )
+from vlfast.extraction.store.run_file import run_file_bytes
 
 __all__ = [
     "DEFAULT_VOLATILE_KEYS",
@@ -305,23 +306,11 @@ class FeatureStore:
         path = self.out / RUN_FILE
         if check_run_config(self.out, self.run_config, self.volatile_keys, held_rank=self.rank):
             return
-        doc = {
-            "format": "vlfast-features",
-            "format_version": FORMAT_VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "volatile_keys": sorted(self.volatile_keys),
-            "config": self.run_config,
-            "config_hash": self.config_hash,
-            "created_with": library_versions(),
-        }
         # Several ranks may race here; each writes the same config through its own temp file, so the
         # last rename wins with identical content.
+        data = run_file_bytes(self.run_config, self.volatile_keys, library_versions())
         try:
-            self._backend.write(
-                path,
-                (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
-                f"r{self.rank:05d}-{os.getpid()}",
-            )
+            self._backend.write(path, data, f"r{self.rank:05d}-{os.getpid()}")
         except OSError as e:
             if disk_full(e):
                 raise self._backend.full_error(e, f"writing {RUN_FILE}") from None
