@@ -229,7 +229,7 @@ def _cli(inputs, out, *args):
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (("--dim", "32"), "--dim) must be an integer >= 64"),
+        (("--dim", "32"), "--dim must be an integer from 64 to"),
         (("--dim", "65"), "is 64 wide"),  # the tiny model's width is 64
         (("--features", "embedding,llm"), "cannot be extracted in one run"),
         (
