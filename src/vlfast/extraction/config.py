@@ -131,6 +131,12 @@ def _feature_spec(config: ExtractConfig) -> FeatureSpec:
             + ("; an embedding's text comes from the manifest's 'text' column" if embedding else "")
         )
     given = {"prompt": config.prompt, "instruction": config.instruction}
+    from vlfast.extraction.decode.prompts import placeholder_problem
+
+    for name, text in given.items():
+        problem = placeholder_problem(name, text)
+        if problem:  # every row would fail alike: refused before anything is read
+            raise InputRefused(f"--{name} ({name}): {problem}")
     return FeatureSpec(
         names=names,
         layers=layers,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from vlfast.extraction.decode.media import SampleError
-from vlfast.extraction.decode.prompts import PromptBuilder
+from vlfast.extraction.decode.prompts import PromptBuilder, placeholder_problem
 from vlfast.extraction.sources.sample import Sample
 
 __all__ = [
@@ -118,6 +118,10 @@ class EmbeddingPrompt:
                 "a text row has no image or video for the vision features asked beside the embedding; "
                 "extract --features embedding alone for text rows"
             )
+        for field_name, value in (("text", s.text), ("instruction", s.instruction)):
+            problem = placeholder_problem(field_name, value)
+            if problem:
+                raise SampleError(problem)
         content: list[dict[str, Any]] = []
         if s.kind != "text":
             content.append({"type": "image" if s.kind == "image" else "video"})

@@ -10,8 +10,27 @@ from typing import Any
 import torch
 
 from vlfast.errors import InputRefused
+from vlfast.extraction.decode.media import SampleError
 
-__all__ = ["PromptBuilder", "video_timestamps"]
+__all__ = ["VISION_TOKENS", "PromptBuilder", "placeholder_problem", "video_timestamps"]
+
+# Qwen-VL's vision placeholders: the chat template places them around each image or video, and the pad is
+# then repeated once per merged vision token. Written in a prompt or a caption (the tokenizer reads them as
+# the same special tokens) they would give the model more image tokens than the image has features, a
+# video's tokens for an image (transformers' rope index then fails), or a second vision span.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def placeholder_problem(field: str, text: str | None) -> str | None:
+    """Why ``text`` (a prompt, a caption, an instruction) cannot go into the chat template: the vision
+    placeholder tokens it holds, named; None if it holds none."""
+    found = [t for t in VISION_TOKENS if text and t in text]
+    if not found:
+        return None
+    return (
+        f"the {field} holds a vision placeholder token: {', '.join(found)}; the chat template places these "
+        f"itself for the image or video, so a {field} holding one would misplace them: remove it from the {field}"
+    )
 
 
 @dataclass
@@ -55,6 +74,9 @@ class PromptBuilder:
         """input_ids (L,) int64 of the user turn plus the generation prompt."""
         media = "image" if kind == "image" else "video"
         prompt = prompt.replace("{kind}", media)
+        problem = placeholder_problem("prompt", prompt)
+        if problem:  # the row's input, not the template: recorded as this sample's error
+            raise SampleError(problem)
         tok = self.tokenizer()
         messages = [
             {
