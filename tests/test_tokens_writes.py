@@ -171,6 +171,23 @@ def test_an_empty_dataset_is_refused(tokens_app, tmp_path):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_a_field_without_text_is_refused(tokens_app, tmp_path):
+    """Before: --field naming numbers (an exported table's `embedding`, a JSONL `id`) 'rewrote' nothing,
+    exit 0, and wrote a copy."""
+    src = _jsonl(tmp_path / "d.jsonl", [{"id": 1, "text": None}, {"id": 2, "text": [{"n": 3}]}])
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"embedding": [[0.5, 1.0], [2.0, 3.0]], "text": ["<think>", None]}), table)
+    for dataset, field in ((src, "id"), (src, "text"), (table, "embedding")):
+        out = tmp_path / f"o{dataset.suffix}"
+        r = _rewrite(tokens_app, "--dataset", str(dataset), "--field", field, "--out", str(out))
+        assert r.exit_code == 2, (field, r.output)
+        assert f"field {field!r} of {dataset} holds no text in any record" in _err(r), r.stderr
+        assert not out.exists()
+    r = _rewrite(tokens_app, "--dataset", str(table), "--field", "text", "--out", str(tmp_path / "o.parquet"))
+    assert r.exit_code == 0, r.output  # one string among nulls is text
+    assert pq.read_table(tmp_path / "o.parquet").column("text").to_pylist() == ["<thinking>", None]
+
+
 def test_a_parquet_that_is_not_parquet_is_refused(tokens_app, tmp_path):
     """Before: exit 3, pyarrow's ArrowInvalid."""
     src = tmp_path / "d.parquet"

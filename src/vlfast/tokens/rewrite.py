@@ -114,6 +114,22 @@ def _rewrite_value(value: Any, mapping: Mapping[str, str], counts: dict[str, int
     return value
 
 
+def _holds_text(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if isinstance(value, list):
+        return any(_holds_text(v) for v in value)
+    return isinstance(value, dict) and any(_holds_text(v) for v in value.values())
+
+
+def _no_text(path: Path, field_name: str) -> InputRefused:
+    # A field of numbers or nulls only: a wrong --field, which would otherwise "rewrite" nothing, exit 0.
+    return InputRefused(
+        f"field {field_name!r} of {path} holds no text in any record (no string, nor chat messages holding "
+        "one); pass the field that holds the text"
+    )
+
+
 @dataclass
 class FileRewrite:
     path: str
@@ -257,6 +273,8 @@ def rewrite_dataset(
             raise InputRefused(f"{path} holds no records: nothing to rewrite")
         col = table.column(field_name)
         values = col.to_pylist()
+        if not any(_holds_text(v) for v in values):
+            raise _no_text(path, field_name)
         for k, v in _present(json.dumps(values, ensure_ascii=False), targets).items():
             present[k] = present.get(k, 0) + v
         new = pa.array([_rewrite_value(v, mapping, counts) for v in values], type=col.type)
@@ -268,11 +286,12 @@ def rewrite_dataset(
 
     def write(tmp: Path) -> None:
         nonlocal n
-        seen = 0
+        seen, text = 0, False
         with tmp.open("w", encoding="utf-8") as dst:
             for _, rec in _jsonl_records(path):
                 if isinstance(rec, dict) and field_name in rec:
                     seen += 1
+                    text = text or _holds_text(rec[field_name])
                     for k, v in _present(json.dumps(rec[field_name], ensure_ascii=False), targets).items():
                         present[k] = present.get(k, 0) + v
                     rec[field_name] = _rewrite_value(rec[field_name], mapping, counts)
@@ -284,6 +303,8 @@ def rewrite_dataset(
             raise InputRefused(
                 f"no record of {path} has a field {field_name!r}; pass the field that holds the text"
             )
+        if not text:
+            raise _no_text(path, field_name)
 
     write_atomically(dest, write, overwrite=True, tag="rewrite")
     return FileRewrite(str(path), str(out), counts, n, present)
