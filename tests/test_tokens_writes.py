@@ -425,3 +425,11 @@ def test_reference_ids_library_and_fix_refuse_the_same(model, tmp_path):
         model, reference_ids=[f"{rows - 10}-{rows - 1}", f"{rows - 5}-{rows - 1}", rows - 1]
     )
     assert report.reference_sources == {"user": 10}
+
+
+def test_a_device_that_holds_no_data_is_refused(tokens_app, tiny_qwen3_vl):
+    """Before: --device meta passed the device check (torch.empty works there) and ended in exit 3."""
+    argv = ["tokens", "audit", "--model", str(tiny_qwen3_vl), "--verify-generation", "--device", "meta"]
+    r = runner.invoke(tokens_app, argv)
+    assert r.exit_code == 2, r.output
+    assert "--device 'meta' holds no data" in _err(r), r.stderr

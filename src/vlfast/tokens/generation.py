@@ -94,6 +94,10 @@ def resolve(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
     from vlfast.diagnosis.facts import check_device, default_device
 
     device = check_device(device or default_device())
+    if device.startswith("meta"):  # accepted by torch.empty, but holds no values to compute a probability
+        raise InputRefused(
+            f"--device {device!r} holds no data, so the model cannot run on it; use cpu or cuda"
+        )
     if dtype is None:
         return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
     from vlfast.dtypes import torch_dtype
