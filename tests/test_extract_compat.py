@@ -85,3 +85,18 @@ def test_old_out_resumes_and_matches_a_fresh_run(old, checkpoint, monkeypatch):
         json.loads((old / "out" / "run.json").read_text())["config"]
         == json.loads((DATA / "out" / "run.json").read_text())["config"]
     )
+
+
+def test_old_out_resumes_with_a_copy_of_its_checkpoint_elsewhere(old, checkpoint, tmp_path, monkeypatch):
+    """Issue 38 item 5: the old run.json records /tmp/vlfast-compat-v2/ck and its processor files by that
+    path; a byte-identical copy at another path (a node-local copy) resumes it, and the record stays."""
+    from vlfast import extract
+
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "node-local" / "ck"))
+    monkeypatch.chdir(old)
+    summary = extract("all.jsonl", "out", model=str(copy), features=FEATURES)
+    assert summary.extracted == 2 and not summary.nothing_to_do
+    assert (
+        json.loads((old / "out" / "run.json").read_text())["config"]
+        == json.loads((DATA / "out" / "run.json").read_text())["config"]
+    )

@@ -252,8 +252,10 @@ def make_plan(
     samples, problems = load_inputs(inputs, config.storage_options, kept)
     family = family_of(config.model)
     check_llm_request(config.model, config.spec)
+    # Recorded resolved (processor.source names the files read), so no working directory is in it
+    model_dir = config.model if config.model.startswith("ref:") else str(Path(config.model).resolve())
     processor = build_processor_config(
-        config.model,
+        model_dir,
         family=family,
         fps=config.fps,
         num_frames=config.num_frames,
@@ -274,7 +276,9 @@ def make_plan(
         world_size=world_size,
         family=family,
         processor=processor,
-        run_config=run_configuration(config, family, processor, weights, world_size),
+        run_config=as_recorded(
+            out, run_configuration(config, family, processor, weights, world_size), config.overwrite
+        ),
         volatile_keys=(*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY),
         fingerprint_seconds=fingerprint_seconds,
         listings=kept.fresh,
@@ -317,6 +321,50 @@ def run_configuration(
             "commit_every": config.commit_every,
         },
     }
+
+
+# Where the checkpoint was read, not what it is: what it is (the weights' fingerprint, the tower's config, the
+# processor's numbers, the image processor's class) is compared key by key. A resume that reads the same
+# content from another path (a relative spelling, a symlink, another working directory, a node-local copy)
+# keeps the paths OUT recorded, so the configuration and its hash stay those of every part and shard.
+LOCATION_KEYS = ("model", "processor.source")
+
+
+def as_recorded(out: Any, run_config: dict[str, Any], overwrite: bool = False) -> dict[str, Any]:
+    """``run_config`` with OUT's recorded :data:`LOCATION_KEYS` when they are all that differs from what OUT
+    holds (run.json, or the first index part if run.json is lost); else as it is, and the check that follows
+    refuses or accepts it as before. Reads only."""
+    import copy
+
+    from vlfast.extraction.store.format import DamagedFile, committed_parts, read_run_file
+    from vlfast.extraction.store.resume import (
+        DEFAULT_VOLATILE_KEYS,
+        canonical_config,
+        config_diffs,
+        first_part_config,
+    )
+
+    if overwrite:
+        return run_config
+    try:
+        recorded = read_run_file(out).get("config")
+    except FileNotFoundError:
+        recorded = first_part_config(committed_parts(out)) if out.exists() else None
+    except (DamagedFile, InputRefused, OSError):
+        return run_config  # the configuration check says what is wrong with it
+    if not isinstance(recorded, dict):
+        return run_config
+    diffs = config_diffs(canonical_config(run_config), recorded, (*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY))
+    if not diffs or any(key not in LOCATION_KEYS or "<missing>" in (old, new) for key, old, new in diffs):
+        return run_config
+    adopted = copy.deepcopy(run_config)
+    for key, old, _ in diffs:
+        *parents, leaf = key.split(".")
+        node = adopted
+        for name in parents:
+            node = node[name]
+        node[leaf] = old
+    return adopted
 
 
 def identity(model: str, family: str) -> dict[str, Any]:

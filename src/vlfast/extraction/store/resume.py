@@ -73,6 +73,7 @@ __all__ = [
     "config_diffs",
     "confirm_hashed",
     "dist_info",
+    "first_part_config",
     "duplicate_reason",
     "owner_rank",
     "owned",
@@ -230,7 +231,7 @@ def check_run_config(
         if not diffs:
             return True
         parts = committed_parts(out)
-        if parts and not config_diffs(config, _first_part_config(parts) or {}, volatile_keys):
+        if parts and not config_diffs(config, first_part_config(parts) or {}, volatile_keys):
             raise RunConfigMismatch(out, diffs, run_file_odd="parts")
         if parts or read_errors(out) or _a_rank_is_live(out, held_rank):
             raise RunConfigMismatch(out, diffs)
@@ -252,7 +253,7 @@ def check_run_config(
     return False
 
 
-def _first_part_config(parts: Sequence[Path]) -> dict | None:
+def first_part_config(parts: Sequence[Path]) -> dict | None:
     """The configuration the first readable index part carries (None: none is readable, or format 1)."""
     for part in parts:
         try:
