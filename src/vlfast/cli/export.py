@@ -50,7 +50,12 @@ def export(
         ),
     ] = None,
     dtype: Annotated[
-        str, typer.Option("--dtype", help="float32 or float16: the vectors' type in the table.")
+        str,
+        typer.Option(
+            "--dtype",
+            help="float32 or float16: the vectors' type in the table. A value float16 cannot hold (past 65504) "
+            "is refused, naming the sample.",
+        ),
     ] = "float32",
     overwrite: Annotated[
         bool,
@@ -75,7 +80,8 @@ def export(
     or any vector database. It is written beside DEST and renamed into place when complete: a killed export
     leaves no partial table. Exit 0 written, 2 refused (OUT missing or not a vlfast folder, an unknown
     feature, one that is not one vector per sample, vectors of different lengths, DEST exists without
-    --overwrite; nothing written), 3 an unexpected error, 4 DEST's disk is full.
+    --overwrite, DEST inside OUT or OUT inside DEST, a value --dtype cannot hold; nothing written), 3 an
+    unexpected error, 4 DEST's disk is full.
     """
     from vlfast.extraction.store.export import export as run_export
 
