@@ -251,12 +251,17 @@ def test_verify_table_keeps_names_and_values_whole_in_a_pipe(monkeypatch):
     name = "blocks.0.attn.qkv sample 0 grid=(2, 16, 16) last_hidden_state"
     metrics = {"max_abs": 50.123456, "max_rel": 1.234e-05, "cosine": 0.99999912, "mean_abs": 0.00321}
     report.checks.append(verification.Check("tower", name, "bfloat16", metrics, {"cosine": ">= 0.999"}, True))
-    monkeypatch.setattr(verification, "verify", lambda *a, **kw: report)
+
+    def run(*a, progress, **kw):
+        progress(verification.Step(0, None, "load ref:qwen3-vl-30b-a3b", 0.1))  # the model built
+        return report
+
+    monkeypatch.setattr(verification, "verify", run)
     monkeypatch.setattr(verification, "expected_seconds", lambda *a, **kw: 42.0)
     res = runner.invoke(app, ["verify", "--model", "ref:qwen3-vl-30b-a3b"])
     assert "ref:qwen3-vl-30b-a3b" in res.stdout and name in res.stdout, res.stdout
     assert "max_abs=50.1" in res.stdout and "cosine=1" in res.stdout and "…" not in res.stdout
-    assert "expected ~42 s" in res.stderr  # told up front, on stderr
+    assert "then ~42 s of checks" in res.stderr  # told before the checks, on stderr
 
 
 def test_verify_expected_time_comes_from_the_tower_and_a_measured_rate(monkeypatch):

@@ -9,6 +9,7 @@ import typer
 import vlfast
 from vlfast.cli._common import HelpGroup, readable_help
 from vlfast.cli._examples import HELP_OPTIONS, add_examples
+from vlfast.cli._process import end
 from vlfast.cli._quiet import quiet_third_party
 
 NOT_A_COMMAND = {
@@ -82,7 +83,13 @@ add_examples(app)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            raise
+        end(e.code or 0)
+    end(0)
 
 
 if __name__ == "__main__":

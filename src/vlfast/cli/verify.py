@@ -128,9 +128,11 @@ def verify(
 
     Each check is reported on stderr as it starts and as it ends; with --json, stdout is the report only.
     """
+    from vlfast.cli._process import since_start, since_start_words, skip_teardown
     from vlfast.patching.verification import expected_seconds
     from vlfast.patching.verification import verify as run_verify
 
+    skip_teardown()  # everything it says is printed before it returns
     grids = [_parse_grid(g) for g in grid] if grid else [(2, 16, 16), (1, 12, 20)]
     dtypes = ["float32", *(dtype or ["bfloat16"])]
     try:
@@ -139,15 +141,26 @@ def verify(
         )
     except (ValueError, OSError, RuntimeError, TypeError):  # verify itself says what is wrong
         guess = None
-    if guess is not None:
+    progress = _Progress(err_console)
+    told: list[bool] = []
+
+    def tell(step: Step) -> None:
+        """Each step as it goes; once the model is built, the whole run's expected time, start-up included."""
+        progress(step)
+        if guess is None or told or not (step.done or step.index > 0):
+            return
+        told.append(True)
+        so_far = since_start()
         err_console.print(
-            f"vlfast verify {model}: expected ~{_duration(guess)} here (a rough estimate from the tower's "
-            "size and a GEMM rate measured now; a busy machine takes longer)",
+            f"vlfast verify {model}: expected ~{_duration(so_far + guess)} in all here: {so_far:.1f} s "
+            f"{since_start_words()} to load torch, transformers and the model, then ~{_duration(guess)} of "
+            "checks (a rough estimate from the tower's size and a GEMM rate measured now; a busy machine "
+            "takes longer)",
             markup=False,
             highlight=False,
             soft_wrap=True,
         )
-    progress = _Progress(err_console)
+
     try:
         report = run_verify(
             model,
@@ -157,7 +170,7 @@ def verify(
             n_windows=windows,
             backward=backward,
             tiny=tiny,
-            progress=progress,
+            progress=tell,
         )
     finally:
         progress.close()
