@@ -266,7 +266,9 @@ def test_a_shape_the_ones_before_say_cannot_fit_is_left_out_without_calibrating(
     calls, now = len(clock.calls), clock.now
     wide = ConvShape("Conv2d", 1536, 4096, (2, 2), True, 768, ("glm-4.1v-9b:downsample",))
     second = P.probe_conv(wide, dtype=torch.float32, budget_s=budget.left_ms / 1e3, budget=budget)
-    assert second.left_out and "the shapes before predict" in second.left_out, second.left_out
+    assert second.left_out and "at the speed of the shapes probed before it" in second.left_out, (
+        second.left_out
+    )
     if second.conv is None:  # the whole shape: not one call was spent on it
         assert (len(clock.calls), clock.now) == (calls, now)
     assert clock.now <= 1.2 * 3.0

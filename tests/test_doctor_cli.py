@@ -47,6 +47,7 @@ TOP_KEYS = {
     "left_out",
     "dtype_reason",
     "elapsed_s",
+    "wall_s",  # the CLI's: seconds from the process's start
 }
 FINDING_KEYS = {
     "status",
@@ -234,3 +235,17 @@ def test_bad_model_is_a_usage_error():
     if not torch.cuda.is_available():
         res = _run("--model", "ref:qwen3-vl-4b", "--device", "cuda", "--no-probe")
         assert res.exit_code == 2 and "not usable here" in res.output
+
+
+def test_a_pipe_gets_tables_within_100_columns_and_the_wall_time(monkeypatch):
+    """Issue 39: the probe table was ~330 columns wide in a pipe, and the footer's time was not the wall's."""
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_conv", _fake_probe(3.0, 30.0))
+    res = _run("--device", "cpu", "--dtype", "fp32")  # every reference: the widest table
+    assert res.exit_code == 1, res.output
+    tables = res.stdout.split("fix (any one of these):")[0]  # the fixes stay whole lines, to paste
+    widest = max(tables.splitlines(), key=len)
+    assert len(widest) <= 100, widest
+    assert "ratio               3.00x (spread 0%)" in res.stdout  # one block per conv, a line per column
+    words = " ".join(res.stdout.split())
+    assert " s since the process started: " in words and " s starting up " in words, words[-300:]
+    assert "the headline names the model whose losing convs do the most multiply-adds" in words

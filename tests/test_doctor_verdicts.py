@@ -133,6 +133,31 @@ def test_the_headline_numbers_belong_to_the_model_they_name(monkeypatch):
     assert "qwen" not in s, s
 
 
+def test_the_headline_model_does_not_change_with_the_noise(monkeypatch):
+    """Issue 39: the headline named qwen3-vl-4b in one run and qwen2-vl-7b in the next. The model is chosen
+    from the shapes (the most multiply-adds per sample among its losing convs), so timings cannot flip it."""
+    from vlfast.diagnosis.timing import Timing
+
+    def probe(favoured: int):
+        def probe_conv(shape, *, device, dtype, budget_s, **kw):  # 3x forward; one shape's GEMM 50x slower
+            gemm = 100.0 if shape.out_channels == favoured else 2.0
+            conv, gemm = Timing((3 * gemm,) * 3), Timing((gemm,) * 3)
+            return ProbeResult(shape, str(device), str(dtype), conv=conv, gemm=gemm)
+
+        return probe_conv
+
+    saves_most, named = set(), set()
+    for favoured in (1280, 1024, 1152):  # Qwen2-VL's, Qwen3-VL-2B/4B's, Qwen3-VL-8B's patch embedding
+        monkeypatch.setattr(D, "probe_conv", probe(favoured))
+        report = D.doctor(None, device="cpu", dtype="float32", workload="inference")
+        savings = report.savings_ms_per_sample
+        saves_most.add(max(savings, key=savings.get))
+        named.add(report.summary.split(":")[1].strip())
+    assert saves_most == {"qwen2-vl-7b", "qwen3-vl-2b", "qwen3-vl-8b"}  # the timings disagree every run
+    # GLM's downsample (1536 -> 4096 over 2x2 windows) is the most work of any model's losing convs
+    assert named == {"glm-4.1v-9b"}, named
+
+
 # ------------------------------------------------------------------------ every fix fixes everything
 
 

@@ -24,6 +24,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
@@ -235,6 +236,42 @@ def print_table(table: Table, out: Console | None = None) -> None:
         wide.print(table.title, soft_wrap=True)
         table.title = None
     wide.print(table)
+
+
+PIPE_WIDTH = 100  # the most columns a table may take where no terminal gives a width (a pipe, a CI log)
+
+
+def _natural_width(out: Console, table: Table) -> int:
+    return Measurement.get(out, out.options.update_width(1_000_000), table).maximum
+
+
+def print_fitted_table(table: Table, out: Console | None = None, width: int = PIPE_WIDTH) -> None:
+    """:func:`print_table`, but no wider than ``width`` columns in a pipe.
+
+    A key/value table (two columns) wraps its values; a wider table is printed one block per row: the
+    row's first cell, then each other cell on its own line after its column's name. In a terminal Rich
+    fits the table to the window, as :func:`print_table` does."""
+    out = out or console
+    if out.is_terminal or _natural_width(out, table) <= width:
+        print_table(table, out)
+        return
+    narrow = Console(file=out.file, width=width, color_system=None, highlight=False)
+    for column in table.columns:
+        column.overflow = "fold"
+    if len(table.columns) <= 2:
+        narrow.print(table)
+        return
+    if table.title:
+        narrow.print(table.title)
+    headers = [str(column.header) for column in table.columns]
+    for row in zip(*(list(column.cells) for column in table.columns)):
+        block = Table(show_header=False, box=None, padding=(0, 1, 0, 0))
+        block.add_column(no_wrap=True)
+        block.add_column(overflow="fold")
+        for header, cell in zip(headers[1:], row[1:]):
+            block.add_row(header, cell)
+        narrow.print(row[0])
+        narrow.print(Padding(block, (0, 0, 0, 2), expand=False))
 
 
 def handle_errors(fn: Callable) -> Callable:

@@ -22,8 +22,8 @@ from vlfast.cli._common import (
     UsageError,
     console,
     handle_errors,
+    print_fitted_table,
     print_json,
-    print_table,
 )
 
 _STATUS_STYLE = {
@@ -37,7 +37,14 @@ _VERDICT_STYLE = {"slow-path": "bold red", "gain": "bold yellow", "ok": "bold gr
 
 
 def _render(report) -> None:
-    from vlfast.diagnosis.doctor import cpu_features_cell, libraries_cell, ratio_cell, timed_cell
+    from vlfast.cli._process import since_start, since_start_words
+    from vlfast.diagnosis.doctor import (
+        HEADLINE_RULE,
+        cpu_features_cell,
+        libraries_cell,
+        ratio_cell,
+        timed_cell,
+    )
     from vlfast.diagnosis.facts import cudnn_version_str
 
     f = report.facts
@@ -91,7 +98,7 @@ def _render(report) -> None:
     )
     row("VLFAST_PATCH", f.autopatch_env or "unset")
     row("model patched", f.model_patched)
-    print_table(env)
+    print_fitted_table(env)
 
     probe = Table(
         title=f"Probe: {escape(report.target)} on {f.device} in {f.dtype}, {report.patches:,} patches per sample",
@@ -142,7 +149,7 @@ def _render(report) -> None:
             f"[{style}]{status}[/{style}]" + (f" ({escape(p.error)})" if p.error else ""),
             ", ".join(x.rules) or "-",
         )
-    print_table(probe)
+    print_fitted_table(probe)
 
     for r in report.rules:
         console.print(
@@ -153,6 +160,9 @@ def _render(report) -> None:
     console.print(
         f"\n[{style}]verdict: {report.verdict}[/{style}]  {escape(report.summary)}", highlight=False
     )
+    models = {n.split(":", 1)[0] for x in report.findings for n in x.probe.shape.names}
+    if report.verdict in ("slow-path", "gain") and len(models) > 1:
+        console.print(f"[dim]({HEADLINE_RULE}; the table has every model's figures)[/dim]", highlight=False)
     if report.fixes:
         console.print("\n[bold]fix[/bold] (any one of these):")
         for fix in report.fixes:
@@ -165,9 +175,16 @@ def _render(report) -> None:
         console.print(f"[yellow]left out for lack of budget:[/yellow] {escape(item)}", highlight=False)
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
-    probe_s = f" (probe {report.probe_s:.1f} s of a {report.budget_s:g} s budget)" if report.probe_s else ""
+    wall = since_start()
+    probe_s = (
+        f", of which the probe {report.probe_s:.1f} s of a {report.budget_s:g} s budget"
+        if report.probe_s
+        else ""
+    )
     console.print(
-        f"[dim]{report.elapsed_s:.1f} s{probe_s}; --markdown prints a block for bug reports[/dim]",
+        f"[dim]{wall:.1f} s {since_start_words()}: {max(0.0, wall - report.elapsed_s):.1f} s starting up "
+        f"(Python, torch, transformers), {report.elapsed_s:.1f} s diagnosing{probe_s}; --markdown prints a "
+        "block for bug reports[/dim]",
         highlight=False,
     )
 
@@ -225,9 +242,11 @@ def register(app: typer.Typer) -> None:
         fallback kernel: >= 10x its GEMM, or >= 2x with a known cause) in an unpatched conv; 4 for an
         ordinary gain (>= 2x; 0 with --fail-on slow-path); 0 otherwise.
         """
+        from vlfast.cli._process import since_start, skip_teardown
         from vlfast.diagnosis.doctor import doctor
         from vlfast.diagnosis.probe import DEFAULT_PATCHES
 
+        skip_teardown()  # everything it says is printed before it returns
         if fail_on not in ("any", "slow-path"):
             raise UsageError(f"--fail-on takes 'any' or 'slow-path', got {fail_on!r}")
         report = doctor(
@@ -241,7 +260,7 @@ def register(app: typer.Typer) -> None:
             fail_on=fail_on,
         )
         if json_out:
-            print_json(report.to_dict())
+            print_json({**report.to_dict(), "wall_s": since_start()})
         elif markdown:
             typer.echo(report.to_markdown(), nl=False)
         else:

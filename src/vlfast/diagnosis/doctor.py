@@ -19,6 +19,7 @@ as every CPU's oneDNN conv is; exit 4 unless ``fail_on="slow-path"``).
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -478,6 +479,29 @@ def _fixes(
     return fixes, notes
 
 
+HEADLINE_RULE = (
+    "the headline names the model whose losing convs do the most multiply-adds per sample, and its largest "
+    "such conv: read from their shapes, not from timings, so the same model every run"
+)
+
+
+def headline(verdict: Verdict, findings: list[Finding]) -> tuple[str, Finding]:
+    """(model label, conv) the headline names for a ``slow-path`` or ``gain`` verdict, by HEADLINE_RULE.
+
+    Among the unpatched convs whose status is the verdict, the model whose convs sum to the most
+    multiply-adds per sample (M x K x N of each conv's GEMM; ties: the first model scanned, as `vlfast
+    models` lists the references), and that model's largest such conv. Measured savings decide nothing:
+    two models whose savings differ by less than the noise took turns from one run to the next."""
+    losing = [f for f in findings if _losing(f) and f.status == verdict]
+    work: dict[str, int] = {}  # model -> multiply-adds per sample of its losing convs, in scan order
+    for f in losing:
+        for n in f.probe.shape.names:
+            work[_model(n)] = work.get(_model(n), 0) + math.prod(f.probe.shape.gemm_shape)
+    model = max(work, key=lambda m: work[m])  # max keeps the first of equals
+    mine = [f for f in losing if any(_model(n) == model for n in f.probe.shape.names)]
+    return model, max(mine, key=lambda f: math.prod(f.probe.shape.gemm_shape))
+
+
 def _summary(
     verdict: Verdict,
     findings: list[Finding],
@@ -502,31 +526,18 @@ def _summary(
         return (
             "A conv is slower than its GEMM here, but the model is already patched: the fast path is in use."
         )
-    # The headline belongs to one model: the one that loses most per sample, with its own worst conv.
-    total = {m: savings.get(m, 0.0) + backward.get(m, 0.0) for m in {*savings, *backward}}
-    model = max(total, key=lambda m: total[m]) if total else None
-    own = [
-        f
-        for f in findings
-        if _losing(f) and (model is None or any(_model(n) == model for n in f.probe.shape.names))
-    ]
-    if verdict == "slow-path":
-        own = [f for f in own if f.status == "slow-path"] or own
-    worst_f = max(own, key=lambda f: max(f.probe.ratio or 0, f.probe.backward_ratio or 0))
-    where = next(
-        (n for n in worst_f.probe.shape.names if model is None or _model(n) == model),
-        worst_f.probe.shape.describe(),
-    )
+    model, worst_f = headline(verdict, findings)
+    where = next(n for n in worst_f.probe.shape.names if _model(n) == model)
     passes = []
     if worst_f.forward_status in ("slow-path", "gain"):
         passes.append(f"{worst_f.probe.ratio:.1f}x slower than its GEMM forward")
     if worst_f.backward_status in ("slow-path", "gain"):
         passes.append(f"{worst_f.probe.backward_ratio:.1f}x backward")
     kind = "Slow path" if verdict == "slow-path" else "Gain available (no slow path)"
-    if model is None:
+    if model not in savings and model not in backward:
         return (
-            f"{kind}: {where} is {' and '.join(passes)}; no saving is estimated: no losing conv was timed "
-            f"{MIN_ROUNDS} times per side within the budget (raise --budget)."
+            f"{kind}: {where} is {' and '.join(passes)}; no saving is estimated for {model}: none of its losing "
+            f"convs was timed {MIN_ROUNDS} times per side within the budget (raise --budget)."
         )
     fwd, bwd = savings.get(model, 0.0), backward.get(model, 0.0)
     saving = f"~{fwd:,.1f} ms per sample forward" + (f" + {bwd:,.1f} ms backward" if bwd else "")

@@ -149,6 +149,18 @@ _MIN_CALIBRATION_WINDOWS = 16
 _MAX_ROUNDS = 20
 
 
+def _secs(ms: float) -> str:
+    """ "1.8 s", or "40 ms" under a tenth of a second (where "0.0 s" would say nothing)."""
+    return f"{ms / 1e3:.1f} s" if ms >= 100 else f"{ms:.0f} ms"
+
+
+def _over_budget(what: str, cost: str, left_ms: float, whose: str = "it") -> str:
+    """Why ``what`` was left out, in words: what it would cost against what was left of the budget."""
+    if left_ms < 1:
+        return f"{what}: the budget was spent before it"
+    return f"{what}: {cost}, more than the {_secs(left_ms)} of the budget left for {whose}"
+
+
 @dataclass
 class Budget:
     """The seconds a probe may spend, read from ``clock`` (a fake one in tests)."""
@@ -479,14 +491,19 @@ def probe_conv(
             macs = n0 * k * d
             if backward and "all" in budget.rates and budget.rates["all"] * macs * (MIN_ROUNDS + 1) > left():
                 backward = False
-                result.left_out = (
-                    f"the backward: the shapes before predict ~{budget.rates['all'] * macs * (MIN_ROUNDS + 1) / 1e3:.1f} s "
-                    f"for {MIN_ROUNDS} rounds of it on {n0} windows, over this shape's budget share"
+                result.left_out = _over_budget(
+                    "the backward",
+                    f"at the speed of the shapes probed before it, a warm-up and {MIN_ROUNDS} timed rounds of it "
+                    f"on just {n0} windows would take ~{_secs(budget.rates['all'] * macs * (MIN_ROUNDS + 1))}",
+                    left(),
+                    "this shape",
                 )
             if "forward" in budget.rates and budget.rates["forward"] * macs * (MIN_ROUNDS + 1) > left():
-                result.left_out = (
-                    f"the whole shape: the shapes before predict ~{budget.rates['forward'] * macs * (MIN_ROUNDS + 1) / 1e3:.1f} s "
-                    f"for {MIN_ROUNDS} rounds on {n0} windows, over its budget share"
+                result.left_out = _over_budget(
+                    "the whole shape",
+                    f"at the speed of the shapes probed before it, a warm-up and {MIN_ROUNDS} timed rounds on "
+                    f"just {n0} windows would take ~{_secs(budget.rates['forward'] * macs * (MIN_ROUNDS + 1))}",
+                    left(),
                 )
                 return result
             sides = _sides(x_all[:n0], w, b, conv_fn, shape.kernel_size, backward)
@@ -517,15 +534,19 @@ def probe_conv(
             if n is None and backward:
                 n = choose_windows(fwd_ms / n0, n_all, left(), calibrated=n0)
                 if n is not None:
-                    result.left_out = (
-                        f"the backward: a round of it costs ~{(cal['conv_backward'] + cal['gemm_backward']) / n0 * 1e3:,.0f} "
-                        f"ms per 1,000 windows, over this shape's budget share"
+                    result.left_out = _over_budget(
+                        "the backward",
+                        f"{MIN_ROUNDS} timed rounds of it on just {n0} windows would take "
+                        f"~{_secs(MIN_ROUNDS * (cal['conv_backward'] + cal['gemm_backward']))} here",
+                        left(),
+                        "this shape",
                     )
                     sides = {k: v for k, v in sides.items() if not k.endswith("backward")}
             if n is None:
-                result.left_out = (
-                    f"the whole shape: {MIN_ROUNDS} rounds on {n0} windows would take "
-                    f"~{MIN_ROUNDS * fwd_ms / 1e3:.1f} s, over its budget share"
+                result.left_out = _over_budget(
+                    "the whole shape",
+                    f"{MIN_ROUNDS} timed rounds on just {n0} windows would take ~{_secs(MIN_ROUNDS * fwd_ms)} here",
+                    left(),
                 )
                 return result
             if n != n0:
