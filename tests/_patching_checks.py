@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass(frozen=True)
@@ -67,3 +68,17 @@ def assert_verbose_close(
             f"{e.flatten()[worst].item():.8g}, |diff| {diff.flatten()[worst].item():.3g}; cosine {cos:.6f}"
             + (f" < {tol.min_cosine}" if not cos_ok else "")
         )
+
+
+class ConvCount(TorchDispatchMode):
+    """Counts the convolutions that reach ATen, forward and backward, however they were called (a module,
+    F.conv3d, PEFT's own conv_fn, a wrapper): what ran, where equal numbers could hide the stock path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.startswith("convolution"):  # convolution.default, convolution_backward.default
+            self.calls += 1
+        return func(*args, **(kwargs or {}))

@@ -419,13 +419,17 @@ def test_kill_during_overwrite_leaves_a_consistent_folder(
     with pytest.raises(Killed):
         FeatureStore(tmp_path, new, overwrite=True)
     monkeypatch.setattr(store_mod.shutil, "rmtree", real_rmtree)
-    # The index went first: what is left reads as an empty, valid folder of the OLD config.
-    assert len(FeatureCache(tmp_path)) == 0
+    # The index went first: no part points at a deleted shard. The shards left without their index cannot
+    # be told from an OUT whose index was lost, so a reader names them (never a silent 0 samples).
+    with pytest.raises(DamagedFile, match="no index part, but 2 shards"):
+        FeatureCache(tmp_path)
     # Nothing committed and nothing recorded is left: no run depends on the old run.json any more, so the
-    # new configuration takes the folder over, as the overwrite would have, and cleans the orphan shards.
-    FeatureStore(tmp_path, new).close()
+    # new configuration takes the folder over, as the overwrite would have, and moves the old shards aside.
+    with pytest.warns(UserWarning, match="moved to"):
+        FeatureStore(tmp_path, new).close()
     assert FeatureCache(tmp_path).run_config["model"] == "other"
     assert not list((tmp_path / "shards").iterdir())
+    assert len(list((tmp_path / "quarantine").glob("shard-*/shard-*.safetensors"))) == 2
 
 
 def test_damaged_index_part_is_named_then_moved_aside_on_resume(tmp_path: Path) -> None:

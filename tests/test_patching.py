@@ -331,7 +331,13 @@ def test_changed_geometry_runs_the_new_operation(change, size):
     assert actual.shape == expected.shape
     assert_verbose_close(actual, expected, name=f"after changing {change}")
     assert _conv_ran(conv, x)
-    assert is_patched(conv)  # still patched: unpatch restores it as ever
+    # Still carrying the patch (unpatch restores it as ever), but neither is_patched nor the repr may
+    # claim the GEMM for a conv whose calls run the stock conv: they say why instead.
+    assert patched_modules(conv) == [("", conv)]
+    if change == "weight-kernel":  # the geometry fits; this weight does not (decided at each call)
+        assert is_patched(conv) and "vlfast=gemm" in repr(conv)
+    else:
+        assert not is_patched(conv) and "vlfast=stock (" in repr(conv)
 
 
 @pytest.mark.parametrize("attr", ["padding", "stride"])

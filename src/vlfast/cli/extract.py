@@ -472,7 +472,12 @@ def _print_summary(summary, out: str) -> None:
     if summary.oom_splits:
         rows.append(("OOM splits", str(summary.oom_splits)))
     if summary.quarantined:
-        rows.append(("damaged", f"{len(summary.quarantined)} shards moved to OUT/quarantine and redone"))
+        rows.append(
+            (
+                "damaged",
+                f"{len(summary.quarantined)} moved to OUT/quarantine (the samples they held are extracted again)",
+            )
+        )
     for k, v in rows:
         table.add_row(k, escape(v))
     console.print(table)
@@ -572,6 +577,9 @@ def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
             )
         if report.unverifiable_parts:
             notes.append(f"{report.unverifiable_parts} shards of format 1 have no checksums to compare")
+        # A damaged part with no samples to name (a foreign file under a part's name) is not in the table.
+        notes += [f"{b['part']}: {b['reason']}" for b in report.bad_parts if not b["samples"]]
+        notes += [f"{stray['path']}: {stray['problem']}" for stray in report.strays]
         for note in notes:
             console.print(note, highlight=False, markup=False, soft_wrap=True)
         if report.ok:
@@ -586,8 +594,13 @@ def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
             # Each finding gets the advice that works for it: the same command quarantines and redoes damage,
             # but refuses (exit 2) parts of another configuration, which only the user can move out.
             advice = []
-            if report.bad_samples or report.damaged_error_lines:
+            if report.bad_samples or report.bad_parts or report.damaged_error_lines:
                 advice.append(f"Damaged. {REDO_HINT}")
+            if report.strays:
+                advice.append(
+                    "Not where the format puts it: the same `vlfast extract` moves these aside to OUT/quarantine "
+                    "(a shard a killed run left is removed) and extracts again what is missing."
+                )
             if report.other_config_parts:
                 advice.append(
                     "Parts of another configuration (another run's, added to this OUT): move each, with the "

@@ -3,6 +3,7 @@
 - ``gemm``: the exact GEMM for stride == kernel convolutions (``patch``, ``unpatch``, eligibility).
 - ``integrations``: ``patch_transformers()``, which patches every transformers model as it is built.
 - ``autopatch``: the ``VLFAST_PATCH`` switch, run at interpreter start-up by vlfast's ``.pth`` file.
+- ``record``: what ran, per patched conv: GEMM or stock and why (``record_calls``, ``VLFAST_RECORD``).
 - ``verification``: ``verify``, the numerical proof that the patch changes nothing on a given model.
 
 Importing this package is free (no torch): the start-up hook imports ``autopatch`` through it.
@@ -21,6 +22,8 @@ _EXPORTS = {
     "GemmConvForward": "gemm",
     "PatchReport": "gemm",
     "ConvEntry": "gemm",
+    "record_calls": "record",
+    "CallRecord": "record",
     "patch_transformers": "integrations",
     "unpatch_transformers": "integrations",
     "discover_families": "integrations",

@@ -86,7 +86,11 @@ class _Loader(importlib.abc.Loader):
 
 
 def install_from_env() -> bool:
-    """Arm the switch if ``VLFAST_PATCH`` says so; returns whether it did. Safe to call twice."""
+    """Arm the switch if ``VLFAST_PATCH`` says so, and ``VLFAST_RECORD``'s count of what ran
+    (:mod:`vlfast.patching.record`); returns whether the patch switch was armed. Safe to call twice."""
+    from vlfast.patching import record
+
+    record.install_from_env()
     value = env_setting()
     if value is None:
         return False

@@ -10,15 +10,22 @@ attribute. Nothing else changes: the class, the parameters (same tensors, 5-D we
 hooks and wrappers around ``forward`` (accelerate, PEFT) all stay as they are, and ``unpatch`` deletes
 the attribute to restore the original exactly.
 
-The replacement re-checks its module's geometry on every call (four identity tests): a conv whose
-stride, padding, dilation, groups or weight kernel is changed after patching computes the new operation
-through the stock conv, never the old one.
+Whether a call runs the GEMM is decided from that call: the module's geometry (four identity tests,
+decided again when one changed) and the weight as it arrives. Nothing is judged from the weight at patch
+time, so a weight that is partitioned when ``patch`` runs (DeepSpeed ZeRO-3's empty ``(0,)`` parameter,
+FSDP1's flat views, the meta device) and whole at the call runs the GEMM; a conv whose stride, padding,
+dilation, groups or weight kernel no longer fits runs the stock conv, never the old operation, and with
+:mod:`vlfast.patching.record` on, each call is counted as GEMM or stock, with the reason.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import operator
+import pkgutil
 import re
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -51,6 +58,31 @@ Filter = Callable[[str, nn.Module], bool] | str | None
 # torch.compiler.is_compiling is torch >= 2.3; dynamo folds it to True while tracing.
 _is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
+# Call counting (vlfast.patching.record): the number of records running, read on every call (a global).
+# VLFAST_RECORD, armed at start-up before torch was imported, counts as one from this module's import.
+_RECORDING = int(getattr(sys.modules.get("vlfast.patching.record"), "_env_armed", False))
+# Every live replacement, by id (GemmConvForward compares by kernel size, so no WeakSet); the counters of
+# every conv that counted a call, kept after the conv is gone (a record at exit still has them); and the
+# models patch() was given, whose named_modules() name the convs in a record.
+_FORWARDS: weakref.WeakValueDictionary[int, GemmConvForward] = weakref.WeakValueDictionary()
+_COUNTED: list[Calls] = []
+_ROOTS: list[weakref.ref] = []
+
+
+class Calls:
+    """One patched conv's calls while a record ran: through the GEMM, and through the stock conv by reason."""
+
+    __slots__ = ("gemm", "name", "stock")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.gemm = 0
+        self.stock: dict[str, int] = {}
+
+    def _first(self) -> None:
+        if not self.gemm and not self.stock:
+            _COUNTED.append(self)
+
 
 def _is_channels_last(t: torch.Tensor, nd: int) -> bool:
     """True when ``t`` is laid out channels-last and not also plain contiguous (a 2-D or 3-D conv only)."""
@@ -80,37 +112,64 @@ def _conv_memory_format(
         return _CHANNELS_LAST[nd]
 
 
+def _base_class(module: nn.Module) -> type[nn.Module]:
+    """The Conv1d/Conv2d/Conv3d that ``module`` is (a subclass of)."""
+    return next(cls for cls in _CONV_TYPES if isinstance(module, cls))
+
+
 def _frozen(v) -> bool:
     """True for the values a conv's geometry attribute holds that cannot change in place."""
     return isinstance(v, (int, str)) or (isinstance(v, tuple) and all(isinstance(i, int) for i in v))
 
 
+def _weight_of(module: nn.Module) -> torch.Tensor | None:
+    """The module's weight as it is now, or None where it has none (FSDP1 removes it between forwards)."""
+    try:
+        return getattr(module, "weight", None)
+    except Exception:  # a parametrization that cannot compute yet (e.g. on the meta device)
+        return None
+
+
+def _kernel_shape(weight: torch.Tensor | None, kernel_size: tuple[int, ...]) -> torch.Size | None:
+    """``weight.shape`` when it is a whole conv weight of this kernel; None for a partitioned or flat one."""
+    if not isinstance(weight, torch.Tensor) or isinstance(weight, nn.parameter.UninitializedParameter):
+        return None
+    shape = weight.shape
+    return shape if len(shape) == len(kernel_size) + 2 and tuple(shape[2:]) == kernel_size else None
+
+
 class GemmConvForward:
     """Replacement for ``_ConvNd._conv_forward(input, weight, bias)`` computing the conv as a GEMM.
 
-    Weight and bias arrive as arguments at call time, never stored, so ``.to()``, parametrizations, FSDP
-    and weight reloading keep working. ``patch`` also gives it a weak reference to its module: each call
-    checks, by identity, that the module's ``stride``, ``padding``, ``dilation`` and ``groups`` are the
-    objects it last found eligible (four attribute reads), and that the weight's kernel is the one it
-    computes with. When someone changed one (``conv.padding = (1, 1, 1)``), eligibility is decided again;
-    a conv that is no longer eligible runs the stock ``_conv_forward``, never the old operation. The
-    reference is weak so that ``del model`` frees the parameters at once, as it does unpatched; deepcopy
-    and pickle rebind it to the copy.
+    Weight and bias arrive as arguments at call time, never stored, so ``.to()``, parametrizations, FSDP,
+    DeepSpeed ZeRO-3 and weight reloading keep working. The decision is made per call and cached by what
+    it depends on: the module's ``stride``, ``padding``, ``dilation`` and ``groups`` (checked by identity,
+    four attribute reads, decided again when one is another object), and the weight's shape (compared with
+    the last whole weight seen). A conv that is no longer eligible, or a weight of another kernel, runs the
+    stock ``_conv_forward``, never the old operation. ``patch`` gives it a weak reference to its module, so
+    that ``del model`` frees the parameters at once, as it does unpatched; deepcopy and pickle rebind it to
+    the copy.
     """
 
-    def __init__(self, kernel_size: tuple[int, ...], module: nn.Module | None = None) -> None:
+    def __init__(
+        self, kernel_size: tuple[int, ...] = (), module: nn.Module | None = None, name: str = ""
+    ) -> None:
         self.kernel_size = tuple(int(k) for k in kernel_size)
         self.ndim = len(self.kernel_size)
         self._module = None if module is None else weakref.ref(module)
-        self._seen: tuple | None = None  # (stride, padding, dilation, groups) last found eligible
-        self._stock = False  # the module is no longer eligible: run the stock conv
-        self._wshape: torch.Size | None = None  # the weight shape last checked against the kernel
+        self.calls = Calls(name)  # counted while a record runs; named as the last patch() call saw it
+        self._seen: tuple | None = None  # (stride, padding, dilation, groups) last decided on
+        self._stock: str | None = None  # why the module's geometry keeps it on the stock conv
+        self._wshape: torch.Size | None = None  # the last whole weight shape seen, of this kernel
         self._ones = (1,) * self.ndim
+        _FORWARDS[id(self)] = self
         if module is not None and "_parameters" in module.__dict__:
             # Decide now, not at the first call: a state that changes after torch.compile traced the
-            # first call would make it compile again. (Deepcopy and unpickling pass a module not yet
-            # filled in; that one is decided at its first call.)
-            self._geometry_changed(module, module.weight)
+            # first call would make it compile again. A weight that is not whole here (partitioned,
+            # flat, not loaded yet) leaves _wshape unset: the first call decides from the weight it gets.
+            # (Deepcopy and unpickling pass a module not yet filled in: decided at its first call.)
+            self._geometry_changed(module)
+            self._wshape = _kernel_shape(_weight_of(module), self.kernel_size)
 
     def __repr__(self) -> str:
         return f"GemmConvForward(kernel_size={self.kernel_size})"
@@ -127,31 +186,58 @@ class GemmConvForward:
     def __deepcopy__(self, memo: dict) -> GemmConvForward:
         module = None if self._module is None else self._module()
         # Copied as part of its module: bind to the module's copy; copied alone: keep the module.
-        return GemmConvForward(self.kernel_size, memo.get(id(module), module))
+        return GemmConvForward(self.kernel_size, memo.get(id(module), module), self.calls.name)
 
     def __reduce__(self):
-        return GemmConvForward, (self.kernel_size, None if self._module is None else self._module())
+        module = None if self._module is None else self._module()
+        return GemmConvForward, (self.kernel_size, module, self.calls.name)
 
-    def _geometry_changed(self, m: nn.Module, weight: torch.Tensor) -> None:
+    def status(self) -> str | None:
+        """None when a call with a whole weight of the conv's kernel runs the GEMM; else why it runs the
+        stock conv (the module's geometry as it is now)."""
+        m = None if self._module is None else self._module()
+        if m is not None and not self._geometry_current(m):
+            self._geometry_changed(m)
+        return self._stock
+
+    def _geometry_current(self, m: nn.Module) -> bool:
+        seen = self._seen
+        return not (
+            seen is None
+            or m.stride is not seen[0]
+            or m.padding is not seen[1]
+            or m.dilation is not seen[2]
+            or m.groups is not seen[3]
+        )
+
+    def _geometry_changed(self, m: nn.Module) -> None:
         """Decide again after ``m``'s geometry changed: GEMM (and with which kernel) or the stock conv."""
         reason = eligibility(m)
-        if reason is None and tuple(weight.shape[2:]) != tuple(m.kernel_size):
-            reason = f"weight kernel {tuple(weight.shape[2:])} != kernel_size {tuple(m.kernel_size)}"
         attrs = (m.stride, m.padding, m.dilation, m.groups)
         # Values that could change in place (a list) are checked again on every call.
         self._seen = attrs if all(_frozen(a) for a in attrs) else None
-        self._stock = reason is not None
+        self._stock = reason
         if reason is None:
-            self.kernel_size = tuple(int(k) for k in m.kernel_size)
-            self._wshape = weight.shape
+            kernel = tuple(int(k) for k in m.kernel_size)
+            if kernel != self.kernel_size:
+                self.kernel_size, self.ndim, self._ones = kernel, len(kernel), (1,) * len(kernel)
+                self._wshape = None
 
-    def _stock_conv(self, m: nn.Module, x, weight, bias) -> torch.Tensor:
+    def _count_stock(self, reason: str) -> None:
+        if _RECORDING and not _is_compiling():
+            c = self.calls
+            c._first()
+            c.stock[reason] = c.stock.get(reason, 0) + 1
+
+    def _stock_conv(self, m: nn.Module, x, weight, bias, reason: str) -> torch.Tensor:
         """The class's own ``_conv_forward``, with whatever geometry ``m`` has now."""
-        return _STOCK_CONV_FORWARD[_CONV_TYPES[self.ndim - 1]](m, x, weight, bias)
+        self._count_stock(reason)
+        return _STOCK_CONV_FORWARD[_base_class(m)](m, x, weight, bias)
 
-    def _fallback(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _fallback(self, x: torch.Tensor, weight, bias, reason: str) -> torch.Tensor:
         # Zero padding, dilation 1 and groups 1 are eligibility conditions, so the stock call is exactly
         # this, whatever the padding_mode (padding by 0 is a no-op).
+        self._count_stock(reason)
         return _CONV_FN[self.ndim](x, weight, bias, self.kernel_size, 0, 1, 1)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -166,13 +252,15 @@ class GemmConvForward:
                 or m.dilation is not seen[2]
                 or m.groups is not seen[3]
             ):
-                self._geometry_changed(m, weight)
-            if self._stock:
-                return self._stock_conv(m, x, weight, bias)
+                self._geometry_changed(m)
+            if self._stock is not None:
+                return self._stock_conv(m, x, weight, bias, self._stock)
         shape = x.shape
         # The Qwen case, kept to the fewest checks: x is (N, C, T, P, P), every sample one window, and
-        # the weight is the one last seen (its kernel checked then).
+        # the weight has the shape of the last whole weight seen (its kernel checked then).
         if shape[2:] == self.kernel_size and weight.shape == self._wshape and shape[0] and x.is_contiguous():
+            if _RECORDING and not _is_compiling():
+                self._count_gemm()
             d = self._wshape[0]
             return F.linear(x.view(shape[0], -1), weight.reshape(d, -1), bias).view(shape[0], d, *self._ones)
         return self._general(x, weight, bias, m)
@@ -181,38 +269,48 @@ class GemmConvForward:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: nn.Module | None
     ) -> torch.Tensor:
         nd = self.ndim
-        if tuple(weight.shape[2:]) != self.kernel_size:
-            # A weight of another kernel (swapped through ``.data``, or handed in by functional_call):
-            # the stock conv's windows are not the GEMM's.
+        wshape = _kernel_shape(weight, self.kernel_size)
+        if wshape is None:
+            # A weight of another kernel (swapped through ``.data``, handed in by functional_call) or one
+            # that is not whole (a partitioned parameter called outside its gather): the stock conv's
+            # windows are not the GEMM's, and the stock conv says what is wrong with the weight.
             if m is not None:
-                return self._stock_conv(m, x, weight, bias)
+                why = f"weight of shape {tuple(weight.shape)} is not a {self.kernel_size} kernel"
+                return self._stock_conv(m, x, weight, bias, why)
             raise InputRefused(
                 f"GemmConvForward(kernel_size={self.kernel_size}) was given a weight of shape "
                 f"{tuple(weight.shape)}; its kernel must be {self.kernel_size}"
             )
         if not _is_compiling():  # dynamo would store a traced shape
-            self._wshape = weight.shape
-        if x.dim() != nd + 2 or x.shape[0] == 0:
-            return self._fallback(x, weight, bias)  # unbatched or empty input: leave it to the conv
+            self._wshape = wshape
+        if x.dim() != nd + 2:
+            return self._fallback(x, weight, bias, f"unbatched input of shape {tuple(x.shape)}")
+        if x.shape[0] == 0:
+            return self._fallback(x, weight, bias, "empty batch")
         n, c = x.shape[0], x.shape[1]
         spatial = tuple(x.shape[2:])
         d = weight.shape[0]
         channels_last = _is_channels_last(x, nd)
         if spatial == self.kernel_size:
             if x.is_contiguous():
+                self._count_gemm()
                 return F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias).view(n, d, *([1] * nd))
             if not channels_last:
-                return self._fallback(x, weight, bias)  # odd strides: a copy would cost more than it saves
+                # odd strides: a copy would cost more than it saves
+                return self._fallback(x, weight, bias, "input neither contiguous nor channels-last")
             # Memory holds (N, *k, C): flatten that way (a view) and reorder the weight to match.
+            self._count_gemm()
             dims = (0, *range(2, nd + 2), 1)
             y = F.linear(x.permute(dims).reshape(n, -1), weight.permute(dims).reshape(d, -1), bias)
             # The conv's channels-last strides: (D, 1, D, ..., D).
             return y.view(n, *([1] * nd), d).permute(0, nd + 1, *range(1, nd + 1))
         if any(s < k for s, k in zip(spatial, self.kernel_size)):
-            return self._fallback(x, weight, bias)  # the conv raises its own error for too-small input
+            # the conv raises its own error for too-small input
+            return self._fallback(x, weight, bias, f"input {spatial} smaller than the kernel")
         if not (x.is_contiguous() or channels_last):
-            return self._fallback(x, weight, bias)
+            return self._fallback(x, weight, bias, "input neither contiguous nor channels-last")
         # Larger input: crop the remainder the conv would skip, cut into windows, one batched GEMM.
+        self._count_gemm()
         grid = tuple(s // k for s, k in zip(spatial, self.kernel_size))
         crop = tuple(slice(0, g * k) for g, k in zip(grid, self.kernel_size))
         windows = x[(slice(None), slice(None), *crop)]
@@ -230,27 +328,44 @@ class GemmConvForward:
             return y.contiguous(memory_format=_conv_memory_format(x, weight, bias, self.kernel_size))
         return y
 
+    def _count_gemm(self) -> None:
+        if _RECORDING and not _is_compiling():
+            c = self.calls
+            c._first()
+            c.gemm += 1
+
 
 class _PatchedExtraRepr:
-    """``extra_repr`` for a patched conv: the original text plus a marker, so ``repr(model)`` shows it."""
+    """``extra_repr`` for a patched conv: the original text plus what a call runs now, so ``repr(model)``
+    shows it: ``vlfast=gemm``, or ``vlfast=stock (why)`` for a conv whose geometry no longer fits."""
 
-    def __init__(self, text: str) -> None:
-        self.text = text
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
 
     def __call__(self) -> str:
-        return f"{self.text}, vlfast=gemm" if self.text else "vlfast=gemm"
+        m = self._module()
+        if m is None:  # pragma: no cover - only reachable by holding the bound method past its module
+            return "vlfast=gemm"
+        text = type(m).extra_repr(m)
+        fwd = m.__dict__.get("_conv_forward")
+        why = fwd.status() if isinstance(fwd, GemmConvForward) else None
+        mark = "vlfast=gemm" if why is None else f"vlfast=stock ({why})"
+        return f"{text}, {mark}" if text else mark
 
 
 # What patch() puts in a conv's __dict__. A shallow copy (copy.copy) shares __dict__'s values, so without
 # a copy path of its own the copy would keep the original's GemmConvForward, which watches the original's
 # geometry: changing the copy's padding would still run the old GEMM.
+_PATCH_KEYS = ("_conv_forward", "__reduce_ex__", "extra_repr")
 
 
 class _PatchedReduce:
     """``__reduce_ex__`` of a patched conv, set on the instance, where ``copy.copy``, ``copy.deepcopy``
     and pickle all look it up (``copy`` looks ``__copy__`` up on the class, which vlfast leaves alone).
-    The state is the module's own minus the patch; the copy is rebuilt patched, with a GemmConvForward
-    bound to the copy itself. Weak, so the module and its reducer do not keep each other alive."""
+    The state is the module's own minus the patch. A copy is rebuilt patched, with a GemmConvForward bound
+    to the copy itself; a pickle (``torch.save(model)``) names only the standard library, so it loads
+    where vlfast is not installed (a plain conv) and comes back patched where it is. Weak, so the module
+    and its reducer do not keep each other alive."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = weakref.ref(module)
@@ -260,20 +375,51 @@ class _PatchedReduce:
         if m is None:  # pragma: no cover - a reducer outliving its module is only reachable by hand
             raise RuntimeError("the patched conv of this reducer no longer exists")
         state = m.__getstate__() if hasattr(m, "__getstate__") else m.__dict__
-        state = {k: v for k, v in state.items() if k not in ("_conv_forward", "__reduce_ex__")}
-        return _rebuild_patched, (type(m), m.__dict__["_conv_forward"].kernel_size), state
+        state = {k: v for k, v in state.items() if k not in _PATCH_KEYS}
+        return _Rebuild(), (type(m),), state
 
 
-def _rebuild_patched(cls: type, kernel_size: tuple[int, ...]) -> nn.Module:
+class _Rebuild:
+    """The callable in a patched conv's reduction. Called (copy, deepcopy): an empty patched module.
+    Pickled: ``pkgutil.resolve_name(NAMES[bool(importlib.util.find_spec("vlfast"))])``, standard-library
+    calls only, which unpickle to :func:`_rebuild_patched` where vlfast is installed and to
+    ``copyreg.__newobj__`` (a plain ``cls.__new__(cls)``, the stock conv) where it is not."""
+
+    NAMES = ("copyreg:__newobj__", "vlfast.patching.gemm:_rebuild_patched")
+
+    def __call__(self, cls: type) -> nn.Module:
+        return _rebuild_patched(cls)
+
+    def __reduce__(self):
+        return pkgutil.resolve_name, (_Call(operator.getitem, (self.NAMES, _VLFAST_INSTALLED)),)
+
+
+class _Call:
+    """Pickles as the call ``fn(*args)``: how :class:`_Rebuild` spells its choice with stdlib functions."""
+
+    def __init__(self, fn: Callable, args: tuple) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+# True where the unpickling process can import vlfast (operator.truth of its module spec, or of None).
+_VLFAST_INSTALLED = _Call(operator.truth, (_Call(importlib.util.find_spec, ("vlfast",)),))
+
+
+def _rebuild_patched(cls: type) -> nn.Module:
     """An empty ``cls`` already patched; copy and pickle then set its state (``nn.Module.__setstate__``)."""
     m = cls.__new__(cls)
-    _install(m, kernel_size)
+    _install(m)
     return m
 
 
-def _install(m: nn.Module, kernel_size: tuple[int, ...]) -> None:
-    m.__dict__["_conv_forward"] = GemmConvForward(kernel_size, m)
+def _install(m: nn.Module, name: str = "") -> None:
+    kernel = tuple(m.kernel_size) if "kernel_size" in m.__dict__ else ()
+    m.__dict__["_conv_forward"] = GemmConvForward(kernel, m, name)
     m.__dict__["__reduce_ex__"] = _PatchedReduce(m)
+    m.__dict__["extra_repr"] = _PatchedExtraRepr(m)
 
 
 @dataclass(frozen=True)
@@ -365,10 +511,9 @@ def eligibility(module: nn.Module) -> str | None:
         return "transposed convolution"
     if not isinstance(module, _CONV_TYPES):
         return "not a Conv1d/Conv2d/Conv3d"
-    base = next(cls for cls in _CONV_TYPES if isinstance(module, cls))
-    if type(module)._conv_forward is not _STOCK_CONV_FORWARD[base]:
+    if type(module)._conv_forward is not _STOCK_CONV_FORWARD[_base_class(module)]:
         return f"{type(module).__name__} overrides _conv_forward"
-    if isinstance(module.weight, nn.parameter.UninitializedParameter):
+    if isinstance(_weight_of(module), nn.parameter.UninitializedParameter):
         return "lazy module not initialised yet"
     nd = len(module.kernel_size)
     if tuple(module.stride) != tuple(module.kernel_size):
@@ -387,11 +532,19 @@ def eligibility(module: nn.Module) -> str | None:
 
 
 def is_patched(module: nn.Module) -> bool:
-    """True when ``module`` (or any module inside it) runs through vlfast's GEMM."""
-    return any(isinstance(m.__dict__.get("_conv_forward"), GemmConvForward) for m in module.modules())
+    """True when ``module`` (or any module inside it) is patched and its geometry runs the GEMM now.
+
+    A patched conv whose stride, padding, dilation or groups were changed so that the GEMM no longer
+    computes it runs the stock conv, and does not count (``repr`` says ``vlfast=stock (why)``).
+    """
+    return any(
+        isinstance(fwd := m.__dict__.get("_conv_forward"), GemmConvForward) and fwd.status() is None
+        for m in module.modules()
+    )
 
 
 def patched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module inside ``model`` that carries the patch, whether its geometry runs the GEMM now or not."""
     return [
         (n, m)
         for n, m in model.named_modules()
@@ -434,6 +587,56 @@ def _entry(name: str, m: nn.Module, status, reason: str = "") -> ConvEntry:
     )
 
 
+def _deferred(m: nn.Module) -> str:
+    """A note for a conv whose weight is not whole at patch time: the GEMM is decided at each call."""
+    w = _weight_of(m)
+    if not isinstance(w, torch.Tensor):
+        return "no weight here (a wrapper holds it): the GEMM is decided at each call"
+    if w.is_meta:
+        return "weight on the meta device: the GEMM is decided at each call, from the weight it gets"
+    if _kernel_shape(w, tuple(int(k) for k in m.kernel_size)) is None:
+        return (
+            f"weight of shape {tuple(w.shape)} here (partitioned: DeepSpeed ZeRO-3, FSDP): "
+            f"the GEMM is decided at each call, from the gathered weight"
+        )
+    return ""
+
+
+def patch_one(module: nn.Module, name: str = "") -> bool:
+    """Patch one conv when it is eligible and not patched yet (what a hook on new modules needs, without
+    a report); returns whether it patched."""
+    if (
+        isinstance(module, _CONV_TYPES)
+        and "_conv_forward" not in module.__dict__
+        and eligibility(module) is None
+    ):
+        _install(module, name)
+        return True
+    return False
+
+
+def _remember_root(model: nn.Module) -> None:
+    """Keep a weak reference to a model patch() was given: a record names its convs from it."""
+    _ROOTS[:] = [r for r in _ROOTS if r() is not None and r() is not model]
+    _ROOTS.append(weakref.ref(model))
+
+
+def name_counted_convs() -> None:
+    """Name each live patched conv's counters by its qualified name in the model patch() was last given
+    that holds it (transformers patches a VLM's vision tower, then the VLM: the VLM's names win); a conv
+    attached later (a PEFT adapter) is named where it now sits."""
+    seen: set[int] = set()
+    for ref in reversed(_ROOTS):
+        root = ref()
+        if root is None:
+            continue
+        for name, m in root.named_modules():
+            fwd = m.__dict__.get("_conv_forward")
+            if isinstance(fwd, GemmConvForward) and id(fwd) not in seen:
+                seen.add(id(fwd))
+                fwd.calls.name = name or fwd.calls.name
+
+
 def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> PatchReport:
     """Turn every eligible stride == kernel convolution in ``model`` into its exact GEMM, in place.
 
@@ -451,12 +654,16 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
     report = PatchReport()
     # Decide for every module first, change nothing until all decisions are made: a filter or an odd
     # module that raises half-way must not leave the model half patched.
-    todo: list[nn.Module] = []
+    todo: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.modules.conv._ConvNd):  # transposed convs too: reported, never patched
             continue
-        if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward):
-            report.entries.append(_entry(name, m, "already_patched"))
+        if isinstance(fwd := m.__dict__.get("_conv_forward"), GemmConvForward):
+            fwd.calls.name = name or fwd.calls.name
+            why = fwd.status()
+            report.entries.append(
+                _entry(name, m, "already_patched", f"runs the stock conv: {why}" if why else "")
+            )
             continue
         if not keep(name, m):
             report.entries.append(_entry(name, m, "filtered", "excluded by filter"))
@@ -467,16 +674,17 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         if reason is not None:
             report.entries.append(_entry(name, m, "skipped", reason))
             continue
-        todo.append(m)
-        report.entries.append(_entry(name, m, "patched"))
+        todo.append((name, m))
+        report.entries.append(_entry(name, m, "patched", _deferred(m)))
     if strict and not report:
         found = (
             "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) or "the model has no Conv1d/2d/3d"
         )
         raise InputRefused(f"vlfast.patch(strict=True): nothing was patched ({found})")
-    for m in todo:
-        _install(m, tuple(m.kernel_size))
-        m.extra_repr = _PatchedExtraRepr(type(m).extra_repr(m))
+    for name, m in todo:
+        _install(m, name)
+    if report:
+        _remember_root(model)
     return report
 
 

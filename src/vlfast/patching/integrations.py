@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
-from vlfast.patching.gemm import Filter, compile_filter, patch
+from vlfast.patching.gemm import Filter, compile_filter, patch, patch_one
 
 __all__ = [
     "Family",
@@ -112,18 +112,25 @@ def transformers_patched() -> bool:
 
 
 def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> None:
-    """Patch every transformers model built from now on, inside its constructor.
+    """Patch every transformers model built from now on, inside its constructor, and every convolution
+    attached to a module afterwards (PEFT's LoRA ``lora_A``/``lora_B``, a wrapper's own conv).
 
     Wraps ``PreTrainedModel.post_init``, which every transformers model calls at the end of ``__init__``
-    (``from_pretrained`` included, before the weights are loaded: the patch reads the weights at call time,
-    so loading afterwards is fine). By default only ``nn.Conv3d`` modules are patched: they are the slow
-    ones; ``all_convs=True`` also takes stride == kernel Conv1d/Conv2d, and ``filter`` narrows further.
-    Calling it again replaces the settings. Undo with :func:`unpatch_transformers`.
+    (``from_pretrained`` included, before the weights are loaded, and under DeepSpeed's ``zero.Init``,
+    whose empty parameters are fine: the patch decides from the weight each call gets). By default only
+    ``nn.Conv3d`` modules are patched: they are the slow ones; ``all_convs=True`` also takes stride ==
+    kernel Conv1d/Conv2d. A convolution created later is patched when it is attached to a module (torch's
+    global module-registration hook), with the same choice of kinds; ``filter`` (a qualified name needs the
+    whole model) narrows the models transformers builds, and with a filter, later convs are left to the
+    user (``vlfast.patch(model, filter=...)`` after adding them). Calling it again replaces the settings.
+    Undo with :func:`unpatch_transformers`.
     """
+    from torch.nn.modules.module import register_module_module_registration_hook
     from transformers import PreTrainedModel
 
     user = compile_filter(filter)
     keep = user if all_convs else (lambda name, m: _conv3d_only(name, m) and user(name, m))
+    kinds = (nn.Conv1d, nn.Conv2d, nn.Conv3d) if all_convs else (nn.Conv3d,)
     with _lock:
         original = _state.get("original_post_init", PreTrainedModel.post_init)
 
@@ -136,11 +143,25 @@ def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> Non
         post_init.__vlfast_wrapped__ = True
         _state["original_post_init"] = original
         PreTrainedModel.post_init = post_init
+        old = _state.pop("registration_hook", None)
+        if old is not None:
+            old.remove()
+        if filter is None:
+
+            def attached(parent: nn.Module, name: str, module):
+                if isinstance(module, kinds):
+                    patch_one(module, name)  # when eligible; named in full by the model's own patch()
+                return None  # keep the module as given
+
+            _state["registration_hook"] = register_module_module_registration_hook(attached)
 
 
 def unpatch_transformers() -> None:
     """Stop patching new transformers models (models already built stay patched: use ``vlfast.unpatch``)."""
     with _lock:
+        hook = _state.pop("registration_hook", None)
+        if hook is not None:
+            hook.remove()
         original = _state.pop("original_post_init", None)
         if original is not None:
             from transformers import PreTrainedModel

@@ -25,6 +25,7 @@ from typing import Any
 from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.store.format import (
     ERROR_DIR,
+    FOREIGN_HINT,
     INDEX_DIR,
     LISTING_DIR,
     LOCK_DIR,
@@ -32,14 +33,15 @@ from vlfast.extraction.store.format import (
     SHARD_DIR,
     SHARD_RE,
     TMP_RE,
+    DamagedFile,
     OutputFull,
     OutputInUse,
     OutputNotWritable,
     is_local,
     list_names,
-    referenced_shards,
     resolve_out,
 )
+from vlfast.extraction.store.layout import find_strays, uncovered_shards
 
 __all__ = [
     "ORPHAN_AGE",
@@ -319,6 +321,8 @@ class LocalBackend:
         except OSError as e:
             if e.errno in _READ_ONLY:
                 raise self.not_writable(e) from None
+            if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where the folder belongs (a store moves it)
+                raise DamagedFile(f"{self.out / LOCK_DIR} is not a folder. {FOREIGN_HINT}") from None
             raise
         if self._lock is None:
             raise OutputInUse(
@@ -417,13 +421,13 @@ class LocalBackend:
 
     def quarantine(self, dest: Path, sources: tuple[Path, ...]) -> None:
         """Move ``sources`` (in order) into the folder ``dest``, which holds its reason.json already."""
-        moved = False
+        moved = set()
         for src in sources:
             with contextlib.suppress(FileNotFoundError):  # another rank moved it first, or it was missing
                 shutil.move(src, dest / src.name)
-                moved = True
+                moved.add(src.parent)
         if moved:
-            for folder in (self.out / SHARD_DIR, self.out / INDEX_DIR, dest):
+            for folder in (*sorted(moved), dest):
                 fsync_dir(folder)
 
     def make_quarantine(self, dest: Path) -> None:
@@ -433,35 +437,44 @@ class LocalBackend:
         quarantine = self.out / QUARANTINE_DIR
         return [p.name for p in quarantine.glob("*/shard-*.safetensors")] if quarantine.is_dir() else []
 
-    def clean_garbage(self, owns_rank: Callable[[int], bool]) -> None:
+    def clean_garbage(
+        self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Path]], None] | None = None
+    ) -> None:
         """Delete temp files and shards without an index part (a crash between the two renames) of the ranks
-        ``owns_rank`` gives this store, unless a live process holds that rank."""
+        ``owns_rank`` gives this store, unless a live process holds that rank. An uncovered shard that no
+        crash explains (its part deleted or lost: ``layout.uncovered_shards``) is handed to ``set_aside``
+        instead (the store moves it to quarantine), never deleted."""
         index = self.out / INDEX_DIR
-        referenced = referenced_shards(self.out)
+        uncovered = uncovered_shards(self.out)
         garbage: dict[int, list[Path]] = {}
+        lost: dict[int, list[Path]] = {}
         listings = self.out / LISTING_DIR
         for folder in (self.out / SHARD_DIR, index, self.out, *([listings] if listings.is_dir() else [])):
             for p in folder.iterdir():
                 m = TMP_RE.match(p.name)
                 if m and (p.is_file() or (p.is_dir() and not p.is_symlink())):
                     garbage.setdefault(int(m.group(1)), []).append(p)
-        for p in (self.out / SHARD_DIR).iterdir():
-            m = SHARD_RE.match(p.name)
-            if m and not referenced(p.name):
-                # shard renamed but its index part never written: uncommitted, its samples will be redone
-                garbage.setdefault(int(m.group(1)), []).append(p)
-        for r, paths in garbage.items():
+        for name, leftover in uncovered.items():
+            # a leftover: shard renamed but its index part never written: uncommitted, its samples will be
+            # redone. A folder under a shard's name is no shard a run wrote: never deleted with what it holds.
+            leftover = leftover and not (self.out / SHARD_DIR / name).is_dir()
+            (garbage if leftover or set_aside is None else lost).setdefault(
+                int(SHARD_RE.match(name).group(1)), []
+            ).append(self.out / SHARD_DIR / name)
+        for r in sorted({*garbage, *lost}):
             if not owns_rank(r):
                 continue
             lock = self._lock if r == self._rank else try_lock(lock_path(self.out, r))
             if lock is None:
                 continue  # a process of an earlier run is still writing rank r: its files are not garbage
             try:
-                for p in paths:
+                for p in garbage.get(r, []):
                     if p.is_dir() and not p.is_symlink():  # a staging folder (stage), with what it holds
                         shutil.rmtree(p, ignore_errors=True)
                     else:
                         p.unlink(missing_ok=True)
+                if lost.get(r):
+                    set_aside(lost[r])
             finally:
                 if r != self._rank:
                     unlock(lock)
@@ -560,9 +573,21 @@ class ObjectBackend:
                 self.out.fs.rm((self.out / name).path)
 
     def quarantine(self, dest: Any, sources: tuple[Any, ...]) -> None:
+        fs = self.out.fs
         for src in sources:
-            with contextlib.suppress(FileNotFoundError):  # another rank moved it first, or it was missing
-                self.out.fs.mv(src.path, (dest / src.name).path)  # copy, then delete: no move on a store
+            # An object, or a prefix with objects under it (a "folder" where a part belongs): each object is
+            # copied, then deleted (no move on a store; fsspec's recursive move stumbles on the prefix itself).
+            fs.invalidate_cache(src.path)
+            try:
+                keys = fs.find(src.path)
+            except FileNotFoundError:
+                keys = []
+            for key in keys:
+                rest = key[len(src.path) :].lstrip("/")
+                target = (dest / src.name).path + (f"/{rest}" if rest else "")
+                with contextlib.suppress(FileNotFoundError):  # another rank moved it first
+                    fs.mv(key, target)
+            fs.invalidate_cache(src.path)
 
     def make_quarantine(self, dest: Any) -> None:
         pass
@@ -572,24 +597,33 @@ class ObjectBackend:
             return [k.rsplit("/", 1)[-1] for k in self.out.fs.find((self.out / QUARANTINE_DIR).path)]
         return []
 
-    def clean_garbage(self, owns_rank: Callable[[int], bool]) -> None:
-        """Delete shards whose index part never came (a writer killed between its two uploads).
+    def clean_garbage(
+        self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Any]], None] | None = None
+    ) -> None:
+        """Delete shards whose index part never came (a writer killed between its two uploads); hand the
+        uncovered shards no kill explains (their parts deleted or lost: ``layout.uncovered_shards``) to
+        ``set_aside`` instead (the store moves them to quarantine), never deleted.
 
         Without locks a young orphan cannot be told from a live writer's upload whose part is still on its
         way, so only orphans older than ``ORPHAN_AGE`` seconds go; younger ones wait for a later run.
         Readers never see orphans either way: they follow index parts only.
         """
-        referenced = referenced_shards(self.out)
         now = time.time()
-        for name in list_names(self.out / SHARD_DIR):
-            m = SHARD_RE.match(name)
-            if not m or referenced(name) or not owns_rank(int(m.group(1))):
+        lost = []
+        for name, leftover in uncovered_shards(self.out).items():
+            if not owns_rank(int(SHARD_RE.match(name).group(1))):
                 continue
             shard = self.out / SHARD_DIR / name
             modified = _modified(shard)
-            if modified is not None and now - modified > ORPHAN_AGE:
+            if modified is None or now - modified <= ORPHAN_AGE:
+                continue
+            if leftover or set_aside is None:
                 with contextlib.suppress(FileNotFoundError):
                     self.out.fs.rm(shard.path)
+            else:
+                lost.append(shard)
+        if lost:
+            set_aside(lost)
 
     def full_error(self, e: BaseException, doing: str) -> OutputFull:
         folder = Path(tempfile.gettempdir())
@@ -600,6 +634,25 @@ class ObjectBackend:
             "an OUT on object storage are staged there before their upload. Everything committed is intact. "
             "Set TMPDIR to a folder with room, then run the same command again to resume.",
         )
+
+
+def strays_to_move(out: Any, owns_rank: Callable[[int], bool]) -> list[str]:
+    """What a store of ``out`` would move aside or remove on opening (store/layout.py), read only: a file
+    where a folder belongs (or a folder where a file does), a shard no index part covers of a rank
+    ``owns_rank`` gives it (on object storage only once ``ORPHAN_AGE`` old). A finished OUT with any of
+    these is not "nothing to do": the store sets them right."""
+    now = time.time()
+    names = []
+    for stray in find_strays(out):
+        if stray.kind == "uncovered":
+            if not owns_rank(stray.rank):
+                continue
+            if not is_local(out):
+                modified = _modified(stray.path)
+                if modified is None or now - modified <= ORPHAN_AGE:
+                    continue
+        names.append(stray.rel)
+    return names
 
 
 def backend_for(out: Any, session: str) -> LocalBackend | ObjectBackend:

@@ -404,7 +404,7 @@ def consolidated_info(part: Path) -> tuple[dict[str, list], list[str]] | None:
     None if unreadable."""
     raw = read_part_footer(part)
     try:
-        return json.loads(raw[META_SHARDS]), list(json.loads(raw[META_SUPERSEDES]))
+        return _shard_map(json.loads(raw[META_SHARDS])), _names(json.loads(raw[META_SUPERSEDES]))
     except (TypeError, KeyError, ValueError):
         return None
 
@@ -552,11 +552,60 @@ def open_index_part(part: Path):
     try:
         # The shard column as a dictionary: about 40 characters repeated on a thousand rows each, 0.4 GB of
         # strings at 10M samples against 40 MB of codes.
-        return pq.ParquetFile(
+        file = pq.ParquetFile(
             pa.BufferReader(data), page_checksum_verification=True, read_dictionary=["shard"]
         )
+    except KeyError:  # read_dictionary names a column the file does not have
+        raise DamagedFile(
+            f"index part {part} is not a vlfast index part: it has no column 'shard'. {FOREIGN_HINT}"
+        ) from None
     except (OSError, pa.ArrowException) as e:
         raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
+    problem = _not_an_index(file.schema_arrow)
+    if problem is not None:
+        raise DamagedFile(f"index part {part} is not a vlfast index part: {problem}. {FOREIGN_HINT}")
+    return file
+
+
+def _not_an_index(schema: Any) -> str | None:
+    """What makes ``schema`` (an opened part's, ``shard`` read as a dictionary) not an index part's: a
+    column every reader needs missing or of another type, or vlfast metadata that does not parse. None for
+    a part of any format (1 lacks the checksums and the metadata). Checked once, where a part is opened, so
+    no reader meets a foreign Parquet file (valid, under a part's name) as a KeyError deep inside."""
+    import pyarrow as pa
+
+    def text(t: Any) -> bool:
+        return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+    want = index_schema()
+    try:
+        meta = part_meta(schema)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        return f"its vlfast metadata does not parse ({e})"
+    for name in ("id", "shard", "row", "features"):
+        if schema.get_field_index(name) < 0:
+            return f"it has no column {name!r}"
+    shard = schema.field("shard").type
+    if not text(schema.field("id").type) or not (
+        text(shard) or (pa.types.is_dictionary(shard) and text(shard.value_type))
+    ):
+        return "its id and shard columns are not text"
+    if not pa.types.is_integer(schema.field("row").type):
+        return "its row column is not an integer"
+    features = schema.field("features").type
+    if not (pa.types.is_list(features) or pa.types.is_large_list(features)) or not pa.types.is_struct(
+        features.value_type
+    ):
+        return "its features column is not a list of structs"
+    entry = features.value_type
+    required = [f.name for f in want.field("features").type.value_type]
+    if meta["format_version"] < 2:
+        required.remove("xxh3")  # format 1: no checksums
+    for name in required:
+        k = entry.get_field_index(name)
+        if k < 0 or not entry.field(k).type.equals(want.field("features").type.value_type.field(name).type):
+            return f"its feature entries have no {name!r} of type {want.field('features').type.value_type.field(name).type}"
+    return None
 
 
 def _name_digest(part: Path) -> str | None:
@@ -621,8 +670,10 @@ def read_part_groups(
 
 
 def part_meta(table) -> dict[str, Any]:
-    """The vlfast key-value metadata of an index part (empty values for format 1)."""
-    raw = table.schema.metadata or {}
+    """The vlfast key-value metadata of an index part (a table of it, or its schema; empty values for format
+    1). Raises ValueError or TypeError for metadata that does not parse as vlfast's (a foreign file:
+    :func:`open_index_part` refuses those first)."""
+    raw = getattr(table, "schema", table).metadata or {}
 
     def get(key: bytes) -> str | None:
         value = raw.get(key)
@@ -631,9 +682,9 @@ def part_meta(table) -> dict[str, Any]:
     shard_bytes = get(META_SHARD_BYTES)
     config = get(META_CONFIG)
     shards, supersedes = get(META_SHARDS), get(META_SUPERSEDES)
-    return {
-        "shards": json.loads(shards) if shards is not None else None,  # consolidated parts only
-        "supersedes": json.loads(supersedes) if supersedes is not None else [],
+    meta = {
+        "shards": _shard_map(json.loads(shards)) if shards is not None else None,  # consolidated parts only
+        "supersedes": _names(json.loads(supersedes)) if supersedes is not None else [],
         "format_version": int(get(META_FORMAT) or 1),
         "config": json.loads(config) if config is not None else None,
         "config_hash": get(META_CONFIG_HASH),
@@ -641,12 +692,38 @@ def part_meta(table) -> dict[str, Any]:
         "shard_header_xxh3": get(META_SHARD_HEADER),
         "owned_under": owned_under(raw),
     }
+    if meta["config"] is not None and not isinstance(meta["config"], dict):
+        raise TypeError("vlfast.config is not a JSON object")
+    return meta
+
+
+def _shard_map(value: Any) -> dict[str, list]:
+    """A consolidated part's ``vlfast.shards``, checked: {"shards/NAME": [size, header xxh3]}."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, list) and len(v) == 2 for k, v in value.items()
+    ):
+        raise TypeError("vlfast.shards is not a map of shard names to [size, header checksum]")
+    return value
+
+
+def _names(value: Any) -> list[str]:
+    """A consolidated part's ``vlfast.supersedes``, checked: a list of part names."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError("vlfast.supersedes is not a list of part names")
+    return value
 
 
 # What to do about damage, wherever it is reported: the resume moves it aside and redoes its samples.
 REDO_HINT = (
     "Run the same `vlfast extract` again: it moves damaged shards aside to OUT/quarantine and extracts "
     "their samples again."
+)
+
+# What to do about a file in OUT that is not the format's (a foreign Parquet file under a part's name, a file
+# where a folder belongs): never deleted, and the shard its name points at may be another part's.
+FOREIGN_HINT = (
+    "Run the same `vlfast extract` again: it moves it aside to OUT/quarantine and extracts again what is "
+    "missing (or move it out of OUT yourself)."
 )
 
 
@@ -732,7 +809,14 @@ def read_errors(out: Path) -> list[dict]:
     seen: set[tuple] = set()
     latest: dict[str, tuple[tuple, dict]] = {}
     for k, path in enumerate(error_files(out)):
-        for line, rec in enumerate(read_error_file(path)[0]):
+        try:
+            found = read_error_file(path)[0]
+        except (
+            IsADirectoryError,
+            FileNotFoundError,
+        ):  # a folder under its name: no records (verify names it)
+            continue
+        for line, rec in enumerate(found):
             if rec.get("kind") in FAILURE_KINDS:
                 order = (str(rec.get("time", "")), k, line)
                 sid = rec["id"]

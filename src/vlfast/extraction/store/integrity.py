@@ -69,6 +69,7 @@ from vlfast.extraction.store.format import (
     stable_config,
     xxh3,
 )
+from vlfast.extraction.store.layout import find_strays
 
 __all__ = [
     "CheckReport",
@@ -110,14 +111,16 @@ class PartCheck:
         return self.problem is None and not self.bad and not self.bad_shards
 
 
-def _header_ids(shard: Path) -> list[str]:
-    """Ids a shard's header lists, or [] when it cannot be read: to name the samples of an unreadable part."""
+def header_ids(shard: Path) -> list[str]:
+    """Ids a shard's header lists, or [] when it cannot be read: to name the samples of an unreadable part
+    (or of a shard no part covers)."""
     try:
         with open_shard(shard) as f:
             _, _, header = f.header()
-        return json.loads(header.get("__metadata__", {}).get("ids", "[]"))
-    except (OSError, ValueError):
+        ids = json.loads(header.get("__metadata__", {}).get("ids", "[]"))
+    except (OSError, ValueError, AttributeError, TypeError):  # garbage: no header, or not safetensors'
         return []
+    return ids if isinstance(ids, list) and all(isinstance(i, str) for i in ids) else []
 
 
 class _LocalShard:
@@ -220,7 +223,7 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
         file = open_index_part(part)
         table = read_part_groups(file, part, None, ["id", "shard"])
     except DamagedFile as e:
-        return PartCheck(part, shard, [] if consolidated else _header_ids(shard), problem=str(e))
+        return PartCheck(part, shard, [] if consolidated else header_ids(shard), problem=str(e))
     meta = part_meta(table)
     ids = ArrowStrings.of_chunks(table.column("id"))  # a row group's ids a chunk: no copy of them all
     check = PartCheck(
@@ -470,10 +473,19 @@ class CheckReport:
     damaged_error_lines: int = 0  # error records whose checksum fails (their samples will be redone)
     unverifiable_parts: int = 0  # format 1 parts: no checksums to compare
     other_config_parts: list[str] = field(default_factory=list)  # parts made with another configuration
+    # what is not where the format puts it (store/layout.py): {"path", "problem", "kind"}; a file where a
+    # folder belongs (or the reverse), a shard no index part covers
+    strays: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.bad_samples or self.bad_parts or self.damaged_error_lines or self.other_config_parts)
+        return not (
+            self.bad_samples
+            or self.bad_parts
+            or self.damaged_error_lines
+            or self.other_config_parts
+            or self.strays
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
@@ -491,6 +503,7 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
     run = read_run_file(out)
     volatile = run.get("volatile_keys", [])
     expected_hash = config_hash(stable_config(run.get("config", {}), volatile))
+    report.strays = [stray.to_dict() for stray in find_strays(out)]
     record = HashRecord(out, "r00000-verify")
     try:
         parts = committed_parts(out)
@@ -516,7 +529,16 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
     finally:
         record.save()
     for path in error_files(out):
-        report.damaged_error_lines += read_error_file(path)[1]
+        try:
+            report.damaged_error_lines += read_error_file(path)[1]
+        except OSError as e:  # a folder under an errors file's name, say: a stray, reported as such
+            report.strays.append(
+                {
+                    "path": f"{path.parent.name}/{path.name}",
+                    "problem": f"unreadable ({e})",
+                    "kind": "not_a_file",
+                }
+            )
     report.seconds = time.perf_counter() - started
     return report
 

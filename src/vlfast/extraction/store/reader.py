@@ -31,8 +31,12 @@ from vlfast.errors import InputRefused
 from vlfast.extraction.objstore import StorageReadError
 from vlfast.extraction.store.format import (
     DTYPE_BY_CODE,
+    ERROR_DIR,
     FAILURE_KINDS,
+    FOREIGN_HINT,
+    INDEX_DIR,
     REDO_HINT,
+    SHARD_DIR,
     DamagedFile,
     committed_parts,
     config_hash,
@@ -53,6 +57,7 @@ from vlfast.extraction.store.format import (
     xxh3,
 )
 from vlfast.extraction.store.integrity import CheckReport, RemoteShard, check_folder
+from vlfast.extraction.store.layout import not_folders, uncovered_shards
 
 _MAX_OPEN_SHARDS = 64  # open safetensors handles kept (each holds a file descriptor and a mapping)
 
@@ -86,7 +91,10 @@ class FeatureCache(torch.utils.data.Dataset):
         self._config_hash = expected = config_hash(
             stable_config(self._run.get("config", {}), self._run.get("volatile_keys", []))
         )
+        _check_layout(self.out)
         rows, self._shard_bytes, self._header_hash = _read_parts(self.out, expected)
+        if not rows.shard_names:
+            _check_nothing_lost(self.out)  # no part: an empty OUT, or one whose index was lost?
         self._build_index(rows)
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._shard_ids: dict[int, list[str] | None] = {}  # shard -> ids from its header, read on first open
@@ -282,6 +290,11 @@ class FeatureCache(torch.utils.data.Dataset):
     def errors(self) -> list[dict]:
         """The folder's error records as they stand: of each id's failures only the latest attempt, and none
         for an id that a later attempt extracted (see ``read_errors``)."""
+        blocked = [p for p in not_folders(self.out) if p.name == ERROR_DIR]
+        if blocked:
+            raise DamagedFile(
+                f"{blocked[0]} is not a folder: the error records cannot be read. {FOREIGN_HINT}"
+            )
         return [r for r in read_errors(self.out) if r.get("kind") not in FAILURE_KINDS or r["id"] not in self]
 
     def check(self, progress=None) -> CheckReport:
@@ -383,6 +396,32 @@ class FeatureCache(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         return state
+
+
+def _check_layout(out: Any) -> None:
+    """Refuse a local OUT whose index/ or shards/ is not a folder: its samples cannot be read, and an OUT
+    with no readable index would otherwise look empty (a stat each)."""
+    blocked = [p for p in not_folders(out) if p.name in (INDEX_DIR, SHARD_DIR)]
+    if blocked:
+        raise DamagedFile(
+            f"{blocked[0]} is {'a dangling link' if blocked[0].is_symlink() else 'a file'}, not a folder: the "
+            f"samples of {out} cannot be read. {FOREIGN_HINT}"
+        )
+
+
+def _check_nothing_lost(out: Any) -> None:
+    """An OUT without an index part is empty only if no shard lost its part: shards no crash explains mean
+    the index was deleted or lost (see store/layout.py), never 0 samples silently. One listing of shards/,
+    only when no part was found."""
+    lost = sorted(name for name, leftover in uncovered_shards(out).items() if not leftover)
+    if lost:
+        more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+        raise DamagedFile(
+            f"{out} has no index part, but {len(lost)} shards that no index part covers ({', '.join(lost[:3])}"
+            f"{more}): its index was deleted or lost, and without it they cannot be read. Put the index parts "
+            "back into OUT/index if you have them; or run the same `vlfast extract` again: it moves the shards "
+            "aside to OUT/quarantine and extracts their samples again."
+        )
 
 
 def _read_parts(out: Any, expected: str) -> tuple[_Rows, dict[str, int | None], dict[str, str | None]]:

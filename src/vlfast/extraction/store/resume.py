@@ -41,7 +41,7 @@ from vlfast.extraction.ids import (  # owner_rank and partition re-exported: cal
     owner_rank,
     partition,
 )
-from vlfast.extraction.store.backend import live_ranks
+from vlfast.extraction.store.backend import live_ranks, strays_to_move
 from vlfast.extraction.store.format import (
     RUN_FILE,
     DamagedFile,
@@ -409,6 +409,8 @@ def read_state(
         raise RunConfigMismatch(
             out, diffs, where=str(part), foreign=part if has_run_file and not odd else None, run_file_odd=odd
         )
+    # What the store would move aside (a foreign file, a shard whose part was lost): not "nothing to do"
+    state.damaged += strays_to_move(out, lambda r: r % world_size == rank)
     errors = read_errors(out)
     state.done.update(r["id"] for r in errors if done_by_error(r, retry))
     state.error_keys = {error_key(r) for r in errors}

@@ -81,6 +81,7 @@ from vlfast.extraction.store.format import (
     read_header,
     read_index_part,
     read_run_file,
+    referenced_shards,
     resolve_out,
     split_parts,
     stable_config,
@@ -89,6 +90,7 @@ from vlfast.extraction.store.format import (
     xxh3,
 )
 from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
+from vlfast.extraction.store.layout import not_files, not_folders
 from vlfast.extraction.store.repair import quarantine_consolidated
 from vlfast.extraction.store.resume import (
     DEFAULT_VOLATILE_KEYS,
@@ -235,6 +237,9 @@ class FeatureStore:
         # Where the bytes go, chosen once: a local folder (renames, locks) or object storage (uploads).
         self._backend = backend_for(self.out, self._session)
         self._backend.check_folder()
+        self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
+        # A file where a folder belongs (locks/ included, so before the lock: no store can hold one then).
+        self._set_aside_not_folders()
         self._backend.lock(rank)
         try:
             if overwrite:
@@ -246,9 +251,13 @@ class FeatureStore:
                 raise self._backend.not_writable(e) from None
             # Garbage of rank r is cleaned by one live rank: r itself if it is live, else r % world_size,
             # so a resume with fewer ranks still cleans the old ranks' leftovers and no rank deletes a live
-            # temp file.
-            self._backend.clean_garbage(lambda r: r % self.world_size == self.rank)
-            self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
+            # temp file. Uncovered shards no crash explains are moved aside, never deleted.
+            self._backend.clean_garbage(
+                lambda r: r % self.world_size == self.rank,
+                lambda shards: self._set_aside(
+                    shards, "no index part covers it: its index part was deleted or lost"
+                ),
+            )
             self._bad_parts: set[str] = set()
             self._parts_read: set[str] = set()  # index parts already in _committed
             # Other ranks' parts that hold only ids they own in a job of this size: not read while this
@@ -422,22 +431,62 @@ class FeatureStore:
         else:
             self._backend.make_quarantine(dest)
             reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
+            # A part that is not this format's (a foreign file under a part's name) may carry the name of a
+            # shard another part covers: that shard is sound and stays.
+            own = not referenced_shards(self.out, exclude=check.part.name)(check.shard.name)
             record = {
                 "part": check.part.name,
-                "shard": check.shard.name,
+                "shard": check.shard.name if own else None,
                 "reason": reason,
-                "ids": list(check.ids),
+                "ids": list(check.ids) if own else [],
             }
             self._backend.write(
                 dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag
             )
-            self._backend.quarantine(dest, (check.shard, check.part))
+            self._backend.quarantine(dest, (check.shard, check.part) if own else (check.part,))
         self.quarantined.append({**record, "moved_to": str(dest)})
         warnings.warn(
             f"{check.part.name}: {reason}; moved to {dest}, its {len(record['ids'])} samples will be extracted "
             "again",
             stacklevel=3,
         )
+
+    def _set_aside(self, paths: list[Path], reason: str, *, ids: bool = True) -> None:
+        """Move each of ``paths`` (not this format's, or uncovered shards; see store/layout.py) to
+        OUT/quarantine/<name>-<stamp>/ with a reason.json, never deleting it; a warning names it. ``ids``:
+        name the samples of a shard from its header (they are extracted again)."""
+        from vlfast.extraction.store.integrity import header_ids
+
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._backend.instance}"
+        for path in paths:
+            rel = f"{path.parent.name}/{path.name}" if path.parent != self.out else path.name
+            dest = self.out / QUARANTINE_DIR / f"{path.name}-{stamp}"
+            record = {"part": rel, "reason": reason, "ids": header_ids(path) if ids else []}
+            self._backend.make_quarantine(dest)
+            self._backend.write(
+                dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag
+            )
+            self._backend.quarantine(dest, (path,))
+            self.quarantined.append({**record, "moved_to": str(dest)})
+            warnings.warn(f"{rel}: {reason}; moved to {dest}", stacklevel=4)
+
+    def _set_aside_not_folders(self) -> None:
+        """Move a file (or a dangling link) where one of OUT's folders belongs aside, so the folder can be made,
+        and a folder where run.json, checked.json or an errors file belongs, so the file can be written.
+        ``quarantine`` itself is first renamed out of the way. Local only: object storage has no folders."""
+        for path in not_files(self.out):
+            self._set_aside([path], f"{path.name} was a folder, not a file", ids=False)
+        for path in not_folders(self.out):
+            if path.name == QUARANTINE_DIR:
+                moved = self.out / f"{QUARANTINE_DIR}.not-a-folder-{os.getpid()}"
+                try:
+                    os.replace(path, moved)
+                except FileNotFoundError:  # another rank moved it first
+                    continue
+                (self.out / QUARANTINE_DIR).mkdir(exist_ok=True)
+                self._set_aside([moved], f"{QUARANTINE_DIR} was a file, not a folder", ids=False)
+                continue
+            self._set_aside([path], f"{path.name} was a file, not a folder", ids=False)
 
     def _release(self) -> None:
         backend = getattr(self, "_backend", None)

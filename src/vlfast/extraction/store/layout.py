@@ -1,0 +1,151 @@
+"""What in OUT is not where the format puts it: a file where a folder belongs (or a folder where a file
+belongs), a shard no index part covers.
+
+Readers follow index parts only, so none of these is ever served; but each hides something. A file named
+``index`` leaves an OUT with shards and no readable index; ``index/`` deleted leaves every shard uncovered,
+which a reader would take for an empty OUT; an errors file that is a folder blocks the next error record.
+:func:`find_strays` lists them all, for ``vlfast extract --verify`` (each one a finding) and for the preflight
+of a run (a finished OUT with strays is not "nothing to do": the store sets them right);
+:func:`uncovered_shards` tells the store which uncovered shards a kill explains (deleted, as before) and which
+it does not (moved to quarantine, never deleted). Files of other names are not the format's, and are left
+alone wherever they are (as ``--overwrite`` leaves them).
+
+A kill between a shard's commit and its index part's leaves one shard above every part of its rank, and the
+next start of that rank removes it before it writes anything; so locally a rank never holds two such shards,
+nor one below a part of its rank. On object storage a killed session's shard stays until it is an hour old
+(``backend.ORPHAN_AGE``) while later sessions commit above it. Any other uncovered shard lost its index part
+(deleted, or a killed ``--overwrite``, which deletes the index first). What cannot be told apart: a rank whose
+only shard's only part was deleted looks like a rank killed before its first commit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlfast.extraction.store.format import (
+    CHECK_FILE,
+    ERROR_DIR,
+    ERRORS_RE,
+    INDEX_DIR,
+    LOCK_DIR,
+    QUARANTINE_DIR,
+    RUN_FILE,
+    SHARD_DIR,
+    SHARD_RE,
+    is_local,
+    list_names,
+    part_span,
+    referenced_shards,
+)
+
+__all__ = ["FOLDERS", "Stray", "find_strays", "not_files", "not_folders", "uncovered_shards"]
+
+# The folders a store makes or uses; a file (or a dangling link) under one of these names blocks it.
+FOLDERS = (INDEX_DIR, SHARD_DIR, ERROR_DIR, QUARANTINE_DIR, LOCK_DIR)
+
+
+@dataclass
+class Stray:
+    """One thing in OUT that is not where the format puts it."""
+
+    path: Any  # the file, folder or shard
+    problem: str  # what is wrong, for a report
+    kind: str  # "not_a_folder", "not_a_file", "uncovered" (a shard no index part covers)
+    rank: int | None = None  # an uncovered shard's rank
+    top: bool = False  # directly in OUT (run.json, index), not in one of its folders
+
+    @property
+    def rel(self) -> str:
+        """The path relative to OUT (not ``relative_to``, which keeps a URL's scheme on upath 0.2)."""
+        return self.path.name if self.top else f"{self.path.parent.name}/{self.path.name}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.rel, "problem": self.problem, "kind": self.kind}
+
+
+def not_folders(out: Any) -> list[Path]:
+    """The folders of :data:`FOLDERS` that exist in the local ``out`` as something else: a file, a dangling
+    link. ([] on object storage, whose folders are key prefixes: an object named ``index`` does not hide
+    ``index/``.)"""
+    if not is_local(out):
+        return []
+    return [out / n for n in FOLDERS if os.path.lexists(out / n) and not (out / n).is_dir()]
+
+
+def not_files(out: Any) -> list[Path]:
+    """run.json, checked.json and the error files of the local ``out`` that are folders ([] on object
+    storage: an object cannot be both)."""
+    if not is_local(out):
+        return []
+    errors = out / ERROR_DIR
+    candidates = [
+        out / RUN_FILE,
+        out / CHECK_FILE,
+        *(errors / n for n in list_names(errors) if ERRORS_RE.match(n)),
+    ]
+    return [p for p in candidates if p.is_dir()]
+
+
+def uncovered_shards(out: Any) -> dict[str, bool]:
+    """Each shard of ``out`` that no index part covers (name -> whether a kill explains it: the single shard
+    of its rank above every part of that rank). Without a local ``index/`` folder no kill explains any: a
+    store makes ``index/`` before its first shard."""
+    shards = [n for n in list_names(out / SHARD_DIR) if SHARD_RE.match(n)]
+    if not shards:
+        return {}
+    names = list_names(out / INDEX_DIR)
+    referenced = referenced_shards(out)
+    top: dict[int, int] = {}  # rank -> its highest part sequence number (live or superseded)
+    for name in names:
+        span = part_span(name)
+        if span is not None:
+            top[span[0]] = max(top.get(span[0], -1), span[2])
+    above: dict[int, list[str]] = {}
+    found: dict[str, bool] = {}
+    for name in shards:
+        if referenced(name):
+            continue
+        m = SHARD_RE.match(name)
+        rank, seq = int(m.group(1)), int(m.group(2))
+        found[name] = False
+        if seq > top.get(rank, -1):
+            above.setdefault(rank, []).append(name)
+    index_is_there = not is_local(out) or (out / INDEX_DIR).is_dir()
+    for names_above in above.values():
+        if len(names_above) == 1 and index_is_there:
+            found[names_above[0]] = True
+    return found
+
+
+def find_strays(out: Any, *, uncovered: bool = True) -> list[Stray]:
+    """Everything in ``out`` that is not where the format puts it (see the module docstring), in a stable
+    order: folders that are not folders, files that are not files, and with ``uncovered`` the shards no
+    index part covers."""
+    strays = [
+        Stray(
+            p,
+            f"{p.name} is {'a dangling link' if p.is_symlink() else 'a file'}, not a folder",
+            "not_a_folder",
+            top=True,
+        )
+        for p in not_folders(out)
+    ]
+    strays += [
+        Stray(p, f"{p.name} is a folder, not a file", "not_a_file", top=p.parent == out)
+        for p in not_files(out)
+    ]
+    shards = uncovered_shards(out) if uncovered else {}
+    for name in sorted(shards):
+        why = (
+            "no index part covers it: what a run killed between a shard and its index part leaves (the next "
+            "run of its rank removes it)"
+            if shards[name]
+            else "no index part covers it: its index part was deleted or lost"
+        )
+        if not is_local(out):
+            why += " (or a live writer's upload whose index part is on its way)"
+        strays.append(Stray(out / SHARD_DIR / name, why, "uncovered", int(SHARD_RE.match(name).group(1))))
+    return strays

@@ -1,0 +1,236 @@
+"""What ran: per patched conv, how many calls took the GEMM and how many the stock conv, and why.
+
+The proof a user can get from inside their own launcher (HF Trainer, DeepSpeed, FSDP, torchrun), where
+equal numbers would hide the stock path:
+
+    VLFAST_PATCH=1 VLFAST_RECORD=1 torchrun --nproc_per_node 8 train.py
+    # at exit, on stderr, per rank:
+    # vlfast record (rank 0 of 8, pid 4242): 1 patched conv, 120 calls: 120 GEMM, 0 stock
+    #   model.visual.patch_embed.proj: 120 GEMM
+
+``VLFAST_RECORD=1`` prints that at exit; ``VLFAST_RECORD=PATH`` also appends one JSON line per process
+to ``PATH`` (ranks append to the same file). In Python, :func:`record_calls` counts between two points::
+
+    with vlfast.record_calls() as rec:
+        trainer.train()
+    print(rec)                 # the same lines; rec.to_dict() for the numbers
+
+Counting costs one global read per call while no record runs, and an integer increment while one does.
+Calls inside a ``torch.compile``'d graph are not counted (the graph's path was fixed when it was traced:
+``vlfast.verify`` and the graph itself are the proof there); the record says how many convs had no call.
+
+This module imports neither torch nor transformers: vlfast's ``.pth`` file arms the variable at
+interpreter start-up, and the counters start when the patch's module is first imported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ENV_VAR", "CallRecord", "ConvCalls", "install_from_env", "record_calls"]
+
+ENV_VAR = "VLFAST_RECORD"
+_OFF = ("", "0", "false", "no", "off")
+_lock = threading.Lock()
+_env_armed = False  # VLFAST_RECORD asked for counting from start-up to exit
+
+
+@dataclass
+class ConvCalls:
+    """One patched conv's calls in a record: through the GEMM, and through the stock conv by reason."""
+
+    name: str
+    gemm: int = 0
+    stock: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def calls(self) -> int:
+        return self.gemm + sum(self.stock.values())
+
+    def line(self) -> str:
+        if not self.calls:
+            return f"{self.name}: no call"
+        parts = [f"{self.gemm} GEMM"]
+        parts += [f"{n} stock ({why})" for why, n in sorted(self.stock.items(), key=lambda kv: -kv[1])]
+        return f"{self.name}: " + ", ".join(parts)
+
+
+def _rank() -> tuple[int | None, int | None]:
+    """This process's rank and world size, from the launcher's variables or torch.distributed."""
+    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        rank, size = os.environ.get(rank_var), os.environ.get(size_var)
+        if rank is not None and rank.isdigit():
+            return int(rank), int(size) if size and size.isdigit() else None
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:  # pragma: no cover - a process group being torn down at exit
+        pass
+    return None, None
+
+
+def _counts() -> dict[int, tuple[Any, int, dict[str, int]]]:
+    """id(counter) -> (counter, GEMM calls, stock calls by reason) for every patched conv alive now or
+    that counted a call; nothing when the patch's module was never imported."""
+    gemm = sys.modules.get("vlfast.patching.gemm")
+    if gemm is None:
+        return {}
+    gemm.name_counted_convs()
+    counters = [f.calls for f in list(gemm._FORWARDS.values())] + list(gemm._COUNTED)
+    return {id(c): (c, c.gemm, dict(c.stock)) for c in counters}
+
+
+@dataclass
+class CallRecord:
+    """Calls of patched convs between :func:`record_calls` and :meth:`stop` (or now, while it runs)."""
+
+    _start: dict[int, tuple[Any, int, dict[str, int]]] = field(default_factory=dict, repr=False)
+    _end: dict[int, tuple[Any, int, dict[str, int]]] | None = field(default=None, repr=False)
+    _idle: bool = field(default=False, repr=False)  # list patched convs with no call too (at exit)
+
+    @property
+    def running(self) -> bool:
+        return self._end is None
+
+    def stop(self) -> CallRecord:
+        """Stop counting for this record (others keep theirs); returns the record."""
+        if self._end is None:
+            self._end = _counts()
+            _set_recording(-1)
+        return self
+
+    def __enter__(self) -> CallRecord:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def convs(self, idle: bool = False) -> list[ConvCalls]:
+        """Each patched conv called while the record ran, by its qualified name in the model ``patch``
+        was given (convs of the same name, e.g. the same model built twice, summed); ``idle``: also the
+        patched convs alive with no call."""
+        end = self._end if self._end is not None else _counts()
+        by_name: dict[str, ConvCalls] = {}
+        for key, (counter, g, stock) in end.items():
+            g0, s0 = 0, {}
+            if key in self._start and self._start[key][0] is counter:
+                _, g0, s0 = self._start[key]
+            name = counter.name or "<root>"  # a conv patch() was given itself, as PatchReport says
+            if not idle and g == g0 and stock == s0:
+                continue
+            entry = by_name.setdefault(name, ConvCalls(name))
+            entry.gemm += g - g0
+            for why, n in stock.items():
+                if n - s0.get(why, 0):
+                    entry.stock[why] = entry.stock.get(why, 0) + n - s0.get(why, 0)
+        return sorted(by_name.values(), key=lambda c: c.name)
+
+    @property
+    def gemm_calls(self) -> int:
+        return sum(c.gemm for c in self.convs())
+
+    @property
+    def stock_calls(self) -> int:
+        return sum(sum(c.stock.values()) for c in self.convs())
+
+    def to_dict(self) -> dict[str, Any]:
+        rank, world = _rank()
+        convs = self.convs(idle=self._idle)
+        return {
+            "rank": rank,
+            "world_size": world,
+            "pid": os.getpid(),
+            "gemm_calls": sum(c.gemm for c in convs),
+            "stock_calls": sum(sum(c.stock.values()) for c in convs),
+            "convs": [{"name": c.name, "gemm": c.gemm, "stock": c.stock} for c in convs],
+        }
+
+    def __str__(self) -> str:
+        d = self.to_dict()
+        rank, world = d["rank"], d["world_size"]
+        who = "one process" if rank is None else f"rank {rank}" + (f" of {world}" if world else "")
+        convs = self.convs(idle=self._idle)
+        if not convs:
+            return (
+                f"vlfast record ({who}, pid {d['pid']}): no patched convolution in this process "
+                f"(was the model built before VLFAST_PATCH / patch_transformers took effect, or never patched?)"
+            )
+        calls = d["gemm_calls"] + d["stock_calls"]
+        n = len(convs)
+        head = (
+            f"vlfast record ({who}, pid {d['pid']}): {n} patched conv{'s' * (n != 1)}, {calls} call{'s' * (calls != 1)}: "
+            f"{d['gemm_calls']} GEMM, {d['stock_calls']} stock"
+        )
+        return "\n".join([head, *(f"  {c.line()}" for c in convs)])
+
+
+def _set_recording(delta: int) -> None:
+    """Add ``delta`` to the number of records running; the patch counts calls while it is not zero."""
+    import vlfast.patching.gemm as gemm  # imports torch: only where a record starts or stops
+
+    with _lock:
+        gemm._RECORDING = max(0, gemm._RECORDING + delta)
+
+
+def record_calls() -> CallRecord:
+    """Start counting, in this process, the calls of every patched conv (GEMM, or stock and why).
+
+    Returns the running :class:`CallRecord`; ``stop()`` it, or use it as a context manager. Records may
+    overlap: each reports the calls made while it ran.
+    """
+    _set_recording(+1)
+    return CallRecord(_start=_counts())
+
+
+# --------------------------------------------------------------------------- VLFAST_RECORD, at exit
+
+
+def env_setting(environ: dict | None = None) -> str | None:
+    raw = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
+    return None if raw.lower() in _OFF else raw
+
+
+def _at_exit(target: str) -> None:
+    # A process that never loaded the patch (a launcher: torchrun's, accelerate's) has nothing to say,
+    # nor a worker process (DataLoader, multiprocessing) that patched nothing.
+    if "vlfast.patching.gemm" not in sys.modules:
+        return
+    record = CallRecord(_start={}, _idle=True)
+    convs = record.convs(idle=True)
+    mp = sys.modules.get("multiprocessing")
+    if not convs and mp is not None and mp.parent_process() is not None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # stderr closed at exit
+        print(str(record), file=sys.stderr, flush=True)
+    if target.lower() not in ("1", "true", "yes", "on"):
+        line = json.dumps(record.to_dict()) + "\n"
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line.encode())  # one write of one line: ranks appending do not interleave
+            finally:
+                os.close(fd)
+        except OSError as e:
+            print(f"vlfast record: could not append to {ENV_VAR}={target!r}: {e}", file=sys.stderr)
+
+
+def install_from_env() -> bool:
+    """Arm ``VLFAST_RECORD``: count from the patch's first import, report at exit. Safe to call twice."""
+    global _env_armed
+    target = env_setting()
+    if target is None or _env_armed:
+        return target is not None
+    _env_armed = True
+    if "vlfast.patching.gemm" in sys.modules:
+        _set_recording(+1)
+    # else: gemm reads _env_armed when it is imported and starts counting then
+    atexit.register(_at_exit, target)
+    return True
