@@ -433,3 +433,16 @@ def test_a_device_that_holds_no_data_is_refused(tokens_app, tiny_qwen3_vl):
     r = runner.invoke(tokens_app, argv)
     assert r.exit_code == 2, r.output
     assert "--device 'meta' holds no data" in _err(r), r.stderr
+
+
+def test_an_out_that_is_a_symlink_is_written_where_it_points(tokens_app, tmp_path):
+    src = _jsonl(tmp_path / "d.jsonl")
+    (tmp_path / "store").mkdir()
+    target = tmp_path / "store" / "o.jsonl"
+    target.write_text("old\n")
+    (tmp_path / "o.jsonl").symlink_to(target)
+    r = _rewrite(tokens_app, "--dataset", str(src), "--field", "text", "--out", str(tmp_path / "o.jsonl"))
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "o.jsonl").is_symlink()
+    assert json.loads(target.read_text().splitlines()[0])["text"] == "<thinking>step 0</thinking> answer 0"
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["o.jsonl"]
