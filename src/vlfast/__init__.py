@@ -20,6 +20,7 @@ _EXPORTS = {
     "unpatch": "vlfast.patching.gemm",
     "is_patched": "vlfast.patching.gemm",
     "PatchReport": "vlfast.patching.gemm",
+    "record_calls": "vlfast.patching.record",
     "patch_transformers": "vlfast.patching.integrations",
     "unpatch_transformers": "vlfast.patching.integrations",
     "discover_families": "vlfast.patching.integrations",
