@@ -449,3 +449,43 @@ def test_a_warm_up_longer_than_the_budget_is_the_measurement_and_a_long_forward_
     hooks._post("blocks", "blocks.3")(None, None, None)
     hooks.remove()
     assert said and said[0].startswith("blocks.3 done, 20 s into this forward"), said
+
+
+def test_a_speedup_never_disagrees_with_the_medians_it_is_printed_beside(capsys):
+    """Issue 39: `forward (hooked) 809.67 -> 1,166.23 ... 1.14x? spread 63%`. A median of per-round ratios
+    above 1 beside an "after" median above the "before" one is inconclusive, and printed with no ratio."""
+    from vlfast.cli.profile import _render_pair
+    from vlfast.diagnosis.profiler import ProfileReport, ProfileRun
+
+    def run(patched, forward, embed):
+        return ProfileRun(
+            patched,
+            1,
+            8,
+            (4, 2, 2),
+            16,
+            statistics.median(forward),
+            None,
+            {"patch_embed": statistics.median(embed), "blocks": 10.0 if patched else 16.0},
+            {},
+            0.0,
+            len(forward),
+            rounds_forward_ms=forward,
+            rounds_components=[{"patch_embed": e, "blocks": 10.0} for e in embed],
+        )
+
+    report = ProfileReport("t", "cpu", "float32", (64, 64), touched=["patch_embed"], load=(1.0, 1.0))
+    # Per round the patched forward is 2% faster, 2% slower, 1% faster: a narrow spread, but the medians
+    # (20 -> 20.4 ms) say slower while the median ratio (1.01) says faster.
+    before, after = run(False, [10, 20, 30], [3.0, 3.0, 3.0]), run(True, [9.8, 20.4, 29.7], [1.0, 1.0, 1.0])
+    cmp = report.comparison(before, after)
+    assert cmp["forward"]["measured_ratio"] > 1 > cmp["forward"]["medians_ratio"]
+    assert cmp["forward"]["spread"] < 0.25 and not cmp["forward"]["agrees_with_medians"]
+    assert not cmp["forward"]["reliable"] and cmp["patch_embed"]["reliable"]
+    _render_pair(report, before, after)
+    out = capsys.readouterr().out
+    forward = next(line for line in out.splitlines() if "forward (hooked)" in line)
+    assert "inconclusive (spread 4%)" in forward and "1.01x" not in forward, forward
+    blocks = next(line for line in out.splitlines() if line.startswith(("│ blocks", "| blocks", "blocks")))
+    assert "not patched" in blocks, blocks  # 16 -> 10 ms, but no patched conv inside: load, not the patch
+    assert "3.00x" in next(line for line in out.splitlines() if "patch_embed" in line)

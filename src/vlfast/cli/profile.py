@@ -85,13 +85,12 @@ def _render_pair(report, before, after) -> None:
         if not c or c["measured_ratio"] is None:
             return ""
         if not c["changed"]:
-            return "[dim]unchanged[/dim]"  # no patched conv in it: its ratio is noise
-        text = f"{c['speedup']:.2f}x"
-        if c["reliable"]:
-            return text
+            return "[dim]not patched[/dim]"  # the same computation before and after: its ratio is noise
+        if c["reliable"]:  # enough rounds, a narrow spread, and the medians agree on which side is faster
+            return f"{c['speedup']:.2f}x"
         if c["rounds"] < MIN_ROUNDS:
-            return f"[yellow]{text}? {c['rounds']} round{'s' if c['rounds'] != 1 else ''}[/yellow]"
-        return f"[yellow]{text}? spread {c['spread']:.0%}[/yellow]"
+            return f"[yellow]inconclusive ({c['rounds']} round{'s' if c['rounds'] != 1 else ''})[/yellow]"
+        return f"[yellow]inconclusive (spread {c['spread']:.0%})[/yellow]"
 
     t, h, w = ref.grid
     table = Table(
@@ -101,6 +100,9 @@ def _render_pair(report, before, after) -> None:
             f"load average {_load(report.load[0])} -> {_load(end)} on {report.cpus} CPUs"
         ),
         title_justify="left",
+        caption="not patched: no patched conv inside, the same computation before and after, so a "
+        "difference in its ms is the machine's load, not the patch",
+        caption_justify="left",
     )
     table.add_column("component")
     for col in ("before ms", "share", "after ms", "share", "speedup"):
@@ -205,9 +207,11 @@ def register(app: typer.Typer) -> None:
         Components: patch embedding, position and rotary embedding, each block, deepstack mergers,
         merger, and what the tower computes inline. With a checkpoint the whole VLM forward is timed too.
         """
+        from vlfast.cli._process import skip_teardown
         from vlfast.diagnosis.profiler import profile
         from vlfast.models import REF_PREFIX, vision_config_of
 
+        skip_teardown()  # everything it says (the chart too) is written before it returns
         # Fail before minutes of measuring, not after: the chart's dependency, and a checkpoint without a
         # vision tower (its config.json says so; loading the whole model first would only then find out).
         if plot:

@@ -153,7 +153,9 @@ class ProfileReport:
         A component with no patched conv in it is ``unchanged`` by construction (the patch is exact, so
         it computes the same on the same input): its measured ratio is shown only as the noise it is,
         never as a speedup. A changed one's speedup is the median of the per-round ratios; ``reliable``
-        is False when those spread wider than ``UNRELIABLE_SPREAD``.
+        is False when those spread wider than ``UNRELIABLE_SPREAD``, when fewer than ``MIN_ROUNDS`` ran, or
+        when the speedup and the medians disagree on which side is faster (``agrees_with_medians``: a
+        median of ratios above 1 beside an "after" median above the "before" one): then it is inconclusive.
         """
         out: dict[str, dict[str, Any]] = {}
         parts = list(dict.fromkeys([*before.components, *after.components]))
@@ -162,18 +164,28 @@ class ProfileReport:
             for p in parts
         }
         series["forward"] = (before.rounds_forward_ms, after.rounds_forward_ms)
+        medians = {p: (before.components.get(p), after.components.get(p)) for p in parts}
+        medians["forward"] = (before.forward_ms, after.forward_ms)
         for part, (bs, as_) in series.items():
             ratios = [b / a for b, a in zip(bs, as_) if b and a]
             changed = part == "forward" or part in self.touched
             med = statistics.median(ratios) if ratios else None
             spread = (max(ratios) - min(ratios)) / med if ratios and med else None
+            of_medians = _ratio(*medians[part])
+            # Which side is faster, by the ratios and by the medians the table shows: 1 counts as either.
+            agrees = med is None or of_medians is None or (med - 1) * (of_medians - 1) >= 0
             out[part] = {
                 "changed": changed,
                 "speedup": med if changed else None,
                 "measured_ratio": med,
+                "medians_ratio": of_medians,
+                "agrees_with_medians": agrees,
                 "spread": spread,
                 "rounds": len(ratios),
-                "reliable": spread is not None and spread <= UNRELIABLE_SPREAD and len(ratios) >= MIN_ROUNDS,
+                "reliable": spread is not None
+                and spread <= UNRELIABLE_SPREAD
+                and len(ratios) >= MIN_ROUNDS
+                and agrees,
             }
         return out
 
@@ -690,12 +702,13 @@ def profile(
             bad = [  # fewer than MIN_ROUNDS rounds has its own note above
                 k
                 for k, v in report.comparison(before, after).items()
-                if v["changed"] and v["spread"] is not None and v["spread"] > UNRELIABLE_SPREAD
+                if v["changed"] and v["rounds"] >= MIN_ROUNDS and not v["reliable"]
             ]
             if bad:
                 report.notes.append(
-                    f"batch {before.batch} x {before.frames} frames: the per-round ratios of {', '.join(bad)} "
-                    f"spread more than {UNRELIABLE_SPREAD:.0%} (load average {_fmt_load(report.load[1])}, "
-                    f"{report.cpus} CPUs): not a result; run again on a quieter machine or with more --repeats."
+                    f"batch {before.batch} x {before.frames} frames: inconclusive for {', '.join(bad)}: the "
+                    f"per-round ratios spread more than {UNRELIABLE_SPREAD:.0%} or disagree with the medians on "
+                    f"which side is faster (load average {_fmt_load(report.load[1])}, {report.cpus} CPUs); run "
+                    "again on a quieter machine or with more --repeats."
                 )
     return report
