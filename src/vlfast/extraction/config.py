@@ -62,6 +62,9 @@ class ExtractConfig:
     min_pixels: int | None = None
     max_pixels: int | None = None
     video_max_pixels: int | None = None
+    # Images turned upright by their EXIF tag, as transformers does for a path. None: as OUT was made; for a
+    # new OUT, yes (no for the Qwen3-VL-Embedding recipe, as its reference, qwen-vl-utils).
+    exif_orientation: bool | None = None
     # How it runs: may change on resume.
     device: str | torch.device | None = None
     max_batch_tokens: int | None = None
@@ -179,6 +182,8 @@ def _check_numbers(config: ExtractConfig) -> None:
         raise InputRefused(
             f"--resume-check (resume_check) must be one of {', '.join(RESUME_CHECKS)}, got {config.resume_check!r}"
         )
+    if config.exif_orientation not in (None, True, False):
+        raise InputRefused(f"exif_orientation must be True, False or None, got {config.exif_orientation!r}")
     rank, world = config.rank, config.world_size
     if rank is not None and world is not None and not (isinstance(rank, int) and 0 <= rank < world):
         raise InputRefused(f"--rank must be in 0..{world - 1} and --world-size >= 1, got {rank} of {world}")

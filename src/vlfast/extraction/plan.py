@@ -262,6 +262,9 @@ def make_plan(
         min_pixels=config.min_pixels,
         max_pixels=config.max_pixels,
         video_max_pixels=config.video_max_pixels,
+        exif_orientation=exif_orientation(
+            config.exif_orientation, None if config.overwrite else recorded_configuration(out)
+        ),
     )
     from vlfast.extraction.store.fingerprint import weights_fingerprint
 
@@ -336,23 +339,12 @@ def as_recorded(out: Any, run_config: dict[str, Any], overwrite: bool = False) -
     refuses or accepts it as before. Reads only."""
     import copy
 
-    from vlfast.extraction.store.format import DamagedFile, committed_parts, read_run_file
-    from vlfast.extraction.store.resume import (
-        DEFAULT_VOLATILE_KEYS,
-        canonical_config,
-        config_diffs,
-        first_part_config,
-    )
+    from vlfast.extraction.store.resume import DEFAULT_VOLATILE_KEYS, canonical_config, config_diffs
 
     if overwrite:
         return run_config
-    try:
-        recorded = read_run_file(out).get("config")
-    except FileNotFoundError:
-        recorded = first_part_config(committed_parts(out)) if out.exists() else None
-    except (DamagedFile, InputRefused, OSError):
-        return run_config  # the configuration check says what is wrong with it
-    if not isinstance(recorded, dict):
+    recorded = recorded_configuration(out)
+    if recorded is None:
         return run_config
     diffs = config_diffs(canonical_config(run_config), recorded, (*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY))
     if not diffs or any(key not in LOCATION_KEYS or "<missing>" in (old, new) for key, old, new in diffs):
@@ -365,6 +357,33 @@ def as_recorded(out: Any, run_config: dict[str, Any], overwrite: bool = False) -
             node = node[name]
         node[leaf] = old
     return adopted
+
+
+def recorded_configuration(out: Any) -> dict[str, Any] | None:
+    """The configuration OUT records: run.json's, or the first index part's if run.json is lost. None for an
+    OUT that records none, or whose record cannot be read (the configuration check says what is wrong with
+    it). Reads only."""
+    from vlfast.extraction.store.format import DamagedFile, committed_parts, read_run_file
+    from vlfast.extraction.store.resume import first_part_config
+
+    try:
+        recorded = read_run_file(out).get("config")
+    except FileNotFoundError:
+        recorded = first_part_config(committed_parts(out)) if out.exists() else None
+    except (DamagedFile, InputRefused, OSError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:
+    """Whether images are turned upright by their EXIF tag: as asked (``--exif-orientation`` or
+    ``--no-exif-orientation``); unasked, as OUT was made, so the same command resumes it (an OUT made before
+    vlfast recorded the choice did not apply it, and records nothing); None for a new OUT, where the model's
+    preprocessing decides (:func:`~vlfast.extraction.decode.preprocess.build_processor_config`)."""
+    if asked is not None:
+        return asked
+    processor = (recorded or {}).get("processor")
+    return bool(processor.get("exif_orientation", False)) if isinstance(processor, dict) else None
 
 
 def identity(model: str, family: str) -> dict[str, Any]:

@@ -227,6 +227,7 @@ def build_processor_config(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     video_max_pixels: int | None = None,
+    exif_orientation: bool | None = None,
 ) -> ProcessorConfig:
     """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
 
@@ -235,6 +236,8 @@ def build_processor_config(
     ``source`` names what was read. The image processor is built here (it is cheap) and its class recorded
     as ``image_processor``, so a run resumed after transformers would pick another backend is refused.
     ``fps`` and ``num_frames`` are exclusive; with neither the processor's own default (2 fps) applies.
+    ``exif_orientation`` None: applied as transformers applies it to a path, except for the Qwen3-VL-Embedding
+    recipe, whose reference (qwen-vl-utils) reads the pixels as stored.
     """
     if fps is not None and num_frames is not None:
         raise InputRefused("give either fps or num_frames for video sampling, not both")
@@ -275,7 +278,8 @@ def build_processor_config(
         values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
         values["merge_size"] = int(image_cfg.get("merge_size", 2))
         values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
-    if is_embedding_checkpoint(model):
+    recipe = is_embedding_checkpoint(model)
+    if recipe:
         source, video_cfg = _embedding_recipe(values, source)
     if min_pixels is not None:
         values["image_min_pixels"] = int(min_pixels)
@@ -313,21 +317,23 @@ def build_processor_config(
         max_video_tokens=int(video_cfg.get("max_video_tokens", 768)),
         rescale_factor=values.get("rescale_factor", 1 / 255),
         video_sizing=values.get("video_sizing", "processor"),
+        exif_orientation=not recipe if exif_orientation is None else bool(exif_orientation),
     )
 
 
 # --------------------------------------------------------------------------------------------- images
 
 
-def load_image(path: Media):
+def load_image(path: Media, exif_orientation: bool = False):
     """Open an image (a file, or a tar shard's member) as PIL, normalising what transformers' processors
     mishandle; raise SampleError.
 
-    Animated images give their first frame. 16-bit and float images are scaled to 8 bits (PIL's
-    ``convert`` would clip them to white); CMYK goes to RGB; palette, LA and RGBA images are left to the
-    processor, which composites transparency on white.
+    With ``exif_orientation`` the image is turned upright by its EXIF orientation tag, as transformers'
+    ``load_image`` does (``PIL.ImageOps.exif_transpose``). Animated images give their first frame. 16-bit
+    and float images are scaled to 8 bits (PIL's ``convert`` would clip them to white); CMYK goes to RGB;
+    palette, LA and RGBA images are left to the processor, which composites transparency on white.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     checked_media(path)
     try:
@@ -341,6 +347,11 @@ def load_image(path: Media):
         raise SampleError(f"image too large (decompression bomb guard): {e}") from None
     except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
         raise SampleError(f"unreadable or truncated image: {e}") from None
+    if exif_orientation:
+        try:
+            img = ImageOps.exif_transpose(img)
+        except Exception as e:  # noqa: BLE001 - only this file's EXIF block is parsed here: its data, not a bug
+            raise SampleError(f"unreadable EXIF orientation: {type(e).__name__}: {e}") from None
     w, h = img.size
     if w < 1 or h < 1:
         raise SampleError(f"image has no pixels ({w}x{h})")
@@ -428,7 +439,7 @@ class Preprocessor:
         return {"shortest_edge": self.cfg.image_min_pixels, "longest_edge": self.cfg.image_max_pixels}
 
     def image(self, path: Media) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
-        img = load_image(path)
+        img = load_image(path, self.cfg.exif_orientation)
         meta = {"width": img.size[0], "height": img.size[1], "mode": img.mode}
         try:
             out = self.image_processor()(images=[img], size=self._size(), return_tensors="pt")
@@ -441,7 +452,7 @@ class Preprocessor:
         if sample.kind == "video":
             frames, meta = read_video(media_of(sample), self.cfg)
         else:
-            arrays = [_rgb_array(load_image(p)) for p in sample.paths]
+            arrays = [_rgb_array(load_image(p, self.cfg.exif_orientation)) for p in sample.paths]
             shapes = {a.shape for a in arrays}
             if len(shapes) != 1:
                 raise SampleError(f"frames of one clip differ in size: {sorted(shapes)}")

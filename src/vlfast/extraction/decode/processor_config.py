@@ -43,6 +43,10 @@ class ProcessorConfig:
     # fetch_video (a per-frame budget from video_max_pixels as the total, per-frame video_min_pixels and
     # max_video_tokens), as Qwen3-VL-Embedding prepares videos (with frame_sampling "qwen-vl-utils").
     video_sizing: str = "processor"
+    # Images (and a clip's frame images) turned upright by their EXIF orientation tag, as transformers'
+    # load_image does for a path or URL (PIL.ImageOps.exif_transpose). False: the pixels as stored, as
+    # qwen-vl-utils reads them and as every vlfast before this field did.
+    exif_orientation: bool = False
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
@@ -63,10 +67,15 @@ class ProcessorConfig:
             raise InputRefused(f"fps must be positive, got {self.fps}")
         if self.num_frames is not None and self.num_frames < 1:
             raise InputRefused(f"num_frames must be >= 1, got {self.num_frames}")
-        if not 0 < self.image_min_pixels <= self.image_max_pixels:
-            raise InputRefused("need 0 < image_min_pixels <= image_max_pixels")
-        if not 0 < self.video_min_pixels <= self.video_max_pixels:
-            raise InputRefused("need 0 < video_min_pixels <= video_max_pixels")
+        for what, lo, hi, flags in (
+            ("image", self.image_min_pixels, self.image_max_pixels, "--min-pixels, --max-pixels"),
+            ("video", self.video_min_pixels, self.video_max_pixels, "--video-max-pixels"),
+        ):
+            if not 0 < lo <= hi:
+                raise InputRefused(
+                    f"{what} pixel budget {lo:,} to {hi:,}: need 0 < {what}_min_pixels <= {what}_max_pixels "
+                    f"(from {flags} or the checkpoint's processor files)"
+                )
 
     @property
     def factor(self) -> int:
@@ -83,4 +92,6 @@ class ProcessorConfig:
         d["image_kwargs"] = {}
         if d["video_sizing"] == "processor":  # added with embeddings: absent from older OUTs' run.json
             del d["video_sizing"]
+        if not d["exif_orientation"]:  # absent from older OUTs' run.json, which did not apply it
+            del d["exif_orientation"]
         return d
