@@ -60,7 +60,7 @@ _is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "i
 
 # Call counting (vlfast.patching.record): the number of records running, read on every call (a global).
 # VLFAST_RECORD, armed at start-up before torch was imported, counts as one from this module's import.
-_RECORDING = int(getattr(sys.modules.get("vlfast.patching.record"), "_env_armed", False))
+_RECORDING = int(getattr(sys.modules.get("vlfast.patching.record"), "env_armed", False))
 # Every live replacement, by id (GemmConvForward compares by kernel size, so no WeakSet); the counters of
 # every conv that counted a call, kept after the conv is gone (a record at exit still has them); and the
 # models patch() was given, whose named_modules() name the convs in a record.
@@ -619,6 +619,21 @@ def _remember_root(model: nn.Module) -> None:
     """Keep a weak reference to a model patch() was given: a record names its convs from it."""
     _ROOTS[:] = [r for r in _ROOTS if r() is not None and r() is not model]
     _ROOTS.append(weakref.ref(model))
+
+
+def count_calls(delta: int) -> None:
+    """Add ``delta`` to the number of records running (vlfast.patching.record); calls are counted while
+    it is not zero."""
+    global _RECORDING
+    _RECORDING = max(0, _RECORDING + delta)
+
+
+def counters() -> list[Calls]:
+    """The counters of every patched conv alive now or that counted a call, named as in their model."""
+    name_counted_convs()
+    out = {id(f.calls): f.calls for f in list(_FORWARDS.values())}
+    out.update((id(c), c) for c in _COUNTED)
+    return list(out.values())
 
 
 def name_counted_convs() -> None:

@@ -39,7 +39,7 @@ __all__ = ["ENV_VAR", "CallRecord", "ConvCalls", "install_from_env", "record_cal
 ENV_VAR = "VLFAST_RECORD"
 _OFF = ("", "0", "false", "no", "off")
 _lock = threading.Lock()
-_env_armed = False  # VLFAST_RECORD asked for counting from start-up to exit
+env_armed = False  # VLFAST_RECORD asked for counting from start-up to exit
 
 
 @dataclass
@@ -83,9 +83,7 @@ def _counts() -> dict[int, tuple[Any, int, dict[str, int]]]:
     gemm = sys.modules.get("vlfast.patching.gemm")
     if gemm is None:
         return {}
-    gemm.name_counted_convs()
-    counters = [f.calls for f in list(gemm._FORWARDS.values())] + list(gemm._COUNTED)
-    return {id(c): (c, c.gemm, dict(c.stock)) for c in counters}
+    return {id(c): (c, c.gemm, dict(c.stock)) for c in gemm.counters()}
 
 
 @dataclass
@@ -174,10 +172,10 @@ class CallRecord:
 
 def _set_recording(delta: int) -> None:
     """Add ``delta`` to the number of records running; the patch counts calls while it is not zero."""
-    import vlfast.patching.gemm as gemm  # imports torch: only where a record starts or stops
+    from vlfast.patching.gemm import count_calls  # imports torch: only where a record starts or stops
 
     with _lock:
-        gemm._RECORDING = max(0, gemm._RECORDING + delta)
+        count_calls(delta)
 
 
 def record_calls() -> CallRecord:
@@ -224,13 +222,13 @@ def _at_exit(target: str) -> None:
 
 def install_from_env() -> bool:
     """Arm ``VLFAST_RECORD``: count from the patch's first import, report at exit. Safe to call twice."""
-    global _env_armed
+    global env_armed
     target = env_setting()
-    if target is None or _env_armed:
+    if target is None or env_armed:
         return target is not None
-    _env_armed = True
+    env_armed = True
     if "vlfast.patching.gemm" in sys.modules:
         _set_recording(+1)
-    # else: gemm reads _env_armed when it is imported and starts counting then
+    # else: gemm reads env_armed when it is imported and starts counting then
     atexit.register(_at_exit, target)
     return True
