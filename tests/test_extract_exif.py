@@ -160,3 +160,25 @@ def test_a_videos_rotation_is_not_applied_as_in_transformers_pyav_reader(tmp_pat
     assert frames.shape == (4, 3, 32, 64)  # as stored: not turned
     theirs, _ = read_video_pyav(str(path), lambda metadata, **kw: [0, 1, 2, 3])
     assert torch.equal(frames.permute(0, 2, 3, 1), torch.from_numpy(theirs))
+
+
+def test_the_flags_and_the_refusal_say_how_to_resume_as_made(made_without_it, tiny_qwen3_vl):
+    from typer.testing import CliRunner
+
+    from vlfast.cli.main import app
+
+    old = made_without_it / "old"
+    args = ["extract", str(made_without_it / "in"), str(old), "-m", str(tiny_qwen3_vl)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = CliRunner().invoke(app, [*args, "--exif-orientation"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert (
+        "processor.exif_orientation" in text
+        and "neither --exif-orientation nor --no-exif-orientation" in text
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = CliRunner().invoke(app, [*args, "--no-exif-orientation"])
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output

@@ -113,6 +113,16 @@ def extract(
     video_max_pixels: Annotated[
         int | None, typer.Option("--video-max-pixels", help="Total pixel budget over a video's frames.")
     ] = None,
+    exif_orientation: Annotated[
+        bool | None,
+        typer.Option(
+            "--exif-orientation/--no-exif-orientation",
+            help="Turn images upright by their EXIF orientation, as transformers does for an image given by "
+            "path; or take the pixels as stored. Default: as OUT was made; for a new OUT, turned (not for "
+            "the Qwen3-VL-Embedding recipe, as qwen-vl-utils). Video rotation metadata is never applied.",
+            show_default=False,
+        ),
+    ] = None,
     batch_tokens: Annotated[
         int | None,
         typer.Option("--batch-tokens", help="Patches per forward. Default 32768 on CUDA, 4096 on CPU."),
@@ -332,6 +342,7 @@ def extract(
             min_pixels=min_pixels,
             max_pixels=max_pixels,
             video_max_pixels=video_max_pixels,
+            exif_orientation=exif_orientation,
             max_batch_tokens=batch_tokens,
             num_workers=workers,
             decode_timeout=decode_timeout or None,
@@ -348,6 +359,10 @@ def extract(
         )
     except RunConfigMismatch as e:
         e.remedy = "pass --overwrite to delete what it holds and start again"
+        if any(key == "processor.exif_orientation" for key, *_ in e.diffs):
+            e.remedy += (
+                "; or give neither --exif-orientation nor --no-exif-orientation, to resume it as it was made"
+            )
         raise
     except Terminated:
         err_console.print(
