@@ -135,6 +135,8 @@ def stubbed():
         mp.setattr(profiler, "profile", _reached)
         mp.setattr(verification, "verify", _reached)
         mp.setattr(verification, "expected_seconds", lambda *a, **k: None)
+        # --engine ray would quiet Ray's console handlers for the rest of this process (nothing undoes it)
+        mp.setattr("vlfast.cli.extract.quiet_ray", lambda verbose: None)
         yield
 
 
