@@ -43,7 +43,7 @@ def test_every_reference_verifies_on_a_tiny_build(name):
     report = verify(f"ref:{name}", tiny=True, grids=[(2, 4, 6)], n_windows=64)
     assert report.passed, str(report)
     scopes = {c.scope for c in report.checks}
-    assert scopes == {"layer", "tower", "grad"}
+    assert scopes == {"layer", "accuracy", "tower", "grad"}
     assert {c.dtype for c in report.checks} >= {"float32", "bfloat16"}
 
 
@@ -212,8 +212,9 @@ def test_verify_reports_each_step_as_it_starts_and_ends():
     assert report.passed
     load, rest = steps[:2], steps[2:]
     assert [s.done for s in load] == [False, True] and load[0].label.startswith("load ref:qwen3-vl-4b")
-    # 3 layer steps (fp32, bf16, grad) + 2 fp32 samples + tower grad + 2 bf16 samples
-    total = 8
+    # 5 layer steps (fp32, bf16, accuracy in each against float64, grad) + 2 fp32 samples + tower grad
+    # + 2 bf16 samples
+    total = 10
     assert len(rest) == 2 * total
     for i, (start, end) in enumerate(zip(rest[::2], rest[1::2]), 1):
         assert (start.index, start.total, start.done) == (i, total, False)
@@ -236,10 +237,10 @@ def test_cli_verify_progress_goes_to_stderr_and_json_stays_clean():
         lines[2].startswith("vlfast verify ref:qwen3-vl-4b: expected ~")
         and " s since the process " in lines[2]
     )
-    assert lines[3] == "[1/6] layer patch_embed.proj float32 ..."
-    assert lines[4].startswith("[1/6] layer patch_embed.proj float32: ok, ") and " s" in lines[4]
-    assert lines[-1].startswith("[6/6] tower bfloat16 sample 0 grid=(1, 2, 2): ok, ")
-    assert len(lines) == 3 + 2 * 6
+    assert lines[3] == "[1/8] layer patch_embed.proj float32 ..."
+    assert lines[4].startswith("[1/8] layer patch_embed.proj float32: ok, ") and " s" in lines[4]
+    assert lines[-1].startswith("[8/8] tower bfloat16 sample 0 grid=(1, 2, 2): ok, ")
+    assert len(lines) == 3 + 2 * 8
 
 
 # Verify on a mid-size tower (~250 MB of fp32 weights, an input of 16 patches so activations are small),
@@ -306,3 +307,76 @@ def test_a_frozen_tower_is_verified_and_left_frozen():
     assert report.passed
     assert any(c.scope == "grad" and c.name.startswith("tower parameters") for c in report.checks)
     assert not any(p.requires_grad or p.grad is not None for p in tower.parameters())
+
+
+# ------------------------------------------------------------- each path against float64; fused models
+
+
+def test_each_path_is_measured_against_float64_forward_and_backward():
+    report = verify("ref:qwen3-vl-4b", tiny=True, grids=[(1, 2, 2)], n_windows=256)
+    accuracy = {c.dtype: c for c in report.checks if c.scope == "accuracy"}
+    assert set(accuracy) == {"float32", "bfloat16"} and all(c.passed for c in accuracy.values())
+    for c in accuracy.values():
+        assert set(c.metrics) == {"stock_fwd_rel", "patched_fwd_rel", "stock_wgrad_rel", "patched_wgrad_rel"}
+        assert all(0 < v < 1e-2 for v in c.metrics.values()), c.metrics
+    # In float32 both are round-off away from exact; bf16 output rounding dominates both paths.
+    assert max(accuracy["float32"].metrics.values()) < 1e-5 < min(accuracy["bfloat16"].metrics.values())
+    lines = report.accuracy()
+    assert (
+        len(lines) == 2
+        and "error against float64: forward stock" in lines[0]
+        and "weight gradient" in lines[0]
+    )
+
+
+def test_a_patch_further_from_float64_than_the_stock_conv_fails_the_accuracy_check(monkeypatch):
+    original = GemmConvForward.__call__
+    # 1e-4 relative: under the layer check's fp32 limit? no: but far over the float64 accuracy rule
+    monkeypatch.setattr(
+        GemmConvForward, "__call__", lambda self, x, w, b: original(self, x, w, b) * (1 + 1e-4)
+    )
+    report = verify("ref:qwen3-vl-4b", tiny=True, grids=[(1, 2, 2)], n_windows=64, dtypes=["float32"])
+    (acc,) = [c for c in report.checks if c.scope == "accuracy"]
+    assert not acc.passed and acc.metrics["patched_fwd_rel"] > 10 * acc.metrics["stock_fwd_rel"]
+
+
+def _fused_tower():
+    """A Qwen3-VL tower whose patch embedding transformers' fusion replaced, built without registering the
+    fusion globally (from_pretrained(fusion_config=...) would change every later Qwen3-VL in the process)."""
+    from transformers.fusion_mapping import PatchEmbeddingsFusionSpec
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
+
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    embed = tower.patch_embed
+    fused = PatchEmbeddingsFusionSpec().make_fused_class(type(embed))(tower.config)
+    tower.patch_embed = fused
+    assert isinstance(fused, qwen.Qwen3VLVisionPatchEmbed) and not hasattr(fused, "proj")
+    return tower
+
+
+def test_verify_on_a_model_transformers_already_fused_passes_and_says_why():
+    report = verify(_fused_tower(), grids=[(1, 2, 2)])
+    assert (
+        report.passed
+        and not report.checks
+        and report.fused == [("patch_embed", "FusedQwen3VLVisionPatchEmbed")]
+    )
+    assert "fusion_config already replaced" in report.notes[0] and "runs the GEMM already" in report.notes[0]
+    assert report.to_dict()["fused"] == [["patch_embed", "FusedQwen3VLVisionPatchEmbed"]]
+
+
+def test_verify_and_doctor_note_a_checkpoint_that_asks_transformers_to_fuse(tiny_qwen3_vl, tmp_path):
+    import shutil
+
+    ckpt = tmp_path / "fused-ckpt"
+    shutil.copytree(tiny_qwen3_vl, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "fusion_config": {"patch_embeddings": True}}))
+    res = runner.invoke(
+        app, ["verify", "--model", str(ckpt), "--no-backward", "--grid", "1x2x2", "--windows", "16"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "asks transformers to fuse the patch embedding" in " ".join(res.stdout.split())
+    report = vlfast.doctor(str(ckpt), probe=False)
+    assert any("asks transformers to fuse" in n for n in report.notes)
+    assert not any("fuse" in n for n in vlfast.doctor(str(tiny_qwen3_vl), probe=False).notes)

@@ -420,6 +420,25 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
     )
 
 
+def _fusion_notes(model: nn.Module | str | None) -> list[str]:
+    """What transformers' own fusion did to ``model``, or will do when its checkpoint is loaded."""
+    from vlfast.patching.fusion import fused_patch_embeddings, fusion_note
+
+    if isinstance(model, nn.Module):
+        fused = fused_patch_embeddings(model)
+        if fused:
+            where = ", ".join(f"{n or '<root>'} ({cls})" for n, cls in fused)
+            return [
+                f"transformers' fusion_config already replaced the patch embedding with a Linear in {where}: "
+                f"it runs the GEMM already"
+            ]
+        return []
+    if isinstance(model, (str, os.PathLike)) and not str(model).startswith("ref:"):
+        note = fusion_note(model)
+        return [note] if note else []
+    return []
+
+
 def _model(name: str) -> str:
     return name.split(":", 1)[0]
 
@@ -663,6 +682,7 @@ def doctor(
     fixes, notes = _fixes(verdict, findings, hits, facts)
     if choice is not None and choice.warning:
         notes.insert(0, choice.warning)
+    notes += _fusion_notes(model)
     left_out = [
         f"{f.probe.shape.describe()} ({', '.join(f.probe.shape.names)}): {f.probe.left_out}"
         for f in findings
