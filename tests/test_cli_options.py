@@ -11,6 +11,7 @@ refusal) without building a model.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from pathlib import Path
@@ -61,6 +62,9 @@ TEXT_NUMBERS = [
     ("profile", "--size", "64x{}"),
     ("verify", "--grid", "2x{}x16"),
     ("verify", "--grid", "{}x16x16"),
+    ("tokens audit", "--reference-ids", "{}"),
+    ("tokens fix", "--reference-ids", "{}"),
+    ("tokens fix", "--reference-ids", "5-{}"),
 ]
 
 # What an option needs beside it to mean anything
@@ -90,7 +94,10 @@ def test_every_numeric_option_has_its_range():
     from vlfast.limits import LIMITS
 
     assert [(c, f) for c, f, _ in NUMERIC if f not in LIMITS] == []
-    assert [(c, f) for c, f, _ in TEXT_NUMBERS if f not in LIMITS and f != "--layers"] == []
+    # the exceptions' ranges are the model's: its layers, its embedding's rows
+    assert [
+        (c, f) for c, f, _ in TEXT_NUMBERS if f not in LIMITS | {"--layers": 0, "--reference-ids": 0}
+    ] == []
 
 
 def _reached(*args, **kwargs):
@@ -118,9 +125,7 @@ def finished_out(tmp_path_factory, tiny_qwen3_vl):
 
 
 def _snapshot(out: Path) -> dict[str, tuple[int, int]]:
-    return {
-        str(p.relative_to(out)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))
-    }
+    return {str(p.relative_to(out)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +148,22 @@ def stubbed():
 def _run(command: str, flag: str, value: str, finished_out) -> tuple[int, str, bool]:
     """(exit code, output, whether OUT is as it was) of ``command`` with ``flag value``."""
     out, extract = finished_out
-    base = extract if command == "extract" else command.split()
+    model = extract[4]
+    fixed = out.parent / f"fixed-{next(_FIXES)}"  # tokens fix's OUT: a new folder each time
+    base = {
+        "extract": extract,
+        "tokens audit": ["tokens", "audit", "--model", model],
+        "tokens fix": ["tokens", "fix", str(fixed), "--model", model],
+    }.get(command, command.split())
     before = _snapshot(out)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. the CPU's last-bits warning of every extract run
         r = runner.invoke(app, [*base, *CONTEXT.get(flag, []), flag, value])
-    return r.exit_code, r.output, _snapshot(out) == before
+    untouched = _snapshot(out) == before and (r.exit_code != 2 or not fixed.exists())
+    return r.exit_code, r.output, untouched
+
+
+_FIXES = itertools.count()
 
 
 def _absurd(text: str) -> bool:
@@ -175,9 +190,7 @@ def test_absurd_numbers_are_refused_naming_the_flag(command, flag, kind, finishe
         _check(command, flag, value, finished_out)
 
 
-@pytest.mark.parametrize(
-    "command,flag,form", TEXT_NUMBERS, ids=[f"{c} {f} {t}" for c, f, t in TEXT_NUMBERS]
-)
+@pytest.mark.parametrize("command,flag,form", TEXT_NUMBERS, ids=[f"{c} {f} {t}" for c, f, t in TEXT_NUMBERS])
 def test_numbers_in_text_options_are_refused_or_taken(command, flag, form, finished_out, stubbed):
     for value in VALUES:
         _check(command, flag, form.format(value), finished_out, text=True)
