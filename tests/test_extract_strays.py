@@ -208,14 +208,19 @@ def test_a_shard_a_kill_left_is_still_removed_and_reported_until_then(base: Path
     assert check_folder(out).ok and read_state(out, CFG).damaged == []
 
 
-def test_a_killed_run_before_its_first_commit_reads_as_empty(tmp_path: Path) -> None:
+def test_one_shard_and_no_part_is_named_and_kept(tmp_path: Path) -> None:
+    """A rank with no part and one shard: a run killed before its first commit, or an OUT of one shard whose
+    index was lost (the demo's size). Not told apart, so never deleted, and never read as 0 samples."""
     out = tmp_path / "out"
-    FeatureStore(out, CFG).close()
-    (out / "shards/shard-r00000-000000.safetensors").write_bytes(b"half")  # the kill's one shard
-    assert len(FeatureCache(out)) == 0
-    (out / "shards/shard-r00000-000001.safetensors").write_bytes(b"half")  # two: an index was lost
-    with pytest.raises(DamagedFile, match="no index part, but 2 shards"):
+    with FeatureStore(out, CFG, compact_min_parts=None) as s:
+        s.add("a", fake_features("a"))
+    (part,) = (out / "index").iterdir()
+    part.unlink()
+    with pytest.raises(DamagedFile, match="no index part, but 1 shard that"):
         FeatureCache(out)
+    assert [s["path"] for s in check_folder(out).strays] == ["shards/shard-r00000-000000.safetensors"]
+    assert [q["part"] for q in _resume(out).quarantined] == ["shards/shard-r00000-000000.safetensors"]
+    assert list((out / "quarantine").glob("*/shard-r00000-000000.safetensors"))
 
 
 def test_the_commands_exit_1_or_2_never_3(base: Path, tmp_path: Path) -> None:

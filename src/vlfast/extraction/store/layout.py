@@ -14,8 +14,9 @@ A kill between a shard's commit and its index part's leaves one shard above ever
 next start of that rank removes it before it writes anything; so locally a rank never holds two such shards,
 nor one below a part of its rank. On object storage a killed session's shard stays until it is an hour old
 (``backend.ORPHAN_AGE``) while later sessions commit above it. Any other uncovered shard lost its index part
-(deleted, or a killed ``--overwrite``, which deletes the index first). What cannot be told apart: a rank whose
-only shard's only part was deleted looks like a rank killed before its first commit.
+(deleted, or a killed ``--overwrite``, which deletes the index first). What cannot be told apart: a rank's
+last part deleted leaves what a kill leaves (its shard is deleted as a kill's); and a rank killed before its
+first commit leaves what a lost index of one shard leaves (that shard is moved aside, not deleted).
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def not_files(out: Any) -> list[Path]:
 
 def uncovered_shards(out: Any) -> dict[str, bool]:
     """Each shard of ``out`` that no index part covers (name -> whether a kill explains it: the single shard
-    of its rank above every part of that rank). Without a local ``index/`` folder no kill explains any: a
-    store makes ``index/`` before its first shard."""
+    of its rank above every part of that rank, a rank with a part). Without a local ``index/`` folder no kill
+    explains any: a store makes ``index/`` before its first shard."""
     shards = [n for n in list_names(out / SHARD_DIR) if SHARD_RE.match(n)]
     if not shards:
         return {}
@@ -114,8 +115,10 @@ def uncovered_shards(out: Any) -> dict[str, bool]:
         if seq > top.get(rank, -1):
             above.setdefault(rank, []).append(name)
     index_is_there = not is_local(out) or (out / INDEX_DIR).is_dir()
-    for names_above in above.values():
-        if len(names_above) == 1 and index_is_there:
+    for rank, names_above in above.items():
+        # A rank with no part at all: its one shard may be a kill's before the first commit, or the shard of
+        # an index that was lost; not told apart, so not deleted.
+        if len(names_above) == 1 and index_is_there and rank in top:
             found[names_above[0]] = True
     return found
 

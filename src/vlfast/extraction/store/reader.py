@@ -417,10 +417,11 @@ def _check_nothing_lost(out: Any) -> None:
     if lost:
         more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
         raise DamagedFile(
-            f"{out} has no index part, but {len(lost)} shards that no index part covers ({', '.join(lost[:3])}"
-            f"{more}): its index was deleted or lost, and without it they cannot be read. Put the index parts "
-            "back into OUT/index if you have them; or run the same `vlfast extract` again: it moves the shards "
-            "aside to OUT/quarantine and extracts their samples again."
+            f"{out} has no index part, but {len(lost)} shard{'s' if len(lost) > 1 else ''} that no index part "
+            f"covers ({', '.join(lost[:3])}{more}): its index was deleted or lost (or, for one shard, a run was "
+            "killed before its first commit), and without it they cannot be read. Put the index parts back into "
+            "OUT/index if you have them; or run the same `vlfast extract` again: it moves the shards aside to "
+            "OUT/quarantine and extracts their samples again."
         )
 
 
