@@ -6,7 +6,7 @@ each step in its own process with its own timeout (a hung step is killed, record
 1. ``facts``: device, driver, torch, CUDA and runtime cuDNN versions, TF32 flags, ``nvidia-smi``.
 2. ``patch_embed_{fp32,bf16,fp16}``: ``benchmarks/patch_embed.py`` on CUDA, one process per dtype, every
    reference shape: the stock conv (cuDNN on), the fallback (cuDNN off), channels_last_3d, the patched
-   conv, raw ``F.linear``.
+   conv, raw ``F.linear``; ``patch_call_bf16``: the patched call per call against ``F.linear``.
 3. ``doctor``: ``vlfast doctor --json`` on CUDA.
 4. ``verify_tiny``: ``vlfast verify --tiny`` on CUDA, fp32 + bf16 + fp16, gradients included.
 5. ``inputs``, ``extract_tiny``, ``extract_2b``: short ``vlfast extract`` throughput runs on synthetic
@@ -121,6 +121,16 @@ STEPS: tuple[Step, ...] = (
             kind="patch_embed",
         )
         for dt in ("fp32", "bf16", "fp16")
+    ),
+    Step(
+        "patch_call_bf16",
+        "the patched call against nn.Linear and F.linear per call, bf16, N = 4 to 3,072 (issue 37's row: "
+        "patched / F.linear <= 1.1 at the report's N), calls queued back to back as a training step does",
+        "{python} {bench}/patch_embed.py --devices {device} --refs qwen3-vl-4b --per-call-only --call-dtype bf16",
+        smoke=None,  # fp32 at N = 3,072 on one CPU thread: a minute; the CPU figures come from the benchmark
+        timeout_s=120,
+        output="markdown",
+        kind="patch_call",
     ),
     Step(
         "doctor",
@@ -488,6 +498,16 @@ def _headline_patch_embed(result: dict) -> str:
     return "; ".join(parts)
 
 
+def _headline_patch_call(result: dict) -> str:
+    """Per N, the patched call over raw F.linear: what the patch costs per call beyond the GEMM."""
+    table = next((t for t in result["tables"] if "patched / F.linear" in t["columns"]), None)
+    if table is None:
+        return ""
+    return "patched/F.linear " + ", ".join(
+        f"N={r['N']:g}: {r['patched / F.linear']:.2f}" for r in table["rows"] if isinstance(r.get("N"), float)
+    )
+
+
 def _headline_verify(result: dict) -> str:
     checks = result.get("checks") or []
     bad = [f"{c.get('name')} {c.get('dtype')}" for c in checks if not c.get("passed")]
@@ -507,6 +527,7 @@ def _headline_extract(result: dict) -> str:
 HEADLINES: dict[str, Callable[[Any], str]] = {
     "facts": describe_device,
     "patch_embed": _headline_patch_embed,
+    "patch_call": _headline_patch_call,
     "doctor": lambda r: f"verdict {r.get('verdict')}: {r.get('summary')}",
     "verify": _headline_verify,
     "inputs": lambda r: f"{r['images']} images (640x480), {r['videos']} videos (2 s), tiny checkpoint",

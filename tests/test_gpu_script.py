@@ -360,3 +360,18 @@ def test_doctor_step_takes_every_verdict_doctor_can_exit_with_as_a_finding():
 
     (doctor,) = [s for s in gpu.STEPS if s.name == "doctor"]
     assert set(doctor.ok_codes) == {0, *EXIT_CODES.values()}
+
+
+def test_patch_call_step_reads_the_ratio_to_f_linear_per_n():
+    """Issue 37's GPU row: the per-call table's patched / F.linear, read back by its headers."""
+    step = next(s for s in gpu.STEPS if s.name == "patch_call_bf16")
+    table = (
+        "| N | D | nn.Linear | patched | F.linear | conv | patched - nn.Linear | patched / nn.Linear "
+        "| patched / F.linear | spread (patched, max/min) |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| 4 | 8 | 5.5 | 8.2 | 3.6 | 37.6 | +2.7 | 1.503 | 2.278 | 1.02x |\n"
+        "| 3072 | 1024 | 150.0 | 151.0 | 149.0 | 900.0 | +1.0 | 1.007 | 1.013 | 1.01x |\n"
+    )
+    result, error = gpu.read_output(step, table)
+    assert error is None
+    assert gpu.headline(step, result) == "patched/F.linear N=4: 2.28, N=3072: 1.01"
