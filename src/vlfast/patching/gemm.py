@@ -193,12 +193,22 @@ class GemmConvForward:
         return GemmConvForward, (self.kernel_size, module, self.calls.name)
 
     def status(self) -> str | None:
-        """None when a call with a whole weight of the conv's kernel runs the GEMM; else why it runs the
-        stock conv (the module's geometry as it is now)."""
+        """None when the next call runs the GEMM (for a weight partitioned here: once it arrives whole);
+        else why it runs the stock conv: the module's geometry, or its weight's kernel, as they are now."""
         m = None if self._module is None else self._module()
-        if m is not None and not self._geometry_current(m):
+        if m is None:
+            return self._stock
+        if not self._geometry_current(m):
             self._geometry_changed(m)
-        return self._stock
+        if self._stock is not None:
+            return self._stock
+        w = _weight_of(m)
+        # A whole weight of another kernel runs the stock conv at the next call; a partitioned, flat or
+        # meta one is whole again when called, which decides then.
+        if isinstance(w, torch.Tensor) and not w.is_meta and w.dim() == self.ndim + 2 and w.numel():
+            if tuple(w.shape[2:]) != self.kernel_size:
+                return f"weight kernel {tuple(w.shape[2:])} != kernel_size {self.kernel_size}"
+        return None
 
     def _geometry_current(self, m: nn.Module) -> bool:
         seen = self._seen
@@ -594,12 +604,18 @@ def _deferred(m: nn.Module) -> str:
         return "no weight here (a wrapper holds it): the GEMM is decided at each call"
     if w.is_meta:
         return "weight on the meta device: the GEMM is decided at each call, from the weight it gets"
-    if _kernel_shape(w, tuple(int(k) for k in m.kernel_size)) is None:
+    kernel = tuple(int(k) for k in m.kernel_size)
+    if _kernel_shape(w, kernel) is not None:
+        return ""
+    if w.dim() == len(kernel) + 2 and w.numel():
         return (
-            f"weight of shape {tuple(w.shape)} here (partitioned: DeepSpeed ZeRO-3, FSDP): "
-            f"the GEMM is decided at each call, from the gathered weight"
+            f"weight kernel {tuple(w.shape[2:])} != kernel_size {kernel}: the stock conv runs until they agree "
+            f"(decided at each call)"
         )
-    return ""
+    return (
+        f"weight of shape {tuple(w.shape)} here (partitioned: DeepSpeed ZeRO-3, FSDP): "
+        f"the GEMM is decided at each call, from the gathered weight"
+    )
 
 
 def patch_one(module: nn.Module, name: str = "") -> bool:
