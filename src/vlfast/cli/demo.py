@@ -23,8 +23,13 @@ def demo_checkpoint(
     out: Annotated[str, typer.Argument(help="A new or empty folder to write the checkpoint into.")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Write a tiny random-weight Qwen3-VL checkpoint (2 MB, seconds) with a language model and tokenizer."""
+    """Write a tiny random-weight Qwen3-VL checkpoint (2 MB) with a language model and tokenizer.
+
+    About 7 s on a 2-core CPU at load 2, start-up included (most of it importing torch and transformers);
+    longer on a busier machine.
+    """
     from vlfast._files import honour_umask, write_atomically
+    from vlfast.cli._process import since_start, since_start_words
     from vlfast.demo import make_tiny_qwen3_vl
 
     folder = Path(out)
@@ -43,7 +48,8 @@ def demo_checkpoint(
         print_json({"path": str(folder), "files": sorted(p.name for p in folder.iterdir())})
         return
     console.print(
-        f"wrote a tiny Qwen3-VL checkpoint (random weights: its features and audits mean nothing) to {out}\n"
+        f"wrote a tiny Qwen3-VL checkpoint (random weights: its features and audits mean nothing) to {out}, "
+        f"{since_start():.1f} s {since_start_words()}\n"
         f"try: vlfast tokens audit --model {out}\n"
         f"     vlfast extract --demo demo_llm --model {out} --features vision,llm",
         markup=False,
