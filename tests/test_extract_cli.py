@@ -20,7 +20,9 @@ def test_extract_json_then_resume(media_dir, tiny_qwen3_vl, tmp_path):
     assert summary["extracted"] == len(list((media_dir / "good").iterdir())) and summary["failed"] == 0
     r = runner.invoke(app, args)  # human output, resumed: nothing left to do
     assert r.exit_code == 0, r.output
-    assert "nothing to do: all 13 input entries are already in" in r.output and f"already in {out} " in r.output
+    assert (
+        "nothing to do: all 13 input entries are already in" in r.output and f"already in {out} " in r.output
+    )
     assert "rank" not in r.output  # a single process has no ranks to tell apart
     r = runner.invoke(app, [*args, "--features", "vision"])
     assert r.exit_code == 2 and "features" in r.output
