@@ -213,3 +213,27 @@ def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "checkpoints").mkdir()
     res = runner.invoke(app, ["verify", "--model", "checkpoints/qwen3-vl-4b-typo", "--tiny"])
     assert res.exit_code == 2 and "hf download" not in res.output
+
+
+DEEPSPEED_IMPORT = """
+import logging, sys
+from vlfast.cli._quiet import quiet_third_party
+quiet_third_party(verbose={verbose})
+import deepspeed  # says "Setting accelerator to CPU" where no GPU is found
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_deepspeeds_accelerator_warning_is_quiet_unless_verbose(verbose):
+    """accelerate imports DeepSpeed (where installed) inside transformers' save_pretrained: its WARNING
+    line on a machine without a GPU must not land in a command's output, unless --verbose."""
+    pytest.importorskip("deepspeed")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    done = subprocess.run(
+        [sys.executable, "-c", DEEPSPEED_IMPORT.format(verbose=verbose)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("Setting accelerator to CPU" in done.stderr + done.stdout) is verbose

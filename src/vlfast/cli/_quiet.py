@@ -1,4 +1,5 @@
-"""Third-party chatter off unless ``--verbose``: transformers' progress bars, Ray's INFO and WARNING lines.
+"""Third-party chatter off unless ``--verbose``: transformers' progress bars, Ray's and DeepSpeed's INFO and
+WARNING lines.
 
 A command's own progress bar and summary are what its user reads; "Loading weights 70/70", "Writing
 model shards", Ray's start-up notes and its C++ core worker's ``E`` line (an actor-restart alarm that does
@@ -43,6 +44,9 @@ def quiet_third_party(verbose: bool) -> None:
                 warnings.simplefilter("ignore")
                 hf_logging.enable_progress_bar()
         _set_here.clear()
+        deepspeed_logger = logging.getLogger("DeepSpeed")
+        for f in [f for f in deepspeed_logger.filters if isinstance(f, _ErrorsOnly)]:
+            deepspeed_logger.removeFilter(f)
         return
     for key, value in QUIET_ENV.items():
         if key not in os.environ:
@@ -50,6 +54,12 @@ def quiet_third_party(verbose: bool) -> None:
             _set_here.append(key)
     if hf_logging is not None and "HF_HUB_DISABLE_PROGRESS_BARS" in _set_here:
         hf_logging.disable_progress_bar()
+    # DeepSpeed, where installed, is imported by accelerate inside transformers' save_pretrained and says
+    # "Setting accelerator to CPU" on any machine without a GPU. A filter on its logger, made before it is
+    # imported: DeepSpeed resets the logger's level and adds its handler, but keeps the logger's filters.
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _ErrorsOnly) for f in deepspeed_logger.filters):
+        deepspeed_logger.addFilter(_ErrorsOnly())
 
 
 def quiet_ray(verbose: bool) -> None:
