@@ -4,21 +4,35 @@ A GPU is lent to this project now and then, for half an hour, ten minutes a comm
 each step in its own process with its own timeout (a hung step is killed, recorded, and the run goes on):
 
 1. ``facts``: device, driver, torch, CUDA and runtime cuDNN versions, TF32 flags, ``nvidia-smi``.
-2. ``patch_embed_{fp32,bf16,fp16}``: ``benchmarks/patch_embed.py`` on CUDA, one process per dtype, every
+2. ``tower_components`` (issue 40): ``benchmarks/tower_components.py``, the ``ref:qwen3-vl-4b`` tower in bf16
+   on one 8-frame 512x384 clip, by component (patch_embed, position embedding, rotary, blocks, mergers,
+   total): the stock conv, the slow path (cuDNN off for the Conv3d, one call) and patched.
+3. ``clips_per_hour`` (issue 40): ``benchmarks/clips_per_hour.py``, ``vlfast extract`` against the report's
+   own loop (DataLoader, processor, hand-made Linear patch embed, ``torch.save`` per batch) and that loop on
+   the slow path (projected from a timed call), 64 8-frame clips through Qwen3-VL-4B's tower and a 4-layer
+   LLM: clips per hour, where the time goes, peak memory.
+4. ``verify_tiny``: ``vlfast verify --tiny`` on CUDA, fp32 + bf16 + fp16, gradients and the error of each
+   path against float64 included.
+5. ``patch_embed_{bf16,fp32,fp16}``: ``benchmarks/patch_embed.py`` on CUDA, one process per dtype, every
    reference shape: the stock conv (cuDNN on), the fallback (cuDNN off), channels_last_3d, the patched
    conv, raw ``F.linear``; ``patch_call_bf16``: the patched call per call against ``F.linear``.
-3. ``doctor``: ``vlfast doctor --json`` on CUDA.
-4. ``verify_tiny``: ``vlfast verify --tiny`` on CUDA, fp32 + bf16 + fp16, gradients included.
-5. ``inputs``, ``extract_tiny``, ``extract_2b``: short ``vlfast extract`` throughput runs on synthetic
-   images and videos, with the tiny Qwen3-VL checkpoint and the full-width ``ref:qwen3-vl-2b`` tower.
-6. ``verify_full``: ``vlfast verify`` on the full-size ``ref:qwen3-vl-4b`` tower, last as the least needed.
+6. ``doctor``: ``vlfast doctor --json`` on CUDA.
+7. ``inputs``, ``extract_tiny``, ``extract_2b``: short ``vlfast extract`` throughput runs on synthetic
+   images and videos, with the tiny Qwen3-VL checkpoint and the full-width ``ref:qwen3-vl-2b`` tower;
+   ``embed_throughput``: embeddings/s against the Qwen3-VL-Embedding reference's loop.
+8. ``verify_full``: ``vlfast verify`` on the full-size ``ref:qwen3-vl-4b`` tower; ``patch_accuracy``: each
+   path's error against float64 with the slow path among them (its calls cost seconds each on a GPU).
+
+The default budget (540 s) fits a lent machine's 15 minutes with its start: the steps run in this order
+until it is spent, and the rest are skipped, each saying so. Steps 2-4 should take about 4 minutes on an H200
+(an estimate from the runs of 2026-11-27; they have not run on a GPU yet).
 
 Everything lands in OUT: ``facts.json``, ``run.json`` (facts and every step), ``steps/NAME.json`` beside
 ``steps/NAME.stdout.txt`` and ``.stderr.txt``, and ``summary.md``; all rewritten after each step, so a run
 cut short still leaves what it measured. Extraction outputs go to a scratch folder, deleted at the end.
 
 Without CUDA the facts are recorded and every CUDA step is skipped with the reason (exit 3).
-``--cpu-smoke`` runs the steps on CPU at tiny sizes (about 90 s on 2 cores; the slowest are left out) to
+``--cpu-smoke`` runs the steps on CPU at tiny sizes (about 2 min on 2 cores; the slowest are left out) to
 check the plumbing; ``--dry-run`` writes the plan and runs nothing but the facts probe. This process never
 imports torch: a CUDA initialisation that hangs can only hang a step, which its timeout ends.
 
@@ -96,7 +110,8 @@ class Step:
             raise ValueError(f"step {self.name}: timeout_s must be positive, got {self.timeout_s}")
 
 
-# Most wanted first: when the budget runs out, what is lost is the least needed.
+# Most wanted first: when the budget runs out, what is lost is the least needed. Issue 40's steps lead; the
+# patch-embed, doctor and extract figures after them were measured on two H200 runs already.
 STEPS: tuple[Step, ...] = (
     Step(
         "facts",
@@ -104,6 +119,37 @@ STEPS: tuple[Step, ...] = (
         "{python} {self} --facts",
         timeout_s=60,
         cuda=False,
+    ),
+    # Issue 40: where one clip's tower forward goes, stock / slow path / patched, and clips per hour against
+    # the report's own loop. The slow path costs 22-41 s a call on an H200: each step times it once.
+    Step(
+        "tower_components",
+        "ref:qwen3-vl-4b tower, bf16, one 8-frame 512x384 clip (3,072 patches), by component: stock conv, "
+        "slow path (cuDNN off for the Conv3d, one call), patched",
+        "{python} {bench}/tower_components.py --device {device} --json",
+        smoke="--tiny --frame-size 64x64 --rounds 1",
+        timeout_s=150,
+        kind="components",
+    ),
+    Step(
+        "clips_per_hour",
+        "clips/hour end to end: vlfast extract against the report's DataLoader loop (hand-made Linear patch "
+        "embed, torch.save per batch) and that loop on the slow path (projected), 64 8-frame 512x384 clips, "
+        "Qwen3-VL-4B's tower with a 4-layer LLM, bf16",
+        "{python} {bench}/clips_per_hour.py --device {device} --json",
+        full="--model reduced --llm-layers 4 --clips 64 --clip-size 512x384 --loop-workers 8 --rounds 2",
+        smoke="--model tiny --clips 2 --batch 2 --clip-size 64x48 --loop-workers 0 --rounds 1 --slow-patches 64",
+        timeout_s=300,
+        kind="clips",
+    ),
+    Step(
+        "verify_tiny",
+        "vlfast verify, tiny ref:qwen3-vl-4b tower: fp32, bf16, fp16, gradients",
+        "{vlfast} verify --model ref:qwen3-vl-4b --tiny --device {device} --json",
+        full="--dtype bfloat16 --dtype float16",
+        smoke="--no-backward --windows 64",
+        timeout_s=120,
+        kind="verify",
     ),
     # One process per dtype: a slow path in bf16 (the cuDNN 9.8-9.14 case) cannot cost the fp32 figures.
     *(
@@ -120,7 +166,7 @@ STEPS: tuple[Step, ...] = (
             output="markdown",
             kind="patch_embed",
         )
-        for dt in ("fp32", "bf16", "fp16")
+        for dt in ("bf16", "fp32", "fp16")  # bf16 first: the slow path's dtype
     ),
     Step(
         "patch_call_bf16",
@@ -140,15 +186,6 @@ STEPS: tuple[Step, ...] = (
         smoke="--no-probe",
         timeout_s=90,
         ok_codes=(0, 1, 4),
-    ),
-    Step(
-        "verify_tiny",
-        "vlfast verify, tiny ref:qwen3-vl-4b tower: fp32, bf16, fp16, gradients",
-        "{vlfast} verify --model ref:qwen3-vl-4b --tiny --device {device} --json",
-        full="--dtype bfloat16 --dtype float16",
-        smoke="--no-backward --windows 64",
-        timeout_s=120,
-        kind="verify",
     ),
     Step(
         "inputs",
@@ -196,6 +233,16 @@ STEPS: tuple[Step, ...] = (
         smoke=None,  # a full-size tower's gradients on 2 CPU cores: minutes; the tiny one checks the plumbing
         timeout_s=150,
         kind="verify",
+    ),
+    Step(
+        "patch_accuracy",
+        "patch-embed error against float64, forward and weight gradient, bf16 and fp16: stock conv, slow path "
+        "(cuDNN off), patched (vlfast verify's accuracy check, 128 windows)",
+        "{python} {bench}/patch_accuracy.py --device {device} --json",
+        full="--windows 128",
+        smoke="--tiny --windows 32",
+        timeout_s=150,
+        kind="accuracy",
     ),
 )
 
@@ -524,7 +571,48 @@ def _headline_extract(result: dict) -> str:
     return text + (f"; {result['failed']} failed" if result.get("failed") else "")
 
 
+def _headline_components(result: dict) -> str:
+    """The patch embedding and the whole forward, per variant, and the embedding's share of the forward."""
+    rows = {r["component"]: r for r in result["rows"]}
+    pe, fwd = rows["patch_embed"], rows["forward (total)"]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.1f}"
+
+    share = result.get("patch_embed_share") or {}
+    return (
+        f"{result['patches']:,} patches, {result['dtype']}: patch_embed stock {ms(pe['stock_ms'])} / slow "
+        f"{ms(pe['slow_ms'])} / patched {ms(pe['patched_ms'])} ms; forward {ms(fwd['stock_ms'])} / "
+        f"{ms(fwd['slow_ms'])} / {ms(fwd['patched_ms'])} ms; patch_embed share of the slow forward "
+        f"{(share.get('slow') or 0):.0%}"
+    )
+
+
+def _headline_clips(result: dict) -> str:
+    """Clips per hour of vlfast, the loop and the loop on the slow path, and vlfast's ratio to the loop."""
+    rows = {r["side"]: r for r in result["rows"]}
+    lo, hi = result["ratio_range"]
+    slow = rows.get("loop, slow path (projected)", {})
+    return (
+        f"{result['clips']} clips ({result['model']}): vlfast {rows['vlfast']['clips_per_hour']:,.0f} clips/h, "
+        f"loop {rows['loop']['clips_per_hour']:,.0f} ({result['ratio_median']:.2f}x, {lo:.2f}-{hi:.2f}), slow path "
+        f"(projected) {slow.get('clips_per_hour', 0):,.0f} ({slow.get('vlfast_speedup', 0):,.1f}x)"
+    )
+
+
+def _headline_accuracy(result: dict) -> str:
+    """Per low-precision dtype, each path's weight-gradient error against float64."""
+    by = {}
+    for r in result["rows"]:
+        if r["dtype"] != "float32" and r.get("weight_grad_rel") is not None:
+            by.setdefault(r["dtype"], []).append(f"{r['path']} {r['weight_grad_rel']:.2g}")
+    return "weight grad vs float64: " + "; ".join(f"{d}: {', '.join(v)}" for d, v in by.items())
+
+
 HEADLINES: dict[str, Callable[[Any], str]] = {
+    "components": _headline_components,
+    "clips": _headline_clips,
+    "accuracy": _headline_accuracy,
     "facts": describe_device,
     "patch_embed": _headline_patch_embed,
     "patch_call": _headline_patch_call,
@@ -892,8 +980,8 @@ def render_summary(run: Run) -> str:
         )
     if run.exit_code is not None and run.mode != "dry-run":
         lines += ["", f"Exit status {run.exit_code}: {EXIT_MEANING.get(run.exit_code, '')}."]
-    for o in run.outcomes or []:
-        if o.name.startswith("patch_embed") and isinstance(o.result, dict) and o.result.get("markdown"):
+    for o in run.outcomes or []:  # the tables a step prints (markdown steps) or puts in its JSON ("markdown")
+        if isinstance(o.result, dict) and isinstance(o.result.get("markdown"), str) and o.result["markdown"]:
             lines += ["", f"## {o.name}", "", o.result["markdown"]]
     lines += [
         "",

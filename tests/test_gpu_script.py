@@ -7,6 +7,7 @@ step on CPU run as they would on the lent machine. Nothing here times anything.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -298,6 +299,9 @@ def test_patch_embed_channels_last_variant_and_its_table_read_back():
     assert line.startswith("fp32: conv/patched ") and "conv CL/patched" in line
 
 
+_ISSUE_40_SCRIPTS = ("tower_components", "clips_per_hour", "patch_accuracy")
+
+
 def _argparse_flags(main, capsys) -> set[str]:
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -317,6 +321,7 @@ def test_every_planned_flag_exists(capsys):
         "patch_embed.py": _argparse_flags(_load("patch_embed").main, capsys),
         "gpu.py": _argparse_flags(gpu.main, capsys),
         "embed_throughput.py": _argparse_flags(_load("embed_throughput").main, capsys),
+        **{f"{n}.py": _argparse_flags(_load_bench(n).main, capsys) for n in _ISSUE_40_SCRIPTS},
     }
     for name, command in cli.commands.items():
         known[name] = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
@@ -375,3 +380,84 @@ def test_patch_call_step_reads_the_ratio_to_f_linear_per_n():
     result, error = gpu.read_output(step, table)
     assert error is None
     assert gpu.headline(step, result) == "patched/F.linear N=4: 2.28, N=3072: 1.01"
+
+
+def test_issue_40_steps_lead_the_plan_and_fit_the_budget():
+    """The component table and clips/hour are the most wanted figures: first after the facts, on the report's
+    sizes, and within the default budget even if each runs to its timeout."""
+    names = [s.name for s in gpu.STEPS]
+    assert names[:4] == ["facts", "tower_components", "clips_per_hour", "verify_tiny"]
+    assert names[-1] == "patch_accuracy"  # its slow-path calls cost seconds each on a GPU: last
+    steps = {s.name: s for s in gpu.STEPS}
+    tc = gpu.expand(steps["tower_components"], mode="cuda", work=Path("/w"))
+    assert tc[1].endswith("benchmarks/tower_components.py") and tc[tc.index("--device") + 1] == "cuda"
+    assert "--tiny" not in tc  # defaults: ref:qwen3-vl-4b, bf16, 8 frames of 512x384, one slow call
+    cph = gpu.expand(steps["clips_per_hour"], mode="cuda", work=Path("/w"))
+    assert cph[cph.index("--model") + 1] == "reduced" and cph[cph.index("--clip-size") + 1] == "512x384"
+    worst = sum(s.timeout_s for s in gpu.STEPS[:3])  # each running to its timeout, they still all run
+    assert worst <= gpu.DEFAULT_BUDGET_S - gpu.RESERVE_S, worst
+    for name in ("tower_components", "clips_per_hour", "patch_accuracy"):  # each has a CPU smoke
+        assert steps[name].smoke, name
+
+
+def _load_bench(name: str):
+    sys.path.insert(0, str(BENCH))  # the benchmarks import their sibling patch_embed
+    try:
+        return _load(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+def test_tower_components_times_three_variants_and_gpu_reads_its_table(tmp_path):
+    """A tiny tower through benchmarks/tower_components.py in this process (the profiler's hooks, the slow
+    path switched on for the Conv3d alone), then its JSON through gpu.py's reader, headline and summary."""
+    tc = _load_bench("tower_components")
+    result = tc.run(tiny=True, width=32, height=32, frames=2, rounds=1, warmup=0, slow_calls=1)
+    assert result["conv_backend"] == {"stock": "Mkldnn", "slow": "Slow3d"}  # the slow path is the slow path
+    rows = {r["component"]: r for r in result["rows"]}
+    assert {"patch_embed", "blocks", "merger", "other (inline)", "forward (total)"} <= set(rows)
+    for variant in tc.VARIANTS:
+        assert rows["forward (total)"][f"{variant}_ms"] > 0 and rows["patch_embed"][f"{variant}_ms"] > 0
+    assert rows["blocks"]["stock_over_patched"] is None and rows["patch_embed"]["stock_over_patched"] > 0
+    result["markdown"] = tc.render(result)
+    assert "| **forward (total)** |" in result["markdown"] and "no conv" in result["markdown"]
+
+    step = next(s for s in gpu.STEPS if s.name == "tower_components")
+    parsed, error = gpu.read_output(step, json.dumps(result))
+    assert error is None
+    line = gpu.headline(step, parsed)
+    assert (
+        line.startswith(f"{result['patches']} patches, bfloat16: patch_embed stock ")
+        and "slow forward" in line
+    )
+    run = gpu.Run(out=tmp_path, mode="cpu-smoke", budget_s=60, started_at="now")
+    run.outcomes = [gpu.Outcome("tower_components", "", [], "", status="ok", result=parsed, headline=line)]
+    assert "## tower_components" in gpu.render_summary(run)
+
+
+def test_clips_per_hour_summary_and_headline_read_back():
+    """clips_per_hour's summary from fabricated rounds (no process started): the projection swaps the loop's
+    own patch-embed time for the projected calls; gpu.py's headline reads it."""
+    cph = _load_bench("clips_per_hour")
+    proj = {"timed_at_patches": 64, "slow_calls_ms": [900.0], "stock_ms": 2.0, "slow_s": 30.0, "stock_s": 0.1}
+    loop = {
+        "clips": 16, "processor": "steps", "seconds": 20.0, "load_s": 4.0, "loop_s": 16.0, "wait_s": 6.0,
+        "processor_s": 4.0, "forward_s": 5.0, "patch_embed_s": 0.5, "save_s": 0.1, "peak_rss_gib": 1.0,
+        "tree_peak_rss_gib": 2.0, "patch_embed_calls": [[128, 250.0], [128, 250.0]],
+    }  # fmt: skip
+    ours = {"clips": 16, "seconds": 10.0, "load_s": 1.0, "fingerprint_s": 0.2, "loop_s": 8.0, "forward_s": 5.0,
+            "peak_rss_gib": 1.5, "tree_peak_rss_gib": 2.5}  # fmt: skip
+    rounds = {"loop": [{**loop, "projection": proj}, {**loop, "seconds": 22.0}], "vlfast": [ours, ours]}
+    args = argparse.Namespace(model="tiny", llm_layers=2, device="cpu", dtype="bfloat16", clip_size="64x48",
+                              batch=8, loop_workers=2, rounds=2)  # fmt: skip
+    s = cph.summarise(rounds, args, 0.9999, 1.0, 0.5)
+    by = {r["side"]: r for r in s["rows"]}
+    assert by["vlfast"]["clips_per_hour"] == pytest.approx(3600 * 16 / 10)
+    assert s["ratio_median"] == pytest.approx(2.1) and s["ratio_range"] == [2.0, 2.2]
+    assert by["loop, slow path (projected)"]["seconds"] == pytest.approx(21.0 - 0.5 + 30.0)
+    s["markdown"] = cph.render(s)
+    assert "| loop, slow path (projected) |" in s["markdown"] and "min cosine 0.999900" in s["markdown"]
+    step = next(x for x in gpu.STEPS if x.name == "clips_per_hour")
+    line = gpu.headline(step, gpu.read_output(step, json.dumps(s))[0])
+    assert line.startswith("16 clips (tiny): vlfast 5,760 clips/h, loop 2,743 (2.10x, 2.00-2.20)"), line

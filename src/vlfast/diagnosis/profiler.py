@@ -41,7 +41,7 @@ from vlfast.diagnosis.timing import Clock, measure
 from vlfast.errors import InputRefused
 from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
 
-__all__ = ["COMPONENTS", "ProfileReport", "ProfileRun", "component_modules", "profile"]
+__all__ = ["COMPONENTS", "ProfileReport", "ProfileRun", "component_modules", "profile", "time_components"]
 
 SCHEMA = "vlfast.profile/2"
 INLINE = "other (inline)"
@@ -347,6 +347,21 @@ def _one_run(tower: nn.Module, hooks: _Hooks, inputs: tuple, device: str):
         labels[label] = labels.get(label, 0.0) + ms
         items[item] = items.get(item, 0.0) + ms
     return total, labels, items
+
+
+def time_components(
+    tower: nn.Module, inputs: tuple, device: str | torch.device
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    """One forward ``tower(*inputs)`` under ``torch.inference_mode``, timed whole and by component, as
+    :func:`profile` times each of its rounds: ``(forward ms, label -> ms, item -> ms)``. What no component
+    holds is the forward minus the labels' sum (:data:`INLINE`). For callers that decide what changes between
+    forwards themselves (a benchmark's variants); the hooks are gone when it returns."""
+    hooks = _Hooks(component_modules(tower))
+    try:
+        with torch.inference_mode():
+            return _one_run(tower, hooks, tuple(inputs), str(device))
+    finally:
+        hooks.remove()
 
 
 def _median_dict(dicts: list[dict[str, float]]) -> dict[str, float]:
