@@ -11,9 +11,10 @@ token), each in its own process, alternating for ``--rounds`` rounds:
   ``output_hidden_states=True``, and the batch's features go to one ``torch.save`` file. The patch
   embedding is the author's hand-made ``nn.Linear`` (the report's ``_fast_forward``, verbatim).
   Where torchvision is absent (transformers' video processor needs it to resize), the processor's video
-  half is its own steps without it: ``smart_resize``, bicubic antialiased resize as torchvision does it
-  for uint8 frames, fused rescale and normalise, transformers' own ``patchify``; the prompt's placeholders
-  as ``Qwen3VLProcessor.replace_video_token`` expands them. ``processor`` in the output says which ran.
+  half is its own steps without it: ``smart_resize``, the bicubic antialiased uint8 resize torchvision's
+  v2 ``resize`` runs on CPU, fused rescale and normalise, transformers' own ``patchify``; the video token
+  expanded as ``Qwen3VLProcessor.replace_video_token`` and transformers 5's ``ProcessorMixin`` do it.
+  ``processor`` in the output says which ran.
 - ``vlfast``: ``vlfast.extraction.extract`` (what ``vlfast extract`` runs) with ``--features llm --layers
   -1 --pool last``, the same prompt and ``--num-frames 8``, its defaults otherwise (decode workers beside the
   model, batches by token budget, patched conv, sharded checksummed store).
@@ -191,11 +192,9 @@ class VideoStepsProcessor:
                 min_pixels=self.size["shortest_edge"],
                 max_pixels=self.size["longest_edge"],
             )
-            # torchvision resizes uint8 bicubic in float, then rounds and clamps back to uint8
-            video = F.interpolate(
-                video.float(), size=(h, w), mode="bicubic", antialias=True, align_corners=False
-            )
-            video = video.round_().clamp_(0, 255)
+            if (h, w) != tuple(video.shape[-2:]):  # the uint8 kernel torchvision's v2 resize runs on CPU
+                video = F.interpolate(video, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
+            video = video.float()
             mean = torch.tensor(self.mean).view(1, 3, 1, 1) * 255.0
             std = torch.tensor(self.std).view(1, 3, 1, 1) * 255.0
             video = ((video - mean) / std)[None]
@@ -210,7 +209,9 @@ class VideoStepsProcessor:
                 f"<{stamps[i]:.1f} seconds><|vision_start|>" + "<|video_pad|>" * per_frame + "<|vision_end|>"
                 for i in range(gt)
             )
-            texts.append(prompt.replace("<|vision_start|><|video_pad|><|vision_end|>", placeholder, 1))
+            texts.append(
+                prompt.replace("<|video_pad|>", placeholder, 1)
+            )  # the video token alone, as 5.x does
         batch = dict(self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left"))
         batch["mm_token_type_ids"] = (batch["input_ids"] == self.video_token_id).long() * 2
         batch["pixel_values_videos"] = torch.cat(rows)
@@ -586,7 +587,9 @@ def summarise(rounds: dict[str, list[dict]], args, cosine, setup_s: float, load_
                 k: med("loop", k)
                 for k in ("load_s", "loop_s", "wait_s", "processor_s", "forward_s", "patch_embed_s", "save_s")
             },
-            "vlfast": {k: med("vlfast", k) for k in ("load_s", "fingerprint_s", "loop_s", "forward_s")},
+            "vlfast": {
+                k: med("vlfast", k) for k in ("seconds", "load_s", "fingerprint_s", "loop_s", "forward_s")
+            },
         },
         "memory_gib": {
             v: {k: med(v, k) for k in ("peak_rss_gib", "tree_peak_rss_gib", "cuda_peak_gib")}
@@ -642,7 +645,8 @@ def render(s: dict) -> str:
         f"for the DataLoader {lw['wait_s']:.1f} + processor {lw['processor_s']:.1f} + forward {lw['forward_s']:.1f} "
         f"(patch embed {lw['patch_embed_s']:.2f}) + torch.save {lw['save_s']:.2f}. vlfast: model load "
         f"{vw['load_s']:.1f} (weights fingerprint {vw['fingerprint_s']:.1f}), its loop {vw['loop_s']:.1f} of which "
-        f"forwards {vw['forward_s']:.1f} (decoding overlapped in workers).",
+        f"forwards {vw['forward_s']:.1f} (decoding overlapped in workers), the rest of its seconds "
+        f"{vw['seconds'] - vw['load_s'] - vw['loop_s']:.1f} (imports, listing, planning, committing).",
         f"Peak memory (GiB): loop {_gib(mem['loop']['peak_rss_gib'])} RSS, {_gib(mem['loop']['tree_peak_rss_gib'])} "
         f"with its workers; vlfast {_gib(mem['vlfast']['peak_rss_gib'])} RSS, "
         f"{_gib(mem['vlfast']['tree_peak_rss_gib'])} with its workers"
