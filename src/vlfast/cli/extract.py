@@ -486,6 +486,13 @@ def _print_summary(summary, out: str) -> None:
         )
     if summary.oom_splits:
         rows.append(("OOM splits", str(summary.oom_splits)))
+    if summary.changed:
+        rows.append(
+            (
+                "inputs changed",
+                f"{summary.changed} since they were extracted: extracted again (their shards moved to OUT/quarantine)",
+            )
+        )
     if summary.quarantined:
         rows.append(
             (

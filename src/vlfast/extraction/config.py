@@ -313,6 +313,9 @@ class ExtractSummary:
     features: list[str] = field(default_factory=list)
     nothing_to_do: bool = False  # OUT already held everything: no lock taken, no model loaded
     quarantined: list[str] = field(default_factory=list)  # damaged index parts moved aside, redone
+    # Committed samples whose input changed since they were extracted (another file or bytes under the same
+    # id): extracted again this run, with what shared their shards (docs/extract.md, "Inputs that change")
+    changed: int = 0
     fingerprint_seconds: float = 0.0  # hashing the weights the features depend on
     load_seconds: float = 0.0  # building the model (not in ``seconds``); Ray: connecting + actors' builds
     engine: str = "local"  # "local" (this process and its decode workers) or "ray" (engines.ray)

@@ -25,7 +25,11 @@ __all__ = [
     "IdSet",
     "check_id",
     "first_copies",
+    "hash_bytes",
     "hash_ids",
+    "hash_one",
+    "mix",
+    "mix_one",
     "owner_rank",
     "partition",
 ]
@@ -111,6 +115,53 @@ def hash_ids(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> np.ndarray:
     for c in chunks:  # into one array as they come: a list of parts and their concatenation held both
         out[at : at + len(c)] = _hash_column(_as_strings(c))
         at += len(c)
+    return out
+
+
+def hash_bytes(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The same 64-bit FNV-1a of each value of a binary column (any bytes, not only UTF-8), as uint64."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks else pa.array([], pa.large_binary())
+    if column.type != pa.large_binary():
+        column = column.cast(pa.large_binary())
+    return _hash_column(column)
+
+
+def hash_one(data: bytes) -> int:
+    """:func:`hash_bytes` of one value, without numpy (for one sample at a time)."""
+    h = _FNV_OFFSET
+    for byte in data:
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK
+    return h
+
+
+def mix_one(*hashes: int) -> int:
+    """:func:`mix` of one row, without numpy (for one sample at a time)."""
+    out = _FNV_OFFSET
+    for h in hashes:
+        out ^= h
+        out ^= out >> 30
+        out = (out * 0xBF58476D1CE4E5B9) & _MASK
+        out ^= out >> 27
+        out = (out * 0x94D049BB133111EB) & _MASK
+        out ^= out >> 31
+    return out
+
+
+def mix(*hashes: np.ndarray) -> np.ndarray:
+    """One uint64 per row from several (each array, or a uint64 for all rows): each folded in through
+    splitmix64's finaliser, so equal inputs give equal keys and a change in any gives another."""
+    out = np.full(max((len(h) for h in hashes if np.ndim(h)), default=1), _FNV_OFFSET, np.uint64)
+    with np.errstate(over="ignore"):
+        for h in hashes:
+            out ^= np.asarray(h, np.uint64)
+            out ^= out >> np.uint64(30)
+            out *= np.uint64(0xBF58476D1CE4E5B9)
+            out ^= out >> np.uint64(27)
+            out *= np.uint64(0x94D049BB133111EB)
+            out ^= out >> np.uint64(31)
     return out
 
 

@@ -106,6 +106,9 @@ class RunPlan:
     volatile_keys: tuple[str, ...]
     fingerprint_seconds: float = 0.0
     listings: dict[str, bytes] = field(default_factory=dict, repr=False)  # shard listings for OUT to keep
+    # Committed ids of this rank whose input changed since (inputs_renamed, inputs_rewritten): the store
+    # moves their shards aside and they are extracted again
+    changed: list[str] = field(default_factory=list)
     mine_problems: list[InputProblem] = field(init=False)
     total: int = field(init=False)  # entries in the input (all ranks)
     assigned: int = field(init=False)  # this rank's share of them
@@ -206,13 +209,17 @@ class RunPlan:
         if config.retry:
             check_retry_kinds(config.retry, state.error_keys)
         pending = self.pending(state.done, state.error_keys.__contains__)
-        if not pending and not state.damaged and config.resume_check == "full":
-            # The ids are not needed past here: the full check holds a part's rows instead (at ten million
-            # samples, 1.38 GiB above the input at its peak with both; 1.04 GiB without the ids).
-            state.done = IdSet()
-            release_arrow_memory()
+        changed = self.inputs_renamed(state, config)
+        # The ids are not needed past here: the full checks hold a part's rows instead (at ten million
+        # samples, 1.38 GiB above the input at its peak with both; 1.04 GiB without the ids).
+        state.done = IdSet()
+        release_arrow_memory()
+        if config.resume_check == "full":
+            changed += self.inputs_rewritten(state, config)
+        self.changed = sorted(set(changed))
+        if not pending and not state.damaged and not self.changed and config.resume_check == "full":
             state.damaged = confirm_hashed(self.out, state, f"r{self.rank:05d}")
-        if pending or state.damaged:
+        if pending or state.damaged or self.changed:
             return None
         from vlfast.extraction.store.backend import keep_listings
         from vlfast.extraction.store.run_file import restore_run_file
@@ -227,6 +234,69 @@ class RunPlan:
         summary = self.summary(config)
         summary.skipped, summary.nothing_to_do = self.assigned, True
         return summary
+
+    def inputs_renamed(self, state: Any, config: ExtractConfig) -> list[str]:
+        """This rank's committed ids whose entry names another place or text than its record (docs/extract.md,
+        "Inputs that change"), unless the bytes it names now are the recorded ones (hashed to tell), from
+        ``read_state``'s sound parts; reads no input otherwise. A row without a record (an older vlfast's)
+        is unknown, never changed."""
+        from vlfast.extraction.decode.inputs import input_digest
+        from vlfast.extraction.sources.identity import content_key, entry_keys
+        from vlfast.extraction.store.inputs import Recorded, recorded_keys
+
+        recorded = recorded_keys(self.out, state.sound)
+        if not len(recorded.values):
+            return []  # nothing is recorded: an OUT of an older vlfast, or nothing committed
+        texts, first = self._texts(config), self._unique[0]  # the first copy of each id (work() made it)
+        suspects = []
+        for at in range(0, len(first), _KEYS_AT_ONCE):
+            positions = first[at : at + _KEYS_AT_ONCE]
+            hashes = self._hashes[positions]
+            keys = entry_keys(self.samples, texts, positions, hashes)
+            suspects.append(
+                positions[~Recorded.has(recorded.values, keys) & ~Recorded.has(recorded.unknown, hashes)]
+            )
+        del recorded
+        odd = np.concatenate(suspects) if suspects else np.empty(0, np.int64)
+        if len(odd):  # only what is committed: an entry not done yet is extracted anyway
+            odd = odd[state.done.isin(self._column.array.take(odd), self._hashes[odd])]
+        contents = recorded_keys(self.out, state.sound, "content").values if len(odd) else None
+        changed = []
+        for k in odd.tolist():
+            sample = self.samples[k]
+            if sample.id in state.failed:
+                continue  # done by a failure record alone: nothing committed to compare
+            digest = input_digest(sample)  # the same bytes elsewhere are the same input
+            key = np.array([content_key(sample, texts, digest or "")], np.uint64)
+            if digest is None or not Recorded.has(contents, key)[0]:
+                changed.append(sample.id)
+        return changed
+
+    def inputs_rewritten(self, state: Any, config: ExtractConfig) -> list[str]:
+        """The full check of the recorded local inputs this rank's entries still name (docs/extract.md,
+        "Inputs that change"): each is stat'ed, and one whose stamp moved is hashed; the ids whose bytes
+        differ now. One that cannot be read now is not called changed: only bytes seen to differ are."""
+        from vlfast.extraction.sources.identity import entry_keys
+        from vlfast.extraction.store.inputs import changed_on_disk
+
+        if not state.sound:
+            return []
+        first = self._unique[0]
+        every = len(first) == len(self._hashes)  # no repeated id: the first copies are every entry
+        keys = entry_keys(
+            self.samples, self._texts(config), first, self._hashes if every else self._hashes[first]
+        )
+        keys.sort()
+        return changed_on_disk(self.out, state.sound, keys)[0]
+
+    @staticmethod
+    def _texts(config: ExtractConfig) -> tuple[str, ...]:
+        from vlfast.extraction.sources.identity import texts_used
+
+        return texts_used(config.spec.needs_llm, config.spec.embedding)
+
+
+_KEYS_AT_ONCE = 1 << 18  # entries whose keys a resume makes and looks up at a time
 
 
 def make_plan(

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from vlfast.extraction.decode.embedding import EmbeddingPrompt
+from vlfast.extraction.decode.inputs import input_record
 from vlfast.extraction.decode.preprocess import Preprocessor, ProcessorConfig, SampleError
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.workers import unexpected_item
 from vlfast.extraction.objstore import TransientReadError
+from vlfast.extraction.sources.identity import texts_used
 from vlfast.extraction.sources.sample import Sample
 from vlfast.extraction.sources.table import SampleTable
 
@@ -40,6 +42,9 @@ class DecodedSample:
     meta: dict[str, Any] = field(default_factory=dict)  # what preprocessing recorded (frames, sizes, prompt)
     input_ids: torch.Tensor | None = None  # the prompt's token ids, for llm features
     ref: Any = None  # what the consumer maps it back to its sample with (the Ray engine's row)
+    input: dict[str, Any] | None = (
+        None  # what its input was when read: the index's ``input`` (decode/inputs.py)
+    )
 
     @property
     def cost(self) -> int:
@@ -73,6 +78,8 @@ class SampleDataset:
         self.pre, self.prompts = pre, prompts
         self.default_prompt = default_prompt
         self.hook = hook  # tests inject faults here (a crashing or hanging decoder)
+        # The row texts the features read, which identify the input with its bytes (sources/identity.py)
+        self.texts = texts_used(prompts is not None, isinstance(prompts, EmbeddingPrompt))
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -82,6 +89,7 @@ class SampleDataset:
         try:
             if self.hook is not None:
                 self.hook(s)
+            record = input_record(s, self.texts)  # before decoding: its stamp predates the bytes read
             if s.kind == "text":
                 if not isinstance(self.prompts, EmbeddingPrompt):
                     raise SampleError(
@@ -98,6 +106,7 @@ class SampleDataset:
                 grid=grid,
                 tokens=grid[0] * grid[1] * grid[2] // self.pre.cfg.merge_size**2,
                 meta=meta,
+                input=record,
             )
             if isinstance(self.prompts, EmbeddingPrompt):
                 item.input_ids, recorded = self.prompts(s, grid, meta)

@@ -256,6 +256,7 @@ def _opened_store(plan: RunPlan, config: ExtractConfig) -> Iterator[Any]:
             volatile_keys=plan.volatile_keys,
             resume_check=config.resume_check,
             retry_errors=config.retry,
+            stale=plan.changed,
         ) as store,
     ):
         yield store
@@ -273,6 +274,7 @@ def run_session(
         store.keep_listings(plan.listings)  # now that OUT is this run's: never written by a refused run
         plan.listings.clear()  # a kept manifest table holds the whole input's columns until it is written
         summary.quarantined = [q["part"] for q in store.quarantined]
+        summary.changed = len(plan.changed)  # their shards are moved aside (store.superseded), so not done
         # Reads every index part that may hold this rank's ids (not other ranks' own), and the errors: once.
         done = store.done_ids(mine=True)
         todo, records = plan.work(done)

@@ -112,6 +112,7 @@ def _schemas():
             ("grid", pa.list_(pa.int64())),
             ("tokens", pa.int64()),
             ("meta", pa.string()),  # JSON
+            ("input", pa.string()),  # JSON: what its input was when read (decode/inputs.py)
         ]
     )
     done = pa.schema(
@@ -202,6 +203,7 @@ def _decoded_row(item: DecodedSample, save) -> dict[str, Any]:
         "grid": [int(x) for x in item.grid],
         "tokens": int(item.tokens),
         "meta": json.dumps(item.meta),
+        "input": None if item.input is None else json.dumps(item.input),
     }
 
 
@@ -217,6 +219,7 @@ def _decoded_sample(row: dict[str, Any], i: int, load) -> DecodedSample:
         meta=json.loads(row["meta"]),
         input_ids=tensors.get("input_ids"),
         ref=_Ref(row["id"], row["source"], row["kind"]),
+        input=json.loads(row["input"]) if row.get("input") else None,
     )
 
 

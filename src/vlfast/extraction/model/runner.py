@@ -186,6 +186,6 @@ class Forward:
                     continue
             path = None if sample.kind == "text" else sample.source
             meta = {"path": path, "kind": sample.kind, "n_tokens": int(item.tokens), **item.meta}
-            store.add(sample.id, result, meta)
+            store.add(sample.id, result, meta, input=item.input)
             added.append((sample, item.patches))
         return added

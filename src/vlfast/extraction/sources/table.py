@@ -173,6 +173,109 @@ class SampleTable(Sequence[Sample]):
     def has_kind(self, kind: str) -> bool:
         return bool((self._kinds == _CODE[kind]).any())
 
+    def identity_keys(
+        self,
+        texts: Sequence[str],
+        resolve: Callable[[str], str],
+        start: int = 0,
+        stop: int | None = None,
+        where: Sequence[bytes] | None = None,
+        id_hashes: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """What identifies each row from ``start`` to ``stop`` as one uint64: its id, kind, where its bytes
+        are, and the ``texts`` named ("prompt", "text", "instruction"; an absent one hashed as absent).
+        Where: ``resolve`` of the path (once per folder part, ``resolve("dir/")``, hashed with the file's
+        name), of each frame, or for a tar member its shard's, its name, offset and size; nothing for a
+        text. ``where`` gives each row's bytes instead; ``id_hashes``, the ids' :func:`hash_ids` when the
+        caller has them. :mod:`~vlfast.extraction.sources.identity` uses it for a whole input and for one
+        sample (a table of one row), so both sides of a comparison are made here."""
+        import pyarrow as pa
+
+        from vlfast.extraction.ids import hash_bytes, hash_ids, mix
+
+        stop = len(self) if stop is None else min(stop, len(self))
+        n, rows = max(0, stop - start), np.arange(start, max(start, stop))
+        ids = hash_ids(self._ids.slice(start, n)) if id_hashes is None else id_hashes
+        place = (
+            self._where(rows, resolve) if where is None else hash_bytes(pa.array(list(where), pa.binary()))
+        )
+        fields = [ids, self._kinds[start:stop].astype(np.uint64), place]
+        for name in texts:
+            col = self._optional.get(name)
+            present = np.zeros(n, bool) if col is None else ~np.asarray(col.slice(start, n).is_null())
+            value = np.zeros(n, np.uint64) if col is None else hash_bytes(col.slice(start, n).fill_null(b""))
+            fields.append(mix(present.astype(np.uint64), np.where(present, value, np.uint64(0))))
+        return mix(*fields)
+
+    def _where(self, rows: np.ndarray, resolve: Callable[[str], str]) -> np.ndarray:
+        """The hash of each of ``rows``' place, as :meth:`identity_keys` defines it (uint64)."""
+        import pyarrow as pa
+
+        from vlfast.extraction.ids import hash_bytes, mix
+
+        folders = hash_bytes(pa.array([_encode(resolve(d)) for d in self._dirs] + [b""], pa.large_binary()))
+        d = self._dir[rows]
+        names = self._names.take(pa.array(rows, pa.int64())) if len(rows) else pa.array([], pa.large_binary())
+        place = mix(folders[np.where(d >= 0, d, len(self._dirs))], hash_bytes(names))
+        codes = self._kinds[rows]
+        members = self._members
+        if members is None:
+            member_rows = np.zeros(len(rows), bool)
+        elif isinstance(members, _Members):
+            member_rows = members.present[rows]
+        else:
+            member_rows = np.array([members[int(k)] is not None for k in rows], bool)
+        done = np.zeros(len(rows), bool)
+        if isinstance(members, _Members) and "shard" in members.columns and member_rows.any():
+            done = member_rows
+            at = np.flatnonzero(member_rows)
+            place[at] = hash_bytes(self._members_where(rows[at], resolve))
+            member_rows = np.zeros(len(rows), bool)  # done, as columns
+        other = (codes == _FRAMES) | (codes == _TEXT) | member_rows
+        whole = np.flatnonzero((d < 0) & ~other & ~done)  # a path kept whole (past the folders kept once)
+        if len(whole):
+            split = [_decode(self._names[int(rows[j])].as_py()).rpartition("/") for j in whole.tolist()]
+            folder = [_encode(resolve(head + sep)) for head, sep, _ in split]
+            name = [_encode(tail) for _, _, tail in split]
+            place[whole] = mix(
+                hash_bytes(pa.array(folder, pa.large_binary())), hash_bytes(pa.array(name, pa.large_binary()))
+            )
+        odd = np.flatnonzero(other)
+        if len(odd):
+            places = [self._where_one(int(rows[j]), resolve) for j in odd.tolist()]
+            place[odd] = hash_bytes(pa.array(places, pa.large_binary()))
+        return place
+
+    def _members_where(self, rows: np.ndarray, resolve: Callable[[str], str]) -> pa.Array:
+        """Tar members' places as columns: the shard resolved once per shard, its name, offset and size."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        binary = pa.large_binary()
+        cols, idx = self._members.columns, pa.array(rows, pa.int64())
+        shard = cols["shard"].take(idx)
+        folders = [None if v is None else _encode(resolve(_decode(v))) for v in shard.dictionary.to_pylist()]
+        fields = [
+            pa.array(folders, binary).take(shard.indices),
+            cols["name"].take(idx).cast(binary),
+            *(pa.array(cols[k][rows]).cast(pa.string()).cast(binary) for k in ("offset", "size")),
+        ]
+        return pc.binary_join_element_wise(*fields, pa.scalar(b"\x00", binary))
+
+    def _where_one(self, k: int, resolve: Callable[[str], str]) -> bytes:
+        code = int(self._kinds[k])
+        if code == _TEXT:
+            return b""
+        if code == _FRAMES:
+            return b"\x00".join(_encode(resolve(p)) for p in self._frames[k])
+        member = None if self._members is None else self._members[k]
+        shard = getattr(member, "shard", None)
+        if isinstance(shard, str):  # a tar member: its shard, name, offset and size
+            return b"\x00".join(
+                [_encode(resolve(shard)), _encode(member.name), b"%d" % member.offset, b"%d" % member.size]
+            )
+        return _encode(str(member))  # another member (a URL): as it names itself
+
     def _take_members(self, idx: np.ndarray) -> _Members | list[Member | None] | None:
         if self._members is None or isinstance(self._members, _Members):
             return None if self._members is None else self._members.take(idx)

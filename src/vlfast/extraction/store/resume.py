@@ -352,6 +352,7 @@ class OutState:
     error_keys: set[tuple] = field(default_factory=set)  # (id, source, reason, kind) already recorded
     damaged: list[str] = field(default_factory=list)  # parts whose shard fails the quick check
     sound: list[Path] = field(default_factory=list)  # parts that pass it
+    failed: set[str] = field(default_factory=set)  # ids done by a failure record alone (no part holds them)
 
 
 @gc_paused()
@@ -412,7 +413,9 @@ def read_state(
     # What the store would move aside (a foreign file, a shard whose part was lost): not "nothing to do"
     state.damaged += strays_to_move(out, lambda r: r % world_size == rank)
     errors = read_errors(out)
-    state.done.update(r["id"] for r in errors if done_by_error(r, retry))
+    state.failed = {r["id"] for r in errors if done_by_error(r, retry)}
+    state.failed = {sid for sid in state.failed if sid not in state.done}
+    state.done.update(state.failed)
     state.error_keys = {error_key(r) for r in errors}
     return state
 

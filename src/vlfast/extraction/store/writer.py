@@ -89,6 +89,7 @@ from vlfast.extraction.store.format import (
     torch_dtypes,
     xxh3,
 )
+from vlfast.extraction.store.inputs import INPUTS_DIR, INPUTS_RE, mark_stale, merge_inputs, write_inputs
 from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
 from vlfast.extraction.store.layout import not_files, not_folders
 from vlfast.extraction.store.repair import quarantine_consolidated
@@ -160,6 +161,22 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
+def _id_array(ids: Any) -> Any:
+    """Ids as an Arrow string array for lookups (None when there are none)."""
+    import pyarrow as pa
+
+    ids = list(ids)
+    return pa.array(sorted(set(ids)), pa.string()) if ids else None
+
+
+def _gathered(ids: Any) -> list[str]:
+    """The union of every rank's ``ids`` (an Arrow array or None), over torch.distributed."""
+    mine = [] if ids is None else ids.to_pylist()
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return [sid for got in every for sid in got]
+
+
 def _grid_of(feats: Mapping[str, torch.Tensor], meta_json: str) -> list[list[int]] | None:
     """The sample's (k, 3) grid for the index: the "grid_thw" feature, else one named "*grid_thw"
     (image_grid_thw, video_grid_thw), else meta["grid_thw"]."""
@@ -205,6 +222,7 @@ class FeatureStore:
         resume_check: str = "full",
         retry_errors: str | Collection[str] | None = None,
         compact_min_parts: int | None = CLOSE_MIN_PARTS,
+        stale: Collection[str] = (),
     ):
         if not isinstance(run_config, Mapping):
             raise InputRefused(f"run_config must be a dict, got {type(run_config).__name__}")
@@ -264,6 +282,10 @@ class FeatureStore:
             # store adds only its own ids (see _widen); None once it has read everything.
             self._parts_skipped: set[str] | None = set() if world_size > 1 else None
             self._committed = IdSet()  # ids as data: see vlfast.extraction.ids
+            # Ids whose inputs changed since they were extracted (the plan's check): the shards holding them
+            # are moved aside when checked, so they are extracted again; what was moved, in ``superseded``.
+            self._stale = _id_array(stale)
+            self.superseded: list[dict[str, Any]] = []
             self._check_committed(resume_check)  # takes in the ids of the parts it found sound
             self._refresh_committed()
             errors = read_errors(self.out)
@@ -273,6 +295,7 @@ class FeatureStore:
             self._seq = self._next_seq()
             self._versions = library_versions()
             self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
+            self._buffer_inputs: list[dict[str, Any] | None] = []  # each buffered sample's input record
             self._buffer_ids: set[str] = set()
             self._buffer_bytes = 0
             self._buffer_since: float | None = None  # when the oldest buffered sample was added
@@ -296,6 +319,7 @@ class FeatureStore:
                 INDEX_DIR: lambda n: bool(is_part_name(n) or TMP_RE.match(n)),
                 SHARD_DIR: lambda n: bool(SHARD_RE.match(n) or TMP_RE.match(n)),
                 ERROR_DIR: lambda n: n.startswith("errors-r") and n.endswith(".jsonl"),
+                INPUTS_DIR: lambda n: bool(INPUTS_RE.match(n) or TMP_RE.match(n)),
                 QUARANTINE_DIR: lambda n: True,
             }
             self._backend.clear(owned, (CHECK_FILE, RUN_FILE))  # run.json last (see above)
@@ -345,6 +369,8 @@ class FeatureStore:
         split = group > 1 and group == self.world_size
         if split and not self._same_on_all_ranks(len(parts)):
             split = False  # ranks see different folders (should not happen): each checks everything
+        if split:  # a rank checks parts that may hold other ranks' ids whose inputs changed
+            self._stale = _id_array(_gathered(self._stale))
         bad = [False] * len(parts)
         # "full" hashes every shard, but for those that passed an earlier full check and are untouched since
         # (OUT/checked.json; integrity.HashRecord says what that record can and cannot vouch for).
@@ -398,6 +424,12 @@ class FeatureStore:
         check = check_part(part, data=data)
         if check.problem is None and check.config is not None and check.config_hash != self.config_hash:
             raise RunConfigMismatch(self.out, self._diffs(check.config), where=str(part), foreign=part)
+        if check.ok and self._stale is not None and mark_stale(check, self._stale):
+            before = len(self.quarantined)
+            self._quarantine(check)
+            self.superseded += self.quarantined[before:]
+            del self.quarantined[before:]
+            return False
         if check.ok:  # its ids are read: no need to read the part again in _refresh_committed
             if data:
                 record.hashed(part, check.shards)
@@ -556,8 +588,16 @@ class FeatureStore:
         """Errors recorded by this store (this rank, this session), duplicates included: for --max-errors."""
         return self._num_errors
 
-    def add(self, sample_id: str, features: Mapping[str, torch.Tensor], meta: Mapping | None = None) -> None:
-        """Buffer one sample. A repeated id is recorded as a "duplicate id" error instead of overwriting."""
+    def add(
+        self,
+        sample_id: str,
+        features: Mapping[str, torch.Tensor],
+        meta: Mapping | None = None,
+        *,
+        input: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Buffer one sample. A repeated id is recorded as a "duplicate id" error instead of overwriting.
+        ``input``: what its input was when read (a row of ``OUT/inputs/``: ``inputs.inputs_schema``)."""
         self._check_open()
         check_id(sample_id)
         if not isinstance(features, Mapping) or not features:
@@ -609,6 +649,7 @@ class FeatureStore:
         if self._buffer and self._buffer_bytes + nbytes > self.shard_max_bytes:
             self.flush()
         self._buffer.append((sample_id, tensors, meta_json))
+        self._buffer_inputs.append(None if input is None else dict(input))
         self._buffer_ids.add(sample_id)
         self._buffer_bytes += nbytes
         if self._buffer_since is None:
@@ -723,6 +764,7 @@ class FeatureStore:
         self._write_index_part(shard, written, checksums)
         self._committed.update(sid for sid, _, _ in self._buffer)
         self._buffer, self._buffer_ids, self._buffer_bytes = [], set(), 0
+        self._buffer_inputs = []
         self._buffer_since = None
         self._seq += 1
 
@@ -735,6 +777,7 @@ class FeatureStore:
                 self.flush()
                 self._forget_committed()  # nothing more is added: compaction runs without the ids held
                 self._compact()
+                merge_inputs(self.out, self._backend, self.rank, f"{self._tag}-{os.getpid()}")
         finally:
             self._closed = True
             self._forget_committed()
@@ -872,6 +915,13 @@ class FeatureStore:
         pq.write_table(table, sink, write_page_checksum=True)
         data = sink.getvalue().to_pybytes()
         part = self.out / INDEX_DIR / part_name(self.rank, self._seq, xxh3(data))
+        # What each sample's input was, beside the index (store/inputs.py): before the commit, so a
+        # committed part's samples have their records (a kill in between leaves rows no part points at)
+        tag = f"{self._tag}-{os.getpid()}"
+        records = self._buffer_inputs
+        write_inputs(
+            self.out, self._backend, self.rank, self._seq, rows["id"], rel, header_hash, records, tag
+        )
         with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
             self._backend.write(part, data, f"{self._tag}-{os.getpid()}", exclusive=True)  # <- the commit
         self._parts_read.add(part.name)

@@ -1,0 +1,450 @@
+"""What each committed sample's input was when it was read, kept beside the index: ``OUT/inputs/``.
+
+A commit that has records writes ``inputs/inputs-r{rank}-{first}-{last}.parquet`` (first == last: the
+shard's sequence number) before its index part; a store's close merges its rank's files into one. Each row
+names its sample's id and shard (with the shard's header checksum, as the index part records it), so a
+row counts only while a live index part points at that very shard: rows of a shard moved aside, or of a
+commit a kill cut short, are never read as records. The index parts are left as they were (readers that
+hold a part whole, ``FeatureCache`` and the resume's check, do not grow with the records), and a folder
+without ``inputs/`` (an older vlfast's) reads as unknown, never as changed.
+
+- :func:`file_stamp`, :func:`hash_files`, :func:`hash_range`: a local file's stamp (size, mtime, ctime,
+  inode) and the xxh3 of bytes, the same here and where a sample is recorded (decode/inputs.py);
+- :func:`write_inputs`, :func:`merge_inputs`: the writer's side;
+- :func:`recorded_keys`: the entry keys (or content keys) recorded for the live shards, sorted, and the id
+  hashes of the rows of live shards that have no record;
+- :func:`changed_on_disk`: the full check of the recorded local inputs: a stamp that moved has its bytes
+  hashed again, and a sample whose bytes differ is named;
+- :func:`mark_stale`: the writer's move of the shards that hold samples whose input changed.
+
+What each check sees is docs/extract.md's ("Inputs that change").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vlfast.extraction.ids import hash_ids
+from vlfast.extraction.objstore import is_url, read_whole
+from vlfast.extraction.store.format import (
+    SHARD_DIR,
+    is_consolidated,
+    is_local,
+    list_names,
+    part_meta,
+    part_shards,
+    read_index_part,
+    read_part_footer,
+    shard_of_part,
+)
+
+__all__ = [
+    "INPUTS_DIR",
+    "INPUTS_RE",
+    "INPUT_SCHEME",
+    "Recorded",
+    "changed_on_disk",
+    "file_stamp",
+    "hash_files",
+    "hash_range",
+    "inputs_schema",
+    "mark_stale",
+    "merge_inputs",
+    "recorded_keys",
+    "write_inputs",
+]
+
+INPUTS_DIR = "inputs"
+INPUTS_RE = re.compile(r"^inputs-r(\d{5})-(\d{6})-(\d{6})\.parquet$")
+INPUT_SCHEME = (
+    1  # how ``key`` and ``content`` are made (sources/identity.py); rows of another are not compared
+)
+MERGE_MIN_FILES = 8  # a store's close merges its rank's inputs files once there are this many
+_BLOCK = 1 << 23  # bytes read at a time while hashing
+_RECORD = ("scheme", "key", "content", "path", "member", "offset", "size", "mtime_ns", "stamp", "xxh3")
+
+
+def inputs_schema():
+    """One row per committed sample of a shard: whose, where, and what its input was when read."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("shard", pa.string()),  # relative to OUT, as the index names it
+            ("header", pa.string()),  # the shard's header xxh3, as its index part records it
+            ("scheme", pa.uint8()),  # INPUT_SCHEME of the code that made key and content
+            ("key", pa.uint64()),  # the entry: id, kind, where its bytes are, the texts the features read
+            ("content", pa.uint64()),  # the same with the bytes' xxh3 in place of where; null if not hashed
+            ("path", pa.string()),  # the file resolved (a clip's frames NUL-joined), a member's shard, a URL
+            ("member", pa.string()),  # a tar member's name
+            ("offset", pa.int64()),  # its data's offset in the shard
+            ("size", pa.int64()),  # bytes read (a clip's frames together); null at a URL
+            ("mtime_ns", pa.int64()),  # the file's (a member: its shard's; frames: the latest); null at a URL
+            ("stamp", pa.string()),  # "size:mtime_ns:ctime_ns:inode" of each local file read, ";"-joined
+            ("xxh3", pa.string()),  # xxh3-64 of the bytes read (16 hex digits); null if not hashed
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------------------ the inputs
+
+
+def file_stamp(path: str) -> tuple[str, int, int]:
+    """(stamp, size, mtime_ns) of a local file: the stamp is "size:mtime_ns:ctime_ns:inode", which any write
+    through the filesystem moves (the ctime: no user call sets it back), a copy or a rename over it too (the
+    inode). Raises OSError."""
+    st = os.stat(path)
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}", st.st_size, st.st_mtime_ns
+
+
+def hash_files(paths: Sequence[str]) -> str:
+    """xxh3-64 of the files' bytes one after another (16 hex digits); raises OSError."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(_BLOCK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_range(path: str, offset: int, size: int) -> str:
+    """xxh3-64 of ``size`` bytes of a local file from ``offset`` (a tar member's data); EOFError if the file
+    ends before them (a member cut off is not the member recorded), OSError if it cannot be read."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = size
+        while left > 0:
+            chunk = f.read(min(_BLOCK, left))
+            if not chunk:
+                raise EOFError(f"{path} ends inside the {size} bytes at offset {offset}")
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def _name(rank: int, first: int, last: int) -> str:
+    return f"inputs-r{rank:05d}-{first:06d}-{last:06d}.parquet"
+
+
+def _table_bytes(table: Any) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, write_page_checksum=True)
+    return sink.getvalue().to_pybytes()
+
+
+def write_inputs(
+    out: Any,
+    backend: Any,
+    rank: int,
+    seq: int,
+    ids: Sequence[str],
+    shard: str,
+    header: str,
+    records: Sequence[Mapping[str, Any] | None],
+    tag: str,
+) -> None:
+    """The inputs file of one commit (rows of ``ids``, in shard ``shard`` whose header xxh3 is ``header``),
+    written whole before the commit's index part; nothing when no sample has a record."""
+    import pyarrow as pa
+
+    if not any(r is not None for r in records):
+        return
+    rows = {"id": list(ids), "shard": [shard] * len(ids), "header": [header] * len(ids)}
+    for name in _RECORD:
+        rows[name] = [None if r is None else r.get(name) for r in records]
+    folder = out / INPUTS_DIR
+    if is_local(out):
+        folder.mkdir(exist_ok=True)
+    backend.write(folder / _name(rank, seq, seq), _table_bytes(pa.table(rows, schema=inputs_schema())), tag)
+
+
+def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = MERGE_MIN_FILES) -> int:
+    """Merge rank ``rank``'s inputs files into one once there are ``min_files``, keeping the rows of live
+    shards only, a row group at a time into a staged file (under the rank's lock: its own files; the merged
+    file first, then the deletions, so a kill between leaves rows twice, which readers take as one).
+    Returns how many files it merged."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlfast.extraction.store.format import committed_parts
+
+    files = [n for n in _files(out) if int(INPUTS_RE.match(n).group(1)) == rank]
+    if len(files) < min_files:
+        return 0
+    live = live_shards(committed_parts(out))
+    seqs = [int(INPUTS_RE.match(n).group(k)) for n in files for k in (2, 3)]
+    merged = _name(rank, min(seqs), max(seqs))
+    staged = backend.stage(out / INPUTS_DIR / merged, tag)
+    try:
+        with pq.ParquetWriter(staged, inputs_schema(), write_page_checksum=True) as writer:
+            for name in files:
+                for table in _groups(out / INPUTS_DIR / name, None):
+                    keep = _live_rows(table, live)
+                    if keep.any():
+                        writer.write_table(_conform(table.filter(pa.array(keep))))
+        if (
+            merged in files
+        ):  # a merge of the same span cut short before: replaced (object storage: deleted first)
+            backend.remove([out / INPUTS_DIR / merged])
+        backend.commit_file(staged, out / INPUTS_DIR / merged)
+    finally:
+        backend.unstage(staged)
+    backend.remove([out / INPUTS_DIR / name for name in files if name != merged])
+    return len(files)
+
+
+def _conform(table: Any) -> Any:
+    """``table`` with the inputs schema's types (its shard and header columns were read as dictionaries)."""
+    return table.cast(inputs_schema())
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def _files(out: Any) -> list[str]:
+    return sorted(n for n in list_names(out / INPUTS_DIR) if INPUTS_RE.match(n))
+
+
+def live_shards(parts: Sequence[Path]) -> dict[str, str | None]:
+    """Shard (relative to OUT) -> its header xxh3, for every shard ``parts`` point at (from their footers)."""
+    live: dict[str, str | None] = {}
+    for part in parts:
+        raw = read_part_footer(part)
+        meta = part_meta(_Schema(raw)) if raw is not None else None
+        if meta is None:
+            continue
+        for shard, (_, header) in part_shards(part, meta).items():
+            live[shard] = header
+    return live
+
+
+class _Schema:
+    """What ``part_meta`` reads: an object with a ``schema.metadata``."""
+
+    def __init__(self, metadata: dict[bytes, bytes]):
+        self.schema = self
+        self.metadata = metadata
+
+
+def _groups(path: Any, columns: Sequence[str] | None) -> Iterator[Any]:
+    """An inputs file's row groups (``columns`` of them, with shard and header; all when None); none if it
+    cannot be read (a damaged record is no record: its samples are unknown, never changed)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    wanted = None if columns is None else ["shard", "header", *columns]
+    try:
+        file = pq.ParquetFile(
+            str(path) if is_local(path) else pa.BufferReader(read_whole(path)),
+            page_checksum_verification=True,
+            read_dictionary=["shard", "header"],
+        )
+        for g in range(file.num_row_groups):
+            yield file.read_row_group(g, columns=wanted, use_threads=False)
+    except (OSError, pa.ArrowException, KeyError):
+        return
+
+
+def _live_rows(table: Any, live: Mapping[str, str | None]) -> np.ndarray:
+    """Which rows name a shard a live part points at, with the header checksum that part records."""
+    shard, header = table.column("shard").combine_chunks(), table.column("header").combine_chunks()
+    names = shard.dictionary.to_pylist()
+    headers = header.dictionary.to_pylist()
+    ok_shard = np.array([n in live for n in names] + [False], bool)
+    want = [live.get(n) for n in names]
+    at_shard = np.asarray(shard.indices.fill_null(len(names)))
+    at_header = np.asarray(header.indices.fill_null(len(headers)))
+    # The header a row names, compared with the one its shard's part records (None: format 1, not checked)
+    pair_ok = {(i, j) for i, n in enumerate(names) for j, h in enumerate(headers) if want[i] in (None, h)}
+    if len(pair_ok) == len(names) * len(headers):
+        return ok_shard[at_shard]
+    ok = np.array([(i, j) in pair_ok for i, j in zip(at_shard.tolist(), at_header.tolist())], bool)
+    return ok & ok_shard[at_shard]
+
+
+class Recorded:
+    """What the inputs files record for the live shards, sorted: ``values`` (entry keys or content keys) and
+    ``unknown`` (id hashes of the rows of live shards without a record of this scheme: written before it
+    existed, never called changed)."""
+
+    def __init__(self, values: np.ndarray, unknown: np.ndarray):
+        self.values, self.unknown = values, unknown
+
+    @staticmethod
+    def has(sorted_values: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Whether each of ``values`` is in ``sorted_values`` (bool array)."""
+        if not len(sorted_values):
+            return np.zeros(len(values), bool)
+        at = np.searchsorted(sorted_values, values).clip(max=len(sorted_values) - 1)
+        return sorted_values[at] == values
+
+
+def _sorted(arrays: list[np.ndarray]) -> np.ndarray:
+    out = np.concatenate(arrays) if arrays else np.empty(0, np.uint64)
+    out.sort()
+    return out
+
+
+def recorded_keys(out: Any, parts: Sequence[Path], field: str = "key") -> Recorded:
+    """The ``field`` ("key": entry keys, "content": content keys) recorded for the shards ``parts`` point at,
+    and the id hashes of those shards' samples that have no record. Empty when ``out`` records nothing (an
+    OUT of an older vlfast): its ids are not read for nothing."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    files = _files(out)
+    if not files or not parts:
+        return Recorded(np.empty(0, np.uint64), np.empty(0, np.uint64))
+    live = live_shards(parts)
+    found: list[np.ndarray] = []
+    covered: set[str] = set()
+    for name in files:
+        for table in _groups(out / INPUTS_DIR / name, ("scheme", field)):
+            keep = _live_rows(table, live)
+            keep &= pc.fill_null(table.column("scheme"), 0).to_numpy(zero_copy_only=False) == INPUT_SCHEME
+            if not keep.any():
+                continue
+            rows = table.filter(pa.array(keep))
+            covered.update(rows.column("shard").combine_chunks().dictionary.to_pylist())
+            values = rows.column(field).combine_chunks().drop_null()
+            found.append(values.to_numpy(zero_copy_only=False).astype(np.uint64))
+    if not found:
+        return Recorded(np.empty(0, np.uint64), np.empty(0, np.uint64))
+    return Recorded(_sorted(found), _sorted(_unrecorded(parts, set(live) - covered)))
+
+
+def _unrecorded(parts: Sequence[Path], shards: set[str]) -> list[np.ndarray]:
+    """The id hashes of the rows of ``parts`` in ``shards`` (shards without a record)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    hashes: list[np.ndarray] = []
+    if not shards:
+        return hashes
+    for part in parts:
+        if not is_consolidated(part):
+            if f"{SHARD_DIR}/{shard_of_part(part).name}" in shards:
+                hashes.append(hash_ids(read_index_part(part, ["id"]).column("id")))
+            continue
+        table = read_index_part(part, ["id", "shard"])
+        mask = pc.is_in(table.column("shard").cast(pa.string()), value_set=pa.array(sorted(shards)))
+        if pc.any(mask).as_py():
+            hashes.append(hash_ids(table.column("id").filter(mask)))
+    return hashes
+
+
+def changed_on_disk(out: Any, parts: Sequence[Path], keys_now: np.ndarray) -> tuple[list[str], int, int]:
+    """The full check of recorded local inputs: (ids whose bytes differ from those recorded, inputs stat'ed,
+    inputs hashed). Only rows of live shards whose entry key is in ``keys_now`` (sorted: this rank's
+    entries, which name the same place as when they were read) are looked at. A stamp unchanged since the
+    record vouches for the bytes; one that moved has them hashed again. An input that cannot be read now
+    (missing, a storage outage) is not called changed: only bytes seen to differ are."""
+    import pyarrow as pa
+
+    changed: list[str] = []
+    stated = hashed = 0
+    live = live_shards(parts) if parts else {}
+    fields = ("id", "path", "member", "offset", "size", "stamp", "xxh3")
+    for name in _files(out) if live else []:
+        for table in _groups(out / INPUTS_DIR / name, ("scheme", "key", *fields)):
+            scheme = table.column("scheme").combine_chunks().fill_null(0).to_numpy(zero_copy_only=False)
+            keys = table.column("key").combine_chunks().fill_null(0).to_numpy(zero_copy_only=False)
+            keep = _live_rows(table, live) & (scheme == INPUT_SCHEME) & Recorded.has(keys_now, keys)
+            if not keep.any():
+                continue
+            rows = table.filter(pa.array(keep))
+            for sid, path, member, offset, size, stamp, digest in zip(
+                *(rows.column(f).to_pylist() for f in fields)
+            ):
+                if path is None or digest is None:  # at a URL, or not read: nothing to compare
+                    continue
+                if member is None and "\x00" not in path:  # one local file: the common case, kept quick
+                    try:
+                        st = os.stat(path)
+                    except OSError:
+                        continue
+                    stated += 1
+                    if f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}" == stamp:
+                        continue
+                verdict = _differs(path, member, offset, size, stamp, digest)
+                if verdict is None:
+                    continue
+                stated += member is not None or "\x00" in path
+                hashed += verdict[1]
+                if verdict[0]:
+                    changed.append(sid)
+    return changed, stated, hashed
+
+
+def _differs(
+    path: str, member: str | None, offset: int | None, size: int | None, stamp: str | None, digest: str
+) -> tuple[bool, bool] | None:
+    """(whether a recorded local input's bytes differ now, whether they were hashed to tell); None when
+    nothing can be said (the input cannot be read now)."""
+    if is_url(path):
+        return None
+    paths = [path] if member is not None else path.split("\x00")
+    try:
+        stamps = [file_stamp(p) for p in paths]
+    except OSError:
+        return None
+    if ";".join(s[0] for s in stamps) == stamp:
+        return False, False
+    if member is None and sum(s[1] for s in stamps) != size:
+        return True, False
+    try:
+        now = hash_range(path, offset, size) if member is not None else hash_files(paths)
+    except EOFError:
+        return True, True  # the shard now ends inside the member: not the member read
+    except OSError:
+        return None
+    return now != digest, True
+
+
+# ------------------------------------------------------------------------------------------ the writer's move
+
+
+def mark_stale(check: Any, stale: Any) -> int:
+    """Make a sound part's ``check`` (integrity.PartCheck) fail for what holds ids of ``stale`` (an Arrow
+    array of ids whose inputs changed since they were extracted): its shard, or in a consolidated part the
+    shards holding them, which the writer then moves aside as it moves damage aside, so that every sample
+    in them is extracted again. Returns how many of its ids are stale (0: the check is left as it was)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from vlfast.extraction.ids import ArrowStrings
+
+    ids = check.ids.array if isinstance(check.ids, ArrowStrings) else pa.array(list(check.ids), pa.string())
+    hit = np.asarray(pc.is_in(ids, value_set=stale).to_numpy(zero_copy_only=False), bool)
+    n = int(hit.sum())
+    if not n:
+        return 0
+    first = ids.filter(pa.array(hit)).slice(0, 3).to_pylist()
+    reason = (
+        f"the input of {n} of its samples changed since they were extracted (e.g. {json.dumps(first)}): "
+        "moved aside so that they are extracted again"
+    )
+    if is_consolidated(check.part):  # only the shards holding them
+        check.bad_shards = {check.row_shards[k]: reason for k in np.flatnonzero(hit).tolist()}
+    else:
+        check.problem = reason
+    return n
