@@ -218,6 +218,38 @@ def _embedding_recipe(values: dict[str, Any], source: str) -> tuple[str, dict[st
     return source, {k: RECIPE_PIXELS[k] for k in ("fps", "min_frames", "max_frames", "max_video_tokens")}
 
 
+def _checkpoint_values(model: Path, family: str, values: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Read a checkpoint's processor files into ``values`` (over the family's defaults); returns the source
+    named and the video processor's own settings."""
+    image_cfg, image_from, video_cfg, video_from = _processor_dicts(model)
+    if video_from is None:
+        source = f"{image_from} (video: {family} defaults)"
+    elif image_from.endswith(" (image_processor)") and video_from.endswith(" (video_processor)"):
+        source = f"{image_from.removesuffix(' (image_processor)')} (image_processor and video_processor)"
+    else:
+        source = f"{image_from} and {video_from}"
+    lo, hi = _size_pixels(image_cfg, values["image_min_pixels"], values["image_max_pixels"])
+    values.update(
+        image_min_pixels=lo,
+        image_max_pixels=hi,
+        image_mean=tuple(image_cfg.get("image_mean", values["image_mean"])),
+        image_std=tuple(image_cfg.get("image_std", values["image_std"])),
+        patch_size=int(image_cfg.get("patch_size", values["patch_size"])),
+    )
+    if video_cfg:
+        lo, hi = _size_pixels(video_cfg, values["video_min_pixels"], values["video_max_pixels"])
+        values.update(
+            video_min_pixels=lo,
+            video_max_pixels=hi,
+            video_mean=tuple(video_cfg.get("image_mean", values["video_mean"])),
+            video_std=tuple(video_cfg.get("image_std", values["video_std"])),
+        )
+    values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
+    values["merge_size"] = int(image_cfg.get("merge_size", 2))
+    values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
+    return source, video_cfg
+
+
 def build_processor_config(
     model: str,
     *,
@@ -252,32 +284,7 @@ def build_processor_config(
     if model.startswith("ref:"):
         source = f"published {family} defaults (vlfast.extraction.decode.preprocess._FAMILY_DEFAULTS)"
     else:
-        image_cfg, image_from, video_cfg, video_from = _processor_dicts(Path(model))
-        if video_from is None:
-            source = f"{image_from} (video: {family} defaults)"
-        elif image_from.endswith(" (image_processor)") and video_from.endswith(" (video_processor)"):
-            source = f"{image_from.removesuffix(' (image_processor)')} (image_processor and video_processor)"
-        else:
-            source = f"{image_from} and {video_from}"
-        lo, hi = _size_pixels(image_cfg, values["image_min_pixels"], values["image_max_pixels"])
-        values.update(
-            image_min_pixels=lo,
-            image_max_pixels=hi,
-            image_mean=tuple(image_cfg.get("image_mean", values["image_mean"])),
-            image_std=tuple(image_cfg.get("image_std", values["image_std"])),
-            patch_size=int(image_cfg.get("patch_size", values["patch_size"])),
-        )
-        if video_cfg:
-            lo, hi = _size_pixels(video_cfg, values["video_min_pixels"], values["video_max_pixels"])
-            values.update(
-                video_min_pixels=lo,
-                video_max_pixels=hi,
-                video_mean=tuple(video_cfg.get("image_mean", values["video_mean"])),
-                video_std=tuple(video_cfg.get("image_std", values["video_std"])),
-            )
-        values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
-        values["merge_size"] = int(image_cfg.get("merge_size", 2))
-        values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
+        source, video_cfg = _checkpoint_values(Path(model), family, values)
     recipe = is_embedding_checkpoint(model)
     if recipe:
         source, video_cfg = _embedding_recipe(values, source)
