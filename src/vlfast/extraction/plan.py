@@ -116,6 +116,7 @@ class RunPlan:
     _column: Any = field(init=False, repr=False, default=None)  # the ids as Arrow, once work() needs them
     _hashes: Any = field(init=False, repr=False, default=None)  # and their hashes
     _unique: Any = field(init=False, repr=False, default=None)  # first copies and repeats: done-independent
+    _todo: Any = field(init=False, repr=False, default=None)  # positions left, while the preflight needs them
 
     def __post_init__(self) -> None:
         from vlfast.extraction.store.resume import owned
@@ -138,9 +139,13 @@ class RunPlan:
 
         return ArrowStrings(self.samples.ids)
 
-    def work(self, done: Collection[str]) -> tuple[SampleTable, list[tuple[str, str, str, str]]]:
+    def work(
+        self, done: Collection[str], *, keep_positions: bool = False
+    ) -> tuple[SampleTable, list[tuple[str, str, str, str]]]:
         """This rank's samples still to extract, and the error records its entries call for (a repeated
-        id, a bad input row): (id, source, reason, kind) each, recorded once (a resumed run writes none)."""
+        id, a bad input row): (id, source, reason, kind) each, recorded once (a resumed run writes none).
+        ``keep_positions``: keep the positions of what is left too (the preflight's check of the inputs
+        of what is done, made once the ids are dropped)."""
         from vlfast.extraction.ids import hash_ids
         from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND
         from vlfast.extraction.store.resume import duplicate_reason, plan_positions, unique_positions
@@ -153,6 +158,7 @@ class RunPlan:
         todo, repeats = plan_positions(
             self._column, self.rank, self.world_size, done, hashes=self._hashes, unique=self._unique
         )
+        self._todo = todo if keep_positions else None
         entry = self.samples.entry
         records = []
         for k, first in repeats:
@@ -208,14 +214,18 @@ class RunPlan:
         )
         if config.retry:
             check_retry_kinds(config.retry, state.error_keys)
-        pending = self.pending(state.done, state.error_keys.__contains__)
-        changed = self.inputs_renamed(state, config)
-        # The ids are not needed past here: the full checks hold a part's rows instead (at ten million
-        # samples, 1.38 GiB above the input at its peak with both; 1.04 GiB without the ids).
+        work = self.work(state.done, keep_positions=True)
+        pending = self.pending(state.done, state.error_keys.__contains__, work)
+        del work
+        # The ids are not needed past here: the checks hold what they read instead (at ten million samples,
+        # the full check of OUT peaked at 1.38 GiB above the input with both; 1.04 GiB without the ids).
         state.done = IdSet()
         release_arrow_memory()
+        changed = self.inputs_renamed(state, config)
+        self._todo = None
         if config.resume_check == "full":
             changed += self.inputs_rewritten(state, config)
+            release_arrow_memory()  # the inputs files' row groups, read one at a time
         self.changed = sorted(set(changed))
         if not pending and not state.damaged and not self.changed and config.resume_check == "full":
             state.damaged = confirm_hashed(self.out, state, f"r{self.rank:05d}")
@@ -239,7 +249,7 @@ class RunPlan:
         """This rank's committed ids whose entry names another place or text than its record (docs/extract.md,
         "Inputs that change"), unless the bytes it names now are the recorded ones (hashed to tell), from
         ``read_state``'s sound parts; reads no input otherwise. A row without a record (an older vlfast's)
-        is unknown, never changed."""
+        is unknown, never changed. What is done is what ``work(..., keep_positions=True)`` did not leave."""
         from vlfast.extraction.decode.inputs import input_digest
         from vlfast.extraction.sources.identity import content_key, entry_keys
         from vlfast.extraction.store.inputs import Recorded, recorded_keys
@@ -258,8 +268,9 @@ class RunPlan:
             )
         del recorded
         odd = np.concatenate(suspects) if suspects else np.empty(0, np.int64)
-        if len(odd):  # only what is committed: an entry not done yet is extracted anyway
-            odd = odd[state.done.isin(self._column.array.take(odd), self._hashes[odd])]
+        if len(odd) and self._todo is not None and len(self._todo):  # what is not done is extracted anyway
+            at = np.searchsorted(self._todo, odd).clip(max=len(self._todo) - 1)
+            odd = odd[self._todo[at] != odd]
         contents = recorded_keys(self.out, state.sound, "content").values if len(odd) else None
         changed = []
         for k in odd.tolist():
