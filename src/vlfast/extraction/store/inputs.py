@@ -67,6 +67,7 @@ INPUT_SCHEME = (
     1  # how ``key`` and ``content`` are made (sources/identity.py); rows of another are not compared
 )
 MERGE_MIN_FILES = 8  # a store's close merges its rank's inputs files once there are this many
+MERGED_ROWS = 1 << 14  # rows per row group of a merged inputs file (a group read: a few MB)
 _BLOCK = 1 << 23  # bytes read at a time while hashing
 _RECORD = ("scheme", "key", "content", "path", "member", "offset", "size", "mtime_ns", "stamp", "xxh3")
 
@@ -196,11 +197,17 @@ def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = M
     staged = backend.stage(out / INPUTS_DIR / merged, tag)
     try:
         with pq.ParquetWriter(staged, inputs_schema(), write_page_checksum=True) as writer:
-            for name in files:
+            pending: list[Any] = []  # rows gathered into row groups of MERGED_ROWS: a read of the merged
+            for name in files:  # file then costs a few row groups, not one per commit
                 for table in _groups(out / INPUTS_DIR / name, None):
                     keep = _live_rows(table, live)
                     if keep.any():
-                        writer.write_table(_conform(table.filter(pa.array(keep))))
+                        pending.append(_conform(table.filter(pa.array(keep))))
+                    if sum(len(t) for t in pending) >= MERGED_ROWS:
+                        writer.write_table(pa.concat_tables(pending).combine_chunks())
+                        pending = []
+            if pending:
+                writer.write_table(pa.concat_tables(pending).combine_chunks())
         if (
             merged in files
         ):  # a merge of the same span cut short before: replaced (object storage: deleted first)

@@ -82,6 +82,7 @@ from vlfast.extraction.store.format import (
     read_index_part,
     read_run_file,
     referenced_shards,
+    release_arrow_memory,
     resolve_out,
     split_parts,
     stable_config,
@@ -778,6 +779,7 @@ class FeatureStore:
                 self._forget_committed()  # nothing more is added: compaction runs without the ids held
                 self._compact()
                 merge_inputs(self.out, self._backend, self.rank, f"{self._tag}-{os.getpid()}")
+                release_arrow_memory()
         finally:
             self._closed = True
             self._forget_committed()
