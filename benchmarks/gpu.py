@@ -161,7 +161,9 @@ STEPS: tuple[Step, ...] = (
             f"{{python}} {{bench}}/patch_embed.py --devices {{device}} --channels-last --dtypes {dt} "
             "--fallback-budget 30",
             # on CPU, fp32 alone checks the plumbing: a bf16 fallback there takes seconds per call
-            smoke="--refs qwen3-vl-4b --patches 32 --rounds 2 --fallback-rounds 1" if dt == "fp32" else None,
+            smoke="--refs qwen3-vl-4b --patches 32 --rounds 2 --fallback-rounds 1 --no-per-call"
+            if dt == "fp32"
+            else None,
             timeout_s=150,
             output="markdown",
             kind="patch_embed",
@@ -1028,7 +1030,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(collect_facts(), indent=2))
         return EXIT_OK
     if args.make_inputs:
-        print(json.dumps(make_inputs(args.make_inputs, args.images, args.videos), indent=2))
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)  # what libraries print on import (deepspeed logs to stdout) must not break the JSON
+        try:
+            made = make_inputs(args.make_inputs, args.images, args.videos)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        print(json.dumps(made, indent=2))
         return EXIT_OK
     if args.budget < MIN_STEP_S + RESERVE_S:
         ap.error(f"--budget must be at least {MIN_STEP_S + RESERVE_S:.0f} s")

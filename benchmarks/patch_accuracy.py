@@ -30,6 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import vlfast  # noqa: E402
+from vlfast.diagnosis.probe import selected_backend  # noqa: E402
 from vlfast.models import build_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,12 +58,19 @@ def run(model: str, device: str, dtypes: list[str], windows: int, tiny: bool = F
     a, b = accuracy_rows(usual), accuracy_rows(slow)
     rows = []
     for dtype in a:
+        # ATen's conv backend for each conv path (a CPU without native fp16 runs Slow3d with oneDNN on too)
+        x = torch.zeros(1, conv.in_channels, *conv.kernel_size, device=dev, dtype=getattr(torch, dtype))
+        w = conv.weight.detach().to(x.dtype)
+        backend = {"stock": selected_backend(x, w, None, tuple(conv.kernel_size)), "patched": "GEMM"}
+        with off(enabled=False):
+            backend["slow path"] = selected_backend(x, w, None, tuple(conv.kernel_size))
         for path, src, key in (("stock", a, "stock"), ("slow path", b, "stock"), ("patched", a, "patched")):
             m = src.get(dtype, {})
             rows.append(
                 {
                     "dtype": dtype,
                     "path": path,
+                    "backend": backend[path],
                     "forward_rel": m.get(f"{key}_fwd_rel"),
                     "weight_grad_rel": m.get(f"{key}_wgrad_rel"),
                 }
@@ -98,13 +106,13 @@ def render(r: dict) -> str:
         f"{where}CPU: {m['cpu']}, {m['cores']} cores; torch {m['torch']}; Python {m['python']}; load average "
         f"{r['load_average_end']} at the end",
         "",
-        "| dtype | path | forward | weight gradient |",
-        "|---|---|---:|---:|",
+        "| dtype | path | backend | forward | weight gradient |",
+        "|---|---|---|---:|---:|",
     ]
     for row in r["rows"]:
         f = "-" if row["forward_rel"] is None else f"{row['forward_rel']:.3g}"
         g = "-" if row["weight_grad_rel"] is None else f"{row['weight_grad_rel']:.3g}"
-        lines.append(f"| {row['dtype']} | {row['path']} | {f} | {g} |")
+        lines.append(f"| {row['dtype']} | {row['path']} | {row.get('backend')} | {f} | {g} |")
     return "\n".join(lines)
 
 

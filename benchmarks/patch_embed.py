@@ -515,6 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--per-call-only", action="store_true", help="only the per-call table (about a minute)")
     ap.add_argument(
+        "--no-per-call",
+        action="store_true",
+        help="leave the per-call table out (two minutes on a 2-core CPU)",
+    )
+    ap.add_argument(
         "--call-dtype",
         choices=sorted(DTYPES),
         default="fp32",
@@ -526,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         help="also time conv and patched with module and input in channels_last_3d (conv CL, patched CL)",
     )
     args = ap.parse_args(argv)
+    if args.per_call_only and args.no_per_call:
+        ap.error("--per-call-only and --no-per-call leave nothing to time")
     # torch warns about oneDNN TF32 on Intel GPUs each time the mkldnn flags change: noise here.
     warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
     if args.patches < 1 or args.rounds < 1 or not 1 <= args.fallback_rounds <= args.rounds:
@@ -571,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         table = render(rows, hardware(dev), args.patches, args.rounds, args.fallback_rounds, command.strip())
         tables.append(((START, END), table))
-    for dev_name in devices:
+    for dev_name in [] if args.no_per_call else devices:
         calls = call_overhead_us(shapes[0], torch.device(dev_name), baseline, dtype=DTYPES[args.call_dtype])
         table = render_calls(
             calls, shapes[0], dev_name, hardware(dev), command.strip(), args.baseline, args.call_dtype
