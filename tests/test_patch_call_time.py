@@ -205,11 +205,19 @@ def _peft(tower, dora: bool):
     return peft.get_peft_model(tower, config)
 
 
-def _step(model, pixels, grid):
+def _step(model, pixels, grid, lr: float = 0.5):
+    """Output, gradients and trainable parameters after one SGD step (SGD: Adam would amplify round-off)."""
     model.zero_grad(set_to_none=True)
     out = tower_outputs(model(pixels, grid_thw=grid))["merged"]
-    out.square().mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    loss = out.square().mean()
+    loss.backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: p.grad.clone() for n, p in trainable.items()}
+    with torch.no_grad():
+        for p in trainable.values():
+            p -= lr * p.grad
+    after = {f"{n} after a step": p.detach().clone() for n, p in trainable.items()}
+    return torch.cat([out.detach().flatten(), loss.detach().view(1)]), grads | after
 
 
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
@@ -283,7 +291,8 @@ def test_gradient_checkpointing_recomputes_through_the_gemm(reentrant):
     assert_verbose_close(conv.weight.grad, expected[1], name="weight grad")
 
 
-def _graph_ops(model, *args, **kwargs) -> set[str]:
+def _compiled(model, pixels, grid) -> tuple[set[str], torch.Tensor, torch.Tensor]:
+    """The ops dynamo traced for ``model``, its merged output and the patch embed's weight gradient."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -291,21 +300,26 @@ def _graph_ops(model, *args, **kwargs) -> set[str]:
         return gm.forward
 
     torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
     try:
-        torch.compile(model, backend=backend)(*args, **kwargs)
+        out = tower_outputs(torch.compile(model, backend=backend)(pixels, grid_thw=grid))["merged"]
+        out.square().mean().backward()
     finally:
         torch._dynamo.reset()
-    return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    ops = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    return ops, out.detach(), model.patch_embed.proj.weight.grad.clone()
 
 
 def test_torch_compile_traces_the_gemm_not_the_conv():
     tower, pixels, grid = _tower()
-    stock_ops = _graph_ops(tower, pixels, grid_thw=grid)
+    stock_ops, stock_out, stock_grad = _compiled(tower, pixels, grid)
     assert any("conv3d" in op for op in stock_ops), "the control: the stock tower's graph holds the conv"
     patch(tower, strict=True)
-    ops = _graph_ops(tower, pixels, grid_thw=grid)
+    ops, out, grad = _compiled(tower, pixels, grid)
     assert not any("conv" in op for op in ops), sorted(op for op in ops if "conv" in op)
     assert any("linear" in op for op in ops)
+    assert_verbose_close(out, stock_out, name="compiled output")
+    assert_verbose_close(grad, stock_grad, name="compiled patch-embed weight gradient")
 
 
 # ------------------------------------------------------------------------------------------- pickle
