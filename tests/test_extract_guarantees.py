@@ -190,8 +190,9 @@ def test_store_dtype_and_reading_without_torch(few, tiny_qwen3_vl, tmp_path):
 
 
 def _doc_snippet() -> str:
-    """The 'read bfloat16 without torch' recipe, taken from docs/extract.md so the docs stay true."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "extract.md").read_text()
+    """The 'read bfloat16 without torch' recipe, taken from docs/format.md (the format reference, where the
+    guide's recipe lives since issue 39) so the docs stay true."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
     start = text.index("```python\n# read a bfloat16 feature without torch")
     return text[start + len("```python\n") : text.index("```", start + 10)]
 
