@@ -1,9 +1,13 @@
 """The README's and docs' examples run: a tagged example that breaks fails here.
 
 A fenced block is run when the line right before its opening fence is ``<!-- docs-test -->`` (invisible
-on GitHub). Shell blocks run under ``bash -eo pipefail``, Python blocks under this interpreter; one file's
-blocks run in order in one fresh folder, so a block may use what an earlier one wrote (the README's tour
-builds ``tiny-ckpt`` once). Every Python block, tagged or not, must at least compile.
+on GitHub). Each tagged block is a test of its own, ``README.md#3`` being the README's third tagged block,
+so one slow block cannot spend another's timeout. Shell blocks run under ``bash -eo pipefail``, Python
+blocks under this interpreter, each in one subprocess. One file's blocks run in order in one folder, in
+one pytest-xdist worker (an ``xdist_group`` per file), so a block may use what an earlier one wrote (the
+README's tour builds ``tiny-ckpt`` once); a block whose earlier block failed is skipped, and a block
+selected alone runs the earlier blocks of its file first, each once. Every Python block, tagged or not,
+must at least compile.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -22,7 +27,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = "<!-- docs-test -->"
 FENCE = re.compile(r"^```\s*([\w+-]*)")
 SHELL, PYTHON = ("bash", "sh", "shell", "console"), ("python", "py")
-BLOCK_TIMEOUT_S = 120  # one block; the README's whole tour takes ~40 s on the project's 2-core machine
+BLOCK_TIMEOUT_S = 120  # one block (a test of its own: pytest-timeout's 300 s is per block too)
 
 
 @dataclass
@@ -85,22 +90,78 @@ def test_python_blocks_compile():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", _tagged_files(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_tagged_blocks_run(path: Path, tmp_path: Path):
+def _tagged_blocks() -> list:
+    """One pytest param per tagged block: (file, its number among the file's tagged blocks, 1-based)."""
+    params = []
+    for path in _tagged_files():
+        name = str(path.relative_to(ROOT))
+        tagged = [b for b in blocks(path) if b.tagged]
+        for number in range(1, len(tagged) + 1):
+            with warnings.catch_warnings():  # xdist's mark is unknown under `-p no:xdist`, and unused there
+                warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+                marks = [pytest.mark.slow, pytest.mark.xdist_group(f"docs:{name}")]
+            params.append(pytest.param(path, number, id=f"{name}#{number}", marks=marks))
+    return params
+
+
+@dataclass
+class _FileRun:
+    """One file's tagged blocks as they run, in order, in one folder."""
+
+    folder: Path
+    results: dict[int, subprocess.CompletedProcess] = field(default_factory=dict)  # block number -> its run
+    failed: str | None = None  # the first block that failed
+
+
+def _run_block(b: Block, folder: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     # this checkout's vlfast, in the `vlfast` command too (its console script imports the package)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env.pop("VLFAST_PATCH", None)
-    for b in (b for b in blocks(path) if b.tagged):
-        cmd = ["bash", "-eo", "pipefail", "-c", b.code] if b.lang in SHELL else [sys.executable, "-c", b.code]
-        run = subprocess.run(
-            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+    cmd = ["bash", "-eo", "pipefail", "-c", b.code] if b.lang in SHELL else [sys.executable, "-c", b.code]
+    try:
+        return subprocess.run(
+            cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
         )
-        assert run.returncode == 0, (
-            f"{b} exited {run.returncode}\n--- block\n{b.code}--- stdout\n{run.stdout[-3000:]}"
-            f"--- stderr\n{run.stderr[-3000:]}"
+    except subprocess.TimeoutExpired as e:  # a failure like any other: the blocks after it are skipped
+        out, err = (
+            s.decode(errors="replace") if isinstance(s, bytes) else s or "" for s in (e.stdout, e.stderr)
         )
+        return subprocess.CompletedProcess(cmd, -9, out, err + f"\n(killed after {BLOCK_TIMEOUT_S} s)")
+
+
+def _report(b: Block, run: subprocess.CompletedProcess) -> str:
+    return (
+        f"{b} exited {run.returncode}\n--- block\n{b.code}--- stdout\n{run.stdout[-3000:]}"
+        f"--- stderr\n{run.stderr[-3000:]}"
+    )
+
+
+@pytest.fixture(scope="module")
+def docs_runs() -> dict[Path, _FileRun]:
+    """Each tagged file's folder and the runs of its blocks so far: one per file for the module."""
+    return {}
+
+
+@pytest.mark.parametrize(("path", "number"), _tagged_blocks())
+def test_tagged_block_runs(path: Path, number: int, docs_runs: dict[Path, _FileRun], tmp_path_factory):
+    name = str(path.relative_to(ROOT))
+    if path not in docs_runs:
+        docs_runs[path] = _FileRun(tmp_path_factory.mktemp(name.replace("/", "_")))
+    state = docs_runs[path]
+    tagged = [b for b in blocks(path) if b.tagged]
+    for k in range(1, number + 1):  # the earlier blocks first, where this process has not run them
+        if k in state.results:
+            continue
+        if state.failed is not None:
+            pytest.skip(f"{state.failed} failed; this block may need what that one makes")
+        state.results[k] = _run_block(tagged[k - 1], state.folder)
+        if state.results[k].returncode != 0:
+            state.failed = str(tagged[k - 1])
+            assert k == number, "an earlier block, run first, failed:\n" + _report(
+                tagged[k - 1], state.results[k]
+            )
+    assert state.results[number].returncode == 0, _report(tagged[number - 1], state.results[number])
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
