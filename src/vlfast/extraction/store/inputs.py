@@ -274,18 +274,17 @@ def _groups(path: Any, columns: Sequence[str] | None) -> Iterator[Any]:
 def _live_rows(table: Any, live: Mapping[str, str | None]) -> np.ndarray:
     """Which rows name a shard a live part points at, with the header checksum that part records."""
     shard, header = table.column("shard").combine_chunks(), table.column("header").combine_chunks()
-    names = shard.dictionary.to_pylist()
-    headers = header.dictionary.to_pylist()
+    names, headers = shard.dictionary.to_pylist(), header.dictionary.to_pylist()
+    at_header = {h: j for j, h in enumerate(headers)}
+    # Per shard of the dictionary: is it live, and which header it must have (-1: any, a part of format 1)
     ok_shard = np.array([n in live for n in names] + [False], bool)
-    want = [live.get(n) for n in names]
-    at_shard = np.asarray(shard.indices.fill_null(len(names)))
-    at_header = np.asarray(header.indices.fill_null(len(headers)))
-    # The header a row names, compared with the one its shard's part records (None: format 1, not checked)
-    pair_ok = {(i, j) for i, n in enumerate(names) for j, h in enumerate(headers) if want[i] in (None, h)}
-    if len(pair_ok) == len(names) * len(headers):
-        return ok_shard[at_shard]
-    ok = np.array([(i, j) in pair_ok for i, j in zip(at_shard.tolist(), at_header.tolist())], bool)
-    return ok & ok_shard[at_shard]
+    want = np.array(
+        [-1 if live.get(n) is None else at_header.get(live[n], -2) for n in names] + [-2], np.int64
+    )
+    rows_shard = np.asarray(shard.indices.fill_null(len(names)), np.int64)
+    rows_header = np.asarray(header.indices.fill_null(-3), np.int64)
+    wanted = want[rows_shard]
+    return ok_shard[rows_shard] & ((wanted == -1) | (wanted == rows_header))
 
 
 class Recorded:
@@ -298,11 +297,17 @@ class Recorded:
 
     @staticmethod
     def has(sorted_values: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """Whether each of ``values`` is in ``sorted_values`` (bool array)."""
-        if not len(sorted_values):
+        """Whether each of ``values`` is in ``sorted_values`` (bool array). The values are looked up in
+        their own sorted order: in ten million sorted keys (80 MB, past every cache) lookups in input order
+        miss the cache at each step (23 s for ten million here), in sorted order they walk it once."""
+        if not len(sorted_values) or not len(values):
             return np.zeros(len(values), bool)
-        at = np.searchsorted(sorted_values, values).clip(max=len(sorted_values) - 1)
-        return sorted_values[at] == values
+        order = np.argsort(values)
+        ordered = values[order]
+        at = np.searchsorted(sorted_values, ordered).clip(max=len(sorted_values) - 1)
+        out = np.empty(len(values), bool)
+        out[order] = sorted_values[at] == ordered
+        return out
 
 
 def _sorted(arrays: list[np.ndarray]) -> np.ndarray:
