@@ -245,6 +245,12 @@ def test_a_resumed_run_refuses_another_image_processor_backend(
 
     monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", classmethod(from_pretrained))
     monkeypatch.setattr(preprocess, "_IMAGE_PROCESSORS", {})
+    # What installing torchvision also changes: the key of the answers OUT/facts.json recorded (the class
+    # among them), so transformers is asked again rather than the record trusted (store/facts.py)
+    from vlfast.extraction.store import facts
+
+    installed = {**facts._installed(), "torchvision": "0.28.0", "torchvision found": True}
+    monkeypatch.setattr(facts, "_installed", lambda: installed)
     samples.append(Sample("tiny", "image", (str(media_dir / "good/tiny.png"),)))
     with pytest.raises(RunConfigMismatch) as e:
         extract(samples, out, model=str(saved_processor), num_workers=0, device="cpu")

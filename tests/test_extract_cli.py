@@ -83,17 +83,22 @@ def test_extract_lets_idle_openmp_threads_sleep_before_torch_loads():
     assert run("import torch\n" + code) == ["True", "None"]  # too late: not set, not pretended
 
 
-def test_api_warns_when_openmp_threads_spin(tiny_qwen3_vl, tmp_path, monkeypatch):
+def test_api_warns_when_openmp_threads_spin(monkeypatch):
+    """Said by the local engine when it has something to extract (``cpu_warnings``, before the model loads):
+    a finished OUT runs nothing, and is answered without torch."""
     import pytest
     import torch
 
-    from vlfast.extraction.api import extract
+    from vlfast.extraction.config import ExtractConfig
+    from vlfast.extraction.engines.base import Hooks
+    from vlfast.extraction.engines.local import LocalEngine
 
     if torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: nothing spins")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    config = ExtractConfig(model="ref:qwen3-vl-2b", device="cpu", num_workers=1)
     with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY=PASSIVE"):
-        extract([], tmp_path / "o", model=str(tiny_qwen3_vl), device="cpu", num_workers=1)
+        LocalEngine(Hooks(rows_probe=lambda: True)).cpu_warnings(config)
 
 
 def test_demo_help_says_it_takes_model():

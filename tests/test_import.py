@@ -52,8 +52,9 @@ def test_the_top_level_holds_the_capability_packages_and_little_else():
     # steps for the same bits every run (MKL's vector math set up on one thread, the row check) that both
     # extraction and verify take; references: the built-in references as plain data, which `vlfast models`
     # lists without importing torch; limits: the range of every numeric option, which the CLI and the library
-    # check alike (as dtypes for --dtype)
-    top = "__init__ _files _lazy demo dtypes errors limits models numerics references run"
+    # check alike (as dtypes for --dtype); checkpoints: a checkpoint folder's files (its weights, where the
+    # tower's tensors are) read without torch, so that a finished OUT's weights are hashed without importing it
+    top = "__init__ _files _lazy checkpoints demo dtypes errors limits models numerics references run"
     assert modules == set(top.split())
 
 
@@ -63,3 +64,19 @@ def test_the_autopatch_hook_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "TORCH False" in out.stdout, out.stdout
+
+
+def test_what_a_finished_out_needs_imports_no_torch_nor_transformers():
+    """`vlfast extract` answers a finished OUT without torch and transformers (issue 39): the command, the
+    configuration, the plan and the local engine's face load neither; they load with the model, when there
+    is work (tests/test_extract_facts.py runs the whole command)."""
+    code = (
+        "import sys\n"
+        "import vlfast.cli.main, vlfast.extraction.api, vlfast.extraction.plan, vlfast.extraction.engines.local\n"
+        "from vlfast.extraction.config import ExtractConfig\n"
+        "ExtractConfig(model='ref:qwen3-vl-2b', device='cpu', dtype='bf16', store_dtype='float16')\n"
+        "print('LOADED', [m for m in ('torch', 'transformers') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "LOADED []" in out.stdout, out.stdout

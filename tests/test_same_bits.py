@@ -102,7 +102,8 @@ def test_ray_workers_get_what_every_command_sets_for_itself():
 
 def test_an_api_caller_without_it_is_told(monkeypatch):
     """``vlfast.extract`` from a user's own Python on CPU: without MKL_CBWR the local engine says what may
-    differ and how to set it (before anything runs); with it, or on a torch without MKL, it says nothing."""
+    differ and how to set it (once it has work, before the model loads: ``cpu_warnings``); with it, or on a
+    torch without MKL, it says nothing."""
     import warnings
 
     import torch
@@ -117,15 +118,15 @@ def test_an_api_caller_without_it_is_told(monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(torch.backends.mkl, "is_available", lambda: True)
         with pytest.warns(RuntimeWarning, match="MKL_CBWR=AUTO,STRICT set before torch is imported"):
-            LocalEngine(keeps).configure(config)
+            LocalEngine(keeps).cpu_warnings(config)
         mp.setattr(torch.backends.mkl, "is_available", lambda: False)  # e.g. an aarch64 build
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            LocalEngine(keeps).configure(config)
+            LocalEngine(keeps).cpu_warnings(config)
     monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        LocalEngine(Hooks(rows_probe=lambda: True)).configure(config)  # this test is about MKL_CBWR alone
+        LocalEngine(Hooks(rows_probe=lambda: True)).cpu_warnings(config)  # this test is about MKL_CBWR alone
 
 
 # ------------------------------------------------------------------ MKL's vector math, set up on one thread
@@ -226,15 +227,15 @@ def test_a_cpu_whose_rows_change_with_the_batch_is_reported(monkeypatch):
     config = ExtractConfig(model="ref:qwen3-vl-2b", device="cpu", num_workers=0)
     monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
     with pytest.warns(RuntimeWarning, match="other bits when other rows share the product.*not AMD's"):
-        LocalEngine(Hooks(rows_probe=lambda: False)).configure(config)
+        LocalEngine(Hooks(rows_probe=lambda: False)).cpu_warnings(config)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        LocalEngine(Hooks(rows_probe=lambda: True)).configure(config)
+        LocalEngine(Hooks(rows_probe=lambda: True)).cpu_warnings(config)
     if _strict_mode_holds_here():  # the real probe, on this suite's CPU (the test above)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            LocalEngine().configure(config)
+            LocalEngine().cpu_warnings(config)
     else:  # an AMD CPU: the real probe says so
         with pytest.warns(RuntimeWarning, match="other bits when other rows share the product"):
-            LocalEngine().configure(config)
+            LocalEngine().cpu_warnings(config)
     # A Ray model actor measures its own CPU and the driver says so: tests/test_extract_ray.py

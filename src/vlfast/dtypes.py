@@ -8,6 +8,7 @@ float16, bfloat16 or float32 only).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from vlfast.errors import InputRefused
@@ -33,10 +34,10 @@ ALIASES = {
 
 def dtype_name(dtype: str | torch.dtype) -> str:
     """Canonical name of a dtype given as ``torch.bfloat16``, ``"bf16"``, ``"bfloat16"``, ...; anything but
-    float32, bfloat16 and float16 is refused (exit 2) with the spellings accepted."""
-    import torch
-
-    if isinstance(dtype, torch.dtype):
+    float32, bfloat16 and float16 is refused (exit 2) with the spellings accepted. Imports no torch: a
+    torch.dtype exists only once torch is imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     elif isinstance(dtype, str):
         name = dtype.lower().removeprefix("torch.")

@@ -12,11 +12,8 @@ conv whose ``forward`` takes ``grid_thw``.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
-import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlfast.checkpoints import (  # noqa: F401 - re-exported: they were defined here
+    TINY_CHECKPOINT,
+    checkpoint_dir,
+    missing_model_hint,
+    safetensors_files,
+    tensor_locations,
+)
 from vlfast.errors import InputRefused
 from vlfast.patching.gemm import eligibility
 from vlfast.references import (  # noqa: F401 - re-exported: vlfast.models.REFERENCES and the rest stay
@@ -50,6 +54,7 @@ __all__ = [
     "tower_outputs",
     "tower_spec",
     "tower_tensor_locations",
+    "tower_tensor_names",
 ]
 
 
@@ -106,7 +111,7 @@ def vision_config_of(spec: str | Path) -> Any:
     """The vision config ``spec``'s tower is built from (a reference's, or the checkpoint's), building nothing."""
     if str(spec).startswith(REF_PREFIX):
         return reference_config(str(spec))
-    path = _checkpoint_dir(spec)
+    path = checkpoint_dir(spec)
     vision_config = getattr(load_config(path), "vision_config", None)
     if vision_config is None:
         raise InputRefused(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
@@ -231,61 +236,14 @@ def tower_outputs(out: Any) -> dict[str, Any]:
     }
 
 
-# ------------------------------------------------------------------------------------------- hints
-# vlfast never downloads: --model is a local folder or a built-in ref:NAME. The two values a newcomer types
-# first are a Hub id (Qwen/Qwen3-VL-4B-Instruct) and a reference without its prefix (qwen3-vl-4b); each gets
-# the command that fixes it instead of "not found".
-
-# owner/name as the Hugging Face Hub spells repositories; a relative path with one slash looks the same,
-# so this is only used once the path is known not to exist.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-TINY_CHECKPOINT = "`vlfast demo-checkpoint DIR` writes a tiny offline one (random weights) to try commands on"
-
-
-def missing_model_hint(spec: str, *, references: bool = True) -> str:
-    """The sentence to add when ``spec`` is not an existing folder.
-
-    ``references``: whether the command accepts ``ref:NAME`` (the tokens commands need a language model's
-    weights, which the references do not have)."""
-    key = spec.removeprefix(REF_PREFIX).lower()
-    # A Hub id, unless its "owner" is a folder here: then it is more likely a mistyped local path.
-    if _HUB_ID.fullmatch(spec) and not spec.startswith(".") and not Path(spec).parent.is_dir():
-        local = "./" + spec.rsplit("/", 1)[1]
-        return (
-            f"vlfast reads local folders and downloads nothing; download it first with "
-            f"`hf download {spec} --local-dir {local}`, then pass --model {local}"
-        )
-    if not references:
-        return f"pass a local checkpoint folder with a language model; {TINY_CHECKPOINT}"
-    if key in REFERENCES:
-        return f"did you mean the built-in reference --model {REF_PREFIX}{key} (random weights)?"
-    close = difflib.get_close_matches(key, list(REFERENCES), n=1, cutoff=0.75)
-    if close:
-        return f"did you mean --model {REF_PREFIX}{close[0]}? (`vlfast models` lists the references)"
-    return "pass a local checkpoint folder, or ref:NAME for a built-in reference (`vlfast models` lists them)"
-
-
 # ------------------------------------------------------------------------------------------- loading
-
-
-def _checkpoint_dir(spec: str | Path) -> Path:
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {str(spec)!r} is neither an existing checkpoint directory nor a reference name: "
-            + missing_model_hint(str(spec))
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: pass a transformers checkpoint directory")
-    return path
 
 
 def load_config(spec: str | Path) -> Any:
     import transformers
     from transformers import AutoConfig
 
-    path = _checkpoint_dir(spec)
+    path = checkpoint_dir(spec)
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     # an unknown model_type (ValueError), a config.json that is not JSON (OSError): the user's files
@@ -294,17 +252,6 @@ def load_config(spec: str | Path) -> Any:
             f"{path}/config.json cannot be read by transformers {transformers.__version__}: "
             f"{str(e).splitlines()[0]}"
         ) from None
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    return files
 
 
 def load_vision_tower(
@@ -322,7 +269,7 @@ def load_vision_tower(
     """
     if str(spec).startswith(REF_PREFIX):
         return build_reference(str(spec), tiny=tiny, device=device, dtype=dtype or torch.float32)
-    path = _checkpoint_dir(spec)
+    path = checkpoint_dir(spec)
     config = load_config(path)
     vision_config = getattr(config, "vision_config", None)
     if vision_config is None:
@@ -350,49 +297,23 @@ def load_vision_tower(
     return tower.to(device=device)
 
 
+def tower_tensor_names(spec: str | Path) -> list[str]:
+    """The names of the vision tower's tensors (its state_dict), from building it on the meta device (nothing
+    allocated, nothing read)."""
+    tower = _build_from_vision_config(vision_config_of(spec), device="meta", dtype=torch.float32)
+    return list(tower.state_dict())
+
+
 def tower_tensor_locations(
     spec: str | Path, names: Sequence[str] | None = None
 ) -> dict[str, tuple[Path, str]]:
     """Where each vision-tower tensor lives in a checkpoint: tower name -> (safetensors file, checkpoint key).
 
-    The tower's names come from building it on the meta device (nothing allocated) unless given. Its keys
-    are found by suffix under one prefix (``model.visual.``, ``visual.``, ...) fixed by the first name, so
-    only safetensors headers are read.
+    The tower's names come from building it on the meta device (:func:`tower_tensor_names`) unless given; then
+    :func:`vlfast.checkpoints.tensor_locations` reads only safetensors headers.
     """
-    from safetensors import safe_open
-
-    path = _checkpoint_dir(spec)
-    if names is None:
-        tower = _build_from_vision_config(vision_config_of(path), device="meta", dtype=torch.float32)
-        names = list(tower.state_dict())
-    wanted = set(names)
-    anchor = next(iter(names))  # e.g. "patch_embed.proj.weight"
-    found: dict[str, tuple[Path, str]] = {}
-    prefix: str | None = None
-    for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            keys = list(f.keys())
-        if prefix is None:
-            hits = [k for k in keys if k == anchor or k.endswith("." + anchor)]
-            if hits:
-                prefix = hits[0][: len(hits[0]) - len(anchor)]
-        if prefix is None:
-            continue
-        for k in keys:
-            if k.startswith(prefix) and k[len(prefix) :] in wanted:
-                found[k[len(prefix) :]] = (file, k)
-    missing = sorted(wanted - set(found))
-    if missing:
-        raise InputRefused(
-            f"{path}: vision tower weights missing from the checkpoint: {missing[:5]}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        )
-    return found
-
-
-def safetensors_files(spec: str | Path) -> list[Path]:
-    """The checkpoint's weight files (from its index when sharded)."""
-    return _safetensors_files(_checkpoint_dir(spec))
+    path = checkpoint_dir(spec)
+    return tensor_locations(path, tower_tensor_names(path) if names is None else names)
 
 
 def load_model(
@@ -407,7 +328,7 @@ def load_model(
     Qwen3-VL-Embedding's: a random head would be built, reported missing and, untied, take memory."""
     if str(spec).startswith(REF_PREFIX):
         return build_reference(str(spec), device=device, dtype=dtype or torch.float32)
-    path = _checkpoint_dir(spec)
+    path = checkpoint_dir(spec)
     import transformers
 
     config = load_config(path)

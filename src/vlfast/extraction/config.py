@@ -4,23 +4,30 @@ did (:class:`ExtractSummary`); the device and dtype policy of extraction.
 A wrong value is refused here (exit 2, naming the flag), before anything is read or written. Whether this
 machine can run the model on the device asked for is the engine's question (the local engine asks it, the
 Ray engine's model actors run elsewhere): :func:`device_problem`.
+
+Nothing here imports torch where the answer does not need it: the device and dtypes are resolved as names
+(``device_name``, ``dtype_name``, ``store_dtype_name``), so that a finished OUT is answered without torch
+(about 2 s of a 2-core CPU); ``torch_device``, ``torch_dtype`` and ``stored_as`` give the torch objects.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.model.batching import TokenBudget
-from vlfast.extraction.model.features import FeatureSpec
+from vlfast.extraction.model.spec import FeatureSpec
 from vlfast.extraction.store.format import (
     STORE_DTYPES,  # what the store writes (numpy reads all but bfloat16)
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = [
     "STORE_DTYPES",
@@ -29,6 +36,7 @@ __all__ = [
     "default_batch_tokens",
     "default_device",
     "default_num_workers",
+    "device_name",
     "device_problem",
     "resolve_device",
     "resolve_dtype",
@@ -41,8 +49,9 @@ class ExtractConfig:
     """Every option of ``extract`` but its inputs, OUT and engine, checked in ``__post_init__``.
 
     The fields are the keyword arguments of :func:`vlfast.extraction.extract` (same names, same defaults);
-    the resolved values the run uses (``spec``, ``torch_device``, ``torch_dtype``, ``stored_as``,
-    ``workers``, ``budget``, ``retry``) are derived from them. See ``extract`` for what each one does.
+    the resolved values the run uses (``spec``, ``device_name``, ``dtype_name``, ``store_dtype_name`` and
+    their torch objects ``torch_device``, ``torch_dtype``, ``stored_as``; ``workers``, ``budget``,
+    ``retry``) are derived from them. See ``extract`` for what each one does.
     """
 
     # What is computed: configuration (run.json; a resume with other values is refused).
@@ -84,11 +93,11 @@ class ExtractConfig:
     retry_errors: str | Sequence[str] | None = None
     max_errors: int | None = None
 
-    # Resolved from the fields above.
+    # Resolved from the fields above: names, made without torch where they can be (see the module's docstring).
     spec: FeatureSpec = field(init=False, repr=False, compare=False)
-    torch_device: torch.device = field(init=False, repr=False, compare=False)
-    torch_dtype: torch.dtype = field(init=False, repr=False, compare=False)
-    stored_as: torch.dtype | None = field(init=False, repr=False, compare=False)
+    device_name: str = field(init=False, repr=False, compare=False)  # as torch names it: "cpu", "cuda:1"
+    dtype_name: str = field(init=False, repr=False, compare=False)  # the compute dtype: "float32"
+    store_dtype_name: str | None = field(init=False, repr=False, compare=False)  # None: as computed
     workers: int = field(init=False, repr=False, compare=False)
     budget: TokenBudget = field(init=False, repr=False, compare=False)
     retry: frozenset[str] | None = field(init=False, repr=False, compare=False)
@@ -98,9 +107,9 @@ class ExtractConfig:
 
         resolved = dict(model=str(self.model), spec=_feature_spec(self))
         _check_numbers(self)
-        resolved["torch_device"] = dev = resolve_device(self.device)
-        resolved["torch_dtype"] = resolve_dtype(self.dtype, dev)
-        resolved["stored_as"] = resolve_store_dtype(self.store_dtype)
+        resolved["device_name"] = dev = device_name(self.device)
+        resolved["dtype_name"] = _dtype_name(self.dtype, dev)
+        resolved["store_dtype_name"] = _store_dtype_name(self.store_dtype)
         resolved["workers"] = default_num_workers(dev) if self.num_workers is None else int(self.num_workers)
         tokens = self.max_batch_tokens
         resolved["budget"] = TokenBudget(
@@ -110,6 +119,32 @@ class ExtractConfig:
         resolved["retry"] = parse_retry(self.retry_errors)
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def device_type(self) -> str:
+        """``torch_device.type``, without torch: "cpu", "cuda", "mps"."""
+        return _device_type(self.device_name)
+
+    @property
+    def torch_device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device_name)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def stored_as(self) -> torch.dtype | None:
+        """The dtype floating features are stored in, or None: as computed."""
+        if self.store_dtype_name is None:
+            return None
+        import torch
+
+        return getattr(torch, self.store_dtype_name)
 
 
 def _feature_spec(config: ExtractConfig) -> FeatureSpec:
@@ -168,7 +203,7 @@ _NUMBER_FLAGS = {
 
 
 def _check_numbers(config: ExtractConfig) -> None:
-    from vlfast.extraction.store.writer import RESUME_CHECKS
+    from vlfast.extraction.store.format import RESUME_CHECKS
     from vlfast.limits import check
 
     for keyword, flag in _NUMBER_FLAGS.items():
@@ -192,6 +227,11 @@ def _check_numbers(config: ExtractConfig) -> None:
 # ------------------------------------------------------------------------------- devices and dtypes
 
 
+def _device_type(device: Any) -> str:
+    """A device's type ("cuda" of "cuda:1" or of ``torch.device("cuda", 1)``), without torch."""
+    return str(device).split(":", 1)[0]
+
+
 def default_num_workers(device: torch.device | str = "cpu") -> int:
     """Decode/preprocess worker processes: one per core on CPU, all cores but one with an accelerator.
 
@@ -202,17 +242,19 @@ def default_num_workers(device: torch.device | str = "cpu") -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores <= 1:
         return 0
-    return min(8, cores if torch.device(device).type == "cpu" else cores - 1)
+    return min(8, cores if _device_type(device) == "cpu" else cores - 1)
 
 
 def default_batch_tokens(device: torch.device | str = "cpu") -> int:
     """Patches per forward: 32,768 on CUDA, where larger GEMMs fill the GPU; 4,096 elsewhere, where a
     1,200-patch image already fills the cores and bigger batches only hold more activations."""
-    return 32_768 if torch.device(device).type == "cuda" else 4_096
+    return 32_768 if _device_type(device) == "cuda" else 4_096
 
 
 def default_device() -> torch.device:
     """This rank's GPU (``LOCAL_RANK``, wrapping around the GPUs there are), else the CPU."""
+    import torch
+
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local % max(1, torch.cuda.device_count()))
@@ -223,6 +265,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device asked for (refused, naming --device, unless torch can parse it), else the default."""
     if device is None:
         return default_device()
+    import torch
+
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -231,41 +275,92 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         ) from None
 
 
-def device_problem(dev: torch.device) -> str | None:
-    """Why this process cannot run on ``dev``, or None if it can (torch's own availability checks)."""
-    if dev.type in ("cpu", "meta"):
+def device_name(device: str | torch.device | None) -> str:
+    """:func:`resolve_device`'s device as torch names it (``str(torch.device)``), importing torch only where
+    the answer needs it: not for "cpu", nor for the default where torch is not imported yet and was built for
+    neither CUDA nor ROCm (then ``torch.cuda.is_available()`` is False: it has no GPU code)."""
+    if device == "cpu" or (device is None and "torch" not in sys.modules and torch_gpu_build() is False):
+        return "cpu"
+    return str(resolve_device(device))
+
+
+def torch_gpu_build() -> bool | None:
+    """Whether the installed torch was built for CUDA or ROCm (``torch.version.cuda`` or ``.hip`` set), read
+    from its ``version.py`` as text, without importing torch; None where that cannot be told (no such file,
+    or a value that is not a literal)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        tree = ast.parse(Path(folders[0], "version.py").read_text(encoding="utf-8")) if folders else None
+    except (OSError, ValueError, SyntaxError, ImportError):
         return None
-    if dev.type == "cuda":
+    found: dict[str, Any] = {}
+    for node in tree.body if tree is not None else []:
+        if isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        elif isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
+                if not isinstance(value, ast.Constant):
+                    return None
+                found[target.id] = value.value
+    if set(found) != {"cuda", "hip"}:
+        return None
+    return bool(found["cuda"] or found["hip"])
+
+
+def device_problem(dev: torch.device | str) -> str | None:
+    """Why this process cannot run on ``dev``, or None if it can (torch's own availability checks; none for
+    the CPU, which needs no torch to tell)."""
+    kind = _device_type(dev)
+    if kind in ("cpu", "meta"):
+        return None
+    import torch
+
+    dev = torch.device(dev)
+    if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             return "no CUDA GPU is available to this process (torch.cuda.is_available() is False)"
         if dev.index is not None and dev.index >= count:
             return f"this process sees {count} CUDA GPU{'s' if count > 1 else ''} (cuda:0..cuda:{count - 1})"
         return None
-    if dev.type == "mps":
+    if kind == "mps":
         mps = getattr(torch.backends, "mps", None)
         return None if mps is not None and mps.is_available() else "MPS is not available on this machine"
-    backend = getattr(torch, dev.type, None)
+    backend = getattr(torch, kind, None)
     is_available = getattr(backend, "is_available", None)
     if callable(is_available) and not is_available():
-        return f"torch reports no {dev.type} device available"
+        return f"torch reports no {kind} device available"
     return None
+
+
+def _dtype_name(dtype: str | torch.dtype | None, device: str) -> str:
+    """:func:`resolve_dtype`'s dtype by name, without torch."""
+    if dtype is None:
+        return "bfloat16" if _device_type(device) == "cuda" else "float32"
+    from vlfast.dtypes import dtype_name
+
+    return dtype_name(dtype)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """The compute dtype: any spelling :mod:`vlfast.dtypes` accepts (the policy of every command), else
     bfloat16 on CUDA, where the hardware runs it fast, and float32 elsewhere (bf16 matmuls are emulated on
     most CPUs)."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    from vlfast.dtypes import torch_dtype
+    import torch
 
-    return torch_dtype(dtype)
+    return getattr(torch, _dtype_name(dtype, str(device)))
 
 
-def resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """None keeps each feature as computed; else floating features are stored in this dtype, one of
-    :data:`STORE_DTYPES` (numpy reads float16/float32, not bfloat16)."""
+def _store_dtype_name(store_dtype: str | torch.dtype | None) -> str | None:
+    """:func:`resolve_store_dtype`'s dtype by name, without torch."""
     if store_dtype is None:
         return None
     from vlfast.dtypes import dtype_name
@@ -278,6 +373,17 @@ def resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype | 
         raise InputRefused(
             f"store_dtype (--store-dtype) must be one of {', '.join(STORE_DTYPES)}, got {store_dtype!r}"
         )
+    return name
+
+
+def resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None keeps each feature as computed; else floating features are stored in this dtype, one of
+    :data:`STORE_DTYPES` (numpy reads float16/float32, not bfloat16)."""
+    name = _store_dtype_name(store_dtype)
+    if name is None:
+        return None
+    import torch
+
     return getattr(torch, name)
 
 

@@ -20,14 +20,14 @@ import numpy as np
 from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary
 from vlfast.extraction.decode.preprocess import ProcessorConfig, build_processor_config
-from vlfast.extraction.model.features import FeatureSpec
-from vlfast.extraction.model.runner import family_of
+from vlfast.extraction.model.spec import FeatureSpec
 from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.listing import load_inputs
 from vlfast.extraction.sources.sample import InputProblem, Sample
 from vlfast.extraction.sources.table import SampleTable
+from vlfast.extraction.store.facts import ModelFacts
 
-__all__ = ["RUNTIME_KEY", "RunPlan", "check_retry_kinds", "make_plan", "problem_record"]
+__all__ = ["RUNTIME_KEY", "RunPlan", "check_retry_kinds", "family_of", "make_plan", "problem_record"]
 
 RUNTIME_KEY = "runtime"  # run-config entries that may change on resume (how, not what, is computed)
 
@@ -106,6 +106,8 @@ class RunPlan:
     volatile_keys: tuple[str, ...]
     fingerprint_seconds: float = 0.0
     listings: dict[str, bytes] = field(default_factory=dict, repr=False)  # shard listings for OUT to keep
+    # What transformers answered about the model (store.facts): recorded in OUT once it is this run's
+    facts: ModelFacts | None = field(default=None, repr=False)
     # Committed ids of this rank whose input changed since (inputs_renamed, inputs_rewritten): the store
     # moves their shards aside and they are extracted again
     changed: list[str] = field(default_factory=list)
@@ -232,12 +234,13 @@ class RunPlan:
         if pending or state.damaged or self.changed:
             return None
         from vlfast.extraction.store.backend import keep_listings
-        from vlfast.extraction.store.run_file import restore_run_file
-        from vlfast.extraction.store.writer import library_versions
+        from vlfast.extraction.store.run_file import library_versions, restore_run_file
 
         tag = f"r{self.rank:05d}-{os.getpid()}"
-        # Like checked.json, a cache this path writes when it can (a read-only OUT keeps none)
+        # Like checked.json, caches this path writes when it can (a read-only OUT keeps none)
         keep_listings(self.out, self.listings, tag)
+        if self.facts is not None:
+            self.facts.save(self.out, tag)
         # A lost run.json, from the configuration the request and every part agree on (read_state compared
         # them): readers need it. Written when it can be, as the caches are.
         restore_run_file(self.out, self.run_config, self.volatile_keys, library_versions(), tag)
@@ -331,10 +334,12 @@ def make_plan(
 
     kept = KeptListings.of_folder(out / LISTING_DIR, rank, world_size)  # read here, written once OUT is ours
     samples, problems = load_inputs(inputs, config.storage_options, kept)
-    family = family_of(config.model)
-    check_llm_request(config.model, config.spec)
     # Recorded resolved (processor.source names the files read), so no working directory is in it
     model_dir = config.model if config.model.startswith("ref:") else str(Path(config.model).resolve())
+    # What only transformers tells, from OUT's record where it was asked under this key (store.facts)
+    facts = ModelFacts(model_dir, out, read=not config.overwrite)
+    family = family_of(config.model, facts)
+    check_llm_request(config.model, config.spec, facts)
     processor = build_processor_config(
         model_dir,
         family=family,
@@ -346,11 +351,12 @@ def make_plan(
         exif_orientation=exif_orientation(
             config.exif_orientation, None if config.overwrite else recorded_configuration(out)
         ),
+        facts=facts,
     )
     from vlfast.extraction.store.fingerprint import weights_fingerprint
 
     t0 = time.perf_counter()
-    weights = weights_fingerprint(config.model, whole=config.spec.needs_llm)
+    weights = weights_fingerprint(config.model, whole=config.spec.needs_llm, **_told(config, facts))
     fingerprint_seconds = time.perf_counter() - t0
     plan = RunPlan(
         out=out,
@@ -361,11 +367,12 @@ def make_plan(
         family=family,
         processor=processor,
         run_config=as_recorded(
-            out, run_configuration(config, family, processor, weights, world_size), config.overwrite
+            out, run_configuration(config, family, processor, weights, world_size, facts), config.overwrite
         ),
         volatile_keys=(*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY),
         fingerprint_seconds=fingerprint_seconds,
         listings=kept.fresh,
+        facts=facts,
     )
     if world_size > 1:  # the whole input's columns are gone now that the plan keeps this rank's share
         from vlfast.extraction.store.format import release_arrow_memory
@@ -376,19 +383,24 @@ def make_plan(
 
 
 def run_configuration(
-    config: ExtractConfig, family: str, processor: ProcessorConfig, weights: Any, world_size: int
+    config: ExtractConfig,
+    family: str,
+    processor: ProcessorConfig,
+    weights: Any,
+    world_size: int,
+    facts: ModelFacts | None = None,
 ) -> dict[str, Any]:
     """run.json's configuration (docs/extract.md): what is computed, and under ``runtime`` how."""
-    from vlfast.extraction.store.writer import library_versions
+    from vlfast.extraction.store.run_file import library_versions
 
     model = config.model
     return {
         "task": "vlfast.extract",
         "model": model if model.startswith("ref:") else str(Path(model).resolve()),
-        "model_identity": identity(model, family),
+        "model_identity": identity(model, family, facts),
         "weights": weights,
-        "dtype": str(config.torch_dtype).removeprefix("torch."),
-        "store_dtype": None if config.stored_as is None else str(config.stored_as).removeprefix("torch."),
+        "dtype": config.dtype_name,
+        "store_dtype": config.store_dtype_name,
         "features": config.spec.to_dict(),
         "processor": processor.to_dict(),
         "versions": library_versions(),
@@ -397,7 +409,7 @@ def run_configuration(
         # with the default by a vlfast from before this key was configuration stays resumable.
         **({} if config.patch_convs else {"patch_convs": False}),
         RUNTIME_KEY: {
-            "device": str(config.torch_device),
+            "device": config.device_name,
             "num_workers": config.workers,
             "max_batch_tokens": config.budget.max_tokens,
             "world_size": world_size,
@@ -467,18 +479,66 @@ def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> boo
     return bool(processor.get("exif_orientation", False)) if isinstance(processor, dict) else None
 
 
-def identity(model: str, family: str) -> dict[str, Any]:
-    """What tower the features come from, from its config alone (before anything is loaded)."""
-    from vlfast.models import vision_config_of, vision_model_class
+def _answers(facts: ModelFacts | None, model: str) -> ModelFacts:
+    """``facts``, or answers asked each time (no record) for a caller without them."""
+    return facts if facts is not None else ModelFacts(model)
 
-    cfg = vision_config_of(model)
-    vision_config = cfg.to_dict()
+
+def family_of(model: str, facts: ModelFacts | None = None) -> str:
+    """The model's family (``qwen3_vl``...), from its config alone."""
+    if model.startswith("ref:"):
+        from vlfast.references import resolve_reference
+
+        return resolve_reference(model).family
+
+    def ask() -> str:
+        from vlfast.models import load_config
+
+        return str(load_config(model).model_type)
+
+    return _answers(facts, model).answer("model type", ask)
+
+
+def identity(model: str, family: str, facts: ModelFacts | None = None) -> dict[str, Any]:
+    """What tower the features come from, from its config alone (before anything is loaded)."""
+
+    def ask() -> dict[str, Any]:
+        from vlfast.models import vision_config_of, vision_model_class
+
+        cfg = vision_config_of(model)
+        return {"config": cfg.to_dict(), "class": vision_model_class(cfg).__name__}
+
+    tower = _answers(facts, model).answer("vision tower", ask)
+    vision_config = tower["config"]
     for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation"):
         vision_config.pop(k, None)
-    return {"family": family, "tower_class": vision_model_class(cfg).__name__, "vision_config": vision_config}
+    return {"family": family, "tower_class": tower["class"], "vision_config": vision_config}
 
 
-def check_llm_request(model: str, spec: FeatureSpec) -> None:
+def _told(config: ExtractConfig, facts: ModelFacts) -> dict[str, Any]:
+    """What the weights fingerprint takes from ``facts`` instead of torch and transformers: the vision tower's
+    tensor names (a checkpoint's, for vision features), torch's version (a reference's)."""
+    model = config.model
+    if model.startswith("ref:"):
+
+        def version() -> str:
+            import torch
+
+            return str(torch.__version__)
+
+        return {"torch_version": facts.answer("torch version", version)}
+    if config.spec.needs_llm:
+        return {}
+
+    def names() -> list[str]:
+        from vlfast.models import tower_tensor_names
+
+        return tower_tensor_names(model)
+
+    return {"tower_names": facts.answer("vision tower tensors", names)}
+
+
+def check_llm_request(model: str, spec: FeatureSpec, facts: ModelFacts | None = None) -> None:
     """Refuse llm features that the model cannot give, from its config alone (exit 2, naming the flag):
     a reference (a vision tower only) or a ``--layers`` index past the LLM's hidden states."""
     if not spec.needs_llm:
@@ -489,15 +549,20 @@ def check_llm_request(model: str, spec: FeatureSpec) -> None:
             f"{model} is a vision tower only: {what} features need a local checkpoint directory with its "
             f"language model (drop '{what}' from --features, or pass --model DIR)"
         )
-    from vlfast.models import load_config
 
-    config = load_config(model)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n = getattr(text, "num_hidden_layers", None)
-    width = getattr(text, "hidden_size", None)
+    def ask() -> dict[str, Any]:
+        from vlfast.models import load_config
+
+        config = load_config(model)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n, width = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
+        return {"class": type(config).__name__, "layers": n, "width": width}
+
+    told = _answers(facts, model).answer("language model", ask)
+    n, width = told["layers"], told["width"]
     if not isinstance(n, int) or n < 1:
         raise InputRefused(
-            f"{model}: its config ({type(config).__name__}) names no language model with decoder layers, "
+            f"{model}: its config ({told['class']}) names no language model with decoder layers, "
             f"which {what} features run; drop '{what}' from --features, or pass a vision-language checkpoint"
         )
     if spec.dim is not None and isinstance(width, int) and spec.dim > width:

@@ -16,13 +16,14 @@ import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vlfast.extraction.decode.media import SampleError
 from vlfast.extraction.decode.prompts import PromptBuilder, placeholder_problem
 from vlfast.extraction.sources.sample import Sample
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch  # made where a sample is decoded: the plan needs none of it
 
 __all__ = [
     "DEFAULT_INSTRUCTION",
@@ -164,4 +165,6 @@ class EmbeddingPrompt:
             out["truncated_from"] = len(ids)
             ids = ids[: self.max_length]
             out["prompt_tokens"] = len(ids)
+        import torch
+
         return torch.tensor(ids, dtype=torch.int64), out

@@ -24,23 +24,28 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from vlfast._lazy import lazy_exports
 from vlfast.errors import InputRefused
 from vlfast.extraction.decode.embedding import RECIPE_PIXELS, is_embedding_checkpoint
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media, media_of
 from vlfast.extraction.decode.processor_config import ProcessorConfig
-from vlfast.extraction.decode.video import (  # noqa: F401 - sample_frame_indices, video_resize_shape: here before
-    normalize_video_patches,
-    patchify_video,
-    read_video,
-    sample_frame_indices,
-    video_resize_shape,
-)
 from vlfast.extraction.sources.sample import Sample
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from vlfast.extraction.decode.video import (  # noqa: F401
+        normalize_video_patches,
+        patchify_video,
+        read_video,
+        sample_frame_indices,
+        video_resize_shape,
+    )
+    from vlfast.extraction.store.facts import ModelFacts
 
 __all__ = [
     "Preprocessor",
@@ -54,6 +59,22 @@ __all__ = [
     "sample_frame_indices",
     "video_resize_shape",
 ]
+
+# The video rules, here before they had a module of their own; loaded on first use, with torch: building the
+# configuration (build_processor_config) needs neither, so a finished OUT is answered without them.
+__getattr__ = lazy_exports(
+    globals(),
+    dict.fromkeys(
+        (
+            "normalize_video_patches",
+            "patchify_video",
+            "read_video",
+            "sample_frame_indices",
+            "video_resize_shape",
+        ),
+        "vlfast.extraction.decode.video",
+    ),
+)[0]
 
 OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -119,13 +140,16 @@ def _json_object(file: Path) -> dict[str, Any]:
     return data
 
 
-def _processor_dicts(path: Path, *, use_transformers: bool = True) -> tuple[dict, str, dict, str | None]:
+def _processor_dicts(
+    path: Path, *, use_transformers: bool = True, facts: ModelFacts | None = None
+) -> tuple[dict, str, dict, str | None]:
     """(image processor dict, where from, video processor dict or {}, where from or None) of a checkpoint.
 
     The dicts are those transformers itself loads (``ImageProcessingMixin.get_image_processor_dict`` and
-    ``get_video_processor_config``) where it has these functions, else read here in the same order. Only a
-    video processor's own entry or file counts: transformers would fall back to the image processor's file
-    for videos, vlfast keeps the family's published video defaults instead.
+    ``get_video_processor_config``) where it has these functions, else read here in the same order; ``facts``
+    gives them as recorded, where it may (see :mod:`~vlfast.extraction.store.facts`). Only a video processor's
+    own entry or file counts: transformers would fall back to the image processor's file for videos, vlfast
+    keeps the family's published video defaults instead.
     """
     nested_file = path / PROCESSOR_CONFIG
     image_file, video_file = path / IMAGE_PROCESSOR_CONFIG, path / VIDEO_PROCESSOR_CONFIG
@@ -148,15 +172,23 @@ def _processor_dicts(path: Path, *, use_transformers: bool = True) -> tuple[dict
     else:
         video_from, video_cfg = None, {}
     if use_transformers:
-        try:
-            from transformers.image_processing_base import ImageProcessingMixin
-            from transformers.models.auto.video_processing_auto import get_video_processor_config
-        except ImportError:  # an older transformers: the files as read above
-            pass
-        else:
-            image_cfg, _ = ImageProcessingMixin.get_image_processor_dict(str(path), local_files_only=True)
-            if video_from is not None:
-                video_cfg = get_video_processor_config(str(path), local_files_only=True)
+        read = (image_cfg, video_cfg)
+
+        def ask() -> tuple[dict, dict]:
+            try:
+                from transformers.image_processing_base import ImageProcessingMixin
+                from transformers.models.auto.video_processing_auto import get_video_processor_config
+            except ImportError:  # an older transformers: the files as read above
+                return read
+            image, _ = ImageProcessingMixin.get_image_processor_dict(str(path), local_files_only=True)
+            video = (
+                read[1]
+                if video_from is None
+                else get_video_processor_config(str(path), local_files_only=True)
+            )
+            return image, video
+
+        image_cfg, video_cfg = ask() if facts is None else facts.answer("processor files", ask)
     return image_cfg, image_from, video_cfg, video_from
 
 
@@ -218,10 +250,12 @@ def _embedding_recipe(values: dict[str, Any], source: str) -> tuple[str, dict[st
     return source, {k: RECIPE_PIXELS[k] for k in ("fps", "min_frames", "max_frames", "max_video_tokens")}
 
 
-def _checkpoint_values(model: Path, family: str, values: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def _checkpoint_values(
+    model: Path, family: str, values: dict[str, Any], facts: ModelFacts | None = None
+) -> tuple[str, dict[str, Any]]:
     """Read a checkpoint's processor files into ``values`` (over the family's defaults); returns the source
     named and the video processor's own settings."""
-    image_cfg, image_from, video_cfg, video_from = _processor_dicts(model)
+    image_cfg, image_from, video_cfg, video_from = _processor_dicts(model, facts=facts)
     if video_from is None:
         source = f"{image_from} (video: {family} defaults)"
     elif image_from.endswith(" (image_processor)") and video_from.endswith(" (video_processor)"):
@@ -260,13 +294,17 @@ def build_processor_config(
     max_pixels: int | None = None,
     video_max_pixels: int | None = None,
     exif_orientation: bool | None = None,
+    facts: ModelFacts | None = None,
 ) -> ProcessorConfig:
     """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
 
     A checkpoint's files may be in the published layout (preprocessor_config.json and
     video_preprocessor_config.json) or in the one transformers 5 saves (one processor_config.json);
-    ``source`` names what was read. The image processor is built here (it is cheap) and its class recorded
-    as ``image_processor``, so a run resumed after transformers would pick another backend is refused.
+    ``source`` names what was read. The image processor is built here and its class recorded as
+    ``image_processor``, so a run resumed after transformers would pick another backend is refused. With
+    ``facts`` (:class:`~vlfast.extraction.store.facts.ModelFacts`) what transformers answers (the files as it
+    loads them, the class it picks) comes from OUT's record where the record's key is this environment's and
+    these files', without importing transformers; else it is asked as without.
     ``fps`` and ``num_frames`` are exclusive; with neither the processor's own default (2 fps) applies.
     ``exif_orientation`` None: applied as transformers applies it to a path, except for the Qwen3-VL-Embedding
     recipe, whose reference (qwen-vl-utils) reads the pixels as stored.
@@ -284,7 +322,7 @@ def build_processor_config(
     if model.startswith("ref:"):
         source = f"published {family} defaults (vlfast.extraction.decode.preprocess._FAMILY_DEFAULTS)"
     else:
-        source, video_cfg = _checkpoint_values(Path(model), family, values)
+        source, video_cfg = _checkpoint_values(Path(model), family, values, facts)
     recipe = is_embedding_checkpoint(model)
     if recipe:
         source, video_cfg = _embedding_recipe(values, source)
@@ -304,10 +342,13 @@ def build_processor_config(
         "image_mean": tuple(float(x) for x in values["image_mean"]),
         "image_std": tuple(float(x) for x in values["image_std"]),
     }
-    image_processor = _image_processor(None if model.startswith("ref:") else model, **numbers)
+
+    def built() -> str:
+        return type(_image_processor(None if model.startswith("ref:") else model, **numbers)).__name__
+
     return ProcessorConfig(
         source=source,
-        image_processor=type(image_processor).__name__,
+        image_processor=built() if facts is None else facts.answer("image processor", built),
         **numbers,
         image_min_pixels=values["image_min_pixels"],
         image_max_pixels=values["image_max_pixels"],
@@ -439,6 +480,8 @@ class Preprocessor:
 
     def no_pixels(self) -> torch.Tensor:
         """A text sample's pixel_values: no patch rows."""
+        import torch
+
         c = self.cfg
         return torch.empty((0, 3 * c.temporal_patch_size * c.patch_size**2), dtype=torch.float32)
 
@@ -446,6 +489,8 @@ class Preprocessor:
         return {"shortest_edge": self.cfg.image_min_pixels, "longest_edge": self.cfg.image_max_pixels}
 
     def image(self, path: Media) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        import torch
+
         img = load_image(path, self.cfg.exif_orientation)
         meta = {"width": img.size[0], "height": img.size[1], "mode": img.mode}
         try:
@@ -456,6 +501,10 @@ class Preprocessor:
         return out["pixel_values"].to(torch.float32), grid, meta  # (t*h*w, C*T*P*P)
 
     def video(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        import torch
+
+        from vlfast.extraction.decode.video import patchify_video, read_video
+
         if sample.kind == "video":
             frames, meta = read_video(media_of(sample), self.cfg)
         else:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.decode.media import SampleError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch  # made where a sample is decoded: the plan needs none of it
 
 __all__ = ["VISION_TOKENS", "PromptBuilder", "placeholder_problem", "video_timestamps"]
 
@@ -93,6 +94,8 @@ class PromptBuilder:
             )
         text = text.replace(pad, self.placeholder(media, grid, meta))
         ids = tok(text, add_special_tokens=False)["input_ids"]
+        import torch
+
         return torch.tensor(ids, dtype=torch.int64)
 
 

@@ -273,6 +273,8 @@ def run_session(
     with _opened_store(plan, config) as store:
         store.keep_listings(plan.listings)  # now that OUT is this run's: never written by a refused run
         plan.listings.clear()  # a kept manifest table holds the whole input's columns until it is written
+        if plan.facts is not None:  # what transformers answered, for a later run to answer without it
+            store.keep_facts(plan.facts)
         summary.quarantined = [q["part"] for q in store.quarantined]
         summary.changed = len(plan.changed)  # their shards are moved aside (store.superseded), so not done
         # Reads every index part that may hold this rank's ids (not other ranks' own), and the errors: once.

@@ -11,6 +11,9 @@ Per rank::
 
 Decoding and preprocessing run in worker processes while the main process computes, so on a machine with
 a free core the end-to-end time approaches the model's own forward time.
+
+Torch, the model and the decode pool are imported once there is work (:meth:`LocalEngine.run`): ``configure``
+needs none of them for the CPU, so a finished OUT is answered without importing torch.
 """
 
 from __future__ import annotations
@@ -19,12 +22,10 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary, device_problem
-from vlfast.extraction.decode.stage import DecodedSample, SampleDataset, prepare_decoding, worker_init
 from vlfast.extraction.engines.base import (
     Hooks,
     Session,
@@ -34,8 +35,11 @@ from vlfast.extraction.engines.base import (
     run_session,
 )
 from vlfast.extraction.interrupts import raise_if_terminated
-from vlfast.extraction.model import runner
 from vlfast.extraction.plan import RunPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vlfast.extraction.decode.stage import DecodedSample
+    from vlfast.extraction.model import runner
 
 __all__ = ["LocalEngine"]
 
@@ -52,34 +56,39 @@ class LocalEngine:
 
     def configure(self, config: ExtractConfig) -> ExtractConfig:
         """The device must exist here: refused (exit 2, naming --device) before OUT is written, not when
-        the model is moved onto it."""
-        problem = device_problem(config.torch_device)
+        the model is moved onto it. (Torch is asked only for a device other than the CPU.)"""
+        problem = device_problem(config.device_name)
         if problem is not None:
             raise InputRefused(f"--device {config.device}: {problem}; use another --device or leave it out")
-        if (
-            config.workers > 0
-            and config.torch_device.type == "cpu"
-            and torch.get_num_threads() > 1
-            and "OMP_WAIT_POLICY" not in os.environ
-        ):
+        return config
+
+    def cpu_warnings(self, config: ExtractConfig) -> None:
+        """Warn of what makes a CPU run slower or its bits depend on the batch (imports torch; tens of ms):
+        said when there is something to extract, not on a finished OUT, which runs nothing."""
+        if config.device_type != "cpu":
+            return
+        import torch
+
+        if config.workers > 0 and torch.get_num_threads() > 1 and "OMP_WAIT_POLICY" not in os.environ:
             warnings.warn(
                 "torch's idle OpenMP threads spin on the cores the decode workers need: set "
                 "OMP_WAIT_POLICY=PASSIVE before torch is imported (`vlfast extract` does) for ~1.3x faster "
                 "preprocessing-bound runs; see docs/extract.md",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
-        if config.torch_device.type == "cpu":
-            problem = cpu_bits_problem(self.hooks.rows_probe)
-            if problem is not None:
-                warnings.warn(problem, RuntimeWarning, stacklevel=3)
-        return config
+        problem = cpu_bits_problem(self.hooks.rows_probe)
+        if problem is not None:
+            warnings.warn(problem, RuntimeWarning, stacklevel=2)
 
     def run(self, plan: RunPlan, config: ExtractConfig) -> ExtractSummary:
         return run_session(plan, config, self._extract)
 
     def _extract(self, session: Session) -> None:
+        from vlfast.extraction.model import runner
+
         config, plan = session.config, session.plan
+        self.cpu_warnings(config)
         t0, cpu0 = time.perf_counter(), cpu_seconds()
         loaded = runner.load(
             config.model,
@@ -98,6 +107,9 @@ class _Extraction:
     """The todo list through the worker pool and the model, into the session's store."""
 
     def __init__(self, session: Session, loaded: runner.LoadedModel, hooks: Hooks):
+        from vlfast.extraction.decode.stage import SampleDataset, prepare_decoding
+        from vlfast.extraction.model import runner
+
         config, plan = session.config, session.plan
         self.session, self.todo = session, session.todo
         # Workers send videos as uint8 patches, normalised here (on the device when there is one).
@@ -117,6 +129,8 @@ class _Extraction:
 
     def decoded(self, pool) -> Iterator[DecodedSample]:
         """The samples that decoded; failures recorded (or counted, when unexpected) on the way."""
+        from vlfast.extraction.decode.stage import DecodedSample
+
         session = self.session
         for item in pool:
             session.store.tick()  # a slow stretch of decoding still commits what is buffered
@@ -135,7 +149,9 @@ class _Extraction:
                 return
 
     def run(self) -> None:
+        from vlfast.extraction.decode.stage import worker_init
         from vlfast.extraction.decode.workers import WorkerPool
+        from vlfast.extraction.model import runner
 
         session, summary, config = self.session, self.session.summary, self.session.config
         try:

@@ -13,8 +13,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-import torch
-
 from vlfast.errors import InputRefused
 
 __all__ = ["TokenBudget", "is_oom", "pack", "pack_padded", "run_split_on_oom"]
@@ -110,6 +108,8 @@ def pack_padded(
 
 def is_oom(error: BaseException) -> bool:
     """An allocator failure on any device (CUDA, MPS, XPU, CPU), by type or by message."""
+    import torch  # here, not at the top: TokenBudget is part of a configuration made before torch loads
+
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
     if oom_type is not None and isinstance(error, oom_type):
         return True
@@ -169,6 +169,8 @@ def _checked(batch: Sequence[T], out: list[R]) -> list[R]:
 
 
 def _free_device_memory() -> None:
+    import torch
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     mps = getattr(torch, "mps", None)

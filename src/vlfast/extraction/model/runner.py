@@ -25,7 +25,7 @@ from vlfast.extraction.model.features import (
     find_decoder,
 )
 
-__all__ = ["Forward", "LoadedModel", "batches", "family_of", "load"]
+__all__ = ["Forward", "LoadedModel", "batches", "load"]
 
 
 @dataclass
@@ -36,17 +36,6 @@ class LoadedModel:
     whole: torch.nn.Module | None  # the VLM, only for llm features
     device: torch.device
     dtype: torch.dtype
-
-
-def family_of(model: str) -> str:
-    """The model's family (``qwen3_vl``...), from its config alone."""
-    if model.startswith("ref:"):
-        from vlfast.models import resolve_reference
-
-        return resolve_reference(model).family
-    from vlfast.models import load_config
-
-    return str(load_config(model).model_type)
 
 
 def load(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,31 +37,46 @@ _LLM_FILES = (
 )
 
 
-def weights_fingerprint(model: str, *, whole: bool) -> dict[str, Any]:
+def weights_fingerprint(
+    model: str,
+    *,
+    whole: bool,
+    tower_names: Sequence[str] | None = None,
+    torch_version: str | None = None,
+) -> dict[str, Any]:
     """The ``weights`` entry of a run configuration for ``model`` (a checkpoint directory or ``ref:NAME``).
 
-    ``whole``: the features read the whole model (``llm``), not only the vision tower.
+    ``whole``: the features read the whole model (``llm``), not only the vision tower. What only torch and
+    transformers tell may be given, as recorded answers (:class:`~vlfast.extraction.store.facts.ModelFacts`):
+    ``tower_names``, the vision tower's tensor names (else the tower is built on the meta device to list
+    them); ``torch_version``, ``torch.__version__`` (else torch is imported). The bytes are hashed either way.
     """
     if model.startswith("ref:"):
         from importlib import metadata
 
-        import torch
+        if torch_version is None:
+            import torch
 
+            torch_version = str(torch.__version__)
         return {
             "scope": "reference",
             "name": model,
             "seed": 0,
-            "torch": torch.__version__,
+            "torch": torch_version,
             "transformers": metadata.version("transformers"),
         }
-    from vlfast.models import safetensors_files, tower_tensor_locations
+    from vlfast.checkpoints import safetensors_files, tensor_locations
 
     path = Path(model)
     if whole:
         selected: dict[Path, list[str] | None] = dict.fromkeys(safetensors_files(path))
     else:
+        if tower_names is None:
+            from vlfast.models import tower_tensor_names
+
+            tower_names = tower_tensor_names(path)
         selected = {}
-        for file, key in tower_tensor_locations(path).values():
+        for file, key in tensor_locations(path, tower_names).values():
             selected.setdefault(file, []).append(key)
     digest, tensors, nbytes = hash_tensors(selected)
     out: dict[str, Any] = {

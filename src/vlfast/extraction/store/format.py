@@ -36,6 +36,8 @@ LOCK_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
 LISTING_DIR = "listings"  # WebDataset shard listings kept for later runs (vlfast.extraction.sources.kept)
 CHECK_FILE = "checked.json"  # parts whose shards passed a full check, with the shards' stamps then
+FACTS_FILE = "facts.json"  # what transformers answered about the model, and under what (store.facts)
+RESUME_CHECKS = ("full", "quick")  # what a resume checks of what OUT holds (--resume-check)
 
 SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
 # The 16 hex digits are the xxh3-64 of the part file itself (absent in format 1).

@@ -21,16 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import torch
-
-if TYPE_CHECKING:
-    pass
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.ids import (  # owner_rank and partition re-exported: callers import them from here
@@ -158,9 +155,11 @@ class RunConfigMismatch(InputRefused):
 
 
 def dist_info() -> tuple[int, int]:
-    """(rank, world_size): torch.distributed if initialised, else env RANK/WORLD_SIZE (torchrun), else (0, 1)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
+    """(rank, world_size): torch.distributed if initialised, else env RANK/WORLD_SIZE (torchrun), else (0, 1).
+    Imports no torch: where it is not imported, nothing initialised torch.distributed."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     try:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

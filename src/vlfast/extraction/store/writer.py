@@ -25,7 +25,7 @@ import time
 import warnings
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,7 @@ from vlfast.extraction.store.format import (
     DUPLICATE_KIND,
     ERROR_DIR,
     ERROR_KIND,
+    FACTS_FILE,
     FAILURE_KINDS,
     FORMAT_VERSION,
     INDEX_DIR,
@@ -51,6 +52,7 @@ from vlfast.extraction.store.format import (
     META_SHARD_BYTES,
     META_SHARD_HEADER,
     QUARANTINE_DIR,
+    RESUME_CHECKS,
     RUN_FILE,
     SHARD_DIR,
     SHARD_RE,
@@ -108,7 +110,10 @@ from vlfast.extraction.store.resume import (
     plan_positions,
     read_state,
 )
-from vlfast.extraction.store.run_file import run_file_bytes
+from vlfast.extraction.store.run_file import library_versions, run_file_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vlfast.extraction.store.facts import ModelFacts
 
 __all__ = [
     "DEFAULT_VOLATILE_KEYS",
@@ -134,8 +139,6 @@ __all__ = [
     "read_state",
 ]
 
-RESUME_CHECKS = ("full", "quick")
-
 # torch.dtype -> its name: the dtypes safetensors can store (format.DTYPES); checked in ``add`` so a bad
 # tensor fails at the sample, not at flush.
 _DTYPES: dict[torch.dtype, str] = torch_dtypes()
@@ -145,21 +148,6 @@ DTYPE_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
 def _dist_group_size() -> int:
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def library_versions() -> dict[str, str | None]:
-    """Versions of what shapes the features and the bytes on disk (decoders included): run.json's and each
-    shard's provenance, the one list; read from package metadata, so nothing heavy is imported."""
-    import platform
-    from importlib import metadata
-
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in ("vlfast", "torch", "transformers", "av", "pillow", "safetensors", "pyarrow", "numpy"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 def _id_array(ids: Any) -> Any:
@@ -323,7 +311,7 @@ class FeatureStore:
                 INPUTS_DIR: lambda n: bool(INPUTS_RE.match(n) or TMP_RE.match(n)),
                 QUARANTINE_DIR: lambda n: True,
             }
-            self._backend.clear(owned, (CHECK_FILE, RUN_FILE))  # run.json last (see above)
+            self._backend.clear(owned, (CHECK_FILE, FACTS_FILE, RUN_FILE))  # run.json last (see above)
         dist = torch.distributed
         if self.world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
@@ -663,6 +651,11 @@ class FeatureStore:
     def keep_listings(self, listings: Mapping[str, bytes]) -> int:
         """Write the input's shard listings into ``OUT/listings`` (see ``backend.keep_listings``)."""
         return keep_listings(self.out, listings, f"{self._tag}-{os.getpid()}")
+
+    def keep_facts(self, facts: ModelFacts) -> bool:
+        """Record what transformers answered about the model in ``OUT/facts.json``, where it was asked here
+        (see :mod:`vlfast.extraction.store.facts`); best effort."""
+        return facts.save(self.out, f"{self._tag}-{os.getpid()}")
 
     def tick(self) -> None:
         """Commit the buffer if its oldest sample has waited ``commit_every`` seconds. ``add`` and

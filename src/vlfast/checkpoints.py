@@ -1,0 +1,125 @@
+"""A local checkpoint folder read without torch or transformers: the folder checked (with what to do when
+``--model`` names nothing), its weight files, and where a vision tower's tensors are in them.
+
+What the weights fingerprint of ``vlfast extract`` reads (:mod:`vlfast.extraction.store.fingerprint`), so
+that a finished OUT is answered without importing torch; :mod:`vlfast.models` builds and loads the models
+and re-exports these. Built-in references are :mod:`vlfast.references`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from vlfast.errors import InputRefused
+from vlfast.references import REF_PREFIX, REFERENCES
+
+__all__ = [
+    "TINY_CHECKPOINT",
+    "checkpoint_dir",
+    "missing_model_hint",
+    "safetensors_files",
+    "tensor_locations",
+]
+
+# ------------------------------------------------------------------------------------------- hints
+# vlfast never downloads: --model is a local folder or a built-in ref:NAME. The two values a newcomer types
+# first are a Hub id (Qwen/Qwen3-VL-4B-Instruct) and a reference without its prefix (qwen3-vl-4b); each gets
+# the command that fixes it instead of "not found".
+
+# owner/name as the Hugging Face Hub spells repositories; a relative path with one slash looks the same,
+# so this is only used once the path is known not to exist.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+TINY_CHECKPOINT = "`vlfast demo-checkpoint DIR` writes a tiny offline one (random weights) to try commands on"
+
+
+def missing_model_hint(spec: str, *, references: bool = True) -> str:
+    """The sentence to add when ``spec`` is not an existing folder.
+
+    ``references``: whether the command accepts ``ref:NAME`` (the tokens commands need a language model's
+    weights, which the references do not have)."""
+    key = spec.removeprefix(REF_PREFIX).lower()
+    # A Hub id, unless its "owner" is a folder here: then it is more likely a mistyped local path.
+    if _HUB_ID.fullmatch(spec) and not spec.startswith(".") and not Path(spec).parent.is_dir():
+        local = "./" + spec.rsplit("/", 1)[1]
+        return (
+            f"vlfast reads local folders and downloads nothing; download it first with "
+            f"`hf download {spec} --local-dir {local}`, then pass --model {local}"
+        )
+    if not references:
+        return f"pass a local checkpoint folder with a language model; {TINY_CHECKPOINT}"
+    if key in REFERENCES:
+        return f"did you mean the built-in reference --model {REF_PREFIX}{key} (random weights)?"
+    close = difflib.get_close_matches(key, list(REFERENCES), n=1, cutoff=0.75)
+    if close:
+        return f"did you mean --model {REF_PREFIX}{close[0]}? (`vlfast models` lists the references)"
+    return "pass a local checkpoint folder, or ref:NAME for a built-in reference (`vlfast models` lists them)"
+
+
+# ------------------------------------------------------------------------------------------- files
+
+
+def checkpoint_dir(spec: str | Path) -> Path:
+    """``spec`` as a checkpoint folder: it exists and holds a config.json (else FileNotFoundError, saying
+    what to pass instead)."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(spec)!r} is neither an existing checkpoint directory nor a reference name: "
+            + missing_model_hint(str(spec))
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: pass a transformers checkpoint directory")
+    return path
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    return files
+
+
+def safetensors_files(spec: str | Path) -> list[Path]:
+    """The checkpoint's weight files (from its index when sharded)."""
+    return _weight_files(checkpoint_dir(spec))
+
+
+def tensor_locations(spec: str | Path, names: Sequence[str]) -> dict[str, tuple[Path, str]]:
+    """Where each of the tower tensors ``names`` lives in a checkpoint: tower name -> (safetensors file,
+    checkpoint key). Its keys are found by suffix under one prefix (``model.visual.``, ``visual.``, ...)
+    fixed by the first name, reading only safetensors headers (as safetensors lists them: sorted)."""
+    from safetensors import safe_open
+
+    path = checkpoint_dir(spec)
+    wanted = set(names)
+    anchor = next(iter(names))  # e.g. "patch_embed.proj.weight"
+    found: dict[str, tuple[Path, str]] = {}
+    prefix: str | None = None
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="numpy") as f:  # keys only: no torch
+            keys = list(f.keys())
+        if prefix is None:
+            hits = [k for k in keys if k == anchor or k.endswith("." + anchor)]
+            if hits:
+                prefix = hits[0][: len(hits[0]) - len(anchor)]
+        if prefix is None:
+            continue
+        for k in keys:
+            if k.startswith(prefix) and k[len(prefix) :] in wanted:
+                found[k[len(prefix) :]] = (file, k)
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise InputRefused(
+            f"{path}: vision tower weights missing from the checkpoint: {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    return found

@@ -1,0 +1,170 @@
+"""What transformers answered about a model's files, kept in ``OUT/facts.json`` so that a finished OUT is
+answered without importing it (docs/extract.md, "Resume and configuration checks").
+
+A run's configuration holds answers that only transformers, with torch under it, gives: a checkpoint's
+family, its vision tower's config and class, the names of the tower's tensors the weights fingerprint hashes,
+the processor files as transformers loads them, and the class of image processor it picks (by what is
+installed: torchvision or not). Importing them was most of the 6.75 s a finished OUT's "nothing to do" took
+on a 2-core CPU (docs/benchmarks.md, "Start-up"). So each answer is recorded with the key it was asked under,
+and a later run takes it from the record only where the key it makes now is equal:
+
+- the model: ``ref:NAME``, or the xxh3 of every ``*.json`` file at the top of the checkpoint folder (the
+  config and processor files transformers reads for these answers: their bytes, not their path or times);
+- what is installed: the versions of Python, transformers, torch, torchvision and Pillow (package
+  metadata), and whether torchvision and PIL are found: what transformers picks its image backend by;
+- vlfast's own code: the xxh3 of its source files, so that a vlfast that asks another way asks again.
+
+Making the key reads those files and the metadata (milliseconds). With an equal key transformers would give
+the same answers, so the configuration built from recorded answers is the one it would build now, and it is
+compared with run.json exactly as before: a processor class that changed is refused as it was. Any other key
+(a new transformers, torchvision installed, an edited processor file, another vlfast) asks transformers
+again and replaces the record. Like ``checked.json`` it is a cache: written when it can be (a read-only OUT
+keeps none, and each run asks), ignored when absent, damaged (its own xxh3) or made under another key; the
+xxh3 catches damage, not a hand edit meant to deceive, which ``checked.json`` does not resist either.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vlfast.extraction.objstore import read_whole
+from vlfast.extraction.store.format import FACTS_FILE, canonical_json, xxh3
+
+__all__ = ["FACTS_VERSION", "ModelFacts", "facts_key"]
+
+FACTS_VERSION = 1  # the record's layout; a vlfast that changes what an answer means changes its source too
+_FORMAT = "vlfast-facts"
+# What transformers picks its answers by, beside the files: its image backend is torchvision's where
+# torchvision (and torch >= 2.6) is found, else PIL's.
+_INSTALLED = ("transformers", "torch", "torchvision", "pillow")
+
+
+class ModelFacts:
+    """The answers about ``model`` (``ref:NAME`` or a checkpoint folder), from ``out``'s record where its key
+    is this one (``read``: an ``--overwrite`` reads none), else asked (see the module's docstring); what was
+    asked can be recorded (:meth:`save`). ``out`` None: everything asked, nothing recorded."""
+
+    def __init__(self, model: str, out: Any = None, *, read: bool = True):
+        self.model = model
+        self.key = None if out is None else facts_key(model)
+        self._recorded: dict[str, Any] = _read(out, self.key) if read and self.key is not None else {}
+        self._asked: dict[str, Any] = {}
+
+    @property
+    def recorded(self) -> frozenset[str]:
+        """The answers the record gave (the others were asked)."""
+        return frozenset(self._recorded)
+
+    def answer(self, name: str, ask: Callable[[], Any]) -> Any:
+        """The answer ``name``: recorded, else ``ask()`` (which imports transformers), kept as JSON so that both
+        ways give the same value. An answer JSON cannot hold is returned as asked and never recorded."""
+        if name in self._recorded:
+            return copy.deepcopy(self._recorded[name])
+        if name not in self._asked:
+            value = ask()
+            if self.key is None:
+                return value
+            try:
+                self._asked[name] = json.loads(json.dumps(value, allow_nan=False))
+            except (TypeError, ValueError):
+                return value
+        return copy.deepcopy(self._asked[name])
+
+    def save(self, out: Any, tmp_tag: str) -> bool:
+        """Record in ``out`` what was asked here, beside what the record gave under the same key; whether it
+        was written. Best effort, as ``checked.json``: a read-only OUT or a full disk keeps no record.
+        ``tmp_tag`` starts with the writer's rank (``r00003-...``), whose garbage cleaning covers its temp."""
+        if not self._asked or self.key is None:
+            return False
+        from vlfast.extraction.store.backend import backend_for
+
+        doc: dict[str, Any] = {
+            "format": _FORMAT,
+            "key": self.key,
+            "answers": {**self._recorded, **self._asked},
+        }
+        doc["xxh3"] = xxh3(canonical_json(doc).encode())
+        data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+        try:
+            backend_for(out, tmp_tag).write(out / FACTS_FILE, data, tmp_tag)
+        except (OSError, ValueError):
+            return False
+        self._recorded.update(self._asked)
+        self._asked.clear()
+        return True
+
+
+def facts_key(model: str) -> dict[str, Any] | None:
+    """What the answers about ``model`` are made from (see the module's docstring); None where it cannot be
+    made (no such folder, no config.json): then every answer is asked, and says what is wrong."""
+    if model.startswith("ref:"):
+        source: dict[str, Any] = {"reference": model}
+    else:
+        import xxhash
+
+        folder = Path(model)
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+            if "config.json" not in names:
+                return None
+            source = {"files": {n: xxhash.xxh3_128_hexdigest((folder / n).read_bytes()) for n in names}}
+        except OSError:  # not a folder, unreadable, or a folder under a .json name
+            return None
+    key = {"version": FACTS_VERSION, "model": source, "installed": _installed(), "vlfast": _vlfast_source()}
+    return json.loads(json.dumps(key))
+
+
+@functools.cache
+def _installed() -> dict[str, Any]:
+    """The versions transformers' answers depend on (package metadata: nothing is imported)."""
+    import importlib.util
+    import platform
+    from importlib import metadata
+
+    out: dict[str, Any] = {"python": platform.python_version()}
+    for dist in _INSTALLED:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    for module in ("torchvision", "PIL"):
+        try:
+            out[f"{module} found"] = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            out[f"{module} found"] = False
+    return out
+
+
+@functools.cache
+def _vlfast_source() -> str:
+    """xxh3 of vlfast's source files, names and bytes (1.3 MB: a few milliseconds)."""
+    import xxhash
+
+    import vlfast
+
+    root = Path(vlfast.__file__).parent
+    digest = xxhash.xxh3_128()
+    for path in sorted(root.rglob("*.py")):
+        for part in (path.relative_to(root).as_posix().encode(), path.read_bytes()):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+    return digest.hexdigest()
+
+
+def _read(out: Any, key: dict[str, Any]) -> dict[str, Any]:
+    """The recorded answers, if the record is whole and made under ``key``; else none."""
+    try:
+        doc = json.loads(read_whole(out / FACTS_FILE))
+        check = doc.pop("xxh3")
+        if check != xxh3(canonical_json(doc).encode()) or doc.get("format") != _FORMAT:
+            return {}
+        answers = doc["answers"]
+        return dict(answers) if doc.get("key") == key and isinstance(answers, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # none yet, damaged, or not ours: everything is asked
