@@ -1,6 +1,6 @@
 """What a sample id may be, and which rank owns it: the rules the inputs and the store share.
 
-Ids are what OUT keys on (docs/extract.md, "The output format"): UTF-8 text of at most :data:`MAX_ID_BYTES`
+Ids are what OUT keys on (docs/format.md, "On-disk layout"): UTF-8 text of at most :data:`MAX_ID_BYTES`
 bytes. Which rank extracts an id is a hash of the id alone (:func:`owner_rank`), so ranks that list the
 inputs in different orders still divide them with no gaps or duplicates.
 """

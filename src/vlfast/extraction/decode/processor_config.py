@@ -82,7 +82,7 @@ class ProcessorConfig:
         return self.patch_size * self.merge_size
 
     def to_dict(self) -> dict[str, Any]:
-        """The run configuration's ``processor`` entry (run.json; docs/extract.md)."""
+        """The run configuration's ``processor`` entry (run.json; docs/format.md)."""
         d = asdict(self)
         for k, v in d.items():
             if isinstance(v, tuple):

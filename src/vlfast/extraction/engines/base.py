@@ -102,7 +102,8 @@ class UnexpectedErrors:
 
 def cpu_bits_problem(rows_probe: Callable[[], bool] | None = None) -> str | None:
     """Why this process's CPU products may give a sample other bits in a resume, another rank or a Ray actor
-    than in this run (docs/extract.md, "Same bits"), or None: ``MKL_CBWR`` not set before torch loaded MKL
+    than in this run (docs/extract.md, "What vlfast guarantees"; docs/internals.md on MKL), or None:
+    ``MKL_CBWR`` not set before torch loaded MKL
     (every ``vlfast`` command and the Ray engine's workers set it), or, with it set, a product whose rows
     change with the rows beside them (``rows_probe``, by default :func:`vlfast.numerics.rows_keep_their_bits`:
     MKL's strict mode covers its code for Intel CPUs, not AMD's). For a CPU run only; tens of milliseconds."""

@@ -3,7 +3,7 @@
 Listing a shard reads every member header: about 40 ms for a local shard of 1,000 samples (ten minutes for
 10,000 shards, on every rank and every resume), and the whole object for a remote shard of small images. What
 the listing finds (each member's name, type, data offset and size, whether the shard is cut short and how, and
-the bytes of the small prompt members) is kept as one file per shard in ``OUT/listings/`` (docs/extract.md,
+the bytes of the small prompt members) is kept as one file per shard in ``OUT/listings/`` (docs/format.md,
 "On-disk layout") and used instead when the shard is the same:
 
 * a local shard is the same when its resolved path, size, modification time, change time and inode are; a

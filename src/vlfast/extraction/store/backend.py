@@ -4,7 +4,7 @@
 rank with an flock; :class:`ObjectBackend` has no renames and no locks: it uploads each file whole, the
 commit markers with an exclusive create, and deletes an orphan shard only once it is ``ORPHAN_AGE`` old.
 :func:`backend_for` picks one for an OUT; the writer asks it and never branches on where OUT is. The
-commit protocol both serve is specified in docs/extract.md ("Commits and crash safety", "OUT on object
+commit protocol both serve is specified in docs/format.md ("Commits and crash safety", "OUT on object
 storage").
 """
 

@@ -6,7 +6,7 @@ at (with each one's size and header checksum, as the parts it replaces recorded 
 supersedes. It is committed like any part (temp file, fsync, rename; on object storage one exclusive
 upload), and only then are the parts it supersedes deleted. Readers ignore superseded parts while they still
 exist, so a kill between the commit and the deletions leaves a folder that reads each sample once; the next
-compaction of that rank finishes the deletions. The format is specified in docs/extract.md ("On-disk
+compaction of that rank finishes the deletions. The format is specified in docs/format.md ("On-disk
 layout", "Commits and crash safety").
 
 Why one rank at a time: a rank's parts are written by one process (the lock locally; the launcher on

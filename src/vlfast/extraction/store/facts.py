@@ -1,5 +1,5 @@
 """What transformers answered about a model's files, kept in ``OUT/facts.json`` so that a finished OUT is
-answered without importing it (docs/extract.md, "Resume and configuration checks").
+answered without importing it (docs/extract.md, "Resume"; docs/format.md, "facts.json").
 
 A run's configuration holds answers that only transformers, with torch under it, gives: a checkpoint's
 family, its vision tower's config and class, the names of the tower's tensors the weights fingerprint hashes,

@@ -2,7 +2,7 @@
 
 The writer (writer.py), the reader (reader.py) and the checks (integrity.py) go through these functions, so
 what a folder holds is decided in one place. The format itself (layout, index schema, what each checksum
-covers) is specified once, in docs/extract.md ("On-disk layout", "Checksums: what covers what").
+covers) is specified once, in docs/format.md ("On-disk layout", "Checksums: what covers what").
 """
 
 from __future__ import annotations

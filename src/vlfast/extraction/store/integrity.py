@@ -1,6 +1,6 @@
 """Integrity checks of an extraction folder: one index part with its shard, or the whole folder.
 
-What is checked (docs/extract.md, "Checksums: what covers what", says where each checksum lives):
+What is checked (docs/format.md, "Checksums: what covers what", says where each checksum lives):
 
 - the index part's bytes against the hash in its name, then Parquet's own page checksums;
 - the shard: present, exactly the size the part recorded (a truncated copy fails here), its header bytes

@@ -1,6 +1,6 @@
 """FeatureCache: read an extraction folder (all ranks' committed shards) as one torch Dataset.
 
-Only committed data is visible: the cache reads the index parts (the commit markers, see docs/extract.md) and
+Only committed data is visible: the cache reads the index parts (the commit markers, see docs/format.md) and
 never lists shards, so temp files and orphan shards left by a crash are invisible. Tensors are read
 through safetensors' memory map: looking up one sample reads that sample's bytes, not the shard. On
 object storage (``FeatureCache("s3://bucket/out")``) each tensor is one ranged GET of exactly its bytes.

@@ -4,7 +4,7 @@ The writer writes run.json when it opens an OUT that has none (``FeatureStore``)
 "nothing to do" without a store, so the read-only preflight (``RunPlan.finished``) puts a lost run.json back
 itself, from the configuration the request and every index part agree on (``read_state`` has compared them
 by then). Readers (``FeatureCache``, export) need it: it is the configuration hash each part and shard
-header is checked against. The format is docs/extract.md's ("On-disk layout").
+header is checked against. The format is docs/format.md's ("On-disk layout").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FeatureStore: the crash-safe, resumable, rank-sharded writer behind ``vlfast extract``.
 
-What it writes and in which order is specified in docs/extract.md ("On-disk layout", "Commits and crash
+What it writes and in which order is specified in docs/format.md ("On-disk layout", "Commits and crash
 safety", "OUT on object storage"): a shard, then its index part (the commit marker), each whole or not at
 all, so a crash at any instant loses at most the samples still buffered in memory (at most
 ``commit_every`` seconds or one shard of work), and nothing committed is ever rewritten. Where the bytes go
