@@ -9,7 +9,9 @@ Commands (the README's first ones):
 
 - ``vlfast -h``, ``vlfast models``;
 - ``vlfast extract INPUT OUT --model ref:qwen3-vl-2b`` on a finished OUT (each tree's own OUT, extracted
-  once before the rounds): the "nothing to do" answer;
+  once before the rounds, which also records what transformers answered in ``OUT/facts.json`` where the
+  tree does): the "nothing to do" answer; and the same with ``--model TINY``, the tiny checkpoint
+  ``vlfast demo-checkpoint`` writes (made once), whose config and processor files transformers reads;
 - ``vlfast verify --model ref:qwen3-vl-4b --tiny``;
 - ``vlfast demo-checkpoint DIR`` (a new DIR each run).
 
@@ -30,14 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
-COMMANDS: dict[str, list[str]] = {  # id -> arguments ({input}, {out}, {ckpt} filled in per run)
+COMMANDS: dict[str, list[str]] = {  # id -> arguments ({input}, {out}, {ckpt}, ... filled in per run)
     "help": ["-h"],
     "models": ["models"],
     "nothing-to-do": ["extract", "{input}", "{out}", "--model", "ref:qwen3-vl-2b"],
+    "nothing-to-do-checkpoint": ["extract", "{input}", "{out_tiny}", "--model", "{tiny}"],
     "verify-tiny": ["verify", "--model", "ref:qwen3-vl-4b", "--tiny"],
     "demo-checkpoint": ["demo-checkpoint", "{ckpt}"],
 }
-SHOWN = {"input": "INPUT", "out": "OUT", "ckpt": "DIR"}
+SHOWN = {"input": "INPUT", "out": "OUT", "ckpt": "DIR", "out_tiny": "OUT", "tiny": "TINY"}
 
 
 def _env(tree: Path) -> dict[str, str]:
@@ -56,6 +59,14 @@ def vlfast(tree: Path, args: list[str], check: bool = True) -> tuple[float, subp
     if check and out.returncode != 0:
         raise SystemExit(f"{tree}: vlfast {' '.join(args)} exited {out.returncode}:\n{out.stderr[-3000:]}")
     return wall, out
+
+
+def _bytecode() -> str:
+    """Whether the trees' modules are compiled at every start: PYTHONDONTWRITEBYTECODE (set on this project's
+    machines) keeps Python from caching vlfast's bytecode, ~0.1 s of each command that imports its extraction."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        return "PYTHONDONTWRITEBYTECODE set: vlfast's modules compiled at every start"
+    return "bytecode cached as Python writes it"
 
 
 def _load() -> float:
@@ -86,6 +97,10 @@ def main() -> None:
         from vlfast.demo import make_demo_inputs
 
         fill = {"input": str(make_demo_inputs(work / "input"))}
+        if "nothing-to-do-checkpoint" in commands:
+            from vlfast.demo import make_tiny_qwen3_vl
+
+            fill["tiny"] = str(make_tiny_qwen3_vl(work / "tiny"))
         for name, tree in trees.items():
             where = subprocess.run(
                 [sys.executable, "-c", "import vlfast; print(vlfast.__file__)"],
@@ -96,10 +111,13 @@ def main() -> None:
             ).stdout.strip()
             if not Path(where).is_relative_to(tree):  # the tree's source, not the installed vlfast
                 raise SystemExit(f"{name}: vlfast imports from {where}, not from {tree}")
-            out = work / f"out-{name}"
-            if "nothing-to-do" in commands:  # the finished OUT each tree answers about
-                wall, _ = vlfast(tree, ["extract", fill["input"], str(out), "--model", "ref:qwen3-vl-2b"])
-                print(f"{name}: OUT extracted in {wall:.1f} s", file=sys.stderr, flush=True)
+            for label, out, model in (
+                ("nothing-to-do", work / f"out-{name}", "ref:qwen3-vl-2b"),
+                ("nothing-to-do-checkpoint", work / f"out-tiny-{name}", fill.get("tiny")),
+            ):
+                if label in commands:  # the finished OUT each tree answers about
+                    wall, _ = vlfast(tree, ["extract", fill["input"], str(out), "--model", str(model)])
+                    print(f"{name}: {out.name} extracted in {wall:.1f} s", file=sys.stderr, flush=True)
         times: dict[tuple[str, str], list[float]] = {}
         loads = [_load()]
         for r in range(args.runs):
@@ -108,8 +126,9 @@ def main() -> None:
                 for name, tree in order:
                     ckpt = work / f"ckpt-{name}-{r}"
                     values = {**fill, "out": str(work / f"out-{name}"), "ckpt": str(ckpt)}
+                    values["out_tiny"] = str(work / f"out-tiny-{name}")
                     wall, out = vlfast(tree, [a.format(**values) for a in argv])
-                    if label == "nothing-to-do" and "nothing to do" not in out.stdout:
+                    if label.startswith("nothing-to-do") and "nothing to do" not in out.stdout:
                         raise SystemExit(f"{name}: extract did not answer 'nothing to do':\n{out.stdout}")
                     shutil.rmtree(ckpt, ignore_errors=True)
                     times.setdefault((label, name), []).append(wall)
@@ -122,7 +141,8 @@ def main() -> None:
     print(
         f"\n{cpu_name()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}; "
         f"{args.runs} runs a command and tree, alternated; load average (1 min) {min(loads):.2f}-{max(loads):.2f} "
-        f"(median {statistics.median(loads):.2f}); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
+        f"(median {statistics.median(loads):.2f}); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{_bytecode()}\n"
     )
     names = list(trees)
     print("| command | " + " | ".join(f"{n}: median (min-max)" for n in names) + " |")
