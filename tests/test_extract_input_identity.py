@@ -185,7 +185,9 @@ def test_one_sample_and_a_table_give_the_same_keys(tmp_path, monkeypatch):
     from vlfast.extraction.sources.webdataset import TarMember
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("vlfast.extraction.sources.table._MAX_DIRS", 2)  # the third folder on: paths kept whole
+    monkeypatch.setattr(
+        "vlfast.extraction.sources.table._MAX_DIRS", 2
+    )  # the third folder on: paths kept whole
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
     samples = [

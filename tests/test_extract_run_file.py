@@ -113,7 +113,9 @@ def test_run_json_of_another_run_over_sound_parts(two, tiny_qwen3_vl, tmp_path):
     with pytest.raises(InputRefused) as e:  # the command that wrote the parts
         _run(two, out, tiny_qwen3_vl)
     message = str(e.value)
-    assert "aside" in message and "index parts" in message and "nothing is extracted again" in message, message
+    assert "aside" in message and "index parts" in message and "nothing is extracted again" in message, (
+        message
+    )
 
     with pytest.raises(InputRefused) as e:  # the command run.json now names
         _run(two, out, tiny_qwen3_vl, max_pixels=200_000)

@@ -205,9 +205,9 @@ class GemmConvForward:
         w = _weight_of(m)
         # A whole weight of another kernel runs the stock conv at the next call; a partitioned, flat or
         # meta one is whole again when called, which decides then.
-        if isinstance(w, torch.Tensor) and not w.is_meta and w.dim() == self.ndim + 2 and w.numel():
-            if tuple(w.shape[2:]) != self.kernel_size:
-                return f"weight kernel {tuple(w.shape[2:])} != kernel_size {self.kernel_size}"
+        whole = isinstance(w, torch.Tensor) and not w.is_meta and w.dim() == self.ndim + 2 and w.numel()
+        if whole and tuple(w.shape[2:]) != self.kernel_size:
+            return f"weight kernel {tuple(w.shape[2:])} != kernel_size {self.kernel_size}"
         return None
 
     def _geometry_current(self, m: nn.Module) -> bool:
