@@ -126,7 +126,7 @@ def write_atomically(
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
 
 
 def _make_parents(dest: Path) -> list[Path]:
@@ -206,7 +206,7 @@ def _fsync_tree(path: Path) -> None:
     for folder, _, files in os.walk(path):
         for name in files:
             _fsync_file(Path(folder, name))
-        _fsync_dir(Path(folder))
+        fsync_dir(Path(folder))
 
 
 def _fsync_file(path: Path) -> None:
@@ -217,7 +217,8 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync the folder ``path`` (its entries: a rename into it, a file made or removed there)."""
     # The rename is only durable once the folder entry is; without this a power loss can undo it.
     if os.name == "nt":  # Windows cannot open a folder as a file; NTFS journals the rename itself
         return

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from vlfast._files import fsync_dir
 from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.store.format import (
     ERROR_DIR,
@@ -125,17 +126,6 @@ def live_ranks(out: Any) -> list[int]:
 
 # ----------------------------------------------------------------------------------------------------
 # file helpers
-
-
-def fsync_dir(path: Path) -> None:
-    # The rename is only durable once the folder entry is; without this a power loss can undo it.
-    if os.name == "nt":  # Windows cannot open a folder as a file; NTFS journals the rename itself
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def put_object(path: Any, data: bytes | Path, exclusive: bool) -> None:
