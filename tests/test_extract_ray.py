@@ -452,8 +452,10 @@ def test_sigterm_to_the_ray_driver_stops_the_job_with_its_work_committed(
 ):
     """The real command on the test's cluster, SIGTERMed while its model actor holds uncommitted samples
     (--commit-every 3600): the driver stops the dataset, waits for the actor to finish what it was given,
-    commit and release its rank, says so and exits 143; the next run extracts only the rest and ends equal to the local engine."""
-    from vlfast.extraction.api import extract, extract_ray
+    commit and release its rank, says so and exits 143; the next run extracts only the rest and ends equal to
+    the local engine. It runs on the local engine, in this process: what is done is OUT's to say, and the Ray
+    engine's own resume is the killed job's test above (a Ray job's actors take seconds of CPU to start)."""
+    from vlfast.extraction.api import extract
     from vlfast.extraction.store.writer import rank_is_held
 
     n = 24
@@ -490,7 +492,7 @@ def test_sigterm_to_the_ray_driver_stops_the_job_with_its_work_committed(
     assert committed >= 3
     assert not any(rank_is_held(out, r) for r in (0, 1))
 
-    s = extract_ray(inputs, out, model=str(tiny_qwen3_vl))
+    s = extract(inputs, out, model=str(tiny_qwen3_vl), num_workers=0)
     assert (s.skipped, s.extracted, s.failed) == (committed, n - committed, 0)
     extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
     assert compare_caches(tmp_path / "local", out) == []

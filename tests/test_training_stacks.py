@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("deepspeed")
+# One worker runs the module, so each launch (a module fixture) happens once under xdist, not once a worker.
+pytestmark = pytest.mark.xdist_group("training-stacks")
 
 WORKER = Path(__file__).with_name("_training_stacks.py")
 STEPS = 2
