@@ -236,12 +236,26 @@ def _rows_vary() -> bool:
     return False
 
 
+def _kill_first_actor(marker: str):
+    """A forward hook that SIGKILLs the model actor running the first forward (once: the restarted actor
+    carries on). By then the actor has recorded its call's decode errors; its rows never come back."""
+
+    def hook(batch):
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
 @pytest.mark.slow
 def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_vl, tmp_path, monkeypatch):
     """Same features, meta and error records as the local engine: bad files, a repeated id, a bad manifest
     line, a decoder that kills its worker (retried once, then recorded) and one that hangs (stopped). The
     model actors also probe their own CPU's products (here: a stand-in that finds rows vary); the driver
-    warns once, however many actors say so."""
+    warns once, however many actors say so. And the first model actor is SIGKILLed at its first forward,
+    after recording its call's decode errors: Ray restarts it and retries the call, which finds those
+    records there ("known"); the summary still counts them, and every sample."""
     import warnings
 
     from ray import cloudpickle
@@ -256,15 +270,18 @@ def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_v
     local = extract(manifest, tmp_path / "local", num_workers=1, engine=LocalEngine(hooks), **options)
     with monkeypatch.context() as mp, warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        mp.setattr(RayEngine, "hooks", Hooks(decode=_poisoned_decoder, rows_probe=_rows_vary))
+        killed = _kill_first_actor(str(tmp_path / "killed"))
+        mp.setattr(RayEngine, "hooks", Hooks(decode=_poisoned_decoder, forward=killed, rows_probe=_rows_vary))
         # Two model actors at half a CPU each, so the decode actor has the cluster's other CPU.
         ray = extract_ray(manifest, tmp_path / "ray", ray_workers=2, cpus_per_worker=0.5, **options)
+    assert (tmp_path / "killed").exists()  # the kill happened
     assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
     bits = [str(w.message) for w in said if "give a row other bits" in str(w.message)]
     assert len(bits) == 1 and bits[0].startswith("a model actor: this CPU's products"), bits
     # Failed: the bad files, the repeat, the bad line, the two poisoned decodes.
     assert (ray.engine, ray.extracted, ray.failed) == ("ray", good - 2, bad + 4)
     assert (ray.total, ray.errors) == (local.total, local.errors)
+    assert ray.skipped + ray.extracted + ray.failed == ray.assigned and ray.stopped is None
     reasons = [e["reason"] for e in FeatureCache(tmp_path / "ray").errors()]
     assert "worker died while decoding this sample: exited with code 7" in reasons
     assert any(r.startswith("decoding took longer than 6 s") for r in reasons)
@@ -319,44 +336,6 @@ def test_ray_engine_into_an_s3_out_equals_the_local_engine(
     assert len(list(remote.fs.ls(f"{remote.path}/index", detail=False))) == len(ranks)  # replaced ones gone
     again = extract_ray(inputs, out, model=str(tiny_qwen3_vl), storage_options=storage)
     assert again.nothing_to_do
-
-
-def _kill_first_actor(marker: str):
-    """A forward hook that SIGKILLs the model actor running the first forward (once: the restarted actor
-    carries on). By then the actor has recorded its call's decode errors; its rows never come back."""
-
-    def hook(batch):
-        if not os.path.exists(marker):
-            open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
-
-
-@pytest.mark.slow
-def test_counts_equal_what_out_holds_after_a_model_actor_is_killed(
-    ray_cluster, tiny_qwen3_vl, tmp_path, monkeypatch
-):
-    """A model actor SIGKILLed after recording a bad file's error: Ray restarts it and retries the call,
-    which finds the record there ("known"). The summary still counts that record, and every sample."""
-    from ray import cloudpickle
-
-    from vlfast.extraction.api import extract, extract_ray
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    inputs = tmp_path / "in"
-    make_images(inputs, [(32 + 8 * (k % 3), 32) for k in range(6)])
-    (inputs / "zz-bad.png").write_text("not an image")
-    out = tmp_path / "ray"
-    monkeypatch.setattr(RayEngine, "hooks", Hooks(forward=_kill_first_actor(str(tmp_path / "killed"))))
-    s = extract_ray(inputs, out, model=str(tiny_qwen3_vl))
-    assert (tmp_path / "killed").exists()  # the kill happened
-    cache = FeatureCache(out)
-    assert s.failed == len(cache.errors()) == 1 and sum(s.errors.values()) == 1
-    assert s.extracted == len(cache) == 6 and s.stopped is None
-    assert s.skipped + s.extracted + s.failed == s.assigned == 7
-    extract(inputs, tmp_path / "local", model=str(tiny_qwen3_vl), num_workers=0)
-    assert compare_caches(tmp_path / "local", out) == []
 
 
 def _slow_forward_in(pid_file: str):
