@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -29,6 +30,16 @@ def tiny_qwen3_vl(tmp_path_factory) -> Path:
     from vlfast.demo import make_tiny_qwen3_vl
 
     return make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl"))
+
+
+@pytest.fixture
+def two(media_dir, tmp_path) -> Path:
+    """A folder of two of media_dir's good images (a JPEG and a PNG): an input for runs of their own."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ("rgb.jpg", "gray.png"):
+        shutil.copy(media_dir / "good" / name, folder / name)
+    return folder
 
 
 def _save(img, path: Path, **kw) -> Path:

@@ -23,21 +23,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from _commands import COMMANDS
+from vlfast.cli._common import number_type
 from vlfast.cli.main import app
 
 runner = CliRunner()
-
-
-def _number_type(param) -> type | None:
-    """int or float for an option that takes one number, else None (typer >= 0.20 keeps the annotation;
-    older typer gives a click type)."""
-    if getattr(param, "is_flag", False) or getattr(param, "multiple", False):
-        return None
-    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
-    if annotation in (int, float):
-        return annotation
-    name = getattr(getattr(param, "type", None), "name", "")
-    return int if name.startswith("integer") else float if name.startswith("float") else None
 
 
 def _flag(param) -> str:
@@ -49,7 +38,7 @@ NUMERIC = [
     (" ".join(path), _flag(p), kind)
     for path, cmd in COMMANDS.items()
     for p in getattr(cmd, "params", [])
-    if (kind := _number_type(p)) is not None
+    if (kind := number_type(p)) is not None
 ]
 
 # Options that carry numbers in text (lists, sizes): not discoverable by type, so named here; "{}" is

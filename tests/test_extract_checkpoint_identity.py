@@ -14,15 +14,6 @@ from vlfast.extraction import FeatureCache, RunConfigMismatch
 from vlfast.extraction.api import extract
 
 
-@pytest.fixture
-def two(media_dir, tmp_path) -> Path:
-    folder = tmp_path / "in"
-    folder.mkdir()
-    for name in ("rgb.jpg", "gray.png"):
-        shutil.copy(media_dir / "good" / name, folder / name)
-    return folder
-
-
 def _run(inputs, out, model, **kw):
     return extract(str(inputs), str(out), model=str(model), num_workers=0, **kw)
 

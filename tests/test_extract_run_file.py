@@ -19,15 +19,6 @@ from vlfast.extraction.store.export import export
 runner = CliRunner()
 
 
-@pytest.fixture
-def two(media_dir, tmp_path) -> Path:
-    folder = tmp_path / "in"
-    folder.mkdir()
-    for name in ("rgb.jpg", "gray.png"):
-        shutil.copy(media_dir / "good" / name, folder / name)
-    return folder
-
-
 def _run(inputs: Path, out: Path, model: Path, **kw):
     return extract(str(inputs), str(out), model=str(model), num_workers=0, **kw)
 

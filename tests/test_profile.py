@@ -248,33 +248,37 @@ def test_untouched_components_never_show_a_speedup():
     assert data["load_average"]["cpus"] == os.cpu_count() and data["touched_components"] == ["patch_embed"]
 
 
-def test_a_spread_too_wide_is_flagged_not_reported_as_a_result():
-    from vlfast.diagnosis.profiler import ProfileReport, ProfileRun
+def _run(patched, forward, embed, blocks=10.0):
+    """A ProfileRun whose rounds took ``forward`` and ``embed`` ms; ``blocks`` ms in its medians."""
+    from vlfast.diagnosis.profiler import ProfileRun
 
-    def run(patched, forward, embed):
-        return ProfileRun(
-            patched,
-            1,
-            8,
-            (4, 2, 2),
-            16,
-            statistics.median(forward),
-            None,
-            {"patch_embed": statistics.median(embed), "blocks": 10.0},
-            {},
-            0.0,
-            len(forward),
-            rounds_forward_ms=forward,
-            rounds_components=[{"patch_embed": e, "blocks": 10.0} for e in embed],
-        )
+    return ProfileRun(
+        patched,
+        1,
+        8,
+        (4, 2, 2),
+        16,
+        statistics.median(forward),
+        None,
+        {"patch_embed": statistics.median(embed), "blocks": blocks},
+        {},
+        0.0,
+        len(forward),
+        rounds_forward_ms=forward,
+        rounds_components=[{"patch_embed": e, "blocks": 10.0} for e in embed],
+    )
+
+
+def test_a_spread_too_wide_is_flagged_not_reported_as_a_result():
+    from vlfast.diagnosis.profiler import ProfileReport
 
     report = ProfileReport("t", "cpu", "float32", (64, 64), touched=["patch_embed"])
     steady = report.comparison(
-        run(False, [20, 21, 20], [3.0, 3.1, 3.0]), run(True, [18, 19, 18], [1.0, 1.0, 1.0])
+        _run(False, [20, 21, 20], [3.0, 3.1, 3.0]), _run(True, [18, 19, 18], [1.0, 1.0, 1.0])
     )
     assert steady["patch_embed"]["reliable"] and steady["patch_embed"]["speedup"] == pytest.approx(3.0)
     noisy = report.comparison(
-        run(False, [20, 60, 20], [3.0, 9.0, 3.0]), run(True, [18, 19, 40], [1.0, 1.0, 3.0])
+        _run(False, [20, 60, 20], [3.0, 9.0, 3.0]), _run(True, [18, 19, 40], [1.0, 1.0, 3.0])
     )
     assert not noisy["patch_embed"]["reliable"] and noisy["patch_embed"]["spread"] > 0.25
     assert noisy["blocks"]["speedup"] is None and not noisy["blocks"]["changed"]
@@ -455,29 +459,15 @@ def test_a_speedup_never_disagrees_with_the_medians_it_is_printed_beside(capsys)
     """Issue 39: `forward (hooked) 809.67 -> 1,166.23 ... 1.14x? spread 63%`. A median of per-round ratios
     above 1 beside an "after" median above the "before" one is inconclusive, and printed with no ratio."""
     from vlfast.cli.profile import _render_pair
-    from vlfast.diagnosis.profiler import ProfileReport, ProfileRun
-
-    def run(patched, forward, embed):
-        return ProfileRun(
-            patched,
-            1,
-            8,
-            (4, 2, 2),
-            16,
-            statistics.median(forward),
-            None,
-            {"patch_embed": statistics.median(embed), "blocks": 10.0 if patched else 16.0},
-            {},
-            0.0,
-            len(forward),
-            rounds_forward_ms=forward,
-            rounds_components=[{"patch_embed": e, "blocks": 10.0} for e in embed],
-        )
+    from vlfast.diagnosis.profiler import ProfileReport
 
     report = ProfileReport("t", "cpu", "float32", (64, 64), touched=["patch_embed"], load=(1.0, 1.0))
     # Per round the patched forward is 2% faster, 2% slower, 1% faster: a narrow spread, but the medians
     # (20 -> 20.4 ms) say slower while the median ratio (1.01) says faster.
-    before, after = run(False, [10, 20, 30], [3.0, 3.0, 3.0]), run(True, [9.8, 20.4, 29.7], [1.0, 1.0, 1.0])
+    before, after = (
+        _run(False, [10, 20, 30], [3.0, 3.0, 3.0], blocks=16.0),
+        _run(True, [9.8, 20.4, 29.7], [1.0, 1.0, 1.0], blocks=10.0),
+    )
     cmp = report.comparison(before, after)
     assert cmp["forward"]["measured_ratio"] > 1 > cmp["forward"]["medians_ratio"]
     assert cmp["forward"]["spread"] < 0.25 and not cmp["forward"]["agrees_with_medians"]

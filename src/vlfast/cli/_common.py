@@ -83,7 +83,7 @@ class HelpCommand(TyperCommand):
                 continue
             if isinstance(p, TyperArgument):
                 p.metavar = (p.name or "value").upper() + ("..." if p.nargs != 1 else "")
-            elif _number_type(p) is not None:
+            elif number_type(p) is not None:
                 p.metavar = "N"
             else:
                 p.metavar = max(p.opts, key=len).lstrip("-").replace("-", "_").upper()
@@ -92,7 +92,7 @@ class HelpCommand(TyperCommand):
         rest = super().parse_args(ctx, args)
         for p in self.params:
             value = ctx.params.get(p.name) if p.name else None
-            if value is None or isinstance(p, TyperArgument) or _number_type(p) is None:
+            if value is None or isinstance(p, TyperArgument) or number_type(p) is None:
                 continue
             flag = max(p.opts, key=len)
             try:
@@ -127,7 +127,7 @@ class HelpCommand(TyperCommand):
                     formatter.write_dl(rows)
 
 
-def _number_type(param: Any) -> type | None:
+def number_type(param: Any) -> type | None:
     """int or float for an option that takes one number (typer >= 0.20 keeps the annotation; older typer
     gives a click type), else None."""
     if getattr(param, "is_flag", False) or getattr(param, "multiple", False):
