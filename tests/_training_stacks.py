@@ -374,8 +374,15 @@ def main() -> None:
     only = set(sys.argv[4].split(",")) if len(sys.argv) > 4 and sys.argv[4] else None
     torch.set_num_threads(1)
     if launcher == "torchrun":
+        import importlib
+
         import deepspeed
 
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory allreduce with g++ at its first init: about
+        # 100 s of CPU on a fresh machine, so on every CI run. The ranks use gloo's collectives instead; what
+        # runs here is the patch under ZeRO, not DeepSpeed's CPU kernels (GPU users have NCCL's). By module
+        # name: the attribute deepspeed.comm.torch is the torch package (a star import shadows it).
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ.get("RANK", "0"))
     for name, run in _scenarios(launcher, ckpt, out).items():
