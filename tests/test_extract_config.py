@@ -6,8 +6,6 @@ configuration" of a run that never extracted anything."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -22,15 +20,6 @@ runner = CliRunner()
 
 
 @pytest.fixture
-def few(media_dir, tmp_path) -> Path:
-    folder = tmp_path / "in"
-    folder.mkdir()
-    for name in ("rgb.jpg", "gray.png"):
-        shutil.copy(media_dir / "good" / name, folder / name)
-    return folder
-
-
-@pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if the pipeline builds a model."""
     monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("the model was loaded"))
@@ -39,70 +28,70 @@ def no_model_load(monkeypatch):
 # ------------------------------------------------------------------------------ --no-patch is configuration
 
 
-def test_a_resume_with_another_patch_setting_is_refused(few, tiny_qwen3_vl, tmp_path, monkeypatch):
+def test_a_resume_with_another_patch_setting_is_refused(two, tiny_qwen3_vl, tmp_path, monkeypatch):
     """Patched and unpatched convs give features that differ in their last bits: one OUT never mixes them."""
     patched, unpatched = tmp_path / "patched", tmp_path / "unpatched"
-    extract(few, patched, model=str(tiny_qwen3_vl), num_workers=0)
-    extract(few, unpatched, model=str(tiny_qwen3_vl), num_workers=0, patch_convs=False)
+    extract(two, patched, model=str(tiny_qwen3_vl), num_workers=0)
+    extract(two, unpatched, model=str(tiny_qwen3_vl), num_workers=0, patch_convs=False)
     assert FeatureCache(unpatched).run_config["patch_convs"] is False
-    (few / "rgb.jpg").rename(few / "new.jpg")  # something left to do, so only the configuration can stop it
+    (two / "rgb.jpg").rename(two / "new.jpg")  # something left to do, so only the configuration can stop it
 
     monkeypatch.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
     with pytest.raises(RunConfigMismatch, match="patch_convs"):
-        extract(few, patched, model=str(tiny_qwen3_vl), num_workers=0, patch_convs=False)
+        extract(two, patched, model=str(tiny_qwen3_vl), num_workers=0, patch_convs=False)
     with pytest.raises(RunConfigMismatch, match="patch_convs"):
-        extract(few, unpatched, model=str(tiny_qwen3_vl), num_workers=0)
-    r = runner.invoke(app, ["extract", str(few), str(patched), "-m", str(tiny_qwen3_vl), "--no-patch"])
+        extract(two, unpatched, model=str(tiny_qwen3_vl), num_workers=0)
+    r = runner.invoke(app, ["extract", str(two), str(patched), "-m", str(tiny_qwen3_vl), "--no-patch"])
     assert r.exit_code == 2 and "patch_convs" in r.output and "--overwrite" in r.output, r.output
 
 
-def test_the_default_patched_config_is_unchanged(few, tiny_qwen3_vl, tmp_path):
+def test_the_default_patched_config_is_unchanged(two, tiny_qwen3_vl, tmp_path):
     """An OUT written with the default before patch_convs was configuration still resumes: the key is
     recorded only for unpatched runs (a patched run.json has no top-level patch_convs)."""
     out = tmp_path / "out"
-    extract(few, out, model=str(tiny_qwen3_vl), num_workers=0)
+    extract(two, out, model=str(tiny_qwen3_vl), num_workers=0)
     assert "patch_convs" not in json.loads((out / "run.json").read_text())["config"]
 
 
 # ---------------------------------------------------------------- checked before OUT is written (exit 2)
 
 
-def _cli(few, out, *args):
-    return runner.invoke(app, ["extract", str(few), str(out), "--workers", "0", *args])
+def _cli(two, out, *args):
+    return runner.invoke(app, ["extract", str(two), str(out), "--workers", "0", *args])
 
 
 @pytest.mark.parametrize("layers", ["99", "-1,-8", "3"])
-def test_layers_past_the_llm_are_refused_before_out_is_written(few, tiny_qwen3_vl, tmp_path, layers):
+def test_layers_past_the_llm_are_refused_before_out_is_written(two, tiny_qwen3_vl, tmp_path, layers):
     """The tiny LLM has 2 layers: hidden states 0..2, or -3..-1."""
     out = tmp_path / "out"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model_runner, "load", lambda *a, **k: pytest.fail("model loaded before the refusal"))
-        r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--features", "llm", "--layers", layers)
+        r = _cli(two, out, "-m", str(tiny_qwen3_vl), "--features", "llm", "--layers", layers)
     assert r.exit_code == 2, r.output
     assert "--layers" in r.output and "2 layers" in r.output and "-3 to -1" in r.output, r.output
     assert not out.exists()
 
 
-def test_the_corrected_layers_run(few, tiny_qwen3_vl, tmp_path):
+def test_the_corrected_layers_run(two, tiny_qwen3_vl, tmp_path):
     """The first and last valid indices on each side pass the check, and equal the forward's own view."""
     out = tmp_path / "out"
-    r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--features", "llm", "--layers", "-3,2", "--json")
+    r = _cli(two, out, "-m", str(tiny_qwen3_vl), "--features", "llm", "--layers", "-3,2", "--json")
     assert r.exit_code == 0, r.output
     assert sorted(FeatureCache(out)["rgb.jpg"]) == ["llm.last.layer0", "llm.last.layer2"]
 
 
 @pytest.mark.parametrize("flag", [("--layers", "1"), ("--pool", "mean")])
-def test_llm_flags_without_llm_features_are_refused(few, tiny_qwen3_vl, tmp_path, no_model_load, flag):
+def test_llm_flags_without_llm_features_are_refused(two, tiny_qwen3_vl, tmp_path, no_model_load, flag):
     """--layers and --pool select LLM hidden states: with vision features only they were ignored silently."""
     out = tmp_path / "out"
-    r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--features", "vision", *flag)
+    r = _cli(two, out, "-m", str(tiny_qwen3_vl), "--features", "vision", *flag)
     assert r.exit_code == 2 and flag[0] in r.output and "add llm to --features" in r.output, r.output
     assert not out.exists()
 
 
-def test_llm_features_of_a_reference_are_refused_before_out_is_written(few, tmp_path, no_model_load):
+def test_llm_features_of_a_reference_are_refused_before_out_is_written(two, tmp_path, no_model_load):
     out = tmp_path / "out"
-    r = _cli(few, out, "-m", "ref:qwen3-vl-2b", "--features", "vision,llm")
+    r = _cli(two, out, "-m", "ref:qwen3-vl-2b", "--features", "vision,llm")
     assert r.exit_code == 2 and "vision tower only" in r.output and "--features" in r.output, r.output
     assert not out.exists()
 
@@ -111,13 +100,13 @@ def test_llm_features_of_a_reference_are_refused_before_out_is_written(few, tmp_
     "device, says", [("cuda", "no CUDA GPU"), ("cuda:3", "no CUDA GPU"), ("gpu0", "not a device")]
 )
 def test_a_device_this_machine_lacks_is_refused_before_out_is_written(
-    few, tiny_qwen3_vl, tmp_path, monkeypatch, no_model_load, device, says
+    two, tiny_qwen3_vl, tmp_path, monkeypatch, no_model_load, device, says
 ):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # so the test also holds on a GPU host
     out = tmp_path / "out"
-    r = _cli(few, out, "-m", str(tiny_qwen3_vl), "--device", device)
+    r = _cli(two, out, "-m", str(tiny_qwen3_vl), "--device", device)
     assert r.exit_code == 2 and "--device" in r.output and says in r.output, r.output
     assert not out.exists()
 
@@ -131,31 +120,31 @@ def test_a_missing_gpu_index_is_named(monkeypatch):
     assert "cuda:0..cuda:1" in extract_config.device_problem(torch.device("cuda:2"))
 
 
-def test_a_run_json_nothing_depends_on_is_replaced(few, tiny_qwen3_vl, tmp_path):
+def test_a_run_json_nothing_depends_on_is_replaced(two, tiny_qwen3_vl, tmp_path):
     """A run that stopped after writing run.json and before keeping anything (a failed model load, an
     older vlfast that validated late) leaves no run to resume: the corrected command takes OUT over."""
     from vlfast.extraction import FeatureStore
 
     out = tmp_path / "out"
     FeatureStore(out, {"model": "the failed run's"}).close()
-    summary = extract(few, out, model=str(tiny_qwen3_vl), num_workers=0)
+    summary = extract(two, out, model=str(tiny_qwen3_vl), num_workers=0)
     assert summary.extracted == 2
     assert FeatureCache(out).run_config["model"] == str(tiny_qwen3_vl.resolve())
 
 
-def test_a_run_json_with_records_or_a_live_writer_is_still_refused(few, tiny_qwen3_vl, tmp_path):
+def test_a_run_json_with_records_or_a_live_writer_is_still_refused(two, tiny_qwen3_vl, tmp_path):
     from vlfast.extraction import FeatureStore
 
     recorded = tmp_path / "recorded"
     with FeatureStore(recorded, {"model": "another"}) as store:
         store.add_error("a.jpg", "a.jpg", "cannot decode")  # a record: that run has something to keep
     with pytest.raises(RunConfigMismatch):
-        extract(few, recorded, model=str(tiny_qwen3_vl), num_workers=0)
+        extract(two, recorded, model=str(tiny_qwen3_vl), num_workers=0)
 
     live = tmp_path / "live"
     # a run that is running and has committed nothing yet
     with FeatureStore(live, {"model": "another"}, rank=1, world_size=2), pytest.raises(RunConfigMismatch):
-        extract(few, live, model=str(tiny_qwen3_vl), num_workers=0)
+        extract(two, live, model=str(tiny_qwen3_vl), num_workers=0)
 
 
 # ------------------------------------------------------------------- one dtype policy for every command
@@ -176,14 +165,14 @@ def test_extract_takes_the_dtype_spellings_doctor_takes(given, dtype):
 
 
 @pytest.mark.parametrize("flag", ["--dtype", "--store-dtype"])
-def test_float64_is_refused_before_out_is_written(few, tmp_path, no_model_load, flag):
+def test_float64_is_refused_before_out_is_written(two, tmp_path, no_model_load, flag):
     out = tmp_path / "out"
-    r = _cli(few, out, "-m", "ref:qwen3-vl-2b", flag, "float64")
+    r = _cli(two, out, "-m", "ref:qwen3-vl-2b", flag, "float64")
     assert r.exit_code == 2 and "float64" in r.output and "float16" in r.output, r.output
     assert not out.exists()
 
 
-def test_extract_dispatches_a_validated_config_and_its_plan_to_any_engine(few, tmp_path, no_model_load):
+def test_extract_dispatches_a_validated_config_and_its_plan_to_any_engine(two, tmp_path, no_model_load):
     """The Engine protocol: ``configure`` may adjust the checked configuration, ``run`` gets it with the plan."""
     import dataclasses
 
@@ -202,14 +191,14 @@ def test_extract_dispatches_a_validated_config_and_its_plan_to_any_engine(few, t
             return plan.summary(config)
 
     assert isinstance(Recorder(), Engine)
-    s = extract(few, tmp_path / "out", engine=Recorder(), model="ref:qwen3-vl-2b")
+    s = extract(two, tmp_path / "out", engine=Recorder(), model="ref:qwen3-vl-2b")
     assert seen == [(["gray.png", "rgb.jpg"], 3)] and (s.total, s.assigned) == (2, 2)
     assert not (tmp_path / "out").exists()  # the engine writes OUT, not extract
 
 
-def test_a_misspelt_option_is_named_with_its_fix_before_out_is_written(few, tmp_path, no_model_load):
+def test_a_misspelt_option_is_named_with_its_fix_before_out_is_written(two, tmp_path, no_model_load):
     from vlfast import extract
 
     with pytest.raises(TypeError, match="'featurs'; did you mean 'features'"):
-        extract(few, tmp_path / "out", model="ref:qwen3-vl-2b", featurs="vision")
+        extract(two, tmp_path / "out", model="ref:qwen3-vl-2b", featurs="vision")
     assert not (tmp_path / "out").exists()
