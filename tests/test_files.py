@@ -104,7 +104,7 @@ def test_demo_checkpoint_that_fails_leaves_no_folder(tmp_path, monkeypatch):
         if target.name == "empty":
             target.mkdir()
         r = runner.invoke(app, ["demo-checkpoint", str(target)])
-        assert r.exit_code not in (0, 1, 2), r.output
+        assert r.exit_code == 4 and "disk full" in r.output, r.output  # not "a bug" (3)
         assert not target.exists() or list(target.iterdir()) == [], target
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # the user's empty folder, no temp
 
@@ -124,3 +124,27 @@ def test_demo_checkpoint_twice_and_into_an_empty_folder(tmp_path):
     assert r.exit_code == 2 and "not an empty folder" in r.output
     assert {p.name: p.read_bytes() for p in target.iterdir()} == files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_tokens_rewrite_on_a_full_disk_exits_4_and_leaves_no_output(tmp_path, monkeypatch):
+    """A full disk is the machine's state, not a bug: exit 4 (as extract's) with the file named, the dataset
+    untouched, and no --out, whole or partial."""
+    import vlfast.tokens.rewrite
+
+    def full(dest, write, **kw):
+        def half(tmp: Path) -> None:
+            write(tmp)
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+
+        return write_atomically(dest, half, **kw)
+
+    monkeypatch.setattr(vlfast.tokens.rewrite, "write_atomically", full)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"completion": "<think>a</think> b"}\n')
+    out = tmp_path / "train2.jsonl"
+    args = ["tokens", "rewrite", "--map", "think=thinking", "--dataset", str(data), "--field", "completion"]
+    r = runner.invoke(app, [*args, "--out", str(out)])
+    assert r.exit_code == 4, r.output
+    assert "disk full" in r.output and "No space left on device" in r.output
+    assert data.read_text() == '{"completion": "<think>a</think> b"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl"]

@@ -12,6 +12,7 @@ pipe. Anything this module prints through Rich goes through :func:`escape` first
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -169,13 +170,24 @@ class UsageError(Exception):
     """Bad input from the user; the message says what to do."""
 
 
-# exception type -> (exit code, prefix). Checked in order; the first isinstance match wins. OUT's refusals
-# are named "module:Class" and matched only once their module is loaded (nothing can raise them before):
-# importing the store (and numpy) for the table cost `vlfast -h` and `vlfast models` 0.1-0.25 s.
+def _no_space(error: BaseException) -> bool:
+    """A write that failed for want of space (ENOSPC, or EDQUOT: a spent quota), in any command: the file
+    vlfast was writing is named in the message, and what it writes for a user is renamed into place only
+    when whole (vlfast._files.write_atomically), so the same command can simply run again."""
+    return isinstance(error, OSError) and error.errno in (
+        errno.ENOSPC,
+        getattr(errno, "EDQUOT", errno.ENOSPC),
+    )
+
+
+# exception type (or a predicate) -> (exit code, prefix). Checked in order; the first match wins. OUT's
+# refusals are named "module:Class" and matched only once their module is loaded (nothing can raise them
+# before): importing the store (and numpy) for the table cost `vlfast -h` and `vlfast models` 0.1-0.25 s.
 _STORE = "vlfast.extraction.store.format"
-ERRORS: list[tuple[type[BaseException] | str, int, str]] = [
+ERRORS: list[tuple[type[BaseException] | str | Callable[[BaseException], bool], int, str]] = [
     (UsageError, EXIT_USAGE, "error"),
     (f"{_STORE}:OutputFull", EXIT_FULL, "output disk full"),
+    (_no_space, EXIT_FULL, "disk full (free space, then run the same command again)"),
     (f"{_STORE}:OutputInUse", EXIT_USAGE, "output in use"),
     (f"{_STORE}:OutputNotWritable", EXIT_USAGE, "output not writable"),
     (FileNotFoundError, EXIT_USAGE, "not found"),
@@ -190,7 +202,9 @@ ERRORS: list[tuple[type[BaseException] | str, int, str]] = [
 ]
 
 
-def _is_a(error: BaseException, etype: type[BaseException] | str) -> bool:
+def _is_a(error: BaseException, etype: type[BaseException] | str | Callable[[BaseException], bool]) -> bool:
+    if not isinstance(etype, (type, str)):
+        return etype(error)
     if isinstance(etype, str):
         module, _, name = etype.partition(":")
         loaded = sys.modules.get(module)

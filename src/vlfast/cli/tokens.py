@@ -2,8 +2,9 @@
 
 Exit status of `audit` and `fix`: 0 when every tag the format needs has trained rows, 1 (EXIT_FINDING)
 when one is untrained (with --strict also when one is only suspect) or when a matrix has rows holding
-NaN or inf, 2 for bad input, 3 when the command could not run. `check-pipeline`: 0 when every
-pipeline check passes (or is skipped), 1 when one fails, 2 and 3 as above.
+NaN or inf, 2 for bad input, 3 when the command could not run, 4 when the disk `fix` or `rewrite`
+writes to is full. `check-pipeline`: 0 when every pipeline check passes (or is skipped), 1 when one
+fails, 2 and 3 as above.
 """
 
 from __future__ import annotations
