@@ -217,6 +217,18 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, a spent quota
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC or EDQUOT, as an OSError or as safetensors' own
+    error (a Rust io::Error it reports as text: "No space left on device (os error 28)")."""
+    if isinstance(e, OSError):
+        return e.errno in _NO_SPACE
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and any(f"os error {c})" in text for c in _NO_SPACE)
+
+
 def fsync_dir(path: Path) -> None:
     """fsync the folder ``path`` (its entries: a rename into it, a file made or removed there)."""
     # The rename is only durable once the folder entry is; without this a power loss can undo it.

@@ -12,7 +12,6 @@ pipe. Anything this module prints through Rich goes through :func:`escape` first
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -170,14 +169,13 @@ class UsageError(Exception):
     """Bad input from the user; the message says what to do."""
 
 
-def _no_space(error: BaseException) -> bool:
-    """A write that failed for want of space (ENOSPC, or EDQUOT: a spent quota), in any command: the file
-    vlfast was writing is named in the message, and what it writes for a user is renamed into place only
-    when whole (vlfast._files.write_atomically), so the same command can simply run again."""
-    return isinstance(error, OSError) and error.errno in (
-        errno.ENOSPC,
-        getattr(errno, "EDQUOT", errno.ENOSPC),
-    )
+def _disk_full(error: BaseException) -> bool:
+    """Any command's write that failed for want of space (ENOSPC, EDQUOT, safetensors' own error). What
+    vlfast writes for a user is renamed into place only when whole (vlfast._files), so the same command can
+    simply run again. Imported when an error is mapped: `vlfast -h` does not load vlfast._files."""
+    from vlfast._files import disk_full
+
+    return disk_full(error)
 
 
 # exception type (or a predicate) -> (exit code, prefix). Checked in order; the first match wins. OUT's
@@ -187,7 +185,7 @@ _STORE = "vlfast.extraction.store.format"
 ERRORS: list[tuple[type[BaseException] | str | Callable[[BaseException], bool], int, str]] = [
     (UsageError, EXIT_USAGE, "error"),
     (f"{_STORE}:OutputFull", EXIT_FULL, "output disk full"),
-    (_no_space, EXIT_FULL, "disk full (free space, then run the same command again)"),
+    (_disk_full, EXIT_FULL, "disk full (free space, then run the same command again)"),
     (f"{_STORE}:OutputInUse", EXIT_USAGE, "output in use"),
     (f"{_STORE}:OutputNotWritable", EXIT_USAGE, "output not writable"),
     (FileNotFoundError, EXIT_USAGE, "not found"),

@@ -59,7 +59,6 @@ __all__ = [
 ORPHAN_AGE = 3600.0
 
 _LOCK_RE = re.compile(r"rank-(\d+)\.lock")
-_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk, a spent quota
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
@@ -170,15 +169,6 @@ def _modified(path: Any) -> float | None:
         return path.fs.modified(path.path).timestamp()
     except (NotImplementedError, FileNotFoundError, OSError, AttributeError):
         return None
-
-
-def disk_full(e: BaseException) -> bool:
-    """Whether a write failed for want of space: ENOSPC or EDQUOT, as an OSError or as safetensors' own
-    error (a Rust io::Error it reports as text: "No space left on device (os error 28)")."""
-    if isinstance(e, OSError):
-        return e.errno in _NO_SPACE
-    text = str(e)
-    return type(e).__name__ == "SafetensorError" and any(f"os error {c})" in text for c in _NO_SPACE)
 
 
 def _space(folder: Path, e: BaseException) -> tuple[str, str]:

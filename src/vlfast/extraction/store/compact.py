@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vlfast.extraction.store.backend import backend_for, disk_full
+from vlfast._files import disk_full
+from vlfast.extraction.store.backend import backend_for
 from vlfast.extraction.store.format import (
     COMPACT_RE,
     FORMAT_VERSION,

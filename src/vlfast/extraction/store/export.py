@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vlfast._files import is_inside, same_file, write_atomically
+from vlfast._files import disk_full, is_inside, same_file, write_atomically
 from vlfast.errors import InputRefused
 from vlfast.extraction.objstore import is_url, url_scheme
-from vlfast.extraction.store.backend import disk_full
 from vlfast.extraction.store.format import OutputFull, is_local, resolve_out
 from vlfast.extraction.store.reader import FeatureCache
 

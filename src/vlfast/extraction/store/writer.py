@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlfast._files import honour_umask
+from vlfast._files import disk_full, honour_umask
 from vlfast.errors import InputRefused
 from vlfast.extraction.ids import IdSet
 from vlfast.extraction.interrupts import commit_section
-from vlfast.extraction.store.backend import backend_for, disk_full, keep_listings, rank_is_held
+from vlfast.extraction.store.backend import backend_for, keep_listings, rank_is_held
 from vlfast.extraction.store.compact import CLOSE_MIN_PARTS, Compaction, compact_rank
 from vlfast.extraction.store.format import (
     CHECK_FILE,
