@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.extraction.objstore import read_whole
-from vlfast.extraction.store.format import FACTS_FILE, canonical_json, xxh3
+from vlfast.extraction.store.format import FACTS_FILE, canonical_json, installed_versions, xxh3
 
 __all__ = ["FACTS_VERSION", "ModelFacts", "facts_key"]
 
@@ -124,15 +124,8 @@ def facts_key(model: str) -> dict[str, Any] | None:
 def _installed() -> dict[str, Any]:
     """The versions transformers' answers depend on (package metadata: nothing is imported)."""
     import importlib.util
-    import platform
-    from importlib import metadata
 
-    out: dict[str, Any] = {"python": platform.python_version()}
-    for dist in _INSTALLED:
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
+    out: dict[str, Any] = installed_versions(_INSTALLED)
     for module in ("torchvision", "PIL"):
         try:
             out[f"{module} found"] = importlib.util.find_spec(module) is not None

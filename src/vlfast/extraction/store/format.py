@@ -222,6 +222,21 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def installed_versions(dists: Collection[str]) -> dict[str, str | None]:
+    """Python's version and each distribution's in ``dists`` (None: not installed), from package metadata:
+    nothing is imported. run.json's provenance and facts.json's key are made of it."""
+    import platform
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in dists:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def stable_config(config: dict, volatile: Collection[str]) -> dict:
     """``config`` without its volatile keys (dotted names, e.g. "runtime" or "versions"): what a run means."""
 

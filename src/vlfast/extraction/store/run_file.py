@@ -15,7 +15,13 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from vlfast.extraction.store.backend import backend_for
-from vlfast.extraction.store.format import FORMAT_VERSION, RUN_FILE, config_hash, stable_config
+from vlfast.extraction.store.format import (
+    FORMAT_VERSION,
+    RUN_FILE,
+    config_hash,
+    installed_versions,
+    stable_config,
+)
 from vlfast.extraction.store.resume import canonical_config
 
 __all__ = ["library_versions", "restore_run_file", "run_file_bytes"]
@@ -24,16 +30,9 @@ __all__ = ["library_versions", "restore_run_file", "run_file_bytes"]
 def library_versions() -> dict[str, str | None]:
     """Versions of what shapes the features and the bytes on disk (decoders included): run.json's and each
     shard's provenance, the one list; read from package metadata, so nothing heavy is imported."""
-    import platform
-    from importlib import metadata
-
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in ("vlfast", "torch", "transformers", "av", "pillow", "safetensors", "pyarrow", "numpy"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
+    return installed_versions(
+        ("vlfast", "torch", "transformers", "av", "pillow", "safetensors", "pyarrow", "numpy")
+    )
 
 
 def run_file_bytes(
