@@ -31,21 +31,12 @@ from torch import nn
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.decode.prompts import PromptBuilder, video_timestamps  # noqa: F401 - their old home
-from vlfast.extraction.model.spec import (  # noqa: F401 - their old home: the spec has its own module now
-    ALL_FEATURES,
-    DEFAULT_PROMPT,
-    MIN_EMBEDDING_DIM,
-    POOLS,
-    VISION_FEATURES,
-    FeatureSpec,
-    parse_features,
-)
+from vlfast.extraction.model.spec import VISION_FEATURES, FeatureSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from vlfast.extraction.decode.stage import DecodedSample
 
 __all__ = [
-    "ALL_FEATURES",
     "FeatureSpec",
     "HiddenStateTaps",
     "PromptBuilder",
@@ -57,7 +48,6 @@ __all__ = [
     "embedding_of",
     "find_decoder",
     "llm_inputs",
-    "parse_features",
 ]
 
 
