@@ -42,6 +42,7 @@ from vlfast.extraction.sources.sample import (
     quoted,
     storable,
     suffix_of,
+    unreadable_json,
 )
 from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
 
@@ -98,6 +99,8 @@ def _paths_field(value: Any) -> list[str] | str:
                     f"path looks like a JSON list but is not valid JSON ({e.msg}); "
                     'write frames as ["f0.png", "f1.png"]'
                 )
+            except (ValueError, RecursionError) as e:
+                return f"path looks like a JSON list but is {unreadable_json(e)}"
             if not isinstance(value, list):
                 return f"path looks like a JSON list but is {type(value).__name__}"
         else:
@@ -269,6 +272,9 @@ def _jsonl_lines(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | 
             except json.JSONDecodeError as e:
                 reason = f"not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
                 yield where, InputProblem(where, reason)
+                continue
+            except (ValueError, RecursionError) as e:  # valid JSON all the same: that row's problem
+                yield where, InputProblem(where, unreadable_json(e))
                 continue
             if not isinstance(row, dict):
                 kind = type(row).__name__

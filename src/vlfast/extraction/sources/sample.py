@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -43,6 +44,7 @@ __all__ = [
     "quoted",
     "storable",
     "suffix_of",
+    "unreadable_json",
 ]
 
 IMAGE_SUFFIXES = frozenset(
@@ -190,6 +192,19 @@ def display_path(path: str | os.PathLike) -> str:
     except UnicodeEncodeError:  # a lone surrogate that no byte made: show it escaped
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
     return raw.decode("utf-8", "backslashreplace")
+
+
+def unreadable_json(e: ValueError | RecursionError) -> str:
+    """Why valid JSON could not be read all the same: an integer past Python's limit on digits (``int``
+    refuses it, so ``json`` raises a plain ValueError) or nesting past the parser's recursion limit."""
+    if isinstance(e, RecursionError):
+        return "JSON nested too deeply to read (lists or objects within each other); flatten it"
+    digits = re.search(r"value has (\d+) digits", str(e))
+    size = f"{int(digits.group(1)):,} digits" if digits else "too many digits"
+    return (
+        f"JSON that Python cannot read: an integer of {size} (its limit is "
+        f"{sys.get_int_max_str_digits():,}); write the number in quotes, as text"
+    )
 
 
 def _text_problem(what: str, text: str) -> str | None:

@@ -66,6 +66,7 @@ from vlfast.extraction.sources.sample import (
     display_path,
     kind_of,
     storable,
+    unreadable_json,
 )
 from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
 
@@ -403,6 +404,8 @@ def _prompt(raw: bytes, ext: str) -> str | None:
         raise InputRefused(
             f"json member is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
         ) from None
+    except (ValueError, RecursionError) as e:
+        raise InputRefused(f"json member is {unreadable_json(e)}") from None
     if not isinstance(data, dict):
         raise InputRefused(f"json member holds a JSON {type(data).__name__}, not an object")
     prompt = data.get("prompt")
