@@ -21,6 +21,7 @@ from torch import nn
 
 import vlfast
 from _patching_checks import ConvCount, assert_verbose_close
+from _transformers_support import TOWER
 from vlfast.models import build_reference, synthetic_inputs, tower_outputs
 from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
 from vlfast.patching.integrations import patch_transformers, unpatch_transformers
@@ -192,7 +193,7 @@ def transformers_switch():
 
 
 def _tower():
-    tower = build_reference("qwen3-vl-4b", tiny=True)
+    tower = build_reference(TOWER, tiny=True)
     return tower, *synthetic_inputs(tower, [(2, 4, 4)])
 
 
@@ -329,7 +330,7 @@ import os, sys
 sys.path = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", "vlfast"))]  # not installed here
 import importlib.util, torch
 assert importlib.util.find_spec("vlfast") is None
-model = torch.load({path!r}, weights_only=False)
+model = torch.load({path!r}, weights_only={weights_only})
 conv = model[0]
 assert "vlfast" not in sys.modules and "_conv_forward" not in conv.__dict__, conv.__dict__.keys()
 x = torch.randn(4, 3, 2, 4, 4, generator=torch.Generator().manual_seed(3))
@@ -338,27 +339,42 @@ print("stock", repr(conv))
 """
 
 
-def test_a_pickled_patched_model_loads_without_vlfast_and_patched_with_it(tmp_path):
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_a_saved_patched_model_loads_as_the_stock_model_without_vlfast_and_with_it(tmp_path, weights_only):
+    """torch.save writes the stock model's pickle: no vlfast name, no global beyond what the stock model
+    needs, so torch.load(weights_only=True) takes it with the stock classes allowlisted, where vlfast is
+    installed or not; it loads as the stock conv (nothing in the file may run vlfast's code)."""
     model = nn.Sequential(conv3d())
     patch(model)
     x = torch.randn(4, 3, 2, 4, 4, generator=torch.Generator().manual_seed(3))
     torch.save(model, tmp_path / "model.pt")
     torch.save(model(x).detach(), tmp_path / "expected.pt")
+    assert b"vlfast" not in (tmp_path / "model.pt").read_bytes()
     script = LOAD_WITHOUT_VLFAST.format(
-        path=str(tmp_path / "model.pt"), expected=str(tmp_path / "expected.pt")
+        path=str(tmp_path / "model.pt"), expected=str(tmp_path / "expected.pt"), weights_only=weights_only
     )
+    if weights_only:
+        script = script.replace(
+            "model = torch.load(",
+            "torch.serialization.add_safe_globals([torch.nn.Sequential, torch.nn.Conv3d])\nmodel = torch.load(",
+        )
     env = {k: v for k, v in os.environ.items() if k not in ("VLFAST_PATCH", "VLFAST_RECORD")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "stock Conv3d(3, 8, kernel_size=(2, 4, 4), stride=(2, 4, 4))"
-    loaded = torch.load(tmp_path / "model.pt", weights_only=False)  # vlfast here: patched again
-    assert is_patched(loaded) and repr(loaded[0]).endswith("vlfast=gemm)")
+    with torch.serialization.safe_globals([nn.Sequential, nn.Conv3d]):
+        loaded = torch.load(tmp_path / "model.pt", weights_only=weights_only)  # vlfast here: stock too
+    assert not patched_modules(loaded) and repr(loaded[0]) == repr(conv3d())
+    assert_verbose_close(loaded(x), model(x))
+    patch(loaded)  # patched again, as any stock model
     with ConvCount() as counter:
         assert torch.equal(loaded(x), model(x))
     assert counter.calls == 0
     copied = pickle.loads(pickle.dumps(model))
-    copied[0].padding = (1, 1, 1)  # the copy watches its own geometry
-    assert is_patched(model) and not is_patched(copied)
+    copied[0].padding = (1, 1, 1)  # a pickle copy is the stock conv; a deepcopy watches its own geometry
+    deep = copy.deepcopy(model)
+    deep[0].padding = (1, 1, 1)
+    assert is_patched(model) and not is_patched(copied) and not is_patched(deep) and patched_modules(deep)
 
 
 def test_unpatch_after_a_reload_restores_the_stock_conv(tmp_path):

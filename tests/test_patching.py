@@ -283,6 +283,21 @@ def test_too_small_input_raises_the_conv_own_error():
     assert str(patched_error.value) == str(stock_error.value)
 
 
+@pytest.mark.parametrize("size", [(2, 3, 5), (4, 6, 10)], ids=["one-window", "larger"])
+def test_a_bias_of_another_dtype_raises_as_the_conv_does(size):
+    """nn.Conv3d refuses a float64 bias with a float32 weight and input; the GEMM must not cast it."""
+    conv = make_conv((2, 3, 5))
+    conv.bias.data = conv.bias.data.double()
+    x = make_input(2, 3, size)
+    with pytest.raises(RuntimeError) as stock_error:
+        conv(x)
+    patch(conv)
+    with pytest.raises(RuntimeError) as patched_error:
+        conv(x)
+    if size != (2, 3, 5):  # one window is F.linear, whose own error says the same in other words
+        assert str(patched_error.value) == str(stock_error.value)
+
+
 def test_empty_batch_matches_the_conv():
     conv = make_conv((3, 5))
     x = make_input(0, 3, (3, 5))
@@ -350,6 +365,52 @@ def test_changed_geometry_in_gradients(attr):
     stock(conv, x).sum().backward()
     assert_verbose_close(expected_x, x.grad, name="input grad")
     assert_verbose_close(expected_w, conv.weight.grad, name="weight grad")
+
+
+def _circular_with_padding_set_to_zero() -> nn.Module:
+    conv = make_conv((2, 3, 5), padding=1, padding_mode="circular")
+    conv.padding = (0, 0, 0)  # the stock conv still pads: by _reversed_padding_repeated_twice
+    return conv
+
+
+def test_padding_mode_is_read_as_the_stock_conv_reads_it_at_patch_time():
+    conv = _circular_with_padding_set_to_zero()
+    x = make_input(2, 3, (2, 3, 5))
+    expected = stock(conv, x)
+    assert expected.shape == (2, 6, 2, 1, 1)  # (4, 5, 7) padded, where the GEMM gives (1, 1, 1)
+    report = patch(conv)
+    assert report.num_patched == 0
+    assert report.entries[0].reason == "padding_mode='circular' pads by (1, 1, 1, 1, 1, 1)"
+    assert torch.equal(conv(x), expected)
+
+
+_PADDING_MODE_CHANGES = {
+    # built padded by 1, padding then set to 0 (eligible); the mode that makes the stock conv pad again
+    "padding_mode": lambda conv: setattr(conv, "padding_mode", "circular"),
+    # built circular with padding 0 (eligible, F.pad by 0); the padding F.pad reads set afterwards
+    "reversed-padding": lambda conv: setattr(conv, "_reversed_padding_repeated_twice", (1,) * 6),
+}
+
+
+@pytest.mark.parametrize("change", list(_PADDING_MODE_CHANGES))
+def test_padding_mode_is_read_as_the_stock_conv_reads_it_at_call_time(change):
+    if change == "padding_mode":
+        conv = make_conv((2, 3, 5), padding=1)
+        conv.padding = (0, 0, 0)
+    else:
+        conv = make_conv((2, 3, 5), padding_mode="circular")
+    x = make_input(2, 3, (2, 3, 5))
+    assert patch(conv).num_patched == 1
+    conv(x)  # the GEMM, before the change
+    _PADDING_MODE_CHANGES[change](conv)
+    expected = stock(conv, x)
+    with vlfast.record_calls() as rec:
+        actual = conv(x)
+    assert actual.shape == expected.shape == (2, 6, 2, 1, 1)
+    assert torch.equal(actual, expected)
+    assert rec.gemm_calls == 0
+    assert rec.convs()[0].stock == {"padding_mode='circular' pads by (1, 1, 1, 1, 1, 1)": 1}
+    assert not is_patched(conv) and "vlfast=stock (padding_mode='circular'" in repr(conv)
 
 
 def test_geometry_changed_back_returns_to_the_gemm():
@@ -755,15 +816,19 @@ def test_deepcopy_copies_the_patch_and_the_parameters():
     assert is_patched(model) and not is_patched(clone)  # independent
 
 
-def test_pickle_round_trip():
-    # The user's own object, pickled in memory; vlfast never writes pickle data.
+@pytest.mark.parametrize("protocol", [0, 1, 2, pickle.HIGHEST_PROTOCOL])
+def test_a_pickle_is_the_stock_models_pickle(protocol):
+    """The user's own object, pickled in memory; vlfast never writes pickle data. The bytes are the stock
+    model's, so they load anywhere (and under weights_only) as the stock model: patch it again."""
     model = mixed_model()
+    plain = pickle.dumps(model, protocol=protocol)
     patch(model)
-    clone = pickle.loads(pickle.dumps(model))
-    assert is_patched(clone) and "vlfast=gemm" in repr(clone)
+    assert pickle.dumps(model, protocol=protocol) == plain or protocol < 2
+    clone = pickle.loads(pickle.dumps(model, protocol=protocol))
+    assert not patched_modules(clone) and "vlfast" not in repr(clone)
     x = torch.randn(2, 3, 4, 8, 8)
-    assert torch.equal(clone["embed"](x), model["embed"](x))
-    assert unpatch(clone).entries[0].status == "unpatched"
+    assert_verbose_close(clone["embed"](x), model["embed"](x))
+    assert patch(clone).num_patched == 2 and is_patched(clone)
 
 
 def test_repr_shows_the_patch():

@@ -10,7 +10,7 @@ attribute. Nothing else changes: the class, the parameters (same tensors, 5-D we
 hooks and wrappers around ``forward`` (accelerate, PEFT) all stay as they are, and ``unpatch`` deletes
 the attribute to restore the original exactly.
 
-Whether a call runs the GEMM is decided from that call: the module's geometry (four identity tests,
+Whether a call runs the GEMM is decided from that call: the module's geometry (five identity tests,
 decided again when one changed) and the weight as it arrives. Nothing is judged from the weight at patch
 time, so a weight that is partitioned when ``patch`` runs (DeepSpeed ZeRO-3's empty ``(0,)`` parameter,
 FSDP1's flat views, the meta device) and whole at the call runs the GEMM; a conv whose stride, padding,
@@ -20,9 +20,7 @@ dilation, groups or weight kernel no longer fits runs the stock conv, never the 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import operator
 import pkgutil
 import re
 import sys
@@ -143,12 +141,12 @@ class GemmConvForward:
 
     Weight and bias arrive as arguments at call time, never stored, so ``.to()``, parametrizations, FSDP,
     DeepSpeed ZeRO-3 and weight reloading keep working. The decision is made per call and cached by what
-    it depends on: the module's ``stride``, ``padding``, ``dilation`` and ``groups`` (checked by identity,
-    four attribute reads, decided again when one is another object), and the weight's shape (compared with
-    the last whole weight seen). A conv that is no longer eligible, or a weight of another kernel, runs the
-    stock ``_conv_forward``, never the old operation. ``patch`` gives it a weak reference to its module, so
-    that ``del model`` frees the parameters at once, as it does unpatched; deepcopy and pickle rebind it to
-    the copy.
+    it depends on: the module's ``stride``, ``padding``, ``dilation``, ``groups`` and ``padding_mode``
+    (checked by identity, five attribute reads, decided again when one is another object), and the
+    weight's shape (compared with the last whole weight seen). A conv that is no longer eligible, or a
+    weight of another kernel, runs the stock ``_conv_forward``, never the old operation. ``patch`` gives it
+    a weak reference to its module, so that ``del model`` frees the parameters at once, as it does
+    unpatched; deepcopy rebinds it to the copy.
     """
 
     def __init__(
@@ -158,7 +156,7 @@ class GemmConvForward:
         self.ndim = len(self.kernel_size)
         self._module = None if module is None else weakref.ref(module)
         self.calls = Calls(name)  # counted while a record runs; named as the last patch() call saw it
-        self._seen: tuple | None = None  # (stride, padding, dilation, groups) last decided on
+        self._seen: tuple | None = None  # (stride, padding, dilation, groups, padding_mode) last decided on
         self._stock: str | None = None  # why the module's geometry keeps it on the stock conv
         self._wshape: torch.Size | None = None  # the last whole weight shape seen, of this kernel
         self._ones = (1,) * self.ndim
@@ -218,14 +216,18 @@ class GemmConvForward:
             or m.padding is not seen[1]
             or m.dilation is not seen[2]
             or m.groups is not seen[3]
+            or m.padding_mode is not seen[4]
         )
 
     def _geometry_changed(self, m: nn.Module) -> None:
         """Decide again after ``m``'s geometry changed: GEMM (and with which kernel) or the stock conv."""
         reason = eligibility(m)
-        attrs = (m.stride, m.padding, m.dilation, m.groups)
-        # Values that could change in place (a list) are checked again on every call.
-        self._seen = attrs if all(_frozen(a) for a in attrs) else None
+        attrs = (m.stride, m.padding, m.dilation, m.groups, m.padding_mode)
+        # Values that could change in place (a list) are checked again on every call; so is every call of
+        # a conv padded by F.pad (padding_mode other than 'zeros'), whose _reversed_padding_repeated_twice
+        # is what the stock conv reads then.
+        frozen = all(_frozen(a) for a in attrs) and m.padding_mode == "zeros"
+        self._seen = attrs if frozen else None
         self._stock = reason
         if reason is None:
             kernel = tuple(int(k) for k in m.kernel_size)
@@ -245,8 +247,8 @@ class GemmConvForward:
         return _STOCK_CONV_FORWARD[_base_class(m)](m, x, weight, bias)
 
     def _fallback(self, x: torch.Tensor, weight, bias, reason: str) -> torch.Tensor:
-        # Zero padding, dilation 1 and groups 1 are eligibility conditions, so the stock call is exactly
-        # this, whatever the padding_mode (padding by 0 is a no-op).
+        # Zero padding (the one the padding_mode reads), dilation 1 and groups 1 are eligibility conditions,
+        # so the stock call is exactly this (F.pad by 0 is a no-op).
         self._count_stock(reason)
         return _CONV_FN[self.ndim](x, weight, bias, self.kernel_size, 0, 1, 1)
 
@@ -261,6 +263,7 @@ class GemmConvForward:
                 or m.padding is not seen[1]
                 or m.dilation is not seen[2]
                 or m.groups is not seen[3]
+                or m.padding_mode is not seen[4]
             ):
                 self._geometry_changed(m)
             if self._stock is not None:
@@ -297,6 +300,9 @@ class GemmConvForward:
             return self._fallback(x, weight, bias, f"unbatched input of shape {tuple(x.shape)}")
         if x.shape[0] == 0:
             return self._fallback(x, weight, bias, "empty batch")
+        if bias is not None and bias.dtype != weight.dtype:
+            # The conv raises for it (outside autocast, which casts all three): the GEMM would cast it.
+            return self._fallback(x, weight, bias, f"bias dtype {bias.dtype} != weight dtype {weight.dtype}")
         n, c = x.shape[0], x.shape[1]
         spatial = tuple(x.shape[2:])
         d = weight.shape[0]
@@ -373,9 +379,10 @@ class _PatchedReduce:
     """``__reduce_ex__`` of a patched conv, set on the instance, where ``copy.copy``, ``copy.deepcopy``
     and pickle all look it up (``copy`` looks ``__copy__`` up on the class, which vlfast leaves alone).
     The state is the module's own minus the patch. A copy is rebuilt patched, with a GemmConvForward bound
-    to the copy itself; a pickle (``torch.save(model)``) names only the standard library, so it loads
-    where vlfast is not installed (a plain conv) and comes back patched where it is. Weak, so the module
-    and its reducer do not keep each other alive."""
+    to the copy itself; a pickle (``torch.save(model)``) is the stock conv's, byte for byte (see
+    :class:`_Rebuild`): it loads as the stock conv everywhere, ``torch.load(weights_only=True)`` included
+    with only ``torch.nn.Conv3d`` allowlisted. Weak, so the module and its reducer do not keep each other
+    alive."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = weakref.ref(module)
@@ -391,31 +398,22 @@ class _PatchedReduce:
 
 class _Rebuild:
     """The callable in a patched conv's reduction. Called (copy, deepcopy): an empty patched module.
-    Pickled: ``pkgutil.resolve_name(NAMES[bool(importlib.util.find_spec("vlfast"))])``, standard-library
-    calls only, which unpickle to :func:`_rebuild_patched` where vlfast is installed and to
-    ``copyreg.__newobj__`` (a plain ``cls.__new__(cls)``, the stock conv) where it is not."""
 
-    NAMES = ("copyreg:__newobj__", "vlfast.patching.gemm:_rebuild_patched")
+    Named ``__newobj__``: a pickler (protocol >= 2, torch.save's) writes a reduction by a callable of that
+    name as the ``NEWOBJ`` opcode on ``cls``, never the callable itself, exactly what it writes for a stock
+    module (``copyreg.__newobj__``). So the file names the conv's class and torch's tensor rebuilders only:
+    ``torch.load(weights_only=True)`` accepts it with what a stock conv needs allowlisted, and it loads
+    where vlfast is not installed. It loads as the stock conv everywhere: a file that ran vlfast's code
+    at load would need a global weights_only refuses (patch the loaded model again)."""
+
+    __name__ = "__newobj__"
 
     def __call__(self, cls: type) -> nn.Module:
         return _rebuild_patched(cls)
 
     def __reduce__(self):
-        return pkgutil.resolve_name, (_Call(operator.getitem, (self.NAMES, _VLFAST_INSTALLED)),)
-
-
-class _Call:
-    """Pickles as the call ``fn(*args)``: how :class:`_Rebuild` spells its choice with stdlib functions."""
-
-    def __init__(self, fn: Callable, args: tuple) -> None:
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
-
-# True where the unpickling process can import vlfast (operator.truth of its module spec, or of None).
-_VLFAST_INSTALLED = _Call(operator.truth, (_Call(importlib.util.find_spec, ("vlfast",)),))
+        # Protocols 0 and 1 have no NEWOBJ and pickle the callable itself: the stock one, by name.
+        return pkgutil.resolve_name, ("copyreg:__newobj__",)
 
 
 def _rebuild_patched(cls: type) -> nn.Module:
@@ -528,12 +526,22 @@ def eligibility(module: nn.Module) -> str | None:
     nd = len(module.kernel_size)
     if tuple(module.stride) != tuple(module.kernel_size):
         return f"stride {tuple(module.stride)} != kernel_size {tuple(module.kernel_size)}"
+    if module.padding_mode != "zeros":
+        # The stock conv pads with F.pad by _reversed_padding_repeated_twice then, and ignores .padding.
+        pads = tuple(module._reversed_padding_repeated_twice)
+        if any(p != 0 for p in pads):
+            return f"padding_mode={module.padding_mode!r} pads by {pads}"
+        return _dilation_groups(module, nd)
     padding = module.padding
     if isinstance(padding, str):
         if padding != "valid":
             return f"padding={padding!r}"
     elif any(p != 0 for p in _tuple(padding, nd)):
         return f"padding {tuple(padding)} is not zero"
+    return _dilation_groups(module, nd)
+
+
+def _dilation_groups(module: nn.Module, nd: int) -> str | None:
     if any(d != 1 for d in _tuple(module.dilation, nd)):
         return f"dilation {tuple(module.dilation)} is not 1"
     if module.groups != 1:
