@@ -9,7 +9,8 @@ equal numbers would hide the stock path:
     #   model.visual.patch_embed.proj: 120 GEMM
 
 ``VLFAST_RECORD=1`` prints that at exit; ``VLFAST_RECORD=PATH`` also appends one JSON line per process
-to ``PATH`` (ranks append to the same file). In Python, :func:`record_calls` counts between two points::
+to ``PATH`` (ranks append to the same file), a regular file or none yet: anything else (a FIFO, a device)
+is refused with one line at start, and never opened in a way that could hold the exit. In Python, :func:`record_calls` counts between two points::
 
     with vlfast.record_calls() as rec:
         trainer.train()
@@ -29,6 +30,7 @@ import atexit
 import contextlib
 import json
 import os
+import stat
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -208,16 +210,47 @@ def _at_exit(target: str) -> None:
         return
     with contextlib.suppress(OSError, ValueError):  # stderr closed at exit
         print(str(record), file=sys.stderr, flush=True)
-    if target.lower() not in ("1", "true", "yes", "on"):
-        line = json.dumps(record.to_dict()) + "\n"
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, line.encode())  # one write of one line: ranks appending do not interleave
-            finally:
-                os.close(fd)
-        except OSError as e:
-            print(f"vlfast record: could not append to {ENV_VAR}={target!r}: {e}", file=sys.stderr)
+    if _is_path(target):
+        _append(target, json.dumps(record.to_dict()) + "\n")
+
+
+def _is_path(target: str) -> bool:
+    return target.lower() not in ("1", "true", "yes", "on")
+
+
+def _not_a_file(mode: int) -> str | None:
+    """What a file of this ``st_mode`` is when it is not a regular file (the record appends to one only)."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"))
+    kinds += ((stat.S_ISSOCK, "a socket"), (stat.S_ISBLK, "a block device"))
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
+
+
+def _refusal(target: str, what: str) -> str:
+    return (
+        f"vlfast record: {ENV_VAR}={target!r} is {what}, not a regular file: the record goes to stderr only"
+    )
+
+
+def _append(target: str, line: str) -> None:
+    # O_NONBLOCK: a FIFO made after start-up must not hold the exit (without a reader its open fails at
+    # once with ENXIO); a regular file ignores it.
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+    except OSError as e:
+        print(f"vlfast record: could not append to {ENV_VAR}={target!r}: {e}", file=sys.stderr)
+        return
+    try:
+        what = _not_a_file(os.fstat(fd).st_mode)
+        if what is not None:  # a FIFO with a reader, a device: not the file a script reads back
+            print(_refusal(target, what), file=sys.stderr)
+            return
+        os.write(fd, line.encode())  # one write of one line: ranks appending do not interleave
+    except OSError as e:
+        print(f"vlfast record: could not append to {ENV_VAR}={target!r}: {e}", file=sys.stderr)
+    finally:
+        os.close(fd)
 
 
 def install_from_env() -> bool:
@@ -227,6 +260,14 @@ def install_from_env() -> bool:
     if target is None or env_armed:
         return target is not None
     env_armed = True
+    if _is_path(target):
+        try:
+            what = _not_a_file(os.stat(target).st_mode)  # stat never opens: a FIFO cannot block it
+        except OSError:  # not there yet: created at exit (its folder may be made by the run)
+            what = None
+        if what is not None:
+            print(_refusal(target, what), file=sys.stderr)
+            target = "1"
     if "vlfast.patching.gemm" in sys.modules:
         _set_recording(+1)
     # else: gemm reads env_armed when it is imported and starts counting then
