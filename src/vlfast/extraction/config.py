@@ -13,8 +13,9 @@ Nothing here imports torch where the answer does not need it: the device and dty
 from __future__ import annotations
 
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -275,13 +276,49 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         ) from None
 
 
+# The device types torch names (c10's DeviceType names): "cuda", "cuda:1" of these is named as written.
+_DEVICE_TYPES = frozenset(
+    "cpu cuda mkldnn opengl opencl ideep hip ve fpga maia xla lazy vulkan mps meta hpu mtia xpu ipu".split()  # noqa: SIM905
+)
+_DEVICE = re.compile(r"[a-z]+(?::(?:0|[1-9][0-9]*))?")
+
+
 def device_name(device: str | torch.device | None) -> str:
     """:func:`resolve_device`'s device as torch names it (``str(torch.device)``), importing torch only where
-    the answer needs it: not for "cpu", nor for the default where torch is not imported yet and was built for
-    neither CUDA nor ROCm (then ``torch.cuda.is_available()`` is False: it has no GPU code)."""
-    if device == "cpu" or (device is None and "torch" not in sys.modules and torch_gpu_build() is False):
-        return "cpu"
+    the answer needs it. Not for a device torch names as written ("cpu", "cuda", "cuda:1"), nor for the
+    default where torch is not imported yet and cannot see a GPU: built for neither CUDA nor ROCm, or
+    on a machine that shows none (:func:`no_gpu_here`). Torch is asked where a GPU may be there (its
+    ``torch.cuda.is_available()`` decides the default device, and so the default dtype) and for a name
+    it alone can parse or refuse."""
+    if device is None:
+        if "torch" not in sys.modules and (torch_gpu_build() is False or no_gpu_here()):
+            return "cpu"
+    elif isinstance(device, str) and _device_type(device) in _DEVICE_TYPES:
+        if not _DEVICE.fullmatch(device):
+            raise InputRefused(f"--device {device!r} is not a device: use cpu, cuda, cuda:N or mps")
+        return device
     return str(resolve_device(device))
+
+
+# What a GPU torch could use leaves on Linux: the NVIDIA driver's folder and device nodes (in a container
+# too: the NVIDIA runtime mounts them), AMD's ROCm node, WSL's GPU. libcuda creates /dev/nvidia* where the
+# driver is loaded and they are missing, which /proc/driver/nvidia shows.
+_GPU_TRACES = ("proc/driver/nvidia", "dev/nvidiactl", "dev/nvidia0", "dev/kfd", "dev/dxg")
+
+
+def no_gpu_here(root: Path = Path("/"), environ: Mapping[str, str] | None = None) -> bool:
+    """True where no GPU can be visible to this process, told without torch: ``CUDA_VISIBLE_DEVICES``
+    hides every GPU ("" or "-1", which CUDA and HIP both honour), or on Linux none of :data:`_GPU_TRACES`
+    exists under ``root``. False where one may be (then only torch can tell), and off Linux.
+
+    A CUDA build of torch takes 6-9 s to import on a 2-core CPU (docs/benchmarks.md, "Start-up"), and pip
+    installs it on machines without a GPU too: there this answers "cpu" without it."""
+    environ = os.environ if environ is None else environ
+    if environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    return not any(os.path.lexists(root / trace) for trace in _GPU_TRACES)
 
 
 def torch_gpu_build() -> bool | None:

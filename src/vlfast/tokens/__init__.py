@@ -8,22 +8,35 @@ reward uses) trained in this checkpoint? Plus trained alternatives, a consistent
     audit_tokens(path, verify_generation=True).generation  # Magikarp's repetition check, model loaded
 """
 
-from vlfast.tokens.audit import audit_tokens, audit_vocabulary
-from vlfast.tokens.fix import FixReport, fix_tokens
-from vlfast.tokens.generation import verify_generation
-from vlfast.tokens.report import (
-    Alternative,
-    GenerationCheck,
-    GenerationReport,
-    IndicatorInfo,
-    NonFiniteRows,
-    SkippedTag,
-    TagReport,
-    TokenAudit,
-    TokenVerdict,
-    VocabularyAudit,
-)
-from vlfast.tokens.rewrite import RewriteReport, parse_mapping, rewrite_tags
+from vlfast._lazy import lazy_exports
+
+# Each name loads its module on first use: `vlfast tokens rewrite` (text only) and a refusal never import
+# torch, which the audit's matrices and the fix need (seconds on a 2-core CPU).
+_EXPORTS = {
+    "audit_tokens": "audit",
+    "audit_vocabulary": "audit",
+    "fix_tokens": "fix",
+    "FixReport": "fix",
+    "verify_generation": "generation",
+    "rewrite_tags": "rewrite",
+    "parse_mapping": "rewrite",
+    "RewriteReport": "rewrite",
+    **dict.fromkeys(
+        (
+            "Alternative",
+            "GenerationCheck",
+            "GenerationReport",
+            "IndicatorInfo",
+            "NonFiniteRows",
+            "SkippedTag",
+            "TagReport",
+            "TokenAudit",
+            "TokenVerdict",
+            "VocabularyAudit",
+        ),
+        "report",
+    ),
+}
 
 __all__ = [
     "audit_tokens",
@@ -45,3 +58,5 @@ __all__ = [
     "FixReport",
     "RewriteReport",
 ]
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

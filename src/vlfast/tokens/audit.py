@@ -12,11 +12,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vlfast.errors import InputRefused
-from vlfast.tokens.indicators import matrix_stats
 from vlfast.tokens.report import (
     MAX_LISTED_IDS,
     IndicatorInfo,
@@ -37,7 +37,9 @@ from vlfast.tokens.tags import (
 )
 from vlfast.tokens.verdict import VERDICTS, Judge, worst
 from vlfast.tokens.vocab import Vocabulary
-from vlfast.tokens.weights import CheckpointWeights
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vlfast.tokens.weights import CheckpointWeights
 
 
 @dataclass
@@ -194,6 +196,10 @@ def analyse(
     so a tag never vouches for itself.
     """
     user = _parse_reference(reference_ids)  # before any file is read: a typo is named first
+    # torch reads the matrices: imported here, so that a refusal before them does not wait for it (seconds)
+    from vlfast.tokens.indicators import matrix_stats
+    from vlfast.tokens.weights import CheckpointWeights
+
     weights = CheckpointWeights.open(model, embedding_name, lm_head_name)
     vocab = vocab or Vocabulary.load(model)
     rows, _ = weights.shape(weights.embedding_name)
@@ -308,7 +314,7 @@ def audit_tokens(
     if not include_placeholders:
         wanted, skipped = split_placeholders(wanted)
     if not Path(model).is_dir():
-        from vlfast.models import missing_model_hint  # only on this error path
+        from vlfast.checkpoints import missing_model_hint  # only on this error path
 
         raise FileNotFoundError(
             f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"

@@ -16,11 +16,14 @@ values are left out of every median and separation, so one broken row cannot bli
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vlfast.errors import InputRefused
-from vlfast.tokens.indicators import MatrixStats
+
+if TYPE_CHECKING:  # pragma: no cover - indicators imports torch, which a refusal must not wait for
+    from vlfast.tokens.indicators import MatrixStats
 
 VERDICTS = ("trained", "suspect", "untrained")
 NORM_FALLBACK_RATIO = 0.5  # without reference rows: a norm below half the ordinary median is "low"

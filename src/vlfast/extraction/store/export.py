@@ -22,13 +22,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlfast._files import disk_full, is_inside, same_file, write_atomically
 from vlfast.errors import InputRefused
 from vlfast.extraction.objstore import is_url, url_scheme
-from vlfast.extraction.store.format import OutputFull, is_local, resolve_out
-from vlfast.extraction.store.reader import FeatureCache
+from vlfast.extraction.store.format import OutputFull, is_local, read_run_file, resolve_out
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vlfast.extraction.store.reader import FeatureCache
 
 __all__ = ["FORMATS", "META_COLUMNS", "ExportResult", "export", "table_schema"]
 
@@ -219,6 +221,9 @@ def _open(out: str | os.PathLike, storage_options: dict[str, Any] | None) -> Fea
             raise NotADirectoryError(
                 f"OUT {path} is a file, not a vlfast extraction folder: name the folder `vlfast extract` wrote"
             )
+    read_run_file(path)  # not a vlfast folder: refused here, before the reader imports torch (seconds)
+    from vlfast.extraction.store.reader import FeatureCache
+
     return FeatureCache(path)
 
 
