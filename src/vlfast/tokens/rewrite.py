@@ -16,6 +16,7 @@ from typing import Any
 
 from vlfast._files import refuse_same_files, write_atomically
 from vlfast.errors import InputRefused
+from vlfast.tokens.jsonline import load_record, string_spans, strings_of
 from vlfast.tokens.tags import BARE_NAME, compile_reward_regex, read_utf8, tag_pair
 
 
@@ -114,6 +115,30 @@ def _rewrite_value(value: Any, mapping: Mapping[str, str], counts: dict[str, int
     return value
 
 
+def _rewrite_literal(literal: str, text: str, new: str, mapping: Mapping[str, str]) -> str:
+    """The JSON string ``literal`` (quotes included) whose ``text`` the rewrite made ``new``, written again
+    with every escape it had: the tags replaced in the literal itself where that gives ``new``, else the
+    whole string encoded again (a tag written with escapes, as Go's ``\\u003c``), ASCII-only if it was."""
+    inner = rewrite_text(literal, mapping)
+    try:
+        if json.loads(inner) == new:
+            return inner
+    except json.JSONDecodeError:  # a tag holding a quote or a backslash
+        pass
+    return json.dumps(new, ensure_ascii=literal.isascii())
+
+
+def _rewrite_line(line: str, field_name: str, mapping: Mapping[str, str]) -> str:
+    """``line`` with only the string values under ``field_name`` that hold a tag written again."""
+    parts, at = [], 0
+    for start, end, text in string_spans(line, field_name):
+        new = rewrite_text(text, mapping)
+        if new != text:
+            parts += [line[at:start], _rewrite_literal(line[start:end], text, new, mapping)]
+            at = end
+    return "".join(parts) + line[at:]
+
+
 def _holds_text(value: Any) -> bool:
     if isinstance(value, str):
         return True
@@ -160,6 +185,11 @@ def _present(text: str, targets: list[str]) -> dict[str, int]:
     return {t: text.count(t) for t in targets if t in text}
 
 
+def _present_in(value: Any, targets: list[str]) -> dict[str, int]:
+    """The targets found in the strings ``value`` holds (a NUL between two: no tag spans a boundary)."""
+    return _present("\x00".join(strings_of(value)), targets)
+
+
 # A JSON \u escape of a UTF-16 surrogate that is not half of a pair (after skipping escaped backslashes):
 # json.loads gives it as a lone surrogate, which is not Unicode text and cannot be written as UTF-8.
 _SURROGATE_ESCAPE = re.compile(
@@ -175,10 +205,11 @@ def _lone_surrogate(line: str) -> re.Match | None:
     return None
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, record) of every non-blank line of a JSON-lines file, read as manifests read one: a
-    UTF-8 byte-order mark at the start is skipped. A line that is not UTF-8, not JSON, or holds a lone
-    surrogate is refused naming the line and the file's byte offset of the fault."""
+def _jsonl_records(path: Path) -> Iterator[tuple[bytes, str | None, Any]]:
+    """(bytes, text, record) of every line of a JSON-lines file, read as manifests read one: a UTF-8
+    byte-order mark at the start is skipped (and not written again); a blank line has no text nor record.
+    Numbers stay the text they were (:class:`~vlfast.tokens.jsonline.Verbatim`). A line that is not UTF-8,
+    not JSON, or holds a lone surrogate is refused naming the line and the file's byte offset of the fault."""
     with path.open("rb") as f:
         offset = 0
         for lineno, raw in enumerate(f, 1):
@@ -193,12 +224,17 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
                     "dataset must be UTF-8 text (re-encode it, e.g. iconv -f latin1 -t utf-8)"
                 ) from None
             if not line.strip():
+                yield raw, None, None
                 continue
             try:
-                rec = json.loads(line)
+                rec = load_record(line)
             except json.JSONDecodeError as e:
                 raise InputRefused(
                     f"{path} line {lineno} is not JSON ({e}); the file must be JSON lines"
+                ) from None
+            except RecursionError:
+                raise InputRefused(
+                    f"{path} line {lineno} nests lists or objects too deeply to read; flatten that record"
                 ) from None
             bad = _lone_surrogate(line) if "\\u" in line else None
             if bad is not None:
@@ -207,7 +243,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
                     f"{bad.group()} (half of a UTF-16 pair), which is not Unicode text and cannot be written "
                     "as UTF-8; fix or drop that record"
                 )
-            yield lineno, rec
+            yield raw, line, rec
 
 
 def _read_parquet(path: Path):
@@ -275,8 +311,7 @@ def rewrite_dataset(
         values = col.to_pylist()
         if not any(_holds_text(v) for v in values):
             raise _no_text(path, field_name)
-        for k, v in _present(json.dumps(values, ensure_ascii=False), targets).items():
-            present[k] = present.get(k, 0) + v
+        present = _present_in(values, targets)
         new = pa.array([_rewrite_value(v, mapping, counts) for v in values], type=col.type)
         table = table.set_column(table.column_names.index(field_name), field_name, new)
         write_atomically(dest, lambda tmp: pq.write_table(table, tmp), overwrite=True, tag="rewrite")
@@ -285,18 +320,23 @@ def rewrite_dataset(
     n = 0
 
     def write(tmp: Path) -> None:
+        # Every byte of a line the rewrite does not change is written as it came (numbers, key order, spacing,
+        # escapes, blank lines, a last line without a newline): only the string values under the field that
+        # hold a tag are written again. A byte-order mark is dropped, as JSON lines have none.
         nonlocal n
         seen, text = 0, False
-        with tmp.open("w", encoding="utf-8") as dst:
-            for _, rec in _jsonl_records(path):
+        with tmp.open("wb") as dst:
+            for raw, line, rec in _jsonl_records(path):
                 if isinstance(rec, dict) and field_name in rec:
+                    value = rec[field_name]
                     seen += 1
-                    text = text or _holds_text(rec[field_name])
-                    for k, v in _present(json.dumps(rec[field_name], ensure_ascii=False), targets).items():
+                    text = text or _holds_text(value)
+                    for k, v in _present_in(value, targets).items():
                         present[k] = present.get(k, 0) + v
-                    rec[field_name] = _rewrite_value(rec[field_name], mapping, counts)
-                dst.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                n += 1
+                    if _rewrite_value(value, mapping, counts) != value:
+                        raw = _rewrite_line(line, field_name, mapping).encode()
+                dst.write(raw)
+                n += line is not None
         if not n:
             raise InputRefused(f"{path} holds no records: nothing to rewrite")
         if not seen:
