@@ -107,6 +107,10 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "video_mean": tuple(OPENAI_CLIP_MEAN),
         "video_std": tuple(OPENAI_CLIP_STD),
         "frame_sampling": "qwen2-vl",
+        # Qwen2VLVideoProcessor: size.longest_edge bounds each frame; its max_video_tokens (used only with
+        # cap_pixels_per_frame) is a context length, 128,000 by default
+        "video_sizing": "qwen2-vl",
+        "max_video_tokens": 128_000,
     },
 }
 _FAMILY_DEFAULTS["qwen3_vl_moe"] = _FAMILY_DEFAULTS["qwen3_vl"]
@@ -169,6 +173,13 @@ def _processor_dicts(
         video_from, video_cfg = f"{nested_file} (video_processor)", nested["video_processor"]
     elif video_file.is_file():
         video_from, video_cfg = str(video_file), _json_object(video_file)
+    elif use_transformers and image_file.is_file():
+        # transformers' AutoVideoProcessor then reads the image processor's file for videos too
+        # (get_video_processor_config falls back to preprocessor_config.json): so does vlfast, for parity
+        video_from, video_cfg = (
+            f"{image_file} (as transformers reads it for videos)",
+            _json_object(image_file),
+        )
     else:
         video_from, video_cfg = None, {}
     if use_transformers:
@@ -181,11 +192,7 @@ def _processor_dicts(
             except ImportError:  # an older transformers: the files as read above
                 return read
             image, _ = ImageProcessingMixin.get_image_processor_dict(str(path), local_files_only=True)
-            video = (
-                read[1]
-                if video_from is None
-                else get_video_processor_config(str(path), local_files_only=True)
-            )
+            video = get_video_processor_config(str(path), local_files_only=True) or read[1]
             return image, video
 
         image_cfg, video_cfg = ask() if facts is None else facts.answer("processor files", ask)
@@ -281,7 +288,30 @@ def _checkpoint_values(
     values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
     values["merge_size"] = int(image_cfg.get("merge_size", 2))
     values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
+    values.update(_pixel_settings(image_cfg, ""))
+    values.update(_pixel_settings(video_cfg, "video_"))
     return source, video_cfg
+
+
+def _pixel_settings(cfg: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The settings of a processor's file that change pixels (absent: the Qwen-VL processor classes'
+    defaults), as ProcessorConfig fields named with ``prefix``."""
+    out: dict[str, Any] = {}
+    resample = cfg.get("resample", 3)
+    try:
+        out[f"{prefix}resample"] = int(resample)
+    except (TypeError, ValueError):
+        raise InputRefused(
+            f"the processor's resample is {resample!r}: expected a PIL resampling code (0-5)"
+        ) from None
+    for flag in ("do_resize", "do_rescale", "do_normalize") + (("do_convert_rgb",) if not prefix else ()):
+        value = cfg.get(flag, True)
+        if not isinstance(value, bool):
+            raise InputRefused(f"the processor's {flag} is {value!r}: expected true or false")
+        out[prefix + flag] = value
+    if prefix:
+        out[f"{prefix}rescale_factor"] = float(cfg.get("rescale_factor", 1 / 255))
+    return out
 
 
 def build_processor_config(
@@ -362,11 +392,26 @@ def build_processor_config(
         min_frames=int(video_cfg.get("min_frames", 4)),
         max_frames=int(video_cfg.get("max_frames", 768)),
         cap_pixels_per_frame=bool(video_cfg.get("cap_pixels_per_frame") or False),
-        max_video_tokens=int(video_cfg.get("max_video_tokens", 768)),
+        max_video_tokens=int(video_cfg.get("max_video_tokens", values.get("max_video_tokens", 768))),
         rescale_factor=values.get("rescale_factor", 1 / 255),
         video_sizing=values.get("video_sizing", "processor"),
         exif_orientation=not recipe if exif_orientation is None else bool(exif_orientation),
+        **{k: values[k] for k in _PIXEL_SETTINGS if k in values},
     )
+
+
+_PIXEL_SETTINGS = (
+    "resample",
+    "do_resize",
+    "do_rescale",
+    "do_normalize",
+    "do_convert_rgb",
+    "video_resample",
+    "video_do_resize",
+    "video_do_rescale",
+    "video_do_normalize",
+    "video_rescale_factor",
+)
 
 
 # --------------------------------------------------------------------------------------------- images

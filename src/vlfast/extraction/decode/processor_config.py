@@ -9,7 +9,24 @@ from typing import Any
 
 from vlfast.errors import InputRefused
 
-__all__ = ["ProcessorConfig"]
+__all__ = ["VIDEO_RESAMPLES", "VIDEO_SIZINGS", "ProcessorConfig"]
+
+VIDEO_SIZINGS = ("processor", "qwen2-vl", "qwen-vl-utils")
+# PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to
+VIDEO_RESAMPLES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
+# Fields added after OUTs were written without them: in run.json only where they differ from these values
+_OMITTED_AT = {
+    "resample": 3,
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "video_resample": 3,
+    "video_do_resize": True,
+    "video_do_rescale": True,
+    "video_do_normalize": True,
+    "video_rescale_factor": 1 / 255,
+}
 
 
 @dataclass(frozen=True)
@@ -39,14 +56,31 @@ class ProcessorConfig:
     rescale_factor: float = 1 / 255
     video_resize: str = "torch.nn.functional.interpolate(uint8, bicubic, antialias=True)"
     frames_list_fps: float = 24.0  # timestamps of a clip given as frame images (transformers' default)
-    # "processor": the video processor's smart_resize over all frames; "qwen-vl-utils": qwen-vl-utils'
-    # fetch_video (a per-frame budget from video_max_pixels as the total, per-frame video_min_pixels and
-    # max_video_tokens), as Qwen3-VL-Embedding prepares videos (with frame_sampling "qwen-vl-utils").
+    # "processor": Qwen3VLVideoProcessor's smart_resize, video_max_pixels a budget over all frames;
+    # "qwen2-vl": Qwen2VLVideoProcessor's, video_max_pixels a budget for each frame (with
+    # cap_pixels_per_frame, also an even share of 90% of max_video_tokens' pixels); "qwen-vl-utils":
+    # qwen-vl-utils' fetch_video (a per-frame budget from video_max_pixels as the total, per-frame
+    # video_min_pixels and max_video_tokens), as Qwen3-VL-Embedding prepares videos (with frame_sampling
+    # "qwen-vl-utils").
     video_sizing: str = "processor"
     # Images (and a clip's frame images) turned upright by their EXIF orientation tag, as transformers'
     # load_image does for a path or URL (PIL.ImageOps.exif_transpose). False: the pixels as stored, as
     # qwen-vl-utils reads them and as every vlfast before this field did.
     exif_orientation: bool = False
+    # The processors' settings that change pixels, as the checkpoint's files (or the processor classes'
+    # defaults) give them; resampling by PIL's codes (0 nearest, 2 bilinear, 3 bicubic). Images: transformers'
+    # image processor applies them; videos: the rules in vlfast.extraction.decode.video. In run.json only where
+    # they differ from these defaults, which every vlfast before them applied, so older OUTs resume as made.
+    resample: int = 3
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    do_convert_rgb: bool = True
+    video_resample: int = 3
+    video_do_resize: bool = True
+    video_do_rescale: bool = True
+    video_do_normalize: bool = True
+    video_rescale_factor: float = 1 / 255
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
@@ -57,10 +91,18 @@ class ProcessorConfig:
             raise InputRefused(
                 f"frame_sampling must be 'qwen3-vl', 'qwen2-vl' or 'qwen-vl-utils', got {self.frame_sampling!r}"
             )
-        if self.video_sizing not in ("processor", "qwen-vl-utils"):
+        if self.video_sizing not in VIDEO_SIZINGS:
             raise InputRefused(
-                f"video_sizing must be 'processor' or 'qwen-vl-utils', got {self.video_sizing!r}"
+                f"video_sizing must be one of {', '.join(map(repr, VIDEO_SIZINGS))}, got {self.video_sizing!r}"
             )
+        if self.video_resample not in VIDEO_RESAMPLES:
+            raise InputRefused(
+                f"the video processor's resample is {self.video_resample!r} (from {self.source}); vlfast resizes videos "
+                f"as transformers' torchvision backend does for {', '.join(f'{k} ({v})' for k, v in VIDEO_RESAMPLES.items())} "
+                "only: set one of these in the checkpoint's video processor settings"
+            )
+        if self.video_sizing == "qwen-vl-utils" and self.video_resample != 3:
+            raise InputRefused("qwen-vl-utils' video sizing resizes bicubic only (video_resample 3)")
         if (self.fps is None) == (self.num_frames is None):
             raise InputRefused("give exactly one of fps and num_frames for video sampling")
         if self.fps is not None and self.fps <= 0:
@@ -94,4 +136,7 @@ class ProcessorConfig:
             del d["video_sizing"]
         if not d["exif_orientation"]:  # absent from older OUTs' run.json, which did not apply it
             del d["exif_orientation"]
+        for k, default in _OMITTED_AT.items():
+            if d[k] == default and type(d[k]) is type(default):
+                del d[k]
         return d

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, Media, SampleError, at_url, checked_media
-from vlfast.extraction.decode.processor_config import ProcessorConfig
+from vlfast.extraction.decode.processor_config import VIDEO_RESAMPLES, ProcessorConfig
 from vlfast.extraction.decode.truncation import container_truncation
 from vlfast.extraction.objstore import is_transient, transient_error
 
@@ -20,6 +20,7 @@ __all__ = [
     "normalize_video_patches",
     "patchify_video",
     "read_video",
+    "resize_frames",
     "sample_frame_indices",
     "video_resize_shape",
 ]
@@ -86,15 +87,28 @@ def _image_smart_resize(height: int, width: int, factor: int, lo: float, hi: flo
 
 
 def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorConfig) -> tuple[int, int]:
-    """(h, w) of every frame after resizing: the video ``smart_resize`` with the total pixel budget, or
-    for ``video_sizing="qwen-vl-utils"`` qwen-vl-utils' ``fetch_video``: each frame within
-    [video_min_pixels, max(min(max_video_tokens * factor**2, video_max_pixels / n * T), 1.05 * min)]."""
+    """(h, w) of every frame after resizing, by the rule ``cfg.video_sizing`` names:
+
+    - ``"processor"``: ``Qwen3VLVideoProcessor.resize``, ``video_max_pixels`` a budget over all frames (with
+      ``cap_pixels_per_frame``, each frame at most ``max_video_tokens`` patches' worth or an even share);
+    - ``"qwen2-vl"``: ``Qwen2VLVideoProcessor.resize``, ``video_max_pixels`` a budget for each frame (with
+      ``cap_pixels_per_frame``, also an even share of 90% of ``max_video_tokens`` patches' pixels, times the
+      temporal patch, floored at 1.05 ``video_min_pixels``);
+    - ``"qwen-vl-utils"``: qwen-vl-utils' ``fetch_video``: each frame within
+      [video_min_pixels, max(min(max_video_tokens * factor**2, video_max_pixels / n * T), 1.05 * min)].
+    """
     factor, tf = cfg.factor, cfg.temporal_patch_size
     if cfg.video_sizing == "qwen-vl-utils":
         lo = cfg.video_min_pixels
         frame_max = cfg.max_video_tokens * factor * factor
         hi = max(min(frame_max, cfg.video_max_pixels / num_frames * tf), int(lo * 1.05))
         return _image_smart_resize(height, width, factor, lo, hi)
+    if cfg.video_sizing == "qwen2-vl":
+        hi = cfg.video_max_pixels
+        if cfg.cap_pixels_per_frame:
+            total = int(cfg.max_video_tokens * factor * factor * 0.9)
+            hi = max(min(hi, total * tf // num_frames), int(cfg.video_min_pixels * 1.05))
+        return _image_smart_resize(height, width, factor, cfg.video_min_pixels, hi)
     max_pixels = cfg.video_max_pixels
     if cfg.cap_pixels_per_frame:
         frame_cap = cfg.max_video_tokens * factor * factor
@@ -119,17 +133,47 @@ def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorC
     return h_bar, w_bar
 
 
+def resize_frames(frames: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:
+    """(T, 3, H, W) uint8 -> (T, 3, h, w) uint8 as torchvision's v2 ``resize`` (transformers' torchvision
+    backend) computes it on CPU for PIL code ``resample``: bicubic (3) and, where ATen has its AVX2/AVX-512
+    kernels, bilinear (2) on uint8 directly, antialiased; bilinear elsewhere in float32, rounded back; nearest
+    (0, which transformers maps to "nearest-exact") without antialiasing. Any frame layout: the uint8 kernels are
+    fastest on channels-last, as decoded."""
+    if tuple(frames.shape[-2:]) == tuple(size):
+        return frames
+    mode = VIDEO_RESAMPLES[resample]
+    if mode == "nearest-exact":
+        return F.interpolate(frames, size=size, mode=mode)
+    if mode == "bicubic" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or _arm():
+        return F.interpolate(frames, size=size, mode=mode, align_corners=False, antialias=True)
+    out = F.interpolate(frames.to(torch.float32), size=size, mode=mode, align_corners=False, antialias=True)
+    return out.round_().to(torch.uint8)
+
+
+def _arm() -> bool:
+    import platform
+
+    return platform.machine() in ("aarch64", "arm64")
+
+
 def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
     """uint8 patches (N, C, T*P*P) -> float32 pixel_values (N, C*T*P*P), on whatever device they are.
 
-    ``(x - 255 mean) / (255 std)`` per channel, as transformers' fused rescale+normalise computes it
-    (float32 subtraction and division are exact IEEE operations, so any device gives the same bits).
+    As transformers' ``rescale_and_normalize``: with both steps ``(x - mean/r) / (std/r)`` per channel (its
+    fused form, ``r`` the rescale factor), else ``x * r``, ``(x - mean) / std`` or ``x`` alone. float32
+    subtraction, multiplication and division are exact IEEE operations, so any device gives the same bits.
     """
-    shape = (1, 3, 1)
-    mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(shape) * (1.0 / cfg.rescale_factor)
-    std = torch.tensor(cfg.video_std, dtype=torch.float32).view(shape) * (1.0 / cfg.rescale_factor)
-    mean, std = mean.to(patches.device), std.to(patches.device)
-    return ((patches.to(torch.float32) - mean) / std).reshape(patches.shape[0], -1)
+    x = patches.to(torch.float32)
+    if cfg.video_do_normalize:
+        shape = (1, 3, 1)
+        mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(shape)
+        std = torch.tensor(cfg.video_std, dtype=torch.float32).view(shape)
+        if cfg.video_do_rescale:
+            mean, std = mean * (1.0 / cfg.video_rescale_factor), std * (1.0 / cfg.video_rescale_factor)
+        x = (x - mean.to(patches.device)) / std.to(patches.device)
+    elif cfg.video_do_rescale:
+        x = x * cfg.video_rescale_factor
+    return x.reshape(patches.shape[0], -1)
 
 
 def patchify_video(
@@ -148,7 +192,14 @@ def patchify_video(
     # smart_resize refuses fewer frames than the temporal patch; a one-frame clip is treated as the
     # processor treats an image: the frame repeated.
     h, w = video_resize_shape(max(n, cfg.temporal_patch_size), frames.shape[-2], frames.shape[-1], cfg)
-    if (h, w) != tuple(frames.shape[-2:]) and cfg.video_sizing == "qwen-vl-utils":
+    if not cfg.video_do_resize:  # as transformers without resizing: the frames must be whole patches already
+        h, w = frames.shape[-2:]
+        if h % cfg.factor or w % cfg.factor:
+            raise SampleError(
+                f"frames of {w}x{h} are not multiples of {cfg.factor} (patch x merge), and the video processor's "
+                "do_resize is false: resize the video, or set do_resize in the checkpoint's video processor settings"
+            )
+    elif (h, w) != tuple(frames.shape[-2:]) and cfg.video_sizing == "qwen-vl-utils":
         # qwen-vl-utils resizes with torchvision's v1 ``transforms.functional.resize``: on uint8 it casts to
         # float32, interpolates, clamps, rounds and casts back (``_functional_tensor.resize``), which
         # differs by a level here and there from the uint8 kernel transformers' video processors run.
@@ -156,8 +207,8 @@ def patchify_video(
             frames.to(torch.float32), size=(h, w), mode="bicubic", align_corners=False, antialias=True
         )
         frames = frames.clamp_(0, 255).round_().to(torch.uint8)
-    elif (h, w) != tuple(frames.shape[-2:]):
-        frames = F.interpolate(frames, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+    else:
+        frames = resize_frames(frames, (h, w), cfg.video_resample)
     tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     if pad := -n % tp:
         frames = torch.cat((frames, frames[-1:].expand(pad, -1, -1, -1)), dim=0)

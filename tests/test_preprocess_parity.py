@@ -1,0 +1,254 @@
+"""vlfast's pixel_values and grid_thw against transformers' own processor classes, on real encoded files.
+
+Per family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; Qwen3-VL-MoE reads Qwen3-VL's processors), backend and mode: images
+(JPEG and PNG of several sizes and aspect ratios, one with an EXIF orientation) through the image processor of
+the recorded backend, videos (H.264 MP4 with B-frames, two sizes) sampled by frame count and by fps, with
+``cap_pixels_per_frame`` off and on, from a checkpoint's processor files and from a ``ref:`` model's published
+defaults. Equal means bit-equal: vlfast's video rules are transformers' operations in another order, and its
+images go through transformers' processor itself. The reference runs in a process of its own with the real
+torchvision (tests/_transformers_reference.py); the Qwen3-VL-Embedding recipe's reference is qwen-vl-utils,
+compared in test_extract_embedding.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import _transformers_reference as reference
+from vlfast.demo import make_video, pattern
+from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
+from vlfast.extraction.sources.sample import Sample
+
+pytestmark = pytest.mark.timeout(600)
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+QWEN2_IMAGE = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2}
+QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16}
+
+
+@pytest.fixture(scope="module")
+def needs_reference():
+    why = reference.unavailable()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the parity reference must run in CI: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Real encoded files: JPEGs and PNGs of several sizes and aspect ratios, an EXIF-rotated JPEG, MP4s."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("parity-media")
+    out: dict[str, Path] = {}
+    for name, (w, h), fmt in [
+        ("photo_640x480.jpg", (640, 480), "JPEG"),
+        ("wide_1000x300.png", (1000, 300), "PNG"),
+        ("odd_333x517.jpg", (333, 517), "JPEG"),
+        ("tiny_50x40.png", (50, 40), "PNG"),
+        ("hd_1920x1080.jpg", (1920, 1080), "JPEG"),
+    ]:
+        img = Image.fromarray(pattern(h, w, len(out)))
+        img.save(d / name, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+        out[name] = d / name
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees: transformers' load_image turns it upright
+    Image.fromarray(pattern(300, 400, 9)).save(d / "rotated.jpg", "JPEG", exif=exif)
+    out["rotated.jpg"] = d / "rotated.jpg"
+    # x264's defaults: B-frames (decode order differs from display order), as cameras and encoders make them
+    out["hd.mp4"] = make_video(d / "hd.mp4", frames=24, fps=12, width=1280, height=720, seed=3)
+    out["small.mp4"] = make_video(d / "small.mp4", frames=45, fps=30, width=640, height=360, seed=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen2_checkpoint(tmp_path_factory) -> Path:
+    """A Qwen2-VL checkpoint's processor files as the published repositories have them: preprocessor_config.json
+    alone (no video_preprocessor_config.json), which transformers also reads for videos."""
+    d = tmp_path_factory.mktemp("qwen2-ckpt")
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    cfg = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        **QWEN2_IMAGE,
+        "merge_size": 2,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        # a smaller budget than the published one, so the HD clip is resized per frame here too
+        "max_pixels": 602112,
+    }
+    (d / "preprocessor_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _vlfast(model: str, family: str, kind: str, path: Path, **options):
+    cfg = build_processor_config(model, family=family, **options)
+    pre = Preprocessor(cfg, image_processor_dir=None if model.startswith("ref:") else model)
+    pixels, grid, _ = pre(Sample(id=path.name, kind=kind, paths=(str(path),)))
+    return cfg, pixels, list(grid)
+
+
+def _assert_equal(name: str, ours: torch.Tensor, grid: list[int], expected) -> None:
+    ref_pixels, ref_grid = expected
+    assert grid == ref_grid, f"{name}: grid {grid} against transformers' {ref_grid}"
+    assert ours.dtype == torch.float32 and ours.shape == ref_pixels.shape, name
+    worst = (ours - ref_pixels.to(torch.float32)).abs().max().item()
+    assert torch.equal(ours, ref_pixels.to(torch.float32)), f"{name}: max abs diff {worst}"
+
+
+MODES = {"8-frames": {"num_frames": 8}, "2-fps": {"fps": 2.0}}
+CLIPS = ("hd.mp4", "small.mp4")
+# The published Qwen3-VL repositories' video_preprocessor_config.json (vlfast's ref: defaults); Qwen2-VL's and
+# Qwen2.5-VL's have none: their ref: defaults are Qwen2VLVideoProcessor's own.
+QWEN3_VIDEO = {"size": {"shortest_edge": 4096, "longest_edge": 25_165_824}, "fps": 2, "patch_size": 16}
+REF_VIDEOS = {  # ref: model -> (family, transformers' video processor class, its settings)
+    "ref:qwen2-vl-7b": ("qwen2_vl", "Qwen2VLVideoProcessor", {}),
+    "ref:qwen2.5-vl-7b": ("qwen2_5_vl", "Qwen2VLVideoProcessor", {}),
+    "ref:qwen3-vl-2b": ("qwen3_vl", "Qwen3VLVideoProcessor", QWEN3_VIDEO),
+    "ref:qwen3-vl-30b-a3b": ("qwen3_vl_moe", "Qwen3VLVideoProcessor", QWEN3_VIDEO),
+}
+CHECKPOINT_VIDEOS = {"qwen3_vl": "Qwen3VLVideoProcessor", "qwen2_vl": "Qwen2VLVideoProcessor"}
+IMAGES = (
+    "photo_640x480.jpg",
+    "wide_1000x300.png",
+    "odd_333x517.jpg",
+    "tiny_50x40.png",
+    "hd_1920x1080.jpg",
+    "rotated.jpg",
+)
+REF_IMAGES = {  # ref: model -> (family, the class's numbers as vlfast's published defaults give them)
+    "ref:qwen2-vl-7b": ("qwen2_vl", {**QWEN2_IMAGE, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}),
+    "ref:qwen2.5-vl-7b": ("qwen2_5_vl", {**QWEN2_IMAGE, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}),
+    "ref:qwen3-vl-2b": ("qwen3_vl", {**QWEN3_IMAGE, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_qwen3_vl, qwen2_checkpoint) -> dict[str, Path]:
+    return {"qwen3_vl": tiny_qwen3_vl, "qwen2_vl": qwen2_checkpoint}
+
+
+@pytest.fixture(scope="module")
+def expected(needs_reference, files, checkpoints, tmp_path_factory) -> dict:
+    """Every case's reference output, from one run of transformers' processors (one interpreter start)."""
+    cases = []
+    for model, (_, cls, init) in REF_VIDEOS.items():
+        for mode, call in MODES.items():
+            for cap in (False, True):
+                for clip in CLIPS:
+                    cases.append(
+                        {
+                            "name": f"{model}-{mode}-{cap}-{clip}",
+                            "kind": "video",
+                            "path": str(files[clip]),
+                            "processor": cls,
+                            "init": init,
+                            "call": {**call, "cap_pixels_per_frame": cap},
+                        }
+                    )
+    for family, cls in CHECKPOINT_VIDEOS.items():
+        for mode, call in MODES.items():
+            for clip in CLIPS:
+                cases.append(
+                    {
+                        "name": f"{family}-checkpoint-{mode}-{clip}",
+                        "kind": "video",
+                        "path": str(files[clip]),
+                        "processor": "AutoVideoProcessor",
+                        "checkpoint": str(checkpoints[family]),
+                        "expect_class": cls,
+                        "call": dict(call),
+                    }
+                )
+    recorded = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl").image_processor
+    for image in IMAGES:
+        for model, (_, init) in REF_IMAGES.items():
+            # a ref: model's class built with the family's numbers; vlfast passes the budget as size
+            cases.append(
+                {
+                    "name": f"{model}-{image}",
+                    "kind": "image",
+                    "path": str(files[image]),
+                    "processor": recorded,
+                }
+            )
+            cases[-1]["init"] = init
+        for family, ckpt in checkpoints.items():
+            cases.append(
+                {
+                    "name": f"{family}-checkpoint-{image}",
+                    "kind": "image",
+                    "path": str(files[image]),
+                    "processor": recorded,
+                    "checkpoint": str(ckpt),
+                }
+            )
+    return reference.reference_pixels(cases, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.mark.parametrize("cap", [False, True], ids=["uncapped", "capped"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("model", list(REF_VIDEOS))
+def test_ref_videos_equal_transformers(expected, files, model, mode, cap):
+    """A ``ref:`` model's videos against the family's video processor class with its defaults: Qwen2-VL and
+    Qwen2.5-VL bound each frame by the budget (a 1280x720 clip at 8 frames: (4, 40, 72), not vlfast's former
+    (4, 14, 26)), Qwen3-VL budgets over all frames."""
+    family = REF_VIDEOS[model][0]
+    # vlfast reads cap_pixels_per_frame from the processor's settings; a ref: model has the class defaults
+    cfg = replace(build_processor_config(model, family=family, **MODES[mode]), cap_pixels_per_frame=cap)
+    grids = {}
+    for clip in CLIPS:
+        pixels, grid, _ = Preprocessor(cfg)(Sample(id=clip, kind="video", paths=(str(files[clip]),)))
+        _assert_equal(
+            f"{model} {mode} cap={cap} {clip}", pixels, list(grid), expected[f"{model}-{mode}-{cap}-{clip}"]
+        )
+        grids[clip] = list(grid)
+    if family.startswith("qwen2") and not cap and mode == "8-frames":
+        assert grids["hd.mp4"] == [4, 40, 72]  # 1280x720 within 768*28*28 pixels per frame
+        assert grids["small.mp4"] == [4, 26, 46]  # 640x360: no smaller
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", list(CHECKPOINT_VIDEOS))
+def test_checkpoint_videos_equal_transformers(expected, files, checkpoints, family, mode):
+    """A checkpoint's processor files against AutoVideoProcessor built from them: Qwen3-VL's
+    video_preprocessor_config.json, and a Qwen2-VL checkpoint with preprocessor_config.json alone, whose
+    settings transformers then reads for videos too (so vlfast does)."""
+    for clip in CLIPS:
+        _, pixels, grid = _vlfast(str(checkpoints[family]), family, "video", files[clip], **MODES[mode])
+        _assert_equal(f"{family} {mode} {clip}", pixels, grid, expected[f"{family}-checkpoint-{mode}-{clip}"])
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_images_equal_the_recorded_backend(expected, files, checkpoints, image):
+    """Images of several sizes and aspect ratios (and an EXIF-rotated JPEG), per family, from checkpoints and
+    ref: defaults, against the image processor class vlfast records, built by transformers the same way."""
+    for model, (family, _) in REF_IMAGES.items():
+        _, pixels, grid = _vlfast(model, family, "image", files[image])
+        _assert_equal(f"{model} {image}", pixels, grid, expected[f"{model}-{image}"])
+    for family, ckpt in checkpoints.items():
+        _, pixels, grid = _vlfast(str(ckpt), family, "image", files[image])
+        _assert_equal(f"{family} checkpoint {image}", pixels, grid, expected[f"{family}-checkpoint-{image}"])
+
+
+def test_qwen2_video_sizing_is_per_frame():
+    """The sizes the issue measured, without the reference: 1280x720 and 640x360 clips at 8 frames."""
+    from vlfast.extraction.decode.video import video_resize_shape
+
+    cfg = build_processor_config("ref:qwen2-vl-7b", family="qwen2_vl", num_frames=8)
+    assert cfg.video_sizing == "qwen2-vl" and cfg.max_video_tokens == 128_000
+    assert [x // 14 for x in video_resize_shape(8, 720, 1280, cfg)] == [40, 72]
+    assert [x // 14 for x in video_resize_shape(8, 360, 640, cfg)] == [26, 46]
+    qwen3 = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
+    assert [x // 16 for x in video_resize_shape(8, 720, 1280, qwen3)] == [
+        44,
+        80,
+    ]  # 8 x 704 x 1280 within the total
