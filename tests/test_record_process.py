@@ -8,12 +8,22 @@ patch (PEFT's LoRA convs added after ``patch``, a model built before the switch)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vlfast
+from vlfast.models import build_reference, synthetic_inputs
+from vlfast.patching.gemm import is_patched, patch
+
+K = (2, 4, 4)
 
 RECORD_SCRIPT = """
 import torch, vlfast
@@ -89,3 +99,151 @@ def test_a_directory_is_refused_and_a_new_file_is_created(tmp_path):
     )
     assert done.returncode == 0 and "regular file" not in done.stderr, done.stderr
     assert json.loads(target.read_text())["gemm_calls"] == 1
+
+
+# ------------------------------------------------------------------------ a forward replaced on the class
+
+
+def conv3d() -> nn.Conv3d:
+    torch.manual_seed(0)
+    return nn.Conv3d(3, 8, K, stride=K)
+
+
+def windows(n: int = 4) -> torch.Tensor:
+    return torch.randn(n, 3, *K, generator=torch.Generator().manual_seed(1))
+
+
+def their_forward(self, x):
+    """What ms-swift >= 4.1 assigns to nn.Conv3d.forward on torch 2.9.x: its own computation, which never
+    calls the instance's _conv_forward, where vlfast's patch sits."""
+    return F.conv3d(x, self.weight, self.bias, self.stride)
+
+
+def their_forward_through_the_patch(self, x):
+    return self._conv_forward(x, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def conv3d_forward(fn):
+    original = nn.Conv3d.forward
+    nn.Conv3d.forward = fn
+    try:
+        yield
+    finally:
+        nn.Conv3d.forward = original
+
+
+@pytest.mark.parametrize("order", ["patch-then-replace", "replace-then-patch"])
+def test_a_forward_replaced_on_the_class_is_named_by_the_report_repr_and_record(order):
+    model, x = nn.Sequential(conv3d()), windows()
+    said = f"forward replaced by {__name__}.their_forward: vlfast's GEMM not reached, calls not counted"
+    with contextlib.ExitStack() as stack:
+        if order == "patch-then-replace":
+            patch(model)
+            stack.enter_context(conv3d_forward(their_forward))
+            report = patch(model)
+            assert report.entries[0].status == "already_patched"
+        else:
+            stack.enter_context(conv3d_forward(their_forward))
+            report = patch(model)
+            assert report.entries[0].status == "patched"
+        assert report.entries[0].reason == said
+        assert f"1 of them not reached: {said}" in str(report)
+        assert not is_patched(model) and repr(model[0]).endswith(f"vlfast=not reached ({said}))")
+        with vlfast.record_calls() as rec:
+            model(x)
+            model(x)
+        text = str(rec)
+        assert "1 patched conv, 0 calls" not in text, text
+        head, line = text.splitlines()
+        assert head.endswith(f"{said} (1 patched conv)"), text
+        assert line == f"  0: {said} (2 calls of the module)"
+        (conv,) = rec.to_dict()["convs"]
+        assert conv["forward_replaced"] == f"{__name__}.their_forward" and conv["module_calls"] == 2
+    assert is_patched(model) and repr(model[0]).endswith("vlfast=gemm)")  # torch's forward back
+
+
+def test_a_replaced_forward_that_calls_the_patch_runs_the_gemm_and_is_not_flagged():
+    model, x = nn.Sequential(conv3d()), windows()
+    patch(model)
+    with conv3d_forward(their_forward_through_the_patch):
+        assert is_patched(model)
+        with vlfast.record_calls() as rec:
+            model(x)
+    assert rec.gemm_calls == 1 and str(rec).splitlines()[1] == "  0: 1 GEMM"
+
+
+# --------------------------------------------------------------- eligible convs vlfast did not patch
+
+
+def _hooks() -> int:
+    return len(torch.nn.modules.module._global_forward_pre_hooks)
+
+
+def test_the_record_watches_module_calls_only_while_it_runs():
+    before = _hooks()
+    with vlfast.record_calls():
+        assert _hooks() == before + 1
+        with vlfast.record_calls():  # overlapping records share one hook
+            assert _hooks() == before + 1
+        assert _hooks() == before + 1
+    assert _hooks() == before  # off: torch's Module.__call__ keeps its fast path, nothing counts
+
+
+def test_a_conv_never_patched_is_counted_and_named_by_class_and_id():
+    built_before, patched, x = conv3d(), conv3d(), windows()
+    other = nn.Conv3d(3, 8, 3, padding=1)  # not eligible: not counted
+    patch(patched)
+    with vlfast.record_calls() as rec:
+        built_before(x)
+        built_before(x)
+        patched(x)
+        other(torch.randn(1, 3, 4, 4, 4))
+    (unpatched,) = rec.unpatched()
+    assert unpatched.name == f"Conv3d@{id(built_before) & 0xFFFFFF:06x}" and unpatched.module_calls == 2
+    assert rec.unpatched_calls == 2 and rec.gemm_calls == 1 and rec.stock_calls == 0
+    assert str(rec).splitlines()[-1] == f"  1 eligible conv not patched: {unpatched.name}: 2 stock calls"
+    assert rec.to_dict()["unpatched"] == [{"name": unpatched.name, "calls": 2}]
+
+
+def test_peft_after_patch_leaves_its_lora_convs_stock_and_the_record_names_them():
+    peft = pytest.importorskip("peft")
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    pixels, grid = synthetic_inputs(tower, [(2, 4, 4)])
+    patch(tower, strict=True)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=r".*patch_embed\.proj", init_lora_weights=False
+    )
+    model = peft.get_peft_model(tower, config)  # lora_A, lora_B: the patch embed's geometry, left stock
+    with vlfast.record_calls() as rec:
+        model(pixels, grid_thw=grid)
+        model(pixels, grid_thw=grid)
+    lora = ["patch_embed.proj.lora_A.default", "patch_embed.proj.lora_B.default"]
+    assert [(c.name, c.module_calls) for c in rec.unpatched()] == [(n, 2) for n in lora]
+    assert rec.gemm_calls == 2 and rec.unpatched_calls == 4
+    assert f"  2 eligible convs not patched: {', '.join(lora)}: 4 stock calls" in str(rec).splitlines()
+
+
+VLFAST_PATCH_SCRIPT = """
+import peft, torch, vlfast
+from vlfast.models import build_reference, synthetic_inputs
+tower = build_reference("qwen3-vl-4b", tiny=True)  # a transformers model: patched as built
+pixels, grid = synthetic_inputs(tower, [(2, 4, 4)])
+config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*patch_embed\\.proj", init_lora_weights=False)
+model = peft.get_peft_model(tower, config)  # patched as attached
+model(pixels, grid_thw=grid)
+"""
+
+
+def test_vlfast_patch_with_a_record_path_reports_no_unpatched_conv(tmp_path):
+    pytest.importorskip("peft")
+    target = tmp_path / "record.jsonl"
+    env = _env(VLFAST_PATCH="1", VLFAST_RECORD=str(target))
+    done = subprocess.run(
+        [sys.executable, "-c", VLFAST_PATCH_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(target.read_text())
+    assert record["unpatched_calls"] == 0 and record["unpatched"] == [], record
+    assert record["gemm_calls"] == 3 and record["stock_calls"] == 0
+    assert "not patched" not in done.stderr and "3 patched convs, 3 calls: 3 GEMM, 0 stock" in done.stderr

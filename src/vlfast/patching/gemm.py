@@ -65,21 +65,74 @@ _RECORDING = int(getattr(sys.modules.get("vlfast.patching.record"), "env_armed",
 _FORWARDS: weakref.WeakValueDictionary[int, GemmConvForward] = weakref.WeakValueDictionary()
 _COUNTED: list[Calls] = []
 _ROOTS: list[weakref.ref] = []
+# While a record runs, a global forward pre-hook sees every module call: the calls of each eligible Conv3d
+# that vlfast did not patch (PEFT's LoRA convs added after patch(), a model built before the switch), and
+# how often each patched conv was called, which a forward replaced on its class can keep from the GEMM.
+_UNPATCHED: weakref.WeakKeyDictionary[nn.Module, Calls] = weakref.WeakKeyDictionary()
+_hook: list = []  # the pre-hook's handle while one is installed
 
 
 class Calls:
-    """One patched conv's calls while a record ran: through the GEMM, and through the stock conv by reason."""
+    """One conv's calls while a record ran: through the GEMM, and through the stock conv by reason; the
+    module calls the record's hook saw (for a conv vlfast did not patch, every call is a stock one); and,
+    for a patched conv, the forward that keeps its calls from the GEMM, if any (set when read)."""
 
-    __slots__ = ("gemm", "name", "stock")
+    __slots__ = ("entered", "gemm", "name", "patched", "replaced", "stock")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, patched: bool = True) -> None:
         self.name = name
+        self.patched = patched
         self.gemm = 0
         self.stock: dict[str, int] = {}
+        self.entered = 0
+        self.replaced: str | None = None
 
     def _first(self) -> None:
-        if not self.gemm and not self.stock:
+        if not self.gemm and not self.stock and not self.entered:
             _COUNTED.append(self)
+
+
+# torch's own forward of each conv class calls self._conv_forward, where the patch sits (an instance
+# attribute). A forward assigned to the class afterwards (ms-swift >= 4.1 sets nn.Conv3d.forward on torch
+# 2.9.x; a user's monkeypatch) runs instead, and reaches the patch only if it calls _conv_forward itself.
+_TORCH_CONV_FILE = getattr(sys.modules.get(nn.Conv3d.__module__), "__file__", None)
+BYPASSED = "vlfast's GEMM not reached, calls not counted"
+
+
+def _is_torch_forward(fn: object) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_name == "forward" and code.co_filename == _TORCH_CONV_FILE
+
+
+def _calls_the_patch(fn: object) -> bool:
+    """A replacement that names ``_conv_forward`` or wraps torch's forward (functools.wraps) is taken to
+    call it; the record's counts show whether it did."""
+    code = getattr(fn, "__code__", None)
+    return (code is not None and "_conv_forward" in code.co_names) or _is_torch_forward(
+        getattr(fn, "__wrapped__", None)
+    )
+
+
+def _qualname(fn: object) -> str:
+    fn = getattr(fn, "__func__", fn)
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None) or repr(fn)
+    return f"{module}.{name}" if module else name
+
+
+def forward_replaced(module: nn.Module) -> str | None:
+    """The qualified name of the forward that a call of ``module`` runs in place of torch's, when one was
+    assigned to its class or to a conv class above it (``nn.Conv3d.forward = fn``); None for torch's own
+    and for a subclass's own ``forward``, written in its class body (which calls what it calls)."""
+    for cls in type(module).__mro__:
+        fn = cls.__dict__.get("forward")
+        if fn is None:
+            continue
+        if _is_torch_forward(fn) or _calls_the_patch(fn):
+            return None
+        if cls in _CONV_TYPES or getattr(fn, "__qualname__", None) != f"{cls.__qualname__}.forward":
+            return _qualname(fn)
+        return None
+    return None
 
 
 def _is_channels_last(t: torch.Tensor, nd: int) -> bool:
@@ -196,6 +249,8 @@ class GemmConvForward:
         m = None if self._module is None else self._module()
         if m is None:
             return self._stock
+        if (fn := forward_replaced(m)) is not None:
+            return f"forward replaced by {fn}: {BYPASSED}"
         if not self._geometry_current(m):
             self._geometry_changed(m)
         if self._stock is not None:
@@ -365,7 +420,12 @@ class _PatchedExtraRepr:
         text = type(m).extra_repr(m)
         fwd = m.__dict__.get("_conv_forward")
         why = fwd.status() if isinstance(fwd, GemmConvForward) else None
-        mark = "vlfast=gemm" if why is None else f"vlfast=stock ({why})"
+        if why is None:
+            mark = "vlfast=gemm"
+        elif why.endswith(BYPASSED):
+            mark = f"vlfast=not reached ({why})"
+        else:
+            mark = f"vlfast=stock ({why})"
         return f"{text}, {mark}" if text else mark
 
 
@@ -492,6 +552,12 @@ class PatchReport:
         parts = [f"{self.num_patched} patched"]
         if self.already_patched:
             parts.append(f"{len(self.already_patched)} already patched")
+        bypassed = sorted(
+            {e.reason for e in self.patched + self.already_patched if e.reason.endswith(BYPASSED)}
+        )
+        if bypassed:
+            n = sum(e.reason in bypassed for e in self.entries)
+            parts.append(f"{n} of them not reached: " + "; ".join(bypassed))
         if self.skipped:
             parts.append(f"{len(self.skipped)} skipped")
         return ", ".join(parts) if self.entries else "no convolutions found"
@@ -647,15 +713,50 @@ def _remember_root(model: nn.Module) -> None:
 
 def count_calls(delta: int) -> None:
     """Add ``delta`` to the number of records running (vlfast.patching.record); calls are counted while
-    it is not zero."""
+    it is not zero, and the module pre-hook that sees the convs vlfast did not patch is installed."""
     global _RECORDING
     _RECORDING = max(0, _RECORDING + delta)
+    _watch(bool(_RECORDING))
+
+
+def _watch(on: bool) -> None:
+    """Install the global forward pre-hook while a record runs, and only then: with none, torch's
+    ``Module.__call__`` takes its fast path and the record costs nothing."""
+    if on and not _hook:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        _hook.append(register_module_forward_pre_hook(_module_called))
+    elif not on and _hook:
+        _hook.pop().remove()
+
+
+def _module_called(module: nn.Module, args: tuple) -> None:
+    # Every module call of the process goes through here while a record runs: one isinstance for most.
+    if not isinstance(module, nn.Conv3d) or _is_compiling():
+        return
+    fwd = module.__dict__.get("_conv_forward")
+    if isinstance(fwd, GemmConvForward):
+        c = fwd.calls
+    elif (c := _UNPATCHED.get(module)) is None:
+        if module.stride != module.kernel_size or eligibility(module) is not None:
+            return  # not a conv vlfast patches (decided again at its next call: geometry may change)
+        c = _UNPATCHED[module] = Calls(f"{type(module).__name__}@{id(module) & 0xFFFFFF:06x}", patched=False)
+    elif eligibility(module) is not None:
+        return
+    c._first()
+    c.entered += 1
 
 
 def counters() -> list[Calls]:
-    """The counters of every patched conv alive now or that counted a call, named as in their model."""
+    """The counters of every patched conv alive now or that counted a call, and of every eligible conv
+    vlfast did not patch that was called while a record ran; named as in their model, and each patched
+    one with the forward that keeps calls from its GEMM, if any."""
     name_counted_convs()
-    out = {id(f.calls): f.calls for f in list(_FORWARDS.values())}
+    out = {}
+    for f in list(_FORWARDS.values()):
+        m = None if f._module is None else f._module()
+        f.calls.replaced = None if m is None else forward_replaced(m)
+        out[id(f.calls)] = f.calls
     out.update((id(c), c) for c in _COUNTED)
     return list(out.values())
 
@@ -671,9 +772,10 @@ def name_counted_convs() -> None:
             continue
         for name, m in root.named_modules():
             fwd = m.__dict__.get("_conv_forward")
-            if isinstance(fwd, GemmConvForward) and id(fwd) not in seen:
-                seen.add(id(fwd))
-                fwd.calls.name = name or fwd.calls.name
+            c = fwd.calls if isinstance(fwd, GemmConvForward) else _UNPATCHED.get(m)
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                c.name = name or c.name
 
 
 def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> PatchReport:
@@ -700,9 +802,9 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         if isinstance(fwd := m.__dict__.get("_conv_forward"), GemmConvForward):
             fwd.calls.name = name or fwd.calls.name
             why = fwd.status()
-            report.entries.append(
-                _entry(name, m, "already_patched", f"runs the stock conv: {why}" if why else "")
-            )
+            if why and not why.endswith(BYPASSED):
+                why = f"runs the stock conv: {why}"
+            report.entries.append(_entry(name, m, "already_patched", why or ""))
             continue
         if not keep(name, m):
             report.entries.append(_entry(name, m, "filtered", "excluded by filter"))
@@ -714,7 +816,9 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
             report.entries.append(_entry(name, m, "skipped", reason))
             continue
         todo.append((name, m))
-        report.entries.append(_entry(name, m, "patched", _deferred(m)))
+        fn = forward_replaced(m)
+        why = _deferred(m) if fn is None else f"forward replaced by {fn}: {BYPASSED}"
+        report.entries.append(_entry(name, m, "patched", why))
     if strict and not report:
         found = (
             "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) or "the model has no Conv1d/2d/3d"
@@ -740,3 +844,7 @@ def unpatch(model: nn.Module) -> PatchReport:
                 del m.__dict__["__reduce_ex__"]
             report.entries.append(_entry(name, m, "unpatched"))
     return report
+
+
+if _RECORDING:  # VLFAST_RECORD armed before this import: watch from now on
+    _watch(True)

@@ -44,19 +44,32 @@ _lock = threading.Lock()
 env_armed = False  # VLFAST_RECORD asked for counting from start-up to exit
 
 
+_BYPASSED = "vlfast's GEMM not reached, calls not counted"  # gemm.BYPASSED, without importing torch here
+
+
 @dataclass
 class ConvCalls:
-    """One patched conv's calls in a record: through the GEMM, and through the stock conv by reason."""
+    """One conv's calls in a record: through the GEMM, and through the stock conv by reason. ``module_calls``
+    are the calls of the module itself; ``replaced`` names the forward assigned to its class that keeps
+    them from the GEMM; ``patched`` is False for an eligible conv vlfast did not patch (all its calls are
+    stock calls)."""
 
     name: str
     gemm: int = 0
     stock: dict[str, int] = field(default_factory=dict)
+    module_calls: int = 0
+    replaced: str | None = None
+    patched: bool = True
 
     @property
     def calls(self) -> int:
         return self.gemm + sum(self.stock.values())
 
     def line(self) -> str:
+        if self.replaced is not None and not self.calls:
+            n = self.module_calls
+            calls = f"{n} call{'s' * (n != 1)} of the module"
+            return f"{self.name}: forward replaced by {self.replaced}: {_BYPASSED} ({calls})"
         if not self.calls:
             return f"{self.name}: no call"
         parts = [f"{self.gemm} GEMM"]
@@ -79,21 +92,22 @@ def _rank() -> tuple[int | None, int | None]:
     return None, None
 
 
-def _counts() -> dict[int, tuple[Any, int, dict[str, int]]]:
-    """id(counter) -> (counter, GEMM calls, stock calls by reason) for every patched conv alive now or
-    that counted a call; nothing when the patch's module was never imported."""
+def _counts() -> dict[int, tuple[Any, int, dict[str, int], int]]:
+    """id(counter) -> (counter, GEMM calls, stock calls by reason, module calls) for every patched conv
+    alive now or that counted a call, and every eligible conv vlfast did not patch that was called while
+    a record ran; nothing when the patch's module was never imported."""
     gemm = sys.modules.get("vlfast.patching.gemm")
     if gemm is None:
         return {}
-    return {id(c): (c, c.gemm, dict(c.stock)) for c in gemm.counters()}
+    return {id(c): (c, c.gemm, dict(c.stock), c.entered) for c in gemm.counters()}
 
 
 @dataclass
 class CallRecord:
     """Calls of patched convs between :func:`record_calls` and :meth:`stop` (or now, while it runs)."""
 
-    _start: dict[int, tuple[Any, int, dict[str, int]]] = field(default_factory=dict, repr=False)
-    _end: dict[int, tuple[Any, int, dict[str, int]]] | None = field(default=None, repr=False)
+    _start: dict[int, tuple[Any, int, dict[str, int], int]] = field(default_factory=dict, repr=False)
+    _end: dict[int, tuple[Any, int, dict[str, int], int]] | None = field(default=None, repr=False)
     _idle: bool = field(default=False, repr=False)  # list patched convs with no call too (at exit)
 
     @property
@@ -117,17 +131,28 @@ class CallRecord:
         """Each patched conv called while the record ran, by its qualified name in the model ``patch``
         was given (convs of the same name, e.g. the same model built twice, summed); ``idle``: also the
         patched convs alive with no call."""
+        return [c for c in self._all(idle) if c.patched]
+
+    def unpatched(self) -> list[ConvCalls]:
+        """Each eligible Conv3d that vlfast did not patch and that was called while the record ran (its
+        ``module_calls`` are stock calls), named as in a model ``patch`` was given, else by its class and
+        a short id."""
+        return [c for c in self._all(False) if not c.patched]
+
+    def _all(self, idle: bool) -> list[ConvCalls]:
         end = self._end if self._end is not None else _counts()
-        by_name: dict[str, ConvCalls] = {}
-        for key, (counter, g, stock) in end.items():
-            g0, s0 = 0, {}
+        by_name: dict[tuple[bool, str], ConvCalls] = {}
+        for key, (counter, g, stock, entered) in end.items():
+            g0, s0, e0 = 0, {}, 0
             if key in self._start and self._start[key][0] is counter:
-                _, g0, s0 = self._start[key]
+                _, g0, s0, e0 = self._start[key]
             name = counter.name or "<root>"  # a conv patch() was given itself, as PatchReport says
-            if not idle and g == g0 and stock == s0:
+            if not (idle and counter.patched) and g == g0 and stock == s0 and entered == e0:
                 continue
-            entry = by_name.setdefault(name, ConvCalls(name))
+            entry = by_name.setdefault((counter.patched, name), ConvCalls(name, patched=counter.patched))
             entry.gemm += g - g0
+            entry.module_calls += entered - e0
+            entry.replaced = entry.replaced or counter.replaced
             for why, n in stock.items():
                 if n - s0.get(why, 0):
                     entry.stock[why] = entry.stock.get(why, 0) + n - s0.get(why, 0)
@@ -141,16 +166,33 @@ class CallRecord:
     def stock_calls(self) -> int:
         return sum(sum(c.stock.values()) for c in self.convs())
 
+    @property
+    def unpatched_calls(self) -> int:
+        """Calls of eligible convs vlfast did not patch: each one ran the stock conv."""
+        return sum(c.module_calls for c in self.unpatched())
+
     def to_dict(self) -> dict[str, Any]:
         rank, world = _rank()
         convs = self.convs(idle=self._idle)
+        unpatched = self.unpatched()
         return {
             "rank": rank,
             "world_size": world,
             "pid": os.getpid(),
             "gemm_calls": sum(c.gemm for c in convs),
             "stock_calls": sum(sum(c.stock.values()) for c in convs),
-            "convs": [{"name": c.name, "gemm": c.gemm, "stock": c.stock} for c in convs],
+            "unpatched_calls": sum(c.module_calls for c in unpatched),
+            "convs": [
+                {
+                    "name": c.name,
+                    "gemm": c.gemm,
+                    "stock": c.stock,
+                    "module_calls": c.module_calls,
+                    "forward_replaced": c.replaced,
+                }
+                for c in convs
+            ],
+            "unpatched": [{"name": c.name, "calls": c.module_calls} for c in unpatched],
         }
 
     def __str__(self) -> str:
@@ -158,18 +200,35 @@ class CallRecord:
         rank, world = d["rank"], d["world_size"]
         who = "one process" if rank is None else f"rank {rank}" + (f" of {world}" if world else "")
         convs = self.convs(idle=self._idle)
+        unpatched = self.unpatched()
+        tail = []
+        if unpatched:
+            k, n = len(unpatched), d["unpatched_calls"]
+            names = ", ".join(c.name for c in unpatched)
+            tail.append(
+                f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} stock call{'s' * (n != 1)}"
+            )
         if not convs:
-            return (
+            head = (
                 f"vlfast record ({who}, pid {d['pid']}): no patched convolution in this process "
                 f"(was the model built before VLFAST_PATCH / patch_transformers took effect, or never patched?)"
             )
+            return "\n".join([head, *tail])
         calls = d["gemm_calls"] + d["stock_calls"]
         n = len(convs)
-        head = (
-            f"vlfast record ({who}, pid {d['pid']}): {n} patched conv{'s' * (n != 1)}, {calls} call{'s' * (calls != 1)}: "
-            f"{d['gemm_calls']} GEMM, {d['stock_calls']} stock"
-        )
-        return "\n".join([head, *(f"  {c.line()}" for c in convs)])
+        bypassed = [c for c in convs if c.replaced is not None and not c.calls]
+        by = ", ".join(sorted({c.replaced for c in bypassed}))
+        if bypassed and len(bypassed) == n:  # not "1 patched conv, 0 calls": nothing ran through vlfast
+            head = f"vlfast record ({who}, pid {d['pid']}): forward replaced by {by}: {_BYPASSED}"
+            head += f" ({n} patched conv{'s' * (n != 1)})"
+        else:
+            head = (
+                f"vlfast record ({who}, pid {d['pid']}): {n} patched conv{'s' * (n != 1)}, "
+                f"{calls} call{'s' * (calls != 1)}: {d['gemm_calls']} GEMM, {d['stock_calls']} stock"
+            )
+            if bypassed:
+                head += f"; {len(bypassed)} not reached: forward replaced by {by}"
+        return "\n".join([head, *(f"  {c.line()}" for c in convs), *tail])
 
 
 def _set_recording(delta: int) -> None:
@@ -204,7 +263,7 @@ def _at_exit(target: str) -> None:
     if "vlfast.patching.gemm" not in sys.modules:
         return
     record = CallRecord(_start={}, _idle=True)
-    convs = record.convs(idle=True)
+    convs = record.convs(idle=True) + record.unpatched()
     mp = sys.modules.get("multiprocessing")
     if not convs and mp is not None and mp.parent_process() is not None:
         return
