@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from _patching_checks import assert_verbose_close, cosine
-from vlfast.models import REFERENCES, build_reference, synthetic_inputs, tower_outputs
+from _transformers_support import TOWER, TOWER_LOADS_ALONE, needs, references
+from vlfast.models import build_reference, synthetic_inputs, tower_outputs
 from vlfast.patching.gemm import is_patched, patch, unpatch
 
 GRIDS = [(2, 4, 6), (1, 2, 2)]  # a two-temporal-patch video and a small image, one batch
@@ -42,7 +43,7 @@ def _run(tower, pixels, grid, *, backward=True, seed=3):
     return result
 
 
-@pytest.mark.parametrize("name", list(REFERENCES))
+@pytest.mark.parametrize("name", references())
 def test_reference_tower_forward_and_backward_match(name):
     tower = build_reference(name, tiny=True)
     pixels, grid = synthetic_inputs(tower, GRIDS)
@@ -67,6 +68,7 @@ def test_reference_tower_forward_and_backward_match(name):
     assert torch.equal(again["merged"], expected["merged"])  # unpatched: the stock kernel, bit for bit
 
 
+@needs("qwen3_vl")
 def test_qwen3_deepstack_features_are_compared():
     # Guard for the test above: the Qwen3 towers do return deepstack features to compare.
     tower = build_reference("qwen3-vl-4b", tiny=True)
@@ -74,7 +76,7 @@ def test_qwen3_deepstack_features_are_compared():
     assert len(_run(tower, pixels, grid, backward=False)["deepstack"]) == 2
 
 
-@pytest.mark.parametrize("name", list(REFERENCES))
+@pytest.mark.parametrize("name", references())
 def test_reference_tower_bf16(name):
     tower = build_reference(name, tiny=True, dtype=torch.bfloat16)
     pixels, grid = synthetic_inputs(tower, GRIDS, dtype=torch.bfloat16)
@@ -107,10 +109,11 @@ _LOAD_STOCK = textwrap.dedent(
 )
 
 
+@TOWER_LOADS_ALONE
 def test_save_pretrained_is_a_stock_checkpoint(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    tower = build_reference("qwen3-vl-4b", tiny=True)
+    tower = build_reference(TOWER, tiny=True)
     pixels, grid = synthetic_inputs(tower, GRIDS)
     with torch.no_grad():
         expected = tower_outputs(tower(pixels, grid_thw=grid))["merged"]
@@ -169,7 +172,7 @@ def _break_sites(tower, pixels, grid):
 EXTRA_GRAPHS = {"qwen3-vl-4b": 0, "glm-4.1v-9b": 1}
 
 
-@pytest.mark.parametrize("name", list(EXTRA_GRAPHS))
+@pytest.mark.parametrize("name", references(EXTRA_GRAPHS))
 def test_compile_adds_no_graph_break_to_a_tower(name):
     tower = build_reference(name, tiny=True)
     pixels, grid = synthetic_inputs(tower, [(2, 4, 4)])

@@ -82,8 +82,17 @@ def _build_from_vision_config(config: Any, *, device: str | torch.device, dtype:
     if getattr(config, "_attn_implementation", None) is None:
         config._attn_implementation = "sdpa"
     with torch.device(device):
-        model = cls._from_config(config, dtype=dtype)
+        model = cls._from_config(config, **{_dtype_keyword(): dtype})
     return model.eval()
+
+
+def _dtype_keyword() -> str:
+    """transformers 4.56 renamed ``torch_dtype`` (``from_pretrained``, ``_from_config``) to ``dtype``; before it,
+    ``dtype`` reaches the model's ``__init__`` and fails there."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
 def build_reference(
@@ -103,6 +112,13 @@ def build_reference(
 def reference_config(name: str, *, tiny: bool = False) -> Any:
     """The transformers vision config the reference ``name`` is built from."""
     ref = resolve_reference(name)
+    if not ref.installed():
+        import transformers
+
+        raise InputRefused(
+            f"ref:{ref.name} needs the {ref.family} family, which transformers {transformers.__version__} "
+            "does not have: upgrade transformers"
+        )
     module = importlib.import_module(f"transformers.models.{ref.family}.configuration_{ref.family}")
     return getattr(module, ref.config_class)(**{**ref.vision, **(ref.tiny if tiny else {})})
 
@@ -334,7 +350,7 @@ def load_model(
     config = load_config(path)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if dtype is not None:
-        kwargs["dtype"] = dtype
+        kwargs[_dtype_keyword()] = dtype
     last_error: Exception | None = None
     autos = ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModel")
     for auto in autos if head else ("AutoModel", *autos[:2]):

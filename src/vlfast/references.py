@@ -9,7 +9,9 @@ that the tower has the depth, widths, heads and patch this table states.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused
@@ -64,6 +66,11 @@ class Reference:
     def patch(self) -> tuple[int, int]:
         """(T, P): the patch conv's kernel is (T, P, P)."""
         return int(self.vision["temporal_patch_size"]), int(self.vision["patch_size"])
+
+    def installed(self) -> bool:
+        """Whether the installed transformers has this family (Qwen2-VL since 4.45, Qwen2.5-VL 4.49, GLM-4.1V
+        4.53, Qwen3-VL 4.57): its folder under ``transformers/models``, found without importing transformers."""
+        return self.family in installed_families()
 
     @property
     def out_width(self) -> int:
@@ -140,6 +147,19 @@ REFERENCES: dict[str, Reference] = {
 # fmt: on
 
 DEFAULT_REFERENCE = "qwen3-vl-4b"
+
+
+def installed_families() -> frozenset[str]:
+    """The model families (package names under ``transformers.models``) of the installed transformers."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    models = Path(next(iter(spec.submodule_search_locations))) / "models"
+    return (
+        frozenset(p.name for p in models.iterdir() if (p / "__init__.py").is_file())
+        if models.is_dir()
+        else frozenset()
+    )
 
 
 def list_references() -> list[Reference]:

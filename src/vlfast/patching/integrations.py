@@ -18,7 +18,8 @@ from pathlib import Path
 
 from torch import nn
 
-from vlfast.patching.gemm import Filter, compile_filter, patch, patch_one
+from vlfast.patching.gemm import Filter, compile_filter, is_patched, patch, patch_one
+from vlfast.patching.gemm import _remember_root as remember_root
 
 __all__ = [
     "Family",
@@ -151,6 +152,11 @@ def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> Non
             def attached(parent: nn.Module, name: str, module):
                 if isinstance(module, kinds):
                     patch_one(module, name)  # when eligible; named in full by the model's own patch()
+                elif isinstance(parent, PreTrainedModel) and is_patched(module):
+                    # A model whose __init__ never calls post_init (older transformers' bare vision towers:
+                    # 4.45's Qwen2VisionTransformerPretrainedModel) is patched by this hook alone: remember it,
+                    # so the record names its convs in full, as in a model patch() was given.
+                    remember_root(parent)
                 return None  # keep the module as given
 
             _state["registration_hook"] = register_module_module_registration_hook(attached)

@@ -1,0 +1,42 @@
+"""What the installed transformers builds, for the patch tests that run on every transformers from the first
+Qwen2-VL release (4.45) to the newest (`.ci/transformers-versions`): a family it does not have yet is a skip
+that names the version, not a failure."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from vlfast.references import REFERENCES, installed_families
+
+FAMILIES = installed_families()
+# The tower the single-model tests build: Qwen3-VL (deepstack features, transformers >= 4.57), else Qwen2-VL,
+# which every supported transformers has.
+TOWER = "qwen3-vl-4b" if REFERENCES["qwen3-vl-4b"].installed() else "qwen2-vl-7b"
+
+
+def _tower_loads_alone() -> bool:
+    """Whether a saved TOWER loads with its own class's from_pretrained: before 4.4x-4.5x Qwen2-VL's vision
+    config had the whole model's model_type, "qwen2_vl", and its from_pretrained looks for a vision_config key."""
+    from vlfast.models import reference_config
+
+    return type(reference_config(TOWER)).model_type != REFERENCES[TOWER].family
+
+
+# A test that saves TOWER and loads it back with its class, skipped where transformers cannot do that.
+TOWER_LOADS_ALONE = pytest.mark.skipif(
+    not _tower_loads_alone(),
+    reason=f"transformers {transformers.__version__} cannot load a saved {TOWER} vision tower on its own",
+)
+
+
+def needs(family: str) -> pytest.MarkDecorator:
+    """Skip where the installed transformers has no ``family`` (a package under transformers.models)."""
+    return pytest.mark.skipif(
+        family not in FAMILIES, reason=f"transformers {transformers.__version__} has no {family}"
+    )
+
+
+def references(names=None) -> list:
+    """Every built-in reference (or ``names``) as a test parameter, skipped where its family is not installed."""
+    return [pytest.param(n, marks=needs(REFERENCES[n].family)) for n in (names or REFERENCES)]
