@@ -115,7 +115,19 @@ REF_VIDEOS = {  # ref: model -> (family, transformers' video processor class, it
     "ref:qwen3-vl-2b": ("qwen3_vl", "Qwen3VLVideoProcessor", QWEN3_VIDEO),
     "ref:qwen3-vl-30b-a3b": ("qwen3_vl_moe", "Qwen3VLVideoProcessor", QWEN3_VIDEO),
 }
-CHECKPOINT_VIDEOS = {"qwen3_vl": "Qwen3VLVideoProcessor", "qwen2_vl": "Qwen2VLVideoProcessor"}
+# checkpoint -> (family, the video processor class transformers builds from it)
+CHECKPOINT_VIDEOS = {
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLVideoProcessor"),
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLVideoProcessor"),
+    # the settings that change pixels, changed in the checkpoint's files: bilinear and rescaled only ...
+    "qwen3_vl-bilinear-unnormalized": ("qwen3_vl", "Qwen3VLVideoProcessor"),
+    # ... nearest, and neither rescaled nor normalised
+    "qwen3_vl-nearest-raw": ("qwen3_vl", "Qwen3VLVideoProcessor"),
+}
+CHANGED_SETTINGS = {
+    "qwen3_vl-bilinear-unnormalized": {"resample": 2, "do_normalize": False},
+    "qwen3_vl-nearest-raw": {"resample": 0, "do_normalize": False, "do_rescale": False},
+}
 IMAGES = (
     "photo_640x480.jpg",
     "wide_1000x300.png",
@@ -132,8 +144,15 @@ REF_IMAGES = {  # ref: model -> (family, the class's numbers as vlfast's publish
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_qwen3_vl, qwen2_checkpoint) -> dict[str, Path]:
-    return {"qwen3_vl": tiny_qwen3_vl, "qwen2_vl": qwen2_checkpoint}
+def checkpoints(tiny_qwen3_vl, qwen2_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    out = {"qwen3_vl": tiny_qwen3_vl, "qwen2_vl": qwen2_checkpoint}
+    for name, changed in CHANGED_SETTINGS.items():
+        d = tmp_path_factory.mktemp(name)
+        for f in ("config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
+            cfg = json.loads((tiny_qwen3_vl / f).read_text())
+            (d / f).write_text(json.dumps(cfg if f == "config.json" else {**cfg, **changed}))
+        out[name] = d
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -154,16 +173,16 @@ def expected(needs_reference, files, checkpoints, tmp_path_factory) -> dict:
                             "call": {**call, "cap_pixels_per_frame": cap},
                         }
                     )
-    for family, cls in CHECKPOINT_VIDEOS.items():
+    for name, (_, cls) in CHECKPOINT_VIDEOS.items():
         for mode, call in MODES.items():
             for clip in CLIPS:
                 cases.append(
                     {
-                        "name": f"{family}-checkpoint-{mode}-{clip}",
+                        "name": f"{name}-checkpoint-{mode}-{clip}",
                         "kind": "video",
                         "path": str(files[clip]),
                         "processor": "AutoVideoProcessor",
-                        "checkpoint": str(checkpoints[family]),
+                        "checkpoint": str(checkpoints[name]),
                         "expect_class": cls,
                         "call": dict(call),
                     }
@@ -181,10 +200,10 @@ def expected(needs_reference, files, checkpoints, tmp_path_factory) -> dict:
                 }
             )
             cases[-1]["init"] = init
-        for family, ckpt in checkpoints.items():
+        for name, ckpt in checkpoints.items():
             cases.append(
                 {
-                    "name": f"{family}-checkpoint-{image}",
+                    "name": f"{name}-checkpoint-{image}",
                     "kind": "image",
                     "path": str(files[image]),
                     "processor": recorded,
@@ -217,14 +236,20 @@ def test_ref_videos_equal_transformers(expected, files, model, mode, cap):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("family", list(CHECKPOINT_VIDEOS))
-def test_checkpoint_videos_equal_transformers(expected, files, checkpoints, family, mode):
+@pytest.mark.parametrize("name", list(CHECKPOINT_VIDEOS))
+def test_checkpoint_videos_equal_transformers(expected, files, checkpoints, name, mode):
     """A checkpoint's processor files against AutoVideoProcessor built from them: Qwen3-VL's
-    video_preprocessor_config.json, and a Qwen2-VL checkpoint with preprocessor_config.json alone, whose
-    settings transformers then reads for videos too (so vlfast does)."""
+    video_preprocessor_config.json, one with the settings that change pixels changed (resample bilinear or
+    nearest, no normalisation, no rescaling), and a Qwen2-VL checkpoint with preprocessor_config.json alone,
+    whose settings transformers then reads for videos too (so vlfast does)."""
+    family = CHECKPOINT_VIDEOS[name][0]
     for clip in CLIPS:
-        _, pixels, grid = _vlfast(str(checkpoints[family]), family, "video", files[clip], **MODES[mode])
-        _assert_equal(f"{family} {mode} {clip}", pixels, grid, expected[f"{family}-checkpoint-{mode}-{clip}"])
+        cfg, pixels, grid = _vlfast(str(checkpoints[name]), family, "video", files[clip], **MODES[mode])
+        _assert_equal(f"{name} {mode} {clip}", pixels, grid, expected[f"{name}-checkpoint-{mode}-{clip}"])
+    changed = CHANGED_SETTINGS.get(name, {})
+    assert {k: v for k, v in cfg.to_dict().items() if k.removeprefix("video_") in changed} == {
+        f"{prefix}{k}": v for k, v in changed.items() for prefix in ("", "video_")
+    }
 
 
 @pytest.mark.parametrize("image", IMAGES)
@@ -234,9 +259,9 @@ def test_images_equal_the_recorded_backend(expected, files, checkpoints, image):
     for model, (family, _) in REF_IMAGES.items():
         _, pixels, grid = _vlfast(model, family, "image", files[image])
         _assert_equal(f"{model} {image}", pixels, grid, expected[f"{model}-{image}"])
-    for family, ckpt in checkpoints.items():
-        _, pixels, grid = _vlfast(str(ckpt), family, "image", files[image])
-        _assert_equal(f"{family} checkpoint {image}", pixels, grid, expected[f"{family}-checkpoint-{image}"])
+    for name, ckpt in checkpoints.items():
+        _, pixels, grid = _vlfast(str(ckpt), CHECKPOINT_VIDEOS[name][0], "image", files[image])
+        _assert_equal(f"{name} checkpoint {image}", pixels, grid, expected[f"{name}-checkpoint-{image}"])
 
 
 def test_qwen2_video_sizing_is_per_frame():
@@ -252,3 +277,33 @@ def test_qwen2_video_sizing_is_per_frame():
         44,
         80,
     ]  # 8 x 704 x 1280 within the total
+
+
+def test_a_changed_pixel_setting_refuses_the_resume(tiny_qwen3_vl, two, tmp_path):
+    """resample (and the do_* flags) come from the checkpoint's processor files and change pixels: they are in
+    run.json where they differ from the defaults, and a resume under another value is refused (exit 2, naming
+    it), instead of one OUT holding two preprocessings."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from vlfast.cli.main import app
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_qwen3_vl, ckpt)
+    out = tmp_path / "out"
+    args = ["extract", str(two), str(out), "--model", str(ckpt), "--workers", "0"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    recorded = json.loads((out / "run.json").read_text())["config"]["processor"]
+    assert "resample" not in recorded  # the default, as every OUT before recorded it: older OUTs resume
+    for f, key in (
+        ("preprocessor_config.json", "resample"),
+        ("video_preprocessor_config.json", "video_resample"),
+    ):
+        settings = json.loads((ckpt / f).read_text())
+        (ckpt / f).write_text(json.dumps({**settings, "resample": 0}))
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2, r.output
+        assert f"processor.{key}" in r.output and "already holds an extraction" in r.output, r.output
+        (ckpt / f).write_text(json.dumps(settings))
+    assert "nothing to do" in CliRunner().invoke(app, args).output
