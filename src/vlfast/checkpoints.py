@@ -1,6 +1,9 @@
 """A local checkpoint folder read without torch or transformers: the folder checked (with what to do when
 ``--model`` names nothing), its weight files, and where a vision tower's tensors are in them.
 
+:func:`tower_shapes` alone builds the tower (on the meta device: transformers and torch, nothing allocated);
+:func:`check_tower_shapes` compares those shapes with the safetensors headers.
+
 What the weights fingerprint of ``vlfast extract`` reads (:mod:`vlfast.extraction.store.fingerprint`), so
 that a finished OUT is answered without importing torch; :mod:`vlfast.models` builds and loads the models
 and re-exports these. Built-in references are :mod:`vlfast.references`.
@@ -11,7 +14,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vlfast.errors import InputRefused
@@ -19,10 +22,12 @@ from vlfast.references import REF_PREFIX, REFERENCES
 
 __all__ = [
     "TINY_CHECKPOINT",
+    "check_tower_shapes",
     "checkpoint_dir",
     "missing_model_hint",
     "safetensors_files",
     "tensor_locations",
+    "tower_shapes",
 ]
 
 # ------------------------------------------------------------------------------------------- hints
@@ -123,3 +128,40 @@ def tensor_locations(spec: str | Path, names: Sequence[str]) -> dict[str, tuple[
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
     return found
+
+
+def tower_shapes(spec: str | Path) -> dict[str, list[int]]:
+    """The vision tower's tensors (its state_dict's names, in order) and the shapes config.json gives them, from
+    building the tower on the meta device: nothing allocated, nothing read but the config. Imports torch."""
+    from vlfast.models import load_vision_tower
+
+    return {name: list(t.shape) for name, t in load_vision_tower(spec, device="meta").state_dict().items()}
+
+
+def check_tower_shapes(spec: str | Path, shapes: Mapping[str, Sequence[int]]) -> None:
+    """Refuse (InputRefused, exit 2) a checkpoint whose vision-tower tensors are not the shapes its config.json
+    makes them: ``shapes`` is tower name -> shape as the config builds the tower (on the meta device). Reads
+    only safetensors headers, so a run refuses in a second, before it writes anything, where loading would
+    fail with torch's size mismatch once OUT held run.json. Names the tensor, its file and both shapes."""
+    from safetensors import safe_open
+
+    path = checkpoint_dir(spec)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (file, key) in tensor_locations(path, list(shapes)).items():
+        by_file.setdefault(file, []).append((name, key))
+    wrong: list[str] = []
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="numpy") as f:  # headers only
+            for name, key in names:
+                got = list(f.get_slice(key).get_shape())
+                if got != list(shapes[name]):
+                    wrong.append(
+                        f"{key} in {file.name} is {got}, where config.json makes it {list(shapes[name])}"
+                    )
+    if wrong:
+        more = f" (and {len(wrong) - 3} more tensors)" if len(wrong) > 3 else ""
+        raise InputRefused(
+            f"{path}: the weights do not fit config.json's vision_config: {'; '.join(wrong[:3])}{more}. The "
+            "weights and config.json come from different models (or the config was edited): put the config.json "
+            "saved with these weights beside them"
+        )

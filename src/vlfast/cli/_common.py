@@ -210,6 +210,19 @@ def _is_a(error: BaseException, etype: type[BaseException] | str | Callable[[Bas
     return isinstance(error, etype)
 
 
+def refuse_unfit_weights(model: str | None) -> None:
+    """Refuse (exit 2, naming the tensor and both shapes) a checkpoint whose vision-tower weights are not the
+    shapes its config.json makes them, before the command loads it, where torch's size mismatch was exit 3.
+    Builds the tower on the meta device: call it where the command imports torch anyway."""
+    from vlfast.references import REF_PREFIX
+
+    if model is None or model.startswith(REF_PREFIX):
+        return
+    from vlfast.checkpoints import check_tower_shapes, tower_shapes
+
+    check_tower_shapes(model, tower_shapes(model))
+
+
 def parse_storage_options(text: str | None) -> dict | None:
     """--storage-options as a dict. The message never echoes the text: it may hold credentials."""
     if text is None:

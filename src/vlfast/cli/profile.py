@@ -18,6 +18,7 @@ from vlfast.cli._common import (
     handle_errors,
     print_json,
     print_table,
+    refuse_unfit_weights,
 )
 from vlfast.limits import check
 
@@ -218,6 +219,7 @@ def register(app: typer.Typer) -> None:
             _require_matplotlib()
         if model is not None and not model.startswith(REF_PREFIX):
             vision_config_of(model)
+            refuse_unfit_weights(model)
 
         def progress(line: str) -> None:  # stderr, so a killed run says where it was; stdout stays JSON
             err_console.print(line, markup=False, highlight=False, soft_wrap=True)

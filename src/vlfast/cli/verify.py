@@ -20,6 +20,7 @@ from vlfast.cli._common import (
     handle_errors,
     print_json,
     print_table,
+    refuse_unfit_weights,
 )
 from vlfast.limits import check
 
@@ -132,6 +133,7 @@ def verify(
     from vlfast.patching.verification import expected_seconds
     from vlfast.patching.verification import verify as run_verify
 
+    refuse_unfit_weights(model)
     skip_teardown()  # everything it says is printed before it returns
     grids = [_parse_grid(g) for g in grid] if grid else [(2, 16, 16), (1, 12, 20)]
     dtypes = ["float32", *(dtype or ["bfloat16"])]

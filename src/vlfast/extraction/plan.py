@@ -355,8 +355,15 @@ def make_plan(
     )
     from vlfast.extraction.store.fingerprint import weights_fingerprint
 
+    shapes = None
+    if not config.model.startswith("ref:"):
+        from vlfast.checkpoints import check_tower_shapes, tower_shapes
+
+        # before anything is written: a tower that does not fit its config fails at load, after run.json
+        shapes = facts.answer("vision tower tensors", lambda: tower_shapes(config.model))
+        check_tower_shapes(config.model, shapes)
     t0 = time.perf_counter()
-    weights = weights_fingerprint(config.model, whole=config.spec.needs_llm, **_told(config, facts))
+    weights = weights_fingerprint(config.model, whole=config.spec.needs_llm, **_told(config, facts, shapes))
     fingerprint_seconds = time.perf_counter() - t0
     plan = RunPlan(
         out=out,
@@ -515,9 +522,9 @@ def identity(model: str, family: str, facts: ModelFacts | None = None) -> dict[s
     return {"family": family, "tower_class": tower["class"], "vision_config": vision_config}
 
 
-def _told(config: ExtractConfig, facts: ModelFacts) -> dict[str, Any]:
+def _told(config: ExtractConfig, facts: ModelFacts, shapes: dict[str, Any] | None) -> dict[str, Any]:
     """What the weights fingerprint takes from ``facts`` instead of torch and transformers: the vision tower's
-    tensor names (a checkpoint's, for vision features), torch's version (a reference's)."""
+    tensor names (a checkpoint's, for vision features: those of ``shapes``), torch's version (a reference's)."""
     model = config.model
     if model.startswith("ref:"):
 
@@ -527,15 +534,9 @@ def _told(config: ExtractConfig, facts: ModelFacts) -> dict[str, Any]:
             return str(torch.__version__)
 
         return {"torch_version": facts.answer("torch version", version)}
-    if config.spec.needs_llm:
+    if config.spec.needs_llm or shapes is None:
         return {}
-
-    def names() -> list[str]:
-        from vlfast.models import tower_tensor_names
-
-        return tower_tensor_names(model)
-
-    return {"tower_names": facts.answer("vision tower tensors", names)}
+    return {"tower_names": list(shapes)}
 
 
 def check_llm_request(model: str, spec: FeatureSpec, facts: ModelFacts | None = None) -> None:
