@@ -203,7 +203,16 @@ def test_a_conv_never_patched_is_counted_and_named_by_class_and_id():
     assert unpatched.name == f"Conv3d@{id(built_before) & 0xFFFFFF:06x}" and unpatched.module_calls == 2
     assert rec.unpatched_calls == 2 and rec.gemm_calls == 1 and rec.stock_calls == 0
     assert str(rec).splitlines()[-1] == f"  1 eligible conv not patched: {unpatched.name}: 2 stock calls"
-    assert rec.to_dict()["unpatched"] == [{"name": unpatched.name, "calls": 2}]
+    assert rec.to_dict()["unpatched"] == [{"name": unpatched.name, "calls": 2, "forward_replaced": None}]
+
+
+def test_a_conv_never_patched_under_a_replaced_forward_is_not_called_stock():
+    model, x = nn.Sequential(conv3d()), windows()
+    with conv3d_forward(their_forward), vlfast.record_calls() as rec:
+        model(x)
+    name = f"Conv3d@{id(model[0]) & 0xFFFFFF:06x}"
+    line = f"  1 eligible conv not patched: {name}: 1 call through {__name__}.their_forward"
+    assert str(rec).splitlines()[-1] == line
 
 
 def test_peft_after_patch_leaves_its_lora_convs_stock_and_the_record_names_them():

@@ -757,6 +757,8 @@ def counters() -> list[Calls]:
         m = None if f._module is None else f._module()
         f.calls.replaced = None if m is None else forward_replaced(m)
         out[id(f.calls)] = f.calls
+    for m, c in list(_UNPATCHED.items()):
+        c.replaced = forward_replaced(m)
     out.update((id(c), c) for c in _COUNTED)
     return list(out.values())
 

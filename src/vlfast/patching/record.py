@@ -168,7 +168,8 @@ class CallRecord:
 
     @property
     def unpatched_calls(self) -> int:
-        """Calls of eligible convs vlfast did not patch: each one ran the stock conv."""
+        """Calls of eligible convs vlfast did not patch: each one ran the stock conv (or the forward
+        assigned to its class, which the record names)."""
         return sum(c.module_calls for c in self.unpatched())
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,7 +193,9 @@ class CallRecord:
                 }
                 for c in convs
             ],
-            "unpatched": [{"name": c.name, "calls": c.module_calls} for c in unpatched],
+            "unpatched": [
+                {"name": c.name, "calls": c.module_calls, "forward_replaced": c.replaced} for c in unpatched
+            ],
         }
 
     def __str__(self) -> str:
@@ -202,12 +205,12 @@ class CallRecord:
         convs = self.convs(idle=self._idle)
         unpatched = self.unpatched()
         tail = []
-        if unpatched:
-            k, n = len(unpatched), d["unpatched_calls"]
-            names = ", ".join(c.name for c in unpatched)
-            tail.append(
-                f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} stock call{'s' * (n != 1)}"
-            )
+        for replaced in sorted({c.replaced or "" for c in unpatched}):
+            group = [c for c in unpatched if (c.replaced or "") == replaced]
+            k, n = len(group), sum(c.module_calls for c in group)
+            ran = f"call{'s' * (n != 1)} through {replaced}" if replaced else f"stock call{'s' * (n != 1)}"
+            names = ", ".join(c.name for c in group)
+            tail.append(f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} {ran}")
         if not convs:
             head = (
                 f"vlfast record ({who}, pid {d['pid']}): no patched convolution in this process "
