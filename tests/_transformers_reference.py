@@ -18,7 +18,7 @@ A case is a dict: ``name``; ``kind`` "image" or "video"; ``path``, a file; ``pro
 transformers (``Qwen2VLImageProcessor``, ``Qwen2VLImageProcessorPil``, ``Qwen2VLVideoProcessor``,
 ``Qwen3VLVideoProcessor``, or ``AutoImageProcessor`` / ``AutoVideoProcessor``); ``checkpoint``, a folder to
 build it from (``from_pretrained``), else ``init``, the class's keyword arguments; ``call``, the call's. Images are read with transformers'
-``load_image`` (EXIF orientation applied, as for a path), videos with its ``load_video`` (PyAV backend: every
+``load_image`` (EXIF orientation applied, as for a path) or, with ``as_pil``, given as PIL opens them, videos with its ``load_video`` (PyAV backend: every
 frame, sequentially) and sampled by the processor's own ``sample_frames`` (``do_sample_frames=True``).
 """
 
@@ -90,6 +90,8 @@ def _import_torchvision() -> None:
 
 def _main(spec: Path, out: Path) -> None:
     _import_torchvision()
+    import PIL.Image
+    import PIL.ImageOps
     import torch
     import transformers
     from transformers.image_utils import load_image
@@ -110,7 +112,11 @@ def _main(spec: Path, out: Path) -> None:
             raise SystemExit(f"{case['name']}: built a {type(proc).__name__}, not a {expected}")
         call = dict(case.get("call", {}))
         if case["kind"] == "image":
-            got = proc(images=[load_image(case["path"])], return_tensors="pt", **call)
+            if case.get("as_pil"):  # the PIL image as opened: the processor composites transparency on white
+                image = PIL.ImageOps.exif_transpose(PIL.Image.open(case["path"]))
+            else:  # load_image, as for a path: EXIF orientation applied, then convert("RGB") drops alpha
+                image = load_image(case["path"])
+            got = proc(images=[image], return_tensors="pt", **call)
             results[case["name"]] = (got["pixel_values"], got["image_grid_thw"][0].tolist())
         else:
             frames, metadata = load_video(case["path"], backend="pyav")

@@ -17,6 +17,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
         img = Image.fromarray(pattern(h, w, len(out)))
         img.save(d / name, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
         out[name] = d / name
+    rgba = np.dstack([pattern(240, 320, 7), (pattern(240, 320, 8)[..., 0] // 2 + 64)])
+    Image.fromarray(rgba, "RGBA").save(d / "alpha_320x240.png")  # composited on white by both
+    out["alpha_320x240.png"] = d / "alpha_320x240.png"
     exif = Image.Exif()
     exif[0x0112] = 6  # rotated 90 degrees: transformers' load_image turns it upright
     Image.fromarray(pattern(300, 400, 9)).save(d / "rotated.jpg", "JPEG", exif=exif)
@@ -135,7 +139,11 @@ IMAGES = (
     "tiny_50x40.png",
     "hd_1920x1080.jpg",
     "rotated.jpg",
+    "alpha_320x240.png",
 )
+# Transparency: transformers' load_image, for a path, drops the alpha channel (convert("RGB")); its processor,
+# given the PIL image, composites it on white, as qwen-vl-utils does, and so does vlfast: the reference gets it so
+GIVEN_AS_PIL = {"alpha_320x240.png"}
 REF_IMAGES = {  # ref: model -> (family, the class's numbers as vlfast's published defaults give them)
     "ref:qwen2-vl-7b": ("qwen2_vl", {**QWEN2_IMAGE, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}),
     "ref:qwen2.5-vl-7b": ("qwen2_5_vl", {**QWEN2_IMAGE, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}),
@@ -189,27 +197,32 @@ def expected(needs_reference, files, checkpoints, tmp_path_factory) -> dict:
                 )
     recorded = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl").image_processor
     for image in IMAGES:
-        for model, (_, init) in REF_IMAGES.items():
-            # a ref: model's class built with the family's numbers; vlfast passes the budget as size
-            cases.append(
-                {
-                    "name": f"{model}-{image}",
-                    "kind": "image",
-                    "path": str(files[image]),
-                    "processor": recorded,
-                }
-            )
-            cases[-1]["init"] = init
-        for name, ckpt in checkpoints.items():
-            cases.append(
-                {
-                    "name": f"{name}-checkpoint-{image}",
-                    "kind": "image",
-                    "path": str(files[image]),
-                    "processor": recorded,
-                    "checkpoint": str(ckpt),
-                }
-            )
+        # the recorded backend (transformers' own processor runs in vlfast), and the torchvision one (whose
+        # operations vlfast does itself)
+        for backend in sorted({recorded, "Qwen2VLImageProcessor"}):
+            for model, (_, init) in REF_IMAGES.items():
+                # a ref: model's class built with the family's numbers; vlfast passes the budget as size
+                cases.append(
+                    {
+                        "name": f"{model}-{backend}-{image}",
+                        "kind": "image",
+                        "path": str(files[image]),
+                        "processor": backend,
+                        "init": init,
+                        "as_pil": image in GIVEN_AS_PIL,
+                    }
+                )
+            for name, ckpt in checkpoints.items():
+                cases.append(
+                    {
+                        "name": f"{name}-checkpoint-{backend}-{image}",
+                        "kind": "image",
+                        "path": str(files[image]),
+                        "processor": backend,
+                        "checkpoint": str(ckpt),
+                        "as_pil": image in GIVEN_AS_PIL,
+                    }
+                )
     return reference.reference_pixels(cases, tmp_path_factory.mktemp("reference"))
 
 
@@ -252,16 +265,33 @@ def test_checkpoint_videos_equal_transformers(expected, files, checkpoints, name
     }
 
 
+@pytest.mark.parametrize("backend", ["recorded", "Qwen2VLImageProcessor"])
 @pytest.mark.parametrize("image", IMAGES)
-def test_images_equal_the_recorded_backend(expected, files, checkpoints, image):
-    """Images of several sizes and aspect ratios (and an EXIF-rotated JPEG), per family, from checkpoints and
-    ref: defaults, against the image processor class vlfast records, built by transformers the same way."""
-    for model, (family, _) in REF_IMAGES.items():
-        _, pixels, grid = _vlfast(model, family, "image", files[image])
-        _assert_equal(f"{model} {image}", pixels, grid, expected[f"{model}-{image}"])
-    for name, ckpt in checkpoints.items():
-        _, pixels, grid = _vlfast(str(ckpt), CHECKPOINT_VIDEOS[name][0], "image", files[image])
-        _assert_equal(f"{name} checkpoint {image}", pixels, grid, expected[f"{name}-checkpoint-{image}"])
+def test_images_equal_transformers(expected, files, checkpoints, image, backend):
+    """Images of several sizes and aspect ratios (an EXIF-rotated JPEG, a PNG with transparency), per family,
+    from checkpoints and ref: defaults, against the image processor class vlfast records, built by transformers
+    the same way: the recorded backend (here the PIL one, which vlfast calls), and the torchvision one, whose
+    operations vlfast does itself (also with the normalisation deferred to the model side, as extract does)."""
+    from vlfast.extraction.decode.video import normalize_video_patches
+
+    setups = [(m, f, m) for m, (f, _) in REF_IMAGES.items()]
+    setups += [
+        (str(ckpt), CHECKPOINT_VIDEOS[name][0], f"{name}-checkpoint") for name, ckpt in checkpoints.items()
+    ]
+    for model, family, key in setups:
+        cfg = build_processor_config(model, family=family)
+        if backend != "recorded":
+            cfg = replace(cfg, image_processor=backend)
+        pre = Preprocessor(cfg, image_processor_dir=None if model.startswith("ref:") else model)
+        sample = Sample(id=image, kind="image", paths=(str(files[image]),))
+        pixels, grid, _ = pre(sample)
+        want = expected[f"{key}-{cfg.image_processor}-{image}"]
+        _assert_equal(f"{key} {cfg.image_processor} {image}", pixels, list(grid), want)
+        if backend != "recorded":
+            deferred, _, _ = replace(pre, defer_video_normalize=True)(sample)
+            if deferred.dtype == torch.uint8:  # finished as the model side finishes every uint8 input
+                deferred = normalize_video_patches(deferred, cfg)
+            _assert_equal(f"{key} {backend} deferred {image}", deferred, list(grid), want)
 
 
 def test_qwen2_video_sizing_is_per_frame():

@@ -32,7 +32,7 @@ from vlfast._lazy import lazy_exports
 from vlfast.errors import InputRefused
 from vlfast.extraction.decode.embedding import RECIPE_PIXELS, is_embedding_checkpoint
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media, media_of
-from vlfast.extraction.decode.processor_config import ProcessorConfig
+from vlfast.extraction.decode.processor_config import TORCHVISION_IMAGE_PROCESSORS, ProcessorConfig
 from vlfast.extraction.sources.sample import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -538,6 +538,13 @@ class Preprocessor:
 
         img = load_image(path, self.cfg.exif_orientation)
         meta = {"width": img.size[0], "height": img.size[1], "mode": img.mode}
+        if self.cfg.image_processor in TORCHVISION_IMAGE_PROCESSORS:
+            # transformers' torchvision processor's operations, done here (no torchvision needed): see .image
+            from vlfast.extraction.decode.image import image_patches, rgb_tensor, same_normalization
+
+            defer = self.defer_video_normalize and same_normalization(self.cfg)
+            pixels, grid = image_patches(rgb_tensor(img), self.cfg, normalize=not defer)
+            return pixels, grid, meta
         try:
             out = self.image_processor()(images=[img], size=self._size(), return_tensors="pt")
         except ValueError as e:  # e.g. smart_resize's aspect-ratio check

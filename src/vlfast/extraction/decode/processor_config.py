@@ -9,7 +9,10 @@ from typing import Any
 
 from vlfast.errors import InputRefused
 
-__all__ = ["VIDEO_RESAMPLES", "VIDEO_SIZINGS", "ProcessorConfig"]
+__all__ = ["TORCHVISION_IMAGE_PROCESSORS", "VIDEO_RESAMPLES", "VIDEO_SIZINGS", "ProcessorConfig"]
+
+# transformers' torchvision image processors, whose operations vlfast.extraction.decode.image reproduces
+TORCHVISION_IMAGE_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"})
 
 VIDEO_SIZINGS = ("processor", "qwen2-vl", "qwen-vl-utils")
 # PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to

@@ -1,0 +1,91 @@
+"""Images as transformers' torchvision image processor (``Qwen2VLImageProcessor``, every Qwen-VL family's)
+prepares them, bit for bit, without torchvision and in a cheaper order.
+
+transformers: PIL image -> RGB (transparency on white) -> uint8 tensor -> ``smart_resize`` -> torchvision's
+``resize`` (bicubic, antialiased: on CPU uint8 the ATen kernel ``F.interpolate`` runs) -> float32 rescale and
+normalise -> patchify, each patch repeated ``temporal_patch_size`` times in float32: (N, C*T*P*P), 24 bytes a
+pixel. Here: the same resize on the uint8 pixels as decoded (channels-last, no copy), the patch permutation on
+uint8, the temporal repeat on uint8, and the normalisation last (elementwise per channel, so it commutes with
+both) or, deferred, on the model's device after the copy: 6 bytes a pixel cross the bus instead of 24
+(:func:`~vlfast.extraction.decode.video.normalize_video_patches` finishes them). Proven against the class
+itself in tests/test_preprocess_parity.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vlfast.extraction.decode.media import SampleError
+from vlfast.extraction.decode.processor_config import ProcessorConfig
+from vlfast.extraction.decode.video import _image_smart_resize, resize_frames
+
+__all__ = ["image_patches", "normalize_image_patches", "rgb_tensor", "same_normalization"]
+
+
+def rgb_tensor(img) -> torch.Tensor:
+    """(3, H, W) uint8 with channels-last strides (PIL's own layout, not copied): what transformers' convert_to_rgb
+    and pil_to_tensor give, transparency composited on white."""
+    from PIL import Image
+
+    if img.mode != "RGB":
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255))
+        img = Image.alpha_composite(background, rgba).convert("RGB")
+    return torch.from_numpy(np.asarray(img)).permute(2, 0, 1)
+
+
+def image_patches(
+    pixels: torch.Tensor, cfg: ProcessorConfig, *, normalize: bool = True
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(3, H, W) uint8 -> pixel_values (h*w, C*T*P*P) float32 and grid (1, h, w), as ``Qwen2VLImageProcessor``
+    with ``cfg``'s image settings; with ``normalize=False`` uint8 (h*w, C, T*P*P) for
+    :func:`normalize_image_patches` to finish (on the device)."""
+    height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
+    factor = cfg.factor
+    if cfg.do_resize:
+        try:
+            h, w = _image_smart_resize(height, width, factor, cfg.image_min_pixels, cfg.image_max_pixels)
+        except SampleError as e:
+            raise SampleError(f"the image processor refused a {width}x{height} image: {e}") from None
+        pixels = resize_frames(pixels[None], (h, w), cfg.resample)[0]
+    elif height % factor or width % factor:
+        raise SampleError(
+            f"a {width}x{height} image is not a multiple of {factor} (patch x merge) and the image processor's "
+            "do_resize is false: resize the image, or set do_resize in the checkpoint's preprocessor_config.json"
+        )
+    else:
+        h, w = height, width
+    tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
+    gh, gw = h // p, w // p
+    x = pixels.reshape(3, gh // m, m, p, gw // m, m, p).permute(
+        1, 4, 2, 5, 0, 3, 6
+    )  # (h/m, w/m, m, m, C, P, P)
+    x = x.reshape(gh * gw, 3, 1, p * p).expand(-1, -1, tp, -1).reshape(gh * gw, 3, tp * p * p)
+    return (normalize_image_patches(x, cfg) if normalize else x), (1, gh, gw)
+
+
+def normalize_image_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
+    """uint8 patches (N, C, T*P*P) -> float32 (N, C*T*P*P) by the image processor's rescale and normalisation
+    (transformers' fused form where it does both), on whatever device they are."""
+    x = patches.to(torch.float32)
+    if cfg.do_normalize:
+        mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(1, 3, 1)
+        std = torch.tensor(cfg.image_std, dtype=torch.float32).view(1, 3, 1)
+        if cfg.do_rescale:
+            mean, std = mean * (1.0 / cfg.rescale_factor), std * (1.0 / cfg.rescale_factor)
+        x = (x - mean.to(x.device)) / std.to(x.device)
+    elif cfg.do_rescale:
+        x = x * cfg.rescale_factor
+    return x.reshape(patches.shape[0], -1)
+
+
+def same_normalization(cfg: ProcessorConfig) -> bool:
+    """Whether images and videos are normalised alike, so deferred image patches can be finished by the video
+    normalisation the model side applies to every uint8 input."""
+    return (
+        tuple(cfg.image_mean) == tuple(cfg.video_mean)
+        and tuple(cfg.image_std) == tuple(cfg.video_std)
+        and (cfg.do_rescale, cfg.do_normalize) == (cfg.video_do_rescale, cfg.video_do_normalize)
+        and (not cfg.do_rescale or cfg.rescale_factor == cfg.video_rescale_factor)
+    )
