@@ -143,6 +143,23 @@ def test_tokens_refusals(tmp_path):
         assert r.returncode == 2 and "missing" in _no_torch(r), (args, r.stderr)
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["doctor", "--model", "ref:nope"], "ref:nope"),
+        (["doctor", "--dtype", "float64"], "float64"),
+        (["doctor", "--device", "cuda:x"], "cuda:x"),
+        (["verify", "--model", "ref:nope"], "ref:nope"),
+        (["verify", "--model", "ref:qwen3-vl-4b", "--dtype", "float64"], "float64"),
+        (["profile", "--model", "ref:nope"], "ref:nope"),
+        (["profile", "--dtype", "float64"], "float64"),
+    ],
+)
+def test_refusals_of_bad_options(args, words):
+    r = vlfast_without_torch(*args)
+    assert r.returncode == 2 and words in _no_torch(r), r.stderr
+
+
 def test_no_gpu_here_from_plain_facts(tmp_path):
     """No GPU unless the machine shows a trace of one; CUDA_VISIBLE_DEVICES "" or "-1" hides them all."""
     assert config_module.no_gpu_here(tmp_path, {}) is sys.platform.startswith("linux")

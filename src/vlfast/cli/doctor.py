@@ -24,6 +24,7 @@ from vlfast.cli._common import (
     handle_errors,
     print_fitted_table,
     print_json,
+    refuse_early,
 )
 
 _STATUS_STYLE = {
@@ -242,13 +243,14 @@ def register(app: typer.Typer) -> None:
         fallback kernel: >= 10x its GEMM, or >= 2x with a known cause) in an unpatched conv; 4 for an
         ordinary gain (>= 2x; 0 with --fail-on slow-path); 0 otherwise.
         """
+        if fail_on not in ("any", "slow-path"):
+            raise UsageError(f"--fail-on takes 'any' or 'slow-path', got {fail_on!r}")
+        refuse_early(model, device, (dtype,))  # before torch: seconds to import
         from vlfast.cli._process import since_start, skip_teardown
         from vlfast.diagnosis.doctor import doctor
         from vlfast.diagnosis.probe import DEFAULT_PATCHES
 
         skip_teardown()  # everything it says is printed before it returns
-        if fail_on not in ("any", "slow-path"):
-            raise UsageError(f"--fail-on takes 'any' or 'slow-path', got {fail_on!r}")
         report = doctor(
             model,
             device=device,

@@ -18,6 +18,7 @@ from vlfast.cli._common import (
     handle_errors,
     print_json,
     print_table,
+    refuse_early,
     refuse_unfit_weights,
 )
 from vlfast.limits import check
@@ -208,6 +209,10 @@ def register(app: typer.Typer) -> None:
         Components: patch embedding, position and rotary embedding, each block, deepstack mergers,
         merger, and what the tower computes inline. With a checkpoint the whole VLM forward is timed too.
         """
+        refuse_early(model, device, (dtype,))  # before torch: seconds to import
+        batch_sizes = _ints(batch, "--batch")
+        frame_counts = _ints(frames, "--frames") if frames is not None else None
+        frame_size = _size(size)
         from vlfast.cli._process import skip_teardown
         from vlfast.diagnosis.profiler import profile
         from vlfast.models import REF_PREFIX, vision_config_of
@@ -228,12 +233,12 @@ def register(app: typer.Typer) -> None:
             model,
             device=device,
             dtype=dtype,
-            batch_sizes=_ints(batch, "--batch"),
-            frames=_ints(frames, "--frames") if frames is not None else None,
+            batch_sizes=batch_sizes,
+            frames=frame_counts,
             budget_s=budget,
             progress=progress,
             on_pair=None if json_out else _render_pair,
-            size=_size(size),
+            size=frame_size,
             warmup=warmup,
             repeats=repeats,
             tiny=tiny,

@@ -20,6 +20,7 @@ from vlfast.cli._common import (
     handle_errors,
     print_json,
     print_table,
+    refuse_early,
     refuse_unfit_weights,
 )
 from vlfast.limits import check
@@ -129,14 +130,15 @@ def verify(
 
     Each check is reported on stderr as it starts and as it ends; with --json, stdout is the report only.
     """
+    grids = [_parse_grid(g) for g in grid] if grid else [(2, 16, 16), (1, 12, 20)]
+    dtypes = ["float32", *(dtype or ["bfloat16"])]
+    refuse_early(model, device, tuple(dtypes))  # before torch: seconds to import
     from vlfast.cli._process import since_start, since_start_words, skip_teardown
     from vlfast.patching.verification import expected_seconds
     from vlfast.patching.verification import verify as run_verify
 
     refuse_unfit_weights(model)
     skip_teardown()  # everything it says is printed before it returns
-    grids = [_parse_grid(g) for g in grid] if grid else [(2, 16, 16), (1, 12, 20)]
-    dtypes = ["float32", *(dtype or ["bfloat16"])]
     try:
         guess = expected_seconds(
             model, grids=grids, dtypes=dtypes, device=device, n_windows=windows, backward=backward, tiny=tiny

@@ -293,11 +293,20 @@ def device_name(device: str | torch.device | None) -> str:
     if device is None:
         if "torch" not in sys.modules and (torch_gpu_build() is False or no_gpu_here()):
             return "cpu"
-    elif isinstance(device, str) and _device_type(device) in _DEVICE_TYPES:
-        if not _DEVICE.fullmatch(device):
-            raise InputRefused(f"--device {device!r} is not a device: use cpu, cuda, cuda:N or mps")
-        return device
+    elif (name := named_device(device)) is not None:
+        return name
     return str(resolve_device(device))
+
+
+def named_device(device: Any) -> str | None:
+    """``device`` as torch names it, where its type is one torch names as written ("cuda", "cuda:1"),
+    told without torch; refused (naming --device) where torch would not parse it ("cuda:x", "cuda:01").
+    None for anything else, which only torch can judge (a type a plug-in registers, a torch.device)."""
+    if not isinstance(device, str) or _device_type(device) not in _DEVICE_TYPES:
+        return None
+    if not _DEVICE.fullmatch(device):
+        raise InputRefused(f"--device {device!r} is not a device: use cpu, cuda, cuda:N or mps")
+    return device
 
 
 # What a GPU torch could use leaves on Linux: the NVIDIA driver's folder and device nodes (in a container
