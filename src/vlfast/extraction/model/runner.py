@@ -1,5 +1,15 @@
 """The model half of extraction, shared by the engines: load the model once, batch decoded samples by
-token budget, run each batch (split in half on out-of-memory), and add the results to a store."""
+token budget, run each batch (split in half on out-of-memory), and add the results to a store.
+
+On the CPU each sample of a batch gets a forward of its own (:func:`runs_alone`): a batched forward gives a
+sample bits that depend on its batch-mates. Found on a 2-core AMD EPYC limited to AVX2 (issue 46): a
+resumed run's ``llm.last.layer2`` differed from an uninterrupted run's in its last bits, because
+``scaled_dot_product_attention`` over a row padded to its batch's longest sums the softmax in another order
+than over the row alone (on AVX-512 too: a row of 20 tokens padded to 64, or of 7 padded to 9), and a
+product's rows can change with the rows beside them (:func:`vlfast.numerics.rows_keep_their_bits`). Alone,
+every shape a sample's forward sees is its own, so its features are the same bytes whatever the batch, its
+order, a resume or a re-sharding (at one thread count, on one machine and library build).
+"""
 
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ from vlfast.extraction.model.features import (
     find_decoder,
 )
 
-__all__ = ["Forward", "LoadedModel", "batches", "load"]
+__all__ = ["Forward", "LoadedModel", "batches", "load", "runs_alone"]
 
 
 @dataclass
@@ -88,9 +98,18 @@ def pixels_to(x: torch.Tensor, device: torch.device, cfg: ProcessorConfig) -> to
     return normalize_video_patches(x, cfg) if x.dtype == torch.uint8 else x
 
 
+def runs_alone(device: torch.device) -> bool:
+    """Whether each sample gets a forward of its own on ``device``, so that its features do not depend on
+    which samples share its batch: on the CPU, where a resume must give the bytes of an uninterrupted run.
+    On a GPU a batch runs as one forward, for throughput: there a sample's last bits may change with its
+    batch-mates (docs/extract.md, "What vlfast guarantees")."""
+    return device.type == "cpu"
+
+
 class Forward:
-    """One forward of a packed batch (split in half on out-of-memory), and the results added to a store.
-    Counts its time inside forwards and its splits. ``hook`` (tests) sees each batch first."""
+    """One forward of a packed batch (split in half on out-of-memory), and the results added to a store;
+    where :func:`runs_alone` (the CPU), one forward per sample of the batch. Counts its time inside forwards
+    and its splits. ``hook`` (tests) sees each batch first."""
 
     def __init__(
         self,
@@ -110,6 +129,7 @@ class Forward:
                 "video_token_id": int(tok.convert_tokens_to_ids("<|video_pad|>")),
                 "pad_token_id": int(tok.pad_token_id if tok.pad_token_id is not None else 0),
             }
+        self.alone = runs_alone(loaded.device)
         self.compute_seconds = 0.0
         self.oom_splits = 0
 
@@ -120,13 +140,23 @@ class Forward:
         ]
 
     def __call__(self, batch: Sequence[DecodedSample]) -> list[dict[str, torch.Tensor]]:
-        loaded, spec = self.loaded, self.spec
-        cuda = loaded.device.type == "cuda"
+        cuda = self.loaded.device.type == "cuda"
         if self.hook is not None:
             self.hook(self._on_cpu(batch))
         t0 = time.perf_counter()
+        groups = [[it] for it in batch] if self.alone else [batch]
+        feats = [f for group in groups for f in self._compute(group)]
+        feats = [{k: v.to("cpu", non_blocking=cuda) for k, v in f.items()} for f in feats]
+        if cuda:
+            torch.cuda.synchronize(self.loaded.device)
+        self.compute_seconds += time.perf_counter() - t0
+        return feats  # cast to the store dtype per sample, in store(): one that cannot hold it is recorded
+
+    def _compute(self, batch: Sequence[DecodedSample]) -> list[dict[str, torch.Tensor]]:
+        """One forward of ``batch``: the whole VLM for llm features, else the tower over the packed patches."""
+        loaded, spec = self.loaded, self.spec
         if spec.needs_llm:
-            feats = compute_llm_features(
+            return compute_llm_features(
                 loaded.whole,
                 loaded.tower,
                 self._on_cpu(batch),
@@ -135,21 +165,15 @@ class Forward:
                 dtype=loaded.dtype,
                 **self.token_ids,
             )
-        else:
-            pixels = torch.cat([pixels_to(it.pixel_values, loaded.device, self.cfg) for it in batch])
-            vb = VisionBatch(
-                pixel_values=pixels.to(dtype=loaded.dtype),
-                grid_thw=torch.tensor([list(it.grid) for it in batch], dtype=torch.int64).to(
-                    loaded.device, non_blocking=True
-                ),
-                tokens=[int(it.tokens) for it in batch],
-            )
-            feats = compute_vision_features(loaded.tower, vb, spec.names)
-        feats = [{k: v.to("cpu", non_blocking=cuda) for k, v in f.items()} for f in feats]
-        if cuda:
-            torch.cuda.synchronize(loaded.device)
-        self.compute_seconds += time.perf_counter() - t0
-        return feats  # cast to the store dtype per sample, in store(): one that cannot hold it is recorded
+        pixels = torch.cat([pixels_to(it.pixel_values, loaded.device, self.cfg) for it in batch])
+        vb = VisionBatch(
+            pixel_values=pixels.to(dtype=loaded.dtype),
+            grid_thw=torch.tensor([list(it.grid) for it in batch], dtype=torch.int64).to(
+                loaded.device, non_blocking=True
+            ),
+            tokens=[int(it.tokens) for it in batch],
+        )
+        return compute_vision_features(loaded.tower, vb, spec.names)
 
     def _split(self, n: int) -> None:
         self.oom_splits += 1
