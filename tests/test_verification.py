@@ -318,7 +318,16 @@ def test_each_path_is_measured_against_float64_forward_and_backward():
     assert set(accuracy) == {"float32", "bfloat16"} and all(c.passed for c in accuracy.values())
     for c in accuracy.values():
         assert set(c.metrics) == {"stock_fwd_rel", "patched_fwd_rel", "stock_wgrad_rel", "patched_wgrad_rel"}
-        assert all(0 < v < 1e-2 for v in c.metrics.values()), c.metrics
+        assert all(0 < v < float("inf") for v in c.metrics.values()), c.metrics
+        # The patched GEMM accumulates in float32: only the output's rounding to the dtype is left. The
+        # stock conv has no bound of its own: it is what ATen runs on this CPU, and it may be the further
+        # one (issue 46: without AVX-512, Slow3d's bf16 weight gradient was 0.0187 from float64, the GEMM's
+        # 0.0017). Only a patched path worse than stock beyond the rule fails (the next test).
+        assert all(c.metrics[f"patched_{w}_rel"] < 1e-2 for w in ("fwd", "wgrad")), c.metrics
+        for w in ("fwd", "wgrad"):  # the rule c.passed applied, restated: 1 dB slack plus a unit round-off
+            assert c.metrics[f"patched_{w}_rel"] <= c.metrics[f"stock_{w}_rel"] * 10 ** (1 / 20) + (
+                2.0**-24 if c.dtype == "float32" else 2.0**-8
+            ), c.metrics
     # In float32 both are round-off away from exact; bf16 output rounding dominates both paths.
     assert max(accuracy["float32"].metrics.values()) < 1e-5 < min(accuracy["bfloat16"].metrics.values())
     lines = report.accuracy()
