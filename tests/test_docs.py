@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +119,10 @@ def _run_block(b: Block, folder: Path) -> subprocess.CompletedProcess:
     # this checkout's vlfast, in the `vlfast` command too (its console script imports the package)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env.pop("VLFAST_PATCH", None)
+    # `vlfast` and `python` in a shell block are this interpreter's, as if its venv were activated: run as
+    # venv/bin/python -m pytest without activating it, PATH would find another one, or none (issue 46)
+    scripts = dict.fromkeys([sysconfig.get_path("scripts"), str(Path(sys.executable).parent)])
+    env["PATH"] = os.pathsep.join(filter(None, [*scripts, env.get("PATH")]))
     cmd = ["bash", "-eo", "pipefail", "-c", b.code] if b.lang in SHELL else [sys.executable, "-c", b.code]
     try:
         return subprocess.run(
