@@ -41,6 +41,8 @@ def image_patches(
     """(3, H, W) uint8 -> pixel_values (h*w, C*T*P*P) float32 and grid (1, h, w), as ``Qwen2VLImageProcessor``
     with ``cfg``'s image settings; with ``normalize=False`` uint8 (h*w, C, T*P*P) for
     :func:`normalize_image_patches` to finish (on the device)."""
+    # Bit-equal to transformers' order (normalise the image, then patchify and repeat): the normalisation is
+    # elementwise per channel, so it commutes with moving and repeating values
     height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
     factor = cfg.factor
     if cfg.do_resize:
@@ -69,14 +71,15 @@ def normalize_image_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torc
     """uint8 patches (N, C, T*P*P) -> float32 (N, C*T*P*P) by the image processor's rescale and normalisation
     (transformers' fused form where it does both), on whatever device they are."""
     x = patches.to(torch.float32)
+    shape = (1, 3) + (1,) * (patches.dim() - 2)
     if cfg.do_normalize:
-        mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(1, 3, 1)
-        std = torch.tensor(cfg.image_std, dtype=torch.float32).view(1, 3, 1)
+        mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(shape)
+        std = torch.tensor(cfg.image_std, dtype=torch.float32).view(shape)
         if cfg.do_rescale:
             mean, std = mean * (1.0 / cfg.rescale_factor), std * (1.0 / cfg.rescale_factor)
-        x = (x - mean.to(x.device)) / std.to(x.device)
+        x = x.sub_(mean.to(x.device)).div_(std.to(x.device))  # x is a fresh float32 copy: in place
     elif cfg.do_rescale:
-        x = x * cfg.rescale_factor
+        x = x.mul_(cfg.rescale_factor)
     return x.reshape(patches.shape[0], -1)
 
 

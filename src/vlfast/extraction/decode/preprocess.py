@@ -440,7 +440,8 @@ def load_image(path: Media, exif_orientation: bool = False):
         raise SampleError(f"image too large (decompression bomb guard): {e}") from None
     except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
         raise SampleError(f"unreadable or truncated image: {e}") from None
-    if exif_orientation:
+    # exif_transpose copies the image even without an orientation tag: look at the tag first (cheap, parsed once)
+    if exif_orientation and _orientation(img) not in (None, 1):
         try:
             img = ImageOps.exif_transpose(img)
         except Exception as e:  # noqa: BLE001 - only this file's EXIF block is parsed here: its data, not a bug
@@ -464,6 +465,15 @@ def load_image(path: Media, exif_orientation: bool = False):
     elif mode not in ("RGB", "RGBA", "L", "LA", "P", "PA", "1"):
         img = img.convert("RGBA" if "A" in mode else "RGB")
     return img
+
+
+def _orientation(img):
+    """The EXIF orientation tag (None: none), or 0 where the EXIF block cannot be read (exif_transpose then
+    raises its own error, recorded as the sample's)."""
+    try:
+        return img.getexif().get(0x0112)
+    except Exception:  # noqa: BLE001 - only this file's EXIF block is parsed here: its data, not a bug
+        return 0
 
 
 def _rgb_array(img) -> np.ndarray:

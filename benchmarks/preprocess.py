@@ -1,0 +1,228 @@
+"""Preprocessing per core, side by side: from the encoded file to the tensor the vision tower receives.
+
+    python benchmarks/preprocess.py [--rounds 5] [--json PATH]
+
+Images (JPEG, 640x480, 1280x720, 1920x1080, 4000x3000; Qwen3-VL's published settings): transformers' PIL
+image processor and its torchvision one (``Qwen2VLImageProcessor``, with the torchvision wheel from
+``.reference/torchvision``, see tests/_transformers_reference.py), vlfast's image path (the torchvision
+processor's operations, normalised on CPU, and deferred: uint8 patches finished on the model side), and the
+decode-only bound (PIL). Videos (H.264, 10 s at 30 fps, 640x360 and 1280x720; Qwen3-VL, 8 frames):
+transformers' ``Qwen3VLVideoProcessor`` after its own ``load_video`` (PyAV, every frame), vlfast's
+``read_video`` + ``patchify_video``, and the decode bounds: every frame decoded sequentially, and the sampled
+frames alone (vlfast's sparse decode, which skips the frames nothing refers to). Variants alternate within each
+round, torch on one thread; each row gives the median per item, its spread (min-max over rounds), the ratio to
+transformers' torchvision processor and to the decode bound, and whether the output equals that processor's
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import _transformers_reference as reference  # noqa: E402
+
+torch.set_num_threads(1)
+
+IMAGE_SIZES = [(640, 480), (1280, 720), (1920, 1080), (4000, 3000)]
+CLIP_SIZES = [(640, 360), (1280, 720)]
+QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16}
+QWEN3_VIDEO = {"size": {"shortest_edge": 4096, "longest_edge": 25_165_824}, "fps": 2, "patch_size": 16}
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        flags = Path("/proc/cpuinfo").read_text()
+        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    except OSError:
+        isa = "?"
+    return f"{cpu} ({os.cpu_count()} cores, {isa}), torch {torch.__version__}, load {os.getloadavg()[0]:.1f}"
+
+
+def timed(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    why = reference.unavailable()
+    if why:
+        raise SystemExit(f"transformers' torchvision processors need the reference torchvision: {why}")
+    reference._import_torchvision()
+    import transformers
+    from PIL import Image
+    from transformers.image_utils import load_image as tf_load_image
+    from transformers.video_utils import load_video
+
+    from vlfast.demo import make_video, pattern
+    from vlfast.extraction.decode.image import image_patches, rgb_tensor
+    from vlfast.extraction.decode.preprocess import build_processor_config, load_image
+    from vlfast.extraction.decode.video import _decode_at, patchify_video, read_video
+
+    work = Path(tempfile.mkdtemp(prefix="vlfast-preprocess-"))
+    cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
+    from dataclasses import replace
+
+    cfg = replace(cfg, image_processor="Qwen2VLImageProcessor")
+    tv = transformers.Qwen2VLImageProcessor(**QWEN3_IMAGE, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    pil = transformers.Qwen2VLImageProcessorPil(**QWEN3_IMAGE, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    video_proc = transformers.Qwen3VLVideoProcessor(**QWEN3_VIDEO)
+    rows = []
+
+    for w, h in IMAGE_SIZES:
+        path = work / f"{w}x{h}.jpg"
+        # a photo-like pattern with noise: JPEG decode costs what a photo's does
+        rng = np.random.default_rng(w)
+        arr = np.clip(pattern(h, w, 1).astype(np.int16) + rng.integers(-20, 20, (h, w, 3)), 0, 255).astype(
+            np.uint8
+        )
+        Image.fromarray(arr).save(path, quality=90)
+        p = str(path)
+
+        def decode(p=p):
+            img = Image.open(p)
+            img.load()
+            return img
+
+        variants = {
+            "decode only (PIL)": decode,
+            "transformers PIL processor": lambda p=p: pil(images=[tf_load_image(p)], return_tensors="pt"),
+            "transformers torchvision processor": lambda p=p: tv(
+                images=[tf_load_image(p)], return_tensors="pt"
+            ),
+            "vlfast": lambda p=p: image_patches(rgb_tensor(load_image(p, True)), cfg)[0],
+            "vlfast, normalised on the device": lambda p=p: image_patches(
+                rgb_tensor(load_image(p, True)), cfg, normalize=False
+            )[0],
+        }
+        ref = tv(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"]
+        equal = {
+            "transformers PIL processor": torch.equal(
+                pil(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"].float(), ref
+            ),
+            "transformers torchvision processor": True,
+            "vlfast": torch.equal(variants["vlfast"](), ref),
+        }
+        from vlfast.extraction.decode.video import normalize_video_patches
+
+        equal["vlfast, normalised on the device"] = torch.equal(
+            normalize_video_patches(variants["vlfast, normalised on the device"](), cfg), ref
+        )
+        n = 2 if w >= 4000 else 4
+        rows += measure(f"image {w}x{h} JPEG", variants, equal, args.rounds, n)
+
+    for w, h in CLIP_SIZES:
+        path = make_video(work / f"clip_{w}x{h}.mp4", frames=300, fps=30, width=w, height=h, seed=2)
+        p = str(path)
+
+        def transformers_video(p=p):
+            frames, meta = load_video(p, backend="pyav")
+            return video_proc(
+                videos=[frames],
+                video_metadata=[meta],
+                do_sample_frames=True,
+                num_frames=8,
+                fps=None,
+                return_tensors="pt",
+            )["pixel_values_videos"]
+
+        def sequential(p=p):
+            import av
+
+            with av.open(p) as c:
+                return _decode_at(c, c.streams.video[0], None)
+
+        def sampled(p=p):
+            return read_video(p, cfg)[0]
+
+        variants = {
+            "decode all frames (PyAV, sequential)": sequential,
+            "decode the sampled frames (vlfast's sparse decode)": sampled,
+            "transformers Qwen3VLVideoProcessor (load_video pyav)": transformers_video,
+            "vlfast": lambda p=p: patchify_video(read_video(p, cfg)[0], cfg)[0],
+            "vlfast, normalised on the device": lambda p=p: patchify_video(
+                read_video(p, cfg)[0], cfg, normalize=False
+            )[0],
+        }
+        ref = transformers_video()
+        equal = {
+            "transformers Qwen3VLVideoProcessor (load_video pyav)": True,
+            "vlfast": torch.equal(variants["vlfast"](), ref),
+        }
+        rows += measure(f"video {w}x{h} 10 s, 8 frames", variants, equal, args.rounds, 1)
+
+    print(f"\nmachine: {machine()}")
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+
+
+def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list[dict]:
+    for fn in variants.values():  # warm up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():  # alternated within each round
+            times[name].append(timed(fn, n))
+    base_name = next(
+        k for k in variants if k.startswith("transformers") and "torchvision" in k or "Video" in k
+    )
+    bound_name = next(iter(variants)) if not what.startswith("video") else list(variants)[1]
+    base, bound = statistics.median(times[base_name]), statistics.median(times[bound_name])
+    out = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        out.append(
+            {
+                "input": what,
+                "variant": name,
+                "ms": round(med * 1000, 2),
+                "min_ms": round(min(ts) * 1000, 2),
+                "max_ms": round(max(ts) * 1000, 2),
+                "speedup_vs_transformers": round(base / med, 2),
+                "x_decode_bound": round(med / bound, 2),
+                "equal": equal.get(name),
+            }
+        )
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'input':32} {'variant':52} {'ms (min-max)':>22} {'vs tf':>7} {'x bound':>8} equal")
+    for r in rows:
+        spread = f"{r['ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f})"
+        eq = "" if r["equal"] is None else ("yes" if r["equal"] else "NO")
+        print(
+            f"{r['input']:32} {r['variant']:52} {spread:>22} {r['speedup_vs_transformers']:>6.2f}x "
+            f"{r['x_decode_bound']:>7.2f}x {eq}"
+        )
+
+
+if __name__ == "__main__":
+    print(platform.python_version(), machine(), file=sys.stderr)
+    main()
