@@ -291,7 +291,8 @@ def load_vision_tower(
     if vision_config is None:
         raise InputRefused(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
     if dtype is None:
-        dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
+        # "dtype" first: transformers 5 warns "`torch_dtype` is deprecated" on reading the old name
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tower = _build_from_vision_config(
         vision_config, device="meta" if device == "meta" else "cpu", dtype=dtype

@@ -24,7 +24,10 @@ from vlfast.cli._common import (
     print_json,
     print_table,
 )
+from vlfast.cli._extras import require
 from vlfast.cli._quiet import quiet_ray, quiet_third_party
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process Ctrl-C ended
 
 DEMO_MODEL = "ref:qwen3-vl-2b"
 
@@ -276,9 +279,11 @@ def extract(
     unexpected error, or --verify found damage, 2 bad usage, a configuration or weights that differ from what
     OUT holds, OUT in use or not writable (all before OUT is written), 3 an unexpected error, most likely a
     bug (VLFAST_DEBUG=1 shows the traceback), 4 OUT's disk is full (free space and run the same command
-    again: it resumes), 143 SIGTERM (what was done is committed).
+    again: it resumes), 130 Ctrl-C and 143 SIGTERM (what was done is committed; the same command resumes).
     """
     quiet_third_party(verbose)
+    # --verify and --compact read and rewrite the store only; a run builds the model and reads the inputs
+    require("extract", "vlfast extract", models=not (verify or compact))
     if verify:
         if demo or len(paths) != 1:
             raise UsageError("with --verify give only OUT, e.g. `vlfast extract --verify OUT`")
@@ -364,12 +369,13 @@ def extract(
                 "; or give neither --exif-orientation nor --no-exif-orientation, to resume it as it was made"
             )
         raise
-    except Terminated:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): the run unwound the same way
+        sigterm = isinstance(e, Terminated)
         err_console.print(
-            "[yellow]terminated (SIGTERM):[/yellow] what was done is committed and OUT's locks are released; "
-            "run the same command to resume"
+            f"[yellow]{'terminated (SIGTERM)' if sigterm else 'interrupted (Ctrl-C)'}:[/yellow] what was done "
+            "is committed and OUT's locks are released; run the same command to resume"
         )
-        raise typer.Exit(EXIT_TERMINATED) from None
+        raise typer.Exit(EXIT_TERMINATED if sigterm else EXIT_INTERRUPTED) from None
     except UnexpectedSampleErrors as e:
         err_console.print(f"[bold red]vlfast: stopped by a bug:[/bold red] {escape(str(e))}", highlight=False)
         raise typer.Exit(EXIT_ERROR) from None
@@ -446,7 +452,12 @@ def _is_url(text: str) -> bool:
 
 def _errors_dir(out: str) -> str:
     """OUT's errors folder as the user would name it (a URL keeps its ``//``; Path would fold it)."""
-    return f"{out.rstrip('/')}/errors" if _is_url(out) else str(Path(out) / "errors")
+    return _in_out(out, "errors")
+
+
+def _in_out(out: str, name: str) -> str:
+    """OUT's folder ``name`` as the user would name it (a URL keeps its ``//``; Path would fold it)."""
+    return f"{out.rstrip('/')}/{name}" if _is_url(out) else str(Path(out) / name)
 
 
 def _of_rank(summary, word: str = "of") -> str:
@@ -455,6 +466,8 @@ def _of_rank(summary, word: str = "of") -> str:
 
 
 def _print_summary(summary, out: str) -> None:
+    from vlfast.extraction.store.format import QUARANTINE_DIR
+
     shown = out if _is_url(out) else str(Path(out))
     table = Table(title=f"vlfast extract -> {escape(shown)}", show_header=False)
     table.add_column("", style="bold", no_wrap=True)
@@ -471,7 +484,7 @@ def _print_summary(summary, out: str) -> None:
             + (f", {summary.assigned}{_of_rank(summary, 'for')}" if summary.world_size > 1 else ""),
         ),
         ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
-        ("failed", f"{summary.failed} recorded in OUT/errors" if summary.failed else "0"),
+        ("failed", f"{summary.failed} recorded in {_errors_dir(out)}" if summary.failed else "0"),
         ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
         ("time", f"{summary.seconds:.1f} s ({summary.compute_seconds:.1f} s in model forwards)"),
         (
@@ -490,14 +503,16 @@ def _print_summary(summary, out: str) -> None:
         rows.append(
             (
                 "inputs changed",
-                f"{summary.changed} since they were extracted: extracted again (their shards moved to OUT/quarantine)",
+                f"{summary.changed} since they were extracted: extracted again (their shards moved to "
+                f"{_in_out(out, QUARANTINE_DIR)})",
             )
         )
     if summary.quarantined:
         rows.append(
             (
                 "damaged",
-                f"{len(summary.quarantined)} moved to OUT/quarantine (the samples they held are extracted again)",
+                f"{len(summary.quarantined)} moved to {_in_out(out, QUARANTINE_DIR)} (the samples they held are "
+                "extracted again)",
             )
         )
     for k, v in rows:
@@ -564,7 +579,7 @@ def _compact(out: str, as_json: bool, storage_options: dict | None) -> None:
 
 def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
     """``vlfast extract --verify OUT``: hash everything, list every bad sample, exit 1 if any."""
-    from vlfast.extraction.store.format import REDO_HINT
+    from vlfast.extraction.store.format import QUARANTINE_DIR, REDO_HINT
     from vlfast.extraction.store.integrity import check_folder
 
     report = check_folder(_reachable_out(out, storage_options))
@@ -620,7 +635,8 @@ def _verify(out: str, as_json: bool, storage_options: dict | None) -> None:
                 advice.append(f"Damaged. {REDO_HINT}")
             if report.strays:
                 advice.append(
-                    "Not where the format puts it: the same `vlfast extract` moves these aside to OUT/quarantine "
+                    "Not where the format puts it: the same `vlfast extract` moves these aside to "
+                    f"{_in_out(out, QUARANTINE_DIR)} "
                     "(a shard a killed run left is removed) and extracts again what is missing."
                 )
             if report.other_config_parts:

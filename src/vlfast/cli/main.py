@@ -11,6 +11,7 @@ from vlfast.cli._common import HelpGroup, readable_help
 from vlfast.cli._examples import HELP_OPTIONS, add_examples
 from vlfast.cli._process import end
 from vlfast.cli._quiet import quiet_third_party
+from vlfast.cli._warnings import one_line_warnings
 
 NOT_A_COMMAND = {
     # what newcomers type because the README lists it as a capability
@@ -83,6 +84,7 @@ add_examples(app)
 
 
 def main() -> None:
+    one_line_warnings()  # here, not in _root: a test's CliRunner keeps Python's format in its own process
     try:
         app()
     except SystemExit as e:
