@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from vlfast.cli._common import JsonOpt, UsageError, console, handle_errors, print_json
+from vlfast.cli._extras import require
 
 
 def register(app: typer.Typer) -> None:
@@ -28,6 +29,7 @@ def demo_checkpoint(
     About 7 s on a 2-core CPU at load 2, start-up included (most of it importing torch and transformers);
     longer on a busier machine.
     """
+    require("extract", "vlfast demo-checkpoint")  # the processor it saves is extraction's (PIL, av)
     from vlfast._files import honour_umask, write_atomically
     from vlfast.cli._process import since_start, since_start_words
     from vlfast.demo import make_tiny_qwen3_vl

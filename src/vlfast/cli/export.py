@@ -13,6 +13,7 @@ from vlfast.cli._common import (
     parse_storage_options,
     print_json,
 )
+from vlfast.cli._extras import require
 
 
 def register(app: typer.Typer) -> None:
@@ -83,6 +84,7 @@ def export(
     --overwrite, DEST inside OUT or OUT inside DEST, a value --dtype cannot hold; nothing written), 3 an
     unexpected error, 4 DEST's disk is full.
     """
+    require("extract", "vlfast export", models=False)
     from vlfast.extraction.store.export import export as run_export
 
     result = run_export(
