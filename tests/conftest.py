@@ -118,7 +118,11 @@ _LAST_RAY_TEST = pytest.StashKey[str | None]()
 
 def pytest_configure(config) -> None:
     """With pytest-xdist, only ``--dist loadgroup`` keeps the Ray tests together (below); any other mode
-    would start a Ray cluster in each worker that runs one of them, and leave some running to the end."""
+    would start a Ray cluster in each worker that runs one of them, and leave some running to the end.
+    A worker that dies is named with the test it was in (tests/_worker_crash.py)."""
+    from _worker_crash import WorkerCrashes
+
+    config.pluginmanager.register(WorkerCrashes(config), "vlfast-worker-crashes")
     numprocesses = getattr(config.option, "numprocesses", None)
     dist = getattr(config.option, "dist", "no")
     if numprocesses and dist not in ("no", "loadgroup") and not hasattr(config, "workerinput"):
