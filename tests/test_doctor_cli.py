@@ -82,6 +82,17 @@ FINDING_KEYS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _started_now(monkeypatch):
+    """The budget is the whole command's, counted from the process's start: here the test process's, long
+    before the command. Each command starts now, and building the references takes no time of it (seconds
+    under load, which would leave a fabricated probe no budget)."""
+    import vlfast.cli._process
+
+    monkeypatch.setattr(vlfast.cli._process, "since_start", lambda: 1.0)
+    monkeypatch.setattr(vlfast.diagnosis.doctor, "probe_clock", lambda: 0.0)
+
+
 def _app() -> typer.Typer:
     # Only this command, so the test does not depend on the other command modules.
     app = typer.Typer()

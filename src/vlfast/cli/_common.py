@@ -299,16 +299,21 @@ def _natural_width(out: Console, table: Table) -> int:
 
 
 def print_fitted_table(table: Table, out: Console | None = None, width: int = PIPE_WIDTH) -> None:
-    """:func:`print_table`, but no wider than ``width`` columns in a pipe.
+    """:func:`print_table`, but no wider than the terminal, or than ``width`` columns in a pipe, and no cell
+    split to fit.
 
-    A key/value table (two columns) wraps its values; a wider table is printed one block per row: the
-    row's first cell, then each other cell on its own line after its column's name. In a terminal Rich
-    fits the table to the window, as :func:`print_table` does."""
+    A table that fits is printed as it is. One that does not: a key/value table (two columns) wraps its
+    values; a wider table is printed one block per row: the row's first cell, then each other cell on its
+    own line after its column's name. In a terminal Rich would squeeze every column instead (the doctor's
+    13 in 100 columns: 6-character cells, headers and numbers split across lines)."""
     out = out or console
-    if out.is_terminal or _natural_width(out, table) <= width:
+    room = out.width if out.is_terminal else width
+    if _natural_width(out, table) <= room:
         print_table(table, out)
         return
-    narrow = Console(file=out.file, width=width, color_system=None, highlight=False)
+    narrow = (
+        out if out.is_terminal else Console(file=out.file, width=width, color_system=None, highlight=False)
+    )
     for column in table.columns:
         column.overflow = "fold"
     if len(table.columns) <= 2:

@@ -178,8 +178,8 @@ def _render(report) -> None:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
     wall = since_start()
     probe_s = (
-        f", of which the probe {report.probe_s:.1f} s of a {report.budget_s:g} s budget"
-        if report.probe_s
+        f", of which the probe {report.probe_s:.1f} s; a {report.budget_s:g} s budget for the whole command"
+        if report.probe_s is not None
         else ""
     )
     console.print(
@@ -209,8 +209,9 @@ def register(app: typer.Typer) -> None:
             float,
             typer.Option(
                 "--budget",
-                help="Seconds the probe may spend in total (held within 20%): it times fewer windows, "
-                "fewer rounds or fewer shapes to keep it, and says what it left out.",
+                help="Seconds the whole command may take: start-up, building the models, the probe and the "
+                "output. The probe gets what the rest leaves and times fewer windows, fewer rounds or fewer "
+                "shapes to keep it, saying what it left out.",
             ),
         ] = 12.0,
         no_probe: Annotated[
@@ -260,6 +261,7 @@ def register(app: typer.Typer) -> None:
             probe=not no_probe,
             workload="inference" if inference else "training",
             fail_on=fail_on,
+            spent_s=since_start(),  # the budget is the whole command's: start-up included
         )
         if json_out:
             print_json({**report.to_dict(), "wall_s": since_start()})

@@ -69,6 +69,12 @@ __all__ = [
 SCHEMA = "vlfast.doctor/2"
 SLOW_RATIO = 2.0  # conv / GEMM at or above this: patching gains enough to be worth saying
 PATHOLOGICAL_RATIO = 10.0  # at or above this, whatever the rules say: a fallback kernel, a slow path
+# Seconds kept from the budget for what follows the probe: the rules, the notes, the output (~0.1 s on a
+# 2-core CPU), with room for a loaded machine.
+AFTER_PROBE_S = 0.5
+# The ratio of the medians (printed) and the median of the per-round ratios differing by more than this:
+# the rounds disagree, and a note says so.
+ROUNDS_DISAGREE = 0.10
 
 Verdict = Literal["slow-path", "gain", "patched", "ok", "unmeasured", "no-convs"]
 Status = Literal["slow-path", "gain", "ok", "error", "skipped"]
@@ -578,6 +584,7 @@ def doctor(
     probe: bool = True,
     workload: Workload = "training",
     fail_on: FailOn = "any",
+    spent_s: float = 0.0,
 ) -> DoctorReport:
     """Diagnose the patch-embedding slow path for ``model`` on this machine.
 
@@ -587,7 +594,11 @@ def doctor(
             built-in reference.
         device, dtype: what to probe; default the best available device, bfloat16 where supported.
         patches: windows per sample fed to the patch embedding (default one 8-frame 512x384 clip, 3,072).
-        budget_s: total time the probe may spend, shared between the distinct conv geometries.
+        budget_s: seconds the whole diagnosis may take, ``spent_s`` included: the probe gets what the scan
+            (building the models) and the facts leave, less :data:`AFTER_PROBE_S` for what follows it,
+            shared between the distinct conv geometries; what does not fit is left out and said so.
+        spent_s: seconds of the budget spent before this call (the CLI passes its start-up: importing
+            torch and transformers took 6-9 s of a 2-core CPU with a CUDA build, more under load).
         slow_ratio: conv / GEMM ratio at which a conv counts as losing time (a gain to take).
         probe: time the convs (the verdict needs it); ``False`` gives facts and rules only.
         workload: ``"training"`` times and counts the backward pass too; ``"inference"`` the forward only.
@@ -596,8 +607,10 @@ def doctor(
     """
     if patches < 1:
         raise InputRefused(f"patches must be >= 1, got {patches}")
-    if budget_s <= 0:
+    if not budget_s > 0:
         raise InputRefused(f"budget_s must be positive, got {budget_s}")
+    if not spent_s >= 0:
+        raise InputRefused(f"spent_s must be >= 0, got {spent_s}")
     if slow_ratio <= 1:
         raise InputRefused(f"slow_ratio must be > 1, got {slow_ratio}")
     if workload not in ("training", "inference"):
@@ -605,6 +618,7 @@ def doctor(
     if fail_on not in ("any", "slow-path"):
         raise InputRefused(f"fail_on must be 'any' or 'slow-path', got {fail_on!r}")
     t0 = time.perf_counter()
+    clock0 = probe_clock()  # the budget's clock (a fake one in tests)
     dev = check_device(device) if device is not None else default_device()
     asked = dtype_name(dtype) if dtype is not None else None
     choice = None
@@ -623,11 +637,22 @@ def doctor(
     backward = workload == "training"
     # The geometries most references share first: when the budget runs out, what is left out matters least.
     order = sorted(geometries, key=lambda g: -len({_model(n) for n in g.names}))
-    budget = Budget(budget_s)
+    before_s = spent_s + probe_clock() - clock0  # start-up, the scan and the facts
+    probe_budget_s = budget_s - before_s - AFTER_PROBE_S
+    budget = Budget(max(probe_budget_s, 1e-3))
     results: dict[tuple, ProbeResult] = {}
     for i, g in enumerate(order):
         if not probe:
             results[g.key] = ProbeResult(g, dev, dt, notes=["probe disabled"])
+            continue
+        if probe_budget_s <= 0:
+            results[g.key] = ProbeResult(
+                g,
+                dev,
+                dt,
+                left_out=f"the whole shape: {before_s:.1f} s of the {budget_s:g} s budget went before the probe "
+                "(start-up, building the models, the facts)",
+            )
             continue
         # What the earlier shapes left, shared by how many models each remaining shape stands for.
         weights = [len({_model(n) for n in x.names}) for x in order[i:]]
@@ -701,6 +726,13 @@ def doctor(
             )
         for d in f.disagreements:
             notes.append(f"{f.probe.shape.describe()}: {d}")
+        rounds = f.probe.round_ratio
+        if f.probe.ratio and rounds and abs(rounds / f.probe.ratio - 1) > ROUNDS_DISAGREE:
+            notes.append(
+                f"{f.probe.shape.describe()}: its rounds disagree (the load changed while it was timed): "
+                f"the medians give {f.probe.ratio:.2f}x, the table's ratio, but the median of the per-round "
+                f"ratios is {rounds:.2f}x; run it again on a quieter machine for a figure to rely on"
+            )
         if not f.probe.reliable and f.probe.conv is not None:
             notes.append(
                 f"{f.probe.shape.describe()}: fewer than {MIN_ROUNDS} rounds per side fit in the budget; "
@@ -757,6 +789,13 @@ def doctor(
         left_out=left_out,
         dtype_reason=choice.reason if choice is not None else None,
     )
+
+
+def probe_clock() -> float:
+    """Seconds on the probe's clock, which a test replaces (``vlfast.diagnosis.probe._now``)."""
+    from vlfast.diagnosis import probe as probe_module
+
+    return probe_module._now()
 
 
 def _soft_libraries() -> dict[str, str] | None:
