@@ -21,6 +21,7 @@ from torch import nn
 
 import vlfast
 from vlfast.models import build_reference, synthetic_inputs
+from vlfast.patching import gemm, record
 from vlfast.patching.gemm import is_patched, patch
 
 K = (2, 4, 4)
@@ -160,6 +161,7 @@ def test_a_forward_replaced_on_the_class_is_named_by_the_report_repr_and_record(
         assert line == f"  0: {said} (2 calls of the module)"
         (conv,) = rec.to_dict()["convs"]
         assert conv["forward_replaced"] == f"{__name__}.their_forward" and conv["module_calls"] == 2
+        assert record._BYPASSED == gemm.BYPASSED  # one wording, spelt twice: record.py imports no torch
     assert is_patched(model) and repr(model[0]).endswith("vlfast=gemm)")  # torch's forward back
 
 
@@ -204,6 +206,15 @@ def test_a_conv_never_patched_is_counted_and_named_by_class_and_id():
     assert rec.unpatched_calls == 2 and rec.gemm_calls == 1 and rec.stock_calls == 0
     assert str(rec).splitlines()[-1] == f"  1 eligible conv not patched: {unpatched.name}: 2 stock calls"
     assert rec.to_dict()["unpatched"] == [{"name": unpatched.name, "calls": 2, "forward_replaced": None}]
+
+
+def test_many_convs_not_patched_are_named_eight_at_a_time_in_the_text():
+    convs, x = [conv3d() for _ in range(10)], windows()
+    with vlfast.record_calls() as rec:
+        for conv in convs:
+            conv(x)
+    assert str(rec).splitlines()[-1].endswith(" and 2 more: 10 stock calls")
+    assert len(rec.to_dict()["unpatched"]) == 10
 
 
 def test_a_conv_never_patched_under_a_replaced_forward_is_not_called_stock():

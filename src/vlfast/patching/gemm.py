@@ -738,7 +738,7 @@ def _module_called(module: nn.Module, args: tuple) -> None:
     if isinstance(fwd, GemmConvForward):
         c = fwd.calls
     elif (c := _UNPATCHED.get(module)) is None:
-        if module.stride != module.kernel_size or eligibility(module) is not None:
+        if tuple(module.stride) != tuple(module.kernel_size) or eligibility(module) is not None:
             return  # not a conv vlfast patches (decided again at its next call: geometry may change)
         c = _UNPATCHED[module] = Calls(f"{type(module).__name__}@{id(module) & 0xFFFFFF:06x}", patched=False)
     elif eligibility(module) is not None:

@@ -44,6 +44,7 @@ _lock = threading.Lock()
 env_armed = False  # VLFAST_RECORD asked for counting from start-up to exit
 
 
+_NAMES_SHOWN = 8  # eligible convs not patched named in the text (all in to_dict)
 _BYPASSED = "vlfast's GEMM not reached, calls not counted"  # gemm.BYPASSED, without importing torch here
 
 
@@ -209,7 +210,10 @@ class CallRecord:
             group = [c for c in unpatched if (c.replaced or "") == replaced]
             k, n = len(group), sum(c.module_calls for c in group)
             ran = f"call{'s' * (n != 1)} through {replaced}" if replaced else f"stock call{'s' * (n != 1)}"
-            names = ", ".join(c.name for c in group)
+            # nn.DataParallel's replicas are new modules at every step, each named by class and id
+            names = ", ".join(c.name for c in group[:_NAMES_SHOWN])
+            if k > _NAMES_SHOWN:
+                names += f" and {k - _NAMES_SHOWN} more"
             tail.append(f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} {ran}")
         if not convs:
             head = (
