@@ -10,11 +10,18 @@ equal numbers would hide the stock path:
 
 ``VLFAST_RECORD=1`` prints that at exit; ``VLFAST_RECORD=PATH`` also appends one JSON line per process
 to ``PATH`` (ranks append to the same file), a regular file or none yet: anything else (a FIFO, a device)
-is refused with one line at start, and never opened in a way that could hold the exit. In Python, :func:`record_calls` counts between two points::
+is refused with one line at start, and never opened in a way that could hold the exit. In Python,
+:func:`record_calls` counts between two points::
 
     with vlfast.record_calls() as rec:
         trainer.train()
     print(rec)                 # the same lines; rec.to_dict() for the numbers
+
+The record covers the whole process: every call of an eligible Conv3d that vlfast did not patch (PEFT's
+LoRA convs added after ``patch``, a model built before the switch) is counted and named
+(``2 eligible convs not patched: <names>: N stock calls``), and a patched conv whose class ``forward`` was
+replaced says so by name. A global module forward pre-hook sees those calls; it is installed while a
+record runs and only then (about 2 us per module call while it is).
 
 Counting costs one global read per call while no record runs, and an integer increment while one does.
 Calls inside a ``torch.compile``'d graph are not counted (the graph's path was fixed when it was traced:
