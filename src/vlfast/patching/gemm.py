@@ -324,9 +324,16 @@ class GemmConvForward:
             if self._stock is not None:
                 return self._stock_conv(m, x, weight, bias, self._stock)
         shape = x.shape
-        # The Qwen case, kept to the fewest checks: x is (N, C, T, P, P), every sample one window, and
-        # the weight has the shape of the last whole weight seen (its kernel checked then).
-        if shape[2:] == self.kernel_size and weight.shape == self._wshape and shape[0] and x.is_contiguous():
+        # The Qwen case, kept to the fewest checks: x is (N, C, T, P, P), every sample one window, the
+        # weight has the shape of the last whole weight seen (its kernel checked then), and a bias of the
+        # weight's dtype (another one is the conv's error to raise, or autocast's to cast).
+        if (
+            shape[2:] == self.kernel_size
+            and weight.shape == self._wshape
+            and shape[0]
+            and x.is_contiguous()
+            and (bias is None or bias.dtype is weight.dtype)
+        ):
             if _RECORDING and not _is_compiling():
                 self._count_gemm()
             d = self._wshape[0]
