@@ -123,6 +123,11 @@ def pytest_configure(config) -> None:
     from _worker_crash import WorkerCrashes
 
     config.pluginmanager.register(WorkerCrashes(config), "vlfast-worker-crashes")
+    config.addinivalue_line(
+        "markers",
+        "cpu_kernels: its outcome depends on the CPU's kernels (AVX-512 or not); .ci/run runs these files' "
+        "marked tests again with ATen, oneDNN and MKL limited to AVX2 (issue 46)",
+    )
     numprocesses = getattr(config.option, "numprocesses", None)
     dist = getattr(config.option, "dist", "no")
     if numprocesses and dist not in ("no", "loadgroup") and not hasattr(config, "workerinput"):

@@ -197,6 +197,25 @@ def test_relative_links_resolve():
     assert not bad, "\n".join(bad)
 
 
+def test_ci_reruns_the_cpu_kernels_tests_limited_to_avx2():
+    """.ci/run's second pass (issue 46) names every test file holding a test marked cpu_kernels, under the
+    three limits."""
+    marked = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"^@pytest\.mark\.cpu_kernels$", p.read_text(), re.MULTILINE)
+    )
+    (line,) = [
+        x
+        for x in (ROOT / ".ci" / "run").read_text().replace("\\\n", " ").splitlines()
+        if "-m cpu_kernels" in x
+    ]
+    assert len(marked) >= 4 and all(f in line.split() for f in marked), (marked, line)
+    assert line.startswith(
+        "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m pytest"
+    )
+
+
 def test_readme_test_command_is_what_ci_runs():
     """The README's set-up command 2 and .ci/run install and test alike (CI's log shows --durations=25)."""
 

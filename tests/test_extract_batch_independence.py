@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # What the kernels of a CPU without AVX-512 are: ATen's, oneDNN's and MKL's dispatch limited to AVX2.
@@ -102,6 +103,7 @@ def test_runs_alone_on_the_cpu_only():
     assert not runs_alone(torch.device("cuda", 0)) and not runs_alone(torch.device("mps"))
 
 
+@pytest.mark.cpu_kernels
 def test_a_samples_features_do_not_depend_on_its_batch(tiny_qwen3_vl):
     found, compared = differences(tiny_qwen3_vl)
     assert compared >= 400 and not found, "\n".join(found)

@@ -65,6 +65,7 @@ def test_old_out_passes_the_full_check(old):
     assert report.ok, report
 
 
+@pytest.mark.cpu_kernels
 def test_old_out_resumes_and_matches_a_fresh_run(old, checkpoint, monkeypatch):
     from vlfast import extract
 

@@ -416,6 +416,7 @@ def _aten_conv3d_backend(dtype: torch.dtype) -> str:
     return str(backend).rsplit(".", 1)[-1]
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 def test_tower_components_times_three_variants_and_gpu_reads_its_table(tmp_path):
     """A tiny tower through benchmarks/tower_components.py in this process (the profiler's hooks, the slow

@@ -312,6 +312,7 @@ def test_a_frozen_tower_is_verified_and_left_frozen():
 # ------------------------------------------------------------- each path against float64; fused models
 
 
+@pytest.mark.cpu_kernels
 def test_each_path_is_measured_against_float64_forward_and_backward():
     report = verify("ref:qwen3-vl-4b", tiny=True, grids=[(1, 2, 2)], n_windows=256)
     accuracy = {c.dtype: c for c in report.checks if c.scope == "accuracy"}
