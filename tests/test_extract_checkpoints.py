@@ -163,7 +163,7 @@ def test_both_layouts_give_the_same_pixels(tiny_qwen3_vl, saved_processor, media
         Preprocessor(build_processor_config(str(p), family="qwen3_vl"), image_processor_dir=str(p))
         for p in (tiny_qwen3_vl, saved_processor)
     ]
-    assert pres[0].cfg.image_processor == type(pres[1].image_processor()).__name__
+    assert pres[0].cfg.image_processor == pres[1].cfg.image_processor == "Qwen2VLImageProcessor"
     for name in IMAGES:
         path = str(media_dir / "good" / name)
         (a, grid_a, _), (b, grid_b, _) = (pre.image(path) for pre in pres)
@@ -219,24 +219,23 @@ def test_video_path_matches_transformers_on_the_saved_layout(saved_processor):
     torch.testing.assert_close(ours, ref["pixel_values_videos"], rtol=0, atol=0)
 
 
-def test_a_resumed_run_refuses_another_image_processor_backend(
-    saved_processor, media_dir, tmp_path, monkeypatch
-):
+def test_a_resumed_run_keeps_its_image_processor(saved_processor, media_dir, tmp_path, monkeypatch):
     """Installing torchvision mid-run makes AutoImageProcessor pick its torchvision backend (slightly other
-    pixels): the run config records the class built, so resuming into the same OUT is refused."""
+    pixels than the PIL one). A new OUT records the torchvision class, whose operations vlfast does itself
+    whatever is installed, so its resume goes on; an OUT made with the PIL class (vlfast before its own
+    torchvision path, or --image-backend pil) goes on with the PIL class, built by name."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from vlfast.extraction import RunConfigMismatch
     from vlfast.extraction.api import extract
     from vlfast.extraction.decode import preprocess
+    from vlfast.extraction.store import facts
 
     samples = [Sample("rgb", "image", (str(media_dir / "good/rgb.jpg"),))]
     out = tmp_path / "out"
     first = extract(samples, out, model=str(saved_processor), num_workers=0, device="cpu")
     recorded = json.loads((out / "run.json").read_text())["config"]["processor"]["image_processor"]
-    assert recorded == build_processor_config(str(saved_processor), family="qwen3_vl").image_processor
-    assert first.extracted == 1
+    assert recorded == "Qwen2VLImageProcessor" and first.extracted == 1
 
     class OtherBackend(Qwen2VLImageProcessorPil):  # stands in for the class another environment builds
         pass
@@ -250,11 +249,16 @@ def test_a_resumed_run_refuses_another_image_processor_backend(
     monkeypatch.setattr(preprocess, "_IMAGE_PROCESSORS", {})
     # What installing torchvision also changes: the key of the answers OUT/facts.json recorded (the class
     # among them), so transformers is asked again rather than the record trusted (store/facts.py)
-    from vlfast.extraction.store import facts
-
     installed = {**facts._installed(), "torchvision": "0.28.0", "torchvision found": True}
     monkeypatch.setattr(facts, "_installed", lambda: installed)
     samples.append(Sample("tiny", "image", (str(media_dir / "good/tiny.png"),)))
-    with pytest.raises(RunConfigMismatch) as e:
-        extract(samples, out, model=str(saved_processor), num_workers=0, device="cpu")
-    assert e.value.diffs == [("processor.image_processor", recorded, "OtherBackend")]
+    assert extract(samples, out, model=str(saved_processor), num_workers=0, device="cpu").extracted == 1
+
+    # An OUT made with transformers' PIL processor goes on with that class, built from the checkpoint's files
+    # whatever transformers would pick now (OtherBackend here)
+    kept = preprocess.build_processor_config(
+        str(saved_processor), family="qwen3_vl", image_processor="Qwen2VLImageProcessorPil"
+    )
+    assert kept.image_processor == "Qwen2VLImageProcessorPil"
+    proc = Preprocessor(kept, image_processor_dir=str(saved_processor)).image_processor()
+    assert type(proc) is Qwen2VLImageProcessorPil

@@ -72,7 +72,9 @@ def test_old_out_resumes_and_matches_a_fresh_run(old, checkpoint, monkeypatch):
     monkeypatch.chdir(old)
     summary = extract("all.jsonl", "out", model=str(checkpoint), features=FEATURES)
     assert summary.extracted == 2  # img2, img3: the rest was done (or recorded as an error) by the old code
-    extract("all.jsonl", "fresh", model=str(checkpoint), features=FEATURES)
+    # the same configuration: the old OUT was made with transformers' PIL image processor (a new OUT's default
+    # is the torchvision one's operations)
+    extract("all.jsonl", "fresh", model=str(checkpoint), features=FEATURES, image_backend="pil")
 
     expected = json.loads((old / "expected.json").read_text())
     resumed, fresh = FeatureCache(old / "out"), FeatureCache(old / "fresh")

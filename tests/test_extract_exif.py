@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,10 +35,16 @@ def _jpeg(path, orientation: int, h: int = 160, w: int = 320, seed: int = 1):
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_pixels_equal_the_transformers_processor_given_the_path(tmp_path, orientation):
     path = str(_jpeg(tmp_path / f"o{orientation}.jpg", orientation, h=256, w=512))
-    cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl")
-    assert cfg.exif_orientation
+    default = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl")
+    assert default.exif_orientation
+    # transformers' PIL processor is the one that takes a path here (no torchvision): the PIL path compared
+    # with it; the torchvision path (vlfast's default) turns the image the same way (its pixels are compared
+    # with transformers' torchvision processor in test_preprocess_parity.py)
+    cfg = replace(default, image_processor="Qwen2VLImageProcessorPil")
     pre = Preprocessor(cfg)
     pixels, grid, meta = pre.image(path)
+    _, tv_grid, tv_meta = Preprocessor(default).image(path)
+    assert (tv_grid, tv_meta) == (grid, meta)
     numbers = dict(
         patch_size=cfg.patch_size,
         temporal_patch_size=cfg.temporal_patch_size,

@@ -55,16 +55,19 @@ def _resume(inputs: Path, out: Path, ckpt: Path, **kw):
 
 @pytest.fixture
 def asked(monkeypatch) -> list[str]:
-    """Each image processor transformers builds for a checkpoint here: what asking costs, counted."""
-    calls: list[str] = []
-    build = preprocess._image_processor
+    """Each time transformers is asked for a checkpoint's processor files here (the first answer a plan needs
+    from it; the image processor class is asked only for an OUT made with transformers' own): counted."""
+    from transformers.image_processing_base import ImageProcessingMixin
 
-    def counted(model_dir, **numbers):
-        calls.append(str(model_dir))
-        return build(model_dir, **numbers)
+    calls: list[str] = []
+    real = ImageProcessingMixin.get_image_processor_dict.__func__
+
+    def counted(cls, path, *args, **kwargs):
+        calls.append(str(path))
+        return real(cls, path, *args, **kwargs)
 
     monkeypatch.setattr(preprocess, "_IMAGE_PROCESSORS", {})
-    monkeypatch.setattr(preprocess, "_image_processor", counted)
+    monkeypatch.setattr(ImageProcessingMixin, "get_image_processor_dict", classmethod(counted))
     return calls
 
 
@@ -153,21 +156,21 @@ def test_another_key_asks_transformers_again(changed, copied, asked, monkeypatch
     assert key == facts_module.facts_key(str(ckpt.resolve()))
 
 
-def test_another_image_backend_is_refused_as_before(copied, asked, monkeypatch):
-    """torchvision installed mid-run (its key moves) and transformers picking its backend: refused, naming
-    processor.image_processor, as before the record existed; under the recorded key the record answers."""
+def test_another_image_backend_installed_keeps_the_recorded_one(copied, asked, monkeypatch):
+    """torchvision installed mid-run (its key moves) and transformers picking its backend: the OUT records
+    transformers' torchvision processor, whose operations vlfast does itself whatever is installed, so the
+    resume answers as before (transformers asked again, the class not even built)."""
     inputs, out, ckpt = copied
 
-    class Qwen2VLImageProcessor:  # the torchvision backend's class name
-        pass
+    def refused(*a, **k):
+        raise AssertionError("the image processor was built")
 
-    monkeypatch.setattr(preprocess, "_image_processor", lambda *a, **k: Qwen2VLImageProcessor())
-    assert _resume(inputs, out, ckpt).nothing_to_do  # same key: the recorded class, Pil
+    monkeypatch.setattr(preprocess, "_image_processor", refused)
+    recorded = json.loads((out / "run.json").read_text())["config"]["processor"]["image_processor"]
+    assert recorded == "Qwen2VLImageProcessor"
     installed = {**facts_module._installed(), "torchvision": "0.28.0", "torchvision found": True}
     monkeypatch.setattr(facts_module, "_installed", lambda: installed)
-    with pytest.raises(RunConfigMismatch) as e:
-        _resume(inputs, out, ckpt)
-    assert "processor.image_processor" in str(e.value) and "Qwen2VLImageProcessor'" in str(e.value)
+    assert _resume(inputs, out, ckpt).nothing_to_do and asked == [str(ckpt.resolve())]
 
 
 def test_changed_processor_files_are_asked_about_again(copied, asked):

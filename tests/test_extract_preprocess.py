@@ -56,10 +56,14 @@ def _reference_image_processor(cfg):
 
 
 def test_image_matches_transformers_processor(media_dir, cfg):
+    """An OUT made with transformers' PIL processor (the class vlfast recorded where torchvision was absent,
+    before its own torchvision path) goes on with that processor: its pixels, for every image mode."""
+    from dataclasses import replace
+
     from PIL import Image
 
     ref = _reference_image_processor(cfg)
-    pre = Preprocessor(cfg)
+    pre = Preprocessor(replace(cfg, image_processor="Qwen2VLImageProcessorPil"))
     for name in ("rgb.jpg", "rgba.png", "palette.png", "gray.png", "cmyk.jpg", "tiny.png", "wide150.png"):
         path = media_dir / "good" / name
         pixels, grid, _ = pre.image(str(path))
@@ -81,50 +85,60 @@ def test_checkpoint_processor_is_the_checkpoints_own(tiny_qwen3_vl, media_dir):
     from PIL import Image
 
     proc = AutoImageProcessor.from_pretrained(tiny_qwen3_vl, local_files_only=True)
+    # the class transformers builds, or (without torchvision) the torchvision twin whose operations vlfast does
+    assert cfg.image_processor == type(proc).__name__.removesuffix("Pil") == "Qwen2VLImageProcessor"
+    # recorded as the class built, the checkpoint's processor itself runs: the same pixels
+    from dataclasses import replace
+
+    built = Preprocessor(
+        replace(cfg, image_processor=type(proc).__name__), image_processor_dir=str(tiny_qwen3_vl)
+    )
+    pixels, grid, _ = built.image(str(media_dir / "good/rgb.jpg"))
     expected = proc(images=[Image.open(media_dir / "good/rgb.jpg")], return_tensors="pt")["pixel_values"]
     torch.testing.assert_close(pixels, expected, rtol=0, atol=0)
-    assert cfg.image_processor == type(proc).__name__  # the class transformers built, whichever backend
 
 
 def test_recorded_image_processor_is_the_class_built(tiny_qwen3_vl, monkeypatch):
-    """``image_processor`` is the class actually built (transformers picks the backend by what is installed),
-    built once for the configuration and the Preprocessor together; another class is refused."""
+    """A new configuration records transformers' torchvision image processor (``Qwen2VLImageProcessor``, whose
+    operations vlfast does itself), whichever backend transformers would pick here, and builds no transformers
+    processor for it. The PIL class (an OUT made with it, or asked for) is built by name from the checkpoint's
+    files, once for the configuration and the Preprocessor together; a class transformers does not build is
+    refused."""
     from dataclasses import replace
 
-    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from vlfast.extraction.decode import preprocess
 
     calls = []
-    real = transformers.AutoImageProcessor.from_pretrained.__func__
+    real = Qwen2VLImageProcessorPil.from_pretrained.__func__
 
     def counting(cls, *args, **kwargs):
         calls.append(args[0])
         return real(cls, *args, **kwargs)
 
-    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", classmethod(counting))
+    monkeypatch.setattr(Qwen2VLImageProcessorPil, "from_pretrained", classmethod(counting))
     monkeypatch.setattr(preprocess, "_IMAGE_PROCESSORS", {})
     cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
-    pre = Preprocessor(cfg, image_processor_dir=str(tiny_qwen3_vl))
-    proc = pre.image_processor()
-    assert cfg.image_processor == type(proc).__name__ == cfg.to_dict()["image_processor"]
-    expected = (
-        "Qwen2VLImageProcessor" if importlib.util.find_spec("torchvision") else "Qwen2VLImageProcessorPil"
-    )
-    assert cfg.image_processor == expected
-    assert len(calls) == 1  # the configuration's processor is the one the Preprocessor uses
-    ref = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl")
+    assert cfg.image_processor == cfg.to_dict()["image_processor"] == "Qwen2VLImageProcessor"
     assert (
-        ref.image_processor
-        == type(Preprocessor(ref).image_processor()).__name__
-        == "Qwen2VLImageProcessorPil"
+        build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl").image_processor
+        == "Qwen2VLImageProcessor"
     )
-    # A configuration recorded with another backend (torchvision installed or removed since) is refused.
-    other = replace(
-        cfg, image_processor="Qwen2VLImageProcessor" if expected.endswith("Pil") else expected + "Pil"
+    assert calls == []
+    pil = build_processor_config(
+        str(tiny_qwen3_vl), family="qwen3_vl", image_processor="Qwen2VLImageProcessorPil"
     )
+    assert pil.image_processor == "Qwen2VLImageProcessorPil" and len(calls) == 1
+    proc = Preprocessor(pil, image_processor_dir=str(tiny_qwen3_vl)).image_processor()
+    assert type(proc) is Qwen2VLImageProcessorPil
+    assert len(calls) == 1  # the configuration's processor is the one the Preprocessor uses
+    # a configuration recording a class this environment does not build is refused
+    other = replace(cfg, image_processor="Qwen2VLImageProcessorFast")
     with pytest.raises(RuntimeError, match="configuration records"):
-        Preprocessor(other, image_processor_dir=str(tiny_qwen3_vl)).image_processor()
+        Preprocessor(
+            replace(other, image_processor="SomeOtherProcessorPil"), image_processor_dir=str(tiny_qwen3_vl)
+        ).image_processor()
 
 
 def test_preprocessor_pickles_without_its_image_processor(tiny_qwen3_vl, media_dir):
@@ -232,7 +246,6 @@ def _from_source(path: str | Path, names: set[str], ns: dict) -> dict:
 
 @pytest.mark.parametrize("total", [4, 9, 48, 301, 2000])
 def test_qwen2_frame_sampling_matches_transformers(total):
-    import importlib.util
     import math
 
     from transformers.video_utils import VideoMetadata
@@ -249,7 +262,6 @@ def test_qwen2_frame_sampling_matches_transformers(total):
 def _qwen_vl_utils_smart_nframes():
     """qwen-vl-utils' ``smart_nframes``, with the helpers and constants it uses, compiled from its
     installed source (its module imports torchvision at the top)."""
-    import importlib.util
     import logging
     import math
 

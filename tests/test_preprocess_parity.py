@@ -337,3 +337,23 @@ def test_a_changed_pixel_setting_refuses_the_resume(tiny_qwen3_vl, two, tmp_path
         assert f"processor.{key}" in r.output and "already holds an extraction" in r.output, r.output
         (ckpt / f).write_text(json.dumps(settings))
     assert "nothing to do" in CliRunner().invoke(app, args).output
+
+
+def test_the_image_backend_is_chosen_recorded_and_kept(tiny_qwen3_vl, two, tmp_path):
+    """--image-backend pil: transformers' PIL processor runs and is recorded; the same command without the
+    option resumes as made; the other backend on that OUT is refused (exit 2), saying how to resume it."""
+    from typer.testing import CliRunner
+
+    from vlfast.cli.main import app
+
+    out = tmp_path / "out"
+    args = ["extract", str(two), str(out), "--model", str(tiny_qwen3_vl), "--workers", "0"]
+    assert CliRunner().invoke(app, [*args, "--image-backend", "pil"]).exit_code == 0
+    recorded = json.loads((out / "run.json").read_text())["config"]["processor"]["image_processor"]
+    assert recorded == "Qwen2VLImageProcessorPil"
+    assert "nothing to do" in CliRunner().invoke(app, args).output
+    r = CliRunner().invoke(app, [*args, "--image-backend", "torchvision"])
+    assert r.exit_code == 2 and "processor.image_processor" in r.output, r.output
+    assert "leave out --image-backend" in " ".join(r.output.split()), r.output
+    r = CliRunner().invoke(app, [*args, "--image-backend", "tv"])
+    assert r.exit_code == 2 and "torchvision or pil" in r.output, r.output

@@ -126,6 +126,16 @@ def extract(
             show_default=False,
         ),
     ] = None,
+    image_backend: Annotated[
+        str | None,
+        typer.Option(
+            "--image-backend",
+            help="Whose pixels images get: torchvision (transformers' torchvision image processor, done by "
+            "vlfast, torchvision not needed; transformers' default for Qwen-VL) or pil (transformers' PIL "
+            "processor, which runs; slower). Default: as OUT was made; for a new OUT, torchvision.",
+            show_default=False,
+        ),
+    ] = None,
     batch_tokens: Annotated[
         int | None,
         typer.Option("--batch-tokens", help="Patches per forward. Default 32768 on CUDA, 4096 on CPU."),
@@ -348,6 +358,7 @@ def extract(
             max_pixels=max_pixels,
             video_max_pixels=video_max_pixels,
             exif_orientation=exif_orientation,
+            image_backend=image_backend,
             max_batch_tokens=batch_tokens,
             num_workers=workers,
             decode_timeout=decode_timeout or None,
@@ -368,6 +379,8 @@ def extract(
             e.remedy += (
                 "; or give neither --exif-orientation nor --no-exif-orientation, to resume it as it was made"
             )
+        if any(key == "processor.image_processor" for key, *_ in e.diffs) and image_backend is not None:
+            e.remedy += "; or leave out --image-backend, to resume it as it was made"
         raise
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): the run unwound the same way
         sigterm = isinstance(e, Terminated)

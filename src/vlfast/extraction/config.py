@@ -75,6 +75,10 @@ class ExtractConfig:
     # Images turned upright by their EXIF tag, as transformers does for a path. None: as OUT was made; for a
     # new OUT, yes (no for the Qwen3-VL-Embedding recipe, as its reference, qwen-vl-utils).
     exif_orientation: bool | None = None
+    # Whose pixels images get: "torchvision" (transformers' torchvision image processor, whose operations vlfast
+    # does itself, with or without torchvision) or "pil" (transformers' PIL processor, which runs). None: as
+    # OUT was made; for a new OUT, torchvision (the embedding recipe: the class transformers picks).
+    image_backend: str | None = None
     # How it runs: may change on resume.
     device: str | torch.device | None = None
     max_batch_tokens: int | None = None
@@ -220,6 +224,10 @@ def _check_numbers(config: ExtractConfig) -> None:
         )
     if config.exif_orientation not in (None, True, False):
         raise InputRefused(f"exif_orientation must be True, False or None, got {config.exif_orientation!r}")
+    if config.image_backend not in (None, "torchvision", "pil"):
+        raise InputRefused(
+            f"--image-backend (image_backend) must be torchvision or pil, got {config.image_backend!r}"
+        )
     rank, world = config.rank, config.world_size
     if rank is not None and world is not None and not (isinstance(rank, int) and 0 <= rank < world):
         raise InputRefused(f"--rank must be in 0..{world - 1} and --world-size >= 1, got {rank} of {world}")

@@ -340,6 +340,7 @@ def make_plan(
     facts = ModelFacts(model_dir, out, read=not config.overwrite)
     family = family_of(config.model, facts)
     check_llm_request(config.model, config.spec, facts)
+    recorded = None if config.overwrite else recorded_configuration(out)
     processor = build_processor_config(
         model_dir,
         family=family,
@@ -348,9 +349,8 @@ def make_plan(
         min_pixels=config.min_pixels,
         max_pixels=config.max_pixels,
         video_max_pixels=config.video_max_pixels,
-        exif_orientation=exif_orientation(
-            config.exif_orientation, None if config.overwrite else recorded_configuration(out)
-        ),
+        exif_orientation=exif_orientation(config.exif_orientation, recorded),
+        image_processor=IMAGE_BACKENDS.get(config.image_backend) or recorded_image_processor(recorded),
         facts=facts,
     )
     from vlfast.extraction.store.fingerprint import weights_fingerprint
@@ -473,6 +473,19 @@ def recorded_configuration(out: Any) -> dict[str, Any] | None:
     except (DamagedFile, InputRefused, OSError):
         return None
     return recorded if isinstance(recorded, dict) else None
+
+
+# --image-backend: the transformers class whose pixels images get
+IMAGE_BACKENDS = {"torchvision": "Qwen2VLImageProcessor", "pil": "Qwen2VLImageProcessorPil"}
+
+
+def recorded_image_processor(recorded: dict[str, Any] | None) -> str | None:
+    """The image processor class OUT was made with (None for a new OUT): a resume keeps it, so an OUT made
+    with transformers' PIL processor goes on with it (vlfast's default for new OUTs is the torchvision one's
+    operations, done by vlfast)."""
+    processor = (recorded or {}).get("processor")
+    name = processor.get("image_processor") if isinstance(processor, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:

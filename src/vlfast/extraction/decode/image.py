@@ -18,7 +18,7 @@ import torch
 
 from vlfast.extraction.decode.media import SampleError
 from vlfast.extraction.decode.processor_config import ProcessorConfig
-from vlfast.extraction.decode.video import _image_smart_resize, resize_frames
+from vlfast.extraction.decode.video import resize_frames, smart_resize
 
 __all__ = ["image_patches", "normalize_image_patches", "rgb_tensor", "same_normalization"]
 
@@ -47,7 +47,7 @@ def image_patches(
     factor = cfg.factor
     if cfg.do_resize:
         try:
-            h, w = _image_smart_resize(height, width, factor, cfg.image_min_pixels, cfg.image_max_pixels)
+            h, w = smart_resize(height, width, factor, cfg.image_min_pixels, cfg.image_max_pixels)
         except SampleError as e:
             raise SampleError(f"the image processor refused a {width}x{height} image: {e}") from None
         pixels = resize_frames(pixels[None], (h, w), cfg.resample)[0]

@@ -207,6 +207,7 @@ _IMAGE_PROCESSORS: dict[tuple, Any] = {}
 def _image_processor(
     model_dir: str | None,
     *,
+    cls_name: str | None = None,
     patch_size: int,
     temporal_patch_size: int,
     merge_size: int,
@@ -214,8 +215,9 @@ def _image_processor(
     image_std: tuple[float, ...],
 ):
     """transformers' image processor: the checkpoint's own (``AutoImageProcessor``, which picks the backend
-    by what is installed: the PIL one without torchvision), or, with no checkpoint, the PIL one with these
-    numbers. Cached per checkpoint (its processor files' identity) or numbers."""
+    by what is installed: the PIL one without torchvision; ``cls_name``, the PIL class, builds that one from
+    the files), or, with no checkpoint, the PIL one with these numbers. Cached per checkpoint (its processor
+    files' identity) or numbers."""
     if model_dir is not None:
         files = []
         for name in (PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG):
@@ -224,12 +226,16 @@ def _image_processor(
             except OSError:
                 continue
             files.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
-        key: tuple = ("checkpoint", os.path.realpath(model_dir), tuple(files))
+        key: tuple = ("checkpoint", os.path.realpath(model_dir), tuple(files), cls_name)
     else:
         key = ("defaults", patch_size, temporal_patch_size, merge_size, tuple(image_mean), tuple(image_std))
     proc = _IMAGE_PROCESSORS.get(key)
     if proc is None:
-        if model_dir is not None:
+        if model_dir is not None and cls_name == "Qwen2VLImageProcessorPil":
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
+        elif model_dir is not None:
             from transformers import AutoImageProcessor
 
             proc = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
@@ -324,6 +330,7 @@ def build_processor_config(
     max_pixels: int | None = None,
     video_max_pixels: int | None = None,
     exif_orientation: bool | None = None,
+    image_processor: str | None = None,
     facts: ModelFacts | None = None,
 ) -> ProcessorConfig:
     """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
@@ -337,7 +344,12 @@ def build_processor_config(
     these files', without importing transformers; else it is asked as without.
     ``fps`` and ``num_frames`` are exclusive; with neither the processor's own default (2 fps) applies.
     ``exif_orientation`` None: applied as transformers applies it to a path, except for the Qwen3-VL-Embedding
-    recipe, whose reference (qwen-vl-utils) reads the pixels as stored.
+    recipe, whose reference (qwen-vl-utils) reads the pixels as stored. ``image_processor``: the class asked
+    (``--image-backend``) or recorded by the OUT resumed; None for a new OUT: transformers' torchvision
+    processor (``Qwen2VLImageProcessor``), whose operations vlfast does itself (vlfast.extraction.decode.image)
+    with or without torchvision, except for the embedding recipe, which keeps the class transformers picks, as
+    its reference does. The PIL class (``Qwen2VLImageProcessorPil``) is built from the checkpoint's files
+    whatever is installed.
     """
     if fps is not None and num_frames is not None:
         raise InputRefused("give either fps or num_frames for video sampling, not both")
@@ -373,12 +385,19 @@ def build_processor_config(
         "image_std": tuple(float(x) for x in values["image_std"]),
     }
 
-    def built() -> str:
-        return type(_image_processor(None if model.startswith("ref:") else model, **numbers)).__name__
+    if image_processor is None and not recipe:  # a new OUT: transformers' default backend, done by vlfast
+        image_processor = "Qwen2VLImageProcessor"
+    elif image_processor not in TORCHVISION_IMAGE_PROCESSORS:
+        # transformers' own processor runs: the class asked or recorded, built here, or (the embedding recipe)
+        # the one transformers picks, as its reference does
+        def built() -> str:
+            model_dir = None if model.startswith("ref:") else model
+            return type(_image_processor(model_dir, cls_name=image_processor, **numbers)).__name__
 
+        image_processor = built() if facts is None else facts.answer("image processor", built)
     return ProcessorConfig(
         source=source,
-        image_processor=built() if facts is None else facts.answer("image processor", built),
+        image_processor=image_processor,
         **numbers,
         image_min_pixels=values["image_min_pixels"],
         image_max_pixels=values["image_max_pixels"],
@@ -515,6 +534,7 @@ class Preprocessor:
             cfg = self.cfg
             proc = _image_processor(
                 self.image_processor_dir,
+                cls_name=cfg.image_processor,
                 patch_size=cfg.patch_size,
                 temporal_patch_size=cfg.temporal_patch_size,
                 merge_size=cfg.merge_size,

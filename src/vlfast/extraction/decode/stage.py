@@ -20,6 +20,7 @@ import torch
 from vlfast.extraction.decode.embedding import EmbeddingPrompt
 from vlfast.extraction.decode.inputs import input_record
 from vlfast.extraction.decode.preprocess import Preprocessor, ProcessorConfig, SampleError
+from vlfast.extraction.decode.processor_config import TORCHVISION_IMAGE_PROCESSORS
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.workers import unexpected_item
 from vlfast.extraction.objstore import TransientReadError
@@ -146,8 +147,9 @@ def prepare_decoding(
     pre = Preprocessor(
         cfg, image_processor_dir=None if model.startswith("ref:") else model, defer_video_normalize=True
     )
-    if images:
-        pre.image_processor()  # import and build it once here, so forked workers inherit it
+    if images and cfg.image_processor not in TORCHVISION_IMAGE_PROCESSORS:
+        # transformers' processor runs for images: import and build it once here, so forked workers inherit it
+        pre.image_processor()
     prompts = None
     if needs_llm:
         prompts = PromptBuilder(model, family, cfg.merge_size, cfg.temporal_patch_size)

@@ -22,6 +22,7 @@ __all__ = [
     "read_video",
     "resize_frames",
     "sample_frame_indices",
+    "smart_resize",
     "video_resize_shape",
 ]
 
@@ -69,7 +70,7 @@ def _qwen_vl_utils_indices(total: int, video_fps: float | None, cfg: ProcessorCo
     return torch.linspace(0, total - 1, n).round().long().numpy()
 
 
-def _image_smart_resize(height: int, width: int, factor: int, lo: float, hi: float) -> tuple[int, int]:
+def smart_resize(height: int, width: int, factor: int, lo: float, hi: float) -> tuple[int, int]:
     """qwen-vl-utils' (and transformers' Qwen2-VL image) ``smart_resize`` of one frame."""
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise SampleError(f"video aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds 200:1")
@@ -102,13 +103,13 @@ def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorC
         lo = cfg.video_min_pixels
         frame_max = cfg.max_video_tokens * factor * factor
         hi = max(min(frame_max, cfg.video_max_pixels / num_frames * tf), int(lo * 1.05))
-        return _image_smart_resize(height, width, factor, lo, hi)
+        return smart_resize(height, width, factor, lo, hi)
     if cfg.video_sizing == "qwen2-vl":
         hi = cfg.video_max_pixels
         if cfg.cap_pixels_per_frame:
             total = int(cfg.max_video_tokens * factor * factor * 0.9)
             hi = max(min(hi, total * tf // num_frames), int(cfg.video_min_pixels * 1.05))
-        return _image_smart_resize(height, width, factor, cfg.video_min_pixels, hi)
+        return smart_resize(height, width, factor, cfg.video_min_pixels, hi)
     max_pixels = cfg.video_max_pixels
     if cfg.cap_pixels_per_frame:
         frame_cap = cfg.max_video_tokens * factor * factor
