@@ -14,7 +14,9 @@ call of a missing operator would raise, not pass silently.
 As a module: :func:`reference_pixels` (cases in, each case's pixel_values and grid out) and :func:`unavailable`.
 As a script: ``python tests/_transformers_reference.py CASES.json OUT.pt``.
 
-A case is a dict: ``name``; ``kind`` "image" or "video"; ``path``, a file; ``processor``, a class name of
+A case is a dict: ``name``; ``kind`` "image", "video", or "batch" (``images`` and ``videos``, lists of
+paths, each list in one call of ``checkpoint``'s AutoImageProcessor and AutoVideoProcessor; saved as
+``name:pixel_values`` and ``name:pixel_values_videos`` with their grids); ``path``, a file; ``processor``, a class name of
 transformers (``Qwen2VLImageProcessor``, ``Qwen2VLImageProcessorPil``, ``Qwen2VLVideoProcessor``,
 ``Qwen3VLVideoProcessor``, or ``AutoImageProcessor`` / ``AutoVideoProcessor``); ``checkpoint``, a folder to
 build it from (``from_pretrained``), else ``init``, the class's keyword arguments; ``call``, the call's. Images are read with transformers'
@@ -102,6 +104,9 @@ def _main(spec: Path, out: Path) -> None:
         raise SystemExit("transformers does not see the reference torchvision")
     results: dict[str, tuple[torch.Tensor, list[int]]] = {}
     for case in json.loads(spec.read_text()):
+        if case["kind"] == "batch":
+            _batch(case, results)
+            continue
         name = case["processor"]
         if case.get("checkpoint"):
             proc = getattr(transformers, name).from_pretrained(case["checkpoint"], local_files_only=True)
@@ -127,6 +132,36 @@ def _main(spec: Path, out: Path) -> None:
             )
             results[case["name"]] = (got["pixel_values_videos"], got["video_grid_thw"][0].tolist())
     torch.save(results, out)
+
+
+def _batch(case: dict, results: dict) -> None:
+    """Images and videos of one training example, each list in one call of the checkpoint's image and video
+    processors (what its AutoProcessor runs for them)."""
+    import transformers
+    from transformers.image_utils import load_image
+    from transformers.video_utils import load_video
+
+    ckpt, call = case["checkpoint"], dict(case.get("call", {}))
+    if case.get("images"):
+        proc = transformers.AutoImageProcessor.from_pretrained(ckpt, local_files_only=True)
+        got = proc(images=[load_image(p) for p in case["images"]], return_tensors="pt")
+        results[f"{case['name']}:pixel_values"] = (got["pixel_values"], got["image_grid_thw"].tolist())
+    if case.get("videos"):
+        proc = transformers.AutoVideoProcessor.from_pretrained(ckpt, local_files_only=True)
+        loaded = [load_video(p, backend="pyav") for p in case["videos"]]
+        if "num_frames" in call:
+            call.setdefault("fps", None)
+        got = proc(
+            videos=[f for f, _ in loaded],
+            video_metadata=[m for _, m in loaded],
+            do_sample_frames=True,
+            return_tensors="pt",
+            **call,
+        )
+        results[f"{case['name']}:pixel_values_videos"] = (
+            got["pixel_values_videos"],
+            got["video_grid_thw"].tolist(),
+        )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ _EXPORTS = {
     "profile": "vlfast.diagnosis.profiler",
     "extract": "vlfast.extraction",
     "FeatureCache": "vlfast.extraction",
+    "VisionPreprocessor": "vlfast.extraction.preprocessing",
     "audit_tokens": "vlfast.tokens",
     # what vlfast refuses on purpose (exit 2 in the CLI); anything else that escapes is a bug
     "VlfastError": "vlfast.errors",

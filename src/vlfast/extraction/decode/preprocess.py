@@ -52,6 +52,7 @@ __all__ = [
     "ProcessorConfig",
     "SampleError",
     "build_processor_config",
+    "conformed_image",
     "load_image",
     "normalize_video_patches",
     "patchify_video",
@@ -465,6 +466,13 @@ def load_image(path: Media, exif_orientation: bool = False):
             img = ImageOps.exif_transpose(img)
         except Exception as e:  # noqa: BLE001 - only this file's EXIF block is parsed here: its data, not a bug
             raise SampleError(f"unreadable EXIF orientation: {type(e).__name__}: {e}") from None
+    return conformed_image(img)
+
+
+def conformed_image(img):
+    """A PIL image as the processors can take it (see :func:`load_image`); raise SampleError."""
+    from PIL import Image
+
     w, h = img.size
     if w < 1 or h < 1:
         raise SampleError(f"image has no pixels ({w}x{h})")
@@ -564,9 +572,16 @@ class Preprocessor:
         return {"shortest_edge": self.cfg.image_min_pixels, "longest_edge": self.cfg.image_max_pixels}
 
     def image(self, path: Media) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        img = load_image(path, self.cfg.exif_orientation)
+        try:
+            return self.pil_image(img)
+        except SampleError as e:  # the processor's refusal: named with the file
+            raise SampleError(f"{e} ({path})") from None
+
+    def pil_image(self, img) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        """An opened image (as :func:`load_image` gives it) -> ``(pixel_values, grid, meta)``."""
         import torch
 
-        img = load_image(path, self.cfg.exif_orientation)
         meta = {"width": img.size[0], "height": img.size[1], "mode": img.mode}
         if self.cfg.image_processor in TORCHVISION_IMAGE_PROCESSORS:
             # transformers' torchvision processor's operations, done here (no torchvision needed): see .image
@@ -578,7 +593,7 @@ class Preprocessor:
         try:
             out = self.image_processor()(images=[img], size=self._size(), return_tensors="pt")
         except ValueError as e:  # e.g. smart_resize's aspect-ratio check
-            raise SampleError(f"the image processor refused {path}: {e}") from None
+            raise SampleError(f"the image processor refused the image: {e}") from None
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         return out["pixel_values"].to(torch.float32), grid, meta  # (t*h*w, C*T*P*P)
 

@@ -1,0 +1,121 @@
+"""The image and video half of a Qwen-VL processor, for training data loaders: the inputs and outputs of
+transformers' processor, the pixels of its torchvision backend, bit for bit, at the cost of vlfast's own path.
+
+    pre = vlfast.VisionPreprocessor("Qwen3-VL-4B-Instruct")     # a local checkpoint, or "ref:qwen3-vl-4b"
+    out = pre(images=["a.jpg", pil_image], videos=["clip.mp4"])
+    out["pixel_values"], out["image_grid_thw"], out["pixel_values_videos"], out["video_grid_thw"]
+
+The numbers come from the checkpoint's processor files, as ``vlfast extract`` reads them
+(:func:`~vlfast.extraction.decode.preprocess.build_processor_config`); images by path are turned upright by
+their EXIF orientation, as transformers' ``load_image`` does, PIL images are taken as they are, as its
+processor takes them; videos are decoded with PyAV and sampled by the family's ``sample_frames`` (2 fps by
+default). The object pickles small (DataLoader workers, spawn or fork) and holds no open file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vlfast.errors import InputRefused
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from vlfast.extraction.decode.preprocess import Preprocessor
+
+__all__ = ["VisionPreprocessor"]
+
+_BACKENDS = {"torchvision": "Qwen2VLImageProcessor", "pil": "Qwen2VLImageProcessorPil"}
+
+
+@dataclass
+class VisionPreprocessor:
+    """``pixel_values``/``image_grid_thw`` and ``pixel_values_videos``/``video_grid_thw`` (float32 on CPU,
+    int64) for a batch of images and videos, equal to transformers' processor of ``model`` with
+    ``image_backend`` (torchvision: its default for Qwen-VL, done here without torchvision; pil: its PIL
+    processor, which runs). ``fps`` or ``num_frames`` sample videos; the pixel budgets override the files'."""
+
+    model: str
+    fps: float | None = None
+    num_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    video_max_pixels: int | None = None
+    image_backend: str = "torchvision"
+    _pre: Preprocessor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.image_backend not in _BACKENDS:
+            raise InputRefused(f"image_backend must be torchvision or pil, got {self.image_backend!r}")
+        from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
+        from vlfast.extraction.plan import family_of
+
+        model = self.model if self.model.startswith("ref:") else str(Path(self.model).resolve())
+        cfg = build_processor_config(
+            model,
+            family=family_of(model),
+            fps=self.fps,
+            num_frames=self.num_frames,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+            video_max_pixels=self.video_max_pixels,
+            exif_orientation=True,
+            image_processor=_BACKENDS[self.image_backend],
+        )
+        self._pre = Preprocessor(cfg, image_processor_dir=None if model.startswith("ref:") else model)
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path, **options: Any) -> VisionPreprocessor:
+        return cls(str(model), **options)
+
+    @property
+    def config(self):
+        """The :class:`~vlfast.extraction.decode.processor_config.ProcessorConfig` every number comes from."""
+        return self._pre.cfg
+
+    def __call__(self, images: list | None = None, videos: list | None = None) -> dict[str, torch.Tensor]:
+        """Images (paths, or PIL images) and videos (paths, or lists of frame image paths) -> tensors, each
+        input's rows in order; raises :class:`~vlfast.extraction.decode.media.SampleError` naming a file
+        that cannot be read."""
+        import torch
+
+        from vlfast.extraction.sources.sample import Sample
+
+        out: dict[str, torch.Tensor] = {}
+        if images:
+            rows, grids = zip(*(_named(self._image, x) for x in images))
+            out["pixel_values"] = torch.cat(rows)
+            out["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        if videos:
+            rows, grids = [], []
+            for x in videos:
+                paths = (str(x),) if isinstance(x, (str, Path)) else tuple(str(p) for p in x)
+                kind = "video" if isinstance(x, (str, Path)) else "frames"
+                pixels, grid, _ = _named(self._pre, Sample(id=paths[0], kind=kind, paths=paths))
+                rows.append(pixels)
+                grids.append(grid)
+            out["pixel_values_videos"] = torch.cat(rows)
+            out["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        return out
+
+    def _image(self, x) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        if isinstance(x, (str, Path)):
+            pixels, grid, _ = self._pre.image(str(x))
+            return pixels, grid
+        from vlfast.extraction.decode.preprocess import conformed_image
+
+        pixels, grid, _ = self._pre.pil_image(conformed_image(x))
+        return pixels, grid
+
+
+def _named(fn, x):
+    """``fn(x)``, its SampleError naming the input (a data loader's traceback then says which file)."""
+    from vlfast.extraction.decode.media import SampleError
+
+    try:
+        return fn(x)
+    except SampleError as e:
+        what = x.paths[0] if hasattr(x, "paths") else x if isinstance(x, (str, Path)) else type(x).__name__
+        raise SampleError(f"{what}: {e}") from None

@@ -1,0 +1,129 @@
+"""vlfast.VisionPreprocessor: the image and video half of transformers' Qwen-VL processor, for data loaders.
+
+Compared with the checkpoint's own AutoImageProcessor and AutoVideoProcessor (run with the real torchvision in
+a process of their own: tests/_transformers_reference.py) on real JPEG, PNG and H.264 files, in one batch, and
+used as a Dataset's preprocessing under a DataLoader with worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import _transformers_reference as reference
+from vlfast import VisionPreprocessor
+from vlfast.demo import make_video, pattern
+from vlfast.errors import InputRefused
+from vlfast.extraction.decode.media import SampleError
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("loader-media")
+    images = []
+    for i, (w, h, suffix) in enumerate([(640, 480, "jpg"), (333, 517, "jpg"), (300, 200, "png")]):
+        Image.fromarray(pattern(h, w, 40 + i)).save(d / f"im{i}.{suffix}")
+        images.append(str(d / f"im{i}.{suffix}"))
+    videos = [
+        str(make_video(d / "a.mp4", frames=30, fps=10, width=320, height=240, seed=5)),
+        str(make_video(d / "b.mp4", frames=24, fps=12, width=256, height=144, seed=6)),
+    ]
+    return images, videos
+
+
+def test_a_batch_equals_the_checkpoints_own_processors(tiny_qwen3_vl, media, tmp_path):
+    why = reference.unavailable()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the parity reference must run in CI: {why}")
+        pytest.skip(why)
+    images, videos = media
+    ours = VisionPreprocessor(str(tiny_qwen3_vl), num_frames=8)(images=images, videos=videos)
+    case = {
+        "name": "batch",
+        "kind": "batch",
+        "checkpoint": str(tiny_qwen3_vl),
+        "images": images,
+        "videos": videos,
+        "call": {"num_frames": 8},
+    }
+    expected = reference.reference_pixels([case], tmp_path)
+    pixels, grids = expected["batch:pixel_values"]
+    assert ours["image_grid_thw"].tolist() == grids and ours["image_grid_thw"].dtype == torch.long
+    assert ours["pixel_values"].dtype == torch.float32 and torch.equal(ours["pixel_values"], pixels)
+    pixels, grids = expected["batch:pixel_values_videos"]
+    assert ours["video_grid_thw"].tolist() == grids
+    assert torch.equal(ours["pixel_values_videos"], pixels)
+
+
+def _collate(items):
+    return {
+        key: torch.cat([it[key] for it in items])
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    }
+
+
+class _Examples(torch.utils.data.Dataset):
+    def __init__(self, images, videos, pre):
+        self.images, self.videos, self.pre = images, videos, pre
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.pre(images=[self.images[i]], videos=[self.videos[i % len(self.videos)]])
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_it_runs_in_dataloader_workers(tiny_qwen3_vl, media, context):
+    """Pickled to spawned workers (small: no processor object, no open file) or inherited by forked ones, it
+    gives what it gives in the main process."""
+    import pickle
+
+    images, videos = media
+    pre = VisionPreprocessor(str(tiny_qwen3_vl), num_frames=4)
+    assert len(pickle.dumps(pre)) < 4096
+    direct = _collate([pre(images=[p], videos=[videos[i % 2]]) for i, p in enumerate(images)])
+    loader = torch.utils.data.DataLoader(
+        _Examples(images, videos, pre),
+        batch_size=3,
+        num_workers=2,
+        collate_fn=_collate,
+        multiprocessing_context=context,
+    )
+    (batch,) = list(loader)
+    for key, value in direct.items():
+        assert torch.equal(batch[key], value), key
+
+
+def test_pil_images_and_the_pil_backend(tiny_qwen3_vl, media):
+    """A PIL image is taken as it is (as transformers' processor takes it); the PIL backend runs transformers'
+    PIL processor (other pixels, slightly)."""
+    from PIL import Image
+
+    images, _ = media
+    pre = VisionPreprocessor(str(tiny_qwen3_vl))
+    by_path = pre(images=images)
+    by_pil = pre(images=[Image.open(p) for p in images])
+    assert torch.equal(by_path["pixel_values"], by_pil["pixel_values"])
+    assert set(by_path) == {"pixel_values", "image_grid_thw"}
+    pil = VisionPreprocessor(str(tiny_qwen3_vl), image_backend="pil")(images=images)
+    assert torch.equal(pil["image_grid_thw"], by_path["image_grid_thw"])
+    diff = (pil["pixel_values"] - by_path["pixel_values"]).abs().max().item()
+    assert 0 < diff < 0.05
+
+
+def test_bad_input_is_named(tiny_qwen3_vl, tmp_path):
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    pre = VisionPreprocessor("ref:qwen3-vl-2b")
+    with pytest.raises(SampleError, match=f"^{bad}: unreadable or truncated image"):
+        pre(images=[str(bad)])
+    with pytest.raises(SampleError, match=f"^{bad}: "):
+        pre(videos=[str(bad)])
+    with pytest.raises(InputRefused, match="torchvision or pil"):
+        VisionPreprocessor("ref:qwen3-vl-2b", image_backend="fast")
