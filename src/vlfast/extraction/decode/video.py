@@ -3,8 +3,10 @@ the model's video processor (see :mod:`~vlfast.extraction.decode.preprocess` for
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -236,12 +238,38 @@ def _video_failure(path: Media, size: int, reason: str, *, cut: bool = False) ->
     return SampleError(reason)
 
 
-def _packet_pts(container, stream, *, rewind: bool = True) -> list[int | None]:
-    """Presentation timestamps of the stream's packets in decode order, read without decoding anything."""
-    pts = [packet.pts for packet in container.demux(stream) if packet.size > 0]
+@dataclass(frozen=True)
+class _Packets:
+    """The video stream's packets in decode order, as the demuxer gives them without decoding: timestamps
+    (in ``stream.time_base``; None where the container has none), keyframe flags, and the packets an edit
+    list cuts (decoded as references, never shown)."""
+
+    pts: list[int | None]
+    dts: list[int | None]
+    key: list[bool]
+    discard: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.pts)
+
+    @classmethod
+    def of(cls, pts: list[int | None]) -> _Packets:
+        """Timestamps alone: no keyframe known, so nothing to seek to."""
+        return cls(list(pts), [None] * len(pts), [False] * len(pts), [False] * len(pts))
+
+
+def _packet_pts(container, stream, *, rewind: bool = True) -> _Packets:
+    """The stream's packets' timestamps and flags in decode order, read without decoding anything."""
+    pts, dts, key, discard = [], [], [], []
+    for packet in container.demux(stream):
+        if packet.size > 0:
+            pts.append(packet.pts)
+            dts.append(packet.dts)
+            key.append(packet.is_keyframe)
+            discard.append(packet.is_discard)
     if rewind:
         container.seek(0)
-    return pts
+    return _Packets(pts, dts, key, discard)
 
 
 # What PyAV raises for data it cannot read: FFmpegError (InvalidDataError is also a ValueError, EOFError
@@ -305,38 +333,132 @@ def read_video(path: Media, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[st
     return video, {"video_fps": video_fps, "total_frames": total, "frame_indices": indices.tolist()}
 
 
-def _decode_sparse(container, stream, indices: np.ndarray, pts: list[int | None]) -> list[np.ndarray] | None:
+def _decode_sparse(
+    container, stream, indices: np.ndarray, packets: _Packets | list[int | None]
+) -> list[np.ndarray] | None:
     """RGB frames at ``indices`` without decoding the frames nothing refers to; None to fall back.
 
-    A frame's index is its rank in presentation order, which the packets' timestamps give before any
-    decoding. Packets of unwanted frames are sent with ``skip_frame = NONREF``: the decoder drops them
-    only if no other frame is predicted from them (H.264/HEVC B-frames outside the pyramid, MPEG-4 B-VOPs),
-    so every wanted frame decodes from exactly the references it would in a full decode, bit for bit.
-    Decoders without the option decode everything. On 10 s of 30 fps H.264 (x264 defaults) with 8
-    frames sampled this decodes about half the frames and takes ~30% less time. Returns None, for the
-    caller's sequential decode, when timestamps are missing or repeated or a wanted frame did not come back.
+    A frame's index is its rank in presentation order among the frames shown (an edit list's cut packets
+    are decoded as references, never shown), which the packets' timestamps give before any decoding. Where
+    the next wanted frame lies past a keyframe the decode has not reached, the container seeks to that
+    keyframe and the GOPs between are never read; only keyframes that start a closed GOP are used (see
+    :func:`_seek_points`), so each wanted frame decodes from exactly the references it would in a full
+    decode. Packets of unwanted frames are sent with ``skip_frame = NONREF``: the decoder drops them only if
+    no other frame is predicted from them (H.264/HEVC B-frames outside the pyramid, MPEG-4 B-VOPs).
+    Decoders without the option decode everything. Returns None, for the caller's sequential decode, when
+    timestamps are missing or repeated, a seek lands elsewhere than the index says, the demuxer's packets or
+    the first frame after a seek disagree with the index, or a wanted frame does not come back.
     """
+    if not isinstance(packets, _Packets):
+        packets = _Packets.of(packets)
+    pts = packets.pts
     if not pts or None in pts or len(set(pts)) != len(pts):
         return None
-    rank = {t: k for k, t in enumerate(sorted(pts))}
+    shown = sorted(t for t, cut in zip(pts, packets.discard) if not cut)
+    rank = {t: k for k, t in enumerate(shown)}
     wanted = set(indices.tolist())
+    if not wanted or min(wanted) < 0 or max(wanted) >= len(shown):
+        return None  # a frame that cannot come back
+    at = {t: i for i, t in enumerate(pts)}  # decode-order position of each packet
+    points = _seek_points(packets)
+    # (seek point, index) of each wanted frame, the seek point the last clean keyframe at or before its packet
+    plan = sorted((points[bisect.bisect_right(points, at[shown[k]]) - 1], k) for k in wanted)
+    head, tried = 0, set()
     got: dict[int, np.ndarray] = {}
     ctx = stream.codec_context
+    demux = container.demux(stream)
+    pos = 0  # decode-order position of the next packet
+    expect = None  # after a seek: the pts of the first frame the decoder must give
     try:
-        for packet in container.demux(stream):
-            if packet.pts is not None:  # the final flush packet has none, and keeps the last setting
-                ctx.skip_frame = "DEFAULT" if rank.get(packet.pts) in wanted else "NONREF"
-            for frame in ctx.decode(packet):
+        while len(got) < len(wanted):
+            packet = next(demux, None)
+            if packet is None:
+                break
+            if packet.size == 0:  # the final flush packet: no timestamp, keeps the last setting
+                frames = ctx.decode(packet)
+            else:
+                while plan[head][1] in got:
+                    head += 1
+                target = plan[head][0]
+                if target > pos and target not in tried:
+                    # Nothing wanted lies before the target, nor waits in the decoder (its packet would be
+                    # before pos): skip the GOPs between.
+                    tried.add(target)
+                    landed = _seek(container, stream, packets, target, at, points)
+                    if landed is None:
+                        return None
+                    demux, packet, pos = landed
+                    expect = None if packets.discard[pos] else pts[pos]
+                if packet.pts != pts[pos]:
+                    return None  # the demuxer and the index disagree
+                keep = rank.get(packet.pts) in wanted or packets.key[pos]
+                ctx.skip_frame = "DEFAULT" if keep else "NONREF"
+                frames = ctx.decode(packet)
+                pos += 1
+            for frame in frames:
+                if expect is not None:
+                    if frame.pts != expect:
+                        return None
+                    expect = None
                 k = rank.get(frame.pts)
                 if k in wanted and k not in got:
                     got[k] = frame.to_ndarray(format="rgb24")
-            if len(got) == len(wanted):
-                break
     finally:
         ctx.skip_frame = "DEFAULT"
     if len(got) < len(wanted):
         return None
     return [got[k] for k in indices.tolist()]
+
+
+def _seek_points(packets: _Packets) -> list[int]:
+    """Decode-order positions a decode can start from and still give every later frame as a sequential
+    decode does: position 0, and each keyframe that starts a closed GOP, i.e. that every earlier packet
+    precedes in presentation and no later one does. An open GOP's keyframe fails the test: the leading
+    pictures after it in decode order are shown before it and predicted from the GOP before (x264's
+    open-gop, MPEG-4 B-VOPs around an I-VOP); such GOPs are decoded through, as without seeking."""
+    pts = packets.pts
+    suffix_min = list(pts)
+    for i in range(len(pts) - 2, -1, -1):
+        suffix_min[i] = min(suffix_min[i], suffix_min[i + 1])
+    points, prefix_max = [0], pts[0]
+    for i in range(1, len(pts)):
+        if packets.key[i] and prefix_max < pts[i] == suffix_min[i]:
+            points.append(i)
+        prefix_max = max(prefix_max, pts[i])
+    return points
+
+
+def _seek(container, stream, packets: _Packets, target: int, at: dict[int, int], points: list[int]):
+    """Seek to the keyframe at decode-order position ``target``: (demuxer, its first packet, that packet's
+    position), or None where the container lands after the target or off the seek points. The offset is
+    the keyframe's pts, then its dts: MP4 and Matroska seek by pts, AVI by dts (where the pts lands on the
+    next keyframe only in GOPs shorter than the reordering delay); landing on an earlier seek point is fine,
+    the decode then runs through from there."""
+    import av
+
+    clean = set(points)
+    for offset in dict.fromkeys((packets.pts[target], packets.dts[target])):
+        if offset is None:
+            continue
+        try:
+            _container_seek(container, stream, offset)
+            demux = container.demux(stream)
+            first = next((p for p in demux if p.size > 0), None)
+        except (av.error.FFmpegError, *_DECODE_ERRORS):
+            return None
+        if first is None:
+            return None
+        landed = at.get(first.pts)
+        if landed is not None and landed <= target and landed in clean:
+            stream.codec_context.flush_buffers()  # container.seek flushes it too (PyAV 14-18); be sure
+            return demux, first, landed
+    return None
+
+
+def _container_seek(container, stream, offset: int) -> None:
+    """The container's seek to the keyframe at or before ``offset`` (in ``stream.time_base``); a seam for
+    tests to count seeks."""
+    container.seek(offset, stream=stream, backward=True, any_frame=False)
 
 
 def _decode_at(container, stream, indices: np.ndarray | None) -> list[np.ndarray]:
