@@ -408,10 +408,12 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
 
     if model is None:
         shapes: list[ConvShape] = []
-        for name in models.REFERENCES:
+        # those the installed transformers builds (transformers 4.45 has Qwen2-VL only)
+        names = [name for name, ref in models.REFERENCES.items() if ref.installed()]
+        for name in names:
             tower = models.build_reference(name, device="meta")
             shapes += conv_shapes(tower, patches=patches, label=name)
-        return f"built-in references ({len(models.REFERENCES)})", shapes
+        return f"built-in references ({len(names)})", shapes
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if isinstance(model, nn.Module):
