@@ -43,8 +43,16 @@ def test_pixels_equal_the_transformers_processor_given_the_path(tmp_path, orient
     cfg = replace(default, image_processor="Qwen2VLImageProcessorPil")
     pre = Preprocessor(cfg)
     pixels, grid, meta = pre.image(path)
-    _, tv_grid, tv_meta = Preprocessor(default).image(path)
+    tv_pixels, tv_grid, tv_meta = Preprocessor(default).image(path)
     assert (tv_grid, tv_meta) == (grid, meta)
+    # the JPEG decoded by libjpeg-turbo and turned as exif_transpose turns it: the same pixels as PIL's turn
+    from PIL import Image, ImageOps
+
+    from vlfast.extraction.decode.image import jpeg_rgb
+
+    assert jpeg_rgb(path, True) is not None  # the libjpeg-turbo path ran
+    turned = ImageOps.exif_transpose(Image.open(path))
+    assert torch.equal(Preprocessor(default).pil_image(turned)[0], tv_pixels)
     numbers = dict(
         patch_size=cfg.patch_size,
         temporal_patch_size=cfg.temporal_patch_size,

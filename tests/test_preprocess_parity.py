@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -288,6 +289,11 @@ def test_images_equal_transformers(expected, files, checkpoints, image, backend)
         want = expected[f"{key}-{cfg.image_processor}-{image}"]
         _assert_equal(f"{key} {cfg.image_processor} {image}", pixels, list(grid), want)
         if backend != "recorded":
+            # without simplejpeg (an optional dependency) JPEGs are decoded by PIL: the same pixels
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setitem(sys.modules, "simplejpeg", None)
+                by_pil, _, _ = Preprocessor(cfg, image_processor_dir=pre.image_processor_dir)(sample)
+            _assert_equal(f"{key} {backend} PIL-decoded {image}", by_pil, list(grid), want)
             deferred, _, _ = replace(pre, defer_video_normalize=True)(sample)
             if deferred.dtype == torch.uint8:  # finished as the model side finishes every uint8 input
                 deferred = normalize_video_patches(deferred, cfg)

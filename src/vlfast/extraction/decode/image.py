@@ -13,14 +13,79 @@ itself in tests/test_preprocess_parity.py.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
-from vlfast.extraction.decode.media import SampleError
+from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, SampleError
 from vlfast.extraction.decode.processor_config import ProcessorConfig
 from vlfast.extraction.decode.video import resize_frames, smart_resize
 
-__all__ = ["image_patches", "normalize_image_patches", "rgb_tensor", "same_normalization"]
+__all__ = [
+    "image_patches",
+    "jpeg_rgb",
+    "orientation_tag",
+    "normalize_image_patches",
+    "rgb_tensor",
+    "same_normalization",
+]
+
+# PIL.ImageOps.exif_transpose's turns, by EXIF orientation, on an (H, W, C) array: the same moves of pixels
+_EXIF_TURNS = {
+    2: lambda a: a[:, ::-1],  # FLIP_LEFT_RIGHT
+    3: lambda a: a[::-1, ::-1],  # ROTATE_180
+    4: lambda a: a[::-1],  # FLIP_TOP_BOTTOM
+    5: lambda a: a.transpose(1, 0, 2),  # TRANSPOSE
+    6: lambda a: a.transpose(1, 0, 2)[:, ::-1],  # ROTATE_270
+    7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],  # TRANSVERSE
+    8: lambda a: a.transpose(1, 0, 2)[::-1],  # ROTATE_90
+}
+
+
+def jpeg_rgb(path, exif_orientation: bool) -> tuple[torch.Tensor, dict] | None:
+    """A baseline or progressive RGB or grayscale JPEG decoded by libjpeg-turbo straight into an array
+    (simplejpeg: about half PIL's time here, the same pixels, both being libjpeg-turbo with its default
+    IDCT and upsampling), turned by its EXIF orientation as PIL's exif_transpose turns it: ``((3, H, W) uint8,
+    meta)``. None where PIL should read it instead: simplejpeg not installed, another format or mode (CMYK,
+    16-bit), a header PIL refuses, or data simplejpeg calls corrupt (PIL then decodes what it can, or says
+    why it cannot, as for any image)."""
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    import io
+
+    from PIL import Image
+
+    from vlfast.extraction.decode.media import checked_media
+
+    checked_media(path)
+    try:
+        data = open(path, "rb").read() if isinstance(path, str) else path.read_bytes()  # noqa: SIM115
+        img = Image.open(io.BytesIO(data))  # the header only: format, mode, size, EXIF; the bomb guard
+        if img.format != "JPEG" or img.mode not in ("RGB", "L"):
+            return None
+        orientation = orientation_tag(img) if exif_orientation else None
+        arr = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    except Exception:  # noqa: BLE001 - PIL reads it again and reports what is wrong, as for any image
+        return None
+    if orientation in _EXIF_TURNS:
+        arr = np.ascontiguousarray(_EXIF_TURNS[orientation](arr))
+    height, width = arr.shape[:2]
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        return None  # refused by the PIL path, with its message
+    meta = {"width": width, "height": height, "mode": img.mode}
+    return torch.from_numpy(arr).permute(2, 0, 1), meta
+
+
+def orientation_tag(img) -> int | None:
+    """The EXIF orientation tag (None: none), or 0 where the EXIF block cannot be read (exif_transpose then
+    raises its own error, recorded as the sample's)."""
+    try:
+        return img.getexif().get(0x0112)
+    except Exception:  # noqa: BLE001 - only this file's EXIF block is parsed here: its data, not a bug
+        return 0
 
 
 def rgb_tensor(img) -> torch.Tensor:
@@ -32,7 +97,12 @@ def rgb_tensor(img) -> torch.Tensor:
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255))
         img = Image.alpha_composite(background, rgba).convert("RGB")
-    return torch.from_numpy(np.asarray(img)).permute(2, 0, 1)
+    arr = np.asarray(
+        img
+    )  # PIL's buffer, read-only: nothing here writes to it (the resize makes a new tensor)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr).permute(2, 0, 1)
 
 
 def image_patches(

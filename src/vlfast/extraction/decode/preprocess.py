@@ -448,6 +448,8 @@ def load_image(path: Media, exif_orientation: bool = False):
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
+    from vlfast.extraction.decode.image import orientation_tag
+
     checked_media(path)
     try:
         # A member or URL is read whole (an image is small): the image then holds no open file.
@@ -461,7 +463,7 @@ def load_image(path: Media, exif_orientation: bool = False):
     except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
         raise SampleError(f"unreadable or truncated image: {e}") from None
     # exif_transpose copies the image even without an orientation tag: look at the tag first (cheap, parsed once)
-    if exif_orientation and _orientation(img) not in (None, 1):
+    if exif_orientation and orientation_tag(img) not in (None, 1):
         try:
             img = ImageOps.exif_transpose(img)
         except Exception as e:  # noqa: BLE001 - only this file's EXIF block is parsed here: its data, not a bug
@@ -492,15 +494,6 @@ def conformed_image(img):
     elif mode not in ("RGB", "RGBA", "L", "LA", "P", "PA", "1"):
         img = img.convert("RGBA" if "A" in mode else "RGB")
     return img
-
-
-def _orientation(img):
-    """The EXIF orientation tag (None: none), or 0 where the EXIF block cannot be read (exif_transpose then
-    raises its own error, recorded as the sample's)."""
-    try:
-        return img.getexif().get(0x0112)
-    except Exception:  # noqa: BLE001 - only this file's EXIF block is parsed here: its data, not a bug
-        return 0
 
 
 def _rgb_array(img) -> np.ndarray:
@@ -572,6 +565,15 @@ class Preprocessor:
         return {"shortest_edge": self.cfg.image_min_pixels, "longest_edge": self.cfg.image_max_pixels}
 
     def image(self, path: Media) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        if self.cfg.image_processor in TORCHVISION_IMAGE_PROCESSORS:
+            from vlfast.extraction.decode.image import jpeg_rgb
+
+            decoded = jpeg_rgb(path, self.cfg.exif_orientation)  # a JPEG by libjpeg-turbo, or None: PIL
+            if decoded is not None:
+                try:
+                    return self._patches(*decoded)
+                except SampleError as e:
+                    raise SampleError(f"{e} ({path})") from None
         img = load_image(path, self.cfg.exif_orientation)
         try:
             return self.pil_image(img)
@@ -584,18 +586,24 @@ class Preprocessor:
 
         meta = {"width": img.size[0], "height": img.size[1], "mode": img.mode}
         if self.cfg.image_processor in TORCHVISION_IMAGE_PROCESSORS:
-            # transformers' torchvision processor's operations, done here (no torchvision needed): see .image
-            from vlfast.extraction.decode.image import image_patches, rgb_tensor, same_normalization
+            from vlfast.extraction.decode.image import rgb_tensor
 
-            defer = self.defer_video_normalize and same_normalization(self.cfg)
-            pixels, grid = image_patches(rgb_tensor(img), self.cfg, normalize=not defer)
-            return pixels, grid, meta
+            return self._patches(rgb_tensor(img), meta)
         try:
             out = self.image_processor()(images=[img], size=self._size(), return_tensors="pt")
         except ValueError as e:  # e.g. smart_resize's aspect-ratio check
             raise SampleError(f"the image processor refused the image: {e}") from None
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         return out["pixel_values"].to(torch.float32), grid, meta  # (t*h*w, C*T*P*P)
+
+    def _patches(self, rgb: torch.Tensor, meta: dict[str, Any]):
+        """transformers' torchvision processor's operations on (3, H, W) uint8, done here (no torchvision
+        needed; vlfast.extraction.decode.image); left uint8 for the model side where it normalises alike."""
+        from vlfast.extraction.decode.image import image_patches, same_normalization
+
+        defer = self.defer_video_normalize and same_normalization(self.cfg)
+        pixels, grid = image_patches(rgb, self.cfg, normalize=not defer)
+        return pixels, grid, meta
 
     def video(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
         import torch

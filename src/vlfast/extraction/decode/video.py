@@ -339,15 +339,17 @@ def _decode_sparse(
     """RGB frames at ``indices`` without decoding the frames nothing refers to; None to fall back.
 
     A frame's index is its rank in presentation order among the frames shown (an edit list's cut packets
-    are decoded as references, never shown), which the packets' timestamps give before any decoding. Where
-    the next wanted frame lies past a keyframe the decode has not reached, the container seeks to that
-    keyframe and the GOPs between are never read; only keyframes that start a closed GOP are used (see
-    :func:`_seek_points`), so each wanted frame decodes from exactly the references it would in a full
-    decode. Packets of unwanted frames are sent with ``skip_frame = NONREF``: the decoder drops them only if
-    no other frame is predicted from them (H.264/HEVC B-frames outside the pyramid, MPEG-4 B-VOPs).
-    Decoders without the option decode everything. Returns None, for the caller's sequential decode, when
-    timestamps are missing or repeated, a seek lands elsewhere than the index says, the demuxer's packets or
-    the first frame after a seek disagree with the index, or a wanted frame does not come back.
+    are decoded as references, never shown), which the packets' timestamps give before any decoding. When
+    every frame still wanted lies at or past a keyframe the decode has not reached (see :func:`_seek_points`
+    and :func:`_seek_point`), the container seeks to that keyframe and the GOPs between are never read:
+    frames shown from a keyframe on decode from it alone, and a leading picture of an open GOP (decoded
+    after its keyframe, shown before it, predicted from the GOP before) is sought from the keyframe before.
+    Packets of unwanted frames are sent with ``skip_frame = NONREF``: the decoder drops them only if no other
+    frame is predicted from them (H.264/HEVC B-frames outside the pyramid, MPEG-4 B-VOPs). Decoders without
+    the option decode everything. So each wanted frame decodes from exactly the references it would in a
+    full decode, bit for bit. Returns None, for the caller's sequential decode, when timestamps are missing
+    or repeated, a seek lands past its keyframe or off the seek points, the demuxer's packets disagree with
+    the index, the first frame after a seek is not the keyframe, or a wanted frame does not come back.
     """
     if not isinstance(packets, _Packets):
         packets = _Packets.of(packets)
@@ -362,13 +364,13 @@ def _decode_sparse(
     at = {t: i for i, t in enumerate(pts)}  # decode-order position of each packet
     points = _seek_points(packets)
     # (seek point, index) of each wanted frame, the seek point the last clean keyframe at or before its packet
-    plan = sorted((points[bisect.bisect_right(points, at[shown[k]]) - 1], k) for k in wanted)
+    plan = sorted((_seek_point(points, pts, at[shown[k]]), k) for k in wanted)
     head, tried = 0, set()
     got: dict[int, np.ndarray] = {}
     ctx = stream.codec_context
     demux = container.demux(stream)
     pos = 0  # decode-order position of the next packet
-    expect = None  # after a seek: the pts of the first frame the decoder must give
+    low = expect = None  # after a seek: the keyframe's pts, and the first frame's unless an edit list cuts it
     try:
         while len(got) < len(wanted):
             packet = next(demux, None)
@@ -388,7 +390,8 @@ def _decode_sparse(
                     if landed is None:
                         return None
                     demux, packet, pos = landed
-                    expect = None if packets.discard[pos] else pts[pos]
+                    low = pts[pos]
+                    expect = None if packets.discard[pos] else low
                 if packet.pts != pts[pos]:
                     return None  # the demuxer and the index disagree
                 keep = rank.get(packet.pts) in wanted or packets.key[pos]
@@ -396,10 +399,14 @@ def _decode_sparse(
                 frames = ctx.decode(packet)
                 pos += 1
             for frame in frames:
-                if expect is not None:
-                    if frame.pts != expect:
+                if low is not None:  # the first frames after a seek
+                    if frame.pts is None:
                         return None
-                    expect = None
+                    if frame.pts < low:
+                        continue  # a leading picture of the keyframe sought to, predicted from before it
+                    if expect is not None and frame.pts != expect:
+                        return None
+                    low = expect = None
                 k = rank.get(frame.pts)
                 if k in wanted and k not in got:
                     got[k] = frame.to_ndarray(format="rgb24")
@@ -411,21 +418,28 @@ def _decode_sparse(
 
 
 def _seek_points(packets: _Packets) -> list[int]:
-    """Decode-order positions a decode can start from and still give every later frame as a sequential
-    decode does: position 0, and each keyframe that starts a closed GOP, i.e. that every earlier packet
-    precedes in presentation and no later one does. An open GOP's keyframe fails the test: the leading
-    pictures after it in decode order are shown before it and predicted from the GOP before (x264's
-    open-gop, MPEG-4 B-VOPs around an I-VOP); such GOPs are decoded through, as without seeking."""
+    """Decode-order positions of the keyframes a decode can start from: position 0, and each keyframe that
+    every earlier packet precedes in presentation. A decode started there gives every later frame shown
+    from the keyframe on as a sequential decode does (the container's keyframe is a random access point:
+    an IDR picture, an H.264 recovery point, an HEVC CRA, an MPEG-4 I-VOP); the leading pictures of an open
+    GOP (x264's open-gop, x265's CRA, MPEG-4 B-VOPs around an I-VOP) are shown before it and left to the
+    keyframe before (:func:`_seek_point`)."""
     pts = packets.pts
-    suffix_min = list(pts)
-    for i in range(len(pts) - 2, -1, -1):
-        suffix_min[i] = min(suffix_min[i], suffix_min[i + 1])
     points, prefix_max = [0], pts[0]
     for i in range(1, len(pts)):
-        if packets.key[i] and prefix_max < pts[i] == suffix_min[i]:
+        if packets.key[i] and prefix_max < pts[i]:
             points.append(i)
         prefix_max = max(prefix_max, pts[i])
     return points
+
+
+def _seek_point(points: list[int], pts: list[int], p: int) -> int:
+    """The seek point for the frame whose packet is at position ``p``: the last one at or before it that
+    the frame is not a leading picture of (shown before it)."""
+    j = bisect.bisect_right(points, p) - 1
+    while j > 0 and pts[points[j]] > pts[p]:
+        j -= 1
+    return points[j]
 
 
 def _seek(container, stream, packets: _Packets, target: int, at: dict[int, int], points: list[int]):
