@@ -156,3 +156,45 @@ def test_the_cli_counts_its_start_up(monkeypatch):
     doctor_cli.register(app)
     CliRunner().invoke(app, ["doctor", "--no-probe"])
     assert seen["spent_s"] == 11.0 and seen["budget_s"] == 12.0
+
+
+def test_reference_shapes_as_data_are_the_built_towers(monkeypatch):
+    """The doctor reads the references' convs from their published numbers (building five families' towers
+    imported their modeling code: 9 s of a 12 s budget at load 8); they are the towers' own, as built."""
+    from vlfast import models
+    from vlfast.diagnosis.probe import conv_shapes
+
+    monkeypatch.delenv("VLFAST_PATCH", raising=False)
+    built = [name for name, ref in models.REFERENCES.items() if ref.installed()]
+    assert built
+    for name in built:
+        for patches in (3072, 7):
+            tower = models.build_reference(name, device="meta")
+            assert D.reference_conv_shapes(name, patches) == conv_shapes(
+                tower, patches=patches, label=name
+            ), name
+    assert {ref.family for ref in models.REFERENCES.values()} <= set(D._FAMILY_CONVS)
+    monkeypatch.setenv("VLFAST_PATCH", "1")  # what is built may be patched: built, not read
+    assert D.reference_conv_shapes("ref:qwen3-vl-4b", 3072) is None
+
+
+def test_the_fusion_offer_is_read_without_importing_transformers():
+    """Whether transformers offers fusion_config is read from its source (importing it took 4-5 s of the
+    budget at load 9); the answer is the module's own."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from vlfast.diagnosis import facts\n"
+        "print(facts._transformers_fusion(), 'transformers' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    try:
+        from transformers.fusion_mapping import _FUSION_REGISTRY
+    except ImportError:
+        offered = False
+    else:
+        offered = "patch_embeddings" in _FUSION_REGISTRY
+    assert out == [str(offered), "False"]

@@ -402,6 +402,51 @@ def _fact(v: Any) -> str:
 # ------------------------------------------------------------------------------------------- scanning
 
 
+# The stride == kernel convs of each reference family, in module order, as data: (module, kind, bias), the
+# widths and kernels read from the reference's published numbers (reference_conv_shapes). Building the
+# towers on meta gives the same, but importing five families' modeling code took 9 s of a 12 s budget at
+# load 8 (0.6 s once imported); tests/test_doctor_layout.py checks this table against the built towers.
+_FAMILY_CONVS: dict[str, tuple[tuple[str, str, bool], ...]] = {
+    "qwen2_vl": (("patch_embed.proj", "Conv3d", False),),
+    "qwen2_5_vl": (("patch_embed.proj", "Conv3d", False),),
+    "qwen3_vl": (("patch_embed.proj", "Conv3d", True),),
+    "qwen3_vl_moe": (("patch_embed.proj", "Conv3d", True),),
+    "glm4v": (("patch_embed.proj", "Conv3d", True), ("downsample", "Conv2d", True)),
+}
+
+
+def reference_conv_shapes(name: str, patches: int) -> list[ConvShape] | None:
+    """The conv shapes of the reference ``name`` from its published numbers, without building it; None for a
+    family :data:`_FAMILY_CONVS` does not describe, or where ``VLFAST_PATCH`` may patch what is built."""
+    from vlfast.references import resolve_reference
+
+    ref = resolve_reference(name)
+    convs = _FAMILY_CONVS.get(ref.family)
+    if convs is None or os.environ.get("VLFAST_PATCH"):
+        return None
+    v = ref.vision
+    size = {
+        # the patch embedding: pixels in, the tower's width out, one window per (t, p, p) patch
+        "patch_embed.proj": (
+            int(v["in_channels"]),
+            ref.width,
+            (v["temporal_patch_size"], *[v["patch_size"]] * 2),
+        ),
+        # GLM's merger input: the width in, the language model's out, over spatial_merge_size^2 patches
+        "downsample": (ref.width, ref.out_width, (v["spatial_merge_size"],) * 2),
+    }
+    shapes = []
+    for module, kind, bias in convs:
+        c_in, c_out, kernel = size[module]
+        kernel = tuple(int(k) for k in kernel)
+        windows = patches if not shapes else max(1, patches // math.prod(kernel))
+        label = ref.name
+        shapes.append(
+            ConvShape(kind, c_in, c_out, kernel, bias, windows, (f"{label}:{module}",), patched=False)
+        )
+    return shapes
+
+
 def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvShape]]:
     """(target label, conv shapes) for a module, a spec (``ref:NAME`` or checkpoint dir) or None."""
     from vlfast import models
@@ -411,14 +456,21 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
         # those the installed transformers builds (transformers 4.45 has Qwen2-VL only)
         names = [name for name, ref in models.REFERENCES.items() if ref.installed()]
         for name in names:
-            tower = models.build_reference(name, device="meta")
-            shapes += conv_shapes(tower, patches=patches, label=name)
+            known = reference_conv_shapes(name, patches)
+            if known is None:
+                known = conv_shapes(models.build_reference(name, device="meta"), patches=patches, label=name)
+            shapes += known
         return f"built-in references ({len(names)})", shapes
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if isinstance(model, nn.Module):
         return type(model).__name__, conv_shapes(model, patches=patches, label=type(model).__name__)
     if isinstance(model, str):
+        if (
+            model.startswith(models.REF_PREFIX)
+            and (known := reference_conv_shapes(model, patches)) is not None
+        ):
+            return model, known
         tower = models.load_vision_tower(model, device="meta")
         label = model.removeprefix(models.REF_PREFIX)
         return model, conv_shapes(tower, patches=patches, label=label)

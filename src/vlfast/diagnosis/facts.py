@@ -213,9 +213,39 @@ def _miopen_version() -> str | None:
 
 
 def _transformers_fusion() -> bool:
+    """Whether transformers offers ``fusion_config={"patch_embeddings": True}`` (>= 5.6), read from its
+    ``fusion_mapping.py`` as text where the registry is a literal: importing transformers for this took
+    seconds of the doctor's budget (4-5 s at load 9, where the references are read as data)."""
+    import ast
     import importlib
+    import importlib.util
 
-    importlib.import_module("transformers")  # not installed: could not collect
+    spec = importlib.util.find_spec("transformers")  # the package only: nothing is imported
+    if spec is None:
+        raise ModuleNotFoundError("transformers")  # not installed: could not collect
+    folders = list(spec.submodule_search_locations or [])
+    tree = None
+    if folders:
+        try:
+            with open(os.path.join(folders[0], "fusion_mapping.py"), encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+        except FileNotFoundError:
+            return False  # transformers < 5.6
+        except (OSError, SyntaxError, ValueError):
+            pass
+    for node in tree.body if tree is not None else []:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if (
+            isinstance(target, ast.Name)
+            and target.id == "_FUSION_REGISTRY"
+            and isinstance(node.value, ast.Dict)
+        ):
+            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+            if len(keys) == len(node.value.keys):
+                return "patch_embeddings" in keys
+    importlib.import_module("transformers")  # not a literal: ask the module itself
     try:
         mod = importlib.import_module("transformers.fusion_mapping")  # transformers >= 5.6
     except ModuleNotFoundError:
