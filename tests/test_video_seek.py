@@ -115,38 +115,44 @@ def _index_sets(n: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("name", "codec", "options", "seekable"),
+    ("name", "codec", "options", "open_gop"),
     [
-        ("gop12_b2.mp4", "libx264", {"g": "12", "bf": "2"}, True),  # closed GOPs, B-frames in a pyramid
-        ("gop12_b3.mkv", "libx264", {"g": "12", "bf": "3"}, True),  # Matroska: seeks by pts, no frame count
-        ("gop12_ionly.mp4", "libx264", {"g": "1"}, True),
+        ("gop12_b2.mp4", "libx264", {"g": "12", "bf": "2"}, False),  # closed GOPs, B-frames in a pyramid
+        ("gop12_b3.mkv", "libx264", {"g": "12", "bf": "3"}, False),  # Matroska: seeks by pts, no frame count
+        ("gop12_ionly.mp4", "libx264", {"g": "1"}, False),
         # open GOPs: each keyframe's leading B-frames are predicted from the GOP before
-        ("open_gop.mp4", "libx264", {"bf": "3", "x264-params": "open-gop=1:keyint=12:scenecut=0"}, False),
-        ("mpeg4_b.avi", "mpeg4", {"g": "12", "bf": "2"}, False),  # B-VOPs around each I-VOP: open GOPs
-        ("mpeg4_b.mp4", "mpeg4", {"g": "12", "bf": "2"}, False),
-        ("hevc.mp4", "libx265", {"x265-params": "log-level=none:keyint=12:min-keyint=12"}, None),
+        ("open_gop.mp4", "libx264", {"bf": "3", "x264-params": "open-gop=1:keyint=12:scenecut=0"}, True),
+        ("mpeg4_b.avi", "mpeg4", {"g": "12", "bf": "2"}, True),  # B-VOPs around each I-VOP; AVI seeks by dts
+        ("mpeg4_b.mp4", "mpeg4", {"g": "12", "bf": "2"}, True),
+        ("hevc.mp4", "libx265", {"x265-params": "log-level=none:keyint=12:min-keyint=12"}, True),  # CRA, RASL
     ],
 )
-def test_sparse_decode_with_seeks_equals_sequential(tmp_path, seeks, name, codec, options, seekable):
+def test_sparse_decode_with_seeks_equals_sequential(tmp_path, seeks, name, codec, options, open_gop):
     path = _clip(tmp_path / name, codec, **options)
     full = _sequential(path)
-    for indices in _index_sets(len(full)):
-        _assert_frames(_sparse(path, indices), full, indices, f"{name} {indices}")
     with av.open(str(path)) as container:
         packets = video._packet_pts(container, container.streams.video[0])
-    points = video._seek_points(packets)
-    keys = [i for i, key in enumerate(packets.key) if key]
-    pts = packets.pts
-    # a keyframe with a later packet shown before it (a leading picture) or an earlier one shown after it
-    open_keys = [k for k in keys if min(pts[k:]) < pts[k] or max(pts[: k + 1]) > pts[k]]
-    assert points == [k for k in keys if k not in open_keys]
-    if seekable:
-        assert not open_keys and len(points) >= 10, points
-        assert seeks, "closed GOPs of 12 frames: the decode must seek"
-    elif seekable is False:
-        assert len(open_keys) >= 3, (keys, points)
-    for offset in seeks:  # every seek went to a seek point's timestamp
-        assert offset in {packets.pts[p] for p in points} | {packets.dts[p] for p in points}
+    pts, keys = packets.pts, [i for i, key in enumerate(packets.key) if key]
+    assert video._seek_points(packets) == keys  # no keyframe here has an earlier packet shown after it
+    assert len(keys) >= 9, keys
+    rank = {t: k for k, t in enumerate(sorted(pts))}
+    # leading pictures: decoded after a keyframe, shown before it
+    leading = {k: [rank[pts[i]] for i in range(k + 1, len(pts)) if pts[i] < pts[k]] for k in keys}
+    opened = [k for k in keys if leading[k]]
+    assert len(opened) >= 3 if open_gop else not opened, opened
+    extra = [[rank[pts[k]], *leading[k]] for k in opened] + [sorted(sum(leading.values(), []))]
+    for indices in _index_sets(len(full)) + [i for i in extra if i]:
+        _assert_frames(_sparse(path, indices), full, indices, f"{name} {indices}")
+    assert seeks, "GOPs of 12 frames: the decode must seek"
+    offsets = {pts[k] for k in keys} | {packets.dts[k] for k in keys}
+    assert set(seeks) <= offsets, "every seek goes to a keyframe's timestamp"
+    for k in [k for k in opened if keys.index(k) >= 2][
+        :2
+    ]:  # a leading picture alone: from the keyframe before
+        before = keys[keys.index(k) - 1]
+        seeks.clear()
+        _assert_frames(_sparse(path, leading[k][:1]), full, leading[k][:1], f"{name} leading picture")
+        assert seeks and set(seeks) <= {pts[before], packets.dts[before]}, (seeks, pts[before], pts[k])
 
 
 def test_read_video_seeks_and_equals_sequential(tmp_path, cfg, seeks):
@@ -236,9 +242,27 @@ def test_a_seek_that_lands_elsewhere_falls_back(tmp_path, cfg, monkeypatch):
 
 
 def test_seek_points_follow_presentation_order():
-    """Only keyframes that every earlier packet precedes and no later one does are seek points."""
-    pts = [0, 2, 1, 3, 6, 4, 5, 9, 7, 8, 10]  # decode order; keyframes at 3, 6 (position 4) and 10
-    key = [True, False, False, True, True, False, False, False, False, False, True]
-    packets = video._Packets(pts, [None] * len(pts), key, [False] * len(pts))
-    # 6 at position 4 has 4 and 5 after it (leading pictures): not a seek point
-    assert video._seek_points(packets) == [0, 3, 10]
+    """A keyframe that an earlier packet is shown after is no seek point; a frame shown before the keyframe
+    it is decoded after (a leading picture) is sought from the keyframe before."""
+    # decode order; keyframes at positions 0, 3, 4 (followed by its leading pictures 4 and 5), 10 and 12
+    # (pts 11, which packet 11, pts 13, is shown after)
+    pts = [0, 2, 1, 3, 6, 4, 5, 9, 7, 8, 10, 13, 11, 12]
+    key = [i in (0, 3, 4, 10, 12) for i in range(len(pts))]
+    points = video._seek_points(video._Packets(pts, [None] * len(pts), key, [False] * len(pts)))
+    assert points == [0, 3, 4, 10]
+    assert [video._seek_point(points, pts, p) for p in range(len(pts))] == [
+        0,
+        0,
+        0,
+        3,
+        4,
+        3,
+        3,
+        4,
+        4,
+        4,
+        10,
+        10,
+        10,
+        10,
+    ]
