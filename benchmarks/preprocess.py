@@ -6,13 +6,19 @@ Images (JPEG, 640x480, 1280x720, 1920x1080, 4000x3000; Qwen3-VL's published sett
 image processor and its torchvision one (``Qwen2VLImageProcessor``, with the torchvision wheel from
 ``.reference/torchvision``, see tests/_transformers_reference.py), vlfast's image path (the torchvision
 processor's operations, normalised on CPU, and deferred: uint8 patches finished on the model side), and the
-decode-only bound (PIL). Videos (H.264, 10 s at 30 fps, 640x360 and 1280x720; Qwen3-VL, 8 frames):
-transformers' ``Qwen3VLVideoProcessor`` after its own ``load_video`` (PyAV, every frame), vlfast's
-``read_video`` + ``patchify_video``, and the decode bounds: every frame decoded sequentially, and the sampled
-frames alone (vlfast's sparse decode, which skips the frames nothing refers to). Variants alternate within each
-round, torch on one thread; each row gives the median per item, its spread (min-max over rounds), the ratio to
-transformers' torchvision processor and to the decode bound, and whether the output equals that processor's
-bit for bit.
+decode-only bound (PIL). Videos (H.264, 10 s at 30 fps, 640x360 and 1280x720, x264's default GOPs (a
+keyframe every 250 frames: 2 GOPs) and a keyframe every second as cameras and streaming encoders make them;
+Qwen3-VL, 8 frames): transformers' ``Qwen3VLVideoProcessor`` after its own ``load_video`` (PyAV, every frame),
+vlfast's ``read_video`` + ``patchify_video``, every frame decoded sequentially, the sampled frames alone
+(vlfast's ``read_video``: a sparse decode that seeks past GOPs nothing is wanted from and skips the frames
+nothing refers to), and the bound, a keyframe-seeking decode written here independently of vlfast (for each
+sampled frame, a seek to the keyframe before it unless the decode already runs in its GOP, then a forward
+decode that skips non-reference frames). Variants alternate within each round, torch on one thread; each row
+gives the median per item, its spread (min-max over rounds), the ratio to transformers' torchvision processor
+and to the decode bound, and whether the output equals that processor's bit for bit (for the video decode
+rows: the sequential decode's frames at the sampled indices).
+
+    python benchmarks/preprocess.py --only video   # the video rows alone
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", choices=["image", "video"], help="measure one kind of input")
     args = ap.parse_args()
     why = reference.unavailable()
     if why:
@@ -94,7 +101,7 @@ def main() -> None:
     video_proc = transformers.Qwen3VLVideoProcessor(**QWEN3_VIDEO)
     rows = []
 
-    for w, h in IMAGE_SIZES:
+    for w, h in IMAGE_SIZES if args.only != "video" else []:
         path = work / f"{w}x{h}.jpg"
         # a photo-like pattern with noise: JPEG decode costs what a photo's does
         rng = np.random.default_rng(w)
@@ -136,8 +143,12 @@ def main() -> None:
         n = 2 if w >= 4000 else 4
         rows += measure(f"image {w}x{h} JPEG", variants, equal, args.rounds, n)
 
-    for w, h in CLIP_SIZES:
-        path = make_video(work / f"clip_{w}x{h}.mp4", frames=300, fps=30, width=w, height=h, seed=2)
+    clips = [(w, h, gop) for gop in (None, 30) for w, h in CLIP_SIZES] if args.only != "image" else []
+    for w, h, gop in clips:
+        options = {"g": str(gop)} if gop else None
+        path = make_video(
+            work / f"clip_{w}x{h}_{gop}.mp4", frames=300, fps=30, width=w, height=h, seed=2, options=options
+        )
         p = str(path)
 
         def transformers_video(p=p):
@@ -160,9 +171,15 @@ def main() -> None:
         def sampled(p=p):
             return read_video(p, cfg)[0]
 
+        indices = read_video(p, cfg)[1]["frame_indices"]
+
+        def seeking(p=p, indices=indices):
+            return keyframe_seeking_decode(p, indices)
+
         variants = {
             "decode all frames (PyAV, sequential)": sequential,
             "decode the sampled frames (vlfast's sparse decode)": sampled,
+            "keyframe-seeking decode (reference bound)": seeking,
             "transformers Qwen3VLVideoProcessor (load_video pyav)": transformers_video,
             "vlfast": lambda p=p: patchify_video(read_video(p, cfg)[0], cfg)[0],
             "vlfast, normalised on the device": lambda p=p: patchify_video(
@@ -170,16 +187,57 @@ def main() -> None:
             )[0],
         }
         ref = transformers_video()
+        every = np.stack(sequential())[indices]
         equal = {
+            "decode the sampled frames (vlfast's sparse decode)": np.array_equal(
+                sampled().permute(0, 2, 3, 1).numpy(), every
+            ),
+            "keyframe-seeking decode (reference bound)": np.array_equal(np.stack(seeking()), every),
             "transformers Qwen3VLVideoProcessor (load_video pyav)": True,
             "vlfast": torch.equal(variants["vlfast"](), ref),
         }
-        rows += measure(f"video {w}x{h} 10 s, 8 frames", variants, equal, args.rounds, 1)
+        what = f"video {w}x{h} 10 s, {'GOP 1 s' if gop else 'GOP 250'}, 8"
+        rows += measure(what, variants, equal, args.rounds, 1)
 
     print(f"\nmachine: {machine()}")
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+
+
+def keyframe_seeking_decode(path: str, indices: list[int]) -> list[np.ndarray]:
+    """RGB frames at ``indices`` (ranks in presentation order), decoded the way a seeking player would: one
+    demux pass for the packets' timestamps and keyframes, then for each frame a seek to the keyframe before
+    it unless the decoder already runs in that GOP, and a forward decode to it that sends the frames nothing
+    wants with ``skip_frame = NONREF``. Right for closed GOPs (the clips here), which is all a bound needs."""
+    import bisect
+
+    import av
+
+    with av.open(path) as c:
+        s = c.streams.video[0]
+        packets = [(p.pts, p.is_keyframe) for p in c.demux(s) if p.size]
+        order = sorted(t for t, _ in packets)
+        keys = sorted(t for t, key in packets if key)
+        want = {order[i] for i in indices}
+        ctx, out, gop, demux = s.codec_context, {}, None, None
+        for t in sorted(want):
+            if t in out:
+                continue
+            key = keys[bisect.bisect_right(keys, t) - 1]
+            if key != gop:
+                c.seek(key, stream=s, backward=True, any_frame=False)
+                gop, demux = key, c.demux(s)
+            for packet in demux:
+                if packet.pts is not None:
+                    ctx.skip_frame = "DEFAULT" if packet.pts in want or packet.is_keyframe else "NONREF"
+                for frame in ctx.decode(packet):
+                    if frame.pts in want:
+                        out[frame.pts] = frame.to_ndarray(format="rgb24")
+                if t in out:
+                    break
+        ctx.skip_frame = "DEFAULT"
+        return [out[order[i]] for i in indices]
 
 
 def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list[dict]:
@@ -192,7 +250,7 @@ def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list
     base_name = next(
         k for k in variants if k.startswith("transformers") and "torchvision" in k or "Video" in k
     )
-    bound_name = next(iter(variants)) if not what.startswith("video") else list(variants)[1]
+    bound_name = next((k for k in variants if "reference bound" in k), next(iter(variants)))
     base, bound = statistics.median(times[base_name]), statistics.median(times[bound_name])
     out = []
     for name, ts in times.items():
