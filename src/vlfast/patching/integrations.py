@@ -19,7 +19,6 @@ from pathlib import Path
 from torch import nn
 
 from vlfast.patching.gemm import Filter, compile_filter, is_patched, patch, patch_one
-from vlfast.patching.gemm import _remember_root as remember_root
 
 __all__ = [
     "Family",
@@ -152,11 +151,12 @@ def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> Non
             def attached(parent: nn.Module, name: str, module):
                 if isinstance(module, kinds):
                     patch_one(module, name)  # when eligible; named in full by the model's own patch()
-                elif isinstance(parent, PreTrainedModel) and is_patched(module):
+                elif isinstance(parent, PreTrainedModel) and is_patched(parent):
                     # A model whose __init__ never calls post_init (older transformers' bare vision towers:
-                    # 4.45's Qwen2VisionTransformerPretrainedModel) is patched by this hook alone: remember it,
-                    # so the record names its convs in full, as in a model patch() was given.
-                    remember_root(parent)
+                    # 4.45's Qwen2VisionTransformerPretrainedModel) is patched by this hook alone. patch() it
+                    # as post_init would, so the record names its convs in full; the module being attached
+                    # is not in it yet, so this happens at the next attach (a tower's blocks, its merger).
+                    patch(parent, filter=keep)
                 return None  # keep the module as given
 
             _state["registration_hook"] = register_module_module_registration_hook(attached)
