@@ -15,8 +15,9 @@ nothing refers to), and the bound, a keyframe-seeking decode written here indepe
 sampled frame, a seek to the keyframe before it unless the decode already runs in its GOP, then a forward
 decode that skips non-reference frames). Variants alternate within each round, torch on one thread; each row
 gives the median per item, its spread (min-max over rounds), the ratio to transformers' torchvision processor
-and to the decode bound, and whether the output equals that processor's bit for bit (for the video decode
-rows: the sequential decode's frames at the sampled indices).
+and to the decode bound, the median CPU time (the process's, all threads: on a shared machine the wall time
+also counts waits for a core) and its ratio to the bound's, and whether the output equals that processor's
+bit for bit (for the video decode rows: the sequential decode's frames at the sampled indices).
 
     python benchmarks/preprocess.py --only video   # the video rows alone
 """
@@ -64,11 +65,13 @@ def machine() -> str:
     return f"{cpu} ({os.cpu_count()} cores, {isa}), torch {torch.__version__}, load {os.getloadavg()[0]:.1f}"
 
 
-def timed(fn, n: int) -> float:
-    t0 = time.perf_counter()
+def timed(fn, n: int) -> tuple[float, float]:
+    """Wall and CPU seconds per call (CPU: this process, all its threads). On a loaded machine the wall
+    time also counts the waits for a core; the CPU time is the work."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - t0) / n
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
 def main() -> None:
@@ -244,14 +247,18 @@ def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list
     for fn in variants.values():  # warm up
         fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
         for name, fn in variants.items():  # alternated within each round
-            times[name].append(timed(fn, n))
+            wall, used = timed(fn, n)
+            times[name].append(wall)
+            cpu[name].append(used)
     base_name = next(
         k for k in variants if k.startswith("transformers") and "torchvision" in k or "Video" in k
     )
     bound_name = next((k for k in variants if "reference bound" in k), next(iter(variants)))
     base, bound = statistics.median(times[base_name]), statistics.median(times[bound_name])
+    cpu_bound = statistics.median(cpu[bound_name])
     out = []
     for name, ts in times.items():
         med = statistics.median(ts)
@@ -264,6 +271,8 @@ def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list
                 "max_ms": round(max(ts) * 1000, 2),
                 "speedup_vs_transformers": round(base / med, 2),
                 "x_decode_bound": round(med / bound, 2),
+                "cpu_ms": round(statistics.median(cpu[name]) * 1000, 2),
+                "cpu_x_decode_bound": round(statistics.median(cpu[name]) / cpu_bound, 2),
                 "equal": equal.get(name),
             }
         )
@@ -271,13 +280,16 @@ def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'input':32} {'variant':52} {'ms (min-max)':>22} {'vs tf':>7} {'x bound':>8} equal")
+    print(
+        f"{'input':32} {'variant':52} {'ms (min-max)':>22} {'vs tf':>7} {'x bound':>8} "
+        f"{'cpu ms':>8} {'x bound':>8} equal"
+    )
     for r in rows:
         spread = f"{r['ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f})"
         eq = "" if r["equal"] is None else ("yes" if r["equal"] else "NO")
         print(
             f"{r['input']:32} {r['variant']:52} {spread:>22} {r['speedup_vs_transformers']:>6.2f}x "
-            f"{r['x_decode_bound']:>7.2f}x {eq}"
+            f"{r['x_decode_bound']:>7.2f}x {r['cpu_ms']:>8.1f} {r['cpu_x_decode_bound']:>7.2f}x {eq}"
         )
 
 
