@@ -846,10 +846,10 @@ def doctor(
 
 
 def probe_clock() -> float:
-    """Seconds on the probe's clock, which a test replaces (``vlfast.diagnosis.probe._now``)."""
+    """Seconds on the probe's clock (:func:`vlfast.diagnosis.probe.clock`), which a test replaces."""
     from vlfast.diagnosis import probe as probe_module
 
-    return probe_module._now()
+    return probe_module.clock()
 
 
 def _soft_libraries() -> dict[str, str] | None:

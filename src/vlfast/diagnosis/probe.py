@@ -191,6 +191,11 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def clock() -> float:
+    """Seconds on the probe's clock (:func:`_now`, which tests replace): what a budget is counted on."""
+    return _now()
+
+
 def _time_once(fn: Callable[[], object], dev: torch.device) -> float:
     """Milliseconds of one call; the one place the probe reads time (tests replace it)."""
     return timed_call(fn, dev)
