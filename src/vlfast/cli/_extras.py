@@ -45,13 +45,14 @@ def missing(
     extra: str,
     *,
     models: bool = True,
+    only: tuple[str, ...] | None = None,
     importable: Callable[[str], bool] | None = None,
     transformers_version: str | None = "installed",
 ) -> list[str]:
     """What of ``extra`` is not installed here: module names, and ``transformers>=X.Y (installed: V)`` unless
-    ``models=False`` (a command that reads or writes the store but builds no model). ``importable`` and
-    ``transformers_version`` replace what is read from this environment (tests)."""
-    out = [m for m in MODULES.get(extra, ()) if not (importable or _importable)(m)]
+    ``models=False`` (a command that reads or writes the store but builds no model); ``only``: just these of
+    its modules. ``importable`` and ``transformers_version`` replace what is read from this environment (tests)."""
+    out = [m for m in only or MODULES.get(extra, ()) if not (importable or _importable)(m)]
     floor = TRANSFORMERS.get(extra) if models else None
     if floor is not None:
         version = _transformers_version() if transformers_version == "installed" else transformers_version
@@ -60,10 +61,10 @@ def missing(
     return out
 
 
-def require(extra: str, command: str, *, models: bool = True) -> None:
+def require(extra: str, command: str, *, models: bool = True, only: tuple[str, ...] | None = None) -> None:
     """Raise ImportError (the CLI's exit 2, "missing dependency") naming the extra and its install line when
-    anything ``extra`` provides is missing."""
-    gaps = missing(extra, models=models)
+    anything ``extra`` provides (or ``only`` these of its modules) is missing."""
+    gaps = missing(extra, models=models, only=only)
     if gaps:
         raise ImportError(
             f"{command} needs the {extra} extra ({', '.join(gaps)} missing): pip install 'vlfast[{extra}]'"

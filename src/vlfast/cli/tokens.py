@@ -17,6 +17,7 @@ from rich.table import Table
 
 from vlfast.cli._common import EXIT_FINDING, JsonOpt, console, handle_errors, print_json, print_table
 from vlfast.cli._examples import HELP_OPTIONS
+from vlfast.cli._extras import require
 
 _STYLE = {"trained": "green", "suspect": "yellow", "untrained": "bold red"}
 
@@ -266,6 +267,8 @@ def rewrite(
     json_: JsonOpt = False,
 ) -> None:
     """Apply one tag mapping to a dataset field, a chat template and a reward regex."""
+    if any(str(p).endswith(".parquet") for p in (dataset, out) if p):
+        require("extract", "vlfast tokens rewrite of Parquet", models=False, only=("pyarrow",))
     from vlfast.tokens import rewrite_tags
 
     report = rewrite_tags(
