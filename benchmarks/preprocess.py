@@ -4,9 +4,10 @@
 
 Images (JPEG, 640x480, 1280x720, 1920x1080, 4000x3000; Qwen3-VL's published settings): transformers' PIL
 image processor and its torchvision one (``Qwen2VLImageProcessor``, with the torchvision wheel from
-``.reference/torchvision``, see tests/_transformers_reference.py), vlfast's image path (the torchvision
-processor's operations, normalised on CPU, and deferred: uint8 patches finished on the model side), and the
-decode-only bound (PIL). Videos (H.264, 10 s at 30 fps, 640x360 and 1280x720, x264's default GOPs (a
+``.reference/torchvision``, see tests/_transformers_reference.py), qwen-vl-utils' ``fetch_image`` (its PIL
+resize) before the torchvision processor, as the model cards do, vlfast's image path as a data loader gets
+it (``VisionPreprocessor``: float32 on CPU) and as ``vlfast extract``'s decode workers make it (uint8
+patches, finished on the model's device), and decode alone: PIL, and libjpeg-turbo (simplejpeg), the bound. Videos (H.264, 10 s at 30 fps, 640x360 and 1280x720, x264's default GOPs (a
 keyframe every 250 frames: 2 GOPs) and a keyframe every second as cameras and streaming encoders make them;
 Qwen3-VL, 8 frames): transformers' ``Qwen3VLVideoProcessor`` after its own ``load_video`` (PyAV, every frame),
 vlfast's ``read_video`` + ``patchify_video``, every frame decoded sequentially, the sampled frames alone
@@ -90,8 +91,7 @@ def main() -> None:
     from transformers.video_utils import load_video
 
     from vlfast.demo import make_video, pattern
-    from vlfast.extraction.decode.image import image_patches, rgb_tensor
-    from vlfast.extraction.decode.preprocess import build_processor_config, load_image
+    from vlfast.extraction.decode.preprocess import build_processor_config
     from vlfast.extraction.decode.video import _decode_at, patchify_video, read_video
 
     work = Path(tempfile.mkdtemp(prefix="vlfast-preprocess-"))
@@ -102,6 +102,14 @@ def main() -> None:
     tv = transformers.Qwen2VLImageProcessor(**QWEN3_IMAGE, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     pil = transformers.Qwen2VLImageProcessorPil(**QWEN3_IMAGE, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     video_proc = transformers.Qwen3VLVideoProcessor(**QWEN3_VIDEO)
+    import simplejpeg
+    from qwen_vl_utils.vision_process import fetch_image
+
+    from vlfast import VisionPreprocessor
+    from vlfast.extraction.decode.preprocess import Preprocessor
+
+    vision = VisionPreprocessor("ref:qwen3-vl-2b")
+    deferred = Preprocessor(cfg, defer_video_normalize=True)
     rows = []
 
     for w, h in IMAGE_SIZES if args.only != "video" else []:
@@ -119,30 +127,40 @@ def main() -> None:
             img.load()
             return img
 
+        data = path.read_bytes()
         variants = {
             "decode only (PIL)": decode,
+            "decode only (libjpeg-turbo: simplejpeg; reference bound)": lambda data=data: (
+                simplejpeg.decode_jpeg(data)
+            ),
             "transformers PIL processor": lambda p=p: pil(images=[tf_load_image(p)], return_tensors="pt"),
             "transformers torchvision processor": lambda p=p: tv(
                 images=[tf_load_image(p)], return_tensors="pt"
             ),
-            "vlfast": lambda p=p: image_patches(rgb_tensor(load_image(p, True)), cfg)[0],
-            "vlfast, normalised on the device": lambda p=p: image_patches(
-                rgb_tensor(load_image(p, True)), cfg, normalize=False
-            )[0],
+            "qwen-vl-utils fetch_image + torchvision processor": lambda p=p: tv(
+                images=[fetch_image({"image": p}, image_patch_size=16)], return_tensors="pt"
+            ),
+            "vlfast (VisionPreprocessor: float32 on CPU)": lambda p=p: vision(images=[p])["pixel_values"],
+            "vlfast extract's decode (uint8; normalised on the device)": lambda p=p: deferred.image(p)[0],
         }
         ref = tv(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"]
+        from vlfast.extraction.decode.video import normalize_video_patches
+
         equal = {
             "transformers PIL processor": torch.equal(
                 pil(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"].float(), ref
             ),
             "transformers torchvision processor": True,
-            "vlfast": torch.equal(variants["vlfast"](), ref),
+            "qwen-vl-utils fetch_image + torchvision processor": torch.equal(
+                variants["qwen-vl-utils fetch_image + torchvision processor"]()["pixel_values"], ref
+            ),
+            "vlfast (VisionPreprocessor: float32 on CPU)": torch.equal(
+                variants["vlfast (VisionPreprocessor: float32 on CPU)"](), ref
+            ),
+            "vlfast extract's decode (uint8; normalised on the device)": torch.equal(
+                normalize_video_patches(deferred.image(p)[0], cfg), ref
+            ),
         }
-        from vlfast.extraction.decode.video import normalize_video_patches
-
-        equal["vlfast, normalised on the device"] = torch.equal(
-            normalize_video_patches(variants["vlfast, normalised on the device"](), cfg), ref
-        )
         n = 2 if w >= 4000 else 4
         rows += measure(f"image {w}x{h} JPEG", variants, equal, args.rounds, n)
 

@@ -133,8 +133,33 @@ def image_patches(
     x = pixels.reshape(3, gh // m, m, p, gw // m, m, p).permute(
         1, 4, 2, 5, 0, 3, 6
     )  # (h/m, w/m, m, m, C, P, P)
-    x = x.reshape(gh * gw, 3, 1, p * p).expand(-1, -1, tp, -1).reshape(gh * gw, 3, tp * p * p)
-    return (normalize_image_patches(x, cfg) if normalize else x), (1, gh, gw)
+    if not normalize:
+        x = x.reshape(gh * gw, 3, 1, p * p)  # one uint8 copy, in the patch order
+        return x.expand(-1, -1, tp, -1).reshape(gh * gw, 3, tp * p * p), (1, gh, gw)
+    # One float32 buffer, written once per temporal slot: the first slot straight from the uint8 view (the
+    # conversion, subtraction and division transformers does on the image, elementwise, so the same bits), the
+    # others copied from it. transformers allocates the float image, then the repeated patches.
+    out = torch.empty((gh * gw, 3, tp, p * p), dtype=torch.float32)
+    _normalize_into(x, out[:, :, 0].view(gh // m, gw // m, m, m, 3, p, p), cfg)
+    for t in range(1, tp):
+        out[:, :, t].copy_(out[:, :, 0])
+    return out.view(gh * gw, -1), (1, gh, gw)
+
+
+def _normalize_into(x: torch.Tensor, out: torch.Tensor, cfg: ProcessorConfig) -> None:
+    """``out`` = the image processor's rescale and normalisation of uint8 ``x`` (channels on dim 4), in place."""
+    shape = (1, 1, 1, 1, 3, 1, 1)
+    if cfg.do_normalize:
+        mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(shape)
+        std = torch.tensor(cfg.image_std, dtype=torch.float32).view(shape)
+        if cfg.do_rescale:
+            mean, std = mean * (1.0 / cfg.rescale_factor), std * (1.0 / cfg.rescale_factor)
+        torch.sub(x, mean, out=out)
+        out.div_(std)
+    elif cfg.do_rescale:
+        torch.mul(x, cfg.rescale_factor, out=out)
+    else:
+        out.copy_(x)
 
 
 def normalize_image_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
