@@ -127,3 +127,20 @@ def test_bad_input_is_named(tiny_qwen3_vl, tmp_path):
         pre(videos=[str(bad)])
     with pytest.raises(InputRefused, match="torchvision or pil"):
         VisionPreprocessor("ref:qwen3-vl-2b", image_backend="fast")
+
+
+def test_uint8_pixels_finished_where_they_land(tiny_qwen3_vl, media):
+    """pixels='uint8': a quarter of the bytes through the collator and the copy; finish() gives the float32
+    outputs bit for bit."""
+    images, videos = media
+    floats = VisionPreprocessor(str(tiny_qwen3_vl), num_frames=4)(images=images, videos=videos)
+    pre = VisionPreprocessor(str(tiny_qwen3_vl), num_frames=4, pixels="uint8")
+    raw = pre(images=images, videos=videos)
+    assert raw["pixel_values"].dtype == raw["pixel_values_videos"].dtype == torch.uint8
+    assert raw["pixel_values"].numel() == floats["pixel_values"].numel()
+    done = pre.finish(raw, "cpu")
+    assert set(done) == set(floats)
+    for key, value in floats.items():
+        assert done[key].dtype == value.dtype and torch.equal(done[key], value), key
+    with pytest.raises(InputRefused, match="needs image_backend='torchvision'"):
+        VisionPreprocessor(str(tiny_qwen3_vl), pixels="uint8", image_backend="pil")

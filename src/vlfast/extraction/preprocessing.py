@@ -44,11 +44,20 @@ class VisionPreprocessor:
     max_pixels: int | None = None
     video_max_pixels: int | None = None
     image_backend: str = "torchvision"
+    # "float32": transformers' outputs. "uint8": the patches before the rescale and normalisation, (N, C, T*P*P)
+    # uint8, a quarter of the bytes to collate, pin and copy; finish() makes them float32 where they land.
+    pixels: str = "float32"
     _pre: Preprocessor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.image_backend not in _BACKENDS:
             raise InputRefused(f"image_backend must be torchvision or pil, got {self.image_backend!r}")
+        if self.pixels not in ("float32", "uint8"):
+            raise InputRefused(f"pixels must be float32 or uint8, got {self.pixels!r}")
+        if self.pixels == "uint8" and self.image_backend != "torchvision":
+            raise InputRefused(
+                "pixels='uint8' needs image_backend='torchvision' (the PIL processor returns float32)"
+            )
         from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
         from vlfast.extraction.plan import family_of
 
@@ -64,7 +73,11 @@ class VisionPreprocessor:
             exif_orientation=True,
             image_processor=_BACKENDS[self.image_backend],
         )
-        self._pre = Preprocessor(cfg, image_processor_dir=None if model.startswith("ref:") else model)
+        self._pre = Preprocessor(
+            cfg,
+            image_processor_dir=None if model.startswith("ref:") else model,
+            defer_video_normalize=self.pixels == "uint8",
+        )
 
     @classmethod
     def from_pretrained(cls, model: str | Path, **options: Any) -> VisionPreprocessor:
@@ -98,6 +111,26 @@ class VisionPreprocessor:
                 grids.append(grid)
             out["pixel_values_videos"] = torch.cat(rows)
             out["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        return out
+
+    def finish(self, batch: dict[str, torch.Tensor], device: str | torch.device | None = None) -> dict:
+        """``batch`` (this object's outputs, collated) with uint8 pixel values made float32 on ``device`` (by
+        default where they are): bit-equal to the float32 outputs (the rescale and normalisation are exact
+        IEEE operations on any device). Other entries are moved to ``device`` as they are."""
+        import torch
+
+        from vlfast.extraction.decode.image import normalize_image_patches
+        from vlfast.extraction.decode.video import normalize_video_patches
+
+        out = {}
+        for key, value in batch.items():
+            if hasattr(value, "to") and device is not None:
+                value = value.to(device, non_blocking=True)
+            if key == "pixel_values" and value.dtype == torch.uint8:
+                value = normalize_image_patches(value, self.config)
+            elif key == "pixel_values_videos" and value.dtype == torch.uint8:
+                value = normalize_video_patches(value, self.config)
+            out[key] = value
         return out
 
     def _image(self, x) -> tuple[torch.Tensor, tuple[int, int, int]]:
