@@ -363,7 +363,7 @@ def _decode_sparse(
         return None  # a frame that cannot come back
     at = {t: i for i, t in enumerate(pts)}  # decode-order position of each packet
     points = _seek_points(packets)
-    # (seek point, index) of each wanted frame, the seek point the last clean keyframe at or before its packet
+    # (seek point, index) of each wanted frame: the position of the keyframe a decode for it may start at
     plan = sorted((_seek_point(points, pts, at[shown[k]]), k) for k in wanted)
     head, tried = 0, set()
     got: dict[int, np.ndarray] = {}
@@ -392,7 +392,7 @@ def _decode_sparse(
                     demux, packet, pos = landed
                     low = pts[pos]
                     expect = None if packets.discard[pos] else low
-                if packet.pts != pts[pos]:
+                if pos >= len(pts) or packet.pts != pts[pos]:
                     return None  # the demuxer and the index disagree
                 keep = rank.get(packet.pts) in wanted or packets.key[pos]
                 ctx.skip_frame = "DEFAULT" if keep else "NONREF"
