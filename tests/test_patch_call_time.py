@@ -21,6 +21,7 @@ from torch import nn
 
 import vlfast
 from _patching_checks import ConvCount, assert_verbose_close
+from _transformers_support import TOWER
 from vlfast.models import build_reference, synthetic_inputs, tower_outputs
 from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
 from vlfast.patching.integrations import patch_transformers, unpatch_transformers
@@ -192,7 +193,7 @@ def transformers_switch():
 
 
 def _tower():
-    tower = build_reference("qwen3-vl-4b", tiny=True)
+    tower = build_reference(TOWER, tiny=True)
     return tower, *synthetic_inputs(tower, [(2, 4, 4)])
 
 

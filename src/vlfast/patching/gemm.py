@@ -93,7 +93,7 @@ class Calls:
 
 
 # torch's own forward of each conv class calls self._conv_forward, where the patch sits (an instance
-# attribute). A forward assigned to the class afterwards (ms-swift >= 4.1 sets nn.Conv3d.forward on torch
+# attribute). A forward assigned to the class afterwards (ms-swift >= 4.0.2 sets nn.Conv3d.forward on torch
 # 2.9.x; a user's monkeypatch) runs instead, and reaches the patch only if it calls _conv_forward itself.
 _TORCH_CONV_FILE = getattr(sys.modules.get(nn.Conv3d.__module__), "__file__", None)
 BYPASSED = "vlfast's GEMM not reached, calls not counted"
