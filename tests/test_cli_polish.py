@@ -211,14 +211,18 @@ def test_unpatch_report_is_headed_unpatch():
         PatchReport(action="undo")
 
 
-def test_verify_table_and_notes_keep_brackets(monkeypatch):
+def test_verify_table_and_notes_keep_brackets(monkeypatch, tmp_path, tiny_qwen3_vl):
+    import shutil
+
     from vlfast.patching import verification
 
-    report = verification.VerifyReport(model="/ckpts/qwen[v2]", device="cpu")
+    # a real checkpoint folder: verify refuses a path that is none, or whose tensors disagree, before loading
+    ckpt = Path(shutil.copytree(tiny_qwen3_vl, tmp_path / "qwen[v2]"))
+    report = verification.VerifyReport(model=str(ckpt), device="cpu")
     report.notes.append("reserved rows [unused*] skipped")
     monkeypatch.setattr(verification, "verify", lambda *a, **kw: report)
-    res = runner.invoke(app, ["verify", "--model", "/ckpts/qwen[v2]"])
-    assert "/ckpts/qwen[v2]" in res.stdout and "[unused*]" in res.stdout, res.output
+    res = runner.invoke(app, ["verify", "--model", str(ckpt)])
+    assert str(ckpt) in "".join(res.stdout.split("\n")) and "[unused*]" in res.stdout, res.output
 
 
 def test_token_audit_prints_bracket_tags(tmp_path):
