@@ -339,7 +339,10 @@ def _bad_inputs(out: Path, tmp: Path) -> list[tuple[list[str], str]]:
             [str(tmp / "not-vlfast"), "t.parquet"],
             "is not a vlfast extraction folder (run `vlfast extract` first)",
         ),
-        ([str(out), "t.parquet", "--feature", "nope"], "has no feature 'nope'; its features with one vector"),
+        (
+            [str(out), "t.parquet", "--feature", "nope"],
+            "has no feature 'nope': it was extracted with --features",
+        ),
         ([str(out), "t.parquet", "--format", "csv"], "unknown format 'csv': give one of parquet, lance"),
         (
             [str(out), "t.parquet", "--dtype", "bfloat16"],

@@ -117,7 +117,6 @@ def test_export_refuses_its_arguments_first(finished_out, tmp_path):
         assert r.returncode == 2 and words in _no_torch(r), (args, r.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason="the features OUT holds are read by FeatureCache, a torch Dataset")
 def test_export_refuses_a_feature_out_lacks_without_torch(finished_out, tmp_path):
     _, out = finished_out
     r = vlfast_without_torch("export", out, tmp_path / "t.parquet", "--feature", "nope")

@@ -90,7 +90,7 @@ def export(
     _refuse_dest_in_out(out, dest)
     target = _check_dest(dest, format, overwrite)
     lance = _import_lance() if format == "lance" else None
-    cache = _open(out, storage_options)
+    cache = _open(out, storage_options, feature)
     feature, dim = pick_vector(cache, feature)
     cache.features = frozenset([feature])  # each lookup reads this one tensor, nothing else
     schema = table_schema(dim, dtype, _provenance(cache, feature))
@@ -210,7 +210,9 @@ def _import_lance():
     return lance
 
 
-def _open(out: str | os.PathLike, storage_options: dict[str, Any] | None) -> FeatureCache:
+def _open(
+    out: str | os.PathLike, storage_options: dict[str, Any] | None, feature: str | None = None
+) -> FeatureCache:
     path = resolve_out(out, storage_options)
     if is_local(path):
         if not path.exists():
@@ -221,10 +223,28 @@ def _open(out: str | os.PathLike, storage_options: dict[str, Any] | None) -> Fea
             raise NotADirectoryError(
                 f"OUT {path} is a file, not a vlfast extraction folder: name the folder `vlfast extract` wrote"
             )
-    read_run_file(path)  # not a vlfast folder: refused here, before the reader imports torch (seconds)
+    run = read_run_file(path)  # not a vlfast folder: refused here, before the reader imports torch (seconds)
+    _refuse_a_feature_never_extracted(path, run, feature)
     from vlfast.extraction.store.reader import FeatureCache
 
     return FeatureCache(path)
+
+
+def _refuse_a_feature_never_extracted(out: Any, run: dict, feature: str | None) -> None:
+    """A feature no sample of OUT can hold, by the features run.json says it was extracted with (stored as
+    ``vision``, ``vision_mean``, ``grid_thw``, ``deepstack.K``, ``llm.POOL.layerN``, ``embedding``): refused
+    here, before the reader imports torch (seconds; the reader then checks every sample's own)."""
+    config = run.get("config") if isinstance(run, dict) else None
+    features = config.get("features") if isinstance(config, dict) else None
+    names = features.get("names") if isinstance(features, dict) else features  # a list in older run.json
+    if feature is None or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return
+    if feature.split(".")[0] in names or (feature == "grid_thw" and {"vision", "deepstack"} & set(names)):
+        return
+    raise InputRefused(
+        f"OUT {out} has no feature {feature!r}: it was extracted with --features {','.join(names)}; export one "
+        f"of those (llm as llm.POOL.layerN, deepstack as deepstack.K), or extract {feature!r} into another OUT"
+    )
 
 
 class _Feature:
