@@ -20,7 +20,7 @@ import torch
 
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, SampleError
 from vlfast.extraction.decode.processor_config import ProcessorConfig
-from vlfast.extraction.decode.video import resize_frames, smart_resize
+from vlfast.extraction.decode.video import fused_mean_std, rescale_normalize, resize_frames, smart_resize
 
 __all__ = [
     "image_patches",
@@ -148,12 +148,9 @@ def image_patches(
 
 def _normalize_into(x: torch.Tensor, out: torch.Tensor, cfg: ProcessorConfig) -> None:
     """``out`` = the image processor's rescale and normalisation of uint8 ``x`` (channels on dim 4), in place."""
-    shape = (1, 1, 1, 1, 3, 1, 1)
     if cfg.do_normalize:
-        mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(shape)
-        std = torch.tensor(cfg.image_std, dtype=torch.float32).view(shape)
-        if cfg.do_rescale:
-            mean, std = mean * (1.0 / cfg.rescale_factor), std * (1.0 / cfg.rescale_factor)
+        shape = (1, 1, 1, 1, 3, 1, 1)
+        mean, std = fused_mean_std(cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale, shape)
         torch.sub(x, mean, out=out)
         out.div_(std)
     elif cfg.do_rescale:
@@ -163,19 +160,10 @@ def _normalize_into(x: torch.Tensor, out: torch.Tensor, cfg: ProcessorConfig) ->
 
 
 def normalize_image_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
-    """uint8 patches (N, C, T*P*P) -> float32 (N, C*T*P*P) by the image processor's rescale and normalisation
-    (transformers' fused form where it does both), on whatever device they are."""
-    x = patches.to(torch.float32)
-    shape = (1, 3) + (1,) * (patches.dim() - 2)
-    if cfg.do_normalize:
-        mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(shape)
-        std = torch.tensor(cfg.image_std, dtype=torch.float32).view(shape)
-        if cfg.do_rescale:
-            mean, std = mean * (1.0 / cfg.rescale_factor), std * (1.0 / cfg.rescale_factor)
-        x = x.sub_(mean.to(x.device)).div_(std.to(x.device))  # x is a fresh float32 copy: in place
-    elif cfg.do_rescale:
-        x = x.mul_(cfg.rescale_factor)
-    return x.reshape(patches.shape[0], -1)
+    """uint8 patches (N, C, ...) -> float32 (N, C*...) by the image processor's rescale and normalisation."""
+    return rescale_normalize(
+        patches, cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale, cfg.do_normalize
+    )
 
 
 def same_normalization(cfg: ProcessorConfig) -> bool:

@@ -32,7 +32,11 @@ from vlfast._lazy import lazy_exports
 from vlfast.errors import InputRefused
 from vlfast.extraction.decode.embedding import RECIPE_PIXELS, is_embedding_checkpoint
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media, media_of
-from vlfast.extraction.decode.processor_config import TORCHVISION_IMAGE_PROCESSORS, ProcessorConfig
+from vlfast.extraction.decode.processor_config import (
+    PIXEL_SETTINGS,
+    TORCHVISION_IMAGE_PROCESSORS,
+    ProcessorConfig,
+)
 from vlfast.extraction.sources.sample import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -416,22 +420,8 @@ def build_processor_config(
         rescale_factor=values.get("rescale_factor", 1 / 255),
         video_sizing=values.get("video_sizing", "processor"),
         exif_orientation=not recipe if exif_orientation is None else bool(exif_orientation),
-        **{k: values[k] for k in _PIXEL_SETTINGS if k in values},
+        **{k: values[k] for k in PIXEL_SETTINGS if k in values},
     )
-
-
-_PIXEL_SETTINGS = (
-    "resample",
-    "do_resize",
-    "do_rescale",
-    "do_normalize",
-    "do_convert_rgb",
-    "video_resample",
-    "video_do_resize",
-    "video_do_rescale",
-    "video_do_normalize",
-    "video_rescale_factor",
-)
 
 
 # --------------------------------------------------------------------------------------------- images

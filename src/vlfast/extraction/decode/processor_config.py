@@ -9,7 +9,13 @@ from typing import Any
 
 from vlfast.errors import InputRefused
 
-__all__ = ["TORCHVISION_IMAGE_PROCESSORS", "VIDEO_RESAMPLES", "VIDEO_SIZINGS", "ProcessorConfig"]
+__all__ = [
+    "PIXEL_SETTINGS",
+    "TORCHVISION_IMAGE_PROCESSORS",
+    "VIDEO_RESAMPLES",
+    "VIDEO_SIZINGS",
+    "ProcessorConfig",
+]
 
 # transformers' torchvision image processors, whose operations vlfast.extraction.decode.image reproduces
 TORCHVISION_IMAGE_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"})
@@ -17,8 +23,9 @@ TORCHVISION_IMAGE_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImage
 VIDEO_SIZINGS = ("processor", "qwen2-vl", "qwen-vl-utils")
 # PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to
 VIDEO_RESAMPLES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
-# Fields added after OUTs were written without them: in run.json only where they differ from these values
-_OMITTED_AT = {
+# The processors' settings that change pixels, by their defaults: fields added after OUTs were written
+# without them, so in run.json only where they differ from these values
+PIXEL_SETTINGS = {
     "resample": 3,
     "do_resize": True,
     "do_rescale": True,
@@ -139,7 +146,7 @@ class ProcessorConfig:
             del d["video_sizing"]
         if not d["exif_orientation"]:  # absent from older OUTs' run.json, which did not apply it
             del d["exif_orientation"]
-        for k, default in _OMITTED_AT.items():
+        for k, default in PIXEL_SETTINGS.items():
             if d[k] == default and type(d[k]) is type(default):
                 del d[k]
         return d

@@ -21,7 +21,9 @@ from vlfast.extraction.objstore import is_transient, transient_error
 __all__ = [
     "normalize_video_patches",
     "patchify_video",
+    "fused_mean_std",
     "read_video",
+    "rescale_normalize",
     "resize_frames",
     "sample_frame_indices",
     "smart_resize",
@@ -159,24 +161,54 @@ def _arm() -> bool:
     return platform.machine() in ("aarch64", "arm64")
 
 
-def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
-    """uint8 patches (N, C, T*P*P) -> float32 pixel_values (N, C*T*P*P), on whatever device they are.
+def fused_mean_std(
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    rescale_factor: float,
+    do_rescale: bool,
+    shape: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 mean and std shaped ``shape``, divided by the rescale factor where both steps run: transformers'
+    ``_fuse_mean_std_and_rescale_factor``, in float32 as it computes them (so the same bits)."""
+    m = torch.tensor(mean, dtype=torch.float32).view(shape)
+    s = torch.tensor(std, dtype=torch.float32).view(shape)
+    if do_rescale:
+        m, s = m * (1.0 / rescale_factor), s * (1.0 / rescale_factor)
+    return m, s
 
-    As transformers' ``rescale_and_normalize``: with both steps ``(x - mean/r) / (std/r)`` per channel (its
-    fused form, ``r`` the rescale factor), else ``x * r``, ``(x - mean) / std`` or ``x`` alone. float32
-    subtraction, multiplication and division are exact IEEE operations, so any device gives the same bits.
-    """
-    x = patches.to(torch.float32)
-    if cfg.video_do_normalize:
-        shape = (1, 3, 1)
-        mean = torch.tensor(cfg.video_mean, dtype=torch.float32).view(shape)
-        std = torch.tensor(cfg.video_std, dtype=torch.float32).view(shape)
-        if cfg.video_do_rescale:
-            mean, std = mean * (1.0 / cfg.video_rescale_factor), std * (1.0 / cfg.video_rescale_factor)
-        x = (x - mean.to(patches.device)) / std.to(patches.device)
-    elif cfg.video_do_rescale:
-        x = x * cfg.video_rescale_factor
+
+def rescale_normalize(
+    patches: torch.Tensor,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    rescale_factor: float,
+    do_rescale: bool,
+    do_normalize: bool,
+) -> torch.Tensor:
+    """uint8 patches (N, C, ...) -> float32 (N, C*...), on whatever device they are, as transformers'
+    ``rescale_and_normalize``: with both steps ``(x - mean/r) / (std/r)`` per channel (its fused form),
+    else ``x * r``, ``(x - mean) / std`` or ``x`` alone. float32 subtraction, multiplication and division are
+    exact IEEE operations, so any device gives the same bits."""
+    x = patches.to(torch.float32)  # a fresh copy: the steps below work in place
+    if do_normalize:
+        shape = (1, 3) + (1,) * (patches.dim() - 2)
+        m, s = fused_mean_std(mean, std, rescale_factor, do_rescale, shape)
+        x = x.sub_(m.to(x.device)).div_(s.to(x.device))
+    elif do_rescale:
+        x = x.mul_(rescale_factor)
     return x.reshape(patches.shape[0], -1)
+
+
+def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
+    """uint8 patches (N, C, T*P*P) -> float32 pixel_values (N, C*T*P*P) by the video processor's settings."""
+    return rescale_normalize(
+        patches,
+        cfg.video_mean,
+        cfg.video_std,
+        cfg.video_rescale_factor,
+        cfg.video_do_rescale,
+        cfg.video_do_normalize,
+    )
 
 
 def patchify_video(
