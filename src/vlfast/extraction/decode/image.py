@@ -20,7 +20,7 @@ import torch
 
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, SampleError
 from vlfast.extraction.decode.processor_config import ProcessorConfig
-from vlfast.extraction.decode.video import fused_mean_std, rescale_normalize, resize_frames, smart_resize
+from vlfast.extraction.decode.video import rescale_normalize, resize_frames, smart_resize
 
 __all__ = [
     "image_patches",
@@ -130,33 +130,21 @@ def image_patches(
         h, w = height, width
     tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     gh, gw = h // p, w // p
-    x = pixels.reshape(3, gh // m, m, p, gw // m, m, p).permute(
-        1, 4, 2, 5, 0, 3, 6
-    )  # (h/m, w/m, m, m, C, P, P)
+    # (h/m, w/m, m, m, C, P, P): one uint8 copy, in the patch order
+    x = (
+        pixels.reshape(3, gh // m, m, p, gw // m, m, p)
+        .permute(1, 4, 2, 5, 0, 3, 6)
+        .reshape(gh * gw, 3, p * p)
+    )
     if not normalize:
-        x = x.reshape(gh * gw, 3, 1, p * p)  # one uint8 copy, in the patch order
-        return x.expand(-1, -1, tp, -1).reshape(gh * gw, 3, tp * p * p), (1, gh, gw)
-    # One float32 buffer, written once per temporal slot: the first slot straight from the uint8 view (the
-    # conversion, subtraction and division transformers does on the image, elementwise, so the same bits), the
-    # others copied from it. transformers allocates the float image, then the repeated patches.
-    out = torch.empty((gh * gw, 3, tp, p * p), dtype=torch.float32)
-    _normalize_into(x, out[:, :, 0].view(gh // m, gw // m, m, m, 3, p, p), cfg)
-    for t in range(1, tp):
-        out[:, :, t].copy_(out[:, :, 0])
-    return out.view(gh * gw, -1), (1, gh, gw)
-
-
-def _normalize_into(x: torch.Tensor, out: torch.Tensor, cfg: ProcessorConfig) -> None:
-    """``out`` = the image processor's rescale and normalisation of uint8 ``x`` (channels on dim 4), in place."""
-    if cfg.do_normalize:
-        shape = (1, 1, 1, 1, 3, 1, 1)
-        mean, std = fused_mean_std(cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale, shape)
-        torch.sub(x, mean, out=out)
-        out.div_(std)
-    elif cfg.do_rescale:
-        torch.mul(x, cfg.rescale_factor, out=out)
-    else:
-        out.copy_(x)
+        return x[:, :, None].expand(-1, -1, tp, -1).reshape(gh * gw, 3, tp * p * p), (1, gh, gw)
+    # The normalisation after the move (elementwise per channel: the same bits as transformers' normalise-
+    # then-patchify), written once per patch and copied into the other temporal slots, as transformers repeats
+    # the normalised patch
+    pixel_values = rescale_normalize(
+        x, cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale, cfg.do_normalize, repeat=tp
+    )
+    return pixel_values, (1, gh, gw)
 
 
 def normalize_image_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:

