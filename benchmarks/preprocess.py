@@ -38,6 +38,15 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+# decord and torchcodec, the other video readers of qwen-vl-utils and transformers, are kept out of the test
+# environment (transformers' load_video picks torchcodec when it imports): the benchmark takes them from
+# .reference/ where they were put with `pip install --no-deps --target .reference/decord decord==0.6.0`
+# (likewise torchcodec), or from the environment
+for _reader in ("decord", "torchcodec"):
+    if (REPO / ".reference" / _reader).is_dir():
+        sys.path.append(str(REPO / ".reference" / _reader))
+# qwen-vl-utils reads its video backend when imported: decord, its first choice, where it loads
+os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -92,7 +101,7 @@ def main() -> None:
 
     from vlfast.demo import make_video, pattern
     from vlfast.extraction.decode.preprocess import build_processor_config
-    from vlfast.extraction.decode.video import _decode_at, patchify_video, read_video
+    from vlfast.extraction.decode.video import _decode_at, normalize_video_patches, patchify_video, read_video
 
     work = Path(tempfile.mkdtemp(prefix="vlfast-preprocess-"))
     cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
@@ -103,11 +112,12 @@ def main() -> None:
     pil = transformers.Qwen2VLImageProcessorPil(**QWEN3_IMAGE, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     video_proc = transformers.Qwen3VLVideoProcessor(**QWEN3_VIDEO)
     import simplejpeg
-    from qwen_vl_utils.vision_process import fetch_image
+    from qwen_vl_utils.vision_process import fetch_image, fetch_video
 
     from vlfast import VisionPreprocessor
     from vlfast.extraction.decode.preprocess import Preprocessor
 
+    torchcodec_why, decord_why = _loads("torchcodec.decoders"), _loads("decord")
     vision = VisionPreprocessor("ref:qwen3-vl-2b")
     deferred = Preprocessor(cfg, defer_video_normalize=True)
     rows = []
@@ -141,10 +151,12 @@ def main() -> None:
                 images=[fetch_image({"image": p}, image_patch_size=16)], return_tensors="pt"
             ),
             "vlfast (VisionPreprocessor: float32 on CPU)": lambda p=p: vision(images=[p])["pixel_values"],
-            "vlfast extract's decode (uint8; normalised on the device)": lambda p=p: deferred.image(p)[0],
+            # the decode workers' uint8 patches and the model side's normalisation, on the CPU here: the whole path
+            "vlfast extract (uint8 patches, normalised by the model side: CPU here)": lambda p=p: (
+                normalize_video_patches(deferred.image(p)[0], cfg)
+            ),
         }
         ref = tv(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"]
-        from vlfast.extraction.decode.video import normalize_video_patches
 
         equal = {
             "transformers PIL processor": torch.equal(
@@ -157,8 +169,8 @@ def main() -> None:
             "vlfast (VisionPreprocessor: float32 on CPU)": torch.equal(
                 variants["vlfast (VisionPreprocessor: float32 on CPU)"](), ref
             ),
-            "vlfast extract's decode (uint8; normalised on the device)": torch.equal(
-                normalize_video_patches(deferred.image(p)[0], cfg), ref
+            "vlfast extract (uint8 patches, normalised by the model side: CPU here)": torch.equal(
+                variants["vlfast extract (uint8 patches, normalised by the model side: CPU here)"](), ref
             ),
         }
         n = 2 if w >= 4000 else 4
@@ -207,6 +219,36 @@ def main() -> None:
                 read_video(p, cfg)[0], cfg, normalize=False
             )[0],
         }
+        if torchcodec_why is None:
+
+            def transformers_torchcodec(p=p):
+                frames, meta = load_video(p, backend="torchcodec")
+                return video_proc(
+                    videos=[frames],
+                    video_metadata=[meta],
+                    do_sample_frames=True,
+                    num_frames=8,
+                    fps=None,
+                    return_tensors="pt",
+                )["pixel_values_videos"]
+
+            variants["transformers Qwen3VLVideoProcessor (load_video torchcodec)"] = transformers_torchcodec
+        if decord_why is None:
+
+            def qwen_vl_utils_decord(p=p):
+                # the model card's path: qwen-vl-utils samples and resizes, the processor does the rest
+                video, meta = fetch_video(
+                    {"video": p, "nframes": 8}, image_patch_size=16, return_video_metadata=True
+                )
+                return video_proc(
+                    videos=[video],
+                    video_metadata=[meta],
+                    do_resize=False,
+                    do_sample_frames=False,
+                    return_tensors="pt",
+                )["pixel_values_videos"]
+
+            variants["qwen-vl-utils fetch_video (decord) + Qwen3VLVideoProcessor"] = qwen_vl_utils_decord
         ref = transformers_video()
         every = np.stack(sequential())[indices]
         equal = {
@@ -217,13 +259,31 @@ def main() -> None:
             "transformers Qwen3VLVideoProcessor (load_video pyav)": True,
             "vlfast": torch.equal(variants["vlfast"](), ref),
         }
+        for name in variants:
+            if name not in equal and ("torchcodec" in name or "decord" in name):
+                out = variants[name]()
+                equal[name] = out.shape == ref.shape and torch.equal(out, ref)
         what = f"video {w}x{h} 10 s, {'GOP 1 s' if gop else 'GOP 250'}, 8"
         rows += measure(what, variants, equal, args.rounds, 1)
 
     print(f"\nmachine: {machine()}")
+    for reader, why in (("torchcodec", torchcodec_why), ("decord", decord_why)):
+        if why is not None and args.only != "image":
+            print(f"{reader}: not measured, it does not load here: {why}")
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+
+
+def _loads(module: str) -> str | None:
+    """None where ``module`` imports, else why not (its last line)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - a wheel that does not load here, for any reason, is reported
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return None
 
 
 def keyframe_seeking_decode(path: str, indices: list[int]) -> list[np.ndarray]:
