@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,14 +71,18 @@ def runs(tiny_qwen3_vl, tmp_path_factory) -> dict:
             env=env, cwd=out, stdout=log, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         procs[name] = (proc, out, log)
-    results = {}
-    for name, (proc, out, log) in procs.items():
-        try:
-            proc.wait(timeout=280)
-        finally:
+    try:
+        deadline = time.monotonic() + 280
+        for proc, _, _ in procs.values():
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:  # a failure or a timeout leaves neither process behind
+        for proc, _, log in procs.values():
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
             log.close()
+    results = {}
+    for name, (proc, out, _) in procs.items():
         text = (out / "log.txt").read_text()
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{text[-6000:]}"
         results[name] = {
