@@ -130,14 +130,15 @@ def test_bad_input_is_named(tiny_qwen3_vl, tmp_path):
 
 
 def test_uint8_pixels_finished_where_they_land(tiny_qwen3_vl, media):
-    """pixels='uint8': a quarter of the bytes through the collator and the copy; finish() gives the float32
-    outputs bit for bit."""
+    """pixels='uint8': a quarter of the bytes through the collator and the copy for videos, an eighth for images
+    (each patch once: finish() makes the temporal repeat); finish() gives the float32 outputs bit for bit."""
     images, videos = media
     floats = VisionPreprocessor(str(tiny_qwen3_vl), num_frames=4)(images=images, videos=videos)
     pre = VisionPreprocessor(str(tiny_qwen3_vl), num_frames=4, pixels="uint8")
     raw = pre(images=images, videos=videos)
     assert raw["pixel_values"].dtype == raw["pixel_values_videos"].dtype == torch.uint8
-    assert raw["pixel_values"].numel() == floats["pixel_values"].numel()
+    assert raw["pixel_values"].numel() * 2 == floats["pixel_values"].numel()  # temporal patch 2
+    assert raw["pixel_values_videos"].numel() == floats["pixel_values_videos"].numel()
     done = pre.finish(raw, "cpu")
     assert set(done) == set(floats)
     for key, value in floats.items():

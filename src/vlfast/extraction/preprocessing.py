@@ -44,8 +44,9 @@ class VisionPreprocessor:
     max_pixels: int | None = None
     video_max_pixels: int | None = None
     image_backend: str = "torchvision"
-    # "float32": transformers' outputs. "uint8": the patches before the rescale and normalisation, (N, C, T*P*P)
-    # uint8, a quarter of the bytes to collate, pin and copy; finish() makes them float32 where they land.
+    # "float32": transformers' outputs. "uint8": the patches before the rescale and normalisation, uint8: a
+    # video's (N, C, T*P*P), a quarter of the bytes to collate, pin and copy, an image's (N, C, P*P), each patch
+    # once, an eighth; finish() makes them float32 (N, C*T*P*P) where they land, the temporal repeat included.
     pixels: str = "float32"
     _pre: Preprocessor | None = field(default=None, init=False, repr=False)
 

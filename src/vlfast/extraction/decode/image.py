@@ -5,8 +5,9 @@ transformers: PIL image -> RGB (transparency on white) -> uint8 tensor -> ``smar
 ``resize`` (bicubic, antialiased: on CPU uint8 the ATen kernel ``F.interpolate`` runs) -> float32 rescale and
 normalise -> patchify, each patch repeated ``temporal_patch_size`` times in float32: (N, C*T*P*P), 24 bytes a
 pixel. Here: the same resize on the uint8 pixels as decoded (channels-last, no copy), the patch permutation on
-uint8, the temporal repeat on uint8, and the normalisation last (elementwise per channel, so it commutes with
-both) or, deferred, on the model's device after the copy: 6 bytes a pixel cross the bus instead of 24
+uint8, then the normalisation (elementwise per channel, so it commutes with the move) written once per patch
+and copied into the other temporal slots; or, deferred, the uint8 patches each held once cross to the model's
+device, 3 bytes a pixel instead of 24, and are normalised and repeated there
 (:func:`~vlfast.extraction.decode.video.normalize_video_patches` finishes them). Proven against the class
 itself in tests/test_preprocess_parity.py.
 """
@@ -20,7 +21,7 @@ import torch
 
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, SampleError
 from vlfast.extraction.decode.processor_config import ProcessorConfig
-from vlfast.extraction.decode.video import rescale_normalize, resize_frames, smart_resize
+from vlfast.extraction.decode.video import rescale_normalize, resize_frames, smart_resize, temporal_repeat
 
 __all__ = [
     "image_patches",
@@ -109,8 +110,8 @@ def image_patches(
     pixels: torch.Tensor, cfg: ProcessorConfig, *, normalize: bool = True
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(3, H, W) uint8 -> pixel_values (h*w, C*T*P*P) float32 and grid (1, h, w), as ``Qwen2VLImageProcessor``
-    with ``cfg``'s image settings; with ``normalize=False`` uint8 (h*w, C, T*P*P) for
-    :func:`normalize_image_patches` to finish (on the device)."""
+    with ``cfg``'s image settings; with ``normalize=False`` uint8 (h*w, C, P*P), each patch once (3 bytes a
+    pixel), for :func:`normalize_image_patches` to finish (on the device) with the temporal repeat."""
     # Bit-equal to transformers' order (normalise the image, then patchify and repeat): the normalisation is
     # elementwise per channel, so it commutes with moving and repeating values
     height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
@@ -136,8 +137,8 @@ def image_patches(
         .permute(1, 4, 2, 5, 0, 3, 6)
         .reshape(gh * gw, 3, p * p)
     )
-    if not normalize:
-        return x[:, :, None].expand(-1, -1, tp, -1).reshape(gh * gw, 3, tp * p * p), (1, gh, gw)
+    if not normalize:  # the temporal repeat is left to the normalisation, done once in float32 and copied
+        return x, (1, gh, gw)
     # The normalisation after the move (elementwise per channel: the same bits as transformers' normalise-
     # then-patchify), written once per patch and copied into the other temporal slots, as transformers repeats
     # the normalised patch
@@ -148,9 +149,16 @@ def image_patches(
 
 
 def normalize_image_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
-    """uint8 patches (N, C, ...) -> float32 (N, C*...) by the image processor's rescale and normalisation."""
+    """uint8 patches (N, C, P*P), or (N, C, T*P*P) already repeated -> float32 pixel_values (N, C*T*P*P) by the
+    image processor's rescale and normalisation."""
     return rescale_normalize(
-        patches, cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale, cfg.do_normalize
+        patches,
+        cfg.image_mean,
+        cfg.image_std,
+        cfg.rescale_factor,
+        cfg.do_rescale,
+        cfg.do_normalize,
+        repeat=temporal_repeat(patches, cfg),
     )
 
 

@@ -620,7 +620,8 @@ class Preprocessor:
     def __call__(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
         """``(pixel_values (N, C*T*P*P) float32, grid (t, h, w), meta)``; raises SampleError.
 
-        With ``defer_video_normalize`` a video's pixel_values are uint8 (N, C, T*P*P) instead.
+        With ``defer_video_normalize`` pixel_values are uint8 instead, for normalize_video_patches to finish:
+        (N, C, T*P*P) for a video, (N, C, P*P) for an image (where images and videos normalise alike).
         """
         if sample.kind == "image":
             return self.image(media_of(sample))

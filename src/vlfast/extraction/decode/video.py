@@ -27,6 +27,7 @@ __all__ = [
     "resize_frames",
     "sample_frame_indices",
     "smart_resize",
+    "temporal_repeat",
     "video_resize_shape",
 ]
 
@@ -259,7 +260,8 @@ _madvise = _libc_madvise()
 
 
 def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
-    """uint8 patches (N, C, T*P*P) -> float32 pixel_values (N, C*T*P*P) by the video processor's settings."""
+    """uint8 patches (N, C, T*P*P) -> float32 pixel_values (N, C*T*P*P) by the video processor's settings; an
+    image's deferred patches, (N, C, P*P) (where images and videos normalise alike), get the temporal repeat."""
     return rescale_normalize(
         patches,
         cfg.video_mean,
@@ -267,7 +269,20 @@ def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torc
         cfg.video_rescale_factor,
         cfg.video_do_rescale,
         cfg.video_do_normalize,
+        repeat=temporal_repeat(patches, cfg),
     )
+
+
+def temporal_repeat(patches: torch.Tensor, cfg: ProcessorConfig) -> int:
+    """How many times uint8 ``patches`` (N, C, L) are to be written in each row: T for an image's patches,
+    each held once (L = P*P), 1 where the T frames are there (L = T*P*P)."""
+    whole = cfg.temporal_patch_size * cfg.patch_size**2
+    width = math.prod(patches.shape[2:])
+    if width not in (whole, cfg.patch_size**2):
+        raise ValueError(
+            f"uint8 patches of {width} values a channel: expected {whole} or {cfg.patch_size**2}"
+        )
+    return whole // width
 
 
 def patchify_video(
