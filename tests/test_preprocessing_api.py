@@ -196,3 +196,16 @@ def test_a_large_output_asks_for_huge_pages(monkeypatch):
     calls.clear()
     video.rescale_normalize(x[:10], (0.5,) * 3, (0.5,) * 3, 1 / 255, True, True, repeat=2)
     assert calls == []  # small outputs are left as they are
+
+
+def test_deferred_patches_of_another_width_are_refused(tiny_qwen3_vl):
+    """The model side takes the temporal repeat from the uint8 patches' width: P*P (an image, each patch once)
+    or T*P*P (the frames there); any other width is a bug upstream, said, not normalised into wrong rows."""
+    from vlfast.extraction.decode.video import normalize_video_patches, temporal_repeat
+
+    cfg = VisionPreprocessor(str(tiny_qwen3_vl)).config
+    p2, tp = cfg.patch_size**2, cfg.temporal_patch_size
+    assert temporal_repeat(torch.zeros(4, 3, p2, dtype=torch.uint8), cfg) == tp
+    assert temporal_repeat(torch.zeros(4, 3, tp * p2, dtype=torch.uint8), cfg) == 1
+    with pytest.raises(ValueError, match=f"expected {tp * p2} or {p2}"):
+        normalize_video_patches(torch.zeros(4, 3, p2 + 1, dtype=torch.uint8), cfg)
