@@ -75,7 +75,11 @@ SHOWN = {
     "jsonl": "D.jsonl",
     "rewritten": "D2.jsonl",
 }
-REFUSED = {k for k in COMMANDS if k.startswith(("export-", "doctor-", "verify-", "profile-", "tokens-audit"))}
+REFUSED = {  # each exits 2 (verify-tiny, a verify that runs, does not)
+    k
+    for k in COMMANDS
+    if k.startswith(("export-", "doctor-", "profile-", "tokens-audit")) or k.endswith("-unknown-model")
+}
 EXIT_REFUSED = 2
 
 
