@@ -496,7 +496,16 @@ def axolotl_command(venv: Path, fx: Path, mode: str, out: Path, steps: int) -> l
         "val_set_size": 0,
         "dataloader_num_workers": 0,
         **(
-            {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True}
+            {
+                "adapter": "lora",
+                "lora_r": 8,
+                "lora_alpha": 16,
+                "lora_target_linear": True,
+                # axolotl's Triton LoRA kernels (on by default where they apply) are CUDA only
+                "lora_mlp_kernel": False,
+                "lora_qkv_kernel": False,
+                "lora_o_kernel": False,
+            }
             if mode == "lora"
             else {}
         ),
@@ -546,6 +555,8 @@ def run_once(fw: Framework, venv: Path, fx: Path, mode: str, patched: bool, step
         HF_DATASETS_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         WANDB_MODE="disabled",
+        AXOLOTL_DO_NOT_TRACK="1",  # axolotl's telemetry: no network here
+        DO_NOT_TRACK="1",
         DISABLE_VERSION_CHECK="1",  # LlamaFactory: its own check of the versions pip resolved
     )
     env.pop("PYTHONPATH", None)
