@@ -10,17 +10,17 @@ import sys
 from pathlib import Path
 
 from _crash import env, kill_at_random_points
-from _selftest import compare_caches, sample_ids
+from _selftest import compare_caches, run, sample_ids
 from vlfast.extraction import FeatureCache
 
 # The default keeps the test near 10 s. VLFAST_CRASH_SAMPLES=30000 runs the issue's 30k-clip scenario
 # (about a minute and a half on 2 cores): bigger shards, no per-sample sleep.
 N = int(os.environ.get("VLFAST_CRASH_SAMPLES", "240"))
 SMALL = N <= 1000
+SHARD = 6 if SMALL else 256
 
 
 def _cmd(out: Path, *extra: str, n: int = N) -> list[str]:
-    shard = "6" if SMALL else "256"
     return [
         sys.executable,
         str(Path(__file__).with_name("_selftest.py")),
@@ -28,15 +28,16 @@ def _cmd(out: Path, *extra: str, n: int = N) -> list[str]:
         "--samples",
         str(n),
         "--shard-samples",
-        shard,
+        str(SHARD),
         *extra,
     ]
 
 
 def test_sigkill_five_times_then_resume_is_bit_identical(tmp_path: Path) -> None:
     ref, out = tmp_path / "ref", tmp_path / "out"
-    r = subprocess.run(_cmd(ref), env=env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    # The uninterrupted run, in this process with _cmd's options (the kills are what need processes of their
+    # own), as tests/test_extract_dist.py's reference: a fresh interpreter cost ~3 s of CPU importing torch.
+    run(str(ref), N, shard_max_samples=SHARD)
 
     rng = random.Random(int(os.environ.get("VLFAST_CRASH_SEED", "20261121")))  # override to stress
     progress = kill_at_random_points(_cmd(out, "-v", "--sleep", "0.004" if SMALL else "0"), 5, rng, 0.006)
@@ -83,8 +84,7 @@ def test_sigkill_during_compaction_then_resume_is_bit_identical(tmp_path: Path) 
     compacting. 600 leave at least 47 for the fifth."""
     n = max(N, 600)
     ref, out = tmp_path / "ref", tmp_path / "out"
-    r = subprocess.run(_cmd(ref, n=n), env=env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    run(str(ref), n, shard_max_samples=SHARD)  # uninterrupted, in this process (see above)
     rng = random.Random(int(os.environ.get("VLFAST_CRASH_SEED", "20261122")))
     cmd = _cmd(out, "-v", "--compact-every", "30", n=n)
     progress = kill_at_random_points(cmd, 5, rng, 0.03, during="compacting")

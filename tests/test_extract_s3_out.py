@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from _crash import kill_at_random_points
 from _s3 import client, enforced_auth, refused_port
-from _selftest import RUN_CONFIG, compare_caches, fake_features
+from _selftest import RUN_CONFIG, compare_caches, fake_features, run
 from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache
 from vlfast.extraction.api import extract
@@ -193,10 +193,7 @@ def test_sigkill_three_times_then_resume_is_bit_identical_on_s3(endpoint, tmp_pa
     and between error commits; the resumed output equals an uninterrupted local run byte for byte."""
     n, ref, out = 90, tmp_path / "ref", _fresh("crash")
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        _selftest(str(ref), n, "--shard-samples", "6"), env=env, capture_output=True, timeout=300
-    )
-    assert r.returncode == 0, r.stderr
+    run(str(ref), n, shard_max_samples=6)  # uninterrupted, local, in this process: the kills need processes
     # three kills here; five on a local OUT in tests/test_extract_crash.py
     progress = kill_at_random_points(
         _selftest(out, n, "--shard-samples", "6", "-v", "--sleep", "0.01"), 3, random.Random(20261123), 0.02
