@@ -119,6 +119,7 @@ def main() -> None:
 
     torchcodec_why, decord_why = _loads("torchcodec.decoders"), _loads("decord")
     vision = VisionPreprocessor("ref:qwen3-vl-2b")
+    vision_uint8 = VisionPreprocessor("ref:qwen3-vl-2b", pixels="uint8")
     deferred = Preprocessor(cfg, defer_video_normalize=True)
     rows = []
 
@@ -151,6 +152,10 @@ def main() -> None:
                 images=[fetch_image({"image": p}, image_patch_size=16)], return_tensors="pt"
             ),
             "vlfast (VisionPreprocessor: float32 on CPU)": lambda p=p: vision(images=[p])["pixel_values"],
+            # the data loader's share where finish() runs on the GPU: the decode and the uint8 patch move
+            "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": lambda p=p: vision_uint8(
+                images=[p]
+            )["pixel_values"],
             # the decode workers' uint8 patches and the model side's normalisation, on the CPU here: the whole path
             "vlfast extract (uint8 patches, normalised by the model side: CPU here)": lambda p=p: (
                 normalize_video_patches(deferred.image(p)[0], cfg)
@@ -168,6 +173,12 @@ def main() -> None:
             ),
             "vlfast (VisionPreprocessor: float32 on CPU)": torch.equal(
                 variants["vlfast (VisionPreprocessor: float32 on CPU)"](), ref
+            ),
+            "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": torch.equal(
+                vision_uint8.finish({"pixel_values": vision_uint8(images=[p])["pixel_values"]})[
+                    "pixel_values"
+                ],
+                ref,
             ),
             "vlfast extract (uint8 patches, normalised by the model side: CPU here)": torch.equal(
                 variants["vlfast extract (uint8 patches, normalised by the model side: CPU here)"](), ref
