@@ -247,6 +247,7 @@ def versions(venv: Path) -> dict[str, str]:
         "for n in ('torch', 'transformers', 'peft', 'accelerate', 'trl', 'llamafactory', 'ms-swift', 'axolotl'):\n"
         "    try: out[n] = m.version(n)\n"
         "    except m.PackageNotFoundError: pass\n"
+        "import torch; out['torch'] = torch.__version__  # with its build: +cu130 is PyPI's, +cpu a CPU wheel\n"
         "print(json.dumps(out))"
     )
     done = subprocess.run(
@@ -353,6 +354,29 @@ def sample_text(i: int) -> tuple[str, str]:
         "Describe this image.",
         f"A smooth pattern of {colours[i % 8]} and {colours[(i + 3) % 8]} waves, number {i}.",
     )
+
+
+def patch_embed_weights(ckpt: Path, stock_out: Path, fast_out: Path) -> dict:
+    """(Run inside the venv.) How far full training moved the patch embed's weight from the checkpoint's, in
+    each run, and how far the patched run's final weight is from the unpatched one's (max abs)."""
+    from safetensors import safe_open
+
+    def weight(folder: Path):
+        for path in sorted(folder.rglob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                key = next((k for k in f.keys() if k.endswith("patch_embed.proj.weight")), None)  # noqa: SIM118
+                if key is not None:
+                    return f.get_tensor(key).double()
+        return None
+
+    w0, w_stock, w_fast = weight(ckpt), weight(stock_out), weight(fast_out)
+    if w0 is None or w_stock is None or w_fast is None:
+        return {}
+    return {
+        "moved_unpatched": (w_stock - w0).abs().max().item(),
+        "moved_patched": (w_fast - w0).abs().max().item(),
+        "patched_vs_unpatched": (w_fast - w_stock).abs().max().item(),
+    }
 
 
 # ------------------------------------------------------------------------------ per-framework configs
@@ -617,8 +641,11 @@ def summarize_record(path: Path) -> dict:
     return s
 
 
-def verdict(stock: Run, fast: Run, steps: int, rtol: float) -> tuple[bool, str, float | None]:
-    """(passed, why, max relative loss difference) for one framework and mode."""
+def verdict(
+    stock: Run, fast: Run, steps: int, rtol: float, weights: dict | None = None
+) -> tuple[bool, str, float | None]:
+    """(passed, why, max relative loss difference) for one framework and mode; ``weights`` (full training:
+    :func:`patch_embed_weights`) must show the patch embed trained in both runs."""
     for run in (stock, fast):
         if run.rc != 0:
             return False, f"{'patched' if run.patched else 'unpatched'} run exited {run.rc}: {run.log}", None
@@ -638,6 +665,8 @@ def verdict(stock: Run, fast: Run, steps: int, rtol: float) -> tuple[bool, str, 
         return False, "the patched run's record does not show every call on the GEMM", diff
     if diff > rtol:
         return False, f"losses differ by {diff:.3g} relative (> {rtol:g})", diff
+    if weights is not None and not (weights.get("moved_unpatched") and weights.get("moved_patched")):
+        return False, "full training left the patch embed's weight where it was (vision tower frozen?)", diff
     why = (
         f"forward replaced by {', '.join(r1['replaced'])}, named by the record" if r1["replaced"] else "GEMM"
     )
@@ -749,16 +778,25 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
                 print(f"  {mode} {'patched' if patched else 'unpatched'}: exit {run.rc}, {run.seconds:.0f} s, "
                       f"losses {run.losses}, record {record_text(run.record)}", flush=True)  # fmt: skip
-            ok, why, diff = verdict(runs[0], runs[1], args.steps, args.rtol)
+            weights = None
+            if mode == "full":  # the vision tower trains: the patch embed's weight must have moved
+                done = subprocess.run(
+                    [str(venv / "bin" / "python"), __file__, "_weights", str(fx / "ckpt"),
+                     str(work / f"{name}-full-unpatched"), str(work / f"{name}-full-patched")],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                weights = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+                print(f"  patch embed weight: {weights or done.stderr[-2000:]}", flush=True)
+            ok, why, diff = verdict(runs[0], runs[1], args.steps, args.rtol, weights)
             failed += not ok
             rows.append({
                 "framework": name, "version": fw.version, "mode": mode, "steps": len(runs[1].losses),
                 "max_rel_loss_diff": diff, "record": runs[1].record, "control_record": runs[0].record,
                 "losses": {"unpatched": runs[0].losses, "patched": runs[1].losses},
                 "verdict": ("pass: " if ok else "FAIL: ") + why, "versions": vers, "notes": notes,
-                "seconds": [round(r.seconds) for r in runs],
+                "seconds": [round(r.seconds) for r in runs], "patch_embed_weight": weights,
             })  # fmt: skip
-    print_table(rows, when)
+    print_table(rows)
     total = time.monotonic() - started
     print(f"\n{total:.0f} s in all; logs and outputs in {work}")
     if args.json:
@@ -768,29 +806,25 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def print_table(rows: list[dict], when: str) -> None:
-    head = ["framework", "version", "mode", "steps", "max rel. loss diff", "record (patched run)", "verdict"]
+def print_table(rows: list[dict]) -> None:
+    head = ["framework", "version", "mode", "steps", "max rel. loss diff", "record (patched run)"]
+    head += ["patch embed weight (full)", "verdict"]
     lines = []
     for r in rows:
         if "mode" not in r:
             lines.append(
-                [r["framework"], r["version"], "-", "-", "-", "-", r.get("skipped") or "FAIL: " + r["failed"]]
+                [r["framework"], r["version"], *["-"] * 5, r.get("skipped") or "FAIL: " + r["failed"]]
             )
             continue
         v = r["versions"]
         version = f"{r['version']} (transformers {v.get('transformers')}, torch {v.get('torch')})"
         diff = "-" if r["max_rel_loss_diff"] is None else f"{r['max_rel_loss_diff']:.2g}"
-        lines.append(
-            [
-                r["framework"],
-                version,
-                r["mode"],
-                str(r["steps"]),
-                diff,
-                record_text(r["record"]),
-                r["verdict"],
-            ]
-        )
+        w = r.get("patch_embed_weight")
+        moved = "-"
+        if w:
+            moved = f"moved {w['moved_patched']:.2g}; runs differ {w['patched_vs_unpatched']:.2g}"
+        line = [r["framework"], version, r["mode"], str(r["steps"]), diff, record_text(r["record"]), moved]
+        lines.append([*line, r["verdict"]])
     print(f"\n| {' | '.join(head)} |\n|{'---|' * len(head)}")
     for line in lines:
         print(f"| {' | '.join(line)} |")
@@ -799,5 +833,8 @@ def print_table(rows: list[dict], when: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "_fixture":
         build_fixture(Path(sys.argv[2]))
+        sys.exit(0)
+    if len(sys.argv) == 5 and sys.argv[1] == "_weights":
+        print(json.dumps(patch_embed_weights(*map(Path, sys.argv[2:]))))
         sys.exit(0)
     sys.exit(main())

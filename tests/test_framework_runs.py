@@ -104,6 +104,15 @@ def test_losses_steps_exit_codes_and_the_control_decide(tmp_path):
         assert not ok and says in why, (says, why)
 
 
+def test_full_training_must_move_the_patch_embed(tmp_path):
+    stock, fast = _run(False, [1.0, 1.0, 1.0]), _run(True, [1.0, 1.0, 1.0], _record(tmp_path, GEMM_LINE))
+    moved = {"moved_unpatched": 3e-3, "moved_patched": 3e-3, "patched_vs_unpatched": 3e-5}
+    assert fr.verdict(stock, fast, 3, 1e-5, moved)[0]
+    for frozen in ({**moved, "moved_patched": 0.0}, {}):
+        ok, why, _ = fr.verdict(stock, fast, 3, 1e-5, frozen)
+        assert not ok and "vision tower frozen" in why
+
+
 def test_records_of_several_processes_add_up(tmp_path):
     worker = {"gemm_calls": 0, "stock_calls": 0, "unpatched_calls": 0, "unpatched": [], "convs": []}
     summary = _record(tmp_path, GEMM_LINE, worker, GEMM_LINE)
