@@ -67,9 +67,9 @@ RUN_TIMEOUT = 1800  # seconds for one launcher run
 class Framework:
     name: str  # the distribution on PyPI, and --only's name
     version: str
-    python: str  # the minor version its release needs at least ("3.11" is what runs this script here)
+    python: str  # the Python its venv is made with (axolotl 0.21 needs >= 3.12)
     modes: tuple[str, ...] = ("lora", "full")
-    drop: tuple[str, ...] = ()  # packages the framework pulls in that do not load beside the CPU torch
+    drop: tuple[str, ...] = ()  # pulled in by the framework: uninstalled if they do not import beside torch
     stubs: tuple[str, ...] = ()  # modules imported unconditionally, provided as stubs where dropped
     extras: tuple[str, ...] = ()  # what its Qwen3-VL support asks for beyond its own requirements
 
@@ -102,8 +102,8 @@ CHAT_TEMPLATE = (
 )
 SAMPLES = 8
 IMAGE = 64  # pixels a side: 4 x 4 patches of 16, 4 merged image tokens
-TORCHAUDIO_STUB = '''"""A stub of torchaudio put here by vlfast's scripts/framework_runs.py: PyPI's torchaudio does not load
-beside the CPU torch wheel on the machine that ran it, and LlamaFactory imports torchaudio unconditionally
+TORCHAUDIO_STUB = '''"""A stub of torchaudio put here by vlfast's scripts/framework_runs.py: the torchaudio that pip resolved did
+not import beside this venv's torch, and LlamaFactory imports torchaudio unconditionally
 (for audio inputs only; these runs have none)."""
 
 __version__ = "0.0.0+vlfast-stub"
