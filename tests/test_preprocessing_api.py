@@ -209,3 +209,67 @@ def test_deferred_patches_of_another_width_are_refused(tiny_qwen3_vl):
     assert temporal_repeat(torch.zeros(4, 3, tp * p2, dtype=torch.uint8), cfg) == 1
     with pytest.raises(ValueError, match=f"expected {tp * p2} or {p2}"):
         normalize_video_patches(torch.zeros(4, 3, p2 + 1, dtype=torch.uint8), cfg)
+
+
+def _qwen3_vl_processor(ckpt):
+    """The checkpoint's Qwen3VLProcessor as a framework builds it (here without torchvision: the PIL image
+    processor AutoImageProcessor picks)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from vlfast.demo import _video_processors_accepted
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    with _video_processors_accepted():
+        return Qwen3VLProcessor(
+            image_processor=AutoImageProcessor.from_pretrained(ckpt),
+            tokenizer=tok,
+            video_processor=Qwen3VLVideoProcessor.from_pretrained(ckpt),
+            chat_template=tok.chat_template,
+        )
+
+
+def test_the_processor_s_image_processor_swapped(tiny_qwen3_vl, media):
+    """processor.image_processor = pre.as_image_processor(processor.image_processor): a processor call (what
+    TRL's collators and a Dataset under HF Trainer make) then returns VisionPreprocessor's pixel_values, equal
+    to transformers' torchvision processor (test_a_batch_equals_the_checkpoints_own_processors), with the
+    placeholder count and input_ids the unswapped processor gives; paths, PIL images, uint8 arrays and
+    tensors alike; a pixel setting passed to the call is refused, not ignored; it pickles for workers."""
+    import pickle
+
+    import numpy as np
+    from PIL import Image
+
+    images, _ = media
+    proc = _qwen3_vl_processor(str(tiny_qwen3_vl))
+    stock = type(proc.image_processor)
+    text = ["<|vision_start|><|image_pad|><|vision_end|>a", "<|vision_start|><|image_pad|><|vision_end|>b"]
+    pils = [Image.open(images[0]).convert("RGB"), Image.open(images[1]).convert("RGB")]
+    want = proc(text=text, images=pils, return_tensors="pt", padding=True)
+    pre = VisionPreprocessor(str(tiny_qwen3_vl))
+    proc.image_processor = pre.as_image_processor(proc.image_processor)
+    assert isinstance(proc.image_processor, stock) and type(proc.image_processor) is not stock
+    got = proc(text=text, images=pils, return_tensors="pt", padding=True)
+    assert torch.equal(got["input_ids"], want["input_ids"])
+    assert torch.equal(got["image_grid_thw"], want["image_grid_thw"])
+    ours = pre(images=pils)
+    assert torch.equal(got["pixel_values"], ours["pixel_values"])
+    assert not torch.equal(got["pixel_values"], want["pixel_values"])  # the PIL processor's pixels differ
+    swapped = proc.image_processor
+    for same in (
+        np.asarray(pils[0]),
+        torch.from_numpy(np.asarray(pils[0])).permute(2, 0, 1),
+        pils[0],
+    ):
+        one = swapped(same, return_tensors="pt")["pixel_values"]
+        assert torch.equal(one, pre(images=[pils[0]])["pixel_values"])
+    with pytest.raises(InputRefused, match="max_pixels=1000 in a call"):
+        proc(text=text, images=pils, return_tensors="pt", max_pixels=1000)
+    with pytest.raises(InputRefused, match="an array of shape"):
+        swapped(np.zeros((4, 4, 3), dtype=np.float32))
+    again = pickle.loads(pickle.dumps(swapped))
+    assert type(again).__name__ == type(swapped).__name__
+    assert torch.equal(again(pils, return_tensors="pt")["pixel_values"], ours["pixel_values"])
+    with pytest.raises(InputRefused, match="pass the image processor"):
+        VisionPreprocessor("ref:qwen3-vl-2b").as_image_processor()

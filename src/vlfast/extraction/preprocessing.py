@@ -134,6 +134,41 @@ class VisionPreprocessor:
             out[key] = value
         return out
 
+    def as_image_processor(self, base: Any = None) -> Any:
+        """``base``, a transformers Qwen-VL image processor (the one in your processor:
+        ``processor.image_processor``; by default the checkpoint's ``AutoImageProcessor``), answering its calls
+        with this object: the same class and methods (``fetch_images``, ``get_number_of_image_patches``,
+        ``merge_size`` for the placeholder count), this object's pixels and budgets. So
+
+            processor.image_processor = pre.as_image_processor(processor.image_processor)
+
+        gives vlfast's path to everything that calls the processor or its image processor (TRL's collators, a
+        Dataset under HF Trainer, LlamaFactory's ``mm_plugin``). Its images are PIL images, paths, or uint8
+        arrays (H, W, C) and tensors (C, H, W); a pixel setting passed to a call (``size=``, ``max_pixels=``,
+        ``do_normalize=``, ...) other than this object's is refused: set it here. It pickles (DataLoader
+        workers)."""
+        if base is None:
+            base = self._checkpoint_image_processor()
+        cfg = self.config
+        for name in ("patch_size", "merge_size", "temporal_patch_size"):
+            theirs = getattr(base, name, None)
+            if theirs is not None and int(theirs) != int(getattr(cfg, name)):
+                raise InputRefused(
+                    f"{type(base).__name__} has {name}={theirs}, {self.model} {getattr(cfg, name)}: pass the image "
+                    "processor of the same checkpoint"
+                )
+        return _adapted(self, base)
+
+    def _checkpoint_image_processor(self) -> Any:
+        from transformers import AutoImageProcessor
+
+        if self.model.startswith("ref:"):
+            raise InputRefused(
+                f"{self.model} has no processor files: pass the image processor to adapt "
+                "(as_image_processor(processor.image_processor))"
+            )
+        return AutoImageProcessor.from_pretrained(str(Path(self.model).resolve()))
+
     def _image(self, x) -> tuple[torch.Tensor, tuple[int, int, int]]:
         if isinstance(x, (str, Path)):
             pixels, grid, _ = self._pre.image(str(x))
@@ -161,3 +196,128 @@ def _named(fn, x):
     except SampleError as e:
         what = x.paths[0] if hasattr(x, "paths") else x if isinstance(x, (str, Path)) else type(x).__name__
         raise SampleError(f"{what}: {e}") from None
+
+
+# A pixel setting a call may carry, and the ProcessorConfig number it must equal (None: any value refused)
+_CALL_SETTINGS = {
+    "do_resize": "do_resize",
+    "resample": "resample",
+    "do_rescale": "do_rescale",
+    "rescale_factor": "rescale_factor",
+    "do_normalize": "do_normalize",
+    "image_mean": "image_mean",
+    "image_std": "image_std",
+    "min_pixels": "image_min_pixels",
+    "max_pixels": "image_max_pixels",
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "merge_size",
+    "size": None,
+    "do_convert_rgb": None,
+}
+
+
+def _adapted(pre: VisionPreprocessor, base: Any) -> Any:
+    """A copy of ``base`` whose class is a subclass of ``base``'s answering calls with ``pre``."""
+    import copy
+
+    base_cls = type(base)
+    cls = _ADAPTED.get(base_cls)
+    if cls is None:
+        cls = type(
+            f"Vlfast{base_cls.__name__}",
+            (base_cls,),
+            {
+                "__call__": _adapted_call,
+                "preprocess": _adapted_call,
+                "__reduce__": _adapted_reduce,
+                "__module__": __name__,
+                "__doc__": f"{base_cls.__name__} whose calls vlfast.VisionPreprocessor answers.",
+            },
+        )
+        _ADAPTED[base_cls] = cls
+    out = copy.copy(base)
+    out.__class__ = cls
+    out._vlfast = pre
+    cfg = pre.config
+    # the budgets the placeholder count reads (get_number_of_image_patches) are the ones the pixels follow
+    if isinstance(getattr(out, "size", None), dict) and "longest_edge" in out.size:
+        out.size = {**out.size, "shortest_edge": cfg.image_min_pixels, "longest_edge": cfg.image_max_pixels}
+    for name, value in (("min_pixels", cfg.image_min_pixels), ("max_pixels", cfg.image_max_pixels)):
+        if getattr(out, name, None) is not None:
+            setattr(out, name, value)
+    return out
+
+
+_ADAPTED: dict[type, type] = {}
+
+
+def _adapted_reduce(self):
+    base = self.__class__.__mro__[1]
+    state = {k: v for k, v in self.__dict__.items() if k != "_vlfast"}
+    return (_rebuilt, (self._vlfast, base, state))
+
+
+def _rebuilt(pre: VisionPreprocessor, base_cls: type, state: dict) -> Any:
+    base = base_cls.__new__(base_cls)
+    base.__dict__.update(state)
+    return _adapted(pre, base)
+
+
+def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
+    """``images`` -> BatchFeature of ``pixel_values`` and ``image_grid_thw``, by vlfast.VisionPreprocessor."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers.feature_extraction_utils import BatchFeature
+
+    pre: VisionPreprocessor = self._vlfast
+    if args:
+        raise TypeError(f"{type(self).__name__}: pass options by name, got {len(args)} more positional")
+    cfg = pre.config
+    for key, value in kwargs.items():
+        if value is None:
+            continue
+        if key not in _CALL_SETTINGS:
+            if key in ("data_format", "input_data_format", "device", "disable_grouping"):
+                continue  # layout and grouping: the output is the same
+            raise InputRefused(f"{type(self).__name__}: vlfast does not take {key}={value!r} in a call")
+        name = _CALL_SETTINGS[key]
+        same = name is not None and _same(value, getattr(cfg, name))
+        if not same:
+            raise InputRefused(
+                f"{type(self).__name__}: {key}={value!r} in a call, where this VisionPreprocessor has "
+                f"{getattr(cfg, name) if name else 'the checkpoint' + chr(39) + 's'}: set it on the "
+                "VisionPreprocessor instead"
+            )
+    if images is None:
+        raise InputRefused(f"{type(self).__name__}: no images given")
+    flat = []
+    for item in images if isinstance(images, (list, tuple)) else [images]:
+        flat.extend(item if isinstance(item, (list, tuple)) else [item])
+    conformed = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            x = x.numpy().transpose(1, 2, 0) if x.dim() == 3 and x.shape[0] in (1, 3) else x.numpy()
+        if isinstance(x, np.ndarray):
+            if x.dtype != np.uint8 or x.ndim != 3 or x.shape[-1] not in (1, 3):
+                raise InputRefused(
+                    f"{type(self).__name__}: an array of shape {x.shape} and dtype {x.dtype}: pass uint8 "
+                    "(H, W, C) or (C, H, W) with 1 or 3 channels, a PIL image or a path"
+                )
+            x = Image.fromarray(x if x.shape[-1] == 3 else x[..., 0])
+        conformed.append(x)
+    out = pre(images=conformed)
+    return BatchFeature(
+        {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
+        tensor_type=return_tensors,
+    )
+
+
+def _same(value, ours) -> bool:
+    if isinstance(ours, (tuple, list)):
+        try:
+            return [float(v) for v in value] == [float(v) for v in ours]
+        except TypeError:
+            return False
+    return value == ours
