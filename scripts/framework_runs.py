@@ -5,6 +5,7 @@ One command for all three (outside the test suite: installing takes minutes, eac
     python scripts/framework_runs.py                          # llamafactory, ms-swift, axolotl
     python scripts/framework_runs.py --only ms-swift --steps 3
     python scripts/framework_runs.py --fresh                  # rebuild the cached venvs first
+    python scripts/framework_runs.py --only ms-swift --torch 2.9.1   # ms-swift's own Conv3d patch on
 
 For each framework it makes (or reuses) a venv under ~/.cache/vlfast-frameworks/<name>-<version>: torch and
 torchvision first, pinned (``torch===2.13.0 torchvision===0.28.0``, downloaded once into
