@@ -103,8 +103,8 @@ CHAT_TEMPLATE = (
 )
 SAMPLES = 8
 IMAGE = 64  # pixels a side: 4 x 4 patches of 16, 4 merged image tokens
-TORCHAUDIO_STUB = '''"""A stub of torchaudio put here by vlfast's scripts/framework_runs.py: the torchaudio that pip resolved did
-not import beside this venv's torch, and LlamaFactory imports torchaudio unconditionally
+TORCHAUDIO_STUB = '''"""A stub of torchaudio put here by vlfast's scripts/framework_runs.py: the torchaudio
+that pip resolved did not import beside this venv's torch, and LlamaFactory imports torchaudio unconditionally
 (for audio inputs only; these runs have none)."""
 
 __version__ = "0.0.0+vlfast-stub"
