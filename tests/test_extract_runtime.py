@@ -132,17 +132,23 @@ def test_summary_prints_error_kinds_as_a_table(media_dir, tiny_qwen3_vl, tmp_pat
 
 DRIVER = textwrap.dedent(
     """
-    # `vlfast extract` with a slow forward that says when it runs, so a test can signal it mid-run.
-    import functools, sys, time
+    # `vlfast extract` with a slow forward that says when it runs, so a test can signal it mid-run; with
+    # HOLD_AFTER=N it waits after forward N (in short sleeps, each one interruptible) for the test's signal, so
+    # a loaded machine cannot finish the run before the signal lands
+    import functools, os, sys, time
     from vlfast.extraction.engines.base import Hooks
     from vlfast.extraction.engines.local import LocalEngine
 
     forwards = []
+    hold = int(os.environ.get("HOLD_AFTER", "0"))
 
     def forward(batch):
         forwards.append(len(batch))
         print(f"forward {len(forwards)}", flush=True)
         time.sleep(0.1)
+        if hold and len(forwards) >= hold:
+            for _ in range(1200):  # two minutes at most: the test's hang guard says the rest
+                time.sleep(0.1)
 
     LocalEngine.hooks = Hooks(forward=forward)
     from vlfast.cli.main import main
@@ -187,7 +193,9 @@ def test_sigterm_commits_what_is_done_and_the_same_command_resumes(tiny_qwen3_vl
     ).failed
 
     out = tmp_path / "out"
-    p = subprocess.Popen(cmd(out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        cmd(out), env=_env() | {"HOLD_AFTER": "6"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     _wait_for_forward(p, 6)
     p.send_signal(signal.SIGTERM)
     _, stderr = p.communicate(timeout=120)  # a hang guard, not a speed bound: CI hosts are loaded
