@@ -133,8 +133,9 @@ def test_summary_prints_error_kinds_as_a_table(media_dir, tiny_qwen3_vl, tmp_pat
 DRIVER = textwrap.dedent(
     """
     # `vlfast extract` with a slow forward that says when it runs, so a test can signal it mid-run; with
-    # HOLD_AFTER=N it waits after forward N (in short sleeps, each one interruptible) for the test's signal, so
-    # a loaded machine cannot finish the run before the signal lands
+    # HOLD_AFTER=N and HOLD_UNTIL=PATH it waits after forward N until PATH exists (the test makes it once its
+    # signal is sent), so a loaded machine cannot finish the run before the signal lands, and a forward that
+    # runs outside the main thread does not keep the signal's effect waiting
     import functools, os, sys, time
     from vlfast.extraction.engines.base import Hooks
     from vlfast.extraction.engines.local import LocalEngine
@@ -146,8 +147,10 @@ DRIVER = textwrap.dedent(
         forwards.append(len(batch))
         print(f"forward {len(forwards)}", flush=True)
         time.sleep(0.1)
-        if hold and len(forwards) >= hold:
+        if hold and len(forwards) == hold:
             for _ in range(1200):  # two minutes at most: the test's hang guard says the rest
+                if os.path.exists(os.environ["HOLD_UNTIL"]):
+                    break
                 time.sleep(0.1)
 
     LocalEngine.hooks = Hooks(forward=forward)
@@ -193,11 +196,13 @@ def test_sigterm_commits_what_is_done_and_the_same_command_resumes(tiny_qwen3_vl
     ).failed
 
     out = tmp_path / "out"
+    held = {"HOLD_AFTER": "6", "HOLD_UNTIL": str(tmp_path / "signalled")}
     p = subprocess.Popen(
-        cmd(out), env=_env() | {"HOLD_AFTER": "6"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd(out), env=_env() | held, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     _wait_for_forward(p, 6)
     p.send_signal(signal.SIGTERM)
+    (tmp_path / "signalled").touch()
     _, stderr = p.communicate(timeout=120)  # a hang guard, not a speed bound: CI hosts are loaded
     assert p.returncode == 143, stderr[-3000:]
     assert "terminated (SIGTERM)" in stderr and "run the same command to resume" in stderr

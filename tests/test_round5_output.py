@@ -130,12 +130,12 @@ def test_ctrl_c_says_what_was_committed_and_how_to_resume(tiny_qwen3_vl, tmp_pat
         sys.executable, str(tmp_path / "driver.py"), str(inputs), str(out), "-m", str(tiny_qwen3_vl),
         "--workers", "1", "--batch-tokens", "64", "--commit-every", "3600",
     ]  # fmt: skip
-    # held after forward 6 until the signal: at load 11-15 the run had finished (exit 0) before SIGINT landed
-    p = subprocess.Popen(
-        cmd, env=_env() | {"HOLD_AFTER": "6"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    # held after forward 6 until the signal is sent: at load 11-15 the run had finished (exit 0) before SIGINT
+    held = {"HOLD_AFTER": "6", "HOLD_UNTIL": str(tmp_path / "signalled")}
+    p = subprocess.Popen(cmd, env=_env() | held, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_forward(p, 6)
     p.send_signal(signal.SIGINT)
+    (tmp_path / "signalled").touch()
     _, stderr = p.communicate(timeout=120)  # a hang guard, not a speed bound
     assert p.returncode == 130, stderr[-3000:]
     said = " ".join(stderr.split())
