@@ -26,6 +26,7 @@ bit for bit (for the video decode rows: the sequential decode's frames at the sa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -195,8 +196,8 @@ def main() -> None:
         )
         p = str(path)
 
-        def transformers_video(p=p):
-            frames, meta = load_video(p, backend="pyav")
+        def transformers_video(p=p, backend="pyav"):
+            frames, meta = load_video(p, backend=backend)
             return video_proc(
                 videos=[frames],
                 video_metadata=[meta],
@@ -231,19 +232,9 @@ def main() -> None:
             )[0],
         }
         if torchcodec_why is None:
-
-            def transformers_torchcodec(p=p):
-                frames, meta = load_video(p, backend="torchcodec")
-                return video_proc(
-                    videos=[frames],
-                    video_metadata=[meta],
-                    do_sample_frames=True,
-                    num_frames=8,
-                    fps=None,
-                    return_tensors="pt",
-                )["pixel_values_videos"]
-
-            variants["transformers Qwen3VLVideoProcessor (load_video torchcodec)"] = transformers_torchcodec
+            variants["transformers Qwen3VLVideoProcessor (load_video torchcodec)"] = functools.partial(
+                transformers_video, p, "torchcodec"
+            )
         if decord_why is None:
 
             def qwen_vl_utils_decord(p=p):

@@ -40,3 +40,23 @@ def needs(family: str) -> pytest.MarkDecorator:
 def references(names=None) -> list:
     """Every built-in reference (or ``names``) as a test parameter, skipped where its family is not installed."""
     return [pytest.param(n, marks=needs(REFERENCES[n].family)) for n in (names or REFERENCES)]
+
+
+def qwen3_vl_processor(ckpt: str, **tokenizer_options):
+    """The checkpoint's Qwen3VLProcessor as a framework builds it, here without torchvision: the image processor
+    AutoImageProcessor picks (the PIL one) and the video processor, which builds without it
+    (vlfast.demo._video_processors_accepted)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from vlfast.demo import _video_processors_accepted
+
+    tok = AutoTokenizer.from_pretrained(ckpt, **tokenizer_options)
+    with _video_processors_accepted():
+        return Qwen3VLProcessor(
+            image_processor=AutoImageProcessor.from_pretrained(ckpt),
+            tokenizer=tok,
+            video_processor=Qwen3VLVideoProcessor.from_pretrained(ckpt),
+            chat_template=tok.chat_template,
+        )

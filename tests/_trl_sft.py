@@ -21,14 +21,12 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer
-from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from trl import SFTConfig, SFTTrainer
 
 import vlfast
 from _patching_checks import ConvCount  # this script's folder, tests/, is sys.path[0]
-from vlfast.demo import _video_processors_accepted, pattern
+from _transformers_support import qwen3_vl_processor
+from vlfast.demo import pattern
 
 STEPS = 3
 LR = 0.1
@@ -46,17 +44,6 @@ SCENARIOS = [
     ("full-fp64", False, torch.float64),
     ("lora-fp64", True, torch.float64),
 ]
-
-
-def processor(ckpt: str) -> Qwen3VLProcessor:
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    with _video_processors_accepted():
-        return Qwen3VLProcessor(
-            image_processor=AutoImageProcessor.from_pretrained(ckpt),
-            tokenizer=tok,
-            video_processor=Qwen3VLVideoProcessor.from_pretrained(ckpt),
-            chat_template=tok.chat_template,
-        )
 
 
 def dataset() -> Dataset:
@@ -88,7 +75,7 @@ def sft(ckpt: str, out: Path, lora: bool, dtype: torch.dtype) -> dict:
         model=ckpt,
         args=args,
         train_dataset=dataset(),
-        processing_class=processor(ckpt),
+        processing_class=qwen3_vl_processor(ckpt),
         peft_config=peft_config,
     )
     # Each training forward's loss at the model's precision (the trainer logs a float32 running sum).

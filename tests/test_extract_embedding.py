@@ -33,6 +33,7 @@ from _embedding_reference import (
     reference_hidden,
     tv_resize,
 )
+from _transformers_support import qwen3_vl_processor
 from vlfast.errors import InputRefused
 
 # Every row of the parity tests must come out this close to the reference, in float32: the reference's own
@@ -257,11 +258,6 @@ def real_processor(setup, monkeypatch):
     arithmetic, ``sub_(mean).div_(std)``) and ``grayscale_to_rgb`` (the identity on 3 channels)."""
     import transformers.image_processing_backends as backends
     import transformers.video_processing_utils as video_utils
-    from transformers import AutoImageProcessor, AutoTokenizer
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    from vlfast.demo import _video_processors_accepted
 
     def normalize(t, mean, std, inplace=False):
         mean = torch.as_tensor(mean, dtype=t.dtype).view(-1, 1, 1)
@@ -275,15 +271,7 @@ def real_processor(setup, monkeypatch):
     tvf = SimpleNamespace(normalize=normalize, grayscale_to_rgb=grayscale_to_rgb)
     for module in (backends, video_utils):
         monkeypatch.setattr(module, "tvF", getattr(module, "tvF", tvf), raising=False)
-    ckpt = str(setup.ckpt)
-    tok = AutoTokenizer.from_pretrained(ckpt, padding_side="right")
-    with _video_processors_accepted():
-        return Qwen3VLProcessor(
-            image_processor=AutoImageProcessor.from_pretrained(ckpt),
-            tokenizer=tok,
-            video_processor=Qwen3VLVideoProcessor.from_pretrained(ckpt),
-            chat_template=tok.chat_template,
-        )
+    return qwen3_vl_processor(str(setup.ckpt), padding_side="right")
 
 
 def _their_inputs(processor, vision: dict | None, rows: list[dict]) -> dict[str, torch.Tensor]:

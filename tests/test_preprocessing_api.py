@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import _transformers_reference as reference
+from _transformers_support import qwen3_vl_processor
 from vlfast import VisionPreprocessor
 from vlfast.demo import make_video, pattern
 from vlfast.errors import InputRefused
@@ -211,25 +212,6 @@ def test_deferred_patches_of_another_width_are_refused(tiny_qwen3_vl):
         normalize_video_patches(torch.zeros(4, 3, p2 + 1, dtype=torch.uint8), cfg)
 
 
-def _qwen3_vl_processor(ckpt):
-    """The checkpoint's Qwen3VLProcessor as a framework builds it (here without torchvision: the PIL image
-    processor AutoImageProcessor picks)."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    from vlfast.demo import _video_processors_accepted
-
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    with _video_processors_accepted():
-        return Qwen3VLProcessor(
-            image_processor=AutoImageProcessor.from_pretrained(ckpt),
-            tokenizer=tok,
-            video_processor=Qwen3VLVideoProcessor.from_pretrained(ckpt),
-            chat_template=tok.chat_template,
-        )
-
-
 def test_the_processor_s_image_processor_swapped(tiny_qwen3_vl, media):
     """processor.image_processor = pre.as_image_processor(processor.image_processor): a processor call (what
     TRL's collators and a Dataset under HF Trainer make) then returns VisionPreprocessor's pixel_values, equal
@@ -242,7 +224,7 @@ def test_the_processor_s_image_processor_swapped(tiny_qwen3_vl, media):
     from PIL import Image
 
     images, _ = media
-    proc = _qwen3_vl_processor(str(tiny_qwen3_vl))
+    proc = qwen3_vl_processor(str(tiny_qwen3_vl))
     stock = type(proc.image_processor)
     text = ["<|vision_start|><|image_pad|><|vision_end|>a", "<|vision_start|><|image_pad|><|vision_end|>b"]
     pils = [Image.open(images[0]).convert("RGB"), Image.open(images[1]).convert("RGB")]
