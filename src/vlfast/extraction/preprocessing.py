@@ -283,12 +283,11 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
                 continue  # layout and grouping: the output is the same
             raise InputRefused(f"{type(self).__name__}: vlfast does not take {key}={value!r} in a call")
         name = _CALL_SETTINGS[key]
-        same = name is not None and _same(value, getattr(cfg, name))
-        if not same:
+        if name is None or not _same(value, getattr(cfg, name)):
+            ours = getattr(cfg, name) if name else "the checkpoint's"
             raise InputRefused(
-                f"{type(self).__name__}: {key}={value!r} in a call, where this VisionPreprocessor has "
-                f"{getattr(cfg, name) if name else 'the checkpoint' + chr(39) + 's'}: set it on the "
-                "VisionPreprocessor instead"
+                f"{type(self).__name__}: {key}={value!r} in a call, where this VisionPreprocessor has {ours}: "
+                "set it on the VisionPreprocessor instead"
             )
     if images is None:
         raise InputRefused(f"{type(self).__name__}: no images given")
