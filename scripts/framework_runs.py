@@ -14,9 +14,10 @@ torchvision first, pinned (``torch===2.13.0 torchvision===0.28.0``, downloaded o
 resolves vlfast beside the framework and leaves torch alone). In that venv it saves a tiny Qwen3-VL
 (checkpoint, a tokenizer with Qwen's special-token ids, the processor: ``save_pretrained``, nothing downloaded
 at run time) and a tiny image dataset in the framework's format, then runs the framework's own launcher
-(``llamafactory-cli train``, ``swift sft``, ``axolotl train``) for a few steps, LoRA and full, each twice:
-unpatched, then patched as docs/training.md says (``VLFAST_PATCH=1`` in the launcher's environment), both
-with ``VLFAST_RECORD=<file>``. It reads each step's loss from the run's ``trainer_state.json`` (the HF
+(``llamafactory-cli train``, ``swift sft``, ``axolotl train``) for a few steps, LoRA and full, each three
+times: unpatched, patched as docs/training.md says (``VLFAST_PATCH=1`` in the launcher's environment), and
+patched with ``VLFAST_PREPROCESS=1`` beside it (docs/preprocessing.md: the image processor's calls answered
+by vlfast), all with ``VLFAST_RECORD=<file>``. It reads each step's loss from the run's ``trainer_state.json`` (the HF
 Trainer's log history, which every framework here keeps: full float precision) and the record's JSON lines,
 prints a table and exits 1 when a run that should pass does not.
 
@@ -24,7 +25,9 @@ What a run must show to pass: the same number of logged steps both ways; losses 
 relative; the unpatched run no GEMM call (``VLFAST_RECORD`` alone loads no patch, so it writes no line); the
 patched run's record GEMM calls, 0 stock calls and no eligible conv left unpatched, or, where the framework
 replaced ``nn.Conv3d.forward`` for the whole class (ms-swift on torch 2.9.x), that replacement named (vlfast's
-GEMM is then not reached, by design).
+GEMM is then not reached, by design). The ``VLFAST_PREPROCESS`` run: the patched run's losses (the same
+pixels: equal within ``--rtol``, bit-equal in practice), and a record of image processor calls all answered
+by vlfast, none passed to transformers' code.
 
 Environment facts this script handles (each says so in its output):
 - torch is PyPI's build (CUDA libraries included, run here on CPU), not a CPU-only wheel: transformers'
@@ -553,6 +556,7 @@ class Run:
     version: str
     mode: str
     patched: bool
+    preprocess: bool = False  # VLFAST_PREPROCESS=1 beside VLFAST_PATCH=1
     rc: int = -1
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
@@ -560,8 +564,17 @@ class Run:
     log: str = ""
 
 
-def run_once(fw: Framework, venv: Path, fx: Path, mode: str, patched: bool, steps: int, work: Path) -> Run:
-    tag = f"{fw.name}-{mode}-{'patched' if patched else 'unpatched'}"
+def run_once(
+    fw: Framework,
+    venv: Path,
+    fx: Path,
+    mode: str,
+    patched: bool,
+    steps: int,
+    work: Path,
+    preprocess: bool = False,
+) -> Run:
+    tag = f"{fw.name}-{mode}-{'patched' if patched else 'unpatched'}" + ("-preprocess" if preprocess else "")
     out = work / tag
     shutil.rmtree(out, ignore_errors=True)
     record = work / f"{tag}.record.jsonl"
@@ -587,6 +600,8 @@ def run_once(fw: Framework, venv: Path, fx: Path, mode: str, patched: bool, step
     env.pop("PYTHONPATH", None)
     if patched:
         env["VLFAST_PATCH"] = "1"  # as docs/training.md says: in the launcher's environment
+    if preprocess:
+        env["VLFAST_PREPROCESS"] = "1"  # as docs/preprocessing.md says
     log = work / f"{tag}.log"
     start = time.monotonic()
     with log.open("w") as f:
@@ -599,7 +614,7 @@ def run_once(fw: Framework, venv: Path, fx: Path, mode: str, patched: bool, step
             rc = done.returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    run = Run(fw.name, fw.version, mode, patched, rc=rc, seconds=time.monotonic() - start, log=str(log))
+    run = Run(fw.name, fw.version, mode, patched, preprocess, rc, time.monotonic() - start, log=str(log))
     run.losses = losses_of(out)
     run.record = summarize_record(record)
     return run
@@ -626,8 +641,14 @@ def summarize_record(path: Path) -> dict:
         "unpatched_calls": 0,
         "unpatched": [],
         "replaced": [],
+        "images_vlfast": 0,  # image processor calls VLFAST_PREPROCESS's swap answered
+        "images_stock": {},  # ... and passed to transformers' code, by reason
     }
     for r in lines:
+        images = r.get("image_processor_calls") or {}
+        s["images_vlfast"] += images.get("vlfast", 0)
+        for why, n in (images.get("stock") or {}).items():
+            s["images_stock"][why] = s["images_stock"].get(why, 0) + n
         s["gemm"] += r.get("gemm_calls", 0)
         s["stock"] += r.get("stock_calls", 0)
         s["unpatched_calls"] += r.get("unpatched_calls", 0)
@@ -672,6 +693,24 @@ def verdict(
         f"forward replaced by {', '.join(r1['replaced'])}, named by the record" if r1["replaced"] else "GEMM"
     )
     return True, why, diff
+
+
+def preprocess_verdict(patched: Run, both: Run, steps: int, rtol: float) -> tuple[bool, str, float | None]:
+    """(passed, why, max relative loss difference) of the run with VLFAST_PREPROCESS=1 against the patched run
+    without it: the same losses (the same pixels), every image processor call answered by vlfast."""
+    if both.rc != 0:
+        return False, f"the VLFAST_PREPROCESS run exited {both.rc}: {both.log}", None
+    if len(both.losses) != steps or len(patched.losses) != steps:
+        return False, f"{len(both.losses)} of {steps} losses logged: {both.log}", None
+    diff = max(abs(a - b) / abs(b) for a, b in zip(both.losses, patched.losses))
+    r = both.record
+    if not r["images_vlfast"]:
+        return False, "no image processor call answered by vlfast (not swapped: see the log)", diff
+    if r["images_stock"]:
+        return False, f"image processor calls ran transformers' code: {r['images_stock']}", diff
+    if diff > rtol:
+        return False, f"losses differ from the patched run's by {diff:.3g} relative (> {rtol:g})", diff
+    return True, f"{r['images_vlfast']} image processor calls by vlfast, 0 stock", diff
 
 
 def record_text(r: dict) -> str:
@@ -774,11 +813,16 @@ def main(argv: list[str] | None = None) -> int:
             if mode not in fw.modes:
                 continue
             runs = []
-            for patched in (False, True):
-                run = run_once(fw, venv, fx, mode, patched, args.steps, work)
+            for patched, preprocess in ((False, False), (True, False), (True, True)):
+                run = run_once(fw, venv, fx, mode, patched, args.steps, work, preprocess)
                 runs.append(run)
-                print(f"  {mode} {'patched' if patched else 'unpatched'}: exit {run.rc}, {run.seconds:.0f} s, "
-                      f"losses {run.losses}, record {record_text(run.record)}", flush=True)  # fmt: skip
+                what = ("patched" if patched else "unpatched") + (
+                    " + VLFAST_PREPROCESS" if preprocess else ""
+                )
+                images = f", image processor calls: {run.record['images_vlfast']} by vlfast, stock "
+                images += str(run.record["images_stock"] or 0)
+                print(f"  {mode} {what}: exit {run.rc}, {run.seconds:.0f} s, losses {run.losses}, "
+                      f"record {record_text(run.record)}{images}", flush=True)  # fmt: skip
             weights = None
             if mode == "full":  # the vision tower trains: the patch embed's weight must have moved
                 done = subprocess.run(
@@ -789,13 +833,18 @@ def main(argv: list[str] | None = None) -> int:
                 weights = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
                 print(f"  patch embed weight: {weights or done.stderr[-2000:]}", flush=True)
             ok, why, diff = verdict(runs[0], runs[1], args.steps, args.rtol, weights)
-            failed += not ok
+            pre_ok, pre_why, pre_diff = preprocess_verdict(runs[1], runs[2], args.steps, args.rtol)
+            failed += (not ok) + (not pre_ok)
             rows.append({
                 "framework": name, "version": fw.version, "mode": mode, "steps": len(runs[1].losses),
                 "max_rel_loss_diff": diff, "record": runs[1].record, "control_record": runs[0].record,
                 "losses": {"unpatched": runs[0].losses, "patched": runs[1].losses},
                 "verdict": ("pass: " if ok else "FAIL: ") + why, "versions": vers, "notes": notes,
                 "seconds": [round(r.seconds) for r in runs], "patch_embed_weight": weights,
+                "preprocess": {
+                    "verdict": ("pass: " if pre_ok else "FAIL: ") + pre_why, "max_rel_loss_diff": pre_diff,
+                    "losses": runs[2].losses, "record": runs[2].record,
+                },
             })  # fmt: skip
     print_table(rows)
     total = time.monotonic() - started
@@ -809,12 +858,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(rows: list[dict]) -> None:
     head = ["framework", "version", "mode", "steps", "max rel. loss diff", "record (patched run)"]
-    head += ["patch embed weight (full)", "verdict"]
+    head += ["patch embed weight (full)", "verdict", "VLFAST_PREPROCESS=1 beside it: loss diff, verdict"]
     lines = []
     for r in rows:
         if "mode" not in r:
             lines.append(
-                [r["framework"], r["version"], *["-"] * 5, r.get("skipped") or "FAIL: " + r["failed"]]
+                [r["framework"], r["version"], *["-"] * 5, r.get("skipped") or "FAIL: " + r["failed"], "-"]
             )
             continue
         v = r["versions"]
@@ -825,7 +874,9 @@ def print_table(rows: list[dict]) -> None:
         if w:
             moved = f"moved {w['moved_patched']:.2g}; runs differ {w['patched_vs_unpatched']:.2g}"
         line = [r["framework"], version, r["mode"], str(r["steps"]), diff, record_text(r["record"]), moved]
-        lines.append([*line, r["verdict"]])
+        pre = r["preprocess"]
+        pre_diff = "-" if pre["max_rel_loss_diff"] is None else f"{pre['max_rel_loss_diff']:.2g}"
+        lines.append([*line, r["verdict"], f"{pre_diff}; {pre['verdict']}"])
     print(f"\n| {' | '.join(head)} |\n|{'---|' * len(head)}")
     for line in lines:
         print(f"| {' | '.join(line)} |")

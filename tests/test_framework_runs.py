@@ -124,3 +124,24 @@ def test_torchvision_pin_and_this_interpreter():
     assert fr.torchvision_for("2.13.0") == "0.28.0" and fr.torchvision_for("2.9.1") == "0.24.1"
     minor = f"{sys.version_info.major}.{sys.version_info.minor}"
     assert fr.find_python(minor) == (sys.executable, "this interpreter")
+
+
+def test_the_preprocess_run_passes_only_with_every_image_call_by_vlfast(tmp_path):
+    """The third run (VLFAST_PREPROCESS=1 beside VLFAST_PATCH=1): the patched run's losses and a record whose
+    image processor calls were all answered by vlfast; a swap that never happened, or calls that ran
+    transformers' code, fail it by name."""
+    patched = _run(True, [2.0, 1.5, 1.0], _record(tmp_path, GEMM_LINE))
+    images = {"vlfast": 6, "stock": {}}
+    both = _run(True, [2.0, 1.5, 1.0], _record(tmp_path, {**GEMM_LINE, "image_processor_calls": images}))
+    ok, why, diff = fr.preprocess_verdict(patched, both, 3, 1e-5)
+    assert ok and diff == 0.0 and "6 image processor calls by vlfast, 0 stock" in why
+    none = _run(True, [2.0, 1.5, 1.0], _record(tmp_path, GEMM_LINE))
+    ok, why, _ = fr.preprocess_verdict(patched, none, 3, 1e-5)
+    assert not ok and "no image processor call answered by vlfast" in why
+    stock = {"vlfast": 4, "stock": {"max_pixels=1 in a call": 2}}
+    mixed = _run(True, [2.0, 1.5, 1.0], _record(tmp_path, {**GEMM_LINE, "image_processor_calls": stock}))
+    ok, why, _ = fr.preprocess_verdict(patched, mixed, 3, 1e-5)
+    assert not ok and "max_pixels=1 in a call" in why
+    moved = _run(True, [2.0, 1.5, 1.1], _record(tmp_path, {**GEMM_LINE, "image_processor_calls": images}))
+    ok, why, _ = fr.preprocess_verdict(patched, moved, 3, 1e-5)
+    assert not ok and "losses differ from the patched run's" in why

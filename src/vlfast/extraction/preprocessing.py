@@ -14,11 +14,13 @@ default). The object pickles small (DataLoader workers, spawn or fork) and holds
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlfast.errors import InputRefused
+from vlfast.extraction.decode.processor_config import TORCHVISION_IMAGE_PROCESSORS
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -198,7 +200,8 @@ def _named(fn, x):
         raise SampleError(f"{what}: {e}") from None
 
 
-# A pixel setting a call may carry, and the ProcessorConfig number it must equal (None: any value refused)
+# A pixel setting a call may carry, and the ProcessorConfig number it must equal ("size": its budgets;
+# "do_convert_rgb": True, vlfast's only way)
 _CALL_SETTINGS = {
     "do_resize": "do_resize",
     "resample": "resample",
@@ -212,16 +215,45 @@ _CALL_SETTINGS = {
     "patch_size": "patch_size",
     "temporal_patch_size": "temporal_patch_size",
     "merge_size": "merge_size",
-    "size": None,
-    "do_convert_rgb": None,
+    "size": "size",
+    "do_convert_rgb": "do_convert_rgb",
 }
+# What a call may carry that changes nothing in the output's values
+_LAYOUT_KWARGS = ("data_format", "input_data_format", "device", "disable_grouping")
+# PIL modes vlfast converts as transformers' convert_to_rgb does (16-bit and float images are scaled by
+# vlfast's extract, not by transformers: a switched processor passes them to transformers' code)
+_PIL_MODES = ("RGB", "RGBA", "L", "LA", "P", "PA", "1", "CMYK")
 
 
-def _adapted(pre: VisionPreprocessor, base: Any) -> Any:
-    """A copy of ``base`` whose class is a subclass of ``base``'s answering calls with ``pre``."""
+def _adapted(pre: VisionPreprocessor, base: Any, fallback: bool = False) -> Any:
+    """A copy of ``base`` whose class is a subclass of ``base``'s answering calls with ``pre``. ``fallback``
+    (``VLFAST_PREPROCESS``): a call vlfast cannot answer exactly as ``base`` would (a pixel setting in the
+    call, an input of another kind, a setting of the object changed since) runs ``base``'s own code instead
+    of being refused; the record counts both."""
     import copy
 
-    base_cls = type(base)
+    out = copy.copy(base)
+    out.__class__ = _adapted_class(type(base))
+    out._vlfast = pre
+    cfg = pre.config
+    # the budgets the placeholder count reads (get_number_of_image_patches) are the ones the pixels follow:
+    # transformers 4's dict, transformers 5's SizeDict (a dataclass, not a dict)
+    size = getattr(out, "size", None)
+    if size is not None and "longest_edge" in size:
+        budgets = {"shortest_edge": cfg.image_min_pixels, "longest_edge": cfg.image_max_pixels}
+        out.size = {**size, **budgets} if isinstance(size, dict) else dataclasses.replace(size, **budgets)
+    for name, value in (("min_pixels", cfg.image_min_pixels), ("max_pixels", cfg.image_max_pixels)):
+        if getattr(out, name, None) is not None:
+            setattr(out, name, value)
+    out._vlfast_fallback = fallback
+    out._vlfast_settings = pixel_settings(out)
+    return out
+
+
+_ADAPTED: dict[type, type] = {}
+
+
+def _adapted_class(base_cls: type) -> type:
     cls = _ADAPTED.get(base_cls)
     if cls is None:
         cls = type(
@@ -231,86 +263,208 @@ def _adapted(pre: VisionPreprocessor, base: Any) -> Any:
                 "__call__": _adapted_call,
                 "preprocess": _adapted_call,
                 "__reduce__": _adapted_reduce,
+                "to_dict": _adapted_to_dict,
                 "__module__": __name__,
                 "__doc__": f"{base_cls.__name__} whose calls vlfast.VisionPreprocessor answers.",
             },
         )
         _ADAPTED[base_cls] = cls
-    out = copy.copy(base)
-    out.__class__ = cls
-    out._vlfast = pre
-    cfg = pre.config
-    # the budgets the placeholder count reads (get_number_of_image_patches) are the ones the pixels follow
-    if isinstance(getattr(out, "size", None), dict) and "longest_edge" in out.size:
-        out.size = {**out.size, "shortest_edge": cfg.image_min_pixels, "longest_edge": cfg.image_max_pixels}
-    for name, value in (("min_pixels", cfg.image_min_pixels), ("max_pixels", cfg.image_max_pixels)):
-        if getattr(out, name, None) is not None:
-            setattr(out, name, value)
-    return out
+    return cls
 
 
-_ADAPTED: dict[type, type] = {}
+def _base_class(obj) -> type:
+    return type(obj).__mro__[1]
 
 
 def _adapted_reduce(self):
-    base = self.__class__.__mro__[1]
+    # the object as it is now (copy.deepcopy, pickle to DataLoader workers): its settings, changed or not, and
+    # the snapshot they are compared with; the VisionPreprocessor pickles by its own fields
     state = {k: v for k, v in self.__dict__.items() if k != "_vlfast"}
-    return (_rebuilt, (self._vlfast, base, state))
+    return (_rebuilt, (self._vlfast, _base_class(self), state))
 
 
 def _rebuilt(pre: VisionPreprocessor, base_cls: type, state: dict) -> Any:
-    base = base_cls.__new__(base_cls)
-    base.__dict__.update(state)
-    return _adapted(pre, base)
+    out = base_cls.__new__(_adapted_class(base_cls))
+    out.__dict__.update(state)
+    out._vlfast = pre
+    return out
 
 
-def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
-    """``images`` -> BatchFeature of ``pixel_values`` and ``image_grid_thw``, by vlfast.VisionPreprocessor."""
+def _adapted_to_dict(self) -> dict[str, Any]:
+    """``base``'s, as ``save_pretrained`` writes it: its own class name (what AutoImageProcessor loads back), no
+    vlfast attribute."""
+    out = _base_class(self).to_dict(self)
+    for key in [k for k in out if k.startswith("_vlfast")]:
+        del out[key]
+    out["image_processor_type"] = _base_class(self).__name__
+    if hasattr(_base_class(self), "to_dict") and out["image_processor_type"].endswith("Pil"):
+        out["image_processor_type"] = out["image_processor_type"][:-3]  # as transformers' PIL backend saves
+    return out
+
+
+def pixel_settings(ip: Any) -> dict[str, Any]:
+    """The settings of a transformers image processor ``ip`` that change its pixels, as comparable values
+    (transformers 4 and 5 keep the budgets in ``size`` and, in 4, also ``min_pixels``/``max_pixels``)."""
+    size = getattr(ip, "size", None)
+    out: dict[str, Any] = {}
+    if size is not None:
+        out["size"] = tuple(
+            (k, size[k]) for k in ("shortest_edge", "longest_edge", "height", "width") if k in size
+        )
+    for name in (
+        "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "rescale_factor",
+        "do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_center_crop", "do_pad",
+    ):  # fmt: skip
+        out[name] = getattr(ip, name, None)
+    for name in ("image_mean", "image_std"):
+        value = getattr(ip, name, None)
+        out[name] = None if value is None else tuple(float(v) for v in value)
+    resample = getattr(ip, "resample", None)
+    try:
+        out["resample"] = None if resample is None else int(resample)
+    except (TypeError, ValueError):  # an enum of another library: compared as it prints
+        out["resample"] = str(resample)
+    return out
+
+
+def _config_mismatch(ip: Any, cfg) -> list[str]:
+    """The names of ``ip``'s pixel settings that differ from ``cfg``'s (empty: vlfast's pixels are ``ip``'s)."""
+    have = pixel_settings(ip)
+    want = {
+        "min_pixels": cfg.image_min_pixels,
+        "max_pixels": cfg.image_max_pixels,
+        "patch_size": cfg.patch_size,
+        "temporal_patch_size": cfg.temporal_patch_size,
+        "merge_size": cfg.merge_size,
+        "rescale_factor": cfg.rescale_factor,
+        "do_resize": cfg.do_resize,
+        "do_rescale": cfg.do_rescale,
+        "do_normalize": cfg.do_normalize,
+        "resample": cfg.resample,
+        "image_mean": tuple(float(v) for v in cfg.image_mean),
+        "image_std": tuple(float(v) for v in cfg.image_std),
+    }
+    bad = [k for k, v in want.items() if have[k] is not None and have[k] != v]
+    size = dict(have.get("size") or ())
+    budgets = {"shortest_edge": cfg.image_min_pixels, "longest_edge": cfg.image_max_pixels}
+    if any(k not in budgets or v != budgets[k] for k, v in size.items()):
+        bad.append("size")
+    if have["do_convert_rgb"] is False:
+        bad.append("do_convert_rgb")
+    bad += [k for k in ("do_center_crop", "do_pad") if have[k]]
+    return bad
+
+
+def _call_mismatch(kwargs: dict[str, Any], cfg) -> str | None:
+    """Why a call's options cannot be answered by vlfast (None: they can): a pixel setting other than
+    ``cfg``'s, or an option vlfast does not know."""
+    for key, value in kwargs.items():
+        if value is None or key in _LAYOUT_KWARGS:
+            continue
+        name = _CALL_SETTINGS.get(key)
+        if name is None:
+            return f"{key}={value!r} in a call: an option vlfast does not take"
+        if name == "size":
+            budgets = (cfg.image_min_pixels, cfg.image_max_pixels)
+            try:
+                same = (value["shortest_edge"], value["longest_edge"]) == budgets and all(
+                    k in ("shortest_edge", "longest_edge") for k in dict(value)
+                )
+            except (KeyError, TypeError, ValueError):
+                same = False
+        elif name == "do_convert_rgb":
+            same = value is True
+        else:
+            same = _same(value, getattr(cfg, name))
+        if not same:
+            ours = (
+                "True"
+                if name == "do_convert_rgb"
+                else getattr(cfg, name, None)
+                if name != "size"
+                else (f"shortest_edge={cfg.image_min_pixels}, longest_edge={cfg.image_max_pixels}")
+            )
+            return f"{key}={value!r} in a call, where this VisionPreprocessor has {ours}"
+    return None
+
+
+def _conformed_inputs(images, who: str):
+    """``images`` as the PIL images vlfast's path takes, or (None, why) where one is of a kind it does not."""
     import numpy as np
     import torch
     from PIL import Image
-    from transformers.feature_extraction_utils import BatchFeature
 
-    pre: VisionPreprocessor = self._vlfast
-    if args:
-        raise TypeError(f"{type(self).__name__}: pass options by name, got {len(args)} more positional")
-    cfg = pre.config
-    for key, value in kwargs.items():
-        if value is None:
-            continue
-        if key not in _CALL_SETTINGS:
-            if key in ("data_format", "input_data_format", "device", "disable_grouping"):
-                continue  # layout and grouping: the output is the same
-            raise InputRefused(f"{type(self).__name__}: vlfast does not take {key}={value!r} in a call")
-        name = _CALL_SETTINGS[key]
-        if name is None or not _same(value, getattr(cfg, name)):
-            ours = getattr(cfg, name) if name else "the checkpoint's"
-            raise InputRefused(
-                f"{type(self).__name__}: {key}={value!r} in a call, where this VisionPreprocessor has {ours}: "
-                "set it on the VisionPreprocessor instead"
-            )
-    if images is None:
-        raise InputRefused(f"{type(self).__name__}: no images given")
     flat = []
     for item in images if isinstance(images, (list, tuple)) else [images]:
         flat.extend(item if isinstance(item, (list, tuple)) else [item])
     conformed = []
     for x in flat:
         if isinstance(x, torch.Tensor):
-            x = x.numpy().transpose(1, 2, 0) if x.dim() == 3 and x.shape[0] in (1, 3) else x.numpy()
+            x = x.numpy(force=True)
+            x = (
+                x.transpose(1, 2, 0)
+                if x.ndim == 3 and x.shape[0] in (1, 3) and x.shape[-1] not in (1, 3)
+                else x
+            )
         if isinstance(x, np.ndarray):
             if x.dtype != np.uint8 or x.ndim != 3 or x.shape[-1] not in (1, 3):
-                raise InputRefused(
-                    f"{type(self).__name__}: an array of shape {x.shape} and dtype {x.dtype}: pass uint8 "
-                    "(H, W, C) or (C, H, W) with 1 or 3 channels, a PIL image or a path"
+                return None, (
+                    f"{who}: an array of shape {x.shape} and dtype {x.dtype}: pass uint8 (H, W, C) or (C, H, W) "
+                    "with 1 or 3 channels, a PIL image or a path"
                 )
             x = Image.fromarray(x if x.shape[-1] == 3 else x[..., 0])
+        elif isinstance(x, Image.Image) and x.mode not in _PIL_MODES:
+            return None, f"{who}: a PIL image of mode {x.mode}: vlfast scales such images otherwise"
+        elif not isinstance(x, (Image.Image, str, Path)):
+            return None, f"{who}: an input of type {type(x).__name__}: pass PIL images, paths or uint8 arrays"
         conformed.append(x)
-    out = pre(images=conformed)
-    return BatchFeature(
-        {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
-        tensor_type=return_tensors,
-    )
+    return conformed, None
+
+
+def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
+    """``images`` -> BatchFeature of ``pixel_values`` and ``image_grid_thw``, by vlfast.VisionPreprocessor."""
+    from transformers.feature_extraction_utils import BatchFeature
+
+    from vlfast.extraction.decode.media import SampleError
+    from vlfast.patching.record import count_image_processor_call
+
+    pre: VisionPreprocessor = self._vlfast
+    who = type(self).__name__
+    why = None
+    if args:
+        why = f"{who}: {len(args)} positional options: pass options by name"
+    elif images is None:
+        why = f"{who}: no images given"
+    why = why or _call_mismatch(kwargs, pre.config)
+    if why is None:
+        changed = [k for k, v in pixel_settings(self).items() if self._vlfast_settings.get(k) != v]
+        if changed:
+            why = f"the image processor's {', '.join(changed)} changed since vlfast took its calls"
+    conformed = None
+    if why is None:
+        conformed, why = _conformed_inputs(images, who)
+    if why is None:
+        try:
+            out = pre(images=conformed)
+        except SampleError as e:
+            if not self._vlfast_fallback:
+                raise
+            why = f"an image vlfast refused ({e})"
+        else:
+            count_image_processor_call()
+            return BatchFeature(
+                {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
+                tensor_type=return_tensors,
+            )
+    if not self._vlfast_fallback:
+        raise InputRefused(why)
+    count_image_processor_call(_reason_kind(why))
+    return _base_class(self).preprocess(self, images, *args, return_tensors=return_tensors, **kwargs)
+
+
+def _reason_kind(why: str) -> str:
+    """A stock call's reason as the record counts it: without the values (one count per kind, not per image)."""
+    return why.split(" (", 1)[0] if why.startswith("an image vlfast refused") else why
 
 
 def _same(value, ours) -> bool:
@@ -320,3 +474,87 @@ def _same(value, ours) -> bool:
         except TypeError:
             return False
     return value == ours
+
+
+# --------------------------------------------------------------------------- VLFAST_PREPROCESS
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    import sys
+
+    if line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def swap_image_processor(processor: Any, path: Any) -> str | None:
+    """Let vlfast answer ``processor.image_processor``'s calls where its pixels are those of transformers'
+    torchvision backend for the local checkpoint ``path``, falling back to transformers' own code for any
+    call it cannot answer exactly (``VLFAST_PREPROCESS``); returns why it was not swapped (None: it was)."""
+    ip = getattr(processor, "image_processor", None)
+    if ip is None or getattr(ip, "_vlfast", None) is not None:
+        return None if ip is not None else "the processor has no image processor"
+    name = type(ip).__name__
+    backends = {c.__name__ for c in type(ip).__mro__}
+    if name not in TORCHVISION_IMAGE_PROCESSORS or not backends & {
+        "TorchvisionBackend",
+        "BaseImageProcessorFast",
+    }:
+        return (
+            f"its image processor is a {name}, not transformers' torchvision Qwen2VLImageProcessor (vlfast "
+            "reproduces that one: install torchvision, or use VisionPreprocessor(image_backend='pil'))"
+        )
+    try:
+        folder = Path(path)
+        local = folder.is_dir()
+    except (TypeError, OSError):
+        local = False
+    if not local:
+        return "not a local checkpoint folder (vlfast reads the processor files itself)"
+    size = pixel_settings(ip).get("size") or ()
+    budgets = dict(size)
+    try:
+        pre = VisionPreprocessor(
+            str(folder),
+            min_pixels=budgets.get("shortest_edge") or getattr(ip, "min_pixels", None),
+            max_pixels=budgets.get("longest_edge") or getattr(ip, "max_pixels", None),
+        )
+    except Exception as e:  # noqa: BLE001 - any reason is a reason to leave transformers' code in place
+        return f"{type(e).__name__}: {e}"
+    bad = _config_mismatch(ip, pre.config)
+    if bad:
+        return f"its {', '.join(bad)} differ from what vlfast reads in the checkpoint's files"
+    processor.image_processor = _adapted(pre, ip, fallback=True)
+    return None
+
+
+def install_processor_switch() -> None:
+    """``VLFAST_PREPROCESS``: every processor ``ProcessorMixin.from_pretrained`` loads from a local Qwen-VL
+    checkpoint gets :func:`swap_image_processor`; one line on stderr for a processor left as it is. Safe to
+    call twice."""
+    from transformers.processing_utils import ProcessorMixin
+
+    current = ProcessorMixin.__dict__["from_pretrained"]
+    if getattr(current.__func__, "_vlfast_switch", False):
+        return
+    original = current.__func__
+
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        processor = original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        try:
+            why = swap_image_processor(processor, pretrained_model_name_or_path)
+        except Exception as e:  # noqa: BLE001 - never break the user's launcher: say so, leave it stock
+            why = f"{type(e).__name__}: {e}"
+        if why is not None and getattr(processor, "image_processor", None) is not None:
+            _say_once(
+                f"vlfast: VLFAST_PREPROCESS: the processor of {pretrained_model_name_or_path} keeps "
+                f"transformers' image processor: {why}"
+            )
+        return processor
+
+    from_pretrained._vlfast_switch = True
+    from_pretrained.__wrapped__ = original
+    from_pretrained.__doc__ = original.__doc__
+    ProcessorMixin.from_pretrained = classmethod(from_pretrained)

@@ -9,6 +9,12 @@ workers) inherit the variable, so launchers the user does not control are covere
 Values: ``1``/``true``/``yes``/``on`` patch Conv3d modules; ``all`` patches every eligible Conv1d/2d/3d;
 unset, empty or ``0``/``false``/``no``/``off`` leave models alone. Any other value patches nothing and
 says so once on stderr: a typo must not switch on a change to the user's models.
+
+``VLFAST_PREPROCESS=1`` (same on/off values, no ``all``) is the same kind of switch for the image half of the
+processor: right after ``transformers.processing_utils`` is imported, ``ProcessorMixin.from_pretrained`` is
+wrapped so that a processor loaded from a local Qwen-VL checkpoint has its torchvision image processor's calls
+answered by :class:`vlfast.VisionPreprocessor` (:func:`vlfast.extraction.preprocessing.swap_image_processor`):
+the same pixels, transformers' own code for any call vlfast cannot answer, both counted by ``VLFAST_RECORD``.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ import os
 import sys
 
 ENV_VAR = "VLFAST_PATCH"
+PREPROCESS_VAR = "VLFAST_PREPROCESS"
 _TARGET = "transformers.modeling_utils"
+_PREPROCESS_TARGET = "transformers.processing_utils"
 _OFF = ("", "0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on", "all")
 _warned = False
+_preprocess_warned = False
 
 
 def env_setting(environ: dict | None = None) -> str | None:
@@ -35,6 +44,25 @@ def env_setting(environ: dict | None = None) -> str | None:
         _warn_unknown(raw)
         return None
     return value
+
+
+def preprocess_setting(environ: dict | None = None) -> bool:
+    """Whether ``VLFAST_PREPROCESS`` is on; a value not understood is off, said once on stderr."""
+    global _preprocess_warned
+    raw = (environ if environ is not None else os.environ).get(PREPROCESS_VAR, "")
+    value = raw.strip().lower()
+    if value in _OFF:
+        return False
+    if value in _ON and value != "all":
+        return True
+    if not _preprocess_warned:
+        _preprocess_warned = True
+        print(
+            f"vlfast: ignoring {PREPROCESS_VAR}={raw!r}, image processors are left as they are: use 1, true, "
+            "yes or on, or 0, false, no, off",
+            file=sys.stderr,
+        )
+    return False
 
 
 def _warn_unknown(raw: str) -> None:
@@ -54,49 +82,66 @@ def _activate(value: str) -> None:
     patch_transformers(all_convs=value == "all")
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Lets the normal finders locate ``transformers.modeling_utils`` and wraps its loader."""
+def _activate_preprocess(value: str) -> None:
+    from vlfast.extraction.preprocessing import install_processor_switch
 
-    def __init__(self, value: str) -> None:
-        self.value = value
+    install_processor_switch()
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Lets the normal finders locate ``transformers.modeling_utils`` (or, with another ``target`` and
+    ``activate``, that module) and wraps its loader."""
+
+    def __init__(self, value: str, target: str = _TARGET, activate=None) -> None:
+        self.value, self.target, self.activate = value, target, activate or _activate
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET:
+        if fullname != self.target:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, self.value)
+                spec.loader = _Loader(spec.loader, self.value, self.activate)
                 return spec
         return None
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner, value: str) -> None:
-        self.inner, self.value = inner, value
+    def __init__(self, inner, value: str, activate=_activate) -> None:
+        self.inner, self.value, self.activate = inner, value, activate
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
         self.inner.exec_module(module)
-        _activate(self.value)
+        self.activate(self.value)
+
+
+def _arm_preprocess() -> None:
+    if not preprocess_setting():
+        return
+    if _PREPROCESS_TARGET in sys.modules:
+        _activate_preprocess("1")
+    elif not any(getattr(f, "target", None) == _PREPROCESS_TARGET for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport("1", _PREPROCESS_TARGET, _activate_preprocess))
 
 
 def install_from_env() -> bool:
-    """Arm the switch if ``VLFAST_PATCH`` says so, and ``VLFAST_RECORD``'s count of what ran
-    (:mod:`vlfast.patching.record`); returns whether the patch switch was armed. Safe to call twice."""
+    """Arm the switch if ``VLFAST_PATCH`` says so, ``VLFAST_PREPROCESS``'s, and ``VLFAST_RECORD``'s count of
+    what ran (:mod:`vlfast.patching.record`); returns whether the patch switch was armed. Safe to call twice."""
     from vlfast.patching import record
 
     record.install_from_env()
+    _arm_preprocess()
     value = env_setting()
     if value is None:
         return False
     if _TARGET in sys.modules:  # transformers already loaded (e.g. called late): patch now
         _activate(value)
         return True
-    if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+    if not any(getattr(f, "target", None) == _TARGET for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchAfterImport(value))
     return True

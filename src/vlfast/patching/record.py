@@ -49,7 +49,13 @@ ENV_VAR = "VLFAST_RECORD"
 _OFF = ("", "0", "false", "no", "off")
 _lock = threading.Lock()
 env_armed = False  # VLFAST_RECORD asked for counting from start-up to exit
+_env_target = "1"  # where it reports: "1" (stderr) or a file's path
 
+
+# Image processor calls answered by vlfast (VLFAST_PREPROCESS, VisionPreprocessor.as_image_processor) and those
+# passed to transformers' own code, by reason: this process's, a forked child starting from zero
+_image_calls: dict[str, Any] = {"pid": os.getpid(), "vlfast": 0, "stock": {}}
+_finalizer_pid: int | None = None
 
 _NAMES_SHOWN = 8  # eligible convs not patched named in the text (all in to_dict)
 _BYPASSED = "vlfast's GEMM not reached, calls not counted"  # gemm.BYPASSED, without importing torch here
@@ -100,6 +106,36 @@ def _rank() -> tuple[int | None, int | None]:
     return None, None
 
 
+def count_image_processor_call(stock_reason: str | None = None) -> None:
+    """One call of an image processor vlfast adapted: answered by vlfast (``stock_reason`` None) or passed to
+    transformers' own code, and why."""
+    global _finalizer_pid
+    with _lock:
+        pid = os.getpid()
+        if _image_calls["pid"] != pid:  # a forked worker: its own calls only
+            _image_calls.update(pid=pid, vlfast=0, stock={})
+        if stock_reason is None:
+            _image_calls["vlfast"] += 1
+        else:
+            _image_calls["stock"][stock_reason] = _image_calls["stock"].get(stock_reason, 0) + 1
+        if env_armed and _finalizer_pid != pid:
+            _finalizer_pid = pid
+            mp = sys.modules.get("multiprocessing")
+            if mp is not None and mp.parent_process() is not None:
+                # A multiprocessing child (a DataLoader worker) ends in os._exit, past atexit: its
+                # finalizers are what runs at a clean exit
+                from multiprocessing import util
+
+                util.Finalize(None, _at_exit, args=(_env_target,), exitpriority=0)
+
+
+def _image_counts() -> tuple[int, dict[str, int]]:
+    with _lock:
+        if _image_calls["pid"] != os.getpid():
+            return 0, {}
+        return _image_calls["vlfast"], dict(_image_calls["stock"])
+
+
 def _counts() -> dict[int, tuple[Any, int, dict[str, int], int]]:
     """id(counter) -> (counter, GEMM calls, stock calls by reason, module calls) for every patched conv
     alive now or that counted a call, and every eligible conv vlfast did not patch that was called while
@@ -117,6 +153,8 @@ class CallRecord:
     _start: dict[int, tuple[Any, int, dict[str, int], int]] = field(default_factory=dict, repr=False)
     _end: dict[int, tuple[Any, int, dict[str, int], int]] | None = field(default=None, repr=False)
     _idle: bool = field(default=False, repr=False)  # list patched convs with no call too (at exit)
+    _image_start: tuple[int, dict[str, int]] = field(default=(0, {}), repr=False)
+    _image_end: tuple[int, dict[str, int]] | None = field(default=None, repr=False)
 
     @property
     def running(self) -> bool:
@@ -126,6 +164,7 @@ class CallRecord:
         """Stop counting for this record (others keep theirs); returns the record."""
         if self._end is None:
             self._end = _counts()
+            self._image_end = _image_counts()
             _set_recording(-1)
         return self
 
@@ -180,8 +219,16 @@ class CallRecord:
         assigned to its class, which the record names)."""
         return sum(c.module_calls for c in self.unpatched())
 
+    def image_processor_calls(self) -> tuple[int, dict[str, int]]:
+        """Image processor calls while the record ran: (answered by vlfast, passed to transformers' code by
+        reason)."""
+        (v1, s1), (v0, s0) = self._image_end or _image_counts(), self._image_start
+        stock = {why: n - s0.get(why, 0) for why, n in s1.items() if n - s0.get(why, 0)}
+        return v1 - v0, stock
+
     def to_dict(self) -> dict[str, Any]:
         rank, world = _rank()
+        vlfast_images, stock_images = self.image_processor_calls()
         convs = self.convs(idle=self._idle)
         unpatched = self.unpatched()
         return {
@@ -204,6 +251,7 @@ class CallRecord:
             "unpatched": [
                 {"name": c.name, "calls": c.module_calls, "forward_replaced": c.replaced} for c in unpatched
             ],
+            "image_processor_calls": {"vlfast": vlfast_images, "stock": stock_images},
         }
 
     def __str__(self) -> str:
@@ -222,6 +270,11 @@ class CallRecord:
             if k > _NAMES_SHOWN:
                 names += f" and {k - _NAMES_SHOWN} more"
             tail.append(f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} {ran}")
+        images = _image_line(*self.image_processor_calls())
+        if images and not convs and os.environ.get("VLFAST_PATCH", "").strip().lower() in _OFF:  # preprocess only
+            return "\n".join([f"vlfast record ({who}, pid {d['pid']}): {images}", *tail])
+        if images:
+            tail.append(f"  {images}")
         if not convs:
             head = (
                 f"vlfast record ({who}, pid {d['pid']}): no patched convolution in this process "
@@ -245,6 +298,16 @@ class CallRecord:
         return "\n".join([head, *(f"  {c.line()}" for c in convs), *tail])
 
 
+def _image_line(vlfast_calls: int, stock: dict[str, int]) -> str | None:
+    """The record's line on image processor calls (None: there were none)."""
+    n = vlfast_calls + sum(stock.values())
+    if not n:
+        return None
+    line = f"image processor: {n} call{'s' * (n != 1)}: {vlfast_calls} by vlfast, {sum(stock.values())} stock"
+    reasons = sorted(stock.items(), key=lambda kv: -kv[1])
+    return line + "".join(f"; {k} stock ({why})" for why, k in reasons)
+
+
 def _set_recording(delta: int) -> None:
     """Add ``delta`` to the number of records running; the patch counts calls while it is not zero."""
     from vlfast.patching.gemm import count_calls  # imports torch: only where a record starts or stops
@@ -260,7 +323,7 @@ def record_calls() -> CallRecord:
     overlap: each reports the calls made while it ran.
     """
     _set_recording(+1)
-    return CallRecord(_start=_counts())
+    return CallRecord(_start=_counts(), _image_start=_image_counts())
 
 
 # --------------------------------------------------------------------------- VLFAST_RECORD, at exit
@@ -274,12 +337,13 @@ def env_setting(environ: dict | None = None) -> str | None:
 def _at_exit(target: str) -> None:
     # A process that never loaded the patch (a launcher: torchrun's, accelerate's) has nothing to say,
     # nor a worker process (DataLoader, multiprocessing) that patched nothing.
-    if "vlfast.patching.gemm" not in sys.modules:
+    images = sum(_image_counts()[1].values()) + _image_counts()[0]
+    if "vlfast.patching.gemm" not in sys.modules and not images:
         return
     record = CallRecord(_start={}, _idle=True)
     convs = record.convs(idle=True) + record.unpatched()
     mp = sys.modules.get("multiprocessing")
-    if not convs and mp is not None and mp.parent_process() is not None:
+    if not convs and not images and mp is not None and mp.parent_process() is not None:
         return
     with contextlib.suppress(OSError, ValueError):  # stderr closed at exit
         print(str(record), file=sys.stderr, flush=True)
@@ -328,7 +392,7 @@ def _append(target: str, line: str) -> None:
 
 def install_from_env() -> bool:
     """Arm ``VLFAST_RECORD``: count from the patch's first import, report at exit. Safe to call twice."""
-    global env_armed
+    global env_armed, _env_target
     target = env_setting()
     if target is None or env_armed:
         return target is not None
@@ -344,5 +408,6 @@ def install_from_env() -> bool:
     if "vlfast.patching.gemm" in sys.modules:
         _set_recording(+1)
     # else: gemm reads env_armed when it is imported and starts counting then
+    _env_target = target
     atexit.register(_at_exit, target)
     return True
