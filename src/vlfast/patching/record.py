@@ -271,7 +271,8 @@ class CallRecord:
                 names += f" and {k - _NAMES_SHOWN} more"
             tail.append(f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} {ran}")
         images = _image_line(*self.image_processor_calls())
-        if images and not convs and os.environ.get("VLFAST_PATCH", "").strip().lower() in _OFF:  # preprocess only
+        patch_asked = os.environ.get("VLFAST_PATCH", "").strip().lower() not in _OFF
+        if images and not convs and not patch_asked:  # VLFAST_PREPROCESS alone: no conv to speak of
             return "\n".join([f"vlfast record ({who}, pid {d['pid']}): {images}", *tail])
         if images:
             tail.append(f"  {images}")
