@@ -46,6 +46,8 @@ Qwen2VLImageProcessor._preprocess = counted
 out = {}
 proc = AutoProcessor.from_pretrained(CKPT)
 out["class"] = type(proc.image_processor).__name__
+out["probe_stock_runs"] = len(stock_runs)  # the proof at the swap: transformers' own call on the probes
+stock_runs.clear()
 stock = Qwen2VLImageProcessor.from_pretrained(CKPT)  # not through ProcessorMixin: transformers' own
 plain = copy.copy(proc)
 plain.image_processor = stock
@@ -101,6 +103,14 @@ class Images(torch.utils.data.Dataset):
 loader = torch.utils.data.DataLoader(Images(), batch_size=None, num_workers=2,
                                      multiprocessing_context="fork")
 out["worker_grids"] = [g.tolist() for g in loader]
+
+# A vlfast whose resize is off by one level: the proof at load time catches it, the processor stays stock
+import vlfast.extraction.decode.image as vimage
+right = vimage.resize_frames
+vimage.resize_frames = lambda *a, **k: right(*a, **k).clamp(0, 254)
+broken = AutoProcessor.from_pretrained(CKPT)
+vimage.resize_frames = right
+out["broken_class"] = type(broken.image_processor).__name__
 print("RESULT " + json.dumps(out))
 """
 
@@ -144,6 +154,7 @@ def switch_run(tiny_qwen3_vl, media_dir, tmp_path_factory):
 def test_the_switch_gives_transformers_pixels_without_its_code(switch_run):
     out, _, _, n = switch_run
     assert out["class"] == "VlfastQwen2VLImageProcessor"
+    assert out["probe_stock_runs"] == 2
     assert len(out["equal"]) == n
     for name, pixels, grid, ids in out["equal"]:
         assert (pixels, grid, ids) == (True, True, True), name
@@ -183,6 +194,17 @@ def test_dataloader_workers_report_their_calls(switch_run):
     assert sum(x["image_processor_calls"]["vlfast"] for x in workers) == 4, lines
     assert len({x["pid"] for x in workers}) == 2
     assert stderr.count("vlfast record (") == len(lines) == 3
+
+
+def test_pixels_that_differ_at_load_keep_transformers_processor(switch_run):
+    """The swap is proven where it happens, on the transformers installed: two probe images through both
+    paths, bit for bit; a vlfast whose pixels are off (its resize clamped at 254 here) is not swapped, and
+    says so once with the difference."""
+    out, _, stderr, _ = switch_run
+    assert out["broken_class"] == "Qwen2VLImageProcessor"
+    said = [x for x in stderr.splitlines() if "keeps transformers' image processor" in x]
+    assert len(said) == 1 and "differ from Qwen2VLImageProcessor's" in said[0] and "probe image" in said[0]
+    assert "pixel values up to" in said[0]
 
 
 def test_a_processor_vlfast_does_not_reproduce_is_left_alone_and_said(tiny_qwen3_vl):

@@ -526,7 +526,41 @@ def swap_image_processor(processor: Any, path: Any) -> str | None:
     bad = _config_mismatch(ip, pre.config)
     if bad:
         return f"its {', '.join(bad)} differ from what vlfast reads in the checkpoint's files"
+    why = _probe(pre, ip)
+    if why:
+        return why
     processor.image_processor = _adapted(pre, ip, fallback=True)
+    return None
+
+
+# The proof run where the swap happens, on the transformers installed: an upscale to the minimum budget, and a
+# small antialiased downscale to the patch grid (random pixels: every value and edge matters)
+_PROBES = ((67, 91), (257, 300))
+
+
+def _probe(pre: VisionPreprocessor, ip: Any) -> str | None:
+    """Why vlfast's pixels are not ``ip``'s on the probe images (None: bit-equal, grids too)."""
+    import numpy as np
+    import torch
+    import transformers
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for height, width in _PROBES:
+        img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        want = ip.preprocess([img], return_tensors="pt")
+        got = pre(images=[img])
+        if not torch.equal(want["image_grid_thw"], got["image_grid_thw"]):
+            what = f"grid {got['image_grid_thw'].tolist()} where transformers gives {want['image_grid_thw'].tolist()}"
+        elif not torch.equal(want["pixel_values"], got["pixel_values"]):
+            diff = (want["pixel_values"] - got["pixel_values"]).abs().max().item()
+            what = f"pixel values up to {diff:.3g} apart"
+        else:
+            continue
+        return (
+            f"vlfast's pixels differ from {type(ip).__name__}'s (transformers {transformers.__version__}) on a "
+            f"{width}x{height} probe image: {what}"
+        )
     return None
 
 
