@@ -73,6 +73,24 @@ out["answered"] = rec.image_processor_calls()[0]
 
 ip = proc.image_processor
 img = Image.open(IMAGES[0])
+# ms-swift's call: resized by the caller onto the patch grid, then do_resize=False: answered by vlfast
+on_grid = img.convert("RGB").resize((640, 352), Image.BICUBIC)
+with record_calls() as rec:
+    n = len(stock_runs)
+    got = ip(images=[on_grid], return_tensors="pt", do_resize=False)
+    out["no_resize_stock_runs"] = len(stock_runs) - n
+    want = stock(images=[on_grid], return_tensors="pt", do_resize=False)
+    del stock_runs[n:]
+out["no_resize_equal"] = torch.equal(got["pixel_values"], want["pixel_values"]) and got["image_grid_thw"].tolist() == [[1, 22, 40]]
+out["no_resize_answered"] = rec.image_processor_calls()
+def error(fn):
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__
+off_grid = img.convert("RGB").resize((641, 352))
+out["off_grid_errors"] = [error(lambda: stock(off_grid, do_resize=False)), error(lambda: ip(off_grid, do_resize=False))]
+del stock_runs[n:]
 fallbacks = {}
 n = len(stock_runs)
 fallbacks["max_pixels"] = torch.equal(ip(img, max_pixels=128 * 128, return_tensors="pt")["pixel_values"],
@@ -154,12 +172,23 @@ def switch_run(tiny_qwen3_vl, media_dir, tmp_path_factory):
 def test_the_switch_gives_transformers_pixels_without_its_code(switch_run):
     out, _, _, n = switch_run
     assert out["class"] == "VlfastQwen2VLImageProcessor"
-    assert out["probe_stock_runs"] == 2
+    assert out["probe_stock_runs"] == 3  # two probe images, and one with do_resize=False
     assert len(out["equal"]) == n
     for name, pixels, grid, ids in out["equal"]:
         assert (pixels, grid, ids) == (True, True, True), name
     assert out["stock_runs_for_answered_calls"] == 0  # transformers' _preprocess never ran for them
     assert out["answered"] == n
+
+
+def test_do_resize_false_as_ms_swift_calls_it(switch_run):
+    """ms-swift resizes with qwen-vl-utils and calls the image processor with do_resize=False: vlfast answers
+    that call too (transformers' pixels, its code not run); an image off the patch grid fails in
+    transformers' code as it does without vlfast."""
+    out, lines, _, _ = switch_run
+    assert out["no_resize_equal"] is True
+    assert out["no_resize_stock_runs"] == 0
+    assert out["no_resize_answered"] == [1, {}]
+    assert out["off_grid_errors"][0] is not None and out["off_grid_errors"][0] == out["off_grid_errors"][1]
 
 
 def test_what_vlfast_cannot_answer_runs_transformers_code(switch_run):
@@ -173,7 +202,8 @@ def test_what_vlfast_cannot_answer_runs_transformers_code(switch_run):
     assert "max_pixels=16384 in a call" in reasons
     assert "an array of shape" in reasons and "float32" in reasons
     assert "size changed since vlfast took its calls" in reasons
-    assert sum(main["image_processor_calls"]["stock"].values()) == 3
+    assert "an image vlfast refused" in reasons  # the off-grid image with do_resize=False
+    assert sum(main["image_processor_calls"]["stock"].values()) == 4
 
 
 def test_save_pretrained_writes_what_transformers_loads(switch_run):

@@ -435,6 +435,10 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
         why = f"{who}: {len(args)} positional options: pass options by name"
     elif images is None:
         why = f"{who}: no images given"
+    if kwargs.get("do_resize") is False and pre.config.do_resize:
+        # ms-swift's Qwen templates resize with qwen-vl-utils, then call with do_resize=False: the same path
+        # without the resize (an image off the patch grid is refused by both)
+        pre = _without_resize(pre)
     why = why or _call_mismatch(kwargs, pre.config)
     if why is None:
         changed = [k for k, v in pixel_settings(self).items() if self._vlfast_settings.get(k) != v]
@@ -460,6 +464,22 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
         raise InputRefused(why)
     count_image_processor_call(_reason_kind(why))
     return _base_class(self).preprocess(self, images, *args, return_tensors=return_tensors, **kwargs)
+
+
+def _without_resize(pre: VisionPreprocessor) -> VisionPreprocessor:
+    """``pre`` with the image processor's ``do_resize`` off, as a call's ``do_resize=False`` asks."""
+    import copy
+
+    from vlfast.extraction.decode.preprocess import Preprocessor
+
+    out = copy.copy(pre)
+    inner = pre._pre
+    out._pre = Preprocessor(
+        dataclasses.replace(inner.cfg, do_resize=False),
+        image_processor_dir=inner.image_processor_dir,
+        defer_video_normalize=inner.defer_video_normalize,
+    )
+    return out
 
 
 def _reason_kind(why: str) -> str:
@@ -534,7 +554,8 @@ def swap_image_processor(processor: Any, path: Any) -> str | None:
 
 
 # The proof run where the swap happens, on the transformers installed: an upscale to the minimum budget, and a
-# small antialiased downscale to the patch grid (random pixels: every value and edge matters)
+# small antialiased downscale to the patch grid (random pixels: every value and edge matters); then a third,
+# on the grid, called with do_resize=False
 _PROBES = ((67, 91), (257, 300))
 
 
@@ -546,10 +567,12 @@ def _probe(pre: VisionPreprocessor, ip: Any) -> str | None:
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    for height, width in _PROBES:
+    # and the call ms-swift makes: do_resize=False on an image already on the patch grid
+    grid = (8 * pre.config.factor, 9 * pre.config.factor)
+    for (height, width), call in [*((size, {}) for size in _PROBES), (grid, {"do_resize": False})]:
         img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-        want = ip.preprocess([img], return_tensors="pt")
-        got = pre(images=[img])
+        want = ip.preprocess([img], return_tensors="pt", **call)
+        got = (_without_resize(pre) if call else pre)(images=[img])
         if not torch.equal(want["image_grid_thw"], got["image_grid_thw"]):
             what = f"grid {got['image_grid_thw'].tolist()} where transformers gives {want['image_grid_thw'].tolist()}"
         elif not torch.equal(want["pixel_values"], got["pixel_values"]):
@@ -557,9 +580,10 @@ def _probe(pre: VisionPreprocessor, ip: Any) -> str | None:
             what = f"pixel values up to {diff:.3g} apart"
         else:
             continue
+        how = " with do_resize=False" if call else ""
         return (
             f"vlfast's pixels differ from {type(ip).__name__}'s (transformers {transformers.__version__}) on a "
-            f"{width}x{height} probe image: {what}"
+            f"{width}x{height} probe image{how}: {what}"
         )
     return None
 
