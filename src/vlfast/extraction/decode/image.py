@@ -21,7 +21,13 @@ import torch
 
 from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, SampleError
 from vlfast.extraction.decode.processor_config import ProcessorConfig
-from vlfast.extraction.decode.video import rescale_normalize, resize_frames, smart_resize, temporal_repeat
+from vlfast.extraction.decode.video import (
+    channels_last_patches,
+    rescale_normalize,
+    resize_frames,
+    smart_resize,
+    temporal_repeat,
+)
 
 __all__ = [
     "image_patches",
@@ -131,12 +137,15 @@ def image_patches(
         h, w = height, width
     tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     gh, gw = h // p, w // p
-    # (h/m, w/m, m, m, C, P, P): one uint8 copy, in the patch order
-    x = (
-        pixels.reshape(3, gh // m, m, p, gw // m, m, p)
-        .permute(1, 4, 2, 5, 0, 3, 6)
-        .reshape(gh * gw, 3, p * p)
-    )
+    if pixels.stride(0) == 1:  # channels-last, as decoded and resized (see channels_last_patches)
+        hwc = pixels.permute(1, 2, 0).reshape(gh // m, m, p, gw // m, m, p, 3)
+        x = channels_last_patches(hwc.permute(0, 3, 1, 4, 2, 5, 6), gh * gw)
+    else:  # (h/m, w/m, m, m, C, P, P): one uint8 copy, in the patch order
+        x = (
+            pixels.reshape(3, gh // m, m, p, gw // m, m, p)
+            .permute(1, 4, 2, 5, 0, 3, 6)
+            .reshape(gh * gw, 3, p * p)
+        )
     if not normalize:  # the temporal repeat is left to the normalisation, done once in float32 and copied
         return x, (1, gh, gw)
     # The normalisation after the move (elementwise per channel: the same bits as transformers' normalise-
