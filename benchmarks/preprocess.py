@@ -122,6 +122,9 @@ def main() -> None:
     vision = VisionPreprocessor("ref:qwen3-vl-2b")
     vision_uint8 = VisionPreprocessor("ref:qwen3-vl-2b", pixels="uint8")
     deferred = Preprocessor(cfg, defer_video_normalize=True)
+    from vlfast.extraction.preprocessing import _adapted
+
+    swapped = _adapted(vision, tv, fallback=True)  # what swap_image_processor installs
     rows = []
 
     for w, h in IMAGE_SIZES if args.only != "video" else []:
@@ -140,6 +143,8 @@ def main() -> None:
             return img
 
         data = path.read_bytes()
+        given = tf_load_image(p)  # decoded once: what a framework's collator hands the processor
+        given.load()
         variants = {
             "decode only (PIL)": decode,
             "decode only (libjpeg-turbo: simplejpeg; reference bound)": lambda data=data: (
@@ -160,6 +165,14 @@ def main() -> None:
             # the decode workers' uint8 patches and the model side's normalisation, on the CPU here: the whole path
             "vlfast extract (uint8 patches, normalised by the model side: CPU here)": lambda p=p: (
                 normalize_video_patches(deferred.image(p)[0], cfg)
+            ),
+            # a framework's call (LlamaFactory, TRL, ms-swift): a decoded PIL image in, float32 out; with
+            # VLFAST_PREPROCESS=1 the processor's image processor is vlfast's swap
+            "in a framework, decoded image given: transformers torchvision processor": lambda g=given: tv(
+                images=[g], return_tensors="pt"
+            ),
+            "in a framework, decoded image given: VLFAST_PREPROCESS's swap": lambda g=given: swapped(
+                images=[g], return_tensors="pt"
             ),
         }
         ref = tv(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"]
@@ -183,6 +196,11 @@ def main() -> None:
             ),
             "vlfast extract (uint8 patches, normalised by the model side: CPU here)": torch.equal(
                 variants["vlfast extract (uint8 patches, normalised by the model side: CPU here)"](), ref
+            ),
+            "in a framework, decoded image given: transformers torchvision processor": True,
+            "in a framework, decoded image given: VLFAST_PREPROCESS's swap": torch.equal(
+                swapped(images=[given], return_tensors="pt")["pixel_values"],
+                tv(images=[given], return_tensors="pt")["pixel_values"],
             ),
         }
         n = 2 if w >= 4000 else 4
