@@ -282,3 +282,21 @@ def test_as_image_processor_budgets_reach_the_placeholder_count(tiny_qwen3_vl, m
     swapped.size = dataclasses.replace(swapped.size, longest_edge=64 * 64)
     with pytest.raises(InputRefused, match="size changed since vlfast took its calls"):
         swapped(img, return_tensors="pt")
+
+
+def test_a_switch_that_cannot_arm_leaves_transformers_importable():
+    """The switch arms inside the import of transformers.processing_utils: if vlfast's side fails there (a
+    broken install, here its module made unimportable), that import and the user's launcher go on, stock,
+    and one line says why."""
+    code = (
+        "import sys\n"
+        "sys.modules['vlfast.extraction.preprocessing'] = None  # import of it raises ImportError\n"
+        "import vlfast.patching.autopatch as a; a._arm_preprocess()\n"
+        "import transformers.processing_utils as pu\n"
+        "print(getattr(pu.ProcessorMixin.from_pretrained.__func__, '_vlfast_switch', False))\n"
+    )
+    res = _child(code, {"VLFAST_PREPROCESS": "1"}, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["False"]
+    said = [x for x in res.stderr.splitlines() if "could not arm it" in x]
+    assert len(said) == 1 and "VLFAST_PREPROCESS" in said[0] and "ModuleNotFoundError" in said[0], res.stderr

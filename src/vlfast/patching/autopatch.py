@@ -83,9 +83,18 @@ def _activate(value: str) -> None:
 
 
 def _activate_preprocess(value: str) -> None:
-    from vlfast.extraction.preprocessing import install_processor_switch
+    # Runs inside the import of transformers.processing_utils: a failure here must not fail that import (the
+    # user's launcher); processors then stay transformers' own, and the line says why
+    try:
+        from vlfast.extraction.preprocessing import install_processor_switch
 
-    install_processor_switch()
+        install_processor_switch()
+    except Exception as e:  # noqa: BLE001 - any failure leaves transformers as it is, said
+        print(
+            f"vlfast: {PREPROCESS_VAR} is set but vlfast could not arm it ({type(e).__name__}: {e}): "
+            "processors keep transformers' image processors",
+            file=sys.stderr,
+        )
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
