@@ -21,6 +21,13 @@ also counts waits for a core) and its ratio to the bound's, and whether the outp
 bit for bit (for the video decode rows: the sequential decode's frames at the sampled indices).
 
     python benchmarks/preprocess.py --only video   # the video rows alone
+
+Each image size runs in a Python process of its own (``--image-sizes`` names one or more; this process then
+measures them itself): in one process for all four, the 4000x3000 row of ``VisionPreprocessor`` took 600-1036
+ms per image after the smaller sizes had run, against 208-255 ms in a process of its own with the same
+variants alternated (2026-12-02, quiet machine; transformers' 676-718 and 616-1340 ms): the first sizes' work
+leaves the process's memory in a state that makes the large outputs' fresh pages dearer, for some variants more
+than others, whatever the order within a round.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -90,7 +98,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", choices=["image", "video"], help="measure one kind of input")
+    ap.add_argument(
+        "--image-sizes",
+        help="comma-separated WxH measured in this process (default: the four sizes, each in a process of its own)",
+    )
     args = ap.parse_args()
+    sizes = IMAGE_SIZES
+    if args.image_sizes:
+        sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.image_sizes.split(",")]
     why = reference.unavailable()
     if why:
         raise SystemExit(f"transformers' torchvision processors need the reference torchvision: {why}")
@@ -126,8 +141,19 @@ def main() -> None:
 
     swapped = _adapted(vision, tv, fallback=True)  # what swap_image_processor installs
     rows = []
+    if args.only != "video" and not args.image_sizes:  # each size in a fresh process (see the docstring)
+        for w, h in sizes:
+            part = work / f"rows-{w}x{h}.json"
+            cmd = [sys.executable, __file__, "--only", "image", "--image-sizes", f"{w}x{h}"]
+            subprocess.run(
+                [*cmd, "--rounds", str(args.rounds), "--json", str(part)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            rows += json.loads(part.read_text())["rows"]
+        sizes = []
 
-    for w, h in IMAGE_SIZES if args.only != "video" else []:
+    for w, h in sizes if args.only != "video" else []:
         path = work / f"{w}x{h}.jpg"
         # a photo-like pattern with noise: JPEG decode costs what a photo's does
         rng = np.random.default_rng(w)
