@@ -6,10 +6,16 @@ fixture's teardown after its last test, or in the session's own, is named by not
 one line in a file of its own, rewritten as each test starts and ends (two small writes a test); when a node
 goes down with an error, the controller reads that line and says, in the terminal and in the summary, which
 test was running, or which had just finished. Registered by tests/conftest.py; without xdist it does nothing.
+
+And why, where it was pytest-timeout: its thread method dumps the stacks into the test's captured output and
+ends the worker with os._exit, so the dump dies with it (a Ray test at load 10 did, 2026-12-02). Each worker
+asks faulthandler to write every thread's stack into a file of its own 5 s before the test's time limit
+(a C thread: it writes even while Python is stuck); a dead worker's file is printed with its line.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,6 +23,29 @@ from pathlib import Path
 import pytest
 
 KEY = "vlfast_current_test_dir"  # the controller's folder, handed to each worker in its workerinput
+_STACK_LINES = 120  # of a dead worker's stack dump, printed
+
+
+def _time_limit(item) -> float | None:
+    """The test's pytest-timeout limit in seconds (its marker's, else the ini's), None where there is none."""
+    marker = item.get_closest_marker("timeout")
+    value = (
+        marker.args[0]
+        if marker is not None and marker.args
+        else marker.kwargs.get("timeout")
+        if marker
+        else None
+    )
+    if value is None:
+        try:
+            value = item.config.getini("timeout")
+        except ValueError:  # pytest-timeout not installed
+            return None
+    try:
+        limit = float(value)
+    except (TypeError, ValueError):
+        return None
+    return limit if limit > 2 else None
 
 
 class WorkerCrashes:
@@ -28,12 +57,13 @@ class WorkerCrashes:
             folder = workerinput.get(KEY)
             self.file = Path(folder) / workerinput["workerid"] if folder else None
             self.folder = None
+            self.stacks = self.file.with_suffix(".stacks").open("w") if self.file else None
         elif getattr(config.option, "numprocesses", None):  # the controller of an xdist run
             self.folder = Path(tempfile.mkdtemp(prefix="vlfast-xdist-"))
-            self.file = None
+            self.file = self.stacks = None
             config.add_cleanup(lambda: shutil.rmtree(self.folder, ignore_errors=True))
         else:
-            self.folder = self.file = None
+            self.folder = self.file = self.stacks = None
 
     def _note(self, line: str) -> None:
         if self.file is not None:
@@ -42,9 +72,20 @@ class WorkerCrashes:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         self._note(f"running {item.nodeid}")
+        limit = _time_limit(item) if self.stacks is not None else None
+        if limit:
+            self.stacks.seek(0)
+            self.stacks.truncate()
+            self.stacks.write(
+                f"every thread's stack {min(5.0, limit / 2):g} s before {item.nodeid}'s limit ({limit:g} s):\n"
+            )
+            self.stacks.flush()
+            faulthandler.dump_traceback_later(limit - min(5.0, limit / 2), file=self.stacks)
         try:
             return (yield)
         finally:
+            if limit:
+                faulthandler.cancel_dump_traceback_later()
             self._note(f"after {item.nodeid} had finished")
 
     @pytest.hookimpl(optionalhook=True)
@@ -62,6 +103,15 @@ class WorkerCrashes:
         except OSError:
             where = "before its first test"
         line = f"worker {worker} died ({error}) {where}"
+        try:
+            stacks = (self.folder / f"{worker}.stacks").read_text().splitlines()
+        except OSError:
+            stacks = []
+        if len(stacks) > 1 and where.startswith("running"):  # the dump ran: the test outlived its time
+            shown = stacks[:_STACK_LINES] + (
+                [f"... {len(stacks) - _STACK_LINES} more lines"] if len(stacks) > _STACK_LINES else []
+            )
+            line += "\n  " + "\n  ".join(shown)
         self.deaths.append(line)
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:

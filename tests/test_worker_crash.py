@@ -62,3 +62,36 @@ def test_a_dead_worker_is_named_with_its_test(tmp_path):
     # xdist's own report names no test here: nothing was pending on that worker
     assert "died (Not properly terminated) after test_die.py::test_passes had finished" in out, out
     assert "= workers that died =" in out, out
+
+
+HANGS = """
+import time
+import pytest
+
+def hang_here():
+    time.sleep(60)
+
+@pytest.mark.timeout(6)
+def test_hangs():
+    hang_here()
+"""
+
+
+def test_a_worker_ended_by_its_time_limit_shows_where_it_hung(tmp_path):
+    """pytest-timeout's thread method ends the worker with os._exit after writing the stacks into the test's
+    captured output, which dies with it: the worker's own faulthandler dump, 3 s before the limit here, is
+    what the controller prints, naming the function the test was stuck in."""
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_hang.py").write_text(HANGS)
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    }
+    cmd = [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "-o", "timeout_method=thread"]
+    done = subprocess.run(
+        [*cmd, "test_hang.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "running test_hang.py::test_hangs" in out, out
+    assert "every thread's stack 3 s before test_hang.py::test_hangs's limit (6 s)" in out, out
+    assert "in hang_here" in out, out
