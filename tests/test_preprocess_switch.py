@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _transformers_reference as reference  # noqa: E402
 from vlfast.errors import InputRefused  # noqa: E402
 
+# One worker runs the module: the child process behind switch_run (~15 s) runs once
+pytestmark = pytest.mark.xdist_group("preprocess-switch")
+
 CHILD = r"""
 import copy, json, os, sys
 sys.path.insert(0, TESTS)
