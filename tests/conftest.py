@@ -186,6 +186,10 @@ def _ray_session():
 
     def start():
         if not ray.is_initialized():
+            # Ray starts its workers at nice 15 (RAY_worker_niceness, read by the raylet): beside work at normal
+            # priority they get a few percent of a core, and at load 10 the killed-job test outlived its 900 s
+            # (2026-12-02). The suite's cluster runs them at the priority of the rest of the suite.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             before = signal.getsignal(signal.SIGTERM)
             # The job's workers get what `vlfast extract` sets for itself, so the engine adds no per-stage env.
             ray.init(
