@@ -296,9 +296,8 @@ def _adapted_to_dict(self) -> dict[str, Any]:
     out = _base_class(self).to_dict(self)
     for key in [k for k in out if k.startswith("_vlfast")]:
         del out[key]
-    out["image_processor_type"] = _base_class(self).__name__
-    if hasattr(_base_class(self), "to_dict") and out["image_processor_type"].endswith("Pil"):
-        out["image_processor_type"] = out["image_processor_type"][:-3]  # as transformers' PIL backend saves
+    # the base wrote this class's name (its PIL backend without "Pil", as it saves itself): the base's
+    out["image_processor_type"] = out["image_processor_type"].removeprefix("Vlfast")
     return out
 
 

@@ -34,27 +34,33 @@ _warned = False
 _preprocess_warned = False
 
 
-def env_setting(environ: dict | None = None) -> str | None:
-    """``None`` when the switch is off (or its value is not understood), else the normalised value."""
-    raw = (environ if environ is not None else os.environ).get(ENV_VAR, "")
+def _switch(var: str, environ: dict | None, accepted: tuple[str, ...], warn) -> str | None:
+    """The normalised value of switch ``var``; None when it is off or not one of ``accepted`` (then ``warn``)."""
+    raw = (environ if environ is not None else os.environ).get(var, "")
     value = raw.strip().lower()
     if value in _OFF:
         return None
-    if value not in _ON:
-        _warn_unknown(raw)
+    if value not in accepted:
+        warn(raw)
         return None
     return value
 
 
+def env_setting(environ: dict | None = None) -> str | None:
+    """``None`` when the switch is off (or its value is not understood), else the normalised value."""
+    return _switch(ENV_VAR, environ, _ON, _warn_unknown)
+
+
 def preprocess_setting(environ: dict | None = None) -> bool:
     """Whether ``VLFAST_PREPROCESS`` is on; a value not understood is off, said once on stderr."""
+    return (
+        _switch(PREPROCESS_VAR, environ, tuple(v for v in _ON if v != "all"), _warn_unknown_preprocess)
+        is not None
+    )
+
+
+def _warn_unknown_preprocess(raw: str) -> None:
     global _preprocess_warned
-    raw = (environ if environ is not None else os.environ).get(PREPROCESS_VAR, "")
-    value = raw.strip().lower()
-    if value in _OFF:
-        return False
-    if value in _ON and value != "all":
-        return True
     if not _preprocess_warned:
         _preprocess_warned = True
         print(
@@ -62,7 +68,6 @@ def preprocess_setting(environ: dict | None = None) -> bool:
             "yes or on, or 0, false, no, off",
             file=sys.stderr,
         )
-    return False
 
 
 def _warn_unknown(raw: str) -> None:

@@ -338,7 +338,8 @@ def env_setting(environ: dict | None = None) -> str | None:
 def _at_exit(target: str) -> None:
     # A process that never loaded the patch (a launcher: torchrun's, accelerate's) has nothing to say,
     # nor a worker process (DataLoader, multiprocessing) that patched nothing.
-    images = sum(_image_counts()[1].values()) + _image_counts()[0]
+    answered, stock = _image_counts()
+    images = answered + sum(stock.values())
     if "vlfast.patching.gemm" not in sys.modules and not images:
         return
     record = CallRecord(_start={}, _idle=True)
