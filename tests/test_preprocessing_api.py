@@ -150,18 +150,21 @@ def test_uint8_pixels_finished_where_they_land(tiny_qwen3_vl, media):
 
 @pytest.mark.parametrize("steps", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("repeat", [1, 2])
-def test_the_chunked_normalisation_equals_the_plain_one(monkeypatch, steps, repeat):
-    """rescale_normalize works a few hundred KB of rows at a time on the CPU, into an output asked for huge
-    pages: every chunk boundary (one row, a part chunk, a chunk and one) and a failing or absent madvise give
-    the bits of the plain whole-tensor computation, transformers' order (the float image, rescale and
-    normalise, then the temporal repeat)."""
+def test_the_blocked_normalisation_equals_the_plain_one(monkeypatch, steps, repeat):
+    """rescale_normalize normalises up to 8 MB of rows at a time on the CPU into a block of their own, then
+    copies it into the output's temporal slots, in memory asked for huge pages: every block boundary (one
+    row, a part block, a block and one), a channel-transposed (strided) input as the image path hands it, and
+    a failing or absent madvise give the bits of the plain whole-tensor computation, transformers' order (the
+    float image, rescale and normalise, then the temporal repeat)."""
     import vlfast.extraction.decode.video as video
 
     do_rescale, do_normalize = steps
     mean, std, factor = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711), 1 / 255
-    monkeypatch.setattr(video, "_CPU_CHUNK_BYTES", 3 * repeat * 64 * 4 * 5)  # five rows a chunk
-    for n in (1, 4, 5, 6, 11, 400):
+    monkeypatch.setattr(video, "_CPU_BLOCK_BYTES", 3 * 64 * 4 * 5)  # five rows a block
+    for n, strided in ((1, False), (4, False), (5, True), (6, False), (11, True), (400, False), (400, True)):
         x = torch.randint(0, 256, (n, 3, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        if strided:  # the channels last in memory: (n, 64, 3) viewed as (n, 3, 64)
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
         want = x.to(torch.float32)
         if do_normalize:
             m, s = video.fused_mean_std(mean, std, factor, do_rescale, (1, 3, 1))
@@ -173,12 +176,13 @@ def test_the_chunked_normalisation_equals_the_plain_one(monkeypatch, steps, repe
             monkeypatch.setattr(video, "_madvise", madvise)
             got = video.rescale_normalize(x, mean, std, factor, do_rescale, do_normalize, repeat=repeat)
             assert got.dtype == torch.float32 and got.shape == want.shape
-            assert torch.equal(got, want), (n, madvise)
+            assert torch.equal(got, want), (n, strided, madvise)
 
 
 def test_a_large_output_asks_for_huge_pages(monkeypatch):
-    """An output of 4 MB or more is madvised once (on Linux), 2 MB-aligned inside its own memory; its values
-    are those of the plain computation."""
+    """An output of 4 MB or more is madvised (on Linux), 2 MB-aligned inside its own memory (and so is a
+    normalised block of 4 MB or more before it is copied into the output); its values are those of the
+    plain computation."""
     import vlfast.extraction.decode.video as video
 
     if video._madvise is None:
@@ -190,10 +194,10 @@ def test_a_large_output_asks_for_huge_pages(monkeypatch):
     x = torch.randint(0, 256, (1400, 3, 256), dtype=torch.uint8)
     got = video.rescale_normalize(x, (0.5,) * 3, (0.5,) * 3, 1 / 255, True, True, repeat=2)
     assert torch.equal(got[:, :256], (x[:, 0].float() - 127.5) / 127.5)
-    assert len(calls) == 1
-    start, size, advice = calls[0]
-    assert advice == 14 and start % (2 << 20) == 0 and size % (2 << 20) == 0
-    assert got.data_ptr() <= start and start + size <= got.data_ptr() + got.numel() * 4
+    assert len(calls) == 2  # the 8.6 MB output, then the 4.3 MB block
+    assert all(advice == 14 and start % (2 << 20) == 0 and size % (2 << 20) == 0 for start, size, advice in calls)
+    inside = [got.data_ptr() <= start and start + size <= got.data_ptr() + got.numel() * 4 for start, size, _ in calls]
+    assert inside.count(True) == 1
     calls.clear()
     video.rescale_normalize(x[:10], (0.5,) * 3, (0.5,) * 3, 1 / 255, True, True, repeat=2)
     assert calls == []  # small outputs are left as they are

@@ -194,33 +194,43 @@ def rescale_normalize(
     (an image's temporal patch: transformers repeats the normalised float32 patch). float32 subtraction,
     multiplication and division are exact IEEE operations, so any device gives the same bits.
 
-    On the CPU, where this is most of a small image's time: the uint8 values are converted by a plain copy
-    into the output (a mixed-dtype subtraction would first copy them to a float32 temporary), a few hundred
-    KB of rows at a time so the subtraction and division run in cache, and the output is asked for huge
-    pages (:func:`_float32_out`): writing 50 MB of fresh 4 KB pages was most of a 1080p image's time here."""
+    On the CPU, where this is most of a small image's time: the uint8 values are converted into a float32
+    block of their own (contiguous: the subtraction and division then run over it in one vectorised sweep
+    each), which one copy then writes into every temporal slot of the output; blocks of up to 8 MB, so the
+    extra memory stays bounded for large images; outputs are asked for huge pages (:func:`_float32_out`).
+    Writing the normalised values into the output's first slot in place and copying that slot across (the
+    previous way, in L2-sized chunks) took 1.2-1.7x as long here (640x480 to 1920x1080, one thread)."""
     n, c = patches.shape[:2]
     x = patches.reshape(n, c, 1, math.prod(patches.shape[2:]))
-    out = _float32_out((n, c, repeat, x.shape[-1]), patches.device)
+    width = x.shape[-1]
     m = s = None
     if do_normalize:
         m, s = fused_mean_std(mean, std, rescale_factor, do_rescale, (1, c, 1, 1))
         m, s = m.to(patches.device), s.to(patches.device)
-    row_bytes = c * repeat * x.shape[-1] * 4
-    step = n if patches.device.type != "cpu" else max(1, _CPU_CHUNK_BYTES // max(row_bytes, 1))
+    if repeat == 1:  # the block is the output
+        out = _float32_out((n, c, 1, width), patches.device)
+        _normalized(x, out, m, s, rescale_factor, do_normalize, do_rescale)
+        return out.view(n, -1)
+    out = _float32_out((n, c, repeat, width), patches.device)
+    step = n if patches.device.type != "cpu" else max(1, _CPU_BLOCK_BYTES // max(c * width * 4, 1))
     for i in range(0, n, step):
-        first = out[i : i + step, :, :1]
-        first.copy_(x[i : i + step])
-        if do_normalize:
-            first.sub_(m).div_(s)
-        elif do_rescale:
-            first.mul_(rescale_factor)
-        if repeat > 1:
-            out[i : i + step, :, 1:].copy_(first.expand(-1, -1, repeat - 1, -1))
+        block = _float32_out((min(step, n - i), c, 1, width), patches.device)
+        _normalized(x[i : i + step], block, m, s, rescale_factor, do_normalize, do_rescale)
+        out[i : i + step].copy_(block.expand(-1, -1, repeat, -1))
     return out.view(n, -1)
 
 
-# float32 written per step on the CPU: within a core's L2 (1 MB on Zen 4, 2 MB on recent Xeons)
-_CPU_CHUNK_BYTES = 1 << 19
+def _normalized(x, block, m, s, rescale_factor, do_normalize, do_rescale) -> None:
+    """``block`` (float32, x's shape) = x rescaled and normalised, in transformers' operations and order."""
+    block.copy_(x)
+    if do_normalize:
+        block.sub_(m).div_(s)
+    elif do_rescale:
+        block.mul_(rescale_factor)
+
+
+# float32 normalised per block on the CPU before it is copied into the output's temporal slots
+_CPU_BLOCK_BYTES = 8 << 20
 _HUGE_PAGE = 2 << 20
 
 
