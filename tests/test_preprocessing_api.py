@@ -195,8 +195,13 @@ def test_a_large_output_asks_for_huge_pages(monkeypatch):
     got = video.rescale_normalize(x, (0.5,) * 3, (0.5,) * 3, 1 / 255, True, True, repeat=2)
     assert torch.equal(got[:, :256], (x[:, 0].float() - 127.5) / 127.5)
     assert len(calls) == 2  # the 8.6 MB output, then the 4.3 MB block
-    assert all(advice == 14 and start % (2 << 20) == 0 and size % (2 << 20) == 0 for start, size, advice in calls)
-    inside = [got.data_ptr() <= start and start + size <= got.data_ptr() + got.numel() * 4 for start, size, _ in calls]
+    assert all(
+        advice == 14 and start % (2 << 20) == 0 and size % (2 << 20) == 0 for start, size, advice in calls
+    )
+    inside = [
+        got.data_ptr() <= start and start + size <= got.data_ptr() + got.numel() * 4
+        for start, size, _ in calls
+    ]
     assert inside.count(True) == 1
     calls.clear()
     video.rescale_normalize(x[:10], (0.5,) * 3, (0.5,) * 3, 1 / 255, True, True, repeat=2)
