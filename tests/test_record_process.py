@@ -267,3 +267,26 @@ def test_vlfast_patch_with_a_record_path_reports_no_unpatched_conv(tmp_path):
     assert record["unpatched_calls"] == 0 and record["unpatched"] == [], record
     assert record["gemm_calls"] == 3 and record["stock_calls"] == 0
     assert "not patched" not in done.stderr and "3 patched convs, 3 calls: 3 GEMM, 0 stock" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("patch_env", "head_only"),
+    [(None, True), ("0", True), ("bogus", True), ("1", False), ("all", False)],
+)
+def test_an_image_only_record_reads_vlfast_patch_as_the_switch_does(monkeypatch, patch_env, head_only):
+    """With image processor calls and no patched conv, the record says only the image line unless the patch
+    was asked for (then "no patched convolution" is the news). A value the switch ignores (a typo: nothing
+    was patched) is not "asked"."""
+    from vlfast.patching import autopatch
+
+    if patch_env is None:
+        monkeypatch.delenv("VLFAST_PATCH", raising=False)
+    else:
+        monkeypatch.setenv("VLFAST_PATCH", patch_env)
+    monkeypatch.setattr(autopatch, "_warned", True)  # the typo was said at start-up, not here
+    with record.record_calls() as rec:
+        record.count_image_processor_call()
+        record.count_image_processor_call("max_pixels=16384 in a call")
+    text = str(rec)
+    assert "image processor: 2 calls: 1 by vlfast, 1 stock; 1 stock (max_pixels=16384 in a call)" in text
+    assert ("no patched convolution" not in text) is head_only, text

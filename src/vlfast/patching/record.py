@@ -271,7 +271,9 @@ class CallRecord:
                 names += f" and {k - _NAMES_SHOWN} more"
             tail.append(f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} {ran}")
         images = _image_line(*self.image_processor_calls())
-        patch_asked = os.environ.get("VLFAST_PATCH", "").strip().lower() not in _OFF
+        from vlfast.patching.autopatch import env_setting  # the .pth's own reading (a typo is not asked)
+
+        patch_asked = env_setting() is not None
         if images and not convs and not patch_asked:  # VLFAST_PREPROCESS alone: no conv to speak of
             return "\n".join([f"vlfast record ({who}, pid {d['pid']}): {images}", *tail])
         if images:
