@@ -98,7 +98,7 @@ def test_api_warns_when_openmp_threads_spin(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     config = ExtractConfig(model="ref:qwen3-vl-2b", device="cpu", num_workers=1)
     with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY=PASSIVE"):
-        LocalEngine(Hooks(rows_probe=lambda: True)).cpu_warnings(config)
+        LocalEngine(Hooks(bits_probe=lambda: True)).cpu_warnings(config)
 
 
 def test_demo_help_says_it_takes_model():

@@ -136,8 +136,8 @@ def test_the_driver_says_each_actors_bits_problem_once():
 
     facts = _ActorFacts()
     rows = [
-        {"load_s": 2.0, "bits_problem": "rows vary"},
-        {"load_s": 3.5, "bits_problem": "rows vary"},  # the other actor, the same CPU
+        {"load_s": 2.0, "bits_problem": "threads vary"},
+        {"load_s": 3.5, "bits_problem": "threads vary"},  # the other actor, the same CPU
         {"load_s": None, "bits_problem": None},  # any later row
         {"load_s": 1.0, "bits_problem": "MKL_CBWR unset"},  # an actor started without the job's env
     ]
@@ -234,8 +234,8 @@ def _poisoned_decoder(sample):
         time.sleep(600)
 
 
-def _rows_vary() -> bool:
-    """A model actor's CPU whose products change a row's bits with the rows beside it (an AMD CPU's MKL)."""
+def _threads_vary() -> bool:
+    """A model actor's CPU whose products change their bits with the thread count (an AMD CPU's MKL can)."""
     return False
 
 
@@ -274,12 +274,14 @@ def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_v
     with monkeypatch.context() as mp, warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         killed = _kill_first_actor(str(tmp_path / "killed"))
-        mp.setattr(RayEngine, "hooks", Hooks(decode=_poisoned_decoder, forward=killed, rows_probe=_rows_vary))
+        mp.setattr(
+            RayEngine, "hooks", Hooks(decode=_poisoned_decoder, forward=killed, bits_probe=_threads_vary)
+        )
         # Two model actors at half a CPU each, so the decode actor has the cluster's other CPU.
         ray = extract_ray(manifest, tmp_path / "ray", ray_workers=2, cpus_per_worker=0.5, **options)
     assert (tmp_path / "killed").exists()  # the kill happened
     assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
-    bits = [str(w.message) for w in said if "give a row other bits" in str(w.message)]
+    bits = [str(w.message) for w in said if "other bits at another thread count" in str(w.message)]
     assert len(bits) == 1 and bits[0].startswith("a model actor: this CPU's products"), bits
     # Failed: the bad files, the repeat, the bad line, the two poisoned decodes.
     assert (ray.engine, ray.extracted, ray.failed) == ("ray", good - 2, bad + 4)
@@ -546,11 +548,11 @@ def test_embeddings_through_ray_equal_the_local_engine(ray_cluster, media_dir, t
         warnings.simplefilter("always")
         ray = extract_ray(manifest, tmp_path / "ray", ray_workers=1, **options)
     # The actor's own probe of its CPU (the real one): MKL_CBWR reached it, and it says what this process
-    # measures: rows keep their bits on an Intel CPU, and on an AMD EPYC they do not, which the driver says
-    from vlfast.numerics import rows_keep_their_bits
+    # measures (products keep their bits across thread counts, or not), which the driver says once
+    from vlfast.numerics import threads_keep_their_bits
 
     bits = [str(w.message) for w in said if "bits" in str(w.message)]
-    assert len(bits) == (0 if rows_keep_their_bits() else 1), bits
+    assert len(bits) == (0 if threads_keep_their_bits() else 1), bits
     assert (ray.extracted, ray.failed) == (2, 1)
     assert compare_caches(tmp_path / "local", tmp_path / "ray") == []
     assert FeatureCache(tmp_path / "ray").meta("txt")["instruction"] == "Find the picture."

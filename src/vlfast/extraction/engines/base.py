@@ -59,8 +59,9 @@ class Hooks:
 
     forward: Callable[[list[Any]], None] | None = None
     decode: Callable[[Sample], None] | None = None
-    #: stands in for :func:`vlfast.numerics.rows_keep_their_bits` (where the model runs: a Ray model actor's too)
-    rows_probe: Callable[[], bool] | None = None
+    #: stands in for :func:`vlfast.numerics.threads_keep_their_bits` (where the model runs: a Ray model actor's
+    #: too)
+    bits_probe: Callable[[], bool] | None = None
 
 
 class UnexpectedSampleErrors(RuntimeError):
@@ -100,13 +101,14 @@ class UnexpectedErrors:
         )
 
 
-def cpu_bits_problem(rows_probe: Callable[[], bool] | None = None) -> str | None:
+def cpu_bits_problem(bits_probe: Callable[[], bool] | None = None) -> str | None:
     """Why this process's CPU products may give a sample other bits in a resume, another rank or a Ray actor
     than in this run (docs/extract.md, "What vlfast guarantees"; docs/internals.md on MKL), or None:
-    ``MKL_CBWR`` not set before torch loaded MKL
-    (every ``vlfast`` command and the Ray engine's workers set it), or, with it set, a product whose rows
-    change with the rows beside them (``rows_probe``, by default :func:`vlfast.numerics.rows_keep_their_bits`:
-    MKL's strict mode covers its code for Intel CPUs, not AMD's). For a CPU run only; tens of milliseconds."""
+    ``MKL_CBWR`` not set before torch loaded MKL (every ``vlfast`` command and the Ray engine's workers set
+    it), or, with it set, a product whose bits change with the thread count (``bits_probe``, by default
+    :func:`vlfast.numerics.threads_keep_their_bits`: MKL's strict mode covers its code for Intel CPUs, not
+    AMD's). Which samples share a batch is not a cause: on the CPU each runs alone. For a CPU run only; tens
+    of milliseconds."""
     import os
 
     import torch
@@ -118,14 +120,15 @@ def cpu_bits_problem(rows_probe: Callable[[], bool] | None = None) -> str | None
             "last bits between this run and a resume with other workers or threads, a torchrun rank or a "
             "Ray actor; see docs/extract.md"
         )
-    if rows_probe is None:
-        from vlfast.numerics import rows_keep_their_bits as rows_probe
-    if not rows_probe():
+    if bits_probe is None:
+        from vlfast.numerics import threads_keep_their_bits as bits_probe
+    if not bits_probe():
         return (
-            "this CPU's products give a row other bits when other rows share the product, even with "
+            "this CPU's products give other bits at another thread count, even with "
             f"MKL_CBWR={os.environ.get('MKL_CBWR', '')} (MKL's strict mode covers its code for Intel CPUs, "
-            "not AMD's): a sample's features can differ in their last bits between this run and a resume, "
-            "a torchrun rank or a Ray actor; see docs/extract.md"
+            "not AMD's): a sample's features can differ in their last bits between this run and a resume at "
+            "another thread count, a torchrun rank or a Ray actor (one thread each); keep OMP_NUM_THREADS "
+            "the same; see docs/extract.md"
         )
     return None
 

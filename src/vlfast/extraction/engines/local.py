@@ -77,7 +77,7 @@ class LocalEngine:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        problem = cpu_bits_problem(self.hooks.rows_probe)
+        problem = cpu_bits_problem(self.hooks.bits_probe)
         if problem is not None:
             warnings.warn(problem, RuntimeWarning, stacklevel=2)
 

@@ -291,7 +291,7 @@ class _ModelStage:
         budget,
         hook,
         rank_counter=None,
-        rows_probe=None,
+        bits_probe=None,
     ):
         t0 = time.perf_counter()
         self.store = _claim_rank(out, run_config, volatile_keys, store_options, ranks, rank_counter)
@@ -305,7 +305,7 @@ class _ModelStage:
             )
             self.forward = runner.Forward(loaded, spec, cfg, stored_as, prompts, hook)
             # Measured where the model runs: the actors' nodes need not have the driver's CPU.
-            self.bits_problem = cpu_bits_problem(rows_probe) if device.type == "cpu" else None
+            self.bits_problem = cpu_bits_problem(bits_probe) if device.type == "cpu" else None
             # What another actor committed before dying: its batch in flight is retried here, and must not
             # be added twice (a second copy would be recorded as a duplicate).
             self.done = self.store.done_ids()
@@ -809,7 +809,7 @@ class RayEngine:
                 stored_as=job.config.stored_as,
                 budget=job.config.budget,
                 hook=self.hooks.forward,
-                rows_probe=self.hooks.rows_probe,
+                bits_probe=self.hooks.bits_probe,
             ),
         )
 

@@ -6,7 +6,7 @@ sample bits that depend on its batch-mates. Found on a 2-core AMD EPYC limited t
 resumed run's ``llm.last.layer2`` differed from an uninterrupted run's in its last bits, because
 ``scaled_dot_product_attention`` over a row padded to its batch's longest sums the softmax in another order
 than over the row alone (on AVX-512 too: a row of 20 tokens padded to 64, or of 7 padded to 9), and a
-product's rows can change with the rows beside them (:func:`vlfast.numerics.rows_keep_their_bits`). Alone,
+product's rows can change with the rows beside them (MKL on that AMD EPYC, in every ``MKL_CBWR`` mode). Alone,
 every shape a sample's forward sees is its own, so its features are the same bytes whatever the batch, its
 order, a resume or a re-sharding (at one thread count, on one machine and library build).
 """
