@@ -145,7 +145,7 @@ def test_the_driver_says_each_actors_bits_problem_once():
         warnings.simplefilter("always")
         for row in rows:
             facts.take(row)
-    assert [str(w.message) for w in said] == ["a model actor: rows vary", "a model actor: MKL_CBWR unset"]
+    assert [str(w.message) for w in said] == ["a model actor: threads vary", "a model actor: MKL_CBWR unset"]
     assert all(w.category is RuntimeWarning for w in said) and facts.load_s == 3.5
 
 
