@@ -256,9 +256,9 @@ def test_ray_engine_equals_the_local_engine(ray_cluster, media_dir, tiny_qwen3_v
     """Same features, meta and error records as the local engine: bad files, a repeated id, a bad manifest
     line, a decoder that kills its worker (retried once, then recorded) and one that hangs (stopped). The
     model actors also probe their own CPU's products (here: a stand-in that finds them vary with the thread
-    count); the driver warns once, however many actors say so. And the first model actor is SIGKILLed at its first forward,
-    after recording its call's decode errors: Ray restarts it and retries the call, which finds those
-    records there ("known"); the summary still counts them, and every sample."""
+    count); the driver warns once, however many actors say so. And the first model actor is SIGKILLed at its
+    first forward, after recording its call's decode errors: Ray restarts it and retries the call, which
+    finds those records there ("known"); the summary still counts them, and every sample."""
     import warnings
 
     from ray import cloudpickle
