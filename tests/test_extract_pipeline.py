@@ -323,6 +323,36 @@ def test_device_decisions_on_fabricated_facts(monkeypatch):
     assert runner.pixels_to(image, torch.device("cpu"), cfg) is image and calls == []  # nothing to pin on CPU
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_batchs_pixels_are_normalised_into_one_tensor_without_a_concatenation(monkeypatch, dtype):
+    """runner.batch_pixels gives the tower what torch.cat of each sample's float32 pixels, then .to(dtype),
+    gives, bit for bit: deferred image patches (each held once: the temporal repeat), video patches, float32
+    rows the workers normalised, and a batch of one (the CPU's case); torch.cat never runs, no float32 copy
+    of the whole is made for another dtype, and widths that disagree are refused."""
+    from vlfast.extraction.model import runner
+
+    cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl")
+    gen = torch.Generator().manual_seed(3)
+    image = torch.randint(0, 256, (12, 3, 16 * 16), dtype=torch.uint8, generator=gen)
+    video = torch.randint(0, 256, (8, 3, 2 * 16 * 16), dtype=torch.uint8, generator=gen)
+    done = torch.randn(4, 3 * 2 * 16 * 16, generator=gen)
+    cpu = torch.device("cpu")
+    for batch in ([image, video, done], [image], [video], [done, image]):
+        want = torch.cat([runner.pixels_to(x, cpu, cfg) for x in batch]).to(dtype)
+        with monkeypatch.context() as mp:
+            mp.setattr(torch, "cat", lambda *a, **k: pytest.fail("torch.cat ran"))
+            got = runner.batch_pixels(batch, cpu, dtype, cfg)
+        assert got.dtype == dtype and got.shape == want.shape and torch.equal(got, want)
+    with pytest.raises(ValueError, match="different widths"):
+        runner.batch_pixels([image, torch.randn(2, 100)], cpu, dtype, cfg)
+    from vlfast.extraction.decode.video import normalize_video_patches
+
+    with pytest.raises(ValueError, match="out must be a contiguous floating tensor of shape"):
+        normalize_video_patches(video, cfg, out=torch.empty(8, 1536, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must be"):
+        normalize_video_patches(video, cfg, out=torch.empty(1536, 8).t())
+
+
 @pytest.mark.parametrize(
     "oom",
     [

@@ -19,6 +19,7 @@ from vlfast.extraction.decode.truncation import container_truncation
 from vlfast.extraction.objstore import is_transient, transient_error
 
 __all__ = [
+    "empty_pixels",
     "normalize_video_patches",
     "patchify_video",
     "fused_mean_std",
@@ -187,6 +188,7 @@ def rescale_normalize(
     do_normalize: bool,
     *,
     repeat: int = 1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 patches (N, C, L) -> float32 (N, C*repeat*L), on whatever device they are, as transformers'
     ``rescale_and_normalize``: with both steps ``(x - mean/r) / (std/r)`` per channel (its fused form),
@@ -194,30 +196,42 @@ def rescale_normalize(
     (an image's temporal patch: transformers repeats the normalised float32 patch). float32 subtraction,
     multiplication and division are exact IEEE operations, so any device gives the same bits.
 
+    ``out``: a contiguous (N, C*repeat*L) floating tensor on the patches' device to write into instead (rows
+    of a batch's tensor, in the model's dtype): the values are computed in float32 as above and rounded to
+    ``out``'s dtype as ``.to(dtype)`` rounds transformers' float32 pixel_values, so no float32 copy of the
+    whole, and no concatenation, is made.
+
     On the CPU, where this is most of a small image's time: the uint8 values are converted into a float32
     block of their own (contiguous: the subtraction and division then run over it in one vectorised sweep
     each), which one copy then writes into every temporal slot of the output; blocks of up to 8 MB, so the
-    extra memory stays bounded for large images; outputs are asked for huge pages (:func:`_float32_out`).
+    extra memory stays bounded for large images; outputs are asked for huge pages (:func:`empty_pixels`).
     Writing the normalised values into the output's first slot in place and copying that slot across (the
     previous way, in L2-sized chunks) took 1.2-1.7x as long here (640x480 to 1920x1080, one thread)."""
     n, c = patches.shape[:2]
     x = patches.reshape(n, c, 1, math.prod(patches.shape[2:]))
     width = x.shape[-1]
+    if out is None:
+        out = empty_pixels((n, c * repeat * width), torch.float32, patches.device)
+    elif out.shape != (n, c * repeat * width) or not out.is_floating_point() or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous floating tensor of shape {(n, c * repeat * width)}, not "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
+    target = out.view(n, c, repeat, width)
     m = s = None
     if do_normalize:
         m, s = fused_mean_std(mean, std, rescale_factor, do_rescale, (1, c, 1, 1))
         m, s = m.to(patches.device), s.to(patches.device)
-    if repeat == 1:  # the block is the output
-        out = _float32_out((n, c, 1, width), patches.device)
-        _normalized(x, out, m, s, rescale_factor, do_normalize, do_rescale)
-        return out.view(n, -1)
-    out = _float32_out((n, c, repeat, width), patches.device)
+    direct = repeat == 1 and out.dtype == torch.float32  # the output is its own block
     step = n if patches.device.type != "cpu" else max(1, _CPU_BLOCK_BYTES // max(c * width * 4, 1))
     for i in range(0, n, step):
-        block = _float32_out((min(step, n - i), c, 1, width), patches.device)
+        if direct:
+            _normalized(x[i : i + step], target[i : i + step], m, s, rescale_factor, do_normalize, do_rescale)
+            continue
+        block = empty_pixels((min(step, n - i), c, 1, width), torch.float32, patches.device)
         _normalized(x[i : i + step], block, m, s, rescale_factor, do_normalize, do_rescale)
-        out[i : i + step].copy_(block.expand(-1, -1, repeat, -1))
-    return out.view(n, -1)
+        target[i : i + step].copy_(block.expand(-1, -1, repeat, -1))
+    return out
 
 
 def _normalized(x, block, m, s, rescale_factor, do_normalize, do_rescale) -> None:
@@ -234,14 +248,14 @@ _CPU_BLOCK_BYTES = 8 << 20
 _HUGE_PAGE = 2 << 20
 
 
-def _float32_out(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """An empty float32 tensor; on Linux CPUs, one of 4 MB or more asks the kernel for transparent huge pages
-    before it is first written (``madvise(MADV_HUGEPAGE)``, what torch does for every allocation under
-    ``THP_MEM_ALLOC_ENABLE=1``): 512x fewer page faults. Measured here (AMD EPYC, THP in madvise mode, one
-    thread): a 1080p image's 50 MB of pixel_values normalised in 31 ms instead of 87. Where the kernel has no
-    THP, or says no, nothing changes."""
-    out = torch.empty(shape, dtype=torch.float32, device=device)
-    nbytes = out.numel() * 4
+def empty_pixels(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor for pixel values; on Linux CPUs, one of 4 MB or more asks the kernel for transparent
+    huge pages before it is first written (``madvise(MADV_HUGEPAGE)``, what torch does for every allocation
+    under ``THP_MEM_ALLOC_ENABLE=1``): 512x fewer page faults. Measured here (AMD EPYC, THP in madvise mode,
+    one thread): a 1080p image's 50 MB of pixel_values normalised in 31 ms instead of 87. Where the kernel
+    has no THP, or says no, nothing changes."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
     if device.type == "cpu" and nbytes >= 2 * _HUGE_PAGE and _madvise is not None:
         start = (out.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
         end = (out.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
@@ -269,9 +283,12 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
-def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
+def normalize_video_patches(
+    patches: torch.Tensor, cfg: ProcessorConfig, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 patches (N, C, T*P*P) -> float32 pixel_values (N, C*T*P*P) by the video processor's settings; an
-    image's deferred patches, (N, C, P*P) (where images and videos normalise alike), get the temporal repeat."""
+    image's deferred patches, (N, C, P*P) (where images and videos normalise alike), get the temporal repeat.
+    ``out``: written into instead, as :func:`rescale_normalize` says."""
     return rescale_normalize(
         patches,
         cfg.video_mean,
@@ -280,6 +297,7 @@ def normalize_video_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torc
         cfg.video_do_rescale,
         cfg.video_do_normalize,
         repeat=temporal_repeat(patches, cfg),
+        out=out,
     )
 
 

@@ -14,6 +14,7 @@ order, a resume or a re-sharding (at one thread count, on one machine and librar
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from vlfast.extraction.decode.embedding import EmbeddingPrompt, is_embedding_che
 from vlfast.extraction.decode.preprocess import ProcessorConfig, normalize_video_patches
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.stage import DecodedSample
+from vlfast.extraction.decode.video import empty_pixels, temporal_repeat
 from vlfast.extraction.model.batching import Failed, TokenBudget, pack, pack_padded, run_split_on_oom
 from vlfast.extraction.model.features import (
     FeatureSpec,
@@ -92,10 +94,43 @@ def pixels_to(x: torch.Tensor, device: torch.device, cfg: ProcessorConfig) -> to
     memory, so ``non_blocking`` really overlaps it (from pageable memory it would be synchronous).
     Video patches arrive as uint8 and are normalised after the copy, on the device: a quarter of the bytes
     cross the bus."""
+    x = _moved(x, device)
+    return normalize_video_patches(x, cfg) if x.dtype == torch.uint8 else x
+
+
+def batch_pixels(
+    xs: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype, cfg: ProcessorConfig
+) -> torch.Tensor:
+    """Samples' pixel_values as the tower's one (sum of N, C*T*P*P) tensor of ``dtype`` on ``device``: what
+    ``torch.cat`` of each one's :func:`pixels_to`, then ``.to(dtype)``, gives, bit for bit, without either
+    copy: uint8 patches are normalised (after crossing to the device) straight into their rows, float32 ones
+    copied there (rounded to ``dtype`` as ``.to`` rounds). On the CPU, where each sample runs alone, the
+    concatenation had copied every image's float32 pixels once more (7.4 MB at 640x480, into fresh pages)."""
+    moved = [_moved(x, device) for x in xs]
+    widths = {
+        x.shape[1] * temporal_repeat(x, cfg) * math.prod(x.shape[2:])
+        if x.dtype == torch.uint8
+        else x.shape[1]
+        for x in moved
+    }
+    if len(widths) != 1:
+        raise ValueError(f"pixel_values of different widths in one batch: {sorted(widths)}")
+    out = empty_pixels((sum(int(x.shape[0]) for x in moved), widths.pop()), dtype, device)
+    row = 0
+    for x in moved:
+        rows = out[row : row + x.shape[0]]
+        if x.dtype == torch.uint8:
+            normalize_video_patches(x, cfg, out=rows)
+        else:
+            rows.copy_(x)
+        row += x.shape[0]
+    return out
+
+
+def _moved(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and not x.is_pinned():
         x = x.pin_memory()
-    x = x.to(device, non_blocking=True)
-    return normalize_video_patches(x, cfg) if x.dtype == torch.uint8 else x
+    return x.to(device, non_blocking=True)
 
 
 def runs_alone(device: torch.device) -> bool:
@@ -165,9 +200,9 @@ class Forward:
                 dtype=loaded.dtype,
                 **self.token_ids,
             )
-        pixels = torch.cat([pixels_to(it.pixel_values, loaded.device, self.cfg) for it in batch])
+        pixels = batch_pixels([it.pixel_values for it in batch], loaded.device, loaded.dtype, self.cfg)
         vb = VisionBatch(
-            pixel_values=pixels.to(dtype=loaded.dtype),
+            pixel_values=pixels,
             grid_thw=torch.tensor([list(it.grid) for it in batch], dtype=torch.int64).to(
                 loaded.device, non_blocking=True
             ),
