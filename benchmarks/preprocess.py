@@ -117,7 +117,8 @@ def main() -> None:
 
     from vlfast.demo import make_video, pattern
     from vlfast.extraction.decode.preprocess import build_processor_config
-    from vlfast.extraction.decode.video import _decode_at, normalize_video_patches, patchify_video, read_video
+    from vlfast.extraction.decode.video import _decode_at, patchify_video, read_video
+    from vlfast.extraction.model.runner import batch_pixels
 
     work = Path(tempfile.mkdtemp(prefix="vlfast-preprocess-"))
     cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
@@ -190,7 +191,7 @@ def main() -> None:
             )["pixel_values"],
             # the decode workers' uint8 patches and the model side's normalisation, on the CPU here: the whole path
             "vlfast extract (uint8 patches, normalised by the model side: CPU here)": lambda p=p: (
-                normalize_video_patches(deferred.image(p)[0], cfg)
+                batch_pixels([deferred.image(p)[0]], torch.device("cpu"), torch.float32, cfg)
             ),
             # a framework's call (LlamaFactory, TRL, ms-swift): a decoded PIL image in, float32 out; with
             # VLFAST_PREPROCESS=1 the processor's image processor is vlfast's swap
