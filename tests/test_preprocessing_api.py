@@ -144,6 +144,12 @@ def test_uint8_pixels_finished_where_they_land(tiny_qwen3_vl, media):
     assert set(done) == set(floats)
     for key, value in floats.items():
         assert done[key].dtype == value.dtype and torch.equal(done[key], value), key
+    for dtype in (torch.bfloat16, torch.float16):  # written in the model's dtype: .to(dtype)'s rounding
+        done = pre.finish(raw, "cpu", dtype=dtype)
+        for key in ("pixel_values", "pixel_values_videos"):
+            assert done[key].dtype == dtype and torch.equal(done[key], floats[key].to(dtype)), key
+        again = pre.finish(floats, "cpu", dtype=dtype)  # float32 pixels given: cast
+        assert torch.equal(again["pixel_values"], floats["pixel_values"].to(dtype))
     with pytest.raises(InputRefused, match="needs image_backend='torchvision'"):
         VisionPreprocessor(str(tiny_qwen3_vl), pixels="uint8", image_backend="pil")
 

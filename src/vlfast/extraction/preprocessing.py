@@ -116,23 +116,36 @@ class VisionPreprocessor:
             out["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
         return out
 
-    def finish(self, batch: dict[str, torch.Tensor], device: str | torch.device | None = None) -> dict:
+    def finish(
+        self,
+        batch: dict[str, torch.Tensor],
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> dict:
         """``batch`` (this object's outputs, collated) with uint8 pixel values made float32 on ``device`` (by
         default where they are): bit-equal to the float32 outputs (the rescale and normalisation are exact
-        IEEE operations on any device). Other entries are moved to ``device`` as they are."""
+        IEEE operations on any device). With ``dtype`` (the model's, e.g. ``torch.bfloat16``) the pixel
+        values are written in it directly, rounded as ``.to(dtype)`` rounds the float32 ones, with no
+        float32 copy of the batch. Other entries are moved to ``device`` as they are."""
         import torch
 
         from vlfast.extraction.decode.image import normalize_image_patches
-        from vlfast.extraction.decode.video import normalize_video_patches
+        from vlfast.extraction.decode.video import empty_pixels, normalize_video_patches, pixel_width
 
         out = {}
         for key, value in batch.items():
             if hasattr(value, "to") and device is not None:
                 value = value.to(device, non_blocking=True)
-            if key == "pixel_values" and value.dtype == torch.uint8:
-                value = normalize_image_patches(value, self.config)
-            elif key == "pixel_values_videos" and value.dtype == torch.uint8:
-                value = normalize_video_patches(value, self.config)
+            if key in ("pixel_values", "pixel_values_videos") and value.dtype == torch.uint8:
+                into = None
+                if dtype is not None:
+                    into = empty_pixels(
+                        (value.shape[0], pixel_width(value, self.config)), dtype, value.device
+                    )
+                normalize = normalize_image_patches if key == "pixel_values" else normalize_video_patches
+                value = normalize(value, self.config, out=into)
+            elif key in ("pixel_values", "pixel_values_videos") and dtype is not None:
+                value = value.to(dtype)
             out[key] = value
         return out
 

@@ -157,9 +157,11 @@ def image_patches(
     return pixel_values, (1, gh, gw)
 
 
-def normalize_image_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torch.Tensor:
+def normalize_image_patches(
+    patches: torch.Tensor, cfg: ProcessorConfig, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 patches (N, C, P*P), or (N, C, T*P*P) already repeated -> float32 pixel_values (N, C*T*P*P) by the
-    image processor's rescale and normalisation."""
+    image processor's rescale and normalisation; ``out``: written into instead (see ``rescale_normalize``)."""
     return rescale_normalize(
         patches,
         cfg.image_mean,
@@ -168,6 +170,7 @@ def normalize_image_patches(patches: torch.Tensor, cfg: ProcessorConfig) -> torc
         cfg.do_rescale,
         cfg.do_normalize,
         repeat=temporal_repeat(patches, cfg),
+        out=out,
     )
 
 

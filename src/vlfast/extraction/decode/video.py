@@ -22,6 +22,7 @@ __all__ = [
     "empty_pixels",
     "normalize_video_patches",
     "patchify_video",
+    "pixel_width",
     "fused_mean_std",
     "read_video",
     "rescale_normalize",
@@ -299,6 +300,11 @@ def normalize_video_patches(
         repeat=temporal_repeat(patches, cfg),
         out=out,
     )
+
+
+def pixel_width(patches: torch.Tensor, cfg: ProcessorConfig) -> int:
+    """The width of the float pixel_values rows uint8 ``patches`` (N, C, L) normalise to: C*T*P*P."""
+    return int(patches.shape[1]) * temporal_repeat(patches, cfg) * math.prod(patches.shape[2:])
 
 
 def temporal_repeat(patches: torch.Tensor, cfg: ProcessorConfig) -> int:

@@ -14,7 +14,6 @@ order, a resume or a re-sharding (at one thread count, on one machine and librar
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from vlfast.extraction.decode.embedding import EmbeddingPrompt, is_embedding_che
 from vlfast.extraction.decode.preprocess import ProcessorConfig, normalize_video_patches
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.stage import DecodedSample
-from vlfast.extraction.decode.video import empty_pixels, temporal_repeat
+from vlfast.extraction.decode.video import empty_pixels, pixel_width
 from vlfast.extraction.model.batching import Failed, TokenBudget, pack, pack_padded, run_split_on_oom
 from vlfast.extraction.model.features import (
     FeatureSpec,
@@ -107,12 +106,7 @@ def batch_pixels(
     copied there (rounded to ``dtype`` as ``.to`` rounds). On the CPU, where each sample runs alone, the
     concatenation had copied every image's float32 pixels once more (7.4 MB at 640x480, into fresh pages)."""
     moved = [_moved(x, device) for x in xs]
-    widths = {
-        x.shape[1] * temporal_repeat(x, cfg) * math.prod(x.shape[2:])
-        if x.dtype == torch.uint8
-        else x.shape[1]
-        for x in moved
-    }
+    widths = {pixel_width(x, cfg) if x.dtype == torch.uint8 else x.shape[1] for x in moved}
     if len(widths) != 1:
         raise ValueError(f"pixel_values of different widths in one batch: {sorted(widths)}")
     out = empty_pixels((sum(int(x.shape[0]) for x in moved), widths.pop()), dtype, device)
