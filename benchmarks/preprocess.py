@@ -22,6 +22,10 @@ bit for bit (for the video decode rows: the sequential decode's frames at the sa
 
     python benchmarks/preprocess.py --only video   # the video rows alone
 
+transformers' default video reader, torchcodec, loads only beside a CUDA build of torch (PyPI's torchcodec
+wheels are CUDA builds): ``bash benchmarks/torchcodec_env.sh`` makes a venv with one (it runs on the CPU) and
+says how to run this script there for the torchcodec rows.
+
 Each image size runs in a Python process of its own (``--image-sizes`` names one or more; this process then
 measures them itself): in one process for all four, the 4000x3000 row of ``VisionPreprocessor`` took 600-1036
 ms per image after the smaller sizes had run, against 208-255 ms in a process of its own with the same
@@ -317,6 +321,10 @@ def main() -> None:
     for reader, why in (("torchcodec", torchcodec_why), ("decord", decord_why)):
         if why is not None and args.only != "image":
             print(f"{reader}: not measured, it does not load here: {why}")
+            if reader == "torchcodec":
+                print(
+                    "  (PyPI's torchcodec is a CUDA build: benchmarks/torchcodec_env.sh makes a venv where it loads)"
+                )
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
