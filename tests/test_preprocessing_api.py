@@ -157,7 +157,7 @@ def test_uint8_pixels_finished_where_they_land(tiny_qwen3_vl, media):
 @pytest.mark.parametrize("steps", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("repeat", [1, 2])
 def test_the_blocked_normalisation_equals_the_plain_one(monkeypatch, steps, repeat):
-    """rescale_normalize normalises up to 8 MB of rows at a time on the CPU into a block of their own, then
+    """rescale_normalize normalises up to 8 MB of rows at a time on the CPU into a block of its own, then
     copies it into the output's temporal slots, in memory asked for huge pages: every block boundary (one
     row, a part block, a block and one), a channel-transposed (strided) input as the image path hands it, and
     a failing or absent madvise give the bits of the plain whole-tensor computation, transformers' order (the
