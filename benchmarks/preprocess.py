@@ -237,6 +237,40 @@ def main() -> None:
         n = 2 if w >= 4000 else 4
         rows += measure(f"image {w}x{h} JPEG", variants, equal, args.rounds, n)
 
+        # A data loader's collator calls the processor once per batch: 8 images in one call (2 at 4000x3000),
+        # the row's time per call. transformers concatenates the images' rows; vlfast writes them into one
+        # tensor (VisionPreprocessor._images)
+        k = 2 if w >= 4000 else 8
+        batch = [p] * k
+        tf_batch = tv(images=[tf_load_image(x) for x in batch], return_tensors="pt")["pixel_values"]
+        batched = {
+            "decode only, each image (libjpeg-turbo; reference bound)": lambda k=k, data=data: [
+                simplejpeg.decode_jpeg(data) for _ in range(k)
+            ],
+            "transformers torchvision processor": lambda batch=batch: tv(
+                images=[tf_load_image(x) for x in batch], return_tensors="pt"
+            ),
+            "vlfast (VisionPreprocessor: float32 on CPU)": lambda batch=batch: vision(images=batch)[
+                "pixel_values"
+            ],
+            "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": lambda batch=batch: vision_uint8(
+                images=batch
+            )["pixel_values"],
+        }
+        batch_equal = {
+            "transformers torchvision processor": True,
+            "vlfast (VisionPreprocessor: float32 on CPU)": torch.equal(
+                vision(images=batch)["pixel_values"], tf_batch
+            ),
+            "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": torch.equal(
+                vision_uint8.finish({"pixel_values": vision_uint8(images=batch)["pixel_values"]})[
+                    "pixel_values"
+                ],
+                tf_batch,
+            ),
+        }
+        rows += measure(f"image {w}x{h} JPEG, {k} in one call", batched, batch_equal, args.rounds, 1)
+
     clips = [(w, h, gop) for gop in (None, 30) for w, h in CLIP_SIZES] if args.only != "image" else []
     for w, h, gop in clips:
         options = {"g": str(gop)} if gop else None

@@ -270,3 +270,26 @@ def test_the_processor_s_image_processor_swapped(tiny_qwen3_vl, media):
     assert torch.equal(again(pils, return_tensors="pt")["pixel_values"], ours["pixel_values"])
     with pytest.raises(InputRefused, match="pass the image processor"):
         VisionPreprocessor("ref:qwen3-vl-2b").as_image_processor()
+
+
+def test_several_images_are_normalised_into_one_tensor_without_a_concatenation(monkeypatch, media):
+    """A call with several images (a collator's list) writes each image's float32 rows straight into one
+    tensor: the same bits as each image alone, concatenated; torch.cat never runs. Also where images and
+    videos normalise differently (the deferred patches then come back float32 from the worker path)."""
+    import dataclasses
+
+    from PIL import Image
+
+    images, _ = media
+    inputs = [*images, Image.open(images[1]).convert("RGB")]  # paths (JPEG, PNG) and a decoded image
+    for differ in (False, True):
+        pre = VisionPreprocessor("ref:qwen3-vl-2b")
+        if differ:
+            pre._pre = dataclasses.replace(pre._pre, cfg=dataclasses.replace(pre._pre.cfg, video_std=(0.3,) * 3))
+        alone = [pre(images=[x]) for x in inputs]
+        want = torch.cat([a["pixel_values"] for a in alone])
+        with monkeypatch.context() as mp:
+            mp.setattr(torch, "cat", lambda *a, **k: pytest.fail("torch.cat ran"))
+            got = pre(images=inputs)
+        assert got["pixel_values"].dtype == torch.float32 and torch.equal(got["pixel_values"], want), differ
+        assert got["image_grid_thw"].tolist() == [a["image_grid_thw"][0].tolist() for a in alone]
