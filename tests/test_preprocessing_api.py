@@ -285,7 +285,9 @@ def test_several_images_are_normalised_into_one_tensor_without_a_concatenation(m
     for differ in (False, True):
         pre = VisionPreprocessor("ref:qwen3-vl-2b")
         if differ:
-            pre._pre = dataclasses.replace(pre._pre, cfg=dataclasses.replace(pre._pre.cfg, video_std=(0.3,) * 3))
+            pre._pre = dataclasses.replace(
+                pre._pre, cfg=dataclasses.replace(pre._pre.cfg, video_std=(0.3,) * 3)
+            )
         alone = [pre(images=[x]) for x in inputs]
         want = torch.cat([a["pixel_values"] for a in alone])
         with monkeypatch.context() as mp:
