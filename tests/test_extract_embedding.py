@@ -578,3 +578,53 @@ def test_vlfast_decodes_each_row_to_the_references_model_inputs_bit_for_bit(setu
         assert torch.equal(pixels, theirs[key]), s.id
         grid_key = "image_grid_thw" if s.kind == "image" else "video_grid_thw"
         assert list(item.grid) == theirs[grid_key][0].tolist(), s.id
+
+
+def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
+    """The recipe's reference reads an image with qwen-vl-utils' to_rgb: RGBA pasted on white by its alpha,
+    every other mode convert("RGB") (an LA image's alpha dropped, a 16-bit image clipped), where vlfast's
+    own reading composites and scales: the recipe reads so (run.json: "image_reading": "qwen-vl-utils"),
+    pixel for pixel; an OUT made before it was recorded (no such key) resumes reading as it did."""
+    import numpy as np
+    from PIL import Image
+
+    from vlfast.demo import pattern
+    from vlfast.extraction.decode.preprocess import build_processor_config
+    from vlfast.extraction.decode.stage import SampleDataset, prepare_decoding
+    from vlfast.extraction.decode.video import normalize_video_patches
+    from vlfast.extraction.model.features import FeatureSpec
+    from vlfast.extraction.plan import recorded_image_reading
+    from vlfast.extraction.sources.listing import load_inputs
+
+    rgb = pattern(64, 96, 4)
+    alpha = (np.arange(96)[None, :].repeat(64, 0) * 2).astype(np.uint8)
+    made = {
+        "rgba": (Image.fromarray(np.dstack([rgb, alpha]), "RGBA"), {}),
+        "la": (Image.fromarray(np.dstack([rgb, alpha]), "RGBA").convert("LA"), {}),
+        "palette-transparent": (Image.fromarray(rgb).convert("P"), {"transparency": 0}),
+        "sixteen-bit": (Image.fromarray(rgb[..., 0].astype(np.uint16) * 200), {}),
+    }
+    rows = {}
+    for name, (img, kw) in made.items():
+        img.save(tmp_path / f"{name}.png", **kw)
+        rows[name] = {"path": str(tmp_path / f"{name}.png")}
+    manifest = _write_manifest(tmp_path / "rows.jsonl", rows)
+    ckpt = str(setup.ckpt)
+    cfg = build_processor_config(ckpt, family="qwen3_vl")
+    assert cfg.image_reading == "qwen-vl-utils" and cfg.to_dict()["image_reading"] == "qwen-vl-utils"
+    pre, prompts = prepare_decoding(
+        ckpt, "qwen3_vl", cfg, True, True, embedding=FeatureSpec(("embedding",)).embedding_prompt()
+    )
+    samples, problems = load_inputs(manifest)
+    assert problems == []
+    dataset = SampleDataset(samples, pre, prompts, "")
+    for i, s in enumerate(samples):
+        pixels = dataset[i].pixel_values
+        if pixels.dtype == torch.uint8:
+            pixels = normalize_video_patches(pixels, cfg)
+        theirs = model_inputs(setup.ckpt, [rows[s.id]])[0]["pixel_values"]
+        assert torch.equal(pixels, theirs), s.id
+    assert recorded_image_reading(None) is None  # a new OUT: the recipe decides
+    assert recorded_image_reading({"processor": {"image_processor": "Qwen2VLImageProcessor"}}) == "vlfast"
+    old = build_processor_config(ckpt, family="qwen3_vl", image_reading="vlfast")
+    assert "image_reading" not in old.to_dict()

@@ -65,6 +65,10 @@ def files(tmp_path_factory) -> dict[str, Path]:
     rgba = np.dstack([pattern(240, 320, 7), (pattern(240, 320, 8)[..., 0] // 2 + 64)])
     Image.fromarray(rgba, "RGBA").save(d / "alpha_320x240.png")  # composited on white by both
     out["alpha_320x240.png"] = d / "alpha_320x240.png"
+    # a colour key (PNG's tRNS chunk): an RGB image that transformers >= 5.21 composites on white
+    key = pattern(200, 260, 10)
+    Image.fromarray(key).save(d / "colour_key_260x200.png", transparency=tuple(int(v) for v in key[0, 0]))
+    out["colour_key_260x200.png"] = d / "colour_key_260x200.png"
     exif = Image.Exif()
     exif[0x0112] = 6  # rotated 90 degrees: transformers' load_image turns it upright
     Image.fromarray(pattern(300, 400, 9)).save(d / "rotated.jpg", "JPEG", exif=exif)
@@ -142,10 +146,11 @@ IMAGES = (
     "hd_1920x1080.jpg",
     "rotated.jpg",
     "alpha_320x240.png",
+    "colour_key_260x200.png",
 )
 # Transparency: transformers' load_image, for a path, drops the alpha channel (convert("RGB")); its processor,
 # given the PIL image, composites it on white, as qwen-vl-utils does, and so does vlfast: the reference gets it so
-GIVEN_AS_PIL = {"alpha_320x240.png"}
+GIVEN_AS_PIL = {"alpha_320x240.png", "colour_key_260x200.png"}
 REF_IMAGES = {  # ref: model -> (family, the class's numbers as vlfast's published defaults give them)
     "ref:qwen2-vl-7b": ("qwen2_vl", {**QWEN2_IMAGE, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}),
     "ref:qwen2.5-vl-7b": ("qwen2_5_vl", {**QWEN2_IMAGE, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}),
@@ -357,6 +362,40 @@ def test_a_changed_pixel_setting_refuses_the_resume(tiny_qwen3_vl, two, tmp_path
         assert f"processor.{key}" in r.output and "already holds an extraction" in r.output, r.output
         (ckpt / f).write_text(json.dumps(settings))
     assert "nothing to do" in CliRunner().invoke(app, args).output
+
+
+def test_transparency_follows_transformers_rule_and_is_recorded(tiny_qwen3_vl, two, tmp_path, monkeypatch):
+    """transformers' processors made a transparent image RGB by dropping the transparency up to 5.20 and by
+    compositing it on white from 5.21: vlfast asks the installed transformers' own convert_to_rgb, converts as
+    it does, and records the rule in run.json where it is "dropped" (absent: on white, as every OUT before);
+    a resume under the other rule is refused (exit 2, naming it)."""
+    import numpy as np
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from vlfast.cli.main import app
+    from vlfast.extraction.decode import image as image_module
+    from vlfast.extraction.decode.image import rgb_tensor, transparency_rule
+    from vlfast.extraction.store.format import FACTS_FILE
+
+    assert transparency_rule() == "white"  # the transformers these tests run on (>= 5.21)
+    rgba = Image.fromarray(np.dstack([pattern(20, 30, 1), np.full((20, 30), 100, np.uint8)]), "RGBA")
+    dropped = rgb_tensor(rgba, "dropped").permute(1, 2, 0).numpy()
+    assert np.array_equal(dropped, np.asarray(rgba.convert("RGB")))  # 5.18-5.20's convert_to_rgb
+    white = rgb_tensor(rgba, "white").permute(1, 2, 0).numpy()
+    assert (white >= dropped).all() and not np.array_equal(white, dropped)
+    out = tmp_path / "out"
+    args = ["extract", str(two), str(out), "--model", str(tiny_qwen3_vl), "--workers", "0"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert "transparency" not in json.loads((out / "run.json").read_text())["config"]["processor"]
+    # another transformers (its facts key differs: the record is asked again) with the older rule
+    monkeypatch.setattr(image_module, "transparency_rule", lambda: "dropped")
+    (out / FACTS_FILE).unlink()
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "processor.transparency" in r.output, r.output
+    fresh = tmp_path / "fresh"
+    assert CliRunner().invoke(app, [*args[:2], str(fresh), *args[3:]]).exit_code == 0
+    assert json.loads((fresh / "run.json").read_text())["config"]["processor"]["transparency"] == "dropped"
 
 
 def test_the_image_backend_is_chosen_recorded_and_kept(tiny_qwen3_vl, two, tmp_path):

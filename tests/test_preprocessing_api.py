@@ -295,3 +295,75 @@ def test_several_images_are_normalised_into_one_tensor_without_a_concatenation(m
             got = pre(images=inputs)
         assert got["pixel_values"].dtype == torch.float32 and torch.equal(got["pixel_values"], want), differ
         assert got["image_grid_thw"].tolist() == [a["image_grid_thw"][0].tolist() for a in alone]
+
+
+@pytest.fixture(scope="module")
+def odd_images(tmp_path_factory) -> dict[str, str]:
+    """Images whose conversion to RGB is the processor's to make: transparency (an alpha band, a palette's, a
+    colour key's), 16-bit, CMYK, bilevel, and a transparent PNG turned by its EXIF orientation."""
+    import numpy as np
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("odd-modes")
+    rgb = pattern(96, 128, 11)
+    alpha = (np.arange(128)[None, :].repeat(96, 0) * 2).astype(np.uint8)
+    gray = Image.fromarray(rgb).convert("L")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    made = {
+        "rgba.png": (Image.fromarray(np.dstack([rgb, alpha]), "RGBA"), {}),
+        "la.png": (Image.fromarray(np.dstack([rgb, alpha]), "RGBA").convert("LA"), {}),
+        "palette_transparent.png": (Image.fromarray(rgb).convert("P"), {"transparency": 0}),
+        "rgb_colour_key.png": (Image.fromarray(rgb), {"transparency": tuple(int(v) for v in rgb[0, 0])}),
+        "gray_colour_key.png": (gray, {"transparency": int(gray.getpixel((0, 0)))}),
+        "sixteen_bit.png": (Image.fromarray(rgb[..., 1].astype(np.uint16) * 200), {}),
+        "cmyk.jpg": (Image.fromarray(rgb).convert("CMYK"), {"quality": 90}),
+        "bilevel.png": (Image.fromarray(rgb).convert("1"), {}),
+        "rgba_rotated.png": (Image.fromarray(np.dstack([rgb, alpha]), "RGBA"), {"exif": exif}),
+    }
+    out = {}
+    for name, (img, kw) in made.items():
+        img.save(d / name, **kw)
+        out[name] = str(d / name)
+    return out
+
+
+def test_every_mode_gives_transformers_pixels_by_path_and_as_pil(tiny_qwen3_vl, odd_images, tmp_path):
+    """A path is read as transformers' load_image reads it (EXIF orientation, then convert("RGB"): an alpha band
+    dropped, not composited); a PIL image is converted as its processor converts it (transparency on white
+    with transformers >= 5.21; 16-bit clipped by PIL, where vlfast extract scales it): both equal the
+    checkpoint's own processor for the same input, and so does the swapped image processor, which no longer
+    refuses a 16-bit image."""
+    from PIL import Image, ImageOps
+
+    why = reference.unavailable()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the parity reference must run in CI: {why}")
+        pytest.skip(why)
+    cases = [
+        {
+            "name": f"{name}:{how}",
+            "kind": "image",
+            "path": path,
+            "processor": "AutoImageProcessor",
+            "checkpoint": str(tiny_qwen3_vl),
+            "as_pil": how == "pil",
+        }
+        for name, path in odd_images.items()
+        for how in ("path", "pil")
+    ]
+    expected = reference.reference_pixels(cases, tmp_path)
+    pre = VisionPreprocessor(str(tiny_qwen3_vl))
+    swapped = pre.as_image_processor()
+    for case in cases:
+        want, grid = expected[case["name"]]
+        if case["as_pil"]:
+            image = ImageOps.exif_transpose(Image.open(case["path"]))
+            through_swap = swapped(images=[image], return_tensors="pt")
+            assert torch.equal(through_swap["pixel_values"], want), case["name"]
+        else:
+            image = case["path"]
+        got = pre(images=[image])
+        assert got["image_grid_thw"][0].tolist() == grid, case["name"]
+        assert torch.equal(got["pixel_values"], want), case["name"]

@@ -351,6 +351,7 @@ def make_plan(
         video_max_pixels=config.video_max_pixels,
         exif_orientation=exif_orientation(config.exif_orientation, recorded),
         image_processor=IMAGE_BACKENDS.get(config.image_backend) or recorded_image_processor(recorded),
+        image_reading=recorded_image_reading(recorded),
         facts=facts,
     )
     from vlfast.extraction.store.fingerprint import weights_fingerprint
@@ -486,6 +487,16 @@ def recorded_image_processor(recorded: dict[str, Any] | None) -> str | None:
     processor = (recorded or {}).get("processor")
     name = processor.get("image_processor") if isinstance(processor, dict) else None
     return name if isinstance(name, str) else None
+
+
+def recorded_image_reading(recorded: dict[str, Any] | None) -> str | None:
+    """How OUT read its image files (None for a new OUT): a resume keeps it, so an embedding OUT made before
+    the recipe read them as qwen-vl-utils does goes on as made ("vlfast", which its run.json omits)."""
+    processor = (recorded or {}).get("processor")
+    if not isinstance(processor, dict):
+        return None
+    reading = processor.get("image_reading", "vlfast")
+    return reading if isinstance(reading, str) else None
 
 
 def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:

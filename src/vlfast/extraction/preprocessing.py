@@ -75,6 +75,7 @@ class VisionPreprocessor:
             video_max_pixels=self.video_max_pixels,
             exif_orientation=True,
             image_processor=_BACKENDS[self.image_backend],
+            image_reading="load_image",  # a path as transformers' processor gets it: its pixels
         )
         self._pre = Preprocessor(
             cfg,
@@ -228,7 +229,7 @@ class VisionPreprocessor:
             return pixels, grid
         from vlfast.extraction.decode.preprocess import conformed_image
 
-        pixels, grid, _ = pre.pil_image(conformed_image(x))
+        pixels, grid, _ = pre.pil_image(conformed_image(x, keep_mode=True))
         return pixels, grid
 
 
@@ -271,9 +272,6 @@ _CALL_SETTINGS = {
 }
 # What a call may carry that changes nothing in the output's values
 _LAYOUT_KWARGS = ("data_format", "input_data_format", "device", "disable_grouping")
-# PIL modes vlfast converts as transformers' convert_to_rgb does (16-bit and float images are scaled by
-# vlfast's extract, not by transformers: a switched processor passes them to transformers' code)
-_PIL_MODES = ("RGB", "RGBA", "L", "LA", "P", "PA", "1", "CMYK")
 
 
 def _adapted(pre: VisionPreprocessor, base: Any, fallback: bool = False) -> Any:
@@ -463,8 +461,6 @@ def _conformed_inputs(images, who: str):
                     "with 1 or 3 channels, a PIL image or a path"
                 )
             x = Image.fromarray(x if x.shape[-1] == 3 else x[..., 0])
-        elif isinstance(x, Image.Image) and x.mode not in _PIL_MODES:
-            return None, f"{who}: a PIL image of mode {x.mode}: vlfast scales such images otherwise"
         elif not isinstance(x, (Image.Image, str, Path)):
             return None, f"{who}: an input of type {type(x).__name__}: pass PIL images, paths or uint8 arrays"
         conformed.append(x)

@@ -36,6 +36,7 @@ __all__ = [
     "normalize_image_patches",
     "rgb_tensor",
     "same_normalization",
+    "transparency_rule",
 ]
 
 # PIL.ImageOps.exif_transpose's turns, by EXIF orientation, on an (H, W, C) array: the same moves of pixels
@@ -95,12 +96,18 @@ def orientation_tag(img) -> int | None:
         return 0
 
 
-def rgb_tensor(img) -> torch.Tensor:
-    """(3, H, W) uint8 with channels-last strides (PIL's own layout, not copied): what transformers' convert_to_rgb
-    and pil_to_tensor give, transparency composited on white."""
+def rgb_tensor(img, transparency: str = "white") -> torch.Tensor:
+    """(3, H, W) uint8 with channels-last strides (PIL's own layout, not copied), as transformers' torchvision
+    image processor converts a PIL image (``convert_to_rgb``) by ``transparency``
+    (:data:`~vlfast.extraction.decode.processor_config.TRANSPARENCIES`): "white", transparency (an alpha band,
+    a palette's or a colour key's) composited on white, as transformers >= 5.21 does; "dropped", PIL's
+    ``convert("RGB")``, as 5.18-5.20 do. Other modes are converted by PIL either way (16-bit and float images
+    clipped: vlfast extract scales them first, see ``load_image``)."""
     from PIL import Image
 
-    if img.mode != "RGB":
+    if transparency == "dropped":
+        img = img if img.mode == "RGB" else img.convert("RGB")
+    elif img.mode != "RGB" or img.info.get("transparency") is not None:
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255))
         img = Image.alpha_composite(background, rgba).convert("RGB")
@@ -110,6 +117,36 @@ def rgb_tensor(img) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(arr).permute(2, 0, 1)
+
+
+def transparency_rule() -> str:
+    """How the installed transformers' image processors make a transparent image RGB: "white" or "dropped"
+    (``rgb_tensor``), asked of its own ``convert_to_rgb`` on a transparent black pixel."""
+    import inspect
+
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    pixel = Image.new("RGBA", (1, 1), (0, 0, 0, 0))
+    if "return_numpy" in inspect.signature(convert_to_rgb).parameters:  # 5.21+: a PIL result is deprecated
+        rgb = convert_to_rgb(pixel, return_numpy=True)
+    else:
+        rgb = convert_to_rgb(pixel)
+    value = np.asarray(rgb).reshape(-1)[:3].tolist()
+    if value == [255, 255, 255]:
+        return "white"
+    if value == [0, 0, 0]:
+        return "dropped"
+    raise RuntimeError(
+        f"transformers {_transformers_version()} makes a transparent black pixel {value}, neither white nor black: "
+        "vlfast does not know this rule; install a transformers it does (5.18 or later), or report it"
+    )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def image_patches(

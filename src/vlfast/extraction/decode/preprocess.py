@@ -336,6 +336,7 @@ def build_processor_config(
     video_max_pixels: int | None = None,
     exif_orientation: bool | None = None,
     image_processor: str | None = None,
+    image_reading: str | None = None,
     facts: ModelFacts | None = None,
 ) -> ProcessorConfig:
     """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
@@ -354,7 +355,8 @@ def build_processor_config(
     processor (``Qwen2VLImageProcessor``), whose operations vlfast does itself (vlfast.extraction.decode.image)
     with or without torchvision, except for the embedding recipe, which keeps the class transformers picks, as
     its reference does. The PIL class (``Qwen2VLImageProcessorPil``) is built from the checkpoint's files
-    whatever is installed.
+    whatever is installed. ``image_reading``: as recorded by the OUT resumed; None for a new OUT: the embedding
+    recipe reads image files as its reference, qwen-vl-utils, does, everything else as vlfast does.
     """
     if fps is not None and num_frames is not None:
         raise InputRefused("give either fps or num_frames for video sampling, not both")
@@ -400,6 +402,9 @@ def build_processor_config(
             return type(_image_processor(model_dir, cls_name=image_processor, **numbers)).__name__
 
         image_processor = built() if facts is None else facts.answer("image processor", built)
+    from vlfast.extraction.decode.image import transparency_rule
+
+    transparency = transparency_rule() if facts is None else facts.answer("transparency", transparency_rule)
     return ProcessorConfig(
         source=source,
         image_processor=image_processor,
@@ -421,13 +426,15 @@ def build_processor_config(
         video_sizing=values.get("video_sizing", "processor"),
         exif_orientation=not recipe if exif_orientation is None else bool(exif_orientation),
         **{k: values[k] for k in PIXEL_SETTINGS if k in values},
+        transparency=transparency,
+        image_reading=image_reading or ("qwen-vl-utils" if recipe else "vlfast"),
     )
 
 
 # --------------------------------------------------------------------------------------------- images
 
 
-def load_image(path: Media, exif_orientation: bool = False):
+def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfast"):
     """Open an image (a file, or a tar shard's member) as PIL, normalising what transformers' processors
     mishandle; raise SampleError.
 
@@ -435,6 +442,14 @@ def load_image(path: Media, exif_orientation: bool = False):
     ``load_image`` does (``PIL.ImageOps.exif_transpose``). Animated images give their first frame. 16-bit
     and float images are scaled to 8 bits (PIL's ``convert`` would clip them to white); CMYK goes to RGB;
     palette, LA and RGBA images are left to the processor, which composites transparency on white.
+
+    That is ``reading`` "vlfast" (:data:`~vlfast.extraction.decode.processor_config.IMAGE_READINGS`). The
+    others read as a reference reads a path, its mode left to it: "load_image" as transformers'
+    ``load_image`` (VisionPreprocessor's contract: the pixels of transformers' processor for the same input),
+    ``convert("RGB")``, which drops an alpha band (not composited) and clips 16-bit and float images;
+    "qwen-vl-utils" as its ``to_rgb`` (the Qwen3-VL-Embedding recipe's reference): RGBA pasted on white by
+    its alpha, every other mode ``convert("RGB")``. A palette's or colour key's transparency stays in
+    ``img.info`` for the processor's conversion (``rgb_tensor``).
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -458,11 +473,20 @@ def load_image(path: Media, exif_orientation: bool = False):
             img = ImageOps.exif_transpose(img)
         except Exception as e:  # noqa: BLE001 - only this file's EXIF block is parsed here: its data, not a bug
             raise SampleError(f"unreadable EXIF orientation: {type(e).__name__}: {e}") from None
-    return conformed_image(img)
+    if reading == "vlfast":
+        return conformed_image(img)
+    img = conformed_image(img, keep_mode=True)
+    if reading == "qwen-vl-utils" and img.mode == "RGBA":
+        white = Image.new("RGB", img.size, (255, 255, 255))
+        white.paste(img, mask=img.split()[3])
+        return white
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def conformed_image(img):
-    """A PIL image as the processors can take it (see :func:`load_image`); raise SampleError."""
+def conformed_image(img, keep_mode: bool = False):
+    """A PIL image as the processors can take it (see :func:`load_image`); raise SampleError.
+    ``keep_mode``: the size and aspect checks only, its mode left to the processor's conversion (what
+    transformers' processor does with the image: 16-bit and float images clipped by PIL, not scaled)."""
     from PIL import Image
 
     w, h = img.size
@@ -473,6 +497,8 @@ def conformed_image(img):
             f"aspect ratio {max(w, h) / min(w, h):.0f}:1 of a {w}x{h} image exceeds Qwen's {MAX_ASPECT_RATIO}:1 limit"
         )
     mode = img.mode
+    if keep_mode:
+        return img
     if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
         arr = np.asarray(img, dtype=np.float64)
         # 16-bit data fills 0..65535; 32-bit int/float images are scaled by their own range.
@@ -486,15 +512,11 @@ def conformed_image(img):
     return img
 
 
-def _rgb_array(img) -> np.ndarray:
-    """(H, W, 3) uint8, transparency composited on white like transformers' convert_to_rgb."""
-    from PIL import Image
+def _rgb_array(img, transparency: str) -> np.ndarray:
+    """(H, W, 3) uint8 (:func:`~vlfast.extraction.decode.image.rgb_tensor`)."""
+    from vlfast.extraction.decode.image import rgb_tensor
 
-    if img.mode != "RGB":
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255))
-        img = Image.alpha_composite(background, rgba).convert("RGB")
-    return np.asarray(img, dtype=np.uint8)
+    return rgb_tensor(img, transparency).permute(1, 2, 0).numpy()
 
 
 # ----------------------------------------------------------------------------------------- the worker
@@ -564,7 +586,7 @@ class Preprocessor:
                     return self._patches(*decoded)
                 except SampleError as e:
                     raise SampleError(f"{e} ({path})") from None
-        img = load_image(path, self.cfg.exif_orientation)
+        img = load_image(path, self.cfg.exif_orientation, self.cfg.image_reading)
         try:
             return self.pil_image(img)
         except SampleError as e:  # the processor's refusal: named with the file
@@ -578,7 +600,7 @@ class Preprocessor:
         if self.cfg.image_processor in TORCHVISION_IMAGE_PROCESSORS:
             from vlfast.extraction.decode.image import rgb_tensor
 
-            return self._patches(rgb_tensor(img), meta)
+            return self._patches(rgb_tensor(img, self.cfg.transparency), meta)
         try:
             out = self.image_processor()(images=[img], size=self._size(), return_tensors="pt")
         except ValueError as e:  # e.g. smart_resize's aspect-ratio check
@@ -603,7 +625,12 @@ class Preprocessor:
         if sample.kind == "video":
             frames, meta = read_video(media_of(sample), self.cfg)
         else:
-            arrays = [_rgb_array(load_image(p, self.cfg.exif_orientation)) for p in sample.paths]
+            arrays = [
+                _rgb_array(
+                    load_image(p, self.cfg.exif_orientation, self.cfg.image_reading), self.cfg.transparency
+                )
+                for p in sample.paths
+            ]
             shapes = {a.shape for a in arrays}
             if len(shapes) != 1:
                 raise SampleError(f"frames of one clip differ in size: {sorted(shapes)}")

@@ -10,8 +10,10 @@ from typing import Any
 from vlfast.errors import InputRefused
 
 __all__ = [
+    "IMAGE_READINGS",
     "PIXEL_SETTINGS",
     "TORCHVISION_IMAGE_PROCESSORS",
+    "TRANSPARENCIES",
     "VIDEO_RESAMPLES",
     "VIDEO_SIZINGS",
     "ProcessorConfig",
@@ -21,6 +23,15 @@ __all__ = [
 TORCHVISION_IMAGE_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"})
 
 VIDEO_SIZINGS = ("processor", "qwen2-vl", "qwen-vl-utils")
+# How transformers' image processors turn a transparent image into RGB: "white", composited on a white
+# background (transformers >= 5.21, and every vlfast before this rule was recorded); "dropped", the colour
+# values kept and the transparency dropped (PIL's convert("RGB"): transformers 5.18-5.20)
+TRANSPARENCIES = ("white", "dropped")
+# How an image file becomes the PIL image the processor converts (decode.preprocess.load_image): "vlfast"
+# (vlfast extract's: 16-bit and float images scaled to 8 bits, transparency left for the processor to put on
+# white), "load_image" (transformers' load_image, VisionPreprocessor's), "qwen-vl-utils" (its to_rgb, the
+# Qwen3-VL-Embedding recipe's reference)
+IMAGE_READINGS = ("vlfast", "load_image", "qwen-vl-utils")
 # PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to
 VIDEO_RESAMPLES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
 # The processors' settings that change pixels, by their defaults: fields added after OUTs were written
@@ -91,6 +102,12 @@ class ProcessorConfig:
     video_do_rescale: bool = True
     video_do_normalize: bool = True
     video_rescale_factor: float = 1 / 255
+    # Transparent images (an alpha band, a palette's or a colour key's transparency) made RGB as the installed
+    # transformers' processor makes them (TRANSPARENCIES): its rule changed in 5.21. In run.json only where
+    # "dropped", so OUTs made before it was recorded (composited on white) resume as made.
+    transparency: str = "white"
+    # IMAGE_READINGS; in run.json only where not "vlfast", which every OUT before it was recorded used
+    image_reading: str = "vlfast"
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
@@ -100,6 +117,14 @@ class ProcessorConfig:
         if self.frame_sampling not in ("qwen3-vl", "qwen2-vl", "qwen-vl-utils"):
             raise InputRefused(
                 f"frame_sampling must be 'qwen3-vl', 'qwen2-vl' or 'qwen-vl-utils', got {self.frame_sampling!r}"
+            )
+        if self.transparency not in TRANSPARENCIES:
+            raise InputRefused(
+                f"transparency must be one of {', '.join(map(repr, TRANSPARENCIES))}, got {self.transparency!r}"
+            )
+        if self.image_reading not in IMAGE_READINGS:
+            raise InputRefused(
+                f"image_reading must be one of {', '.join(map(repr, IMAGE_READINGS))}, got {self.image_reading!r}"
             )
         if self.video_sizing not in VIDEO_SIZINGS:
             raise InputRefused(
@@ -146,6 +171,10 @@ class ProcessorConfig:
             del d["video_sizing"]
         if not d["exif_orientation"]:  # absent from older OUTs' run.json, which did not apply it
             del d["exif_orientation"]
+        if d["transparency"] == "white":  # absent from older OUTs' run.json, which composited on white
+            del d["transparency"]
+        if d["image_reading"] == "vlfast":  # absent from older OUTs' run.json, which read images so
+            del d["image_reading"]
         for k, default in PIXEL_SETTINGS.items():
             if d[k] == default and type(d[k]) is type(default):
                 del d[k]
