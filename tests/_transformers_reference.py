@@ -20,7 +20,8 @@ paths, each list in one call of ``checkpoint``'s AutoImageProcessor and AutoVide
 transformers (``Qwen2VLImageProcessor``, ``Qwen2VLImageProcessorPil``, ``Qwen2VLVideoProcessor``,
 ``Qwen3VLVideoProcessor``, or ``AutoImageProcessor`` / ``AutoVideoProcessor``); ``checkpoint``, a folder to
 build it from (``from_pretrained``), else ``init``, the class's keyword arguments; ``call``, the call's. Images are read with transformers'
-``load_image`` (EXIF orientation applied, as for a path) or, with ``as_pil``, given as PIL opens them, videos with its ``load_video`` (PyAV backend: every
+``load_image`` (EXIF orientation applied, as for a path; with ``as_tensor`` then made the uint8 tensor the
+torchvision processor's ``fetch_images`` decodes from a path) or, with ``as_pil``, given as PIL opens them, videos with its ``load_video`` (PyAV backend: every
 frame, sequentially) and sampled by the processor's own ``sample_frames`` (``do_sample_frames=True``).
 """
 
@@ -92,6 +93,7 @@ def _import_torchvision() -> None:
 
 def _main(spec: Path, out: Path) -> None:
     _import_torchvision()
+    import numpy as np
     import PIL.Image
     import PIL.ImageOps
     import torch
@@ -121,6 +123,12 @@ def _main(spec: Path, out: Path) -> None:
                 image = PIL.ImageOps.exif_transpose(PIL.Image.open(case["path"]))
             else:  # load_image, as for a path: EXIF orientation applied, then convert("RGB") drops alpha
                 image = load_image(case["path"])
+                if case.get("as_tensor"):
+                    # what the torchvision processor's fetch_images makes of a path: torchcodec's or
+                    # torchvision's decode_image in RGB mode, whose C++ decoders do not load beside the CPU
+                    # torch; the same pixels as load_image's for 8-bit files (scripts/decode_parity.py, with
+                    # both), and no palette or colour-key transparency
+                    image = torch.from_numpy(np.array(image)).permute(2, 0, 1)
             got = proc(images=[image], return_tensors="pt", **call)
             results[case["name"]] = (got["pixel_values"], got["image_grid_thw"][0].tolist())
         else:

@@ -329,11 +329,12 @@ def odd_images(tmp_path_factory) -> dict[str, str]:
 
 
 def test_every_mode_gives_transformers_pixels_by_path_and_as_pil(tiny_qwen3_vl, odd_images, tmp_path):
-    """A path is read as transformers' load_image reads it (EXIF orientation, then convert("RGB"): an alpha band
-    dropped, not composited); a PIL image is converted as its processor converts it (transparency on white
-    with transformers >= 5.21; 16-bit clipped by PIL, where vlfast extract scales it): both equal the
-    checkpoint's own processor for the same input, and so does the swapped image processor, which no longer
-    refuses a 16-bit image."""
+    """A path is read as transformers' torchvision processor reads one (its fetch_images: decoded to RGB, EXIF
+    turns applied, an alpha band, a palette's or colour key's transparency dropped); a PIL image is converted
+    as its processor converts it (transparency on white with transformers >= 5.21; 16-bit clipped by PIL,
+    where vlfast extract scales it): both equal the checkpoint's own processor for the same input, and so
+    does the swapped image processor, which no longer refuses a 16-bit image. A 16-bit file by path, which
+    transformers decodes otherwise by what is installed, is refused, naming it."""
     from PIL import Image, ImageOps
 
     why = reference.unavailable()
@@ -349,9 +350,11 @@ def test_every_mode_gives_transformers_pixels_by_path_and_as_pil(tiny_qwen3_vl, 
             "processor": "AutoImageProcessor",
             "checkpoint": str(tiny_qwen3_vl),
             "as_pil": how == "pil",
+            "as_tensor": how == "path",
         }
         for name, path in odd_images.items()
         for how in ("path", "pil")
+        if (name, how) != ("sixteen_bit.png", "path")
     ]
     expected = reference.reference_pixels(cases, tmp_path)
     pre = VisionPreprocessor(str(tiny_qwen3_vl))
@@ -367,3 +370,7 @@ def test_every_mode_gives_transformers_pixels_by_path_and_as_pil(tiny_qwen3_vl, 
         got = pre(images=[image])
         assert got["image_grid_thw"][0].tolist() == grid, case["name"]
         assert torch.equal(got["pixel_values"], want), case["name"]
+    with pytest.raises(
+        SampleError, match=r"sixteen_bit.png: an image of mode I;16 \(16-bit or float\) given by path"
+    ):
+        pre(images=[odd_images["sixteen_bit.png"]])

@@ -75,7 +75,8 @@ class VisionPreprocessor:
             video_max_pixels=self.video_max_pixels,
             exif_orientation=True,
             image_processor=_BACKENDS[self.image_backend],
-            image_reading="load_image",  # a path as transformers' processor gets it: its pixels
+            # a path read as transformers' processor of that backend reads it (its fetch_images)
+            image_reading="decode_image" if self.image_backend == "torchvision" else "load_image",
         )
         self._pre = Preprocessor(
             cfg,

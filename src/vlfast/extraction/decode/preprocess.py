@@ -444,12 +444,19 @@ def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfa
     palette, LA and RGBA images are left to the processor, which composites transparency on white.
 
     That is ``reading`` "vlfast" (:data:`~vlfast.extraction.decode.processor_config.IMAGE_READINGS`). The
-    others read as a reference reads a path, its mode left to it: "load_image" as transformers'
-    ``load_image`` (VisionPreprocessor's contract: the pixels of transformers' processor for the same input),
-    ``convert("RGB")``, which drops an alpha band (not composited) and clips 16-bit and float images;
-    "qwen-vl-utils" as its ``to_rgb`` (the Qwen3-VL-Embedding recipe's reference): RGBA pasted on white by
-    its alpha, every other mode ``convert("RGB")``. A palette's or colour key's transparency stays in
-    ``img.info`` for the processor's conversion (``rgb_tensor``).
+    others read as a reference reads a path (VisionPreprocessor's contract: the pixels of transformers'
+    processor given the same path):
+
+    - "decode_image": as transformers' torchvision image processors' ``fetch_images`` (torchcodec's or
+      torchvision's ``decode_image`` in RGB mode): an alpha band, a palette's or a colour key's transparency
+      dropped. The same pixels as PIL's for 8-bit files (scripts/decode_parity.py, with both decoders). 16-bit and float images are refused: torchcodec scales them to 8 bits, torchvision
+      returns 16-bit values, so transformers' pixels depend on which is installed;
+    - "load_image": as transformers' ``load_image`` (its PIL image processors' ``fetch_images``):
+      ``convert("RGB")``, an alpha band dropped, 16-bit and float images clipped; a palette's or colour
+      key's transparency stays in ``img.info``, which the processor's conversion (``rgb_tensor``) puts on
+      white (transformers >= 5.21);
+    - "qwen-vl-utils": as its ``to_rgb`` (the Qwen3-VL-Embedding recipe's reference): RGBA pasted on white
+      by its alpha, every other mode ``convert("RGB")`` (transparency in ``img.info`` as above).
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -476,6 +483,17 @@ def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfa
     if reading == "vlfast":
         return conformed_image(img)
     img = conformed_image(img, keep_mode=True)
+    if reading == "decode_image":
+        if img.mode.startswith("I") or img.mode == "F":
+            raise SampleError(
+                f"an image of mode {img.mode} (16-bit or float) given by path: transformers' torchvision processor "
+                "decodes it with torchcodec (scaled to 8 bits) or torchvision (16-bit values) by what is "
+                "installed, so its pixels have no one reference; pass it opened (a PIL image is converted as "
+                "the processor converts it), or convert the file to 8 bits"
+            )
+        img = img if img.mode == "RGB" else img.convert("RGB")
+        img.info.pop("transparency", None)  # decoded to RGB values: no key left for the processor
+        return img
     if reading == "qwen-vl-utils" and img.mode == "RGBA":
         white = Image.new("RGB", img.size, (255, 255, 255))
         white.paste(img, mask=img.split()[3])

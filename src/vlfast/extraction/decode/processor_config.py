@@ -29,9 +29,10 @@ VIDEO_SIZINGS = ("processor", "qwen2-vl", "qwen-vl-utils")
 TRANSPARENCIES = ("white", "dropped")
 # How an image file becomes the PIL image the processor converts (decode.preprocess.load_image): "vlfast"
 # (vlfast extract's: 16-bit and float images scaled to 8 bits, transparency left for the processor to put on
-# white), "load_image" (transformers' load_image, VisionPreprocessor's), "qwen-vl-utils" (its to_rgb, the
-# Qwen3-VL-Embedding recipe's reference)
-IMAGE_READINGS = ("vlfast", "load_image", "qwen-vl-utils")
+# white); as a reference reads a path: "decode_image" (transformers' torchvision image processors, whose
+# fetch_images decodes a path to an RGB tensor: VisionPreprocessor's), "load_image" (its PIL ones'),
+# "qwen-vl-utils" (its to_rgb, the Qwen3-VL-Embedding recipe's reference)
+IMAGE_READINGS = ("vlfast", "decode_image", "load_image", "qwen-vl-utils")
 # PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to
 VIDEO_RESAMPLES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
 # The processors' settings that change pixels, by their defaults: fields added after OUTs were written
