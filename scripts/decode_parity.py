@@ -69,7 +69,9 @@ def main() -> int:
     from transformers.image_utils import load_image, load_image_as_tensor
     from transformers.utils.import_utils import is_torchcodec_available
 
-    print(f"torch {torch.__version__}; decoder: {'torchcodec' if is_torchcodec_available() else 'torchvision'}")
+    print(
+        f"torch {torch.__version__}; decoder: {'torchcodec' if is_torchcodec_available() else 'torchvision'}"
+    )
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in files(Path(tmp)).items():
@@ -81,7 +83,9 @@ def main() -> int:
                 note = " (16-bit: expected, vlfast refuses such a path)"
             else:
                 failed += not same
-            print(f"{name:26s} {'equal' if same else 'DIFFERENT'} {decoded.dtype} {tuple(decoded.shape)}{note}")
+            print(
+                f"{name:26s} {'equal' if same else 'DIFFERENT'} {decoded.dtype} {tuple(decoded.shape)}{note}"
+            )
     print("every 8-bit file equal" if not failed else f"{failed} 8-bit files differ")
     return 1 if failed else 0
 
