@@ -374,3 +374,42 @@ def test_every_mode_gives_transformers_pixels_by_path_and_as_pil(tiny_qwen3_vl, 
         SampleError, match=r"sixteen_bit.png: an image of mode I;16 \(16-bit or float\) given by path"
     ):
         pre(images=[odd_images["sixteen_bit.png"]])
+
+
+def test_arrays_tensors_and_nesting_as_transformers_takes_them_and_clear_refusals(media):
+    """Images as transformers' processor takes them: uint8 arrays (H, W, C), (C, H, W) and (H, W), tensors,
+    one image not in a list, nested lists flattened; each gives what the PIL image gives. Anything else is
+    refused with InputRefused naming its kind (a float array, None, bytes; a video as decoded frames or an
+    empty list), where it used to fail deep inside with a TypeError."""
+    import numpy as np
+    from PIL import Image
+
+    images, _ = media
+    pre = VisionPreprocessor("ref:qwen3-vl-2b")
+    rgb = Image.open(images[0]).convert("RGB")
+    gray = rgb.convert("L")
+    want, want_gray = pre(images=[rgb])["pixel_values"], pre(images=[gray])["pixel_values"]
+    arr = np.asarray(rgb)
+    for given, expected in (
+        ([arr], want),
+        ([arr.transpose(2, 0, 1)], want),
+        ([torch.from_numpy(arr).permute(2, 0, 1)], want),
+        (rgb, want),
+        ([[rgb], [rgb]], torch.cat([want, want])),
+        ([np.asarray(gray)], want_gray),
+    ):
+        assert torch.equal(pre(images=given)["pixel_values"], expected)
+    for given, needle in (
+        ([arr.astype(np.float32) / 255], "an array of shape \\(480, 640, 3\\) and dtype float32"),
+        ([None], "an input of type NoneType"),
+        ([b"\\xff\\xd8"], "an input of type bytes"),
+    ):
+        with pytest.raises(InputRefused, match=f"^VisionPreprocessor: {needle}"):
+            pre(images=given)
+    for video, needle in (
+        (torch.zeros(4, 3, 32, 32, dtype=torch.uint8), "a Tensor"),
+        ([rgb, rgb], "a list of Image"),
+        ([], "an empty list"),
+    ):
+        with pytest.raises(InputRefused, match=f"^VisionPreprocessor: a video given as {needle}: pass"):
+            pre(videos=[video])

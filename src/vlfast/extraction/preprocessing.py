@@ -94,19 +94,38 @@ class VisionPreprocessor:
         return self._pre.cfg
 
     def __call__(self, images: list | None = None, videos: list | None = None) -> dict[str, torch.Tensor]:
-        """Images (paths, or PIL images) and videos (paths, or lists of frame image paths) -> tensors, each
-        input's rows in order; raises :class:`~vlfast.extraction.decode.media.SampleError` naming a file
-        that cannot be read."""
+        """Images (paths, PIL images, uint8 arrays (H, W, C), (C, H, W) or (H, W) and such tensors; nested
+        lists flattened, as transformers' processor flattens them) and videos (paths, or lists of frame
+        image paths) -> tensors, each input's rows in order; raises
+        :class:`~vlfast.extraction.decode.media.SampleError` naming a file that cannot be read, and
+        :class:`~vlfast.errors.InputRefused` naming an input of a kind it does not take."""
         import torch
 
         from vlfast.extraction.sources.sample import Sample
 
         out: dict[str, torch.Tensor] = {}
+        if images is not None and not isinstance(images, (list, tuple)):
+            images = [images]
         if images:
-            rows, grids = self._images(images)
+            conformed, why = _conformed_inputs(images, "VisionPreprocessor")
+            if why is not None:
+                raise InputRefused(why)
+            rows, grids = self._images(conformed)
             out["pixel_values"] = rows
             out["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        if videos is not None and not isinstance(videos, (list, tuple)):
+            videos = [videos]
         if videos:
+            for x in videos:
+                frames = x if isinstance(x, (list, tuple)) else [x]
+                if not frames or not all(isinstance(f, (str, Path)) for f in frames):
+                    kinds = ", ".join(sorted({type(f).__name__ for f in frames}))
+                    what = f"a {type(x).__name__} of {kinds}" if frames is x else f"a {type(x).__name__}"
+                    raise InputRefused(
+                        f"VisionPreprocessor: a video given as {what if frames else 'an empty list'}: pass "
+                        "video file paths, or lists of "
+                        "frame image paths (vlfast decodes and samples them)"
+                    )
             rows, grids = [], []
             for x in videos:
                 paths = (str(x),) if isinstance(x, (str, Path)) else tuple(str(p) for p in x)
@@ -450,18 +469,18 @@ def _conformed_inputs(images, who: str):
     for x in flat:
         if isinstance(x, torch.Tensor):
             x = x.numpy(force=True)
-            x = (
-                x.transpose(1, 2, 0)
-                if x.ndim == 3 and x.shape[0] in (1, 3) and x.shape[-1] not in (1, 3)
-                else x
-            )
         if isinstance(x, np.ndarray):
+            shape = x.shape
+            if x.ndim == 2:  # (H, W): grayscale, as transformers takes it
+                x = x[..., None]
+            elif x.ndim == 3 and x.shape[0] in (1, 3) and x.shape[-1] not in (1, 3):
+                x = x.transpose(1, 2, 0)  # (C, H, W), as transformers infers the channel axis
             if x.dtype != np.uint8 or x.ndim != 3 or x.shape[-1] not in (1, 3):
                 return None, (
-                    f"{who}: an array of shape {x.shape} and dtype {x.dtype}: pass uint8 (H, W, C) or (C, H, W) "
+                    f"{who}: an array of shape {shape} and dtype {x.dtype}: pass uint8 (H, W, C) or (C, H, W) "
                     "with 1 or 3 channels, a PIL image or a path"
                 )
-            x = Image.fromarray(x if x.shape[-1] == 3 else x[..., 0])
+            x = Image.fromarray(np.ascontiguousarray(x if x.shape[-1] == 3 else x[..., 0]))
         elif not isinstance(x, (Image.Image, str, Path)):
             return None, f"{who}: an input of type {type(x).__name__}: pass PIL images, paths or uint8 arrays"
         conformed.append(x)
