@@ -374,8 +374,9 @@ def test_transparency_follows_transformers_rule_and_is_recorded(tiny_qwen3_vl, t
     from typer.testing import CliRunner
 
     from vlfast.cli.main import app
-    from vlfast.extraction.decode import image as image_module
-    from vlfast.extraction.decode.image import rgb_tensor, transparency_rule
+    from vlfast.extraction.decode import processor_config
+    from vlfast.extraction.decode.image import rgb_tensor
+    from vlfast.extraction.decode.processor_config import transparency_rule
     from vlfast.extraction.store.format import FACTS_FILE
 
     assert transparency_rule() == "white"  # the transformers these tests run on (>= 5.21)
@@ -389,7 +390,7 @@ def test_transparency_follows_transformers_rule_and_is_recorded(tiny_qwen3_vl, t
     assert CliRunner().invoke(app, args).exit_code == 0
     assert "transparency" not in json.loads((out / "run.json").read_text())["config"]["processor"]
     # another transformers (its facts key differs: the record is asked again) with the older rule
-    monkeypatch.setattr(image_module, "transparency_rule", lambda: "dropped")
+    monkeypatch.setattr(processor_config, "transparency_rule", lambda: "dropped")
     (out / FACTS_FILE).unlink()
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2 and "processor.transparency" in r.output, r.output

@@ -36,7 +36,6 @@ __all__ = [
     "normalize_image_patches",
     "rgb_tensor",
     "same_normalization",
-    "transparency_rule",
 ]
 
 # PIL.ImageOps.exif_transpose's turns, by EXIF orientation, on an (H, W, C) array: the same moves of pixels
@@ -117,36 +116,6 @@ def rgb_tensor(img, transparency: str = "white") -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(arr).permute(2, 0, 1)
-
-
-def transparency_rule() -> str:
-    """How the installed transformers' image processors make a transparent image RGB: "white" or "dropped"
-    (``rgb_tensor``), asked of its own ``convert_to_rgb`` on a transparent black pixel."""
-    import inspect
-
-    from PIL import Image
-    from transformers.image_transforms import convert_to_rgb
-
-    pixel = Image.new("RGBA", (1, 1), (0, 0, 0, 0))
-    if "return_numpy" in inspect.signature(convert_to_rgb).parameters:  # 5.21+: a PIL result is deprecated
-        rgb = convert_to_rgb(pixel, return_numpy=True)
-    else:
-        rgb = convert_to_rgb(pixel)
-    value = np.asarray(rgb).reshape(-1)[:3].tolist()
-    if value == [255, 255, 255]:
-        return "white"
-    if value == [0, 0, 0]:
-        return "dropped"
-    raise RuntimeError(
-        f"transformers {_transformers_version()} makes a transparent black pixel {value}, neither white nor black: "
-        "vlfast does not know this rule; install a transformers it does (5.18 or later), or report it"
-    )
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def image_patches(

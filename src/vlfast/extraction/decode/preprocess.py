@@ -392,22 +392,12 @@ def build_processor_config(
         "image_std": tuple(float(x) for x in values["image_std"]),
     }
 
-    if image_processor is None and not recipe:  # a new OUT: transformers' default backend, done by vlfast
-        image_processor = "Qwen2VLImageProcessor"
-    elif image_processor not in TORCHVISION_IMAGE_PROCESSORS:
-        # transformers' own processor runs: the class asked or recorded, built here, or (the embedding recipe)
-        # the one transformers picks, as its reference does
-        def built() -> str:
-            model_dir = None if model.startswith("ref:") else model
-            return type(_image_processor(model_dir, cls_name=image_processor, **numbers)).__name__
-
-        image_processor = built() if facts is None else facts.answer("image processor", built)
-    from vlfast.extraction.decode.image import transparency_rule
+    from vlfast.extraction.decode.processor_config import transparency_rule
 
     transparency = transparency_rule() if facts is None else facts.answer("transparency", transparency_rule)
     return ProcessorConfig(
         source=source,
-        image_processor=image_processor,
+        image_processor=_image_processor_class(model, image_processor, recipe, numbers, facts),
         **numbers,
         image_min_pixels=values["image_min_pixels"],
         image_max_pixels=values["image_max_pixels"],
@@ -429,6 +419,24 @@ def build_processor_config(
         transparency=transparency,
         image_reading=image_reading or ("qwen-vl-utils" if recipe else "vlfast"),
     )
+
+
+def _image_processor_class(
+    model: str, asked: str | None, recipe: bool, numbers: dict[str, Any], facts: ModelFacts | None
+) -> str:
+    """The image processor class a run uses (see :func:`build_processor_config`'s ``image_processor``)."""
+    if asked is None and not recipe:  # a new OUT: transformers' default backend, done by vlfast
+        return "Qwen2VLImageProcessor"
+    if asked in TORCHVISION_IMAGE_PROCESSORS:
+        return asked
+
+    # transformers' own processor runs: the class asked or recorded, built here, or (the embedding recipe)
+    # the one transformers picks, as its reference does
+    def built() -> str:
+        model_dir = None if model.startswith("ref:") else model
+        return type(_image_processor(model_dir, cls_name=asked, **numbers)).__name__
+
+    return built() if facts is None else facts.answer("image processor", built)
 
 
 # --------------------------------------------------------------------------------------------- images

@@ -17,6 +17,7 @@ __all__ = [
     "VIDEO_RESAMPLES",
     "VIDEO_SIZINGS",
     "ProcessorConfig",
+    "transparency_rule",
 ]
 
 # transformers' torchvision image processors, whose operations vlfast.extraction.decode.image reproduces
@@ -180,3 +181,36 @@ class ProcessorConfig:
             if d[k] == default and type(d[k]) is type(default):
                 del d[k]
         return d
+
+
+def transparency_rule() -> str:
+    """How the installed transformers' image processors make a transparent image RGB: "white" or "dropped"
+    (TRANSPARENCIES; decode.image.rgb_tensor applies them), asked of its own ``convert_to_rgb`` on a
+    transparent black pixel. Here, beside the rule's names, because it imports no torch: a finished OUT's
+    record answers it without importing anything heavy (store.facts)."""
+    import inspect
+
+    import numpy as np
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    pixel = Image.new("RGBA", (1, 1), (0, 0, 0, 0))
+    if "return_numpy" in inspect.signature(convert_to_rgb).parameters:  # 5.21+: a PIL result is deprecated
+        rgb = convert_to_rgb(pixel, return_numpy=True)
+    else:
+        rgb = convert_to_rgb(pixel)
+    value = np.asarray(rgb).reshape(-1)[:3].tolist()
+    if value == [255, 255, 255]:
+        return "white"
+    if value == [0, 0, 0]:
+        return "dropped"
+    raise RuntimeError(
+        f"transformers {_transformers_version()} makes a transparent black pixel {value}, neither white nor black: "
+        "vlfast does not know this rule; install a transformers it does (5.18 or later), or report it"
+    )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
