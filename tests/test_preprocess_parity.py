@@ -394,6 +394,7 @@ def test_transparency_follows_transformers_rule_and_is_recorded(tiny_qwen3_vl, t
     (out / FACTS_FILE).unlink()
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2 and "processor.transparency" in r.output, r.output
+    assert "transformers of the rule it was made with" in " ".join(r.output.split()), r.output
     fresh = tmp_path / "fresh"
     assert CliRunner().invoke(app, [*args[:2], str(fresh), *args[3:]]).exit_code == 0
     assert json.loads((fresh / "run.json").read_text())["config"]["processor"]["transparency"] == "dropped"

@@ -381,6 +381,11 @@ def extract(
             )
         if any(key == "processor.image_processor" for key, *_ in e.diffs) and image_backend is not None:
             e.remedy += "; or leave out --image-backend, to resume it as it was made"
+        if any(key == "processor.transparency" for key, *_ in e.diffs):
+            e.remedy += (
+                "; or resume it with a transformers of the rule it was made with (transparency on white: "
+                "5.21 or later; dropped: 5.18-5.20)"
+            )
         raise
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): the run unwound the same way
         sigterm = isinstance(e, Terminated)
