@@ -197,6 +197,14 @@ def main() -> None:
             "vlfast extract (uint8 patches, normalised by the model side: CPU here)": lambda p=p: (
                 batch_pixels([deferred.image(p)[0]], torch.device("cpu"), torch.float32, cfg)
             ),
+            # a bf16 tower's input (the report's loop, every GPU user's): transformers' float32 output cast, and
+            # vlfast's uint8 patches normalised straight into bfloat16 (the same bits as the cast)
+            "transformers torchvision processor, then .to(bfloat16)": lambda p=p: tv(
+                images=[tf_load_image(p)], return_tensors="pt"
+            )["pixel_values"].to(torch.bfloat16),
+            "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": lambda p=p: (
+                batch_pixels([deferred.image(p)[0]], torch.device("cpu"), torch.bfloat16, cfg)
+            ),
             # a framework's call (LlamaFactory, TRL, ms-swift): a decoded PIL image in, float32 out; with
             # VLFAST_PREPROCESS=1 the processor's image processor is vlfast's swap
             "in a framework, decoded image given: transformers torchvision processor": lambda g=given: tv(
@@ -228,6 +236,13 @@ def main() -> None:
             "vlfast extract (uint8 patches, normalised by the model side: CPU here)": torch.equal(
                 variants["vlfast extract (uint8 patches, normalised by the model side: CPU here)"](), ref
             ),
+            "transformers torchvision processor, then .to(bfloat16)": True,
+            "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": torch.equal(
+                variants[
+                    "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)"
+                ](),
+                ref.to(torch.bfloat16),
+            ),
             "in a framework, decoded image given: transformers torchvision processor": True,
             "in a framework, decoded image given: VLFAST_PREPROCESS's swap": torch.equal(
                 swapped(images=[given], return_tensors="pt")["pixel_values"],
@@ -235,7 +250,12 @@ def main() -> None:
             ),
         }
         n = 2 if w >= 4000 else 4
-        rows += measure(f"image {w}x{h} JPEG", variants, equal, args.rounds, n)
+        bf16 = {
+            "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": (
+                "transformers torchvision processor, then .to(bfloat16)"
+            )
+        }
+        rows += measure(f"image {w}x{h} JPEG", variants, equal, args.rounds, n, bf16)
 
         # A data loader's collator calls the processor once per batch: 8 images in one call (2 at 4000x3000),
         # the row's time per call. transformers concatenates the images' rows; vlfast writes them into one
@@ -410,7 +430,11 @@ def keyframe_seeking_decode(path: str, indices: list[int]) -> list[np.ndarray]:
         return [out[order[i]] for i in indices]
 
 
-def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list[dict]:
+def measure(
+    what: str, variants: dict, equal: dict, rounds: int, n: int, bases: dict | None = None
+) -> list[dict]:
+    """Each variant's wall and CPU time over ``rounds`` alternated rounds of ``n`` calls; "vs tf" against
+    transformers' torchvision row, or the row ``bases`` names for a variant (the bf16 rows: its cast)."""
     for fn in variants.values():  # warm up
         fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -429,6 +453,11 @@ def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list
     out = []
     for name, ts in times.items():
         med = statistics.median(ts)
+        if bases and name in bases:
+            base_of = bases[name]
+            base = statistics.median(times[base_of])
+        else:
+            base_of, base = base_name, statistics.median(times[base_name])
         out.append(
             {
                 "input": what,
@@ -437,6 +466,7 @@ def measure(what: str, variants: dict, equal: dict, rounds: int, n: int) -> list
                 "min_ms": round(min(ts) * 1000, 2),
                 "max_ms": round(max(ts) * 1000, 2),
                 "speedup_vs_transformers": round(base / med, 2),
+                "compared_with": base_of,
                 "x_decode_bound": round(med / bound, 2),
                 "cpu_ms": round(statistics.median(cpu[name]) * 1000, 2),
                 "cpu_x_decode_bound": round(statistics.median(cpu[name]) / cpu_bound, 2),
