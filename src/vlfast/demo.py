@@ -48,22 +48,31 @@ def _video_processors_accepted() -> Iterator[None]:
     """Let ``ProcessorMixin.__init__`` accept a video processor where torchvision is absent.
 
     transformers' video processors build, and save, without torchvision (only processing a video needs
-    it), but the processor's type check looks their base class, ``VideoProcessorMixin``, up among the
-    names transformers exports, and transformers exports it only when torchvision is installed. This
-    exports it for the duration, as an installed torchvision would; with torchvision it does nothing.
+    it), but the processor's type check looks their base class (``VideoProcessorMixin``; 5.18-5.2x's
+    ``BaseVideoProcessor``) up among the names transformers exports, and transformers exports it only when
+    torchvision is installed. This exports it for the duration, as an installed torchvision would; with
+    torchvision it does nothing.
     """
-    from transformers import processing_utils
-    from transformers.video_processing_utils import VideoProcessorMixin
+    from transformers import processing_utils, video_processing_utils
 
+    name = processing_utils.MODALITY_TO_BASE_CLASS_MAPPING["video_processor"]
     module = processing_utils.transformers_module  # what the type check looks names up in
-    if hasattr(module, "VideoProcessorMixin"):
+    real = getattr(video_processing_utils, name)
+    exported = getattr(module, name, _ABSENT)  # without torchvision: absent, or (5.18) a placeholder
+    if exported is real:
         yield
         return
-    module.VideoProcessorMixin = VideoProcessorMixin
+    setattr(module, name, real)
     try:
         yield
     finally:
-        del module.VideoProcessorMixin
+        if exported is _ABSENT:
+            delattr(module, name)
+        else:
+            setattr(module, name, exported)
+
+
+_ABSENT = object()
 
 
 LAYOUTS = ("hub", "processor")
