@@ -30,6 +30,7 @@ def files(folder: Path) -> dict[str, Path]:
     from vlfast.demo import pattern
 
     rgb = pattern(240, 320, 3)
+    ramp = np.arange(240 * 320, dtype=np.uint32).reshape(240, 320) % 65536
     alpha = (np.arange(320)[None, :].repeat(240, 0) % 256).astype(np.uint8)
     rgba = Image.fromarray(np.dstack([rgb, alpha]), "RGBA")
     gray = Image.fromarray(rgb).convert("L")
@@ -48,7 +49,7 @@ def files(folder: Path) -> dict[str, Path]:
         "palette_transparent.png": (Image.fromarray(rgb).convert("P"), {"transparency": 0}),
         "rgb_colour_key.png": (Image.fromarray(rgb), {"transparency": tuple(int(v) for v in rgb[0, 0])}),
         "gray_colour_key.png": (gray, {"transparency": int(gray.getpixel((0, 0)))}),
-        "sixteen_bit.png": (Image.fromarray(rgb[..., 0].astype(np.uint16) * 257), {}),
+        "sixteen_bit.png": (Image.fromarray(ramp.astype(np.uint16)), {}),  # every low byte
         "animated.gif": (Image.fromarray(rgb).convert("P"), {}),
         "lossless.webp": (Image.fromarray(rgb), {"lossless": True}),
     }
@@ -69,6 +70,8 @@ def main() -> int:
     from transformers.image_utils import load_image, load_image_as_tensor
     from transformers.utils.import_utils import is_torchcodec_available
 
+    from vlfast.extraction.decode.preprocess import load_image as vlfast_load_image
+
     print(
         f"torch {torch.__version__}; decoder: {'torchcodec' if is_torchcodec_available() else 'torchvision'}"
     )
@@ -80,7 +83,16 @@ def main() -> int:
             same = decoded.dtype == pil.dtype and decoded.shape == pil.shape and torch.equal(decoded, pil)
             note = ""
             if not same and name.startswith("sixteen_bit"):
-                note = " (16-bit: expected, vlfast refuses such a path)"
+                # vlfast extract scales a 16-bit image to 8 bits (decode.preprocess.load_image); where that
+                # equals the decoder's, extract's pixels are those of transformers given the path
+                scaled = torch.from_numpy(np.array(vlfast_load_image(str(path)).convert("RGB"))).permute(
+                    2, 0, 1
+                )
+                as_extract = decoded.dtype == torch.uint8 and torch.equal(decoded, scaled)
+                note = (
+                    " (16-bit: VisionPreprocessor refuses such a path; "
+                    f"{'equal to' if as_extract else 'not'} vlfast extract's scaling)"
+                )
             else:
                 failed += not same
             print(
