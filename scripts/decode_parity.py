@@ -7,7 +7,9 @@ loads beside the CPU torch wheel the tests run on (their C++ libraries link CUDA
 them; this script does, in the venv ``benchmarks/torchcodec_env.sh`` makes (CUDA torch, which runs without a
 GPU). It writes files of every kind vlfast's tests use (JPEG baseline, progressive, 4:4:4, grayscale, CMYK;
 PNG in every 8-bit mode, with alpha, palette and colour-key transparency; 16-bit PNG; GIF; WebP; each EXIF
-turn), decodes each both ways and prints one line per file; exit 1 where an 8-bit file differs.
+turn), decodes each both ways and prints one line per file; then clips whose display matrix turns them
+(0, 90, 180, 270 degrees), every frame through transformers' ``load_video`` with torchcodec against vlfast's
+decode, turned; exit 1 where an 8-bit file or a clip differs.
 
     bash benchmarks/torchcodec_env.sh /tmp/tcvenv
     PYTHONPATH=/tmp/tcvenv/reference-torchvision:/tmp/tcvenv/reference-torchcodec \\
@@ -99,7 +101,42 @@ def main() -> int:
                 f"{name:26s} {'equal' if same else 'DIFFERENT'} {decoded.dtype} {tuple(decoded.shape)}{note}"
             )
     print("every 8-bit file equal" if not failed else f"{failed} 8-bit files differ")
+    failed += videos()
     return 1 if failed else 0
+
+
+def videos() -> int:
+    """Clips whose display matrix turns them (a phone's portrait video): every frame as transformers' video
+    reader for a path decodes it (``load_video``, torchcodec where it loads) against vlfast's decode with
+    ``video_rotation`` (decode.video.display_turns); the number that differ."""
+    import av
+    import torch
+    from transformers.utils.import_utils import is_torchcodec_available
+    from transformers.video_utils import load_video
+
+    from vlfast.demo import make_video
+    from vlfast.extraction.decode.video import _decode_at
+
+    if not is_torchcodec_available():
+        print("videos: torchcodec is not importable here; the turns are torchcodec's, so not checked")
+        return 0
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for degrees in (0, 90, 180, 270):
+            path = make_video(
+                Path(tmp) / f"r{degrees}.mp4", frames=12, fps=10, width=96, height=64, rotation=degrees
+            )
+            theirs, _ = load_video(str(path), backend="torchcodec")
+            theirs = torch.as_tensor(np.asarray(theirs))
+            theirs = theirs.permute(0, 2, 3, 1) if theirs.shape[1] == 3 else theirs  # (T, H, W, 3)
+            with av.open(str(path)) as c:
+                ours = torch.from_numpy(np.stack(_decode_at(c, c.streams.video[0], None, turn=True)))
+            same = ours.shape == theirs.shape and torch.equal(ours, theirs)
+            failed += not same
+            print(
+                f"video turned {degrees:3d} degrees      {'equal' if same else 'DIFFERENT'} {tuple(theirs.shape)}"
+            )
+    return failed
 
 
 if __name__ == "__main__":

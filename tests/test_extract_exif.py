@@ -160,21 +160,31 @@ def _rotated_mp4(path, width=64, height=32):
     return path
 
 
-def test_a_videos_rotation_is_not_applied_as_in_transformers_pyav_reader(tmp_path):
-    """docs/extract.md: videos keep their frames as stored, as transformers' read_video_pyav gives them."""
+def test_a_videos_rotation_is_applied_as_transformers_reader_applies_it(tmp_path):
+    """docs/extract.md: a video's frames are turned by its display matrix, as torchcodec (transformers' reader
+    for a path) turns them (tests/test_video_rotation.py); taken as stored they are what transformers'
+    read_video_pyav gives."""
+    from dataclasses import replace
+
     import av
+    import numpy as np
     from transformers.video_utils import read_video_pyav
 
     from vlfast.extraction.decode.video import read_video
 
     path = _rotated_mp4(tmp_path / "portrait.mp4")
     with av.open(str(path)) as c:
-        assert next(c.decode(video=0)).rotation in (90, -90)  # the container does say to turn it
+        turn = next(c.decode(video=0)).rotation
+    assert turn in (90, -90)  # the container says to turn it
     cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=4)
-    frames, _ = read_video(str(path), cfg)
-    assert frames.shape == (4, 3, 32, 64)  # as stored: not turned
+    stored, _ = read_video(str(path), replace(cfg, video_rotation=False))
+    assert stored.shape == (4, 3, 32, 64)
     theirs, _ = read_video_pyav(str(path), lambda metadata, **kw: [0, 1, 2, 3])
-    assert torch.equal(frames.permute(0, 2, 3, 1), torch.from_numpy(theirs))
+    assert torch.equal(stored.permute(0, 2, 3, 1), torch.from_numpy(theirs))
+    turned, _ = read_video(str(path), cfg)
+    assert turned.shape == (4, 3, 64, 32)
+    want = np.stack([np.rot90(f, 1 if turn == 90 else 3) for f in theirs])
+    assert torch.equal(turned.permute(0, 2, 3, 1), torch.from_numpy(want))
 
 
 def test_the_flags_and_the_refusal_say_how_to_resume_as_made(made_without_it, tiny_qwen3_vl):

@@ -370,6 +370,8 @@ def test_transparency_follows_transformers_rule_and_is_recorded(tiny_qwen3_vl, t
     it does, and records the rule in run.json where it is "dropped" (absent: on white, as every OUT before);
     a resume under the other rule is refused (exit 2, naming it)."""
     import numpy as np
+    import transformers
+    from packaging.version import Version
     from PIL import Image
     from typer.testing import CliRunner
 
@@ -378,9 +380,6 @@ def test_transparency_follows_transformers_rule_and_is_recorded(tiny_qwen3_vl, t
     from vlfast.extraction.decode.image import rgb_tensor
     from vlfast.extraction.decode.processor_config import transparency_rule
     from vlfast.extraction.store.format import FACTS_FILE
-
-    import transformers
-    from packaging.version import Version
 
     rule = transparency_rule()
     assert rule == ("white" if Version(transformers.__version__) >= Version("5.21") else "dropped")

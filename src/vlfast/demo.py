@@ -277,9 +277,13 @@ def make_video(
     seed: int = 0,
     codec: str | None = None,
     options: dict[str, object] | None = None,
+    rotation: float = 0,
+    hflip: bool = False,
 ) -> Path:
     """A clip of a moving pattern, written with PyAV: H.264 (MPEG-4 where PyAV lacks libx264) unless
-    ``codec`` names another encoder; ``options`` go to the encoder; the container follows the suffix."""
+    ``codec`` names another encoder; ``options`` go to the encoder; the container follows the suffix.
+    ``rotation`` (degrees counter-clockwise) and ``hflip`` go into the stream's display matrix, as a phone
+    writes a portrait video (PyAV 17 or later)."""
     import av
 
     path = Path(path)
@@ -290,6 +294,8 @@ def make_video(
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = {k: str(v) for k, v in (options or {}).items()}
+        if rotation or hflip:
+            stream.set_display_rotation(rotation, hflip=hflip)
         for i in range(frames):
             shift = (i * 3) % width
             frame = av.VideoFrame.from_ndarray(

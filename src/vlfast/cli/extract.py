@@ -120,9 +120,9 @@ def extract(
         bool | None,
         typer.Option(
             "--exif-orientation/--no-exif-orientation",
-            help="Turn images upright by their EXIF orientation, as transformers does for an image given by "
-            "path; or take the pixels as stored. Default: as OUT was made; for a new OUT, turned (not for "
-            "the Qwen3-VL-Embedding recipe, as qwen-vl-utils). Video rotation metadata is never applied.",
+            help="Turn images upright by their EXIF orientation, and videos by their rotation metadata, as "
+            "transformers does for a file given by path; or take the pixels as stored. Default: as OUT was "
+            "made; for a new OUT, turned (not for the Qwen3-VL-Embedding recipe, as qwen-vl-utils).",
             show_default=False,
         ),
     ] = None,

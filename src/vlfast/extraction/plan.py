@@ -352,6 +352,7 @@ def make_plan(
         exif_orientation=exif_orientation(config.exif_orientation, recorded),
         image_processor=IMAGE_BACKENDS.get(config.image_backend) or recorded_image_processor(recorded),
         image_reading=recorded_image_reading(recorded),
+        video_rotation=recorded_video_rotation(recorded),
         facts=facts,
     )
     from vlfast.extraction.store.fingerprint import weights_fingerprint
@@ -497,6 +498,13 @@ def recorded_image_reading(recorded: dict[str, Any] | None) -> str | None:
         return None
     reading = processor.get("image_reading", "vlfast")
     return reading if isinstance(reading, str) else None
+
+
+def recorded_video_rotation(recorded: dict[str, Any] | None) -> bool | None:
+    """Whether OUT turned its videos by their display matrix (None for a new OUT, where it follows the EXIF
+    choice): a resume keeps it, so an OUT made before vlfast did goes on taking frames as stored."""
+    processor = (recorded or {}).get("processor")
+    return bool(processor.get("video_rotation", False)) if isinstance(processor, dict) else None
 
 
 def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:

@@ -337,6 +337,7 @@ def build_processor_config(
     exif_orientation: bool | None = None,
     image_processor: str | None = None,
     image_reading: str | None = None,
+    video_rotation: bool | None = None,
     facts: ModelFacts | None = None,
 ) -> ProcessorConfig:
     """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
@@ -357,6 +358,8 @@ def build_processor_config(
     its reference does. The PIL class (``Qwen2VLImageProcessorPil``) is built from the checkpoint's files
     whatever is installed. ``image_reading``: as recorded by the OUT resumed; None for a new OUT: the embedding
     recipe reads image files as its reference, qwen-vl-utils, does, everything else as vlfast does.
+    ``video_rotation``: as recorded by the OUT resumed; None for a new OUT: as ``exif_orientation`` (videos
+    turned upright by their display matrix where images are by their EXIF tag).
     """
     if fps is not None and num_frames is not None:
         raise InputRefused("give either fps or num_frames for video sampling, not both")
@@ -395,6 +398,7 @@ def build_processor_config(
     from vlfast.extraction.decode.processor_config import transparency_rule
 
     transparency = transparency_rule() if facts is None else facts.answer("transparency", transparency_rule)
+    upright = not recipe if exif_orientation is None else bool(exif_orientation)
     return ProcessorConfig(
         source=source,
         image_processor=_image_processor_class(model, image_processor, recipe, numbers, facts),
@@ -414,10 +418,11 @@ def build_processor_config(
         max_video_tokens=int(video_cfg.get("max_video_tokens", values.get("max_video_tokens", 768))),
         rescale_factor=values.get("rescale_factor", 1 / 255),
         video_sizing=values.get("video_sizing", "processor"),
-        exif_orientation=not recipe if exif_orientation is None else bool(exif_orientation),
+        exif_orientation=upright,
         **{k: values[k] for k in PIXEL_SETTINGS if k in values},
         transparency=transparency,
         image_reading=image_reading or ("qwen-vl-utils" if recipe else "vlfast"),
+        video_rotation=upright if video_rotation is None else bool(video_rotation),
     )
 
 

@@ -110,6 +110,10 @@ class ProcessorConfig:
     transparency: str = "white"
     # IMAGE_READINGS; in run.json only where not "vlfast", which every OUT before it was recorded used
     image_reading: str = "vlfast"
+    # A video's frames turned upright by its stream's display matrix (phone videos: a rotation of 90, 180 or
+    # 270 degrees), as torchcodec, the reader transformers' video processors decode a path with, turns them.
+    # In run.json only where True: OUTs made before it was recorded took the frames as stored.
+    video_rotation: bool = False
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
@@ -177,6 +181,8 @@ class ProcessorConfig:
             del d["transparency"]
         if d["image_reading"] == "vlfast":  # absent from older OUTs' run.json, which read images so
             del d["image_reading"]
+        if not d["video_rotation"]:  # absent from older OUTs' run.json, which took frames as stored
+            del d["video_rotation"]
         for k, default in PIXEL_SETTINGS.items():
             if d[k] == default and type(d[k]) is type(default):
                 del d[k]
