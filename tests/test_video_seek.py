@@ -232,7 +232,7 @@ def test_a_seek_that_lands_elsewhere_falls_back(tmp_path, cfg, monkeypatch):
     assert _sparse(path, [50, 60]) is None
     fallbacks = []
     decode_at = video._decode_at
-    monkeypatch.setattr(video, "_decode_at", lambda *a: fallbacks.append(a[2]) or decode_at(*a))
+    monkeypatch.setattr(video, "_decode_at", lambda *a, **k: fallbacks.append(a[2]) or decode_at(*a, **k))
     frames, meta = video.read_video(str(path), cfg)
     assert fallbacks, "the sequential decode was not taken"
     _assert_frames(list(frames.permute(0, 2, 3, 1).numpy()), full, meta["frame_indices"], "fallback")
