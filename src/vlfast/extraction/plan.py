@@ -485,26 +485,24 @@ def recorded_image_processor(recorded: dict[str, Any] | None) -> str | None:
     """The image processor class OUT was made with (None for a new OUT): a resume keeps it, so an OUT made
     with transformers' PIL processor goes on with it (vlfast's default for new OUTs is the torchvision one's
     operations, done by vlfast)."""
-    processor = (recorded or {}).get("processor")
-    name = processor.get("image_processor") if isinstance(processor, dict) else None
+    processor = _recorded_processor(recorded)
+    name = processor.get("image_processor") if processor is not None else None
     return name if isinstance(name, str) else None
 
 
 def recorded_image_reading(recorded: dict[str, Any] | None) -> str | None:
     """How OUT read its image files (None for a new OUT): a resume keeps it, so an embedding OUT made before
     the recipe read them as qwen-vl-utils does goes on as made ("vlfast", which its run.json omits)."""
-    processor = (recorded or {}).get("processor")
-    if not isinstance(processor, dict):
-        return None
-    reading = processor.get("image_reading", "vlfast")
+    processor = _recorded_processor(recorded)
+    reading = processor.get("image_reading", "vlfast") if processor is not None else None
     return reading if isinstance(reading, str) else None
 
 
 def recorded_video_rotation(recorded: dict[str, Any] | None) -> bool | None:
     """Whether OUT turned its videos by their display matrix (None for a new OUT, where it follows the EXIF
     choice): a resume keeps it, so an OUT made before vlfast did goes on taking frames as stored."""
-    processor = (recorded or {}).get("processor")
-    return bool(processor.get("video_rotation", False)) if isinstance(processor, dict) else None
+    processor = _recorded_processor(recorded)
+    return bool(processor.get("video_rotation", False)) if processor is not None else None
 
 
 def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:
@@ -514,8 +512,14 @@ def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> boo
     preprocessing decides (:func:`~vlfast.extraction.decode.preprocess.build_processor_config`)."""
     if asked is not None:
         return asked
+    processor = _recorded_processor(recorded)
+    return bool(processor.get("exif_orientation", False)) if processor is not None else None
+
+
+def _recorded_processor(recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OUT's recorded ``processor`` entry; None for a new OUT (or a record without one)."""
     processor = (recorded or {}).get("processor")
-    return bool(processor.get("exif_orientation", False)) if isinstance(processor, dict) else None
+    return processor if isinstance(processor, dict) else None
 
 
 def _answers(facts: ModelFacts | None, model: str) -> ModelFacts:

@@ -101,8 +101,6 @@ class VisionPreprocessor:
         :class:`~vlfast.errors.InputRefused` naming an input of a kind it does not take."""
         import torch
 
-        from vlfast.extraction.sources.sample import Sample
-
         out: dict[str, torch.Tensor] = {}
         if images is not None and not isinstance(images, (list, tuple)):
             images = [images]
@@ -116,21 +114,10 @@ class VisionPreprocessor:
         if videos is not None and not isinstance(videos, (list, tuple)):
             videos = [videos]
         if videos:
-            for x in videos:
-                frames = x if isinstance(x, (list, tuple)) else [x]
-                if not frames or not all(isinstance(f, (str, Path)) for f in frames):
-                    kinds = ", ".join(sorted({type(f).__name__ for f in frames}))
-                    what = f"a {type(x).__name__} of {kinds}" if frames is x else f"a {type(x).__name__}"
-                    raise InputRefused(
-                        f"VisionPreprocessor: a video given as {what if frames else 'an empty list'}: pass "
-                        "video file paths, or lists of "
-                        "frame image paths (vlfast decodes and samples them)"
-                    )
+            samples = [_video_sample(x) for x in videos]  # every input checked before any is decoded
             rows, grids = [], []
-            for x in videos:
-                paths = (str(x),) if isinstance(x, (str, Path)) else tuple(str(p) for p in x)
-                kind = "video" if isinstance(x, (str, Path)) else "frames"
-                pixels, grid, _ = _named(self._pre, Sample(id=paths[0], kind=kind, paths=paths))
+            for sample in samples:
+                pixels, grid, _ = _named(self._pre, sample)
                 rows.append(pixels)
                 grids.append(grid)
             out["pixel_values_videos"] = _cat(rows)
@@ -251,6 +238,25 @@ class VisionPreprocessor:
 
         pixels, grid, _ = pre.pil_image(conformed_image(x, keep_mode=True))
         return pixels, grid
+
+
+def _video_sample(x):
+    """A video input (a file path, or a list of frame image paths) as the Sample the preprocessor decodes;
+    InputRefused naming anything else."""
+    from vlfast.extraction.sources.sample import Sample
+
+    if isinstance(x, (str, Path)):
+        return Sample(id=str(x), kind="video", paths=(str(x),))
+    frames = x if isinstance(x, (list, tuple)) else [x]
+    if not frames or not all(isinstance(f, (str, Path)) for f in frames):
+        kinds = ", ".join(sorted({type(f).__name__ for f in frames}))
+        what = f"a {type(x).__name__} of {kinds}" if frames is x else f"a {type(x).__name__}"
+        raise InputRefused(
+            f"VisionPreprocessor: a video given as {what if frames else 'an empty list'}: pass video file "
+            "paths, or lists of frame image paths (vlfast decodes and samples them)"
+        )
+    paths = tuple(str(f) for f in frames)
+    return Sample(id=paths[0], kind="frames", paths=paths)
 
 
 def _cat(rows):

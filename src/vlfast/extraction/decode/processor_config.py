@@ -52,6 +52,17 @@ PIXEL_SETTINGS = {
 }
 
 
+# Fields added after OUTs were written without them, by the value every earlier vlfast applied: in run.json only
+# where they differ, so older OUTs resume as made
+_ADDED_LATER = {
+    "video_sizing": "processor",  # added with embeddings
+    "exif_orientation": False,  # earlier vlfast took images as stored
+    "transparency": "white",  # earlier vlfast composited on white
+    "image_reading": "vlfast",
+    "video_rotation": False,  # earlier vlfast took frames as stored
+}
+
+
 @dataclass(frozen=True)
 class ProcessorConfig:
     """Every number preprocessing uses; recorded in the run config so a run is reproducible."""
@@ -124,18 +135,15 @@ class ProcessorConfig:
             raise InputRefused(
                 f"frame_sampling must be 'qwen3-vl', 'qwen2-vl' or 'qwen-vl-utils', got {self.frame_sampling!r}"
             )
-        if self.transparency not in TRANSPARENCIES:
-            raise InputRefused(
-                f"transparency must be one of {', '.join(map(repr, TRANSPARENCIES))}, got {self.transparency!r}"
-            )
-        if self.image_reading not in IMAGE_READINGS:
-            raise InputRefused(
-                f"image_reading must be one of {', '.join(map(repr, IMAGE_READINGS))}, got {self.image_reading!r}"
-            )
-        if self.video_sizing not in VIDEO_SIZINGS:
-            raise InputRefused(
-                f"video_sizing must be one of {', '.join(map(repr, VIDEO_SIZINGS))}, got {self.video_sizing!r}"
-            )
+        for name, allowed in (
+            ("transparency", TRANSPARENCIES),
+            ("image_reading", IMAGE_READINGS),
+            ("video_sizing", VIDEO_SIZINGS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise InputRefused(
+                    f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}"
+                )
         if self.video_resample not in VIDEO_RESAMPLES:
             raise InputRefused(
                 f"the video processor's resample is {self.video_resample!r} (from {self.source}); vlfast resizes videos "
@@ -173,16 +181,9 @@ class ProcessorConfig:
         # Written by every vlfast so far, always empty (a field that was never passed to the processor):
         # kept so that an OUT written before resumes, its configuration being compared as a whole.
         d["image_kwargs"] = {}
-        if d["video_sizing"] == "processor":  # added with embeddings: absent from older OUTs' run.json
-            del d["video_sizing"]
-        if not d["exif_orientation"]:  # absent from older OUTs' run.json, which did not apply it
-            del d["exif_orientation"]
-        if d["transparency"] == "white":  # absent from older OUTs' run.json, which composited on white
-            del d["transparency"]
-        if d["image_reading"] == "vlfast":  # absent from older OUTs' run.json, which read images so
-            del d["image_reading"]
-        if not d["video_rotation"]:  # absent from older OUTs' run.json, which took frames as stored
-            del d["video_rotation"]
+        for k, default in _ADDED_LATER.items():
+            if d[k] == default:
+                del d[k]
         for k, default in PIXEL_SETTINGS.items():
             if d[k] == default and type(d[k]) is type(default):
                 del d[k]
@@ -210,13 +211,9 @@ def transparency_rule() -> str:
         return "white"
     if value == [0, 0, 0]:
         return "dropped"
-    raise RuntimeError(
-        f"transformers {_transformers_version()} makes a transparent black pixel {value}, neither white nor black: "
-        "vlfast does not know this rule; install a transformers it does (5.18 or later), or report it"
-    )
-
-
-def _transformers_version() -> str:
     import transformers
 
-    return transformers.__version__
+    raise RuntimeError(
+        f"transformers {transformers.__version__} makes a transparent black pixel {value}, neither white nor "
+        "black: vlfast does not know this rule; install a transformers it does (5.18 or later), or report it"
+    )
