@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from vlfast.references import REFERENCES, installed_families
+from vlfast.models.references import REFERENCES, installed_families
 
 FAMILIES = installed_families()
 # The tower the single-model tests build: Qwen3-VL (deepstack features, transformers >= 4.57), else Qwen2-VL,

@@ -123,7 +123,7 @@ def stubbed():
     with pytest.MonkeyPatch.context() as mp:
         import vlfast.diagnosis.doctor as doctor
         import vlfast.diagnosis.profiler as profiler
-        import vlfast.patching.verification as verification
+        import vlfast.diagnosis.verification as verification
 
         mp.setattr(doctor, "doctor", _reached)
         mp.setattr(profiler, "profile", _reached)

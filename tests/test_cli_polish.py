@@ -214,7 +214,7 @@ def test_unpatch_report_is_headed_unpatch():
 def test_verify_table_and_notes_keep_brackets(monkeypatch, tmp_path, tiny_qwen3_vl):
     import shutil
 
-    from vlfast.patching import verification
+    from vlfast.diagnosis import verification
 
     # a real checkpoint folder: verify refuses a path that is none, or whose tensors disagree, before loading
     ckpt = Path(shutil.copytree(tiny_qwen3_vl, tmp_path / "qwen[v2]"))
@@ -249,7 +249,7 @@ def test_models_table_keeps_names_whole_in_a_pipe():
 
 
 def test_verify_table_keeps_names_and_values_whole_in_a_pipe(monkeypatch):
-    from vlfast.patching import verification
+    from vlfast.diagnosis import verification
 
     report = verification.VerifyReport(model="ref:qwen3-vl-30b-a3b", device="cpu")
     name = "blocks.0.attn.qkv sample 0 grid=(2, 16, 16) last_hidden_state"
@@ -269,7 +269,7 @@ def test_verify_table_keeps_names_and_values_whole_in_a_pipe(monkeypatch):
 
 
 def test_verify_expected_time_comes_from_the_tower_and_a_measured_rate(monkeypatch):
-    from vlfast.patching import verification
+    from vlfast.diagnosis import verification
 
     monkeypatch.setattr(verification, "_gemm_rate", lambda dtype, device: 1e9)  # 1 G multiply-adds/s
     small = verification.expected_seconds("ref:qwen3-vl-4b", grids=[(1, 4, 4)], backward=False)

@@ -192,7 +192,7 @@ def test_changed_weights_under_the_same_json_files_are_refused(copied, asked):
     """The record names the tower's tensors, never their bytes: a fine-tune that leaves every JSON file as it
     was keeps the key, and the weights, hashed as before, refuse it."""
     inputs, out, ckpt = copied
-    from vlfast.checkpoints import tensor_locations
+    from vlfast.models.checkpoints import tensor_locations
     from vlfast.extraction.store.format import read_header
 
     names = json.loads((out / FACTS).read_text())["answers"]["vision tower tensors"]

@@ -45,16 +45,14 @@ def test_the_top_level_holds_the_capability_packages_and_little_else():
     root = Path(vlfast.__file__).parent
     modules = {p.stem for p in root.glob("*.py")}
     packages = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
-    assert packages == {"patching", "diagnosis", "extraction", "tokens", "cli"}
+    assert packages == {"patching", "diagnosis", "extraction", "tokens", "cli", "models"}
     # errors: the refusals every capability raises, a leaf that imports nothing of ours; dtypes: the one
     # policy for --dtype that every command shares; demo: the offline checkpoint and media the demo commands,
     # tests and benchmarks use; _lazy: the lazy public names of the package faces; numerics: the process-wide
     # steps for the same bits every run (MKL's vector math set up on one thread, the row check) that both
-    # extraction and verify take; references: the built-in references as plain data, which `vlfast models`
-    # lists without importing torch; limits: the range of every numeric option, which the CLI and the library
-    # check alike (as dtypes for --dtype); checkpoints: a checkpoint folder's files (its weights, where the
-    # tower's tensors are) read without torch, so that a finished OUT's weights are hashed without importing it
-    top = "__init__ _files _lazy checkpoints demo dtypes errors limits models numerics references run"
+    # extraction and verify take; limits: the range of every numeric option, which the CLI and the library
+    # check alike (as dtypes for --dtype). The models package holds the references, checkpoint folders and towers
+    top = "__init__ _files _lazy demo dtypes errors limits numerics run"
     assert modules == set(top.split())
 
 

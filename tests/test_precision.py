@@ -10,8 +10,9 @@ import contextlib
 import pytest
 import torch
 
-from vlfast.patching import precision, verification
-from vlfast.patching.verification import verify
+from vlfast.diagnosis import verification
+from vlfast.diagnosis.verification import verify
+from vlfast.patching import precision
 
 
 def _knobs() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The built-in references are plain data (``vlfast.references``): `vlfast models` lists them without torch,
+"""The built-in references are plain data (``vlfast.models.references``): `vlfast models` lists them without torch,
 and what the table states is what the builders produce."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 
 from _transformers_support import references
 from vlfast.models import build_reference
-from vlfast.references import REFERENCES
+from vlfast.models.references import REFERENCES
 
 HEAVY = ("torch", "transformers", "numpy")
 

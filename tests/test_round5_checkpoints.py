@@ -74,7 +74,7 @@ def test_every_tower_tensor_is_compared(tiny_qwen3_vl, tmp_path):
     shutil.copytree(tiny_qwen3_vl, ckpt)
     key = "model.visual.merger.linear_fc2.weight"
     _swap(ckpt, key, torch.zeros(32, 256))
-    from vlfast.checkpoints import check_tower_shapes, tower_shapes
+    from vlfast.models import check_tower_shapes, tower_shapes
     from vlfast.errors import InputRefused
 
     with pytest.raises(

@@ -25,7 +25,7 @@ from vlfast.models import (
     tower_spec,
 )
 from vlfast.patching.gemm import GemmConvForward
-from vlfast.patching.verification import Step, Thresholds, compare, verify
+from vlfast.diagnosis.verification import Step, Thresholds, compare, verify
 
 runner = CliRunner()
 
@@ -107,7 +107,7 @@ def test_compare_metrics():
 
 
 def test_compare_streams_in_chunks_with_the_same_result(monkeypatch):
-    import vlfast.patching.verification as verification
+    import vlfast.diagnosis.verification as verification
 
     gen = torch.Generator().manual_seed(0)
     ref = torch.randn(1000, generator=gen)
@@ -253,8 +253,8 @@ _MEMORY_PROBE = textwrap.dedent(
     import json, resource, sys
     import psutil, torch
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-    from vlfast.models import _build_from_vision_config
-    from vlfast.patching.verification import verify
+    from vlfast.models.towers import _build_from_vision_config
+    from vlfast.diagnosis.verification import verify
 
     torch.manual_seed(0)
     config = Qwen3VLVisionConfig(

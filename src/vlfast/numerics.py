@@ -17,7 +17,7 @@ runs were right 34 times in 34 without the step, so the counts show the race, no
 :func:`settle_vector_math` calls each of those functions once on one element (never split between
 threads), on the calling thread, once per process, so VML is set up before several threads can use it; in
 the hour the race showed most (3 wrong runs in 14 without it), 30 runs in 30 with it were right.
-:func:`vlfast.extraction.model.runner.load` and :func:`vlfast.patching.verification.verify` call it before
+:func:`vlfast.extraction.model.runner.load` and :func:`vlfast.diagnosis.verification.verify` call it before
 any model runs; a program running a model itself on the CPU can call it first for the same guarantee.
 """
 

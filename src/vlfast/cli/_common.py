@@ -219,12 +219,12 @@ def refuse_early(
     messages are the library's own; what only torch can judge (an unknown device type, a GPU that is not
     there) is left to it."""
     if model is not None:
-        from vlfast.references import REF_PREFIX, resolve_reference
+        from vlfast.models.references import REF_PREFIX, resolve_reference
 
         if model.startswith(REF_PREFIX):
             resolve_reference(model)
         else:
-            from vlfast.checkpoints import checkpoint_dir
+            from vlfast.models.checkpoints import checkpoint_dir
 
             checkpoint_dir(model)
     if device is not None:
@@ -244,11 +244,11 @@ def refuse_unfit_weights(model: str | None) -> None:
     Builds the tower on the meta device: call it where the command imports torch anyway."""
     from pathlib import Path
 
-    from vlfast.references import REF_PREFIX
+    from vlfast.models.references import REF_PREFIX
 
     if model is None or model.startswith(REF_PREFIX) or not Path(model).expanduser().is_dir():
         return  # no checkpoint to compare: what --model lacks is the library's to say
-    from vlfast.checkpoints import check_tower_shapes, tower_shapes
+    from vlfast.models import check_tower_shapes, tower_shapes
 
     check_tower_shapes(model, tower_shapes(model))
 

@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def models(as_json: JsonOpt = False) -> None:
     """List the built-in references usable as --model ref:NAME (random weights, published dimensions)."""
-    from vlfast.references import REF_PREFIX, list_references  # plain data: no torch, no transformers
+    from vlfast.models.references import REF_PREFIX, list_references  # plain data: no torch, no transformers
 
     refs = list_references()
     if as_json:

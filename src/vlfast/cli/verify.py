@@ -28,7 +28,7 @@ from vlfast.limits import check
 if TYPE_CHECKING:
     from rich.status import Status
 
-    from vlfast.patching.verification import Step
+    from vlfast.diagnosis.verification import Step
 
 
 def register(app: typer.Typer) -> None:
@@ -134,8 +134,8 @@ def verify(
     dtypes = ["float32", *(dtype or ["bfloat16"])]
     refuse_early(model, device, tuple(dtypes))  # before torch: seconds to import
     from vlfast.cli._process import since_start, since_start_words, skip_teardown
-    from vlfast.patching.verification import expected_seconds
-    from vlfast.patching.verification import verify as run_verify
+    from vlfast.diagnosis.verification import expected_seconds
+    from vlfast.diagnosis.verification import verify as run_verify
 
     refuse_unfit_weights(model)
     skip_teardown()  # everything it says is printed before it returns

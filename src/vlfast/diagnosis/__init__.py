@@ -6,7 +6,8 @@
 - ``timing``: synchronised, budgeted timing that says how much to trust it.
 - ``doctor``: facts + rules + probe -> one report with its verdict and the exact fix.
 - ``profiler``: where a vision tower's time goes, per component, stock against patched.
+- ``verification``: ``verify``, the numerical proof that the patch changes nothing on a given model.
 
-The public entry points are ``vlfast.doctor`` and ``vlfast.profile``; this package exports nothing of its
+The public entry points are ``vlfast.doctor``, ``vlfast.profile`` and ``vlfast.verify``; this package exports nothing of its
 own, so that no submodule (``doctor``) is ever mistaken for the function of the same name.
 """

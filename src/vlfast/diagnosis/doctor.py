@@ -418,7 +418,7 @@ _FAMILY_CONVS: dict[str, tuple[tuple[str, str, bool], ...]] = {
 def reference_conv_shapes(name: str, patches: int) -> list[ConvShape] | None:
     """The conv shapes of the reference ``name`` from its published numbers, without building it; None for a
     family :data:`_FAMILY_CONVS` does not describe, or where ``VLFAST_PATCH`` may patch what is built."""
-    from vlfast.references import resolve_reference
+    from vlfast.models.references import resolve_reference
 
     ref = resolve_reference(name)
     convs = _FAMILY_CONVS.get(ref.family)

@@ -359,10 +359,15 @@ def make_plan(
 
     shapes = None
     if not config.model.startswith("ref:"):
-        from vlfast.checkpoints import check_tower_shapes, tower_shapes
+        from vlfast.models.checkpoints import check_tower_shapes
+
+        def ask() -> dict:  # builds the tower on the meta device: imports torch, so only when not recorded
+            from vlfast.models.towers import tower_shapes
+
+            return tower_shapes(config.model)
 
         # before anything is written: a tower that does not fit its config fails at load, after run.json
-        shapes = facts.answer("vision tower tensors", lambda: tower_shapes(config.model))
+        shapes = facts.answer("vision tower tensors", ask)
         check_tower_shapes(config.model, shapes)
     t0 = time.perf_counter()
     weights = weights_fingerprint(config.model, whole=config.spec.needs_llm, **_told(config, facts, shapes))
@@ -530,7 +535,7 @@ def _answers(facts: ModelFacts | None, model: str) -> ModelFacts:
 def family_of(model: str, facts: ModelFacts | None = None) -> str:
     """The model's family (``qwen3_vl``...), from its config alone."""
     if model.startswith("ref:"):
-        from vlfast.references import resolve_reference
+        from vlfast.models.references import resolve_reference
 
         return resolve_reference(model).family
 

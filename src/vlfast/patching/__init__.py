@@ -4,7 +4,6 @@
 - ``integrations``: ``patch_transformers()``, which patches every transformers model as it is built.
 - ``autopatch``: the ``VLFAST_PATCH`` switch, run at interpreter start-up by vlfast's ``.pth`` file.
 - ``record``: what ran, per patched conv: GEMM or stock and why (``record_calls``, ``VLFAST_RECORD``).
-- ``verification``: ``verify``, the numerical proof that the patch changes nothing on a given model.
 
 Importing this package is free (no torch): the start-up hook imports ``autopatch`` through it.
 """
@@ -27,8 +26,6 @@ _EXPORTS = {
     "patch_transformers": "integrations",
     "unpatch_transformers": "integrations",
     "discover_families": "integrations",
-    "verify": "verification",
-    "VerifyReport": "verification",
 }
 
 __all__ = list(_EXPORTS)

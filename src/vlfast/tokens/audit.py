@@ -314,7 +314,7 @@ def audit_tokens(
     if not include_placeholders:
         wanted, skipped = split_placeholders(wanted)
     if not Path(model).is_dir():
-        from vlfast.checkpoints import missing_model_hint  # only on this error path
+        from vlfast.models.checkpoints import missing_model_hint  # only on this error path
 
         raise FileNotFoundError(
             f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"

@@ -272,7 +272,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     """The transformers tokenizer of a local folder (no download), the object trainers decode with."""
     folder = Path(model_dir)
     if not folder.exists():
-        from vlfast.checkpoints import missing_model_hint  # only on this error path
+        from vlfast.models.checkpoints import missing_model_hint  # only on this error path
 
         raise FileNotFoundError(
             f"model folder {folder} does not exist: {missing_model_hint(str(model_dir), references=False)}"

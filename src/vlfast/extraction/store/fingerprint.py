@@ -65,7 +65,7 @@ def weights_fingerprint(
             "torch": torch_version,
             "transformers": metadata.version("transformers"),
         }
-    from vlfast.checkpoints import safetensors_files, tensor_locations
+    from vlfast.models.checkpoints import safetensors_files, tensor_locations
 
     path = Path(model)
     if whole:

@@ -6,7 +6,7 @@
 
 What the weights fingerprint of ``vlfast extract`` reads (:mod:`vlfast.extraction.store.fingerprint`), so
 that a finished OUT is answered without importing torch; :mod:`vlfast.models` builds and loads the models
-and re-exports these. Built-in references are :mod:`vlfast.references`.
+and re-exports these. Built-in references are :mod:`vlfast.models.references`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vlfast.errors import InputRefused
-from vlfast.references import REF_PREFIX, REFERENCES
+from vlfast.models.references import REF_PREFIX, REFERENCES
 
 __all__ = [
     "TINY_CHECKPOINT",
@@ -27,7 +27,6 @@ __all__ = [
     "missing_model_hint",
     "safetensors_files",
     "tensor_locations",
-    "tower_shapes",
 ]
 
 # ------------------------------------------------------------------------------------------- hints
@@ -128,14 +127,6 @@ def tensor_locations(spec: str | Path, names: Sequence[str]) -> dict[str, tuple[
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
     return found
-
-
-def tower_shapes(spec: str | Path) -> dict[str, list[int]]:
-    """The vision tower's tensors (its state_dict's names, in order) and the shapes config.json gives them, from
-    building the tower on the meta device: nothing allocated, nothing read but the config. Imports torch."""
-    from vlfast.models import load_vision_tower
-
-    return {name: list(t.shape) for name, t in load_vision_tower(spec, device="meta").state_dict().items()}
 
 
 def check_tower_shapes(spec: str | Path, shapes: Mapping[str, Sequence[int]]) -> None:

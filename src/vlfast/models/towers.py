@@ -1,13 +1,7 @@
-"""Models vlfast works on: built-in references, local checkpoints, and their vision towers.
-
-A *reference* is a published vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V) rebuilt
-offline from transformers' config classes with its published dimensions (the table is
-:mod:`vlfast.references`, which needs no torch) and random weights: enough to
-measure speed and prove equivalence without downloading anything. A *spec* names a model everywhere a
-command takes ``--model``: ``ref:NAME`` or a local checkpoint directory.
+"""Vision towers: built from a reference or a checkpoint, found inside a model, their inputs and outputs.
 
 Vision towers are found from the code, not from a list: the smallest module holding a stride == kernel
-conv whose ``forward`` takes ``grid_thw``.
+conv whose ``forward`` takes ``grid_thw``. Imports torch (the package face, :mod:`vlfast.models`, does not).
 """
 
 from __future__ import annotations
@@ -22,39 +16,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlfast.checkpoints import (  # noqa: F401 - re-exported: they were defined here
-    TINY_CHECKPOINT,
-    checkpoint_dir,
-    missing_model_hint,
-    safetensors_files,
-    tensor_locations,
-)
 from vlfast.errors import InputRefused
+from vlfast.models.checkpoints import checkpoint_dir, tensor_locations
+from vlfast.models.references import REF_PREFIX, resolve_reference
 from vlfast.patching.gemm import eligibility
-from vlfast.references import (  # noqa: F401 - re-exported: vlfast.models.REFERENCES and the rest stay
-    DEFAULT_REFERENCE,
-    REF_PREFIX,
-    REFERENCES,
-    Reference,
-    list_references,
-    resolve_reference,
-)
 
 __all__ = [
-    "REFERENCES",
-    "Reference",
     "TowerSpec",
     "build_reference",
     "find_vision_tower",
-    "list_references",
+    "load_config",
     "load_model",
     "load_vision_tower",
-    "resolve_reference",
+    "reference_config",
     "synthetic_inputs",
     "tower_outputs",
+    "tower_shapes",
     "tower_spec",
     "tower_tensor_locations",
     "tower_tensor_names",
+    "vision_config_of",
+    "vision_model_class",
 ]
 
 
@@ -327,7 +309,7 @@ def tower_tensor_locations(
     """Where each vision-tower tensor lives in a checkpoint: tower name -> (safetensors file, checkpoint key).
 
     The tower's names come from building it on the meta device (:func:`tower_tensor_names`) unless given; then
-    :func:`vlfast.checkpoints.tensor_locations` reads only safetensors headers.
+    :func:`vlfast.models.checkpoints.tensor_locations` reads only safetensors headers.
     """
     path = checkpoint_dir(spec)
     return tensor_locations(path, tower_tensor_names(path) if names is None else names)
@@ -364,3 +346,9 @@ def load_model(
         except ValueError as e:  # this auto class does not know the config
             last_error = e
     raise InputRefused(f"{path}: transformers cannot build {type(config).__name__}: {last_error}")
+
+
+def tower_shapes(spec: str | Path) -> dict[str, list[int]]:
+    """The vision tower's tensors (its state_dict's names, in order) and the shapes config.json gives them, from
+    building the tower on the meta device: nothing allocated, nothing read but the config. Imports torch."""
+    return {name: list(t.shape) for name, t in load_vision_tower(spec, device="meta").state_dict().items()}

@@ -1,0 +1,66 @@
+"""Models vlfast works on: built-in references, local checkpoints, and their vision towers.
+
+A *reference* is a published vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V) rebuilt
+offline from transformers' config classes with its published dimensions and random weights: enough to measure
+speed and prove equivalence without downloading anything. A *spec* names a model everywhere a command takes
+``--model``: ``ref:NAME`` or a local checkpoint directory.
+
+- ``references``: the built-in references as plain data (no torch).
+- ``checkpoints``: a local checkpoint folder read without torch or transformers.
+- ``towers``: vision towers built, found and run (imports torch).
+
+Importing this package is free: each public name loads its module on first use.
+"""
+
+from __future__ import annotations
+
+from vlfast._lazy import lazy_exports
+
+_EXPORTS = {
+    **dict.fromkeys(
+        [
+            "DEFAULT_REFERENCE",
+            "REF_PREFIX",
+            "REFERENCES",
+            "Reference",
+            "list_references",
+            "resolve_reference",
+        ],
+        "references",
+    ),
+    **dict.fromkeys(
+        [
+            "TINY_CHECKPOINT",
+            "check_tower_shapes",
+            "checkpoint_dir",
+            "missing_model_hint",
+            "safetensors_files",
+            "tensor_locations",
+        ],
+        "checkpoints",
+    ),
+    **dict.fromkeys(
+        [
+            "TowerSpec",
+            "build_reference",
+            "find_vision_tower",
+            "load_config",
+            "load_model",
+            "load_vision_tower",
+            "reference_config",
+            "synthetic_inputs",
+            "tower_outputs",
+            "tower_shapes",
+            "tower_spec",
+            "tower_tensor_locations",
+            "tower_tensor_names",
+            "vision_config_of",
+            "vision_model_class",
+        ],
+        "towers",
+    ),
+}
+
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
