@@ -460,7 +460,7 @@ def describe_device(facts: dict | None) -> str:
 
 
 def make_inputs(folder: Path, images: int, videos: int) -> dict:
-    """Synthetic media and the tiny offline Qwen3-VL checkpoint, as benchmarks/extract.py uses them."""
+    """Synthetic media and the tiny offline Qwen3-VL checkpoint, as benchmarks/extract.py pipeline uses them."""
     from vlfast.demo import make_images, make_tiny_qwen3_vl, make_video
 
     media = folder / "media"

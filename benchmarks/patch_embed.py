@@ -46,6 +46,9 @@ from torch import nn
 
 import vlfast
 from vlfast.diagnosis.timing import measure
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 from vlfast.models import REFERENCES, build_reference, tower_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,15 +83,7 @@ def reference_shapes(names: list[str]) -> list[Shape]:
     return [Shape(tuple(refs), *key) for key, refs in by_shape.items()]
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+cpu_model = harness.cpu_model  # the siblings import it from here
 
 
 def hardware(device: torch.device) -> str:
@@ -473,19 +468,6 @@ def render_calls(
     return "\n".join(lines)
 
 
-def write_docs(table: str, path: Path = BENCH_DOC, markers: tuple[str, str] = (START, END)) -> None:
-    start, end = markers
-    text = path.read_text() if path.exists() else ""
-    block = f"{start}\n{table}\n{end}"
-    if start in text and end in text:
-        before, rest = text.split(start, 1)
-        after = rest.split(end, 1)[1]
-        text = before + block + after
-    else:
-        text = text.rstrip("\n") + "\n\n## Patch-embedding benchmark\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--refs", nargs="+", default=list(REFERENCES), help="reference names (default: all)")
@@ -506,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument(
-        "--write-docs", action="store_true", help=f"write the tables into {BENCH_DOC.relative_to(ROOT)}"
+        "--no-save", action="store_true", help="print only; write no result JSON (benchmarks/harness.py)"
     )
     ap.add_argument(
         "--baseline",
@@ -548,6 +530,29 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/patch_embed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     dev = torch.device("cuda") if "cuda" in devices else torch.device("cpu")
     budget = FallbackBudget(args.fallback_budget)
+    with harness.Run(
+        "patch_embed" + ("-" + "-".join(devices) if devices != ["cpu"] else ""), argv, save=not args.no_save
+    ) as run:
+        _run(args, shapes, devices, baseline, command, dev, budget, run)
+    return 0
+
+
+def _rows_json(rows: list[dict]) -> list[dict]:
+    """The result file's rows: each variant's median, min and max ms, conv / patched of the medians."""
+    out = []
+    for r in rows:
+        row = {"shape": r["shape"].label, "device": r["device"], "dtype": r["dtype"]}
+        for k, v in r["times"].items():
+            if v:
+                row[k] = harness.spread(v, digits=3)
+        med = {k: statistics.median(v) for k, v in r["times"].items() if v}
+        row["conv_over_patched"] = round(med["conv"] / med["patched"], 2)
+        row["patched_over_linear"] = round(med["patched"] / med["linear"], 2)
+        out.append(row)
+    return out
+
+
+def _run(args, shapes, devices, baseline, command, dev, budget, run) -> None:
     rows = []
     for dev_name in [] if args.per_call_only else devices:
         device = torch.device(dev_name)
@@ -583,17 +588,14 @@ def main(argv: list[str] | None = None) -> int:
         table = render_calls(
             calls, shapes[0], dev_name, hardware(dev), command.strip(), args.baseline, args.call_dtype
         )
+        run.table("per_call", [{"device": dev_name, "dtype": args.call_dtype, **c} for c in calls])
         if dev_name == "cpu" or len(devices) == 1:
             tables.append((CALL_MARKERS, table))
         else:
             print(table)
-    for markers, table in tables:
+    for _markers, table in tables:
         print(table + "\n")
-        if args.write_docs:
-            write_docs(table, markers=markers)
-    if args.write_docs:
-        print(f"wrote {len(tables)} table(s) into {BENCH_DOC}", file=sys.stderr)
-    return 0
+    run.table("patch_embed", _rows_json(rows))
 
 
 if __name__ == "__main__":

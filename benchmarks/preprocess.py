@@ -40,17 +40,16 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 # decord and torchcodec, the other video readers of qwen-vl-utils and transformers, are kept out of the test
 # environment (transformers' load_video picks torchcodec when it imports): the benchmark takes them from
 # .reference/ where they were put with `pip install --no-deps --target .reference/decord decord==0.6.0`
@@ -65,6 +64,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import _transformers_reference as reference  # noqa: E402
+import harness  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -74,39 +74,55 @@ QWEN3_IMAGE = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patc
 QWEN3_VIDEO = {"size": {"shortest_edge": 4096, "longest_edge": 25_165_824}, "fps": 2, "patch_size": 16}
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        flags = Path("/proc/cpuinfo").read_text()
-        isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    except OSError:
-        isa = "?"
-    return f"{cpu} ({os.cpu_count()} cores, {isa}), torch {torch.__version__}, load {os.getloadavg()[0]:.1f}"
-
-
-def timed(fn, n: int) -> tuple[float, float]:
-    """Wall and CPU seconds per call (CPU: this process, all its threads). On a loaded machine the wall
-    time also counts the waits for a core; the CPU time is the work."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="also write the rows here (the result file is written anyway)")
+    ap.add_argument(
+        "--variants",
+        choices=["all", "core"],
+        default="all",
+        help="core: transformers' torchvision processor, VisionPreprocessor float32 and uint8, the decode bound; "
+        "for videos the keyframe bound, transformers (PyAV, torchcodec where it loads) and vlfast",
+    )
     ap.add_argument("--only", choices=["image", "video"], help="measure one kind of input")
     ap.add_argument(
         "--image-sizes",
         help="comma-separated WxH measured in this process (default: the four sizes, each in a process of its own)",
     )
     args = ap.parse_args()
+    why = reference.unavailable()
+    if why:
+        raise SystemExit(f"transformers' torchvision processors need the reference torchvision: {why}")
+    reference._import_torchvision()  # before transformers is imported (the harness's machine() imports it)
+    with harness.Run("preprocess", save=not args.image_sizes) as run:
+        rows = _main(args)
+        run.table("images", [r for r in rows if r["input"].startswith("image")])
+        run.table("videos", [r for r in rows if r["input"].startswith("video")])
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": harness.machine(), "rows": rows}, indent=2))
+
+
+CORE = (
+    "reference bound",
+    "transformers torchvision processor",
+    "vlfast (VisionPreprocessor: float32 on CPU)",
+    "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)",
+    "transformers Qwen3VLVideoProcessor (load_video pyav)",
+    "transformers Qwen3VLVideoProcessor (load_video torchcodec)",
+    "vlfast",
+)
+
+
+def _keep(variants: dict, which: str) -> dict:
+    """``which`` = core: the rows issue 53 asks for (CORE), in their order."""
+    if which == "all":
+        return variants
+    return {k: v for k, v in variants.items() if k in CORE or "reference bound" in k}
+
+
+def _main(args) -> list[dict]:
     sizes = IMAGE_SIZES
     if args.image_sizes:
         sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.image_sizes.split(",")]
@@ -149,7 +165,16 @@ def main() -> None:
     if args.only != "video" and not args.image_sizes:  # each size in a fresh process (see the docstring)
         for w, h in sizes:
             part = work / f"rows-{w}x{h}.json"
-            cmd = [sys.executable, __file__, "--only", "image", "--image-sizes", f"{w}x{h}"]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--only",
+                "image",
+                "--image-sizes",
+                f"{w}x{h}",
+                "--variants",
+                args.variants,
+            ]
             subprocess.run(
                 [*cmd, "--rounds", str(args.rounds), "--json", str(part)],
                 check=True,
@@ -255,7 +280,7 @@ def main() -> None:
                 "transformers torchvision processor, then .to(bfloat16)"
             )
         }
-        rows += measure(f"image {w}x{h} JPEG", variants, equal, args.rounds, n, bf16)
+        rows += measure(f"image {w}x{h} JPEG", _keep(variants, args.variants), equal, args.rounds, n, bf16)
 
         # A data loader's collator calls the processor once per batch: 8 images in one call (2 at 4000x3000),
         # the row's time per call. transformers concatenates the images' rows; vlfast writes them into one
@@ -289,7 +314,9 @@ def main() -> None:
                 tf_batch,
             ),
         }
-        rows += measure(f"image {w}x{h} JPEG, {k} in one call", batched, batch_equal, args.rounds, 1)
+        rows += measure(
+            f"image {w}x{h} JPEG, {k} in one call", _keep(batched, args.variants), batch_equal, args.rounds, 1
+        )
 
     clips = [(w, h, gop) for gop in (None, 30) for w, h in CLIP_SIZES] if args.only != "image" else []
     for w, h, gop in clips:
@@ -369,9 +396,9 @@ def main() -> None:
                 out = variants[name]()
                 equal[name] = out.shape == ref.shape and torch.equal(out, ref)
         what = f"video {w}x{h} 10 s, {'GOP 1 s' if gop else 'GOP 250'}, 8"
-        rows += measure(what, variants, equal, args.rounds, 1)
+        rows += measure(what, _keep(variants, args.variants), equal, args.rounds, 1)
 
-    print(f"\nmachine: {machine()}")
+    print(f"\nmachine: {harness.machine()}")
     for reader, why in (("torchcodec", torchcodec_why), ("decord", decord_why)):
         if why is not None and args.only != "image":
             print(f"{reader}: not measured, it does not load here: {why}")
@@ -379,9 +406,7 @@ def main() -> None:
                 print(
                     "  (PyPI's torchcodec is a CUDA build: benchmarks/torchcodec_env.sh makes a venv where it loads)"
                 )
-    print_table(rows)
-    if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+    return rows
 
 
 def _loads(module: str) -> str | None:
@@ -435,15 +460,9 @@ def measure(
 ) -> list[dict]:
     """Each variant's wall and CPU time over ``rounds`` alternated rounds of ``n`` calls; "vs tf" against
     transformers' torchvision row, or the row ``bases`` names for a variant (the bf16 rows: its cast)."""
-    for fn in variants.values():  # warm up
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    cpu: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():  # alternated within each round
-            wall, used = timed(fn, n)
-            times[name].append(wall)
-            cpu[name].append(used)
+    got = harness.alternate(variants, rounds, n)
+    times = {k: v["wall"] for k, v in got.items()}
+    cpu = {k: v["cpu"] for k, v in got.items()}
     base_name = next(
         k for k in variants if k.startswith("transformers") and "torchvision" in k or "Video" in k
     )
@@ -491,5 +510,4 @@ def print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    print(platform.python_version(), machine(), file=sys.stderr)
     main()

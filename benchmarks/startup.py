@@ -38,6 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 COMMANDS: dict[str, list[str]] = {  # id -> arguments ({input}, {out}, {ckpt}, ... filled in per run)
     "help": ["-h"],
     "models": ["models"],
@@ -133,20 +136,9 @@ def slug(name: str) -> str:
     return name.replace("/", "-")
 
 
-def _load() -> float:
-    return os.getloadavg()[0]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH")
+    ap.add_argument("--tree", action="append", metavar="NAME=PATH", help="default: here=. (this checkout)")
     ap.add_argument(
         "--python",
         action="append",
@@ -156,8 +148,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--only", nargs="+", choices=list(COMMANDS), help="time only these commands")
     args = ap.parse_args()
+    run = harness.Run("startup")
     trees = {}
-    for item in args.tree:
+    for item in args.tree or [f"here={harness.REPO}"]:
         name, _, path = item.partition("=")
         trees[name] = Path(path).resolve()
     pythons = {}
@@ -205,7 +198,7 @@ def main() -> None:
                     )
                     print(f"{name}: {out.name} extracted in {wall:.1f} s", file=sys.stderr, flush=True)
         times: dict[tuple[str, str], list[float]] = {}
-        loads = [_load()]
+        loads = [os.getloadavg()[0]]
         for r in range(args.runs):
             order = list(runs.items()) if r % 2 == 0 else list(reversed(runs.items()))
             for label, argv in commands.items():
@@ -221,13 +214,13 @@ def main() -> None:
                         raise SystemExit(f"{name}: extract did not answer 'nothing to do':\n{out.stdout}")
                     shutil.rmtree(ckpt, ignore_errors=True)
                     times.setdefault((label, name), []).append(wall)
-            loads.append(_load())
+            loads.append(os.getloadavg()[0])
             print(f"round {r + 1}/{args.runs} done, load {loads[-1]:.2f}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     torches = "; ".join(f"{name}: torch {torch_of(python)}" for name, python in pythons.items())
     print(
-        f"\n{cpu_name()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {torches}; "
+        f"\n{harness.cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {torches}; "
         f"{args.runs} runs a command and variant, alternated; load average (1 min) "
         f"{min(loads):.2f}-{max(loads):.2f} (median {statistics.median(loads):.2f}); "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {_bytecode()}\n"
@@ -242,6 +235,12 @@ def main() -> None:
             cells.append(f"{statistics.median(t):.2f} s ({min(t):.2f}-{max(t):.2f})")
         shown = " ".join(a.format(**SHOWN) for a in COMMANDS[label])
         print(f"| `vlfast {shown}` | " + " | ".join(cells) + " |")
+        for name in names:
+            row = {"command": f"vlfast {shown}", "variant": name}
+            run.table("commands", [{**row, **harness.spread(times[(label, name)])}])
+    run.data["bytecode"] = _bytecode()
+    run.data["torch_of"] = {name: torch_of(python) for name, python in pythons.items()}
+    run.__exit__(None, None, None)
 
 
 if __name__ == "__main__":

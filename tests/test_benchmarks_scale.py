@@ -1,4 +1,4 @@
-"""benchmarks/extract_scale.py (issue 22) runs end to end at a tiny N and reports what docs/extract.md quotes.
+"""`benchmarks/extract.py scale` (issue 22) runs end to end at a tiny N and reports what docs/extract.md quotes.
 
 A smoke test of the instrument, not a timing: ``--inline`` keeps every step in one process (the real run
 gives each step a fresh one for its peak RSS), so it takes a few seconds. The figures are not checked,
@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "extract_scale.py"
+SCRIPT = [str(REPO / "benchmarks" / "extract.py"), "scale"]  # the mode: benchmarks/modes/extract_scale.py
 
 STEP_KEYS = {"planning_s", "preflight_s", "nothing_to_do", "peak_rss_mib", "bookkeeping_mib", "todo"}
 
 
 def test_extract_scale_smoke(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(SCRIPT), "--samples", "300", "--per-part", "64", "--storage", "local"]
+    cmd = [sys.executable, *SCRIPT, "--samples", "300", "--per-part", "64", "--storage", "local"]
     cmd += ["--inline", "--json", "--keep", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -45,10 +45,10 @@ def test_extract_scale_smoke(tmp_path: Path) -> None:
 
 
 def test_input_memory_smoke() -> None:
-    """benchmarks/input_memory.py lists both inputs at a tiny N and reports every figure docs/extract.md uses."""
-    script = REPO / "benchmarks" / "input_memory.py"
+    """`benchmarks/inputs.py memory` lists both inputs at a tiny N and reports every figure docs/extract.md uses."""
+    script = [str(REPO / "benchmarks" / "inputs.py"), "memory"]
     proc = subprocess.run(
-        [sys.executable, str(script), "--entries", "30", "--json"],
+        [sys.executable, *script, "--entries", "30", "--json"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -62,11 +62,11 @@ def test_input_memory_smoke() -> None:
 
 
 def test_kept_manifest_smoke() -> None:
-    """benchmarks/kept_manifest.py keeps a manifest's table, reads it both ways and reports every figure
+    """`benchmarks/inputs.py kept` keeps a manifest's table, reads it both ways and reports every figure
     docs/extract.md uses; the kept read is the kept table's (the step asserts it)."""
-    script = REPO / "benchmarks" / "kept_manifest.py"
+    script = [str(REPO / "benchmarks" / "inputs.py"), "kept"]
     proc = subprocess.run(
-        [sys.executable, str(script), "--entries", "50", "--rounds", "1", "--json"],
+        [sys.executable, *script, "--entries", "50", "--rounds", "1", "--json"],
         capture_output=True,
         text=True,
         timeout=180,

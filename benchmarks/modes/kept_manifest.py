@@ -7,8 +7,8 @@ read reports its seconds and the memory it adds above the imports: anonymous (th
 pages (the memory map's, shared by every process that maps the file and given back under pressure), and
 the peak. Medians over ``--rounds``, the spread in brackets.
 
-    python benchmarks/kept_manifest.py --entries 1000000
-    python benchmarks/kept_manifest.py --entries 10000000 --rounds 2 --json
+    python benchmarks/inputs.py kept --entries 1000000
+    python benchmarks/inputs.py kept --entries 10000000 --rounds 2 --json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 STEP = r"""
 import json, resource, sys, time
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert got["entries"] == a.entries and got["kept_used"] == (mode == "kept"), got
                 rounds[mode].append(got)
         report = {
-            "command": " ".join(["python", "benchmarks/kept_manifest.py", *(argv or sys.argv[1:])]),
+            "command": " ".join(["python", "benchmarks/inputs.py kept", *(argv or sys.argv[1:])]),
             "entries": a.entries,
             "manifest_bytes": manifest.stat().st_size,
             "kept_bytes": size,

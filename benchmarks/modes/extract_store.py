@@ -12,8 +12,8 @@ a crash sees); a cold disk makes every side slower by the same read, which the c
 - resume: opening a store on the finished folder with ``resume_check="full"`` and ``"quick"``;
 - verify: ``verify_folder`` (``vlfast extract --verify``), in GB/s.
 
-    python benchmarks/extract_store.py                    # 120 samples, 5 rounds
-    python benchmarks/extract_store.py --samples 300 --rounds 7 --json
+    python benchmarks/extract.py store                    # 120 samples, 5 rounds
+    python benchmarks/extract.py store --samples 300 --rounds 7 --json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # timing on a shared CPU: i
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = "e82d833"  # the last commit before checksums, umask and commit_every
 
 

@@ -11,8 +11,8 @@ what answering "nothing to do" costs on a large OUT.
   as main answered it (the quick check: sizes, headers, ids), then as now (the quick check, then the full
   check: the first time every tensor is hashed, later only what ``OUT/checked.json`` does not vouch for).
 
-    python benchmarks/extract_read.py                         # small, for a sanity check
-    python benchmarks/extract_read.py --rounds 21 --big-mib 2048 --dir /dev/shm --json
+    python benchmarks/extract.py read                         # small, for a sanity check
+    python benchmarks/extract.py read --rounds 21 --big-mib 2048 --dir /dev/shm --json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # timing on a shared CPU: i
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = "6bed05c"  # main before the swapped-shard check and the finished-OUT check
 CFG = {"model": "benchmark"}
 

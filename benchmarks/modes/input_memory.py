@@ -6,8 +6,8 @@ Writes a JSONL manifest of N rows (``{"id", "path"}``) and N WebDataset keys (sh
 peak (both above the imports and Arrow's started allocator, which every run has). With ``--before DIR`` (the ``src`` folder of another checkout) the same steps run with that code
 too, alternating, so both sides share the machine's load.
 
-    python benchmarks/input_memory.py --entries 1000000
-    python benchmarks/input_memory.py --entries 1000000 --before /path/to/old/checkout/src --json
+    python benchmarks/inputs.py memory --entries 1000000
+    python benchmarks/inputs.py memory --entries 1000000 --before /path/to/old/checkout/src --json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEYS_PER_SHARD = 2000
 
 STEP = r"""

@@ -16,8 +16,8 @@ published Qwen3-VL-2B-Instruct sizes (text: hidden 2048, MLP 6144, 28 layers, 16
 vocabulary 151,936, tied embeddings; vision: vlfast's ``ref:qwen3-vl-2b``), built offline in the child
 (about 2.1 B parameters, 8.5 GB in float32). ``--text-layers`` builds it with fewer decoder layers.
 
-    python benchmarks/llm_features_memory.py --model tiny
-    python benchmarks/llm_features_memory.py --model 2b --images 4 --size 448 [--text-layers 28] [--json]
+    python benchmarks/extract.py llm-memory --model tiny
+    python benchmarks/extract.py llm-memory --model 2b --images 4 --size 448 [--text-layers 28] [--json]
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ with the float64 result rounded to float32. A run is *wrong* when any value is o
 ones are within 6e-8; wrong ones were off by 1.5e-4). The sides alternate run by run, with
 ``OMP_WAIT_POLICY=PASSIVE`` and ``MKL_CBWR=AUTO,STRICT`` as ``vlfast`` sets them.
 
-    python benchmarks/vector_math_first_call.py                 # 60 runs a side, 8 threads
-    python benchmarks/vector_math_first_call.py --runs 100 --threads 2 --json
+    python benchmarks/commands.py vector-math                 # 60 runs a side, 8 threads
+    python benchmarks/commands.py vector-math --runs 100 --threads 2 --json
 
 The same race made ``vlfast extract``'s first forward wrong in the rotary ``cos`` of Qwen3-VL's tower in 6
 of 42 fresh runs on this project's 2-core Xeon (2 threads), and failed a bit-identical-resume test on CI;
@@ -25,9 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
 
-from patch_embed import cpu_model  # noqa: E402  (benchmarks/patch_embed.py: the CPU's name, /proc/cpuinfo)
+from harness import cpu_model  # noqa: E402  (benchmarks/patch_embed.py: the CPU's name, /proc/cpuinfo)
 
 CHILD = """
 import sys

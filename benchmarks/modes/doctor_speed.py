@@ -14,9 +14,9 @@ is and limited to AVX2 (no native bf16), and whether its probe agrees with the d
 The table it prints is ready to paste into docs/doctor.md and the README; it names the CPU, each row's
 instruction set and dtype, the torch version and the load average during the row.
 
-    python benchmarks/doctor_speed.py                         # 4 rows x 3 runs
-    python benchmarks/doctor_speed.py --runs 1 --isa native --load quiet   # a sanity run
-    python benchmarks/doctor_speed.py --agreement --rounds 7
+    python benchmarks/commands.py doctor                         # 4 rows x 3 runs
+    python benchmarks/commands.py doctor --runs 1 --isa native --load quiet   # a sanity run
+    python benchmarks/commands.py doctor --agreement --rounds 7
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: the harness, patch_embed
 
+import harness  # noqa: E402
 import patch_embed  # noqa: E402  (benchmarks/patch_embed.py: the direct measurement)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -150,7 +151,33 @@ def main(argv: list[str] | None = None) -> int:
         if x not in TARGET_S:
             raise SystemExit(f"--load {x!r}: use quiet or busy")
 
-    rows = [_row(isa, load, args.runs, args.doctor_args.split()) for isa in isas for load in loads]
+    with harness.Run("doctor_speed", argv) as run:
+        rows = [_row(isa, load, args.runs, args.doctor_args.split()) for isa in isas for load in loads]
+        run.table("doctor", [_json_row(r) for r in rows])
+        _print(rows)
+        if args.agreement:
+            quiet = [r for r in rows if r["isa"] == "native" and r["load"] == "quiet"]
+            if quiet:
+                _agreement(quiet[0]["reports"], args.rounds)
+    return 0
+
+
+def _json_row(r: dict) -> dict:
+    return {
+        "isa": r["isa"],
+        "capability": r["capability"],
+        "beside": "nothing" if r["load"] == "quiet" else "one busy process",
+        "dtype": r["dtype"],
+        "runs": len(r["walls"]),
+        "wall_s": harness.spread(r["walls"], digits=1),
+        "probe_s": harness.spread(r["probes"], digits=1),
+        "budget_s": r["budget"],
+        "left_out": r["left_out"],
+        "target_s": TARGET_S[r["load"]],
+    }
+
+
+def _print(rows: list[dict]) -> None:
     print(
         f"\n`vlfast doctor` with no arguments ({rows[0]['shapes']} conv shapes of the built-in references), "
         f"{time.strftime('%Y-%m-%d')}"
@@ -172,11 +199,6 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['left_out']} | {min(r['loads']):.1f}-{max(r['loads']):.1f} "
             f"| <= {TARGET_S[r['load']]:g} s: {'met' if ok else 'MISSED'} |"
         )
-    if args.agreement:
-        quiet = [r for r in rows if r["isa"] == "native" and r["load"] == "quiet"]
-        if quiet:
-            _agreement(quiet[0]["reports"], args.rounds)
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ stat, xxh3), written as one inputs file; then timed, each ``--rounds`` times (th
 
 The files stay in the page cache (a second pass over a cold network filesystem costs its round trips).
 
-    python benchmarks/input_check.py --files 200000 --rounds 3
+    python benchmarks/inputs.py check --files 200000 --rounds 3
 """
 
 from __future__ import annotations

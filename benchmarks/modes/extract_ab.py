@@ -1,6 +1,6 @@
 """Compute-bound A/B in fresh processes: the naive loop against ``vlfast extract``, alternating, N rounds.
 
-``benchmarks/extract.py`` times its sides in one warm process; here every run is a new process, as a user
+``benchmarks/extract.py pipeline`` times its sides in one warm process; here every run is a new process, as a user
 runs either, so neither side inherits the other's allocator, page cache or thread state, and the order
 alternates each round so a load drift favours neither. Both times exclude building the model and include
 everything after it (the naive loop gets no warm-up forward, the command none either). A third side,
@@ -9,9 +9,9 @@ everything after it (the naive loop gets no warm-up forward, the command none ei
 tower's forward fills every core, so overlapping the preprocessing wins nothing: the pipeline can only
 gain by computing less (it skips the DeepStack mergers, which the loop's whole-tower call runs).
 
-    python benchmarks/extract_ab.py                      # 4 images, 4 rounds
-    python benchmarks/extract_ab.py --rounds 6 --json
-    python benchmarks/extract_ab.py --baseline e82d833   # adds `vlfast extract` of that commit as a side
+    python benchmarks/extract.py ab                      # 4 images, 4 rounds
+    python benchmarks/extract.py ab --rounds 6 --json
+    python benchmarks/extract.py ab --baseline e82d833   # adds `vlfast extract` of that commit as a side
 
 ``--baseline REV`` exports the package at git revision REV (``git archive``, nothing checked out) and
 runs its ``vlfast extract`` with that source first on ``PYTHONPATH``: the same command before and after a
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def export_revision(rev: str, dest: Path) -> dict[str, str]:
@@ -77,7 +77,8 @@ def main() -> None:
         naive_child(Path(args.naive_child), args.model)
         return
 
-    from extract import _machine, cli_extract, json_of  # the sibling benchmark's helpers
+    from extract_pipeline import _machine, cli_extract, json_of  # the sibling benchmark's helpers
+
     from vlfast.demo import make_images
 
     with tempfile.TemporaryDirectory(prefix="vlfast-ab-") as tmp:

@@ -9,14 +9,14 @@ process, alternating each round so a drift in the machine's load favours neither
   batch has the most to gain (each alone is a product of few rows);
 - ``llm``: ``--features llm --layers -1`` through a random Qwen3-VL with Qwen3-VL-2B's published sizes and
   ``--text-layers`` decoder layers (the tower whole), prompts of different lengths (so the batch pads them),
-  as benchmarks/llm_features_memory.py builds it;
+  as benchmarks/extract.py llm-memory builds it;
 - ``texts``: the same model on ``--texts`` texts alone (an embedding's text rows), 16 to 61 tokens: no tower,
   short products, where a forward's fixed cost weighs most.
 
 Both float32 (vlfast's CPU default). Reported: each side's median seconds over ``--rounds``, the ratio
 alone / batched of the medians and of each round's pair, and the machine with its load average.
 
-    python benchmarks/extract_alone.py [--images 4] [--size 224] [--text-layers 4] [--texts 16] [--rounds 3] [--only tower|llm|texts] [--json]
+    python benchmarks/extract.py alone [--images 4] [--size 224] [--text-layers 4] [--texts 16] [--rounds 3] [--only tower|llm|texts] [--json]
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
 from llm_features_memory import QWEN3_VL_2B_TEXT, TOKEN_IDS  # noqa: E402
-from patch_embed import cpu_model  # noqa: E402
+
+from harness import cpu_model  # noqa: E402
 
 
 def _images(vcfg, n: int, size: int, text: int, ids: dict[str, int] | None):

@@ -1,6 +1,6 @@
 """Memory and time of `vlfast export` against the number of samples (docs/benchmarks.md, "Export").
 
-    python benchmarks/export_memory.py --samples 2000 40000 120000 --dim 1024
+    python benchmarks/inputs.py export --samples 2000 40000 120000 --dim 1024
 
 For each N: an OUT of N float32 `embedding` vectors (FeatureStore, 1,024 samples per shard), then one
 fresh process per format that opens the FeatureCache, exports, and reports its anonymous resident memory

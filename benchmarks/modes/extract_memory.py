@@ -5,8 +5,8 @@ realistic size (default 600 merged tokens x 2560 dims in bf16, ~3 MiB, plus a po
 grid) through FeatureStore, resuming nothing. Reported: peak RSS of the process, the same minus the RSS
 after imports (what the store itself costs), throughput, and the ratio large/small.
 
-    python benchmarks/extract_memory.py                        # K=50 and 500, 64 MiB shards
-    python benchmarks/extract_memory.py --samples 200 --shard-mb 256 --json
+    python benchmarks/extract.py memory                        # K=50 and 500, 64 MiB shards
+    python benchmarks/extract.py memory --samples 200 --shard-mb 256 --json
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ vlfast's, which follows the torchvision backend, so this is close, not equal). `
 the environment has it: ``vlfast extract`` sets PASSIVE itself before torch loads, the loop (as users run
 it) does not.
 
-    python benchmarks/e2e_images.py                              # 96 images, 3 rounds
-    python benchmarks/e2e_images.py --reference-torchvision --json out.json
-    python benchmarks/e2e_images.py --images 16 --rounds 1       # a quick check
+    python benchmarks/extract.py e2e-images                              # 96 images, 3 rounds
+    python benchmarks/extract.py e2e-images --reference-torchvision --json out.json
+    python benchmarks/extract.py e2e-images --images 16 --rounds 1       # a quick check
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from pathlib import Path
 T_START = time.perf_counter()  # the loop's own clock starts here (after the interpreter's start-up)
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]
 SIZES = ((1280, 720), (1920, 1080))
 MAX_PIXELS = 768 * 768
 MIN_PIXELS = 65_536  # the checkpoint's own shortest_edge (as Qwen3-VL's published preprocessor has it)

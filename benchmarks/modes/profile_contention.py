@@ -6,8 +6,8 @@ gain each reports. Target (issue 12): the busy gain within 25% of the quiet one,
 a component the patch does not touch. With `--omp default` the command runs with OpenMP's default
 (spinning) wait policy instead of the PASSIVE one it sets, to show what the policy is worth.
 
-    python benchmarks/profile_contention.py                    # tiny Qwen3-VL tower, 3 rounds
-    python benchmarks/profile_contention.py --model ref:qwen3-vl-4b --size 224x224 --frames 8
+    python benchmarks/commands.py contention                    # tiny Qwen3-VL tower, 3 rounds
+    python benchmarks/commands.py contention --model ref:qwen3-vl-4b --size 224x224 --frames 8
 """
 
 from __future__ import annotations

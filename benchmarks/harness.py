@@ -1,0 +1,219 @@
+"""The one harness every benchmark uses: alternation, timing, spread, load, the machine, the result's JSON.
+
+    from harness import Run, alternate
+    with Run("preprocess", argv) as run:                 # load before, machine, commit, date
+        times = alternate({"a": fa, "b": fb}, rounds=5)   # ABAB rounds, wall and CPU seconds per call
+        run.table("images", [{"variant": k, **spread_ms(t)} for k, t in times.items()])
+    # -> benchmarks/results/<machine-slug>/preprocess-<YYYY-MM-DD>.json (load after added on exit)
+
+A result file holds ``name``, ``command``, ``machine`` (``machine()``), ``started`` / ``finished`` (UTC),
+``load_before`` / ``load_after`` (1, 5, 15-minute load averages) and ``tables``: each a list of rows (flat
+dicts of values). ``benchmarks/tables.py`` renders the tables of docs/benchmarks.md from these files.
+The machine's slug (``machine_slug()``) is the CPU's model and core count, e.g. ``amd-epyc-2c``; a GPU run
+names its device instead (``nvidia-h200``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX"}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's, else /proc/cpuinfo's), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> list[str]:
+    """The instruction sets of ISA_FLAGS this CPU has (AVX2, AVX-512, AVX512-BF16, AMX)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    return [name for flag, name in ISA_FLAGS.items() if flag in flags]
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - absent or broken: recorded as None
+        return None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True)
+        return out.stdout.decode().strip() or None
+    except OSError:
+        return None
+
+
+def load() -> list[float]:
+    """The 1, 5 and 15-minute load averages."""
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+def machine() -> dict:
+    """What a figure depends on: CPU, instruction sets, cores, versions, the commit, the date."""
+    return {
+        "cpu": cpu_model(),
+        "isa": cpu_flags(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+    }
+
+
+def machine_slug(info: dict | None = None) -> str:
+    info = info or machine()
+    if info.get("gpu"):
+        return re.sub(r"[^a-z0-9]+", "-", info["gpu"].lower()).strip("-")
+    name = re.sub(r"\(r\)|\(tm\)|processor|cpu|@.*", "", info["cpu"].lower())
+    words = re.sub(r"[^a-z0-9]+", "-", name).strip("-").split("-")[:4]
+    return "-".join([*words, f"{info['cores']}c"])
+
+
+def timed(fn: Callable[[], object], n: int = 1) -> tuple[float, float]:
+    """Wall and CPU seconds per call over ``n`` calls (CPU: this process, all its threads; on a loaded
+    machine the wall time also counts waits for a core, the CPU time is the work)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+
+def alternate(
+    variants: dict[str, Callable[[], object]], rounds: int, n: int = 1, warmup: bool = True
+) -> dict[str, dict[str, list[float]]]:
+    """ABAB rounds: every variant once per round (``n`` calls), the order reversed every other round so a
+    drift in load favours none. Returns {variant: {"wall": [s per call, per round], "cpu": [...]}}."""
+    if warmup:
+        for fn in variants.values():
+            fn()
+    out = {k: {"wall": [], "cpu": []} for k in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            wall, cpu = timed(variants[name], n)
+            out[name]["wall"].append(wall)
+            out[name]["cpu"].append(cpu)
+    return out
+
+
+def process_time(cmd: list[str], **kw) -> dict:
+    """One child process timed whole: wall seconds, CPU seconds (user + system, from the children's rusage
+    before and after) and exit status, its stdout and stderr. ``kw`` goes to subprocess.run (env, cwd...)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "returncode": proc.returncode,
+        "stdout": proc.stdout,
+        "stderr": proc.stderr,
+    }
+
+
+def spread(xs: list[float], scale: float = 1.0, digits: int = 2) -> dict[str, float]:
+    """min / median / max of ``xs`` times ``scale``, rounded."""
+    return {
+        "min": round(min(xs) * scale, digits),
+        "median": round(statistics.median(xs) * scale, digits),
+        "max": round(max(xs) * scale, digits),
+    }
+
+
+def fmt_spread(s: dict, digits: int = 1) -> str:
+    """'median (min-max)'."""
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+class Run:
+    """One benchmark run: its machine, load before and after, its tables; written as JSON on exit."""
+
+    def __init__(self, name: str, argv: list[str] | None = None, out: Path | None = None, save: bool = True):
+        self.name, self.save_on_exit = name, save
+        self.data: dict = {
+            "name": name,
+            "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *(argv or sys.argv[1:])]),
+            "machine": machine(),
+            "started": _now(),
+            "load_before": load(),
+            "tables": {},
+        }
+        self.out = out
+
+    def __enter__(self) -> Run:
+        return self
+
+    def table(self, key: str, rows: list[dict], note: str | None = None) -> None:
+        self.data["tables"].setdefault(key, []).extend(rows)
+        if note:
+            self.data.setdefault("notes", {})[key] = note
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.data["finished"], self.data["load_after"] = _now(), load()
+        if exc_type is None and self.save_on_exit:
+            path = self.write()
+            print(
+                f"results: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}", file=sys.stderr
+            )
+
+    def write(self) -> Path:
+        path = self.out or result_path(self.name, self.data["machine"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.data, indent=1) + "\n")
+        return path
+
+
+def run_mode(modes: dict[str, str], doc: str, argv: list[str] | None = None) -> None:
+    """A script of modes: ``python benchmarks/SCRIPT.py MODE [ARGS]`` runs ``benchmarks/modes/<modes[MODE]>.py``
+    as ``__main__`` with ARGS (each mode's ``--help`` says its own); no mode or ``-h`` lists them."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in modes:
+        print(doc)
+        print("modes: " + ", ".join(modes))
+        raise SystemExit(0 if not argv or argv[0] in ("-h", "--help") else 2)
+    import runpy
+
+    path = Path(__file__).resolve().parent / "modes" / f"{modes[argv[0]]}.py"
+    sys.path[:0] = [str(path.parent), str(path.parents[1])]
+    sys.argv = [str(path), *argv[1:]]
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def result_path(name: str, info: dict) -> Path:
+    return RESULTS / machine_slug(info) / f"{name}-{info['date']}.json"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
