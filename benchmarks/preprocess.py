@@ -489,6 +489,9 @@ def measure(
                 "x_decode_bound": round(med / bound, 2),
                 "cpu_ms": round(statistics.median(cpu[name]) * 1000, 2),
                 "cpu_x_decode_bound": round(statistics.median(cpu[name]) / cpu_bound, 2),
+                "cpu_speedup_vs_transformers": round(
+                    statistics.median(cpu[base_of]) / statistics.median(cpu[name]), 2
+                ),
                 "equal": equal.get(name),
             }
         )

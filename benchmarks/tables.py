@@ -99,20 +99,10 @@ def from_gpu_run(folder: Path) -> Path:
     tables: dict[str, list[dict]] = {"steps": []}
     for s in run["steps"]:
         tables["steps"].append({"step": s["name"], "status": s["status"], "seconds": s.get("wall_s")})
+    names = {"F.linear": "linear", "conv CL": "conv_cl", "conv / patched": "conv_over_patched"}
+    keys = ("references", "dtype", "conv", "fallback", "patched", "F.linear", "conv CL", "conv / patched")
     tables["patch_embed"] = [
-        {
-            k: _value(r.get(k))
-            for k in (
-                "references",
-                "dtype",
-                "conv",
-                "fallback",
-                "patched",
-                "F.linear",
-                "conv CL",
-                "conv / patched",
-            )
-        }
+        {names.get(k, k): _value(r.get(k)) for k in keys}
         for dt in ("fp32", "bf16", "fp16")
         for t in (steps.get(f"patch_embed_{dt}", {}).get("result") or {}).get("tables", [])[:1]
         for r in t["rows"]
