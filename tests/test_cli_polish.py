@@ -88,6 +88,8 @@ def test_help_reads_like_git(path):
             long = max(p.opts, key=len)
             assert re.search(rf"{re.escape(long)} [A-Za-z]", text), (long, text)
     for name, sub in getattr(cmd, "commands", {}).items():  # a group lists each command's first sentence
+        if sub.hidden:  # an old name kept working (`vlfast export`), listed under its group instead
+            continue
         assert name in text and _squash(sub.get_short_help_str(limit=1000)) in _squash(text)
 
 

@@ -106,3 +106,32 @@ def test_demo_help_says_it_takes_model():
     r = runner.invoke(app, ["extract", "-h"])
     text = " ".join(r.output.split())
     assert "extract them with --model (default ref:qwen3-vl-2b" in text, text
+
+
+def test_old_modes_of_extract_name_the_command_that_does_it_now(tmp_path):
+    """`vlfast extract` extracts only: --verify and --compact, once modes of it, are answered with the
+    command of `vlfast out` that does it (exit 2, one line), whatever else is given, and touch nothing."""
+    out = tmp_path / "out"
+    for argv, command in [
+        (["extract", "--verify", str(out)], "`vlfast out verify OUT`"),
+        (["extract", "--compact", str(out), "--json"], "`vlfast out compact OUT`"),
+        (["extract", "--verify"], "`vlfast out verify OUT`"),  # before click asks for INPUT OUT
+        (["extract", str(tmp_path), str(out), "-m", "ref:qwen3-vl-2b", "--compact"], "vlfast out compact"),
+    ]:
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2, (argv, r.output)
+        assert command in r.stderr and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
+        assert not out.exists()
+    assert "--verify" not in runner.invoke(app, ["extract", "-h"]).output
+
+
+def test_export_is_also_reached_by_its_old_name(tmp_path):
+    """`vlfast export` (the name before `vlfast out`) is the same command as `vlfast out export`, hidden
+    from the list: the same refusal, the same help but for its usage line and examples."""
+    for argv in (["export"], ["out", "export"]):
+        r = runner.invoke(app, [*argv, str(tmp_path / "nope"), str(tmp_path / "t.parquet")])
+        assert r.exit_code == 2 and "nope does not exist" in r.output, r.output
+        help_text = lambda argv: runner.invoke(app, [*argv, "-h"]).output.split("Examples:")[0]  # noqa: E731
+        assert help_text(argv).split("\n\n")[1:] == help_text(["out", "export"]).split("\n\n")[1:]
+    listed = runner.invoke(app, ["-h"]).output
+    assert " out " in listed and "\n  export " not in listed

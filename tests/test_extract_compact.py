@@ -56,7 +56,7 @@ def test_close_compacts_and_reads_the_same(tmp_path):
     assert read_run_file(out)["format_version"] == 3
     report = FeatureCache(out).check()
     assert report.ok and report.parts == 1 and report.shards == len(_names(raw, PART_RE)), report
-    r = CliRunner().invoke(app, ["extract", "--verify", str(out)])
+    r = CliRunner().invoke(app, ["out", "verify", str(out)])
     assert f"{report.shards} shards in 1 index part," in r.output, r.output
     # a resume over it: nothing to redo, nothing duplicated
     assert run(str(out), N, shard_max_samples=6) == 0
@@ -128,13 +128,13 @@ def test_compaction_decodes_each_row_once(tmp_path, monkeypatch):
 def test_cli_compacts_an_old_folder(tmp_path):
     raw = _uncompacted(tmp_path)
     ref = _uncompacted(tmp_path, "ref")
-    r = CliRunner().invoke(app, ["extract", "--compact", str(raw), "--json"])
+    r = CliRunner().invoke(app, ["out", "compact", str(raw), "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["ranks"][0]["replaced"] > 15 and doc["ranks"][0]["part"]
     assert _names(raw, PART_RE) == []
     assert compare_caches(ref, raw) == []
-    r = CliRunner().invoke(app, ["extract", "--compact", str(raw)])
+    r = CliRunner().invoke(app, ["out", "compact", str(raw)])
     assert r.exit_code == 0 and "nothing to compact" in r.output, r.output
 
 
@@ -289,7 +289,7 @@ def test_full_disk_while_compacting_leaves_the_folder_as_it_was(tmp_path, monkey
     monkeypatch.setattr(LocalBackend, "stage", full)
     with pytest.raises(OutputFull, match="compacting the index of rank 0"):
         compact_rank(raw, 0, LocalBackend(raw, "s"))
-    r = CliRunner().invoke(app, ["extract", "--compact", str(raw)])
+    r = CliRunner().invoke(app, ["out", "compact", str(raw)])
     assert r.exit_code == 4, r.output
     monkeypatch.undo()
     assert sorted(p.name for p in (raw / "index").iterdir()) == before

@@ -255,12 +255,12 @@ def test_a_finished_out_is_checked_and_repaired(few, tiny_qwen3_vl, tmp_path, mo
     }
     _flip_tensor_byte(out, "rgb.jpg")
 
-    r = runner.invoke(app, ["extract", "--verify", str(out)])
+    r = runner.invoke(app, ["out", "verify", str(out)])
     assert r.exit_code == 1 and "Run the same `vlfast extract` again" in r.output, r.output
     r = runner.invoke(app, cmd)
     assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
     assert len(list((out / "quarantine").iterdir())) == 1
-    assert runner.invoke(app, ["extract", "--verify", str(out)]).exit_code == 0
+    assert runner.invoke(app, ["out", "verify", str(out)]).exit_code == 0
     cache = FeatureCache(out, verify=True)
     for sid, feats in before.items():
         assert all(torch.equal(cache[sid][k], v) for k, v in feats.items())
@@ -290,7 +290,7 @@ def test_a_finished_out_is_checked_and_repaired(few, tiny_qwen3_vl, tmp_path, mo
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     r = runner.invoke(app, cmd)
     assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
-    assert runner.invoke(app, ["extract", "--verify", str(out)]).exit_code == 0
+    assert runner.invoke(app, ["out", "verify", str(out)]).exit_code == 0
 
     # --resume-check quick over a finished OUT checks sizes and headers only (documented): a flip inside a
     # tensor is then left for --verify.
@@ -314,5 +314,5 @@ def test_a_mixed_out_is_refused_not_done(few, tiny_qwen3_vl, tmp_path, monkeypat
     r = runner.invoke(app, ["extract", str(few), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0"])
     assert r.exit_code == 2, r.output
     assert part.name in r.output and shard.name in r.output and "mixes two extractions" in r.output
-    r = runner.invoke(app, ["extract", "--verify", str(out)])
+    r = runner.invoke(app, ["out", "verify", str(out)])
     assert r.exit_code == 1 and part.name in r.output and "refuses to resume" in r.output, r.output

@@ -82,10 +82,10 @@ def test_flipped_byte_in_a_tensor_is_caught(tmp_path: Path, ref: Path) -> None:
     assert not report.ok and [(b["id"], b["feature"]) for b in report.bad_samples] == [("s4", "tokens")]
     assert report.samples == len(IDS) and report.bytes_checked > 0
 
-    r = CliRunner().invoke(app, ["extract", "--verify", str(out)])
+    r = CliRunner().invoke(app, ["out", "verify", str(out)])
     assert r.exit_code == 1, r.output
     assert "s4" in r.output and "tokens" in r.output and "Damaged" in r.output
-    r = CliRunner().invoke(app, ["extract", "--verify", str(out), "--json"])
+    r = CliRunner().invoke(app, ["out", "verify", str(out), "--json"])
     assert r.exit_code == 1 and json.loads(r.stdout)["bad_samples"][0]["id"] == "s4"
 
     # A quick resume check does not read the data, so it does not see this (documented); the full one does.
@@ -96,7 +96,7 @@ def test_flipped_byte_in_a_tensor_is_caught(tmp_path: Path, ref: Path) -> None:
         s = _resume(out)
     assert [q["ids"] for q in s.quarantined] == [["s3", "s4", "s5"]]
     assert compare_caches(ref, out) == [] and verify_folder(out).ok
-    assert CliRunner().invoke(app, ["extract", "--verify", str(out)]).exit_code == 0
+    assert CliRunner().invoke(app, ["out", "verify", str(out)]).exit_code == 0
 
 
 def test_truncated_shard_is_named_and_redone(tmp_path: Path, ref: Path) -> None:

@@ -83,8 +83,8 @@ def test_damaged_run_json_is_exit_2_with_advice_in_every_command(two, tiny_qwen3
     (out / "run.json").write_text(json.dumps(doc))
     commands = [
         ["extract", str(two), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0"],
-        ["extract", "--verify", str(out)],
-        ["extract", "--compact", str(out)],
+        ["out", "verify", str(out)],
+        ["out", "compact", str(out)],
         ["export", str(out), str(tmp_path / "v.parquet"), "--feature", "vision_mean"],
     ]
     for args in commands:

@@ -130,7 +130,7 @@ def test_cli_to_s3_equals_local_and_reads_back(endpoint, media, local_run, tiny_
     assert "run.json" in names and not any(n.startswith(("locks/", ".tmp")) or "/.tmp" in n for n in names)
     assert [n for n in names if n.startswith("errors/")][0].startswith("errors/errors-r00000-")
 
-    r = runner.invoke(app, ["extract", "--verify", out, "--storage-options", options])
+    r = runner.invoke(app, ["out", "verify", out, "--storage-options", options])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, [*args, "--storage-options", options])  # resume: nothing left
     assert r.exit_code == 0 and "nothing to do" in r.output, r.output
@@ -158,7 +158,7 @@ def test_a_finished_out_on_s3_is_checked_and_repaired(endpoint, media, tiny_qwen
         _client().put_object(Bucket=BUCKET, Key=key, Body=bytes(raw))
 
     flip()
-    r = runner.invoke(app, ["extract", "--verify", out])
+    r = runner.invoke(app, ["out", "verify", out])
     assert r.exit_code == 1 and "Run the same `vlfast extract` again" in r.output, r.output
     r = runner.invoke(app, args)
     assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
@@ -181,7 +181,7 @@ def test_a_finished_out_on_s3_is_checked_and_repaired(endpoint, media, tiny_qwen
     flip()  # a new upload: a new ETag, so the record no longer vouches for it
     r = runner.invoke(app, args)
     assert r.exit_code == 0 and "nothing to do" not in r.output, r.output
-    assert runner.invoke(app, ["extract", "--verify", out]).exit_code == 0
+    assert runner.invoke(app, ["out", "verify", out]).exit_code == 0
 
 
 def _selftest(out: str, n: int, *extra: str) -> list[str]:

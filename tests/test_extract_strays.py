@@ -228,7 +228,7 @@ def test_the_commands_exit_1_or_2_never_3(base: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     shutil.copytree(base, out)
     (out / "index/part-r00000-000009.parquet").write_bytes(_foreign_parquet())
-    r = runner.invoke(app, ["extract", "--verify", str(out)])
+    r = runner.invoke(app, ["out", "verify", str(out)])
     assert r.exit_code == 1, r.output
     assert "not a vlfast index part" in r.output and "moves" in r.output
     r = runner.invoke(app, ["export", str(out), str(tmp_path / "t.parquet"), "--feature", "mean"])
@@ -237,7 +237,7 @@ def test_the_commands_exit_1_or_2_never_3(base: Path, tmp_path: Path) -> None:
     shutil.rmtree(out)
     shutil.copytree(base, out)
     shutil.rmtree(out / "index")
-    r = runner.invoke(app, ["extract", "--verify", str(out), "--json"])
+    r = runner.invoke(app, ["out", "verify", str(out), "--json"])
     assert r.exit_code == 1, r.output
     report = json.loads(r.output)
     assert report["ok"] is False and len(report["strays"]) == 3

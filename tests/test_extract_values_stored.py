@@ -94,7 +94,7 @@ def test_an_overflowing_sample_is_recorded_and_the_run_goes_on(few, tiny_qwen3_v
     assert err["id"] == "clip.mp4" and err["kind"] == "error"
     assert "exceeds float16's largest value 65504" in err["reason"] and "bfloat16 or float32" in err["reason"]
 
-    r = CliRunner().invoke(app, ["extract", "--verify", str(out)])
+    r = CliRunner().invoke(app, ["out", "verify", str(out)])
     assert r.exit_code == 0, r.output
     assert "checksums OK: the stored bytes are the ones written" in r.output
     assert "every byte matches" not in r.output  # not a claim about the values

@@ -64,7 +64,7 @@ def test_missing_names_each_module_and_the_transformers_floor():
     "args",
     [
         ("extract", "--demo", "OUT"),
-        ("extract", "--verify", "OUT"),
+        ("out", "verify", "OUT"),
         ("export", "OUT", "DEST.parquet"),
         ("demo-checkpoint", "OUT"),
         ("tokens", "rewrite", "--map", "think=thinking", "--dataset", "DEST.parquet", "--field", "text"),
@@ -75,7 +75,8 @@ def test_a_command_that_needs_the_extra_names_it_and_exits_2(args, tmp_path):
     args = tuple(str(tmp_path / a) if a.isupper() or a.startswith("DEST") else a for a in args)
     r = _run("pyarrow", *args)
     assert r.returncode == 2, r.stderr
-    command = "vlfast tokens rewrite of Parquet" if args[0] == "tokens" else f"vlfast {args[0]}"
+    named = {"tokens": "vlfast tokens rewrite of Parquet", "out": "vlfast out verify"}
+    command = named.get(args[0], f"vlfast {args[0]}")
     assert f"{command} needs the extract extra (pyarrow missing): pip install 'vlfast[extract]'" in (
         " ".join(r.stderr.split())
     ), r.stderr

@@ -36,13 +36,22 @@ EXAMPLES: dict[str, list[str]] = {
         "vlfast extract --demo demo_out",
         "vlfast extract ./clips clips_out --model ./Qwen3-VL-4B-Instruct --features vision,llm",
         "vlfast extract manifest.jsonl s3://bucket/features -m ./Qwen3-VL-4B-Instruct   # pip install 'vlfast[s3]'",
-        "vlfast extract --verify clips_out",
     ],
-    "export": [
-        "vlfast export clips_out clips.parquet --feature vision_mean",
-        "vlfast export clips_out clips.lance --feature vision_mean --dtype float16   # pip install 'vlfast[export]'",
-        "vlfast export s3://bucket/features table.parquet --overwrite",
+    "out": [
+        "vlfast out verify clips_out",
+        "vlfast out export clips_out clips.parquet --feature vision_mean",
     ],
+    "out verify": [
+        "vlfast out verify clips_out                    # exit 1 if any byte differs from its checksum",
+        "vlfast out verify s3://bucket/features --json",
+    ],
+    "out compact": ["vlfast out compact clips_out"],
+    "out export": [
+        "vlfast out export clips_out clips.parquet --feature vision_mean",
+        "vlfast out export clips_out clips.lance --feature vision_mean --dtype float16   # pip install 'vlfast[export]'",
+        "vlfast out export s3://bucket/features table.parquet --overwrite",
+    ],
+    "export": ["vlfast export clips_out clips.parquet   # the same as vlfast out export"],
     "tokens": [
         "vlfast tokens audit --model ./Qwen3-8B-Base",
         "vlfast tokens rewrite --map think=thinking ...",

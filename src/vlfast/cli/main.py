@@ -19,6 +19,8 @@ NOT_A_COMMAND = {
     "or vlfast.patch_transformers() in Python, or run VLFAST_PATCH=1 python train.py, or "
     "python -m vlfast.run train.py; `vlfast verify` proves it on your model",
     "unpatch": "there is no `vlfast unpatch`: call vlfast.unpatch(model) in Python",
+    # what a finished OUT is given to: `vlfast out`'s commands (`vlfast verify` is the patch's proof)
+    "compact": "there is no `vlfast compact`: `vlfast out compact OUT` compacts an OUT's index",
 }
 
 
@@ -49,7 +51,7 @@ _COMMAND_MODULES = [
     "vlfast.cli.doctor",
     "vlfast.cli.profile",
     "vlfast.cli.extract",
-    "vlfast.cli.export",
+    "vlfast.cli.out",
     "vlfast.cli.tokens",
     "vlfast.cli.demo",
 ]
