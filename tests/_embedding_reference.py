@@ -15,7 +15,13 @@ What it follows, and where (line numbers at the commits named):
   ``_calculate_timestamps`` (models/qwen3_vl/processing_qwen3_vl.py L70-103, L173-184),
   ``ProcessorMixin.create_mm_token_type_ids`` (processing_utils.py L996), and ``Qwen3VLVideoProcessor``'s
   ``rescale_and_normalize`` (image_processing_backends.py L329-369: fused, ``(x - 255 mean) / (255 std)``
-  in float32) and ``patchify`` (models/qwen3_vl/video_processing_qwen3_vl.py L225-263).
+  in float32) and ``patchify`` (models/qwen3_vl/video_processing_qwen3_vl.py L225-263);
+- where a video's expansion goes in the text, by the installed transformers' version
+  (:func:`video_wrapper_replaced`): 5.18-5.24's ``ProcessorMixin.get_text_with_replacements`` replaces the
+  ``<|video_pad|>`` alone, inside the chat template's ``<|vision_start|>...<|vision_end|>``; 5.25's
+  ``Qwen3VLProcessor.get_text_with_replacements`` (processing_qwen3_vl.py L182-208) replaces that whole
+  wrapper, each frame's block carrying its own. Written from the two releases' code, apart from vlfast's
+  rule (which asks the installed processor), so each checks the other.
 
 Images go through the checkpoint's own image processor (``AutoImageProcessor``, ``do_resize=False``), text
 through its tokenizer and chat template, the model is ``AutoModelForImageTextToText.from_pretrained``'s
@@ -251,6 +257,15 @@ def timestamps(indices: list[int], video_fps: float, merge_size: int) -> list[fl
     return [(times[i] + times[i + merge_size - 1]) / 2 for i in range(0, len(times), merge_size)]
 
 
+def video_wrapper_replaced() -> bool:
+    """Whether the installed transformers replaces the chat template's wrapper around a video (5.25 and
+    later) or keeps it (5.18-5.24): see the module's docstring."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 25)
+
+
 @functools.lru_cache(maxsize=4)
 def _load(ckpt: str, dtype: torch.dtype) -> tuple[Any, Any, Any, Any]:
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
@@ -287,7 +302,11 @@ def model_inputs(
                     for t in stamps
                 )
                 assert text.count(video_token) == 1
-                text = text.replace(video_token, expanded)
+                wrapper = "<|vision_start|>" + video_token + "<|vision_end|>"
+                if video_wrapper_replaced() and wrapper in text:
+                    text = text.replace(wrapper, expanded)
+                else:
+                    text = text.replace(video_token, expanded)
             elif item["type"] == "image":
                 images.append(fetch_image(item["image"]))
         texts.append(text)

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from _embedding_reference import (
     reference_embed_batch,
     reference_hidden,
     tv_resize,
+    video_wrapper_replaced,
 )
 from _transformers_support import qwen3_vl_processor
 from vlfast.errors import InputRefused
@@ -353,6 +355,77 @@ def test_reference_videos_match_qwen_vl_utils_and_qwen3vl_processor(setup, real_
     assert [g[0] for g in grids] == [2, 4, 2]  # 4 and 8 frames: 2 s and 8 s at 1 fps, at least 4
 
 
+def test_video_wrapper_is_the_installed_transformers_rule(setup, real_processor):
+    """Where a video's expansion goes in a prompt: vlfast asks the installed ``Qwen3VLProcessor``
+    (``video_wrapper_rule``), the reference knows it by release (5.18-5.24 keep the chat template's
+    ``<|vision_start|>...<|vision_end|>`` around the frames' blocks, 5.25 replaces it). Both agree, and an
+    ``llm`` prompt (``PromptBuilder``, no recipe around it) is the processor's input_ids for the same
+    frames, bit for bit; the other rule would be 2 tokens off."""
+    from transformers.video_utils import VideoMetadata
+
+    from vlfast.demo import pattern
+    from vlfast.extraction.decode.processor_config import video_wrapper_rule
+    from vlfast.extraction.decode.prompts import PromptBuilder
+
+    rule = video_wrapper_rule()
+    assert rule == ("replaced" if video_wrapper_replaced() else "kept")
+    frames = np.stack([pattern(64, 96, 30 + k) for k in range(5)])  # multiples of 32: no resize
+    indices = [0, 4, 8, 12, 16]
+    meta = VideoMetadata(total_num_frames=17, fps=4.0, frames_indices=np.array(indices))
+    messages = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe this video."}]}
+    ]
+    text = real_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    theirs = real_processor(
+        text=[text],
+        videos=[frames],
+        video_metadata=[meta],
+        do_resize=False,
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
+    grid = theirs["video_grid_thw"][0].tolist()
+    assert grid == [3, 4, 6]  # 5 frames padded to 6: 3 temporal patches, each a block of its own
+    facts = {"frame_indices": indices, "video_fps": 4.0}
+    ids = {
+        wrapper: PromptBuilder(str(setup.ckpt), "qwen3_vl", 2, 2, wrapper)(
+            "video", messages[0]["content"][1]["text"], grid, facts
+        )
+        for wrapper in ("kept", "replaced")
+    }
+    assert ids[rule].tolist() == theirs["input_ids"][0].tolist()
+    other = "kept" if rule == "replaced" else "replaced"
+    assert len(ids["kept"]) - len(ids["replaced"]) == 2 and ids[other].tolist() != ids[rule].tolist()
+
+
+def test_video_wrapper_is_recorded_where_a_prompt_holds_it(setup, tmp_path, monkeypatch):
+    """run.json records the rule (``processor.video_wrapper``, only where "replaced": OUTs made before it was
+    recorded kept the wrapper) for a run whose prompts hold a video; a vision-only run of the same checkpoint
+    records nothing, so it resumes under either rule. A resume under the other rule (another transformers:
+    its facts are asked again) is refused, never mixed."""
+    from vlfast.extraction.decode import processor_config
+    from vlfast.extraction.store.format import FACTS_FILE
+    from vlfast.extraction.store.resume import RunConfigMismatch
+
+    rule = processor_config.video_wrapper_rule()
+    manifest = _write_manifest(tmp_path / "rows.jsonl", {"video": setup.rows["video"]})
+    out, vision = tmp_path / "out", tmp_path / "vision"
+    assert _extract(setup, out, manifest).extracted == 1
+    recorded = json.loads((out / "run.json").read_text())["config"]["processor"]
+    assert recorded.get("video_wrapper", "kept") == rule and ("video_wrapper" in recorded) == (
+        rule == "replaced"
+    )
+    assert _extract(setup, vision, manifest, features="vision").extracted == 1
+    assert "video_wrapper" not in json.loads((vision / "run.json").read_text())["config"]["processor"]
+    other = "kept" if rule == "replaced" else "replaced"
+    monkeypatch.setattr(processor_config, "video_wrapper_rule", lambda: other)
+    for made in (out, vision):
+        (made / FACTS_FILE).unlink()
+    with pytest.raises(RunConfigMismatch, match="processor.video_wrapper"):
+        _extract(setup, out, manifest, overwrite=False)
+    assert _extract(setup, vision, manifest, features="vision").extracted == 0  # resumed: nothing to do
+
+
 def test_reference_resize_is_torchvisions_float_path():
     """qwen-vl-utils resizes with ``torchvision.transforms.functional.resize``, the v1 functional: on a uint8
     tensor that is ``_functional_tensor.resize``, interpolation in float32, clamped, rounded, cast back. The
@@ -552,13 +625,15 @@ def test_vlfast_decodes_each_row_to_the_references_model_inputs_bit_for_bit(setu
     reference hands the model, exactly (images: qwen-vl-utils' sizes then the processor; videos: qwen-vl-utils'
     frames, sizes and torchvision's float resize, then the processor's normalisation and patchify)."""
     from vlfast.extraction.decode.preprocess import build_processor_config
+    from vlfast.extraction.decode.processor_config import with_video_wrapper
     from vlfast.extraction.decode.stage import SampleDataset, prepare_decoding
     from vlfast.extraction.decode.video import normalize_video_patches
     from vlfast.extraction.model.features import FeatureSpec
     from vlfast.extraction.sources.listing import load_inputs
 
     ckpt = str(setup.ckpt)
-    cfg = build_processor_config(ckpt, family="qwen3_vl")
+    # as the plan makes it for a run that builds prompts: with the installed transformers' video wrapper rule
+    cfg = with_video_wrapper(build_processor_config(ckpt, family="qwen3_vl"), "qwen3_vl", True)
     spec = FeatureSpec(("embedding",))
     pre, prompts = prepare_decoding(ckpt, "qwen3_vl", cfg, True, True, embedding=spec.embedding_prompt())
     samples, problems = load_inputs(setup.manifest)

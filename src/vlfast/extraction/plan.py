@@ -20,6 +20,7 @@ import numpy as np
 from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary
 from vlfast.extraction.decode.preprocess import ProcessorConfig, build_processor_config
+from vlfast.extraction.decode.processor_config import with_video_wrapper
 from vlfast.extraction.model.spec import FeatureSpec
 from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.listing import load_inputs
@@ -355,6 +356,7 @@ def make_plan(
         video_rotation=recorded_video_rotation(recorded),
         facts=facts,
     )
+    processor = with_video_wrapper(processor, family, config.spec.needs_llm, facts)
     from vlfast.extraction.store.fingerprint import weights_fingerprint
 
     shapes = None

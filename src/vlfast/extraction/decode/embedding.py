@@ -145,7 +145,7 @@ class EmbeddingPrompt:
                     f"the chat template of {self.builder.checkpoint} placed {text.count(pad)} {pad} for one {media}"
                 )
             assert grid is not None
-            text = text.replace(pad, self.builder.placeholder(media, grid, meta))
+            text = self.builder.expand(text, media, grid, meta)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         out: dict[str, Any] = {"prompt_tokens": len(ids)}
         if s.text is not None:

@@ -16,8 +16,11 @@ __all__ = [
     "TRANSPARENCIES",
     "VIDEO_RESAMPLES",
     "VIDEO_SIZINGS",
+    "VIDEO_WRAPPERS",
     "ProcessorConfig",
     "transparency_rule",
+    "video_wrapper_rule",
+    "with_video_wrapper",
 ]
 
 # transformers' torchvision image processors, whose operations vlfast.extraction.decode.image reproduces
@@ -34,6 +37,12 @@ TRANSPARENCIES = ("white", "dropped")
 # fetch_images decodes a path to an RGB tensor: VisionPreprocessor's), "load_image" (its PIL ones'),
 # "qwen-vl-utils" (its to_rgb, the Qwen3-VL-Embedding recipe's reference)
 IMAGE_READINGS = ("vlfast", "decode_image", "load_image", "qwen-vl-utils")
+# What a prompt's video placeholder becomes (the llm and embedding features' input ids). The chat template
+# writes <|vision_start|><|video_pad|><|vision_end|>; Qwen3VLProcessor expands the pad to one
+# "<t seconds><|vision_start|>pads<|vision_end|>" block per temporal patch and then either "kept" the
+# template's wrapper around the blocks (transformers 5.18-5.24, and Qwen2VLProcessor's plain repetition of
+# pads) or "replaced" it by them (transformers 5.25+'s Qwen3VLProcessor, as 4.57's did): 2 tokens apart
+VIDEO_WRAPPERS = ("kept", "replaced")
 # PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to
 VIDEO_RESAMPLES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
 # The processors' settings that change pixels, by their defaults: fields added after OUTs were written
@@ -60,6 +69,7 @@ _ADDED_LATER = {
     "transparency": "white",  # earlier vlfast composited on white
     "image_reading": "vlfast",
     "video_rotation": False,  # earlier vlfast took frames as stored
+    "video_wrapper": "kept",  # earlier vlfast kept the template's wrapper around a Qwen3-VL video's frames
 }
 
 
@@ -125,6 +135,10 @@ class ProcessorConfig:
     # 270 degrees), as torchcodec, the reader transformers' video processors decode a path with, turns them.
     # In run.json only where True: OUTs made before it was recorded took the frames as stored.
     video_rotation: bool = False
+    # VIDEO_WRAPPERS: how the installed transformers' processor expands a video in a prompt (llm and
+    # embedding features of a Qwen3-VL family; its rule changed in 5.25). In run.json only where "replaced":
+    # OUTs made before it was recorded kept the wrapper.
+    video_wrapper: str = "kept"
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
@@ -139,6 +153,7 @@ class ProcessorConfig:
             ("transparency", TRANSPARENCIES),
             ("image_reading", IMAGE_READINGS),
             ("video_sizing", VIDEO_SIZINGS),
+            ("video_wrapper", VIDEO_WRAPPERS),
         ):
             if getattr(self, name) not in allowed:
                 raise InputRefused(
@@ -216,4 +231,44 @@ def transparency_rule() -> str:
     raise RuntimeError(
         f"transformers {transformers.__version__} makes a transparent black pixel {value}, neither white nor "
         "black: vlfast does not know this rule; install a transformers it does (5.18 or later), or report it"
+    )
+
+
+def with_video_wrapper(
+    cfg: ProcessorConfig, family: str, prompts: bool, facts: Any = None
+) -> ProcessorConfig:
+    """``cfg`` with the installed transformers' :func:`video_wrapper_rule` where a prompt holds it: a run
+    that builds prompts (``llm`` or ``embedding`` features) for a Qwen3-VL family. Any other run keeps the
+    default, so that a vision-only OUT resumes under either rule. With ``facts`` (a ``ModelFacts``) the answer
+    comes from OUT's record where its key is this environment's, without importing transformers."""
+    if not prompts or not family.startswith("qwen3"):
+        return cfg
+    from dataclasses import replace
+
+    rule = video_wrapper_rule() if facts is None else facts.answer("video wrapper", video_wrapper_rule)
+    return replace(cfg, video_wrapper=rule)
+
+
+def video_wrapper_rule() -> str:
+    """How the installed transformers' ``Qwen3VLProcessor`` puts a video's expansion in a prompt
+    (VIDEO_WRAPPERS): asked of its own ``get_text_with_replacements`` (the step its ``__call__`` expands the
+    text by) on the chat template's wrapper, with nothing loaded (no tokenizer, no checkpoint, no torch)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    start, pad, end = "<|vision_start|>", "<|video_pad|>", "<|vision_end|>"
+    probe = Qwen3VLProcessor.__new__(Qwen3VLProcessor)  # the text step reads only these four attributes
+    vars(probe).update(
+        image_token="<|image_pad|>", video_token=pad, vision_start_token=start, vision_end_token=end
+    )
+    blocks = f"<0.5 seconds>{start}{pad}{pad}{end}"
+    (text,), _ = probe.get_text_with_replacements([f"a{start}{pad}{end}b"], videos_replacements=[blocks])
+    rules = {f"a{start}{blocks}{end}b": "kept", f"a{blocks}b": "replaced"}
+    if text in rules:
+        return rules[text]
+    import transformers
+
+    raise RuntimeError(
+        f"transformers {transformers.__version__}'s Qwen3VLProcessor expands a video in a prompt as {text!r}, "
+        "neither keeping nor replacing the chat template's wrapper: vlfast does not know this rule; install a "
+        "transformers it does (5.18 or later), or report it"
     )

@@ -41,12 +41,16 @@ class PromptBuilder:
     The placeholder expansion mirrors ``Qwen3VLProcessor.replace_image_token`` / ``replace_video_token``
     (one pad token per merged vision token; Qwen3-VL videos get ``<t seconds>`` per temporal patch) and
     ``Qwen2VLProcessor``'s plain repetition for Qwen2/2.5-VL. Runs in the DataLoader workers.
+    ``video_wrapper``: what becomes of the chat template's ``<|vision_start|>...<|vision_end|>`` around a
+    Qwen3-VL video (:data:`~vlfast.extraction.decode.processor_config.VIDEO_WRAPPERS`), the rule of the
+    transformers the run was planned with (``ProcessorConfig.video_wrapper``), not of the one a worker has.
     """
 
     checkpoint: str
     family: str
     merge_size: int
     temporal_patch_size: int
+    video_wrapper: str = "kept"
     _tokenizer: Any = field(default=None, init=False, repr=False)
 
     def tokenizer(self):
@@ -71,6 +75,18 @@ class PromptBuilder:
             for i in range(t)
         )
 
+    def expand(self, text: str, media: str, grid: Sequence[int], meta: dict[str, Any]) -> str:
+        """``text`` (the chat template's, holding one pad for the ``media``) with the pad expanded as the
+        processor expands it: a Qwen3-VL video's blocks inside the template's wrapper or in its place."""
+        pad = "<|image_pad|>" if media == "image" else "<|video_pad|>"
+        expanded = self.placeholder(media, grid, meta)
+        wrapper = f"<|vision_start|>{pad}<|vision_end|>"
+        # Qwen3VLProcessor.get_text_with_replacements (5.25+): the wrapper where the template wrote it, else the pad
+        replaced = media == "video" and self.family.startswith("qwen3") and self.video_wrapper == "replaced"
+        if replaced and wrapper in text:
+            return text.replace(wrapper, expanded, 1)
+        return text.replace(pad, expanded, 1)
+
     def __call__(self, kind: str, prompt: str, grid: Sequence[int], meta: dict[str, Any]) -> torch.Tensor:
         """input_ids (L,) int64 of the user turn plus the generation prompt."""
         media = "image" if kind == "image" else "video"
@@ -92,7 +108,7 @@ class PromptBuilder:
                 f"the chat template of {self.checkpoint} must place exactly one {pad} for one {media}; "
                 f"it placed {text.count(pad)}"
             )
-        text = text.replace(pad, self.placeholder(media, grid, meta))
+        text = self.expand(text, media, grid, meta)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         import torch
 

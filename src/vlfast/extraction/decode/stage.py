@@ -152,7 +152,7 @@ def prepare_decoding(
         pre.image_processor()
     prompts = None
     if needs_llm:
-        prompts = PromptBuilder(model, family, cfg.merge_size, cfg.temporal_patch_size)
+        prompts = PromptBuilder(model, family, cfg.merge_size, cfg.temporal_patch_size, cfg.video_wrapper)
         prompts.tokenizer()
         if embedding is not None:
             return pre, dataclasses.replace(embedding, builder=prompts)
