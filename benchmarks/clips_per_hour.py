@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # both sides' children inherit it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (benchmarks/harness.py)
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "Describe what happens in this video."  # one prompt for every clip, as the report's job had
@@ -490,7 +492,7 @@ def machine(device: str) -> dict:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from patch_embed import cpu_model
+    from harness import cpu_model
 
     info = {
         "cpu": cpu_model(),
@@ -737,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = "python benchmarks/clips_per_hour.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
+    harness.save_result("clips_per_hour", result, argv)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
     return 0
 

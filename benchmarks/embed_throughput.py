@@ -34,6 +34,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (benchmarks/harness.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = {  # a random Qwen3-VL-Embedding-shaped model big enough that the forward is real work
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
     }
+    harness.save_result("embed_throughput", summary)
     if args.json:
         print(json.dumps(summary, indent=2))
         return

@@ -746,6 +746,7 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PYTHONUNBUFFERED"] = "1"  # a step killed at its timeout still leaves what it printed
+    env["VLFAST_BENCH_NO_SAVE"] = "1"  # the run's own OUT holds each step's JSON (tables.py --from-gpu-run)
     src = str(REPO / "src")  # measure this checkout's vlfast, installed or not
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     return env

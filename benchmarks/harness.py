@@ -6,6 +6,10 @@
         run.table("images", [{"variant": k, **spread_ms(t)} for k, t in times.items()])
     # -> benchmarks/results/<machine-slug>/preprocess-<YYYY-MM-DD>.json (load after added on exit)
 
+A script of modes (``benchmarks/extract.py MODE``, ``inputs.py``, ``commands.py``) runs its mode inside a
+``Run`` (``run_mode``); the mode hands its final result to ``record``. Environment: ``VLFAST_BENCH_RESULTS``
+puts the result files elsewhere, ``VLFAST_BENCH_NO_SAVE=1`` writes none (gpu.py's steps, the smoke tests).
+
 A result file holds ``name``, ``command``, ``machine`` (``machine()``), ``started`` / ``finished`` (UTC),
 ``load_before`` / ``load_after`` (1, 5, 15-minute load averages) and ``tables``: each a list of rows (flat
 dicts of values). ``benchmarks/tables.py`` renders the tables of docs/benchmarks.md from these files.
@@ -28,7 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("VLFAST_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+CURRENT: list = [None]  # the Run that run_mode opened, for record()
+COMMAND = [None]  # "benchmarks/SCRIPT.py MODE" while run_mode runs a mode
 ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX"}
 
 
@@ -53,10 +59,13 @@ def cpu_flags() -> list[str]:
     return [name for flag, name in ISA_FLAGS.items() if flag in flags]
 
 
-def _version(module: str) -> str | None:
+def _version(dist: str) -> str | None:
+    """The installed version, from the package's metadata (nothing imported: no start-up cost, no state)."""
+    from importlib import metadata
+
     try:
-        return __import__(module).__version__
-    except Exception:  # noqa: BLE001 - absent or broken: recorded as None
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
         return None
 
 
@@ -162,9 +171,10 @@ class Run:
 
     def __init__(self, name: str, argv: list[str] | None = None, out: Path | None = None, save: bool = True):
         self.name, self.save_on_exit = name, save
+        args = sys.argv[1:] if argv is None else argv
         self.data: dict = {
             "name": name,
-            "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *(argv or sys.argv[1:])]),
+            "command": " ".join(["python", COMMAND[0] or f"benchmarks/{Path(sys.argv[0]).name}", *args]),
             "machine": machine(),
             "started": _now(),
             "load_before": load(),
@@ -182,7 +192,7 @@ class Run:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.data["finished"], self.data["load_after"] = _now(), load()
-        if exc_type is None and self.save_on_exit:
+        if exc_type is None and self.save_on_exit and not os.environ.get("VLFAST_BENCH_NO_SAVE"):
             path = self.write()
             print(
                 f"results: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}", file=sys.stderr
@@ -207,8 +217,59 @@ def run_mode(modes: dict[str, str], doc: str, argv: list[str] | None = None) -> 
 
     path = Path(__file__).resolve().parent / "modes" / f"{modes[argv[0]]}.py"
     sys.path[:0] = [str(path.parent), str(path.parents[1])]
+    COMMAND[0] = f"benchmarks/{Path(sys.argv[0]).name} {argv[0]}"  # the dispatcher's name and the mode
     sys.argv = [str(path), *argv[1:]]
-    runpy.run_path(str(path), run_name="__main__")
+    with Run(modes[argv[0]], argv[1:], save=False) as run:
+        CURRENT[0] = run
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise
+        run.save_on_exit = bool(run.data["tables"] or run.data.get("result"))
+
+
+def record(result: dict, name: str | None = None) -> None:
+    """A mode's final result (the dict it prints as JSON) into the result file of the run in progress
+    (``run_mode``'s): every list of flat rows in it, and every dict of dicts (rows named by their key),
+    becomes a table, the whole dict is kept under ``result``. Outside ``run_mode`` (a child process) it
+    does nothing."""
+    run = CURRENT[0]
+    if run is None:
+        return
+    if name:
+        run.name = run.data["name"] = name
+    run.data["result"] = result
+    for key, rows in tables_of(result).items():
+        run.table(key, rows)
+
+
+def tables_of(result: dict) -> dict[str, list[dict]]:
+    """A result's lists of dicts, and dicts of dicts (each row named by its key), as tables."""
+    out = {}
+    for key, value in result.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            out[key] = value
+        elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            out[key] = [{"name": k, **v} for k, v in value.items()]
+    return out
+
+
+def save_result(name: str, result: dict, argv: list[str] | None = None) -> Path | None:
+    """A script's final result as its result file: the load when the harness was imported (the script's
+    start) and now, the machine, the tables of ``tables_of``, the whole result under ``result``. Not under
+    benchmarks/gpu.py (VLFAST_BENCH_NO_SAVE: that run keeps every step's JSON in its own OUT)."""
+    if os.environ.get("VLFAST_BENCH_NO_SAVE"):
+        return None
+    run = Run(name, argv, save=True)
+    run.data["started"], run.data["load_before"] = STARTED
+    run.data["result"] = {k: v for k, v in result.items() if k != "markdown"}
+    for key, rows in tables_of(result).items():
+        run.table(key, rows)
+    run.data["finished"], run.data["load_after"] = _now(), load()
+    path = run.write()
+    print(f"results: {path}", file=sys.stderr)
+    return path
 
 
 def result_path(name: str, info: dict) -> Path:
@@ -217,3 +278,6 @@ def result_path(name: str, info: dict) -> Path:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+STARTED = (_now(), load())  # when a script imported the harness: its start

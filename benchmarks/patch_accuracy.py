@@ -34,7 +34,8 @@ from vlfast.diagnosis.probe import selected_backend  # noqa: E402
 from vlfast.models import build_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from patch_embed import cpu_model  # noqa: E402
+import harness  # noqa: E402  (benchmarks/harness.py)
+from harness import cpu_model  # noqa: E402
 
 warnings.filterwarnings("ignore", "TF32 acceleration on top of oneDNN")
 
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = "python benchmarks/patch_accuracy.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
+    harness.save_result("patch_accuracy", result, argv)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
     return 0
 

@@ -66,7 +66,9 @@ def render(spec: str) -> str:
     data = json.loads((BENCH / path).read_text())
     rows = [r for r in data["tables"][table] if all(text in str(r.get(k, "")) for k, text in where)]
     m = data["machine"]
-    load = f"load {data['load_before'][0]}-{data['load_after'][0]}" if data.get("load_before") else "load ?"
+    load = "load not recorded"
+    if data.get("load_before"):
+        load = f"load {data['load_before'][0]} before, {data['load_after'][0]} after"
     head = f"`{data['command']}`: {m['date']}, commit {m.get('commit') or '?'}, {load}\n\n"
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(r, c) for c in cols) + " |" for r in rows]

@@ -47,7 +47,8 @@ from vlfast.models import build_reference, synthetic_inputs, tower_spec  # noqa:
 from vlfast.patching.gemm import patch, unpatch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from patch_embed import cpu_model  # noqa: E402  (the sibling benchmark: one place reads /proc/cpuinfo)
+import harness  # noqa: E402  (benchmarks/harness.py)
+from harness import cpu_model  # noqa: E402
 
 VARIANTS = ("stock", "slow", "patched")
 ORDER = ("patch_embed", "position_embedding", "rotary_embedding", "blocks", "deepstack_mergers", "merger")
@@ -339,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = "python benchmarks/tower_components.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
+    harness.save_result("tower_components", result, argv)
     print(json.dumps(result, indent=2) if args.json else result["markdown"])
     return 0
 

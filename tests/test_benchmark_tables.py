@@ -55,3 +55,24 @@ def test_every_result_file_names_its_machine_date_commit_and_load():
         assert {"cpu", "cores", "torch", "date", "commit"} <= set(data["machine"]), path
         assert "load_before" in data and "load_after" in data, path
         assert path.parent.name and path.name.startswith(data["name"]), path
+
+
+def test_a_mode_run_writes_its_result_file_through_the_harness(tmp_path):
+    """`benchmarks/inputs.py memory` at a tiny N: the dispatcher's Run writes one result file with the
+    machine (CPU, instruction sets, versions, commit), the load before and after and the mode's tables."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "VLFAST_BENCH_RESULTS": str(tmp_path)}
+    env.pop("VLFAST_BENCH_NO_SAVE", None)
+    cmd = [sys.executable, str(REPO / "benchmarks" / "inputs.py"), "memory", "--entries", "20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    (path,) = tmp_path.rglob("input_memory-*.json")
+    data = json.loads(path.read_text())
+    assert data["command"].startswith("python benchmarks/inputs.py memory --entries 20")
+    assert {"cpu", "isa", "cores", "python", "torch", "transformers", "commit", "date"} <= set(
+        data["machine"]
+    )
+    assert len(data["load_before"]) == len(data["load_after"]) == 3
+    assert {r["name"] for r in data["tables"]["results"]} == {"manifest after", "webdataset after"}

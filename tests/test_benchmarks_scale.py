@@ -21,6 +21,7 @@ STEP_KEYS = {"planning_s", "preflight_s", "nothing_to_do", "peak_rss_mib", "book
 
 def test_extract_scale_smoke(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env["VLFAST_BENCH_NO_SAVE"] = "1"  # a smoke run writes no result file into benchmarks/results/
     cmd = [sys.executable, *SCRIPT, "--samples", "300", "--per-part", "64", "--storage", "local"]
     cmd += ["--inline", "--json", "--keep", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -51,6 +52,7 @@ def test_input_memory_smoke() -> None:
         [sys.executable, *script, "--entries", "30", "--json"],
         capture_output=True,
         text=True,
+        env={**os.environ, "VLFAST_BENCH_NO_SAVE": "1"},
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr
@@ -69,6 +71,7 @@ def test_kept_manifest_smoke() -> None:
         [sys.executable, *script, "--entries", "50", "--rounds", "1", "--json"],
         capture_output=True,
         text=True,
+        env={**os.environ, "VLFAST_BENCH_NO_SAVE": "1"},
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr

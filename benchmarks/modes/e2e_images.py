@@ -385,9 +385,19 @@ def main() -> None:
         if why := unavailable():
             raise SystemExit(why)
     result = run(args.images, args.rounds, args.reference_torchvision, args.workers)
+    record(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     render(result)
+
+
+def record(result: dict) -> None:
+    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
+    try:
+        import harness
+    except ImportError:  # run as a child, without benchmarks/ on the path
+        return
+    harness.record(result)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,7 @@ def main() -> None:
         "runs_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
         "comparisons": {name: compare(a, b) for name, (a, b) in comparisons.items()},
     }
+    record(result)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -142,6 +143,15 @@ def main() -> None:
             f"{name}: median {c['median_ratio']}x per round {c['ratio_per_round']}, faster in "
             f"{c['rounds_faster']} of {args.rounds}, best of each {c['best_of_each_ratio']}x"
         )
+
+
+def record(result: dict) -> None:
+    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
+    try:
+        import harness
+    except ImportError:  # run as a child, without benchmarks/ on the path
+        return
+    harness.record(result)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,7 @@ def main() -> None:
         "ratio": ratio,
         "ratio_store_only": own,
     }
+    record(result)
     if a.json:
         print(json.dumps(result, indent=2))
         return
@@ -116,6 +117,15 @@ def main() -> None:
             f"{(r['peak_rss'] - r['rss_after_imports']) / mib:>10.0f} {r['bytes'] / mib / r['s']:>7.0f}"
         )
     print(f"peak RSS ratio 10x/1x: {ratio:.3f} (target < 1.2); store-only ratio: {own:.3f}")
+
+
+def record(result: dict) -> None:
+    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
+    try:
+        import harness
+    except ImportError:  # run as a child, without benchmarks/ on the path
+        return
+    harness.record(result)
 
 
 if __name__ == "__main__":

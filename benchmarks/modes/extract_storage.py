@@ -235,10 +235,20 @@ def main() -> None:
     a = p.parse_args()
     kw = {"folder": a.dir} if a.dir else {}
     result = run(a.samples, a.rounds, a.tokens, a.dim, a.images, **kw)
+    record(result)
     if a.json:
         print(json.dumps(result, indent=1))
     else:
         print_table(result)
+
+
+def record(result: dict) -> None:
+    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
+    try:
+        import harness
+    except ImportError:  # run as a child, without benchmarks/ on the path
+        return
+    harness.record(result)
 
 
 if __name__ == "__main__":
