@@ -226,3 +226,16 @@ def test_readme_test_command_is_what_ci_runs():
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
     assert command(readme) == command(ci)
     assert "--durations=25" in command(ci)
+
+
+def _words(path: Path) -> int:
+    return len(path.read_text().split())
+
+
+def test_docs_stay_within_their_word_budget():
+    """Issue 53: a newcomer reads the README in minutes; the docs say each fact once. Words as
+    ``len(text.split())``; a page that grows past its budget must lose words elsewhere, not raise it."""
+    words = {str(p.relative_to(ROOT)): _words(p) for p in DOCS}
+    assert words["README.md"] <= 1600, words["README.md"]
+    assert words["docs/extract.md"] <= 5000, words["docs/extract.md"]
+    assert sum(words.values()) <= 30000, words
