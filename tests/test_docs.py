@@ -239,3 +239,58 @@ def test_docs_stay_within_their_word_budget():
     assert words["README.md"] <= 1600, words["README.md"]
     assert words["docs/extract.md"] <= 5000, words["docs/extract.md"]
     assert sum(words.values()) <= 30000, words
+
+
+CLI_CALL = re.compile(r"\bvlfast(?:\.cli\.main)?((?:\s+[a-z][\w-]*)*)((?:\s+[^\s|;&#`]+)*)")
+
+
+def _cli_options() -> dict[tuple[str, ...], set[str]]:
+    """Each command path of the ``vlfast`` CLI and the option names its ``--help`` lists."""
+    import typer
+
+    from vlfast.cli.main import app
+
+    def walk(cmd, path=()):
+        names = {"--help", "-h"}
+        for p in cmd.params:
+            names.update(o for o in [*p.opts, *p.secondary_opts] if o.startswith("-"))
+        yield path, names
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, (*path, name))
+
+    return dict(walk(typer.main.get_command(app)))
+
+
+def _command_lines(text: str) -> list[str]:
+    """Shell lines of fenced blocks (continuations joined) and inline code spans."""
+    out, fenced = [], False
+    for line in text.replace("\\\n", " ").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif fenced:
+            out.append(line)
+        else:
+            out.extend(re.findall(r"`([^`]+)`", line))
+    return out
+
+
+def test_documented_options_are_the_cli_s():
+    """Every `vlfast COMMAND --option` the README and docs show is an option that command's --help lists
+    (issue 53: the CLI reference checked against --help), so a renamed or removed option cannot stay
+    documented."""
+    options = _cli_options()
+    bad = []
+    for path in DOCS:
+        for line in _command_lines(path.read_text()):
+            for m in CLI_CALL.finditer(line.split(" #")[0]):
+                words = m.group(1).split()
+                while tuple(words) not in options:  # the longest prefix that is a command
+                    words.pop()
+                known = options[tuple(words)] | options[()]
+                rest = m.group(1).split()[len(words) :] + m.group(2).split()
+                for flag in (w.split("=")[0] for w in rest if re.match(r"--?[a-z]", w)):
+                    if flag not in known and not re.fullmatch(r"-\d.*", flag):
+                        bad.append(
+                            f"{path.relative_to(ROOT)}: vlfast {' '.join(words)} {flag}: {line.strip()}"
+                        )
+    assert not bad, "\n".join(bad)
