@@ -4,8 +4,9 @@ Images run through transformers' image processor itself. Videos cannot (transfor
 need torchvision, which does not install beside this torch), so each step of vlfast's video path is
 checked against the corresponding transformers function called directly: frame sampling
 (``Qwen3VLVideoProcessor.sample_frames``, ``Qwen2VLVideoProcessor.sample_frames``, and qwen-vl-utils'
-``smart_nframes``: the same frames for every even count), sizes
-(``get_num_of_video_patches`` with and without the per-frame cap), patchify and the placeholder text
+``smart_nframes``: the same frames for every even count), sizes (a ``Qwen3VLVideoProcessor`` loaded from a
+saved config, with and without the per-frame cap: its ``get_num_of_video_patches``, and its call on a clip's
+frames in a process with the reference torchvision), patchify and the placeholder text
 (``Qwen3VLProcessor.replace_video_token``). Where torchvision is installed, the whole video path is also
 compared with ``Qwen3VLVideoProcessor`` itself, resize kernel included.
 """
@@ -308,30 +309,85 @@ def test_frame_sampling_against_qwen_vl_utils(cfg, total, video_fps):
     assert len(sample_frame_indices(total, video_fps, qwen2)) == n_theirs
 
 
+VIDEO_SIZES = [(2, 48, 64), (4, 240, 320), (16, 720, 1280), (768, 1080, 1920), (4, 20, 900)]
+
+
+def _small(n: int, h: int, w: int) -> bool:
+    """Small enough to encode as a clip and run through transformers' processor on its frames."""
+    return n * h * w <= 4 * 240 * 320
+
+
+@pytest.fixture(scope="module")
+def saved_video_processors(cfg, tmp_path_factory):
+    """{cap: a folder holding ``Qwen3VLVideoProcessor``'s saved config with cfg's budgets}: what a checkpoint
+    holds, loaded with ``from_pretrained`` as transformers loads one."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    folders = {}
+    for cap in (False, True):
+        folder = tmp_path_factory.mktemp(f"video_processor_cap_{cap}")
+        size = {"shortest_edge": cfg.video_min_pixels, "longest_edge": cfg.video_max_pixels}
+        Qwen3VLVideoProcessor(size=size, cap_pixels_per_frame=cap, max_video_tokens=768).save_pretrained(
+            folder
+        )
+        folders[cap] = folder
+    return folders
+
+
+@pytest.fixture(scope="module")
+def processed_clips(saved_video_processors, tmp_path_factory):
+    """{(cap, n, h, w): video_grid_thw} from transformers' ``Qwen3VLVideoProcessor``, loaded from the saved
+    config, called on the frames of a clip of n frames (all of them: ``num_frames=n``), for the small sizes;
+    in a process of its own with the reference torchvision (tests/_transformers_reference.py); None where
+    that torchvision is absent."""
+    from _transformers_reference import reference_pixels, unavailable
+    from vlfast.demo import make_video
+
+    if unavailable():
+        return None
+    work = tmp_path_factory.mktemp("clips")
+    cases, keys = [], {}
+    for n, h, w in filter(lambda size: _small(*size), VIDEO_SIZES):
+        clip = make_video(work / f"{n}x{h}x{w}.mp4", frames=n, fps=2, width=w, height=h, seed=n)
+        for cap, folder in saved_video_processors.items():
+            name = f"{cap}-{n}-{h}-{w}"
+            keys[name] = (cap, n, h, w)
+            cases.append(
+                {
+                    "name": name,
+                    "kind": "video",
+                    "path": str(clip),
+                    "processor": "Qwen3VLVideoProcessor",
+                    "checkpoint": str(folder),
+                    "call": {"num_frames": n},
+                }
+            )
+    got = reference_pixels(cases, work / "reference")
+    return {keys[name]: grid for name, (_, grid) in got.items()}
+
+
 @pytest.mark.parametrize("cap", [False, True])
-@pytest.mark.parametrize(
-    ("n", "h", "w"), [(2, 48, 64), (4, 240, 320), (16, 720, 1280), (768, 1080, 1920), (4, 20, 900)]
-)
-def test_video_sizes_match_transformers(cfg, cap, n, h, w):
+@pytest.mark.parametrize(("n", "h", "w"), VIDEO_SIZES)
+def test_video_sizes_match_transformers(cfg, saved_video_processors, processed_clips, cap, n, h, w):
+    """vlfast's video size (and patch count) against transformers' ``Qwen3VLVideoProcessor`` loaded from a
+    saved config (with and without the per-frame cap), through its public API: its
+    ``get_num_of_video_patches`` for every size, and its call on a clip's frames for the small ones (where
+    the reference torchvision is installed: README command 2)."""
     from dataclasses import replace
 
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     c = replace(cfg, cap_pixels_per_frame=cap)
-    fake = SimpleNamespace(
-        size={"shortest_edge": c.video_min_pixels, "longest_edge": c.video_max_pixels},
-        patch_size=16,
-        merge_size=2,
-        temporal_patch_size=2,
-        cap_pixels_per_frame=cap,
-        max_video_tokens=768,
-    )
-    expected = Qwen3VLVideoProcessor.get_num_of_video_patches(fake, n, h, w, {"cap_pixels_per_frame": cap})
+    processor = Qwen3VLVideoProcessor.from_pretrained(saved_video_processors[cap], local_files_only=True)
+    assert processor.cap_pixels_per_frame is cap
+    expected = processor.get_num_of_video_patches(n, h, w)
     rh, rw = video_resize_shape(n, h, w, c)
     assert (n + n % 2) // 2 * (rh // 16) * (rw // 16) == expected
-    if n * h * w <= 4 * 240 * 320:  # the whole path on the small ones
+    if _small(n, h, w):  # the whole path on the small ones
         pixels, (gt, gh, gw) = patchify_video(torch.zeros(n, 3, h, w, dtype=torch.uint8), c)
         assert gt * gh * gw == expected == pixels.shape[0]
+        if processed_clips is not None:
+            assert processed_clips[(cap, n, h, w)] == [gt, gh, gw]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
