@@ -5,7 +5,8 @@
     python benchmarks/tables.py --from-gpu-run benchmarks/gpu-runs/2026-11-27-h200-second   # gpu.sh's run.json -> results
 
 A generated block sits between two comments; the first names its result file, the table in it, the columns
-and optionally which rows (``key~text``: the rows whose ``key`` contains ``text``; several joined by ``&``):
+optionally which rows (``rows=key~text``: the rows whose ``key`` contains ``text``; several joined by ``&``)
+and ``head=no`` (no line naming the run: the block above named it):
 
     <!-- table results/amd-epyc-2c/preprocess-2026-12-05.json images cols=variant,ms,cpu_ms rows=input~640x480 -->
     ... (generated: a line naming the command, date, commit and load, then the table)
@@ -57,19 +58,21 @@ def _parse(spec: str) -> tuple[str, str, list[str], list[tuple[str, str]]]:
     opts = dict(w.split("=", 1) for w in words[2:])
     cols = opts["cols"].split(",")
     rows = [tuple(c.split("~", 1)) for c in opts["rows"].split("&")] if "rows" in opts else []
-    return path, table, cols, rows
+    return path, table, cols, rows, opts
 
 
 def render(spec: str) -> str:
     """The block's body: a line naming the run, then the table."""
-    path, table, cols, where = _parse(spec)
+    path, table, cols, where, opts = _parse(spec)
     data = json.loads((BENCH / path).read_text())
     rows = [r for r in data["tables"][table] if all(text in str(r.get(k, "")) for k, text in where)]
     m = data["machine"]
     load = "load not recorded"
     if data.get("load_before"):
         load = f"load {data['load_before'][0]} before, {data['load_after'][0]} after"
-    head = f"`{data['command']}`: {m['date']}, commit {m.get('commit') or '?'}, {load}\n\n"
+    head = f"`{data['command']}`: {m['date']}, commit {m.get('commit') or 'not recorded'}, {load}\n\n"
+    if opts.get("head") == "no":  # the block above named the same run
+        head = ""
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(r, c) for c in cols) + " |" for r in rows]
     return head + "\n".join(lines) + "\n"
