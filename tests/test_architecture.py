@@ -104,3 +104,63 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     found = private_reach_ins(tmp_path / "vlfast")
     assert len(found) == 3 and all("vlfast.extraction.a._helper" in f for f in found), found
     assert [f.split(": ", 1)[1] for f in long_functions(pkg)] == ["public is 102 lines"]
+
+
+# OUT's files and the format's names for them: only extraction/store/ names them; everything else asks its
+# one door, vlfast.extraction.store.out.Out (issue 52). A name spelt out, or the format's constant for it.
+OUT_FILES = frozenset(
+    {
+        "run.json",
+        "index",
+        "shards",
+        "errors",
+        "listings",
+        "quarantine",
+        "locks",
+        "inputs",
+        "checked.json",
+        "facts.json",
+    }
+)
+OUT_NAMES = frozenset(
+    {
+        *("RUN_FILE", "INDEX_DIR", "SHARD_DIR", "ERROR_DIR", "LISTING_DIR", "QUARANTINE_DIR", "LOCK_DIR"),
+        *("CHECK_FILE", "FACTS_FILE", "INPUTS_DIR", "SHARD_RE", "PART_RE", "COMPACT_RE", "ERRORS_RE"),
+        *("read_run_file", "list_names"),
+    }
+)
+# Modules still naming them, each with what replaces the name. cli/extract.py and cli/out.py show where
+# errors and quarantined files are: Out.errors_folder and Out.quarantine_folder say it.
+STILL_NAMING = {"cli/extract.py", "cli/out.py"}
+
+
+def out_names_outside_store(root: Path = PACKAGE) -> list[str]:
+    """``path:line: name`` of every place outside extraction/store/ that names one of OUT's files."""
+    store = root / "extraction" / "store"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if store in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in OUT_FILES:
+                name = node.value
+            else:
+                name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
+                if not isinstance(node, (ast.Name, ast.Attribute, ast.alias)) or name not in OUT_NAMES:
+                    continue
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {name}")
+    return found
+
+
+def test_only_the_store_names_outs_files():
+    found = [f for f in out_names_outside_store() if f.split(":", 1)[0] not in STILL_NAMING]
+    assert found == [], found
+
+
+def test_the_door_check_finds_what_it_looks_for(tmp_path):
+    (tmp_path / "extraction" / "store").mkdir(parents=True)
+    (tmp_path / "extraction" / "store" / "format.py").write_text('RUN_FILE = "run.json"\n')
+    (tmp_path / "plan.py").write_text(
+        'from vlfast.extraction.store.format import RUN_FILE\nx = out / "index"\nnote = "an index of it"\n'
+    )
+    assert out_names_outside_store(tmp_path) == ["plan.py:1: RUN_FILE", "plan.py:2: index"]

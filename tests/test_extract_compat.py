@@ -1,45 +1,22 @@
-"""An OUT written by the code before issue 21's restructuring reads, checks and resumes with today's code.
+"""An OUT of an earlier development format is refused, in one line naming its version and what to do, before
+anything is written: vlfast reads and writes one format (``store.format.FORMAT_VERSION``), with no branches
+for the formats it wrote while in development.
 
-The folder under tests/data/out_written_before_issue21 was written at commit 5e7f751 (see its README.md).
+The folder under tests/data/out_written_before_issue21 was written at commit 5e7f751 (format 2; see its
+README.md): every reader and the run itself refuse it, and leave it byte for byte as it was.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from vlfast.extraction import FeatureCache
+from vlfast.extraction.store.format import FORMAT_VERSION, OldFormat
 
 DATA = Path(__file__).parent / "data" / "out_written_before_issue21"
-CHECKPOINT = Path("/tmp/vlfast-compat-v2/ck")  # run.json records this absolute path; a resume compares it
-FEATURES = "vision,vision_mean,llm"
-
-
-def _digest(t: torch.Tensor) -> list:
-    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
-
-
-@pytest.fixture(scope="module")
-def checkpoint() -> Path:
-    """The deterministic tiny checkpoint the old OUT was written with, rebuilt at the path its run.json names."""
-    from vlfast.demo import make_tiny_qwen3_vl
-
-    CHECKPOINT.parent.mkdir(parents=True, exist_ok=True)
-    with open(CHECKPOINT.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two test sessions on one host build it once
-        if not (CHECKPOINT / "model.safetensors").exists():
-            tmp = CHECKPOINT.parent / f"ck.tmp{id(lock)}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            make_tiny_qwen3_vl(tmp)
-            tmp.rename(CHECKPOINT)
-    return CHECKPOINT
+WAY_FORWARD = "re-run into a new folder, or read it with the vlfast that wrote it"
 
 
 @pytest.fixture
@@ -49,57 +26,66 @@ def old(tmp_path) -> Path:
     return root
 
 
-def test_old_out_reads_back_exactly(old):
-    expected = json.loads((old / "expected.json").read_text())
-    cache = FeatureCache(old / "out")
-    assert sorted(cache.ids()) == sorted(expected)
-    for sid, features in expected.items():
-        got = cache[sid]
-        assert {k: _digest(got[k]) for k in features} == features, sid
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_old_out_passes_the_full_check(old):
-    from vlfast.extraction.store.integrity import verify_folder
+def _says_so(message: str) -> None:
+    assert "\n" not in message.strip(), message
+    assert "development format 2 of vlfast" in message and f"reads format {FORMAT_VERSION} only" in message
+    assert WAY_FORWARD in message
 
-    report = verify_folder(old / "out")
-    assert report.ok, report
+
+def test_extract_refuses_it_with_exit_2_in_one_line_and_writes_nothing(old, tmp_path):
+    from typer.testing import CliRunner
+
+    from vlfast.cli.main import app
+
+    before = _snapshot(old / "out")
+    # the model is never looked at: the refusal comes first (the checkpoint the OUT names does not exist)
+    args = ["extract", str(old / "all.jsonl"), str(old / "out"), "--model", str(tmp_path / "no-checkpoint")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    _says_so(" ".join(r.output.split()))
+    assert _snapshot(old / "out") == before
 
 
-@pytest.mark.cpu_kernels
-def test_old_out_resumes_and_matches_a_fresh_run(old, checkpoint, monkeypatch):
+def test_the_library_refuses_it_too(old):
     from vlfast import extract
 
-    monkeypatch.chdir(old)
-    summary = extract("all.jsonl", "out", model=str(checkpoint), features=FEATURES)
-    assert summary.extracted == 2  # img2, img3: the rest was done (or recorded as an error) by the old code
-    # the same configuration: the old OUT was made with transformers' PIL image processor (a new OUT's default
-    # is the torchvision one's operations)
-    extract("all.jsonl", "fresh", model=str(checkpoint), features=FEATURES, image_backend="pil")
-
-    expected = json.loads((old / "expected.json").read_text())
-    resumed, fresh = FeatureCache(old / "out"), FeatureCache(old / "fresh")
-    assert sorted(resumed.ids()) == sorted(fresh.ids()) == ["clip", "img0", "img1", "img2", "img3"]
-    for sid in ("img2", "img3"):  # computed today, in both folders: identical bytes
-        a, b = resumed[sid], fresh[sid]
-        assert {k: _digest(v) for k, v in a.items()} == {k: _digest(v) for k, v in b.items()}, sid
-    for sid, features in expected.items():  # what the old code wrote is untouched by the resume
-        assert {k: _digest(resumed[sid][k]) for k in features} == features, sid
-    assert (
-        json.loads((old / "out" / "run.json").read_text())["config"]
-        == json.loads((DATA / "out" / "run.json").read_text())["config"]
-    )
+    before = _snapshot(old / "out")
+    with pytest.raises(OldFormat) as e:
+        extract(str(old / "all.jsonl"), str(old / "out"), model="/nonexistent", features="vision")
+    _says_so(str(e.value))
+    assert _snapshot(old / "out") == before
 
 
-def test_old_out_resumes_with_a_copy_of_its_checkpoint_elsewhere(old, checkpoint, tmp_path, monkeypatch):
-    """Issue 38 item 5: the old run.json records /tmp/vlfast-compat-v2/ck and its processor files by that
-    path; a byte-identical copy at another path (a node-local copy) resumes it, and the record stays."""
-    from vlfast import extract
+def test_readers_checks_and_compaction_refuse_it(old):
+    from vlfast.extraction import FeatureCache
+    from vlfast.extraction.store.compact import compact_folder
+    from vlfast.extraction.store.integrity import check_folder
 
-    copy = Path(shutil.copytree(checkpoint, tmp_path / "node-local" / "ck"))
-    monkeypatch.chdir(old)
-    summary = extract("all.jsonl", "out", model=str(copy), features=FEATURES)
-    assert summary.extracted == 2 and not summary.nothing_to_do
-    assert (
-        json.loads((old / "out" / "run.json").read_text())["config"]
-        == json.loads((DATA / "out" / "run.json").read_text())["config"]
-    )
+    before = _snapshot(old / "out")
+    for use in (FeatureCache, check_folder, compact_folder):
+        with pytest.raises(OldFormat) as e:
+            use(old / "out")
+        _says_so(str(e.value))
+    assert _snapshot(old / "out") == before
+
+
+def test_without_its_run_json_its_index_parts_say_the_format(old):
+    from vlfast.extraction.store.out import Out
+
+    (old / "out" / "run.json").unlink()
+    before = _snapshot(old / "out")
+    with pytest.raises(OldFormat) as e:
+        Out.open(old / "out")
+    _says_so(str(e.value))
+    assert _snapshot(old / "out") == before
+
+
+def test_overwrite_replaces_it(old):
+    """--overwrite reads nothing of what OUT holds, so the refusal is not in its way."""
+    from vlfast.extraction.store.out import Out
+
+    assert Out.open(old / "out", check_format=False).run_file() is None

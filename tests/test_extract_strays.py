@@ -5,7 +5,8 @@ folder where a file belongs, a file where a folder belongs, index/ deleted or em
 part deleted under its shard, a foreign file in index/. For each: ``FeatureCache`` names the problem or reads
 every sample (never a silent 0, never a KeyError), ``check_folder`` (``--verify``) reports a finding, and a
 store opening OUT moves it to quarantine (never deletes it) and the run completes; a second open moves
-nothing. The same shapes on object storage (moto's S3 server). Each OUT is copied from one built per module.
+nothing. A file where a folder belongs (or a folder where a file does), which only a hand edit makes, is
+refused instead, saying what to move out of OUT; moved, the run completes. The same shapes on object storage (moto's S3 server). Each OUT is copied from one built per module.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from vlfast.cli.main import app
 from vlfast.extraction import FeatureCache, FeatureStore
 from vlfast.extraction.store.format import META_CONFIG, DamagedFile, read_index_part, xxh3
 from vlfast.extraction.store.integrity import check_folder
-from vlfast.extraction.store.layout import uncovered_shards
+from vlfast.extraction.store.layout import Misplaced, uncovered_shards
 from vlfast.extraction.store.resume import read_state
 
 CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}
@@ -93,8 +94,8 @@ def _folder(path: Path) -> None:
 
 # name -> (fault, what a plain FeatureCache does: "refused" (DamagedFile) or the number of samples it reads)
 FAULTS: dict[str, tuple[Callable[[Path], None], str | int]] = {
-    "foreign parquet, name without checksum": (
-        lambda o: (o / "index/part-r00000-000009.parquet").write_bytes(_foreign_parquet()),
+    "foreign parquet, name with another checksum": (
+        lambda o: (o / "index/part-r00000-000009-0123456789abcdef.parquet").write_bytes(_foreign_parquet()),
         "refused",
     ),
     "foreign parquet, name with its checksum": (
@@ -109,15 +110,21 @@ FAULTS: dict[str, tuple[Callable[[Path], None], str | int]] = {
     "a part whose row column is text": (lambda o: _rewritten_part(o, _row_as_text), "refused"),
     "a part whose vlfast.config is not JSON": (lambda o: _rewritten_part(o, _config_not_json), "refused"),
     "random bytes": (
-        lambda o: (o / "index/part-r00000-000009-0123456789abcdef.parquet").write_bytes(b"\x00garbage" * 9),
+        lambda o: (o / "index/part-r00000-000009-fedcba9876543210.parquet").write_bytes(b"\x00garbage" * 9),
         "refused",
     ),
-    "a zero-byte part": (lambda o: (o / "index/part-r00000-000009.parquet").write_bytes(b""), "refused"),
+    "a zero-byte part": (
+        lambda o: (o / "index/part-r00000-000009-0123456789abcdef.parquet").write_bytes(b""),
+        "refused",
+    ),
     "garbage under a consolidated part's name": (
         lambda o: (o / "index" / f"part-r00000-000000-000009-{xxh3(b'junk')}.parquet").write_bytes(b"junk"),
         "refused",
     ),
-    "a folder under a part's name": (lambda o: _folder(o / "index/part-r00000-000009.parquet"), "refused"),
+    "a folder under a part's name": (
+        lambda o: _folder(o / "index/part-r00000-000009-0123456789abcdef.parquet"),
+        "refused",
+    ),
     "index/ deleted": (lambda o: shutil.rmtree(o / "index"), "refused"),
     "index/ emptied": (lambda o: [p.unlink() for p in (o / "index").iterdir()], "refused"),
     "index is a file": (lambda o: _file(o / "index"), "refused"),
@@ -134,6 +141,20 @@ FAULTS: dict[str, tuple[Callable[[Path], None], str | int]] = {
     "locks is a file": (lambda o: _file(o / "locks"), 9),
     "quarantine is a file": (lambda o: _file(o / "quarantine"), 9),
     "checked.json is a folder": (lambda o: _folder(o / "checked.json"), 9),
+}
+
+
+# Hand-made states (a file where a folder belongs, a folder where a file does): a run refuses them, saying
+# what to move, and moves or repairs nothing; moved out of OUT as it says, the run completes.
+MISPLACED = {
+    "index is a file": "index",
+    "shards is a file": "shards",
+    "run.json is a folder": "run.json",
+    "errors is a file": "errors",
+    "an errors file is a folder": "errors/errors-r00000.jsonl",
+    "locks is a file": "locks",
+    "quarantine is a file": "quarantine",
+    "checked.json is a folder": "checked.json",
 }
 
 
@@ -174,6 +195,16 @@ def test_each_shape_is_named_then_moved_aside_and_the_run_completes(
         assert not report.ok, report
         assert report.bad_parts or report.strays
 
+    if name in MISPLACED:  # refused, naming it and the move; OUT as it was; moved out, the run completes
+        as_it_was = _everything_under(out)  # (the check above may have recorded what it hashed)
+        with pytest.raises(Misplaced, match="Nothing is moved for you: move it out of OUT") as e:
+            _resume(out)
+        assert f"{MISPLACED[name]} is a " in str(e.value) and f"mv {out / MISPLACED[name]} " in str(e.value)
+        assert _everything_under(out) == as_it_was
+        shutil.move(out / MISPLACED[name], tmp_path / "moved-out")
+        _resume(out)
+        assert sorted(FeatureCache(out).ids()) == IDS and check_folder(out).ok
+        return
     # A run moves it aside, never deletes it, redoes what is missing; a second run moves nothing.
     first = _resume(out)
     assert first.quarantined, "nothing was moved aside"
@@ -227,7 +258,7 @@ def test_the_commands_exit_1_or_2_never_3(base: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     out = tmp_path / "out"
     shutil.copytree(base, out)
-    (out / "index/part-r00000-000009.parquet").write_bytes(_foreign_parquet())
+    (out / "index" / _hashed(_foreign_parquet())).write_bytes(_foreign_parquet())
     r = runner.invoke(app, ["out", "verify", str(out)])
     assert r.exit_code == 1, r.output
     assert "not a vlfast index part" in r.output and "moves" in r.output
@@ -273,13 +304,15 @@ def s3(moto_endpoint):
 
 S3_FAULTS: dict[str, Callable[[object, str], None]] = {
     "foreign parquet": lambda c, p: c.put_object(
-        Bucket="vlfast-strays", Key=f"{p}/index/part-r00000-000009.parquet", Body=_foreign_parquet()
+        Bucket="vlfast-strays",
+        Key=f"{p}/index/part-r00000-000009-0123456789abcdef.parquet",
+        Body=_foreign_parquet(),
     ),
     "a zero-byte part": lambda c, p: c.put_object(
-        Bucket="vlfast-strays", Key=f"{p}/index/part-r00000-000009.parquet", Body=b""
+        Bucket="vlfast-strays", Key=f"{p}/index/part-r00000-000009-0123456789abcdef.parquet", Body=b""
     ),
     "a prefix under a part's name": lambda c, p: c.put_object(
-        Bucket="vlfast-strays", Key=f"{p}/index/part-r00000-000009.parquet/x", Body=b"x"
+        Bucket="vlfast-strays", Key=f"{p}/index/part-r00000-000009-0123456789abcdef.parquet/x", Body=b"x"
     ),
     "index/ deleted": lambda c, p: [
         c.delete_object(Bucket="vlfast-strays", Key=o["Key"])
@@ -312,9 +345,9 @@ def test_the_same_shapes_on_object_storage(s3, name: str, monkeypatch: pytest.Mo
 
 
 def test_a_finished_extraction_sets_strays_right_then_has_nothing_to_do(media_dir, tiny_qwen3_vl, tmp_path):
-    """A foreign Parquet file under a part's name (found by the checks), then a file where errors/ belongs
-    (found only by the preflight's look for strays): each run moves it aside, redoes nothing, and the next
-    answers "nothing to do"."""
+    """A foreign Parquet file under a part's name (found by the checks): the run moves it aside, redoes
+    nothing, and the next answers "nothing to do". A file where errors/ belongs is refused (exit 2) saying
+    what to move; moved, the next run answers "nothing to do"."""
     from vlfast.extraction.api import extract
 
     inputs = tmp_path / "in"
@@ -323,13 +356,14 @@ def test_a_finished_extraction_sets_strays_right_then_has_nothing_to_do(media_di
     out = tmp_path / "out"
     kw = dict(model=str(tiny_qwen3_vl), num_workers=0, features="vision_mean")
     extract(inputs, out, **kw)
-    for fault in (
-        lambda: (out / "index/part-r00000-000009.parquet").write_bytes(_foreign_parquet()),
-        lambda: _file(out / "errors"),
-    ):
-        fault()
-        with pytest.warns(UserWarning, match="moved to"):
-            again = extract(inputs, out, **kw)
-        assert not again.nothing_to_do and again.extracted == 0 and len(again.quarantined) == 1
-        assert FeatureCache(out).ids() == ["rgb.jpg"] and check_folder(out).ok
-        assert extract(inputs, out, **kw).nothing_to_do
+    (out / "index" / _hashed(_foreign_parquet())).write_bytes(_foreign_parquet())
+    with pytest.warns(UserWarning, match="moved to"):
+        again = extract(inputs, out, **kw)
+    assert not again.nothing_to_do and again.extracted == 0 and len(again.quarantined) == 1
+    assert FeatureCache(out).ids() == ["rgb.jpg"] and check_folder(out).ok
+    assert extract(inputs, out, **kw).nothing_to_do
+    _file(out / "errors")
+    with pytest.raises(Misplaced, match="errors is a file where vlfast keeps a folder"):
+        extract(inputs, out, **kw)
+    (out / "errors").unlink()
+    assert extract(inputs, out, **kw).nothing_to_do

@@ -60,14 +60,17 @@ def test_a_quarantined_part_is_one_line_and_the_summary_names_the_folder(two, ti
 
 
 def test_an_index_that_is_a_file_is_one_line(two, tiny_qwen3_vl, tmp_path):
-    """Before: ``.../contextlib.py:81: UserWarning: index: index was a file, not a folder; ...``."""
+    """Before: ``.../contextlib.py:81: UserWarning: index: index was a file, not a folder; ...``. Now a file
+    where a folder belongs (a hand edit's doing) is refused, exit 2, in one line saying what to move."""
     out = tmp_path / "features"
     out.mkdir()
     (out / "index").write_text("not a folder")
     r = _vlfast("extract", str(two), str(out), "-m", str(tiny_qwen3_vl), "--workers", "0")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 2, r.stderr[-3000:]
     assert not LOCATED.search(r.stderr), r.stderr
-    assert "vlfast: warning: index: index was a file, not a folder; moved to " in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "index is a file where vlfast keeps a folder" in lines[0], r.stderr
+    assert f"mv {out / 'index'} " in lines[0] and (out / "index").read_text() == "not a folder"
 
 
 def test_a_warning_from_another_library_is_named_as_its_own(tmp_path):

@@ -22,11 +22,11 @@ from vlfast.extraction.config import ExtractConfig, ExtractSummary
 from vlfast.extraction.decode.preprocess import ProcessorConfig, build_processor_config
 from vlfast.extraction.decode.processor_config import with_video_wrapper
 from vlfast.extraction.model.spec import FeatureSpec
-from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.listing import load_inputs
 from vlfast.extraction.sources.sample import InputProblem, Sample
 from vlfast.extraction.sources.table import SampleTable
 from vlfast.extraction.store.facts import ModelFacts
+from vlfast.extraction.store.out import Out
 
 __all__ = ["RUNTIME_KEY", "RunPlan", "check_retry_kinds", "family_of", "make_plan", "problem_record"]
 
@@ -112,6 +112,8 @@ class RunPlan:
     # Committed ids of this rank whose input changed since (inputs_renamed, inputs_rewritten): the store
     # moves their shards aside and they are extracted again
     changed: list[str] = field(default_factory=list)
+    # OUT as opened for this run, its one door (made of ``out`` where a caller gives none)
+    store: Out | None = field(default=None, repr=False)
     mine_problems: list[InputProblem] = field(init=False)
     total: int = field(init=False)  # entries in the input (all ranks)
     assigned: int = field(init=False)  # this rank's share of them
@@ -125,6 +127,8 @@ class RunPlan:
         from vlfast.extraction.store.resume import owned
 
         self.samples = SampleTable.of(self.samples)
+        if self.store is None:
+            self.store = Out(self.out)
         self.mine_problems = [
             p for p in self.problems if _mine(problem_record(p)[0], self.rank, self.world_size)
         ]
@@ -234,17 +238,14 @@ class RunPlan:
             state.damaged = confirm_hashed(self.out, state, f"r{self.rank:05d}")
         if pending or state.damaged or self.changed:
             return None
-        from vlfast.extraction.store.backend import keep_listings
-        from vlfast.extraction.store.run_file import library_versions, restore_run_file
-
         tag = f"r{self.rank:05d}-{os.getpid()}"
-        # Like checked.json, caches this path writes when it can (a read-only OUT keeps none)
-        keep_listings(self.out, self.listings, tag)
+        # Like the record of full checks, caches this path writes when it can (a read-only OUT keeps none)
+        self.store.keep_listings(self.listings, tag)
         if self.facts is not None:
             self.facts.save(self.out, tag)
         # A lost run.json, from the configuration the request and every part agree on (read_state compared
         # them): readers need it. Written when it can be, as the caches are.
-        restore_run_file(self.out, self.run_config, self.volatile_keys, library_versions(), tag)
+        self.store.restore_run_file(self.run_config, self.volatile_keys, tag)
         summary = self.summary(config)
         summary.skipped, summary.nothing_to_do = self.assigned, True
         return summary
@@ -318,7 +319,6 @@ def make_plan(
     inputs: str | os.PathLike | Sequence[Sample], out: str | os.PathLike, config: ExtractConfig
 ) -> RunPlan:
     """List the input, build the run configuration and check what the model can give; reads only."""
-    from vlfast.extraction.store.format import is_local, resolve_out
     from vlfast.extraction.store.resume import DEFAULT_VOLATILE_KEYS, dist_info
 
     rank, world_size = config.rank, config.world_size
@@ -326,14 +326,10 @@ def make_plan(
         env_rank, env_world = dist_info()
         rank = env_rank if rank is None else rank
         world_size = env_world if world_size is None else world_size
-    out = resolve_out(out, config.storage_options)
-    if not is_local(out):
-        from vlfast.extraction.objstore import probe_out
-
-        probe_out(out)
-    from vlfast.extraction.store.format import LISTING_DIR
-
-    kept = KeptListings.of_folder(out / LISTING_DIR, rank, world_size)  # read here, written once OUT is ours
+    # An OUT of another format is refused here, before anything is read or written (--overwrite replaces it)
+    store = Out.open(out, config.storage_options, check_format=not config.overwrite)
+    out = store.path
+    kept = store.kept_listings(rank, world_size)  # read here, written once OUT is ours
     samples, problems = load_inputs(inputs, config.storage_options, kept)
     # Recorded resolved (processor.source names the files read), so no working directory is in it
     model_dir = config.model if config.model.startswith("ref:") else str(Path(config.model).resolve())
@@ -341,7 +337,7 @@ def make_plan(
     facts = ModelFacts(model_dir, out, read=not config.overwrite)
     family = family_of(config.model, facts)
     check_llm_request(config.model, config.spec, facts)
-    recorded = None if config.overwrite else recorded_configuration(out)
+    recorded = None if config.overwrite else store.recorded_config()
     processor = build_processor_config(
         model_dir,
         family=family,
@@ -383,12 +379,13 @@ def make_plan(
         family=family,
         processor=processor,
         run_config=as_recorded(
-            out, run_configuration(config, family, processor, weights, world_size, facts), config.overwrite
+            recorded, run_configuration(config, family, processor, weights, world_size, facts)
         ),
         volatile_keys=(*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY),
         fingerprint_seconds=fingerprint_seconds,
         listings=kept.fresh,
         facts=facts,
+        store=store,
     )
     if world_size > 1:  # the whole input's columns are gone now that the plan keeps this rank's share
         from vlfast.extraction.store.format import release_arrow_memory
@@ -442,17 +439,14 @@ def run_configuration(
 LOCATION_KEYS = ("model", "processor.source")
 
 
-def as_recorded(out: Any, run_config: dict[str, Any], overwrite: bool = False) -> dict[str, Any]:
-    """``run_config`` with OUT's recorded :data:`LOCATION_KEYS` when they are all that differs from what OUT
-    holds (run.json, or the first index part if run.json is lost); else as it is, and the check that follows
-    refuses or accepts it as before. Reads only."""
+def as_recorded(recorded: dict[str, Any] | None, run_config: dict[str, Any]) -> dict[str, Any]:
+    """``run_config`` with the :data:`LOCATION_KEYS` of the configuration OUT records (``Out.recorded_config``:
+    None for a new OUT, or with ``--overwrite``) when they are all that differs; else as it is, and the check
+    that follows refuses or accepts it as before."""
     import copy
 
     from vlfast.extraction.store.resume import DEFAULT_VOLATILE_KEYS, canonical_config, config_diffs
 
-    if overwrite:
-        return run_config
-    recorded = recorded_configuration(out)
     if recorded is None:
         return run_config
     diffs = config_diffs(canonical_config(run_config), recorded, (*DEFAULT_VOLATILE_KEYS, RUNTIME_KEY))
@@ -466,22 +460,6 @@ def as_recorded(out: Any, run_config: dict[str, Any], overwrite: bool = False) -
             node = node[name]
         node[leaf] = old
     return adopted
-
-
-def recorded_configuration(out: Any) -> dict[str, Any] | None:
-    """The configuration OUT records: run.json's, or the first index part's if run.json is lost. None for an
-    OUT that records none, or whose record cannot be read (the configuration check says what is wrong with
-    it). Reads only."""
-    from vlfast.extraction.store.format import DamagedFile, committed_parts, read_run_file
-    from vlfast.extraction.store.resume import first_part_config
-
-    try:
-        recorded = read_run_file(out).get("config")
-    except FileNotFoundError:
-        recorded = first_part_config(committed_parts(out)) if out.exists() else None
-    except (DamagedFile, InputRefused, OSError):
-        return None
-    return recorded if isinstance(recorded, dict) else None
 
 
 # --image-backend: the transformers class whose pixels images get

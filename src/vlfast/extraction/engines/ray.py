@@ -55,8 +55,8 @@ from vlfast.extraction.model import runner
 from vlfast.extraction.plan import RunPlan
 from vlfast.extraction.sources.sample import Sample
 from vlfast.extraction.sources.table import SampleTable
-from vlfast.extraction.store.format import OutputInUse, done_by_error, error_key, is_local, read_errors
-from vlfast.extraction.store.writer import rank_is_held
+from vlfast.extraction.store.format import OutputInUse, done_by_error, error_key, is_local
+from vlfast.extraction.store.out import Out
 
 __all__ = ["INSTALL_HINT", "RayEngine"]
 
@@ -444,13 +444,8 @@ class _RankCounter:
         return list(self.taken)
 
     @classmethod
-    def start(cls, ray, out) -> Any:
-        from vlfast.extraction.store.format import INDEX_DIR, PART_RE, SHARD_DIR, SHARD_RE, list_names
-
-        seen = [0]
-        for folder, rx in ((INDEX_DIR, PART_RE), (SHARD_DIR, SHARD_RE)):
-            seen += [int(m.group(1)) for n in list_names(out / folder) if (m := rx.match(n))]
-        return ray.remote(num_cpus=0)(cls).remote(max(seen) % MAX_RANK + 1)
+    def start(cls, ray, out: Out) -> Any:
+        return ray.remote(num_cpus=0)(cls).remote(out.highest_rank() % MAX_RANK + 1)
 
 
 # ------------------------------------------------------------------------------------------- the driver
@@ -638,7 +633,7 @@ class RayEngine:
         summary.skipped += len(todo) - len(remaining)
         to_extract_ids = remaining.ids
         to_extract = IdSet(to_extract_ids)
-        recorded_before = {error_key(r) for r in read_errors(job.store.out)}
+        recorded_before = job.plan.store.error_keys()
         counted: Counter[str] = Counter()  # reasons of the error rows the driver saw
         added: dict[str, int] = {}  # id -> patches, of samples a model actor added (buffered or committed)
         actors = _ActorFacts()
@@ -702,7 +697,7 @@ class RayEngine:
         # Counts from what OUT holds, not from the rows: an actor killed after committing (or recording an
         # error) but before returning its rows is restarted and its call retried, which then finds those
         # samples done ("done", "known") and would leave them uncounted.
-        errors_now = read_errors(job.store.out)
+        errors_now = job.plan.store.errors()
         recorded = Counter(r["reason"] for r in errors_now if error_key(r) not in recorded_before)
         for reason, missing in (recorded - counted).items():
             for _ in range(missing):
@@ -775,7 +770,7 @@ class RayEngine:
             # An actor's close at the dataset's end may be cut short by its teardown (no lock tells the
             # driver when it is done), and a late one could race the driver's: the driver compacts them.
             store_options["compact_min_parts"] = None
-        counter = None if is_local(job.store.out) else _RankCounter.start(ray, job.store.out)
+        counter = None if is_local(job.store.out) else _RankCounter.start(ray, job.plan.store)
         if counter is not None:
             self._counters.append(counter)
         device = torch.device(job.config.torch_device.type)  # Ray gives each actor its GPUs as cuda:0..
@@ -844,12 +839,7 @@ class RayEngine:
     def _held_ranks(job: Session) -> list[int]:
         """Ranks of OUT other than the driver's whose lock a live process holds now (none on object storage,
         which has no locks)."""
-        from vlfast.extraction.store.format import LOCK_DIR
-
-        if not is_local(job.store.out):
-            return []
-        ranks = (int(p.stem.removeprefix("rank-")) for p in (job.store.out / LOCK_DIR).glob("rank-*.lock"))
-        return sorted(r for r in ranks if r != job.store.rank and rank_is_held(job.store.out, r))
+        return sorted(r for r in job.plan.store.live_ranks() if r != job.store.rank)
 
     def _wait_for_actors(self, job: Session, timeout: float, after: str) -> None:
         """Wait for the model actors to release their ranks; warn, saying what follows, if some are still held
@@ -867,7 +857,7 @@ class RayEngine:
         last shard) or died. Returns the ranks still held after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         for k, rank in enumerate(sorted(ranks)):
-            while rank_is_held(job.store.out, rank):
+            while job.plan.store.rank_is_held(rank):
                 if time.monotonic() > deadline:
                     return sorted(ranks)[k:]
                 time.sleep(0.1)

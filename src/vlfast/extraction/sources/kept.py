@@ -44,7 +44,6 @@ from typing import Any
 from vlfast.extraction.objstore import read_whole
 
 __all__ = [
-    "LISTING_DIR",
     "SETTLE_S",
     "KeptListings",
     "KeptTable",
@@ -55,7 +54,6 @@ __all__ = [
     "remote_manifest_identity",
 ]
 
-LISTING_DIR = "listings"
 FORMAT = 1  # of a listing file; part of the name, so another format is simply not found
 SETTLE_S = 2.0  # a shard changed more recently is listed but not kept
 _ETAG_KEYS = ("ETag", "etag", "Etag")

@@ -18,7 +18,6 @@ in turn (skipping a rank a live process holds).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import time
@@ -39,7 +38,6 @@ from vlfast.extraction.store.format import (
     META_OWNED_UNDER,
     META_SHARDS,
     META_SUPERSEDES,
-    RUN_FILE,
     DamagedFile,
     OutputInUse,
     canonical_json,
@@ -119,9 +117,7 @@ def commit_consolidated(out: Any, backend: Any, staged: Path, span: tuple[int, i
     """Commit the Parquet file ``staged`` (written by :func:`_staged`) as the consolidated part of ``span``:
     named with its own xxh3, written whole or not at all, exclusively. The file is hashed as it is read, and
     moved (locally) or streamed up (object storage): its bytes are never held in memory (140 MB at ten million
-    samples, twice on object storage before). run.json says format 3 first, so a vlfast too old to know
-    consolidated parts refuses the folder instead of taking their shards for orphans."""
-    _require_format_3(out, backend, tag)
+    samples, twice on object storage before)."""
     part = out / INDEX_DIR / compact_part_name(*span, file_xxh3(staged))
     with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
         backend.commit_file(staged, part)  # <- the commit
@@ -129,14 +125,6 @@ def commit_consolidated(out: Any, backend: Any, staged: Path, span: tuple[int, i
     # decoded: the name's xxh3 covers every byte (decoding its ids was 220 MB more at ten million samples).
     check_part_bytes(part)
     return part
-
-
-def _require_format_3(out: Path, backend: Any, tag: str) -> None:
-    doc = read_run_file(out)
-    if doc.get("format_version", 0) >= FORMAT_VERSION:
-        return
-    doc["format_version"] = FORMAT_VERSION  # nothing else changes: the same configuration, the same hash
-    backend.write(out / RUN_FILE, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(), tag)
 
 
 def finish_deletions(out: Path, backend: Any, rank: int) -> int:
@@ -172,7 +160,7 @@ class _Stream:
     holds one row group, not the rank's whole index. Two passes, since the file's key-value metadata is
     given when its writer opens (pyarrow 15, the declared floor, cannot add it later): :meth:`gather`
     takes each part's footer metadata (shards, names superseded, configuration, parts used; a damaged
-    part, one of another configuration or one without a configuration, format 1, stays as it is), then
+    part, or one of another configuration, stays as it is), then
     :meth:`write` reads the parts used again and streams their rows into a staged file."""
 
     def __init__(self, expected: str):
@@ -307,11 +295,11 @@ def compact_folder(
     min_parts: int = 2,
     ranks: Collection[int] | None = None,
 ) -> list[Compaction]:
-    """``vlfast extract --compact OUT``: compact every rank's parts (for folders written before compaction
-    existed, or whose runs were stopped before they closed), or only ``ranks``. Locally each rank's lock is
+    """``vlfast extract --compact OUT``: compact every rank's parts (of folders whose runs were stopped
+    before they closed), or only ``ranks``. Locally each rank's lock is
     taken in turn: a rank a live process is writing is skipped, and says so."""
     out = resolve_out(out, storage_options)
-    read_run_file(out)  # a vlfast folder, and not a newer vlfast's
+    read_run_file(out)  # a vlfast folder, and of this vlfast's format
     present = {s[0] for n in list_names(out / INDEX_DIR) if (s := part_span(n)) is not None}
     ranks = sorted(present if ranks is None else present & set(ranks))
     session = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + secrets.token_hex(4)

@@ -27,7 +27,7 @@ from vlfast.extraction.objstore import is_local_fs, is_url, read_whole, url_path
 # TRANSIENT_PREFIX: how the reason of a "transient" failure begins (add_error infers the kind from it); it
 # is objstore's, which raises those errors, and is re-exported here for the store's readers.
 
-FORMAT_VERSION = 3  # 3: index/ may hold consolidated parts (compaction); 2 and 1 are still read
+FORMAT_VERSION = 4  # the one format; an OUT of an earlier development format is refused (OldFormat)
 RUN_FILE = "run.json"
 SHARD_DIR = "shards"
 INDEX_DIR = "index"
@@ -40,27 +40,27 @@ FACTS_FILE = "facts.json"  # what transformers answered about the model, and und
 RESUME_CHECKS = ("full", "quick")  # what a resume checks of what OUT holds (--resume-check)
 
 SHARD_RE = re.compile(r"^shard-r(\d{5})-(\d{6})\.safetensors$")
-# The 16 hex digits are the xxh3-64 of the part file itself (absent in format 1).
-PART_RE = re.compile(r"^part-r(\d{5})-(\d{6})(?:-([0-9a-f]{16}))?\.parquet$")
+# The 16 hex digits are the xxh3-64 of the part file itself.
+PART_RE = re.compile(r"^part-r(\d{5})-(\d{6})-([0-9a-f]{16})\.parquet$")
 # A consolidated part (compaction): the rows of several parts of one rank, sequence numbers first..last.
 COMPACT_RE = re.compile(r"^part-r(\d{5})-(\d{6})-(\d{6})-([0-9a-f]{16})\.parquet$")
 TMP_RE = re.compile(r"^\.tmp-r(\d{5})-")
 # errors-r{rank}.jsonl locally; errors-r{rank}-{session}.jsonl on object storage, which cannot append.
 ERRORS_RE = re.compile(r"^errors-r(\d{5})(?:-[0-9A-Za-z]+)?\.jsonl$")
 
-# Parquet key-value metadata of every index part (format 2).
+# Parquet key-value metadata of every index part.
 META_FORMAT = b"vlfast.format_version"
 META_CONFIG = b"vlfast.config"  # canonical JSON of the run configuration without its volatile keys
 META_CONFIG_HASH = b"vlfast.config_hash"  # sha256 of META_CONFIG
 META_SHARD_BYTES = b"vlfast.shard_bytes"  # size of the shard file
 META_SHARD_HEADER = b"vlfast.shard_header_xxh3"  # xxh3-64 of the shard's 8-byte length + JSON header
-# Consolidated parts (format 3) instead of the two keys above: every shard their rows point at, and the parts
+# Consolidated parts instead of the two keys above: every shard their rows point at, and the parts
 # they replace (a reader ignores those while both exist: a crash between the commit and the deletions).
 META_SHARDS = b"vlfast.shards"  # canonical JSON {"shards/NAME": [size, header xxh3]}
 META_SUPERSEDES = b"vlfast.supersedes"  # canonical JSON list of part names, sorted
 # Every id of the part is owned (ids.owner_rank) by the rank its name carries when the job has this many
 # ranks: a rank of a job of that size needs nothing from another rank's part so marked. Absent when some id
-# is not (a FeatureStore user's own split), on one rank's parts, and in parts written before it existed.
+# is not (a FeatureStore user's own split), and on one rank's parts.
 META_OWNED_UNDER = b"vlfast.owned_under_world_size"
 
 # The one dtype table: torch's dtype name (as the index stores it) -> safetensors' header code. What a shard
@@ -117,6 +117,28 @@ class OutputInUse(VlfastError, RuntimeError):
 
 class OutputNotWritable(VlfastError, PermissionError):
     """OUT cannot be written (read-only filesystem or permissions)."""
+
+
+class OldFormat(InputRefused):
+    """OUT was written by an earlier development format of vlfast: refused before anything is written, in
+    one line naming its version and what to do (vlfast reads and writes one format, :data:`FORMAT_VERSION`)."""
+
+    def __init__(self, out: Any, version: Any, wrote: Any = None) -> None:
+        by = f" {wrote}" if isinstance(wrote, str) else ""
+        super().__init__(
+            f"{out} was written by development format {version} of vlfast{by}, and this vlfast reads format "
+            f"{FORMAT_VERSION} only: re-run into a new folder, or read it with the vlfast that wrote it"
+        )
+
+
+def check_version(out: Any, version: Any, wrote: Any = None) -> None:
+    """Refuse an OUT whose run.json or index part says another format than :data:`FORMAT_VERSION`."""
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise InputRefused(
+            f"{out} was written by a newer vlfast (format {version} > {FORMAT_VERSION}); upgrade vlfast"
+        )
+    if version != FORMAT_VERSION:
+        raise OldFormat(out, version, wrote)
 
 
 class OutputFull(OSError):
@@ -288,8 +310,8 @@ def release_arrow_memory() -> None:
 
 
 def read_run_file(out: Path) -> dict:
-    """run.json, parsed and checked; refused if a newer vlfast wrote it (its format_version is higher than
-    ours). One that is not as vlfast writes it (not JSON, a field of another type, a configuration edited
+    """run.json, parsed and checked; refused (:func:`check_version`) if another format's vlfast wrote it.
+    One that is not as vlfast writes it (not JSON, a field of another type, a configuration edited
     since its ``config_hash`` was taken) is :class:`DamagedFile`, and a missing one FileNotFoundError: both
     say how to get it back from the index parts without losing a sample."""
     path = out / RUN_FILE
@@ -312,13 +334,15 @@ def read_run_file(out: Path) -> dict:
         doc = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DamagedFile(_damaged_run_file(out, f"is not valid JSON ({e})")) from None
+    if (
+        isinstance(doc, dict)
+        and doc.get("format") == "vlfast-features"
+        and isinstance(doc.get("format_version"), int)
+    ):
+        check_version(out, doc["format_version"], (doc.get("created_with") or {}).get("vlfast"))
     problem = _run_file_problem(doc)
     if problem is not None:
         raise DamagedFile(_damaged_run_file(out, problem))
-    if doc["format_version"] > FORMAT_VERSION:
-        raise InputRefused(
-            f"{out} was written by a newer vlfast (format {doc['format_version']} > {FORMAT_VERSION}); upgrade vlfast"
-        )
     return doc
 
 
@@ -327,24 +351,23 @@ def _has_parts(out: Path) -> bool:
 
 
 def _run_file_problem(doc: Any) -> str | None:
-    """What in a parsed run.json is not as vlfast writes it, or None (format 1 has no hash to check)."""
+    """What in a parsed run.json is not as vlfast writes it, or None."""
     if not isinstance(doc, dict):
         return "is not a JSON object"
     if doc.get("format") != "vlfast-features":
         return 'does not say "format": "vlfast-features"'
-    version = doc.get("format_version", 0)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        return f"gives format_version {version!r}, not a whole number from 1"
-    if not isinstance(doc.get("config", {}), dict):
+    version = doc.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        return f"gives format_version {version!r}, not a whole number"
+    if not isinstance(doc.get("config"), dict):
         return "gives a config that is not a JSON object"
     volatile = doc.get("volatile_keys", [])
     if not isinstance(volatile, list) or not all(isinstance(k, str) for k in volatile):
         return "gives volatile_keys that are not a list of names"
     recorded = doc.get("config_hash")
-    if recorded is not None and not isinstance(recorded, str):
+    if not isinstance(recorded, str):
         return "gives a config_hash that is not text"
-    stable = stable_config(doc.get("config", {}), frozenset(volatile))
-    if version >= 2 and recorded is not None and config_hash(stable) != recorded:
+    if config_hash(stable_config(doc["config"], frozenset(volatile))) != recorded:
         return "no longer matches its config_hash: its configuration was edited since it was written"
     return None
 
@@ -586,8 +609,7 @@ def open_index_part(part: Path):
 
 def _not_an_index(schema: Any) -> str | None:
     """What makes ``schema`` (an opened part's, ``shard`` read as a dictionary) not an index part's: a
-    column every reader needs missing or of another type, or vlfast metadata that does not parse. None for
-    a part of any format (1 lacks the checksums and the metadata). Checked once, where a part is opened, so
+    column every reader needs missing or of another type, or vlfast metadata that does not parse. Checked once, where a part is opened, so
     no reader meets a foreign Parquet file (valid, under a part's name) as a KeyError deep inside."""
     import pyarrow as pa
 
@@ -599,6 +621,8 @@ def _not_an_index(schema: Any) -> str | None:
         meta = part_meta(schema)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
         return f"its vlfast metadata does not parse ({e})"
+    if meta["config"] is None or meta["config_hash"] is None:
+        return "it records no run configuration"
     for name in ("id", "shard", "row", "features"):
         if schema.get_field_index(name) < 0:
             return f"it has no column {name!r}"
@@ -616,8 +640,6 @@ def _not_an_index(schema: Any) -> str | None:
         return "its features column is not a list of structs"
     entry = features.value_type
     required = [f.name for f in want.field("features").type.value_type]
-    if meta["format_version"] < 2:
-        required.remove("xxh3")  # format 1: no checksums
     for name in required:
         k = entry.get_field_index(name)
         if k < 0 or not entry.field(k).type.equals(want.field("features").type.value_type.field(name).type):
@@ -687,8 +709,7 @@ def read_part_groups(
 
 
 def part_meta(table) -> dict[str, Any]:
-    """The vlfast key-value metadata of an index part (a table of it, or its schema; empty values for format
-    1). Raises ValueError or TypeError for metadata that does not parse as vlfast's (a foreign file:
+    """The vlfast key-value metadata of an index part (a table of it, or its schema). Raises ValueError or TypeError for metadata that does not parse as vlfast's (a foreign file:
     :func:`open_index_part` refuses those first)."""
     raw = getattr(table, "schema", table).metadata or {}
 
@@ -702,7 +723,7 @@ def part_meta(table) -> dict[str, Any]:
     meta = {
         "shards": _shard_map(json.loads(shards)) if shards is not None else None,  # consolidated parts only
         "supersedes": _names(json.loads(supersedes)) if supersedes is not None else [],
-        "format_version": int(get(META_FORMAT) or 1),
+        "format_version": int(get(META_FORMAT) or 0),  # 0: none recorded (not a part vlfast writes)
         "config": json.loads(config) if config is not None else None,
         "config_hash": get(META_CONFIG_HASH),
         "shard_bytes": int(shard_bytes) if shard_bytes is not None else None,
@@ -750,7 +771,7 @@ def _redo_hint(part: Path) -> str:
 
 
 def index_schema():
-    """Arrow schema of every index part (format 2; format 1 parts lack ``xxh3``)."""
+    """Arrow schema of every index part."""
     import pyarrow as pa
 
     feature = pa.struct(

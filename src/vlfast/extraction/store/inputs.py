@@ -5,8 +5,8 @@ shard's sequence number) before its index part; a store's close merges its rank'
 names its sample's id and shard (with the shard's header checksum, as the index part records it), so a
 row counts only while a live index part points at that very shard: rows of a shard moved aside, or of a
 commit a kill cut short, are never read as records. The index parts are left as they were (readers that
-hold a part whole, ``FeatureCache`` and the resume's check, do not grow with the records), and a folder
-without ``inputs/`` (an older vlfast's) reads as unknown, never as changed.
+hold a part whole, ``FeatureCache`` and the resume's check, do not grow with the records), and a sample
+committed without a record (a ``FeatureStore`` user's own) reads as unknown, never as changed.
 
 - :func:`file_stamp`, :func:`hash_files`, :func:`hash_range`: a local file's stamp (size, mtime, ctime,
   inode) and the xxh3 of bytes, the same here and where a sample is recorded (decode/inputs.py);
@@ -276,7 +276,7 @@ def _live_rows(table: Any, live: Mapping[str, str | None]) -> np.ndarray:
     shard, header = table.column("shard").combine_chunks(), table.column("header").combine_chunks()
     names, headers = shard.dictionary.to_pylist(), header.dictionary.to_pylist()
     at_header = {h: j for j, h in enumerate(headers)}
-    # Per shard of the dictionary: is it live, and which header it must have (-1: any, a part of format 1)
+    # Per shard of the dictionary: is it live, and which header it must have (-1: any, none recorded)
     ok_shard = np.array([n in live for n in names] + [False], bool)
     want = np.array(
         [-1 if live.get(n) is None else at_header.get(live[n], -2) for n in names] + [-2], np.int64
@@ -289,8 +289,7 @@ def _live_rows(table: Any, live: Mapping[str, str | None]) -> np.ndarray:
 
 class Recorded:
     """What the inputs files record for the live shards, sorted: ``values`` (entry keys or content keys) and
-    ``unknown`` (id hashes of the rows of live shards without a record of this scheme: written before it
-    existed, never called changed)."""
+    ``unknown`` (id hashes of the rows of live shards without a record of this scheme: never called changed)."""
 
     def __init__(self, values: np.ndarray, unknown: np.ndarray):
         self.values, self.unknown = values, unknown
@@ -318,8 +317,7 @@ def _sorted(arrays: list[np.ndarray]) -> np.ndarray:
 
 def recorded_keys(out: Any, parts: Sequence[Path], field: str = "key") -> Recorded:
     """The ``field`` ("key": entry keys, "content": content keys) recorded for the shards ``parts`` point at,
-    and the id hashes of those shards' samples that have no record. Empty when ``out`` records nothing (an
-    OUT of an older vlfast): its ids are not read for nothing."""
+    and the id hashes of those shards' samples that have no record. Empty when ``out`` records nothing: its ids are not read for nothing."""
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -96,8 +96,7 @@ class PartCheck:
     problem: str | None = None  # what is wrong with the part or shard as a whole
     bad: list[tuple[str, str]] = field(default_factory=list)  # (id, feature) whose bytes fail their checksum
     checked_bytes: int = 0  # tensor bytes hashed
-    format_version: int = 2
-    config: dict | None = None  # the run configuration the part was made with (format 2)
+    config: dict | None = None  # the run configuration the part was made with
     config_hash: str | None = None
     shards: list[str] = field(default_factory=list)  # the shards it points at, relative to OUT
     row_shards: Sequence[str] = field(
@@ -219,7 +218,7 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
     shard = part if consolidated else shard_of_part(part)
     try:
         # The ids and shards now; the feature entries a shard's rows at a time when its check reads them
-        # (a full check; a quick one only where a header has no recorded checksum, format 1).
+        # (a full check).
         file = open_index_part(part)
         table = read_part_groups(file, part, None, ["id", "shard"])
     except DamagedFile as e:
@@ -230,7 +229,6 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
         part,
         shard,
         ids,
-        format_version=meta["format_version"],
         config=meta["config"],
         config_hash=meta["config_hash"],
     )
@@ -251,7 +249,7 @@ def check_part(part: Path, *, data: bool = True) -> PartCheck:
         rel, (size, header_hash) = item
         rows = groups.get(rel, range(0))
         keep = np.arange(rows.start, rows.stop) if isinstance(rows, range) else rows
-        verdict = _Verdict(check.part, check.format_version)
+        verdict = _Verdict(check.part)
         verdict.problem = _check_shard(
             verdict,
             out / rel,
@@ -291,7 +289,6 @@ class _Verdict:
     """What the check of one shard found: its problem, its damaged tensors, the bytes it hashed."""
 
     part: Path
-    format_version: int
     problem: str | None = None
     bad: list[tuple[str, str]] = field(default_factory=list)
     checked_bytes: int = 0
@@ -400,28 +397,22 @@ def _check_shard(
     pinned by the hash in its name and the header byte for byte by this one, so the ids and the layout are
     the ones checked against each other when both were written. Without ``data`` that ends the check; with
     it, each tensor's bytes are hashed at the offsets the index gives (a tensor outside the shard fails
-    its checksum). A part without the header's checksum (format 1) is compared row by row. Comparing
-    pinned headers again row by row was half of a full check's time at ten million samples."""
-    pinned = header_hash is not None
+    its checksum). Comparing pinned headers again row by row was half of a full check's time at ten million
+    samples."""
+    if header_hash is None:
+        return f"shard {shard}: its index part records no checksum of its header"
     try:
         with open_shard(shard, listed_size) as f:
             size = f.size
             if shard_bytes is not None and size != shard_bytes:
                 return f"shard {shard} is {size:,} bytes but was written with {shard_bytes:,}: truncated or replaced"
-            data_start, raw_header, header = f.header(parse=not pinned)
-            if pinned and xxh3(raw_header) != header_hash:
+            _, raw_header, _ = f.header(parse=False)
+            if xxh3(raw_header) != header_hash:
                 return f"shard {shard} has a damaged header (checksum mismatch)"
-            if pinned and not data:
+            if not data:
                 return None
             ids, rows = ids_of(), rows_of()
-            if not pinned:
-                header_ids = json.loads(header.get("__metadata__", {}).get("ids", "null") or "null")
-                if header_ids is not None and header_ids != ids:
-                    return f"shard {shard} holds other samples than its index part lists"
-                problem = _layout_problem(rows, ids, header, data_start, size)
-                if problem:
-                    return f"shard {shard}: {problem}"
-            if data and check.format_version >= 2 and size > 0:
+            if size > 0:
                 flat = [(sid, feat) for sid, feats in zip(ids, rows) for feat in feats]
                 bad = []
                 for (sid, feat), digest in zip(flat, f.hash_tensors([feat for _, feat in flat])):
@@ -438,26 +429,6 @@ def _check_shard(
     return None
 
 
-def _layout_problem(rows: list, ids: list[str], header: dict, data_start: int, size: int) -> str | None:
-    """Does every tensor the index lists sit in the shard where, and as what, the index says?"""
-    for row, (sid, feats) in enumerate(zip(ids, rows)):
-        for feat in feats:
-            entry = header.get(f"{row}/{feat['name']}")
-            if entry is None:
-                return f"no tensor {feat['name']!r} for sample {sid!r}"
-            start, end = entry.get("data_offsets", (None, None))
-            if (
-                start is None
-                or data_start + start != feat["offset"]
-                or end - start != feat["nbytes"]
-                or entry.get("dtype") != DTYPES.get(feat["dtype"])
-                or list(entry.get("shape", [])) != list(feat["shape"])
-                or data_start + end > size
-            ):
-                return f"tensor {feat['name']!r} of sample {sid!r} does not match its index entry"
-    return None
-
-
 @dataclass
 class CheckReport:
     """What ``vlfast extract --verify OUT`` found. ``ok`` when nothing is damaged."""
@@ -471,7 +442,9 @@ class CheckReport:
     bad_samples: list[dict[str, str]] = field(default_factory=list)  # {"id", "shard", "feature", "reason"}
     bad_parts: list[dict[str, Any]] = field(default_factory=list)  # {"part", "shard", "reason", "samples"}
     damaged_error_lines: int = 0  # error records whose checksum fails (their samples will be redone)
-    unverifiable_parts: int = 0  # format 1 parts: no checksums to compare
+    unverifiable_parts: int = (
+        0  # always 0 (one format, every part checksummed): cli/extract.py still reads it
+    )
     other_config_parts: list[str] = field(default_factory=list)  # parts made with another configuration
     # what is not where the format puts it (store/layout.py): {"path", "problem", "kind"}; a file where a
     # folder belongs (or the reverse), a shard no index part covers
@@ -520,8 +493,6 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
             report.samples += len(check.ids)
             report.bytes_checked += check.checked_bytes
             _report_damage(report, check)
-            if check.problem is None and check.format_version < 2:
-                report.unverifiable_parts += 1
             if check.config_hash is not None and check.config_hash != expected_hash:
                 report.other_config_parts.append(part.name)
             if progress is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlfast.errors import InputRefused
 from vlfast.extraction.store.format import (
     CHECK_FILE,
     ERROR_DIR,
@@ -42,7 +43,16 @@ from vlfast.extraction.store.format import (
     referenced_shards,
 )
 
-__all__ = ["FOLDERS", "Stray", "find_strays", "not_files", "not_folders", "uncovered_shards"]
+__all__ = [
+    "FOLDERS",
+    "Misplaced",
+    "Stray",
+    "find_strays",
+    "not_files",
+    "not_folders",
+    "refuse_misplaced",
+    "uncovered_shards",
+]
 
 # The folders a store makes or uses; a file (or a dangling link) under one of these names blocks it.
 FOLDERS = (INDEX_DIR, SHARD_DIR, ERROR_DIR, QUARANTINE_DIR, LOCK_DIR)
@@ -88,6 +98,34 @@ def not_files(out: Any) -> list[Path]:
         *(errors / n for n in list_names(errors) if ERRORS_RE.match(n)),
     ]
     return [p for p in candidates if p.is_dir()]
+
+
+class Misplaced(InputRefused):
+    """A local OUT holds a file where the format keeps a folder, or a folder where it keeps a file: only a
+    hand edit makes that, so nothing is moved or repaired; the message says what to move out of OUT."""
+
+
+def refuse_misplaced(out: Any, *, overwrite: bool = False) -> None:
+    """Refuse (:class:`Misplaced`, exit 2) a local ``out`` holding something of :func:`not_folders` or
+    :func:`not_files`, before anything is written. ``overwrite``: a dangling link where a folder belongs
+    is what the overwrite replaces, not refused."""
+    found = [(p, "a folder", "a file") for p in not_files(out)]
+    for p in not_folders(out):
+        if p.is_symlink() and not p.exists():
+            if not overwrite:
+                found.append((p, "a dangling link", "a folder"))
+        else:
+            found.append((p, "a file", "a folder"))
+    if found:
+        what = "; ".join(f"{_rel(out, p)} is {is_} where vlfast keeps {keeps}" for p, is_, keeps in found)
+        moves = "; ".join(f"mv {p} {out.parent / (out.name + '-' + p.name)}" for p, _, _ in found)
+        raise Misplaced(
+            f"{out}: {what}. Nothing is moved for you: move it out of OUT ({moves}), then run again"
+        )
+
+
+def _rel(out: Any, p: Any) -> str:
+    return p.name if p.parent == out else f"{p.parent.name}/{p.name}"
 
 
 def uncovered_shards(out: Any) -> dict[str, bool]:

@@ -42,6 +42,7 @@ from vlfast.extraction.store.backend import live_ranks, strays_to_move
 from vlfast.extraction.store.format import (
     RUN_FILE,
     DamagedFile,
+    check_version,
     committed_parts,
     config_hash,
     done_by_error,
@@ -240,11 +241,7 @@ def check_run_config(
             meta = part_meta(read_index_part(part, ["id"]))
         except DamagedFile:
             continue  # judged (and moved aside) when a store opens
-        if meta["config"] is None:
-            raise InputRefused(
-                f"{out} holds shards but its {RUN_FILE} is missing, and they were written by an older vlfast "
-                "that did not record their configuration: use a new OUT, or overwrite it"
-            )
+        check_version(out, meta["format_version"])
         diffs = config_diffs(config, meta["config"], volatile_keys)
         if diffs:
             raise RunConfigMismatch(out, diffs, where=f"{part} ({RUN_FILE} is missing)")
@@ -253,7 +250,7 @@ def check_run_config(
 
 
 def first_part_config(parts: Sequence[Path]) -> dict | None:
-    """The configuration the first readable index part carries (None: none is readable, or format 1)."""
+    """The configuration the first readable index part carries (None: none is readable)."""
     for part in parts:
         try:
             return part_meta(read_index_part(part, ["id"]))["config"]

@@ -94,7 +94,7 @@ from vlfast.extraction.store.format import (
 )
 from vlfast.extraction.store.inputs import INPUTS_DIR, INPUTS_RE, mark_stale, merge_inputs, write_inputs
 from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
-from vlfast.extraction.store.layout import not_files, not_folders
+from vlfast.extraction.store.layout import refuse_misplaced
 from vlfast.extraction.store.repair import quarantine_consolidated
 from vlfast.extraction.store.resume import (
     DEFAULT_VOLATILE_KEYS,
@@ -245,8 +245,8 @@ class FeatureStore:
         self._backend = backend_for(self.out, self._session)
         self._backend.check_folder()
         self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
-        # A file where a folder belongs (locks/ included, so before the lock: no store can hold one then).
-        self._set_aside_not_folders()
+        # A file where a folder belongs (locks/ included, so before the lock): refused, saying what to move.
+        refuse_misplaced(self.out, overwrite=overwrite)
         self._backend.lock(rank)
         try:
             if overwrite:
@@ -490,24 +490,6 @@ class FeatureStore:
             self._backend.quarantine(dest, (path,))
             self.quarantined.append({**record, "moved_to": str(dest)})
             warnings.warn(f"{rel}: {reason}; moved to {dest}", stacklevel=4)
-
-    def _set_aside_not_folders(self) -> None:
-        """Move a file (or a dangling link) where one of OUT's folders belongs aside, so the folder can be made,
-        and a folder where run.json, checked.json or an errors file belongs, so the file can be written.
-        ``quarantine`` itself is first renamed out of the way. Local only: object storage has no folders."""
-        for path in not_files(self.out):
-            self._set_aside([path], f"{path.name} was a folder, not a file", ids=False)
-        for path in not_folders(self.out):
-            if path.name == QUARANTINE_DIR:
-                moved = self.out / f"{QUARANTINE_DIR}.not-a-folder-{os.getpid()}"
-                try:
-                    os.replace(path, moved)
-                except FileNotFoundError:  # another rank moved it first
-                    continue
-                (self.out / QUARANTINE_DIR).mkdir(exist_ok=True)
-                self._set_aside([moved], f"{QUARANTINE_DIR} was a file, not a folder", ids=False)
-                continue
-            self._set_aside([path], f"{path.name} was a file, not a folder", ids=False)
 
     def _release(self) -> None:
         backend = getattr(self, "_backend", None)

@@ -1,0 +1,192 @@
+"""OUT, opened once per run: :class:`Out`, the one door through which the planner, the engines and the sources
+learn what an extraction folder holds.
+
+Nothing outside ``extraction/store/`` names OUT's files (run.json, index/, shards/, errors/, listings/,
+locks/, quarantine/) or parses run.json; they ask an :class:`Out`. It reads run.json once (the parsed document
+is kept for the run), refuses an OUT of another format before anything is written
+(:class:`~vlfast.extraction.store.format.OldFormat`, exit 2), and answers from the store's functions, which
+alone know the layout (docs/format.md, "On-disk layout").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from vlfast.errors import InputRefused
+from vlfast.extraction.store.format import (
+    ERROR_DIR,
+    INDEX_DIR,
+    LISTING_DIR,
+    PART_RE,
+    QUARANTINE_DIR,
+    SHARD_DIR,
+    SHARD_RE,
+    DamagedFile,
+    committed_parts,
+    is_local,
+    list_names,
+    read_errors,
+    read_run_file,
+    resolve_out,
+)
+
+__all__ = ["Out"]
+
+_UNREAD = object()
+
+
+class Out:
+    """One extraction folder, local or on object storage, as a run sees it. ``path`` is the resolved OUT
+    (a ``Path``, or a ``UPath`` carrying its storage options)."""
+
+    def __init__(self, path: Any):
+        self.path = path
+        self._run: Any = _UNREAD
+
+    @classmethod
+    def open(
+        cls, out: Any, storage_options: Mapping[str, Any] | None = None, *, check_format: bool = True
+    ) -> Out:
+        """OUT resolved, an OUT on object storage probed (reachable, its bucket there), and with
+        ``check_format`` an OUT of another format refused: reads only."""
+        if isinstance(out, Out):
+            return out
+        path = resolve_out(out, dict(storage_options) if storage_options else None)
+        if not is_local(path):
+            from vlfast.extraction.objstore import probe_out
+
+            probe_out(path)
+        store = cls(path)
+        from vlfast.extraction.store.layout import refuse_misplaced
+
+        refuse_misplaced(path, overwrite=not check_format)  # a file where a folder belongs: what to move
+        if not check_format:  # --overwrite: what OUT holds is replaced, never read
+            store._run = None
+            return store
+        # OldFormat (or a newer vlfast's) here, before anything else is read or written
+        if store.run_file() is None and (not store.local or path.is_dir()):
+            store._check_parts_format()
+        return store
+
+    def _check_parts_format(self) -> None:
+        """Where run.json is lost, the format the first index part records (its footer alone)."""
+        from vlfast.extraction.store.format import META_FORMAT, check_version, read_part_footer
+
+        parts = committed_parts(self.path)
+        raw = read_part_footer(parts[0]) if parts else None
+        if raw is not None and META_FORMAT in raw:
+            try:
+                version: Any = int(raw[META_FORMAT])
+            except ValueError:
+                return  # a damaged footer: the part is judged (and moved aside) when a store opens
+            check_version(self.path, version)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    @property
+    def local(self) -> bool:
+        return is_local(self.path)
+
+    @property
+    def errors_folder(self) -> Any:
+        """Where OUT's error records are (for a message saying where to look)."""
+        return self.path / ERROR_DIR
+
+    @property
+    def quarantine_folder(self) -> Any:
+        """Where damaged files are moved aside (for a message saying where to look)."""
+        return self.path / QUARANTINE_DIR
+
+    def run_file(self) -> dict | None:
+        """run.json parsed and checked, read once: as it was when the run opened OUT (None: OUT has none, or it is damaged; the configuration
+        check says what is wrong with a damaged one). An OUT of another format is refused here."""
+        if self._run is _UNREAD:
+            try:
+                self._run = read_run_file(self.path)
+            except (FileNotFoundError, NotADirectoryError, DamagedFile):
+                self._run = None
+        return self._run
+
+    def recorded_config(self) -> dict[str, Any] | None:
+        """The configuration OUT records: run.json's, or the first index part's if run.json is lost. None for
+        an OUT that records none, or whose record cannot be read. Reads only."""
+        from vlfast.extraction.store.resume import first_part_config
+
+        run = self.run_file()
+        if run is not None:
+            recorded = run.get("config")
+        else:
+            try:
+                recorded = first_part_config(committed_parts(self.path)) if self.path.exists() else None
+            except (InputRefused, OSError):
+                return None
+        return recorded if isinstance(recorded, dict) else None
+
+    def committed_parts(self) -> list[Path]:
+        """The index parts a reader follows, sorted by (rank, sequence number)."""
+        return committed_parts(self.path)
+
+    def errors(self) -> list[dict]:
+        """Every rank's error records as they stand (``format.read_errors``)."""
+        return read_errors(self.path)
+
+    def error_keys(self) -> set[tuple]:
+        """(id, source, reason, kind) of every error record OUT holds."""
+        from vlfast.extraction.store.format import error_key
+
+        return {error_key(r) for r in self.errors()}
+
+    def live_ranks(self) -> list[int]:
+        """The ranks a live process holds now ([] on object storage, which has no locks)."""
+        from vlfast.extraction.store.backend import live_ranks
+
+        return live_ranks(self.path)
+
+    def rank_is_held(self, rank: int) -> bool:
+        from vlfast.extraction.store.backend import rank_is_held
+
+        return rank_is_held(self.path, rank)
+
+    def highest_rank(self) -> int:
+        """The highest rank any index part or shard of OUT carries (0 for none)."""
+        seen = [0]
+        for folder, rx in ((INDEX_DIR, PART_RE), (SHARD_DIR, SHARD_RE)):
+            seen += [int(m.group(1)) for n in list_names(self.path / folder) if (m := rx.match(n))]
+        return max(seen)
+
+    def kept_listings(self, rank: int, world_size: int) -> Any:
+        """The WebDataset shard listings OUT keeps, for a rank of a job of ``world_size`` ranks
+        (:class:`~vlfast.extraction.sources.kept.KeptListings`)."""
+        from vlfast.extraction.sources.kept import KeptListings
+
+        return KeptListings.of_folder(self.path / LISTING_DIR, rank, world_size)
+
+    def keep_listings(self, listings: Mapping[str, bytes], tag: str) -> None:
+        """Keep fresh shard listings in OUT (best effort: a read-only OUT keeps none)."""
+        from vlfast.extraction.store.backend import keep_listings
+
+        keep_listings(self.path, listings, tag)
+
+    def strays(self, *, uncovered: bool = True) -> list[Any]:
+        """Everything in OUT that is not where the format puts it (``layout.find_strays``)."""
+        from vlfast.extraction.store.layout import find_strays
+
+        return find_strays(self.path, uncovered=uncovered)
+
+    def restore_run_file(
+        self,
+        run_config: Mapping[str, Any],
+        volatile_keys: Collection[str],
+        tag: str,
+    ) -> bool:
+        """Write run.json anew where a finished OUT lost it (``run_file.restore_run_file``)."""
+        from vlfast.extraction.store.run_file import library_versions, restore_run_file
+
+        return restore_run_file(self.path, run_config, volatile_keys, library_versions(), tag)
