@@ -202,3 +202,32 @@ def test_a_misspelt_option_is_named_with_its_fix_before_out_is_written(two, tmp_
     with pytest.raises(TypeError, match="'featurs'; did you mean 'features'"):
         extract(two, tmp_path / "out", model="ref:qwen3-vl-2b", featurs="vision")
     assert not (tmp_path / "out").exists()
+
+
+def test_how_out_is_written_is_checked_once_by_the_config():
+    """ExtractConfig checks how OUT is written (FeatureStore checked it again, once) and hands every engine's
+    store those options as one set (``writing()``), instead of each engine relaying them field by field."""
+    from vlfast.extraction.config import ExtractConfig
+
+    for bad in (
+        {"commit_every": 0},
+        {"commit_every": -1.0},
+        {"shard_max_samples": 0},
+        {"shard_max_bytes": 0},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ExtractConfig(model="ref:qwen3-vl-2b", device="cpu", **bad)
+    with pytest.raises(ValueError, match="resume_check"):
+        ExtractConfig(model="ref:qwen3-vl-2b", device="cpu", resume_check="some")
+    config = ExtractConfig(
+        model="ref:qwen3-vl-2b", device="cpu", retry_errors="transient", overwrite=True, commit_every=5.0
+    )
+    assert config.writing() == {
+        "shard_max_bytes": 256 << 20,
+        "shard_max_samples": 1024,
+        "commit_every": 5.0,
+        "overwrite": True,
+        "resume_check": "full",
+        "retry_errors": frozenset({"transient"}),  # parsed once, here
+    }
+    assert config.writing(overwrite=False, resume_check="quick")["overwrite"] is False  # a Ray model actor's

@@ -125,6 +125,20 @@ class ExtractConfig:
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
 
+    def writing(self, **overrides: Any) -> dict[str, Any]:
+        """:class:`~vlfast.extraction.store.writer.FeatureStore`'s keywords for how this run writes OUT, said
+        here once for every engine (checked here, once: the store takes them as given). ``overrides``: what
+        an engine's other stores do otherwise (a Ray model actor's quick check, no overwrite)."""
+        return {
+            "shard_max_bytes": self.shard_max_bytes,
+            "shard_max_samples": self.shard_max_samples,
+            "commit_every": self.commit_every,
+            "overwrite": self.overwrite,
+            "resume_check": self.resume_check,
+            "retry_errors": self.retry,  # parsed: an actor's store would otherwise refuse a retried id as done
+            **overrides,
+        }
+
     @property
     def device_type(self) -> str:
         """``torch_device.type``, without torch: "cpu", "cuda", "mps"."""
@@ -214,6 +228,15 @@ def _check_numbers(config: ExtractConfig) -> None:
     for keyword, flag in _NUMBER_FLAGS.items():
         if getattr(config, keyword) is not None:
             check(flag, getattr(config, keyword), keyword)
+    if not (_positive_int(config.shard_max_bytes) and _positive_int(config.shard_max_samples)):
+        raise InputRefused(
+            "shard_max_bytes and shard_max_samples must be >= 1, got "
+            f"{config.shard_max_bytes!r} and {config.shard_max_samples!r}"
+        )
+    if config.commit_every is not None and not config.commit_every > 0:  # None: by size only
+        raise InputRefused(
+            f"commit_every must be a positive number of seconds or None, got {config.commit_every!r}"
+        )
     if config.decode_timeout is not None and not config.decode_timeout > 0:  # None is no limit here
         raise InputRefused(
             f"decode_timeout must be a positive number of seconds or None, got {config.decode_timeout!r}"
@@ -231,6 +254,10 @@ def _check_numbers(config: ExtractConfig) -> None:
     rank, world = config.rank, config.world_size
     if rank is not None and world is not None and not (isinstance(rank, int) and 0 <= rank < world):
         raise InputRefused(f"--rank must be in 0..{world - 1} and --world-size >= 1, got {rank} of {world}")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # ------------------------------------------------------------------------------- devices and dtypes

@@ -253,14 +253,9 @@ def _opened_store(plan: RunPlan, config: ExtractConfig) -> Iterator[Any]:
             plan.run_config,
             rank=plan.rank,
             world_size=plan.world_size,
-            shard_max_bytes=config.shard_max_bytes,
-            shard_max_samples=config.shard_max_samples,
-            commit_every=config.commit_every,
-            overwrite=config.overwrite,
             volatile_keys=plan.volatile_keys,
-            resume_check=config.resume_check,
-            retry_errors=config.retry,
             stale=plan.changed,
+            **config.writing(),
         ) as store,
     ):
         yield store

@@ -757,15 +757,9 @@ class RayEngine:
                 decode_hook=self.hooks.decode,
             ),
         )
-        store_options = dict(
-            shard_max_bytes=job.config.shard_max_bytes,
-            shard_max_samples=job.config.shard_max_samples,
-            commit_every=job.config.commit_every,
-            # The driver's store has just checked OUT as asked (full by default); each actor re-checks
-            # sizes and headers only, instead of every actor hashing every shard again.
-            resume_check="quick",
-            retry_errors=job.config.retry,  # else an actor's store would refuse a retried id as done
-        )
+        # The driver's store has just checked OUT as asked (full by default) and emptied it if asked; each
+        # actor re-checks sizes and headers only, instead of every actor hashing every shard again.
+        store_options = job.config.writing(resume_check="quick", overwrite=False)
         if not is_local(job.store.out):
             # An actor's close at the dataset's end may be cut short by its teardown (no lock tells the
             # driver when it is done), and a late one could race the driver's: the driver compacts them.

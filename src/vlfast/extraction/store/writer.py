@@ -52,7 +52,6 @@ from vlfast.extraction.store.format import (
     META_SHARD_BYTES,
     META_SHARD_HEADER,
     QUARANTINE_DIR,
-    RESUME_CHECKS,
     RUN_FILE,
     SHARD_DIR,
     SHARD_RE,
@@ -192,7 +191,8 @@ class FeatureStore:
     oldest sample has waited ``commit_every`` seconds, it is committed as one shard (see the module
     docstring for the commit protocol). Memory use is bounded by one shard's worth of tensors, whatever
     the number of samples. ``resume_check`` is how committed shards are checked on opening: "full" reads
-    and hashes every tensor (default), "quick" checks sizes, headers and ids only.
+    and hashes every tensor (default), "quick" checks sizes, headers and ids only. An extract run's options
+    come checked, from :meth:`~vlfast.extraction.config.ExtractConfig.writing`: nothing here checks them again.
     """
 
     @gc_paused()
@@ -219,14 +219,6 @@ class FeatureStore:
             raise InputRefused(f"world_size must be a positive int, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise InputRefused(f"rank must be in [0, {world_size}), got {rank!r}")
-        if shard_max_bytes < 1 or shard_max_samples < 1:
-            raise InputRefused("shard_max_bytes and shard_max_samples must be >= 1")
-        if commit_every is not None and not commit_every > 0:
-            raise InputRefused(
-                f"commit_every must be a positive number of seconds or None, got {commit_every!r}"
-            )
-        if resume_check not in RESUME_CHECKS:
-            raise InputRefused(f"resume_check must be one of {RESUME_CHECKS}, got {resume_check!r}")
         self.out = resolve_out(out)
         self._retry = parse_retry(retry_errors)  # recorded failures to try again (see done_by_error)
         self.rank, self.world_size = rank, world_size
