@@ -38,14 +38,15 @@ _VERDICT_STYLE = {"slow-path": "bold red", "gain": "bold yellow", "ok": "bold gr
 
 
 def _render(report) -> None:
-    from vlfast.cli._process import since_start, since_start_words
-    from vlfast.diagnosis.doctor import (
-        HEADLINE_RULE,
-        cpu_features_cell,
-        libraries_cell,
-        ratio_cell,
-        timed_cell,
-    )
+    """The doctor's report for a terminal: the environment, the probe's table, then the verdict and fixes."""
+    print_fitted_table(_environment(report))
+    print_fitted_table(_probe(report))
+    _conclusion(report)
+
+
+def _environment(report) -> Table:
+    """What decides the kernels here, one row each; "could not collect" where a probe failed."""
+    from vlfast.diagnosis.doctor import cpu_features_cell, libraries_cell
     from vlfast.diagnosis.facts import cudnn_version_str
 
     f = report.facts
@@ -99,8 +100,14 @@ def _render(report) -> None:
     )
     row("VLFAST_PATCH", f.autopatch_env or "unset")
     row("model patched", f.model_patched)
-    print_fitted_table(env)
+    return env
 
+
+def _probe(report) -> Table:
+    """One row per conv measured: its times, the ratio to its GEMM, the status and the rules that explain it."""
+    from vlfast.diagnosis.doctor import ratio_cell, timed_cell
+
+    f = report.facts
     probe = Table(
         title=f"Probe: {escape(report.target)} on {f.device} in {f.dtype}, {report.patches:,} patches per sample",
         title_justify="left",
@@ -150,7 +157,13 @@ def _render(report) -> None:
             f"[{style}]{status}[/{style}]" + (f" ({escape(p.error)})" if p.error else ""),
             ", ".join(x.rules) or "-",
         )
-    print_fitted_table(probe)
+    return probe
+
+
+def _conclusion(report) -> None:
+    """The rules that apply, the verdict, the fixes, what was left out, and where the time went."""
+    from vlfast.cli._process import since_start, since_start_words
+    from vlfast.diagnosis.doctor import HEADLINE_RULE
 
     for r in report.rules:
         console.print(

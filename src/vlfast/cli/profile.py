@@ -151,103 +151,109 @@ def _render_pair(report, before, after) -> None:
             )
 
 
+ProfileModel = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="ref:NAME (default ref:qwen3-vl-4b) or a local checkpoint directory (also times the whole VLM).",
+    ),
+]
+Batch = Annotated[str, typer.Option("--batch", help="Batch sizes (clips per forward), e.g. 1,2,4.")]
+Frames = Annotated[
+    str | None, typer.Option("--frames", help="Frames per clip, e.g. 2,8,16. Default 8 on GPU, 2 on CPU.")
+]
+Size = Annotated[
+    str | None,
+    typer.Option(
+        "--size",
+        metavar="HxW",
+        help="Frame size HEIGHTxWIDTH in pixels. Default 384x512 on GPU, 224x224 on CPU.",
+    ),
+]
+Warmup = Annotated[int, typer.Option("--warmup", help="Discarded forwards per configuration.")]
+Repeats = Annotated[int, typer.Option("--repeats", help="Timed forwards per configuration.")]
+Tiny = Annotated[bool, typer.Option("--tiny", help="Build references at test size (seconds on CPU).")]
+NoVlm = Annotated[bool, typer.Option("--no-vlm", help="Skip the whole-VLM forward of a checkpoint.")]
+Plot = Annotated[
+    str | None,
+    typer.Option("--plot", metavar="PNG", help="Write a PNG bar chart here (pip install 'vlfast[plot]')."),
+]
+Budget = Annotated[
+    float,
+    typer.Option(
+        "--budget",
+        help="Seconds the timing may take in total (model building not counted): each "
+        "configuration cuts its rounds to fit and says so.",
+    ),
+]
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("profile")
-    @handle_errors
-    def profile_cmd(
-        model: Annotated[
-            str | None,
-            typer.Option(
-                "--model",
-                "-m",
-                help="ref:NAME (default ref:qwen3-vl-4b) or a local checkpoint directory (also times the whole VLM).",
-            ),
-        ] = None,
-        device: DeviceOpt = None,
-        dtype: DtypeOpt = None,
-        batch: Annotated[
-            str, typer.Option("--batch", help="Batch sizes (clips per forward), e.g. 1,2,4.")
-        ] = "1",
-        frames: Annotated[
-            str | None,
-            typer.Option("--frames", help="Frames per clip, e.g. 2,8,16. Default 8 on GPU, 2 on CPU."),
-        ] = None,
-        size: Annotated[
-            str | None,
-            typer.Option(
-                "--size",
-                metavar="HxW",
-                help="Frame size HEIGHTxWIDTH in pixels. Default 384x512 on GPU, 224x224 on CPU.",
-            ),
-        ] = None,
-        warmup: Annotated[int, typer.Option("--warmup", help="Discarded forwards per configuration.")] = 1,
-        repeats: Annotated[int, typer.Option("--repeats", help="Timed forwards per configuration.")] = 3,
-        tiny: Annotated[
-            bool, typer.Option("--tiny", help="Build references at test size (seconds on CPU).")
-        ] = False,
-        no_vlm: Annotated[
-            bool, typer.Option("--no-vlm", help="Skip the whole-VLM forward of a checkpoint.")
-        ] = False,
-        plot: Annotated[
-            str | None,
-            typer.Option(
-                "--plot", metavar="PNG", help="Write a PNG bar chart here (pip install 'vlfast[plot]')."
-            ),
-        ] = None,
-        budget: Annotated[
-            float,
-            typer.Option(
-                "--budget",
-                help="Seconds the timing may take in total (model building not counted): each "
-                "configuration cuts its rounds to fit and says so.",
-            ),
-        ] = 60.0,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Time each component of a vision tower forward before and after patching, with medians and shares.
+    app.command("profile")(profile_cmd)
 
-        Components: patch embedding, position and rotary embedding, each block, deepstack mergers,
-        merger, and what the tower computes inline. With a checkpoint the whole VLM forward is timed too.
-        """
-        refuse_early(model, device, (dtype,))  # before torch: seconds to import
-        batch_sizes = _ints(batch, "--batch")
-        frame_counts = _ints(frames, "--frames") if frames is not None else None
-        frame_size = _size(size)
-        from vlfast.cli._process import skip_teardown
-        from vlfast.diagnosis.profiler import profile
-        from vlfast.models import REF_PREFIX, vision_config_of
 
-        skip_teardown()  # everything it says (the chart too) is written before it returns
-        # Fail before minutes of measuring, not after: the chart's dependency, and a checkpoint without a
-        # vision tower (its config.json says so; loading the whole model first would only then find out).
-        if plot:
-            _require_matplotlib()
-        if model is not None and not model.startswith(REF_PREFIX):
-            vision_config_of(model)
-            refuse_unfit_weights(model)
+@handle_errors
+def profile_cmd(
+    model: ProfileModel = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    batch: Batch = "1",
+    frames: Frames = None,
+    size: Size = None,
+    warmup: Warmup = 1,
+    repeats: Repeats = 3,
+    tiny: Tiny = False,
+    no_vlm: NoVlm = False,
+    plot: Plot = None,
+    budget: Budget = 60.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Time each component of a vision tower forward before and after patching, with medians and shares.
 
-        def progress(line: str) -> None:  # stderr, so a killed run says where it was; stdout stays JSON
-            err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    Components: patch embedding, position and rotary embedding, each block, deepstack mergers,
+    merger, and what the tower computes inline. With a checkpoint the whole VLM forward is timed too.
+    """
+    refuse_early(model, device, (dtype,))  # before torch: seconds to import
+    batch_sizes = _ints(batch, "--batch")
+    frame_counts = _ints(frames, "--frames") if frames is not None else None
+    frame_size = _size(size)
+    from vlfast.cli._process import skip_teardown
+    from vlfast.diagnosis.profiler import profile
+    from vlfast.models import REF_PREFIX, vision_config_of
 
-        report = profile(
-            model,
-            device=device,
-            dtype=dtype,
-            batch_sizes=batch_sizes,
-            frames=frame_counts,
-            budget_s=budget,
-            progress=progress,
-            on_pair=None if json_out else _render_pair,
-            size=frame_size,
-            warmup=warmup,
-            repeats=repeats,
-            tiny=tiny,
-            vlm=not no_vlm,
-        )
-        png = str(report.plot(plot)) if plot else None
-        if json_out:
-            print_json({**report.to_dict(), "plot": png})
-        else:
-            _render_notes(report)  # the tables were printed as each configuration was measured
-            if png:
-                console.print(f"chart: {png}", highlight=False)
+    skip_teardown()  # everything it says (the chart too) is written before it returns
+    # Fail before minutes of measuring, not after: the chart's dependency, and a checkpoint without a
+    # vision tower (its config.json says so; loading the whole model first would only then find out).
+    if plot:
+        _require_matplotlib()
+    if model is not None and not model.startswith(REF_PREFIX):
+        vision_config_of(model)
+        refuse_unfit_weights(model)
+    report = profile(
+        model,
+        device=device,
+        dtype=dtype,
+        batch_sizes=batch_sizes,
+        frames=frame_counts,
+        budget_s=budget,
+        progress=_progress,
+        on_pair=None if json_out else _render_pair,
+        size=frame_size,
+        warmup=warmup,
+        repeats=repeats,
+        tiny=tiny,
+        vlm=not no_vlm,
+    )
+    png = str(report.plot(plot)) if plot else None
+    if json_out:
+        print_json({**report.to_dict(), "plot": png})
+    else:
+        _render_notes(report)  # the tables were printed as each configuration was measured
+        if png:
+            console.print(f"chart: {png}", highlight=False)
+
+
+def _progress(line: str) -> None:
+    """stderr, so a killed run says where it was; stdout stays JSON."""
+    err_console.print(line, markup=False, highlight=False, soft_wrap=True)
