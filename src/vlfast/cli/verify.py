@@ -53,11 +53,33 @@ class _Progress:
     log, ``2> file``) one plain line at each start and end. Never on stdout, which ``--json`` keeps clean.
     """
 
-    def __init__(self, out: Console) -> None:
+    def __init__(self, out: Console, model: str = "", guess: float | None = None) -> None:
         self.out = out
         self.status: Status | None = None
+        self.model, self.guess = model, guess  # the checks' expected seconds, said once the model is built
 
     def __call__(self, step: Step) -> None:
+        self._step(step)
+        if self.guess is not None and (step.done or step.index > 0):
+            self._expected(self.guess)
+            self.guess = None  # said once
+
+    def _expected(self, guess: float) -> None:
+        """The whole run's expected time, start-up included."""
+        from vlfast.cli._process import since_start, since_start_words
+
+        so_far = since_start()
+        self.out.print(
+            f"vlfast verify {self.model}: expected ~{_duration(so_far + guess)} in all here: {so_far:.1f} s "
+            f"{since_start_words()} to load torch, transformers and the model, then ~{_duration(guess)} of "
+            "checks (a rough estimate from the tower's size and a GEMM rate measured now; a busy machine "
+            "takes longer)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    def _step(self, step: Step) -> None:
         where = f"[{step.index}/{step.total}] " if step.total else ""
         if not step.done:
             if self.out.is_terminal:
@@ -95,35 +117,41 @@ def _parse_grid(text: str) -> tuple[int, int, int]:
     return check("--grid", t), check("--grid", h), check("--grid", w)
 
 
+Grids = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--grid",
+        metavar="TxHxW",
+        help="Per-sample patch grid TxHxW; repeat for more samples. Default: 2x16x16 and 1x12x20.",
+    ),
+]
+Dtypes = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--dtype", help="Low-precision dtypes to check besides float32 (repeatable). Default: bfloat16."
+    ),
+]
+Device = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps.")]
+Windows = Annotated[int, typer.Option("--windows", help="Patches per layer check.")]
+Backward = Annotated[bool, typer.Option("--backward/--no-backward", help="Also compare gradients.")]
+Tiny = Annotated[
+    bool,
+    typer.Option(
+        "--tiny",
+        help="With ref:NAME, a seconds-fast scaled-down tower of the same family (full size: minutes on a CPU).",
+    ),
+]
+
+
 @handle_errors
 def verify(
     model: ModelOpt = "ref:qwen3-vl-4b",
-    grid: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--grid",
-            metavar="TxHxW",
-            help="Per-sample patch grid TxHxW; repeat for more samples. Default: 2x16x16 and 1x12x20.",
-        ),
-    ] = None,
-    dtype: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--dtype", help="Low-precision dtypes to check besides float32 (repeatable). Default: bfloat16."
-        ),
-    ] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps.")] = "cpu",
-    windows: Annotated[int, typer.Option("--windows", help="Patches per layer check.")] = 3072,
-    backward: Annotated[
-        bool, typer.Option("--backward/--no-backward", help="Also compare gradients.")
-    ] = True,
-    tiny: Annotated[
-        bool,
-        typer.Option(
-            "--tiny",
-            help="With ref:NAME, a seconds-fast scaled-down tower of the same family (full size: minutes on a CPU).",
-        ),
-    ] = False,
+    grid: Grids = None,
+    dtype: Dtypes = None,
+    device: Device = "cpu",
+    windows: Windows = 3072,
+    backward: Backward = True,
+    tiny: Tiny = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Prove the patch changes nothing numerically on a model: exit 0 on pass, 1 on failure.
@@ -133,78 +161,54 @@ def verify(
     grids = [_parse_grid(g) for g in grid] if grid else [(2, 16, 16), (1, 12, 20)]
     dtypes = ["float32", *(dtype or ["bfloat16"])]
     refuse_early(model, device, tuple(dtypes))  # before torch: seconds to import
-    from vlfast.cli._process import since_start, since_start_words, skip_teardown
+    from vlfast.cli._process import skip_teardown
     from vlfast.diagnosis.verification import expected_seconds
     from vlfast.diagnosis.verification import verify as run_verify
 
     refuse_unfit_weights(model)
     skip_teardown()  # everything it says is printed before it returns
+    options = dict(grids=grids, dtypes=dtypes, device=device, n_windows=windows, backward=backward, tiny=tiny)
     try:
-        guess = expected_seconds(
-            model, grids=grids, dtypes=dtypes, device=device, n_windows=windows, backward=backward, tiny=tiny
-        )
+        guess = expected_seconds(model, **options)
     except (ValueError, OSError, RuntimeError, TypeError):  # verify itself says what is wrong
         guess = None
-    progress = _Progress(err_console)
-    told: list[bool] = []
-
-    def tell(step: Step) -> None:
-        """Each step as it goes; once the model is built, the whole run's expected time, start-up included."""
-        progress(step)
-        if guess is None or told or not (step.done or step.index > 0):
-            return
-        told.append(True)
-        so_far = since_start()
-        err_console.print(
-            f"vlfast verify {model}: expected ~{_duration(so_far + guess)} in all here: {so_far:.1f} s "
-            f"{since_start_words()} to load torch, transformers and the model, then ~{_duration(guess)} of "
-            "checks (a rough estimate from the tower's size and a GEMM rate measured now; a busy machine "
-            "takes longer)",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-        )
-
+    progress = _Progress(err_console, model, guess)
     try:
-        report = run_verify(
-            model,
-            grids=grids,
-            dtypes=dtypes,
-            device=device,
-            n_windows=windows,
-            backward=backward,
-            tiny=tiny,
-            progress=tell,
-        )
+        report = run_verify(model, **options, progress=progress)
     finally:
         progress.close()
     if as_json:
         print_json(report.to_dict())
     else:
-        table = Table(title=f"vlfast verify {escape(str(report.model))} on {report.device}")
-        for col in ("", "scope", "dtype", "what", "metrics"):
-            table.add_column(col)
-        limits: dict[str, str] = {}
-        for c in report.checks:
-            metrics = ", ".join(f"{k}={v:.3g}" for k, v in c.metrics.items())
-            limits.update({f"{c.scope}/{c.dtype} {k}": v for k, v in c.limits.items()})
-            table.add_row(
-                "[green]ok[/green]" if c.passed else "[red]FAIL[/red]", c.scope, c.dtype, c.name, metrics
-            )
-        print_table(table)
-        console.print("thresholds: " + "; ".join(f"{k} {v}" for k, v in limits.items()), highlight=False)
-        for line in report.accuracy():
-            console.print(escape(line), highlight=False)
-        for note in report.notes:
-            console.print(f"[yellow]note:[/yellow] {escape(note)}")
-        verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
-        if report.fused and not report.checks:
-            console.print(
-                f"{verdict}: transformers already runs the patch embedding as a GEMM; nothing to verify"
-            )
-        else:
-            console.print(
-                f"{verdict}: {len(report.checks) - len(report.failures)}/{len(report.checks)} checks passed"
-            )
+        _render(report)
     if not report.passed:
         raise typer.Exit(EXIT_FINDING)
+
+
+def _render(report) -> None:
+    """The checks as a table, their thresholds, the accuracy lines, notes and the verdict."""
+    table = Table(title=f"vlfast verify {escape(str(report.model))} on {report.device}")
+    for col in ("", "scope", "dtype", "what", "metrics"):
+        table.add_column(col)
+    limits: dict[str, str] = {}
+    for c in report.checks:
+        metrics = ", ".join(f"{k}={v:.3g}" for k, v in c.metrics.items())
+        limits.update({f"{c.scope}/{c.dtype} {k}": v for k, v in c.limits.items()})
+        table.add_row(
+            "[green]ok[/green]" if c.passed else "[red]FAIL[/red]", c.scope, c.dtype, c.name, metrics
+        )
+    print_table(table)
+    console.print("thresholds: " + "; ".join(f"{k} {v}" for k, v in limits.items()), highlight=False)
+    for line in report.accuracy():
+        console.print(escape(line), highlight=False)
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
+    verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
+    if report.fused and not report.checks:
+        console.print(
+            f"{verdict}: transformers already runs the patch embedding as a GEMM; nothing to verify"
+        )
+    else:
+        console.print(
+            f"{verdict}: {len(report.checks) - len(report.failures)}/{len(report.checks)} checks passed"
+        )
