@@ -806,7 +806,7 @@ class RayEngine:
         """On object storage: compact the index parts of the ranks this job's model actors wrote (each
         committed one part per call), now that the dataset is over and they are gone, so that opening OUT
         reads a part per rank, not one per model call. A failure costs only that: the parts stay, and
-        ``vlfast extract --compact OUT`` (or the next run) does it."""
+        ``vlfast out compact OUT`` (or the next run) does it."""
         from vlfast.extraction.store.compact import compact_folder
 
         ranks = sorted({r for c in self._counters for r in ray.get(c.handed_out.remote())})
@@ -818,7 +818,7 @@ class RayEngine:
         except Exception as e:  # the samples are committed: compaction only makes OUT quicker to open
             warnings.warn(
                 f"the model actors' index parts of {job.store.out} were not compacted ({e}); "
-                "`vlfast extract --compact OUT` does it",
+                "`vlfast out compact OUT` does it",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -11,7 +11,7 @@ layout", "Commits and crash safety").
 
 Why one rank at a time: a rank's parts are written by one process (the lock locally; the launcher on
 object storage), so the process that wrote them can compact them under its own lock when it closes, without
-waiting for or coordinating with the other ranks, and ``vlfast extract --compact OUT`` takes each rank's lock
+waiting for or coordinating with the other ranks, and ``vlfast out compact OUT`` takes each rank's lock
 in turn (skipping a rank a live process holds).
 """
 
@@ -295,7 +295,7 @@ def compact_folder(
     min_parts: int = 2,
     ranks: Collection[int] | None = None,
 ) -> list[Compaction]:
-    """``vlfast extract --compact OUT``: compact every rank's parts (of folders whose runs were stopped
+    """``vlfast out compact OUT``: compact every rank's parts (of folders whose runs were stopped
     before they closed), or only ``ranks``. Locally each rank's lock is
     taken in turn: a rank a live process is writing is skipped, and says so."""
     out = resolve_out(out, storage_options)

@@ -10,7 +10,7 @@ What is checked (docs/format.md, "Checksums: what covers what", says where each 
   data: ~1.5 GB/s here, bounded by the disk or page cache, not by the hash).
 
 The writer runs :func:`check_part` on resume and moves what fails aside; :func:`check_folder` is
-``vlfast extract --verify OUT`` and ``FeatureCache.check()``.
+``vlfast out verify OUT`` and ``FeatureCache.check()``.
 
 :class:`HashRecord` is what lets a full check skip rehashing shards nothing has touched since their last
 full check: ``OUT/checked.json`` maps each index part that passed a full check to its shard's stamp then
@@ -431,7 +431,7 @@ def _check_shard(
 
 @dataclass
 class CheckReport:
-    """What ``vlfast extract --verify OUT`` found. ``ok`` when nothing is damaged."""
+    """What ``vlfast out verify OUT`` found. ``ok`` when nothing is damaged."""
 
     out: str
     parts: int = 0  # index parts (a consolidated one points at many shards)

@@ -4,7 +4,7 @@ belongs), a shard no index part covers.
 Readers follow index parts only, so none of these is ever served; but each hides something. A file named
 ``index`` leaves an OUT with shards and no readable index; ``index/`` deleted leaves every shard uncovered,
 which a reader would take for an empty OUT; an errors file that is a folder blocks the next error record.
-:func:`find_strays` lists them all, for ``vlfast extract --verify`` (each one a finding) and for the preflight
+:func:`find_strays` lists them all, for ``vlfast out verify`` (each one a finding) and for the preflight
 of a run (a finished OUT with strays is not "nothing to do": the store sets them right);
 :func:`uncovered_shards` tells the store which uncovered shards a kill explains (deleted, as before) and which
 it does not (moved to quarantine, never deleted). Files of other names are not the format's, and are left

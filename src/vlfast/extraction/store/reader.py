@@ -299,7 +299,7 @@ class FeatureCache(torch.utils.data.Dataset):
 
     def check(self, progress=None) -> CheckReport:
         """Read and hash every byte the folder's readers rely on: a :class:`CheckReport` naming every bad
-        sample by id (``report.ok`` when none). The same scan as ``vlfast extract --verify OUT``. (Checksums,
+        sample by id (``report.ok`` when none). The same scan as ``vlfast out verify OUT``. (Checksums,
         not numerics: ``vlfast.verify`` is the numerical comparison of a patched model.)"""
         return check_folder(self.out, progress=progress)
 
@@ -438,7 +438,7 @@ def _read_parts(out: Any, expected: str) -> tuple[_Rows, dict[str, int | None], 
                 if meta["config_hash"] is not None and meta["config_hash"] != expected:
                     raise DamagedFile(
                         f"index part {part} was made with another configuration than {out / 'run.json'}: the "
-                        "folder mixes two runs. Run `vlfast extract --verify` on it to see what else differs."
+                        "folder mixes two runs. Run `vlfast out verify` on it to see what else differs."
                     )
                 shards = part_shards(part, meta)
                 for shard, (size, header) in shards.items():
