@@ -77,6 +77,7 @@ QWEN3_VIDEO = {"size": {"shortest_edge": 4096, "longest_edge": 25_165_824}, "fps
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--name", default="preprocess", help="the result file's name (default preprocess)")
     ap.add_argument("--json", type=Path, help="also write the rows here (the result file is written anyway)")
     ap.add_argument(
         "--variants",
@@ -95,7 +96,7 @@ def main() -> None:
     if why:
         raise SystemExit(f"transformers' torchvision processors need the reference torchvision: {why}")
     reference._import_torchvision()  # before transformers is imported (the harness's machine() imports it)
-    with harness.Run("preprocess", save=not args.image_sizes) as run:
+    with harness.Run(args.name, save=not args.image_sizes) as run:
         rows = _main(args)
         run.table("images", [r for r in rows if r["input"].startswith("image")])
         run.table("videos", [r for r in rows if r["input"].startswith("video")])

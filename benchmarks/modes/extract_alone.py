@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
 from llm_features_memory import QWEN3_VL_2B_TEXT, TOKEN_IDS  # noqa: E402
 
+import harness  # noqa: E402
 from harness import cpu_model  # noqa: E402
 
 
@@ -146,16 +146,10 @@ def main() -> None:
     results = []
     for kind in [args.only] if args.only else ["tower", "llm", "texts"]:
         sides, what = _sides(kind, args)
-        times: dict[str, list[float]] = {"batched": [], "alone": []}
         load = [round(os.getloadavg()[0], 1)]
-        with torch.inference_mode():
-            for r in range(args.rounds + 1):  # round 0 warms up
-                order = ("batched", "alone") if r % 2 else ("alone", "batched")
-                for side in order:
-                    t0 = time.perf_counter()
-                    sides[side]()
-                    if r:
-                        times[side].append(time.perf_counter() - t0)
+        with torch.inference_mode():  # the harness's ABAB rounds, after a warm-up of each side
+            got = harness.alternate({"alone": sides["alone"], "batched": sides["batched"]}, args.rounds)
+        times = {k: v["wall"] for k, v in got.items()}
         load.append(round(os.getloadavg()[0], 1))
         med = {k: statistics.median(v) for k, v in times.items()}
         results.append(

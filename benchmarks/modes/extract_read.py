@@ -93,13 +93,14 @@ def compare_reads(old_cls, out: Path, n: int, rounds: int, shuffle: bool) -> dic
     order = list(range(n))
     if shuffle:
         random.Random(0).shuffle(order)
-    read_all(FeatureCache, out, order)  # warm the page cache and imports
-    read_all(old_cls, out, order)
-    rows: dict[str, list[float]] = {"before": [], "now": []}
-    for r in range(rounds):
-        pair = [(old_cls, "before"), (FeatureCache, "now")]
-        for cls, key in pair if r % 2 == 0 else pair[::-1]:
-            rows[key].append(read_all(cls, out, order))
+    import harness  # benchmarks/, on the path under benchmarks/extract.py read
+
+    sides = {
+        "before": lambda: read_all(old_cls, out, order),
+        "now": lambda: read_all(FeatureCache, out, order),
+    }
+    got = harness.alternate(sides, rounds)  # a warm-up of each (page cache, imports), then ABAB rounds
+    rows = {k: v["wall"] for k, v in got.items()}
     ratios = [a / b for a, b in zip(rows["now"], rows["before"])]
     return {
         "median_s": {k: statistics.median(v) for k, v in rows.items()},
