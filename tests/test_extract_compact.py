@@ -19,6 +19,7 @@ from vlfast.extraction.store.backend import LocalBackend
 from vlfast.extraction.store.compact import compact_rank
 from vlfast.extraction.store.format import (
     COMPACT_RE,
+    FORMAT_VERSION,
     PART_RE,
     DamagedFile,
     OutputFull,
@@ -37,7 +38,7 @@ def _out(tmp_path: Path, name: str = "out", **kw) -> Path:
 
 
 def _uncompacted(tmp_path: Path, name: str = "raw") -> Path:
-    """An OUT as written before compaction existed: many small parts (the store told not to compact)."""
+    """An OUT of many small parts (the store told not to compact)."""
     out = tmp_path / name
     run(str(out), N, shard_max_samples=6, compact_min_parts=None)
     return out
@@ -53,7 +54,7 @@ def test_close_compacts_and_reads_the_same(tmp_path):
     out = _out(tmp_path)  # the same samples, compacted by the store's close
     assert _names(out, PART_RE) == [] and len(_names(out, COMPACT_RE)) == 1
     assert compare_caches(raw, out) == []
-    assert read_run_file(out)["format_version"] == 3
+    assert read_run_file(out)["format_version"] == FORMAT_VERSION
     report = FeatureCache(out).check()
     assert report.ok and report.parts == 1 and report.shards == len(_names(raw, PART_RE)), report
     r = CliRunner().invoke(app, ["out", "verify", str(out)])
