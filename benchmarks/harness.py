@@ -82,9 +82,21 @@ def load() -> list[float]:
     return [round(v, 2) for v in os.getloadavg()]
 
 
+def _gpu() -> str | None:
+    """The first CUDA device's name where the benchmark already imported torch and has one."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch.cuda.get_device_name(0) if torch is not None and torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - a broken driver: no GPU recorded
+        return None
+
+
 def machine() -> dict:
-    """What a figure depends on: CPU, instruction sets, cores, versions, the commit, the date."""
+    """What a figure depends on: CPU, instruction sets, cores, versions, the commit, the date; the GPU
+    (``gpu``) where there is one, which then names the machine's folder."""
+    gpu = _gpu()
     return {
+        **({"gpu": gpu} if gpu else {}),
         "cpu": cpu_model(),
         "isa": cpu_flags(),
         "cores": os.cpu_count(),
