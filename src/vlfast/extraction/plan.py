@@ -218,6 +218,7 @@ class RunPlan:
             config.retry,
             rank=self.rank,
             world_size=self.world_size,
+            run=self.store,
         )
         if config.retry:
             check_retry_kinds(config.retry, state.error_keys)
@@ -350,6 +351,7 @@ def make_plan(
         image_processor=IMAGE_BACKENDS.get(config.image_backend) or recorded_image_processor(recorded),
         image_reading=recorded_image_reading(recorded),
         video_rotation=recorded_video_rotation(recorded),
+        thin_images=recorded_thin_images(recorded),
         facts=facts,
     )
     processor = with_video_wrapper(processor, family, config.spec.needs_llm, facts)
@@ -488,6 +490,14 @@ def recorded_video_rotation(recorded: dict[str, Any] | None) -> bool | None:
     choice): a resume keeps it, so an OUT made before vlfast did goes on taking frames as stored."""
     processor = _recorded_processor(recorded)
     return bool(processor.get("video_rotation", False)) if processor is not None else None
+
+
+def recorded_thin_images(recorded: dict[str, Any] | None) -> str | None:
+    """Whose rule sized OUT's thin images (None for a new OUT, where the model decides): a resume keeps it,
+    so an OUT made before vlfast recorded it goes on with qwen-vl-utils' rule, which every model had then."""
+    processor = _recorded_processor(recorded)
+    rule = processor.get("thin_images", "qwen-vl-utils") if processor is not None else None
+    return rule if isinstance(rule, str) else None
 
 
 def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:

@@ -82,6 +82,7 @@ class VisionPreprocessor:
             cfg,
             image_processor_dir=None if model.startswith("ref:") else model,
             defer_video_normalize=self.pixels == "uint8",
+            refuse_short_clips=True,
         )
 
     @classmethod
@@ -140,6 +141,7 @@ class VisionPreprocessor:
         from vlfast.extraction.decode.image import normalize_image_patches
         from vlfast.extraction.decode.video import empty_pixels, normalize_video_patches, pixel_width
 
+        _check_batch(batch)
         out = {}
         for key, value in batch.items():
             if hasattr(value, "to") and device is not None:
@@ -172,6 +174,7 @@ class VisionPreprocessor:
         workers)."""
         if base is None:
             base = self._checkpoint_image_processor()
+        base = _qwen_vl_image_processor(base)
         cfg = self.config
         for name in ("patch_size", "merge_size", "temporal_patch_size"):
             theirs = getattr(base, name, None)
@@ -238,6 +241,47 @@ class VisionPreprocessor:
 
         pixels, grid, _ = pre.pil_image(conformed_image(x, keep_mode=True))
         return pixels, grid
+
+
+# transformers' Qwen-VL image processor classes (every Qwen-VL family's), by name: the torchvision backend
+# (5.x; "Fast" in 4.x) and the PIL one
+_QWEN_VL_IMAGE_PROCESSORS = frozenset({*TORCHVISION_IMAGE_PROCESSORS, "Qwen2VLImageProcessorPil"})
+
+
+def _qwen_vl_image_processor(base: Any) -> Any:
+    """``base`` if it is a transformers Qwen-VL image processor, a processor's image processor if it is a
+    processor holding one; else InputRefused naming what was given (a tokenizer's call would take text for
+    file paths, a video processor has no image settings)."""
+    if not isinstance(base, type) and {c.__name__ for c in type(base).__mro__} & _QWEN_VL_IMAGE_PROCESSORS:
+        return base
+    inner = getattr(base, "image_processor", None) if not isinstance(base, type) else None
+    if inner is not None and {c.__name__ for c in type(inner).__mro__} & _QWEN_VL_IMAGE_PROCESSORS:
+        return inner
+    what = base.__name__ + " (a class)" if isinstance(base, type) else type(base).__name__
+    raise InputRefused(
+        f"as_image_processor: given a {what}, not a transformers Qwen-VL image processor "
+        f"({', '.join(sorted(_QWEN_VL_IMAGE_PROCESSORS))}) nor a processor holding one: pass "
+        "processor.image_processor"
+    )
+
+
+def _check_batch(batch: Any) -> None:
+    """InputRefused where ``finish`` is given anything but this object's outputs (collated): a mapping whose
+    pixel entries are tensors."""
+    import torch
+
+    if not hasattr(batch, "items"):
+        raise InputRefused(
+            f"finish: given a {type(batch).__name__}; pass the dict this VisionPreprocessor returns (collated), "
+            "e.g. finish(batch, device='cuda')"
+        )
+    for key in ("pixel_values", "pixel_values_videos"):
+        value = batch.get(key)
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise InputRefused(
+                f"finish: {key} is a {type(value).__name__}, not a tensor: pass this VisionPreprocessor's "
+                "outputs (collated)"
+            )
 
 
 def _video_sample(x):
@@ -462,8 +506,18 @@ def _call_mismatch(kwargs: dict[str, Any], cfg) -> str | None:
     return None
 
 
-def _conformed_inputs(images, who: str):
-    """``images`` as the PIL images vlfast's path takes, or (None, why) where one is of a kind it does not."""
+def _channels_first(shape: tuple[int, ...], given: Any = None) -> bool:
+    """Whether a 3-axis array is (C, H, W): as ``given`` says (a call's ``input_data_format``), else as
+    transformers infers it (``infer_channel_dimension_format``): the first axis if it is 1 or 3 long, even
+    where the last is too ((3, W, 3), (1, W, 3), (3, W, 1): transformers warns and takes the first)."""
+    if given is not None:
+        return str(getattr(given, "value", given)) == "channels_first"
+    return shape[0] in (1, 3)
+
+
+def _conformed_inputs(images, who: str, channels: Any = None):
+    """``images`` as the PIL images vlfast's path takes, or (None, why) where one is of a kind it does not.
+    ``channels``: a call's ``input_data_format`` (None: inferred as transformers infers it)."""
     import numpy as np
     import torch
     from PIL import Image
@@ -479,8 +533,8 @@ def _conformed_inputs(images, who: str):
             shape = x.shape
             if x.ndim == 2:  # (H, W): grayscale, as transformers takes it
                 x = x[..., None]
-            elif x.ndim == 3 and x.shape[0] in (1, 3) and x.shape[-1] not in (1, 3):
-                x = x.transpose(1, 2, 0)  # (C, H, W), as transformers infers the channel axis
+            elif x.ndim == 3 and _channels_first(x.shape, channels):
+                x = x.transpose(1, 2, 0)  # (C, H, W)
             if x.dtype != np.uint8 or x.ndim != 3 or x.shape[-1] not in (1, 3):
                 return None, (
                     f"{who}: an array of shape {shape} and dtype {x.dtype}: pass uint8 (H, W, C) or (C, H, W) "
@@ -518,7 +572,7 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
             why = f"the image processor's {', '.join(changed)} changed since vlfast took its calls"
     conformed = None
     if why is None:
-        conformed, why = _conformed_inputs(images, who)
+        conformed, why = _conformed_inputs(images, who, kwargs.get("input_data_format"))
     if why is None:
         try:
             out = pre(images=conformed)

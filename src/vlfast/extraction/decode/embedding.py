@@ -55,6 +55,8 @@ RECIPE_PIXELS: dict[str, Any] = {
     "max_frames": 64,
     "frame_sampling": "qwen-vl-utils",
     "video_sizing": "qwen-vl-utils",
+    # qwen-vl-utils' smart_resize raises a thin side to one merged patch first (decode.video.smart_resize)
+    "thin_images": "qwen-vl-utils",
 }
 
 

@@ -130,7 +130,9 @@ def image_patches(
     factor = cfg.factor
     if cfg.do_resize:
         try:
-            h, w = smart_resize(height, width, factor, cfg.image_min_pixels, cfg.image_max_pixels)
+            h, w = smart_resize(
+                height, width, factor, cfg.image_min_pixels, cfg.image_max_pixels, cfg.thin_images
+            )
         except SampleError as e:
             raise SampleError(f"the image processor refused a {width}x{height} image: {e}") from None
         pixels = resize_frames(pixels[None], (h, w), cfg.resample)[0]

@@ -338,6 +338,7 @@ def build_processor_config(
     image_processor: str | None = None,
     image_reading: str | None = None,
     video_rotation: bool | None = None,
+    thin_images: str | None = None,
     facts: ModelFacts | None = None,
 ) -> ProcessorConfig:
     """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
@@ -360,7 +361,12 @@ def build_processor_config(
     recipe reads image files as its reference, qwen-vl-utils, does, everything else as vlfast does.
     ``video_rotation``: as recorded by the OUT resumed; None for a new OUT: as ``exif_orientation`` (videos
     turned upright by their display matrix where images are by their EXIF tag).
+    ``thin_images``: as recorded by the OUT resumed; None for a new OUT: the embedding recipe sizes thin
+    images by qwen-vl-utils' rule, as its reference does, every other model by transformers' processor's.
+    Every number given is checked first: InputRefused names one that is not finite or not whole.
     """
+    given = {"min_pixels": min_pixels, "max_pixels": max_pixels, "video_max_pixels": video_max_pixels}
+    _check_given(fps=fps, num_frames=num_frames, **given)
     if fps is not None and num_frames is not None:
         raise InputRefused("give either fps or num_frames for video sampling, not both")
     defaults = _FAMILY_DEFAULTS.get(family)
@@ -423,7 +429,24 @@ def build_processor_config(
         transparency=transparency,
         image_reading=image_reading or ("qwen-vl-utils" if recipe else "vlfast"),
         video_rotation=upright if video_rotation is None else bool(video_rotation),
+        thin_images=thin_images or values.get("thin_images", "processor"),
     )
+
+
+def _check_given(**given: Any) -> None:
+    """InputRefused naming a number given (an option, a VisionPreprocessor argument) that is not finite,
+    not positive, or (all but ``fps``) not whole: int() would truncate 2.5 frames silently, or fail on a NaN
+    with a bare ValueError, and an infinite fps overflows the frame count."""
+    import math
+    from numbers import Real
+
+    for name, value in given.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value <= 0:
+            raise InputRefused(f"{name} must be a finite number above 0, got {value!r}")
+        if name != "fps" and value != int(value):
+            raise InputRefused(f"{name} must be a whole number, got {value!r}")
 
 
 def _image_processor_class(
@@ -566,6 +589,10 @@ class Preprocessor:
     cfg: ProcessorConfig
     image_processor_dir: str | None = None  # checkpoint to load the image processor from; None: defaults
     defer_video_normalize: bool = False  # videos as uint8 (N, C, T*P*P): see normalize_video_patches
+    # Refuse a clip of fewer frames than the temporal patch where transformers' Qwen3VLVideoProcessor does
+    # (VisionPreprocessor: transformers' outputs or its refusal); vlfast extract repeats the frame as the
+    # image processor repeats an image
+    refuse_short_clips: bool = False
     _image_processor: Any = field(default=None, init=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -672,6 +699,13 @@ class Preprocessor:
                 "frame_indices": list(range(len(arrays))),
             }
         meta.update(height=int(frames.shape[-2]), width=int(frames.shape[-1]))
+        n, tf = int(frames.shape[0]), self.cfg.temporal_patch_size
+        if self.refuse_short_clips and self.cfg.video_sizing == "processor" and n < tf:
+            # Qwen3VLVideoProcessor's smart_resize, in its own words
+            raise SampleError(
+                f"the video processor refused {n} sampled frame{'s' * (n != 1)}: t:{n} must be larger than "
+                f"temporal_factor:{tf}"
+            )
         pixels, grid = patchify_video(frames, self.cfg, normalize=not self.defer_video_normalize)
         return pixels, grid, meta
 

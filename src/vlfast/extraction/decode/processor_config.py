@@ -12,6 +12,7 @@ from vlfast.errors import InputRefused
 __all__ = [
     "IMAGE_READINGS",
     "PIXEL_SETTINGS",
+    "THIN_IMAGES",
     "TORCHVISION_IMAGE_PROCESSORS",
     "TRANSPARENCIES",
     "VIDEO_RESAMPLES",
@@ -27,6 +28,13 @@ __all__ = [
 TORCHVISION_IMAGE_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"})
 
 VIDEO_SIZINGS = ("processor", "qwen2-vl", "qwen-vl-utils")
+# How smart_resize sizes a thin image (a side of at most half a merged patch, patch x merge: 16 pixels for
+# Qwen3-VL, 14 for Qwen2/2.5-VL), the two references' rules: "processor" (transformers' Qwen2-VL image
+# processor and Qwen2VLVideoProcessor) rounds that side to 0 patches and then scales the image up to the
+# minimum budget; "qwen-vl-utils" (its fetch_image and fetch_video, the Qwen3-VL-Embedding recipe's) first
+# raises it to one merged patch. A 12x2400 image at Qwen3-VL's budgets: grid (1, 2, 228) by the first, (1, 2,
+# 150) by the second
+THIN_IMAGES = ("processor", "qwen-vl-utils")
 # How transformers' image processors turn a transparent image into RGB: "white", composited on a white
 # background (transformers >= 5.21, and every vlfast before this rule was recorded); "dropped", the colour
 # values kept and the transparency dropped (PIL's convert("RGB"): transformers 5.18-5.20)
@@ -69,6 +77,7 @@ _ADDED_LATER = {
     "transparency": "white",  # earlier vlfast composited on white
     "image_reading": "vlfast",
     "video_rotation": False,  # earlier vlfast took frames as stored
+    "thin_images": "qwen-vl-utils",  # earlier vlfast sized thin images by qwen-vl-utils' rule for every model
     "video_wrapper": "kept",  # earlier vlfast kept the template's wrapper around a Qwen3-VL video's frames
 }
 
@@ -139,6 +148,11 @@ class ProcessorConfig:
     # embedding features of a Qwen3-VL family; its rule changed in 5.25). In run.json only where "replaced":
     # OUTs made before it was recorded kept the wrapper.
     video_wrapper: str = "kept"
+    # THIN_IMAGES: whose smart_resize rule sizes a thin image (vlfast's image path, and videos sized
+    # "qwen2-vl"; "processor" and "qwen-vl-utils" sizing follow their own reference's rule). The transformers
+    # processor's for a checkpoint, qwen-vl-utils' for the embedding recipe. In run.json only where
+    # "processor": OUTs made before it was recorded used qwen-vl-utils' rule for every model.
+    thin_images: str = "qwen-vl-utils"
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_frames", "max_frames"):
@@ -154,6 +168,7 @@ class ProcessorConfig:
             ("image_reading", IMAGE_READINGS),
             ("video_sizing", VIDEO_SIZINGS),
             ("video_wrapper", VIDEO_WRAPPERS),
+            ("thin_images", THIN_IMAGES),
         ):
             if getattr(self, name) not in allowed:
                 raise InputRefused(
@@ -169,10 +184,7 @@ class ProcessorConfig:
             raise InputRefused("qwen-vl-utils' video sizing resizes bicubic only (video_resample 3)")
         if (self.fps is None) == (self.num_frames is None):
             raise InputRefused("give exactly one of fps and num_frames for video sampling")
-        if self.fps is not None and self.fps <= 0:
-            raise InputRefused(f"fps must be positive, got {self.fps}")
-        if self.num_frames is not None and self.num_frames < 1:
-            raise InputRefused(f"num_frames must be >= 1, got {self.num_frames}")
+        _check_numbers(self)
         for what, lo, hi, flags in (
             ("image", self.image_min_pixels, self.image_max_pixels, "--min-pixels, --max-pixels"),
             ("video", self.video_min_pixels, self.video_max_pixels, "--video-max-pixels"),
@@ -203,6 +215,38 @@ class ProcessorConfig:
             if d[k] == default and type(d[k]) is type(default):
                 del d[k]
         return d
+
+
+# The float settings, each a finite number; those named positive also above 0 (a NaN passes every comparison
+# and an infinity overflows the frame count, so neither may reach the rules)
+_FLOATS = {"fps": True, "frames_list_fps": True, "rescale_factor": False, "video_rescale_factor": False}
+_FLOAT_TUPLES = ("image_mean", "image_std", "video_mean", "video_std")
+
+
+def _check_numbers(cfg: ProcessorConfig) -> None:
+    """InputRefused naming the first setting that is not a usable number."""
+    import math
+    from numbers import Integral, Real
+
+    for name, positive in _FLOATS.items():
+        v = getattr(cfg, name)
+        if v is None and name == "fps":
+            continue
+        if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v):
+            raise InputRefused(f"{name} must be a finite number, got {v!r}")
+        if positive and v <= 0:
+            raise InputRefused(f"{name} must be positive, got {v}")
+    for name in _FLOAT_TUPLES:
+        values = getattr(cfg, name)
+        if not all(isinstance(v, Real) and math.isfinite(v) for v in values):
+            raise InputRefused(f"{name} must be finite numbers, got {values!r}")
+    num = cfg.num_frames
+    if num is not None and (isinstance(num, bool) or not isinstance(num, Integral) or num < 1):
+        raise InputRefused(f"num_frames must be a whole number >= 1, got {num!r}")
+    for name in ("image_min_pixels", "image_max_pixels", "video_min_pixels", "video_max_pixels"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, Integral):
+            raise InputRefused(f"{name} must be a whole number of pixels, got {v!r}")
 
 
 def transparency_rule() -> str:

@@ -78,12 +78,19 @@ def _qwen_vl_utils_indices(total: int, video_fps: float | None, cfg: ProcessorCo
     return torch.linspace(0, total - 1, n).round().long().numpy()
 
 
-def smart_resize(height: int, width: int, factor: int, lo: float, hi: float) -> tuple[int, int]:
-    """qwen-vl-utils' (and transformers' Qwen2-VL image) ``smart_resize`` of one frame."""
+def smart_resize(
+    height: int, width: int, factor: int, lo: float, hi: float, thin: str = "qwen-vl-utils"
+) -> tuple[int, int]:
+    """The ``smart_resize`` of one image or frame by ``thin``'s reference
+    (:data:`~vlfast.extraction.decode.processor_config.THIN_IMAGES`): "processor", transformers' Qwen2-VL image
+    and video processors' (a side rounded to 0 patches, then the image scaled up to the minimum budget);
+    "qwen-vl-utils", qwen-vl-utils' (that side first raised to one merged patch). They differ only where a
+    side is at most half of ``factor`` (rounded to 0 patches)."""
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise SampleError(f"video aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds 200:1")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+    least = factor if thin == "qwen-vl-utils" else 0
+    h_bar = max(least, round(height / factor) * factor)
+    w_bar = max(least, round(width / factor) * factor)
     if h_bar * w_bar > hi:
         beta = math.sqrt((height * width) / hi)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
@@ -117,7 +124,7 @@ def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorC
         if cfg.cap_pixels_per_frame:
             total = int(cfg.max_video_tokens * factor * factor * 0.9)
             hi = max(min(hi, total * tf // num_frames), int(cfg.video_min_pixels * 1.05))
-        return smart_resize(height, width, factor, cfg.video_min_pixels, hi)
+        return smart_resize(height, width, factor, cfg.video_min_pixels, hi, cfg.thin_images)
     max_pixels = cfg.video_max_pixels
     if cfg.cap_pixels_per_frame:
         frame_cap = cfg.max_video_tokens * factor * factor
