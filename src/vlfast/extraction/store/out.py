@@ -45,6 +45,7 @@ class Out:
     def __init__(self, path: Any):
         self.path = path
         self._run: Any = _UNREAD
+        self._damage: Exception | None = None  # what reading run.json raised, where it is damaged
 
     @classmethod
     def open(
@@ -104,14 +105,19 @@ class Out:
         """Where damaged files are moved aside (for a message saying where to look)."""
         return self.path / QUARANTINE_DIR
 
-    def run_file(self) -> dict | None:
-        """run.json parsed and checked, read once: as it was when the run opened OUT (None: OUT has none, or it is damaged; the configuration
-        check says what is wrong with a damaged one). An OUT of another format is refused here."""
+    def run_file(self, *, strict: bool = False) -> dict | None:
+        """run.json parsed and checked, read once: as it was when the run opened OUT. None: OUT has none, or
+        (unless ``strict``, which raises what reading it raised) it is damaged: the configuration check says
+        what is wrong with a damaged one. An OUT of another format is refused here."""
         if self._run is _UNREAD:
             try:
                 self._run = read_run_file(self.path)
-            except (FileNotFoundError, NotADirectoryError, DamagedFile):
+            except FileNotFoundError:
                 self._run = None
+            except (NotADirectoryError, DamagedFile) as e:
+                self._run, self._damage = None, e
+        if strict and self._damage is not None:
+            raise self._damage
         return self._run
 
     def recorded_config(self) -> dict[str, Any] | None:

@@ -210,6 +210,7 @@ def check_run_config(
     volatile_keys: Collection[str] = DEFAULT_VOLATILE_KEYS,
     *,
     held_rank: int | None = None,
+    run: Any = None,
 ) -> bool:
     """Refuse (RunConfigMismatch) if ``out`` holds a run of another configuration; reads only.
 
@@ -218,14 +219,12 @@ def check_run_config(
     committed part, no error record: its run stopped before it had anything to keep) is no run to resume,
     and this answers as if it were absent, so that the corrected command replaces it. Returns whether
     run.json exists and holds this configuration. ``held_rank``: the rank whose lock the caller holds
-    itself (the writer), which is no other live run.
+    itself (the writer), which is no other live run. ``run``: OUT's :class:`~vlfast.extraction.store.out.Out`,
+    whose run.json was read once for the run (else it is read here).
     """
     out = resolve_out(out)
     config = canonical_config(dict(run_config))
-    try:
-        old = read_run_file(out)
-    except FileNotFoundError:
-        old = None
+    old = run.run_file(strict=True) if run is not None else _run_file_or_none(out)
     if old is not None:
         diffs = config_diffs(config, old.get("config", {}), volatile_keys)
         if not diffs:
@@ -236,27 +235,37 @@ def check_run_config(
         if parts or read_errors(out) or _a_rank_is_live(out, held_rank):
             raise RunConfigMismatch(out, diffs)
         return False
-    for part in committed_parts(out):
-        try:
-            meta = part_meta(read_index_part(part, ["id"]))
-        except DamagedFile:
-            continue  # judged (and moved aside) when a store opens
+    first = first_part(committed_parts(out))  # a damaged part is judged (and moved aside) when a store opens
+    if first is not None:
+        part, meta = first
         check_version(out, meta["format_version"])
         diffs = config_diffs(config, meta["config"], volatile_keys)
         if diffs:
             raise RunConfigMismatch(out, diffs, where=f"{part} ({RUN_FILE} is missing)")
-        break
     return False
+
+
+def _run_file_or_none(out: Path) -> dict | None:
+    try:
+        return read_run_file(out)
+    except FileNotFoundError:
+        return None
+
+
+def first_part(parts: Sequence[Path]) -> tuple[Path, dict[str, Any]] | None:
+    """The first readable index part of ``parts`` and its metadata (``format.part_meta``); None: none is."""
+    for part in parts:
+        try:
+            return part, part_meta(read_index_part(part, ["id"]))
+        except (DamagedFile, TypeError, ValueError):
+            continue
+    return None
 
 
 def first_part_config(parts: Sequence[Path]) -> dict | None:
     """The configuration the first readable index part carries (None: none is readable)."""
-    for part in parts:
-        try:
-            return part_meta(read_index_part(part, ["id"]))["config"]
-        except (DamagedFile, TypeError, ValueError):
-            continue
-    return None
+    first = first_part(parts)
+    return first[1]["config"] if first is not None else None
 
 
 def _a_rank_is_live(out: Path, held_rank: int | None) -> bool:
@@ -360,6 +369,7 @@ def read_state(
     *,
     rank: int = 0,
     world_size: int = 1,
+    run: Any = None,
 ) -> OutState:
     """Check ``run_config`` against ``out`` and say what it already holds; writes nothing, takes no lock.
     With ``world_size`` > 1, what it holds of the ids rank ``rank`` owns: another rank's parts that hold only
@@ -370,7 +380,7 @@ def read_state(
     number, say) is refused with :class:`RunConfigMismatch`, as the writer refuses it. The full checksum
     pass is :func:`confirm_hashed` (a finished OUT) or the writer's, when it opens. Recorded failures that
     ``retry`` selects (``--retry-errors``, see :func:`~vlfast.extraction.store.format.parse_retry`) are not done,
-    nor are transient ones.
+    nor are transient ones. ``run``: OUT's ``Out``, whose run.json was read once for the run.
     """
     out = resolve_out(out)
     if is_local(out):
@@ -378,7 +388,7 @@ def read_state(
             return OutState()
         if not out.is_dir():
             raise NotADirectoryError(f"{out} exists and is not a folder; choose another OUT")
-    has_run_file = check_run_config(out, run_config, volatile_keys)
+    has_run_file = check_run_config(out, run_config, volatile_keys, run=run)
     config = canonical_config(dict(run_config))
     expected = config_hash(stable_config(config, frozenset(volatile_keys)))
     state = OutState()
