@@ -175,7 +175,7 @@ def switch_run(tiny_qwen3_vl, media_dir, tmp_path_factory):
 def test_the_switch_gives_transformers_pixels_without_its_code(switch_run):
     out, _, _, n = switch_run
     assert out["class"] == "VlfastQwen2VLImageProcessor"
-    assert out["probe_stock_runs"] == 3  # two probe images, and one with do_resize=False
+    assert out["probe_stock_runs"] == 4  # three probe images (one thin), and one with do_resize=False
     assert len(out["equal"]) == n
     for name, pixels, grid, ids in out["equal"]:
         assert (pixels, grid, ids) == (True, True, True), name

@@ -98,8 +98,12 @@ class VisionPreprocessor:
         """Images (paths, PIL images, uint8 arrays (H, W, C), (C, H, W) or (H, W) and such tensors; nested
         lists flattened, as transformers' processor flattens them) and videos (paths, or lists of frame
         image paths) -> tensors, each input's rows in order; raises
-        :class:`~vlfast.extraction.decode.media.SampleError` naming a file that cannot be read, and
-        :class:`~vlfast.errors.InputRefused` naming an input of a kind it does not take."""
+        :class:`~vlfast.extraction.decode.media.SampleError` naming a file that cannot be read (or a clip
+        transformers' processor refuses: a Qwen3-VL video of fewer sampled frames than the temporal patch),
+        and :class:`~vlfast.errors.InputRefused` naming an input of a kind it does not take. An array whose
+        first axis is 1 or 3 long is (C, H, W), as transformers infers it, even where its last is too: (3, W, 3)
+        is 3 channels of 3 x W. A thin image is sized as transformers' processor sizes it
+        (``config.thin_images``)."""
         import torch
 
         out: dict[str, torch.Tensor] = {}
@@ -169,9 +173,11 @@ class VisionPreprocessor:
 
         gives vlfast's path to everything that calls the processor or its image processor (TRL's collators, a
         Dataset under HF Trainer, LlamaFactory's ``mm_plugin``). Its images are PIL images, paths, or uint8
-        arrays (H, W, C) and tensors (C, H, W); a pixel setting passed to a call (``size=``, ``max_pixels=``,
-        ``do_normalize=``, ...) other than this object's is refused: set it here. It pickles (DataLoader
-        workers)."""
+        arrays (H, W, C) and tensors (C, H, W), their channel axis inferred as transformers infers it or as a
+        call's ``input_data_format`` says; a pixel setting passed to a call (``size=``, ``max_pixels=``,
+        ``do_normalize=``, ...) other than this object's is refused: set it here. ``base`` may be a processor
+        holding such an image processor (its ``image_processor`` is taken); anything else (a tokenizer, a
+        video processor) is refused, naming it. It pickles (DataLoader workers)."""
         if base is None:
             base = self._checkpoint_image_processor()
         base = _qwen_vl_image_processor(base)
@@ -680,9 +686,24 @@ def swap_image_processor(processor: Any, path: Any) -> str | None:
 
 
 # The proof run where the swap happens, on the transformers installed: an upscale to the minimum budget, and a
-# small antialiased downscale to the patch grid (random pixels: every value and edge matters); then a third,
-# on the grid, called with do_resize=False
+# small antialiased downscale to the patch grid (random pixels: every value and edge matters); then a thin
+# image and one on the grid called with do_resize=False (_probes)
 _PROBES = ((67, 91), (257, 300))
+
+
+def _probes(cfg) -> list[tuple[tuple[int, int], dict]]:
+    """The probe images' (height, width) and call options: _PROBES; a thin one, its short side rounded to 0
+    patches and its long side enough for one row of merged patches to pass the minimum budget, where
+    transformers' rule and qwen-vl-utils' give other grids (THIN_IMAGES); and the call ms-swift makes,
+    do_resize=False on an image already on the patch grid."""
+    f = cfg.factor
+    short = max(1, f // 2 - 4)
+    long = min(200 * short, -(-cfg.image_min_pixels // f) + 2 * f)
+    return [
+        *((size, {}) for size in _PROBES),
+        ((short, long), {}),
+        ((8 * f, 9 * f), {"do_resize": False}),
+    ]
 
 
 def _probe(pre: VisionPreprocessor, ip: Any) -> str | None:
@@ -693,9 +714,7 @@ def _probe(pre: VisionPreprocessor, ip: Any) -> str | None:
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    # and the call ms-swift makes: do_resize=False on an image already on the patch grid
-    grid = (8 * pre.config.factor, 9 * pre.config.factor)
-    for (height, width), call in [*((size, {}) for size in _PROBES), (grid, {"do_resize": False})]:
+    for (height, width), call in _probes(pre.config):
         img = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
         want = ip.preprocess([img], return_tensors="pt", **call)
         got = (_without_resize(pre) if call else pre)(images=[img])

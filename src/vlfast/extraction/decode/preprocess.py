@@ -362,7 +362,8 @@ def build_processor_config(
     ``video_rotation``: as recorded by the OUT resumed; None for a new OUT: as ``exif_orientation`` (videos
     turned upright by their display matrix where images are by their EXIF tag).
     ``thin_images``: as recorded by the OUT resumed; None for a new OUT: the embedding recipe sizes thin
-    images by qwen-vl-utils' rule, as its reference does, every other model by transformers' processor's.
+    images by qwen-vl-utils' rule, as its reference does, every other model by transformers' processor's
+    ("processor"), as does transformers' PIL processor wherever it runs the images (the recipe's too).
     Every number given is checked first: InputRefused names one that is not finite or not whole.
     """
     given = {"min_pixels": min_pixels, "max_pixels": max_pixels, "video_max_pixels": video_max_pixels}
@@ -405,9 +406,13 @@ def build_processor_config(
 
     transparency = transparency_rule() if facts is None else facts.answer("transparency", transparency_rule)
     upright = not recipe if exif_orientation is None else bool(exif_orientation)
+    image_class = _image_processor_class(model, image_processor, recipe, numbers, facts)
+    if thin_images is None:  # a new OUT: the recipe's rule where vlfast resizes, else the processor's
+        thin = values.get("thin_images", "processor")
+        thin_images = thin if image_class in TORCHVISION_IMAGE_PROCESSORS else "processor"
     return ProcessorConfig(
         source=source,
-        image_processor=_image_processor_class(model, image_processor, recipe, numbers, facts),
+        image_processor=image_class,
         **numbers,
         image_min_pixels=values["image_min_pixels"],
         image_max_pixels=values["image_max_pixels"],
@@ -429,7 +434,7 @@ def build_processor_config(
         transparency=transparency,
         image_reading=image_reading or ("qwen-vl-utils" if recipe else "vlfast"),
         video_rotation=upright if video_rotation is None else bool(video_rotation),
-        thin_images=thin_images or values.get("thin_images", "processor"),
+        thin_images=thin_images,
     )
 
 
