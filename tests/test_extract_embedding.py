@@ -399,10 +399,10 @@ def test_video_wrapper_is_the_installed_transformers_rule(setup, real_processor)
 
 
 def test_video_wrapper_is_recorded_where_a_prompt_holds_it(setup, tmp_path, monkeypatch):
-    """run.json records the rule (``processor.video_wrapper``, only where "replaced": OUTs made before it was
-    recorded kept the wrapper) for a run whose prompts hold a video; a vision-only run of the same checkpoint
-    records nothing, so it resumes under either rule. A resume under the other rule (another transformers:
-    its facts are asked again) is refused, never mixed."""
+    """run.json records the rule (``processor.video_wrapper``; absent: "kept") for a run whose prompts hold a
+    video; a vision-only run of the same checkpoint keeps the default whatever transformers says, so it
+    resumes under either rule. A resume under the other rule (another transformers: its facts are asked
+    again) is refused, never mixed, and the CLI says which transformers resumes it as made."""
     from vlfast.extraction.decode import processor_config
     from vlfast.extraction.store.format import FACTS_FILE
     from vlfast.extraction.store.resume import RunConfigMismatch
@@ -412,17 +412,22 @@ def test_video_wrapper_is_recorded_where_a_prompt_holds_it(setup, tmp_path, monk
     out, vision = tmp_path / "out", tmp_path / "vision"
     assert _extract(setup, out, manifest).extracted == 1
     recorded = json.loads((out / "run.json").read_text())["config"]["processor"]
-    assert recorded.get("video_wrapper", "kept") == rule and ("video_wrapper" in recorded) == (
-        rule == "replaced"
-    )
+    assert recorded.get("video_wrapper", "kept") == rule
     assert _extract(setup, vision, manifest, features="vision").extracted == 1
-    assert "video_wrapper" not in json.loads((vision / "run.json").read_text())["config"]["processor"]
+    recorded = json.loads((vision / "run.json").read_text())["config"]["processor"]
+    assert recorded.get("video_wrapper", "kept") == "kept"
     other = "kept" if rule == "replaced" else "replaced"
     monkeypatch.setattr(processor_config, "video_wrapper_rule", lambda: other)
     for made in (out, vision):
         (made / FACTS_FILE).unlink()
     with pytest.raises(RunConfigMismatch, match="processor.video_wrapper"):
-        _extract(setup, out, manifest, overwrite=False)
+        _extract(setup, out, manifest)
+    from vlfast.cli.main import app
+
+    args = ["extract", str(manifest), str(out), "--model", str(setup.ckpt), "--features", "embedding"]
+    r = CliRunner().invoke(app, [*args, "--workers", "0", "--device", "cpu", "--dtype", "float32"])
+    assert r.exit_code == 2 and "processor.video_wrapper" in r.output, r.output
+    assert "transformers of the rule it was made with" in " ".join(r.output.split()), r.output
     assert _extract(setup, vision, manifest, features="vision").extracted == 0  # resumed: nothing to do
 
 
@@ -659,7 +664,7 @@ def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
     """The recipe's reference reads an image with qwen-vl-utils' to_rgb: RGBA pasted on white by its alpha,
     every other mode convert("RGB") (an LA image's alpha dropped, a 16-bit image clipped), where vlfast's
     own reading composites and scales: the recipe reads so (run.json: "image_reading": "qwen-vl-utils"),
-    pixel for pixel; an OUT made before it was recorded (no such key) resumes reading as it did."""
+    pixel for pixel; an OUT made reading as vlfast does resumes reading so."""
     import numpy as np
     from PIL import Image
 
@@ -668,7 +673,7 @@ def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
     from vlfast.extraction.decode.stage import SampleDataset, prepare_decoding
     from vlfast.extraction.decode.video import normalize_video_patches
     from vlfast.extraction.model.features import FeatureSpec
-    from vlfast.extraction.plan import recorded_image_reading
+    from vlfast.extraction.plan import recorded_setting
     from vlfast.extraction.sources.listing import load_inputs
 
     rgb = pattern(64, 96, 4)
@@ -699,7 +704,6 @@ def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
             pixels = normalize_video_patches(pixels, cfg)
         theirs = model_inputs(setup.ckpt, [rows[s.id]])[0]["pixel_values"]
         assert torch.equal(pixels, theirs), s.id
-    assert recorded_image_reading(None) is None  # a new OUT: the recipe decides
-    assert recorded_image_reading({"processor": {"image_processor": "Qwen2VLImageProcessor"}}) == "vlfast"
+    assert recorded_setting(None, "image_reading") is None  # a new OUT: the recipe decides
     old = build_processor_config(ckpt, family="qwen3_vl", image_reading="vlfast")
-    assert "image_reading" not in old.to_dict()
+    assert recorded_setting({"processor": old.to_dict()}, "image_reading") == "vlfast"

@@ -464,6 +464,11 @@ def _remedy(diffs, image_backend: str | None) -> str:
             "; or resume it with a transformers of the rule it was made with (transparency on white: "
             "5.21 or later; dropped: 5.18-5.20)"
         )
+    if "processor.video_wrapper" in keys:
+        remedy += (
+            "; or resume it with a transformers of the rule it was made with (a video's prompt with the chat "
+            "template's wrapper replaced: 5.25 or later; kept: 5.18-5.24)"
+        )
     return remedy
 
 
