@@ -127,6 +127,30 @@ def test_run_json_records_the_thin_image_rule(tiny_qwen3_vl):
         type(cfg)(**{**cfg.__dict__, "thin_images": "pillow"})
 
 
+def test_the_embedding_recipe_records_its_rule(tiny_qwen3_vl, tmp_path):
+    """The recipe sizes thin images by qwen-vl-utils' rule where vlfast resizes them (its torchvision path);
+    where transformers' PIL processor runs them, by that processor's; run.json says which."""
+    import shutil
+
+    from vlfast.extraction.decode.preprocess import build_processor_config
+    from vlfast.extraction.decode.video import smart_resize
+
+    emb = tmp_path / "emb"
+    shutil.copytree(tiny_qwen3_vl, emb)
+    config = json.loads((emb / "config.json").read_text())
+    (emb / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3VLForEmbedding"]}))
+    vlfast_path = build_processor_config(str(emb), family="qwen3_vl", image_processor="Qwen2VLImageProcessor")
+    assert vlfast_path.thin_images == "qwen-vl-utils"
+    assert vlfast_path.to_dict().get("thin_images", "qwen-vl-utils") == "qwen-vl-utils"
+    pil = build_processor_config(str(emb), family="qwen3_vl", image_processor="Qwen2VLImageProcessorPil")
+    assert pil.thin_images == "processor" and pil.to_dict()["thin_images"] == "processor"
+    lo, hi = vlfast_path.image_min_pixels, vlfast_path.image_max_pixels
+    # at the recipe's budgets 12x2400 is 1 x 75 merged patches by qwen-vl-utils; transformers rounds its
+    # height to 0 and scales it up to the 4,096-pixel minimum: 1 x 29
+    assert smart_resize(12, 2400, 32, lo, hi, "qwen-vl-utils") == (32, 2400)
+    assert smart_resize(12, 2400, 32, lo, hi, "processor") == (32, 928)
+
+
 @pytest.mark.parametrize(
     "option, value",
     [
@@ -296,6 +320,14 @@ for name, (path, kwargs) in loads.items():
     answered, stock_calls = rec.image_processor_calls()
     out["answered"][name] = answered
     out["stock"][name] = stock_calls
+
+# A vlfast that sized thin images by qwen-vl-utils' rule (the commit before this test): the proof at load
+# time catches it on its thin probe, and the processor stays stock
+import vlfast.extraction.decode.image as vimage
+right = vimage.smart_resize
+vimage.smart_resize = lambda h, w, f, lo, hi, thin=None: right(h, w, f, lo, hi, "qwen-vl-utils")
+out["other_rule_class"] = type(AutoProcessor.from_pretrained(CKPT).image_processor).__name__
+vimage.smart_resize = right
 print("RESULT " + json.dumps(out))
 """
 
@@ -337,6 +369,15 @@ def test_the_switch_gives_the_stock_output_for_any_image(switch_property):
     for name, answered in out["answered"].items():
         # the promise is not kept by handing everything to transformers: vlfast answers the images it takes
         assert answered >= 40, (name, out["stock"][name])
+
+
+def test_a_vlfast_with_another_thin_rule_is_not_swapped_in(switch_property):
+    """The proof at load time has a thin probe image: a vlfast sizing thin images by qwen-vl-utils' rule
+    would give another grid, so the switch leaves transformers' image processor in place and says why."""
+    out, stderr = switch_property
+    assert out["other_rule_class"] == "Qwen2VLImageProcessor"
+    said = [x for x in stderr.splitlines() if "keeps transformers' image processor" in x]
+    assert any("12 probe image" in x and "grid" in x for x in said), said
 
 
 def test_extract_follows_and_records_the_processors_rule(tiny_qwen3_vl, tmp_path):
