@@ -58,14 +58,26 @@ def _pil_processor(ckpt, budgets):
     return ip
 
 
-@pytest.mark.parametrize("budgets", [QWEN3, QWEN25], ids=["qwen3-vl", "qwen2.5-vl"])
+@pytest.mark.parametrize(
+    "budgets", [QWEN3, QWEN25, "ref:qwen2.5-vl-7b"], ids=["qwen3-vl", "qwen2.5-vl-budgets", "qwen2.5-vl"]
+)
 def test_thin_images_get_transformers_grid(tiny_qwen3_vl, budgets):
     """The issue's cases, then a property over sizes: VisionPreprocessor's grid is transformers' own
-    processor's, thin and extreme aspect included."""
+    processor's, thin and extreme aspect included: the demo checkpoint with Qwen3-VL's and Qwen2.5-VL's
+    budgets, and Qwen2.5-VL's published numbers (patch 14, so a side of 14 pixels or less is thin)."""
     from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    pre = VisionPreprocessor(str(tiny_qwen3_vl), **budgets)
-    ip = _pil_processor(tiny_qwen3_vl, budgets)
+    if isinstance(budgets, str):
+        pre = VisionPreprocessor(budgets)
+        cfg = pre.config
+        ip = Qwen2VLImageProcessorPil(
+            patch_size=cfg.patch_size,
+            size={"shortest_edge": cfg.image_min_pixels, "longest_edge": cfg.image_max_pixels},
+        )
+    else:
+        pre = VisionPreprocessor(str(tiny_qwen3_vl), **budgets)
+        ip = _pil_processor(tiny_qwen3_vl, budgets)
 
     def check(h, w):
         img = Image.new("RGB", (w, h), (90, 20, 200))
