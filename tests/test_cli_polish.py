@@ -278,3 +278,11 @@ def test_verify_expected_time_comes_from_the_tower_and_a_measured_rate(monkeypat
     big = verification.expected_seconds("ref:qwen3-vl-4b", grids=[(2, 16, 16)], backward=False)
     with_grads = verification.expected_seconds("ref:qwen3-vl-4b", grids=[(2, 16, 16)])
     assert 0 < small < big < with_grads
+
+
+def test_every_command_is_short():
+    """Each command parses, calls one library function and renders its result: no function in cli/ is over
+    80 lines (`vlfast extract` was 377, three commands in one)."""
+    from test_architecture import PACKAGE, long_functions
+
+    assert long_functions(PACKAGE / "cli", limit=80) == []

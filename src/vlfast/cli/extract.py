@@ -376,6 +376,19 @@ _COMMAND_LINE = (
 )
 
 
+# _engine's arguments, in its order
+_ENGINE_ARGS = (
+    "engine",
+    "ray_address",
+    "ray_workers",
+    "num_gpus_per_worker",
+    "ray_cpus_per_worker",
+    "rank",
+    "world_size",
+    "verbose",
+)
+
+
 def _request(params: dict[str, Any]) -> _Request:
     """The parsed options as the library's call; usage mistakes refused (exit 2) before anything is read."""
     paths, demo_inputs = params["paths"], None
@@ -399,10 +412,7 @@ def _request(params: dict[str, Any]) -> _Request:
         if params["model"] is None:
             raise UsageError("--model is required: a checkpoint directory or ref:NAME (see `vlfast models`)")
     storage_options = parse_storage_options(params["storage_options"])
-    engine = _engine(
-        *(params[k] for k in ("engine", "ray_address", "ray_workers", "num_gpus_per_worker")),
-        *(params[k] for k in ("ray_cpus_per_worker", "rank", "world_size", "verbose")),
-    )
+    engine = _engine(*(params[k] for k in _ENGINE_ARGS))
     if params["engine"] == "ray":
         quiet_ray(params["verbose"])
     options = {k: v for k, v in params.items() if k not in _COMMAND_LINE}
