@@ -12,6 +12,7 @@ and ``head=no`` (no line naming the run: the block above named it):
     ... (generated: a line naming the command, date, commit and load, then the table)
     <!-- end table -->
 
+The table ``result`` is the run's ``result`` (a mode's final dict) as one row.
 A column ``key`` whose row also has ``min_key`` and ``max_key`` shows "median (min-max)"; a value that is a
 dict with ``median``, ``min`` and ``max`` (the harness's ``spread``) shows the same.
 """
@@ -65,11 +66,12 @@ def render(spec: str) -> str:
     """The block's body: a line naming the run, then the table."""
     path, table, cols, where, opts = _parse(spec)
     data = json.loads((BENCH / path).read_text())
-    rows = [r for r in data["tables"][table] if all(text in str(r.get(k, "")) for k, text in where)]
+    got = [data["result"]] if table == "result" else data["tables"][table]  # result: its scalars, one row
+    rows = [r for r in got if all(text in str(r.get(k, "")) for k, text in where)]
     m = data["machine"]
     load = "load not recorded"
     if data.get("load_before"):
-        load = f"load {data['load_before'][0]} before, {data['load_after'][0]} after"
+        load = f"load before/after {data['load_before'][0]}/{data['load_after'][0]}"
     head = f"`{data['command']}`: {m['date']}, commit {m.get('commit') or 'not recorded'}, {load}\n\n"
     if opts.get("head") == "no":  # the block above named the same run
         head = ""
