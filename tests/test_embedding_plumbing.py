@@ -82,7 +82,7 @@ def test_only_a_checkpoint_naming_the_embedding_architecture_gets_the_recipe(tin
 
     assert not is_embedding_checkpoint(str(tiny_qwen3_vl))
     plain = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
-    assert plain.video_sizing == "processor" and "video_sizing" not in plain.to_dict()
+    assert plain.video_sizing == "processor" and plain.to_dict()["video_sizing"] == "processor"
     emb = _named_embedding(tiny_qwen3_vl, tmp_path / "emb")
     assert is_embedding_checkpoint(str(emb))
     cfg = build_processor_config(str(emb), family="qwen3_vl")

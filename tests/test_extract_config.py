@@ -45,12 +45,12 @@ def test_a_resume_with_another_patch_setting_is_refused(two, tiny_qwen3_vl, tmp_
     assert r.exit_code == 2 and "patch_convs" in r.output and "--overwrite" in r.output, r.output
 
 
-def test_the_default_patched_config_is_unchanged(two, tiny_qwen3_vl, tmp_path):
-    """An OUT written with the default before patch_convs was configuration still resumes: the key is
-    recorded only for unpatched runs (a patched run.json has no top-level patch_convs)."""
+def test_the_default_patched_config_is_recorded(two, tiny_qwen3_vl, tmp_path):
+    """patch_convs is configuration, recorded for a patched run as for an unpatched one (one format: every
+    OUT records every key)."""
     out = tmp_path / "out"
     extract(two, out, model=str(tiny_qwen3_vl), num_workers=0)
-    assert "patch_convs" not in json.loads((out / "run.json").read_text())["config"]
+    assert json.loads((out / "run.json").read_text())["config"]["patch_convs"] is True
 
 
 # ---------------------------------------------------------------- checked before OUT is written (exit 2)

@@ -664,7 +664,7 @@ def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
     """The recipe's reference reads an image with qwen-vl-utils' to_rgb: RGBA pasted on white by its alpha,
     every other mode convert("RGB") (an LA image's alpha dropped, a 16-bit image clipped), where vlfast's
     own reading composites and scales: the recipe reads so (run.json: "image_reading": "qwen-vl-utils"),
-    pixel for pixel; an OUT made before it was recorded (no such key) resumes reading as it did."""
+    pixel for pixel; an OUT made reading as vlfast does resumes reading so."""
     import numpy as np
     from PIL import Image
 
@@ -673,7 +673,7 @@ def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
     from vlfast.extraction.decode.stage import SampleDataset, prepare_decoding
     from vlfast.extraction.decode.video import normalize_video_patches
     from vlfast.extraction.model.features import FeatureSpec
-    from vlfast.extraction.plan import recorded_image_reading
+    from vlfast.extraction.plan import recorded_setting
     from vlfast.extraction.sources.listing import load_inputs
 
     rgb = pattern(64, 96, 4)
@@ -704,7 +704,6 @@ def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
             pixels = normalize_video_patches(pixels, cfg)
         theirs = model_inputs(setup.ckpt, [rows[s.id]])[0]["pixel_values"]
         assert torch.equal(pixels, theirs), s.id
-    assert recorded_image_reading(None) is None  # a new OUT: the recipe decides
-    assert recorded_image_reading({"processor": {"image_processor": "Qwen2VLImageProcessor"}}) == "vlfast"
+    assert recorded_setting(None, "image_reading") is None  # a new OUT: the recipe decides
     old = build_processor_config(ckpt, family="qwen3_vl", image_reading="vlfast")
-    assert "image_reading" not in old.to_dict()
+    assert recorded_setting({"processor": old.to_dict()}, "image_reading") == "vlfast"

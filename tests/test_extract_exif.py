@@ -73,7 +73,7 @@ def test_without_it_the_stored_pixels_are_taken_as_they_are(tmp_path):
     cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", exif_orientation=False)
     _, grid, meta = Preprocessor(cfg).image(path)
     assert (meta["width"], meta["height"]) == (320, 160)
-    assert "exif_orientation" not in cfg.to_dict()  # as every run.json written before it
+    assert cfg.to_dict()["exif_orientation"] is False  # recorded: every OUT records every setting
     assert build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl").to_dict()["exif_orientation"] is True
 
 
@@ -108,7 +108,7 @@ def made_without_it(tmp_path_factory, tiny_qwen3_vl):
 
 def test_recorded_and_an_out_made_without_it_resumes_as_made(made_without_it, tmp_path, tiny_qwen3_vl):
     images, old = made_without_it / "in", made_without_it / "old"
-    assert "exif_orientation" not in _processor(old)  # as in every run.json written before the setting
+    assert _processor(old)["exif_orientation"] is False
     (as_stored,) = _grids(old).values()
 
     new = tmp_path / "new"
@@ -120,7 +120,7 @@ def test_recorded_and_an_out_made_without_it_resumes_as_made(made_without_it, tm
     # the same call without the option resumes it as it was made, also for the samples it adds
     _jpeg(images / "b.jpg", 6, h=64, w=128, seed=2)
     summary = _extract(images, old, tiny_qwen3_vl)
-    assert summary.extracted == 1 and "exif_orientation" not in _processor(old)
+    assert summary.extracted == 1 and _processor(old)["exif_orientation"] is False
     assert all(g == as_stored for g in _grids(old).values())
 
 

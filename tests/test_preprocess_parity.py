@@ -350,7 +350,7 @@ def test_a_changed_pixel_setting_refuses_the_resume(tiny_qwen3_vl, two, tmp_path
     args = ["extract", str(two), str(out), "--model", str(ckpt), "--workers", "0"]
     assert CliRunner().invoke(app, args).exit_code == 0
     recorded = json.loads((out / "run.json").read_text())["config"]["processor"]
-    assert "resample" not in recorded  # the default, as every OUT before recorded it: older OUTs resume
+    assert recorded["resample"] == 3  # recorded: every OUT records every setting
     for f, key in (
         ("preprocessor_config.json", "resample"),
         ("video_preprocessor_config.json", "video_resample"),
@@ -393,7 +393,7 @@ def test_transparency_follows_transformers_rule_and_is_recorded(tiny_qwen3_vl, t
     args = ["extract", str(two), str(out), "--model", str(tiny_qwen3_vl), "--workers", "0"]
     assert CliRunner().invoke(app, args).exit_code == 0
     recorded = json.loads((out / "run.json").read_text())["config"]["processor"]
-    assert recorded.get("transparency", "white") == rule and ("transparency" in recorded) == (rule != "white")
+    assert recorded["transparency"] == rule
     # another transformers (its facts key differs: the record is asked again) with the other rule
     monkeypatch.setattr(processor_config, "transparency_rule", lambda: other)
     (out / FACTS_FILE).unlink()

@@ -120,21 +120,20 @@ def test_the_embedding_recipe_keeps_qwen_vl_utils_rule():
 
 
 def test_run_json_records_the_thin_image_rule(tiny_qwen3_vl):
-    """A checkpoint's OUT records thin_images "processor"; an OUT made before (no key) resumes with
-    qwen-vl-utils' rule, which every model had then; the recipe's rule is recorded by its absence."""
+    """A checkpoint's OUT records thin_images "processor"; an OUT made with qwen-vl-utils' rule records it
+    and resumes with it."""
     from vlfast.extraction.decode.preprocess import build_processor_config
-    from vlfast.extraction.plan import recorded_thin_images
+    from vlfast.extraction.plan import recorded_setting
 
     cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
     assert cfg.thin_images == "processor"
     assert cfg.to_dict()["thin_images"] == "processor"
-    old = cfg.to_dict()
-    del old["thin_images"]
-    rule = recorded_thin_images({"processor": old})
+    old = {**cfg.to_dict(), "thin_images": "qwen-vl-utils"}
+    rule = recorded_setting({"processor": old}, "thin_images")
     assert rule == "qwen-vl-utils"
     resumed = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl", thin_images=rule)
     assert resumed.to_dict() == old
-    assert recorded_thin_images(None) is None
+    assert recorded_setting(None, "thin_images") is None
     with pytest.raises(InputRefused, match="thin_images"):
         type(cfg)(**{**cfg.__dict__, "thin_images": "pillow"})
 
@@ -394,8 +393,8 @@ def test_a_vlfast_with_another_thin_rule_is_not_swapped_in(switch_property):
 
 def test_extract_follows_and_records_the_processors_rule(tiny_qwen3_vl, tmp_path):
     """``vlfast extract`` on a checkpoint sizes a thin image as transformers' processor does and records the
-    rule in run.json; an OUT whose run.json has no thin_images (made before it was recorded) resumes with
-    qwen-vl-utils' rule, as it was made, also for the samples it adds."""
+    rule in run.json; an OUT made with qwen-vl-utils' rule (recorded) resumes with it, as it was made, also
+    for the samples it adds."""
     import warnings
 
     from PIL import Image
@@ -420,15 +419,18 @@ def test_extract_follows_and_records_the_processors_rule(tiny_qwen3_vl, tmp_path
     assert run["config"]["processor"]["thin_images"] == "processor"
     assert list(grids(new).values()) == [[1, 2, 228]]  # transformers' grid (the issue's case)
 
-    # an OUT as vlfast wrote it before the rule was recorded: qwen-vl-utils' rule, no thin_images in run.json
+    # an OUT made with qwen-vl-utils' rule, as the recipe's are
     old = tmp_path / "old"
+    recorded = plan.recorded_setting
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan, "recorded_thin_images", lambda recorded: "qwen-vl-utils")
+        mp.setattr(
+            plan, "recorded_setting", lambda r, n: "qwen-vl-utils" if n == "thin_images" else recorded(r, n)
+        )
         extract(old)
-    assert "thin_images" not in json.loads((old / "run.json").read_text())["config"]["processor"]
+    assert json.loads((old / "run.json").read_text())["config"]["processor"]["thin_images"] == "qwen-vl-utils"
     assert list(grids(old).values()) == [[1, 2, 150]]
     Image.new("RGB", (12, 2400), (50, 20, 90)).save(tmp_path / "in" / "b.png")
     summary = extract(old)
     assert summary.extracted == 1
-    assert "thin_images" not in json.loads((old / "run.json").read_text())["config"]["processor"]
+    assert json.loads((old / "run.json").read_text())["config"]["processor"]["thin_images"] == "qwen-vl-utils"
     assert sorted(grids(old).values()) == [[1, 2, 150], [1, 150, 2]]

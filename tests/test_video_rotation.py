@@ -84,7 +84,7 @@ def test_the_choice_is_recorded_and_a_resume_keeps_it(clips, tiny_qwen3_vl, tmp_
     from typer.testing import CliRunner
 
     from vlfast.cli.main import app
-    from vlfast.extraction.plan import recorded_video_rotation
+    from vlfast.extraction.plan import recorded_setting
 
     folder = tmp_path / "in"
     folder.mkdir()
@@ -98,8 +98,11 @@ def test_the_choice_is_recorded_and_a_resume_keeps_it(clips, tiny_qwen3_vl, tmp_
         recorded = json.loads((out / "run.json").read_text())["config"]["processor"]
         assert recorded.get("video_rotation", False) is expected
         assert "nothing to do" in CliRunner().invoke(app, args).output
-    assert recorded_video_rotation(None) is None
-    assert recorded_video_rotation({"processor": {"exif_orientation": True}}) is False
+    assert recorded_setting(None, "video_rotation") is None  # a new OUT: the EXIF choice decides
+    assert (
+        recorded_setting({"processor": {"exif_orientation": True, "video_rotation": False}}, "video_rotation")
+        is False
+    )
     assert (
         build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", video_rotation=False).video_rotation
         is False

@@ -254,15 +254,15 @@ class RunPlan:
     def inputs_renamed(self, state: Any, config: ExtractConfig) -> list[str]:
         """This rank's committed ids whose entry names another place or text than its record (docs/extract.md,
         "Inputs that change"), unless the bytes it names now are the recorded ones (hashed to tell), from
-        ``read_state``'s sound parts; reads no input otherwise. A row without a record (an older vlfast's)
-        is unknown, never changed. What is done is what ``work(..., keep_positions=True)`` did not leave."""
+        ``read_state``'s sound parts; reads no input otherwise. A row without a record (a ``FeatureStore`` user's
+        own) is unknown, never changed. What is done is what ``work(..., keep_positions=True)`` did not leave."""
         from vlfast.extraction.decode.inputs import input_digest
         from vlfast.extraction.sources.identity import content_key, entry_keys
         from vlfast.extraction.store.inputs import Recorded, recorded_keys
 
         recorded = recorded_keys(self.out, state.sound)
         if not len(recorded.values):
-            return []  # nothing is recorded: an OUT of an older vlfast, or nothing committed
+            return []  # nothing is recorded: nothing committed, or committed without records
         texts, first = self._texts(config), self._unique[0]  # the first copy of each id (work() made it)
         suspects = []
         for at in range(0, len(first), _KEYS_AT_ONCE):
@@ -348,10 +348,11 @@ def make_plan(
         max_pixels=config.max_pixels,
         video_max_pixels=config.video_max_pixels,
         exif_orientation=exif_orientation(config.exif_orientation, recorded),
-        image_processor=IMAGE_BACKENDS.get(config.image_backend) or recorded_image_processor(recorded),
-        image_reading=recorded_image_reading(recorded),
-        video_rotation=recorded_video_rotation(recorded),
-        thin_images=recorded_thin_images(recorded),
+        image_processor=IMAGE_BACKENDS.get(config.image_backend)
+        or recorded_setting(recorded, "image_processor"),
+        image_reading=recorded_setting(recorded, "image_reading"),
+        video_rotation=recorded_setting(recorded, "video_rotation"),
+        thin_images=recorded_setting(recorded, "thin_images"),
         facts=facts,
     )
     processor = with_video_wrapper(processor, family, config.spec.needs_llm, facts)
@@ -420,9 +421,8 @@ def run_configuration(
         "processor": processor.to_dict(),
         "versions": library_versions(),
         # The GEMM patch changes the features' bits (up to ~1e-6 relative in float32, more in bfloat16), so a
-        # resume must not mix patched and unpatched samples. Recorded only when unpatched: an OUT written
-        # with the default by a vlfast from before this key was configuration stays resumable.
-        **({} if config.patch_convs else {"patch_convs": False}),
+        # resume must not mix patched and unpatched samples.
+        "patch_convs": config.patch_convs,
         RUNTIME_KEY: {
             "device": config.device_name,
             "num_workers": config.workers,
@@ -468,53 +468,19 @@ def as_recorded(recorded: dict[str, Any] | None, run_config: dict[str, Any]) -> 
 IMAGE_BACKENDS = {"torchvision": "Qwen2VLImageProcessor", "pil": "Qwen2VLImageProcessorPil"}
 
 
-def recorded_image_processor(recorded: dict[str, Any] | None) -> str | None:
-    """The image processor class OUT was made with (None for a new OUT): a resume keeps it, so an OUT made
-    with transformers' PIL processor goes on with it (vlfast's default for new OUTs is the torchvision one's
-    operations, done by vlfast)."""
-    processor = _recorded_processor(recorded)
-    name = processor.get("image_processor") if processor is not None else None
-    return name if isinstance(name, str) else None
-
-
-def recorded_image_reading(recorded: dict[str, Any] | None) -> str | None:
-    """How OUT read its image files (None for a new OUT): a resume keeps it, so an embedding OUT made before
-    the recipe read them as qwen-vl-utils does goes on as made ("vlfast", which its run.json omits)."""
-    processor = _recorded_processor(recorded)
-    reading = processor.get("image_reading", "vlfast") if processor is not None else None
-    return reading if isinstance(reading, str) else None
-
-
-def recorded_video_rotation(recorded: dict[str, Any] | None) -> bool | None:
-    """Whether OUT turned its videos by their display matrix (None for a new OUT, where it follows the EXIF
-    choice): a resume keeps it, so an OUT made before vlfast did goes on taking frames as stored."""
-    processor = _recorded_processor(recorded)
-    return bool(processor.get("video_rotation", False)) if processor is not None else None
-
-
-def recorded_thin_images(recorded: dict[str, Any] | None) -> str | None:
-    """Whose rule sized OUT's thin images (None for a new OUT, where the model decides): a resume keeps it,
-    so an OUT made before vlfast recorded it goes on with qwen-vl-utils' rule, which every model had then."""
-    processor = _recorded_processor(recorded)
-    rule = processor.get("thin_images", "qwen-vl-utils") if processor is not None else None
-    return rule if isinstance(rule, str) else None
+def recorded_setting(recorded: dict[str, Any] | None, name: str) -> Any:
+    """The processor setting ``name`` OUT was made with (``image_processor``, ``image_reading``,
+    ``video_rotation``, ``thin_images``, ``exif_orientation``...), which a resume keeps; None for a new OUT,
+    where the request and the model decide. Every OUT records every setting (one format)."""
+    processor = (recorded or {}).get("processor")
+    return processor.get(name) if isinstance(processor, dict) else None
 
 
 def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:
     """Whether images are turned upright by their EXIF tag: as asked (``--exif-orientation`` or
-    ``--no-exif-orientation``); unasked, as OUT was made, so the same command resumes it (an OUT made before
-    vlfast recorded the choice did not apply it, and records nothing); None for a new OUT, where the model's
-    preprocessing decides (:func:`~vlfast.extraction.decode.preprocess.build_processor_config`)."""
-    if asked is not None:
-        return asked
-    processor = _recorded_processor(recorded)
-    return bool(processor.get("exif_orientation", False)) if processor is not None else None
-
-
-def _recorded_processor(recorded: dict[str, Any] | None) -> dict[str, Any] | None:
-    """OUT's recorded ``processor`` entry; None for a new OUT (or a record without one)."""
-    processor = (recorded or {}).get("processor")
-    return processor if isinstance(processor, dict) else None
+    ``--no-exif-orientation``); unasked, as OUT was made, so the same command resumes it; None for a new OUT,
+    where the model's preprocessing decides (:func:`~vlfast.extraction.decode.preprocess.build_processor_config`)."""
+    return asked if asked is not None else recorded_setting(recorded, "exif_orientation")
 
 
 def _answers(facts: ModelFacts | None, model: str) -> ModelFacts:

@@ -53,8 +53,7 @@ IMAGE_READINGS = ("vlfast", "decode_image", "load_image", "qwen-vl-utils")
 VIDEO_WRAPPERS = ("kept", "replaced")
 # PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to
 VIDEO_RESAMPLES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
-# The processors' settings that change pixels, by their defaults: fields added after OUTs were written
-# without them, so in run.json only where they differ from these values
+# The processors' settings that change pixels, by their defaults
 PIXEL_SETTINGS = {
     "resample": 3,
     "do_resize": True,
@@ -66,19 +65,6 @@ PIXEL_SETTINGS = {
     "video_do_rescale": True,
     "video_do_normalize": True,
     "video_rescale_factor": 1 / 255,
-}
-
-
-# Fields added after OUTs were written without them, by the value every earlier vlfast applied: in run.json only
-# where they differ, so older OUTs resume as made
-_ADDED_LATER = {
-    "video_sizing": "processor",  # added with embeddings
-    "exif_orientation": False,  # earlier vlfast took images as stored
-    "transparency": "white",  # earlier vlfast composited on white
-    "image_reading": "vlfast",
-    "video_rotation": False,  # earlier vlfast took frames as stored
-    "thin_images": "qwen-vl-utils",  # earlier vlfast sized thin images by qwen-vl-utils' rule for every model
-    "video_wrapper": "kept",  # earlier vlfast kept the template's wrapper around a Qwen3-VL video's frames
 }
 
 
@@ -118,12 +104,11 @@ class ProcessorConfig:
     video_sizing: str = "processor"
     # Images (and a clip's frame images) turned upright by their EXIF orientation tag, as transformers'
     # load_image does for a path or URL (PIL.ImageOps.exif_transpose). False: the pixels as stored, as
-    # qwen-vl-utils reads them and as every vlfast before this field did.
+    # qwen-vl-utils reads them.
     exif_orientation: bool = False
     # The processors' settings that change pixels, as the checkpoint's files (or the processor classes'
     # defaults) give them; resampling by PIL's codes (0 nearest, 2 bilinear, 3 bicubic). Images: transformers'
-    # image processor applies them; videos: the rules in vlfast.extraction.decode.video. In run.json only where
-    # they differ from these defaults, which every vlfast before them applied, so older OUTs resume as made.
+    # image processor applies them; videos: the rules in vlfast.extraction.decode.video.
     resample: int = 3
     do_resize: bool = True
     do_rescale: bool = True
@@ -135,23 +120,19 @@ class ProcessorConfig:
     video_do_normalize: bool = True
     video_rescale_factor: float = 1 / 255
     # Transparent images (an alpha band, a palette's or a colour key's transparency) made RGB as the installed
-    # transformers' processor makes them (TRANSPARENCIES): its rule changed in 5.21. In run.json only where
-    # "dropped", so OUTs made before it was recorded (composited on white) resume as made.
+    # transformers' processor makes them (TRANSPARENCIES): its rule changed in 5.21.
     transparency: str = "white"
-    # IMAGE_READINGS; in run.json only where not "vlfast", which every OUT before it was recorded used
+    # IMAGE_READINGS
     image_reading: str = "vlfast"
     # A video's frames turned upright by its stream's display matrix (phone videos: a rotation of 90, 180 or
     # 270 degrees), as torchcodec, the reader transformers' video processors decode a path with, turns them.
-    # In run.json only where True: OUTs made before it was recorded took the frames as stored.
     video_rotation: bool = False
     # VIDEO_WRAPPERS: how the installed transformers' processor expands a video in a prompt (llm and
-    # embedding features of a Qwen3-VL family; its rule changed in 5.25). In run.json only where "replaced":
-    # OUTs made before it was recorded kept the wrapper.
+    # embedding features of a Qwen3-VL family; its rule changed in 5.25).
     video_wrapper: str = "kept"
     # THIN_IMAGES: whose smart_resize rule sizes a thin image (vlfast's image path, and videos sized
     # "qwen2-vl"; "processor" and "qwen-vl-utils" sizing follow their own reference's rule). The transformers
-    # processor's for a checkpoint, qwen-vl-utils' for the embedding recipe. In run.json only where
-    # "processor": OUTs made before it was recorded used qwen-vl-utils' rule for every model.
+    # processor's for a checkpoint, qwen-vl-utils' for the embedding recipe.
     thin_images: str = "qwen-vl-utils"
 
     def __post_init__(self) -> None:
@@ -205,15 +186,6 @@ class ProcessorConfig:
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)
-        # Written by every vlfast so far, always empty (a field that was never passed to the processor):
-        # kept so that an OUT written before resumes, its configuration being compared as a whole.
-        d["image_kwargs"] = {}
-        for k, default in _ADDED_LATER.items():
-            if d[k] == default:
-                del d[k]
-        for k, default in PIXEL_SETTINGS.items():
-            if d[k] == default and type(d[k]) is type(default):
-                del d[k]
         return d
 
 
