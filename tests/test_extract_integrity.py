@@ -30,7 +30,7 @@ from vlfast.extraction.store.format import (
     read_errors,
     read_index_part,
 )
-from vlfast.extraction.store.integrity import check_part, verify_folder
+from vlfast.extraction.store.integrity import check_folder, check_part
 from vlfast.extraction.store.writer import read_state
 
 CFG = {"model": "m", "dtype": "bfloat16", "processor": {"max_pixels": 1024}, "versions": {"torch": "2.13"}}
@@ -95,7 +95,7 @@ def test_flipped_byte_in_a_tensor_is_caught(tmp_path: Path, ref: Path) -> None:
     with pytest.warns(UserWarning, match="fail their checksum"):
         s = _resume(out)
     assert [q["ids"] for q in s.quarantined] == [["s3", "s4", "s5"]]
-    assert compare_caches(ref, out) == [] and verify_folder(out).ok
+    assert compare_caches(ref, out) == [] and check_folder(out).ok
     assert CliRunner().invoke(app, ["out", "verify", str(out)]).exit_code == 0
 
 
@@ -110,7 +110,7 @@ def test_truncated_shard_is_named_and_redone(tmp_path: Path, ref: Path) -> None:
         c["s6"]
     state = read_state(out, CFG)
     assert state.damaged and not {"s6", "s7", "s8"} & state.done
-    report = verify_folder(out)
+    report = check_folder(out)
     assert sorted(b["id"] for b in report.bad_samples) == ["s6", "s7", "s8"]
     with pytest.warns(UserWarning, match="truncated"):
         s = _resume(out, resume_check="quick")  # sizes are checked even by the quick check
@@ -189,7 +189,7 @@ def test_replaced_run_json_is_caught_by_what_the_shards_carry(tmp_path: Path) ->
         FeatureStore(out, changed)
     with pytest.raises(DamagedFile, match="mixes two runs"):
         FeatureCache(out)
-    assert verify_folder(out).other_config_parts
+    assert check_folder(out).other_config_parts
 
 
 def test_damaged_error_line_is_not_trusted(tmp_path: Path) -> None:
@@ -201,7 +201,7 @@ def test_damaged_error_line_is_not_trusted(tmp_path: Path) -> None:
     text = path.read_text()
     path.write_text(text.replace('"id": "s1"', '"id": "s7"', 1))  # a flipped bit that still parses
     assert [e["id"] for e in read_errors(out)] == ["s2"]  # s7 is not silently skipped, s1 will be redone
-    assert verify_folder(out).damaged_error_lines == 1
+    assert check_folder(out).damaged_error_lines == 1
     with FeatureStore(out, CFG) as s:
         assert s.done_ids() == {"s2"}
 
@@ -479,7 +479,7 @@ def test_the_record_of_full_checks_and_what_verify_does_to_it(tmp_path: Path) ->
     decayed.hashed(part)
     decayed.save()
     assert confirm_hashed(out, read_state(out, CFG)) == []  # the blind spot, documented
-    assert not verify_folder(out).ok
+    assert not check_folder(out).ok
     assert confirm_hashed(out, read_state(out, CFG)) == [part.name]  # --verify dropped it: found again
     assert not list(out.glob(".tmp-*"))  # no probe file left behind
 

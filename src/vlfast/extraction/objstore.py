@@ -599,9 +599,6 @@ class RangeReader(ByteWindow):
         return done
 
 
-_RangeReader = RangeReader  # the name before issue 21
-
-
 def open_range(url: str, options_json: str, offset: int, size: int, name: str) -> io.BufferedReader:
     """The ``size`` bytes at ``offset`` of the object at ``url`` as a seekable binary file (a tar member,
     for PyAV): ranged requests over just those bytes ("input" policy), nothing written to disk."""

@@ -45,7 +45,6 @@ from vlfast.extraction.objstore import read_whole
 from vlfast.extraction.store.format import (
     CHECK_FILE,
     COMPACT_RE,
-    DTYPES,
     PART_RE,
     SHARD_DIR,
     SHARD_RE,
@@ -80,8 +79,6 @@ __all__ = [
     "check_part",
     "open_shard",
 ]
-
-SAFETENSORS_DTYPE = DTYPES  # the name before issue 21: format.DTYPES is the one table
 
 
 @dataclass
@@ -464,9 +461,6 @@ class CheckReport:
         return {**asdict(self), "ok": self.ok}
 
 
-VerifyReport = CheckReport  # the name before issue 21 (vlfast.verify's VerifyReport is another thing)
-
-
 @gc_paused()
 def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | None = None) -> CheckReport:
     """Check everything a reader of ``out`` relies on, reading every byte; report every bad sample by id."""
@@ -705,6 +699,3 @@ def _shard_stamps(out: Any, since: int | None) -> dict[str, str]:
         if SHARD_RE.match(name) and etag and e.get("size") is not None:
             stamps[name] = f"{e['size']}:{str(etag).strip(chr(34))}"
     return stamps
-
-
-verify_folder = check_folder  # the name before issue 21
