@@ -10,7 +10,7 @@ a crash sees); a cold disk makes every side slower by the same read, which the c
   loaded as a module of its own);
 - read: every sample through ``FeatureCache`` with and without ``verify=True``;
 - resume: opening a store on the finished folder with ``resume_check="full"`` and ``"quick"``;
-- verify: ``verify_folder`` (``vlfast extract --verify``), in GB/s.
+- verify: ``check_folder`` (``vlfast extract --verify``), in GB/s.
 
     python benchmarks/extract.py store                    # 120 samples, 5 rounds
     python benchmarks/extract.py store --samples 300 --rounds 7 --json
@@ -107,7 +107,7 @@ def main() -> None:
     a = p.parse_args()
 
     from vlfast.extraction import FeatureStore
-    from vlfast.extraction.store.integrity import verify_folder
+    from vlfast.extraction.store.integrity import check_folder
 
     old = old_store_module().FeatureStore
     tmp = Path(tempfile.mkdtemp(prefix="vlfast-store-bench-", dir=a.dir))
@@ -128,7 +128,7 @@ def main() -> None:
             pair = [("full", "resume_full"), ("quick", "resume_quick")]
             for mode, key in pair if r % 2 == 0 else pair[::-1]:
                 rows[key].append(resume(new_out, mode))
-            report = verify_folder(new_out)
+            report = check_folder(new_out)
             assert report.ok, report.to_dict()
             rows["verify"].append(report.seconds)
         nbytes = report.bytes_checked
@@ -178,7 +178,7 @@ def main() -> None:
         f"(median ratio {result['read_verify_over_read']:.2f}, {spread('read_verify', 'read')})"
     )
     print(f"resume check: full {med['resume_full']:.2f} s, quick {med['resume_quick']:.3f} s")
-    print(f"verify_folder: {med['verify']:.2f} s ({result['verify_gib_s']:.2f} GiB/s)")
+    print(f"check_folder: {med['verify']:.2f} s ({result['verify_gib_s']:.2f} GiB/s)")
     print(f"load average at the end: {result['load_average_end']:.1f}")
 
 
