@@ -26,10 +26,10 @@ from vlfast._files import fsync_dir
 from vlfast.extraction.interrupts import commit_section
 from vlfast.extraction.store.format import (
     ERROR_DIR,
-    FOREIGN_HINT,
     INDEX_DIR,
     LISTING_DIR,
     LOCK_DIR,
+    MOVE_HINT,
     QUARANTINE_DIR,
     SHARD_DIR,
     SHARD_RE,
@@ -301,8 +301,11 @@ class LocalBackend:
         except OSError as e:
             if e.errno in _READ_ONLY:
                 raise self.not_writable(e) from None
-            if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where the folder belongs (a store moves it)
-                raise DamagedFile(f"{self.out / LOCK_DIR} is not a folder. {FOREIGN_HINT}") from None
+            if e.errno in (
+                errno.EEXIST,
+                errno.ENOTDIR,
+            ):  # a file where the folder belongs (made since the check)
+                raise DamagedFile(f"{self.out / LOCK_DIR} is not a folder. {MOVE_HINT}") from None
             raise
         if self._lock is None:
             raise OutputInUse(

@@ -759,6 +759,10 @@ REDO_HINT = (
 
 # What to do about a file in OUT that is not the format's (a foreign Parquet file under a part's name, a file
 # where a folder belongs): never deleted, and the shard its name points at may be another part's.
+# What to do about a file where the format keeps a folder, or a folder where it keeps a file: only a hand edit
+# makes one, and nothing moves it for the user (store.layout.refuse_misplaced).
+MOVE_HINT = "Nothing in OUT is moved for you: move it out of OUT, then run again."
+
 FOREIGN_HINT = (
     "Run the same `vlfast extract` again: it moves it aside to OUT/quarantine and extracts again what is "
     "missing (or move it out of OUT yourself)."

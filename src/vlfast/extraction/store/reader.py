@@ -33,8 +33,8 @@ from vlfast.extraction.store.format import (
     DTYPE_BY_CODE,
     ERROR_DIR,
     FAILURE_KINDS,
-    FOREIGN_HINT,
     INDEX_DIR,
+    MOVE_HINT,
     REDO_HINT,
     SHARD_DIR,
     DamagedFile,
@@ -292,9 +292,7 @@ class FeatureCache(torch.utils.data.Dataset):
         for an id that a later attempt extracted (see ``read_errors``)."""
         blocked = [p for p in not_folders(self.out) if p.name == ERROR_DIR]
         if blocked:
-            raise DamagedFile(
-                f"{blocked[0]} is not a folder: the error records cannot be read. {FOREIGN_HINT}"
-            )
+            raise DamagedFile(f"{blocked[0]} is not a folder: the error records cannot be read. {MOVE_HINT}")
         return [r for r in read_errors(self.out) if r.get("kind") not in FAILURE_KINDS or r["id"] not in self]
 
     def check(self, progress=None) -> CheckReport:
@@ -405,7 +403,7 @@ def _check_layout(out: Any) -> None:
     if blocked:
         raise DamagedFile(
             f"{blocked[0]} is {'a dangling link' if blocked[0].is_symlink() else 'a file'}, not a folder: the "
-            f"samples of {out} cannot be read. {FOREIGN_HINT}"
+            f"samples of {out} cannot be read. {MOVE_HINT}"
         )
 
 
