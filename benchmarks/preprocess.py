@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -127,10 +128,30 @@ def _main(args) -> list[dict]:
     sizes = IMAGE_SIZES
     if args.image_sizes:
         sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.image_sizes.split(",")]
-    why = reference.unavailable()
-    if why:
-        raise SystemExit(f"transformers' torchvision processors need the reference torchvision: {why}")
-    reference._import_torchvision()
+    c = _context()
+    rows = []
+    if args.only != "video" and not args.image_sizes:  # each size in a fresh process (see the docstring)
+        rows += _sizes_apart(c.work, sizes, args)
+        sizes = []
+    for w, h in sizes if args.only != "video" else []:
+        rows += _image_rows(c, w, h, args)
+    clips = [(w, h, gop) for gop in (None, 30) for w, h in CLIP_SIZES] if args.only != "image" else []
+    for w, h, gop in clips:
+        rows += _video_rows(c, w, h, gop, args)
+    torchcodec_why, decord_why = c.torchcodec_why, c.decord_why
+    print(f"\nmachine: {harness.machine()}")
+    for reader, why in (("torchcodec", torchcodec_why), ("decord", decord_why)):
+        if why is not None and args.only != "image":
+            print(f"{reader}: not measured, it does not load here: {why}")
+            if reader == "torchcodec":
+                print(
+                    "  (PyPI's torchcodec is a CUDA build: benchmarks/torchcodec_env.sh makes a venv where it loads)"
+                )
+    return rows
+
+
+def _context() -> types.SimpleNamespace:
+    """The processors, the config and the functions every row uses, made once."""
     import transformers
     from PIL import Image
     from transformers.image_utils import load_image as tf_load_image
@@ -162,252 +183,350 @@ def _main(args) -> list[dict]:
     from vlfast.extraction.preprocessing import _adapted
 
     swapped = _adapted(vision, tv, fallback=True)  # what swap_image_processor installs
+    return types.SimpleNamespace(
+        Image=Image,
+        _decode_at=_decode_at,
+        batch_pixels=batch_pixels,
+        cfg=cfg,
+        decord_why=decord_why,
+        deferred=deferred,
+        fetch_image=fetch_image,
+        fetch_video=fetch_video,
+        load_video=load_video,
+        make_video=make_video,
+        patchify_video=patchify_video,
+        pattern=pattern,
+        pil=pil,
+        read_video=read_video,
+        simplejpeg=simplejpeg,
+        swapped=swapped,
+        tf_load_image=tf_load_image,
+        torchcodec_why=torchcodec_why,
+        tv=tv,
+        video_proc=video_proc,
+        vision=vision,
+        vision_uint8=vision_uint8,
+        work=work,
+    )
+
+
+def _sizes_apart(work: Path, sizes: list, args) -> list[dict]:
+    """Each image size measured by a process of its own (the docstring says why); their rows."""
     rows = []
-    if args.only != "video" and not args.image_sizes:  # each size in a fresh process (see the docstring)
-        for w, h in sizes:
-            part = work / f"rows-{w}x{h}.json"
-            cmd = [
-                sys.executable,
-                __file__,
-                "--only",
-                "image",
-                "--image-sizes",
-                f"{w}x{h}",
-                "--variants",
-                args.variants,
-            ]
-            subprocess.run(
-                [*cmd, "--rounds", str(args.rounds), "--json", str(part)],
-                check=True,
-                stdout=subprocess.DEVNULL,
+    for w, h in sizes:
+        part = work / f"rows-{w}x{h}.json"
+        cmd = [
+            sys.executable,
+            __file__,
+            "--only",
+            "image",
+            "--image-sizes",
+            f"{w}x{h}",
+            "--variants",
+            args.variants,
+        ]
+        subprocess.run(
+            [*cmd, "--rounds", str(args.rounds), "--json", str(part)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        rows += json.loads(part.read_text())["rows"]
+    return rows
+
+
+def _image_file(c, w: int, h: int) -> tuple[str, bytes, object]:
+    """A photo-like JPEG of w x h, its bytes, and the PIL image a framework's collator would hand over."""
+    work, pattern, Image, tf_load_image = c.work, c.pattern, c.Image, c.tf_load_image
+    path = work / f"{w}x{h}.jpg"
+    # a photo-like pattern with noise: JPEG decode costs what a photo's does
+    rng = np.random.default_rng(w)
+    arr = np.clip(pattern(h, w, 1).astype(np.int16) + rng.integers(-20, 20, (h, w, 3)), 0, 255).astype(
+        np.uint8
+    )
+    Image.fromarray(arr).save(path, quality=90)
+    p = str(path)
+
+    data = path.read_bytes()
+    given = tf_load_image(p)  # decoded once: what a framework's collator hands the processor
+    given.load()
+    return p, data, given
+
+
+def _image_variants(c, p: str, data: bytes, given) -> dict:
+    """Every way to turn the JPEG at ``p`` into pixels, by name."""
+    (
+        Image,
+        simplejpeg,
+        pil,
+        tv,
+        tf_load_image,
+        fetch_image,
+        vision,
+        vision_uint8,
+        batch_pixels,
+        deferred,
+        cfg,
+        swapped,
+    ) = (
+        c.Image,
+        c.simplejpeg,
+        c.pil,
+        c.tv,
+        c.tf_load_image,
+        c.fetch_image,
+        c.vision,
+        c.vision_uint8,
+        c.batch_pixels,
+        c.deferred,
+        c.cfg,
+        c.swapped,
+    )
+
+    def decode(p=p):
+        img = Image.open(p)
+        img.load()
+        return img
+
+    variants = {
+        "decode only (PIL)": decode,
+        "decode only (libjpeg-turbo: simplejpeg; reference bound)": lambda data=data: simplejpeg.decode_jpeg(
+            data
+        ),
+        "transformers PIL processor": lambda p=p: pil(images=[tf_load_image(p)], return_tensors="pt"),
+        "transformers torchvision processor": lambda p=p: tv(images=[tf_load_image(p)], return_tensors="pt"),
+        "qwen-vl-utils fetch_image + torchvision processor": lambda p=p: tv(
+            images=[fetch_image({"image": p}, image_patch_size=16)], return_tensors="pt"
+        ),
+        "vlfast (VisionPreprocessor: float32 on CPU)": lambda p=p: vision(images=[p])["pixel_values"],
+        # the data loader's share where finish() runs on the GPU: the decode and the uint8 patch move
+        "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": lambda p=p: vision_uint8(images=[p])[
+            "pixel_values"
+        ],
+        # the decode workers' uint8 patches and the model side's normalisation, on the CPU here: the whole path
+        "vlfast extract (uint8 patches, normalised by the model side: CPU here)": lambda p=p: batch_pixels(
+            [deferred.image(p)[0]], torch.device("cpu"), torch.float32, cfg
+        ),
+        # a bf16 tower's input (the report's loop, every GPU user's): transformers' float32 output cast, and
+        # vlfast's uint8 patches normalised straight into bfloat16 (the same bits as the cast)
+        "transformers torchvision processor, then .to(bfloat16)": lambda p=p: tv(
+            images=[tf_load_image(p)], return_tensors="pt"
+        )["pixel_values"].to(torch.bfloat16),
+        "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": lambda p=p: (
+            batch_pixels([deferred.image(p)[0]], torch.device("cpu"), torch.bfloat16, cfg)
+        ),
+        # a framework's call (LlamaFactory, TRL, ms-swift): a decoded PIL image in, float32 out; with
+        # VLFAST_PREPROCESS=1 the processor's image processor is vlfast's swap
+        "in a framework, decoded image given: transformers torchvision processor": lambda g=given: tv(
+            images=[g], return_tensors="pt"
+        ),
+        "in a framework, decoded image given: VLFAST_PREPROCESS's swap": lambda g=given: swapped(
+            images=[g], return_tensors="pt"
+        ),
+    }
+    return variants
+
+
+def _image_equal(c, variants: dict, p: str, given) -> dict:
+    """Whether each variant's output equals transformers' torchvision processor's, bit for bit."""
+    tv, pil, tf_load_image, vision_uint8, swapped = c.tv, c.pil, c.tf_load_image, c.vision_uint8, c.swapped
+    ref = tv(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"]
+
+    equal = {
+        "transformers PIL processor": torch.equal(
+            pil(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"].float(), ref
+        ),
+        "transformers torchvision processor": True,
+        "qwen-vl-utils fetch_image + torchvision processor": torch.equal(
+            variants["qwen-vl-utils fetch_image + torchvision processor"]()["pixel_values"], ref
+        ),
+        "vlfast (VisionPreprocessor: float32 on CPU)": torch.equal(
+            variants["vlfast (VisionPreprocessor: float32 on CPU)"](), ref
+        ),
+        "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": torch.equal(
+            vision_uint8.finish({"pixel_values": vision_uint8(images=[p])["pixel_values"]})["pixel_values"],
+            ref,
+        ),
+        "vlfast extract (uint8 patches, normalised by the model side: CPU here)": torch.equal(
+            variants["vlfast extract (uint8 patches, normalised by the model side: CPU here)"](), ref
+        ),
+        "transformers torchvision processor, then .to(bfloat16)": True,
+        "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": torch.equal(
+            variants["vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)"](),
+            ref.to(torch.bfloat16),
+        ),
+        "in a framework, decoded image given: transformers torchvision processor": True,
+        "in a framework, decoded image given: VLFAST_PREPROCESS's swap": torch.equal(
+            swapped(images=[given], return_tensors="pt")["pixel_values"],
+            tv(images=[given], return_tensors="pt")["pixel_values"],
+        ),
+    }
+    return equal
+
+
+def _image_rows(c, w: int, h: int, args) -> list[dict]:
+    p, data, given = _image_file(c, w, h)
+    variants = _image_variants(c, p, data, given)
+    equal = _image_equal(c, variants, p, given)
+    n = 2 if w >= 4000 else 4
+    bf16 = {
+        "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": (
+            "transformers torchvision processor, then .to(bfloat16)"
+        )
+    }
+    rows = measure(f"image {w}x{h} JPEG", _keep(variants, args.variants), equal, args.rounds, n, bf16)
+
+    return rows + _batch_rows(c, p, data, w, h, args)
+
+
+def _batch_rows(c, p: str, data: bytes, w: int, h: int, args) -> list[dict]:
+    tv, tf_load_image, simplejpeg, vision, vision_uint8 = (
+        c.tv,
+        c.tf_load_image,
+        c.simplejpeg,
+        c.vision,
+        c.vision_uint8,
+    )
+    # A data loader's collator calls the processor once per batch: 8 images in one call (2 at 4000x3000),
+    # the row's time per call. transformers concatenates the images' rows; vlfast writes them into one
+    # tensor (VisionPreprocessor._images)
+    k = 2 if w >= 4000 else 8
+    batch = [p] * k
+    tf_batch = tv(images=[tf_load_image(x) for x in batch], return_tensors="pt")["pixel_values"]
+    batched = {
+        "decode only, each image (libjpeg-turbo; reference bound)": lambda k=k, data=data: [
+            simplejpeg.decode_jpeg(data) for _ in range(k)
+        ],
+        "transformers torchvision processor": lambda batch=batch: tv(
+            images=[tf_load_image(x) for x in batch], return_tensors="pt"
+        ),
+        "vlfast (VisionPreprocessor: float32 on CPU)": lambda batch=batch: vision(images=batch)[
+            "pixel_values"
+        ],
+        "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": lambda batch=batch: vision_uint8(
+            images=batch
+        )["pixel_values"],
+    }
+    batch_equal = {
+        "transformers torchvision processor": True,
+        "vlfast (VisionPreprocessor: float32 on CPU)": torch.equal(
+            vision(images=batch)["pixel_values"], tf_batch
+        ),
+        "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": torch.equal(
+            vision_uint8.finish({"pixel_values": vision_uint8(images=batch)["pixel_values"]})["pixel_values"],
+            tf_batch,
+        ),
+    }
+    return measure(
+        f"image {w}x{h} JPEG, {k} in one call", _keep(batched, args.variants), batch_equal, args.rounds, 1
+    )
+
+
+def _video_variants(c, p: str) -> tuple:
+    """Every way to turn the clip at ``p`` into pixels (or frames), by name, and what the checks call."""
+    (
+        load_video,
+        video_proc,
+        _decode_at,
+        read_video,
+        cfg,
+        patchify_video,
+        torchcodec_why,
+        decord_why,
+        fetch_video,
+    ) = (
+        c.load_video,
+        c.video_proc,
+        c._decode_at,
+        c.read_video,
+        c.cfg,
+        c.patchify_video,
+        c.torchcodec_why,
+        c.decord_why,
+        c.fetch_video,
+    )
+
+    def transformers_video(p=p, backend="pyav"):
+        frames, meta = load_video(p, backend=backend)
+        return video_proc(
+            videos=[frames],
+            video_metadata=[meta],
+            do_sample_frames=True,
+            num_frames=8,
+            fps=None,
+            return_tensors="pt",
+        )["pixel_values_videos"]
+
+    def sequential(p=p):
+        import av
+
+        with av.open(p) as c:
+            return _decode_at(c, c.streams.video[0], None)
+
+    def sampled(p=p):
+        return read_video(p, cfg)[0]
+
+    indices = read_video(p, cfg)[1]["frame_indices"]
+
+    def seeking(p=p, indices=indices):
+        return keyframe_seeking_decode(p, indices)
+
+    variants = {
+        "decode all frames (PyAV, sequential)": sequential,
+        "decode the sampled frames (vlfast's sparse decode)": sampled,
+        "keyframe-seeking decode (reference bound)": seeking,
+        "transformers Qwen3VLVideoProcessor (load_video pyav)": transformers_video,
+        "vlfast": lambda p=p: patchify_video(read_video(p, cfg)[0], cfg)[0],
+        "vlfast, normalised on the device": lambda p=p: patchify_video(
+            read_video(p, cfg)[0], cfg, normalize=False
+        )[0],
+    }
+    if torchcodec_why is None:
+        variants["transformers Qwen3VLVideoProcessor (load_video torchcodec)"] = functools.partial(
+            transformers_video, p, "torchcodec"
+        )
+    if decord_why is None:
+
+        def qwen_vl_utils_decord(p=p):
+            # the model card's path: qwen-vl-utils samples and resizes, the processor does the rest
+            video, meta = fetch_video(
+                {"video": p, "nframes": 8}, image_patch_size=16, return_video_metadata=True
             )
-            rows += json.loads(part.read_text())["rows"]
-        sizes = []
-
-    for w, h in sizes if args.only != "video" else []:
-        path = work / f"{w}x{h}.jpg"
-        # a photo-like pattern with noise: JPEG decode costs what a photo's does
-        rng = np.random.default_rng(w)
-        arr = np.clip(pattern(h, w, 1).astype(np.int16) + rng.integers(-20, 20, (h, w, 3)), 0, 255).astype(
-            np.uint8
-        )
-        Image.fromarray(arr).save(path, quality=90)
-        p = str(path)
-
-        def decode(p=p):
-            img = Image.open(p)
-            img.load()
-            return img
-
-        data = path.read_bytes()
-        given = tf_load_image(p)  # decoded once: what a framework's collator hands the processor
-        given.load()
-        variants = {
-            "decode only (PIL)": decode,
-            "decode only (libjpeg-turbo: simplejpeg; reference bound)": lambda data=data: (
-                simplejpeg.decode_jpeg(data)
-            ),
-            "transformers PIL processor": lambda p=p: pil(images=[tf_load_image(p)], return_tensors="pt"),
-            "transformers torchvision processor": lambda p=p: tv(
-                images=[tf_load_image(p)], return_tensors="pt"
-            ),
-            "qwen-vl-utils fetch_image + torchvision processor": lambda p=p: tv(
-                images=[fetch_image({"image": p}, image_patch_size=16)], return_tensors="pt"
-            ),
-            "vlfast (VisionPreprocessor: float32 on CPU)": lambda p=p: vision(images=[p])["pixel_values"],
-            # the data loader's share where finish() runs on the GPU: the decode and the uint8 patch move
-            "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": lambda p=p: vision_uint8(
-                images=[p]
-            )["pixel_values"],
-            # the decode workers' uint8 patches and the model side's normalisation, on the CPU here: the whole path
-            "vlfast extract (uint8 patches, normalised by the model side: CPU here)": lambda p=p: (
-                batch_pixels([deferred.image(p)[0]], torch.device("cpu"), torch.float32, cfg)
-            ),
-            # a bf16 tower's input (the report's loop, every GPU user's): transformers' float32 output cast, and
-            # vlfast's uint8 patches normalised straight into bfloat16 (the same bits as the cast)
-            "transformers torchvision processor, then .to(bfloat16)": lambda p=p: tv(
-                images=[tf_load_image(p)], return_tensors="pt"
-            )["pixel_values"].to(torch.bfloat16),
-            "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": lambda p=p: (
-                batch_pixels([deferred.image(p)[0]], torch.device("cpu"), torch.bfloat16, cfg)
-            ),
-            # a framework's call (LlamaFactory, TRL, ms-swift): a decoded PIL image in, float32 out; with
-            # VLFAST_PREPROCESS=1 the processor's image processor is vlfast's swap
-            "in a framework, decoded image given: transformers torchvision processor": lambda g=given: tv(
-                images=[g], return_tensors="pt"
-            ),
-            "in a framework, decoded image given: VLFAST_PREPROCESS's swap": lambda g=given: swapped(
-                images=[g], return_tensors="pt"
-            ),
-        }
-        ref = tv(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"]
-
-        equal = {
-            "transformers PIL processor": torch.equal(
-                pil(images=[tf_load_image(p)], return_tensors="pt")["pixel_values"].float(), ref
-            ),
-            "transformers torchvision processor": True,
-            "qwen-vl-utils fetch_image + torchvision processor": torch.equal(
-                variants["qwen-vl-utils fetch_image + torchvision processor"]()["pixel_values"], ref
-            ),
-            "vlfast (VisionPreprocessor: float32 on CPU)": torch.equal(
-                variants["vlfast (VisionPreprocessor: float32 on CPU)"](), ref
-            ),
-            "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": torch.equal(
-                vision_uint8.finish({"pixel_values": vision_uint8(images=[p])["pixel_values"]})[
-                    "pixel_values"
-                ],
-                ref,
-            ),
-            "vlfast extract (uint8 patches, normalised by the model side: CPU here)": torch.equal(
-                variants["vlfast extract (uint8 patches, normalised by the model side: CPU here)"](), ref
-            ),
-            "transformers torchvision processor, then .to(bfloat16)": True,
-            "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": torch.equal(
-                variants[
-                    "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)"
-                ](),
-                ref.to(torch.bfloat16),
-            ),
-            "in a framework, decoded image given: transformers torchvision processor": True,
-            "in a framework, decoded image given: VLFAST_PREPROCESS's swap": torch.equal(
-                swapped(images=[given], return_tensors="pt")["pixel_values"],
-                tv(images=[given], return_tensors="pt")["pixel_values"],
-            ),
-        }
-        n = 2 if w >= 4000 else 4
-        bf16 = {
-            "vlfast extract, a bf16 tower's input (normalised straight into bfloat16: CPU here)": (
-                "transformers torchvision processor, then .to(bfloat16)"
-            )
-        }
-        rows += measure(f"image {w}x{h} JPEG", _keep(variants, args.variants), equal, args.rounds, n, bf16)
-
-        # A data loader's collator calls the processor once per batch: 8 images in one call (2 at 4000x3000),
-        # the row's time per call. transformers concatenates the images' rows; vlfast writes them into one
-        # tensor (VisionPreprocessor._images)
-        k = 2 if w >= 4000 else 8
-        batch = [p] * k
-        tf_batch = tv(images=[tf_load_image(x) for x in batch], return_tensors="pt")["pixel_values"]
-        batched = {
-            "decode only, each image (libjpeg-turbo; reference bound)": lambda k=k, data=data: [
-                simplejpeg.decode_jpeg(data) for _ in range(k)
-            ],
-            "transformers torchvision processor": lambda batch=batch: tv(
-                images=[tf_load_image(x) for x in batch], return_tensors="pt"
-            ),
-            "vlfast (VisionPreprocessor: float32 on CPU)": lambda batch=batch: vision(images=batch)[
-                "pixel_values"
-            ],
-            "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": lambda batch=batch: vision_uint8(
-                images=batch
-            )["pixel_values"],
-        }
-        batch_equal = {
-            "transformers torchvision processor": True,
-            "vlfast (VisionPreprocessor: float32 on CPU)": torch.equal(
-                vision(images=batch)["pixel_values"], tf_batch
-            ),
-            "vlfast (VisionPreprocessor pixels='uint8': the CPU's share)": torch.equal(
-                vision_uint8.finish({"pixel_values": vision_uint8(images=batch)["pixel_values"]})[
-                    "pixel_values"
-                ],
-                tf_batch,
-            ),
-        }
-        rows += measure(
-            f"image {w}x{h} JPEG, {k} in one call", _keep(batched, args.variants), batch_equal, args.rounds, 1
-        )
-
-    clips = [(w, h, gop) for gop in (None, 30) for w, h in CLIP_SIZES] if args.only != "image" else []
-    for w, h, gop in clips:
-        options = {"g": str(gop)} if gop else None
-        path = make_video(
-            work / f"clip_{w}x{h}_{gop}.mp4", frames=300, fps=30, width=w, height=h, seed=2, options=options
-        )
-        p = str(path)
-
-        def transformers_video(p=p, backend="pyav"):
-            frames, meta = load_video(p, backend=backend)
             return video_proc(
-                videos=[frames],
+                videos=[video],
                 video_metadata=[meta],
-                do_sample_frames=True,
-                num_frames=8,
-                fps=None,
+                do_resize=False,
+                do_sample_frames=False,
                 return_tensors="pt",
             )["pixel_values_videos"]
 
-        def sequential(p=p):
-            import av
+        variants["qwen-vl-utils fetch_video (decord) + Qwen3VLVideoProcessor"] = qwen_vl_utils_decord
+    return variants, transformers_video, sequential, sampled, seeking, indices
 
-            with av.open(p) as c:
-                return _decode_at(c, c.streams.video[0], None)
 
-        def sampled(p=p):
-            return read_video(p, cfg)[0]
-
-        indices = read_video(p, cfg)[1]["frame_indices"]
-
-        def seeking(p=p, indices=indices):
-            return keyframe_seeking_decode(p, indices)
-
-        variants = {
-            "decode all frames (PyAV, sequential)": sequential,
-            "decode the sampled frames (vlfast's sparse decode)": sampled,
-            "keyframe-seeking decode (reference bound)": seeking,
-            "transformers Qwen3VLVideoProcessor (load_video pyav)": transformers_video,
-            "vlfast": lambda p=p: patchify_video(read_video(p, cfg)[0], cfg)[0],
-            "vlfast, normalised on the device": lambda p=p: patchify_video(
-                read_video(p, cfg)[0], cfg, normalize=False
-            )[0],
-        }
-        if torchcodec_why is None:
-            variants["transformers Qwen3VLVideoProcessor (load_video torchcodec)"] = functools.partial(
-                transformers_video, p, "torchcodec"
-            )
-        if decord_why is None:
-
-            def qwen_vl_utils_decord(p=p):
-                # the model card's path: qwen-vl-utils samples and resizes, the processor does the rest
-                video, meta = fetch_video(
-                    {"video": p, "nframes": 8}, image_patch_size=16, return_video_metadata=True
-                )
-                return video_proc(
-                    videos=[video],
-                    video_metadata=[meta],
-                    do_resize=False,
-                    do_sample_frames=False,
-                    return_tensors="pt",
-                )["pixel_values_videos"]
-
-            variants["qwen-vl-utils fetch_video (decord) + Qwen3VLVideoProcessor"] = qwen_vl_utils_decord
-        ref = transformers_video()
-        every = np.stack(sequential())[indices]
-        equal = {
-            "decode the sampled frames (vlfast's sparse decode)": np.array_equal(
-                sampled().permute(0, 2, 3, 1).numpy(), every
-            ),
-            "keyframe-seeking decode (reference bound)": np.array_equal(np.stack(seeking()), every),
-            "transformers Qwen3VLVideoProcessor (load_video pyav)": True,
-            "vlfast": torch.equal(variants["vlfast"](), ref),
-        }
-        for name in variants:
-            if name not in equal and ("torchcodec" in name or "decord" in name):
-                out = variants[name]()
-                equal[name] = out.shape == ref.shape and torch.equal(out, ref)
-        what = f"video {w}x{h} 10 s, {'GOP 1 s' if gop else 'GOP 250'}, 8"
-        rows += measure(what, _keep(variants, args.variants), equal, args.rounds, 1)
-
-    print(f"\nmachine: {harness.machine()}")
-    for reader, why in (("torchcodec", torchcodec_why), ("decord", decord_why)):
-        if why is not None and args.only != "image":
-            print(f"{reader}: not measured, it does not load here: {why}")
-            if reader == "torchcodec":
-                print(
-                    "  (PyPI's torchcodec is a CUDA build: benchmarks/torchcodec_env.sh makes a venv where it loads)"
-                )
-    return rows
+def _video_rows(c, w: int, h: int, gop: int | None, args) -> list[dict]:
+    work, make_video = c.work, c.make_video
+    options = {"g": str(gop)} if gop else None
+    path = make_video(
+        work / f"clip_{w}x{h}_{gop}.mp4", frames=300, fps=30, width=w, height=h, seed=2, options=options
+    )
+    p = str(path)
+    variants, transformers_video, sequential, sampled, seeking, indices = _video_variants(c, p)
+    ref = transformers_video()
+    every = np.stack(sequential())[indices]
+    equal = {
+        "decode the sampled frames (vlfast's sparse decode)": np.array_equal(
+            sampled().permute(0, 2, 3, 1).numpy(), every
+        ),
+        "keyframe-seeking decode (reference bound)": np.array_equal(np.stack(seeking()), every),
+        "transformers Qwen3VLVideoProcessor (load_video pyav)": True,
+        "vlfast": torch.equal(variants["vlfast"](), ref),
+    }
+    for name in variants:
+        if name not in equal and ("torchcodec" in name or "decord" in name):
+            out = variants[name]()
+            equal[name] = out.shape == ref.shape and torch.equal(out, ref)
+    what = f"video {w}x{h} 10 s, {'GOP 1 s' if gop else 'GOP 250'}, 8"
+    return measure(what, _keep(variants, args.variants), equal, args.rounds, 1)
 
 
 def _loads(module: str) -> str | None:

@@ -149,20 +149,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=list(COMMANDS), help="time only these commands")
     args = ap.parse_args()
     run = harness.Run("startup")
-    trees = {}
-    for item in args.tree or [f"here={harness.REPO}"]:
-        name, _, path = item.partition("=")
-        trees[name] = Path(path).resolve()
-    pythons = {}
-    for item in args.python or [f"python={sys.executable}"]:
-        name, _, path = item.partition("=")
-        pythons[name] = shutil.which(path) or path
-    # Every tree with every interpreter, each named by what differs.
-    runs: dict[str, tuple[Path, str]] = {}
-    for tname, tree in trees.items():
-        for pname, python in pythons.items():
-            label = "/".join(n for n, many in ((tname, len(trees) > 1), (pname, len(pythons) > 1)) if many)
-            runs[label or tname] = (tree, python)
+    runs, pythons, trees = _variants(args)
     commands = {k: v for k, v in COMMANDS.items() if not args.only or k in args.only}
     work = Path(tempfile.mkdtemp(prefix="vlfast-startup-"))
     try:
@@ -218,6 +205,30 @@ def main() -> None:
             print(f"round {r + 1}/{args.runs} done, load {loads[-1]:.2f}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    _report(run, args, runs, commands, times, loads, pythons)
+
+
+def _variants(args) -> tuple[dict[str, tuple[Path, str]], dict[str, str], dict[str, Path]]:
+    """Every tree with every interpreter, each named by what differs; the interpreters; the trees."""
+    trees = {}
+    for item in args.tree or [f"here={harness.REPO}"]:
+        name, _, path = item.partition("=")
+        trees[name] = Path(path).resolve()
+    pythons = {}
+    for item in args.python or [f"python={sys.executable}"]:
+        name, _, path = item.partition("=")
+        pythons[name] = shutil.which(path) or path
+    # Every tree with every interpreter, each named by what differs.
+    runs: dict[str, tuple[Path, str]] = {}
+    for tname, tree in trees.items():
+        for pname, python in pythons.items():
+            label = "/".join(n for n, many in ((tname, len(trees) > 1), (pname, len(pythons) > 1)) if many)
+            runs[label or tname] = (tree, python)
+    return runs, pythons, trees
+
+
+def _report(run, args, runs: dict, commands: dict, times: dict, loads: list, pythons: dict) -> None:
+    """The table, printed and into the run's result file."""
     torches = "; ".join(f"{name}: torch {torch_of(python)}" for name, python in pythons.items())
     print(
         f"\n{harness.cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {torches}; "
