@@ -22,6 +22,7 @@ from vlfast.extraction.config import ExtractConfig, ExtractSummary
 from vlfast.extraction.decode.preprocess import ProcessorConfig, build_processor_config
 from vlfast.extraction.decode.processor_config import with_video_wrapper
 from vlfast.extraction.model.spec import FeatureSpec
+from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.listing import load_inputs
 from vlfast.extraction.sources.sample import InputProblem, Sample
 from vlfast.extraction.sources.table import SampleTable
@@ -330,7 +331,7 @@ def make_plan(
     # An OUT of another format is refused here, before anything is read or written (--overwrite replaces it)
     store = Out.open(out, config.storage_options, check_format=not config.overwrite)
     out = store.path
-    kept = store.kept_listings(rank, world_size)  # read here, written once OUT is ours
+    kept = KeptListings.of_folder(store.listings_folder, rank, world_size)  # written once OUT is ours
     samples, problems = load_inputs(inputs, config.storage_options, kept)
     # Recorded resolved (processor.source names the files read), so no working directory is in it
     model_dir = config.model if config.model.startswith("ref:") else str(Path(config.model).resolve())

@@ -10,7 +10,6 @@ alone know the layout (docs/format.md, "On-disk layout").
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -88,9 +87,6 @@ class Out:
     def __str__(self) -> str:
         return str(self.path)
 
-    def __fspath__(self) -> str:
-        return os.fspath(self.path)
-
     @property
     def local(self) -> bool:
         return is_local(self.path)
@@ -167,12 +163,11 @@ class Out:
             seen += [int(m.group(1)) for n in list_names(self.path / folder) if (m := rx.match(n))]
         return max(seen)
 
-    def kept_listings(self, rank: int, world_size: int) -> Any:
-        """The WebDataset shard listings OUT keeps, for a rank of a job of ``world_size`` ranks
-        (:class:`~vlfast.extraction.sources.kept.KeptListings`)."""
-        from vlfast.extraction.sources.kept import KeptListings
-
-        return KeptListings.of_folder(self.path / LISTING_DIR, rank, world_size)
+    @property
+    def listings_folder(self) -> Any:
+        """Where OUT keeps WebDataset shard listings, read by ``sources.kept.KeptListings.of_folder`` (sources
+        and the store import neither the other: the plan hands the one the other's folder)."""
+        return self.path / LISTING_DIR
 
     def keep_listings(self, listings: Mapping[str, bytes], tag: str) -> None:
         """Keep fresh shard listings in OUT (best effort: a read-only OUT keeps none)."""
