@@ -546,18 +546,11 @@ def run(args) -> dict:
     return summarise(rounds, args, cosine, setup_s, load_start)
 
 
-def summarise(rounds: dict[str, list[dict]], args, cosine, setup_s: float, load_start) -> dict:
-    n = rounds["loop"][0]["clips"]
-
-    def med(variant: str, key: str) -> float | None:
-        vals = [r[key] for r in rounds[variant] if r.get(key) is not None]
-        return statistics.median(vals) if vals else None
-
+def _side_rows(rounds: dict[str, list[dict]], n: int, p: dict) -> list[dict]:
+    """Each side's row: whole seconds and the loop's own, clips per hour, vlfast's speed-up over it; the
+    loop before its fix projected from ``p`` (the patch-embed calls timed on each path)."""
     loop = [r["seconds"] for r in rounds["loop"]]
     ours = [r["seconds"] for r in rounds["vlfast"]]
-    ratios = [a / b for a, b in zip(loop, ours)]
-    own_ratios = [a["loop_s"] / b["loop_s"] for a, b in zip(rounds["loop"], rounds["vlfast"])]
-    p = rounds["loop"][0]["projection"]  # timed in the first round; every round made the same calls
     # the loop as before its fix: its own Linear patch-embed time swapped for each path's projected calls
     slow_s = [r["seconds"] - r["patch_embed_s"] + p["slow_s"] for r in rounds["loop"]]
     stock_s = [r["seconds"] - r["patch_embed_s"] + p["stock_s"] for r in rounds["loop"]]
@@ -590,6 +583,22 @@ def summarise(rounds: dict[str, list[dict]], args, cosine, setup_s: float, load_
         }
         for side, (secs, own) in sides.items()
     ]
+    return rows
+
+
+def summarise(rounds: dict[str, list[dict]], args, cosine, setup_s: float, load_start) -> dict:
+    n = rounds["loop"][0]["clips"]
+
+    def med(variant: str, key: str) -> float | None:
+        vals = [r[key] for r in rounds[variant] if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    loop = [r["seconds"] for r in rounds["loop"]]
+    ours = [r["seconds"] for r in rounds["vlfast"]]
+    ratios = [a / b for a, b in zip(loop, ours)]
+    own_ratios = [a["loop_s"] / b["loop_s"] for a, b in zip(rounds["loop"], rounds["vlfast"])]
+    p = rounds["loop"][0]["projection"]  # timed in the first round; every round made the same calls
+    rows = _side_rows(rounds, n, p)
     return {
         "model": args.model,
         "llm_layers": args.llm_layers if args.model == "reduced" else None,

@@ -1000,7 +1000,7 @@ def render_summary(run: Run) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Exit status: "
@@ -1026,21 +1026,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--make-inputs", type=Path, metavar="DIR", help="make the extract inputs in DIR and exit")
     ap.add_argument("--images", type=int, default=256, help="with --make-inputs: 640x480 JPEGs")
     ap.add_argument("--videos", type=int, default=16, help="with --make-inputs: 2 s videos")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.facts:
         print(json.dumps(collect_facts(), indent=2))
         return EXIT_OK
     if args.make_inputs:
-        sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)  # what libraries print on import (deepspeed logs to stdout) must not break the JSON
-        try:
-            made = make_inputs(args.make_inputs, args.images, args.videos)
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-        print(json.dumps(made, indent=2))
+        _print_inputs(args)
         return EXIT_OK
     if args.budget < MIN_STEP_S + RESERVE_S:
         ap.error(f"--budget must be at least {MIN_STEP_S + RESERVE_S:.0f} s")
@@ -1084,6 +1080,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{out / 'summary.md'}: exit {run.exit_code} ({EXIT_MEANING.get(run.exit_code, '')})", file=sys.stderr
     )
     return run.exit_code
+
+
+def _print_inputs(args) -> None:
+    """``--make-inputs``: the inputs made, as JSON on stdout (what libraries print goes to stderr)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)  # what libraries print on import (deepspeed logs to stdout) must not break the JSON
+    try:
+        made = make_inputs(args.make_inputs, args.images, args.videos)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps(made, indent=2))
 
 
 if __name__ == "__main__":
