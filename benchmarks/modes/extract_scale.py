@@ -145,6 +145,54 @@ def _plan(spec: dict, samples: list):
     return plan, config
 
 
+def _write(store, todo, spec: dict, res: dict[str, Any], t5: float) -> None:
+    """The write step's adds and commits: ``spec["fraction"]`` of ``todo``, each with the input record a run
+    makes (outside the store's time); its figures into ``res``."""
+    import torch
+
+    # Distinct values per sample without a generator call each: rows of a fixed table.
+    table = torch.randn(4096, DIM, generator=torch.Generator().manual_seed(0)).half()
+    limit = len(todo) if spec["fraction"] >= 1 else math.ceil(len(todo) * spec["fraction"])
+    # The ids straight from the plan's column (a run's samples are made by its decode stage,
+    # not here): what is timed is the store. The path in meta is the list input's form.
+    from itertools import islice
+
+    import numpy as np
+
+    from vlfast.extraction.ids import ArrowStrings
+    from vlfast.extraction.sources.identity import entry_keys
+
+    # What a run's decode stage records of each input (its key from the entry, as a resume makes
+    # them; a local file's stamp and checksum): made here, outside the store's time, in chunks,
+    # as a run makes one a sample (five million keys held at once as Python ints were ~230 MiB
+    # of this harness's own in the writing rank's peak, not the store's).
+    res["keys_s"], keys = 0.0, np.empty(0, np.uint64)
+    for k, sample_id in enumerate(islice(ArrowStrings(todo.ids), limit)):
+        if k % KEY_CHUNK == 0:
+            t_keys = time.perf_counter()
+            keys = entry_keys(todo.take(np.arange(k, min(limit, k + KEY_CHUNK))), ()).tolist()
+            res["keys_s"] += time.perf_counter() - t_keys
+        path = f"/data/images/{sample_id}.jpg"
+        stamp = f"54321:{1_790_000_000_000_000_000 + k}:{1_790_000_000_000_000_000 + k}:{k}"
+        key = keys[k % KEY_CHUNK]
+        record = {
+            "scheme": 1,
+            "key": key,
+            "content": key ^ 1,
+            "path": path,
+            "size": 54321,
+            "mtime_ns": 1_790_000_000_000_000_000 + k,
+            "stamp": stamp,
+            "xxh3": f"{key:016x}",
+        }
+        meta = {"path": f"images/{sample_id}.jpg"}
+        store.add(sample_id, {"feature": table[k % 4096]}, meta, input=record)
+    store.flush()
+    res["written"] = limit
+    # adds and commits, the last one included
+    res["write_s"] = time.perf_counter() - t5 - res["keys_s"]
+
+
 def step(spec: dict) -> dict[str, Any]:
     """One measured step (spec["step"]: "write" or "resume" or "cache"); returns its figures."""
     import torch  # noqa: F401  (imported before the baseline, as every run has it)
@@ -194,49 +242,7 @@ def step(spec: dict) -> dict[str, Any]:
             res.update(store_open_s=t3 - t2, done_ids_s=t4 - t3, work_s=t5 - t4, planning_s=t5 - t0)
             res["todo"] = len(todo)
             if spec["step"] == "write":
-                import torch
-
-                # Distinct values per sample without a generator call each: rows of a fixed table.
-                table = torch.randn(4096, DIM, generator=torch.Generator().manual_seed(0)).half()
-                limit = len(todo) if spec["fraction"] >= 1 else math.ceil(len(todo) * spec["fraction"])
-                # The ids straight from the plan's column (a run's samples are made by its decode stage,
-                # not here): what is timed is the store. The path in meta is the list input's form.
-                from itertools import islice
-
-                import numpy as np
-
-                from vlfast.extraction.ids import ArrowStrings
-                from vlfast.extraction.sources.identity import entry_keys
-
-                # What a run's decode stage records of each input (its key from the entry, as a resume makes
-                # them; a local file's stamp and checksum): made here, outside the store's time, in chunks,
-                # as a run makes one a sample (five million keys held at once as Python ints were ~230 MiB
-                # of this harness's own in the writing rank's peak, not the store's).
-                res["keys_s"], keys = 0.0, np.empty(0, np.uint64)
-                for k, sample_id in enumerate(islice(ArrowStrings(todo.ids), limit)):
-                    if k % KEY_CHUNK == 0:
-                        t_keys = time.perf_counter()
-                        keys = entry_keys(todo.take(np.arange(k, min(limit, k + KEY_CHUNK))), ()).tolist()
-                        res["keys_s"] += time.perf_counter() - t_keys
-                    path = f"/data/images/{sample_id}.jpg"
-                    stamp = f"54321:{1_790_000_000_000_000_000 + k}:{1_790_000_000_000_000_000 + k}:{k}"
-                    key = keys[k % KEY_CHUNK]
-                    record = {
-                        "scheme": 1,
-                        "key": key,
-                        "content": key ^ 1,
-                        "path": path,
-                        "size": 54321,
-                        "mtime_ns": 1_790_000_000_000_000_000 + k,
-                        "stamp": stamp,
-                        "xxh3": f"{key:016x}",
-                    }
-                    meta = {"path": f"images/{sample_id}.jpg"}
-                    store.add(sample_id, {"feature": table[k % 4096]}, meta, input=record)
-                store.flush()
-                res["written"] = limit
-                # adds and commits, the last one included
-                res["write_s"] = time.perf_counter() - t5 - res["keys_s"]
+                _write(store, todo, spec, res, t5)
             t6 = time.perf_counter()
         res["close_s"] = time.perf_counter() - t6
     res["peak_rss_mib"] = _peak_mib()
