@@ -276,15 +276,12 @@ def _live_rows(table: Any, live: Mapping[str, str | None]) -> np.ndarray:
     shard, header = table.column("shard").combine_chunks(), table.column("header").combine_chunks()
     names, headers = shard.dictionary.to_pylist(), header.dictionary.to_pylist()
     at_header = {h: j for j, h in enumerate(headers)}
-    # Per shard of the dictionary: is it live, and which header it must have (-1: any, none recorded)
+    # Per shard of the dictionary: is it live, and which header it must have
     ok_shard = np.array([n in live for n in names] + [False], bool)
-    want = np.array(
-        [-1 if live.get(n) is None else at_header.get(live[n], -2) for n in names] + [-2], np.int64
-    )
+    want = np.array([at_header.get(live.get(n), -2) for n in names] + [-2], np.int64)
     rows_shard = np.asarray(shard.indices.fill_null(len(names)), np.int64)
     rows_header = np.asarray(header.indices.fill_null(-3), np.int64)
-    wanted = want[rows_shard]
-    return ok_shard[rows_shard] & ((wanted == -1) | (wanted == rows_header))
+    return ok_shard[rows_shard] & (want[rows_shard] == rows_header)
 
 
 class Recorded:

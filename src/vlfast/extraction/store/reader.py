@@ -441,10 +441,8 @@ def _read_parts(out: Any, expected: str) -> tuple[_Rows, dict[str, int | None], 
                 shards = part_shards(part, meta)
                 for shard, (size, header) in shards.items():
                     sizes[shard], headers[shard] = size, header
-                # Entries made again from a shard's header only where the part recorded its checksum.
-                compact = all(header is not None for _, header in shards.values())
                 for g in range(file.num_row_groups):
-                    rows.add(read_part_groups(file, part, [g]), compact)
+                    rows.add(read_part_groups(file, part, [g]))
                 del file
         except _Relist:
             continue
@@ -534,9 +532,8 @@ class _Rows:
         self._layouts: list[_Same | _Given] = []
         self._n = 0
 
-    def add(self, table: Any, compact: bool) -> None:
-        """Take in ``table`` (rows of the index schema); ``compact``: its entries may be kept as names and
-        checksums (their part recorded its shards' header checksums, from which ``info`` makes them again)."""
+    def add(self, table: Any) -> None:
+        """Take in ``table`` (rows of the index schema)."""
         import numpy as np
         import pyarrow as pa
 
@@ -554,7 +551,7 @@ class _Rows:
         self._rows.append(table.column("row").to_numpy().astype(np.int32))
         features = table.column("features").combine_chunks()
         self._starts.append(self._n)
-        self._layouts.append((_Same.of(features) if compact else None) or _Given(features))
+        self._layouts.append(_Same.of(features) or _Given(features))
         self._n += n
 
     def finish(self) -> None:
