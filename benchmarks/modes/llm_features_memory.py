@@ -84,17 +84,13 @@ def build(model: str, text_layers: int | None, tmp: str):
     return Qwen3VLForConditionalGeneration(config).eval(), dict(TOKEN_IDS)
 
 
-def child(variant: str, model_name: str, text_layers: int | None, images: int, size: int, text: int) -> dict:
+def _items(model, ids: dict, images: int, size: int, text: int) -> tuple[list, object, int]:
+    """``images`` decoded samples of ``size`` pixels square, each prompt its image's tokens and some text
+    (one id more each, so the batch pads); the text config and the spatial merge size."""
     import torch
 
     from vlfast.extraction.decode.stage import DecodedSample
-    from vlfast.extraction.model.features import FeatureSpec, compute_llm_features, llm_inputs
 
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        model, ids = build(model_name, text_layers, tmp)
-        build_s = time.perf_counter() - t0
     vcfg, tcfg = model.config.vision_config, model.config.text_config
     p, m, tp = vcfg.patch_size, vcfg.spatial_merge_size, vcfg.temporal_patch_size
     grid = (1, size // p, size // p)
@@ -114,6 +110,21 @@ def child(variant: str, model_name: str, text_layers: int | None, images: int, s
         )
         pixels = torch.randn(n_patches, 3 * tp * p * p, generator=g)
         items.append(DecodedSample(i, "image", pixels, grid, tokens, {}, input_ids))
+    return items, tcfg, m
+
+
+def child(variant: str, model_name: str, text_layers: int | None, images: int, size: int, text: int) -> dict:
+    import torch
+
+    from vlfast.extraction.decode.stage import DecodedSample
+    from vlfast.extraction.model.features import FeatureSpec, compute_llm_features, llm_inputs
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        model, ids = build(model_name, text_layers, tmp)
+        build_s = time.perf_counter() - t0
+    items, tcfg, m = _items(model, ids, images, size, text)
     kw = {
         "image_token_id": ids["image_token_id"],
         "video_token_id": ids["video_token_id"],
