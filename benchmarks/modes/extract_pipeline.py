@@ -128,6 +128,41 @@ def _machine() -> dict:
     }
 
 
+def _images_result(model: str, n_images: int, batches: list, runs: dict, cpus: dict, cos: float) -> dict:
+    """Sections 1 and 2a's figures from each round's times (the fastest of each counts)."""
+    e2e_runs, in_run, forward_runs = runs["e2e"], runs["in_run"], runs["forward"]
+    naive_runs, cli_runs = runs["naive"], runs["cli"]
+    e2e_cpu, forward_cpu, naive_cpu = cpus["e2e"], cpus["forward"], cpus["naive"]
+    e2e, forward, naive_s = min(e2e_runs), min(forward_runs), min(naive_runs)
+    return {
+        "model": model,
+        "images": n_images,
+        "size": "640x480",
+        "patches_per_image": int(batches[0][0].shape[0] // max(1, len(batches[0][1]))),
+        "batches": len(batches),
+        "extract_s": round(e2e, 2),
+        "forward_only_s": round(forward, 2),
+        "extract_runs_s": [round(x, 2) for x in e2e_runs],
+        "forward_only_runs_s": [round(x, 2) for x in forward_runs],
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "efficiency": round(forward / e2e, 3),
+        "in_run_forward_share": [round(x, 3) for x in in_run],
+        "naive_runs_s": [round(x, 2) for x in naive_runs],
+        "cpu_s": {
+            "extract": [round(x, 2) for x in e2e_cpu],
+            "forward_only": [round(x, 2) for x in forward_cpu],
+            "naive": [round(x, 2) for x in naive_cpu],
+        },
+        "efficiency_cpu": round(min(forward_cpu) / min(e2e_cpu), 3),
+        "speedup_vs_naive_cpu": round(min(naive_cpu) / min(e2e_cpu), 3),
+        "naive_loop_s": round(naive_s, 2),
+        "speedup_vs_naive": round(naive_s / e2e, 3),
+        "cli_runs_s": [round(x, 2) for x in cli_runs],
+        "cli_speedup_vs_naive": round(naive_s / min(cli_runs), 3),
+        "min_cosine_vs_naive": round(cos, 6),
+    }
+
+
 def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2) -> dict:
     """Sections 1 and 2a: the same images, the same tower."""
     from PIL import Image
@@ -178,9 +213,7 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
             feats[p.name] = {"vision": merged, "vision_mean": merged.mean(0)}
         return time.perf_counter() - t0, _cpu() - c0, feats
 
-    # The machine may be shared: the three measurements alternate for `rounds` rounds and the fastest of
-    # each counts, so a load change cannot favour one side. The pipeline also reports the time inside
-    # its own forwards, measured under the same load as its wall time.
+    # Alternated rounds, the fastest of each counting (a shared machine); the pipeline's own forward share too.
     e2e_runs, in_run, forward_runs, naive_runs, cli_runs = [], [], [], [], []
     e2e_cpu, forward_cpu, naive_cpu = [], [], []
     for _ in range(rounds):
@@ -204,51 +237,87 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
         naive_cpu.append(cpu)
         shutil.rmtree(work / "out-cli", ignore_errors=True)
         cli_runs.append(cli_extract(work / "images", work / "out-cli", model)["seconds"])
-    e2e, forward, naive_s = min(e2e_runs), min(forward_runs), min(naive_runs)
     cache = FeatureCache(work / "out")
     cos = min(_cos_min(cache[name], feats) for name, feats in naive.items())
+    runs = {"e2e": e2e_runs, "in_run": in_run, "forward": forward_runs, "naive": naive_runs, "cli": cli_runs}
+    cpus = {"e2e": e2e_cpu, "forward": forward_cpu, "naive": naive_cpu}
+    return _images_result(model, n_images, batches, runs, cpus, cos)
+
+
+def _processor_steps(video: torch.Tensor, cfg) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Qwen3VLVideoProcessor._preprocess as it runs with torchvision: resize the (T, C, H, W) uint8
+    frames (torchvision's uint8 bicubic kernel), fused rescale+normalise in float32, then
+    transformers' own patchify (called directly: the class cannot be built without torchvision)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from vlfast.extraction.decode.preprocess import video_resize_shape
+
+    h, w = video_resize_shape(video.shape[0], video.shape[-2], video.shape[-1], cfg)
+    video = torch.nn.functional.interpolate(video, size=(h, w), mode="bicubic", antialias=True)
+    mean = torch.tensor(cfg.video_mean).view(1, 3, 1, 1) * 255.0
+    std = torch.tensor(cfg.video_std).view(1, 3, 1, 1) * 255.0
+    video = ((video.float() - mean) / std)[None]
+    patches, gt, gh, gw = Qwen3VLVideoProcessor.patchify(
+        None, video, patch_size=cfg.patch_size, merge_size=cfg.merge_size, temporal_patch_size=2
+    )
+    return patches[0], (gt, gh, gw)
+
+
+def _naive_videos(paths: list, cfg, tower) -> dict[str, dict[str, torch.Tensor]]:
+    """The loop the report's author wrote: transformers' read_video_pyav, the processor's steps, the tower."""
+    from transformers.video_utils import read_video_pyav
+
+    from vlfast.extraction.decode.preprocess import sample_frame_indices
+    from vlfast.models import tower_outputs
+
+    out = {}
+    for p in paths:
+        frames, _ = read_video_pyav(
+            str(p),
+            sample_indices_fn=lambda metadata, **_: sample_frame_indices(
+                metadata.total_num_frames, metadata.fps, cfg
+            ),
+        )
+        pixels, grid = _processor_steps(torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous(), cfg)
+        with torch.inference_mode():
+            merged = tower_outputs(tower(pixels, grid_thw=torch.tensor([grid])))["merged"]
+        out[p.name] = {"vision": merged, "vision_mean": merged.mean(0)}
+    return out
+
+
+def _videos_result(n_videos: int, naive_runs: list, ours: dict, cli: dict, cos: float) -> dict:
+    """Section 2b's figures: the fastest round of each side, per worker count."""
+    naive_s = min(naive_runs)
+    runs = {
+        f"workers={w}": {
+            "extract_s": round(min(t), 3),
+            "extract_runs_s": [round(x, 3) for x in t],
+            "speedup_vs_naive": round(naive_s / min(t), 3),
+            "cli_s": round(min(cli[w]), 3),
+            "cli_runs_s": [round(x, 3) for x in cli[w]],
+            "cli_speedup_vs_naive": round(naive_s / min(cli[w]), 3),
+        }
+        for w, t in ours.items()
+    }
     return {
-        "model": model,
-        "images": n_images,
-        "size": "640x480",
-        "patches_per_image": int(batches[0][0].shape[0] // max(1, len(batches[0][1]))),
-        "batches": len(batches),
-        "extract_s": round(e2e, 2),
-        "forward_only_s": round(forward, 2),
-        "extract_runs_s": [round(x, 2) for x in e2e_runs],
-        "forward_only_runs_s": [round(x, 2) for x in forward_runs],
-        "load_average_1min": round(os.getloadavg()[0], 2),
-        "efficiency": round(forward / e2e, 3),
-        "in_run_forward_share": [round(x, 3) for x in in_run],
-        "naive_runs_s": [round(x, 2) for x in naive_runs],
-        "cpu_s": {
-            "extract": [round(x, 2) for x in e2e_cpu],
-            "forward_only": [round(x, 2) for x in forward_cpu],
-            "naive": [round(x, 2) for x in naive_cpu],
-        },
-        "efficiency_cpu": round(min(forward_cpu) / min(e2e_cpu), 3),
-        "speedup_vs_naive_cpu": round(min(naive_cpu) / min(e2e_cpu), 3),
-        "naive_loop_s": round(naive_s, 2),
-        "speedup_vs_naive": round(naive_s / e2e, 3),
-        "cli_runs_s": [round(x, 2) for x in cli_runs],
-        "cli_speedup_vs_naive": round(naive_s / min(cli_runs), 3),
+        "model": "tiny offline Qwen3-VL (2-layer tower, 64 wide)",
+        "videos": n_videos,
+        "video": f"10 s, 30 fps, 320x240 H.264; {FRAMES_PER_CLIP} frames sampled per clip (as in the original report)",
+        "naive_loop_s": round(naive_s, 3),
+        "naive_runs_s": [round(x, 3) for x in naive_runs],
         "min_cosine_vs_naive": round(cos, 6),
+        **runs,
     }
 
 
 def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> dict:
     """Section 2b: short videos through a small model: decoding and preprocessing dominate."""
-    from transformers.video_utils import read_video_pyav
 
     from vlfast.demo import make_tiny_qwen3_vl, make_video
     from vlfast.extraction import FeatureCache
     from vlfast.extraction.api import extract
-    from vlfast.extraction.decode.preprocess import (
-        build_processor_config,
-        sample_frame_indices,
-        video_resize_shape,
-    )
-    from vlfast.models import load_vision_tower, tower_outputs
+    from vlfast.extraction.decode.preprocess import build_processor_config
+    from vlfast.models import load_vision_tower
     from vlfast.patching.gemm import patch
 
     ckpt = make_tiny_qwen3_vl(work / "tiny")
@@ -260,36 +329,8 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
     tower = load_vision_tower(str(ckpt), dtype=torch.float32)
     patch(tower)
 
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    def processor_steps(video: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """Qwen3VLVideoProcessor._preprocess as it runs with torchvision: resize the (T, C, H, W) uint8
-        frames (torchvision's uint8 bicubic kernel), fused rescale+normalise in float32, then
-        transformers' own patchify (called directly: the class cannot be built without torchvision)."""
-        h, w = video_resize_shape(video.shape[0], video.shape[-2], video.shape[-1], cfg)
-        video = torch.nn.functional.interpolate(video, size=(h, w), mode="bicubic", antialias=True)
-        mean = torch.tensor(cfg.video_mean).view(1, 3, 1, 1) * 255.0
-        std = torch.tensor(cfg.video_std).view(1, 3, 1, 1) * 255.0
-        video = ((video.float() - mean) / std)[None]
-        patches, gt, gh, gw = Qwen3VLVideoProcessor.patchify(
-            None, video, patch_size=cfg.patch_size, merge_size=cfg.merge_size, temporal_patch_size=2
-        )
-        return patches[0], (gt, gh, gw)
-
     def naive_loop() -> dict[str, dict[str, torch.Tensor]]:
-        out = {}
-        for p in paths:
-            frames, _ = read_video_pyav(
-                str(p),
-                sample_indices_fn=lambda metadata, **_: sample_frame_indices(
-                    metadata.total_num_frames, metadata.fps, cfg
-                ),
-            )
-            pixels, grid = processor_steps(torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous())
-            with torch.inference_mode():
-                merged = tower_outputs(tower(pixels, grid_thw=torch.tensor([grid])))["merged"]
-            out[p.name] = {"vision": merged, "vision_mean": merged.mean(0)}
-        return out
+        return _naive_videos(paths, cfg, tower)
 
     naive_loop()  # warm-up (codec, allocator, page cache)
     naive_runs: list[float] = []
@@ -325,27 +366,7 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
             )
             cache = FeatureCache(out)
             cos = min(cos, *(_cos_min(cache[name], feats) for name, feats in naive.items()))
-    naive_s = min(naive_runs)
-    runs = {
-        f"workers={w}": {
-            "extract_s": round(min(t), 3),
-            "extract_runs_s": [round(x, 3) for x in t],
-            "speedup_vs_naive": round(naive_s / min(t), 3),
-            "cli_s": round(min(cli[w]), 3),
-            "cli_runs_s": [round(x, 3) for x in cli[w]],
-            "cli_speedup_vs_naive": round(naive_s / min(cli[w]), 3),
-        }
-        for w, t in ours.items()
-    }
-    return {
-        "model": "tiny offline Qwen3-VL (2-layer tower, 64 wide)",
-        "videos": n_videos,
-        "video": f"10 s, 30 fps, 320x240 H.264; {FRAMES_PER_CLIP} frames sampled per clip (as in the original report)",
-        "naive_loop_s": round(naive_s, 3),
-        "naive_runs_s": [round(x, 3) for x in naive_runs],
-        "min_cosine_vs_naive": round(cos, 6),
-        **runs,
-    }
+    return _videos_result(n_videos, naive_runs, ours, cli, cos)
 
 
 def _summaries(text: str) -> list[dict]:
@@ -461,6 +482,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
+    _print(result)
+
+
+def _print(result: dict) -> None:
+    """The result as lines, one a section."""
     m = result["machine"]
     print(
         f"machine: {m['cpu']}, {m['cores']} cores (two processes run at {m['parallel_capacity']}x one), "
