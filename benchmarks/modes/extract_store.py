@@ -138,10 +138,6 @@ def main() -> None:
     def ratio(a_key: str, b_key: str) -> float:
         return statistics.median(x / y for x, y in zip(rows[a_key], rows[b_key]))
 
-    def spread(a_key: str, b_key: str) -> str:
-        r = [x / y for x, y in zip(rows[a_key], rows[b_key])]
-        return f"per round {min(r):.2f}-{max(r):.2f}"
-
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
@@ -164,6 +160,17 @@ def main() -> None:
     if a.json:
         print(json.dumps(result, indent=2))
         return
+    _print(result, rows, a, nbytes)
+
+
+def _print(result: dict, rows: dict, a, nbytes: int) -> None:
+    """The result as lines: write, read, resume, verify."""
+    med = result["median_s"]
+
+    def spread(a_key: str, b_key: str) -> str:
+        r = [x / y for x, y in zip(rows[a_key], rows[b_key])]
+        return f"per round {min(r):.2f}-{max(r):.2f}"
+
     print(
         f"{a.samples} samples, {nbytes / 2**20:,.0f} MiB of tensors, {a.rounds} rounds, {result['machine']}"
     )
