@@ -620,20 +620,19 @@ class ObjectBackend:
 
 
 def strays_to_move(out: Any, owns_rank: Callable[[int], bool]) -> list[str]:
-    """What a store of ``out`` would move aside or remove on opening (store/layout.py), read only: a file
-    where a folder belongs (or a folder where a file does), a shard no index part covers of a rank
-    ``owns_rank`` gives it (on object storage only once ``ORPHAN_AGE`` old). A finished OUT with any of
-    these is not "nothing to do": the store sets them right."""
+    """What a store of ``out`` would move aside or remove on opening (store/layout.py), read only: a shard no
+    index part covers of a rank ``owns_rank`` gives it (on object storage only once ``ORPHAN_AGE`` old). A
+    finished OUT with any is not "nothing to do": the store sets them right. (A file where a folder belongs
+    is refused before this is asked: ``layout.refuse_misplaced``.)"""
     now = time.time()
     names = []
     for stray in find_strays(out):
-        if stray.kind == "uncovered":
-            if not owns_rank(stray.rank):
+        if stray.kind != "uncovered" or not owns_rank(stray.rank):
+            continue
+        if not is_local(out):
+            modified = _modified(stray.path)
+            if modified is None or now - modified <= ORPHAN_AGE:
                 continue
-            if not is_local(out):
-                modified = _modified(stray.path)
-                if modified is None or now - modified <= ORPHAN_AGE:
-                    continue
         names.append(stray.rel)
     return names
 
