@@ -219,10 +219,11 @@ def refuse_early(
     messages are the library's own; what only torch can judge (an unknown device type, a GPU that is not
     there) is left to it."""
     if model is not None:
-        from vlfast.models.references import REF_PREFIX, resolve_reference
+        from vlfast.models.ref import ModelRef
 
-        if model.startswith(REF_PREFIX):
-            resolve_reference(model)
+        ref = ModelRef.of(model)
+        if ref.is_reference:
+            ref.reference  # noqa: B018 - refuses an unknown name, listing the choices
         else:
             from vlfast.models.checkpoints import checkpoint_dir
 
@@ -244,9 +245,9 @@ def refuse_unfit_weights(model: str | None) -> None:
     Builds the tower on the meta device: call it where the command imports torch anyway."""
     from pathlib import Path
 
-    from vlfast.models.references import REF_PREFIX
+    from vlfast.models.ref import ModelRef
 
-    if model is None or model.startswith(REF_PREFIX) or not Path(model).expanduser().is_dir():
+    if model is None or ModelRef.of(model).is_reference or not Path(model).expanduser().is_dir():
         return  # no checkpoint to compare: what --model lacks is the library's to say
     from vlfast.models import check_tower_shapes, tower_shapes
 

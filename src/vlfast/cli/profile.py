@@ -220,14 +220,14 @@ def profile_cmd(
     frame_size = _size(size)
     from vlfast.cli._process import skip_teardown
     from vlfast.diagnosis.profiler import profile
-    from vlfast.models import REF_PREFIX, vision_config_of
+    from vlfast.models import ModelRef, vision_config_of
 
     skip_teardown()  # everything it says (the chart too) is written before it returns
     # Fail before minutes of measuring, not after: the chart's dependency, and a checkpoint without a
     # vision tower (its config.json says so; loading the whole model first would only then find out).
     if plot:
         _require_matplotlib()
-    if model is not None and not model.startswith(REF_PREFIX):
+    if model is not None and not ModelRef.of(model).is_reference:
         vision_config_of(model)
         refuse_unfit_weights(model)
     report = profile(

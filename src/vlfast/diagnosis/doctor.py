@@ -467,7 +467,7 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
         return type(model).__name__, conv_shapes(model, patches=patches, label=type(model).__name__)
     if isinstance(model, str):
         if (
-            model.startswith(models.REF_PREFIX)
+            models.ModelRef.of(model).is_reference
             and (known := reference_conv_shapes(model, patches)) is not None
         ):
             return model, known
@@ -482,6 +482,7 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
 
 def _fusion_notes(model: nn.Module | str | None) -> list[str]:
     """What transformers' own fusion did to ``model``, or will do when its checkpoint is loaded."""
+    from vlfast.models.ref import ModelRef
     from vlfast.patching.fusion import fused_patch_embeddings, fusion_note
 
     if isinstance(model, nn.Module):
@@ -493,7 +494,7 @@ def _fusion_notes(model: nn.Module | str | None) -> list[str]:
                 f"it runs the GEMM already"
             ]
         return []
-    if isinstance(model, (str, os.PathLike)) and not str(model).startswith("ref:"):
+    if isinstance(model, (str, os.PathLike)) and not ModelRef.of(model).is_reference:
         note = fusion_note(model)
         return [note] if note else []
     return []

@@ -564,7 +564,7 @@ def _load_model(model: nn.Module | str | None, device: str, dtype: torch.dtype, 
             name, tower = "", model
         return type(model).__name__, tower, (model if name else None)
     if isinstance(model, str):
-        if model.startswith(models.REF_PREFIX):
+        if models.ModelRef.of(model).is_reference:
             tower = models.build_reference(model, tiny=tiny, device=device, dtype=dtype)
             return model + (" (tiny)" if tiny else ""), tower, None
         models.vision_config_of(model)  # a text-only checkpoint is refused before any weight loads

@@ -12,7 +12,6 @@ import os
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,8 +27,9 @@ from vlfast.extraction.sources.sample import InputProblem, Sample
 from vlfast.extraction.sources.table import SampleTable
 from vlfast.extraction.store.facts import ModelFacts
 from vlfast.extraction.store.out import Out
+from vlfast.models.ref import ModelRef, family_of
 
-__all__ = ["RUNTIME_KEY", "RunPlan", "check_retry_kinds", "family_of", "make_plan", "problem_record"]
+__all__ = ["RUNTIME_KEY", "RunPlan", "check_retry_kinds", "make_plan", "problem_record"]
 
 RUNTIME_KEY = "runtime"  # run-config entries that may change on resume (how, not what, is computed)
 
@@ -334,7 +334,7 @@ def make_plan(
     kept = KeptListings.of_folder(store.listings_folder, rank, world_size)  # written once OUT is ours
     samples, problems = load_inputs(inputs, config.storage_options, kept)
     # Recorded resolved (processor.source names the files read), so no working directory is in it
-    model_dir = config.model if config.model.startswith("ref:") else str(Path(config.model).resolve())
+    model_dir = ModelRef.of(config.model).spec
     # What only transformers tells, from OUT's record where it was asked under this key (store.facts)
     facts = ModelFacts(model_dir, out, read=not config.overwrite)
     family = family_of(config.model, facts)
@@ -360,7 +360,7 @@ def make_plan(
     from vlfast.extraction.store.fingerprint import weights_fingerprint
 
     shapes = None
-    if not config.model.startswith("ref:"):
+    if not ModelRef.of(config.model).is_reference:
         from vlfast.models.checkpoints import check_tower_shapes
 
         def ask() -> dict:  # builds the tower on the meta device: imports torch, so only when not recorded
@@ -413,7 +413,7 @@ def run_configuration(
     model = config.model
     return {
         "task": "vlfast.extract",
-        "model": model if model.startswith("ref:") else str(Path(model).resolve()),
+        "model": ModelRef.of(model).spec,
         "model_identity": identity(model, family, facts),
         "weights": weights,
         "dtype": config.dtype_name,
@@ -489,21 +489,6 @@ def _answers(facts: ModelFacts | None, model: str) -> ModelFacts:
     return facts if facts is not None else ModelFacts(model)
 
 
-def family_of(model: str, facts: ModelFacts | None = None) -> str:
-    """The model's family (``qwen3_vl``...), from its config alone."""
-    if model.startswith("ref:"):
-        from vlfast.models.references import resolve_reference
-
-        return resolve_reference(model).family
-
-    def ask() -> str:
-        from vlfast.models import load_config
-
-        return str(load_config(model).model_type)
-
-    return _answers(facts, model).answer("model type", ask)
-
-
 def identity(model: str, family: str, facts: ModelFacts | None = None) -> dict[str, Any]:
     """What tower the features come from, from its config alone (before anything is loaded)."""
 
@@ -523,8 +508,7 @@ def identity(model: str, family: str, facts: ModelFacts | None = None) -> dict[s
 def _told(config: ExtractConfig, facts: ModelFacts, shapes: dict[str, Any] | None) -> dict[str, Any]:
     """What the weights fingerprint takes from ``facts`` instead of torch and transformers: the vision tower's
     tensor names (a checkpoint's, for vision features: those of ``shapes``), torch's version (a reference's)."""
-    model = config.model
-    if model.startswith("ref:"):
+    if ModelRef.of(config.model).is_reference:
 
         def version() -> str:
             import torch
@@ -543,7 +527,7 @@ def check_llm_request(model: str, spec: FeatureSpec, facts: ModelFacts | None = 
     if not spec.needs_llm:
         return
     what = "embedding" if spec.embedding else "llm"
-    if model.startswith("ref:"):
+    if ModelRef.of(model).is_reference:
         raise InputRefused(
             f"{model} is a vision tower only: {what} features need a local checkpoint directory with its "
             f"language model (drop '{what}' from --features, or pass --model DIR)"

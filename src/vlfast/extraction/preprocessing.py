@@ -62,7 +62,7 @@ class VisionPreprocessor:
                 "pixels='uint8' needs image_backend='torchvision' (the PIL processor returns float32)"
             )
         from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
-        from vlfast.extraction.plan import family_of
+        from vlfast.models.ref import family_of
 
         model = self.model if self.model.startswith("ref:") else str(Path(self.model).resolve())
         cfg = build_processor_config(

@@ -7,6 +7,7 @@ speed and prove equivalence without downloading anything. A *spec* names a model
 
 - ``references``: the built-in references as plain data (no torch).
 - ``checkpoints``: a local checkpoint folder read without torch or transformers.
+- ``ref``: what ``--model`` names (:class:`ModelRef`) and the model's family, read once (no torch).
 - ``towers``: vision towers built, found and run (imports torch).
 
 Importing this package is free: each public name loads its module on first use.
@@ -39,6 +40,7 @@ _EXPORTS = {
         ],
         "checkpoints",
     ),
+    **dict.fromkeys(["Answers", "ModelRef", "family_of"], "ref"),
     **dict.fromkeys(
         [
             "TowerSpec",

@@ -18,7 +18,8 @@ from torch import nn
 
 from vlfast.errors import InputRefused
 from vlfast.models.checkpoints import checkpoint_dir, tensor_locations
-from vlfast.models.references import REF_PREFIX, resolve_reference
+from vlfast.models.ref import ModelRef
+from vlfast.models.references import resolve_reference
 from vlfast.patching.gemm import eligibility
 
 __all__ = [
@@ -107,7 +108,7 @@ def reference_config(name: str, *, tiny: bool = False) -> Any:
 
 def vision_config_of(spec: str | Path) -> Any:
     """The vision config ``spec``'s tower is built from (a reference's, or the checkpoint's), building nothing."""
-    if str(spec).startswith(REF_PREFIX):
+    if ModelRef.of(spec).is_reference:
         return reference_config(str(spec))
     path = checkpoint_dir(spec)
     vision_config = getattr(load_config(path), "vision_config", None)
@@ -265,7 +266,7 @@ def load_vision_tower(
     safetensors files by matching key suffixes, so the (much larger) language model is never loaded.
     With ``device="meta"`` nothing is read: enough to scan shapes.
     """
-    if str(spec).startswith(REF_PREFIX):
+    if ModelRef.of(spec).is_reference:
         return build_reference(str(spec), tiny=tiny, device=device, dtype=dtype or torch.float32)
     path = checkpoint_dir(spec)
     config = load_config(path)
@@ -325,7 +326,7 @@ def load_model(
     """The whole model of a checkpoint directory (offline), or a reference's vision tower. ``head=False``
     builds the bare model (``AutoModel``: no LM head) first, for checkpoints saved without one, such as
     Qwen3-VL-Embedding's: a random head would be built, reported missing and, untied, take memory."""
-    if str(spec).startswith(REF_PREFIX):
+    if ModelRef.of(spec).is_reference:
         return build_reference(str(spec), device=device, dtype=dtype or torch.float32)
     path = checkpoint_dir(spec)
     import transformers

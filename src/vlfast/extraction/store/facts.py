@@ -35,6 +35,7 @@ from typing import Any
 
 from vlfast.extraction.objstore import read_whole
 from vlfast.extraction.store.format import FACTS_FILE, canonical_json, installed_versions, xxh3
+from vlfast.models.ref import ModelRef
 
 __all__ = ["FACTS_VERSION", "ModelFacts", "facts_key"]
 
@@ -103,7 +104,7 @@ class ModelFacts:
 def facts_key(model: str) -> dict[str, Any] | None:
     """What the answers about ``model`` are made from (see the module's docstring); None where it cannot be
     made (no such folder, no config.json): then every answer is asked, and says what is wrong."""
-    if model.startswith("ref:"):
+    if ModelRef.of(model).is_reference:
         source: dict[str, Any] = {"reference": model}
     else:
         import xxhash

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused
+from vlfast.models.ref import ModelRef
 
 # Files beside the weights that change what an ``llm`` feature is (prompt tokens, chat template, config).
 _LLM_FILES = (
@@ -51,7 +52,7 @@ def weights_fingerprint(
     ``tower_names``, the vision tower's tensor names (else the tower is built on the meta device to list
     them); ``torch_version``, ``torch.__version__`` (else torch is imported). The bytes are hashed either way.
     """
-    if model.startswith("ref:"):
+    if ModelRef.of(model).is_reference:
         from importlib import metadata
 
         if torch_version is None:
