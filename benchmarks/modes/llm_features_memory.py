@@ -136,8 +136,7 @@ def child(variant: str, model_name: str, text_layers: int | None, images: int, s
     spec = FeatureSpec(("llm",), (-1,), ("last",))
 
     def before():
-        # What compute_llm_features did until this change (its TowerTap aside: a few KiB here), inputs
-        # built inside as it builds them.
+        # What compute_llm_features did before the hooks (inputs built inside, as it builds them).
         inputs, lengths = llm_inputs(items, **kw)
         out = model(**inputs, output_hidden_states=True, use_cache=False)
         h = out.hidden_states[-1].float()
