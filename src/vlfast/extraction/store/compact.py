@@ -239,12 +239,19 @@ def _conform(table: Any, schema: Any) -> Any:
 
 @gc_paused()
 def compact_rank(
-    out: Any, rank: int, backend: Any, *, min_parts: int = 2, tag: str | None = None
+    out: Any,
+    rank: int,
+    backend: Any,
+    *,
+    min_parts: int = 2,
+    tag: str | None = None,
+    expected: str | None = None,
 ) -> Compaction:
     """Replace the live parts of ``rank`` by one consolidated part when there are at least ``min_parts``,
     then delete them (and whatever an earlier, killed compaction left). The caller holds the rank (its lock
     locally). A full disk raises the backend's OutputFull: the parts stay and the folder reads as before.
-    The rows stream through one row group at a time (:class:`_Stream`)."""
+    The rows stream through one row group at a time (:class:`_Stream`). ``expected``: the configuration hash
+    the parts must carry, where the caller has it (the writer; else run.json is read for it)."""
     out = resolve_out(out)
     tag = tag or f"r{rank:05d}-{os.getpid()}"
     result = Compaction(rank)
@@ -253,8 +260,7 @@ def compact_rank(
         candidates = [p for p in committed_parts(out) if (part_span(p.name) or (-1,))[0] == rank]
         if len(candidates) < max(2, min_parts):
             return result
-        run = read_run_file(out)
-        stream = _Stream(config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", []))))
+        stream = _Stream(expected or _run_hash(out))
         for part, table in zip(candidates, map_parts(out, _schema_or_none, candidates)):
             stream.gather(part, table)
         used = stream.used
@@ -288,6 +294,12 @@ def compact_rank(
     return result
 
 
+def _run_hash(out: Any) -> str:
+    """The configuration hash run.json records for ``out`` (refused as another format's by the read)."""
+    run = read_run_file(out)
+    return config_hash(stable_config(run["config"], run.get("volatile_keys", [])))
+
+
 def compact_folder(
     out: Any,
     storage_options: dict | None = None,
@@ -299,7 +311,7 @@ def compact_folder(
     before they closed), or only ``ranks``. Locally each rank's lock is
     taken in turn: a rank a live process is writing is skipped, and says so."""
     out = resolve_out(out, storage_options)
-    read_run_file(out)  # a vlfast folder, and of this vlfast's format
+    expected = _run_hash(out)  # a vlfast folder, and of this vlfast's format
     present = {s[0] for n in list_names(out / INDEX_DIR) if (s := part_span(n)) is not None}
     ranks = sorted(present if ranks is None else present & set(ranks))
     session = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + secrets.token_hex(4)
@@ -312,7 +324,7 @@ def compact_folder(
             results.append(Compaction(rank, skipped="a live process is writing this rank"))
             continue
         try:
-            results.append(compact_rank(out, rank, backend, min_parts=min_parts))
+            results.append(compact_rank(out, rank, backend, min_parts=min_parts, expected=expected))
         finally:
             backend.release()
     return results

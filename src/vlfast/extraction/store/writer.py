@@ -770,7 +770,12 @@ class FeatureStore:
         with commit_section():
             try:
                 self.compaction = compact_rank(
-                    self.out, self.rank, self._backend, min_parts=min_parts, tag=f"{self._tag}-{os.getpid()}"
+                    self.out,
+                    self.rank,
+                    self._backend,
+                    min_parts=min_parts,
+                    tag=f"{self._tag}-{os.getpid()}",
+                    expected=self.config_hash,
                 )
             except OutputFull:
                 self._full = True
