@@ -82,10 +82,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the rows here (the result file is written anyway)")
     ap.add_argument(
         "--variants",
-        choices=["all", "core"],
+        choices=["all", "core", "framework"],
         default="all",
         help="core: transformers' torchvision processor, VisionPreprocessor float32 and uint8, the decode bound; "
-        "for videos the keyframe bound, transformers (PyAV, torchcodec where it loads) and vlfast",
+        "for videos the keyframe bound, transformers (PyAV, torchcodec where it loads) and vlfast; framework: "
+        "a framework's call with a decoded image, transformers' processor against VLFAST_PREPROCESS's swap",
     )
     ap.add_argument("--only", choices=["image", "video"], help="measure one kind of input")
     ap.add_argument(
@@ -118,9 +119,12 @@ CORE = (
 
 
 def _keep(variants: dict, which: str) -> dict:
-    """``which`` = core: the rows issue 53 asks for (CORE), in their order."""
+    """``which`` = core: the rows issue 53 asks for (CORE); framework: a framework's call, both ways."""
     if which == "all":
         return variants
+    if which == "framework":
+        keep = ("reference bound", "in a framework", "transformers torchvision processor")
+        return {k: v for k, v in variants.items() if any(w in k for w in keep) and "bfloat16" not in k}
     return {k: v for k, v in variants.items() if k in CORE or "reference bound" in k}
 
 

@@ -12,7 +12,7 @@ and ``head=no`` (no line naming the run: the block above named it):
     ... (generated: a line naming the command, date, commit and load, then the table)
     <!-- end table -->
 
-The table ``result`` is the run's ``result`` (a mode's final dict) as one row.
+A run of rows sharing the first column's value shows it once. The table ``result`` is the run's ``result`` (a mode's final dict) as one row.
 A column ``key`` whose row also has ``min_key`` and ``max_key`` shows "median (min-max)"; a value that is a
 dict with ``median``, ``min`` and ``max`` (the harness's ``spread``) shows the same.
 """
@@ -76,7 +76,11 @@ def render(spec: str) -> str:
     if opts.get("head") == "no":  # the block above named the same run
         head = ""
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r, c) for c in cols) + " |" for r in rows]
+    previous = None
+    for r in rows:  # the first column's value once for a run of rows that share it
+        cells = [_cell(r, c) for c in cols]
+        cells[0], previous = ("" if cells[0] == previous else cells[0]), cells[0]
+        lines.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
 
 
