@@ -119,8 +119,9 @@ def refuse_misplaced(out: Any, *, overwrite: bool = False) -> None:
     if found:
         what = "; ".join(f"{_rel(out, p)} is {is_} where vlfast keeps {keeps}" for p, is_, keeps in found)
         moves = "; ".join(f"mv {p} {out.parent / (out.name + '-' + p.name)}" for p, _, _ in found)
+        them = "it" if len(found) == 1 else "them"
         raise Misplaced(
-            f"{out}: {what}. Nothing is moved for you: move it out of OUT ({moves}), then run again"
+            f"{out}: {what}. Nothing is moved for you: move {them} out of OUT ({moves}), then run again"
         )
 
 
