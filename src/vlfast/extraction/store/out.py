@@ -21,6 +21,7 @@ from vlfast.extraction.store.format import (
     LISTING_DIR,
     PART_RE,
     QUARANTINE_DIR,
+    RUN_FILE,
     SHARD_DIR,
     SHARD_RE,
     DamagedFile,
@@ -187,7 +188,19 @@ class Out:
         volatile_keys: Collection[str],
         tag: str,
     ) -> bool:
-        """Write run.json anew where a finished OUT lost it (``run_file.restore_run_file``)."""
-        from vlfast.extraction.store.run_file import library_versions, restore_run_file
+        """Write run.json where a finished OUT lost it (whole or not at all, as the writer does); whether it was
+        written. Best effort, like the preflight's caches: a read-only OUT keeps none and says nothing here (its
+        readers say how to get it back)."""
+        from vlfast.extraction.store.backend import backend_for
+        from vlfast.extraction.store.resume import canonical_config
+        from vlfast.extraction.store.run_file import library_versions, run_file_bytes
 
-        return restore_run_file(self.path, run_config, volatile_keys, library_versions(), tag)
+        path = self.path / RUN_FILE
+        if path.exists():
+            return False
+        data = run_file_bytes(canonical_config(dict(run_config)), volatile_keys, library_versions())
+        try:
+            backend_for(self.path, tag).write(path, data, tag)
+        except OSError:
+            return False
+        return True
