@@ -19,7 +19,7 @@ taken, so a noisy shared machine slows them alike and the ratios from one run st
 fallback is slow enough (seconds per call in bf16) that it gets fewer rounds.
 
     python benchmarks/patch_embed.py                       # all shapes, fp32 + bf16, CPU (+ CUDA)
-    python benchmarks/patch_embed.py --refs qwen3-vl-4b --write-docs
+    python benchmarks/patch_embed.py --refs qwen3-vl-4b         # one shape; the result file: benchmarks/harness.py
     python benchmarks/patch_embed.py --devices cuda --dtypes fp32 bf16 fp16 --channels-last
 """
 
@@ -52,9 +52,6 @@ import harness  # noqa: E402
 from vlfast.models import REFERENCES, build_reference, tower_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH_DOC = ROOT / "docs" / "benchmarks.md"  # the tables live there, between the markers below
-START, END = "<!-- bench:patch_embed:start -->", "<!-- bench:patch_embed:end -->"
-CALL_MARKERS = ("<!-- bench:patch_call:start -->", "<!-- bench:patch_call:end -->")
 # One 8-frame 512x384 clip for Qwen3-VL: (8 / T=2) * (384 / 16) * (512 / 16) = 4 * 24 * 32 = 3,072 patches.
 DEFAULT_PATCHES = 3072
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -582,7 +579,7 @@ def _run(args, shapes, devices, baseline, command, dev, budget, run) -> None:
     tables = []
     if rows:
         table = render(rows, hardware(dev), args.patches, args.rounds, args.fallback_rounds, command.strip())
-        tables.append(((START, END), table))
+        tables.append(table)
     for dev_name in [] if args.no_per_call else devices:
         calls = call_overhead_us(shapes[0], torch.device(dev_name), baseline, dtype=DTYPES[args.call_dtype])
         table = render_calls(
@@ -590,10 +587,10 @@ def _run(args, shapes, devices, baseline, command, dev, budget, run) -> None:
         )
         run.table("per_call", [{"device": dev_name, "dtype": args.call_dtype, **c} for c in calls])
         if dev_name == "cpu" or len(devices) == 1:
-            tables.append((CALL_MARKERS, table))
+            tables.append(table)
         else:
             print(table)
-    for _markers, table in tables:
+    for table in tables:
         print(table + "\n")
     run.table("patch_embed", _rows_json(rows))
 
