@@ -1,19 +1,9 @@
 """``vlfast.doctor``: is the patch embedding on a slow path on this machine, why, and what fixes it.
 
-The diagnosis runs in four steps, data first and rendering last:
-
-1. scan the model (or every built-in reference, on ``device="meta"``) for stride == kernel convs;
-2. collect environment :class:`~vlfast.diagnosis.facts.Facts`, each probe failing soft;
-3. time each conv geometry against its GEMM here (:mod:`vlfast.diagnosis.probe`) - the measurement decides;
-4. explain the result with the known rules (:mod:`vlfast.diagnosis.rules`) and name the fix and its saving.
-
-The :class:`DoctorReport` renders itself as JSON (schema ``vlfast.doctor/2``, documented in
-``docs/doctor.md``) or as a paste-ready markdown block; ``vlfast doctor`` adds rich tables.
-
-Two kinds of loss are told apart, each with its own exit status: a *slow path* (a fallback kernel:
->= ``PATHOLOGICAL_RATIO`` x its GEMM, or >= ``slow_ratio`` x with a pathological rule explaining it;
-exit 1, what a launcher guards on) and an ordinary *gain* (the conv is >= ``slow_ratio`` x its GEMM,
-as every CPU's oneDNN conv is; exit 4 unless ``fail_on="slow-path"``).
+Data first: scan the convs, collect the facts (each failing soft), time each geometry against its GEMM
+(the measurement decides), explain with the rules; the :class:`DoctorReport` renders as JSON (schema in
+docs/doctor.md) or markdown. A *slow path* (a fallback kernel, exit 1) is told from an ordinary *gain*
+(exit 4 unless ``fail_on="slow-path"``).
 """
 
 from __future__ import annotations
@@ -30,15 +20,11 @@ from torch import nn
 
 from vlfast.diagnosis.facts import (
     Facts,
-    check_device,
-    choose_dtype,
     collect_facts,
     cpu_facts,
     cudnn_libraries,
     cudnn_version_str,
-    default_device,
-    default_dtype,
-    dtype_name,
+    device_and_dtype,
 )
 from vlfast.diagnosis.probe import (
     DEFAULT_PATCHES,
@@ -641,73 +627,112 @@ def doctor(
     fail_on: FailOn = "any",
     spent_s: float = 0.0,
 ) -> DoctorReport:
-    """Diagnose the patch-embedding slow path for ``model`` on this machine.
+    """Diagnose the patch-embedding slow path for ``model`` on this machine (docs/doctor.md).
 
-    Args:
-        model: an ``nn.Module`` (its convs and patch state are read, its weights never touched), a spec
-            (``ref:NAME`` or a local checkpoint directory; only shapes are read) or ``None`` for every
-            built-in reference.
-        device, dtype: what to probe; default the best available device, bfloat16 where supported.
-        patches: windows per sample fed to the patch embedding (default one 8-frame 512x384 clip, 3,072).
-        budget_s: seconds the whole diagnosis may take, ``spent_s`` included: the probe gets what the scan
-            (building the models) and the facts leave, less :data:`AFTER_PROBE_S` for what follows it,
-            shared between the distinct conv geometries; what does not fit is left out and said so.
-        spent_s: seconds of the budget spent before this call (the CLI passes its start-up: importing
-            torch and transformers took 6-9 s of a 2-core CPU with a CUDA build, more under load).
-        slow_ratio: conv / GEMM ratio at which a conv counts as losing time (a gain to take).
-        probe: time the convs (the verdict needs it); ``False`` gives facts and rules only.
-        workload: ``"training"`` times and counts the backward pass too; ``"inference"`` the forward only.
-        fail_on: ``"any"``: exit status 1 for a slow path, 4 for an ordinary gain; ``"slow-path"``: 0 for
-            a gain (the launcher guard that passes on a CPU runner).
+    ``model`` is an ``nn.Module`` (its convs and patch state are read, its weights never touched), a spec
+    (``ref:NAME`` or a checkpoint directory; only shapes are read) or None for every built-in reference.
+    ``budget_s`` is the whole diagnosis, ``spent_s`` (the CLI's start-up: importing torch and transformers
+    took 6-9 s of a 2-core CPU with a CUDA build) included: the probe gets what the scan and the facts
+    leave, less :data:`AFTER_PROBE_S`, shared between the conv geometries; what does not fit is left out
+    and said so. ``workload="inference"`` times the forward only; ``fail_on="slow-path"`` gives exit 0 for
+    a gain (the launcher guard that passes on a CPU runner).
     """
-    if patches < 1:
-        raise InputRefused(f"patches must be >= 1, got {patches}")
-    if not budget_s > 0:
-        raise InputRefused(f"budget_s must be positive, got {budget_s}")
-    if not spent_s >= 0:
-        raise InputRefused(f"spent_s must be >= 0, got {spent_s}")
-    if slow_ratio <= 1:
-        raise InputRefused(f"slow_ratio must be > 1, got {slow_ratio}")
-    if workload not in ("training", "inference"):
-        raise InputRefused(f"workload must be 'training' or 'inference', got {workload!r}")
-    if fail_on not in ("any", "slow-path"):
-        raise InputRefused(f"fail_on must be 'any' or 'slow-path', got {fail_on!r}")
+    _refuse_arguments(patches, budget_s, spent_s, slow_ratio, workload, fail_on)
     t0 = time.perf_counter()
     clock0 = probe_clock()  # the budget's clock (a fake one in tests)
-    dev = check_device(device) if device is not None else default_device()
-    asked = dtype_name(dtype) if dtype is not None else None
-    choice = None
-    if torch.device(dev).type == "cpu":
-        choice = choose_dtype(cpu_facts(dev), asked)  # bf16 only where the CPU computes it natively
-        dt = choice.dtype
-    else:
-        dt = asked or default_dtype(dev)
+    dev, dt, choice = device_and_dtype(device, dtype, cpu_facts)
     target, shapes = _scan(model, patches)
     gc.collect()  # the scan's temporary towers: collect them now, not inside a timed call
     geometries = merge_shapes(shapes)
     patched = all(s.patched for s in shapes) if shapes else None
     facts = collect_facts(dev, dt, model_patched=patched)
-
-    convs = {g.key: ConvGeometry(g.kernel_size, g.describe()) for g in geometries}
     backward = workload == "training"
-    # The geometries most references share first: when the budget runs out, what is left out matters least.
-    order = sorted(geometries, key=lambda g: -len({_model(n) for n in g.names}))
     before_s = spent_s + probe_clock() - clock0  # start-up, the scan and the facts
-    probe_budget_s = budget_s - before_s - AFTER_PROBE_S
-    budget = Budget(max(probe_budget_s, 1e-3))
+    budget = Budget(max(budget_s - before_s - AFTER_PROBE_S, 1e-3))
+    results = _probe_all(geometries, dev, dt, budget, before_s, budget_s, probe, backward, slow_ratio)
+    if probe and facts.torch_build == "cuda":  # cuDNN's sub-libraries load with the first convolution
+        facts.cudnn_libraries = _soft_libraries() or facts.cudnn_libraries
+    convs = {g.key: ConvGeometry(g.kernel_size, g.describe()) for g in geometries}
+    # Inference runs no backward: a rule about the backward alone explains nothing there.
+    hits = [h for h in evaluate(facts, list(convs.values())) if backward or "forward" in h.phases]
+    findings = [_finding(results[g.key], convs[g.key].name, hits, backward, slow_ratio) for g in geometries]
+    verdict = verdict_for(findings, slow_ratio=slow_ratio)
+    savings = _savings(findings, "forward")
+    backward_savings = _savings(findings, "backward") if backward else {}
+    fixes, notes = _fixes(verdict, findings, hits, facts)
+    if choice is not None and choice.warning:
+        notes.insert(0, choice.warning)
+    notes += _fusion_notes(model)
+    left_out = [
+        f"{f.probe.shape.describe()} ({', '.join(f.probe.shape.names)}): {f.probe.left_out}"
+        for f in findings
+        if f.probe.left_out
+    ]
+    notes += _left_out_note(left_out, budget_s, findings) + _finding_notes(findings)
+    notes += _autopatch_notes(facts, patched)
+    return DoctorReport(
+        target=target,
+        facts=facts,
+        findings=findings,
+        rules=hits,
+        verdict=verdict,
+        summary=_summary(verdict, findings, savings, backward_savings, slow_ratio),
+        fixes=fixes,
+        savings_ms_per_sample=savings,
+        patches=patches,
+        slow_ratio=slow_ratio,
+        elapsed_s=time.perf_counter() - t0,
+        notes=notes,
+        backward_savings_ms_per_sample=backward_savings,
+        workload=workload,
+        fail_on=fail_on,
+        budget_s=budget_s,
+        probe_s=budget.spent_ms / 1e3 if probe else None,
+        left_out=left_out,
+        dtype_reason=choice.reason if choice is not None else None,
+    )
+
+
+def _refuse_arguments(patches, budget_s, spent_s, slow_ratio, workload, fail_on) -> None:
+    for refused, why in (
+        (patches < 1, f"patches must be >= 1, got {patches}"),
+        (not budget_s > 0, f"budget_s must be positive, got {budget_s}"),
+        (not spent_s >= 0, f"spent_s must be >= 0, got {spent_s}"),
+        (slow_ratio <= 1, f"slow_ratio must be > 1, got {slow_ratio}"),
+        (
+            workload not in ("training", "inference"),
+            f"workload must be 'training' or 'inference', got {workload!r}",
+        ),
+        (fail_on not in ("any", "slow-path"), f"fail_on must be 'any' or 'slow-path', got {fail_on!r}"),
+    ):
+        if refused:
+            raise InputRefused(why)
+
+
+def _left_out_note(left_out: list[str], budget_s: float, findings: list[Finding]) -> list[str]:
+    if not left_out:
+        return []
+    return [
+        f"the {budget_s:g} s budget left out {len(left_out)} item(s), listed above; "
+        f"--budget {_more_budget(budget_s, findings)} would probe them"
+    ]
+
+
+def _probe_all(geometries, dev, dt, budget, before_s, budget_s, probe, backward, slow_ratio) -> dict:
+    """Each geometry's ProbeResult, those most references share first: when the budget runs out, what is
+    left out matters least."""
+    order = sorted(geometries, key=lambda g: -len({_model(n) for n in g.names}))
     results: dict[tuple, ProbeResult] = {}
     for i, g in enumerate(order):
         if not probe:
             results[g.key] = ProbeResult(g, dev, dt, notes=["probe disabled"])
             continue
-        if probe_budget_s <= 0:
-            results[g.key] = ProbeResult(
-                g,
-                dev,
-                dt,
-                left_out=f"the whole shape: {before_s:.1f} s of the {budget_s:g} s budget went before the probe "
-                "(start-up, building the models, the facts)",
+        if budget_s - before_s - AFTER_PROBE_S <= 0:
+            why = (
+                f"the whole shape: {before_s:.1f} s of the {budget_s:g} s budget went before the probe "
+                "(start-up, building the models, the facts)"
             )
+            results[g.key] = ProbeResult(g, dev, dt, left_out=why)
             continue
         # What the earlier shapes left, shared by how many models each remaining shape stands for.
         weights = [len({_model(n) for n in x.names}) for x in order[i:]]
@@ -727,123 +752,85 @@ def doctor(
             backward=backward,
             slow_ratio=slow_ratio,
         )
-    probe_s = budget.spent_ms / 1e3 if probe else None
-    if probe and facts.torch_build == "cuda":  # cuDNN's sub-libraries load with the first convolution
-        facts.cudnn_libraries = _soft_libraries() or facts.cudnn_libraries
-    # Inference runs no backward: a rule about the backward alone explains nothing there.
-    hits = [h for h in evaluate(facts, list(convs.values())) if backward or "forward" in h.phases]
-    findings: list[Finding] = []
-    for g in geometries:
-        result, c = results[g.key], convs[g.key]
-        mine = [h for h in hits if c.name in h.convs]
-        rules = [h.id for h in mine]
-        disagree = disagreements(mine, result.backend)
-        if result.error is not None:
-            findings.append(Finding(result, rules, "error", "error", disagreements=disagree))
-            continue
-        fwd = _loss_status(
-            result.ratio, any(h.pathological and "forward" in h.phases for h in mine), slow_ratio
-        )
-        bwd = None
-        if backward:
-            bwd = _loss_status(
-                result.backward_ratio,
-                any(h.pathological and "backward" in h.phases for h in mine),
-                slow_ratio,
-            )
-        escapes = None
-        if result.channels_last_ratio is not None and fwd in ("slow-path", "gain"):
-            escapes = result.channels_last_ratio < slow_ratio
-        findings.append(Finding(result, rules, _worse(fwd, bwd), fwd, bwd, escapes, disagree))
+    return results
 
-    verdict = verdict_for(findings, slow_ratio=slow_ratio)
-    savings = _savings(findings, "forward")
-    backward_savings = _savings(findings, "backward") if backward else {}
-    fixes, notes = _fixes(verdict, findings, hits, facts)
-    if choice is not None and choice.warning:
-        notes.insert(0, choice.warning)
-    notes += _fusion_notes(model)
-    left_out = [
-        f"{f.probe.shape.describe()} ({', '.join(f.probe.shape.names)}): {f.probe.left_out}"
-        for f in findings
-        if f.probe.left_out
-    ]
-    if left_out:
-        notes.append(
-            f"the {budget_s:g} s budget left out {len(left_out)} item(s), listed above; "
-            f"--budget {_more_budget(budget_s, findings)} would probe them"
-        )
+
+def _finding(
+    result: ProbeResult, name: str, hits: list[RuleHit], backward: bool, slow_ratio: float
+) -> Finding:
+    mine = [h for h in hits if name in h.convs]
+    rules, disagree = [h.id for h in mine], disagreements(mine, result.backend)
+    if result.error is not None:
+        return Finding(result, rules, "error", "error", disagreements=disagree)
+
+    def status(ratio: float | None, phase: str) -> Status:
+        return _loss_status(ratio, any(h.pathological and phase in h.phases for h in mine), slow_ratio)
+
+    fwd = status(result.ratio, "forward")
+    bwd = status(result.backward_ratio, "backward") if backward else None
+    escapes = None
+    if result.channels_last_ratio is not None and fwd in ("slow-path", "gain"):
+        escapes = result.channels_last_ratio < slow_ratio
+    return Finding(result, rules, _worse(fwd, bwd), fwd, bwd, escapes, disagree)
+
+
+def _finding_notes(findings: list[Finding]) -> list[str]:
+    notes = []
     for f in findings:
+        where = f.probe.shape.describe()
         if f.probe.kernels:  # the evidence, as the original report gave it: what one conv call launches
             notes.append(
-                f"{f.probe.shape.describe()}: ATen selects {f.probe.backend or 'an unknown backend'}; one "
+                f"{where}: ATen selects {f.probe.backend or 'an unknown backend'}; one "
                 f"traced call launches {'; '.join(f.probe.kernels)}"
             )
-        for d in f.disagreements:
-            notes.append(f"{f.probe.shape.describe()}: {d}")
+        notes += [f"{where}: {d}" for d in f.disagreements]
         rounds = f.probe.round_ratio
         if f.probe.ratio and rounds and abs(rounds / f.probe.ratio - 1) > ROUNDS_DISAGREE:
             notes.append(
-                f"{f.probe.shape.describe()}: its rounds disagree (the load changed while it was timed): "
+                f"{where}: its rounds disagree (the load changed while it was timed): "
                 f"the medians give {f.probe.ratio:.2f}x, the table's ratio, but the median of the per-round "
                 f"ratios is {rounds:.2f}x; run it again on a quieter machine for a figure to rely on"
             )
         if not f.probe.reliable and f.probe.conv is not None:
             notes.append(
-                f"{f.probe.shape.describe()}: fewer than {MIN_ROUNDS} rounds per side fit in the budget; "
+                f"{where}: fewer than {MIN_ROUNDS} rounds per side fit in the budget; "
                 "its figures are unreliable and left out of the savings"
             )
     for f in findings:
+        where = f.probe.shape.describe()
         if f.status in ("slow-path", "gain") and not f.rules:
             notes.append(
-                f"{f.probe.shape.describe()} is {_ratios(f)} slower than its GEMM and no known rule explains "
+                f"{where} is {_ratios(f)} slower than its GEMM and no known rule explains "
                 "it: please report it with `vlfast doctor --markdown`."
             )
         if f.status == "ok" and f.rules:
             notes.append(
-                f"Rule(s) {', '.join(f.rules)} predict a slow path for {f.probe.shape.describe()}, but it "
+                f"Rule(s) {', '.join(f.rules)} predict a slow path for {where}, but it "
                 f"measures {_ratios(f)}: the measurement wins (this build may carry a fix)."
             )
         if f.channels_last_escapes:
             notes.append(
-                f"{f.probe.shape.describe()}: with its input in channels_last_3d the stock conv runs at "
+                f"{where}: with its input in channels_last_3d the stock conv runs at "
                 f"{f.probe.channels_last_ratio:.2f}x its GEMM, out of the slow path without vlfast "
                 "(x = x.contiguous(memory_format=torch.channels_last_3d) before the conv)."
             )
-    if facts.autopatch_env and patched is False:
-        from vlfast.patching.autopatch import env_setting
+    return notes
 
-        if env_setting({"VLFAST_PATCH": facts.autopatch_env}) is None:
-            notes.append(
-                f"VLFAST_PATCH={facts.autopatch_env} is not a value vlfast understands, so it patches "
-                "nothing: use 1 (Conv3d) or all (every eligible conv)."
-            )
-        else:
-            notes.append(
-                f"VLFAST_PATCH={facts.autopatch_env} is set but the scanned model is not patched: the hook "
-                "patches models built by transformers in a process where vlfast's .pth hook is active."
-            )
-    return DoctorReport(
-        target=target,
-        facts=facts,
-        findings=findings,
-        rules=hits,
-        verdict=verdict,
-        summary=_summary(verdict, findings, savings, backward_savings, slow_ratio),
-        fixes=fixes,
-        savings_ms_per_sample=savings,
-        patches=patches,
-        slow_ratio=slow_ratio,
-        elapsed_s=time.perf_counter() - t0,
-        notes=notes,
-        backward_savings_ms_per_sample=backward_savings,
-        workload=workload,
-        fail_on=fail_on,
-        budget_s=budget_s,
-        probe_s=probe_s,
-        left_out=left_out,
-        dtype_reason=choice.reason if choice is not None else None,
-    )
+
+def _autopatch_notes(facts: Facts, patched: bool | None) -> list[str]:
+    if not facts.autopatch_env or patched is not False:
+        return []
+    from vlfast.switches.env import env_setting
+
+    if env_setting({"VLFAST_PATCH": facts.autopatch_env}) is None:
+        return [
+            f"VLFAST_PATCH={facts.autopatch_env} is not a value vlfast understands, so it patches "
+            "nothing: use 1 (Conv3d) or all (every eligible conv)."
+        ]
+    return [
+        f"VLFAST_PATCH={facts.autopatch_env} is set but the scanned model is not patched: the hook "
+        "patches models built by transformers in a process where vlfast's .pth hook is active."
+    ]
 
 
 def probe_clock() -> float:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypeVar
 
 import torch
@@ -35,6 +35,7 @@ __all__ = [
     "cudnn_version_str",
     "default_device",
     "default_dtype",
+    "device_and_dtype",
     "dtype_name",
     "half_native",
     "version_tuple",
@@ -294,6 +295,19 @@ def default_dtype(device: str) -> str:
     return choose_dtype(cpu_facts(device), None).dtype
 
 
+def device_and_dtype(
+    device: str | torch.device | None, dtype: str | torch.dtype | None, cpu: Callable[[str], Facts]
+) -> tuple[str, str, DtypeChoice | None]:
+    """(device, dtype name, the CPU's dtype choice or None off CPU): bf16 on a CPU only where it computes
+    it natively. ``cpu`` is :func:`cpu_facts`, passed by the caller (tests fake the CPU through it)."""
+    dev = check_device(device) if device is not None else default_device()
+    asked = dtype_name(dtype) if dtype is not None else None
+    if torch.device(dev).type != "cpu":
+        return dev, asked or default_dtype(dev), None
+    choice = choose_dtype(cpu(dev), asked)
+    return dev, choice.dtype, choice
+
+
 # oneDNN's ISA limits in increasing order (oneDNN docs, "CPU ISA hints and dispatcher control": the
 # values ONEDNN_MAX_CPU_ISA takes); bf16 dot products need AVX512_CORE_BF16, fp16 AVX512_CORE_FP16.
 _ONEDNN_ISAS = (
@@ -454,9 +468,8 @@ def collect_facts(device: str, dtype: str, *, model_patched: bool | None = None)
     cudnn = torch.backends.cudnn
     mps = getattr(torch.backends, "mps", None)
     hip = getattr(torch.version, "hip", None)
-    return Facts(
-        device=str(dev),
-        dtype=dtype,
+    return replace(
+        cpu,
         python=sys.version.split()[0],
         platform=_soft(platform.platform),
         torch_version=torch.__version__,
@@ -482,13 +495,7 @@ def collect_facts(device: str, dtype: str, *, model_patched: bool | None = None)
         mps_available=_soft(mps.is_available) if mps is not None else False,
         onednn_available=_soft(torch.backends.mkldnn.is_available),
         onednn_enabled=_soft(lambda: bool(torch.backends.mkldnn.enabled)),
-        cpu_capability=cpu.cpu_capability,
         cpu_model=_soft(_cpu_model),
-        cpu_flags=cpu.cpu_flags,
-        onednn_bf16=cpu.onednn_bf16,
-        onednn_fp16=cpu.onednn_fp16,
-        aten_cpu_capability_env=cpu.aten_cpu_capability_env,
-        onednn_max_cpu_isa_env=cpu.onednn_max_cpu_isa_env,
         num_threads=_soft(torch.get_num_threads),
         transformers_version=_soft(_transformers_version),
         transformers_fusion=_soft(_transformers_fusion),

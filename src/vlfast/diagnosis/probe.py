@@ -1,16 +1,10 @@
 """The live probe: time a model's stride == kernel convolutions against their GEMM on this machine.
 
-For each distinct conv geometry, the probe builds random input shaped as the model feeds it (one
-window per row, ``(N, C, *kernel)``) and times ``F.convNd`` against ``F.linear`` on the flattened views,
-at the chosen device and dtype, under whatever backend switches are active (cuDNN, oneDNN). The default
-``N`` is one 8-frame 512x384 clip for Qwen3-VL: grid (t, h, w) = (4, 24, 32), 3,072 patches, the count
-``benchmarks/patch_embed.py`` uses (the Blackwell report's clip, transformers #45750, had 6,080).
-
-Every shape gets a share of one :class:`Budget`. One small call of each side first measures what a
-window costs here; from that the probe chooses how many windows to time (all of them, or fewer, scaled
-back to the sample), then times at least ``MIN_ROUNDS`` interleaved rounds of conv and GEMM, forward and
-backward on the same windows, and stops when its share is spent. What does not fit is left out and
-said so, never timed once and scaled.
+Each geometry gets random windows shaped as the model feeds them (``(N, C, *kernel)``; default N is one
+8-frame 512x384 Qwen3-VL clip, 3,072 patches, as ``benchmarks/patch_embed.py``; transformers #45750's clip
+had 6,080) and a share of one :class:`Budget`: a small call of each side measures a window's cost, then
+at least ``MIN_ROUNDS`` interleaved rounds run. What does not fit is left out and said so, never timed
+once and scaled.
 """
 
 from __future__ import annotations

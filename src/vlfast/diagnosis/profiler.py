@@ -1,16 +1,9 @@
 """``vlfast.profile``: where a vision tower's forward time goes, before and after the GEMM patch.
 
-Components are the tower's direct children, found by name (:data:`COMPONENTS` maps name patterns to
-labels; a child no pattern knows keeps its own name), so no family needs its own code. Items of a
-``ModuleList`` (the blocks, the deepstack mergers) are timed one by one. Each component is timed by a
-forward pre-hook and a forward hook that mark a :class:`~vlfast.diagnosis.timing.Clock` (CUDA events on GPU, no
-synchronisation inside the forward). Work a tower does inline in ``forward`` rather than in a child
-(index and weight computation for the position embedding, rotary tables, ``cu_seqlens``) belongs to no
-component: it is reported as ``other (inline)`` = forward - sum(components), measured per run.
-
-Every configuration (batch size x frames) is run ``warmup`` times, then ``repeats`` times, unpatched and
-patched alternately in each round (patching is an attribute swap), so load changes hit both alike;
-medians are reported. The forward is also timed without hooks, so the hook overhead is visible.
+Components are the tower's direct children, labelled by name (:data:`COMPONENTS`), ModuleList items timed
+one by one, by hooks that mark a :class:`~vlfast.diagnosis.timing.Clock` (no synchronisation inside the
+forward). What the tower does inline in ``forward`` is ``other (inline)`` = forward - sum(components).
+Unpatched and patched run alternately in each round, so load changes hit both alike.
 """
 
 from __future__ import annotations
@@ -29,14 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlfast.diagnosis.facts import (
-    check_device,
-    choose_dtype,
-    cpu_facts,
-    default_device,
-    default_dtype,
-    dtype_name,
-)
+from vlfast.diagnosis.facts import cpu_facts, device_and_dtype
 from vlfast.diagnosis.timing import Clock, measure
 from vlfast.errors import InputRefused
 from vlfast.patching.gemm import is_patched, patch, patched_modules, unpatch
@@ -423,20 +409,28 @@ def _profile_config(
     deadline: float | None = None,
     say: Callable[[str], None] = lambda _: None,
 ) -> tuple[ProfileRun, ProfileRun]:
-    """(before, after) for one configuration, timed in alternating rounds.
-
-    Patching is an attribute swap, so each round runs the unpatched forward and then the patched one:
-    a load change on a shared machine or a late warm-up effect hits both alike. With a ``deadline``
-    (``time.perf_counter()`` seconds) the rounds are cut to what fits, measured by the round before:
-    at least one timed round; the forwards without hooks only as far as time is left.
-    """
+    """(before, after) for one configuration, timed in alternating rounds (patching is an attribute swap,
+    so a load change or a late warm-up hits both alike). With a ``deadline`` (``time.perf_counter()``
+    seconds) the rounds are cut to what fits, measured by the round before: at least one timed round;
+    the forwards without hooks only as far as time is left."""
     from vlfast.models import synthetic_inputs, tower_spec
 
-    spec = tower_spec(tower)
-    clip = _grid(spec, frames, size)
-    pixels, grid_thw = synthetic_inputs(tower, [clip] * batch, dtype=dtype, device=device, seed=seed)
+    clip = _grid(tower_spec(tower), frames, size)
+    inputs = synthetic_inputs(tower, [clip] * batch, dtype=dtype, device=device, seed=seed)
+    runs, round_s = _hooked_rounds(tower, scope, inputs, device, warmup, repeats, deadline, say)
+    plain = _plain_rounds(tower, scope, inputs, device, len(runs[False]), round_s, deadline, say)
+    results = [
+        _run_of(patched, runs[patched], plain[patched], batch, frames, clip, inputs[0])
+        for patched in (False, True)
+    ]
+    if vlm is not None:
+        _time_vlm(results, scope, vlm, tower, *inputs, [clip] * batch, device, warmup, repeats)
+    return results[0], results[1]
+
+
+def _hooked_rounds(tower, scope, inputs, device, warmup, repeats, deadline, say) -> tuple[dict, float]:
+    """({patched: [(forward ms, label -> ms, item -> ms) per timed round]}, the last round's seconds)."""
     runs: dict[bool, list] = {False: [], True: []}
-    plain: dict[bool, list[float]] = {False: [], True: []}
     hooks = _Hooks(component_modules(tower))
     round_s = 0.0
     try:
@@ -452,7 +446,6 @@ def _profile_config(
                 ):
                     break  # the next round would not fit: what ran is the measurement
                 t0 = time.perf_counter()
-                ms = {}
                 what = f"round {r - warmup + 1}/{repeats}" if timed else f"warm-up {r + 1}/{warmup}"
                 done = {}
                 for patched in (False, True):
@@ -460,13 +453,12 @@ def _profile_config(
                     hooks.say = lambda line, p=patched, w=what: say(
                         f"{w}, {'after' if p else 'before'}: {line}"
                     )
-                    done[patched] = _one_run(tower, hooks, (pixels, grid_thw), device)
-                    ms[patched] = done[patched][0]
+                    done[patched] = _one_run(tower, hooks, inputs, device)
                     if timed:
                         runs[patched].append(done[patched])
                 hooks.say = None
                 round_s = time.perf_counter() - t0
-                say(f"{what}: before {ms[False]:,.0f} ms, after {ms[True]:,.0f} ms")
+                say(f"{what}: before {done[False][0]:,.0f} ms, after {done[True][0]:,.0f} ms")
                 r += 1
                 if not timed and deadline is not None and time.perf_counter() + round_s > deadline:
                     # No timed round fits after this warm-up: it is the only measurement (one round,
@@ -477,42 +469,44 @@ def _profile_config(
                     break
     finally:
         hooks.remove()
-    with torch.inference_mode():  # the same forwards without hooks: the hooks' own cost shows
-        for i in range(len(runs[False])):
+    return runs, round_s
+
+
+def _plain_rounds(tower, scope, inputs, device, rounds, round_s, deadline, say) -> dict[bool, list[float]]:
+    """The same forwards without hooks, so that the hooks' own cost shows."""
+    plain: dict[bool, list[float]] = {False: [], True: []}
+    with torch.inference_mode():
+        for i in range(rounds):
             if deadline is not None and time.perf_counter() + round_s > deadline:
                 break
             for patched in (False, True):
                 _set_patched(scope, patched)
                 plain[patched].append(
-                    measure(lambda: tower(pixels, grid_thw), device=device, warmup=0, repeats=1).times_ms[0]
+                    measure(lambda: tower(*inputs), device=device, warmup=0, repeats=1).times_ms[0]
                 )
             say(
-                f"without hooks {i + 1}/{len(runs[False])}: before {plain[False][-1]:,.0f} ms, after {plain[True][-1]:,.0f} ms"
+                f"without hooks {i + 1}/{rounds}: before {plain[False][-1]:,.0f} ms, after {plain[True][-1]:,.0f} ms"
             )
-    results = []
-    for patched in (False, True):
-        rs = runs[patched]
-        results.append(
-            ProfileRun(
-                patched=patched,
-                batch=batch,
-                frames=frames,
-                grid=clip,
-                patches=int(pixels.shape[0]),
-                forward_ms=float(statistics.median(r[0] for r in rs)),
-                plain_forward_ms=float(statistics.median(plain[patched])) if plain[patched] else None,
-                components=_median_dict([r[1] for r in rs]),
-                items=_median_dict([r[2] for r in rs]),
-                inline_ms=float(statistics.median(total - sum(labels.values()) for total, labels, _ in rs)),
-                repeats=len(rs),
-                forward_spread=_spread([r[0] for r in rs]),
-                rounds_forward_ms=[float(r[0]) for r in rs],
-                rounds_components=[dict(r[1]) for r in rs],
-            )
-        )
-    if vlm is not None:
-        _time_vlm(results, scope, vlm, tower, pixels, grid_thw, [clip] * batch, device, warmup, repeats)
-    return results[0], results[1]
+    return plain
+
+
+def _run_of(patched, rs, plain, batch, frames, clip, pixels) -> ProfileRun:
+    return ProfileRun(
+        patched=patched,
+        batch=batch,
+        frames=frames,
+        grid=clip,
+        patches=int(pixels.shape[0]),
+        forward_ms=float(statistics.median(r[0] for r in rs)),
+        plain_forward_ms=float(statistics.median(plain)) if plain else None,
+        components=_median_dict([r[1] for r in rs]),
+        items=_median_dict([r[2] for r in rs]),
+        inline_ms=float(statistics.median(total - sum(labels.values()) for total, labels, _ in rs)),
+        repeats=len(rs),
+        forward_spread=_spread([r[0] for r in rs]),
+        rounds_forward_ms=[float(r[0]) for r in rs],
+        rounds_components=[dict(r[1]) for r in rs],
+    )
 
 
 def _time_vlm(results, scope, vlm, tower, pixels, grid_thw, clips, device, warmup, repeats) -> None:
@@ -598,25 +592,83 @@ def profile(
 ) -> ProfileReport:
     """Per-component time of a vision tower forward, before and after :func:`vlfast.patch`.
 
-    Args:
-        model: ``ref:NAME`` (default ``ref:qwen3-vl-4b``), a local checkpoint directory (then the whole
-            VLM forward is timed too), or an ``nn.Module`` (a tower or a VLM holding one).
-        device, dtype: default the best available device, bfloat16 where supported.
-        batch_sizes, frames: every combination is profiled; each sample is one clip of that many frames
-            (default 8 on GPU, 2 on CPU: :data:`DEFAULT_FRAMES`).
-        size: (height, width) of a frame in pixels; default 384x512 on GPU (8 frames = 3,072 patches at
-            P=16), 224x224 on CPU.
-        warmup, repeats: discarded and timed forwards per configuration; medians are reported.
-        tiny: build references at test size.
-        vlm: with a checkpoint, also time the whole VLM forward on the same clips.
-        budget_s: seconds the timing may take in total (building the model not counted), shared between
-            the configurations: each cuts its rounds to what fits, measured by its warm-up round, and
-            the report says when fewer than 3 rounds fit. None: ``warmup`` + ``repeats`` rounds, however long.
-        progress: called with one line as each round ends (what is timed, how far, its times).
-        on_pair: called with each configuration's (before, after) as soon as it is measured.
-
-    The model's patch state is restored afterwards.
+    ``model``: ``ref:NAME`` (default ``ref:qwen3-vl-4b``), a checkpoint directory (then the whole VLM
+    forward is timed too, unless ``vlm=False``) or an ``nn.Module`` (a tower or a VLM holding one). Every
+    (batch size, frames) combination is profiled, a sample being one clip (defaults: DEFAULT_FRAMES,
+    DEFAULT_SIZE). ``budget_s`` (building the model not counted) is shared between the configurations,
+    each cutting its rounds to what fits; None: ``warmup`` + ``repeats`` rounds, however long.
+    ``progress`` gets a line as each round ends, ``on_pair`` each configuration's (before, after) as soon
+    as it is measured. The model's patch state is restored afterwards.
     """
+    _refuse_arguments(budget_s, warmup, repeats, frames, batch_sizes)
+    param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    if device is None and param is not None:
+        device = param.device  # a module given as is runs where it lives, in its own dtype
+    if dtype is None and param is not None:
+        dtype = param.dtype
+    # On CPU: bf16 only where the CPU computes it natively, or a warning that it is emulated.
+    dev, dt_name, choice = device_and_dtype(device, dtype, cpu_facts)
+    dt = getattr(torch, dt_name)
+    kind = torch.device(dev).type
+    frames = tuple(frames) if frames is not None else (DEFAULT_FRAMES.get(kind, DEFAULT_FRAMES["cuda"]),)
+    say = progress or (lambda _: None)
+    size = tuple(size) if size is not None else DEFAULT_SIZE.get(kind, DEFAULT_SIZE["cuda"])
+    if len(size) != 2 or min(size) < 1:
+        raise InputRefused(f"size must be (height, width) in pixels, got {size}")
+    target, tower, whole = _load_model(model, dev, dt, tiny, vlm)
+    tower.eval()
+    report = ProfileReport(target, dev, dt_name, size, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+    report.load = (load_average(), None)
+    report.notes += _setup_notes(choice, dtype is None, kind, report.omp_wait_policy, say)
+    scope = whole if whole is not None and vlm else tower
+    before_names = {n for n, _ in patched_modules(scope)}
+    patch(scope)
+    report.touched = list(dict.fromkeys(label for label, _, m in component_modules(tower) if is_patched(m)))
+    if not is_patched(tower):
+        report.notes.append("nothing to patch in this tower: 'after' equals 'before'")
+    try:
+        _profile_configs(
+            report,
+            tower,
+            scope,
+            whole if vlm else None,
+            batch_sizes,
+            frames,
+            budget_s,
+            say,
+            on_pair,
+            size=size,
+            device=dev,
+            dtype=dt,
+            warmup=warmup,
+            repeats=repeats,
+            seed=seed,
+        )
+    finally:
+        unpatch(scope)
+        if before_names:
+            patch(scope, filter=lambda name, m: name in before_names)
+    report.load = (report.load[0], load_average())
+    report.notes += _inconclusive_notes(report)
+    return report
+
+
+def _setup_notes(choice, default: bool, kind: str, omp_wait_policy: str | None, say) -> list[str]:
+    notes = []
+    if choice is not None and choice.warning:
+        notes.append(choice.warning)
+        say(f"warning: {choice.warning}")
+    elif choice is not None and default:
+        notes.append(f"dtype {choice.dtype} ({choice.reason})")
+    if kind == "cpu" and (omp_wait_policy or "").upper() != "PASSIVE":
+        notes.append(
+            "OMP_WAIT_POLICY is not PASSIVE: idle OpenMP threads spin, and beside a busy process single "
+            "forwards slow by several x. The vlfast command sets it; in Python, set it before torch loads."
+        )
+    return notes
+
+
+def _refuse_arguments(budget_s, warmup, repeats, frames, batch_sizes) -> None:
     if budget_s is not None and budget_s <= 0:
         raise InputRefused(f"budget_s must be positive, got {budget_s}")
     if warmup < 0 or repeats < 1:
@@ -625,105 +677,52 @@ def profile(
         raise InputRefused(f"frame counts must be positive, got {frames}")
     if not batch_sizes or min(batch_sizes) < 1:
         raise InputRefused(f"batch sizes must be positive, got {batch_sizes}")
-    param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
-    if device is None and param is not None:
-        device = param.device  # a module given as is runs where it lives, in its own dtype
-    if dtype is None and param is not None:
-        dtype = param.dtype
-    dev = check_device(device) if device is not None else default_device()
-    kind = torch.device(dev).type
-    choice = None
-    if kind == "cpu":  # bf16 only where the CPU computes it natively, or a warning that it is emulated
-        choice = choose_dtype(cpu_facts(dev), dtype_name(dtype) if dtype is not None else None)
-        dt_name = choice.dtype
-    else:
-        dt_name = dtype_name(dtype) if dtype is not None else default_dtype(dev)
-    dt = getattr(torch, dt_name)
-    frames = tuple(frames) if frames is not None else (DEFAULT_FRAMES.get(kind, DEFAULT_FRAMES["cuda"]),)
-    say = progress or (lambda _: None)
-    size = tuple(size) if size is not None else DEFAULT_SIZE.get(torch.device(dev).type, DEFAULT_SIZE["cuda"])
-    if len(size) != 2 or min(size) < 1:
-        raise InputRefused(f"size must be (height, width) in pixels, got {size}")
-    target, tower, whole = _load_model(model, dev, dt, tiny, vlm)
-    tower.eval()
-    report = ProfileReport(target, dev, dt_name, size)
-    if choice is not None and choice.warning:
-        report.notes.append(choice.warning)
-        say(f"warning: {choice.warning}")
-    elif choice is not None and dtype is None:
-        report.notes.append(f"dtype {choice.dtype} ({choice.reason})")
-    report.omp_wait_policy = os.environ.get("OMP_WAIT_POLICY")
-    report.load = (load_average(), None)
-    if torch.device(dev).type == "cpu" and (report.omp_wait_policy or "").upper() != "PASSIVE":
-        report.notes.append(
-            "OMP_WAIT_POLICY is not PASSIVE: idle OpenMP threads spin, and beside a busy process single "
-            "forwards slow by several x. The vlfast command sets it; in Python, set it before torch loads."
-        )
-    if not vlm:
-        whole = None
 
-    scope = whole if whole is not None else tower
-    before_names = {n for n, _ in patched_modules(scope)}
-    patch(scope)
-    report.touched = list(dict.fromkeys(label for label, _, m in component_modules(tower) if is_patched(m)))
-    if not is_patched(tower):
-        report.notes.append("nothing to patch in this tower: 'after' equals 'before'")
+
+def _profile_configs(report, tower, scope, vlm, batch_sizes, frames, budget_s, say, on_pair, **kw) -> None:
+    """Every (batch, frames) configuration, each given an equal share of what the earlier ones left."""
     configs = [(b, f) for b in batch_sizes for f in frames]
     start = time.perf_counter()
-    try:
-        pairs = []
-        for i, (b, f) in enumerate(configs):
-            deadline = None
-            if budget_s is not None:  # an equal share of what the earlier configurations left
-                left = budget_s - (time.perf_counter() - start)
-                deadline = time.perf_counter() + max(0.0, left) / (len(configs) - i)
-            where = f"[{i + 1}/{len(configs)}] batch {b} x {f} frames"
+    pairs = []
+    for i, (b, f) in enumerate(configs):
+        deadline = None
+        if budget_s is not None:
+            left = budget_s - (time.perf_counter() - start)
+            deadline = time.perf_counter() + max(0.0, left) / (len(configs) - i)
+        where = f"[{i + 1}/{len(configs)}] batch {b} x {f} frames"
 
-            def tell(line: str, where: str = where) -> None:
-                say(f"{where}: {line}")
+        def tell(line: str, where: str = where) -> None:
+            say(f"{where}: {line}")
 
-            tell(f"timing {report.target} on {dev} ({dt_name}), before and after patching")
-            before, after = _profile_config(
-                tower,
-                scope=scope,
-                vlm=whole,
-                batch=b,
-                frames=f,
-                size=size,
-                device=dev,
-                dtype=dt,
-                warmup=warmup,
-                repeats=repeats,
-                seed=seed,
-                deadline=deadline,
-                say=tell,
+        tell(f"timing {report.target} on {report.device} ({report.dtype}), before and after patching")
+        before, after = _profile_config(
+            tower, scope=scope, vlm=vlm, batch=b, frames=f, deadline=deadline, say=tell, **kw
+        )
+        pairs.append((before, after))
+        if before.repeats < min(kw["repeats"], MIN_ROUNDS):
+            report.notes.append(
+                f"batch {b} x {f} frames: only {before.repeats} timed round(s) fit in the budget "
+                f"({budget_s:g} s): not a result; raise --budget or lower --frames / --size"
             )
-            pairs.append((before, after))
-            if before.repeats < min(repeats, MIN_ROUNDS):
-                report.notes.append(
-                    f"batch {b} x {f} frames: only {before.repeats} timed round(s) fit in the budget "
-                    f"({budget_s:g} s): not a result; raise --budget or lower --frames / --size"
-                )
-            if on_pair is not None:
-                on_pair(report, before, after)
-        report.runs = [before for before, _ in pairs] + [after for _, after in pairs]
-    finally:
-        unpatch(scope)
-        if before_names:
-            patch(scope, filter=lambda name, m: name in before_names)
-    report.load = (report.load[0], load_average())
+        if on_pair is not None:
+            on_pair(report, before, after)
+    report.runs = [before for before, _ in pairs] + [after for _, after in pairs]
+
+
+def _inconclusive_notes(report: ProfileReport) -> list[str]:
+    notes = []
     for before, after in report.pairs():
         if before and after:
-            bad = [  # fewer than MIN_ROUNDS rounds has its own note above
+            bad = [  # fewer than MIN_ROUNDS rounds has its own note
                 k
                 for k, v in report.comparison(before, after).items()
                 if v["changed"] and v["rounds"] >= MIN_ROUNDS and not v["reliable"]
             ]
             if bad:
-                report.notes.append(
+                notes.append(
                     f"batch {before.batch} x {before.frames} frames: inconclusive for {', '.join(bad)}: the "
                     f"per-round ratios spread more than {UNRELIABLE_SPREAD:.0%} or disagree with the medians on "
                     f"which side is faster (load average {_fmt_load(report.load[1])}, {report.cpus} CPUs); run "
                     "again on a quieter machine or with more --repeats."
                 )
-    return report
+    return notes

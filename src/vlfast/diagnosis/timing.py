@@ -1,10 +1,6 @@
-"""Timing that is honest on every device: synchronise, warm up, take medians, stay within a budget.
-
-Two tools. :func:`measure` times a whole callable: it synchronises the device around each call (CUDA
-events on CUDA, ``perf_counter`` after a synchronize elsewhere), discards warm-up calls and stops
-repeating once a time budget is spent, so a pathologically slow kernel is timed once instead of hanging
-the caller. :class:`Clock` marks points inside one run (from forward hooks, say) without synchronising
-in between on CUDA, and turns pairs of marks into milliseconds after a single synchronize at the end.
+"""Timing that is honest on every device: :func:`measure` synchronises around each call, discards warm-ups
+and stops once a budget is spent (a pathologically slow kernel is timed once instead of hanging the caller);
+:class:`Clock` marks points inside one run without synchronising in between on CUDA.
 """
 
 from __future__ import annotations

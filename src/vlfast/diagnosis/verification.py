@@ -1,20 +1,10 @@
-"""Proof that the patch changes nothing: patched vs original on the same inputs, on the user's own model.
+"""Proof that the patch changes nothing: patched vs original on the same inputs, on the user's own model,
+per layer, per tower and for the gradients (docs/patch.md), with the thresholds printed beside the result.
 
-Three scopes, each compared with thresholds that are printed with the result:
-- layer: every eligible conv on a realistic number of random windows, fp32 (max abs / relative error)
-  and bf16 (cosine and SQNR against the conv, and against an fp32 reference so the GEMM is shown to be
-  no less accurate than the conv it replaces);
-- tower: the whole vision tower per sample (merged tokens and deepstack levels), fp32 and bf16;
-- grad: gradients to the input, weight and bias of each conv, and to every tower parameter.
-
-All metrics are computed in float64: a float32 cosine over millions of elements is itself off by ~1e-4.
-
-Memory is bounded to about two towers' worth (the fp32 tower and one set of reference gradients) plus one
-forward's activations. Original and patched run on the same module, the patch toggled in between; no
-copy of the tower is made when it is already float32 on the device; the low-precision tower is made by
-converting the fp32 one (in place when verify loaded it itself); the patched run's gradients are compared
-with the original's one parameter at a time, inside the backward, and freed at once; metrics stream over
-float64 chunks. Each unit of work is announced to ``progress`` as it starts and as it ends.
+Metrics are float64: a float32 cosine over millions of elements is itself off by ~1e-4. Memory stays
+about two towers' worth plus one forward's activations: both runs use the same module with the patch
+toggled, the low-precision tower is converted from the fp32 one (in place when verify loaded it), the
+patched gradients are compared one parameter at a time inside the backward, and metrics stream in chunks.
 """
 
 from __future__ import annotations
@@ -240,35 +230,30 @@ def compare(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float
     return errors.metrics()
 
 
-def _low_precision_check(
-    scope: str,
-    name: str,
-    dtype: str,
-    vs_conv: dict,
-    conv_vs_fp32: dict | None,
-    gemm_vs_fp32: dict | None,
-    th: Thresholds,
-) -> Check:
+def _low_precision_check(scope: str, name: str, dtype: torch.dtype, ref32, ref, res, th: Thresholds) -> Check:
+    """The patched result ``res`` against the stock ``ref`` in a low dtype, and each against ``ref32``."""
+    vs_conv, conv_vs_fp32, gemm_vs_fp32 = compare(ref, res), compare(ref32, ref), compare(ref32, res)
     metrics = {"cosine": vs_conv["cosine"], "sqnr_db": vs_conv["sqnr_db"]}
     limits = {"cosine": f">= {th.low_cosine}", "sqnr_db": f">= {th.low_sqnr_db}"}
     ok = vs_conv["cosine"] >= th.low_cosine and vs_conv["sqnr_db"] >= th.low_sqnr_db
-    if conv_vs_fp32 is not None and gemm_vs_fp32 is not None:
-        metrics["conv_vs_fp32_sqnr_db"] = conv_vs_fp32["sqnr_db"]
-        metrics["patched_vs_fp32_sqnr_db"] = gemm_vs_fp32["sqnr_db"]
-        limits["patched_vs_fp32_sqnr_db"] = f">= conv_vs_fp32_sqnr_db - {th.low_accuracy_slack_db}"
-        ok = ok and gemm_vs_fp32["sqnr_db"] >= conv_vs_fp32["sqnr_db"] - th.low_accuracy_slack_db
-    return Check(scope, name, dtype, metrics, limits, ok)
+    metrics["conv_vs_fp32_sqnr_db"] = conv_vs_fp32["sqnr_db"]
+    metrics["patched_vs_fp32_sqnr_db"] = gemm_vs_fp32["sqnr_db"]
+    limits["patched_vs_fp32_sqnr_db"] = f">= conv_vs_fp32_sqnr_db - {th.low_accuracy_slack_db}"
+    ok = ok and gemm_vs_fp32["sqnr_db"] >= conv_vs_fp32["sqnr_db"] - th.low_accuracy_slack_db
+    return Check(scope, name, _dtype_name(dtype), metrics, limits, ok)
+
+
+def _skipped(scope: str, name: str, dtype: torch.dtype, e: Exception) -> Check:
+    return Check(scope, name, _dtype_name(dtype), {}, {"skipped": str(e)[:80]}, True)
+
+
+def _exact_device(device: torch.device) -> torch.device:
+    return device if device.type == "cuda" else torch.device("cpu")  # MPS has no float64
 
 
 def _fp32_check(scope: str, name: str, m: dict, limit: float) -> Check:
-    return Check(
-        scope,
-        name,
-        "float32",
-        {"max_abs": m["max_abs"], "max_rel": m["max_rel"], "cosine": m["cosine"]},
-        {"max_rel": f"<= {limit:g}"},
-        m["max_rel"] <= limit,
-    )
+    kept = {k: m[k] for k in ("max_abs", "max_rel", "cosine")}
+    return Check(scope, name, "float32", kept, {"max_rel": f"<= {limit:g}"}, m["max_rel"] <= limit)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -397,26 +382,16 @@ def _layer_checks(
             try:
                 ref = _run(low_layer, False, lambda: low_layer(xl))  # noqa: B023
             except RuntimeError as e:  # e.g. fp16 conv not implemented on this device
-                out.append(Check("layer", name, _dtype_name(dtype), {}, {"skipped": str(e)[:80]}, True))
+                out.append(_skipped("layer", name, dtype, e))
                 continue
             res = _run(low_layer, True, lambda: low_layer(xl))  # noqa: B023
-            out.append(
-                _low_precision_check(
-                    "layer",
-                    name,
-                    _dtype_name(dtype),
-                    compare(ref, res),
-                    compare(ref32, ref),
-                    compare(ref32, res),
-                    th,
-                )
-            )
+            out.append(_low_precision_check("layer", name, dtype, ref32, ref, res, th))
     for dtype in (torch.float32, *low):
         with step(f"accuracy {name} {_dtype_name(dtype)} against float64") as out:
             try:
                 out.append(_accuracy_check(name, layer, x32, dtype, device, backward, th))
             except RuntimeError as e:  # e.g. a dtype's conv not implemented on this device
-                out.append(Check("accuracy", name, _dtype_name(dtype), {}, {"skipped": str(e)[:80]}, True))
+                out.append(_skipped("accuracy", name, dtype, e))
     if backward:
         with step(f"grad {name}") as out, torch.enable_grad():
             grads = {}
@@ -429,14 +404,9 @@ def _layer_checks(
                 grads[patched] = {"input": xg.grad, "weight": layer.weight.grad}
                 if layer.bias is not None:
                     grads[patched]["bias"] = layer.bias.grad
-            for key in grads[False]:
+            for key, ref in grads[False].items():
                 out.append(
-                    _fp32_check(
-                        "grad",
-                        f"{name}.{key}",
-                        compare(grads[False][key], grads[True][key]),
-                        th.fp32_grad_rel,
-                    )
+                    _fp32_check("grad", f"{name}.{key}", compare(ref, grads[True][key]), th.fp32_grad_rel)
                 )
 
 
@@ -461,7 +431,7 @@ def _accuracy_check(
     low = copy.deepcopy(layer).to(dtype)
     low.requires_grad_(True)
     x = x32[:ACCURACY_WINDOWS].to(dtype)
-    exact_device = device if device.type == "cuda" else torch.device("cpu")  # MPS has no float64
+    exact_device = _exact_device(device)
     exact = copy.deepcopy(low).to(exact_device, torch.float64)
     gen = torch.Generator().manual_seed(3)
     metrics: dict[str, float] = {}
@@ -588,10 +558,10 @@ def _tower_checks(
                 pixels, grid_thw = synthetic_inputs(tower32, [grid], device=device, seed=seed + i)
                 ref32 = _run(tower32, False, _features, tower32, pixels, grid_thw)
                 out32 = _run(tower32, True, _features, tower32, pixels, grid_thw)
-                for key in ref32:
+                for key, ref in ref32.items():
                     out.append(
                         _fp32_check(
-                            "tower", f"{labels[i]} {key}", compare(ref32[key], out32[key]), th.fp32_tower_rel
+                            "tower", f"{labels[i]} {key}", compare(ref, out32[key]), th.fp32_tower_rel
                         )
                     )
                 ref32s.append(ref32)
@@ -610,17 +580,10 @@ def _tower_checks(
                 ref = _run(model, False, _features, model, px, grid_thw)
                 res = _run(model, True, _features, model, px, grid_thw)
                 for key in ref:
-                    out.append(
-                        _low_precision_check(
-                            "tower",
-                            f"{labels[i]} {key}",
-                            _dtype_name(dtype),
-                            compare(ref[key], res[key]),
-                            compare(ref32s[i][key], ref[key]),
-                            compare(ref32s[i][key], res[key]),
-                            th,
-                        )
+                    check = _low_precision_check(
+                        "tower", f"{labels[i]} {key}", dtype, ref32s[i][key], ref[key], res[key], th
                     )
+                    out.append(check)
         del model
 
 
@@ -650,29 +613,20 @@ def verify(
 
     settle_vector_math()  # the first forward must not differ from the next for a reason of MKL's own
     th = thresholds or Thresholds()
-    low = []
-    for d in dtypes:
-        dt = DTYPES.get(d, d) if isinstance(d, str) else d
-        if not isinstance(dt, torch.dtype):
-            raise InputRefused(f"unknown dtype {d!r}; use one of {sorted(DTYPES)}")
-        if dt is not torch.float32:
-            low.append(dt)
+    low = [dt for dt in _dtypes(dtypes) if dt is not torch.float32]
     if n_windows < 1:
         raise InputRefused(f"n_windows must be >= 1, got {n_windows}")
     device = torch.device(device)
-    if isinstance(model, nn.Module):
-        report = VerifyReport(model=type(model).__name__, device=str(device))
-        steps = _Steps(progress, report)
-        root, owned = model, False
-    elif isinstance(model, str):
-        report = VerifyReport(model=model, device=str(device))
-        steps = _Steps(progress, report)
-        with steps(f"load {model}" + (" (tiny)" if tiny else "")):
-            root, owned = load_vision_tower(model, tiny=tiny, dtype=torch.float32), True
-    else:
+    if not isinstance(model, (nn.Module, str)):
         raise InputRefused(
             f"verify expects an nn.Module, a checkpoint directory or ref:NAME, got {type(model).__name__}"
         )
+    report = VerifyReport(model=model if isinstance(model, str) else type(model).__name__, device=str(device))
+    steps = _Steps(progress, report)
+    root, owned = model, False
+    if isinstance(model, str):
+        with steps(f"load {model}" + (" (tiny)" if tiny else "")):
+            root, owned = load_vision_tower(model, tiny=tiny, dtype=torch.float32), True
     convs = _convs(root)
     if isinstance(model, str) and (note := fusion_note(model)):
         report.notes.append(note)
@@ -711,6 +665,14 @@ def verify(
     return report
 
 
+def _dtypes(dtypes: Sequence[str | torch.dtype]) -> list[torch.dtype]:
+    out = [DTYPES.get(d, d) if isinstance(d, str) else d for d in dtypes]
+    for d, dt in zip(dtypes, out):
+        if not isinstance(dt, torch.dtype):
+            raise InputRefused(f"unknown dtype {d!r}; use one of {sorted(DTYPES)}")
+    return out
+
+
 def _settings_difference(name: str, conv: nn.Module, n_windows: int, device, seed: int, settings) -> dict:
     """Stock against patched in float32 under this process's own settings, each against a float64
     reference: what a user whose settings round one side and not the other sees change (not a check)."""
@@ -720,7 +682,7 @@ def _settings_difference(name: str, conv: nn.Module, n_windows: int, device, see
     with torch.no_grad():
         stock = _run(layer, False, lambda: layer(x.to(device)))
         patched = _run(layer, True, lambda: layer(x.to(device)))
-        exact_device = device if device.type == "cuda" else torch.device("cpu")  # MPS has no float64
+        exact_device = _exact_device(device)
         layer64 = copy.deepcopy(conv).to(exact_device, torch.float64)
         exact = _run(layer64, False, lambda: layer64(x.to(exact_device, torch.float64)))
     return {
@@ -793,7 +755,7 @@ def expected_seconds(
     dev = torch.device(device)
     tower = model if isinstance(model, nn.Module) else load_vision_tower(model, tiny=tiny, device="meta")
     params = sum(p.numel() for p in tower.parameters())
-    dts = [DTYPES.get(d, d) if isinstance(d, str) else d for d in dtypes]
+    dts = _dtypes(dtypes)
     patches = [t * h * w for t, h, w in grids]
     macs: dict[torch.dtype, float] = {}
     for dt in dts:

@@ -1,10 +1,6 @@
-"""transformers' own patch-embedding fusion, seen from vlfast: what it replaced, or will replace on load.
-
-transformers >= 5.6 can replace a VLM's patch embedding with a Linear when asked:
-``from_pretrained(path, fusion_config={"patch_embeddings": True})``, or a ``fusion_config`` saved in the
-checkpoint's config.json (``from_pretrained`` falls back to it). The module then becomes a
-``Fused<Class>`` holding ``linear_proj`` and no ``proj`` conv: nothing is left for vlfast to patch or
-verify, and that is not a failure. These helpers read that state without importing transformers.
+"""transformers' own patch-embedding fusion (>= 5.6, ``fusion_config={"patch_embeddings": True}`` at load or
+in config.json), seen from vlfast: the module becomes a ``Fused<Class>`` holding ``linear_proj``, nothing
+left to patch or verify, and not a failure. Read without importing transformers.
 """
 
 from __future__ import annotations

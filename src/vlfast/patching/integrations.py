@@ -1,10 +1,6 @@
-"""transformers integration: which families embed patches with a stride == kernel Conv3d, and a switch
-that makes every transformers model come out of its constructor patched.
-
-Families are discovered from the installed transformers, not listed by hand: the modeling files are
-parsed (never imported, so discovery costs milliseconds) for ``nn.Conv3d(...)`` calls whose ``stride``
-expression is the ``kernel_size`` expression. A meta-test builds each discovered family and checks that
-``patch_transformers`` really patches it.
+"""transformers integration: the families whose patch embedding is a stride == kernel Conv3d, discovered by
+parsing (never importing) the installed modeling files, and a switch that patches every transformers model
+as its constructor returns. A meta-test builds each discovered family and checks it is really patched.
 """
 
 from __future__ import annotations

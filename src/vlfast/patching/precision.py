@@ -1,19 +1,10 @@
 """float32 that is float32: the settings that let a float32 conv or matmul round its inputs, read and set.
 
-A stock conv and the GEMM that replaces it take their float32 precision from different settings: on CUDA,
-cuDNN convs from ``torch.backends.cudnn.conv.fp32_precision``, which is ``"tf32"`` by default (legacy:
-``torch.backends.cudnn.allow_tf32 = True``), and cuBLAS matmuls from
-``torch.backends.cuda.matmul.fp32_precision``, IEEE by default; on CPU, oneDNN's ``mkldnn.conv`` and
-``mkldnn.matmul`` (``"bf16"`` and ``"tf32"`` are opt-in). So on any NVIDIA GPU since Ampere, with torch's
-defaults, a float32 patch-embedding conv runs in TF32 (10-bit mantissa inputs) and the patched GEMM in full
-float32: outputs differ by ~3e-4 relative, the patched ones being the more precise (measured on an H200,
-docs/patch.md). :func:`ieee_fp32` turns every such setting to IEEE for the duration of a comparison, so
-verify's float32 checks prove the identity the patch claims; :func:`fp32_settings` says what this process
-would otherwise use, so verify can report the difference a user's own settings make.
-
-torch >= 2.9 has the per-backend ``fp32_precision`` settings, and raises when they are read through the
-legacy ``allow_tf32`` flags after being set apart; older torch has only the legacy flags. Each is used
-alone, never both.
+A stock conv and its GEMM take their float32 precision from different settings (docs/patch.md: cuDNN convs
+run TF32 by default, cuBLAS matmuls IEEE), so :func:`ieee_fp32` turns every such setting to IEEE while
+verify compares, and :func:`fp32_settings` says what this process would otherwise use. torch >= 2.9 raises
+when the per-backend ``fp32_precision`` is read through the legacy ``allow_tf32`` flags after being set
+apart: each is used alone, never both.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Token audit for RL format tags: are the rows of `<think>`/`</think>` (or any tag a template or
-reward uses) trained in this checkpoint? Plus trained alternatives, a consistent rewrite, and a fix.
-
-    from vlfast.tokens import audit_tokens
-    report = audit_tokens("path/to/Qwen3-8B-Base")        # checks <think> and </think>
-    report.verdict, report.untrained_tags, report.suggested_mapping
-    report.non_finite, report.skipped                      # rows holding NaN/inf; Qwen-VL placeholders
-    audit_tokens(path, verify_generation=True).generation  # Magikarp's repetition check, model loaded
+"""Token audit for RL format tags: are the rows of `<think>`/`</think>` (or any tag a template or reward
+uses) trained in this checkpoint? Plus trained alternatives, a consistent rewrite, and a fix (docs/tokens.md).
 """
 
 from vlfast._lazy import lazy_exports

@@ -1,13 +1,8 @@
-"""Write a copy of a checkpoint whose untrained tag rows start from trained ones.
-
-`pieces`: each untrained row becomes the mean of the rows of the ordinary pieces its text splits into
-without the added token (`<think>` -> `<`, `think`, `>`), per matrix. `mean`: the mean trained row
-(what Unsloth and `resize_token_embeddings(mean_resizing=True)` use), plus a small seeded jitter so two
-fixed rows never coincide. Every fixed row is then scaled to its matrix's median trained norm, because an
-average of vectors is shorter than any of them: a short input row is what marks a row as untrained, and
-a short untied lm_head row keeps the token's logit below its pieces', so the model never produces it.
-The original folder is only read; every other file is copied unchanged. OUT is written beside its name
-and renamed into place when whole, so a failure leaves no partial checkpoint.
+"""Write a copy of a checkpoint whose untrained tag rows start from trained ones (`pieces` or `mean`,
+docs/tokens.md). Every fixed row is scaled to its matrix's median trained norm: an average of vectors is
+shorter than any of them, and a short row is what marks a row as untrained (a short untied lm_head row
+keeps the token's logit below its pieces'). The original is only read; OUT is renamed into place when
+whole, so a failure leaves no partial checkpoint.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Magikarp's second stage: does the model reproduce a token when asked to repeat it?
+"""Magikarp's second stage (Land & Bartolo 2024): does the model reproduce a token when asked to repeat it?
 
-The weights can say a row looks like the never-trained ones; only the model can say whether it ever
-produces the token. For each token id, a few repetition prompts are built with that id placed where
-«token» stands (the id itself, never re-tokenized from text), run through the model in batches, and
-the probability that the next token is the id is read at the last position. The largest over the
-prompts decides, with Magikarp's thresholds (Land & Bartolo 2024): below 0.001 the row is confirmed
-untrained (`verified-strong`), below 0.1 probably so (`verified-weak`), otherwise the model reproduces
-the token and the untrained hypothesis is `rejected`.
-
-Every prompt has the same number of ids for every token (one id per «token»), so each prompt's batch
-needs no padding and the model computes logits for the last position only.
+The token's id is placed where «token» stands in a few repetition prompts (never re-tokenized from text);
+the largest probability of the id at the last position decides, by docs/tokens.md's thresholds. Every
+prompt has one id per «token», so a batch needs no padding and logits are computed for the last position only.
 """
 
 from __future__ import annotations

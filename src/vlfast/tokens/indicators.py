@@ -1,12 +1,6 @@
-"""Per-row indicators of never-trained embedding rows, computed in one streaming pass per matrix.
-
-For every row of a (V, D) matrix: its L2 norm, whether it is all zero (Unsloth's test), the Magikarp
-cosine distance to the mean of the known-unused rows after removing the first principal component
-(Land & Bartolo 2024), and which other row it duplicates bit for bit. The matrix is memory-mapped and
-read in blocks small enough to stay in cache while the few reductions run over them.
-
-A row holding a NaN or an infinity has a non-finite norm (`finite` is read off the norm, at no extra
-cost); such rows are left out of the principal component and the reference mean, so one broken row
+"""Per-row indicators of never-trained embedding rows (norm, zero, Magikarp cosine, duplicate; docs/tokens.md),
+computed in one streaming pass per memory-mapped (V, D) matrix, in blocks small enough to stay in cache.
+Rows holding NaN/inf are left out of the principal component and the reference mean, so one broken row
 cannot turn every other row's statistics into NaN.
 """
 

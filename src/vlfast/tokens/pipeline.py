@@ -1,21 +1,6 @@
 """The pipeline's view of the format tags: what happens to `<think>`/`</think>` between the chat template
-and the reward function, which the weight audit cannot see.
-
-Four checks, each pass/fail with its evidence (`skip` where it cannot be decided, with the reason):
-
-- **template-position**: the tags tokenized where the rendered template and the completion put them,
-  against the tag tokenized alone (a neighbouring space or newline can merge into a piece);
-- **prefilled-tag**: the generation prompt already opens `<think>`, so a completion never starts with it
-  and a reward regex demanding it never matches (a format reward stuck at 0);
-- **stripped-on-decode**: the tags are special tokens, so `decode(ids, skip_special_tokens=True)` (the
-  default of several RL trainers and serving engines) deletes them before the reward sees the text;
-- **round-trip**: `encode(prompt + decode(completion_ids))` gives back `prompt_ids + completion_ids`, and
-  the decoded text is the completion.
-
-    from vlfast.tokens.pipeline import check_pipeline
-    report = check_pipeline("path/to/model")      # report.ok, report.failed, report.checks[i].status
-
-Facts go into `PipelineReport` (JSON-native values only); `lines()` of each evidence renders plain text.
+and the reward function, which the weight audit cannot see. The four checks (:data:`CHECKS`) and their
+evidence are described in docs/tokens.md; facts go into `PipelineReport` (JSON-native values only).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""From indicator arrays to verdicts: thresholds learned from the reference and ordinary rows.
-
-A statistical indicator flags a row when its value is closer to the median of the never-trained
-reference rows than to the median of ordinary rows (the midpoint rule; direction-free, so it holds
-whether untrained rows are shorter or longer than trained ones). Each indicator is also scored on this
-checkpoint by its separation, Youden's J = (share of reference rows it flags) - (share of ordinary rows
-it flags); one below MIN_SEPARATION cannot tell the two groups apart here (e.g. the cosine indicator
-when the reference rows are isotropic noise) and neither flags nor clears a row.
-
-Zero rows, exact duplicates and rows holding NaN or inf (`non-finite`) are flagged outright. A row is
-`untrained` when it is zero, duplicated, non-finite, or flagged by every informative indicator;
-`suspect` when flagged by some, or by a non-informative one only; `trained` otherwise. Non-finite
-values are left out of every median and separation, so one broken row cannot blind the indicators.
+"""From indicator arrays to verdicts: the midpoint rule and each indicator's separation (Youden's J), as
+docs/tokens.md states them. The midpoint is direction-free, so it holds whether untrained rows are shorter
+or longer than trained ones; non-finite values are left out of every median and separation, so one broken
+row cannot blind the indicators.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The tokenizer side of the audit: how a tag splits, which entries are added or special, and which
-entries are known never-trained (`[unused*]`, reserved tokens) by their names.
-
-Reads `tokenizer.json` with the `tokenizers` library; folders with only slow-tokenizer files go through
+"""The tokenizer side of the audit: how a tag splits, which entries are added or special, and which are
+known never-trained (`[unused*]`, reserved tokens) by their names. Slow-tokenizer-only folders go through
 `transformers.AutoTokenizer` (local files only) and its fast backend.
 """
 

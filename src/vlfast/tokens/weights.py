@@ -1,9 +1,6 @@
-"""Memory-mapped access to a checkpoint's input embedding and lm_head, without building the model.
-
-Handles one `model.safetensors`, a sharded `model.safetensors.index.json`, or any `*.safetensors` files
-in the folder; finds the two matrices by name and decides from config.json whether they are tied.
-The matrices are memory-mapped straight from the files (the safetensors header gives each tensor's
-byte range), so a 152k x 4k bf16 matrix is read block by block from the page cache, never copied whole.
+"""Memory-mapped access to a checkpoint's input embedding and lm_head, without building the model: one
+file, a sharded index or any `*.safetensors`, tied or not by config.json. Each tensor is mapped from its
+byte range in the file, so a 152k x 4k bf16 matrix is read block by block from the page cache, never copied.
 """
 
 from __future__ import annotations
