@@ -453,20 +453,16 @@ def probe_conv(
 ) -> ProbeResult:
     """Time ``shape``'s conv and its GEMM at ``dtype`` on ``device`` in about ``budget_s`` seconds.
 
-    One call of each side on ``CALIBRATION_WINDOWS`` windows measures the cost per window; from it
-    :func:`choose_windows` picks the windows to time so that a warm-up and ``MIN_ROUNDS`` rounds fit.
-    Rounds then alternate GEMM and conv (forward, and with ``backward`` their gradients: input, weight
-    and bias) until the share is spent or ``max_repeats`` rounds ran. ``budget``, shared between shapes,
-    caps it further: no call starts that the budget left cannot pay for. ``stretch_s`` more seconds may
-    be taken when that is what keeps the backward in (a training verdict rests on it). What does not fit is named in
-    ``left_out`` (the backward, or the whole shape). ``channels_last`` also times the conv on a
-    channels-last input; ``None`` does so only on CUDA when the forward measures ``>= slow_ratio``.
-    Failures (out of memory, an op missing on the backend) are recorded in ``error``, never raised.
+    A calibration call of each side measures the cost per window; :func:`choose_windows` picks the windows
+    so that a warm-up and ``MIN_ROUNDS`` rounds fit; rounds of GEMM and conv (with ``backward``, their
+    input, weight and bias gradients too) run until the share is spent or ``max_repeats`` ran. ``budget``,
+    shared between shapes, caps it further; ``stretch_s`` more seconds may be taken when that keeps the
+    backward in (a training verdict rests on it). What does not fit is named in ``left_out``.
+    ``channels_last`` also times a channels-last input (``None``: only on CUDA when the forward measures
+    ``>= slow_ratio``). Failures (out of memory, an op missing) are recorded in ``error``, never raised.
     """
     dev = torch.device(device)
     budget = budget if budget is not None else Budget(budget_s)
-    # Plan to 90% of the share: what is not predicted (tensor set-up, scheduling noise) takes the rest.
-    share_end = budget.spent_ms + 0.9 * min(budget_s * 1e3, budget.left_ms)  # in budget.spent_ms units
     result = ProbeResult(
         shape,
         str(dev),
@@ -474,92 +470,26 @@ def probe_conv(
         onednn_enabled=bool(torch.backends.mkldnn.enabled) if dev.type == "cpu" else None,
         cudnn_enabled=bool(torch.backends.cudnn.enabled) if dev.type == "cuda" else None,
     )
-    nd = len(shape.kernel_size)
-    n_all, d = shape.windows, shape.out_channels
+    nd, d = len(shape.kernel_size), shape.out_channels
     try:
         gen = torch.Generator().manual_seed(seed)
         # (N, C, *k): every row one window, as the model's view(-1, C, T, P, P) produces.
-        x_all = torch.randn(n_all, shape.in_channels, *shape.kernel_size, generator=gen).to(dev, dtype)
+        x_all = torch.randn(shape.windows, shape.in_channels, *shape.kernel_size, generator=gen).to(
+            dev, dtype
+        )
         fan_in = shape.in_channels * math.prod(shape.kernel_size)
         w = (torch.randn(d, shape.in_channels, *shape.kernel_size, generator=gen) / fan_in**0.5).to(
             dev, dtype
         )
         b = torch.randn(d, generator=gen).to(dev, dtype) if shape.bias else None
-        conv_fn = _CONV_FN[nd]
         result.backend = selected_backend(x_all, w, b, shape.kernel_size)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _prewarm(dev, dtype, nd)
-            _, k, _ = shape.gemm_shape
-            n0 = min(n_all, CALIBRATION_WINDOWS, max(_MIN_CALIBRATION_WINDOWS, CALIBRATION_MACS // (k * d)))
-            left = lambda: share_end - budget.spent_ms  # noqa: E731 - what is left of this shape's share
-            # What the shapes before predict for this one's calibration and MIN_ROUNDS rounds on it.
-            macs = n0 * k * d
-            if backward and "all" in budget.rates and budget.rates["all"] * macs * (MIN_ROUNDS + 1) > left():
-                backward = False
-                result.left_out = _over_budget(
-                    "the backward",
-                    f"at the speed of the shapes probed before it, a warm-up and {MIN_ROUNDS} timed rounds of it "
-                    f"on just {n0} windows would take ~{_secs(budget.rates['all'] * macs * (MIN_ROUNDS + 1))}",
-                    left(),
-                    "this shape",
-                )
-            if "forward" in budget.rates and budget.rates["forward"] * macs * (MIN_ROUNDS + 1) > left():
-                result.left_out = _over_budget(
-                    "the whole shape",
-                    f"at the speed of the shapes probed before it, a warm-up and {MIN_ROUNDS} timed rounds on "
-                    f"just {n0} windows would take ~{_secs(budget.rates['forward'] * macs * (MIN_ROUNDS + 1))}",
-                    left(),
-                )
-                return result
-            sides = _sides(x_all[:n0], w, b, conv_fn, shape.kernel_size, backward)
-            cal: dict[str, float] = {}
-            for name, fn in sides.items():  # the calibration: one call each, which also warms them up
-                if budget.left_ms <= 0:
-                    result.left_out = "the whole shape: the budget was spent before it"
-                    return result
-                cal[name] = _time_once(fn, dev)
-            fwd_ms = cal["gemm"] + cal["conv"]
-            budget.rates["forward"] = fwd_ms / macs
-            if backward:
-                budget.rates["all"] = sum(cal.values()) / macs
-            with torch.inference_mode():  # a sanity check on the calibration windows, not a proof
-                x = x_all[:n0]
-                y_conv = conv_fn(x, w, b, shape.kernel_size).reshape(n0, d).float()
-                result.max_abs_diff = float(
-                    (y_conv - F.linear(x.reshape(n0, -1), w.reshape(d, -1), b).float()).abs().max()
-                )
-            # A round per window, plus the forward that builds the backward graphs on new windows.
-            per_window = (sum(cal.values()) + fwd_ms / (MIN_ROUNDS + 1)) / n0
-            n = choose_windows(per_window, n_all, left(), calibrated=n0)
-            if n is None and backward and stretch_s > 0:
-                stretched = min(stretch_s * 1e3, max(0.0, budget.left_ms - left()))
-                n = choose_windows(per_window, n0, left() + 0.9 * stretched, calibrated=n0)
-                if n is not None:
-                    share_end += 0.9 * stretched
-            if n is None and backward:
-                n = choose_windows(fwd_ms / n0, n_all, left(), calibrated=n0)
-                if n is not None:
-                    result.left_out = _over_budget(
-                        "the backward",
-                        f"{MIN_ROUNDS} timed rounds of it on just {n0} windows would take "
-                        f"~{_secs(MIN_ROUNDS * (cal['conv_backward'] + cal['gemm_backward']))} here",
-                        left(),
-                        "this shape",
-                    )
-                    sides = {k: v for k, v in sides.items() if not k.endswith("backward")}
-            if n is None:
-                result.left_out = _over_budget(
-                    "the whole shape",
-                    f"{MIN_ROUNDS} timed rounds on just {n0} windows would take ~{_secs(MIN_ROUNDS * fwd_ms)} here",
-                    left(),
-                )
-                return result
-            if n != n0:
-                sides = _sides(x_all[:n], w, b, conv_fn, shape.kernel_size, "conv_backward" in sides)
-                for fn in sides.values():  # the warm-up round at this size (choose_windows paid for it)
-                    _time_once(fn, dev)
-            times = _rounds(sides, dev, budget, left, max_repeats)
+            timed = _time_sides(result, x_all, w, b, budget, budget_s, stretch_s, backward, max_repeats)
+        if timed is None:
+            return result
+        n, times = timed
         result.windows_timed = n
         result.gemm, result.conv = (
             Timing(tuple(times["gemm"]), warmup=1),
@@ -569,7 +499,7 @@ def probe_conv(
             result.gemm_backward = Timing(tuple(times["gemm_backward"]), warmup=1)
             result.conv_backward = Timing(tuple(times["conv_backward"]), warmup=1)
         if dev.type == "cuda":
-            result.kernels = _cuda_kernels(lambda: conv_fn(x_all[:n], w, b, shape.kernel_size))
+            result.kernels = _cuda_kernels(lambda: _CONV_FN[nd](x_all[:n], w, b, shape.kernel_size))
         if not result.reliable or ("conv_backward" in times and not result.backward_reliable):
             result.notes.append(
                 f"fewer than {MIN_ROUNDS} rounds fit in the budget: unreliable, left out of the savings"
@@ -579,23 +509,93 @@ def probe_conv(
         # CPU a channels-last input makes oneDNN's kernel-sized conv slower still (2-3x here).
         wanted = channels_last is None and slow and dev.type == "cuda"
         if nd in _CHANNELS_LAST and (channels_last or wanted):
-            x = x_all[:n]
-            xc = x.contiguous(memory_format=_CHANNELS_LAST[nd])
-            cl_end = budget.spent_ms + min(budget_s * 1e3 / 4, budget.left_ms)
-            with torch.inference_mode(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                cl = {
-                    "gemm": lambda: F.linear(x.reshape(n, -1), w.reshape(d, -1), b),
-                    "conv": lambda: conv_fn(xc, w, b, shape.kernel_size),
-                }
-                _time_once(cl["conv"], dev)
-                t = _rounds(cl, dev, budget, lambda: cl_end - budget.spent_ms, max_repeats)
-            if t["conv"]:
-                result.gemm_for_channels_last = Timing(tuple(t["gemm"]), warmup=1)
-                result.conv_channels_last = Timing(tuple(t["conv"]), warmup=1)
+            _time_channels_last(result, x_all[:n], w, b, budget, budget_s, max_repeats)
     except (RuntimeError, NotImplementedError, MemoryError) as e:
         result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return result
+
+
+def _time_sides(result, x_all, w, b, budget, budget_s, stretch_s, backward, max_repeats):
+    """(windows timed, times per side) after the calibration, or None with ``result.left_out`` saying why."""
+    shape, dev = result.shape, x_all.device
+    conv_fn, n_all, d = _CONV_FN[len(shape.kernel_size)], shape.windows, shape.out_channels
+    # Plan to 90% of the share: what is not predicted (tensor set-up, scheduling noise) takes the rest.
+    share_end = budget.spent_ms + 0.9 * min(budget_s * 1e3, budget.left_ms)  # in budget.spent_ms units
+    _, k, _ = shape.gemm_shape
+    n0 = min(n_all, CALIBRATION_WINDOWS, max(_MIN_CALIBRATION_WINDOWS, CALIBRATION_MACS // (k * d)))
+    left = lambda: share_end - budget.spent_ms  # noqa: E731 - what is left of this shape's share
+    # What the shapes before predict for this one's calibration and MIN_ROUNDS rounds on it.
+    macs = n0 * k * d
+    before = f"at the speed of the shapes probed before it, a warm-up and {MIN_ROUNDS} timed rounds"
+    if backward and "all" in budget.rates and budget.rates["all"] * macs * (MIN_ROUNDS + 1) > left():
+        backward = False
+        cost = f"{before} of it on just {n0} windows would take ~{_secs(budget.rates['all'] * macs * (MIN_ROUNDS + 1))}"
+        result.left_out = _over_budget("the backward", cost, left(), "this shape")
+    if "forward" in budget.rates and budget.rates["forward"] * macs * (MIN_ROUNDS + 1) > left():
+        cost = f"{before} on just {n0} windows would take ~{_secs(budget.rates['forward'] * macs * (MIN_ROUNDS + 1))}"
+        result.left_out = _over_budget("the whole shape", cost, left())
+        return None
+    sides = _sides(x_all[:n0], w, b, conv_fn, shape.kernel_size, backward)
+    cal: dict[str, float] = {}
+    for name, fn in sides.items():  # the calibration: one call each, which also warms them up
+        if budget.left_ms <= 0:
+            result.left_out = "the whole shape: the budget was spent before it"
+            return None
+        cal[name] = _time_once(fn, dev)
+    fwd_ms = cal["gemm"] + cal["conv"]
+    budget.rates["forward"] = fwd_ms / macs
+    if backward:
+        budget.rates["all"] = sum(cal.values()) / macs
+    with torch.inference_mode():  # a sanity check on the calibration windows, not a proof
+        x = x_all[:n0]
+        y_conv = conv_fn(x, w, b, shape.kernel_size).reshape(n0, d).float()
+        result.max_abs_diff = float(
+            (y_conv - F.linear(x.reshape(n0, -1), w.reshape(d, -1), b).float()).abs().max()
+        )
+    # A round per window, plus the forward that builds the backward graphs on new windows.
+    per_window = (sum(cal.values()) + fwd_ms / (MIN_ROUNDS + 1)) / n0
+    n = choose_windows(per_window, n_all, left(), calibrated=n0)
+    if n is None and backward and stretch_s > 0:
+        stretched = min(stretch_s * 1e3, max(0.0, budget.left_ms - left()))
+        n = choose_windows(per_window, n0, left() + 0.9 * stretched, calibrated=n0)
+        if n is not None:
+            share_end += 0.9 * stretched
+    if n is None and backward:
+        n = choose_windows(fwd_ms / n0, n_all, left(), calibrated=n0)
+        if n is not None:
+            cost = (
+                f"{MIN_ROUNDS} timed rounds of it on just {n0} windows would take "
+                f"~{_secs(MIN_ROUNDS * (cal['conv_backward'] + cal['gemm_backward']))} here"
+            )
+            result.left_out = _over_budget("the backward", cost, left(), "this shape")
+            sides = {k: v for k, v in sides.items() if not k.endswith("backward")}
+    if n is None:
+        cost = f"{MIN_ROUNDS} timed rounds on just {n0} windows would take ~{_secs(MIN_ROUNDS * fwd_ms)} here"
+        result.left_out = _over_budget("the whole shape", cost, left())
+        return None
+    if n != n0:
+        sides = _sides(x_all[:n], w, b, conv_fn, shape.kernel_size, "conv_backward" in sides)
+        for fn in sides.values():  # the warm-up round at this size (choose_windows paid for it)
+            _time_once(fn, dev)
+    return n, _rounds(sides, dev, budget, left, max_repeats)
+
+
+def _time_channels_last(result, x, w, b, budget, budget_s, max_repeats) -> None:
+    """The same conv with its input in channels_last(_3d), against its GEMM, in a quarter of the share."""
+    n, d, kernel = x.shape[0], w.shape[0], result.shape.kernel_size
+    xc = x.contiguous(memory_format=_CHANNELS_LAST[len(kernel)])
+    cl_end = budget.spent_ms + min(budget_s * 1e3 / 4, budget.left_ms)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cl = {
+            "gemm": lambda: F.linear(x.reshape(n, -1), w.reshape(d, -1), b),
+            "conv": lambda: _CONV_FN[len(kernel)](xc, w, b, kernel),
+        }
+        _time_once(cl["conv"], x.device)
+        t = _rounds(cl, x.device, budget, lambda: cl_end - budget.spent_ms, max_repeats)
+    if t["conv"]:
+        result.gemm_for_channels_last = Timing(tuple(t["gemm"]), warmup=1)
+        result.conv_channels_last = Timing(tuple(t["conv"]), warmup=1)
 
 
 def _rounds(

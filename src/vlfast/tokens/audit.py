@@ -272,6 +272,15 @@ def split_placeholders(wanted: dict[str, list[str]]) -> tuple[dict[str, list[str
     return kept, skipped
 
 
+def require_dir(model: str | Path) -> None:
+    if not Path(model).is_dir():
+        from vlfast.models.checkpoints import missing_model_hint  # only on this error path
+
+        raise FileNotFoundError(
+            f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
+        )
+
+
 def audit_tokens(
     model: str | Path,
     tags: Sequence[str] | None = None,
@@ -287,20 +296,15 @@ def audit_tokens(
     device: str | None = None,
     dtype: str | None = None,
 ) -> TokenAudit:
-    """Audit the embedding rows of the tags a format uses.
+    """Audit the embedding rows of the tags a format uses, in the local checkpoint folder ``model``.
 
-    model: a local checkpoint folder with safetensors weights and a tokenizer.
-    tags: tags to check (default `<think>`, `</think>` when no template or regex is given either).
-    template: a chat template (.jinja or tokenizer_config.json) whose tags are checked too.
-    reward_regex: a reward regex whose literal tags are checked too.
-    reference_ids: known never-trained ids (ints or "a-b" ranges); default: padding rows beyond the
-        tokenizer's length plus `[unused*]`/reserved entries.
-    include_placeholders: audit Qwen-VL placeholder tokens (`<|image_pad|>`, ...) too; by default they
-        are listed in `skipped` with the reason.
-    verify_generation: also load the model (on `device`, in `dtype`) and run Magikarp's repetition
-        prompts for every token of the audited tags (`generation` in the report).
+    The tags are ``tags`` (default `<think>`, `</think>` when no template or regex is given either) and
+    those of ``template`` and ``reward_regex``; Qwen-VL placeholders are listed in `skipped` unless
+    ``include_placeholders``. ``reference_ids``: known never-trained ids (ints or "a-b" ranges; default the
+    padding rows beyond the tokenizer plus `[unused*]`/reserved entries). ``verify_generation`` also loads
+    the model (on ``device``, in ``dtype``) and runs Magikarp's repetition prompts (`generation`).
     """
-    from vlfast.tokens.alternatives import propose, suggested_mapping
+    from vlfast.tokens.alternatives import suggested_mapping
 
     t0 = time.perf_counter()
     if verify_generation:
@@ -313,12 +317,7 @@ def audit_tokens(
     skipped: list[SkippedTag] = []
     if not include_placeholders:
         wanted, skipped = split_placeholders(wanted)
-    if not Path(model).is_dir():
-        from vlfast.models.checkpoints import missing_model_hint  # only on this error path
-
-        raise FileNotFoundError(
-            f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
-        )
+    require_dir(model)
     vocab = Vocabulary.load(model)
     tag_ids = {t: vocab.split(t) for t in wanted}
     exclude = sorted({i for ids in tag_ids.values() for i in ids})
@@ -330,11 +329,7 @@ def audit_tokens(
         lm_head_name=lm_head_name,
         vocab=vocab,
     )
-    reports = []
-    for tag, sources in wanted.items():
-        ids, tokens, verdict = an.tag_verdict(tag)
-        alts = propose(an, tag) if alternatives and verdict != "trained" else []
-        reports.append(TagReport(tag, sources, ids, len(ids) == 1, tokens, verdict, alts))
+    reports = [_tag_report(an, tag, sources, alternatives) for tag, sources in wanted.items()]
     w = an.weights
     seconds = round(time.perf_counter() - t0, 3)
     generation = None
@@ -364,6 +359,14 @@ def audit_tokens(
         skipped=skipped,
         generation=generation,
     )
+
+
+def _tag_report(an: Analysis, tag: str, sources: list[str], alternatives: bool) -> TagReport:
+    from vlfast.tokens.alternatives import propose
+
+    ids, tokens, verdict = an.tag_verdict(tag)
+    alts = propose(an, tag) if alternatives and verdict != "trained" else []
+    return TagReport(tag, sources, ids, len(ids) == 1, tokens, verdict, alts)
 
 
 def audit_vocabulary(

@@ -17,7 +17,7 @@ import torch
 
 from vlfast._files import is_inside, same_file, write_atomically
 from vlfast.errors import InputRefused
-from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, split_placeholders
+from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, require_dir, split_placeholders
 from vlfast.tokens.report import TokenAudit, strict_json
 from vlfast.tokens.verdict import worst
 from vlfast.tokens.vocab import Vocabulary
@@ -111,24 +111,7 @@ def fix_tokens(
     if init not in INITS:
         raise InputRefused(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     model, out = Path(model), Path(out)
-    if not model.is_dir():
-        from vlfast.models import missing_model_hint  # only on this error path
-
-        raise FileNotFoundError(
-            f"{model} is not a directory: {missing_model_hint(str(model), references=False)}"
-        )
-    if same_file(out, model) or out.resolve() == model.resolve():
-        raise InputRefused(
-            f"OUT {out} is the checkpoint --model {model}: the original is never modified; name a new folder"
-        )
-    if is_inside(out, model):
-        raise InputRefused(
-            f"OUT {out} is inside the checkpoint --model {model}: the checkpoint folder is only read; name a "
-            "new folder outside it"
-        )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InputRefused(f"{out} exists and is not empty; choose a new folder for the fixed checkpoint")
-
+    _refuse_out(model, out)
     wanted = collect_tags(tags, template, reward_regex)
     notes: list[str] = []
     if not include_placeholders:
@@ -163,27 +146,7 @@ def fix_tokens(
         plans[tid] = sources
         rows.append(FixedRow(tid, an.vocab.piece(tid), "pieces" if sources else "mean", sources, matrices))
 
-    new_values: dict[str, dict[int, torch.Tensor]] = {}
-    for name in matrices:
-        tied_copy = name != w.embedding_name and w.tied
-        is_input = name == w.embedding_name or tied_copy
-        stats = an.judge.input_stats if is_input else an.judge.output_stats
-        median_norm = float(np.median(stats.norm[an.ordinary]))
-        mean_row = None
-        values: dict[int, torch.Tensor] = {}
-        for tid, sources in plans.items():
-            if sources:
-                row = w.rows(name, sources).mean(0)
-            else:
-                if mean_row is None:
-                    mean_row = _mean_trained_row(an, name)
-                gen = torch.Generator().manual_seed(int(tid))
-                jitter = torch.randn(mean_row.shape[0], generator=gen)
-                row = mean_row + jitter * (JITTER * median_norm / jitter.norm())
-            if row.norm() > 0:  # an average is shorter than any of its rows: give it a trained length
-                row = row * (median_norm / row.norm())
-            values[tid] = row
-        new_values[name] = values
+    new_values = {name: _new_rows(an, name, plans) for name in matrices}
 
     written: list[tuple[list[str], list[str]]] = []
     # Beside OUT, renamed into place when whole: a failure half-way leaves no partial checkpoint.
@@ -195,6 +158,46 @@ def fix_tokens(
             out, list(wanted), reference_ids=reference_ids, alternatives=False, include_placeholders=True
         )
     return report
+
+
+def _refuse_out(model: Path, out: Path) -> None:
+    require_dir(model)
+    if same_file(out, model) or out.resolve() == model.resolve():
+        raise InputRefused(
+            f"OUT {out} is the checkpoint --model {model}: the original is never modified; name a new folder"
+        )
+    if is_inside(out, model):
+        raise InputRefused(
+            f"OUT {out} is inside the checkpoint --model {model}: the checkpoint folder is only read; name a "
+            "new folder outside it"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputRefused(f"{out} exists and is not empty; choose a new folder for the fixed checkpoint")
+
+
+def _new_rows(an: Analysis, name: str, plans: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    """Each target's new row in matrix ``name``: the mean of its trained pieces, or the mean trained row
+    with a seeded jitter; scaled to the matrix's median trained norm."""
+    w = an.weights
+    tied_copy = name != w.embedding_name and w.tied
+    is_input = name == w.embedding_name or tied_copy
+    stats = an.judge.input_stats if is_input else an.judge.output_stats
+    median_norm = float(np.median(stats.norm[an.ordinary]))
+    mean_row = None
+    values: dict[int, torch.Tensor] = {}
+    for tid, sources in plans.items():
+        if sources:
+            row = w.rows(name, sources).mean(0)
+        else:
+            if mean_row is None:
+                mean_row = _mean_trained_row(an, name)
+            gen = torch.Generator().manual_seed(int(tid))
+            jitter = torch.randn(mean_row.shape[0], generator=gen)
+            row = mean_row + jitter * (JITTER * median_norm / jitter.norm())
+        if row.norm() > 0:  # an average is shorter than any of its rows: give it a trained length
+            row = row * (median_norm / row.norm())
+        values[tid] = row
+    return values
 
 
 def _write(w, model: Path, out: Path, new_values: dict[str, dict[int, torch.Tensor]]):

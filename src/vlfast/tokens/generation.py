@@ -162,6 +162,20 @@ def _probabilities(model, batch: torch.Tensor, token_ids: torch.Tensor) -> torch
     return logp.gather(1, token_ids[:, None]).squeeze(1).exp()
 
 
+def _peak_memory(device: str | None) -> tuple[float, str]:
+    """(MiB, what was measured): CUDA's max allocated on ``device``, else the process's peak RSS."""
+    import torch
+
+    if device is not None:
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda max allocated"
+    import resource
+
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    return peak, "process peak RSS"
+
+
 def verify_generation(
     model: str | Path,
     token_ids: Sequence[int],
@@ -173,10 +187,8 @@ def verify_generation(
     batch_size: int = BATCH_SIZE,
     prompts: Mapping[str, str] | None = None,
 ) -> GenerationReport:
-    """Run the repetition prompts for `token_ids` through the model in `model` (a local folder).
-
-    weights_verdicts: id -> the weights audit's verdict, carried into the report.
-    """
+    """Run the repetition prompts for `token_ids` through the model in `model` (a local folder);
+    `weights_verdicts` (id -> the weights audit's verdict) is carried into the report."""
     import torch
 
     from vlfast.tokens.vocab import Vocabulary
@@ -212,17 +224,7 @@ def verify_generation(
                 p = _probabilities(lm, batch, torch.tensor(chunk, device=device)).tolist()
                 for i, value in zip(chunk, p, strict=True):
                     probs[i][name] = value
-    if on_cuda:
-        torch.cuda.synchronize(device)
-        peak, kind = torch.cuda.max_memory_allocated(device) / 2**20, "cuda max allocated"
-    else:
-        import resource
-
-        # ru_maxrss is KiB on Linux, bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
-            2**20 if sys.platform == "darwin" else 2**10
-        )
-        kind = "process peak RSS"
+    peak, kind = _peak_memory(device if on_cuda else None)
     run_seconds = time.perf_counter() - t1
 
     verdicts = weights_verdicts or {}
