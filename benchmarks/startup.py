@@ -146,9 +146,10 @@ def main() -> None:
         help="an interpreter to run the commands with (repeatable); default: this one",
     )
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--name", default="startup", help="the result file's name (default startup)")
     ap.add_argument("--only", nargs="+", choices=list(COMMANDS), help="time only these commands")
     args = ap.parse_args()
-    run = harness.Run("startup")
+    run = harness.Run(args.name)
     runs, pythons, trees = _variants(args)
     commands = {k: v for k, v in COMMANDS.items() if not args.only or k in args.only}
     work = Path(tempfile.mkdtemp(prefix="vlfast-startup-"))
