@@ -12,7 +12,7 @@ import gc
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -105,7 +105,7 @@ class Fix:
     note: str = ""
 
     def to_dict(self) -> dict[str, str]:
-        return {"kind": self.kind, "text": self.text, "note": self.note}
+        return asdict(self)
 
 
 @dataclass

@@ -9,7 +9,7 @@ so tests play any machine by building ``Facts`` by hand.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from vlfast.diagnosis.facts import Facts, version_tuple
@@ -69,16 +69,7 @@ class RuleHit:
     phases: tuple[str, ...] = ("forward", "backward")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "title": self.title,
-            "source": self.source,
-            "explanation": self.explanation,
-            "env_fix": self.env_fix,
-            "convs": list(self.convs),
-            "pathological": self.pathological,
-            "phases": list(self.phases),
-        }
+        return {**asdict(self), "phases": list(self.phases)}
 
 
 def _cuda(f: Facts) -> bool:  # NVIDIA CUDA, not ROCm (which also reports device type "cuda")

@@ -1,21 +1,14 @@
 """The exact GEMM patch for convolutions whose stride equals their kernel.
 
-A convolution with stride == kernel_size, zero padding, dilation 1 and groups 1 reads disjoint windows,
-so each output element is ``b[k] + <W[k], window>``: the whole conv is one matrix multiply. Qwen-VL,
-GLM-4V and friends embed patches with exactly such an ``nn.Conv3d`` and call it on inputs the size of
-one kernel, where it is ``F.linear`` on views of the input and of the 5-D weight.
+With stride == kernel_size, zero padding, dilation 1 and groups 1 a conv reads disjoint windows, so each
+output is ``b[k] + <W[k], window>``: one matrix multiply. Qwen-VL and GLM-4V embed patches with such an
+``nn.Conv3d`` called on kernel-sized inputs, where it is ``F.linear`` on views of input and 5-D weight.
 
-``patch`` swaps the module's ``_conv_forward`` for :class:`GemmConvForward` through an instance
-attribute. Nothing else changes: the class, the parameters (same tensors, 5-D weight), the state_dict,
-hooks and wrappers around ``forward`` (accelerate, PEFT) all stay as they are, and ``unpatch`` deletes
-the attribute to restore the original exactly.
-
-Whether a call runs the GEMM is decided from that call: the module's geometry (five identity tests,
-decided again when one changed) and the weight as it arrives. Nothing is judged from the weight at patch
-time, so a weight that is partitioned when ``patch`` runs (DeepSpeed ZeRO-3's empty ``(0,)`` parameter,
-FSDP1's flat views, the meta device) and whole at the call runs the GEMM; a conv whose stride, padding,
-dilation, groups or weight kernel no longer fits runs the stock conv, never the old operation, and with
-:mod:`vlfast.patching.record` on, each call is counted as GEMM or stock, with the reason.
+``patch`` swaps the module's ``_conv_forward`` through an instance attribute: class, parameters,
+state_dict and wrappers around ``forward`` (accelerate, PEFT) stay as they are, and ``unpatch`` deletes it.
+Each call decides from the geometry and the weight as they are then, never at patch time: a weight
+partitioned at ``patch`` (ZeRO-3's ``(0,)``, FSDP1's flat views, meta) and whole at the call runs the
+GEMM; a conv that no longer fits runs the stock conv, and :mod:`vlfast.switches.record` counts which.
 """
 
 from __future__ import annotations
@@ -56,9 +49,9 @@ Filter = Callable[[str, nn.Module], bool] | str | None
 # torch.compiler.is_compiling is torch >= 2.3; dynamo folds it to True while tracing.
 _is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
-# Call counting (vlfast.patching.record): the number of records running, read on every call (a global).
+# Call counting (vlfast.switches.record): the number of records running, read on every call (a global).
 # VLFAST_RECORD, armed at start-up before torch was imported, counts as one from this module's import.
-_RECORDING = int(getattr(sys.modules.get("vlfast.patching.record"), "env_armed", False))
+_RECORDING = int(getattr(sys.modules.get("vlfast.switches.record"), "env_armed", False))
 # Every live replacement, by id (GemmConvForward compares by kernel size, so no WeakSet); the counters of
 # every conv that counted a call, kept after the conv is gone (a record at exit still has them); and the
 # models patch() was given, whose named_modules() name the convs in a record.
@@ -192,14 +185,10 @@ def _kernel_shape(weight: torch.Tensor | None, kernel_size: tuple[int, ...]) -> 
 class GemmConvForward:
     """Replacement for ``_ConvNd._conv_forward(input, weight, bias)`` computing the conv as a GEMM.
 
-    Weight and bias arrive as arguments at call time, never stored, so ``.to()``, parametrizations, FSDP,
-    DeepSpeed ZeRO-3 and weight reloading keep working. The decision is made per call and cached by what
-    it depends on: the module's ``stride``, ``padding``, ``dilation``, ``groups`` and ``padding_mode``
-    (checked by identity, five attribute reads, decided again when one is another object), and the
-    weight's shape (compared with the last whole weight seen). A conv that is no longer eligible, or a
-    weight of another kernel, runs the stock ``_conv_forward``, never the old operation. ``patch`` gives it
-    a weak reference to its module, so that ``del model`` frees the parameters at once, as it does
-    unpatched; deepcopy rebinds it to the copy.
+    Weight and bias arrive at call time, never stored, so ``.to()``, parametrizations, FSDP, ZeRO-3 and
+    reloading keep working. The decision is cached by what it depends on: the geometry attributes (checked
+    by identity) and the last whole weight shape. It holds its module weakly, so that ``del model`` frees
+    the parameters at once, as unpatched; deepcopy rebinds it to the copy.
     """
 
     def __init__(
@@ -584,10 +573,7 @@ def _tuple(v, nd: int) -> tuple[int, ...]:
 
 
 def eligibility(module: nn.Module) -> str | None:
-    """Why ``module`` cannot be patched, or ``None`` when it can.
-
-    Pure function of the module's configuration; the reasons are user-facing.
-    """
+    """Why ``module`` cannot be patched (user-facing), or ``None`` when it can."""
     if isinstance(module, nn.modules.conv._ConvNd) and module.transposed:
         return "transposed convolution"
     if not isinstance(module, _CONV_TYPES):
@@ -666,16 +652,9 @@ def _check_module(model: object, fn: str) -> None:
 
 
 def _entry(name: str, m: nn.Module, status, reason: str = "") -> ConvEntry:
-    return ConvEntry(
-        name=name,
-        kind=type(m).__name__,
-        in_channels=int(getattr(m, "in_channels", 0)),
-        out_channels=int(getattr(m, "out_channels", 0)),
-        kernel_size=tuple(getattr(m, "kernel_size", ())),
-        stride=tuple(getattr(m, "stride", ())),
-        status=status,
-        reason=reason,
-    )
+    channels = (int(getattr(m, "in_channels", 0)), int(getattr(m, "out_channels", 0)))
+    geometry = (tuple(getattr(m, "kernel_size", ())), tuple(getattr(m, "stride", ())))
+    return ConvEntry(name, type(m).__name__, *channels, *geometry, status, reason)
 
 
 def _deferred(m: nn.Module) -> str:
@@ -719,7 +698,7 @@ def _remember_root(model: nn.Module) -> None:
 
 
 def count_calls(delta: int) -> None:
-    """Add ``delta`` to the number of records running (vlfast.patching.record); calls are counted while
+    """Add ``delta`` to the number of records running (vlfast.switches.record); calls are counted while
     it is not zero, and the module pre-hook that sees the convs vlfast did not patch is installed."""
     global _RECORDING
     _RECORDING = max(0, _RECORDING + delta)
@@ -788,16 +767,10 @@ def name_counted_convs() -> None:
 
 
 def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> PatchReport:
-    """Turn every eligible stride == kernel convolution in ``model`` into its exact GEMM, in place.
-
-    Args:
-        model: any ``nn.Module``; a bare conv works too.
-        filter: keep only modules for which ``filter(qualified_name, module)`` is true, or whose
-            qualified name matches this regular expression (``re.search``).
-        strict: raise ``ValueError`` when nothing ends up patched.
-
-    Returns a :class:`PatchReport` listing every convolution with what was done and why. Calling it
-    again is harmless: already patched modules are reported as such.
+    """Turn every eligible stride == kernel convolution in ``model`` (any ``nn.Module``, a bare conv too)
+    into its exact GEMM, in place. ``filter``: a callable ``(qualified_name, module) -> bool`` or a regular
+    expression searched in the name; ``strict``: raise when nothing ends up patched. The
+    :class:`PatchReport` lists every convolution with what was done and why; calling it again is harmless.
     """
     _check_module(model, "patch")
     keep = compile_filter(filter)
@@ -847,10 +820,9 @@ def unpatch(model: nn.Module) -> PatchReport:
     for name, m in model.named_modules():
         if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward):
             del m.__dict__["_conv_forward"]
-            if isinstance(m.__dict__.get("extra_repr"), _PatchedExtraRepr):
-                del m.__dict__["extra_repr"]
-            if isinstance(m.__dict__.get("__reduce_ex__"), _PatchedReduce):
-                del m.__dict__["__reduce_ex__"]
+            for key, cls in (("extra_repr", _PatchedExtraRepr), ("__reduce_ex__", _PatchedReduce)):
+                if isinstance(m.__dict__.get(key), cls):
+                    del m.__dict__[key]
             report.entries.append(_entry(name, m, "unpatched"))
     return report
 

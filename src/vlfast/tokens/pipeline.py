@@ -292,13 +292,9 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 def _template(tok: Any, model_dir: Path, template: str | Path | None) -> tuple[str, str]:
     if template is not None:
         path = Path(template)
-        if path.is_dir():
-            raise IsADirectoryError(
-                f"template {path} is a folder; pass the .jinja file or the tokenizer_config.json itself"
-            )
         try:
             return read_template(path), str(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):  # read_template's own words
             raise
         except (OSError, UnicodeDecodeError) as e:
             raise InputRefused(
