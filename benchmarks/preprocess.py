@@ -162,9 +162,9 @@ def _context() -> types.SimpleNamespace:
     from transformers.video_utils import load_video
 
     from vlfast.demo import make_video, pattern
-    from vlfast.extraction.decode.preprocess import build_processor_config
-    from vlfast.extraction.decode.video import _decode_at, patchify_video, read_video
     from vlfast.extraction.model.runner import batch_pixels
+    from vlfast.pixels.engine import build_processor_config
+    from vlfast.pixels.video import _decode_at, patchify_video, read_video
 
     work = Path(tempfile.mkdtemp(prefix="vlfast-preprocess-"))
     cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
@@ -178,15 +178,15 @@ def _context() -> types.SimpleNamespace:
     from qwen_vl_utils.vision_process import fetch_image, fetch_video
 
     from vlfast import VisionPreprocessor
-    from vlfast.extraction.decode.preprocess import Preprocessor
+    from vlfast.pixels.engine import Preprocessor
 
     torchcodec_why, decord_why = _loads("torchcodec.decoders"), _loads("decord")
     vision = VisionPreprocessor("ref:qwen3-vl-2b")
     vision_uint8 = VisionPreprocessor("ref:qwen3-vl-2b", pixels="uint8")
     deferred = Preprocessor(cfg, defer_video_normalize=True)
-    from vlfast.extraction.preprocessing import _adapted
+    from vlfast.pixels.adapter import adapted
 
-    swapped = _adapted(vision, tv, fallback=True)  # what swap_image_processor installs
+    swapped = adapted(vision, tv, fallback=True)  # what swap_image_processor installs
     return types.SimpleNamespace(
         Image=Image,
         _decode_at=_decode_at,

@@ -72,7 +72,7 @@ def main() -> int:
     from transformers.image_utils import load_image, load_image_as_tensor
     from transformers.utils.import_utils import is_torchcodec_available
 
-    from vlfast.extraction.decode.preprocess import load_image as vlfast_load_image
+    from vlfast.pixels.engine import load_image as vlfast_load_image
 
     print(
         f"torch {torch.__version__}; decoder: {'torchcodec' if is_torchcodec_available() else 'torchvision'}"
@@ -85,7 +85,7 @@ def main() -> int:
             same = decoded.dtype == pil.dtype and decoded.shape == pil.shape and torch.equal(decoded, pil)
             note = ""
             if not same and name.startswith("sixteen_bit"):
-                # vlfast extract scales a 16-bit image to 8 bits (decode.preprocess.load_image); where that
+                # vlfast extract scales a 16-bit image to 8 bits (pixels.engine.load_image); where that
                 # equals the decoder's, extract's pixels are those of transformers given the path
                 scaled = torch.from_numpy(np.array(vlfast_load_image(str(path)).convert("RGB"))).permute(
                     2, 0, 1
@@ -108,14 +108,14 @@ def main() -> int:
 def videos() -> int:
     """Clips whose display matrix turns them (a phone's portrait video): every frame as transformers' video
     reader for a path decodes it (``load_video``, torchcodec where it loads) against vlfast's decode with
-    ``video_rotation`` (decode.video.display_turns); the number that differ."""
+    ``video_rotation`` (pixels.video.display_turns); the number that differ."""
     import av
     import torch
     from transformers.utils.import_utils import is_torchcodec_available
     from transformers.video_utils import load_video
 
     from vlfast.demo import make_video
-    from vlfast.extraction.decode.video import _decode_at
+    from vlfast.pixels.video import _decode_at
 
     if not is_torchcodec_available():
         print("videos: torchcodec is not importable here; the turns are torchcodec's, so not checked")

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 import vlfast
 from _commands import COMMANDS, IDS, PATHS
 from vlfast.cli.main import app
-from vlfast.patching import autopatch
 from vlfast.patching.gemm import PatchReport
+from vlfast.switches import env as switch_env
 
 runner = CliRunner()
 
@@ -127,14 +127,14 @@ def test_profile_text_only_checkpoint_fails_before_loading(monkeypatch, tmp_path
 
 
 def _child(code: str, env_value: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, autopatch.ENV_VAR: env_value}
+    env = {**os.environ, switch_env.PATCH_VAR: env_value}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
 # The start-up hook's work, then an explicit call: the warning must come once, the hook must not be armed.
 _ARMED = (
-    "import sys; from vlfast.patching import autopatch as a; "
-    "print(a.install_from_env(), any(isinstance(f, a._PatchAfterImport) for f in sys.meta_path))"
+    "import sys; from vlfast.switches import hook, patch as a; "
+    "print(a.install_from_env(), any(isinstance(f, hook._PatchAfterImport) for f in sys.meta_path))"
 )
 
 
@@ -163,13 +163,13 @@ def test_known_vlfast_patch_value_arms_the_hook_at_start_up():
     [("", None), ("off", None), (" NO ", None), ("0", None), ("1", "1"), ("Yes", "yes"), (" ALL", "all")],
 )
 def test_env_setting_values(value, expected):
-    assert autopatch.env_setting({autopatch.ENV_VAR: value}) == expected
+    assert switch_env.env_setting({switch_env.PATCH_VAR: value}) == expected
 
 
 def test_env_setting_unknown_value_is_off(monkeypatch, capsys):
-    monkeypatch.setattr(autopatch, "_warned", False)
-    assert autopatch.env_setting({autopatch.ENV_VAR: "al"}) is None
-    assert autopatch.env_setting({autopatch.ENV_VAR: "al"}) is None
+    monkeypatch.setattr(switch_env, "_warned", False)
+    assert switch_env.env_setting({switch_env.PATCH_VAR: "al"}) is None
+    assert switch_env.env_setting({switch_env.PATCH_VAR: "al"}) is None
     assert capsys.readouterr().err.count("VLFAST_PATCH='al'") == 1
 
 

@@ -14,20 +14,16 @@ from typer.testing import CliRunner
 from vlfast.cli.main import app
 from vlfast.errors import InputRefused
 from vlfast.extraction import FeatureCache, extract
-from vlfast.extraction.decode.embedding import (
-    DEFAULT_INSTRUCTION,
-    EmbeddingPrompt,
-    is_embedding_checkpoint,
-    normalized_instruction,
-)
-from vlfast.extraction.decode.preprocess import build_processor_config
+from vlfast.extraction.decode.embedding import DEFAULT_INSTRUCTION, EmbeddingPrompt, normalized_instruction
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.stage import DecodedSample
-from vlfast.extraction.decode.video import sample_frame_indices, video_resize_shape
 from vlfast.extraction.model import runner as model_runner
 from vlfast.extraction.model.features import FeatureSpec, compute_llm_features, embedding_of
 from vlfast.extraction.sources.listing import load_inputs
 from vlfast.extraction.sources.sample import Sample
+from vlfast.pixels.engine import build_processor_config
+from vlfast.pixels.recipe import is_embedding_checkpoint
+from vlfast.pixels.video import sample_frame_indices, video_resize_shape
 
 runner = CliRunner()
 
@@ -166,8 +162,8 @@ def test_csv_and_parquet_manifests_may_have_text_without_path(tmp_path):
 def test_left_or_right_padding_gives_the_same_vectors(tiny_qwen3_vl, media):
     """Rows of different lengths and modalities in one batch: the vector at the last real token is the
     same whichever side the padding is on (positions come from the attention mask)."""
-    from vlfast.extraction.decode.preprocess import Preprocessor
     from vlfast.models import load_model
+    from vlfast.pixels.engine import Preprocessor
 
     cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
     pre = Preprocessor(cfg, image_processor_dir=str(tiny_qwen3_vl))
@@ -181,10 +177,10 @@ def test_left_or_right_padding_gives_the_same_vectors(tiny_qwen3_vl, media):
     items = []
     for i, s in enumerate(samples):
         pixels, grid, meta = pre(s) if s.kind != "text" else (pre.no_pixels(), (0, 0, 0), {})
-        from vlfast.extraction.decode.video import normalize_video_patches
+        from vlfast.pixels.video import normalize_patches
 
         if pixels.dtype == torch.uint8:
-            pixels = normalize_video_patches(pixels, cfg)
+            pixels = normalize_patches(pixels, cfg)
         item = DecodedSample(i, s.kind, pixels, grid, grid[0] * grid[1] * grid[2] // 4, meta)
         item.input_ids, _ = prompt(s, grid, meta)
         items.append(item)

@@ -71,10 +71,10 @@ def differences(checkpoint: Path) -> tuple[list[str], int]:
     """Each sample's features computed through the engines' :class:`Forward` alone, in batches of all four
     in two orders and in pairs, for float32 and bfloat16, both specs. Returns (what differs from the sample
     alone, how many features were compared)."""
-    from vlfast.extraction.decode.preprocess import build_processor_config
     from vlfast.extraction.decode.prompts import PromptBuilder
     from vlfast.extraction.model import runner
     from vlfast.extraction.model.spec import FeatureSpec
+    from vlfast.pixels.engine import build_processor_config
 
     cfg = build_processor_config(str(checkpoint), family="qwen3_vl")
     items = _samples(checkpoint)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlfast.extraction.decode.preprocess import Preprocessor, _processor_dicts, build_processor_config
 from vlfast.extraction.sources import Sample
+from vlfast.pixels.engine import Preprocessor, _processor_dicts, build_processor_config
 
 pytest.importorskip("transformers")
 
@@ -207,7 +207,7 @@ def test_video_path_matches_transformers_on_the_saved_layout(saved_processor):
     from transformers import AutoVideoProcessor
 
     from vlfast.demo import pattern
-    from vlfast.extraction.decode.preprocess import patchify_video
+    from vlfast.pixels.engine import patchify_video
 
     processor = AutoVideoProcessor.from_pretrained(str(saved_processor), local_files_only=True)
     cfg = build_processor_config(str(saved_processor), family="qwen3_vl")
@@ -228,8 +228,8 @@ def test_a_resumed_run_keeps_its_image_processor(saved_processor, media_dir, tmp
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from vlfast.extraction.api import extract
-    from vlfast.extraction.decode import preprocess
     from vlfast.extraction.store import facts
+    from vlfast.pixels import engine as preprocess
 
     samples = [Sample("rgb", "image", (str(media_dir / "good/rgb.jpg"),))]
     out = tmp_path / "out"

@@ -364,8 +364,8 @@ def test_video_wrapper_is_the_installed_transformers_rule(setup, real_processor)
     from transformers.video_utils import VideoMetadata
 
     from vlfast.demo import pattern
-    from vlfast.extraction.decode.processor_config import video_wrapper_rule
     from vlfast.extraction.decode.prompts import PromptBuilder
+    from vlfast.pixels.settings import video_wrapper_rule
 
     rule = video_wrapper_rule()
     assert rule == ("replaced" if video_wrapper_replaced() else "kept")
@@ -403,9 +403,9 @@ def test_video_wrapper_is_recorded_where_a_prompt_holds_it(setup, tmp_path, monk
     video; a vision-only run of the same checkpoint keeps the default whatever transformers says, so it
     resumes under either rule. A resume under the other rule (another transformers: its facts are asked
     again) is refused, never mixed, and the CLI says which transformers resumes it as made."""
-    from vlfast.extraction.decode import processor_config
     from vlfast.extraction.store.format import FACTS_FILE
     from vlfast.extraction.store.resume import RunConfigMismatch
+    from vlfast.pixels import settings as processor_config
 
     rule = processor_config.video_wrapper_rule()
     manifest = _write_manifest(tmp_path / "rows.jsonl", {"video": setup.rows["video"]})
@@ -629,12 +629,12 @@ def test_vlfast_decodes_each_row_to_the_references_model_inputs_bit_for_bit(setu
     """Before any forward: for every row, vlfast's decode stage gives the token ids and pixel values the
     reference hands the model, exactly (images: qwen-vl-utils' sizes then the processor; videos: qwen-vl-utils'
     frames, sizes and torchvision's float resize, then the processor's normalisation and patchify)."""
-    from vlfast.extraction.decode.preprocess import build_processor_config
-    from vlfast.extraction.decode.processor_config import with_video_wrapper
     from vlfast.extraction.decode.stage import SampleDataset, prepare_decoding
-    from vlfast.extraction.decode.video import normalize_video_patches
     from vlfast.extraction.model.features import FeatureSpec
     from vlfast.extraction.sources.listing import load_inputs
+    from vlfast.pixels.engine import build_processor_config
+    from vlfast.pixels.settings import with_video_wrapper
+    from vlfast.pixels.video import normalize_patches
 
     ckpt = str(setup.ckpt)
     # as the plan makes it for a run that builds prompts: with the installed transformers' video wrapper rule
@@ -653,7 +653,7 @@ def test_vlfast_decodes_each_row_to_the_references_model_inputs_bit_for_bit(setu
             continue
         pixels = item.pixel_values
         if pixels.dtype == torch.uint8:
-            pixels = normalize_video_patches(pixels, cfg)
+            pixels = normalize_patches(pixels, cfg)
         key = "pixel_values" if s.kind == "image" else "pixel_values_videos"
         assert torch.equal(pixels, theirs[key]), s.id
         grid_key = "image_grid_thw" if s.kind == "image" else "video_grid_thw"
@@ -669,12 +669,12 @@ def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
     from PIL import Image
 
     from vlfast.demo import pattern
-    from vlfast.extraction.decode.preprocess import build_processor_config
     from vlfast.extraction.decode.stage import SampleDataset, prepare_decoding
-    from vlfast.extraction.decode.video import normalize_video_patches
     from vlfast.extraction.model.features import FeatureSpec
     from vlfast.extraction.plan import recorded_setting
     from vlfast.extraction.sources.listing import load_inputs
+    from vlfast.pixels.engine import build_processor_config
+    from vlfast.pixels.video import normalize_patches
 
     rgb = pattern(64, 96, 4)
     alpha = (np.arange(96)[None, :].repeat(64, 0) * 2).astype(np.uint8)
@@ -701,7 +701,7 @@ def test_odd_images_are_read_as_qwen_vl_utils_reads_them(setup, tmp_path):
     for i, s in enumerate(samples):
         pixels = dataset[i].pixel_values
         if pixels.dtype == torch.uint8:
-            pixels = normalize_video_patches(pixels, cfg)
+            pixels = normalize_patches(pixels, cfg)
         theirs = model_inputs(setup.ckpt, [rows[s.id]])[0]["pixel_values"]
         assert torch.equal(pixels, theirs), s.id
     assert recorded_setting(None, "image_reading") is None  # a new OUT: the recipe decides

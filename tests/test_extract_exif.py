@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vlfast.extraction.decode.preprocess import Preprocessor, _image_processor, build_processor_config
+from vlfast.pixels.engine import Preprocessor, _image_processor, build_processor_config
 
 ORIENTATION = 0x0112  # the EXIF tag
 
@@ -48,7 +48,7 @@ def test_pixels_equal_the_transformers_processor_given_the_path(tmp_path, orient
     # the JPEG decoded by libjpeg-turbo and turned as exif_transpose turns it: the same pixels as PIL's turn
     from PIL import Image, ImageOps
 
-    from vlfast.extraction.decode.image import jpeg_rgb
+    from vlfast.pixels.image import jpeg_rgb
 
     assert jpeg_rgb(path, True) is not None  # the libjpeg-turbo path ran
     turned = ImageOps.exif_transpose(Image.open(path))
@@ -170,7 +170,7 @@ def test_a_videos_rotation_is_applied_as_transformers_reader_applies_it(tmp_path
     import numpy as np
     from transformers.video_utils import read_video_pyav
 
-    from vlfast.extraction.decode.video import read_video
+    from vlfast.pixels.video import read_video
 
     path = _rotated_mp4(tmp_path / "portrait.mp4")
     with av.open(str(path)) as c:

@@ -17,10 +17,10 @@ import pytest
 from vlfast.extraction import RunConfigMismatch
 from vlfast.extraction.api import extract
 from vlfast.extraction.config import ExtractConfig
-from vlfast.extraction.decode import preprocess
 from vlfast.extraction.plan import make_plan
 from vlfast.extraction.store import facts as facts_module
 from vlfast.extraction.store.facts import ModelFacts
+from vlfast.pixels import engine as preprocess
 
 FACTS = "facts.json"
 
@@ -192,8 +192,8 @@ def test_changed_weights_under_the_same_json_files_are_refused(copied, asked):
     """The record names the tower's tensors, never their bytes: a fine-tune that leaves every JSON file as it
     was keeps the key, and the weights, hashed as before, refuse it."""
     inputs, out, ckpt = copied
-    from vlfast.models.checkpoints import tensor_locations
     from vlfast.extraction.store.format import read_header
+    from vlfast.models.checkpoints import tensor_locations
 
     names = json.loads((out / FACTS).read_text())["answers"]["vision tower tensors"]
     weights, key = tensor_locations(ckpt, names)["patch_embed.proj.weight"]
@@ -224,7 +224,7 @@ def test_a_damaged_or_foreign_record_is_ignored(copied, asked):
 @pytest.fixture
 def no_forward(monkeypatch):
     """A run that extracts nothing: every sample's decoding fails as a recorded error (cheap)."""
-    from vlfast.extraction.decode.media import SampleError
+    from vlfast.pixels.media import SampleError
 
     def fail(*a, **k):
         raise SampleError("not decoded in this test")

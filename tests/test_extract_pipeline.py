@@ -11,11 +11,11 @@ import torch
 
 from vlfast.extraction import FeatureCache, RunConfigMismatch
 from vlfast.extraction.api import extract
-from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
 from vlfast.extraction.engines.base import Hooks
 from vlfast.extraction.engines.local import LocalEngine
 from vlfast.extraction.model.batching import TokenBudget, is_oom, pack, run_split_on_oom
 from vlfast.extraction.sources import Sample, load_inputs
+from vlfast.pixels.engine import Preprocessor, build_processor_config
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -345,12 +345,12 @@ def test_a_batchs_pixels_are_normalised_into_one_tensor_without_a_concatenation(
         assert got.dtype == dtype and got.shape == want.shape and torch.equal(got, want)
     with pytest.raises(ValueError, match="different widths"):
         runner.batch_pixels([image, torch.randn(2, 100)], cpu, dtype, cfg)
-    from vlfast.extraction.decode.video import normalize_video_patches
+    from vlfast.pixels.video import normalize_patches
 
     with pytest.raises(ValueError, match="out must be a contiguous floating tensor of shape"):
-        normalize_video_patches(video, cfg, out=torch.empty(8, 1536, dtype=torch.int32))
+        normalize_patches(video, cfg, out=torch.empty(8, 1536, dtype=torch.int32))
     with pytest.raises(ValueError, match="out must be"):
-        normalize_video_patches(video, cfg, out=torch.empty(1536, 8).t())
+        normalize_patches(video, cfg, out=torch.empty(1536, 8).t())
 
 
 @pytest.mark.parametrize(

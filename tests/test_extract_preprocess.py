@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from vlfast.extraction.decode.preprocess import (
+from vlfast.extraction.sources import Sample
+from vlfast.pixels.engine import (
     Preprocessor,
     SampleError,
     build_processor_config,
@@ -33,7 +34,6 @@ from vlfast.extraction.decode.preprocess import (
     sample_frame_indices,
     video_resize_shape,
 )
-from vlfast.extraction.sources import Sample
 
 pytest.importorskip("transformers")
 
@@ -109,7 +109,7 @@ def test_recorded_image_processor_is_the_class_built(tiny_qwen3_vl, monkeypatch)
 
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from vlfast.extraction.decode import preprocess
+    from vlfast.pixels import engine as preprocess
 
     calls = []
     real = Qwen2VLImageProcessorPil.from_pretrained.__func__
@@ -513,7 +513,7 @@ def test_sparse_decode_matches_a_full_decode(tmp_path, cfg, name, codec, options
     bit, whatever the codec, container, reordering or sampling (repeats included)."""
     import av
 
-    from vlfast.extraction.decode.video import _decode_at, _decode_sparse, _packet_pts
+    from vlfast.pixels.video import _decode_at, _decode_sparse, _packet_pts
 
     path = _encode(tmp_path / name, codec, **options)
     with av.open(str(path)) as container:
@@ -537,7 +537,7 @@ def test_sparse_decode_matches_a_full_decode(tmp_path, cfg, name, codec, options
 def test_sparse_decode_needs_unique_timestamps(tmp_path):
     import av
 
-    from vlfast.extraction.decode.video import _decode_sparse
+    from vlfast.pixels.video import _decode_sparse
 
     path = _encode(tmp_path / "clip.mp4", "libx264", frames=10)
     with av.open(str(path)) as container:
@@ -593,7 +593,7 @@ def test_truncated_video_reason(tmp_path, cfg, name, codec):
         assert {outcomes[f] for f in outcomes if f <= 0.9} == {"refused"}, outcomes
     assert outcomes[0.05] == "refused", outcomes
     frames, _ = read_video(str(whole), cfg)  # the whole file is fine
-    from vlfast.extraction.decode.truncation import container_truncation
+    from vlfast.pixels.truncation import container_truncation
 
     assert container_truncation(str(whole), len(data)) is None
 

@@ -45,7 +45,8 @@ def test_the_top_level_holds_the_capability_packages_and_little_else():
     root = Path(vlfast.__file__).parent
     modules = {p.stem for p in root.glob("*.py")}
     packages = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
-    assert packages == {"patching", "diagnosis", "extraction", "tokens", "cli", "models"}
+    top_packages = "patching diagnosis extraction tokens cli models pixels switches"
+    assert packages == set(top_packages.split())
     # errors: the refusals every capability raises, a leaf that imports nothing of ours; dtypes: the one
     # policy for --dtype that every command shares; demo: the offline checkpoint and media the demo commands,
     # tests and benchmarks use; _lazy: the lazy public names of the package faces; numerics: the process-wide
@@ -58,7 +59,7 @@ def test_the_top_level_holds_the_capability_packages_and_little_else():
 
 def test_the_autopatch_hook_imports_no_torch():
     """The .pth hook runs at every interpreter start: its import path must stay free."""
-    code = "import sys, vlfast.patching.autopatch; print('TORCH', 'torch' in sys.modules)"
+    code = "import sys, vlfast.switches.patch; print('TORCH', 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "TORCH False" in out.stdout, out.stdout

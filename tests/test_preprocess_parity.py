@@ -24,8 +24,8 @@ import torch
 
 import _transformers_reference as reference
 from vlfast.demo import make_video, pattern
-from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
 from vlfast.extraction.sources.sample import Sample
+from vlfast.pixels.engine import Preprocessor, build_processor_config
 
 # one xdist worker: the reference run (one interpreter, every case) is made once, not once a worker
 pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("parity")]
@@ -292,7 +292,7 @@ def test_images_equal_transformers(expected, files, checkpoints, image, backend)
     from checkpoints and ref: defaults, against the image processor class vlfast records, built by transformers
     the same way: the recorded backend (here the PIL one, which vlfast calls), and the torchvision one, whose
     operations vlfast does itself (also with the normalisation deferred to the model side, as extract does)."""
-    from vlfast.extraction.decode.video import normalize_video_patches
+    from vlfast.pixels.video import normalize_patches
 
     setups = [(m, f, m) for m, (f, _) in REF_IMAGES.items()]
     setups += [
@@ -315,13 +315,13 @@ def test_images_equal_transformers(expected, files, checkpoints, image, backend)
             _assert_equal(f"{key} {backend} PIL-decoded {image}", by_pil, list(grid), want)
             deferred, _, _ = replace(pre, defer_video_normalize=True)(sample)
             if deferred.dtype == torch.uint8:  # finished as the model side finishes every uint8 input
-                deferred = normalize_video_patches(deferred, cfg)
+                deferred = normalize_patches(deferred, cfg)
             _assert_equal(f"{key} {backend} deferred {image}", deferred, list(grid), want)
 
 
 def test_qwen2_video_sizing_is_per_frame():
     """The sizes the issue measured, without the reference: 1280x720 and 640x360 clips at 8 frames."""
-    from vlfast.extraction.decode.video import video_resize_shape
+    from vlfast.pixels.video import video_resize_shape
 
     cfg = build_processor_config("ref:qwen2-vl-7b", family="qwen2_vl", num_frames=8)
     assert cfg.video_sizing == "qwen2-vl" and cfg.max_video_tokens == 128_000
@@ -376,10 +376,10 @@ def test_transparency_follows_transformers_rule_and_is_recorded(tiny_qwen3_vl, t
     from typer.testing import CliRunner
 
     from vlfast.cli.main import app
-    from vlfast.extraction.decode import processor_config
-    from vlfast.extraction.decode.image import rgb_tensor
-    from vlfast.extraction.decode.processor_config import transparency_rule
     from vlfast.extraction.store.format import FACTS_FILE
+    from vlfast.pixels import settings as processor_config
+    from vlfast.pixels.image import rgb_tensor
+    from vlfast.pixels.settings import transparency_rule
 
     rule = transparency_rule()
     assert rule == ("white" if Version(transformers.__version__) >= Version("5.21") else "dropped")

@@ -37,7 +37,7 @@ r._import_torchvision()
 import numpy as np, torch
 from PIL import Image
 from transformers import AutoProcessor, Qwen2VLImageProcessor
-from vlfast.patching.record import record_calls
+from vlfast.switches.record import record_calls
 
 stock_runs = []
 real = Qwen2VLImageProcessor._preprocess
@@ -126,7 +126,7 @@ loader = torch.utils.data.DataLoader(Images(), batch_size=None, num_workers=2,
 out["worker_grids"] = [g.tolist() for g in loader]
 
 # A vlfast whose resize is off by one level: the proof at load time catches it, the processor stays stock
-import vlfast.extraction.decode.image as vimage
+import vlfast.pixels.image as vimage
 right = vimage.resize_frames
 vimage.resize_frames = lambda *a, **k: right(*a, **k).clamp(0, 254)
 broken = AutoProcessor.from_pretrained(CKPT)
@@ -244,7 +244,7 @@ def test_a_processor_vlfast_does_not_reproduce_is_left_alone_and_said(tiny_qwen3
     """Without torchvision transformers picks its PIL image processor, whose pixels are another resize's:
     the switch leaves it in place and says why (once), rather than change the pixels."""
     from _transformers_support import qwen3_vl_processor
-    from vlfast.extraction.preprocessing import swap_image_processor
+    from vlfast.switches.preprocess import swap_image_processor
 
     proc = qwen3_vl_processor(str(tiny_qwen3_vl))
     before = proc.image_processor
@@ -293,8 +293,8 @@ def test_a_switch_that_cannot_arm_leaves_transformers_importable():
     and one line says why."""
     code = (
         "import sys\n"
-        "sys.modules['vlfast.extraction.preprocessing'] = None  # import of it raises ImportError\n"
-        "import vlfast.patching.autopatch as a; a._arm_preprocess()\n"
+        "sys.modules['vlfast.switches.preprocess'] = None  # import of it raises ImportError\n"
+        "import vlfast.switches.patch as a; a._arm_preprocess()\n"
         "import transformers.processing_utils as pu\n"
         "print(getattr(pu.ProcessorMixin.from_pretrained.__func__, '_vlfast_switch', False))\n"
     )

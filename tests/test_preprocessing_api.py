@@ -17,7 +17,7 @@ from _transformers_support import qwen3_vl_processor
 from vlfast import VisionPreprocessor
 from vlfast.demo import make_video, pattern
 from vlfast.errors import InputRefused
-from vlfast.extraction.decode.media import SampleError
+from vlfast.pixels.media import SampleError
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_the_blocked_normalisation_equals_the_plain_one(monkeypatch, steps, repe
     row, a part block, a block and one), a channel-transposed (strided) input as the image path hands it, and
     a failing or absent madvise give the bits of the plain whole-tensor computation, transformers' order (the
     float image, rescale and normalise, then the temporal repeat)."""
-    import vlfast.extraction.decode.video as video
+    import vlfast.pixels.video as video
 
     do_rescale, do_normalize = steps
     mean, std, factor = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711), 1 / 255
@@ -189,7 +189,7 @@ def test_a_large_output_asks_for_huge_pages(monkeypatch):
     """An output of 4 MB or more is madvised (on Linux), 2 MB-aligned inside its own memory (and so is a
     normalised block of 4 MB or more before it is copied into the output); its values are those of the
     plain computation."""
-    import vlfast.extraction.decode.video as video
+    import vlfast.pixels.video as video
 
     if video._madvise is None:
         pytest.skip("no madvise on this platform")
@@ -217,14 +217,14 @@ def test_a_large_output_asks_for_huge_pages(monkeypatch):
 def test_deferred_patches_of_another_width_are_refused(tiny_qwen3_vl):
     """The model side takes the temporal repeat from the uint8 patches' width: P*P (an image, each patch once)
     or T*P*P (the frames there); any other width is a bug upstream, said, not normalised into wrong rows."""
-    from vlfast.extraction.decode.video import normalize_video_patches, temporal_repeat
+    from vlfast.pixels.video import normalize_patches, temporal_repeat
 
     cfg = VisionPreprocessor(str(tiny_qwen3_vl)).config
     p2, tp = cfg.patch_size**2, cfg.temporal_patch_size
     assert temporal_repeat(torch.zeros(4, 3, p2, dtype=torch.uint8), cfg) == tp
     assert temporal_repeat(torch.zeros(4, 3, tp * p2, dtype=torch.uint8), cfg) == 1
     with pytest.raises(ValueError, match=f"expected {tp * p2} or {p2}"):
-        normalize_video_patches(torch.zeros(4, 3, p2 + 1, dtype=torch.uint8), cfg)
+        normalize_patches(torch.zeros(4, 3, p2 + 1, dtype=torch.uint8), cfg)
 
 
 def test_the_processor_s_image_processor_swapped(tiny_qwen3_vl, media):

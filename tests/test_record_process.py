@@ -21,8 +21,9 @@ from torch import nn
 
 import vlfast
 from vlfast.models import build_reference, synthetic_inputs
-from vlfast.patching import gemm, record
+from vlfast.patching import gemm
 from vlfast.patching.gemm import is_patched, patch
+from vlfast.switches import record
 
 K = (2, 4, 4)
 
@@ -277,16 +278,17 @@ def test_an_image_only_record_reads_vlfast_patch_as_the_switch_does(monkeypatch,
     """With image processor calls and no patched conv, the record says only the image line unless the patch
     was asked for (then "no patched convolution" is the news). A value the switch ignores (a typo: nothing
     was patched) is not "asked"."""
-    from vlfast.patching import autopatch
+    from vlfast.pixels import adapter
+    from vlfast.switches import env
 
     if patch_env is None:
         monkeypatch.delenv("VLFAST_PATCH", raising=False)
     else:
         monkeypatch.setenv("VLFAST_PATCH", patch_env)
-    monkeypatch.setattr(autopatch, "_warned", True)  # the typo was said at start-up, not here
+    monkeypatch.setattr(env, "_warned", True)  # the typo was said at start-up, not here
     with record.record_calls() as rec:
-        record.count_image_processor_call()
-        record.count_image_processor_call("max_pixels=16384 in a call")
+        adapter.count_image_processor_call()
+        adapter.count_image_processor_call("max_pixels=16384 in a call")
     text = str(rec)
     assert "image processor: 2 calls: 1 by vlfast, 1 stock; 1 stock (max_pixels=16384 in a call)" in text
     assert ("no patched convolution" not in text) is head_only, text

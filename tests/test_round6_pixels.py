@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _transformers_reference as reference  # noqa: E402
 from vlfast import VisionPreprocessor  # noqa: E402
 from vlfast.errors import InputRefused  # noqa: E402
-from vlfast.extraction.decode.media import SampleError  # noqa: E402
+from vlfast.pixels.media import SampleError  # noqa: E402
 
 # Qwen3-VL's budgets (the demo checkpoint's files) and Qwen2.5-VL's minimum (3,136 pixels) with its maximum
 QWEN3 = {}
@@ -102,8 +102,8 @@ def test_the_embedding_recipe_keeps_qwen_vl_utils_rule():
     recipe's rule: vlfast's with thin="qwen-vl-utils" equals it, and the recipe names that rule."""
     import importlib.util
 
-    from vlfast.extraction.decode.embedding import RECIPE_PIXELS
-    from vlfast.extraction.decode.video import smart_resize
+    from vlfast.pixels.recipe import RECIPE_PIXELS
+    from vlfast.pixels.video import smart_resize
 
     assert RECIPE_PIXELS["thin_images"] == "qwen-vl-utils"
     spec = importlib.util.find_spec("qwen_vl_utils")
@@ -122,8 +122,8 @@ def test_the_embedding_recipe_keeps_qwen_vl_utils_rule():
 def test_run_json_records_the_thin_image_rule(tiny_qwen3_vl):
     """A checkpoint's OUT records thin_images "processor"; an OUT made with qwen-vl-utils' rule records it
     and resumes with it."""
-    from vlfast.extraction.decode.preprocess import build_processor_config
     from vlfast.extraction.plan import recorded_setting
+    from vlfast.pixels.engine import build_processor_config
 
     cfg = build_processor_config(str(tiny_qwen3_vl), family="qwen3_vl")
     assert cfg.thin_images == "processor"
@@ -143,8 +143,8 @@ def test_the_embedding_recipe_records_its_rule(tiny_qwen3_vl, tmp_path):
     where transformers' PIL processor runs them, by that processor's; run.json says which."""
     import shutil
 
-    from vlfast.extraction.decode.preprocess import build_processor_config
-    from vlfast.extraction.decode.video import smart_resize
+    from vlfast.pixels.engine import build_processor_config
+    from vlfast.pixels.video import smart_resize
 
     emb = tmp_path / "emb"
     shutil.copytree(tiny_qwen3_vl, emb)
@@ -266,7 +266,7 @@ from PIL import Image
 from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import AutoProcessor
 from transformers.processing_utils import ProcessorMixin
-from vlfast.patching.record import record_calls
+from vlfast.switches.record import record_calls
 import test_round6_pixels as t
 
 stock_from_pretrained = ProcessorMixin.__dict__["from_pretrained"].__func__.__wrapped__
@@ -334,7 +334,7 @@ for name, (path, kwargs) in loads.items():
 
 # A vlfast that sized thin images by qwen-vl-utils' rule (the commit before this test): the proof at load
 # time catches it on its thin probe, and the processor stays stock
-import vlfast.extraction.decode.image as vimage
+import vlfast.pixels.image as vimage
 right = vimage.smart_resize
 vimage.smart_resize = lambda h, w, f, lo, hi, thin=None: right(h, w, f, lo, hi, "qwen-vl-utils")
 out["other_rule_class"] = type(AutoProcessor.from_pretrained(CKPT).image_processor).__name__

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from vlfast.demo import make_video
-from vlfast.extraction.decode.media import SampleError
-from vlfast.extraction.decode.preprocess import build_processor_config
-from vlfast.extraction.decode.video import read_video
+from vlfast.pixels.engine import build_processor_config
+from vlfast.pixels.media import SampleError
+from vlfast.pixels.video import read_video
 
 # PyAV's set_display_rotation(degrees) -> np.rot90's k that torchcodec's frames equal (frame.rotation reads
 # back 90, -180 and -90 for 90, 180 and 270)
@@ -55,7 +55,7 @@ def test_frames_are_turned_as_torchcodec_turns_them(clips, degrees):
 
 def test_every_decode_path_turns_alike(clips, monkeypatch):
     """The sparse decode (seeking past GOPs) and the sequential one give the same turned frames."""
-    from vlfast.extraction.decode import video
+    from vlfast.pixels import video
 
     cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
     sparse, _ = read_video(str(clips["seeking"]), cfg)

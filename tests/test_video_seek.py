@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vlfast.extraction.decode import video
+from vlfast.pixels import video
 
 av = pytest.importorskip("av")
 
@@ -21,7 +21,7 @@ av = pytest.importorskip("av")
 @pytest.fixture(scope="module")
 def cfg():
     pytest.importorskip("transformers")
-    from vlfast.extraction.decode.preprocess import build_processor_config
+    from vlfast.pixels.engine import build_processor_config
 
     return build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
 

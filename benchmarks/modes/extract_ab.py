@@ -48,9 +48,9 @@ def naive_child(images: Path, model: str) -> None:
     import torch
     from PIL import Image
 
-    from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
     from vlfast.models import build_reference, tower_outputs
     from vlfast.patching.gemm import patch
+    from vlfast.pixels.engine import Preprocessor, build_processor_config
 
     tower = build_reference(model)
     patch(tower)

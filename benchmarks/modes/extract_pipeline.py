@@ -170,12 +170,12 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
     from vlfast.demo import make_images
     from vlfast.extraction import FeatureCache
     from vlfast.extraction.api import extract
-    from vlfast.extraction.decode.preprocess import Preprocessor, build_processor_config
     from vlfast.extraction.engines.base import Hooks
     from vlfast.extraction.engines.local import LocalEngine
     from vlfast.extraction.model.features import deepstack_skipped
     from vlfast.models import build_reference, tower_outputs
     from vlfast.patching.gemm import patch
+    from vlfast.pixels.engine import Preprocessor, build_processor_config
 
     paths = make_images(work / "images", [(640, 480)] * n_images)
     tower = build_reference(model)  # the pipeline builds the same weights (seed 0)
@@ -250,7 +250,7 @@ def _processor_steps(video: torch.Tensor, cfg) -> tuple[torch.Tensor, tuple[int,
     transformers' own patchify (called directly: the class cannot be built without torchvision)."""
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    from vlfast.extraction.decode.preprocess import video_resize_shape
+    from vlfast.pixels.engine import video_resize_shape
 
     h, w = video_resize_shape(video.shape[0], video.shape[-2], video.shape[-1], cfg)
     video = torch.nn.functional.interpolate(video, size=(h, w), mode="bicubic", antialias=True)
@@ -267,8 +267,8 @@ def _naive_videos(paths: list, cfg, tower) -> dict[str, dict[str, torch.Tensor]]
     """The loop the report's author wrote: transformers' read_video_pyav, the processor's steps, the tower."""
     from transformers.video_utils import read_video_pyav
 
-    from vlfast.extraction.decode.preprocess import sample_frame_indices
     from vlfast.models import tower_outputs
+    from vlfast.pixels.engine import sample_frame_indices
 
     out = {}
     for p in paths:
@@ -316,9 +316,9 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
     from vlfast.demo import make_tiny_qwen3_vl, make_video
     from vlfast.extraction import FeatureCache
     from vlfast.extraction.api import extract
-    from vlfast.extraction.decode.preprocess import build_processor_config
     from vlfast.models import load_vision_tower
     from vlfast.patching.gemm import patch
+    from vlfast.pixels.engine import build_processor_config
 
     ckpt = make_tiny_qwen3_vl(work / "tiny")
     paths = [

@@ -20,7 +20,7 @@ _EXPORTS = {
     "unpatch": "vlfast.patching.gemm",
     "is_patched": "vlfast.patching.gemm",
     "PatchReport": "vlfast.patching.gemm",
-    "record_calls": "vlfast.patching.record",
+    "record_calls": "vlfast.switches.record",
     "patch_transformers": "vlfast.patching.integrations",
     "unpatch_transformers": "vlfast.patching.integrations",
     "discover_families": "vlfast.patching.integrations",
@@ -32,7 +32,7 @@ _EXPORTS = {
     "profile": "vlfast.diagnosis.profiler",
     "extract": "vlfast.extraction",
     "FeatureCache": "vlfast.extraction",
-    "VisionPreprocessor": "vlfast.extraction.preprocessing",
+    "VisionPreprocessor": "vlfast.pixels.preprocessor",
     "audit_tokens": "vlfast.tokens",
     # what vlfast refuses on purpose (exit 2 in the CLI); anything else that escapes is a bug
     "VlfastError": "vlfast.errors",

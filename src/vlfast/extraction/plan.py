@@ -18,8 +18,6 @@ import numpy as np
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.config import ExtractConfig, ExtractSummary
-from vlfast.extraction.decode.preprocess import ProcessorConfig, build_processor_config
-from vlfast.extraction.decode.processor_config import with_video_wrapper
 from vlfast.extraction.model.spec import FeatureSpec
 from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.listing import load_inputs
@@ -28,6 +26,8 @@ from vlfast.extraction.sources.table import SampleTable
 from vlfast.extraction.store.facts import ModelFacts
 from vlfast.extraction.store.out import Out
 from vlfast.models.ref import ModelRef, family_of
+from vlfast.pixels.engine import ProcessorConfig, build_processor_config
+from vlfast.pixels.settings import IMAGE_BACKENDS, with_video_wrapper
 
 __all__ = ["RUNTIME_KEY", "RunPlan", "check_retry_kinds", "make_plan", "problem_record"]
 
@@ -465,10 +465,6 @@ def as_recorded(recorded: dict[str, Any] | None, run_config: dict[str, Any]) -> 
     return adopted
 
 
-# --image-backend: the transformers class whose pixels images get
-IMAGE_BACKENDS = {"torchvision": "Qwen2VLImageProcessor", "pil": "Qwen2VLImageProcessorPil"}
-
-
 def recorded_setting(recorded: dict[str, Any] | None, name: str) -> Any:
     """The processor setting ``name`` OUT was made with (``image_processor``, ``image_reading``,
     ``video_rotation``, ``thin_images``, ``exif_orientation``...), which a resume keeps; None for a new OUT,
@@ -480,7 +476,7 @@ def recorded_setting(recorded: dict[str, Any] | None, name: str) -> Any:
 def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:
     """Whether images are turned upright by their EXIF tag: as asked (``--exif-orientation`` or
     ``--no-exif-orientation``); unasked, as OUT was made, so the same command resumes it; None for a new OUT,
-    where the model's preprocessing decides (:func:`~vlfast.extraction.decode.preprocess.build_processor_config`)."""
+    where the model's preprocessing decides (:func:`~vlfast.pixels.engine.build_processor_config`)."""
     return asked if asked is not None else recorded_setting(recorded, "exif_orientation")
 
 

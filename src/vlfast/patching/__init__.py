@@ -2,10 +2,9 @@
 
 - ``gemm``: the exact GEMM for stride == kernel convolutions (``patch``, ``unpatch``, eligibility).
 - ``integrations``: ``patch_transformers()``, which patches every transformers model as it is built.
-- ``autopatch``: the ``VLFAST_PATCH`` switch, run at interpreter start-up by vlfast's ``.pth`` file.
-- ``record``: what ran, per patched conv: GEMM or stock and why (``record_calls``, ``VLFAST_RECORD``).
 
-Importing this package is free (no torch): the start-up hook imports ``autopatch`` through it.
+The switches that carry it into users' processes (``VLFAST_PATCH``, ``VLFAST_RECORD``, ``vlfast run``) are
+:mod:`vlfast.switches`, above this package. Importing this package is free (no torch).
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ _EXPORTS = {
     "GemmConvForward": "gemm",
     "PatchReport": "gemm",
     "ConvEntry": "gemm",
-    "record_calls": "record",
-    "CallRecord": "record",
     "patch_transformers": "integrations",
     "unpatch_transformers": "integrations",
     "discover_families": "integrations",

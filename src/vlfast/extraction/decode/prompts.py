@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vlfast.errors import InputRefused
-from vlfast.extraction.decode.media import SampleError
+from vlfast.pixels.media import SampleError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch  # made where a sample is decoded: the plan needs none of it
@@ -42,7 +42,7 @@ class PromptBuilder:
     (one pad token per merged vision token; Qwen3-VL videos get ``<t seconds>`` per temporal patch) and
     ``Qwen2VLProcessor``'s plain repetition for Qwen2/2.5-VL. Runs in the DataLoader workers.
     ``video_wrapper``: what becomes of the chat template's ``<|vision_start|>...<|vision_end|>`` around a
-    Qwen3-VL video (:data:`~vlfast.extraction.decode.processor_config.VIDEO_WRAPPERS`), the rule of the
+    Qwen3-VL video (:data:`~vlfast.pixels.settings.VIDEO_WRAPPERS`), the rule of the
     transformers the run was planned with (``ProcessorConfig.video_wrapper``), not of the one a worker has.
     """
 

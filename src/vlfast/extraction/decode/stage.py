@@ -19,14 +19,14 @@ import torch
 
 from vlfast.extraction.decode.embedding import EmbeddingPrompt
 from vlfast.extraction.decode.inputs import input_record
-from vlfast.extraction.decode.preprocess import Preprocessor, ProcessorConfig, SampleError
-from vlfast.extraction.decode.processor_config import TORCHVISION_IMAGE_PROCESSORS
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.workers import unexpected_item
 from vlfast.extraction.objstore import TransientReadError
 from vlfast.extraction.sources.identity import texts_used
 from vlfast.extraction.sources.sample import Sample
 from vlfast.extraction.sources.table import SampleTable
+from vlfast.pixels.engine import Preprocessor, ProcessorConfig, SampleError
+from vlfast.pixels.settings import TORCHVISION_IMAGE_PROCESSORS
 
 __all__ = ["DecodedSample", "SampleDataset", "is_failure", "prepare_decoding", "worker_init"]
 

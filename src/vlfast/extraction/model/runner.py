@@ -21,11 +21,9 @@ from typing import Any
 
 import torch
 
-from vlfast.extraction.decode.embedding import EmbeddingPrompt, is_embedding_checkpoint
-from vlfast.extraction.decode.preprocess import ProcessorConfig, normalize_video_patches
+from vlfast.extraction.decode.embedding import EmbeddingPrompt
 from vlfast.extraction.decode.prompts import PromptBuilder
 from vlfast.extraction.decode.stage import DecodedSample
-from vlfast.extraction.decode.video import empty_pixels, pixel_width
 from vlfast.extraction.model.batching import Failed, TokenBudget, pack, pack_padded, run_split_on_oom
 from vlfast.extraction.model.features import (
     FeatureSpec,
@@ -35,6 +33,9 @@ from vlfast.extraction.model.features import (
     compute_vision_features,
     find_decoder,
 )
+from vlfast.pixels.finish import finish_pixels
+from vlfast.pixels.recipe import is_embedding_checkpoint
+from vlfast.pixels.settings import ProcessorConfig
 
 __all__ = ["Forward", "LoadedModel", "batches", "load", "runs_alone"]
 
@@ -89,12 +90,10 @@ def batches(
 
 
 def pixels_to(x: torch.Tensor, device: torch.device, cfg: ProcessorConfig) -> torch.Tensor:
-    """A sample's pixel_values as float32 (N, C*T*P*P) on ``device``. To CUDA the copy starts from pinned
-    memory, so ``non_blocking`` really overlaps it (from pageable memory it would be synchronous).
+    """A sample's pixel_values as float32 (N, C*T*P*P) on ``device``, copied from pinned memory to CUDA.
     Video patches arrive as uint8 and are normalised after the copy, on the device: a quarter of the bytes
-    cross the bus."""
-    x = _moved(x, device)
-    return normalize_video_patches(x, cfg) if x.dtype == torch.uint8 else x
+    cross the bus (:func:`~vlfast.pixels.finish.finish_pixels`)."""
+    return finish_pixels([x], cfg, device=device)
 
 
 def batch_pixels(
@@ -102,29 +101,9 @@ def batch_pixels(
 ) -> torch.Tensor:
     """Samples' pixel_values as the tower's one (sum of N, C*T*P*P) tensor of ``dtype`` on ``device``: what
     ``torch.cat`` of each one's :func:`pixels_to`, then ``.to(dtype)``, gives, bit for bit, without either
-    copy: uint8 patches are normalised (after crossing to the device) straight into their rows, float32 ones
-    copied there (rounded to ``dtype`` as ``.to`` rounds). On the CPU, where each sample runs alone, the
+    copy (:func:`~vlfast.pixels.finish.finish_pixels`). On the CPU, where each sample runs alone, the
     concatenation had copied every image's float32 pixels once more (7.4 MB at 640x480, into fresh pages)."""
-    moved = [_moved(x, device) for x in xs]
-    widths = {pixel_width(x, cfg) if x.dtype == torch.uint8 else x.shape[1] for x in moved}
-    if len(widths) != 1:
-        raise ValueError(f"pixel_values of different widths in one batch: {sorted(widths)}")
-    out = empty_pixels((sum(int(x.shape[0]) for x in moved), widths.pop()), dtype, device)
-    row = 0
-    for x in moved:
-        rows = out[row : row + x.shape[0]]
-        if x.dtype == torch.uint8:
-            normalize_video_patches(x, cfg, out=rows)
-        else:
-            rows.copy_(x)
-        row += x.shape[0]
-    return out
-
-
-def _moved(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda" and not x.is_pinned():
-        x = x.pin_memory()
-    return x.to(device, non_blocking=True)
+    return finish_pixels(xs, cfg, device=device, dtype=dtype)
 
 
 def runs_alone(device: torch.device) -> bool:

@@ -39,11 +39,13 @@ from vlfast.extraction.objstore import (
     encode_options,
     error_reason,
     filesystem,
+    is_transient,
     is_url,
     masked,
     named_call,
     probe,
     retrying,
+    transient_error,
 )
 from vlfast.extraction.sources.folder import is_media_name
 from vlfast.extraction.sources.kept import KeptListings, remote_manifest_identity
@@ -61,6 +63,7 @@ from vlfast.extraction.sources.sample import (
 )
 from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
 from vlfast.extraction.sources.webdataset import is_shard_input, load_shards
+from vlfast.pixels.media import SampleError
 
 __all__ = ["RemoteFile", "attach", "load_url", "with_remote"]
 
@@ -98,6 +101,24 @@ class RemoteFile:
         """The whole object (an image); TransientReadError when the store keeps failing transiently."""
         fs, path = filesystem(self.url, self.options_json)
         return named_call(fs, lambda: fs.cat_file(path), self.url, self.options_json)
+
+    @property
+    def at_url(self) -> bool:
+        return True
+
+    def checked_size(self) -> int:
+        """Bytes of the object; SampleError where it is missing, unreadable or empty."""
+        try:
+            size = self.size()
+        except OSError as e:  # the message names the URL, never the storage options
+            raise SampleError(str(e)) from None
+        if size == 0:
+            raise SampleError(f"empty file (0 bytes): {self}")
+        return size
+
+    def read_failure(self, e: BaseException) -> Exception | None:
+        """The store's TransientReadError where ``e`` is its transient failure mid-read."""
+        return transient_error(str(self), e) if is_transient(e) else None
 
     def _reason(self, e: BaseException) -> str:
         return masked(error_reason(e), self.options_json)

@@ -45,11 +45,13 @@ from vlfast.extraction.objstore import (
     bucket_root,
     encode_options,
     filesystem,
+    is_transient,
     is_url,
     open_range,
     probe,
     read_range,
     refusal,
+    transient_error,
 )
 from vlfast.extraction.sources.kept import (
     KeptListings,
@@ -69,6 +71,7 @@ from vlfast.extraction.sources.sample import (
     unreadable_json,
 )
 from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
+from vlfast.pixels.media import SampleError, checked_file
 
 __all__ = ["MAX_SHARDS", "TarMember", "expand_braces", "is_shard_input", "list_shards", "load_shards"]
 
@@ -271,6 +274,26 @@ class TarMember:
             return read_range(self.shard, self.options_json, self.offset, self.size, str(self))
         with self.open() as f:
             return f.read()
+
+    def checked_size(self) -> int:
+        """Its size in bytes; SampleError where it is empty or its shard is gone or cut since it was listed."""
+        if self.at_url:  # no request here: a ranged read past the object's end says "truncated shard" itself
+            if self.size == 0:
+                raise SampleError(f"empty file (0 bytes): {self}")
+            return self.size
+        shard_size = checked_file(self.shard).st_size
+        if self.size == 0:
+            raise SampleError(f"empty file (0 bytes): {self}")
+        if shard_size < self.offset + self.size:  # cut since it was listed
+            raise SampleError(
+                f"truncated shard: {self.shard} ends at byte {shard_size:,}, inside member {self.name!r} "
+                f"(bytes {self.offset:,} to {self.offset + self.size:,})"
+            )
+        return self.size
+
+    def read_failure(self, e: BaseException) -> Exception | None:
+        """The store's TransientReadError where ``e`` is its transient failure mid-read (a shard at a URL)."""
+        return transient_error(str(self), e) if self.at_url and is_transient(e) else None
 
 
 # ----------------------------------------------------------------------------------------- one shard

@@ -28,7 +28,8 @@ Calls inside a ``torch.compile``'d graph are not counted (the graph's path was f
 ``vlfast.verify`` and the graph itself are the proof there); the record says how many convs had no call.
 
 This module imports neither torch nor transformers: vlfast's ``.pth`` file arms the variable at
-interpreter start-up, and the counters start when the patch's module is first imported.
+interpreter start-up, and the counters start when the patch's module is first imported. The image processor's
+calls are counted where vlfast answers them (:mod:`vlfast.pixels.adapter`), read here.
 """
 
 from __future__ import annotations
@@ -45,17 +46,14 @@ from typing import Any
 
 __all__ = ["ENV_VAR", "CallRecord", "ConvCalls", "install_from_env", "record_calls"]
 
-ENV_VAR = "VLFAST_RECORD"
-_OFF = ("", "0", "false", "no", "off")
+from vlfast.switches.env import RECORD_VAR, env_setting, record_setting
+
+ENV_VAR = RECORD_VAR
 _lock = threading.Lock()
 env_armed = False  # VLFAST_RECORD asked for counting from start-up to exit
 _env_target = "1"  # where it reports: "1" (stderr) or a file's path
-
-
-# Image processor calls answered by vlfast (VLFAST_PREPROCESS, VisionPreprocessor.as_image_processor) and those
-# passed to transformers' own code, by reason: this process's, a forked child starting from zero
-_image_calls: dict[str, Any] = {"pid": os.getpid(), "vlfast": 0, "stock": {}}
 _finalizer_pid: int | None = None
+_ADAPTER = "vlfast.pixels.adapter"  # where image processor calls are counted (read only once it is loaded)
 
 _NAMES_SHOWN = 8  # eligible convs not patched named in the text (all in to_dict)
 _BYPASSED = "vlfast's GEMM not reached, calls not counted"  # gemm.BYPASSED, without importing torch here
@@ -106,34 +104,25 @@ def _rank() -> tuple[int | None, int | None]:
     return None, None
 
 
-def count_image_processor_call(stock_reason: str | None = None) -> None:
-    """One call of an image processor vlfast adapted: answered by vlfast (``stock_reason`` None) or passed to
-    transformers' own code, and why."""
+def _in_worker() -> None:
+    """At an image processor call under ``VLFAST_RECORD``: a multiprocessing child (a DataLoader worker) ends
+    in os._exit, past atexit: its finalizers are what runs at a clean exit, so the report is one of them."""
     global _finalizer_pid
+    pid = os.getpid()
     with _lock:
-        pid = os.getpid()
-        if _image_calls["pid"] != pid:  # a forked worker: its own calls only
-            _image_calls.update(pid=pid, vlfast=0, stock={})
-        if stock_reason is None:
-            _image_calls["vlfast"] += 1
-        else:
-            _image_calls["stock"][stock_reason] = _image_calls["stock"].get(stock_reason, 0) + 1
-        if env_armed and _finalizer_pid != pid:
-            _finalizer_pid = pid
-            mp = sys.modules.get("multiprocessing")
-            if mp is not None and mp.parent_process() is not None:
-                # A multiprocessing child (a DataLoader worker) ends in os._exit, past atexit: its
-                # finalizers are what runs at a clean exit
-                from multiprocessing import util
+        if not env_armed or _finalizer_pid == pid:
+            return
+        _finalizer_pid = pid
+    mp = sys.modules.get("multiprocessing")
+    if mp is not None and mp.parent_process() is not None:
+        from multiprocessing import util
 
-                util.Finalize(None, _at_exit, args=(_env_target,), exitpriority=0)
+        util.Finalize(None, _at_exit, args=(_env_target,), exitpriority=0)
 
 
 def _image_counts() -> tuple[int, dict[str, int]]:
-    with _lock:
-        if _image_calls["pid"] != os.getpid():
-            return 0, {}
-        return _image_calls["vlfast"], dict(_image_calls["stock"])
+    adapter = sys.modules.get(_ADAPTER)  # never loaded: no image processor call was answered nor passed on
+    return (0, {}) if adapter is None else adapter.image_processor_calls()
 
 
 def _counts() -> dict[int, tuple[Any, int, dict[str, int], int]]:
@@ -271,8 +260,6 @@ class CallRecord:
                 names += f" and {k - _NAMES_SHOWN} more"
             tail.append(f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} {ran}")
         images = _image_line(*self.image_processor_calls())
-        from vlfast.patching.autopatch import env_setting  # the .pth's own reading (a typo is not asked)
-
         patch_asked = env_setting() is not None
         if images and not convs and not patch_asked:  # VLFAST_PREPROCESS alone: no conv to speak of
             return "\n".join([f"vlfast record ({who}, pid {d['pid']}): {images}", *tail])
@@ -330,11 +317,6 @@ def record_calls() -> CallRecord:
 
 
 # --------------------------------------------------------------------------- VLFAST_RECORD, at exit
-
-
-def env_setting(environ: dict | None = None) -> str | None:
-    raw = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
-    return None if raw.lower() in _OFF else raw
 
 
 def _at_exit(target: str) -> None:
@@ -397,10 +379,13 @@ def _append(target: str, line: str) -> None:
 def install_from_env() -> bool:
     """Arm ``VLFAST_RECORD``: count from the patch's first import, report at exit. Safe to call twice."""
     global env_armed, _env_target
-    target = env_setting()
+    target = record_setting()
     if target is None or env_armed:
         return target is not None
     env_armed = True
+    import importlib
+
+    importlib.import_module(_ADAPTER).on_call.append(_in_worker)  # no torch: the counter and its listeners
     if _is_path(target):
         try:
             what = _not_a_file(os.stat(target).st_mode)  # stat never opens: a FIFO cannot block it

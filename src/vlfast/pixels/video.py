@@ -1,5 +1,5 @@
 """Videos: the sampled frames decoded with PyAV, then resized, normalised and patchified by the rules of
-the model's video processor (see :mod:`~vlfast.extraction.decode.preprocess` for the rules and their proof)."""
+the model's video processor (see :mod:`~vlfast.pixels.engine` for the rules and their proof)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, Media, SampleError, at_url, checked_media
-from vlfast.extraction.decode.processor_config import VIDEO_RESAMPLES, ProcessorConfig
-from vlfast.extraction.decode.truncation import container_truncation
-from vlfast.extraction.objstore import is_transient, transient_error
+from vlfast.pixels.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media, read_failure
+from vlfast.pixels.settings import VIDEO_RESAMPLES, ProcessorConfig
+from vlfast.pixels.truncation import container_truncation
 
 __all__ = [
     "empty_pixels",
-    "normalize_video_patches",
+    "normalize_patches",
     "patchify_video",
     "pixel_width",
     "fused_mean_std",
@@ -82,7 +81,7 @@ def smart_resize(
     height: int, width: int, factor: int, lo: float, hi: float, thin: str = "qwen-vl-utils"
 ) -> tuple[int, int]:
     """The ``smart_resize`` of one image or frame by ``thin``'s reference
-    (:data:`~vlfast.extraction.decode.processor_config.THIN_IMAGES`): "processor", transformers' Qwen2-VL image
+    (:data:`~vlfast.pixels.settings.THIN_IMAGES`): "processor", transformers' Qwen2-VL image
     and video processors' (a side rounded to 0 patches, then the image scaled up to the minimum budget);
     "qwen-vl-utils", qwen-vl-utils' (that side first raised to one merged patch). They differ only where a
     side is at most half of ``factor`` (rounded to 0 patches)."""
@@ -293,22 +292,23 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
-def normalize_video_patches(
-    patches: torch.Tensor, cfg: ProcessorConfig, out: torch.Tensor | None = None
+def normalize_patches(
+    patches: torch.Tensor, cfg: ProcessorConfig, out: torch.Tensor | None = None, *, images: bool = False
 ) -> torch.Tensor:
-    """uint8 patches (N, C, T*P*P) -> float32 pixel_values (N, C*T*P*P) by the video processor's settings; an
-    image's deferred patches, (N, C, P*P) (where images and videos normalise alike), get the temporal repeat.
-    ``out``: written into instead, as :func:`rescale_normalize` says."""
-    return rescale_normalize(
-        patches,
-        cfg.video_mean,
-        cfg.video_std,
-        cfg.video_rescale_factor,
-        cfg.video_do_rescale,
-        cfg.video_do_normalize,
-        repeat=temporal_repeat(patches, cfg),
-        out=out,
-    )
+    """uint8 patches (N, C, T*P*P), or an image's (N, C, P*P) each held once (given the temporal repeat) ->
+    float32 pixel_values (N, C*T*P*P) by the video processor's rescale and normalisation, or with ``images``
+    the image processor's. ``out``: written into instead, as :func:`rescale_normalize` says."""
+    if images:
+        settings = (cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale, cfg.do_normalize)
+    else:
+        settings = (
+            cfg.video_mean,
+            cfg.video_std,
+            cfg.video_rescale_factor,
+            cfg.video_do_rescale,
+            cfg.video_do_normalize,
+        )
+    return rescale_normalize(patches, *settings, repeat=temporal_repeat(patches, cfg), out=out)
 
 
 def pixel_width(patches: torch.Tensor, cfg: ProcessorConfig) -> int:
@@ -347,7 +347,7 @@ def patchify_video(
     cheaper order with bit-identical results: frames may be channels-last (as decoded; the uint8 resize
     kernel is fastest on that layout), and the patch permutation is done on uint8 before normalising,
     which is elementwise per channel and so commutes with it. With ``normalize=False`` the uint8 patches
-    (N, C, T*P*P) are returned for :func:`normalize_video_patches` to finish later (4x fewer bytes to
+    (N, C, T*P*P) are returned for :func:`normalize_patches` to finish later (4x fewer bytes to
     move between processes and to the device).
     """
     n = frames.shape[0]
@@ -384,7 +384,7 @@ def patchify_video(
         patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, 3, tp * p * p)
     if not normalize:
         return patches, (gt, gh, gw)
-    return normalize_video_patches(patches, cfg), (gt, gh, gw)
+    return normalize_patches(patches, cfg), (gt, gh, gw)
 
 
 def _video_failure(path: Media, size: int, reason: str, *, cut: bool = False) -> SampleError:
@@ -486,8 +486,9 @@ def read_video(path: Media, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[st
     except SampleError as e:
         raise _video_failure(path, size, str(e)) from None
     except (av.error.FFmpegError, *_DECODE_ERRORS) as e:
-        if at_url(path) and is_transient(e):  # the store failed mid-stream, not the video
-            raise transient_error(str(path), e) from e
+        failure = read_failure(path, e)
+        if failure is not None:  # the store failed mid-stream, not the video
+            raise failure from e
         if step is None and not isinstance(e, EOFError):  # not a container FFmpeg can open
             raise _video_failure(path, size, f"unreadable or corrupt video: {e}") from None
         raise _video_failure(path, size, f"{step or 'opening it'} failed: {e}", cut=True) from None
@@ -495,6 +496,33 @@ def read_video(path: Media, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[st
         raise _video_failure(path, size, f"no decodable frames in {path}")
     video = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2)  # (T, 3, H, W), channels-last strides
     return video, {"video_fps": video_fps, "total_frames": total, "frame_indices": indices.tolist()}
+
+
+def _collect(
+    frames,
+    seek: list[int | None],
+    rank: dict[int, int],
+    wanted: set[int],
+    got: dict[int, np.ndarray],
+    turn: bool,
+) -> bool:
+    """The wanted frames among ``frames`` into ``got`` (by index). ``seek``, after a seek: the keyframe's pts
+    and the first frame's (None where an edit list cuts it), cleared at the first frame shown from the
+    keyframe on. False where the decode cannot be trusted (the caller then decodes sequentially)."""
+    for frame in frames:
+        low, expect = seek
+        if low is not None:  # the first frames after a seek
+            if frame.pts is None:
+                return False
+            if frame.pts < low:
+                continue  # a leading picture of the keyframe sought to, predicted from before it
+            if expect is not None and frame.pts != expect:
+                return False
+            seek[:] = [None, None]
+        k = rank.get(frame.pts)
+        if k in wanted and k not in got:
+            got[k] = _rgb(frame, turn)
+    return True
 
 
 def _decode_sparse(
@@ -534,7 +562,10 @@ def _decode_sparse(
     ctx = stream.codec_context
     demux = container.demux(stream)
     pos = 0  # decode-order position of the next packet
-    low = expect = None  # after a seek: the keyframe's pts, and the first frame's unless an edit list cuts it
+    seek: list[int | None] = [
+        None,
+        None,
+    ]  # after a seek: the keyframe's pts, and the first frame's (_collect)
     try:
         while len(got) < len(wanted):
             packet = next(demux, None)
@@ -554,26 +585,15 @@ def _decode_sparse(
                     if landed is None:
                         return None
                     demux, packet, pos = landed
-                    low = pts[pos]
-                    expect = None if packets.discard[pos] else low
+                    seek[:] = [pts[pos], None if packets.discard[pos] else pts[pos]]
                 if pos >= len(pts) or packet.pts != pts[pos]:
                     return None  # the demuxer and the index disagree
                 keep = rank.get(packet.pts) in wanted or packets.key[pos]
                 ctx.skip_frame = "DEFAULT" if keep else "NONREF"
                 frames = ctx.decode(packet)
                 pos += 1
-            for frame in frames:
-                if low is not None:  # the first frames after a seek
-                    if frame.pts is None:
-                        return None
-                    if frame.pts < low:
-                        continue  # a leading picture of the keyframe sought to, predicted from before it
-                    if expect is not None and frame.pts != expect:
-                        return None
-                    low = expect = None
-                k = rank.get(frame.pts)
-                if k in wanted and k not in got:
-                    got[k] = _rgb(frame, turn)
+            if not _collect(frames, seek, rank, wanted, got, turn):
+                return None
     finally:
         ctx.skip_frame = "DEFAULT"
     if len(got) < len(wanted):

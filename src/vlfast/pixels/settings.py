@@ -1,6 +1,7 @@
-"""``ProcessorConfig``: every number preprocessing uses, as data. Its own module, below both
-:mod:`~vlfast.extraction.decode.preprocess` (which builds it from a checkpoint or a family's defaults) and
-:mod:`~vlfast.extraction.decode.video` (whose rules read it), so neither imports the other to name it."""
+"""The one table of pixel settings: :class:`ProcessorConfig`, every number preprocessing uses, as data, and the
+names of the rules and image processors it takes. Below every other pixels module: :mod:`~vlfast.pixels.engine`
+builds it from a checkpoint or a family's defaults, :mod:`~vlfast.pixels.video` and :mod:`~vlfast.pixels.image`
+apply it. Imports neither torch nor transformers (but for the two rules asked of transformers, on call)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 from vlfast.errors import InputRefused
 
 __all__ = [
+    "IMAGE_BACKENDS",
+    "IMAGE_PROCESSOR_SETTINGS",
     "IMAGE_READINGS",
     "PIXEL_SETTINGS",
     "THIN_IMAGES",
@@ -24,8 +27,10 @@ __all__ = [
     "with_video_wrapper",
 ]
 
-# transformers' torchvision image processors, whose operations vlfast.extraction.decode.image reproduces
+# transformers' torchvision image processors, whose operations vlfast.pixels.image reproduces
 TORCHVISION_IMAGE_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"})
+# The image backends one may ask for (--image-backend, VisionPreprocessor's image_backend), by the class each is
+IMAGE_BACKENDS = {"torchvision": "Qwen2VLImageProcessor", "pil": "Qwen2VLImageProcessorPil"}
 
 VIDEO_SIZINGS = ("processor", "qwen2-vl", "qwen-vl-utils")
 # How smart_resize sizes a thin image (a side of at most half a merged patch, patch x merge: 16 pixels for
@@ -39,7 +44,7 @@ THIN_IMAGES = ("processor", "qwen-vl-utils")
 # background (transformers >= 5.21, and every vlfast before this rule was recorded); "dropped", the colour
 # values kept and the transparency dropped (PIL's convert("RGB"): transformers 5.18-5.20)
 TRANSPARENCIES = ("white", "dropped")
-# How an image file becomes the PIL image the processor converts (decode.preprocess.load_image): "vlfast"
+# How an image file becomes the PIL image the processor converts (pixels.engine.load_image): "vlfast"
 # (vlfast extract's: 16-bit and float images scaled to 8 bits, transparency left for the processor to put on
 # white); as a reference reads a path: "decode_image" (transformers' torchvision image processors, whose
 # fetch_images decodes a path to an RGB tensor: VisionPreprocessor's), "load_image" (its PIL ones'),
@@ -53,6 +58,25 @@ IMAGE_READINGS = ("vlfast", "decode_image", "load_image", "qwen-vl-utils")
 VIDEO_WRAPPERS = ("kept", "replaced")
 # PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to
 VIDEO_RESAMPLES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
+# A transformers Qwen-VL image processor's settings that change pixels (its attributes, and options a call may
+# carry), by the ProcessorConfig field each must equal ("size": the image budgets; "do_convert_rgb": True,
+# vlfast's only way): what an adapted image processor, and each call to it, is checked against
+IMAGE_PROCESSOR_SETTINGS = {
+    "do_resize": "do_resize",
+    "resample": "resample",
+    "do_rescale": "do_rescale",
+    "rescale_factor": "rescale_factor",
+    "do_normalize": "do_normalize",
+    "image_mean": "image_mean",
+    "image_std": "image_std",
+    "min_pixels": "image_min_pixels",
+    "max_pixels": "image_max_pixels",
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "merge_size",
+    "size": "size",
+    "do_convert_rgb": "do_convert_rgb",
+}
 # The processors' settings that change pixels, by their defaults
 PIXEL_SETTINGS = {
     "resample": 3,
@@ -108,7 +132,7 @@ class ProcessorConfig:
     exif_orientation: bool = False
     # The processors' settings that change pixels, as the checkpoint's files (or the processor classes'
     # defaults) give them; resampling by PIL's codes (0 nearest, 2 bilinear, 3 bicubic). Images: transformers'
-    # image processor applies them; videos: the rules in vlfast.extraction.decode.video.
+    # image processor applies them; videos: the rules in vlfast.pixels.video.
     resample: int = 3
     do_resize: bool = True
     do_rescale: bool = True
@@ -223,7 +247,7 @@ def _check_numbers(cfg: ProcessorConfig) -> None:
 
 def transparency_rule() -> str:
     """How the installed transformers' image processors make a transparent image RGB: "white" or "dropped"
-    (TRANSPARENCIES; decode.image.rgb_tensor applies them), asked of its own ``convert_to_rgb`` on a
+    (TRANSPARENCIES; pixels.image.rgb_tensor applies them), asked of its own ``convert_to_rgb`` on a
     transparent black pixel. Here, beside the rule's names, because it imports no torch: a finished OUT's
     record answers it without importing anything heavy (store.facts)."""
     import inspect

@@ -24,41 +24,42 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from vlfast._lazy import lazy_exports
 from vlfast.errors import InputRefused
-from vlfast.extraction.decode.embedding import RECIPE_PIXELS, is_embedding_checkpoint
-from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media, media_of
-from vlfast.extraction.decode.processor_config import (
+from vlfast.models.ref import Answers, ModelRef
+from vlfast.pixels.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media
+from vlfast.pixels.recipe import RECIPE_PIXELS, is_embedding_checkpoint
+from vlfast.pixels.settings import (
     PIXEL_SETTINGS,
     TORCHVISION_IMAGE_PROCESSORS,
     ProcessorConfig,
 )
-from vlfast.extraction.sources.sample import Sample
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from vlfast.extraction.decode.video import (  # noqa: F401
-        normalize_video_patches,
+    from vlfast.pixels.video import (  # noqa: F401
+        normalize_patches,
         patchify_video,
         read_video,
         sample_frame_indices,
         video_resize_shape,
     )
-    from vlfast.extraction.store.facts import ModelFacts
 
 __all__ = [
+    "Clip",
+    "Item",
     "Preprocessor",
     "ProcessorConfig",
     "SampleError",
     "build_processor_config",
     "conformed_image",
     "load_image",
-    "normalize_video_patches",
+    "normalize_patches",
     "patchify_video",
     "read_video",
     "sample_frame_indices",
@@ -71,13 +72,13 @@ __getattr__ = lazy_exports(
     globals(),
     dict.fromkeys(
         (
-            "normalize_video_patches",
+            "normalize_patches",
             "patchify_video",
             "read_video",
             "sample_frame_indices",
             "video_resize_shape",
         ),
-        "vlfast.extraction.decode.video",
+        "vlfast.pixels.video",
     ),
 )[0]
 
@@ -150,7 +151,7 @@ def _json_object(file: Path) -> dict[str, Any]:
 
 
 def _processor_dicts(
-    path: Path, *, use_transformers: bool = True, facts: ModelFacts | None = None
+    path: Path, *, use_transformers: bool = True, facts: Answers | None = None
 ) -> tuple[dict, str, dict, str | None]:
     """(image processor dict, where from, video processor dict or {}, where from or None) of a checkpoint.
 
@@ -264,12 +265,12 @@ def _embedding_recipe(values: dict[str, Any], source: str) -> tuple[str, dict[st
     """Qwen3-VL-Embedding prepares pixels its own way (decode.embedding), not by its processor files: its
     numbers into ``values``; returns the source named and the video settings that replace the files'."""
     values.update(RECIPE_PIXELS)
-    source += "; Qwen3-VL-Embedding recipe (vlfast.extraction.decode.embedding.RECIPE_PIXELS)"
+    source += "; Qwen3-VL-Embedding recipe (vlfast.pixels.recipe.RECIPE_PIXELS)"
     return source, {k: RECIPE_PIXELS[k] for k in ("fps", "min_frames", "max_frames", "max_video_tokens")}
 
 
 def _checkpoint_values(
-    model: Path, family: str, values: dict[str, Any], facts: ModelFacts | None = None
+    model: Path, family: str, values: dict[str, Any], facts: Answers | None = None
 ) -> tuple[str, dict[str, Any]]:
     """Read a checkpoint's processor files into ``values`` (over the family's defaults); returns the source
     named and the video processor's own settings."""
@@ -339,7 +340,7 @@ def build_processor_config(
     image_reading: str | None = None,
     video_rotation: bool | None = None,
     thin_images: str | None = None,
-    facts: ModelFacts | None = None,
+    facts: Answers | None = None,
 ) -> ProcessorConfig:
     """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
 
@@ -354,7 +355,7 @@ def build_processor_config(
     ``exif_orientation`` None: applied as transformers applies it to a path, except for the Qwen3-VL-Embedding
     recipe, whose reference (qwen-vl-utils) reads the pixels as stored. ``image_processor``: the class asked
     (``--image-backend``) or recorded by the OUT resumed; None for a new OUT: transformers' torchvision
-    processor (``Qwen2VLImageProcessor``), whose operations vlfast does itself (vlfast.extraction.decode.image)
+    processor (``Qwen2VLImageProcessor``), whose operations vlfast does itself (vlfast.pixels.image)
     with or without torchvision, except for the embedding recipe, which keeps the class transformers picks, as
     its reference does. The PIL class (``Qwen2VLImageProcessorPil``) is built from the checkpoint's files
     whatever is installed. ``image_reading``: as recorded by the OUT resumed; None for a new OUT: the embedding
@@ -370,39 +371,19 @@ def build_processor_config(
     _check_given(fps=fps, num_frames=num_frames, **given)
     if fps is not None and num_frames is not None:
         raise InputRefused("give either fps or num_frames for video sampling, not both")
-    defaults = _FAMILY_DEFAULTS.get(family)
-    if defaults is None:
-        raise InputRefused(
-            f"no published preprocessing known for the {family!r} family; vlfast extract supports Qwen2-VL, "
-            "Qwen2.5-VL and Qwen3-VL(-MoE) processors"
-        )
-    values: dict[str, Any] = dict(defaults)
-    video_cfg: dict[str, Any] = {}
-    if model.startswith("ref:"):
-        source = f"published {family} defaults (vlfast.extraction.decode.preprocess._FAMILY_DEFAULTS)"
-    else:
-        source, video_cfg = _checkpoint_values(Path(model), family, values, facts)
-    recipe = is_embedding_checkpoint(model)
-    if recipe:
-        source, video_cfg = _embedding_recipe(values, source)
-    if min_pixels is not None:
-        values["image_min_pixels"] = int(min_pixels)
-    if max_pixels is not None:
-        values["image_max_pixels"] = int(max_pixels)
-    if video_max_pixels is not None:
-        values["video_max_pixels"] = int(video_max_pixels)
+    values, video_cfg, source, recipe = _model_values(model, family, facts)
+    asked = {
+        "image_min_pixels": min_pixels,
+        "image_max_pixels": max_pixels,
+        "video_max_pixels": video_max_pixels,
+    }
+    values.update({key: int(value) for key, value in asked.items() if value is not None})
     if num_frames is None and fps is None:
         fps = video_cfg.get("fps", 2.0) if video_cfg.get("num_frames") is None else None
         num_frames = video_cfg.get("num_frames")
-    numbers = {
-        "patch_size": values["patch_size"],
-        "temporal_patch_size": values.get("temporal_patch_size", 2),
-        "merge_size": values.get("merge_size", 2),
-        "image_mean": tuple(float(x) for x in values["image_mean"]),
-        "image_std": tuple(float(x) for x in values["image_std"]),
-    }
+    numbers = _patch_numbers(values)
 
-    from vlfast.extraction.decode.processor_config import transparency_rule
+    from vlfast.pixels.settings import transparency_rule
 
     transparency = transparency_rule() if facts is None else facts.answer("transparency", transparency_rule)
     upright = not recipe if exif_orientation is None else bool(exif_orientation)
@@ -414,21 +395,10 @@ def build_processor_config(
         source=source,
         image_processor=image_class,
         **numbers,
+        **_video_numbers(values, video_cfg, fps, num_frames),
         image_min_pixels=values["image_min_pixels"],
         image_max_pixels=values["image_max_pixels"],
-        video_min_pixels=values["video_min_pixels"],
-        video_max_pixels=values["video_max_pixels"],
-        video_mean=tuple(float(x) for x in values["video_mean"]),
-        video_std=tuple(float(x) for x in values["video_std"]),
-        frame_sampling=values["frame_sampling"],
-        fps=None if fps is None else float(fps),
-        num_frames=None if num_frames is None else int(num_frames),
-        min_frames=int(video_cfg.get("min_frames", 4)),
-        max_frames=int(video_cfg.get("max_frames", 768)),
-        cap_pixels_per_frame=bool(video_cfg.get("cap_pixels_per_frame") or False),
-        max_video_tokens=int(video_cfg.get("max_video_tokens", values.get("max_video_tokens", 768))),
         rescale_factor=values.get("rescale_factor", 1 / 255),
-        video_sizing=values.get("video_sizing", "processor"),
         exif_orientation=upright,
         **{k: values[k] for k in PIXEL_SETTINGS if k in values},
         transparency=transparency,
@@ -436,6 +406,61 @@ def build_processor_config(
         video_rotation=upright if video_rotation is None else bool(video_rotation),
         thin_images=thin_images,
     )
+
+
+def _patch_numbers(values: dict[str, Any]) -> dict[str, Any]:
+    """The numbers an image processor is built from: the patch sizes and the image normalisation."""
+    return {
+        "patch_size": values["patch_size"],
+        "temporal_patch_size": values.get("temporal_patch_size", 2),
+        "merge_size": values.get("merge_size", 2),
+        "image_mean": tuple(float(x) for x in values["image_mean"]),
+        "image_std": tuple(float(x) for x in values["image_std"]),
+    }
+
+
+def _model_values(
+    model: str, family: str, facts: Answers | None
+) -> tuple[dict[str, Any], dict[str, Any], str, bool]:
+    """The family's published numbers, over them the checkpoint's files (or the embedding recipe's numbers):
+    (values by ProcessorConfig field, the video processor's own settings, the source named, whether the
+    embedding recipe applies)."""
+    defaults = _FAMILY_DEFAULTS.get(family)
+    if defaults is None:
+        raise InputRefused(
+            f"no published preprocessing known for the {family!r} family; vlfast extract supports Qwen2-VL, "
+            "Qwen2.5-VL and Qwen3-VL(-MoE) processors"
+        )
+    values: dict[str, Any] = dict(defaults)
+    video_cfg: dict[str, Any] = {}
+    if ModelRef.of(model).is_reference:
+        source = f"published {family} defaults (vlfast.pixels.engine._FAMILY_DEFAULTS)"
+    else:
+        source, video_cfg = _checkpoint_values(Path(model), family, values, facts)
+    recipe = is_embedding_checkpoint(model)
+    if recipe:
+        source, video_cfg = _embedding_recipe(values, source)
+    return values, video_cfg, source, recipe
+
+
+def _video_numbers(
+    values: dict[str, Any], video_cfg: dict[str, Any], fps: float | None, num_frames: int | None
+) -> dict[str, Any]:
+    """The video fields of a ProcessorConfig: budgets, normalisation, sampling and sizing."""
+    return {
+        "video_min_pixels": values["video_min_pixels"],
+        "video_max_pixels": values["video_max_pixels"],
+        "video_mean": tuple(float(x) for x in values["video_mean"]),
+        "video_std": tuple(float(x) for x in values["video_std"]),
+        "frame_sampling": values["frame_sampling"],
+        "fps": None if fps is None else float(fps),
+        "num_frames": None if num_frames is None else int(num_frames),
+        "min_frames": int(video_cfg.get("min_frames", 4)),
+        "max_frames": int(video_cfg.get("max_frames", 768)),
+        "cap_pixels_per_frame": bool(video_cfg.get("cap_pixels_per_frame") or False),
+        "max_video_tokens": int(video_cfg.get("max_video_tokens", values.get("max_video_tokens", 768))),
+        "video_sizing": values.get("video_sizing", "processor"),
+    }
 
 
 def _check_given(**given: Any) -> None:
@@ -455,7 +480,7 @@ def _check_given(**given: Any) -> None:
 
 
 def _image_processor_class(
-    model: str, asked: str | None, recipe: bool, numbers: dict[str, Any], facts: ModelFacts | None
+    model: str, asked: str | None, recipe: bool, numbers: dict[str, Any], facts: Answers | None
 ) -> str:
     """The image processor class a run uses (see :func:`build_processor_config`'s ``image_processor``)."""
     if asked is None and not recipe:  # a new OUT: transformers' default backend, done by vlfast
@@ -466,7 +491,7 @@ def _image_processor_class(
     # transformers' own processor runs: the class asked or recorded, built here, or (the embedding recipe)
     # the one transformers picks, as its reference does
     def built() -> str:
-        model_dir = None if model.startswith("ref:") else model
+        model_dir = ModelRef.of(model).folder
         return type(_image_processor(model_dir, cls_name=asked, **numbers)).__name__
 
     return built() if facts is None else facts.answer("image processor", built)
@@ -484,7 +509,7 @@ def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfa
     and float images are scaled to 8 bits (PIL's ``convert`` would clip them to white); CMYK goes to RGB;
     palette, LA and RGBA images are left to the processor, which composites transparency on white.
 
-    That is ``reading`` "vlfast" (:data:`~vlfast.extraction.decode.processor_config.IMAGE_READINGS`). The
+    That is ``reading`` "vlfast" (:data:`~vlfast.pixels.settings.IMAGE_READINGS`). The
     others read as a reference reads a path (VisionPreprocessor's contract: the pixels of transformers'
     processor given the same path):
 
@@ -501,7 +526,7 @@ def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfa
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    from vlfast.extraction.decode.image import orientation_tag
+    from vlfast.pixels.image import orientation_tag
 
     checked_media(path)
     try:
@@ -572,13 +597,41 @@ def conformed_image(img, keep_mode: bool = False):
 
 
 def _rgb_array(img, transparency: str) -> np.ndarray:
-    """(H, W, 3) uint8 (:func:`~vlfast.extraction.decode.image.rgb_tensor`)."""
-    from vlfast.extraction.decode.image import rgb_tensor
+    """(H, W, 3) uint8 (:func:`~vlfast.pixels.image.rgb_tensor`)."""
+    from vlfast.pixels.image import rgb_tensor
 
     return rgb_tensor(img, transparency).permute(1, 2, 0).numpy()
 
 
 # ----------------------------------------------------------------------------------------- the worker
+
+
+class Item(Protocol):
+    """What the preprocessor decodes: an image or a video (``kind`` "image" or "video", read from ``media``), or
+    a clip given as its frame images (``kind`` "frames", ``paths`` in order). extraction's ``Sample`` is one,
+    :class:`Clip` another."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def paths(self) -> tuple[str, ...]: ...
+
+    @property
+    def media(self) -> Media: ...
+
+
+@dataclass(frozen=True)
+class Clip:
+    """An input given by its files: an image or video file (``kind`` "image" or "video"), or a clip's frame
+    image files ("frames")."""
+
+    kind: str
+    paths: tuple[str, ...]
+
+    @property
+    def media(self) -> Media:
+        return self.paths[0]
 
 
 @dataclass
@@ -593,7 +646,7 @@ class Preprocessor:
 
     cfg: ProcessorConfig
     image_processor_dir: str | None = None  # checkpoint to load the image processor from; None: defaults
-    defer_video_normalize: bool = False  # videos as uint8 (N, C, T*P*P): see normalize_video_patches
+    defer_video_normalize: bool = False  # videos as uint8 (N, C, T*P*P): see normalize_patches
     # Refuse a clip of fewer frames than the temporal patch where transformers' Qwen3VLVideoProcessor does
     # (VisionPreprocessor: transformers' outputs or its refusal); vlfast extract repeats the frame as the
     # image processor repeats an image
@@ -641,7 +694,7 @@ class Preprocessor:
 
     def image(self, path: Media) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
         if self.cfg.image_processor in TORCHVISION_IMAGE_PROCESSORS:
-            from vlfast.extraction.decode.image import jpeg_rgb
+            from vlfast.pixels.image import jpeg_rgb
 
             decoded = jpeg_rgb(path, self.cfg.exif_orientation)  # a JPEG by libjpeg-turbo, or None: PIL
             if decoded is not None:
@@ -661,7 +714,7 @@ class Preprocessor:
 
         meta = {"width": img.size[0], "height": img.size[1], "mode": img.mode}
         if self.cfg.image_processor in TORCHVISION_IMAGE_PROCESSORS:
-            from vlfast.extraction.decode.image import rgb_tensor
+            from vlfast.pixels.image import rgb_tensor
 
             return self._patches(rgb_tensor(img, self.cfg.transparency), meta)
         try:
@@ -673,20 +726,20 @@ class Preprocessor:
 
     def _patches(self, rgb: torch.Tensor, meta: dict[str, Any]):
         """transformers' torchvision processor's operations on (3, H, W) uint8, done here (no torchvision
-        needed; vlfast.extraction.decode.image); left uint8 for the model side where it normalises alike."""
-        from vlfast.extraction.decode.image import image_patches, same_normalization
+        needed; vlfast.pixels.image); left uint8 for the model side where it normalises alike."""
+        from vlfast.pixels.image import image_patches, same_normalization
 
         defer = self.defer_video_normalize and same_normalization(self.cfg)
         pixels, grid = image_patches(rgb, self.cfg, normalize=not defer)
         return pixels, grid, meta
 
-    def video(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+    def video(self, sample: Item) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
         import torch
 
-        from vlfast.extraction.decode.video import patchify_video, read_video
+        from vlfast.pixels.video import patchify_video, read_video
 
         if sample.kind == "video":
-            frames, meta = read_video(media_of(sample), self.cfg)
+            frames, meta = read_video(sample.media, self.cfg)
         else:
             arrays = [
                 _rgb_array(
@@ -714,12 +767,12 @@ class Preprocessor:
         pixels, grid = patchify_video(frames, self.cfg, normalize=not self.defer_video_normalize)
         return pixels, grid, meta
 
-    def __call__(self, sample: Sample) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+    def __call__(self, sample: Item) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
         """``(pixel_values (N, C*T*P*P) float32, grid (t, h, w), meta)``; raises SampleError.
 
-        With ``defer_video_normalize`` pixel_values are uint8 instead, for normalize_video_patches to finish:
+        With ``defer_video_normalize`` pixel_values are uint8 instead, for normalize_patches to finish:
         (N, C, T*P*P) for a video, (N, C, P*P) for an image (where images and videos normalise alike).
         """
         if sample.kind == "image":
-            return self.image(media_of(sample))
+            return self.image(sample.media)
         return self.video(sample)

@@ -8,7 +8,7 @@ pixel. Here: the same resize on the uint8 pixels as decoded (channels-last, no c
 uint8, then the normalisation (elementwise per channel, so it commutes with the move) written once per patch
 and copied into the other temporal slots; or, deferred, the uint8 patches each held once cross to the model's
 device, 3 bytes a pixel instead of 24, and are normalised and repeated there
-(:func:`~vlfast.extraction.decode.video.normalize_video_patches` finishes them). Proven against the class
+(:func:`~vlfast.pixels.video.normalize_patches` finishes them). Proven against the class
 itself in tests/test_preprocess_parity.py.
 """
 
@@ -19,21 +19,19 @@ import warnings
 import numpy as np
 import torch
 
-from vlfast.extraction.decode.media import MAX_ASPECT_RATIO, SampleError
-from vlfast.extraction.decode.processor_config import ProcessorConfig
-from vlfast.extraction.decode.video import (
+from vlfast.pixels.media import MAX_ASPECT_RATIO, SampleError
+from vlfast.pixels.settings import ProcessorConfig
+from vlfast.pixels.video import (
     channels_last_patches,
-    rescale_normalize,
+    normalize_patches,
     resize_frames,
     smart_resize,
-    temporal_repeat,
 )
 
 __all__ = [
     "image_patches",
     "jpeg_rgb",
     "orientation_tag",
-    "normalize_image_patches",
     "rgb_tensor",
     "same_normalization",
 ]
@@ -65,7 +63,7 @@ def jpeg_rgb(path, exif_orientation: bool) -> tuple[torch.Tensor, dict] | None:
 
     from PIL import Image
 
-    from vlfast.extraction.decode.media import checked_media
+    from vlfast.pixels.media import checked_media
 
     checked_media(path)
     try:
@@ -98,7 +96,7 @@ def orientation_tag(img) -> int | None:
 def rgb_tensor(img, transparency: str = "white") -> torch.Tensor:
     """(3, H, W) uint8 with channels-last strides (PIL's own layout, not copied), as transformers' torchvision
     image processor converts a PIL image (``convert_to_rgb``) by ``transparency``
-    (:data:`~vlfast.extraction.decode.processor_config.TRANSPARENCIES`): "white", transparency (an alpha band,
+    (:data:`~vlfast.pixels.settings.TRANSPARENCIES`): "white", transparency (an alpha band,
     a palette's or a colour key's) composited on white, as transformers >= 5.21 does; "dropped", PIL's
     ``convert("RGB")``, as 5.18-5.20 do. Other modes are converted by PIL either way (16-bit and float images
     clipped: vlfast extract scales them first, see ``load_image``)."""
@@ -123,7 +121,7 @@ def image_patches(
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(3, H, W) uint8 -> pixel_values (h*w, C*T*P*P) float32 and grid (1, h, w), as ``Qwen2VLImageProcessor``
     with ``cfg``'s image settings; with ``normalize=False`` uint8 (h*w, C, P*P), each patch once (3 bytes a
-    pixel), for :func:`normalize_image_patches` to finish (on the device) with the temporal repeat."""
+    pixel), for :func:`~vlfast.pixels.video.normalize_patches` to finish (on the device) with the temporal repeat."""
     # Bit-equal to transformers' order (normalise the image, then patchify and repeat): the normalisation is
     # elementwise per channel, so it commutes with moving and repeating values
     height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
@@ -143,7 +141,7 @@ def image_patches(
         )
     else:
         h, w = height, width
-    tp, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
+    p, m = cfg.patch_size, cfg.merge_size
     gh, gw = h // p, w // p
     if pixels.stride(0) == 1:  # channels-last, as decoded and resized (see channels_last_patches)
         hwc = pixels.permute(1, 2, 0).reshape(gh // m, m, p, gw // m, m, p, 3)
@@ -159,27 +157,7 @@ def image_patches(
     # The normalisation after the move (elementwise per channel: the same bits as transformers' normalise-
     # then-patchify), written once per patch and copied into the other temporal slots, as transformers repeats
     # the normalised patch
-    pixel_values = rescale_normalize(
-        x, cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale, cfg.do_normalize, repeat=tp
-    )
-    return pixel_values, (1, gh, gw)
-
-
-def normalize_image_patches(
-    patches: torch.Tensor, cfg: ProcessorConfig, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """uint8 patches (N, C, P*P), or (N, C, T*P*P) already repeated -> float32 pixel_values (N, C*T*P*P) by the
-    image processor's rescale and normalisation; ``out``: written into instead (see ``rescale_normalize``)."""
-    return rescale_normalize(
-        patches,
-        cfg.image_mean,
-        cfg.image_std,
-        cfg.rescale_factor,
-        cfg.do_rescale,
-        cfg.do_normalize,
-        repeat=temporal_repeat(patches, cfg),
-        out=out,
-    )
+    return normalize_patches(x, cfg, images=True), (1, gh, gw)
 
 
 def same_normalization(cfg: ProcessorConfig) -> bool:
