@@ -207,7 +207,7 @@ def test_video_path_matches_transformers_on_the_saved_layout(saved_processor):
     from transformers import AutoVideoProcessor
 
     from vlfast.demo import pattern
-    from vlfast.pixels.engine import patchify_video
+    from vlfast.pixels.video import patchify_video
 
     processor = AutoVideoProcessor.from_pretrained(str(saved_processor), local_files_only=True)
     cfg = build_processor_config(str(saved_processor), family="qwen3_vl")

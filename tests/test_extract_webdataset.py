@@ -384,7 +384,8 @@ def test_member_reads_in_place(shards):
         f.seek(5)
         assert f.read(7) == data[5:12]
     # a shard cut after it was listed: the decoder is told, not fed a short file
-    from vlfast.pixels.engine import SampleError, read_video
+    from vlfast.pixels.media import SampleError
+    from vlfast.pixels.video import read_video
 
     beyond = TarMember(member.shard, member.name, member.offset, member.size + 10**6)
     with pytest.raises(SampleError, match="truncated shard: .* inside member 'sample_0002.mp4'"):

@@ -250,7 +250,7 @@ def _processor_steps(video: torch.Tensor, cfg) -> tuple[torch.Tensor, tuple[int,
     transformers' own patchify (called directly: the class cannot be built without torchvision)."""
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    from vlfast.pixels.engine import video_resize_shape
+    from vlfast.pixels.video import video_resize_shape
 
     h, w = video_resize_shape(video.shape[0], video.shape[-2], video.shape[-1], cfg)
     video = torch.nn.functional.interpolate(video, size=(h, w), mode="bicubic", antialias=True)
@@ -268,7 +268,7 @@ def _naive_videos(paths: list, cfg, tower) -> dict[str, dict[str, torch.Tensor]]
     from transformers.video_utils import read_video_pyav
 
     from vlfast.models import tower_outputs
-    from vlfast.pixels.engine import sample_frame_indices
+    from vlfast.pixels.video import sample_frame_indices
 
     out = {}
     for p in paths:

@@ -26,8 +26,8 @@ from vlfast.extraction.sources.table import SampleTable
 from vlfast.extraction.store.facts import ModelFacts
 from vlfast.extraction.store.out import Out
 from vlfast.models.ref import ModelRef, family_of
-from vlfast.pixels.engine import ProcessorConfig, build_processor_config
-from vlfast.pixels.settings import IMAGE_BACKENDS, with_video_wrapper
+from vlfast.pixels.engine import build_processor_config
+from vlfast.pixels.settings import IMAGE_BACKENDS, ProcessorConfig, with_video_wrapper
 
 __all__ = ["RUNTIME_KEY", "RunPlan", "check_retry_kinds", "make_plan", "problem_record"]
 

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from vlfast._lazy import lazy_exports
 from vlfast.errors import InputRefused
 from vlfast.models.ref import Answers, ModelRef
 from vlfast.pixels.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media
@@ -42,14 +41,6 @@ from vlfast.pixels.settings import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from vlfast.pixels.video import (  # noqa: F401
-        normalize_patches,
-        patchify_video,
-        read_video,
-        sample_frame_indices,
-        video_resize_shape,
-    )
-
 __all__ = [
     "Clip",
     "Item",
@@ -59,28 +50,7 @@ __all__ = [
     "build_processor_config",
     "conformed_image",
     "load_image",
-    "normalize_patches",
-    "patchify_video",
-    "read_video",
-    "sample_frame_indices",
-    "video_resize_shape",
 ]
-
-# The video rules, here before they had a module of their own; loaded on first use, with torch: building the
-# configuration (build_processor_config) needs neither, so a finished OUT is answered without them.
-__getattr__ = lazy_exports(
-    globals(),
-    dict.fromkeys(
-        (
-            "normalize_patches",
-            "patchify_video",
-            "read_video",
-            "sample_frame_indices",
-            "video_resize_shape",
-        ),
-        "vlfast.pixels.video",
-    ),
-)[0]
 
 OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]

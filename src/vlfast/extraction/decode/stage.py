@@ -25,8 +25,9 @@ from vlfast.extraction.objstore import TransientReadError
 from vlfast.extraction.sources.identity import texts_used
 from vlfast.extraction.sources.sample import Sample
 from vlfast.extraction.sources.table import SampleTable
-from vlfast.pixels.engine import Preprocessor, ProcessorConfig, SampleError
-from vlfast.pixels.settings import TORCHVISION_IMAGE_PROCESSORS
+from vlfast.pixels.engine import Preprocessor
+from vlfast.pixels.media import SampleError
+from vlfast.pixels.settings import TORCHVISION_IMAGE_PROCESSORS, ProcessorConfig
 
 __all__ = ["DecodedSample", "SampleDataset", "is_failure", "prepare_decoding", "worker_init"]
 
