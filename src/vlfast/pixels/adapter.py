@@ -190,6 +190,9 @@ def _adapted_to_dict(self) -> dict[str, Any]:
     return out
 
 
+_MEANS = ("image_mean", "image_std")
+
+
 def pixel_settings(ip: Any) -> dict[str, Any]:
     """The settings of a transformers image processor ``ip`` that change its pixels, as comparable values
     (transformers 4 and 5 keep the budgets in ``size`` and, in 4, also ``min_pixels``/``max_pixels``)."""
@@ -199,12 +202,10 @@ def pixel_settings(ip: Any) -> dict[str, Any]:
         out["size"] = tuple(
             (k, size[k]) for k in ("shortest_edge", "longest_edge", "height", "width") if k in size
         )
-    for name in (
-        "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "rescale_factor",
-        "do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_center_crop", "do_pad",
-    ):  # fmt: skip
+    plain = [k for k in IMAGE_PROCESSOR_SETTINGS if k not in ("size", "resample", *_MEANS)]
+    for name in (*plain, "do_center_crop", "do_pad"):  # the last two: vlfast does neither
         out[name] = getattr(ip, name, None)
-    for name in ("image_mean", "image_std"):
+    for name in _MEANS:
         value = getattr(ip, name, None)
         out[name] = None if value is None else tuple(float(v) for v in value)
     resample = getattr(ip, "resample", None)
