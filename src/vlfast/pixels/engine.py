@@ -1,4 +1,5 @@
-"""Turning one sample into the vision tower's input, with the model's own preprocessing.
+"""The pixel engine: the settings built from a checkpoint (:func:`build_processor_config`) and one input (an
+image, a video, a clip's frames: an :class:`Item`) turned into the vision tower's input by the model's own rules.
 
 Images go through transformers' image processor built from the checkpoint (``AutoImageProcessor``) or,
 for a ``ref:`` tower, from the family's published defaults. Videos cannot use transformers' video
@@ -232,7 +233,7 @@ def _image_processor(
 
 
 def _embedding_recipe(values: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
-    """Qwen3-VL-Embedding prepares pixels its own way (decode.embedding), not by its processor files: its
+    """Qwen3-VL-Embedding prepares pixels its own way (pixels.recipe), not by its processor files: its
     numbers into ``values``; returns the source named and the video settings that replace the files'."""
     values.update(RECIPE_PIXELS)
     source += "; Qwen3-VL-Embedding recipe (vlfast.pixels.recipe.RECIPE_PIXELS)"
