@@ -1,4 +1,4 @@
-"""Pixels: what a Qwen-VL processor makes of images and videos, bit for bit, below extraction and the switches.
+"""Pixels: what a Qwen-VL processor makes of images and videos, bit for bit; below extraction and switches.
 
 - ``settings``: the one table of pixel settings (:class:`ProcessorConfig`) and the rules' names (no torch).
 - ``recipe``: Qwen3-VL-Embedding's pixel numbers, and whether a checkpoint is one.

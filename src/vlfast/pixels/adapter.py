@@ -27,8 +27,8 @@ __all__ = [
     "without_resize",
 ]
 
-# Image processor calls answered by vlfast (VLFAST_PREPROCESS, VisionPreprocessor.as_image_processor) and those
-# passed to transformers' own code, by reason: this process's, a forked child starting from zero. The record
+# Image processor calls answered by vlfast (VLFAST_PREPROCESS, VisionPreprocessor.as_image_processor) and
+# those passed to transformers' own code, by reason: this process's, a forked child starting from zero. The record
 # (vlfast.switches.record) reads them and adds to ``on_call`` what it runs at each call.
 _lock = threading.Lock()
 _image_calls: dict[str, Any] = {"pid": os.getpid(), "vlfast": 0, "stock": {}}
@@ -51,7 +51,8 @@ def count_image_processor_call(stock_reason: str | None = None) -> None:
 
 
 def image_processor_calls() -> tuple[int, dict[str, int]]:
-    """This process's image processor calls so far: (answered by vlfast, passed to transformers' code by reason)."""
+    """This process's image processor calls so far: (answered by vlfast, passed to transformers' code by
+    reason)."""
     with _lock:
         if _image_calls["pid"] != os.getpid():
             return 0, {}
@@ -59,7 +60,7 @@ def image_processor_calls() -> tuple[int, dict[str, int]]:
 
 
 def as_image_processor(pre: Any, base: Any = None) -> Any:
-    """:meth:`VisionPreprocessor.as_image_processor <vlfast.pixels.preprocessor.VisionPreprocessor.as_image_processor>`:
+    """``VisionPreprocessor.as_image_processor`` (:mod:`vlfast.pixels.preprocessor`, which says what it gives):
     ``base`` (by default the checkpoint's ``AutoImageProcessor``) answering its calls with ``pre``."""
     if base is None:
         base = _checkpoint_image_processor(pre.model)

@@ -1,5 +1,5 @@
-"""The pixel engine: the settings built from a checkpoint (:func:`build_processor_config`) and one input (an
-image, a video, a clip's frames: an :class:`Item`) turned into the vision tower's input by the model's own rules.
+"""The pixel engine: the settings built from a checkpoint (:func:`build_processor_config`), and one input (an
+image, a video, a clip's frames: an :class:`Item`) made the vision tower's input by the model's own rules.
 
 Images go through transformers' image processor built from the checkpoint (``AutoImageProcessor``) or,
 for a ``ref:`` tower, from the family's published defaults. Videos cannot use transformers' video
