@@ -24,16 +24,8 @@ import pytest
 import torch
 
 from vlfast.extraction.sources import Sample
-from vlfast.pixels.engine import (
-    Preprocessor,
-    SampleError,
-    build_processor_config,
-    load_image,
-    patchify_video,
-    read_video,
-    sample_frame_indices,
-    video_resize_shape,
-)
+from vlfast.pixels.engine import Preprocessor, SampleError, build_processor_config, load_image
+from vlfast.pixels.video import patchify_video, read_video, sample_frame_indices, video_resize_shape
 
 pytest.importorskip("transformers")
 
