@@ -11,7 +11,7 @@ calling thread's share, by up to 1.5e-4 (cos(0.1) came out 0.99486607 instead of
 was right, so that run's first sample differed from every other run's in most of its features' last bits,
 and a resumed run was not bit-identical to an uninterrupted one. Torch alone shows it: a fresh process
 whose first ``cos`` is of 40,000 values on 8 threads was off by the same 1.51e-4 in 2 of 15 runs
-(``benchmarks/vector_math_first_call.py``). How often varies with the machine's state: later the same
+(``benchmarks/commands.py vector-math``). How often varies with the machine's state: later the same
 runs were right 34 times in 34 without the step, so the counts show the race, not a rate.
 
 :func:`settle_vector_math` calls each of those functions once on one element (never split between

@@ -18,8 +18,8 @@ def let_idle_threads_sleep() -> bool:
     shared machine they spin on the cores another process needs, and a preempted thread stalls the
     op's barrier: a busy neighbour made ``vlfast profile`` report an 8x slower tower and a 2.0x patch gain
     instead of 3.0x. ``vlfast extract``'s decode workers need those cores too (1.50x -> 1.92x the naive
-    loop on 2 cores, ``benchmarks/extract.py``). Left alone when the user set it, or when torch is already
-    imported (too late: OpenMP reads it once). Returns whether it was set.
+    loop on 2 cores, ``benchmarks/extract.py pipeline``). Left alone when the user set it, or when torch is
+    already imported (too late: OpenMP reads it once). Returns whether it was set.
     """
     if "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules:
         return False

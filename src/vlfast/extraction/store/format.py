@@ -283,7 +283,7 @@ def config_hash(stable: dict) -> str:
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while bookkeeping builds millions of objects (ids, index
     rows, sets). They hold no reference cycles, yet each collection pass walks them all: on 300,000 ids a
-    resume's check of OUT took 2.5 s with the collector on, 0.55 s paused (benchmarks/extract_scale.py).
+    resume's check of OUT took 2.5 s with the collector on, 0.55 s paused (benchmarks/extract.py scale).
     Usable as a decorator; the collector's previous state comes back, nested uses included.
 
     On leaving the outermost use, Arrow's allocator gives back the memory the bookkeeping freed: mimalloc
