@@ -1,8 +1,9 @@
-"""`benchmarks/extract.py scale` (issue 22) runs end to end at a tiny N and reports what docs/extract.md quotes.
+"""`benchmarks/extract.py scale` (issue 22) runs end to end at a tiny N and reports every figure of its result.
 
 A smoke test of the instrument, not a timing: ``--inline`` keeps every step in one process (the real run
 gives each step a fresh one for its peak RSS), so it takes a few seconds. The figures are not checked,
-only that every one the docs' table is made of is there and that the counts add up.
+only that every one the full run's result is made of is there and that the counts add up (its last figures:
+`git show 925c8ac:docs/benchmarks.md`; docs/benchmarks.md names the command).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def test_extract_scale_smoke(tmp_path: Path) -> None:
 
 
 def test_input_memory_smoke() -> None:
-    """`benchmarks/inputs.py memory` lists both inputs at a tiny N and reports every figure docs/extract.md uses."""
+    """`benchmarks/inputs.py memory` lists both inputs at a tiny N and reports every figure of its result."""
     script = [str(REPO / "benchmarks" / "inputs.py"), "memory"]
     proc = subprocess.run(
         [sys.executable, *script, "--entries", "30", "--json"],
@@ -65,7 +66,7 @@ def test_input_memory_smoke() -> None:
 
 def test_kept_manifest_smoke() -> None:
     """`benchmarks/inputs.py kept` keeps a manifest's table, reads it both ways and reports every figure
-    docs/extract.md uses; the kept read is the kept table's (the step asserts it)."""
+    of its result; the kept read is the kept table's (the step asserts it)."""
     script = [str(REPO / "benchmarks" / "inputs.py"), "kept"]
     proc = subprocess.run(
         [sys.executable, *script, "--entries", "50", "--rounds", "1", "--json"],

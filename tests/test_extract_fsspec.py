@@ -200,7 +200,7 @@ def test_local_or_remote_is_decided_by_the_filesystem_not_the_path_class(tmp_pat
     """universal_pathlib 0.2's UPath("s3://...") is a pathlib.Path: judged by class, an OUT in a bucket took
     the local route (flock on a path that is not on this disk: FileNotFoundError for locks/rank-00000.lock).
     A Path subclass carrying an fsspec filesystem stands in for it here, whatever universal_pathlib is
-    installed; the floors venv of docs/extract.md runs the S3 tests on 0.2 itself."""
+    installed; the floors venv of docs/internals.md runs the S3 tests on 0.2 itself."""
     import fsspec
 
     from vlfast.extraction.store.format import is_local, resolve_out

@@ -429,7 +429,8 @@ def test_two_equal_frames_match_the_image_processor(tmp_path, cfg):
 def test_video_matches_transformers_video_processor(tiny_qwen3_vl, frames, height, width, budget):
     """End to end against ``Qwen3VLVideoProcessor`` itself, built from the checkpoint: same frames in,
     same pixel_values_videos and grid out, bit for bit. Needs torchvision (transformers' video processors
-    do); verified with torch 2.14.1 + torchvision 0.29.1 (see docs/extract.md), skipped where it is absent."""
+    do); verified with torch 2.14.1 + torchvision 0.29.1, skipped where it is absent
+    (test_preprocess_parity.py runs the same classes with .reference/'s torchvision: docs/internals.md)."""
     pytest.importorskip("torchvision")
     from transformers import AutoVideoProcessor
 

@@ -3,7 +3,7 @@
 A foreign Parquet file (valid, but not an index part) or garbage under a part's name, a wrong-schema part, a
 folder where a file belongs, a file where a folder belongs, index/ deleted or emptied while shards remain, a
 part deleted under its shard, a foreign file in index/. For each: ``FeatureCache`` names the problem or reads
-every sample (never a silent 0, never a KeyError), ``check_folder`` (``--verify``) reports a finding, and a
+every sample (never a silent 0, never a KeyError), ``check_folder`` (``vlfast out verify``) reports a finding, and a
 store opening OUT moves it to quarantine (never deletes it) and the run completes; a second open moves
 nothing. A file where a folder belongs (or a folder where a file does), which only a hand edit makes, is
 refused instead, saying what to move out of OUT; moved, the run completes. The same shapes on object storage (moto's S3 server). Each OUT is copied from one built per module.
@@ -130,7 +130,7 @@ FAULTS: dict[str, tuple[Callable[[Path], None], str | int]] = {
     "index is a file": (lambda o: _file(o / "index"), "refused"),
     "shards is a file": (lambda o: _file(o / "shards"), "refused"),
     "run.json is a folder": (lambda o: _folder(o / "run.json"), "refused"),
-    # Plain reads follow index parts: what a deleted part leaves is found by --verify and set aside by a run.
+    # Plain reads follow index parts: what a deleted part leaves is found by out verify and set aside by a run.
     "a part deleted under its shard": (lambda o: _part(o, 1).unlink(), 6),
     "a folder under an uncovered shard's name": (
         lambda o: _folder(o / "shards/shard-r00000-000009.safetensors"),
@@ -186,7 +186,7 @@ def test_each_shape_is_named_then_moved_aside_and_the_run_completes(
             FeatureCache(out)
     else:
         assert len(FeatureCache(out)) == reader
-    # --verify reports a finding (run.json as a folder is refused outright: nothing to check against).
+    # vlfast out verify reports a finding (run.json as a folder is refused outright: nothing to check against).
     if name == "run.json is a folder":
         with pytest.raises(DamagedFile, match="is a folder"):
             check_folder(out)

@@ -287,7 +287,7 @@ def test_a_spread_too_wide_is_flagged_not_reported_as_a_result():
 def test_profile_beside_a_busy_process_keeps_its_structure(tmp_path):
     """A busy neighbour on one of the cores: the command still sets the passive OpenMP policy, reports the
     load and the spread, shows no speedup for what the patch does not touch and shares of 100%. (How far
-    the gain itself moves under load is a benchmark's question: benchmarks/profile_contention.py.)"""
+    the gain itself moves under load is a benchmark's question: benchmarks/commands.py contention.)"""
     import json
     import subprocess
     import sys

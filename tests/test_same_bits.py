@@ -135,7 +135,7 @@ def test_an_api_caller_without_it_is_told(monkeypatch):
 def test_settle_vector_math_calls_each_function_on_one_element_once_per_process():
     """One element is never split between threads: each VML function is first used by this thread alone.
     (The race it prevents is inside MKL and comes and goes with the machine's state: 6 of 42 fresh runs one
-    hour, none of 34 the next; counted by benchmarks/vector_math_first_call.py, not by a test.)"""
+    hour, none of 34 the next; counted by benchmarks/commands.py vector-math, not by a test.)"""
     probe = """
 import json, torch
 from torch.overrides import TorchFunctionMode
