@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vlfast.errors import InputRefused
+from vlfast.models.ref import Answers
 
 __all__ = [
     "IMAGE_BACKENDS",
@@ -275,7 +276,7 @@ def transparency_rule() -> str:
 
 
 def with_video_wrapper(
-    cfg: ProcessorConfig, family: str, prompts: bool, facts: Any = None
+    cfg: ProcessorConfig, family: str, prompts: bool, facts: Answers | None = None
 ) -> ProcessorConfig:
     """``cfg`` with the installed transformers' :func:`video_wrapper_rule` where a prompt holds it: a run
     that builds prompts (``llm`` or ``embedding`` features) for a Qwen3-VL family. Any other run keeps the
