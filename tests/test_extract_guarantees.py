@@ -65,7 +65,8 @@ def _fine_tune(model_dir: Path, which: str) -> None:
 def test_changed_weights_in_the_same_folder_are_refused(model_dir, few, tmp_path, monkeypatch):
     out = tmp_path / "out"
     first = extract(few, out, model=str(model_dir), num_workers=0)
-    assert first.extracted == 3 and first.fingerprint_seconds >= 0  # its cost: benchmarks/extract.py fingerprint
+    # its cost: benchmarks/extract.py fingerprint
+    assert first.extracted == 3 and first.fingerprint_seconds >= 0
     weights = FeatureCache(out).run_config["weights"]
     assert weights["scope"] == "vision tower" and weights["tensors"] > 0 and len(weights["xxh3_128"]) == 32
 
