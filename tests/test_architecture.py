@@ -129,9 +129,6 @@ OUT_NAMES = frozenset(
         *("read_run_file", "list_names"),
     }
 )
-# Modules still naming them, each with what replaces the name. cli/extract.py and cli/out.py show where
-# errors and quarantined files are: Out.errors_folder and Out.quarantine_folder say it.
-STILL_NAMING = {"cli/extract.py", "cli/out.py"}
 
 
 def out_names_outside_store(root: Path = PACKAGE) -> list[str]:
@@ -153,7 +150,7 @@ def out_names_outside_store(root: Path = PACKAGE) -> list[str]:
 
 
 def test_only_the_store_names_outs_files():
-    found = [f for f in out_names_outside_store() if f.split(":", 1)[0] not in STILL_NAMING]
+    found = out_names_outside_store()
     assert found == [], found
 
 

@@ -34,7 +34,6 @@ from vlfast.cli._common import (
 )
 from vlfast.cli._extras import require
 from vlfast.cli._quiet import quiet_ray, quiet_third_party
-from vlfast.cli.out import in_out
 
 if TYPE_CHECKING:
     from typer._click import Context
@@ -484,12 +483,14 @@ def _remedy(diffs, image_backend: str | None) -> str:
 
 def _report(summary, out: str, as_json: bool) -> None:
     """The summary as JSON or a table; exit 1 where the run stopped early or left samples undone."""
+    from vlfast.extraction.store.out import Out
+
     if as_json:
         print_json(summary.to_dict())
     elif summary.nothing_to_do:
         console.print(
             f"nothing to do: all {summary.assigned} input entries{_of_rank(summary)} are already in {out} "
-            f"(extracted, or recorded in {_errors_dir(out)})",
+            f"(extracted, or recorded in {Out.errors_shown(out)})",
             highlight=False,
             markup=False,
             soft_wrap=True,
@@ -549,11 +550,6 @@ def _engine(
     )
 
 
-def _errors_dir(out: str) -> str:
-    """OUT's errors folder as the user would name it (a URL keeps its ``//``; Path would fold it)."""
-    return in_out(out, "errors")
-
-
 def _of_rank(summary, word: str = "of") -> str:
     """Which rank, where ranks share the input (" of rank 3"); nothing for a single process."""
     return f" {word} rank {summary.rank}" if summary.world_size > 1 else ""
@@ -561,7 +557,7 @@ def _of_rank(summary, word: str = "of") -> str:
 
 def _print_summary(summary, out: str) -> None:
     from vlfast.extraction.objstore import is_url
-    from vlfast.extraction.store.format import QUARANTINE_DIR
+    from vlfast.extraction.store.out import Out
 
     shown = out if is_url(out) else str(Path(out))
     table = Table(title=f"vlfast extract -> {escape(shown)}", show_header=False)
@@ -579,7 +575,7 @@ def _print_summary(summary, out: str) -> None:
             + (f", {summary.assigned}{_of_rank(summary, 'for')}" if summary.world_size > 1 else ""),
         ),
         ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
-        ("failed", f"{summary.failed} recorded in {_errors_dir(out)}" if summary.failed else "0"),
+        ("failed", f"{summary.failed} recorded in {Out.errors_shown(out)}" if summary.failed else "0"),
         ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
         ("time", f"{summary.seconds:.1f} s ({summary.compute_seconds:.1f} s in model forwards)"),
         (
@@ -599,14 +595,14 @@ def _print_summary(summary, out: str) -> None:
             (
                 "inputs changed",
                 f"{summary.changed} since they were extracted: extracted again (their shards moved to "
-                f"{in_out(out, QUARANTINE_DIR)})",
+                f"{Out.quarantine_shown(out)})",
             )
         )
     if summary.quarantined:
         rows.append(
             (
                 "damaged",
-                f"{len(summary.quarantined)} moved to {in_out(out, QUARANTINE_DIR)} (the samples they held are "
+                f"{len(summary.quarantined)} moved to {Out.quarantine_shown(out)} (the samples they held are "
                 "extracted again)",
             )
         )
@@ -622,7 +618,7 @@ def _print_summary(summary, out: str) -> None:
         print_table(kinds)
     if summary.failed:
         console.print(
-            f"errors with reasons: {_errors_dir(out)}", highlight=False, markup=False, soft_wrap=True
+            f"errors with reasons: {Out.errors_shown(out)}", highlight=False, markup=False, soft_wrap=True
         )
     from vlfast.extraction.store.format import TRANSIENT_PREFIX
 

@@ -6,7 +6,6 @@ compact rewrites) the store only, so any transformers will do.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -65,26 +64,6 @@ def _typed(ctx: typer.Context) -> str:
     return " ".join(["vlfast", *reversed(names)])
 
 
-def in_out(out: str, name: str) -> str:
-    """OUT's folder ``name`` as the user would name it (a URL keeps its ``//``; Path would fold it)."""
-    from vlfast.extraction.objstore import is_url
-
-    return f"{out.rstrip('/')}/{name}" if is_url(out) else str(Path(out) / name)
-
-
-def _reachable_out(out: str, storage_options: str | None):
-    """OUT as a path object; on object storage, probed first (reachable, bucket present), so a wrong
-    endpoint is named before any work."""
-    from vlfast.extraction.store.format import is_local, resolve_out
-
-    path = resolve_out(out, parse_storage_options(storage_options))
-    if not is_local(path):
-        from vlfast.extraction.objstore import probe_out
-
-        probe_out(path)
-    return path
-
-
 @handle_errors
 def verify(
     ctx: typer.Context, out: OutArg, storage_options: StorageOpt = None, as_json: JsonOpt = False
@@ -95,10 +74,12 @@ def verify(
     2 OUT missing, unreachable or not a vlfast folder, 3 an unexpected error (VLFAST_DEBUG=1 shows the
     traceback).
     """
+    from vlfast.extraction.store.out import Out
+
     require("extract", _typed(ctx), models=False)
     from vlfast.extraction.store.integrity import check_folder
 
-    report = check_folder(_reachable_out(out, storage_options))
+    report = check_folder(Out.reach(out, parse_storage_options(storage_options)))
     if as_json:
         print_json(report.to_dict())
     else:
@@ -130,8 +111,6 @@ def _print_check(report, out: str) -> None:
         notes.append(f"{report.damaged_error_lines} damaged lines in errors/ (those samples will be redone)")
     if report.other_config_parts:
         notes.append(f"index parts made with another configuration: {', '.join(report.other_config_parts)}")
-    if report.unverifiable_parts:
-        notes.append(f"{report.unverifiable_parts} shards of format 1 have no checksums to compare")
     # A damaged part with no samples to name (a foreign file under a part's name) is not in the table.
     notes += [f"{b['part']}: {b['reason']}" for b in report.bad_parts if not b["samples"]]
     notes += [f"{stray['path']}: {stray['problem']}" for stray in report.strays]
@@ -144,7 +123,8 @@ def _print_check(report, out: str) -> None:
 def _advice(report, out: str) -> str:
     """Each finding with the advice that works for it: the same `vlfast extract` quarantines and redoes
     damage, but refuses (exit 2) parts of another configuration, which only the user can move out."""
-    from vlfast.extraction.store.format import QUARANTINE_DIR, REDO_HINT
+    from vlfast.extraction.store.format import REDO_HINT
+    from vlfast.extraction.store.out import Out
 
     advice = []
     if report.bad_samples or report.bad_parts or report.damaged_error_lines:
@@ -152,7 +132,7 @@ def _advice(report, out: str) -> str:
     if report.strays:
         advice.append(
             "Not where the format puts it: the same `vlfast extract` moves these aside to "
-            f"{in_out(out, QUARANTINE_DIR)} (a shard a killed run left is removed) and extracts again what is "
+            f"{Out.quarantine_shown(out)} (a shard a killed run left is removed) and extracts again what is "
             "missing."
         )
     if report.other_config_parts:
@@ -174,10 +154,12 @@ def compact(
     Each rank's lock is taken in turn, so a rank another run holds is skipped and said so. Exit 0 done, 2 OUT
     missing, unreachable, in use or not a vlfast folder, 3 an unexpected error, 4 OUT's disk is full.
     """
+    from vlfast.extraction.store.out import Out
+
     require("extract", _typed(ctx), models=False)
     from vlfast.extraction.store.compact import compact_folder
 
-    results = compact_folder(_reachable_out(out, storage_options))
+    results = compact_folder(Out.reach(out, parse_storage_options(storage_options)))
     if as_json:
         print_json({"out": out, "ranks": [r.to_dict() for r in results]})
         return

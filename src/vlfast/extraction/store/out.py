@@ -55,12 +55,8 @@ class Out:
         ``check_format`` an OUT of another format refused: reads only."""
         if isinstance(out, Out):
             return out
-        path = resolve_out(out, dict(storage_options) if storage_options else None)
-        if not is_local(path):
-            from vlfast.extraction.objstore import probe_out
-
-            probe_out(path)
-        store = cls(path)
+        store = cls(cls.reach(out, storage_options))
+        path = store.path
         from vlfast.extraction.store.layout import refuse_misplaced
 
         refuse_misplaced(path, overwrite=not check_format)  # a file where a folder belongs: what to move
@@ -71,6 +67,33 @@ class Out:
         if store.run_file() is None and (not store.local or path.is_dir()):
             store._check_parts_format()
         return store
+
+    @staticmethod
+    def reach(out: Any, storage_options: Mapping[str, Any] | None = None) -> Any:
+        """OUT resolved; on object storage probed first (reachable, its bucket there), so a wrong endpoint is
+        named before any work. Reads nothing of what OUT holds (a check of a folder judges that itself)."""
+        path = resolve_out(out, dict(storage_options) if storage_options else None)
+        if not is_local(path):
+            from vlfast.extraction.objstore import probe_out
+
+            probe_out(path)
+        return path
+
+    @staticmethod
+    def _shown(out: str, name: str) -> str:
+        """OUT's folder ``name`` as the user would name it, from OUT as typed (a URL keeps its ``//``, where a
+        Path would fold it): for a message saying where to look."""
+        from vlfast.extraction.objstore import is_url
+
+        return f"{out.rstrip('/')}/{name}" if is_url(out) else str(Path(out) / name)
+
+    @classmethod
+    def errors_shown(cls, out: str) -> str:
+        return cls._shown(out, ERROR_DIR)
+
+    @classmethod
+    def quarantine_shown(cls, out: str) -> str:
+        return cls._shown(out, QUARANTINE_DIR)
 
     def _check_parts_format(self) -> None:
         """Where run.json is lost, the format the first index part records (its footer alone)."""
