@@ -439,9 +439,6 @@ class CheckReport:
     bad_samples: list[dict[str, str]] = field(default_factory=list)  # {"id", "shard", "feature", "reason"}
     bad_parts: list[dict[str, Any]] = field(default_factory=list)  # {"part", "shard", "reason", "samples"}
     damaged_error_lines: int = 0  # error records whose checksum fails (their samples will be redone)
-    unverifiable_parts: int = (
-        0  # always 0 (one format, every part checksummed): cli/extract.py still reads it
-    )
     other_config_parts: list[str] = field(default_factory=list)  # parts made with another configuration
     # what is not where the format puts it (store/layout.py): {"path", "problem", "kind"}; a file where a
     # folder belongs (or the reverse), a shard no index part covers
