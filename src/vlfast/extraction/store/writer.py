@@ -248,45 +248,52 @@ class FeatureStore:
                 self._write_or_check_run_file()
             except PermissionError as e:
                 raise self._backend.not_writable(e) from None
-            # Garbage of rank r is cleaned by one live rank: r itself if it is live, else r % world_size,
-            # so a resume with fewer ranks still cleans the old ranks' leftovers and no rank deletes a live
-            # temp file. Uncovered shards no crash explains are moved aside, never deleted.
-            self._backend.clean_garbage(
-                lambda r: r % self.world_size == self.rank,
-                lambda shards: self._set_aside(
-                    shards, "no index part covers it: its index part was deleted or lost"
-                ),
-            )
-            self._bad_parts: set[str] = set()
-            self._parts_read: set[str] = set()  # index parts already in _committed
-            # Other ranks' parts that hold only ids they own in a job of this size: not read while this
-            # store adds only its own ids (see _widen); None once it has read everything.
-            self._parts_skipped: set[str] | None = set() if world_size > 1 else None
-            self._committed = IdSet()  # ids as data: see vlfast.extraction.ids
-            # Ids whose inputs changed since they were extracted (the plan's check): the shards holding them
-            # are moved aside when checked, so they are extracted again; what was moved, in ``superseded``.
-            self._stale = _id_array(stale)
-            self.superseded: list[dict[str, Any]] = []
-            self._check_committed(resume_check)  # takes in the ids of the parts it found sound
-            self._refresh_committed()
-            errors = read_errors(self.out)
-            self._errored: set[str] = {r["id"] for r in errors if done_by_error(r, self._retry)}
-            self._error_keys: set[tuple] = {error_key(r) for r in errors}
-            self._session_failures: set[tuple] = set()  # failure records this session wrote
-            self._seq = self._next_seq()
-            self._versions = library_versions()
-            self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
-            self._buffer_inputs: list[dict[str, Any] | None] = []  # each buffered sample's input record
-            self._buffer_ids: set[str] = set()
-            self._buffer_bytes = 0
-            self._buffer_since: float | None = None  # when the oldest buffered sample was added
-            self._num_errors = 0
-            self._closed = False
-            self._full = False  # a commit found the disk full: nothing more is written
-            self._errors = self._backend.error_log(self._tag, self._session)  # this rank's error records
+            self._read_out(resume_check, stale)
         except BaseException:
             self._release()
             raise
+
+    def _read_out(self, resume_check: str, stale: Collection[str]) -> None:
+        """With the rank locked: clean garbage, check what is committed, read the errors, start a buffer."""
+        # Garbage of rank r is cleaned by one live rank: r itself if it is live, else r % world_size,
+        # so a resume with fewer ranks still cleans the old ranks' leftovers and no rank deletes a live
+        # temp file. Uncovered shards no crash explains are moved aside, never deleted.
+        self._backend.clean_garbage(
+            lambda r: r % self.world_size == self.rank,
+            lambda shards: self._set_aside(
+                shards, "no index part covers it: its index part was deleted or lost"
+            ),
+        )
+        self._bad_parts: set[str] = set()
+        self._parts_read: set[str] = set()  # index parts already in _committed
+        # Other ranks' parts that hold only ids they own in a job of this size: not read while this
+        # store adds only its own ids (see _widen); None once it has read everything.
+        self._parts_skipped: set[str] | None = set() if self.world_size > 1 else None
+        self._committed = IdSet()  # ids as data: see vlfast.extraction.ids
+        # Ids whose inputs changed since they were extracted (the plan's check): the shards holding them
+        # are moved aside when checked, so they are extracted again; what was moved, in ``superseded``.
+        self._stale = _id_array(stale)
+        self.superseded: list[dict[str, Any]] = []
+        self._check_committed(resume_check)  # takes in the ids of the parts it found sound
+        self._refresh_committed()
+        errors = read_errors(self.out)
+        self._errored: set[str] = {r["id"] for r in errors if done_by_error(r, self._retry)}
+        self._error_keys: set[tuple] = {error_key(r) for r in errors}
+        self._session_failures: set[tuple] = set()  # failure records this session wrote
+        self._seq = self._next_seq()
+        self._versions = library_versions()
+        self._empty_buffer()
+        self._num_errors = 0
+        self._closed = False
+        self._full = False  # a commit found the disk full: nothing more is written
+        self._errors = self._backend.error_log(self._tag, self._session)  # this rank's error records
+
+    def _empty_buffer(self) -> None:
+        self._buffer: list[tuple[str, dict[str, torch.Tensor], str]] = []
+        self._buffer_inputs: list[dict[str, Any] | None] = []  # each buffered sample's input record
+        self._buffer_ids: set[str] = set()
+        self._buffer_bytes = 0
+        self._buffer_since: float | None = None  # when the oldest buffered sample was added
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -731,9 +738,7 @@ class FeatureStore:
             raise RuntimeError(f"computing the checksums of {shard.name} failed; nothing was committed")
         self._write_index_part(shard, written, checksums)
         self._committed.update(sid for sid, _, _ in self._buffer)
-        self._buffer, self._buffer_ids, self._buffer_bytes = [], set(), 0
-        self._buffer_inputs = []
-        self._buffer_since = None
+        self._empty_buffer()
         self._seq += 1
 
     def close(self) -> None:
