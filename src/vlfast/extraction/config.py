@@ -355,8 +355,9 @@ def no_gpu_here(root: Path = Path("/"), environ: Mapping[str, str] | None = None
     hides every GPU ("" or "-1", which CUDA and HIP both honour), or on Linux none of :data:`_GPU_TRACES`
     exists under ``root``. False where one may be (then only torch can tell), and off Linux.
 
-    A CUDA build of torch takes 6-9 s to import on a 2-core CPU (docs/benchmarks.md, "Start-up"), and pip
-    installs it on machines without a GPU too: there this answers "cpu" without it."""
+    A CUDA build of torch took 6.7-8.4 s to import on a 2-core CPU (2026-12-01: ``git show
+    925c8ac:docs/benchmarks.md``), and pip installs it on machines without a GPU too: there this answers
+    "cpu" without it."""
     environ = os.environ if environ is None else environ
     if environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
         return True

@@ -5,8 +5,9 @@ A run's configuration holds answers that only transformers, with torch under it,
 family, its vision tower's config and class, the names of the tower's tensors the weights fingerprint hashes,
 the processor files as transformers loads them, and the class of image processor it picks (by what is
 installed: torchvision or not). Importing them was most of the 6.75 s a finished OUT's "nothing to do" took
-on a 2-core CPU (docs/benchmarks.md, "Start-up"). So each answer is recorded with the key it was asked under,
-and a later run takes it from the record only where the key it makes now is equal:
+on a 2-core CPU (2026-12-01; about 1 s since: docs/benchmarks.md, "Start-up"). So each answer is recorded
+with the key it was asked under, and a later run takes it from the record only where the key it makes now is
+equal:
 
 - the model: ``ref:NAME``, or the xxh3 of every ``*.json`` file at the top of the checkpoint folder (the
   config and processor files transformers reads for these answers: their bytes, not their path or times);
