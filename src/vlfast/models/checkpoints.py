@@ -1,8 +1,7 @@
-"""A local checkpoint folder read without torch or transformers: the folder checked (with what to do when
-``--model`` names nothing), its weight files, and where a vision tower's tensors are in them.
-
-:func:`tower_shapes` alone builds the tower (on the meta device: transformers and torch, nothing allocated);
-:func:`check_tower_shapes` compares those shapes with the safetensors headers.
+"""A local checkpoint folder read without torch: the folder checked (with what to do when ``--model`` names
+nothing), its config as transformers reads it (:func:`load_config`, which imports transformers), its weight
+files, and where a vision tower's tensors are in them. :func:`check_tower_shapes` compares the shapes a
+config makes (``towers.tower_shapes``) with the safetensors headers.
 
 What the weights fingerprint of ``vlfast extract`` reads (:mod:`vlfast.extraction.store.fingerprint`), so
 that a finished OUT is answered without importing torch; :mod:`vlfast.models` builds and loads the models
@@ -16,11 +15,13 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from vlfast.errors import InputRefused
 from vlfast.models.references import REF_PREFIX, REFERENCES
 
 __all__ = [
+    "load_config",
     "TINY_CHECKPOINT",
     "check_tower_shapes",
     "checkpoint_dir",
@@ -156,3 +157,18 @@ def check_tower_shapes(spec: str | Path, shapes: Mapping[str, Sequence[int]]) ->
             "weights and config.json come from different models (or the config was edited): put the config.json "
             "saved with these weights beside them"
         )
+
+
+def load_config(spec: str | Path) -> Any:
+    import transformers
+    from transformers import AutoConfig
+
+    path = checkpoint_dir(spec)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    # an unknown model_type (ValueError), a config.json that is not JSON (OSError): the user's files
+    except (ValueError, OSError) as e:
+        raise InputRefused(
+            f"{path}/config.json cannot be read by transformers {transformers.__version__}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None

@@ -63,7 +63,7 @@ def family_of(model: str | ModelRef, facts: Answers | None = None) -> str:
         return ref.reference.family
 
     def ask() -> str:
-        from vlfast.models.towers import load_config
+        from vlfast.models.checkpoints import load_config
 
         return str(load_config(ref.given).model_type)
 

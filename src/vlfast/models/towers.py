@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from vlfast.errors import InputRefused
-from vlfast.models.checkpoints import checkpoint_dir, tensor_locations
+from vlfast.models.checkpoints import checkpoint_dir, load_config, tensor_locations
 from vlfast.models.ref import ModelRef
 from vlfast.models.references import resolve_reference
 from vlfast.patching.gemm import eligibility
@@ -26,7 +26,6 @@ __all__ = [
     "TowerSpec",
     "build_reference",
     "find_vision_tower",
-    "load_config",
     "load_model",
     "load_vision_tower",
     "reference_config",
@@ -236,21 +235,6 @@ def tower_outputs(out: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- loading
-
-
-def load_config(spec: str | Path) -> Any:
-    import transformers
-    from transformers import AutoConfig
-
-    path = checkpoint_dir(spec)
-    try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    # an unknown model_type (ValueError), a config.json that is not JSON (OSError): the user's files
-    except (ValueError, OSError) as e:
-        raise InputRefused(
-            f"{path}/config.json cannot be read by transformers {transformers.__version__}: "
-            f"{str(e).splitlines()[0]}"
-        ) from None
 
 
 def load_vision_tower(
