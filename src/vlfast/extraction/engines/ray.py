@@ -229,12 +229,13 @@ def _decoded_sample(row: dict[str, Any], i: int, load) -> DecodedSample:
 class _Decode:
     """Ray Data stage: samples -> decoded tensors (or the reason they failed), on one CPU, one thread."""
 
-    def __init__(self, model, family, cfg, spec, images, decode_timeout, decode_hook):
+    def __init__(self, config: ExtractConfig, family, cfg, images, decode_hook):
         torch.set_num_threads(1)  # one sample at a time; the forked worker stays on one thread too
+        spec = config.spec
         self.pre, self.prompts = prepare_decoding(
-            model, family, cfg, spec.needs_llm, images, embedding=spec.embedding_prompt()
+            config.model, family, cfg, spec.needs_llm, images, embedding=spec.embedding_prompt()
         )
-        self.default_prompt, self.timeout, self.hook = spec.prompt, decode_timeout, decode_hook
+        self.default_prompt, self.timeout, self.hook = spec.prompt, config.decode_timeout, decode_hook
         self.classes = _member_classes()
         self.schema = _schemas()[1]
 
@@ -280,15 +281,14 @@ class _ModelStage:
 
     def __init__(
         self,
+        config: ExtractConfig,
+        family,
+        cfg,
         out,
         run_config,
         volatile_keys,
         store_options,
         ranks,
-        load_args,
-        cfg,
-        stored_as,
-        budget,
         hook,
         rank_counter=None,
         bits_probe=None,
@@ -296,14 +296,15 @@ class _ModelStage:
         t0 = time.perf_counter()
         self.store = _claim_rank(out, run_config, volatile_keys, store_options, ranks, rank_counter)
         try:
-            model, family, spec, device, dtype, patch_convs = load_args
-            loaded = runner.load(model, family, spec, device, dtype, patch_convs)
+            spec = config.spec
+            device = torch.device(config.device_type)  # Ray gives each actor its GPUs as cuda:0..
+            loaded = runner.load(config.model, family, spec, device, config.torch_dtype, config.patch_convs)
             prompts = (
-                prepare_decoding(model, family, cfg, True, False, embedding=spec.embedding_prompt())[1]
+                prepare_decoding(config.model, family, cfg, True, False, embedding=spec.embedding_prompt())[1]
                 if spec.needs_llm
                 else None
             )
-            self.forward = runner.Forward(loaded, spec, cfg, stored_as, prompts, hook)
+            self.forward = runner.Forward(loaded, spec, cfg, config.stored_as, prompts, hook)
             # Measured where the model runs: the actors' nodes need not have the driver's CPU.
             self.bits_problem = cpu_bits_problem(bits_probe) if device.type == "cpu" else None
             # What another actor committed before dying: its batch in flight is retried here, and must not
@@ -312,7 +313,7 @@ class _ModelStage:
         except BaseException:
             self.store.close()
             raise
-        self.budget, self.load_s = budget, time.perf_counter() - t0
+        self.budget, self.load_s = config.budget, time.perf_counter() - t0
         self.schema = _schemas()[2]
         _commit_on_sigterm(self.store)
 
@@ -506,6 +507,50 @@ def _spend_actor_restart_alarm(ray) -> None:
         ray.kill(probe)
 
 
+def _take_rows(job: Session, rows, actors, unexpected, counted: Counter, added: dict[str, int]) -> None:
+    """Count the model actors' rows as they come, until the dataset ends or ``max_errors`` is passed."""
+    summary = job.summary
+    for row in rows:
+        summary.compute_seconds += row["compute_s"] or 0.0
+        summary.oom_splits += row["oom_splits"] or 0
+        actors.take(row)
+        if row["status"] == "unexpected":
+            job.bar.update(samples=1)
+            trace = row["reason"]
+            unexpected.add(row["id"], "", trace.strip().splitlines()[-1], trace)
+            continue
+        unexpected.other()
+        if row["status"] == "ok":
+            if row["id"] not in added:
+                job.bar.update(samples=1, tokens=row["patches"])
+            added[row["id"]] = row["patches"]
+        elif row["status"] == "error":
+            counted[row["reason"]] += 1
+            job.count_error(row["reason"])
+            if job.over_max_errors():
+                return
+
+
+def _count_from_out(
+    job: Session, recorded_before, counted: Counter, added: dict[str, int], to_extract_ids, done
+):
+    """The summary's counts from what OUT holds, not from the rows: an actor killed after committing (or
+    recording an error) but before returning its rows is restarted and its call retried, which then finds
+    those samples done ("done", "known") and would leave them uncounted."""
+    errors_now = job.plan.store.errors()
+    recorded = Counter(r["reason"] for r in errors_now if error_key(r) not in recorded_before)
+    for reason, missing in (recorded - counted).items():
+        for _ in range(missing):
+            job.count_error(reason)
+    # Only this run's records: a record from before that --retry-errors selected is superseded by the
+    # sample's commit now.
+    failed = IdSet({r["id"] for r in errors_now if error_key(r) not in recorded_before and done_by_error(r)})
+    extracted = done.isin(to_extract_ids) & ~failed.isin(to_extract_ids)
+    job.summary.extracted = int(extracted.sum())
+    to_extract = IdSet(to_extract_ids)
+    job.summary.tokens = sum(p for i, p in added.items() if i in to_extract and i in done and i not in failed)
+
+
 class RayEngine:
     """Ray Data stages in place of a model in this process (see the module's docstring).
 
@@ -632,7 +677,6 @@ class RayEngine:
         remaining = todo.take(np.flatnonzero(~done.isin(todo.ids)))  # columns, not a Sample per entry
         summary.skipped += len(todo) - len(remaining)
         to_extract_ids = remaining.ids
-        to_extract = IdSet(to_extract_ids)
         recorded_before = job.plan.store.error_keys()
         counted: Counter[str] = Counter()  # reasons of the error rows the driver saw
         added: dict[str, int] = {}  # id -> patches, of samples a model actor added (buffered or committed)
@@ -650,25 +694,7 @@ class RayEngine:
                 )
             rows = iter(self._dataset(ray, job, remaining).iter_rows())
             try:
-                for row in rows:
-                    summary.compute_seconds += row["compute_s"] or 0.0
-                    summary.oom_splits += row["oom_splits"] or 0
-                    actors.take(row)
-                    if row["status"] == "unexpected":
-                        job.bar.update(samples=1)
-                        trace = row["reason"]
-                        unexpected.add(row["id"], "", trace.strip().splitlines()[-1], trace)
-                        continue
-                    unexpected.other()
-                    if row["status"] == "ok":
-                        if row["id"] not in added:
-                            job.bar.update(samples=1, tokens=row["patches"])
-                        added[row["id"]] = row["patches"]
-                    elif row["status"] == "error":
-                        counted[row["reason"]] += 1
-                        job.count_error(row["reason"])
-                        if job.over_max_errors():
-                            break
+                _take_rows(job, rows, actors, unexpected, counted, added)
             except KeyboardInterrupt:  # SIGTERM (Terminated) or Ctrl-C: let the actors commit, then go
                 self._close(rows)
                 self._wait_for_actors(
@@ -694,21 +720,7 @@ class RayEngine:
             if summary.stopped:
                 break
         self._compact_actor_ranks(ray, job)
-        # Counts from what OUT holds, not from the rows: an actor killed after committing (or recording an
-        # error) but before returning its rows is restarted and its call retried, which then finds those
-        # samples done ("done", "known") and would leave them uncounted.
-        errors_now = job.plan.store.errors()
-        recorded = Counter(r["reason"] for r in errors_now if error_key(r) not in recorded_before)
-        for reason, missing in (recorded - counted).items():
-            for _ in range(missing):
-                job.count_error(reason)
-        # Only this run's records: a record from before that --retry-errors selected is superseded by the
-        # sample's commit now.
-        failed_ids = {r["id"] for r in errors_now if error_key(r) not in recorded_before and done_by_error(r)}
-        failed = IdSet(failed_ids)
-        extracted = done.isin(to_extract_ids) & ~failed.isin(to_extract_ids)
-        summary.extracted = int(extracted.sum())
-        summary.tokens = sum(p for i, p in added.items() if i in to_extract and i in done and i not in failed)
+        _count_from_out(job, recorded_before, counted, added, to_extract_ids, done)
         summary.load_seconds += actors.load_s
         if remaining and not summary.stopped:
             summary.stopped = (
@@ -748,12 +760,10 @@ class RayEngine:
             num_cpus=1,
             runtime_env=self.stage_env,
             fn_constructor_kwargs=dict(
-                model=job.config.model,
+                config=job.config,
                 family=job.plan.family,
                 cfg=job.plan.processor,
-                spec=job.config.spec,
                 images=samples.has_kind("image"),
-                decode_timeout=job.config.decode_timeout,
                 decode_hook=self.hooks.decode,
             ),
         )
@@ -767,7 +777,6 @@ class RayEngine:
         counter = None if is_local(job.store.out) else _RankCounter.start(ray, job.plan.store)
         if counter is not None:
             self._counters.append(counter)
-        device = torch.device(job.config.torch_device.type)  # Ray gives each actor its GPUs as cuda:0..
         return _map_batches_bounded(
             decoded,
             _ModelStage,
@@ -780,23 +789,15 @@ class RayEngine:
             # times; one that keeps dying fails the job (run it again to resume) instead of looping.
             runtime_env=self.stage_env,
             fn_constructor_kwargs=dict(
+                config=job.config,  # not the plan: its sample table stays on the driver
+                family=job.plan.family,
+                cfg=job.plan.processor,
                 out=job.store.out,  # a Path, or a UPath carrying its storage options
                 run_config=job.plan.run_config,
                 volatile_keys=tuple(job.plan.volatile_keys),
                 store_options=store_options,
                 ranks=list(range(1, self.workers + 1)) if is_local(job.store.out) else None,
                 rank_counter=counter,
-                load_args=(
-                    job.config.model,
-                    job.plan.family,
-                    job.config.spec,
-                    device,
-                    job.config.torch_dtype,
-                    job.config.patch_convs,
-                ),
-                cfg=job.plan.processor,
-                stored_as=job.config.stored_as,
-                budget=job.config.budget,
                 hook=self.hooks.forward,
                 bits_probe=self.hooks.bits_probe,
             ),
