@@ -326,9 +326,6 @@ def compute_llm_features(
     are captured by a hook, images first then videos, as the model calls it.
     """
 
-    order = [i for i, it in enumerate(items) if _modality(it) == "image"] + [
-        i for i, it in enumerate(items) if _modality(it) == "video"
-    ]
     inputs, _ = llm_inputs(
         items,
         image_token_id=image_token_id,
@@ -368,23 +365,32 @@ def compute_llm_features(
     for index in taps.resolved:  # in the order asked, as before
         for i, f in enumerate(pooled[index]):
             results[i].update(f)
-    vision_names = [n for n in spec.names if n in VISION_FEATURES]
-    if vision_names and order:
-        merged, deep = [], []
-        for t in tap.outputs:  # one call per modality present, images first
-            merged.append(t["merged"])
-            deep.append(t["deepstack"])
-        merged_all = torch.cat(merged)
-        deep_all = [torch.cat(level) for level in zip(*deep)] if deep and deep[0] else []
-        sorted_items = [items[i] for i in order]
-        batch = VisionBatch(
-            pixel_values=torch.empty(0),
-            grid_thw=torch.tensor([list(it.grid) for it in sorted_items], dtype=torch.int64),
-            tokens=[int(it.tokens) for it in sorted_items],
-        )
-        for pos, feats in zip(order, vision_features(vision_names, merged_all, deep_all, batch)):
-            results[pos].update(feats)
+    _add_tower_features(results, items, spec, tap)
     return results
+
+
+def _add_tower_features(results: list[dict], items: Sequence[DecodedSample], spec: FeatureSpec, tap) -> None:
+    """The vision features asked, from what the tower returned during the whole-model forward."""
+    order = [i for i, it in enumerate(items) if _modality(it) == "image"] + [
+        i for i, it in enumerate(items) if _modality(it) == "video"
+    ]
+    vision_names = [n for n in spec.names if n in VISION_FEATURES]
+    if not (vision_names and order):
+        return
+    merged, deep = [], []
+    for t in tap.outputs:  # one call per modality present, images first
+        merged.append(t["merged"])
+        deep.append(t["deepstack"])
+    merged_all = torch.cat(merged)
+    deep_all = [torch.cat(level) for level in zip(*deep)] if deep and deep[0] else []
+    sorted_items = [items[i] for i in order]
+    batch = VisionBatch(
+        pixel_values=torch.empty(0),
+        grid_thw=torch.tensor([list(it.grid) for it in sorted_items], dtype=torch.int64),
+        tokens=[int(it.tokens) for it in sorted_items],
+    )
+    for pos, feats in zip(order, vision_features(vision_names, merged_all, deep_all, batch)):
+        results[pos].update(feats)
 
 
 # ------------------------------------------------------------------------------------------- storing
