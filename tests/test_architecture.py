@@ -161,3 +161,24 @@ def test_the_door_check_finds_what_it_looks_for(tmp_path):
         'from vlfast.extraction.store.format import RUN_FILE\nx = out / "index"\nnote = "an index of it"\n'
     )
     assert out_names_outside_store(tmp_path) == ["plan.py:1: RUN_FILE", "plan.py:2: index"]
+
+
+def test_only_models_ref_reads_a_model_spec_s_prefix():
+    """What --model names is read by vlfast.models.ModelRef (issue 52): no other module tests for ``ref:``."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "models":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) in ("startswith", "removeprefix")
+                and any(
+                    (isinstance(a, ast.Constant) and a.value == "ref:")
+                    or getattr(a, "attr", None) == "REF_PREFIX"
+                    or getattr(a, "id", None) == "REF_PREFIX"
+                    for a in node.args
+                )
+            ):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == [], found

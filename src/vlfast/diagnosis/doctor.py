@@ -458,8 +458,7 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
         ):
             return model, known
         tower = models.load_vision_tower(model, device="meta")
-        label = model.removeprefix(models.REF_PREFIX)
-        return model, conv_shapes(tower, patches=patches, label=label)
+        return model, conv_shapes(tower, patches=patches, label=models.ModelRef.of(model).label)
     raise InputRefused(
         f"doctor(model=...) takes an nn.Module, a spec string (ref:NAME or a checkpoint dir) or None, "
         f"got {type(model).__name__}"

@@ -38,6 +38,11 @@ class ModelRef:
         return resolve_reference(self.given)
 
     @property
+    def label(self) -> str:
+        """The name shown for it: a reference's without ``ref:``, a folder as given."""
+        return self.given.removeprefix(REF_PREFIX)
+
+    @property
     def folder(self) -> str | None:
         """The checkpoint folder as given (None for a reference): where its processor files are read."""
         return None if self.is_reference else self.given

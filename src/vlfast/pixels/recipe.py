@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vlfast.models.ref import ModelRef
+
 __all__ = [
     "EMBEDDING_ARCHITECTURES",
     "RECIPE_PIXELS",
@@ -51,7 +53,7 @@ def is_embedding_checkpoint(model: str) -> bool:
     """Whether ``model`` is a Qwen3-VL-Embedding checkpoint: its config.json names the embedding
     architecture, or it is a Qwen3-VL saved as a Sentence-Transformers model (read as JSON: cheap; a config
     transformers cannot read is refused where the model is loaded, not here)."""
-    if model.startswith("ref:"):
+    if ModelRef.of(model).is_reference:
         return False
     try:
         config = json.loads(Path(model, "config.json").read_text(encoding="utf-8"))

@@ -25,6 +25,7 @@ from vlfast.extraction.objstore import TransientReadError
 from vlfast.extraction.sources.identity import texts_used
 from vlfast.extraction.sources.sample import Sample
 from vlfast.extraction.sources.table import SampleTable
+from vlfast.models.ref import ModelRef
 from vlfast.pixels.engine import Preprocessor
 from vlfast.pixels.media import SampleError
 from vlfast.pixels.settings import TORCHVISION_IMAGE_PROCESSORS, ProcessorConfig
@@ -145,9 +146,7 @@ def prepare_decoding(
     runs, and for ``llm`` the prompt builder with its tokenizer loaded, so forked workers inherit both.
     ``embedding`` (its ``builder`` left None: made here) asks for the embedding conversation instead."""
     # A reference has no processor files: its family's published defaults apply (cfg).
-    pre = Preprocessor(
-        cfg, image_processor_dir=None if model.startswith("ref:") else model, defer_video_normalize=True
-    )
+    pre = Preprocessor(cfg, image_processor_dir=ModelRef.of(model).folder, defer_video_normalize=True)
     if images and cfg.image_processor not in TORCHVISION_IMAGE_PROCESSORS:
         # transformers' processor runs for images: import and build it once here, so forked workers inherit it
         pre.image_processor()
