@@ -133,6 +133,41 @@ def tiny_qwen3_vl_config(
     )
 
 
+# Qwen3-VL's published video processor settings: saved as the hub's JSON or through the processor class
+_VIDEO_SETTINGS = {
+    "size": {"shortest_edge": 4096, "longest_edge": 25_165_824},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5] * 3,
+    "image_std": [0.5] * 3,
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+}
+
+
+def _tiny_tokenizer():
+    """A byte-level BPE of 400 pieces with Qwen's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=QWEN_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bar prints blank lines when stdout is not a terminal
+    )
+    corpus = ["Describe this image. Describe this video. What happens? user assistant system seconds"] * 8
+    bpe.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+
+
 def make_tiny_qwen3_vl(
     path: str | Path, *, seed: int = 0, layout: str = "hub", embedding: bool = False
 ) -> Path:
@@ -155,28 +190,14 @@ def make_tiny_qwen3_vl(
     checkpoint, with a 64-wide LLM.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if layout not in LAYOUTS:
         raise InputRefused(f"layout must be one of {LAYOUTS}, got {layout!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=QWEN_SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,  # its bar prints blank lines when stdout is not a terminal
-    )
-    corpus = ["Describe this image. Describe this video. What happens? user assistant system seconds"] * 8
-    bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
-    )
+    tok = _tiny_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     config = tiny_qwen3_vl_config(
         len(tok),
@@ -203,17 +224,7 @@ def make_tiny_qwen3_vl(
         from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-        video_processor = Qwen3VLVideoProcessor(
-            size={"shortest_edge": 4096, "longest_edge": 25_165_824},
-            patch_size=16,
-            temporal_patch_size=2,
-            merge_size=2,
-            image_mean=[0.5] * 3,
-            image_std=[0.5] * 3,
-            fps=2,
-            min_frames=4,
-            max_frames=768,
-        )
+        video_processor = Qwen3VLVideoProcessor(**_VIDEO_SETTINGS)
         with _video_processors_accepted():
             processor = Qwen3VLProcessor(
                 image_processor=image_processor,
@@ -226,18 +237,7 @@ def make_tiny_qwen3_vl(
     tok.save_pretrained(path)
     image_processor.save_pretrained(path)
     # The hub's video_preprocessor_config.json, as the published repositories write it.
-    video = {
-        "video_processor_type": "Qwen3VLVideoProcessor",
-        "size": {"shortest_edge": 4096, "longest_edge": 25_165_824},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": [0.5] * 3,
-        "image_std": [0.5] * 3,
-        "fps": 2,
-        "min_frames": 4,
-        "max_frames": 768,
-    }
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", **_VIDEO_SETTINGS}
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     return path
 
