@@ -1,30 +1,20 @@
 """Object storage, the base layer of extraction: the ONLY module that imports fsspec.
 
 Local paths never reach this module's filesystems, so a purely local run imports no fsspec (importing this
-module does not import it either). Here, once for the package:
+module does not import it either). Here, once for the package: what a URL is and its bucket
+(:data:`BUCKET_PROTOCOLS`), opening a filesystem with the storage options (as JSON: hashable and picklable),
+probing a URL or OUT, and ranged reads of an object in place (a tar member at a URL).
 
-* URLs: :func:`url_scheme`, :func:`is_url`, :func:`bucket_root` (``s3://bucket`` for stores whose first path
-  component is a bucket, :data:`BUCKET_PROTOCOLS`), :func:`url_path` (OUT's path object), and what a
-  filesystem is (:func:`is_local_fs`, :func:`has_buckets`);
-* filesystems: :func:`filesystem` opens the fsspec filesystem of a URL with the storage options (passed as
-  JSON, :func:`encode_options`: hashable and picklable), S3 with :data:`S3_RETRIES`; :func:`probe` asks a
-  URL's ``info`` and turns what fails into :func:`refusal`'s messages;
-* transient errors: a connection reset, a 5xx or SlowDown, a timeout (:func:`is_transient`) are retried by
-  the client where it has retries of its own (S3: botocore's ``retries`` config, :data:`S3_RETRIES` unless
-  ``config_kwargs`` or ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` set one, plus s3fs's own loop over
-  connection errors; gcsfs and adlfs retry by themselves) and by :func:`retrying` here for other stores
-  (plain HTTP). What still fails is :class:`TransientReadError`, whose message starts with
-  :data:`TRANSIENT_PREFIX`: the sample's error record is "transient", not done, tried again by the next run;
-* OUT on object storage: :func:`probe_out` (reachable, bucket present, s3fs able to create exclusively);
-* ranged reads: :class:`ObjectRange` (one ranged request per read, with the caller's error policy, :data:`RANGE_POLICIES`); :func:`read_range` / :func:`open_range` read bytes of an object in place (a tar member at a
-  URL), :class:`RangeReader` is the unbuffered view a shard is listed through.
+Transient errors (a connection reset, a 5xx or SlowDown, a timeout: :func:`is_transient`) are retried by
+the client where it has retries of its own (S3: botocore's ``retries`` config, :data:`S3_RETRIES` unless
+``config_kwargs`` or ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` set one, plus s3fs's own loop over
+connection errors; gcsfs and adlfs retry by themselves) and by :func:`retrying` here for other stores
+(plain HTTP). What still fails is :class:`TransientReadError`, whose message starts with
+:data:`TRANSIENT_PREFIX`: the sample's error record is "transient", not done, tried again by the next run.
 
-What is read as INPUT at URLs (folders, manifests, media, WebDataset shards) is listed in
-:mod:`vlfast.extraction.sources` (``remote``, ``webdataset``).
-
-Credentials come from the environment and fsspec's configuration, plus ``storage_options`` (passed to
-``fsspec.filesystem``). They are never shown: every message names the URL only, and any option value that
-a library error echoes is masked (:func:`masked`).
+What is read as INPUT at URLs is listed in :mod:`vlfast.extraction.sources` (``remote``, ``webdataset``).
+Credentials come from the environment and fsspec's configuration, plus ``storage_options``. They are never
+shown: every message names the URL only, and any option value a library error echoes is masked.
 """
 
 from __future__ import annotations
@@ -155,61 +145,32 @@ S3_RETRIES = {"mode": "standard", "max_attempts": 6}
 _CLIENT_RETRIES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 OWN_ATTEMPTS = 5  # our own retries (plain HTTP...): waits of <= 0.5, 1, 2, 4 s between attempts
 
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottled",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "PriorRequestNotComplete",
-        "InternalError",
-        "ServiceUnavailable",
-    }
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+# Error codes of S3-like services that say "try again"
+_TRANSIENT_CODES = _names(
+    "SlowDown Throttling ThrottlingException ThrottledException RequestThrottled RequestThrottledException "
+    "TooManyRequestsException RequestLimitExceeded BandwidthLimitExceeded RequestTimeout "
+    "RequestTimeoutException PriorRequestNotComplete InternalError ServiceUnavailable"
 )
+# EBUSY is s3fs's translation of 503, SlowDown and ServiceUnavailable; EREMOTEIO, of 500.
 _TRANSIENT_ERRNOS = frozenset(
     getattr(errno, n)
-    for n in (
-        "ECONNRESET",
-        "ECONNABORTED",
-        "ECONNREFUSED",
-        "ETIMEDOUT",
-        "EPIPE",
-        "EHOSTUNREACH",
-        "ENETUNREACH",
-        "ENETDOWN",
-        "ENETRESET",
-        "EAGAIN",
-        "EBUSY",  # s3fs's translation of 503, SlowDown and ServiceUnavailable
-        "EREMOTEIO",  # s3fs's translation of 500
+    for n in _names(
+        "ECONNRESET ECONNABORTED ECONNREFUSED ETIMEDOUT EPIPE EHOSTUNREACH ENETUNREACH ENETDOWN ENETRESET EAGAIN "
+        "EBUSY EREMOTEIO"
     )
     if hasattr(errno, n)
 )
 # Network failures by class name, so that no client library is imported to classify: botocore's, urllib3's,
 # aiohttp's and fsspec's (builtins ConnectionError and TimeoutError are checked by type).
-_TRANSIENT_CLASSES = frozenset(
-    {
-        "HTTPClientError",
-        "ConnectionClosedError",
-        "EndpointConnectionError",
-        "ReadTimeoutError",
-        "ConnectTimeoutError",
-        "IncompleteReadError",
-        "ResponseStreamingError",
-        "IncompleteRead",
-        "ProtocolError",
-        "ClientConnectionError",
-        "ServerDisconnectedError",
-        "ClientPayloadError",
-        "ServerTimeoutError",
-        "FSTimeoutError",
-    }
+_TRANSIENT_CLASSES = _names(
+    "HTTPClientError ConnectionClosedError EndpointConnectionError ReadTimeoutError ConnectTimeoutError "
+    "IncompleteReadError ResponseStreamingError IncompleteRead ProtocolError ClientConnectionError "
+    "ServerDisconnectedError ClientPayloadError ServerTimeoutError FSTimeoutError"
 )
 
 
