@@ -241,6 +241,29 @@ def test_docs_stay_within_their_word_budget():
     assert sum(words.values()) <= 30000, words
 
 
+def test_internals_names_every_module():
+    """Issue 52 item 6: docs/internals.md's "Where the code lives" names every module of src/vlfast, and
+    nothing that is not one: a table row per package (its folder first, as `vlfast/extraction/store/`),
+    each module by file name in the rest of the row. A module added, moved or renamed fails here until the
+    table says so."""
+    text = (ROOT / "docs" / "internals.md").read_text()
+    assert "\n## Where the code lives\n" in text, "internals.md lost its 'Where the code lives' section"
+    section = text.split("\n## Where the code lives\n", 1)[1].split("\n## ", 1)[0]
+    named: set[str] = set()  # module paths under src/
+    for row in re.finditer(r"^\| `(vlfast/(?:\w+/)*)` \|(.*)$", section, re.MULTILINE):
+        for name in re.findall(r"`(\w+\.py)`", row.group(2)):
+            assert row.group(1) + name not in named, f"{row.group(1) + name} is named twice"
+            named.add(row.group(1) + name)
+    src = ROOT / "src"
+    modules = {
+        p.relative_to(src).as_posix() for p in (src / "vlfast").rglob("*.py") if p.name != "__init__.py"
+    }
+    assert len(modules) > 50, modules  # the tree was found
+    missing, stale = sorted(modules - named), sorted(named - modules)
+    assert not missing, f"modules docs/internals.md does not name: {missing}"
+    assert not stale, f"docs/internals.md names modules that do not exist: {stale}"
+
+
 CLI_CALL = re.compile(r"\bvlfast(?:\.cli\.main)?((?:\s+[a-z][\w-]*)*)((?:\s+[^\s|;&#`]+)*)")
 
 
