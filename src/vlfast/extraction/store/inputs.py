@@ -6,18 +6,9 @@ names its sample's id and shard (with the shard's header checksum, as the index 
 row counts only while a live index part points at that very shard: rows of a shard moved aside, or of a
 commit a kill cut short, are never read as records. The index parts are left as they were (readers that
 hold a part whole, ``FeatureCache`` and the resume's check, do not grow with the records), and a sample
-committed without a record (a ``FeatureStore`` user's own) reads as unknown, never as changed.
-
-- :func:`file_stamp`, :func:`hash_files`, :func:`hash_range`: a local file's stamp (size, mtime, ctime,
-  inode) and the xxh3 of bytes, the same here and where a sample is recorded (decode/inputs.py);
-- :func:`write_inputs`, :func:`merge_inputs`: the writer's side;
-- :func:`recorded_keys`: the entry keys (or content keys) recorded for the live shards, sorted, and the id
-  hashes of the rows of live shards that have no record;
-- :func:`changed_on_disk`: the full check of the recorded local inputs: a stamp that moved has its bytes
-  hashed again, and a sample whose bytes differ is named;
-- :func:`mark_stale`: the writer's move of the shards that hold samples whose input changed.
-
-What each check sees is docs/extract.md's ("Inputs that change").
+committed without a record (a ``FeatureStore`` user's own) reads as unknown, never as changed. A local
+file's stamp and hashes are made the same here and where a sample is recorded (decode/inputs.py). What each
+check sees is docs/extract.md's ("Inputs that change").
 """
 
 from __future__ import annotations

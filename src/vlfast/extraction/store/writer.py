@@ -60,8 +60,6 @@ from vlfast.extraction.store.format import (
     TRANSIENT_PREFIX,
     DamagedFile,
     OutputFull,
-    OutputInUse,
-    OutputNotWritable,
     canonical_json,
     check_id,
     committed_parts,
@@ -81,7 +79,6 @@ from vlfast.extraction.store.format import (
     read_errors,
     read_header,
     read_index_part,
-    read_run_file,
     referenced_shards,
     release_arrow_memory,
     resolve_out,
@@ -97,16 +94,12 @@ from vlfast.extraction.store.layout import refuse_misplaced
 from vlfast.extraction.store.repair import quarantine_consolidated
 from vlfast.extraction.store.resume import (
     DEFAULT_VOLATILE_KEYS,
-    OutState,
     RunConfigMismatch,
     canonical_config,
     check_run_config,
     config_diffs,
     dist_info,
-    duplicate_reason,
     owner_rank,
-    partition,
-    plan_positions,
     read_state,
 )
 from vlfast.extraction.store.run_file import library_versions, run_file_bytes
@@ -114,29 +107,9 @@ from vlfast.extraction.store.run_file import library_versions, run_file_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from vlfast.extraction.store.facts import ModelFacts
 
-__all__ = [
-    "DEFAULT_VOLATILE_KEYS",
-    "DUPLICATE_KIND",
-    "INPUT_KIND",
-    "FeatureStore",
-    "OutputFull",
-    "OutputInUse",
-    "OutState",
-    "OutputNotWritable",
-    "RunConfigMismatch",
-    "committed_parts",
-    "dist_info",
-    "duplicate_reason",
-    "index_schema",
-    "owner_rank",
-    "partition",
-    "plan_positions",
-    "read_errors",
-    "read_index_part",
-    "read_run_file",
-    "rank_is_held",
-    "read_state",
-]
+# dist_info, rank_is_held and read_state: tests and tests/_selftest.py import them from here
+__all__ = ["FeatureStore", "dist_info", "rank_is_held", "read_state"]
+
 
 # torch.dtype -> its name: the dtypes safetensors can store (format.DTYPES); checked in ``add`` so a bad
 # tensor fails at the sample, not at flush.
