@@ -21,11 +21,8 @@ from typing import Any
 
 from vlfast.errors import InputRefused, VlfastError
 from vlfast.extraction.ids import check_id as check_id  # re-exported: the writer imports it from here
-from vlfast.extraction.objstore import TRANSIENT_PREFIX as TRANSIENT_PREFIX  # re-exported, as check_id
+from vlfast.extraction.objstore import TRANSIENT_PREFIX as TRANSIENT_PREFIX  # re-exported for the store
 from vlfast.extraction.objstore import is_local_fs, is_url, read_whole, url_path
-
-# TRANSIENT_PREFIX: how the reason of a "transient" failure begins (add_error infers the kind from it); it
-# is objstore's, which raises those errors, and is re-exported here for the store's readers.
 
 FORMAT_VERSION = 4  # the one format; an OUT of an earlier development format is refused (OldFormat)
 RUN_FILE = "run.json"
@@ -553,8 +550,6 @@ def referenced_shards(out: Path, exclude: str | None = None) -> Any:
 
 
 _READ_THREADS = 16  # index parts read at once from object storage
-
-
 _READ_AHEAD = 256  # parts read ahead of the consumer at most (a Ray job on S3 commits 156,000 at 10M)
 
 
@@ -757,12 +752,11 @@ REDO_HINT = (
     "their samples again."
 )
 
-# What to do about a file in OUT that is not the format's (a foreign Parquet file under a part's name, a file
-# where a folder belongs): never deleted, and the shard its name points at may be another part's.
 # What to do about a file where the format keeps a folder, or a folder where it keeps a file: only a hand edit
 # makes one, and nothing moves it for the user (store.layout.refuse_misplaced).
 MOVE_HINT = "Nothing in OUT is moved for you: move it out of OUT, then run again."
-
+# What to do about a file in OUT that is not the format's (a foreign Parquet file under a part's name): never
+# deleted, and the shard its name points at may be another part's.
 FOREIGN_HINT = (
     "Run the same `vlfast extract` again: it moves it aside to OUT/quarantine and extracts again what is "
     "missing (or move it out of OUT yourself)."
