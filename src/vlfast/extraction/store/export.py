@@ -236,7 +236,7 @@ def _refuse_a_feature_never_extracted(out: Any, run: dict, feature: str | None) 
     here, before the reader imports torch (seconds; the reader then checks every sample's own)."""
     config = run.get("config") if isinstance(run, dict) else None
     features = config.get("features") if isinstance(config, dict) else None
-    names = features.get("names") if isinstance(features, dict) else features  # a list in older run.json
+    names = features.get("names") if isinstance(features, dict) else features  # a list: a FeatureStore user's
     if feature is None or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return
     if feature.split(".")[0] in names or (feature == "grid_thw" and {"vision", "deepstack"} & set(names)):
