@@ -41,27 +41,25 @@ EXIT_USAGE = 2  # a refusal: missing path, unknown model name, invalid option va
 EXIT_ERROR = 3  # the command could not run: an unexpected exception, most likely a bug
 EXIT_FULL = 4  # the output's disk is full: free space and run the same command again (it resumes)
 
-JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of tables.")
-]
-ModelOpt = Annotated[
+
+def option(kind: Any, *flags: str, **kwargs: Any) -> Any:
+    """An option alias, ``Annotated[kind, typer.Option(*flags, **kwargs)]``, in one line."""
+    return Annotated[kind, typer.Option(*flags, **kwargs)]
+
+
+JsonOpt = option(bool, "--json", help="Print machine-readable JSON on stdout instead of tables.")
+ModelOpt = option(
     str,
-    typer.Option(
-        "--model",
-        "-m",
-        help="A local checkpoint directory, or a built-in reference such as ref:qwen3-vl-4b (see `vlfast models`).",
-    ),
-]
-DeviceOpt = Annotated[
-    str | None, typer.Option("--device", help="cpu, cuda, cuda:1, mps. Default: the best available.")
-]
-DtypeOpt = Annotated[
+    "--model",
+    "-m",
+    help="A local checkpoint directory, or a built-in reference such as ref:qwen3-vl-4b (see `vlfast models`).",
+)
+DeviceOpt = option(str | None, "--device", help="cpu, cuda, cuda:1, mps. Default: the best available.")
+DtypeOpt = option(
     str | None,
-    typer.Option(
-        "--dtype",
-        help="float32, bfloat16 or float16 (or fp32, bf16, fp16). Default: bfloat16 where supported.",
-    ),
-]
+    "--dtype",
+    help="float32, bfloat16 or float16 (or fp32, bf16, fp16). Default: bfloat16 where supported.",
+)
 
 console = Console()
 err_console = Console(stderr=True)

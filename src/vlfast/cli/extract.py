@@ -28,6 +28,7 @@ from vlfast.cli._common import (
     console,
     err_console,
     handle_errors,
+    option,
     parse_storage_options,
     print_json,
     print_table,
@@ -81,214 +82,164 @@ Paths = Annotated[
         metavar="INPUT OUT",
     ),
 ]
-Model = Annotated[
+Model = option(
     str | None,
-    typer.Option(
-        "--model",
-        "-m",
-        help="A local checkpoint directory, or ref:NAME (vision features only, random weights).",
-    ),
-]
-Features = Annotated[
+    "--model",
+    "-m",
+    help="A local checkpoint directory, or ref:NAME (vision features only, random weights).",
+)
+Features = option(
     str,
-    typer.Option(
-        "--features",
-        "-f",
-        help="Comma-separated: vision, vision_mean, deepstack, llm; or embedding (Qwen3-VL-Embedding's "
-        "vector of each row's media and text).",
-    ),
-]
-Layers = Annotated[
-    str, typer.Option("--layers", help="LLM hidden-state layers for 'llm' (0 = embeddings, -1 = last).")
-]
-Pools = Annotated[str, typer.Option("--pool", help="'last', 'mean' or 'last,mean' for 'llm'.")]
-Prompt = Annotated[
+    "--features",
+    "-f",
+    help="Comma-separated: vision, vision_mean, deepstack, llm; or embedding (Qwen3-VL-Embedding's "
+    "vector of each row's media and text).",
+)
+Layers = option(str, "--layers", help="LLM hidden-state layers for 'llm' (0 = embeddings, -1 = last).")
+Pools = option(str, "--pool", help="'last', 'mean' or 'last,mean' for 'llm'.")
+Prompt = option(
+    str | None, "--prompt", help="Prompt for 'llm' when a manifest row has none ('{kind}' = image/video)."
+)
+Instruction = option(
     str | None,
-    typer.Option("--prompt", help="Prompt for 'llm' when a manifest row has none ('{kind}' = image/video)."),
-]
-Instruction = Annotated[
-    str | None,
-    typer.Option(
-        "--instruction",
-        help="For 'embedding': the system instruction of rows without their own 'instruction' "
-        '(default: "Represent the user\'s input.").',
-    ),
-]
-Dim = Annotated[
+    "--instruction",
+    help="For 'embedding': the system instruction of rows without their own 'instruction' "
+    '(default: "Represent the user\'s input.").',
+)
+Dim = option(
     int | None,
-    typer.Option(
-        "--dim", help="For 'embedding': keep the first N dimensions, normalised again (Matryoshka, >= 64)."
-    ),
-]
-StoreDtype = Annotated[
+    "--dim",
+    help="For 'embedding': keep the first N dimensions, normalised again (Matryoshka, >= 64).",
+)
+StoreDtype = option(
     str | None,
-    typer.Option(
-        "--store-dtype",
-        help="float16, float32 or bfloat16: convert floating features before storing (numpy cannot "
-        "read bfloat16). Default: as computed.",
-    ),
-]
-NoPatch = Annotated[bool, typer.Option("--no-patch", help="Leave the patch-embedding convs unpatched.")]
+    "--store-dtype",
+    help="float16, float32 or bfloat16: convert floating features before storing (numpy cannot "
+    "read bfloat16). Default: as computed.",
+)
+NoPatch = option(bool, "--no-patch", help="Leave the patch-embedding convs unpatched.")
 
 # How media becomes patches
-Fps = Annotated[float | None, typer.Option("--fps", help="Video frames per second to sample.")]
-NumFrames = Annotated[int | None, typer.Option("--num-frames", help="Frames per video instead of --fps.")]
-MinPixels = Annotated[int | None, typer.Option("--min-pixels", help="Image pixel budget, lower.")]
-MaxPixels = Annotated[int | None, typer.Option("--max-pixels", help="Image pixel budget, upper.")]
-VideoMaxPixels = Annotated[
-    int | None, typer.Option("--video-max-pixels", help="Total pixel budget over a video's frames.")
-]
-ExifOrientation = Annotated[
+Fps = option(float | None, "--fps", help="Video frames per second to sample.")
+NumFrames = option(int | None, "--num-frames", help="Frames per video instead of --fps.")
+MinPixels = option(int | None, "--min-pixels", help="Image pixel budget, lower.")
+MaxPixels = option(int | None, "--max-pixels", help="Image pixel budget, upper.")
+VideoMaxPixels = option(int | None, "--video-max-pixels", help="Total pixel budget over a video's frames.")
+ExifOrientation = option(
     bool | None,
-    typer.Option(
-        "--exif-orientation/--no-exif-orientation",
-        help="Turn images upright by their EXIF orientation, and videos by their rotation metadata, as "
-        "transformers does for a file given by path; or take the pixels as stored. Default: as OUT was "
-        "made; for a new OUT, turned (not for the Qwen3-VL-Embedding recipe, as qwen-vl-utils).",
-        show_default=False,
-    ),
-]
-ImageBackend = Annotated[
+    "--exif-orientation/--no-exif-orientation",
+    help="Turn images upright by their EXIF orientation, and videos by their rotation metadata, as "
+    "transformers does for a file given by path; or take the pixels as stored. Default: as OUT was "
+    "made; for a new OUT, turned (not for the Qwen3-VL-Embedding recipe, as qwen-vl-utils).",
+    show_default=False,
+)
+ImageBackend = option(
     str | None,
-    typer.Option(
-        "--image-backend",
-        help="Whose pixels images get: torchvision (transformers' torchvision image processor, done by "
-        "vlfast, torchvision not needed; transformers' default for Qwen-VL) or pil (transformers' PIL "
-        "processor, which runs; slower). Default: as OUT was made; for a new OUT, torchvision.",
-        show_default=False,
-    ),
-]
+    "--image-backend",
+    help="Whose pixels images get: torchvision (transformers' torchvision image processor, done by "
+    "vlfast, torchvision not needed; transformers' default for Qwen-VL) or pil (transformers' PIL "
+    "processor, which runs; slower). Default: as OUT was made; for a new OUT, torchvision.",
+    show_default=False,
+)
 
 # How it runs
-BatchTokens = Annotated[
+BatchTokens = option(
+    int | None, "--batch-tokens", help="Patches per forward. Default 32768 on CUDA, 4096 on CPU."
+)
+Workers = option(
     int | None,
-    typer.Option("--batch-tokens", help="Patches per forward. Default 32768 on CUDA, 4096 on CPU."),
-]
-Workers = Annotated[
-    int | None,
-    typer.Option(
-        "--workers",
-        help="Decode/preprocess processes. Default: one per core on CPU, cores - 1 with a GPU; at most 8. "
-        "With --engine ray: decode actors (default: as many as the cluster's free CPUs).",
-    ),
-]
-DecodeTimeout = Annotated[
+    "--workers",
+    help="Decode/preprocess processes. Default: one per core on CPU, cores - 1 with a GPU; at most 8. "
+    "With --engine ray: decode actors (default: as many as the cluster's free CPUs).",
+)
+DecodeTimeout = option(
     float,
-    typer.Option(
-        "--decode-timeout",
-        help="Seconds one sample may take to decode before its worker is stopped and the sample "
-        "recorded as an error; 0 = no limit.",
-    ),
-]
-Rank = Annotated[
+    "--decode-timeout",
+    help="Seconds one sample may take to decode before its worker is stopped and the sample "
+    "recorded as an error; 0 = no limit.",
+)
+Rank = option(
     int | None,
-    typer.Option(
-        "--rank",
-        help="This process's share of the input, from 0 to WORLD_SIZE minus 1, for ranks you launch "
-        "yourself (a Slurm array: --rank $SLURM_ARRAY_TASK_ID). Default: torchrun's, or RANK.",
-    ),
-]
-WorldSize = Annotated[
+    "--rank",
+    help="This process's share of the input, from 0 to WORLD_SIZE minus 1, for ranks you launch "
+    "yourself (a Slurm array: --rank $SLURM_ARRAY_TASK_ID). Default: torchrun's, or RANK.",
+)
+WorldSize = option(
     int | None,
-    typer.Option(
-        "--world-size",
-        help="How many ranks share the input (with --rank). Default: torchrun's, or WORLD_SIZE.",
-    ),
-]
+    "--world-size",
+    help="How many ranks share the input (with --rank). Default: torchrun's, or WORLD_SIZE.",
+)
 
 # OUT: how it is written, what is redone
-CommitEvery = Annotated[
-    float,
-    typer.Option(
-        "--commit-every", help="Commit finished samples at least this often, in seconds; 0 = by size only."
-    ),
-]
-ResumeCheck = Annotated[
+CommitEvery = option(
+    float, "--commit-every", help="Commit finished samples at least this often, in seconds; 0 = by size only."
+)
+ResumeCheck = option(
     str,
-    typer.Option(
-        "--resume-check",
-        help="How a resume checks what OUT holds: 'full' hashes every stored tensor, 'quick' checks "
-        "sizes and headers only.",
-    ),
-]
-MaxErrors = Annotated[
-    int | None, typer.Option("--max-errors", help="Stop once more samples than this have failed.")
-]
-RetryErrors = Annotated[
+    "--resume-check",
+    help="How a resume checks what OUT holds: 'full' hashes every stored tensor, 'quick' checks "
+    "sizes and headers only.",
+)
+MaxErrors = option(int | None, "--max-errors", help="Stop once more samples than this have failed.")
+RetryErrors = option(
     str | None,
-    typer.Option(
-        "--retry-errors",
-        metavar="KIND,...",
-        help="Extract again the samples OUT records as failed: 'all', or kinds: error, transient, or a "
-        "reason class as the summary counts it (e.g. 'unreadable or truncated image'). A new attempt's "
-        "record supersedes the old one; a success removes it from the counts. (Transient failures are "
-        "retried by every run anyway.)",
-    ),
-]
-Overwrite = Annotated[bool, typer.Option("--overwrite", help="Delete what OUT holds and start over.")]
-StorageOptions = Annotated[
+    "--retry-errors",
+    metavar="KIND,...",
+    help="Extract again the samples OUT records as failed: 'all', or kinds: error, transient, or a "
+    "reason class as the summary counts it (e.g. 'unreadable or truncated image'). A new attempt's "
+    "record supersedes the old one; a success removes it from the counts. (Transient failures are "
+    "retried by every run anyway.)",
+)
+Overwrite = option(bool, "--overwrite", help="Delete what OUT holds and start over.")
+StorageOptions = option(
     str | None,
-    typer.Option(
-        "--storage-options",
-        help="JSON object passed to fsspec for INPUT and OUT URLs (s3://bucket/...), e.g. "
-        '\'{"client_kwargs": {"endpoint_url": "http://localhost:9000"}}\'; credentials also come from '
-        "the environment.",
-    ),
-]
+    "--storage-options",
+    help="JSON object passed to fsspec for INPUT and OUT URLs (s3://bucket/...), e.g. "
+    '\'{"client_kwargs": {"endpoint_url": "http://localhost:9000"}}\'; credentials also come from '
+    "the environment.",
+)
 
 # Where the model runs
-EngineName = Annotated[
+EngineName = option(
     str,
-    typer.Option(
-        "--engine",
-        help="local: this process and its decode workers (under torchrun, one rank each); ray: Ray Data "
-        "stages on a Ray cluster, decoding on CPU actors and the model on --ray-workers actors "
-        "(pip install 'vlfast[ray]'). Same OUT either way.",
-    ),
-]
-RayAddress = Annotated[
+    "--engine",
+    help="local: this process and its decode workers (under torchrun, one rank each); ray: Ray Data "
+    "stages on a Ray cluster, decoding on CPU actors and the model on --ray-workers actors "
+    "(pip install 'vlfast[ray]'). Same OUT either way.",
+)
+RayAddress = option(
     str | None,
-    typer.Option(
-        "--ray-address",
-        help="With --engine ray: the cluster (ray://head:10001, head:6379, auto). Default: RAY_ADDRESS, "
-        "else a cluster started with `ray start` here, else a local one for this run.",
-    ),
-]
-RayWorkers = Annotated[
+    "--ray-address",
+    help="With --engine ray: the cluster (ray://head:10001, head:6379, auto). Default: RAY_ADDRESS, "
+    "else a cluster started with `ray start` here, else a local one for this run.",
+)
+RayWorkers = option(
     int | None,
-    typer.Option(
-        "--ray-workers", help="With --engine ray: model actors (each claims a rank of OUT). Default 1."
-    ),
-]
-GpusPerWorker = Annotated[
+    "--ray-workers",
+    help="With --engine ray: model actors (each claims a rank of OUT). Default 1.",
+)
+GpusPerWorker = option(
     float | None,
-    typer.Option(
-        "--num-gpus-per-worker",
-        help="With --engine ray: GPUs per model actor. Default 1 with --device cuda, else 0 (CPU).",
-    ),
-]
-CpusPerWorker = Annotated[
-    float | None,
-    typer.Option("--ray-cpus-per-worker", help="With --engine ray: CPUs per model actor. Default 1."),
-]
+    "--num-gpus-per-worker",
+    help="With --engine ray: GPUs per model actor. Default 1 with --device cuda, else 0 (CPU).",
+)
+CpusPerWorker = option(
+    float | None, "--ray-cpus-per-worker", help="With --engine ray: CPUs per model actor. Default 1."
+)
 
 # This command's own
-Demo = Annotated[
+Demo = option(
     bool,
-    typer.Option(
-        "--demo",
-        help="Make a few images and a short video in a temp folder and extract them with --model (default "
-        f"{DEMO_MODEL}: vision features; a checkpoint from `vlfast demo-checkpoint tiny-ckpt` adds LLM ones).",
-    ),
-]
-Verbose = Annotated[
+    "--demo",
+    help="Make a few images and a short video in a temp folder and extract them with --model (default "
+    f"{DEMO_MODEL}: vision features; a checkpoint from `vlfast demo-checkpoint tiny-ckpt` adds LLM ones).",
+)
+Verbose = option(
     bool,
-    typer.Option(
-        "--verbose",
-        "-v",
-        help="Also show what transformers and Ray print (loading bars, Ray's INFO and WARNING lines).",
-    ),
-]
+    "--verbose",
+    "-v",
+    help="Also show what transformers and Ray print (loading bars, Ray's INFO and WARNING lines).",
+)
 
 
 @handle_errors

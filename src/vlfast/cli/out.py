@@ -17,6 +17,7 @@ from vlfast.cli._common import (
     JsonOpt,
     console,
     handle_errors,
+    option,
     parse_storage_options,
     print_json,
 )
@@ -30,15 +31,13 @@ OutArg = Annotated[
         show_default=False,
     ),
 ]
-StorageOpt = Annotated[
+StorageOpt = option(
     str | None,
-    typer.Option(
-        "--storage-options",
-        help="JSON object passed to fsspec for an OUT URL, e.g. "
-        '\'{"client_kwargs": {"endpoint_url": "http://localhost:9000"}}\'; credentials also come from the '
-        "environment.",
-    ),
-]
+    "--storage-options",
+    help="JSON object passed to fsspec for an OUT URL, e.g. "
+    '\'{"client_kwargs": {"endpoint_url": "http://localhost:9000"}}\'; credentials also come from the '
+    "environment.",
+)
 
 
 def register(app: typer.Typer) -> None:

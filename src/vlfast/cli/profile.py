@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 from rich.markup import escape
 from rich.table import Table
@@ -16,6 +14,7 @@ from vlfast.cli._common import (
     console,
     err_console,
     handle_errors,
+    option,
     print_json,
     print_table,
     refuse_early,
@@ -151,42 +150,33 @@ def _render_pair(report, before, after) -> None:
             )
 
 
-ProfileModel = Annotated[
+ProfileModel = option(
     str | None,
-    typer.Option(
-        "--model",
-        "-m",
-        help="ref:NAME (default ref:qwen3-vl-4b) or a local checkpoint directory (also times the whole VLM).",
-    ),
-]
-Batch = Annotated[str, typer.Option("--batch", help="Batch sizes (clips per forward), e.g. 1,2,4.")]
-Frames = Annotated[
-    str | None, typer.Option("--frames", help="Frames per clip, e.g. 2,8,16. Default 8 on GPU, 2 on CPU.")
-]
-Size = Annotated[
+    "--model",
+    "-m",
+    help="ref:NAME (default ref:qwen3-vl-4b) or a local checkpoint directory (also times the whole VLM).",
+)
+Batch = option(str, "--batch", help="Batch sizes (clips per forward), e.g. 1,2,4.")
+Frames = option(str | None, "--frames", help="Frames per clip, e.g. 2,8,16. Default 8 on GPU, 2 on CPU.")
+Size = option(
     str | None,
-    typer.Option(
-        "--size",
-        metavar="HxW",
-        help="Frame size HEIGHTxWIDTH in pixels. Default 384x512 on GPU, 224x224 on CPU.",
-    ),
-]
-Warmup = Annotated[int, typer.Option("--warmup", help="Discarded forwards per configuration.")]
-Repeats = Annotated[int, typer.Option("--repeats", help="Timed forwards per configuration.")]
-Tiny = Annotated[bool, typer.Option("--tiny", help="Build references at test size (seconds on CPU).")]
-NoVlm = Annotated[bool, typer.Option("--no-vlm", help="Skip the whole-VLM forward of a checkpoint.")]
-Plot = Annotated[
-    str | None,
-    typer.Option("--plot", metavar="PNG", help="Write a PNG bar chart here (pip install 'vlfast[plot]')."),
-]
-Budget = Annotated[
+    "--size",
+    metavar="HxW",
+    help="Frame size HEIGHTxWIDTH in pixels. Default 384x512 on GPU, 224x224 on CPU.",
+)
+Warmup = option(int, "--warmup", help="Discarded forwards per configuration.")
+Repeats = option(int, "--repeats", help="Timed forwards per configuration.")
+Tiny = option(bool, "--tiny", help="Build references at test size (seconds on CPU).")
+NoVlm = option(bool, "--no-vlm", help="Skip the whole-VLM forward of a checkpoint.")
+Plot = option(
+    str | None, "--plot", metavar="PNG", help="Write a PNG bar chart here (pip install 'vlfast[plot]')."
+)
+Budget = option(
     float,
-    typer.Option(
-        "--budget",
-        help="Seconds the timing may take in total (model building not counted): each "
-        "configuration cuts its rounds to fit and says so.",
-    ),
-]
+    "--budget",
+    help="Seconds the timing may take in total (model building not counted): each "
+    "configuration cuts its rounds to fit and says so.",
+)
 
 
 def register(app: typer.Typer) -> None:

@@ -15,51 +15,43 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from vlfast.cli._common import EXIT_FINDING, JsonOpt, console, handle_errors, print_json, print_table
+from vlfast.cli._common import EXIT_FINDING, JsonOpt, console, handle_errors, option, print_json, print_table
 from vlfast.cli._examples import HELP_OPTIONS
 from vlfast.cli._extras import require
 
 _STYLE = {"trained": "green", "suspect": "yellow", "untrained": "bold red"}
 
-LocalModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="A local checkpoint folder: safetensors weights and a tokenizer.")
-]
-TagsOpt = Annotated[
+LocalModelOpt = option(
+    str, "--model", "-m", help="A local checkpoint folder: safetensors weights and a tokenizer."
+)
+TagsOpt = option(
     list[str] | None,
-    typer.Option(
-        "--tags",
-        "-t",
-        help="Tags to check, repeatable or comma-separated; a bare name is the pair, as in rewrite's --map: "
-        "think = <think>, </think>. Default: <think>, </think>.",
-    ),
-]
-TemplateOpt = Annotated[
+    "--tags",
+    "-t",
+    help="Tags to check, repeatable or comma-separated; a bare name is the pair, as in rewrite's --map: "
+    "think = <think>, </think>. Default: <think>, </think>.",
+)
+TemplateOpt = option(
     str | None,
-    typer.Option(
-        "--template", help="A chat template (.jinja, or a tokenizer_config.json); its tags are checked."
-    ),
-]
-RegexOpt = Annotated[
-    str | None,
-    typer.Option("--reward-regex", help="The format reward's regex; the tags it matches are checked."),
-]
-ReferenceOpt = Annotated[
+    "--template",
+    help="A chat template (.jinja, or a tokenizer_config.json); its tags are checked.",
+)
+RegexOpt = option(
+    str | None, "--reward-regex", help="The format reward's regex; the tags it matches are checked."
+)
+ReferenceOpt = option(
     list[str] | None,
-    typer.Option(
-        "--reference-ids",
-        help="Known never-trained ids or ranges (e.g. 151669-152063). Default: padding rows beyond the "
-        "tokenizer plus [unused*]/reserved tokens.",
-    ),
-]
+    "--reference-ids",
+    help="Known never-trained ids or ranges (e.g. 151669-152063). Default: padding rows beyond the "
+    "tokenizer plus [unused*]/reserved tokens.",
+)
 
 
-PlaceholdersOpt = Annotated[
+PlaceholdersOpt = option(
     bool,
-    typer.Option(
-        help="Also check Qwen-VL placeholder tokens (<|image_pad|>, <|vision_start|>, <|box_start|>, ...), "
-        "which are skipped by default: the model never predicts them, so their rows may look untrained.",
-    ),
-]
+    help="Also check Qwen-VL placeholder tokens (<|image_pad|>, <|vision_start|>, <|box_start|>, ...), "
+    "which are skipped by default: the model never predicts them, so their rows may look untrained.",
+)
 
 
 def _v(verdict: str) -> str:

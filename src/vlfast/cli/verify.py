@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -18,6 +18,7 @@ from vlfast.cli._common import (
     console,
     err_console,
     handle_errors,
+    option,
     print_json,
     print_table,
     refuse_early,
@@ -117,30 +118,25 @@ def _parse_grid(text: str) -> tuple[int, int, int]:
     return check("--grid", t), check("--grid", h), check("--grid", w)
 
 
-Grids = Annotated[
+Grids = option(
     list[str] | None,
-    typer.Option(
-        "--grid",
-        metavar="TxHxW",
-        help="Per-sample patch grid TxHxW; repeat for more samples. Default: 2x16x16 and 1x12x20.",
-    ),
-]
-Dtypes = Annotated[
+    "--grid",
+    metavar="TxHxW",
+    help="Per-sample patch grid TxHxW; repeat for more samples. Default: 2x16x16 and 1x12x20.",
+)
+Dtypes = option(
     list[str] | None,
-    typer.Option(
-        "--dtype", help="Low-precision dtypes to check besides float32 (repeatable). Default: bfloat16."
-    ),
-]
-Device = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, mps.")]
-Windows = Annotated[int, typer.Option("--windows", help="Patches per layer check.")]
-Backward = Annotated[bool, typer.Option("--backward/--no-backward", help="Also compare gradients.")]
-Tiny = Annotated[
+    "--dtype",
+    help="Low-precision dtypes to check besides float32 (repeatable). Default: bfloat16.",
+)
+Device = option(str, "--device", help="cpu, cuda, cuda:1, mps.")
+Windows = option(int, "--windows", help="Patches per layer check.")
+Backward = option(bool, "--backward/--no-backward", help="Also compare gradients.")
+Tiny = option(
     bool,
-    typer.Option(
-        "--tiny",
-        help="With ref:NAME, a seconds-fast scaled-down tower of the same family (full size: minutes on a CPU).",
-    ),
-]
+    "--tiny",
+    help="With ref:NAME, a seconds-fast scaled-down tower of the same family (full size: minutes on a CPU).",
+)
 
 
 @handle_errors
