@@ -328,15 +328,9 @@ class KeptListings:
         if identity is not None:
             name = table_name(identity)
             buffer = (self._read_mapped or self._mapped_from_read)(name)
-            if buffer is not None:
-                got = decode_table(buffer, identity)
-                with self._lock:
-                    if got is None:
-                        self.damaged.append(name)
-                    else:
-                        self.used += 1
-                if got is not None:
-                    return got
+            got = None if buffer is None else self._counted(name, decode_table(buffer, identity))
+            if got is not None:
+                return got
         table, problems = load()
         if identity is not None and self.rank == 0 and table.can_keep():
             with self._lock:
@@ -356,13 +350,16 @@ class KeptListings:
         data = self._read(name)
         if data is None:
             return None
-        listing = decode(data, identity, size)
+        return self._counted(name, decode(data, identity, size))
+
+    def _counted(self, name: str, got: Any) -> Any:
+        """``got``, what the kept file ``name`` decoded to, counted as used or (None) damaged."""
         with self._lock:
-            if listing is None:
+            if got is None:
                 self.damaged.append(name)
             else:
                 self.used += 1
-        return listing
+        return got
 
     def listing(
         self, identity: Sequence[Any] | None, size: int, position: int, scan: Callable[[], Listing]
