@@ -163,6 +163,16 @@ def readable_help(app: typer.Typer) -> None:
             readable_help(group.typer_instance)
 
 
+def add_group(app: typer.Typer, name: str, help: str, commands: dict[str, Callable]) -> None:
+    """Register a command group (``vlfast out``, ``vlfast tokens``): ``commands`` by name, in help's order."""
+    from vlfast.cli._examples import HELP_OPTIONS
+
+    group = typer.Typer(name=name, help=help, no_args_is_help=True, context_settings=HELP_OPTIONS)
+    for command, fn in commands.items():
+        group.command(command)(fn)
+    app.add_typer(group, name=name)
+
+
 class UsageError(Exception):
     """Bad input from the user; the message says what to do."""
 

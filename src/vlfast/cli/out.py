@@ -15,13 +15,13 @@ from rich.table import Table
 from vlfast.cli._common import (
     EXIT_FINDING,
     JsonOpt,
+    add_group,
     console,
     handle_errors,
     option,
     parse_storage_options,
     print_json,
 )
-from vlfast.cli._examples import HELP_OPTIONS
 from vlfast.cli._extras import require
 
 OutArg = Annotated[
@@ -41,16 +41,8 @@ StorageOpt = option(
 
 
 def register(app: typer.Typer) -> None:
-    out = typer.Typer(
-        name="out",
-        help="Verify, compact or export a finished OUT (the folder `vlfast extract` wrote).",
-        no_args_is_help=True,
-        context_settings=HELP_OPTIONS,
-    )
-    out.command("verify")(verify)
-    out.command("compact")(compact)
-    out.command("export")(export)
-    app.add_typer(out, name="out")
+    help = "Verify, compact or export a finished OUT (the folder `vlfast extract` wrote)."
+    add_group(app, "out", help, {"verify": verify, "compact": compact, "export": export})
     app.command("export", hidden=True)(export)  # the name it had before the group: scripts keep working
 
 

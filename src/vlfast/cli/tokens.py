@@ -15,8 +15,16 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from vlfast.cli._common import EXIT_FINDING, JsonOpt, console, handle_errors, option, print_json, print_table
-from vlfast.cli._examples import HELP_OPTIONS
+from vlfast.cli._common import (
+    EXIT_FINDING,
+    JsonOpt,
+    add_group,
+    console,
+    handle_errors,
+    option,
+    print_json,
+    print_table,
+)
 from vlfast.cli._extras import require
 
 _STYLE = {"trained": "green", "suspect": "yellow", "untrained": "bold red"}
@@ -451,14 +459,6 @@ def check_pipeline(
 
 
 def register(app: typer.Typer) -> None:
-    tokens = typer.Typer(
-        name="tokens",
-        help="Audit, rewrite and fix the format tags (<think>...) that RL rewards depend on.",
-        no_args_is_help=True,
-        context_settings=HELP_OPTIONS,
-    )
-    tokens.command("audit")(audit)
-    tokens.command("rewrite")(rewrite)
-    tokens.command("fix")(fix)
-    tokens.command("check-pipeline")(check_pipeline)
-    app.add_typer(tokens, name="tokens")
+    help = "Audit, rewrite and fix the format tags (<think>...) that RL rewards depend on."
+    commands = {"audit": audit, "rewrite": rewrite, "fix": fix, "check-pipeline": check_pipeline}
+    add_group(app, "tokens", help, commands)

@@ -1,21 +1,12 @@
 """The pixel engine: the settings built from a checkpoint (:func:`build_processor_config`), and one input (an
 image, a video, a clip's frames: an :class:`Item`) made the vision tower's input by the model's own rules.
 
-Images go through transformers' image processor built from the checkpoint (``AutoImageProcessor``) or,
-for a ``ref:`` tower, from the family's published defaults. Videos cannot use transformers' video
-processors without torchvision, so they are decoded with PyAV and processed here by the same rules,
-written as data in :class:`ProcessorConfig` and proven against transformers' own functions in the tests:
-
-- frame indices: ``Qwen3VLVideoProcessor.sample_frames`` (fps or count, min/max frames) or, for Qwen2-VL
-  families, ``Qwen2VLVideoProcessor.sample_frames`` (counts rounded to the temporal patch);
-- size: the video ``smart_resize`` (total pixel budget over all frames, optional per-frame cap);
-- resize: ``F.interpolate(uint8, bicubic, antialias=True)``, the kernel torchvision's ``resize`` runs on
-  CPU uint8 tensors; then ``(x - 255*mean) / (255*std)`` in float32, as transformers fuses it;
-- patchify: an odd frame count is padded with the last frame; rows ordered (t, h/2, w/2, 2, 2), columns
-  (C, T, P, P), exactly ``Qwen3VLVideoProcessor.patchify``.
-
-Bad inputs raise :class:`SampleError` with a reason a person can act on; the pipeline records it and
-goes on.
+Videos cannot use transformers' video processors without torchvision, so they are decoded with PyAV and
+processed by the same rules (:mod:`~vlfast.pixels.video`: ``Qwen3VLVideoProcessor.sample_frames`` or
+Qwen2-VL's, the video ``smart_resize``, ``F.interpolate(uint8, bicubic, antialias=True)`` as torchvision runs
+it on CPU, ``(x - 255*mean) / (255*std)`` in float32 as transformers fuses it, ``patchify``), proven against
+transformers' own functions in the tests. Bad inputs raise :class:`SampleError` with a reason a person can
+act on; the pipeline records it and goes on.
 """
 
 from __future__ import annotations
@@ -277,23 +268,25 @@ def _checkpoint_values(
 
 
 def _pixel_settings(cfg: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """The settings of a processor's file that change pixels (absent: the Qwen-VL processor classes'
-    defaults), as ProcessorConfig fields named with ``prefix``."""
+    """The settings of a processor's file that change pixels (absent: PIXEL_SETTINGS' defaults, the Qwen-VL
+    processor classes'), as ProcessorConfig fields named with ``prefix``."""
     out: dict[str, Any] = {}
-    resample = cfg.get("resample", 3)
-    try:
-        out[f"{prefix}resample"] = int(resample)
-    except (TypeError, ValueError):
-        raise InputRefused(
-            f"the processor's resample is {resample!r}: expected a PIL resampling code (0-5)"
-        ) from None
-    for flag in ("do_resize", "do_rescale", "do_normalize") + (("do_convert_rgb",) if not prefix else ()):
-        value = cfg.get(flag, True)
-        if not isinstance(value, bool):
-            raise InputRefused(f"the processor's {flag} is {value!r}: expected true or false")
-        out[prefix + flag] = value
-    if prefix:
-        out[f"{prefix}rescale_factor"] = float(cfg.get("rescale_factor", 1 / 255))
+    for name, default in PIXEL_SETTINGS.items():
+        if name.startswith("video_") != bool(prefix):
+            continue
+        key = name.removeprefix(prefix)
+        value = out[name] = cfg.get(key, default)
+        if key == "resample":
+            try:
+                out[name] = int(value)
+            except (TypeError, ValueError):
+                raise InputRefused(
+                    f"the processor's resample is {value!r}: expected a PIL resampling code (0-5)"
+                ) from None
+        elif key == "rescale_factor":
+            out[name] = float(value)
+        elif not isinstance(value, bool):
+            raise InputRefused(f"the processor's {key} is {value!r}: expected true or false")
     return out
 
 
@@ -313,30 +306,19 @@ def build_processor_config(
     thin_images: str | None = None,
     facts: Answers | None = None,
 ) -> ProcessorConfig:
-    """The preprocessing numbers for ``model``: its checkpoint's processor files, or the family's defaults.
+    """The preprocessing numbers for ``model``: its checkpoint's processor files (either layout), or the
+    family's defaults. The image processor's class is recorded, so a run resumed after transformers would
+    pick another backend is refused. With ``facts`` (:class:`~vlfast.extraction.store.facts.ModelFacts`)
+    what transformers answers comes from OUT's record where its key is this environment's and these files',
+    without importing transformers.
 
-    A checkpoint's files may be in the published layout (preprocessor_config.json and
-    video_preprocessor_config.json) or in the one transformers 5 saves (one processor_config.json);
-    ``source`` names what was read. The image processor is built here and its class recorded as
-    ``image_processor``, so a run resumed after transformers would pick another backend is refused. With
-    ``facts`` (:class:`~vlfast.extraction.store.facts.ModelFacts`) what transformers answers (the files as it
-    loads them, the class it picks) comes from OUT's record where the record's key is this environment's and
-    these files', without importing transformers; else it is asked as without.
-    ``fps`` and ``num_frames`` are exclusive; with neither the processor's own default (2 fps) applies.
-    ``exif_orientation`` None: applied as transformers applies it to a path, except for the Qwen3-VL-Embedding
-    recipe, whose reference (qwen-vl-utils) reads the pixels as stored. ``image_processor``: the class asked
-    (``--image-backend``) or recorded by the OUT resumed; None for a new OUT: transformers' torchvision
-    processor (``Qwen2VLImageProcessor``), whose operations vlfast does itself (vlfast.pixels.image)
-    with or without torchvision, except for the embedding recipe, which keeps the class transformers picks, as
-    its reference does. The PIL class (``Qwen2VLImageProcessorPil``) is built from the checkpoint's files
-    whatever is installed. ``image_reading``: as recorded by the OUT resumed; None for a new OUT: the embedding
-    recipe reads image files as its reference, qwen-vl-utils, does, everything else as vlfast does.
-    ``video_rotation``: as recorded by the OUT resumed; None for a new OUT: as ``exif_orientation`` (videos
-    turned upright by their display matrix where images are by their EXIF tag).
-    ``thin_images``: as recorded by the OUT resumed; None for a new OUT: the embedding recipe sizes thin
-    images by qwen-vl-utils' rule, as its reference does, every other model by transformers' processor's
-    ("processor"), as does transformers' PIL processor wherever it runs the images (the recipe's too).
-    Every number given is checked first: InputRefused names one that is not finite or not whole.
+    ``image_processor``, ``image_reading``, ``video_rotation`` and ``thin_images`` are as recorded by the OUT
+    resumed, or None for a new OUT: then the Qwen3-VL-Embedding recipe reads, turns and sizes as its
+    reference (qwen-vl-utils) does and keeps the image class transformers picks; every other model gets
+    transformers' torchvision processor (done by vlfast, vlfast.pixels.image), EXIF and display-matrix
+    rotation applied as transformers applies them to a path, and the processor's thin-image rule.
+    ``fps`` and ``num_frames`` are exclusive (neither: the processor's 2 fps). InputRefused names a number
+    given that is not finite or not whole.
     """
     given = {"min_pixels": min_pixels, "max_pixels": max_pixels, "video_max_pixels": video_max_pixels}
     _check_given(fps=fps, num_frames=num_frames, **given)
@@ -472,17 +454,12 @@ def _image_processor_class(
 
 
 def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfast"):
-    """Open an image (a file, or a tar shard's member) as PIL, normalising what transformers' processors
-    mishandle; raise SampleError.
+    """Open an image (a file, or a tar shard's member) as PIL; raise SampleError. ``exif_orientation``: turned
+    upright as transformers' ``load_image`` does (``PIL.ImageOps.exif_transpose``); animated: the first frame.
 
-    With ``exif_orientation`` the image is turned upright by its EXIF orientation tag, as transformers'
-    ``load_image`` does (``PIL.ImageOps.exif_transpose``). Animated images give their first frame. 16-bit
-    and float images are scaled to 8 bits (PIL's ``convert`` would clip them to white); CMYK goes to RGB;
-    palette, LA and RGBA images are left to the processor, which composites transparency on white.
-
-    That is ``reading`` "vlfast" (:data:`~vlfast.pixels.settings.IMAGE_READINGS`). The
-    others read as a reference reads a path (VisionPreprocessor's contract: the pixels of transformers'
-    processor given the same path):
+    ``reading`` "vlfast" (:data:`~vlfast.pixels.settings.IMAGE_READINGS`): 16-bit and float images scaled to 8
+    bits (PIL's ``convert`` would clip them to white), CMYK to RGB, transparency left to the processor (on
+    white). The others read as a reference reads a path (VisionPreprocessor's contract):
 
     - "decode_image": as transformers' torchvision image processors' ``fetch_images`` (torchcodec's or
       torchvision's ``decode_image`` in RGB mode): an alpha band, a palette's or a colour key's transparency
@@ -607,13 +584,9 @@ class Clip:
 
 @dataclass
 class Preprocessor:
-    """Callable run in DataLoader workers: a sample in, tensors (or a SampleError) out.
-
-    Holds only picklable state: the transformers image processor is built lazily (or taken from the one
-    :func:`build_processor_config` built) and is not pickled with it. It must be of the class
-    ``cfg.image_processor`` records; another one (transformers picks its backend by what is installed, and
-    the backends differ slightly in pixels) is refused rather than mixed into a run.
-    """
+    """Callable run in DataLoader workers: a sample in, tensors (or a SampleError) out. Picklable: the
+    transformers image processor is built lazily, and refused unless of the class ``cfg.image_processor``
+    records (transformers picks its backend by what is installed, and the backends differ in pixels)."""
 
     cfg: ProcessorConfig
     image_processor_dir: str | None = None  # checkpoint to load the image processor from; None: defaults
