@@ -82,9 +82,8 @@ def batches(
     """Decoded samples packed by token budget (see :func:`~vlfast.extraction.model.batching.pack`); with
     ``padded`` (the whole VLM runs: its rows are padded to the longest) sorted by length within a window
     and costed as padded (:func:`~vlfast.extraction.model.batching.pack_padded`)."""
-    if (
-        padded
-    ):  # the sort key and padding are the prompt's length (vision tokens in it); a text has no patches
+    # the sort key and padding are the prompt's length (vision tokens in it); a text has no patches
+    if padded:
         return pack_padded(items, lambda it: it.cost, budget, first_alone=first_alone)
     return pack(items, lambda it: it.cost, budget, first_alone=first_alone)
 

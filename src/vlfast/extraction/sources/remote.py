@@ -3,21 +3,8 @@
 INPUT, a folder's files and a manifest's ``path`` values may be URLs with a scheme (``s3://``, ``gs://``,
 ``memory://``, ``file://``...); the filesystems, retries and error messages are
 :mod:`vlfast.extraction.objstore`'s. Local paths never reach this module's functions, so a purely local run
-imports no fsspec.
-
-* :func:`load_url` lists a folder URL as a local folder is scanned (recursive, hidden entries skipped, ids
-  relative to the folder), takes a single media URL (its id is the URL), reads a manifest at a URL (its
-  relative paths are relative to its URL), or lists WebDataset shards at URLs
-  (:func:`~vlfast.extraction.sources.webdataset.load_shards`). The INPUT is probed first: an unreachable
-  endpoint, a missing bucket or refused credentials raise :class:`~vlfast.extraction.objstore.RemoteInputError`
-  naming the URL before any work.
-* :func:`attach` gives each manifest sample whose path is a URL a :class:`RemoteFile` (its id, when the
-  manifest has none, is the URL) after probing each bucket once; a missing object is found by the decode
-  worker and recorded like a missing local file.
-* :class:`RemoteFile` is what the decode workers open, as they open a tar member: images are read whole,
-  videos through fsspec's seekable file object for PyAV.
-
-Credentials are never shown: a :class:`RemoteFile`'s repr and every message name the URL only.
+imports no fsspec. Credentials are never shown: a :class:`RemoteFile`'s repr and every message name the URL
+only.
 """
 
 from __future__ import annotations
@@ -127,8 +114,10 @@ class RemoteFile:
 def load_url(
     url: str, storage_options: Mapping[str, Any] | None = None, kept: KeptListings | None = None
 ) -> tuple[SampleTable, list[InputProblem]]:
-    """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL
-    (a ``.tar`` or a brace pattern), or one image or video URL."""
+    """The samples of a folder URL (listed like a local folder: recursive, hidden entries skipped, ids
+    relative to it), a manifest URL (its relative paths relative to its URL), WebDataset shards at a URL (a
+    ``.tar`` or a brace pattern), or one image or video URL (its id is the URL). The INPUT is probed first: an
+    unreachable endpoint, a missing bucket or refused credentials raise RemoteInputError naming the URL."""
     options = encode_options(storage_options)
     suffix = os.path.splitext(url.rstrip("/"))[1].lower()
     if is_shard_input(url):

@@ -4,25 +4,14 @@ A WebDataset shard is a plain tar whose members sharing a ``__key__`` (the membe
 of its file name: ``a/b.seg.png`` -> ``a/b``) form one sample. vlfast reads the shards with the standard
 library's ``tarfile`` rather than the ``webdataset`` package, because that package streams each shard
 front to back and decodes in its own pipeline: resuming would re-read every shard from its start, and a
-member that crashes or hangs a decoder could not be named. Here:
-
-* :func:`expand_braces` expands the pattern as bash does (``{000000..000099}`` zero-padded ranges,
-  ``{a,b}`` lists, several or nested braces), so a quoted pattern works without a shell;
-* :func:`load_shards` lists each shard once (headers only, plus the small ``KEY.json`` / ``KEY.txt``
-  prompt members) into :class:`~vlfast.extraction.sources.sample.Sample` s whose :class:`TarMember` says where
-  the media's bytes are: the decode workers read just those bytes (:meth:`TarMember.open`), so resume,
-  timeouts and crash isolation work per sample exactly as for plain files;
-* shards at an fsspec URL (``s3://bucket/shards/{000..099}.tar``) go through the same listing
-  (:func:`_scan`, :func:`_entries`) over a ranged reader from :mod:`vlfast.extraction.objstore`, and their
-  members are read with ranged requests; local shards never import fsspec and keep ``pread``;
-* a sample's id is ``{shard}/{__key__}``, ``shard`` being the shard's path relative to the folder the
-  pattern's first brace is in (``shards/{000..099}.tar`` -> ``003.tar/sample_0042``): unique across
-  shards, and the same whether the pattern is given relative, absolute or as a URL;
-* what a listing finds is kept in OUT (:mod:`vlfast.extraction.sources.kept`): a later run lists the same
-  file without reading it;
-* a shard cut short (an interrupted download) is recorded, not fatal: the key at the cut and the shard
-  itself become :class:`~vlfast.extraction.sources.sample.InputProblem` s naming what was lost, and the rest is
-  extracted. A missing shard, or a file that is not a plain tar, refuses the whole input before any work.
+member that crashes or hangs a decoder could not be named. Here each shard is listed once (headers, plus
+the small ``KEY.json`` / ``KEY.txt`` prompt members) into samples whose :class:`TarMember` says where the
+media's bytes are, read in place by the decode workers, so resume, timeouts and crash isolation work per
+sample exactly as for plain files; shards at an fsspec URL go through the same listing over a ranged reader
+(local shards never import fsspec and keep ``pread``). A sample's id is ``{shard}/{__key__}``, ``shard``
+relative to the folder the pattern's first brace is in (``shards/{000..099}.tar`` ->
+``003.tar/sample_0042``): unique across shards, and the same whether the pattern is given relative, absolute
+or as a URL.
 """
 
 from __future__ import annotations
