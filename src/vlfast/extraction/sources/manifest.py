@@ -307,17 +307,15 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | Inp
             raise _no_path_column(name, header)
         rowno = 0  # data rows, 1-based, header excluded; a quoted newline does not start a new row
         while True:
+            rowno += 1
+            where = f"{name} row {rowno}"
             try:
                 record = next(reader)
             except StopIteration:
                 return
             except csv.Error as e:
-                rowno += 1
-                where = f"{name} row {rowno}"
                 yield where, InputProblem(where, f"not valid CSV ({e}); check its quotes")
                 continue
-            rowno += 1
-            where = f"{name} row {rowno}"
             if not any(record):
                 continue  # a blank line, or a row of empty cells as spreadsheets export: nothing to read
             bad = next((m for c in record for m in [_ESCAPED_BYTE.search(c)] if m), None)
