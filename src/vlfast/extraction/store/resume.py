@@ -419,8 +419,7 @@ def read_state(
     # What the store would move aside (a foreign file, a shard whose part was lost): not "nothing to do"
     state.damaged += strays_to_move(out, lambda r: r % world_size == rank)
     errors = read_errors(out)
-    state.failed = {r["id"] for r in errors if done_by_error(r, retry)}
-    state.failed = {sid for sid in state.failed if sid not in state.done}
+    state.failed = {r["id"] for r in errors if done_by_error(r, retry) and r["id"] not in state.done}
     state.done.update(state.failed)
     state.error_keys = {error_key(r) for r in errors}
     return state
