@@ -108,9 +108,8 @@ def rgb_tensor(img, transparency: str = "white") -> torch.Tensor:
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255))
         img = Image.alpha_composite(background, rgba).convert("RGB")
-    arr = np.asarray(
-        img
-    )  # PIL's buffer, read-only: nothing here writes to it (the resize makes a new tensor)
+    # PIL's buffer, read-only: nothing here writes to it (the resize makes a new tensor)
+    arr = np.asarray(img)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(arr).permute(2, 0, 1)

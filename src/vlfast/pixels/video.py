@@ -458,9 +458,7 @@ def read_video(path: Media, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[st
             video_fps = float(rate) if rate else None
             step = "reading its packets"
             pts = _packet_pts(container, stream, rewind=False)
-            if (
-                not pts
-            ):  # a stream header and no packet: seeking in it fails with an OS error that says nothing
+            if not pts:  # a stream header and no packet: seeking in it fails with an OS error saying nothing
                 raise SampleError(f"video has no frames: its video stream holds no packets ({path})")
             step = "seeking back to its start"
             container.seek(0)

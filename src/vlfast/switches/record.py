@@ -1,27 +1,16 @@
 """What ran: per patched conv, how many calls took the GEMM and how many the stock conv, and why.
 
 The proof a user can get from inside their own launcher (HF Trainer, DeepSpeed, FSDP, torchrun), where
-equal numbers would hide the stock path:
-
-    VLFAST_PATCH=1 VLFAST_RECORD=1 torchrun --nproc_per_node 8 train.py
-    # at exit, on stderr, per rank:
-    # vlfast record (rank 0 of 8, pid 4242): 1 patched conv, 120 calls: 120 GEMM, 0 stock
-    #   model.visual.patch_embed.proj: 120 GEMM
-
-``VLFAST_RECORD=1`` prints that at exit; ``VLFAST_RECORD=PATH`` also appends one JSON line per process
-to ``PATH`` (ranks append to the same file), a regular file or none yet: anything else (a FIFO, a device)
-is refused with one line at start, and never opened in a way that could hold the exit. In Python,
-:func:`record_calls` counts between two points::
-
-    with vlfast.record_calls() as rec:
-        trainer.train()
-    print(rec)                 # the same lines; rec.to_dict() for the numbers
+equal numbers would hide the stock path: ``VLFAST_RECORD=1`` prints it at exit, per rank;
+``VLFAST_RECORD=PATH`` also appends one JSON line per process to ``PATH``, a regular file or none yet:
+anything else (a FIFO, a device) is refused with one line at start, and never opened in a way that could
+hold the exit.
+:func:`record_calls` counts between two points (docs/training.md shows both).
 
 The record covers the whole process: every call of an eligible Conv3d that vlfast did not patch (PEFT's
-LoRA convs added after ``patch``, a model built before the switch) is counted and named
-(``2 eligible convs not patched: <names>: N stock calls``), and a patched conv whose class ``forward`` was
-replaced says so by name. A global module forward pre-hook sees those calls; it is installed while a
-record runs and only then (about 2 us per module call while it is).
+LoRA convs added after ``patch``, a model built before the switch) is counted and named, and a patched conv
+whose class ``forward`` was replaced says so by name. A global module forward pre-hook sees those calls; it
+is installed while a record runs and only then (about 2 us per module call while it is).
 
 Counting costs one global read per call while no record runs, and an integer increment while one does.
 Calls inside a ``torch.compile``'d graph are not counted (the graph's path was fixed when it was traced:

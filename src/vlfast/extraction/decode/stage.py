@@ -45,9 +45,8 @@ class DecodedSample:
     meta: dict[str, Any] = field(default_factory=dict)  # what preprocessing recorded (frames, sizes, prompt)
     input_ids: torch.Tensor | None = None  # the prompt's token ids, for llm features
     ref: Any = None  # what the consumer maps it back to its sample with (the Ray engine's row)
-    input: dict[str, Any] | None = (
-        None  # what its input was when read: the index's ``input`` (decode/inputs.py)
-    )
+    # what its input was when read: the index's ``input`` (decode/inputs.py)
+    input: dict[str, Any] | None = None
 
     @property
     def cost(self) -> int:
