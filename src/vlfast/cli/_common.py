@@ -293,7 +293,7 @@ def print_table(table: Table, out: Console | None = None) -> None:
     if out.is_terminal:
         out.print(table)
         return
-    width = Measurement.get(out, out.options.update_width(1_000_000), table).maximum
+    width = _natural_width(out, table)
     wide = Console(file=out.file, width=max(width, out.width), color_system=None, highlight=False)
     if isinstance(table.title, str) and wide.render_str(table.title).cell_len > width:
         # A title wraps at the table's width: a long path would break across lines, so print it alone.

@@ -37,10 +37,7 @@ EXAMPLES: dict[str, list[str]] = {
         "vlfast extract ./clips clips_out --model ./Qwen3-VL-4B-Instruct --features vision,llm",
         "vlfast extract manifest.jsonl s3://bucket/features -m ./Qwen3-VL-4B-Instruct   # pip install 'vlfast[s3]'",
     ],
-    "out": [
-        "vlfast out verify clips_out",
-        "vlfast out export clips_out clips.parquet --feature vision_mean",
-    ],
+    "out": ["vlfast out verify clips_out", "vlfast out export clips_out clips.parquet --feature vision_mean"],
     "out verify": [
         "vlfast out verify clips_out                    # exit 1 if any byte differs from its checksum",
         "vlfast out verify s3://bucket/features --json",

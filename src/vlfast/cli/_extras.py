@@ -15,9 +15,7 @@ import importlib.util
 from collections.abc import Callable
 
 # extra -> the modules its packages provide (import names), as pyproject.toml's optional-dependencies lists them
-MODULES: dict[str, tuple[str, ...]] = {
-    "extract": ("pyarrow", "av", "xxhash", "PIL"),
-}
+MODULES: dict[str, tuple[str, ...]] = {"extract": ("pyarrow", "av", "xxhash", "PIL")}
 # extra -> the transformers it needs (pyproject.toml: the extract extra's transformers floor)
 TRANSFORMERS: dict[str, tuple[int, int]] = {"extract": (5, 18)}
 

@@ -15,9 +15,7 @@ import os
 import sys
 import warnings
 
-QUIET_ENV = {
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' and the Hub's tqdm bars, in every process
-}
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # transformers' and the Hub's tqdm bars, in every process
 
 
 class _ErrorsOnly(logging.Filter):

@@ -311,32 +311,11 @@ class _Request:
     demo_inputs: tempfile.TemporaryDirectory | None = None  # kept (and removed) with the request
 
 
-# What only the command line says: not ExtractConfig's keywords
-_COMMAND_LINE = (
-    "paths",
-    "no_patch",
-    "engine",
-    "ray_address",
-    "ray_workers",
-    "num_gpus_per_worker",
-    "ray_cpus_per_worker",
-    "demo",
-    "verbose",
-    "as_json",
-)
-
-
+_RAY_ARGS = ("engine", "ray_address", "ray_workers", "num_gpus_per_worker", "ray_cpus_per_worker")
 # _engine's arguments, in its order
-_ENGINE_ARGS = (
-    "engine",
-    "ray_address",
-    "ray_workers",
-    "num_gpus_per_worker",
-    "ray_cpus_per_worker",
-    "rank",
-    "world_size",
-    "verbose",
-)
+_ENGINE_ARGS = (*_RAY_ARGS, "rank", "world_size", "verbose")
+# What only the command line says: not ExtractConfig's keywords
+_COMMAND_LINE = frozenset({"paths", "no_patch", *_RAY_ARGS, "demo", "verbose", "as_json"})
 
 
 def _request(params: dict[str, Any]) -> _Request:
@@ -409,27 +388,23 @@ def _run(request: _Request):
         raise typer.Exit(EXIT_ERROR) from None
 
 
+# A recorded setting that differs -> what else resumes the OUT, besides --overwrite
+_REMEDIES = {
+    "processor.exif_orientation": "give neither --exif-orientation nor --no-exif-orientation, to resume it as "
+    "it was made",
+    "processor.image_processor": "leave out --image-backend, to resume it as it was made",
+    "processor.transparency": "resume it with a transformers of the rule it was made with (transparency on "
+    "white: 5.21 or later; dropped: 5.18-5.20)",
+    "processor.video_wrapper": "resume it with a transformers of the rule it was made with (a video's prompt "
+    "with the chat template's wrapper replaced: 5.25 or later; kept: 5.18-5.24)",
+}
+
+
 def _remedy(diffs, image_backend: str | None) -> str:
     """What resumes an OUT whose recorded configuration differs from this command's in ``diffs``."""
-    keys = {key for key, *_ in diffs}
-    remedy = "pass --overwrite to delete what it holds and start again"
-    if "processor.exif_orientation" in keys:
-        remedy += (
-            "; or give neither --exif-orientation nor --no-exif-orientation, to resume it as it was made"
-        )
-    if "processor.image_processor" in keys and image_backend is not None:
-        remedy += "; or leave out --image-backend, to resume it as it was made"
-    if "processor.transparency" in keys:
-        remedy += (
-            "; or resume it with a transformers of the rule it was made with (transparency on white: "
-            "5.21 or later; dropped: 5.18-5.20)"
-        )
-    if "processor.video_wrapper" in keys:
-        remedy += (
-            "; or resume it with a transformers of the rule it was made with (a video's prompt with the chat "
-            "template's wrapper replaced: 5.25 or later; kept: 5.18-5.24)"
-        )
-    return remedy
+    keys = {key for key, *_ in diffs} - ({"processor.image_processor"} if image_backend is None else set())
+    ways = [way for key, way in _REMEDIES.items() if key in keys]
+    return "; or ".join(["pass --overwrite to delete what it holds and start again", *ways])
 
 
 def _report(summary, out: str, as_json: bool) -> None:

@@ -122,8 +122,6 @@ def _render_pair(report, before, after) -> None:
     for part in [*parts, INLINE]:
         b_ms, b_share = cells(before, part)
         a_ms, a_share = cells(after, part)
-        bv = before and (before.inline_ms if part == INLINE else before.components.get(part))
-        av = after and (after.inline_ms if part == INLINE else after.components.get(part))
         speed = speedup(part) if part != INLINE else ""
         label = part
         if part == "blocks":

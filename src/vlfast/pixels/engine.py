@@ -24,11 +24,7 @@ from vlfast.errors import InputRefused
 from vlfast.models.ref import Answers, ModelRef
 from vlfast.pixels.media import MAX_ASPECT_RATIO, Media, SampleError, checked_media
 from vlfast.pixels.recipe import RECIPE_PIXELS, is_embedding_checkpoint
-from vlfast.pixels.settings import (
-    PIXEL_SETTINGS,
-    TORCHVISION_IMAGE_PROCESSORS,
-    ProcessorConfig,
-)
+from vlfast.pixels.settings import PIXEL_SETTINGS, TORCHVISION_IMAGE_PROCESSORS, ProcessorConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -21,20 +21,9 @@ import torch
 
 from vlfast.pixels.media import MAX_ASPECT_RATIO, SampleError
 from vlfast.pixels.settings import ProcessorConfig
-from vlfast.pixels.video import (
-    channels_last_patches,
-    normalize_patches,
-    resize_frames,
-    smart_resize,
-)
+from vlfast.pixels.video import channels_last_patches, normalize_patches, resize_frames, smart_resize
 
-__all__ = [
-    "image_patches",
-    "jpeg_rgb",
-    "orientation_tag",
-    "rgb_tensor",
-    "same_normalization",
-]
+__all__ = ["image_patches", "jpeg_rgb", "orientation_tag", "rgb_tensor", "same_normalization"]
 
 # PIL.ImageOps.exif_transpose's turns, by EXIF orientation, on an (H, W, C) array: the same moves of pixels
 _EXIF_TURNS = {

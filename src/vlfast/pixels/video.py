@@ -560,10 +560,8 @@ def _decode_sparse(
     ctx = stream.codec_context
     demux = container.demux(stream)
     pos = 0  # decode-order position of the next packet
-    seek: list[int | None] = [
-        None,
-        None,
-    ]  # after a seek: the keyframe's pts, and the first frame's (_collect)
+    # after a seek: the keyframe's pts, and the first frame's (_collect)
+    seek: list[int | None] = [None, None]
     try:
         while len(got) < len(wanted):
             packet = next(demux, None)

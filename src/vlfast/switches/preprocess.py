@@ -85,11 +85,7 @@ def _probes(cfg) -> list[tuple[tuple[int, int], dict]]:
     f = cfg.factor
     short = max(1, f // 2 - 4)
     long = min(200 * short, -(-cfg.image_min_pixels // f) + 2 * f)
-    return [
-        *((size, {}) for size in _PROBES),
-        ((short, long), {}),
-        ((8 * f, 9 * f), {"do_resize": False}),
-    ]
+    return [*((size, {}) for size in _PROBES), ((short, long), {}), ((8 * f, 9 * f), {"do_resize": False})]
 
 
 def _probe(pre: VisionPreprocessor, ip: Any) -> str | None:

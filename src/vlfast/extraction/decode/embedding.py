@@ -23,12 +23,7 @@ from vlfast.pixels.media import SampleError
 if TYPE_CHECKING:  # pragma: no cover
     import torch  # made where a sample is decoded: the plan needs none of it
 
-__all__ = [
-    "DEFAULT_INSTRUCTION",
-    "MAX_LENGTH",
-    "EmbeddingPrompt",
-    "normalized_instruction",
-]
+__all__ = ["DEFAULT_INSTRUCTION", "MAX_LENGTH", "EmbeddingPrompt", "normalized_instruction"]
 
 DEFAULT_INSTRUCTION = "Represent the user's input."
 MAX_LENGTH = 8192  # the reference's MAX_LENGTH: processor(truncation=True, max_length=8192)

@@ -95,12 +95,7 @@ class PromptBuilder:
         if problem:  # the row's input, not the template: recorded as this sample's error
             raise SampleError(problem)
         tok = self.tokenizer()
-        messages = [
-            {
-                "role": "user",
-                "content": [{"type": media}, {"type": "text", "text": prompt}],
-            }
-        ]
+        messages = [{"role": "user", "content": [{"type": media}, {"type": "text", "text": prompt}]}]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         pad = "<|image_pad|>" if media == "image" else "<|video_pad|>"
         if text.count(pad) != 1:

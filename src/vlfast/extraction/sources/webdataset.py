@@ -69,12 +69,7 @@ _BLOCK = 512  # tar's block: headers are one block, data is padded to whole bloc
 _MEDIA = IMAGE_SUFFIXES | VIDEO_SUFFIXES
 _PROMPT_EXTS = ("json", "txt")
 _COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
-_COMPRESSED_MAGIC = {
-    b"\x1f\x8b": "gzip",
-    b"BZh": "bzip2",
-    b"\xfd7zXZ\x00": "xz",
-    b"\x28\xb5\x2f\xfd": "zstd",
-}
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext: (__key__, extension)
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset skips these members (its own metadata)
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
