@@ -63,10 +63,7 @@ _PR_SET_PDEATHSIG = 1
 
 _SIGNAL_NOTES = {
     signal.SIGKILL: ", often the out-of-memory killer",
-    signal.SIGSEGV: ": the decoder crashed",
-    signal.SIGBUS: ": the decoder crashed",
-    signal.SIGILL: ": the decoder crashed",
-    signal.SIGFPE: ": the decoder crashed",
+    **dict.fromkeys((signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE), ": the decoder crashed"),
     signal.SIGABRT: ": the decoder aborted",
 }
 
