@@ -17,6 +17,7 @@ from vlfast.pixels.settings import IMAGE_PROCESSOR_SETTINGS, TORCHVISION_IMAGE_P
 __all__ = ["install_processor_switch", "swap_image_processor"]
 
 _said: set[str] = set()
+_TORCHVISION_BACKENDS = {"TorchvisionBackend", "BaseImageProcessorFast"}  # transformers' base classes of them
 
 
 def _say_once(line: str) -> None:
@@ -36,10 +37,7 @@ def swap_image_processor(processor: Any, path: Any) -> str | None:
         return None if ip is not None else "the processor has no image processor"
     name = type(ip).__name__
     backends = {c.__name__ for c in type(ip).__mro__}
-    if name not in TORCHVISION_IMAGE_PROCESSORS or not backends & {
-        "TorchvisionBackend",
-        "BaseImageProcessorFast",
-    }:
+    if name not in TORCHVISION_IMAGE_PROCESSORS or not backends & _TORCHVISION_BACKENDS:
         return (
             f"its image processor is a {name}, not transformers' torchvision Qwen2VLImageProcessor (vlfast "
             "reproduces that one: install torchvision, or use VisionPreprocessor(image_backend='pil'))"
