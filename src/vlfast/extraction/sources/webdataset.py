@@ -230,11 +230,7 @@ class TarMember:
     options_json: str = field(default="{}", repr=False)  # a URL shard's storage options (JSON): never shown
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.offset, int)
-            or not isinstance(self.size, int)
-            or min(self.offset, self.size) < 0
-        ):
+        if not all(isinstance(v, int) for v in (self.offset, self.size)) or min(self.offset, self.size) < 0:
             raise InputRefused(
                 f"offset and size must be non-negative ints, got {self.offset!r}, {self.size!r}"
             )
