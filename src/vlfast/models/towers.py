@@ -22,23 +22,6 @@ from vlfast.models.ref import ModelRef
 from vlfast.models.references import resolve_reference
 from vlfast.patching.gemm import eligibility
 
-__all__ = [
-    "TowerSpec",
-    "build_reference",
-    "find_vision_tower",
-    "load_model",
-    "load_vision_tower",
-    "reference_config",
-    "synthetic_inputs",
-    "tower_outputs",
-    "tower_shapes",
-    "tower_spec",
-    "tower_tensor_locations",
-    "tower_tensor_names",
-    "vision_config_of",
-    "vision_model_class",
-]
-
 
 def _vision_model_class(config: Any) -> type[nn.Module]:
     """The transformers class built from this vision config: found in the family's modeling module."""
