@@ -117,47 +117,136 @@ def machine_slug(info: dict | None = None) -> str:
     return "-".join([*words, f"{info['cores']}c"])
 
 
-def timed(fn: Callable[[], object], n: int = 1) -> tuple[float, float]:
+class Stopwatch:
+    """Wall and CPU seconds of a block (``with Stopwatch() as sw: ...; sw.wall, sw.cpu``), and of its phases
+    (``sw.lap()``: wall seconds since the last lap or the start). CPU: this process (all its threads), or with
+    ``children=True`` the children it waited for (their rusage), or ``both``; frozen when the block ends."""
+
+    def __init__(self, children: bool = False, both: bool = False):
+        self.children, self.both = children, both
+        self.t0 = self.t_lap = time.perf_counter()
+        self.c0, self.end = self._cpu(), None
+
+    def _cpu(self) -> float:
+        if not (self.children or self.both):
+            return time.process_time()
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime + (time.process_time() if self.both else 0.0)
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self.t_lap = now - self.t_lap, now
+        return dt
+
+    def stop(self) -> Stopwatch:
+        self.end = (time.perf_counter() - self.t0, self._cpu() - self.c0)
+        return self
+
+    @property
+    def wall(self) -> float:
+        return self.end[0] if self.end else time.perf_counter() - self.t0
+
+    @property
+    def cpu(self) -> float:
+        return self.end[1] if self.end else self._cpu() - self.c0
+
+    def __enter__(self) -> Stopwatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def timed(
+    fn: Callable[[], object], n: int = 1, sync: Callable[[], object] | None = None
+) -> tuple[float, float]:
     """Wall and CPU seconds per call over ``n`` calls (CPU: this process, all its threads; on a loaded
-    machine the wall time also counts waits for a core, the CPU time is the work)."""
-    t0, c0 = time.perf_counter(), time.process_time()
+    machine the wall time also counts waits for a core, the CPU time is the work). ``sync`` runs before the
+    clock stops (``torch.cuda.synchronize``: the device's work counted)."""
+    sw = Stopwatch()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+    if sync is not None:
+        sync()
+    sw.stop()
+    return sw.wall / n, sw.cpu / n
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call."""
+    return timed(fn)[0]
+
+
+def best_of(fn: Callable[[], object], repeat: int) -> float:
+    """The fewest wall seconds of ``repeat`` calls (a floor: what a call costs with nothing in its way)."""
+    return min(seconds(fn) for _ in range(repeat))
+
+
+def abab(names: list[str], rounds: int):
+    """The ABAB order: (round, name) for every name once per round, reversed every other round so a drift
+    in load favours none."""
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            yield r, name
 
 
 def alternate(
-    variants: dict[str, Callable[[], object]], rounds: int, n: int = 1, warmup: bool = True
+    variants: dict[str, Callable[[], object]],
+    rounds: int,
+    n: int = 1,
+    warmup: bool = True,
+    setup: Callable[[str], object] | None = None,
+    sync: Callable[[], object] | None = None,
 ) -> dict[str, dict[str, list[float]]]:
-    """ABAB rounds: every variant once per round (``n`` calls), the order reversed every other round so a
-    drift in load favours none. Returns {variant: {"wall": [s per call, per round], "cpu": [...]}}."""
+    """ABAB rounds (``abab``): every variant once per round (``n`` calls). ``setup(name)``, untimed, before
+    each timed call (a fresh folder, a cleared cache); ``sync`` before the clock stops (see ``timed``).
+    Returns {variant: {"wall": [s per call, per round], "cpu": [...]}}."""
+    if warmup:
+        for name, fn in variants.items():
+            if setup is not None:
+                setup(name)
+            fn()
+    out = {k: {"wall": [], "cpu": []} for k in variants}
+    for _, name in abab(list(variants), rounds):
+        if setup is not None:
+            setup(name)
+        wall, cpu = timed(variants[name], n, sync)
+        out[name]["wall"].append(wall)
+        out[name]["cpu"].append(cpu)
+    return out
+
+
+def alternate_measured(
+    variants: dict[str, Callable[[], dict]], rounds: int, warmup: bool = False
+) -> dict[str, list[dict]]:
+    """ABAB rounds of variants that measure themselves (a whole child process, ``process_time``; a call that
+    times its own phases, ``Stopwatch``): each returns a dict of figures. Returns {variant: [dict per round]}."""
     if warmup:
         for fn in variants.values():
             fn()
-    out = {k: {"wall": [], "cpu": []} for k in variants}
-    names = list(variants)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            wall, cpu = timed(variants[name], n)
-            out[name]["wall"].append(wall)
-            out[name]["cpu"].append(cpu)
+    out: dict[str, list[dict]] = {k: [] for k in variants}
+    for _, name in abab(list(variants), rounds):
+        out[name].append(variants[name]())
     return out
+
+
+def alternate_processes(commands: dict[str, list[str]], rounds: int, warmup: bool = False, **kw) -> dict:
+    """ABAB rounds of whole processes (``process_time`` each): {variant: [process_time's dict per round]}."""
+    return alternate_measured(
+        {k: (lambda c=c: process_time(c, **kw)) for k, c in commands.items()}, rounds, warmup
+    )
 
 
 def process_time(cmd: list[str], **kw) -> dict:
     """One child process timed whole: wall seconds, CPU seconds (user + system, from the children's rusage
     before and after) and exit status, its stdout and stderr. ``kw`` goes to subprocess.run (env, cwd...)."""
-    import resource
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    with Stopwatch(children=True) as sw:
+        proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
     return {
-        "wall_s": wall,
-        "cpu_s": cpu,
+        "wall_s": sw.wall,
+        "cpu_s": sw.cpu,
         "returncode": proc.returncode,
         "stdout": proc.stdout,
         "stderr": proc.stderr,
@@ -176,6 +265,17 @@ def spread(xs: list[float], scale: float = 1.0, digits: int = 2) -> dict[str, fl
 def fmt_spread(s: dict, digits: int = 1) -> str:
     """'median (min-max)'."""
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def median(xs) -> float:
+    """The median of ``xs`` (any iterable)."""
+    return statistics.median(list(xs))
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median of the per-round ratios a/b (rounds paired by ``alternate``: each ratio is one round's,
+    so a drift in load between rounds cancels)."""
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 class Run:
