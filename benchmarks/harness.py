@@ -253,6 +253,15 @@ def process_time(cmd: list[str], **kw) -> dict:
     }
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment with benchmarks/ on PYTHONPATH, so a child process (``python -c STEP``) times
+    through the harness too (``from harness import Stopwatch``)."""
+    path = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")) if p
+    )
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def spread(xs: list[float], scale: float = 1.0, digits: int = 2) -> dict[str, float]:
     """min / median / max of ``xs`` times ``scale``, rounded."""
     return {

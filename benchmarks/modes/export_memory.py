@@ -17,8 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 CHILD = r"""
 import json, sys, threading, time
+from harness import Stopwatch  # benchmarks/, on the child's path
 from vlfast.extraction import FeatureCache, export
 
 def anon():
@@ -37,9 +41,9 @@ def watch():
         time.sleep(0.01)
 
 threading.Thread(target=watch, daemon=True).start()
-start = time.monotonic()
-result = export(out, dest, format=fmt, overwrite=True)
-seconds = time.monotonic() - start
+with Stopwatch() as sw:
+    result = export(out, dest, format=fmt, overwrite=True)
+seconds = sw.wall
 done.set()
 print(json.dumps({"format": fmt, "rows": result.rows, "seconds": round(seconds, 2),
                   "anon_mib_cache_open": round(opened), "anon_mib_peak": round(max(peak[0], anon()))}))
@@ -80,6 +84,7 @@ def main() -> None:
                     capture_output=True,
                     text=True,
                     check=True,
+                    env=harness.child_env(),
                 )
                 results.append({"samples": n, "dim": args.dim, **json.loads(proc.stdout)})
                 print(json.dumps(results[-1]), flush=True)
@@ -87,11 +92,7 @@ def main() -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 

@@ -20,7 +20,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+
+import harness  # noqa: E402
 
 
 def child(out: str, samples: int, tokens: int, dim: int, shard_mb: int) -> dict:
@@ -32,15 +36,14 @@ def child(out: str, samples: int, tokens: int, dim: int, shard_mb: int) -> dict:
     base = torch.randn(tokens, dim).to(torch.bfloat16)  # (L, D)
     cfg = {"model": "benchmark", "tokens": tokens, "dim": dim}
     after_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    t0 = time.perf_counter()
-    nbytes = 0
+    sw, nbytes = harness.Stopwatch(), 0
     with FeatureStore(out, cfg, shard_max_bytes=shard_mb << 20) as store:
         for i in range(samples):
             tok = base + i  # a fresh tensor per sample, as a model would return
             feats = {"tokens": tok, "mean": tok.float().mean(0), "grid_thw": torch.tensor([[4, 30, 40]])}
             store.add(f"clip-{i:06d}", feats, {"path": f"videos/{i}.mp4", "n_tokens": tokens})
             nbytes += sum(t.nbytes for t in feats.values())
-    seconds = time.perf_counter() - t0
+    seconds = sw.stop().wall
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {
         "samples": samples,
@@ -120,11 +123,7 @@ def main() -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 

@@ -19,14 +19,15 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 # Qwen/Qwen3-VL-4B-Instruct config.json (text_config and vision_config), the values that set tensor shapes.
 TEXT = {
@@ -111,9 +112,7 @@ def use(model: torch.nn.Module) -> None:
 
 
 def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return harness.seconds(fn)
 
 
 def main() -> None:
@@ -160,7 +159,7 @@ def main() -> None:
             rows["fingerprint_cold_then_load"].append(
                 timed(lambda: (fingerprint("whole"), use(load_model(str(folder), dtype=torch.bfloat16))))
             )
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    med = {k: harness.median(v) for k, v in rows.items()}
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "checkpoint_gb": gb,
@@ -189,11 +188,7 @@ def main() -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 

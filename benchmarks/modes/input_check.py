@@ -19,10 +19,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         path = folder / f"{i:08d}.jpg"
         path.write_bytes(i.to_bytes(8, "little") * 64)
         paths.append(str(path))
-    t0 = time.perf_counter()
-    records = [input_record(Sample(f"s{i}", "image", (path,)), ()) for i, path in enumerate(paths)]
-    record_s = time.perf_counter() - t0
+    with harness.Stopwatch() as sw:
+        records = [input_record(Sample(f"s{i}", "image", (path,)), ()) for i, path in enumerate(paths)]
+    record_s = sw.wall
     out = root / "out"
     out.mkdir()
     backend = backend_for(out, "bench")
@@ -60,12 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     part = _part(out)
 
     def timed(fn) -> float:
-        times = []
-        for _ in range(a.rounds):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return harness.median(harness.alternate({"fn": fn}, a.rounds, warmup=False)["fn"]["wall"])
 
     stat_s = timed(lambda: [os.stat(p) for p in paths])
     result = changed_on_disk(out, [part], keys)
@@ -106,11 +103,7 @@ def _part(out: Path) -> Path:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 
