@@ -45,6 +45,7 @@ seconds). The machine is stated in the output.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -198,7 +199,10 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
                 tower(pixels, grid_thw=grid)
         return time.perf_counter() - t0, _cpu() - c0
 
-    cfg = build_processor_config(model, family="qwen3_vl")
+    # transformers' own processor for the users' loop: the PIL backend where torchvision is missing (the
+    # default class, the torchvision one, is refused there)
+    pil = None if importlib.util.find_spec("torchvision") else "Qwen2VLImageProcessorPil"
+    cfg = build_processor_config(model, family="qwen3_vl", image_processor=pil)
     processor = Preprocessor(cfg).image_processor()
 
     def naive_loop() -> tuple[float, float, dict[str, dict[str, torch.Tensor]]]:

@@ -24,16 +24,17 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # timing on a shared CPU: idle threads must sleep
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "e82d833"  # the last commit before checksums, umask and commit_every
@@ -66,32 +67,57 @@ def samples(n: int, tokens: int, dim: int):
         )
 
 
-def write(store_cls, out: str, n: int, tokens: int, dim: int) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) to write n samples through ``store_cls``."""
-    shutil.rmtree(out, ignore_errors=True)
-    t0, c0 = time.perf_counter(), time.process_time()
+def write(store_cls, out: str, n: int, tokens: int, dim: int) -> None:
+    """n samples written through ``store_cls`` into ``out`` (which the harness's setup removed)."""
     with store_cls(out, {"model": "benchmark", "tokens": tokens, "dim": dim}) as store:
         for sid, feats in samples(n, tokens, dim):
             store.add(sid, feats, {"path": f"videos/{sid}.mp4", "n_tokens": tokens})
-    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def read_all(out: str, verify: bool) -> float:
+def read_all(out: str, verify: bool) -> None:
     from vlfast.extraction import FeatureCache
 
-    t0 = time.perf_counter()
     cache = FeatureCache(out, verify=verify)
     for i in range(len(cache)):
         cache[i]
-    return time.perf_counter() - t0
 
 
-def resume(out: str, mode: str) -> float:
+def resume(out: str, mode: str, tokens: int, dim: int) -> None:
     from vlfast.extraction import FeatureStore
 
-    t0 = time.perf_counter()
-    FeatureStore(out, {"model": "benchmark", "tokens": 600, "dim": 2560}, resume_check=mode).close()
-    return time.perf_counter() - t0
+    FeatureStore(out, {"model": "benchmark", "tokens": tokens, "dim": dim}, resume_check=mode).close()
+
+
+def measure(old, new_out: str, old_out: str, a) -> tuple[dict[str, list[float]], int]:
+    """Writes (old and new store, each into a fresh folder), reads (plain, verified) and resumes (full,
+    quick) of ``new_out``, each pair in the harness's ABAB rounds; then ``check_folder`` once per round."""
+    from vlfast.extraction import FeatureStore
+    from vlfast.extraction.store.integrity import check_folder
+
+    outs = {"write_old": old_out, "write_new": new_out}
+    got = harness.alternate(
+        {
+            "write_old": lambda: write(old, old_out, a.samples, a.tokens, a.dim),
+            "write_new": lambda: write(FeatureStore, new_out, a.samples, a.tokens, a.dim),
+        },
+        a.rounds,
+        warmup=False,
+        setup=lambda name: shutil.rmtree(outs[name], ignore_errors=True),
+    )
+    rows = {k: v["wall"] for k, v in got.items()} | {f"cpu_{k}": v["cpu"] for k, v in got.items()}
+    reads = {"read": lambda: read_all(new_out, False), "read_verify": lambda: read_all(new_out, True)}
+    rows |= {k: v["wall"] for k, v in harness.alternate(reads, a.rounds, warmup=False).items()}
+    resumes = {
+        "resume_full": lambda: resume(new_out, "full", a.tokens, a.dim),
+        "resume_quick": lambda: resume(new_out, "quick", a.tokens, a.dim),
+    }
+    rows |= {k: v["wall"] for k, v in harness.alternate(resumes, a.rounds, warmup=False).items()}
+    rows["verify"] = []
+    for _ in range(a.rounds):
+        report = check_folder(new_out)
+        assert report.ok, report.to_dict()
+        rows["verify"].append(report.seconds)
+    return rows, report.bytes_checked
 
 
 def main() -> None:
@@ -107,38 +133,19 @@ def main() -> None:
     a = p.parse_args()
 
     from vlfast.extraction import FeatureStore
-    from vlfast.extraction.store.integrity import check_folder
 
     old = old_store_module().FeatureStore
     tmp = Path(tempfile.mkdtemp(prefix="vlfast-store-bench-", dir=a.dir))
-    new_out, old_out = str(tmp / "new"), str(tmp / "old")
-    keys = ("write_old", "write_new", "cpu_write_old", "cpu_write_new", "read", "read_verify")
-    rows: dict[str, list[float]] = {k: [] for k in (*keys, "resume_full", "resume_quick", "verify")}
     try:
-        write(FeatureStore, new_out, 4, a.tokens, a.dim)  # warm-up: imports, allocator
-        for r in range(a.rounds):
-            order = [(old, old_out, "write_old"), (FeatureStore, new_out, "write_new")]
-            for cls, out, key in order if r % 2 == 0 else order[::-1]:
-                wall, cpu = write(cls, out, a.samples, a.tokens, a.dim)
-                rows[key].append(wall)
-                rows[f"cpu_{key}"].append(cpu)
-            pair = [(False, "read"), (True, "read_verify")]
-            for verify, key in pair if r % 2 == 0 else pair[::-1]:
-                rows[key].append(read_all(new_out, verify))
-            pair = [("full", "resume_full"), ("quick", "resume_quick")]
-            for mode, key in pair if r % 2 == 0 else pair[::-1]:
-                rows[key].append(resume(new_out, mode))
-            report = check_folder(new_out)
-            assert report.ok, report.to_dict()
-            rows["verify"].append(report.seconds)
-        nbytes = report.bytes_checked
+        write(FeatureStore, str(tmp / "warm"), 4, a.tokens, a.dim)  # warm-up: imports, allocator
+        rows, nbytes = measure(old, str(tmp / "new"), str(tmp / "old"), a)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     def ratio(a_key: str, b_key: str) -> float:
-        return statistics.median(x / y for x, y in zip(rows[a_key], rows[b_key]))
+        return harness.median_ratio(rows[a_key], rows[b_key])
 
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    med = {k: harness.median(v) for k, v in rows.items()}
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
@@ -190,11 +197,7 @@ def _print(result: dict, rows: dict, a, nbytes: int) -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 
