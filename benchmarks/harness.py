@@ -253,13 +253,11 @@ def process_time(cmd: list[str], **kw) -> dict:
     }
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment with benchmarks/ on PYTHONPATH, so a child process (``python -c STEP``) times
-    through the harness too (``from harness import Stopwatch``)."""
-    path = os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")) if p
-    )
-    return {**os.environ, "PYTHONPATH": path, **extra}
+def child_env(first: str | None = None, **extra: str) -> dict[str, str]:
+    """This environment with benchmarks/ on PYTHONPATH (after ``first``: another tree's src, say), so a
+    child process (``python -c STEP``) times through the harness too (``from harness import Stopwatch``)."""
+    parts = (first, str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH"))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in parts if p), **extra}
 
 
 def spread(xs: list[float], scale: float = 1.0, digits: int = 2) -> dict[str, float]:

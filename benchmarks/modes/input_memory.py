@@ -20,24 +20,28 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 KEYS_PER_SHARD = 2000
 
 STEP = r"""
 import json, resource, sys, time
 import torch, pyarrow  # imported before the baseline, as every run has them
+from harness import Stopwatch  # benchmarks/, on the child's path
 pyarrow.array([0])  # and Arrow's allocator started (about 38 MiB here), which every run's store does anyway
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 base = rss()
 from vlfast.extraction.sources.listing import load_inputs
-t0 = time.perf_counter()
-samples, problems = load_inputs(sys.argv[1])
-seconds = time.perf_counter() - t0
+with Stopwatch() as sw:
+    samples, problems = load_inputs(sys.argv[1])
+seconds = sw.wall
 print(json.dumps({
     "entries": len(samples), "problems": len(problems), "seconds": seconds, "held": type(samples).__name__,
     "rss_added_mib": rss() - base, "peak_added_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base,
@@ -68,7 +72,7 @@ def write_inputs(folder: Path, n: int) -> dict[str, str]:
 
 
 def run_step(src: str, source: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": src, "OMP_WAIT_POLICY": "PASSIVE"}
+    env = harness.child_env(src, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.run([sys.executable, "-c", STEP, source], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -86,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         trees = {"before": a.before, **trees}
     report: dict = {"entries": a.entries, "load_average_start": os.getloadavg(), "results": {}}
     with tempfile.TemporaryDirectory(prefix="vlfast-inputs-") as tmp:
-        t0 = time.perf_counter()
-        inputs = write_inputs(Path(tmp), a.entries)
-        report["write_inputs_s"] = time.perf_counter() - t0
+        with harness.Stopwatch() as sw:
+            inputs = write_inputs(Path(tmp), a.entries)
+        report["write_inputs_s"] = sw.wall
         for kind, source in inputs.items():
-            for name, src in trees.items():  # alternating sides, one kind at a time
-                got = run_step(src, source)
+            steps = {name: lambda s=src, i=source: run_step(s, i) for name, src in trees.items()}
+            for name, (got,) in harness.alternate_measured(steps, 1).items():  # one kind at a time
                 assert got["entries"] == a.entries and not got["problems"], got
                 report["results"][f"{kind} {name}"] = got
                 if not a.json:
@@ -108,11 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 

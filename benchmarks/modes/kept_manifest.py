@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,9 +24,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 STEP = r"""
 import json, resource, sys, time
 import torch, pyarrow  # imported before the baseline, as every run has them
+from harness import Stopwatch  # benchmarks/, on the child's path
 pyarrow.array([0])  # and Arrow's allocator started, which every run's store does anyway
 def mem():
     with open("/proc/self/status") as f:
@@ -40,9 +43,9 @@ from vlfast.extraction.sources.kept import KeptListings
 from vlfast.extraction.sources.listing import load_inputs
 manifest, listings, mode = sys.argv[1:4]
 kept = KeptListings.of_folder(Path(listings)) if mode != "parse" else None
-t0 = time.perf_counter()
-samples, problems = load_inputs(manifest, None, kept)
-seconds = time.perf_counter() - t0
+with Stopwatch() as sw:
+    samples, problems = load_inputs(manifest, None, kept)
+seconds = sw.wall
 if mode == "keep":
     from vlfast.extraction.store.backend import keep_listings
     assert keep_listings(Path(listings).parent, kept.fresh, "r00000-bench") == 1, "the table was not kept"
@@ -66,14 +69,14 @@ def write_manifest(path: Path, n: int) -> None:
 
 
 def run_step(manifest: Path, listings: Path, mode: str) -> dict:
-    env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = harness.child_env(str(ROOT / "src"), OMP_WAIT_POLICY="PASSIVE")
     cmd = [sys.executable, "-c", STEP, str(manifest), str(listings), mode]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def spread(values: list[float], unit: str, digits: int) -> str:
-    med = statistics.median(values)
+    med = harness.median(values)
     if len(values) == 1:
         return f"{med:,.{digits}f} {unit}"
     return f"{med:,.{digits}f} {unit} ({min(values):,.{digits}f}-{max(values):,.{digits}f})"
@@ -97,12 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         kept_first = run_step(manifest, listings, "keep")
         assert not kept_first["kept_used"] and kept_first["entries"] == a.entries, kept_first
         size = sum(f.stat().st_size for f in listings.iterdir())
-        rounds: dict[str, list[dict]] = {"parse": [], "kept": []}
-        for _ in range(a.rounds):
-            for mode in ("parse", "kept"):
-                got = run_step(manifest, listings, mode)
-                assert got["entries"] == a.entries and got["kept_used"] == (mode == "kept"), got
-                rounds[mode].append(got)
+        steps = {mode: lambda m=mode: run_step(manifest, listings, m) for mode in ("parse", "kept")}
+        rounds = harness.alternate_measured(steps, a.rounds)  # each step a child process timing itself
+        for mode, got in ((m, g) for m, gs in rounds.items() for g in gs):
+            assert got["entries"] == a.entries and got["kept_used"] == (mode == "kept"), got
         report = {
             "command": " ".join(["python", "benchmarks/inputs.py kept", *(argv or sys.argv[1:])]),
             "entries": a.entries,
@@ -133,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 

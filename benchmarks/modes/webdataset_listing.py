@@ -20,13 +20,16 @@ import argparse
 import io
 import json
 import os
-import statistics
+import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def write_shards(folder: Path, shards: int, keys: int) -> str:
@@ -45,12 +48,6 @@ def write_shards(folder: Path, shards: int, keys: int) -> str:
     return str(folder / f"{{000000..{shards - 1:06d}}}.tar")
 
 
-def _time(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def measure(pattern: str, listings, options=None, rounds: int = 3, counter=None) -> dict:
     from vlfast.extraction.sources import load_inputs
     from vlfast.extraction.sources.kept import KeptListings
@@ -64,23 +61,31 @@ def measure(pattern: str, listings, options=None, rounds: int = 3, counter=None)
         (listings / name).write_bytes(data)
     assert first.fresh, "no listing kept: the shards are not settled"
     kept_bytes = sum(len(d) for d in first.fresh.values())
-    times: dict[str, list[float]] = {"fresh": [], "kept": []}
     requests: dict[str, dict] = {}
-    for _ in range(rounds):
-        for side in ("fresh", "kept"):
+    kept: dict[str, KeptListings | None] = {}
+
+    def setup(side: str) -> None:  # untimed: the requests counted so far dropped, the kept listings read
+        if counter is not None:
+            counter.take()
+        kept[side] = KeptListings.of_folder(listings) if side == "kept" else None
+
+    def side(name: str):
+        def run() -> None:
+            load_inputs(pattern, options, kept[name])
+            if name == "kept":
+                assert kept[name].used == len(first.fresh), (kept[name].used, len(first.fresh))
             if counter is not None:
-                counter.take()
-            kept = KeptListings.of_folder(listings) if side == "kept" else None
-            times[side].append(_time(lambda k=kept: load_inputs(pattern, options, k)))
-            if side == "kept":
-                assert kept.used == len(first.fresh), (kept.used, len(first.fresh))
-            if counter is not None:
-                requests[side] = counter.take()
+                requests[name] = counter.take()
+
+        return run
+
+    got = harness.alternate({s: side(s) for s in ("fresh", "kept")}, rounds, warmup=False, setup=setup)
+    times = {s: v["wall"] for s, v in got.items()}
     out = {
         "samples": len(samples),
         "listings": len(first.fresh),
         "listing_bytes": kept_bytes,
-        **{f"{side}_s": statistics.median(t) for side, t in times.items()},
+        **{f"{side}_s": harness.median(t) for side, t in times.items()},
         **{f"{side}_spread_s": [round(min(t), 3), round(max(t), 3)] for side, t in times.items()},
     }
     out["speedup"] = out["fresh_s"] / out["kept_s"]
@@ -133,11 +138,7 @@ def main() -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 
