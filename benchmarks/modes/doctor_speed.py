@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -47,12 +46,10 @@ TARGET_S = {"quiet": 30.0, "busy": 60.0}
 def run_doctor(extra: list[str], env: dict[str, str]) -> tuple[float, dict]:
     """Wall seconds of one ``vlfast doctor --json`` in a new interpreter, and its report."""
     cmd = [sys.executable, "-m", "vlfast.cli.main", "doctor", "--json", *extra]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
-    if out.returncode not in (0, 1, 4):
-        raise SystemExit(f"doctor failed ({out.returncode}):\n{out.stderr}")
-    return wall, json.loads(out.stdout)
+    out = harness.process_time(cmd, env=env)
+    if out["returncode"] not in (0, 1, 4):
+        raise SystemExit(f"doctor failed ({out['returncode']}):\n{out['stderr']}")
+    return out["wall_s"], json.loads(out["stdout"])
 
 
 def _load() -> float:
@@ -123,11 +120,11 @@ def _agreement(reports: list[dict], rounds: int) -> None:
     worst = 0.0
     for label, ours in doctor_ratios.items():
         theirs = direct_ratios[label]
-        diff = statistics.median(ours) / statistics.median(theirs) - 1
+        diff = harness.median(ours) / harness.median(theirs) - 1
         worst = max(worst, abs(diff))
         print(
-            f"| {label} | {statistics.median(ours):.2f}x ({', '.join(f'{r:.2f}' for r in ours)}) "
-            f"| {statistics.median(theirs):.2f}x ({', '.join(f'{r:.2f}' for r in theirs)}) | {diff:+.0%} |"
+            f"| {label} | {harness.median(ours):.2f}x ({', '.join(f'{r:.2f}' for r in ours)}) "
+            f"| {harness.median(theirs):.2f}x ({', '.join(f'{r:.2f}' for r in theirs)}) | {diff:+.0%} |"
         )
     print(f"\nworst disagreement {worst:.0%} (target <= 25%; the doctor times fewer windows on a slow CPU)")
 
@@ -190,12 +187,12 @@ def _print(rows: list[dict]) -> None:
     print("|---|---|---|---:|---:|---:|---:|---|")
     for r in rows:
         isa = "as is" if r["isa"] == "native" else "limited to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA)"
-        med, top = statistics.median(r["walls"]), max(r["walls"])
+        med, top = harness.median(r["walls"]), max(r["walls"])
         ok = top <= TARGET_S[r["load"]] and max(r["probes"]) <= 1.2 * r["budget"]
         print(
             f"| {isa} ({r['capability']}) | {'nothing' if r['load'] == 'quiet' else 'one busy process'} "
             f"| {r['dtype']} | {med:.1f} s ({top:.1f} s) of {len(r['walls'])} "
-            f"| {statistics.median(r['probes']):.1f} s ({max(r['probes']):.1f} s) / {r['budget']:g} s "
+            f"| {harness.median(r['probes']):.1f} s ({max(r['probes']):.1f} s) / {r['budget']:g} s "
             f"| {r['left_out']} | {min(r['loads']):.1f}-{max(r['loads']):.1f} "
             f"| <= {TARGET_S[r['load']]:g} s: {'met' if ok else 'MISSED'} |"
         )

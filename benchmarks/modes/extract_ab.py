@@ -21,14 +21,17 @@ change, alternating, on the same inputs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,14 +57,17 @@ def naive_child(images: Path, model: str) -> None:
 
     tower = build_reference(model)
     patch(tower)
-    processor = Preprocessor(build_processor_config(model, family="qwen3_vl")).image_processor()
-    t0 = time.perf_counter()
-    for p in sorted(images.iterdir()):
-        inputs = processor(images=[Image.open(p)], return_tensors="pt")
-        with torch.inference_mode():
-            merged = tower_outputs(tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]))["merged"]
-            merged.mean(0)
-    print(json.dumps({"seconds": time.perf_counter() - t0}))
+    pil = None if importlib.util.find_spec("torchvision") else "Qwen2VLImageProcessorPil"  # as pipeline's
+    processor = Preprocessor(
+        build_processor_config(model, family="qwen3_vl", image_processor=pil)
+    ).image_processor()
+    with harness.Stopwatch() as sw:
+        for p in sorted(images.iterdir()):
+            inputs = processor(images=[Image.open(p)], return_tensors="pt")
+            with torch.inference_mode():
+                out = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+                tower_outputs(out)["merged"].mean(0)
+    print(json.dumps({"seconds": sw.wall}))
 
 
 def main() -> None:
@@ -85,7 +91,7 @@ def main() -> None:
         images = Path(tmp) / "images"
         make_images(images, [(640, 480)] * args.images)
         naive_cmd = [sys.executable, __file__, "--model", args.model, "--naive-child", str(images)]
-        sides = {  # round -> seconds
+        sides = {  # round -> the run's own seconds (model loading excluded)
             "naive": lambda r: json_of(naive_cmd)["seconds"],
             "vlfast extract": lambda r: cli_extract(images, Path(tmp) / f"out-{r}", args.model)["seconds"],
             # preprocessing in the main process, between forwards: what the workers cost when compute-bound
@@ -98,18 +104,17 @@ def main() -> None:
             sides[f"@{args.baseline}"] = lambda r: cli_extract(
                 images, Path(tmp) / f"outb-{r}", args.model, env=base_env
             )["seconds"]
-        runs: dict[str, list[float]] = {k: [] for k in sides}
-        for r in range(args.rounds):
-            order = list(sides) if r % 2 == 0 else list(reversed(sides))
-            for name in order:
-                runs[name].append(float(sides[name](r)))
+        calls = itertools.count()  # a fresh OUT per run
+        measured = {k: lambda f=f: {"seconds": float(f(next(calls)))} for k, f in sides.items()}
+        got = harness.alternate_measured(measured, args.rounds)  # each run a process timing itself
+        runs = {k: [x["seconds"] for x in v] for k, v in got.items()}
 
     def compare(a: str, b: str) -> dict:
         """How many times faster ``b`` ran than ``a``, round by round (same round = same load)."""
         ratios = [x / y for x, y in zip(runs[a], runs[b])]
         return {
             "ratio_per_round": [round(x, 3) for x in ratios],
-            "median_ratio": round(statistics.median(ratios), 3),
+            "median_ratio": round(harness.median(ratios), 3),
             "rounds_faster": sum(x > 1 for x in ratios),
             "best_of_each_ratio": round(min(runs[a]) / min(runs[b]), 3),
         }
@@ -146,11 +151,7 @@ def main() -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 
