@@ -29,7 +29,10 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 QWEN3_VL_2B_TEXT = {
     "vocab_size": 151936,
@@ -121,9 +124,9 @@ def child(variant: str, model_name: str, text_layers: int | None, images: int, s
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        model, ids = build(model_name, text_layers, tmp)
-        build_s = time.perf_counter() - t0
+        with harness.Stopwatch() as sw:
+            model, ids = build(model_name, text_layers, tmp)
+        build_s = sw.wall
     items, tcfg, m = _items(model, ids, images, size, text)
     kw = {
         "image_token_id": ids["image_token_id"],
@@ -167,10 +170,9 @@ def child(variant: str, model_name: str, text_layers: int | None, images: int, s
     rss_before = _status_kib("VmRSS") * 1024
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (the peak RSS) to the current RSS
-    t0 = time.perf_counter()
-    with torch.inference_mode():
+    with harness.Stopwatch() as sw, torch.inference_mode():
         result = before() if variant == "before" else after()
-    forward_s = time.perf_counter() - t0
+    forward_s = sw.wall
     peak = _status_kib("VmHWM") * 1024
     batch, longest = len(items), max(int(it.input_ids.numel()) for it in items)
     elem = 4  # float32
@@ -224,7 +226,8 @@ def main() -> None:
         res = child(args.child, args.model, args.text_layers, args.images, args.size, args.text)
         print(json.dumps(res))
         return
-    rows = [measure(v, args) for v in ("before", "after")]
+    got = harness.alternate_measured({v: lambda v=v: measure(v, args) for v in ("before", "after")}, 1)
+    rows = [got["before"][0], got["after"][0]]  # each a child process measuring itself
     if rows[0]["checksum"] != rows[1]["checksum"]:
         raise SystemExit(f"before and after differ: {rows[0]['checksum']} != {rows[1]['checksum']}")
     record({"rows": rows})
@@ -253,11 +256,7 @@ def main() -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 
