@@ -184,12 +184,16 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
     return min(seconds(fn) for _ in range(repeat))
 
 
-def abab(names: list[str], rounds: int):
+def abab(names: list[str], rounds: int, rotate: bool = False):
     """The ABAB order: (round, name) for every name once per round, reversed every other round so a drift
-    in load favours none."""
+    in load favours none; ``rotate``: each round starts one name later instead (ABC BCA CAB: with three or
+    more, each goes first in turn)."""
     for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            yield r, name
+        if rotate:
+            k = r % len(names)
+            yield from ((r, name) for name in names[k:] + names[:k])
+        else:
+            yield from ((r, name) for name in (names if r % 2 == 0 else names[::-1]))
 
 
 def alternate(
@@ -219,15 +223,16 @@ def alternate(
 
 
 def alternate_measured(
-    variants: dict[str, Callable[[], dict]], rounds: int, warmup: bool = False
+    variants: dict[str, Callable[[], dict]], rounds: int, warmup: bool = False, rotate: bool = False
 ) -> dict[str, list[dict]]:
-    """ABAB rounds of variants that measure themselves (a whole child process, ``process_time``; a call that
-    times its own phases, ``Stopwatch``): each returns a dict of figures. Returns {variant: [dict per round]}."""
+    """ABAB rounds (``abab``) of variants that measure themselves (a whole child process, ``process_time``;
+    a call that times its own phases, ``Stopwatch``): each returns a dict of figures. Returns {variant:
+    [dict per round]}."""
     if warmup:
         for fn in variants.values():
             fn()
     out: dict[str, list[dict]] = {k: [] for k in variants}
-    for _, name in abab(list(variants), rounds):
+    for _, name in abab(list(variants), rounds, rotate):
         out[name].append(variants[name]())
     return out
 

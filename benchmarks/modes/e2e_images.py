@@ -46,18 +46,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-T_START = time.perf_counter()  # the loop's own clock starts here (after the interpreter's start-up)
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: the harness (standard library only)
+import harness  # noqa: E402
+
+# the loop's own clock starts here (after the interpreter's start-up); CPU: its own and its reaped workers'
+T_START = harness.Stopwatch(both=True)
+
 REPO = HERE.parents[1]
 SIZES = ((1280, 720), (1920, 1080))
 MAX_PIXELS = 768 * 768
@@ -67,14 +68,6 @@ COMPARED = 8  # images whose features are compared
 
 
 # ------------------------------------------------------------------------------------------- the loop
-
-
-def _cpu(who: int | None = None) -> float:
-    """CPU seconds of this process and its reaped children (DataLoader workers, a child's decode workers)."""
-    if who is not None:
-        usage = resource.getrusage(who)
-        return usage.ru_utime + usage.ru_stime
-    return _cpu(resource.RUSAGE_SELF) + _cpu(resource.RUSAGE_CHILDREN)
 
 
 def loop_main(ckpt: str, inputs: str, out: str, torchvision: bool) -> None:
@@ -90,7 +83,8 @@ def loop_main(ckpt: str, inputs: str, out: str, torchvision: bool) -> None:
     from torch.utils.data import DataLoader, Dataset
     from transformers import AutoImageProcessor, AutoModel
 
-    t_imports, c_imports = time.perf_counter(), _cpu()
+    clock = T_START
+    imports_s, imports_cpu = clock.lap(), clock.c0 + clock.cpu  # CPU: since the process started
 
     class Images(Dataset):
         """The report's Dataset: open with PIL, run the processor (in the DataLoader's workers)."""
@@ -115,31 +109,31 @@ def loop_main(ckpt: str, inputs: str, out: str, torchvision: bool) -> None:
     )
     visual = AutoModel.from_pretrained(ckpt).visual.to(torch.bfloat16).eval()
     merge = visual.spatial_merge_size
-    t_load, c_load = time.perf_counter(), _cpu()
+    load_s, c_load = clock.lap(), clock.cpu
     paths = sorted(Path(inputs).glob("*.jpg"))
     loader = DataLoader(Images(paths), batch_size=BATCH, num_workers=LOOP_WORKERS, collate_fn=collate)
     Path(out).mkdir(parents=True, exist_ok=True)
     forward_s, n = 0.0, 0
     with torch.no_grad():
         for i, (names, pixels, grid) in enumerate(loader):
-            t = time.perf_counter()
-            merged = visual(pixels.to(torch.bfloat16), grid_thw=grid).pooler_output  # (sum tokens, D)
-            pooled = torch.stack([m.mean(0) for m in merged.split((grid.prod(-1) // merge**2).tolist())])
-            forward_s += time.perf_counter() - t
+            with harness.Stopwatch() as sw:
+                merged = visual(pixels.to(torch.bfloat16), grid_thw=grid).pooler_output  # (sum tokens, D)
+                pooled = torch.stack([m.mean(0) for m in merged.split((grid.prod(-1) // merge**2).tolist())])
+            forward_s += sw.wall
             torch.save({"names": names, "features": pooled}, Path(out) / f"batch_{i:05d}.pt")
             n += len(names)
-    t_end, c_end = time.perf_counter(), _cpu()  # the workers are reaped: the loader's iterator ended
+    loop_s, c_end = clock.lap(), clock.cpu  # the workers are reaped: the loader's iterator ended
     print(
         json.dumps(
             {
                 "images": n,
                 "processor": type(processor).__name__,
-                "imports_s": t_imports - T_START,
-                "load_s": t_load - t_imports,
-                "loop_s": t_end - t_load,
+                "imports_s": imports_s,
+                "load_s": load_s,
+                "loop_s": loop_s,
                 "forward_s": forward_s,
-                "imports_cpu_s": c_imports,
-                "load_cpu_s": c_load - c_imports,
+                "imports_cpu_s": imports_cpu,
+                "load_cpu_s": c_load - (imports_cpu - clock.c0),
                 "loop_cpu_s": c_end - c_load,
             }
         )
@@ -188,12 +182,12 @@ def machine() -> dict:
 def timed(cmd: list[str]) -> tuple[float, float, str]:
     """Wall time of ``cmd`` as a fresh process, its CPU time (its workers' included: they are reaped), and
     what it printed on stdout."""
-    t0, c0 = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    wall, cpu = time.perf_counter() - t0, _cpu(resource.RUSAGE_CHILDREN) - c0
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return wall, cpu, done.stdout
+    done = harness.process_time(cmd)
+    if done["returncode"] != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd[:6])} ... failed ({done['returncode']}):\n{done['stderr'][-3000:]}"
+        )
+    return done["wall_s"], done["cpu_s"], done["stdout"]
 
 
 def cosines(vlfast_out: Path, loop_out: Path, n: int) -> dict[str, list[float]]:
@@ -221,7 +215,7 @@ def cosines(vlfast_out: Path, loop_out: Path, n: int) -> dict[str, list[float]]:
 
 
 def spread(xs: list[float], nd: int = 2) -> dict:
-    return {"median": round(statistics.median(xs), nd), "min": round(min(xs), nd), "max": round(max(xs), nd)}
+    return {"median": round(harness.median(xs), nd), "min": round(min(xs), nd), "max": round(max(xs), nd)}
 
 
 def run(n_images: int, rounds: int, reference_torchvision: bool, workers: int | None) -> dict:
@@ -250,34 +244,34 @@ def run(n_images: int, rounds: int, reference_torchvision: bool, workers: int | 
             *(("--workers", str(workers)) if workers else ()),
         ]
         outs = {"loop": "out-loop", "loop (torchvision)": "out-loop-tv", "vlfast": "out-vlfast"}
-        names = list(commands)
-        runs: list[dict] = []
-        for r in range(rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
-            for name in order:
-                shutil.rmtree(work / outs[name], ignore_errors=True)
-                before = os.getloadavg()[0]
-                wall, cpu, stdout = timed(commands[name])
-                own = json.loads(stdout.strip().splitlines()[-1] if name != "vlfast" else stdout)
-                runs.append(
-                    {
-                        "round": r + 1,
-                        "variant": name,
-                        "wall_s": round(wall, 3),
-                        "cpu_s": round(cpu, 3),
-                        "load_before": round(before, 2),
-                        "load_after": round(os.getloadavg()[0], 2),
-                        **_own_times(name, own, wall, cpu),
-                    }
-                )
-                if runs[-1]["images"] != n_images:
-                    raise RuntimeError(f"{name} handled {runs[-1]['images']} of {n_images} images")
-            if r == 0:
-                result["cosine"] = {
-                    loop: cosines(work / outs["vlfast"], work / outs[loop], COMPARED)
-                    for loop in names
-                    if loop != "vlfast"
-                }
+        names, runs = list(commands), []
+
+        def one(name: str) -> dict:
+            shutil.rmtree(work / outs[name], ignore_errors=True)
+            before = os.getloadavg()[0]
+            wall, cpu, stdout = timed(commands[name])
+            own = json.loads(stdout.strip().splitlines()[-1] if name != "vlfast" else stdout)
+            row = {
+                "round": sum(x["variant"] == name for x in runs) + 1,
+                "variant": name,
+                "wall_s": round(wall, 3),
+                "cpu_s": round(cpu, 3),
+                "load_before": round(before, 2),
+                "load_after": round(os.getloadavg()[0], 2),
+                **_own_times(name, own, wall, cpu),
+            }
+            if row["images"] != n_images:
+                raise RuntimeError(f"{name} handled {row['images']} of {n_images} images")
+            runs.append(row)
+            return row
+
+        # rounds whose order rotates who goes first (three variants: ABC BCA CAB)
+        harness.alternate_measured({k: lambda k=k: one(k) for k in names}, rounds, rotate=True)
+        result["cosine"] = {  # the last round's outputs (every round's features are the same)
+            loop: cosines(work / outs["vlfast"], work / outs[loop], COMPARED)
+            for loop in names
+            if loop != "vlfast"
+        }
     result["load_average_after"] = round(os.getloadavg()[0], 2)
     result.update(images=n_images, sizes=[f"{w}x{h}" for w, h in SIZES], rounds=rounds, runs=runs)
     result["variants"] = {}
@@ -286,7 +280,7 @@ def run(n_images: int, rounds: int, reference_torchvision: bool, workers: int | 
         walls = [x["wall_s"] for x in mine]
         entry = {
             "wall_s": spread(walls),
-            "images_per_s": round(n_images / statistics.median(walls), 2),
+            "images_per_s": round(n_images / harness.median(walls), 2),
             **{k: spread([x[k] for x in mine]) for k in mine[0] if k.endswith("_s") and k != "wall_s"},
         }
         if "processor" in mine[0]:
@@ -392,11 +386,7 @@ def main() -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -151,7 +150,7 @@ def main() -> None:
             got = harness.alternate({"alone": sides["alone"], "batched": sides["batched"]}, args.rounds)
         times = {k: v["wall"] for k, v in got.items()}
         load.append(round(os.getloadavg()[0], 1))
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = {k: harness.median(v) for k, v in times.items()}
         results.append(
             {
                 "workload": what,
