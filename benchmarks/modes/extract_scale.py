@@ -54,6 +54,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "vlfast-scale"
 DIM = 64  # values per sample, float16: 128 bytes of payload
@@ -145,7 +148,7 @@ def _plan(spec: dict, samples: list):
     return plan, config
 
 
-def _write(store, todo, spec: dict, res: dict[str, Any], t5: float) -> None:
+def _write(store, todo, spec: dict, res: dict[str, Any], clock) -> None:
     """The write step's adds and commits: ``spec["fraction"]`` of ``todo``, each with the input record a run
     makes (outside the store's time); its figures into ``res``."""
     import torch
@@ -169,9 +172,9 @@ def _write(store, todo, spec: dict, res: dict[str, Any], t5: float) -> None:
     res["keys_s"], keys = 0.0, np.empty(0, np.uint64)
     for k, sample_id in enumerate(islice(ArrowStrings(todo.ids), limit)):
         if k % KEY_CHUNK == 0:
-            t_keys = time.perf_counter()
-            keys = entry_keys(todo.take(np.arange(k, min(limit, k + KEY_CHUNK))), ()).tolist()
-            res["keys_s"] += time.perf_counter() - t_keys
+            with harness.Stopwatch() as sw:
+                keys = entry_keys(todo.take(np.arange(k, min(limit, k + KEY_CHUNK))), ()).tolist()
+            res["keys_s"] += sw.wall
         path = f"/data/images/{sample_id}.jpg"
         stamp = f"54321:{1_790_000_000_000_000_000 + k}:{1_790_000_000_000_000_000 + k}:{k}"
         key = keys[k % KEY_CHUNK]
@@ -190,7 +193,7 @@ def _write(store, todo, spec: dict, res: dict[str, Any], t5: float) -> None:
     store.flush()
     res["written"] = limit
     # adds and commits, the last one included
-    res["write_s"] = time.perf_counter() - t5 - res["keys_s"]
+    res["write_s"] = clock.lap() - res["keys_s"]  # clock: the step's, its last lap ended with the plan
 
 
 def step(spec: dict) -> dict[str, Any]:
@@ -203,28 +206,26 @@ def step(spec: dict) -> dict[str, Any]:
     if spec["step"] == "cache":
         from vlfast.extraction.store.reader import FeatureCache
 
-        t0 = time.perf_counter()
-        cache = FeatureCache(spec["out"], storage_options=spec["storage_options"])
-        res["open_s"] = time.perf_counter() - t0
+        with harness.Stopwatch() as sw:
+            cache = FeatureCache(spec["out"], storage_options=spec["storage_options"])
+        res["open_s"] = sw.wall
         res["samples"] = len(cache)
         res["rss_inputs_mib"] = res["rss_imports_mib"]
         res["peak_rss_mib"] = _peak_mib()
         return res
 
-    t0 = time.perf_counter()
+    clock = harness.Stopwatch()  # its laps: each phase
     samples, listings, res["inputs_kept"] = _inputs(spec)
-    res["inputs_s"] = time.perf_counter() - t0
+    res["inputs_s"] = clock.lap()
     res["rss_inputs_mib"] = _rss_mib()
 
-    t0 = time.perf_counter()
     plan, config = _plan(spec, samples)
-    t1 = time.perf_counter()
+    res["plan_s"] = clock.lap()
     finished = plan.finished(config)
-    t2 = time.perf_counter()
-    res["plan_s"], res["preflight_s"] = t1 - t0, t2 - t1
+    res["preflight_s"] = clock.lap()
     res["nothing_to_do"] = finished is not None
     if finished is not None:
-        res["planning_s"] = t2 - t0
+        res["planning_s"] = res["plan_s"] + res["preflight_s"]
         res["todo"] = 0
     else:
         with _opened_store(plan, config) as store:
@@ -232,19 +233,21 @@ def step(spec: dict) -> dict[str, Any]:
                 store.compact_min_parts = None
             store.keep_listings(listings)  # as run_session does, once OUT is this run's (not timed)
             listings.clear()
-            t3 = time.perf_counter()
+            res["store_open_s"] = clock.lap()
             done = store.done_ids(mine=True)  # as run_session does
-            t4 = time.perf_counter()
+            res["done_ids_s"] = clock.lap()
             todo, records = plan.work(done)
             plan.pending(done, store.is_recorded, (todo, records))  # as run_session does
             del done  # as run_session does
-            t5 = time.perf_counter()
-            res.update(store_open_s=t3 - t2, done_ids_s=t4 - t3, work_s=t5 - t4, planning_s=t5 - t0)
+            res["work_s"] = clock.lap()
+            res["planning_s"] = sum(
+                res[k] for k in ("plan_s", "preflight_s", "store_open_s", "done_ids_s", "work_s")
+            )
             res["todo"] = len(todo)
             if spec["step"] == "write":
-                _write(store, todo, spec, res, t5)
-            t6 = time.perf_counter()
-        res["close_s"] = time.perf_counter() - t6
+                _write(store, todo, spec, res, clock)
+            clock.lap()  # the close starts
+        res["close_s"] = clock.lap()
     res["peak_rss_mib"] = _peak_mib()
     return res
 
@@ -315,7 +318,7 @@ def moto_server():
 def _run_step(spec: dict, counter: _Counting | None, inline: bool = False) -> dict[str, Any]:
     if counter is not None:
         counter.take()
-    t0 = time.perf_counter()
+    sw = harness.Stopwatch()
     if inline:  # the smoke test's mode: no fresh process, so the RSS figures are the driver's, cumulative
         res = step(spec)
     else:
@@ -325,8 +328,7 @@ def _run_step(spec: dict, counter: _Counting | None, inline: bool = False) -> di
         if proc.returncode != 0:
             raise RuntimeError(f"step {spec['step']} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         res = json.loads(proc.stdout.strip().splitlines()[-1])
-    wall = time.perf_counter() - t0
-    res["process_s"] = wall
+    res["process_s"] = sw.wall
     res["bookkeeping_mib"] = res["peak_rss_mib"] - res["rss_inputs_mib"]
     if counter is not None:
         res["requests"] = counter.take()
@@ -519,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="vlfast-scale-"))
-    t0 = time.perf_counter()
+    sw = harness.Stopwatch()
     report: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/extract.py scale", *(argv or sys.argv[1:])]),
         "machine": machine(),
@@ -540,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     report["load_average_end"] = os.getloadavg()
-    report["seconds"] = time.perf_counter() - t0
+    report["seconds"] = sw.wall
     record(report)
     if a.json:
         print(json.dumps(report, indent=2))
@@ -579,11 +581,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 
