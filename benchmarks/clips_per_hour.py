@@ -48,7 +48,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -572,14 +571,14 @@ def _side_rows(rounds: dict[str, list[dict]], n: int, p: dict) -> list[dict]:
     rows = [
         {
             "side": side,
-            "seconds": statistics.median(secs),
+            "seconds": harness.median(secs),
             "seconds_range": [min(secs), max(secs)],
-            "clips_per_s": n / statistics.median(secs),
-            "clips_per_hour": 3600 * n / statistics.median(secs),
-            "vlfast_speedup": statistics.median(a / b for a, b in zip(secs, ours)),
-            "loop_s": statistics.median(own),
-            "loop_clips_per_hour": 3600 * n / statistics.median(own),
-            "vlfast_loop_speedup": statistics.median(a / b for a, b in zip(own, ours_loop)),
+            "clips_per_s": n / harness.median(secs),
+            "clips_per_hour": 3600 * n / harness.median(secs),
+            "vlfast_speedup": harness.median(a / b for a, b in zip(secs, ours)),
+            "loop_s": harness.median(own),
+            "loop_clips_per_hour": 3600 * n / harness.median(own),
+            "vlfast_loop_speedup": harness.median(a / b for a, b in zip(own, ours_loop)),
         }
         for side, (secs, own) in sides.items()
     ]
@@ -591,7 +590,7 @@ def summarise(rounds: dict[str, list[dict]], args, cosine, setup_s: float, load_
 
     def med(variant: str, key: str) -> float | None:
         vals = [r[key] for r in rounds[variant] if r.get(key) is not None]
-        return statistics.median(vals) if vals else None
+        return harness.median(vals) if vals else None
 
     loop = [r["seconds"] for r in rounds["loop"]]
     ours = [r["seconds"] for r in rounds["vlfast"]]
@@ -611,9 +610,9 @@ def summarise(rounds: dict[str, list[dict]], args, cosine, setup_s: float, load_
         "rounds_run": args.rounds,
         "processor": rounds["loop"][0]["processor"],
         "rows": rows,
-        "ratio_median": statistics.median(ratios),
+        "ratio_median": harness.median(ratios),
         "ratio_range": [min(ratios), max(ratios)],
-        "ratio_own_loop_median": statistics.median(own_ratios),
+        "ratio_own_loop_median": harness.median(own_ratios),
         "min_cosine_loop_vs_vlfast": cosine,
         "where": {
             "loop": {
@@ -630,7 +629,7 @@ def summarise(rounds: dict[str, list[dict]], args, cosine, setup_s: float, load_
         },
         "projection": {
             "timed_at_patches": p["timed_at_patches"],
-            "slow_call_ms": statistics.median(p["slow_calls_ms"]),
+            "slow_call_ms": harness.median(p["slow_calls_ms"]),
             "stock_call_ms": p["stock_ms"],
             "patch_embed_calls": len(rounds["loop"][0]["patch_embed_calls"]),
             "patches_per_call": sorted({c for c, _ in rounds["loop"][0]["patch_embed_calls"]}),

@@ -25,10 +25,10 @@ preprocessing (the reference).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,10 +116,11 @@ def build(folder: Path, size: str, rows: int, media: str = "small") -> tuple[Pat
 
 
 CHILD = r"""
-import json, sys, time
+import json, sys
 import torch
+from harness import Stopwatch  # benchmarks/, on the child's path
 variant, ckpt, manifest, out, list_size, device, dtype, tests = sys.argv[1:9]
-t0 = time.perf_counter()
+clock = Stopwatch()
 rows = [json.loads(line) for line in open(manifest)]
 if variant == "vlfast":
     from vlfast.extraction import extract
@@ -136,7 +137,7 @@ else:
 
     def forward(ckpt, inputs, dtype):  # the reference's _forward, on the benchmark's device
         model = ref._load(str(ckpt), dtype)[3].to(device)
-        t = time.perf_counter()
+        sw = Stopwatch()
         inputs = {k: v.to(device) for k, v in inputs.items()}
         with torch.no_grad():
             hidden = model(**inputs, use_cache=False).last_hidden_state
@@ -145,7 +146,7 @@ else:
         got = hidden[torch.arange(hidden.shape[0], device=hidden.device), col]
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        parts["forward_s"] += time.perf_counter() - t  # the rest is reading, decoding and preprocessing
+        parts["forward_s"] += sw.stop().wall  # the rest is reading, decoding and preprocessing
         return got
 
     ref._forward = forward
@@ -156,12 +157,12 @@ else:
         n += ref.reference_embed_batch(ckpt, part, torch_dtype).cpu().shape[0]
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-print(json.dumps({"n": n, "seconds": time.perf_counter() - t0, **parts}))
+print(json.dumps({"n": n, "seconds": clock.wall, **parts}))
 """
 
 
 def run_child(variant: str, ckpt: Path, manifest: Path, out: Path, args) -> dict:
-    env = os.environ | {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = harness.child_env(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     cmd = [sys.executable, "-c", CHILD, variant, str(ckpt), str(manifest), str(out)]
     cmd += [str(args.list_size), args.device, args.dtype, str(ROOT / "tests")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
@@ -205,14 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="vlfast-embed-bench-") as tmp:
         folder = Path(tmp)
         ckpt, manifest = build(folder, args.size, args.rows, args.media)
-        results: dict[str, list[dict]] = {"vlfast": [], "reference": []}
-        ratios = []
-        for r in range(args.rounds):
-            order = ("vlfast", "reference") if r % 2 == 0 else ("reference", "vlfast")
-            got = {v: run_child(v, ckpt, manifest, folder / f"out-{r}", args) for v in order}
-            for v in order:
-                results[v].append(got[v])
-            ratios.append(got["vlfast"]["rate"] / got["reference"]["rate"])
+        calls = itertools.count()  # a fresh OUT per run; each child times itself (the harness's Stopwatch)
+        sides = {
+            v: lambda v=v: run_child(v, ckpt, manifest, folder / f"out-{next(calls)}", args)
+            for v in ("vlfast", "reference")
+        }
+        results = harness.alternate_measured(sides, args.rounds)
+        ratios = [a["rate"] / b["rate"] for a, b in zip(results["vlfast"], results["reference"])]
     summary = {
         "machine": machine(),
         "size": args.size,
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "dtype": args.dtype,
         "rounds": results,
-        "ratio_median": statistics.median(ratios),
+        "ratio_median": harness.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
     }
@@ -234,9 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     for v, rs in results.items():
         rates = [x["rate"] for x in rs]
         rss = max(x["peak_rss_mib"] for x in rs)
-        fwd = statistics.median(x["forward_s"] / x["seconds"] for x in rs)
+        fwd = harness.median(x["forward_s"] / x["seconds"] for x in rs)
         print(
-            f"{v:9s} {statistics.median(rates):7.2f} embeddings/s "
+            f"{v:9s} {harness.median(rates):7.2f} embeddings/s "
             f"(min {min(rates):.2f}, max {max(rates):.2f}), peak RSS {rss:,.0f} MiB, "
             f"{fwd:.0%} of the wall time in forwards"
         )

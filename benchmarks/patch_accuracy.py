@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -50,12 +49,12 @@ def run(model: str, device: str, dtypes: list[str], windows: int, tiny: bool = F
     tower = build_reference(model.removeprefix("ref:"), tiny=tiny, device=dev)
     conv = next(m for m in tower.modules() if isinstance(m, torch.nn.Conv3d))
     off = torch.backends.cudnn.flags if dev.type == "cuda" else torch.backends.mkldnn.flags
-    t0 = time.perf_counter()
+    clock = harness.Stopwatch()
     usual = vlfast.verify(conv, dtypes=["float32", *dtypes], device=dev, n_windows=windows)
-    t1 = time.perf_counter()
+    usual_s = clock.lap()
     with off(enabled=False):
         slow = vlfast.verify(conv, dtypes=["float32", *dtypes], device=dev, n_windows=windows)
-    t2 = time.perf_counter()
+    slow_s = clock.lap()
     a, b = accuracy_rows(usual), accuracy_rows(slow)
     rows = []
     for dtype in a:
@@ -84,7 +83,7 @@ def run(model: str, device: str, dtypes: list[str], windows: int, tiny: bool = F
         "windows": min(windows, 512),
         "rows": rows,
         "passed": usual.passed,
-        "seconds": {"usual": round(t1 - t0, 1), "slow": round(t2 - t1, 1)},
+        "seconds": {"usual": round(usual_s, 1), "slow": round(slow_s, 1)},
         "machine": {
             "cpu": cpu_model(),
             "cores": os.cpu_count(),

@@ -30,7 +30,6 @@ import copy
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import types
@@ -207,7 +206,7 @@ class FallbackBudget:
 
 def _fallback_ms(t: dict[str, list[float]], once: bool) -> str:
     v = t["fallback"]
-    return "not timed" if not v else f"{statistics.median(v):.1f}" + ("\\*" if once else "")
+    return "not timed" if not v else f"{harness.median(v):.1f}" + ("\\*" if once else "")
 
 
 def _fallback_ratio(t: dict[str, list[float]]) -> str:
@@ -216,7 +215,7 @@ def _fallback_ratio(t: dict[str, list[float]]) -> str:
 
 def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
     """Median over rounds of ``a / b`` within the same round: both ran seconds apart under the same load."""
-    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+    return harness.median(x / y for x, y in zip(times[a], times[b]))
 
 
 def _check_agreement(conv, patched, pixels, w2d, bias) -> None:
@@ -378,7 +377,7 @@ def render(
     ]
     for r in rows:
         t = r["times"]
-        m = {k: statistics.median(v) for k, v in t.items() if v}
+        m = {k: harness.median(v) for k, v in t.items() if v}
         cl_times = f"| {m['conv_cl']:.1f} | {m['patched_cl']:.1f} " if cl else ""
         cl_ratios = (
             f" {paired_ratio(t, 'conv_cl', 'patched'):.2f}x | {paired_ratio(t, 'patched_cl', 'linear'):.3f} |"
@@ -542,7 +541,7 @@ def _rows_json(rows: list[dict]) -> list[dict]:
         for k, v in r["times"].items():
             if v:
                 row[k] = harness.spread(v, digits=3)
-        med = {k: statistics.median(v) for k, v in r["times"].items() if v}
+        med = {k: harness.median(v) for k, v in r["times"].items() if v}
         row["conv_over_patched"] = round(med["conv"] / med["patched"], 2)
         row["patched_over_linear"] = round(med["patched"] / med["linear"], 2)
         out.append(row)
@@ -572,7 +571,7 @@ def _run(args, shapes, devices, baseline, command, dev, budget, run) -> None:
                 )
                 print(
                     f"{shape.label:>22} {dev_name:>4} {dt}: "
-                    + "  ".join(f"{k} {statistics.median(v):.1f} ms" for k, v in times.items() if v),
+                    + "  ".join(f"{k} {harness.median(v):.1f} ms" for k, v in times.items() if v),
                     file=sys.stderr,
                     flush=True,
                 )

@@ -40,7 +40,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -591,16 +590,16 @@ def measure(
         k for k in variants if k.startswith("transformers") and "torchvision" in k or "Video" in k
     )
     bound_name = next((k for k in variants if "reference bound" in k), next(iter(variants)))
-    base, bound = statistics.median(times[base_name]), statistics.median(times[bound_name])
-    cpu_bound = statistics.median(cpu[bound_name])
+    base, bound = harness.median(times[base_name]), harness.median(times[bound_name])
+    cpu_bound = harness.median(cpu[bound_name])
     out = []
     for name, ts in times.items():
-        med = statistics.median(ts)
+        med = harness.median(ts)
         if bases and name in bases:
             base_of = bases[name]
-            base = statistics.median(times[base_of])
+            base = harness.median(times[base_of])
         else:
-            base_of, base = base_name, statistics.median(times[base_name])
+            base_of, base = base_name, harness.median(times[base_name])
         out.append(
             {
                 "input": what,
@@ -611,10 +610,10 @@ def measure(
                 "speedup_vs_transformers": round(base / med, 2),
                 "compared_with": base_of,
                 "x_decode_bound": round(med / bound, 2),
-                "cpu_ms": round(statistics.median(cpu[name]) * 1000, 2),
-                "cpu_x_decode_bound": round(statistics.median(cpu[name]) / cpu_bound, 2),
+                "cpu_ms": round(harness.median(cpu[name]) * 1000, 2),
+                "cpu_x_decode_bound": round(harness.median(cpu[name]) / cpu_bound, 2),
                 "cpu_speedup_vs_transformers": round(
-                    statistics.median(cpu[base_of]) / statistics.median(cpu[name]), 2
+                    harness.median(cpu[base_of]) / harness.median(cpu[name]), 2
                 ),
                 "equal": equal.get(name),
             }

@@ -31,7 +31,6 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,11 +96,11 @@ def vlfast(
 ) -> tuple[float, subprocess.CompletedProcess]:
     """Wall seconds of ``vlfast ARGS`` from ``tree`` run by ``python``, in a new process, and what it printed;
     an exit status other than ``expect`` (None: any) stops the benchmark."""
-    t0 = time.perf_counter()
-    out = subprocess.run(
-        [python, "-m", "vlfast.cli.main", *args], capture_output=True, text=True, env=_env(tree)
-    )
-    wall = time.perf_counter() - t0
+    with harness.Stopwatch(children=True) as sw:
+        out = subprocess.run(
+            [python, "-m", "vlfast.cli.main", *args], capture_output=True, text=True, env=_env(tree)
+        )
+    wall = sw.wall
     if expect is not None and out.returncode != expect:
         raise SystemExit(
             f"{tree} ({python}): vlfast {' '.join(args)} exited {out.returncode}, not {expect}:\n"
@@ -234,7 +233,7 @@ def _report(run, args, runs: dict, commands: dict, times: dict, loads: list, pyt
     print(
         f"\n{harness.cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, {torches}; "
         f"{args.runs} runs a command and variant, alternated; load average (1 min) "
-        f"{min(loads):.2f}-{max(loads):.2f} (median {statistics.median(loads):.2f}); "
+        f"{min(loads):.2f}-{max(loads):.2f} (median {harness.median(loads):.2f}); "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {_bytecode()}\n"
     )
     names = list(runs)
@@ -244,7 +243,7 @@ def _report(run, args, runs: dict, commands: dict, times: dict, loads: list, pyt
         cells = []
         for name in names:
             t = times[(label, name)]
-            cells.append(f"{statistics.median(t):.2f} s ({min(t):.2f}-{max(t):.2f})")
+            cells.append(f"{harness.median(t):.2f} s ({min(t):.2f}-{max(t):.2f})")
         shown = " ".join(a.format(**SHOWN) for a in COMMANDS[label])
         print(f"| `vlfast {shown}` | " + " | ".join(cells) + " |")
         for name in names:

@@ -29,9 +29,7 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
-import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -151,9 +149,9 @@ def run(
     dev = torch.device(device)
     dt = getattr(torch, dtype)
     load_start = _load()
-    t0 = time.perf_counter()
-    tower = build_reference(model.removeprefix("ref:"), tiny=tiny, device=dev, dtype=dt).eval()
-    build_s = time.perf_counter() - t0
+    with harness.Stopwatch() as sw:
+        tower = build_reference(model.removeprefix("ref:"), tiny=tiny, device=dev, dtype=dt).eval()
+    build_s = sw.wall
     grid = clip_grid(tower, frames, width, height)
     pixels, grid_thw = synthetic_inputs(tower, [grid], dtype=dt, device=dev)
     say(f"{model}{' (tiny)' if tiny else ''} on {dev} ({dtype}), grid {grid}: {pixels.shape[0]:,} patches")
@@ -222,7 +220,7 @@ def summarise(per_round: dict[str, list[tuple[float, dict[str, float]]]], touche
     rows = []
     for part in [*parts, INLINE, FORWARD]:
         s = {v: series(v, part) for v in VARIANTS}
-        med = {v: statistics.median(x) if x else None for v, x in s.items()}
+        med = {v: harness.median(x) if x else None for v, x in s.items()}
         ratios = [a / b for a, b in zip(s["stock"], s["patched"]) if b > 0]
         row = {
             "component": part,
@@ -231,7 +229,7 @@ def summarise(per_round: dict[str, list[tuple[float, dict[str, float]]]], touche
         }
         if not row["touched"]:
             ratios = []
-        row["stock_over_patched"] = statistics.median(ratios) if ratios else None
+        row["stock_over_patched"] = harness.median(ratios) if ratios else None
         row["stock_over_patched_range"] = [min(ratios), max(ratios)] if ratios else None
         row["slow_over_patched"] = (
             med["slow"] / med["patched"] if row["touched"] and med["slow"] and med["patched"] else None
