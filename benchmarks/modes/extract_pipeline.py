@@ -46,17 +46,19 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+import harness  # noqa: E402
 
 FRAMES_PER_CLIP = 8  # the original report extracted 8-frame clips
 
@@ -84,33 +86,25 @@ def cli_extract(inputs: Path, out: Path, model: str, *args: str, env: dict[str, 
     return json_of([*cmd, *args, "--json"], env=env)
 
 
-def _cpu() -> float:
-    """CPU seconds of this process and its reaped children (DataLoader workers): robust to other load."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def _spin(n: int = 5_000_000) -> float:
-    t0 = time.perf_counter()
+def _spin(n: int = 5_000_000) -> None:
     x = 0
     for i in range(n):
         x += i
-    return time.perf_counter() - t0
 
 
 def parallel_capacity() -> float:
     """Throughput of two busy processes relative to one: 2.0 on two free cores, ~1 when they share one."""
     import multiprocessing as mp
 
-    alone = min(_spin() for _ in range(2))
+    alone = harness.best_of(_spin, 2)
     ctx = mp.get_context("fork")
-    t0 = time.perf_counter()
-    procs = [ctx.Process(target=_spin) for _ in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    return round(2 * alone / (time.perf_counter() - t0), 2)
+    with harness.Stopwatch() as sw:
+        procs = [ctx.Process(target=_spin) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    return round(2 * alone / sw.wall, 2)
 
 
 def _machine() -> dict:
@@ -164,9 +158,37 @@ def _images_result(model: str, n_images: int, batches: list, runs: dict, cpus: d
     }
 
 
+def _users_processor(model: str):
+    """transformers' own processor for the users' loop: the PIL backend where torchvision is missing (the
+    default class, the torchvision one, is refused there)."""
+    from vlfast.pixels.engine import Preprocessor, build_processor_config
+
+    pil = None if importlib.util.find_spec("torchvision") else "Qwen2VLImageProcessorPil"
+    return Preprocessor(
+        build_processor_config(model, family="qwen3_vl", image_processor=pil)
+    ).image_processor()
+
+
+def _naive_images(paths: list[Path], processor, tower) -> tuple[float, float, dict]:
+    """The loop users write: per sample, the processor then the model. Wall and CPU seconds (this
+    process's and its reaped children's), and the features."""
+    from PIL import Image
+
+    from vlfast.models import tower_outputs
+
+    feats: dict[str, dict[str, torch.Tensor]] = {}
+    with harness.Stopwatch(both=True) as sw:
+        for p in paths:
+            inputs = processor(images=[Image.open(p)], return_tensors="pt")
+            with torch.inference_mode():
+                out = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+            merged = tower_outputs(out)["merged"]
+            feats[p.name] = {"vision": merged, "vision_mean": merged.mean(0)}
+    return sw.wall, sw.cpu, feats
+
+
 def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2) -> dict:
     """Sections 1 and 2a: the same images, the same tower."""
-    from PIL import Image
 
     from vlfast.demo import make_images
     from vlfast.extraction import FeatureCache
@@ -174,9 +196,8 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
     from vlfast.extraction.engines.base import Hooks
     from vlfast.extraction.engines.local import LocalEngine
     from vlfast.extraction.model.features import deepstack_skipped
-    from vlfast.models import build_reference, tower_outputs
+    from vlfast.models import build_reference
     from vlfast.patching.gemm import patch
-    from vlfast.pixels.engine import Preprocessor, build_processor_config
 
     paths = make_images(work / "images", [(640, 480)] * n_images)
     tower = build_reference(model)  # the pipeline builds the same weights (seed 0)
@@ -192,35 +213,21 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
         batches.append((pixels.clone(), grid))
 
     def replay() -> tuple[float, float]:
-        """The forward the pipeline runs for these features: no DeepStack mergers, as nothing asks for them."""
-        t0, c0 = time.perf_counter(), _cpu()
-        with torch.inference_mode(), deepstack_skipped(tower):
+        """The forward the pipeline runs for these features: no DeepStack mergers, as nothing asks for them.
+        CPU: this process's and its reaped children's (DataLoader workers): robust to other load."""
+        with harness.Stopwatch(both=True) as sw, torch.inference_mode(), deepstack_skipped(tower):
             for pixels, grid in batches:
                 tower(pixels, grid_thw=grid)
-        return time.perf_counter() - t0, _cpu() - c0
+        return sw.wall, sw.cpu
 
-    # transformers' own processor for the users' loop: the PIL backend where torchvision is missing (the
-    # default class, the torchvision one, is refused there)
-    pil = None if importlib.util.find_spec("torchvision") else "Qwen2VLImageProcessorPil"
-    cfg = build_processor_config(model, family="qwen3_vl", image_processor=pil)
-    processor = Preprocessor(cfg).image_processor()
+    processor = _users_processor(model)
 
-    def naive_loop() -> tuple[float, float, dict[str, dict[str, torch.Tensor]]]:
-        """The loop users write: per sample, the processor then the model."""
-        feats: dict[str, dict[str, torch.Tensor]] = {}
-        t0, c0 = time.perf_counter(), _cpu()
-        for p in paths:
-            inputs = processor(images=[Image.open(p)], return_tensors="pt")
-            with torch.inference_mode():
-                out = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-            merged = tower_outputs(out)["merged"]
-            feats[p.name] = {"vision": merged, "vision_mean": merged.mean(0)}
-        return time.perf_counter() - t0, _cpu() - c0, feats
+    def naive_loop() -> dict:
+        wall, cpu, feats = _naive_images(paths, processor, tower)
+        naive[:] = [feats]
+        return {"naive": wall, "naive_cpu": cpu}
 
-    # Alternated rounds, the fastest of each counting (a shared machine); the pipeline's own forward share too.
-    e2e_runs, in_run, forward_runs, naive_runs, cli_runs = [], [], [], [], []
-    e2e_cpu, forward_cpu, naive_cpu = [], [], []
-    for _ in range(rounds):
+    def pipeline() -> dict:  # extract() in this process, then its forwards replayed alone
         shutil.rmtree(work / "out", ignore_errors=True)
         batches.clear()
         summary = extract(
@@ -230,21 +237,30 @@ def efficiency_and_images(work: Path, n_images: int, model: str, rounds: int = 2
             features="vision,vision_mean",
             engine=LocalEngine(Hooks(forward=capture)),
         )
-        e2e_runs.append(summary.seconds)
-        e2e_cpu.append(summary.cpu_seconds)
-        in_run.append(summary.compute_seconds / summary.seconds)
         wall, cpu = replay()
-        forward_runs.append(wall)
-        forward_cpu.append(cpu)
-        naive_s, cpu, naive = naive_loop()
-        naive_runs.append(naive_s)
-        naive_cpu.append(cpu)
+        return {
+            "e2e": summary.seconds,
+            "e2e_cpu": summary.cpu_seconds,
+            "in_run": summary.compute_seconds / summary.seconds,
+            "forward": wall,
+            "forward_cpu": cpu,
+        }
+
+    def cli() -> dict:  # `vlfast extract`: the run's own seconds
         shutil.rmtree(work / "out-cli", ignore_errors=True)
-        cli_runs.append(cli_extract(work / "images", work / "out-cli", model)["seconds"])
+        return {"cli": cli_extract(work / "images", work / "out-cli", model)["seconds"]}
+
+    # The harness's ABAB rounds, the fastest of each counting (a shared machine); the forward's share too.
+    naive: list = []
+    got = harness.alternate_measured({"pipeline": pipeline, "naive": naive_loop, "cli": cli}, rounds)
+    col = {
+        k: [r[k] for rs in got.values() for r in rs if k in r]
+        for k in (*got["pipeline"][0], "naive", "naive_cpu", "cli")
+    }
     cache = FeatureCache(work / "out")
-    cos = min(_cos_min(cache[name], feats) for name, feats in naive.items())
-    runs = {"e2e": e2e_runs, "in_run": in_run, "forward": forward_runs, "naive": naive_runs, "cli": cli_runs}
-    cpus = {"e2e": e2e_cpu, "forward": forward_cpu, "naive": naive_cpu}
+    cos = min(_cos_min(cache[name], feats) for name, feats in naive[0].items())
+    runs = {k: col[k] for k in ("e2e", "in_run", "forward", "naive", "cli")}
+    cpus = {"e2e": col["e2e_cpu"], "forward": col["forward_cpu"], "naive": col["naive_cpu"]}
     return _images_result(model, n_images, batches, runs, cpus, cos)
 
 
@@ -333,44 +349,37 @@ def videos(work: Path, n_videos: int, workers: list[int], rounds: int = 2) -> di
     tower = load_vision_tower(str(ckpt), dtype=torch.float32)
     patch(tower)
 
-    def naive_loop() -> dict[str, dict[str, torch.Tensor]]:
-        return _naive_videos(paths, cfg, tower)
+    naive, outs, calls = [_naive_videos(paths, cfg, tower)], [], itertools.count()  # warm-up
 
-    naive_loop()  # warm-up (codec, allocator, page cache)
-    naive_runs: list[float] = []
-    ours: dict[int, list[float]] = {w: [] for w in workers}  # extract() in this process
-    cli: dict[int, list[float]] = {w: [] for w in workers}  # `vlfast extract` in its own
-    cos = 1.0
-    for r in range(rounds):  # alternate, as in section 1
-        t0 = time.perf_counter()
-        naive = naive_loop()
-        naive_runs.append(time.perf_counter() - t0)
-        for w in workers:
-            out = work / f"vout-{w}-{r}"
-            s = extract(
-                work / "videos",
-                out,
-                model=str(ckpt),
-                features="vision,vision_mean",
-                num_frames=FRAMES_PER_CLIP,
-                num_workers=w,
-            )
-            ours[w].append(s.seconds)
-            cache = FeatureCache(out)
-            cos = min(cos, *(_cos_min(cache[name], feats) for name, feats in naive.items()))
-            out = work / f"vout-cli-{w}-{r}"
-            cli[w].append(
-                cli_extract(
-                    work / "videos",
-                    out,
-                    str(ckpt),
-                    *("--features", "vision,vision_mean", "--num-frames", str(FRAMES_PER_CLIP)),
-                    *("--workers", str(w)),
-                )["seconds"]
-            )
-            cache = FeatureCache(out)
-            cos = min(cos, *(_cos_min(cache[name], feats) for name, feats in naive.items()))
-    return _videos_result(n_videos, naive_runs, ours, cli, cos)
+    def naive_loop() -> dict:
+        with harness.Stopwatch() as sw:
+            naive[0] = _naive_videos(paths, cfg, tower)
+        return {"s": sw.wall}
+
+    def ours(w: int) -> dict:  # extract() in this process: the run's own seconds
+        outs.append(work / f"vout-{w}-{next(calls)}")
+        s = extract(
+            work / "videos",
+            outs[-1],
+            model=str(ckpt),
+            features="vision,vision_mean",
+            num_frames=FRAMES_PER_CLIP,
+            num_workers=w,
+        )
+        return {"s": s.seconds}
+
+    def cli(w: int) -> dict:  # `vlfast extract` in its own process: the run's own seconds
+        outs.append(work / f"vout-cli-{w}-{next(calls)}")
+        args = ("--features", "vision,vision_mean", "--num-frames", str(FRAMES_PER_CLIP), "--workers", str(w))
+        return {"s": cli_extract(work / "videos", outs[-1], str(ckpt), *args)["seconds"]}
+
+    sides = {"naive": naive_loop}
+    for w in workers:
+        sides |= {f"ours {w}": lambda w=w: ours(w), f"cli {w}": lambda w=w: cli(w)}
+    got = {k: [r["s"] for r in v] for k, v in harness.alternate_measured(sides, rounds).items()}
+    cos = min(_cos_min(FeatureCache(out)[name], feats) for out in outs for name, feats in naive[0].items())
+    ours_s = {w: got[f"ours {w}"] for w in workers}
+    return _videos_result(n_videos, got["naive"], ours_s, {w: got[f"cli {w}"] for w in workers}, cos)
 
 
 def _summaries(text: str) -> list[dict]:
@@ -408,24 +417,21 @@ def engines(work: Path, n_videos: int, rounds: int) -> dict:
         ],
         "ray": [sys.executable, "-m", "vlfast.cli.main", *extract_args, "--engine", "ray"],
     }
-    wall: dict[str, list[float]] = {k: [] for k in commands}
-    own: dict[str, list[float]] = {k: [] for k in commands}
-    for r in range(rounds):  # alternate, as in the other sections
-        for name, cmd in commands.items():
-            out = work / f"engine-{name.split()[0]}-{r}"
-            t0 = time.perf_counter()
-            done = subprocess.run(
-                [str(out) if c == "OUT" else c for c in cmd], capture_output=True, text=True
-            )
-            wall[name].append(time.perf_counter() - t0)
-            if done.returncode != 0:
-                raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-            summaries = _summaries(done.stdout)
-            if sum(s["extracted"] for s in summaries) != n_videos:
-                raise RuntimeError(
-                    f"{name} extracted {[s['extracted'] for s in summaries]} of {n_videos} clips"
-                )
-            own[name].append(max(s["seconds"] for s in summaries))
+    calls = itertools.count()
+
+    def engine(name: str) -> dict:  # the whole process (harness.process_time) and the run's own seconds
+        out = work / f"engine-{name.split()[0]}-{next(calls)}"
+        done = harness.process_time([str(out) if c == "OUT" else c for c in commands[name]])
+        if done["returncode"] != 0:
+            raise RuntimeError(f"{name} failed ({done['returncode']}):\n{done['stderr'][-2000:]}")
+        summaries = _summaries(done["stdout"])
+        if sum(s["extracted"] for s in summaries) != n_videos:
+            raise RuntimeError(f"{name} extracted {[s['extracted'] for s in summaries]} of {n_videos} clips")
+        return {"wall": done["wall_s"], "own": max(s["seconds"] for s in summaries)}
+
+    got = harness.alternate_measured({k: lambda k=k: engine(k) for k in commands}, rounds)
+    wall = {k: [r["wall"] for r in v] for k, v in got.items()}
+    own = {k: [r["own"] for r in v] for k, v in got.items()}
     best = {k: min(v) for k, v in wall.items()}
     best_own = {k: min(v) for k, v in own.items()}
     return {
@@ -534,11 +540,7 @@ def _print(result: dict) -> None:
 
 
 def record(result: dict) -> None:
-    """The result into the run's result file (benchmarks/harness.py; a no-op outside benchmarks/SCRIPT.py MODE)."""
-    try:
-        import harness
-    except ImportError:  # run as a child, without benchmarks/ on the path
-        return
+    """The result into the run's result file (a no-op outside benchmarks/SCRIPT.py MODE)."""
     harness.record(result)
 
 
