@@ -52,7 +52,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # both sides' children inherit it
@@ -257,7 +256,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_loop(spec: dict, t0: float) -> dict:
+def run_loop(spec: dict, clock: harness.Stopwatch) -> dict:
     """The author's loop over ``spec['clips']``; returns its times, per-call patch-embed record and the
     slow-path projection."""
     import torch
@@ -273,31 +272,29 @@ def run_loop(spec: dict, t0: float) -> dict:
     conv = embed.proj  # kept: the stock conv, for the projection after the loop
     Qwen3VLVisionPatchEmbed.forward = _fast_forward
     calls: list[tuple[int, float]] = []  # (patches, ms) per patch-embed call, device synchronised
-    opened: list[float] = []
+    opened: list[harness.Stopwatch] = []
 
     def opening(module, args) -> None:  # hooks return None: a value would replace the call's arguments
         _sync(device)
-        opened.append(time.perf_counter())
+        opened.append(harness.Stopwatch())
 
     def closing(module, args, output) -> None:
         _sync(device)
-        calls.append((args[0].shape[0], 1e3 * (time.perf_counter() - opened.pop())))
+        calls.append((args[0].shape[0], 1e3 * opened.pop().wall))
 
     embed.register_forward_pre_hook(opening)
     embed.register_forward_hook(closing)
     processor, which = _processor(spec["ckpt"])
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPT}]}]
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    load_s = time.perf_counter() - t0
+    load_s = clock.wall  # the child's clock: started before its imports
     parts = dict.fromkeys(("wait_s", "processor_s", "forward_s", "save_s"), 0.0)
     loader = DataLoader(
         Clips(spec["clips"]), batch_size=spec["batch"], num_workers=spec["workers"], collate_fn=list
     )
-    loop_start = tick = time.perf_counter()
-    n = 0
+    loop, n = harness.Stopwatch(), 0  # its laps: each phase of each batch
     for i, batch in enumerate(loader):
-        now = time.perf_counter()
-        parts["wait_s"] += now - tick
+        parts["wait_s"] += loop.lap()
         ids, frames, metas = zip(*batch)
         kwargs = {"text": [text] * len(batch), "videos": list(frames), "video_metadata": list(metas)}
         kwargs.update(do_sample_frames=False, return_tensors="pt", padding=True, padding_side="left")
@@ -310,19 +307,16 @@ def run_loop(spec: dict, t0: float) -> dict:
             processor = VideoStepsProcessor(spec["ckpt"])
             inputs = processor(**kwargs)
         inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
-        t = time.perf_counter()
-        parts["processor_s"] += t - now
+        parts["processor_s"] += loop.lap()
         with torch.inference_mode():
             hidden = model(**inputs, output_hidden_states=True).hidden_states
         feats = hidden[-1][:, -1].float().cpu()  # left padded: the last position is every row's last token
         _sync(device)
-        t2 = time.perf_counter()
-        parts["forward_s"] += t2 - t
+        parts["forward_s"] += loop.lap()
         torch.save({"ids": list(ids), "features": feats}, out / f"chunk_{i:05d}.pt")
-        tick = time.perf_counter()
-        parts["save_s"] += tick - t2
+        parts["save_s"] += loop.lap()
         n += len(batch)
-    loop_s = time.perf_counter() - loop_start
+    loop_s = loop.wall
     result = {
         "clips": n,
         "processor": which,
@@ -367,7 +361,7 @@ def project(conv, calls, device, dtype, cap: int, repeats: int) -> dict:
 # ------------------------------------------------------------------------------------------------- vlfast
 
 
-def run_vlfast(spec: dict, t0: float) -> dict:
+def run_vlfast(spec: dict, clock: harness.Stopwatch) -> dict:
     from vlfast.extraction import extract
 
     s = extract(
@@ -396,9 +390,9 @@ def run_vlfast(spec: dict, t0: float) -> dict:
 def child(variant: str, spec: dict) -> None:
     import torch
 
-    t0 = time.perf_counter()
-    got = run_loop(spec, t0) if variant == "loop" else run_vlfast(spec, t0)
-    got["seconds"] = time.perf_counter() - t0
+    clock = harness.Stopwatch()
+    got = run_loop(spec, clock) if variant == "loop" else run_vlfast(spec, clock)
+    got["seconds"] = clock.wall
     if spec["device"].startswith("cuda"):
         got["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(got))
@@ -510,10 +504,10 @@ def run(args) -> dict:
     load_start = round(os.getloadavg()[0], 2)
     with tempfile.TemporaryDirectory(prefix="vlfast-clips-") as tmp:
         work = Path(tmp)
-        t = time.perf_counter()
-        clips = make_clips(work / "clips", args.clips, width, height)
-        ckpt = make_checkpoint(work, args.model, args.llm_layers, args.device)
-        setup_s = time.perf_counter() - t
+        with harness.Stopwatch() as sw:
+            clips = make_clips(work / "clips", args.clips, width, height)
+            ckpt = make_checkpoint(work, args.model, args.llm_layers, args.device)
+        setup_s = sw.wall
         spec = {
             "ckpt": str(ckpt),
             "clips": [str(p) for p in clips],
@@ -525,23 +519,23 @@ def run(args) -> dict:
             "slow_patches": args.slow_patches,
             "slow_calls": args.slow_calls,
         }
-        rounds: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-        cosine = None
-        for r in range(args.rounds):
-            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
-            for v in order:
-                out = work / f"{v}-{r}"
-                got = run_child(v, {**spec, "out": str(out), "project": r == 0}, work)
-                got["load_average"] = round(os.getloadavg()[0], 2)
-                rounds[v].append(got)
-                print(
-                    f"round {r + 1}/{args.rounds} {v}: {got['clips']} clips in {got['seconds']:.1f} s",
-                    file=sys.stderr,
-                )
-            if r == 0:
-                cosine = _features_cosine(work / "loop-0", work / "vlfast-0")
-            for v in VARIANTS:
-                shutil.rmtree(work / f"{v}-{r}", ignore_errors=True)
+        done = {v: 0 for v in VARIANTS}
+
+        def side(v: str) -> dict:  # a child process timing itself (its Stopwatch); round 0's output kept
+            r, out = done[v], work / f"{v}-{done[v]}"
+            got = run_child(v, {**spec, "out": str(out), "project": r == 0}, work)
+            got["load_average"] = round(os.getloadavg()[0], 2)
+            print(
+                f"round {r + 1}/{args.rounds} {v}: {got['clips']} clips in {got['seconds']:.1f} s",
+                file=sys.stderr,
+            )
+            if r:
+                shutil.rmtree(out, ignore_errors=True)
+            done[v] += 1
+            return got
+
+        rounds = harness.alternate_measured({v: lambda v=v: side(v) for v in VARIANTS}, args.rounds)
+        cosine = _features_cosine(work / "loop-0", work / "vlfast-0") if args.rounds else None
     return summarise(rounds, args, cosine, setup_s, load_start)
 
 
