@@ -259,6 +259,25 @@ def _channels_first(shape: tuple[int, ...], given: Any = None) -> bool:
     return shape[0] in (1, 3)
 
 
+def _arrays_left_to_transformers(images, who: str, channels: Any) -> str | None:
+    """Why a swapped processor's call goes to transformers: a 3-axis array whose channel axis transformers
+    guesses ((3, W, 3), (1, W, 3), (3, W, 1)), or one of a single channel. Releases differ on both (5.25 takes
+    the first axis and converts one channel, 5.18 fails on a channels-first one of a single channel), so the
+    switch leaves them to the installed one's own code. ``channels``: the call's ``input_data_format``."""
+    import numpy as np
+    import torch
+
+    for item in images if isinstance(images, (list, tuple)) else [images]:
+        for x in item if isinstance(item, (list, tuple)) else [item]:
+            if not isinstance(x, (np.ndarray, torch.Tensor)) or x.ndim != 3:
+                continue
+            if channels is None and {x.shape[0], x.shape[-1]} <= {1, 3}:
+                return f"{who}: an array whose channel axis transformers guesses (pass input_data_format)"
+            if x.shape[0 if _channels_first(x.shape, channels) else -1] == 1:
+                return f"{who}: an array of one channel (releases of transformers read it differently)"
+    return None
+
+
 def conformed_inputs(images, who: str, channels: Any = None):
     """``images`` as the PIL images vlfast's path takes, or (None, why) where one is of a kind it does not.
     ``channels``: a call's ``input_data_format`` (None: inferred as transformers infers it)."""
@@ -314,6 +333,8 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
         if changed:
             why = f"the image processor's {', '.join(changed)} changed since vlfast took its calls"
     conformed = None
+    if why is None and self._vlfast_fallback:
+        why = _arrays_left_to_transformers(images, who, kwargs.get("input_data_format"))
     if why is None:
         conformed, why = conformed_inputs(images, who, kwargs.get("input_data_format"))
     if why is None:
