@@ -74,8 +74,8 @@ def test_every_tower_tensor_is_compared(tiny_qwen3_vl, tmp_path):
     shutil.copytree(tiny_qwen3_vl, ckpt)
     key = "model.visual.merger.linear_fc2.weight"
     _swap(ckpt, key, torch.zeros(32, 256))
-    from vlfast.models import check_tower_shapes, tower_shapes
     from vlfast.errors import InputRefused
+    from vlfast.models import check_tower_shapes, tower_shapes
 
     with pytest.raises(
         InputRefused, match=r"merger\.linear_fc2\.weight in model\.safetensors is \[32, 256\]"

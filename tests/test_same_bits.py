@@ -165,10 +165,10 @@ def test_extraction_and_verify_settle_vector_math_before_a_model_runs(monkeypatc
     import torch
 
     import vlfast.numerics
+    from vlfast.diagnosis.verification import verify
     from vlfast.extraction.model import runner
     from vlfast.extraction.model.features import FeatureSpec
     from vlfast.models import build_reference
-    from vlfast.diagnosis.verification import verify
 
     seen = []
     monkeypatch.setattr(vlfast.numerics, "settle_vector_math", lambda: seen.append("settled") or True)

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 import vlfast
 from vlfast.cli.main import app
+from vlfast.diagnosis.verification import Step, Thresholds, compare, verify
 from vlfast.models import (
     REFERENCES,
     build_reference,
@@ -25,7 +26,6 @@ from vlfast.models import (
     tower_spec,
 )
 from vlfast.patching.gemm import GemmConvForward
-from vlfast.diagnosis.verification import Step, Thresholds, compare, verify
 
 runner = CliRunner()
 
