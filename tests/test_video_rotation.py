@@ -107,3 +107,39 @@ def test_the_choice_is_recorded_and_a_resume_keeps_it(clips, tiny_qwen3_vl, tmp_
         build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", video_rotation=False).video_rotation
         is False
     )
+
+
+def test_a_forked_worker_frees_what_a_decode_left_behind(clips):
+    """Reading a frame's display matrix ties the frame to its side data in a cycle, freed by the garbage
+    collector, not at once. A frame converted to RGB by its own reformatter kept that reformatter's swscale
+    context and its slice threads until then; freed in a forked DataLoader worker (no threads but the one
+    that forked), the context waited forever for threads that were not there. The decode converts with a
+    reformatter of its own, freed at once: a forked child collects the parent's garbage and exits."""
+    import gc
+    import os
+    import time
+
+    cfg = build_processor_config("ref:qwen3-vl-2b", family="qwen3_vl", num_frames=8)
+    assert cfg.video_rotation is True
+    gc.collect()
+    gc.disable()  # what a decode leaves stays until the fork, as between two collections in a training loop
+    try:
+        read_video(str(clips["seeking"]), cfg)
+        read_video(str(clips[90]), cfg)
+        pid = os.fork()
+        if pid == 0:  # the child: free the parent's garbage, as a worker's first collection does
+            gc.collect()
+            os._exit(0)
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung freeing a frame the parent decoded")
+    assert os.waitstatus_to_exitcode(status) == 0

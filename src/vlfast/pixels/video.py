@@ -678,8 +678,13 @@ def _decode_at(container, stream, indices: np.ndarray | None, *, turn: bool = Fa
 
 def _rgb(frame, turn: bool) -> np.ndarray:
     """A decoded frame as (H, W, 3) uint8, turned upright by its display matrix where ``turn`` (a view with
-    other strides: the caller's np.stack makes the clip contiguous)."""
-    rgb = frame.to_ndarray(format="rgb24")
+    other strides: the caller's np.stack makes the clip contiguous). Converted by a reformatter of its own,
+    freed here: ``frame.to_ndarray(format=...)`` keeps one on the frame, and its swscale slice threads with it,
+    until the frame is freed, which reading the display matrix leaves to the garbage collector (the frame and
+    its side data refer to each other); a DataLoader worker forked before that collection hangs freeing it."""
+    from av.video.reformatter import VideoReformatter
+
+    rgb = VideoReformatter().reformat(frame, format="rgb24").to_ndarray()
     return np.rot90(rgb, display_turns(frame)) if turn else rgb
 
 
