@@ -276,6 +276,26 @@ def test_the_commands_exit_1_or_2_never_3(base: Path, tmp_path: Path) -> None:
     assert r.exit_code == 2 and "index was deleted or lost" in r.output, r.output
 
 
+def test_out_verify_advises_per_kind_of_stray(base: Path, tmp_path: Path) -> None:
+    """`vlfast out verify`'s advice follows what a run does with each stray: a shard no part covers is moved
+    aside by the same `vlfast extract`; a file where a folder belongs is refused by it, so only the user can
+    move it (the advice once said a run would move both)."""
+    runner = CliRunner()
+    out = tmp_path / "out"
+    shutil.copytree(base, out)
+    _file(out / "locks")
+    r = runner.invoke(app, ["out", "verify", str(out)])
+    assert r.exit_code == 1 and "locks is a file" in r.output, r.output
+    assert "nothing is moved for you" in r.output and "moves them aside" not in r.output, r.output
+    with pytest.raises(Misplaced):  # what the advice says a run does
+        _resume(out)
+    (out / "locks").unlink()
+    _part(out, 1).unlink()
+    r = runner.invoke(app, ["out", "verify", str(out)])
+    assert r.exit_code == 1 and "moves them aside" in r.output, r.output
+    assert "nothing is moved for you" not in r.output, r.output
+
+
 # ------------------------------------------------------------------------------------- object storage
 
 

@@ -120,11 +120,17 @@ def _advice(report, out: str) -> str:
     advice = []
     if report.bad_samples or report.bad_parts or report.damaged_error_lines:
         advice.append(f"Damaged. {REDO_HINT}")
-    if report.strays:
+    uncovered = [s for s in report.strays if s["kind"] == "uncovered"]
+    if uncovered:
         advice.append(
-            "Not where the format puts it: the same `vlfast extract` moves these aside to "
+            "Shards no index part covers: the same `vlfast extract` moves them aside to "
             f"{Out.quarantine_shown(out)} (a shard a killed run left is removed) and extracts again what is "
             "missing."
+        )
+    if len(uncovered) < len(report.strays):
+        advice.append(
+            "A file where vlfast keeps a folder, or a folder where it keeps a file: nothing is moved for you; "
+            "move each out of OUT, then run again (`vlfast extract` refuses, exit 2, until then, naming the mv)."
         )
     if report.other_config_parts:
         advice.append(
