@@ -1,15 +1,9 @@
 """File helpers: how vlfast writes a user's file or folder, the mode a new file gets, and a seekable window of bytes.
 
 ``write_atomically`` is the one way vlfast writes what a user asked for (``tokens rewrite``, ``tokens fix``,
-``export``, ``demo-checkpoint``): beside the destination under a hidden temp name, made durable, renamed
-into place only when whole, the temp removed on any failure. ``refuse_same_files`` and ``is_inside`` tell
-an output that is an input by identity (device and inode: a hard link, a symlink, another spelling), so
-the commands refuse it before anything is opened for writing.
-
-safetensors' writer creates its files with mode 0600, so shards and fixed checkpoints written on shared
-storage were unreadable by teammates. ``honour_umask`` gives a written file ``0666 & ~umask``, as ``open``
-does. ``ByteWindow`` is the seekable file interface of a tar member, read in place from a local shard or by
-ranged requests from one at a URL.
+``export``, ``demo-checkpoint``). ``refuse_same_files`` and ``is_inside`` tell an output that is an input by
+identity (device and inode), before anything is opened for writing. safetensors creates its files with mode
+0600, unreadable by teammates on shared storage: ``honour_umask`` gives ``0666 & ~umask``, as ``open`` does.
 """
 
 from __future__ import annotations
@@ -49,8 +43,7 @@ def honour_umask(path: str | os.PathLike) -> None:
 
 
 def same_file(a: PathLike, b: PathLike) -> bool:
-    """Whether ``a`` and ``b`` name one existing file or folder: same device and inode, so a hard link, a
-    symlink and a relative spelling all count. False when either does not exist."""
+    """Whether ``a`` and ``b`` name one existing file or folder (same device and inode)."""
     try:
         sa, sb = os.stat(a), os.stat(b)
     except (OSError, ValueError):
@@ -59,8 +52,8 @@ def same_file(a: PathLike, b: PathLike) -> bool:
 
 
 def is_inside(path: PathLike, folder: PathLike) -> bool:
-    """Whether ``path`` (which need not exist) lies under ``folder``: one of its existing parent folders,
-    after symlinks and ``..`` are resolved, is ``folder`` by identity."""
+    """Whether ``path`` (which need not exist) lies under ``folder``: one of its resolved parents is
+    ``folder`` by identity."""
     try:
         target = os.stat(folder)
     except (OSError, ValueError):
@@ -79,16 +72,19 @@ def refuse_same_files(outputs: Mapping[str, PathLike | None], inputs: Mapping[st
     """Refuse (InputRefused, naming both) an output that is an input, or another output, by identity or by
     resolved name; keys are what the user called them (``--out``, ``--dataset``). None entries are unused."""
     given = {k: v for k, v in outputs.items() if v is not None}
-    sources = {k: v for k, v in inputs.items() if v is not None}
+
+    def same(a: PathLike, b: PathLike) -> bool:
+        return same_file(a, b) or os.path.realpath(a) == os.path.realpath(b)
+
     for k, (out_flag, out) in enumerate(given.items()):
-        for in_flag, src in sources.items():
-            if same_file(out, src) or os.path.realpath(out) == os.path.realpath(src):
+        for in_flag, src in inputs.items():
+            if src is not None and same(out, src):
                 raise InputRefused(
                     f"{out_flag} {os.fspath(out)} is the same file as {in_flag} {os.fspath(src)}: vlfast never "
                     f"writes over its input; name a new {out_flag}"
                 )
         for other_flag, other in list(given.items())[:k]:
-            if same_file(out, other) or os.path.realpath(out) == os.path.realpath(other):
+            if same(out, other):
                 raise InputRefused(
                     f"{out_flag} {os.fspath(out)} is the same file as {other_flag} {os.fspath(other)}: one "
                     "output would replace the other; name two files"
@@ -109,10 +105,9 @@ def write_atomically(
     dest: PathLike, write: Callable[[Path], object], *, overwrite: bool = False, tag: str = "write"
 ) -> None:
     """``write(tmp)`` a file or folder at a hidden temp name beside ``dest``, make it durable, then rename
-    it to ``dest``: readers see nothing, the previous ``dest``, or the whole new one. The temp is removed if
-    anything fails (a SIGKILL leaves it behind under its hidden name), and so are the folders above ``dest``
-    it made. An existing ``dest`` is replaced only with ``overwrite``, except an empty folder, which a
-    folder takes the place of as a new one would (if it gains files meanwhile, nothing is replaced)."""
+    it to ``dest``: readers see nothing, the previous ``dest``, or the whole new one. On failure the temp
+    and the folders made above ``dest`` are removed. An existing ``dest`` is replaced only with
+    ``overwrite``, except an empty folder (if it gains files meanwhile, nothing is replaced)."""
     dest = Path(dest)
     tmp = temp_name(dest, tag)
     made = _make_parents(dest)
@@ -130,8 +125,8 @@ def write_atomically(
 
 
 def _make_parents(dest: Path) -> list[Path]:
-    """Make the missing folders above ``dest`` (outermost first, returned); refuse a file or a broken
-    symlink where a folder must be, naming it."""
+    """Make the missing folders above ``dest`` (returned outermost first); refuse a file or a broken
+    symlink where a folder must be."""
     missing, parent = [], dest.parent
     while not (parent.exists() or parent.is_symlink()):
         missing.append(parent)
@@ -151,9 +146,9 @@ def _exists_refused(dest: Path) -> InputRefused:
 
 
 def _place(tmp: Path, dest: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``dest``: refused if ``dest`` exists (without ``overwrite``); a folder replaces the
-    previous one by an atomic swap where the kernel has one (renameat2), else by two renames (in between,
-    ``dest`` is briefly absent, never partial)."""
+    """Rename ``tmp`` to ``dest``, refused if ``dest`` exists (without ``overwrite``); a folder replaces
+    the previous one by an atomic swap (renameat2) where there is one, else by two renames (``dest``
+    briefly absent, never partial)."""
     if not overwrite and tmp.is_dir() and dest.is_dir() and not dest.is_symlink():
         try:
             os.rename(tmp, dest)  # replaces an empty folder only: one with files fails
@@ -201,15 +196,15 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
 def _fsync_tree(path: Path) -> None:
     """Every file and folder under ``path`` durable before the rename makes it the destination."""
     if path.is_file():
-        _fsync_file(path)
+        _fsync(path)
         return
     for folder, _, files in os.walk(path):
         for name in files:
-            _fsync_file(Path(folder, name))
+            _fsync(Path(folder, name))
         fsync_dir(Path(folder))
 
 
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -230,15 +225,9 @@ def disk_full(e: BaseException) -> bool:
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync the folder ``path`` (its entries: a rename into it, a file made or removed there)."""
-    # The rename is only durable once the folder entry is; without this a power loss can undo it.
-    if os.name == "nt":  # Windows cannot open a folder as a file; NTFS journals the rename itself
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync the folder ``path``: a rename into it is only durable once its entry is."""
+    if os.name != "nt":  # Windows cannot open a folder as a file; NTFS journals the rename itself
+        _fsync(path)
 
 
 def _remove(path: Path) -> None:
@@ -250,9 +239,9 @@ def _remove(path: Path) -> None:
 
 
 class ByteWindow(io.RawIOBase):
-    """A read-only, seekable view of ``size`` bytes: subclasses say how to fill a buffer (``readinto``) from
-    position ``self._pos``; seeking is bookkeeping. ``name`` is what PyAV hands FFmpeg, whose format probe
-    weighs the file extension."""
+    """A read-only, seekable view of ``size`` bytes (a tar member, local or at a URL): subclasses fill a
+    buffer (``readinto``) from ``self._pos``. ``name`` is what PyAV hands FFmpeg, whose probe weighs the
+    file extension."""
 
     def __init__(self, size: int, name: str):
         super().__init__()

@@ -1,14 +1,10 @@
-"""The range each numeric option of vlfast takes, as data, and the one check that reads it.
+"""The range each numeric option of vlfast takes, as data keyed by flag, and the one check that reads it.
 
-Every int or float option of every command has an entry here, keyed by its flag. The CLI checks each value
-as a command parses its options (``cli._common.HelpCommand``), before anything is read or written; the
-library checks the same entries where the values enter it (``ExtractConfig``), so a script and a command
-agree. NaN, an infinity, a value of the wrong type or past either end is refused with
-:class:`~vlfast.errors.InputRefused` naming the flag and both ends (exit 2).
-
-The ends are wide on purpose: they keep out what no run can mean (a frame rate of 1e30, a pixel budget
-larger than any image PIL opens, a zero batch), never a choice a user could make. Imports nothing of ours
-but the errors.
+The CLI checks each value as a command parses its options (``cli._common.HelpCommand``) and the library
+where the values enter it (``ExtractConfig``), so a script and a command agree. NaN, an infinity, a wrong
+type or a value past either end is refused (InputRefused naming the flag and both ends, exit 2). The ends
+are wide on purpose: they keep out what no run can mean (a frame rate of 1e30, a zero batch), never a
+choice a user could make.
 """
 
 from __future__ import annotations
@@ -40,11 +36,9 @@ class Limit:
         return f"{text} ({self.meaning})" if self.meaning else text
 
     def check(self, value: object, name: str) -> int | float:
-        """``value`` if it is within the limit; else InputRefused naming ``name`` (the flag, and the
-        keyword where the library was called)."""
+        """``value`` if it is within the limit; else InputRefused naming ``name``."""
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if ok and self.integer and not isinstance(value, numbers.Integral):
-            ok = False
+        ok = ok and (isinstance(value, numbers.Integral) or not self.integer)
         if ok:
             x = float(value) if not isinstance(value, numbers.Integral) else value
             ok = (not isinstance(x, float) or math.isfinite(x)) and self.low <= x <= self.high
