@@ -1,13 +1,8 @@
 """Shared CLI plumbing: option aliases, output helpers and the error table.
 
-Commands parse, call one library function and render its result. Errors a user can act on are mapped
-to a one-line message and an exit code here: vlfast's refusals (``vlfast.errors.VlfastError``) and the
-user's own files (not found, not a folder, permission) are exit 2; anything else that escapes is a bug,
-exit 3 with a hint to set ``VLFAST_DEBUG=1`` for the full traceback.
-
-Help is click's plain layout (the app sets ``rich_markup_mode=None``, as ``hf`` does): no markup is
-parsed, so ``pip install 'vlfast[plot]'`` prints as written, and it wraps instead of truncating in a
-pipe. Anything this module prints through Rich goes through :func:`escape` first.
+Errors a user can act on become a one-line message: vlfast's refusals and the user's own files are exit 2;
+anything else is a bug, exit 3 with a hint to set ``VLFAST_DEBUG=1``. Help is click's plain layout (no
+markup parsed, so ``pip install 'vlfast[plot]'`` prints as written); what goes through Rich is escaped.
 """
 
 from __future__ import annotations
@@ -66,13 +61,9 @@ err_console = Console(stderr=True)
 
 
 class HelpCommand(TyperCommand):
-    """A command whose help reads like git's: ``--device DEVICE``, ``vlfast tokens fix [OPTIONS] OUT``.
-
-    Typer tags every value with its Python type (``<str>``, ``<list[str]>``) and writes required
-    arguments as ``{OUT}``. Here a value without a metavar is ``N`` when it is a number, else named
-    after its option in capitals as argparse does (``--template TEMPLATE``); flags take none. Every number
-    given is checked against :data:`vlfast.limits.LIMITS` as the options are parsed, before the command runs.
-    """
+    """A command whose help reads like git's (``--device DEVICE``, ``vlfast tokens fix [OPTIONS] OUT``), not
+    typer's ``<str>`` and ``{OUT}``: a number's metavar is ``N``, another value's its option in capitals.
+    Every number given is checked against :data:`vlfast.limits.LIMITS` as the options are parsed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -126,8 +117,7 @@ class HelpCommand(TyperCommand):
 
 
 def number_type(param: Any) -> type | None:
-    """int or float for an option that takes one number (typer >= 0.20 keeps the annotation; older typer
-    gives a click type), else None."""
+    """int or float for an option that takes one number (typer >= 0.20's annotation, or a click type)."""
     if getattr(param, "is_flag", False) or getattr(param, "multiple", False):
         return None
     annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
@@ -152,7 +142,7 @@ class HelpGroup(TyperGroup):
 
 
 def readable_help(app: typer.Typer) -> None:
-    """Give every command and group registered under ``app`` the help layout above (unless it chose one)."""
+    """Give every command and group under ``app`` the help layout above (unless it chose one)."""
     for command in app.registered_commands:
         if command.cls in (None, TyperCommand):  # typer records its default class, not None
             command.cls = HelpCommand
@@ -178,17 +168,14 @@ class UsageError(Exception):
 
 
 def _disk_full(error: BaseException) -> bool:
-    """Any command's write that failed for want of space (ENOSPC, EDQUOT, safetensors' own error). What
-    vlfast writes for a user is renamed into place only when whole (vlfast._files), so the same command can
-    simply run again. Imported when an error is mapped: `vlfast -h` does not load vlfast._files."""
+    """A write that failed for want of space (imported here: `vlfast -h` does not load vlfast._files)."""
     from vlfast._files import disk_full
 
     return disk_full(error)
 
 
-# exception type (or a predicate) -> (exit code, prefix). Checked in order; the first match wins. OUT's
-# refusals are named "module:Class" and matched only once their module is loaded (nothing can raise them
-# before): importing the store (and numpy) for the table cost `vlfast -h` and `vlfast models` 0.1-0.25 s.
+# exception type (or a predicate) -> (exit code, prefix); the first match wins. OUT's refusals are named
+# "module:Class", matched once their module is loaded: importing the store would slow `vlfast -h` 0.1-0.25 s.
 _STORE = "vlfast.extraction.store.format"
 ERRORS: list[tuple[type[BaseException] | str | Callable[[BaseException], bool], int, str]] = [
     (UsageError, EXIT_USAGE, "error"),
@@ -200,8 +187,7 @@ ERRORS: list[tuple[type[BaseException] | str | Callable[[BaseException], bool], 
     (NotADirectoryError, EXIT_USAGE, "not a folder"),
     (IsADirectoryError, EXIT_USAGE, "is a folder"),
     (PermissionError, EXIT_USAGE, "permission denied"),
-    # vlfast's own refusals only: a ValueError or TypeError from anywhere else is a bug (exit 3), not a
-    # user's mistake.
+    # vlfast's own refusals only: a ValueError or TypeError from anywhere else is a bug (exit 3).
     (VlfastError, EXIT_USAGE, "invalid input"),
     (ImportError, EXIT_USAGE, "missing dependency"),
     (MemoryError, EXIT_ERROR, "out of memory"),
@@ -209,23 +195,19 @@ ERRORS: list[tuple[type[BaseException] | str | Callable[[BaseException], bool], 
 
 
 def _is_a(error: BaseException, etype: type[BaseException] | str | Callable[[BaseException], bool]) -> bool:
-    if not isinstance(etype, (type, str)):
-        return etype(error)
     if isinstance(etype, str):
         module, _, name = etype.partition(":")
         loaded = sys.modules.get(module)
         return loaded is not None and isinstance(error, getattr(loaded, name))
-    return isinstance(error, etype)
+    return isinstance(error, etype) if isinstance(etype, type) else etype(error)
 
 
 def refuse_early(
     model: str | None = None, device: str | None = None, dtypes: tuple[str | None, ...] = ()
 ) -> None:
-    """Refuse a --model, --device or --dtype the library would refuse, before the command imports torch and
-    transformers (seconds on a 2-core CPU; a CUDA build of torch alone took 6-9 s): an unknown reference or a
-    folder that is not a checkpoint, a device name torch would not parse, a dtype vlfast does not run. The
-    messages are the library's own; what only torch can judge (an unknown device type, a GPU that is not
-    there) is left to it."""
+    """Refuse a --model, --device or --dtype the library would refuse, in its words, before the command
+    imports torch and transformers (seconds; a CUDA torch alone took 6-9 s). What only torch can judge (an
+    unknown device type, a missing GPU) is left to it."""
     if model is not None:
         from vlfast.models.ref import ModelRef
 
@@ -248,9 +230,8 @@ def refuse_early(
 
 
 def refuse_unfit_weights(model: str | None) -> None:
-    """Refuse (exit 2, naming the tensor and both shapes) a checkpoint whose vision-tower weights are not the
-    shapes its config.json makes them, before the command loads it, where torch's size mismatch was exit 3.
-    Builds the tower on the meta device: call it where the command imports torch anyway."""
+    """Refuse (exit 2, naming the tensor and both shapes) a checkpoint whose vision-tower weights do not fit
+    its config.json, before torch's size mismatch (exit 3). Call it where the command imports torch anyway."""
     from pathlib import Path
 
     from vlfast.models.ref import ModelRef
@@ -281,11 +262,8 @@ def print_json(data: Any) -> None:
 
 
 def print_table(table: Table, out: Console | None = None) -> None:
-    """Print a table without cutting any cell to `<thin…`.
-
-    In a terminal Rich fits the table to the window; cells that cannot fit fold onto more lines instead
-    of ending in an ellipsis. Anywhere else (a CI log, `| tee`) Rich would assume 80 columns, so the
-    table is printed at its natural width: every row on one line, whole, for grep and for people."""
+    """Print a table without cutting any cell to `<thin…`: folded in a terminal; elsewhere (a CI log, where
+    Rich would assume 80 columns) at its natural width, every row on one line, whole, for grep."""
     out = out or console
     for column in table.columns:
         if column.overflow == "ellipsis":
@@ -296,7 +274,7 @@ def print_table(table: Table, out: Console | None = None) -> None:
     width = _natural_width(out, table)
     wide = Console(file=out.file, width=max(width, out.width), color_system=None, highlight=False)
     if isinstance(table.title, str) and wide.render_str(table.title).cell_len > width:
-        # A title wraps at the table's width: a long path would break across lines, so print it alone.
+        # A title wraps at the table's width: a long path would break, so print it alone.
         wide.print(table.title, soft_wrap=True)
         table.title = None
     wide.print(table)
@@ -310,13 +288,9 @@ def _natural_width(out: Console, table: Table) -> int:
 
 
 def print_fitted_table(table: Table, out: Console | None = None, width: int = PIPE_WIDTH) -> None:
-    """:func:`print_table`, but no wider than the terminal, or than ``width`` columns in a pipe, and no cell
-    split to fit.
-
-    A table that fits is printed as it is. One that does not: a key/value table (two columns) wraps its
-    values; a wider table is printed one block per row: the row's first cell, then each other cell on its
-    own line after its column's name. In a terminal Rich would squeeze every column instead (the doctor's
-    13 in 100 columns: 6-character cells, headers and numbers split across lines)."""
+    """:func:`print_table`, no wider than the terminal (or ``width`` in a pipe), no cell split to fit. A table
+    that does not fit: two columns wrap their values; wider ones print a block per row, each cell after its
+    column's name (Rich would squeeze the doctor's 13 columns into 6-character cells)."""
     out = out or console
     room = out.width if out.is_terminal else width
     if _natural_width(out, table) <= room:
@@ -362,8 +336,7 @@ def handle_errors(fn: Callable) -> Callable:
                 ((c, p) for etype, c, p in ERRORS if _is_a(e, etype)),
                 (EXIT_ERROR, f"unexpected {type(e).__name__}"),
             )
-            # The message may hold brackets (paths, lists) that Rich would read as markup.
-            # soft_wrap: a long path must not be cut across lines when stderr is a pipe (80 columns).
+            # escape: brackets (paths, lists) are not markup; soft_wrap: a path is not cut in a pipe.
             err_console.print(
                 f"[bold red]vlfast: {prefix}:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True
             )

@@ -1,11 +1,9 @@
 """What the optional extras provide, and the check a command runs before it imports from one.
 
-The core install (the patch, ``patch_transformers``, ``VLFAST_PATCH``, the record, doctor, verify, profile,
-models) needs torch, numpy, transformers >= 4.45, safetensors, typer and rich: it installs beside training
-frameworks that pin an older transformers. Extraction reads images and videos with transformers' PIL image
-processors (5.18 is the first whose ``AutoImageProcessor`` works without torchvision) and writes a store of
-Parquet and xxhash checksums: the ``extract`` extra. A command that needs it says so and exits 2 before it
-does anything, instead of failing half-way on an ImportError.
+The core install needs torch, numpy, transformers >= 4.45, safetensors, typer and rich (it installs beside
+frameworks that pin an older transformers). Extraction needs the ``extract`` extra (Parquet, xxhash, PIL,
+av; transformers 5.18, the first whose ``AutoImageProcessor`` works without torchvision): a command that
+needs it says so and exits 2 before it does anything, instead of failing half-way on an ImportError.
 """
 
 from __future__ import annotations

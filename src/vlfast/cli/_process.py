@@ -1,13 +1,9 @@
 """The command's process from its start to its end, as the user's own clock sees it.
 
-Every time a command states (verify's estimate, doctor's footer, demo-checkpoint's closing line) counts from
-the moment the OS started the process, not from when the command's own code began: importing torch and
-transformers alone takes 3-8 s on a 2-core CPU, and an estimate that leaves it out is wrong by that much.
-
-At the end, the read-only commands that loaded torch and transformers (verify, doctor, profile) skip the
-interpreter's teardown: freeing those modules one by one took 1.2 s after the last line was printed (0.5 s
-for torch alone), on every run. They print everything they produce before returning, and the exit hooks
-still run; only the freeing is skipped, and only when no other Python thread is alive.
+Stated times (verify's estimate, doctor's footer) count from when the OS started the process: importing
+torch and transformers alone takes 3-8 s on a 2-core CPU. At the end, the read-only commands that loaded
+them (verify, doctor, profile) skip the interpreter's teardown (1.2 s of freeing modules after the last
+line); the exit hooks still run, and only when no other Python thread is alive.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ def _started_ago() -> float | None:
     try:
         with open("/proc/self/stat", "rb") as f:
             stat = f.read()
-        # Field 22 is the start time in clock ticks since boot; the fields after the command name, which
-        # may hold spaces, start at field 3.
+        # Field 22: the start in clock ticks since boot; field 3 is the first after the (spaced) name.
         ticks = int(stat.rsplit(b")", 1)[1].split()[19])
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError, AttributeError):  # no /proc, no CLOCK_BOOTTIME
@@ -34,8 +29,7 @@ def _started_ago() -> float | None:
 
 
 _AGO = _started_ago()
-# Where the OS's start time is unknown, the clock starts here (the first thing `vlfast.cli` imports): only
-# the interpreter's own start, ~0.1 s, is then left out.
+# Where the OS's start time is unknown, the clock starts here (vlfast.cli's first import), ~0.1 s late.
 _START = time.perf_counter() - (_AGO or 0.0)
 FROM_PROCESS_START = _AGO is not None
 
@@ -60,10 +54,8 @@ def skip_teardown() -> None:
 
 
 def end(code: int) -> None:
-    """End the process with ``code``: at once when :func:`skip_teardown` was called and nothing else runs.
-
-    Output is flushed and the exit hooks (``atexit``, which also runs ``weakref.finalize``) run first, as
-    at a normal exit."""
+    """End the process with ``code``: at once when :func:`skip_teardown` was called and nothing else runs,
+    after flushing output and running the exit hooks (``atexit``, ``weakref.finalize``)."""
     if not _skip_teardown or threading.active_count() > 1:
         sys.exit(code)
     atexit._run_exitfuncs()

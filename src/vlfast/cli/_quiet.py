@@ -1,11 +1,6 @@
 """Third-party chatter off unless ``--verbose``: transformers' progress bars, Ray's and DeepSpeed's INFO and
-WARNING lines.
-
-A command's own progress bar and summary are what its user reads; "Loading weights 70/70", "Writing
-model shards", Ray's start-up notes and its C++ core worker's ``E`` line (an actor-restart alarm that does
-not apply to Ray Data's pools; ``RayEngine(quiet=True)`` keeps it off) buried them. Everything is still in Ray's session logs (``/tmp/ray/session_latest/logs``).
-Set through the environment where it can be, so decode workers and Ray workers started from here
-inherit it, and never over a value the user set.
+WARNING lines, which buried a command's own progress and summary (Ray's session logs keep everything).
+Set through the environment where it can be, so decode and Ray workers inherit it, never over a user's value.
 """
 
 from __future__ import annotations
@@ -27,10 +22,8 @@ _set_here: list[str] = []  # what quiet_third_party set, so that a later --verbo
 
 
 def quiet_third_party(verbose: bool) -> None:
-    """Silence what other libraries print on the console, or (``verbose``) undo exactly that.
-
-    ``vlfast`` calls it for every command before anything loads; ``vlfast extract --verbose`` calls it
-    again to take it back. A value the user set is never touched either way."""
+    """Silence what other libraries print on the console, or (``verbose``) undo exactly that; a value the
+    user set is never touched either way."""
     hf_logging = None
     if "transformers" in sys.modules:  # already imported: it read the variable below at import
         from transformers.utils import logging as hf_logging
@@ -52,27 +45,23 @@ def quiet_third_party(verbose: bool) -> None:
             _set_here.append(key)
     if hf_logging is not None and "HF_HUB_DISABLE_PROGRESS_BARS" in _set_here:
         hf_logging.disable_progress_bar()
-    # DeepSpeed, where installed, is imported by accelerate inside transformers' save_pretrained and says
-    # "Setting accelerator to CPU" on any machine without a GPU. A filter on its logger, made before it is
-    # imported: DeepSpeed resets the logger's level and adds its handler, but keeps the logger's filters.
+    # DeepSpeed (imported by accelerate in save_pretrained) says "Setting accelerator to CPU" without a GPU.
+    # A filter, made before it is imported: DeepSpeed resets its logger's level but keeps its filters.
     deepspeed_logger = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _ErrorsOnly) for f in deepspeed_logger.filters):
         deepspeed_logger.addFilter(_ErrorsOnly())
 
 
 def quiet_ray(verbose: bool) -> None:
-    """Keep Ray's and Ray Data's console handlers to errors. Their log files keep everything.
-
-    A filter on the handlers, not a logger level: ``ray.init(logging_level=...)`` resets the level of the
-    ``ray`` logger, and Ray Data configures its own logger when it is imported."""
+    """Keep Ray's and Ray Data's console handlers to errors, by a filter on the handlers: ``ray.init`` resets
+    the ``ray`` logger's level, and Ray Data configures its own logger when it is imported."""
     if verbose:
         return
     try:
         import ray.data  # noqa: F401 - configures the "ray.data" logger and its console handler
     except ImportError:
         return  # the engine says how to install it
-    # Ray Data's note that an actor pool has more actors than input blocks (a small input) is advice
-    # about Ray's own tuning, not about the run: a WARNING line like the others.
+    # Ray Data's note that a pool has more actors than input blocks is about Ray's tuning, not the run.
     warnings.filterwarnings("ignore", message="The minimum number of concurrent actors", category=UserWarning)
 
     for name in ("ray", "ray.data"):

@@ -1,13 +1,8 @@
 """Python warnings on a command's console as one line each: ``vlfast: warning: MESSAGE``.
 
-Python's own format (``/site-packages/vlfast/extraction/store/writer.py:469: UserWarning: ...`` and the
-source line under it) points at vlfast's code, or at ``contextlib.py`` where a warning is raised in a
-``with`` block's exit, which tells a user nothing they can act on: the message itself says what happened and
-what to do. A warning raised by another installed library is named as its (``warning from torch: ...``).
-``VLFAST_DEBUG=1`` keeps Python's format, with the location, as it keeps tracebacks.
-
-Only the format changes (``warnings.formatwarning``): where a warning goes, and whether a filter or
-``catch_warnings(record=True)`` takes it, stay Python's.
+Python's format points at vlfast's code (or ``contextlib.py``), which tells a user nothing they can act on; a
+warning from another installed library is named as its (``warning from torch: ...``). Only the format
+changes; ``VLFAST_DEBUG=1`` keeps Python's, with the location.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ _PACKAGE_DIRS = ("site-packages", "dist-packages")
 
 
 def _library(filename: str) -> str | None:
-    """The installed library whose file raised a warning, or None for vlfast's own, the standard library's
-    and a script's (whose message is vlfast's or the user's own)."""
+    """The installed library whose file raised a warning; None for vlfast, the standard library, a script."""
     parts = PurePath(filename).parts
     for i, part in enumerate(parts[:-1]):
         if part in _PACKAGE_DIRS:

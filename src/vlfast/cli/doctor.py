@@ -112,21 +112,12 @@ def _probe(report) -> Table:
         title=f"Probe: {escape(report.target)} on {f.device} in {f.dtype}, {report.patches:,} patches per sample",
         title_justify="left",
     )
-    for col, kw in [
-        ("conv", {}),
-        ("where", {"overflow": "fold"}),
-        ("windows x rounds", {"justify": "right"}),
-        ("conv ms/sample", {"justify": "right"}),
-        ("GEMM ms/sample", {"justify": "right"}),
-        ("ratio", {"justify": "right"}),
-        ("bwd conv ms/sample", {"justify": "right"}),
-        ("bwd GEMM ms/sample", {"justify": "right"}),
-        ("backward ratio", {"justify": "right"}),
-        ("channels-last ratio", {"justify": "right"}),
-        ("backend", {}),
-        ("status", {"no_wrap": True}),
-        ("rules", {"overflow": "fold"}),
-    ]:
+    numbers = ("windows x rounds", "conv ms/sample", "GEMM ms/sample", "ratio", "bwd conv ms/sample")
+    numbers += ("bwd GEMM ms/sample", "backward ratio", "channels-last ratio")
+    fold = {"overflow": "fold"}
+    for col, kw in [("conv", {}), ("where", fold), *((n, {"justify": "right"}) for n in numbers)]:
+        probe.add_column(col, **kw)
+    for col, kw in [("backend", {}), ("status", {"no_wrap": True}), ("rules", fold)]:
         probe.add_column(col, **kw)
 
     def ms(v) -> str:

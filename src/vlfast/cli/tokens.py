@@ -54,12 +54,16 @@ ReferenceOpt = option(
     "tokenizer plus [unused*]/reserved tokens.",
 )
 
-
 PlaceholdersOpt = option(
     bool,
     help="Also check Qwen-VL placeholder tokens (<|image_pad|>, <|vision_start|>, <|box_start|>, ...), "
     "which are skipped by default: the model never predicts them, so their rows may look untrained.",
 )
+
+
+def _given(params: dict, *drop: str) -> dict:
+    """A command's parameters as its library function's keywords (the names are shared), less ``drop``."""
+    return {k: v for k, v in params.items() if k not in drop}
 
 
 def _v(verdict: str) -> str:
@@ -223,22 +227,10 @@ def audit(
     json_: JsonOpt = False,
 ) -> None:
     """Check that the tags a format needs have trained embedding rows (reads weights memory-mapped)."""
+    args = _given(locals(), "strict", "json_")
     from vlfast.tokens import audit_tokens
 
-    report = audit_tokens(
-        model,
-        tags,
-        template=template,
-        reward_regex=reward_regex,
-        reference_ids=reference_ids,
-        alternatives=alternatives,
-        embedding_name=embedding_name,
-        lm_head_name=lm_head_name,
-        include_placeholders=include_placeholders,
-        verify_generation=verify_generation,
-        device=device,
-        dtype=dtype,
-    )
+    report = audit_tokens(**args)
     if json_:
         print_json(report.to_dict())
     else:
@@ -267,19 +259,12 @@ def rewrite(
     json_: JsonOpt = False,
 ) -> None:
     """Apply one tag mapping to a dataset field, a chat template and a reward regex."""
+    args = _given(locals(), "out", "json_")
     if any(str(p).endswith(".parquet") for p in (dataset, out) if p):
         require("extract", "vlfast tokens rewrite of Parquet", models=False, only=("pyarrow",))
     from vlfast.tokens import rewrite_tags
 
-    report = rewrite_tags(
-        mapping,
-        dataset=dataset,
-        field=field,
-        dataset_out=out,
-        template=template,
-        template_out=template_out,
-        reward_regex=reward_regex,
-    )
+    report = rewrite_tags(**args, dataset_out=out)
     if json_:
         print_json(report.to_dict())
         return
@@ -331,18 +316,10 @@ def fix(
     json_: JsonOpt = False,
 ) -> None:
     """Write a copy of the checkpoint whose untrained tag rows start from trained ones, then audit it."""
+    args = _given(locals(), "json_")
     from vlfast.tokens import fix_tokens
 
-    report = fix_tokens(
-        model,
-        out,
-        tags,
-        init=init,
-        template=template,
-        reward_regex=reward_regex,
-        reference_ids=reference_ids,
-        include_placeholders=include_placeholders,
-    )
+    report = fix_tokens(**args)
     if json_:
         print_json(report.to_dict())
     else:

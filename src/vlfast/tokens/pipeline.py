@@ -207,12 +207,6 @@ class Check:
     evidence: PositionEvidence | PrefillEvidence | DecodeEvidence | RoundTripEvidence | None
     fix: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.name not in CHECKS:
-            raise ValueError(f"Check.name must be one of {CHECKS}, got {self.name!r}")
-        if self.status not in STATUSES:
-            raise ValueError(f"Check.status must be one of {STATUSES}, got {self.status!r}")
-
     def lines(self) -> list[str]:
         return [] if self.evidence is None else self.evidence.lines()
 
@@ -417,13 +411,8 @@ def check_position(tok: Any, contexts: dict[str, str], tags: list[str]) -> Check
             )
         if any(p.kind == "absorbs" for p in bad):
             fixes.append("save the added tags with lstrip=False and rstrip=False")
-        return Check(
-            "template-position",
-            "fail",
-            f"tokenized differently in context than alone: {what}",
-            ev,
-            "; or ".join(fixes),
-        )
+        summary = f"tokenized differently in context than alone: {what}"
+        return Check("template-position", "fail", summary, ev, "; or ".join(fixes))
     if not placements:
         return Check("template-position", "skip", "no tag occurs in the rendered template or the sample", ev)
     return Check("template-position", "pass", "each tag has the same ids in context as alone", ev)
@@ -469,20 +458,14 @@ def check_prefill(generation_suffix: str, tags: list[str], sample: str, pattern:
     ev = PrefillEvidence(generation_suffix, prefilled, pattern, completion, with_prefill, m_c, m_p)
     tags_txt = ", ".join(prefilled)
     if m_c:
-        return Check(
-            "prefilled-tag",
-            "pass",
-            f"the template prefills {tags_txt}; the regex accepts completions without it",
-            ev,
-        ), completion
+        summary = f"the template prefills {tags_txt}; the regex accepts completions without it"
+        return Check("prefilled-tag", "pass", summary, ev), completion
     if not m_p:
-        return Check(
-            "prefilled-tag",
-            "skip",
+        summary = (
             "the regex matches the sample neither with nor without the prefilled text; pass --sample with a "
-            "completion your reward accepts",
-            ev,
-        ), completion
+            "completion your reward accepts"
+        )
+        return Check("prefilled-tag", "skip", summary, ev), completion
     ev.suggested_regex = _suggest_regex(pattern, prefilled, completion, with_prefill)
     fix = "make the tag optional in the regex"
     if ev.suggested_regex:
@@ -491,14 +474,11 @@ def check_prefill(generation_suffix: str, tags: list[str], sample: str, pattern:
         ", or score prefill + completion in the reward function, or render prompts without the prefill "
         "(a template change, or enable_thinking=False if the run does not need it)"
     )
-    return Check(
-        "prefilled-tag",
-        "fail",
+    summary = (
         f"the template prefills {tags_txt} in the generation prompt and the reward regex requires the "
-        "completion to contain it: it can never match (format reward stuck at 0)",
-        ev,
-        fix,
-    ), completion
+        "completion to contain it: it can never match (format reward stuck at 0)"
+    )
+    return Check("prefilled-tag", "fail", summary, ev, fix), completion
 
 
 def check_decode(tok: Any, tags: list[str], sample: str) -> Check:
@@ -550,27 +530,21 @@ def check_round_trip(tok: Any, prompt: str, completion: str) -> Check:
         expected_pieces=_pieces(tok, expected[window]),
         got_pieces=_pieces(tok, got[window]),
     )
-    problems = []
-    if not ev.text_ok:
-        problems.append("decode does not give the completion's text back")
+    problems = [] if ev.text_ok else ["decode does not give the completion's text back"]
     if not ev.completion_ok:
         problems.append("encode(decode(ids)) differs from the completion's ids")
     elif not ev.in_context_ok:
         problems.append(
             "after the prompt, the decoded completion encodes to other ids (a merge across the boundary)"
         )
-    if problems:
-        return Check(
-            "round-trip",
-            "fail",
-            "; ".join(problems),
-            ev,
-            "keep the generated token ids from rollout to loss (never re-tokenize decoded text); end the "
-            "generation prompt with a newline rather than a space; save added tags with lstrip/rstrip False",
-        )
-    return Check(
-        "round-trip", "pass", "encode(decode(ids)) gives the ids and the text back, after the prompt", ev
+    if not problems:
+        summary = "encode(decode(ids)) gives the ids and the text back, after the prompt"
+        return Check("round-trip", "pass", summary, ev)
+    fix = (
+        "keep the generated token ids from rollout to loss (never re-tokenize decoded text); end the "
+        "generation prompt with a newline rather than a space; save added tags with lstrip/rstrip False"
     )
+    return Check("round-trip", "fail", "; ".join(problems), ev, fix)
 
 
 # ---------------------------------------------------------------------------------------------- entry
