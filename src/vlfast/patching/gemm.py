@@ -5,10 +5,9 @@ output is ``b[k] + <W[k], window>``: one matrix multiply. Qwen-VL and GLM-4V emb
 ``nn.Conv3d`` called on kernel-sized inputs, where it is ``F.linear`` on views of input and 5-D weight.
 
 ``patch`` swaps the module's ``_conv_forward`` through an instance attribute: class, parameters,
-state_dict and wrappers around ``forward`` (accelerate, PEFT) stay as they are, and ``unpatch`` deletes it.
-Each call decides from the geometry and the weight as they are then, never at patch time: a weight
-partitioned at ``patch`` (ZeRO-3's ``(0,)``, FSDP1's flat views, meta) and whole at the call runs the
-GEMM; a conv that no longer fits runs the stock conv, and :mod:`vlfast.switches.record` counts which.
+state_dict and wrappers around ``forward`` (accelerate, PEFT) stay as they are. Each call decides from the
+geometry and the weight as they are then: a weight partitioned at ``patch`` (ZeRO-3, FSDP1, meta) and
+whole at the call runs the GEMM; a conv that no longer fits runs the stock conv.
 """
 
 from __future__ import annotations
@@ -49,26 +48,22 @@ Filter = Callable[[str, nn.Module], bool] | str | None
 # torch.compiler.is_compiling is torch >= 2.3; dynamo folds it to True while tracing.
 _is_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
-# Call counting (vlfast.switches.record): the number of records running, read on every call (a global).
-# VLFAST_RECORD, armed at start-up before torch was imported, counts as one from this module's import.
+# The number of records running (vlfast.switches.record); VLFAST_RECORD armed at start-up counts as one.
 _RECORDING = int(getattr(sys.modules.get("vlfast.switches.record"), "env_armed", False))
 # Every live replacement, by id (GemmConvForward compares by kernel size, so no WeakSet); the counters of
-# every conv that counted a call, kept after the conv is gone (a record at exit still has them); and the
-# models patch() was given, whose named_modules() name the convs in a record.
+# every conv that counted a call, kept after the conv is gone; the models patch() was given (for names).
 _FORWARDS: weakref.WeakValueDictionary[int, GemmConvForward] = weakref.WeakValueDictionary()
 _COUNTED: list[Calls] = []
 _ROOTS: list[weakref.ref] = []
-# While a record runs, a global forward pre-hook sees every module call: the calls of each eligible Conv3d
-# that vlfast did not patch (PEFT's LoRA convs added after patch(), a model built before the switch), and
-# how often each patched conv was called, which a forward replaced on its class can keep from the GEMM.
+# While a record runs, a global forward pre-hook counts the calls of each eligible Conv3d vlfast did not
+# patch, and of each patched one (a forward replaced on its class can keep them from the GEMM).
 _UNPATCHED: weakref.WeakKeyDictionary[nn.Module, Calls] = weakref.WeakKeyDictionary()
 _hook: list = []  # the pre-hook's handle while one is installed
 
 
 class Calls:
-    """One conv's calls while a record ran: through the GEMM, and through the stock conv by reason; the
-    module calls the record's hook saw (for a conv vlfast did not patch, every call is a stock one); and,
-    for a patched conv, the forward that keeps its calls from the GEMM, if any (set when read)."""
+    """One conv's calls while a record ran: through the GEMM, through the stock conv by reason, the module
+    calls the record's hook saw, and the forward that keeps them from the GEMM, if any (set when read)."""
 
     __slots__ = ("entered", "gemm", "name", "patched", "replaced", "stock")
 
@@ -98,8 +93,7 @@ def _is_torch_forward(fn: object) -> bool:
 
 
 def _calls_the_patch(fn: object) -> bool:
-    """A replacement that names ``_conv_forward`` or wraps torch's forward (functools.wraps) is taken to
-    call it; the record's counts show whether it did."""
+    """A replacement naming ``_conv_forward`` or wrapping torch's forward is taken to call it."""
     code = getattr(fn, "__code__", None)
     return (code is not None and "_conv_forward" in code.co_names) or _is_torch_forward(
         getattr(fn, "__wrapped__", None)
@@ -138,12 +132,9 @@ def _is_channels_last(t: torch.Tensor, nd: int) -> bool:
 def _conv_memory_format(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...]
 ) -> torch.memory_format:
-    """The memory format the stock conv gives for these tensors when one of them is channels-last.
-
-    It depends on the kernel torch picks: oneDNN and cuDNN answer channels-last when the input or the
-    weight is (``model.to(memory_format=...)``), CPU's fp16 Slow3d answers contiguous. Ask torch's own
-    selector, as its meta functions do; use the common rule where it is missing and under torch.compile.
-    """
+    """The memory format the stock conv gives for these tensors when one of them is channels-last: it
+    depends on the kernel torch picks (oneDNN and cuDNN: channels-last; CPU's fp16 Slow3d: contiguous), so
+    ask torch's own selector, as its meta functions do; the common rule where that cannot be asked."""
     nd = len(stride)
     if _is_compiling():  # the selector returns a non-tensor that dynamo cannot trace: a graph break
         return _CHANNELS_LAST[nd]
@@ -157,7 +148,6 @@ def _conv_memory_format(
 
 
 def _base_class(module: nn.Module) -> type[nn.Module]:
-    """The Conv1d/Conv2d/Conv3d that ``module`` is (a subclass of)."""
     return next(cls for cls in _CONV_TYPES if isinstance(module, cls))
 
 
@@ -185,10 +175,9 @@ def _kernel_shape(weight: torch.Tensor | None, kernel_size: tuple[int, ...]) -> 
 class GemmConvForward:
     """Replacement for ``_ConvNd._conv_forward(input, weight, bias)`` computing the conv as a GEMM.
 
-    Weight and bias arrive at call time, never stored, so ``.to()``, parametrizations, FSDP, ZeRO-3 and
-    reloading keep working. The decision is cached by what it depends on: the geometry attributes (checked
-    by identity) and the last whole weight shape. It holds its module weakly, so that ``del model`` frees
-    the parameters at once, as unpatched; deepcopy rebinds it to the copy.
+    Weight and bias arrive at call time, never stored (``.to()``, parametrizations, FSDP, ZeRO-3 keep
+    working). The decision is cached by the geometry attributes (checked by identity) and the last whole
+    weight shape. Holds its module weakly, so ``del model`` frees the parameters at once.
     """
 
     def __init__(
@@ -204,10 +193,9 @@ class GemmConvForward:
         self._ones = (1,) * self.ndim
         _FORWARDS[id(self)] = self
         if module is not None and "_parameters" in module.__dict__:
-            # Decide now, not at the first call: a state that changes after torch.compile traced the
-            # first call would make it compile again. A weight that is not whole here (partitioned,
-            # flat, not loaded yet) leaves _wshape unset: the first call decides from the weight it gets.
-            # (Deepcopy and unpickling pass a module not yet filled in: decided at its first call.)
+            # Decide now: state changed after torch.compile traced the first call would compile again. A
+            # weight not whole here leaves _wshape unset, decided at the first call (as is a module that
+            # deepcopy or unpickling passes not yet filled in).
             self._geometry_changed(module)
             self._wshape = _kernel_shape(_weight_of(module), self.kernel_size)
 
@@ -220,22 +208,23 @@ class GemmConvForward:
     def __hash__(self) -> int:
         return hash(self.kernel_size)
 
-    # A weak reference neither deep-copies nor pickles: rebuild from the (copied) module instead. Deepcopy
-    # and pickle create the module before its __dict__ (which holds this object), so ``module`` here is
-    # the copy; its attributes may not be set yet, hence no eligibility check until the first call.
+    # A weak reference neither deep-copies nor pickles: rebuild from the (copied) module instead, whose
+    # attributes may not be set yet (hence no eligibility check until the first call).
     def __deepcopy__(self, memo: dict) -> GemmConvForward:
-        module = None if self._module is None else self._module()
+        module = self._live()
         # Copied as part of its module: bind to the module's copy; copied alone: keep the module.
         return GemmConvForward(self.kernel_size, memo.get(id(module), module), self.calls.name)
 
     def __reduce__(self):
-        module = None if self._module is None else self._module()
-        return GemmConvForward, (self.kernel_size, module, self.calls.name)
+        return GemmConvForward, (self.kernel_size, self._live(), self.calls.name)
+
+    def _live(self) -> nn.Module | None:
+        return None if self._module is None else self._module()
 
     def status(self) -> str | None:
         """None when the next call runs the GEMM (for a weight partitioned here: once it arrives whole);
         else why it runs the stock conv: the module's geometry, or its weight's kernel, as they are now."""
-        m = None if self._module is None else self._module()
+        m = self._live()
         if m is None:
             return self._stock
         if (fn := forward_replaced(m)) is not None:
@@ -245,8 +234,7 @@ class GemmConvForward:
         if self._stock is not None:
             return self._stock
         w = _weight_of(m)
-        # A whole weight of another kernel runs the stock conv at the next call; a partitioned, flat or
-        # meta one is whole again when called, which decides then.
+        # A partitioned, flat or meta weight is whole again when called, which decides then.
         whole = isinstance(w, torch.Tensor) and not w.is_meta and w.dim() == self.ndim + 2 and w.numel()
         if whole and tuple(w.shape[2:]) != self.kernel_size:
             return f"weight kernel {tuple(w.shape[2:])} != kernel_size {self.kernel_size}"
@@ -267,9 +255,8 @@ class GemmConvForward:
         """Decide again after ``m``'s geometry changed: GEMM (and with which kernel) or the stock conv."""
         reason = eligibility(m)
         attrs = (m.stride, m.padding, m.dilation, m.groups, m.padding_mode)
-        # Values that could change in place (a list) are checked again on every call; so is every call of
-        # a conv padded by F.pad (padding_mode other than 'zeros'), whose _reversed_padding_repeated_twice
-        # is what the stock conv reads then.
+        # Values that could change in place (a list), and F.pad's padding (padding_mode other than 'zeros'),
+        # are checked again on every call.
         frozen = all(_frozen(a) for a in attrs) and m.padding_mode == "zeros"
         self._seen = attrs if frozen else None
         self._stock = reason
@@ -281,9 +268,8 @@ class GemmConvForward:
 
     def _count_stock(self, reason: str) -> None:
         if _RECORDING and not _is_compiling():
-            c = self.calls
-            c._first()
-            c.stock[reason] = c.stock.get(reason, 0) + 1
+            self.calls._first()
+            self.calls.stock[reason] = self.calls.stock.get(reason, 0) + 1
 
     def _stock_conv(self, m: nn.Module, x, weight, bias, reason: str) -> torch.Tensor:
         """The class's own ``_conv_forward``, with whatever geometry ``m`` has now."""
@@ -291,31 +277,20 @@ class GemmConvForward:
         return _STOCK_CONV_FORWARD[_base_class(m)](m, x, weight, bias)
 
     def _fallback(self, x: torch.Tensor, weight, bias, reason: str) -> torch.Tensor:
-        # Zero padding (the one the padding_mode reads), dilation 1 and groups 1 are eligibility conditions,
-        # so the stock call is exactly this (F.pad by 0 is a no-op).
+        # Zero padding, dilation 1 and groups 1 are eligibility conditions: the stock call is exactly this.
         self._count_stock(reason)
         return _CONV_FN[self.ndim](x, weight, bias, self.kernel_size, 0, 1, 1)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        m = None
-        ref = self._module
-        if ref is not None and (m := ref()) is not None:
-            seen = self._seen
-            if (
-                seen is None
-                or m.stride is not seen[0]
-                or m.padding is not seen[1]
-                or m.dilation is not seen[2]
-                or m.groups is not seen[3]
-                or m.padding_mode is not seen[4]
-            ):
+        m = self._live()
+        if m is not None:
+            if not self._geometry_current(m):
                 self._geometry_changed(m)
             if self._stock is not None:
                 return self._stock_conv(m, x, weight, bias, self._stock)
         shape = x.shape
-        # The Qwen case, kept to the fewest checks: x is (N, C, T, P, P), every sample one window, the
-        # weight has the shape of the last whole weight seen (its kernel checked then), and a bias of the
-        # weight's dtype (another one is the conv's error to raise, or autocast's to cast).
+        # The Qwen case, kept to the fewest checks: x is (N, C, T, P, P), every sample one window, the weight
+        # of the last whole shape seen, a bias of its dtype (another is the conv's error, or autocast's cast).
         if (
             shape[2:] == self.kernel_size
             and weight.shape == self._wshape
@@ -323,8 +298,7 @@ class GemmConvForward:
             and x.is_contiguous()
             and (bias is None or bias.dtype is weight.dtype)
         ):
-            if _RECORDING and not _is_compiling():
-                self._count_gemm()
+            self._count_gemm()
             d = self._wshape[0]
             return F.linear(x.view(shape[0], -1), weight.reshape(d, -1), bias).view(shape[0], d, *self._ones)
         return self._general(x, weight, bias, m)
@@ -335,9 +309,8 @@ class GemmConvForward:
         nd = self.ndim
         wshape = _kernel_shape(weight, self.kernel_size)
         if wshape is None:
-            # A weight of another kernel (swapped through ``.data``, handed in by functional_call) or one
-            # that is not whole (a partitioned parameter called outside its gather): the stock conv's
-            # windows are not the GEMM's, and the stock conv says what is wrong with the weight.
+            # A weight of another kernel (``.data`` swapped, functional_call) or not whole (partitioned):
+            # the stock conv's windows are not the GEMM's, and it says what is wrong with the weight.
             if m is not None:
                 why = f"weight of shape {tuple(weight.shape)} is not a {self.kernel_size} kernel"
                 return self._stock_conv(m, x, weight, bias, why)
@@ -397,14 +370,12 @@ class GemmConvForward:
 
     def _count_gemm(self) -> None:
         if _RECORDING and not _is_compiling():
-            c = self.calls
-            c._first()
-            c.gemm += 1
+            self.calls._first()
+            self.calls.gemm += 1
 
 
 class _PatchedExtraRepr:
-    """``extra_repr`` for a patched conv: the original text plus what a call runs now, so ``repr(model)``
-    shows it: ``vlfast=gemm``, or ``vlfast=stock (why)`` for a conv whose geometry no longer fits."""
+    """``extra_repr`` for a patched conv: the original text plus ``vlfast=gemm``, or ``vlfast=stock (why)``."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = weakref.ref(module)
@@ -425,20 +396,17 @@ class _PatchedExtraRepr:
         return f"{text}, {mark}" if text else mark
 
 
-# What patch() puts in a conv's __dict__. A shallow copy (copy.copy) shares __dict__'s values, so without
-# a copy path of its own the copy would keep the original's GemmConvForward, which watches the original's
-# geometry: changing the copy's padding would still run the old GEMM.
+# What patch() puts in a conv's __dict__. Without a copy path of its own, copy.copy would share the
+# original's GemmConvForward, which watches the original's geometry, not the copy's.
 _PATCH_KEYS = ("_conv_forward", "__reduce_ex__", "extra_repr")
 
 
 class _PatchedReduce:
     """``__reduce_ex__`` of a patched conv, set on the instance, where ``copy.copy``, ``copy.deepcopy``
     and pickle all look it up (``copy`` looks ``__copy__`` up on the class, which vlfast leaves alone).
-    The state is the module's own minus the patch. A copy is rebuilt patched, with a GemmConvForward bound
-    to the copy itself; a pickle (``torch.save(model)``) is the stock conv's, byte for byte (see
-    :class:`_Rebuild`): it loads as the stock conv everywhere, ``torch.load(weights_only=True)`` included
-    with only ``torch.nn.Conv3d`` allowlisted. Weak, so the module and its reducer do not keep each other
-    alive."""
+    The state is the module's own minus the patch: a copy is rebuilt patched, bound to the copy itself; a
+    pickle is the stock conv's, byte for byte (see :class:`_Rebuild`). Weak, so the module and its reducer
+    do not keep each other alive."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = weakref.ref(module)
@@ -453,30 +421,25 @@ class _PatchedReduce:
 
 
 class _Rebuild:
-    """The callable in a patched conv's reduction. Called (copy, deepcopy): an empty patched module.
+    """The callable in a patched conv's reduction. Called (copy, deepcopy): an empty patched module, whose
+    state copy then sets (``nn.Module.__setstate__``).
 
     Named ``__newobj__``: a pickler (protocol >= 2, torch.save's) writes a reduction by a callable of that
     name as the ``NEWOBJ`` opcode on ``cls``, never the callable itself, exactly what it writes for a stock
     module (``copyreg.__newobj__``). So the file names the conv's class and torch's tensor rebuilders only:
     ``torch.load(weights_only=True)`` accepts it with what a stock conv needs allowlisted, and it loads
-    where vlfast is not installed. It loads as the stock conv everywhere: a file that ran vlfast's code
-    at load would need a global weights_only refuses (patch the loaded model again)."""
+    where vlfast is not installed, as the stock conv (patch the loaded model again)."""
 
     __name__ = "__newobj__"
 
     def __call__(self, cls: type) -> nn.Module:
-        return _rebuild_patched(cls)
+        m = cls.__new__(cls)
+        _install(m)
+        return m
 
     def __reduce__(self):
         # Protocols 0 and 1 have no NEWOBJ and pickle the callable itself: the stock one, by name.
         return pkgutil.resolve_name, ("copyreg:__newobj__",)
-
-
-def _rebuild_patched(cls: type) -> nn.Module:
-    """An empty ``cls`` already patched; copy and pickle then set its state (``nn.Module.__setstate__``)."""
-    m = cls.__new__(cls)
-    _install(m)
-    return m
 
 
 def _install(m: nn.Module, name: str = "") -> None:
@@ -511,21 +474,13 @@ class PatchReport:
         if self.action not in ("patch", "unpatch"):
             raise ValueError(f"action must be 'patch' or 'unpatch', got {self.action!r}")
 
-    @property
-    def patched(self) -> list[ConvEntry]:
-        return [e for e in self.entries if e.status == "patched"]
+    def _with(self, *status: str) -> list[ConvEntry]:
+        return [e for e in self.entries if e.status in status]
 
-    @property
-    def already_patched(self) -> list[ConvEntry]:
-        return [e for e in self.entries if e.status == "already_patched"]
-
-    @property
-    def skipped(self) -> list[ConvEntry]:
-        return [e for e in self.entries if e.status in ("skipped", "filtered")]
-
-    @property
-    def unpatched(self) -> list[ConvEntry]:
-        return [e for e in self.entries if e.status == "unpatched"]
+    patched = property(lambda self: self._with("patched"))
+    already_patched = property(lambda self: self._with("already_patched"))
+    skipped = property(lambda self: self._with("skipped", "filtered"))
+    unpatched = property(lambda self: self._with("unpatched"))
 
     @property
     def num_patched(self) -> int:
@@ -585,22 +540,17 @@ def eligibility(module: nn.Module) -> str | None:
     nd = len(module.kernel_size)
     if tuple(module.stride) != tuple(module.kernel_size):
         return f"stride {tuple(module.stride)} != kernel_size {tuple(module.kernel_size)}"
+    padding = module.padding
     if module.padding_mode != "zeros":
         # The stock conv pads with F.pad by _reversed_padding_repeated_twice then, and ignores .padding.
         pads = tuple(module._reversed_padding_repeated_twice)
         if any(p != 0 for p in pads):
             return f"padding_mode={module.padding_mode!r} pads by {pads}"
-        return _dilation_groups(module, nd)
-    padding = module.padding
-    if isinstance(padding, str):
+    elif isinstance(padding, str):
         if padding != "valid":
             return f"padding={padding!r}"
     elif any(p != 0 for p in _tuple(padding, nd)):
         return f"padding {tuple(padding)} is not zero"
-    return _dilation_groups(module, nd)
-
-
-def _dilation_groups(module: nn.Module, nd: int) -> str | None:
     if any(d != 1 for d in _tuple(module.dilation, nd)):
         return f"dilation {tuple(module.dilation)} is not 1"
     if module.groups != 1:
@@ -609,11 +559,8 @@ def _dilation_groups(module: nn.Module, nd: int) -> str | None:
 
 
 def is_patched(module: nn.Module) -> bool:
-    """True when ``module`` (or any module inside it) is patched and its geometry runs the GEMM now.
-
-    A patched conv whose stride, padding, dilation or groups were changed so that the GEMM no longer
-    computes it runs the stock conv, and does not count (``repr`` says ``vlfast=stock (why)``).
-    """
+    """True when ``module`` (or any module inside it) is patched and its geometry runs the GEMM now (a
+    patched conv whose geometry changed so that the GEMM no longer computes it does not count)."""
     return any(
         isinstance(fwd := m.__dict__.get("_conv_forward"), GemmConvForward) and fwd.status() is None
         for m in module.modules()
@@ -679,8 +626,7 @@ def _deferred(m: nn.Module) -> str:
 
 
 def patch_one(module: nn.Module, name: str = "") -> bool:
-    """Patch one conv when it is eligible and not patched yet (what a hook on new modules needs, without
-    a report); returns whether it patched."""
+    """Patch one conv when it is eligible and not patched yet, without a report; returns whether it did."""
     if (
         isinstance(module, _CONV_TYPES)
         and "_conv_forward" not in module.__dict__
@@ -698,16 +644,16 @@ def _remember_root(model: nn.Module) -> None:
 
 
 def count_calls(delta: int) -> None:
-    """Add ``delta`` to the number of records running (vlfast.switches.record); calls are counted while
-    it is not zero, and the module pre-hook that sees the convs vlfast did not patch is installed."""
+    """Add ``delta`` to the number of records running (vlfast.switches.record); calls are counted, and
+    the module pre-hook installed, while it is not zero."""
     global _RECORDING
     _RECORDING = max(0, _RECORDING + delta)
     _watch(bool(_RECORDING))
 
 
 def _watch(on: bool) -> None:
-    """Install the global forward pre-hook while a record runs, and only then: with none, torch's
-    ``Module.__call__`` takes its fast path and the record costs nothing."""
+    """The global forward pre-hook, only while a record runs: without, ``Module.__call__`` takes its fast
+    path."""
     if on and not _hook:
         from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -735,12 +681,11 @@ def _module_called(module: nn.Module, args: tuple) -> None:
 
 def counters() -> list[Calls]:
     """The counters of every patched conv alive now or that counted a call, and of every eligible conv
-    vlfast did not patch that was called while a record ran; named as in their model, and each patched
-    one with the forward that keeps calls from its GEMM, if any."""
+    vlfast did not patch that was called while a record ran, named as in their model."""
     name_counted_convs()
     out = {}
     for f in list(_FORWARDS.values()):
-        m = None if f._module is None else f._module()
+        m = f._live()
         f.calls.replaced = None if m is None else forward_replaced(m)
         out[id(f.calls)] = f.calls
     for m, c in list(_UNPATCHED.items()):
@@ -750,9 +695,8 @@ def counters() -> list[Calls]:
 
 
 def name_counted_convs() -> None:
-    """Name each live patched conv's counters by its qualified name in the model patch() was last given
-    that holds it (transformers patches a VLM's vision tower, then the VLM: the VLM's names win); a conv
-    attached later (a PEFT adapter) is named where it now sits."""
+    """Name each live conv's counters by its qualified name in the model patch() was last given that holds
+    it (transformers patches a VLM's vision tower, then the VLM: the VLM's names win)."""
     seen: set[int] = set()
     for ref in reversed(_ROOTS):
         root = ref()
@@ -775,8 +719,7 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
     _check_module(model, "patch")
     keep = compile_filter(filter)
     report = PatchReport()
-    # Decide for every module first, change nothing until all decisions are made: a filter or an odd
-    # module that raises half-way must not leave the model half patched.
+    # Decide for every module first: a filter that raises half-way must not leave the model half patched.
     todo: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.modules.conv._ConvNd):  # transposed convs too: reported, never patched
