@@ -1,30 +1,22 @@
 """Shard listings kept in OUT, so that a resume, and every rank, lists a WebDataset shard without reading it.
 
-Listing a shard reads every member header: about 40 ms for a local shard of 1,000 samples (ten minutes for
-10,000 shards, on every rank and every resume), and the whole object for a remote shard of small images. What
-the listing finds (each member's name, type, data offset and size, whether the shard is cut short and how, and
-the bytes of the small prompt members) is kept as one file per shard in ``OUT/listings/`` (docs/format.md,
-"On-disk layout") and used instead when the shard is the same:
+Listing a shard reads every member header (about 40 ms for a local shard of 1,000 samples; the whole object
+for a remote shard of small images). The listing (members' names, types, offsets and sizes, how the shard
+is cut short, the prompt members' bytes) is kept per shard in ``OUT/listings/`` (docs/format.md, "On-disk
+layout") and used while the shard is the same: a local one by resolved path, size, mtime, ctime and inode
+(one changed less than :data:`SETTLE_S` ago is not kept: a timestamp tick could hide a second change); one
+at a URL by URL, size and ETag (no ETag, nothing kept).
 
-* a local shard is the same when its resolved path, size, modification time, change time and inode are; a
-  shard changed less than :data:`SETTLE_S` ago is not kept (a timestamp tick could hide a second change);
-* a shard at a URL is the same when its URL, size and ETag (as its folder's listing gives them) are; a
-  store that gives no ETag keeps nothing.
+A kept listing is a cache, never the truth: its name hashes that identity, the file repeats it, gzip's CRC
+covers every byte and the members must fit the shard's size; a file that fails is ignored and replaced.
+Listings are written after OUT is claimed (:attr:`KeptListings.fresh`), each shard's by one rank, without
+fsync: a torn write fails its CRC and costs one listing.
 
-A kept listing is a cache, never the truth: its name is a hash of that identity, the file repeats the
-identity, gzip's CRC covers every byte, and the members must fit the shard's size; a file that fails any of
-this is ignored, the shard listed again and the file replaced. The listings are written after OUT is
-claimed, never by a run that is refused (:meth:`KeptListings.fresh` is what the run writes), each shard's
-by one rank, and without fsync: a torn write fails its CRC and costs one listing.
-
-A manifest's rows are kept the same way, as the table its rows became (:class:`KeptTable`: the columns of
-:class:`~vlfast.extraction.sources.table.SampleTable` as an Arrow IPC stream, then a JSON trailer with the
-identity, the stream's xxh3-128, the folders, frame lists and bad rows). A local manifest is the same when
-its resolved path, size, modification and change times, inode and the folder its relative paths resolve
-against are; one at a URL, when its URL, size and ETag are. A resume reads it instead of parsing every row
-again (a JSONL manifest of ten million rows: about 90 s here), from a memory map on local disk, so the ranks
-of one node share its pages. Its name starts with a hash of the manifest's path alone, so a kept table of an
-earlier version of the same manifest is deleted when a new one is written.
+A manifest's table is kept alike (:class:`KeptTable`: an Arrow IPC stream of the
+:class:`~vlfast.extraction.sources.table.SampleTable` columns, then a JSON trailer with the identity, the
+stream's xxh3-128, the folders, frame lists and bad rows), its identity also holding the folder relative
+paths resolve against. A resume memory-maps it instead of parsing every row again (ten million JSONL rows:
+about 90 s), so the ranks of one node share its pages.
 """
 
 from __future__ import annotations
@@ -60,8 +52,7 @@ _ETAG_KEYS = ("ETag", "etag", "Etag")
 
 
 class ListedMember:
-    """A tar member as a listing needs it: name, type, data offset and size, sparse or not (what grouping,
-    checks and reading in place use; a ``TarInfo`` holds a dozen fields more)."""
+    """A tar member as a listing needs it (a ``TarInfo`` holds a dozen fields more)."""
 
     __slots__ = ("name", "offset_data", "size", "type", "sparse")
 
@@ -85,8 +76,7 @@ Listing = tuple[
 
 
 def local_identity(path: str, st: os.stat_result) -> list[Any] | None:
-    """The identity of a local shard (``st``: its ``os.stat``), or None when it changed too recently to be
-    kept."""
+    """The identity of a local shard (``st``: its ``os.stat``), or None when it changed too recently."""
     if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < SETTLE_S * 1e9:
         return None
     return ["file", os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
@@ -141,20 +131,17 @@ def decode(data: bytes, identity: Sequence[Any], size: int) -> Listing | None:
         last = 0
         for m in members:
             ok = type(m.name) is str and type(m.offset_data) is int and type(m.size) is int
-            if not ok or m.offset_data < last or m.size < 0 or len(m.type) != 1:
+            if not ok or not last <= m.offset_data <= size or m.size < 0 or len(m.type) != 1:
                 return None
             last = m.offset_data
         # a cut shard's last member may run past its end; a whole one's may not
         if members and doc["cut"] is None and members[-1].offset_data + members[-1].size > size:
             return None
-        if not all(m.offset_data <= size for m in members):
-            return None
         cut = doc["cut"]
         if cut is not None and type(cut) is not str:
             return None
-        offsets_set = {m.offset_data for m in members}
         texts = {int(k): base64.b64decode(v, validate=True) for k, v in doc["texts"].items()}
-        if not texts.keys() <= offsets_set:
+        if not texts.keys() <= {m.offset_data for m in members}:
             return None
         return members, cut, texts
     except (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError, AttributeError, UnicodeError):
@@ -168,8 +155,7 @@ _TABLE_MAGIC = b"VLFTABL1"
 
 
 def manifest_identity(path: os.PathLike | str, base: Any) -> list[Any] | None:
-    """The identity of a local manifest read with relative paths resolved against ``base``, or None when it
-    changed too recently to be kept (see :func:`local_identity`)."""
+    """The identity of a local manifest read with relative paths resolved against ``base``, or None."""
     try:
         st = os.stat(path)
     except OSError:
@@ -185,8 +171,7 @@ def remote_manifest_identity(url: str, entry: Mapping[str, Any]) -> list[Any] | 
 
 
 def _parser() -> str:
-    """What turned the rows into the table: this format and vlfast's version (a release may read rows
-    differently, so its tables are its own)."""
+    """This format and vlfast's version: a release may read rows differently, so its tables are its own."""
     from vlfast import __version__
 
     return f"{TABLE_FORMAT}/{__version__}"
@@ -200,9 +185,8 @@ def table_name(identity: Sequence[Any]) -> str:
 
 
 class KeptTable:
-    """A manifest's table to be kept: written by the store's backend once OUT is claimed, straight into
-    its file (:meth:`write_file`; on object storage a local temp file, then uploaded); the table itself is
-    held until then, not a serialised copy of it."""
+    """A manifest's table to be kept, held (not a serialised copy) until the store's backend writes it once
+    OUT is claimed (:meth:`write_file`; on object storage a local temp file, then uploaded)."""
 
     def __init__(self, identity: Sequence[Any], table: Any, problems: Sequence[Any]):
         self.identity, self.table, self.problems = list(identity), table, list(problems)
@@ -278,8 +262,8 @@ def decode_table(buffer: Any, identity: Sequence[Any]) -> tuple[Any, list[Any]] 
 
 class KeptListings:
     """The listings kept in one OUT: :meth:`get` reads one (``read(name)`` gives a file's bytes or None),
-    :meth:`keep` notes a fresh one for the run to write (:attr:`fresh`: name -> bytes), only for the shards
-    this rank owns (their position in the pattern modulo ``world_size``). Safe from several threads."""
+    :meth:`keep` notes a fresh one for the run to write (:attr:`fresh`), for the shards this rank owns
+    (position modulo ``world_size``). Thread-safe."""
 
     def __init__(
         self,
@@ -298,8 +282,7 @@ class KeptListings:
 
     @classmethod
     def of_folder(cls, folder: Any, rank: int = 0, world_size: int = 1) -> KeptListings:
-        """The listings kept in ``folder`` (a Path, or a UPath: one GET per listing). A listing that is not
-        there, or cannot be read, is a miss: the shard is listed as if none had been kept."""
+        """The listings kept in ``folder`` (a Path or a UPath); one missing or unreadable is a miss."""
 
         def read(name: str) -> bytes | None:
             try:
@@ -323,8 +306,8 @@ class KeptListings:
     def table(
         self, identity: Sequence[Any] | None, load: Callable[[], tuple[Any, list[Any]]]
     ) -> tuple[Any, list[Any]]:
-        """A manifest's (table, problems): the kept one if there is a sound one for ``identity``, else
-        ``load()``'s, offered to be kept (by rank 0) when its table can be."""
+        """A manifest's (table, problems): the kept one if sound for ``identity``, else ``load()``'s, offered
+        to be kept (by rank 0)."""
         if identity is not None:
             name = table_name(identity)
             buffer = (self._read_mapped or self._mapped_from_read)(name)
@@ -364,8 +347,8 @@ class KeptListings:
     def listing(
         self, identity: Sequence[Any] | None, size: int, position: int, scan: Callable[[], Listing]
     ) -> Listing:
-        """The shard's kept listing if there is a sound one for ``identity``, else ``scan()``'s, offered to
-        be kept (``position``: the shard's place in the pattern)."""
+        """The shard's kept listing if sound for ``identity``, else ``scan()``'s, offered to be kept
+        (``position``: the shard's place in the pattern)."""
         listing = self.get(identity, size)
         if listing is None:
             listing = scan()

@@ -2,17 +2,14 @@
 ``text`` and ``instruction`` (for ``embedding``: a row may be a ``text`` alone, given an ``id``).
 
 ``path`` is an image, a video, or a list of frame images forming one clip (in CSV and Parquet, a JSON list
-written as text). Relative paths are resolved against the manifest's folder (or its URL's, for a manifest
-read through fsspec). A row that cannot become a sample (bad JSON, no path, a path that is not text, bytes
-that are not UTF-8, an id the store cannot hold...) is an :class:`~vlfast.extraction.sources.sample.InputProblem`
-naming the file and line or row; only a manifest that is wholly unusable raises (an unknown suffix, a CSV or
-Parquet file without a ``path`` column, an unreadable Parquet file).
+written as text), relative to the manifest's folder (or URL's). A row that cannot become a sample is an
+:class:`~vlfast.extraction.sources.sample.InputProblem` naming the file and line or row; only a wholly
+unusable manifest raises (an unknown suffix, no ``path`` column, an unreadable Parquet file).
 
 Ids mean the same in all three formats: a missing, empty, null or NaN id falls back to the path; a number
-becomes its decimal text, with integral floats written as integers (``1.0`` -> ``"1"``, since pandas stores
-an integer column holding one NaN as float64); a boolean is refused; text is kept exactly (a CSV ``1.0``
-stays ``"1.0"``: CSV holds text). A UTF-8 byte-order mark at the start of a CSV or JSONL file (Excel's "CSV
-UTF-8") is skipped.
+becomes its decimal text, integral floats as integers (``1.0`` -> ``"1"``: pandas stores an integer column
+holding one NaN as float64); a boolean is refused; text is kept exactly (a CSV ``1.0`` stays ``"1.0"``).
+A UTF-8 byte-order mark starting a CSV or JSONL file (Excel's "CSV UTF-8") is skipped.
 """
 
 from __future__ import annotations
@@ -48,9 +45,8 @@ from vlfast.extraction.sources.table import SampleTable, SampleTableBuilder
 
 __all__ = ["load_manifest", "row_sample"]
 
-_ESCAPED_BYTE = re.compile(
-    "[\udc80-\udcff]"
-)  # what surrogateescape (and os.fsdecode) make of a non-UTF-8 byte
+# what surrogateescape (and os.fsdecode) make of a non-UTF-8 byte
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
 
 
 def _value(value: Any) -> str:
@@ -86,7 +82,7 @@ def _id_text(value: Any) -> tuple[str | None, str | None]:
 
 
 def _paths_field(value: Any) -> list[str] | str:
-    """The paths of a path, a list of frame paths, or a JSON list written as text; else the reason why not."""
+    """The paths of a path, a list of frame paths, or a JSON list written as text; else why not."""
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("[") and text.endswith("]"):
@@ -196,8 +192,8 @@ _COLUMNS = ("id", "path", "paths", "prompt", "text", "instruction")  # what a ro
 def _jsonl_rows(
     path: Path, name: str, base: Path | str | None = None
 ) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
-    """Each line as a dict or its problem, or already a plain sample's fields where a block of lines are
-    all plain rows (see :func:`_plain_batch`, given ``base``): every line is still parsed on its own."""
+    """Each line as a dict or its problem, or a plain sample's fields where a whole block of lines is plain
+    (:func:`_plain_batch`, given ``base``)."""
     block: list[tuple[str, dict[str, Any] | InputProblem]] = []
     for item in _jsonl_lines(path, name):
         block.append(item)
@@ -222,9 +218,8 @@ def _jsonl_block(
 
 
 def _batch_of(rows: list[dict[str, Any]]) -> Any:
-    """JSON rows as an Arrow batch of the columns a sample is made of, or None unless each column holds
-    values of one kind Arrow keeps as they are: text, integers (never a boolean), or JSON nulls. Anything
-    else leaves the rows to the row path."""
+    """JSON rows as an Arrow batch of the sample's columns, or None unless each column holds only text (or
+    for ``id``, integers never a boolean) and JSON nulls."""
     import pyarrow as pa
 
     columns: dict[str, Any] = {}
@@ -253,43 +248,43 @@ def _jsonl_lines(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | 
     # Bytes, decoded line by line: one line in another encoding is that line's problem, not the file's.
     with path.open("rb") as f:
         for lineno, line in enumerate(f, 1):
-            where = f"{name} line {lineno}"
             if lineno == 1 and line.startswith(codecs.BOM_UTF8):
                 line = line[len(codecs.BOM_UTF8) :]
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                reason = (
-                    f"not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line); "
-                    "save the manifest as UTF-8"
-                )
-                yield where, InputProblem(where, reason)
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                reason = f"not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
-                yield where, InputProblem(where, reason)
-                continue
-            except (ValueError, RecursionError) as e:  # valid JSON all the same: that row's problem
-                yield where, InputProblem(where, unreadable_json(e))
-                continue
-            if not isinstance(row, dict):
-                kind = type(row).__name__
-                reason = f'a JSON {kind} is not a row; each line must be an object like {{"path": "a.jpg"}}'
-                yield where, InputProblem(where, reason)
-                continue
-            yield where, row
+            if line.strip():
+                where = f"{name} line {lineno}"
+                row = _jsonl_row(line)
+                yield where, InputProblem(where, row) if isinstance(row, str) else row
 
 
-def _no_path_column(name: str, columns: Sequence[str]) -> ValueError:
-    return ValueError(
-        f"{name} has no 'path' column (columns: {', '.join(quoted(c, 40) for c in columns) or 'none'}); "
-        "a manifest needs 'path' (a file, or a JSON list of frames) or 'text', and may have 'id', "
-        "'prompt' and 'instruction'"
-    )
+def _jsonl_row(line: bytes) -> dict[str, Any] | str:
+    """One line's row, or why it is not one."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (
+            f"not valid UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line); "
+            "save the manifest as UTF-8"
+        )
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+    except (ValueError, RecursionError) as e:  # valid JSON all the same: that row's problem
+        return unreadable_json(e)
+    if not isinstance(row, dict):
+        return (
+            f'a JSON {type(row).__name__} is not a row; each line must be an object like {{"path": "a.jpg"}}'
+        )
+    return row
+
+
+def _require_path_column(name: str, columns: Sequence[str]) -> None:
+    if not {"path", "paths", "text"} & set(columns):
+        raise ValueError(
+            f"{name} has no 'path' column (columns: {', '.join(quoted(c, 40) for c in columns) or 'none'}); "
+            "a manifest needs 'path' (a file, or a JSON list of frames) or 'text', and may have 'id', "
+            "'prompt' and 'instruction'"
+        )
 
 
 def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | InputProblem]]:
@@ -303,8 +298,7 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | Inp
             return
         except csv.Error as e:
             raise InputRefused(f"{name}: the header line is not valid CSV ({e})") from None
-        if not {"path", "paths", "text"} & set(header):
-            raise _no_path_column(name, header)
+        _require_path_column(name, header)
         rowno = 0  # data rows, 1-based, header excluded; a quoted newline does not start a new row
         while True:
             rowno += 1
@@ -323,17 +317,16 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | Inp
                 reason = (
                     f"not valid UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x}); save the manifest as UTF-8"
                 )
-                yield where, InputProblem(where, reason)
-                continue
-            if len(record) > len(header) and any(record[len(header) :]):
+            elif len(record) > len(header) and any(record[len(header) :]):
                 # an unquoted comma shifts every later value into the wrong column: refuse, never guess
                 reason = (
                     f"the row has {len(record)} values but the header has {len(header)} columns; "
                     "quote values that contain a comma"
                 )
-                yield where, InputProblem(where, reason)
+            else:
+                yield where, dict(zip(header, record))
                 continue
-            yield where, dict(zip(header, record))
+            yield where, InputProblem(where, reason)
 
 
 _PARQUET_BATCH = 65_536  # rows of a Parquet manifest read at a time
@@ -341,15 +334,14 @@ _PLAIN_BAD = ("[", "\x00", "://", "//", "/./")  # a frame list, a NUL, a URL, a 
 
 
 def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
-    """The samples of a Parquet batch in which every row is the plain case, as the fields of
-    :meth:`~vlfast.extraction.sources.table.SampleTableBuilder.append_plain`, made from its columns with no
-    per-row checks left to do; None when any row is not (the batch then takes the row path, which gives the
-    same samples and names what is wrong with the rest).
+    """The samples of a batch in which every row is plain, as
+    :meth:`~vlfast.extraction.sources.table.SampleTableBuilder.append_plain`'s fields made from its columns;
+    None when any row is not (the batch then takes the row path, which gives the same samples).
 
     Plain: a text ``path`` on every row, in posix form, not a URL, not a JSON frame list, without NUL;
-    no ``paths`` column; an ``id`` column of text (none empty) or integers, or none (the id is the path);
-    ``prompt``, ``text`` and ``instruction`` of text or all null. Every such row gives what
-    :func:`row_sample` gives (``tests/test_sample_table.py`` compares the two on mixed batches)."""
+    no ``paths`` column; an ``id`` column of text (none empty) or integers, or none; ``prompt``, ``text``
+    and ``instruction`` of text or all null (``tests/test_sample_table.py`` compares it with
+    :func:`row_sample`)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -397,8 +389,8 @@ def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
             return None
         texts[key] = [v or None for v in col.to_pylist()]  # "" is missing, as in a row
     paths = path.to_pylist()
-    # Joined to the manifest's folder as a column: each path is already known to be in posix form, not a URL
-    # (what _resolved checks a row at a time), so an absolute one stays as it is and the rest take the prefix.
+    # Joined to the manifest's folder as a column: each path is in posix form and not a URL (what _resolved
+    # checks per row), so an absolute one stays as it is and the rest take the prefix.
     if not (isinstance(base, Path) and str(base) == "."):
         prefix = f"{str(base).rstrip('/')}/"
         path = pc.if_else(pc.starts_with(path, "/"), path, pc.binary_join_element_wise(prefix, path, ""))
@@ -417,8 +409,7 @@ def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
 def _parquet_rows(
     path: Path, name: str, base: Path | str | None = None
 ) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
-    """Each row as a dict, or already a plain sample's fields where its whole batch is the plain case
-    (:func:`_plain_batch`, given ``base``)."""
+    """Each row as a dict, or a plain sample's fields where its whole batch is plain (:func:`_plain_batch`)."""
     import pyarrow.parquet as pq
 
     try:
@@ -426,9 +417,8 @@ def _parquet_rows(
         columns = list(pf.schema_arrow.names)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a file it cannot read
         raise InputRefused(f"{name} cannot be read as Parquet ({e})") from None
-    if not {"path", "paths", "text"} & set(columns):
-        raise _no_path_column(name, columns)
-    wanted = [c for c in ("id", "path", "paths", "prompt", "text", "instruction") if c in columns]
+    _require_path_column(name, columns)
+    wanted = [c for c in _COLUMNS if c in columns]
     rowno = 0
     try:
         # batches: a large manifest is not read whole
@@ -447,8 +437,8 @@ def _resolved(base: Path | str, path: str) -> str:
 
 
 def _joined(base: Path | str, path: str) -> str:
-    """``path`` relative to a manifest's folder: a local folder (``str(base / path)``, from the strings when
-    ``path`` is already in posix form), or a URL (a manifest read through fsspec)."""
+    """``path`` joined to a manifest's folder: a local one (``str(base / path)``, from the strings where
+    ``path`` is in posix form), or a URL."""
     if isinstance(base, str):
         return f"{base.rstrip('/')}/{path}"
     if not is_posix_form(path):
@@ -460,8 +450,8 @@ def _joined(base: Path | str, path: str) -> str:
 def load_manifest(
     path: Path, name: str | None = None, base: str | None = None
 ) -> tuple[SampleTable, list[InputProblem]]:
-    """The samples and problems of the manifest at ``path``, its rows in order. ``name`` and ``base`` stand in
-    for a local copy of a manifest read from a URL (the URL, and the URL's folder)."""
+    """The samples and problems of the manifest at ``path``, in row order. ``name`` and ``base``: the URL and
+    its folder, for a local copy of a manifest at a URL."""
     name = name or display_path(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":

@@ -1,17 +1,13 @@
-"""The input list as columns: :class:`SampleTable`, a read-only sequence of :class:`Sample` whose fields are
-held in Arrow and numpy arrays, and :class:`SampleTableBuilder`, which sources append to.
+"""The input list as columns: :class:`SampleTable`, a read-only sequence of :class:`Sample` held in Arrow and
+numpy arrays, and :class:`SampleTableBuilder`, which sources append to.
 
-A run's input at ten million entries was ten million ``Sample`` objects with their strings (about 280 bytes
-each, 2.8 GiB), held by every rank for the whole run. Here a sample costs its bytes: its id, its file name
-(the folder part of a path is kept once per distinct folder), a kind byte, and what it has of prompt, text
-and instruction. A ``Sample`` is made only when one is asked for (``table[i]``, iteration a chunk at a time),
-so the planning (:class:`~vlfast.extraction.plan.RunPlan`) works on the id column and the engines make the
-objects of the samples being decoded. Every field round-trips exactly, a path holding a non-UTF-8 byte from
-the file system included (text is kept as ``surrogatepass`` UTF-8 bytes).
+Ten million ``Sample`` objects cost about 2.8 GiB on every rank for the whole run. Here a sample costs its
+bytes: its id, its file name (a path's folder part is kept once per distinct folder), a kind byte, and its
+prompt, text and instruction. A ``Sample`` is made only when asked for (``table[i]``, iteration). Text is
+kept as ``surrogatepass`` UTF-8, so a path holding a non-UTF-8 byte round-trips exactly.
 
-Members (a WebDataset tar member, an object at a URL) are kept as columns of their dataclass's fields (a
-shard's path once, a member's name, offset and size per row); members of mixed or other classes, as the
-objects themselves. A clip given as a list of frame files keeps its paths as a tuple (an object per clip).
+Members (a tar member, an object at a URL) are kept as columns of their dataclass's fields; members of mixed
+or other classes, as the objects themselves. A clip's frame paths are kept as a tuple per clip.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ def _decode(raw: bytes) -> str:
 
 class SampleTable(Sequence[Sample]):
     """The samples of an input, in order, as columns. Indexing gives a :class:`Sample`; a slice or
-    :meth:`take` gives another table; :attr:`ids` is the id column itself (Arrow ``large_string``).
-    Compares equal to any sequence holding equal samples in the same order."""
+    :meth:`take`, another table. Equal to any sequence of equal samples in the same order."""
 
     __slots__ = (
         "_dir",
@@ -81,8 +76,6 @@ class SampleTable(Sequence[Sample]):
         self._entries: np.ndarray | None = None  # set by own(): each row's position in the whole input
         self._listed: int | None = None  # and the number of samples the whole input had
 
-    # ------------------------------------------------------------------------------------ constructing
-
     @classmethod
     def of(cls, samples: Iterable[Sample]) -> SampleTable:
         """``samples`` as a table (a table is returned as it is)."""
@@ -95,8 +88,6 @@ class SampleTable(Sequence[Sample]):
     @classmethod
     def empty(cls) -> SampleTable:
         return SampleTableBuilder().build()
-
-    # ------------------------------------------------------------------------------------ reading
 
     def __len__(self) -> int:
         return len(self._kinds)
@@ -160,8 +151,8 @@ class SampleTable(Sequence[Sample]):
         return self._ids
 
     def any_path(self, test: Callable[[str], bool]) -> bool:
-        """Whether ``test`` holds for some path of some sample (folder parts are tested once each: a test
-        that looks at a path's start, such as ``is_url``, sees the whole of it there)."""
+        """Whether ``test`` holds for some sample's path (a folder part is tested once, so a test of a
+        path's start, such as ``is_url``, sees the whole of it there)."""
         used = self._dir[self._dir >= 0]
         if any(test(self._dirs[d]) for d in np.unique(used).tolist()):
             return True
@@ -183,12 +174,10 @@ class SampleTable(Sequence[Sample]):
         id_hashes: np.ndarray | None = None,
     ) -> np.ndarray:
         """What identifies each row from ``start`` to ``stop`` as one uint64: its id, kind, where its bytes
-        are, and the ``texts`` named ("prompt", "text", "instruction"; an absent one hashed as absent).
-        Where: ``resolve`` of the path (once per folder part, ``resolve("dir/")``, hashed with the file's
-        name), of each frame, or for a tar member its shard's, its name, offset and size; nothing for a
-        text. ``where`` gives each row's bytes instead; ``id_hashes``, the ids' :func:`hash_ids` when the
-        caller has them. :mod:`~vlfast.extraction.sources.identity` uses it for a whole input and for one
-        sample (a table of one row), so both sides of a comparison are made here."""
+        are, and the ``texts`` named (an absent one hashed as absent). Where: ``resolve`` of the path (once
+        per folder part, ``resolve("dir/")``, hashed with the file's name), of each frame, or for a tar
+        member its shard's, with its name, offset and size; nothing for a text. ``where`` gives each row's
+        bytes instead; ``id_hashes``, the ids' :func:`hash_ids` when the caller has them."""
         import pyarrow as pa
 
         from vlfast.extraction.ids import hash_bytes, hash_ids, mix
@@ -208,7 +197,7 @@ class SampleTable(Sequence[Sample]):
         return mix(*fields)
 
     def _where(self, rows: np.ndarray, resolve: Callable[[str], str]) -> np.ndarray:
-        """The hash of each of ``rows``' place, as :meth:`identity_keys` defines it (uint64)."""
+        """The hash of each of ``rows``' place (uint64), as :meth:`identity_keys` defines it."""
         import pyarrow as pa
 
         from vlfast.extraction.ids import hash_bytes, mix
@@ -247,7 +236,7 @@ class SampleTable(Sequence[Sample]):
         return place
 
     def _members_where(self, rows: np.ndarray, resolve: Callable[[str], str]) -> pa.Array:
-        """Tar members' places as columns: the shard resolved once per shard, its name, offset and size."""
+        """Tar members' places as columns: the shard (resolved once per shard), name, offset and size."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -283,8 +272,7 @@ class SampleTable(Sequence[Sample]):
 
     @property
     def listed(self) -> int:
-        """The number of samples of the whole input: ``len(self)``, or for a rank's share (:meth:`own`) the
-        input's, all ranks' included."""
+        """The number of samples of the whole input, all ranks' included (see :meth:`own`)."""
         return len(self) if self._listed is None else self._listed
 
     def entry(self, k: int) -> int:
@@ -292,8 +280,8 @@ class SampleTable(Sequence[Sample]):
         return k if self._entries is None else int(self._entries[k])
 
     def own(self, positions: np.ndarray) -> SampleTable:
-        """A rank's share: the rows at ``positions`` (increasing), remembering where each was in this table
-        and how many this table had, so that counts and error records still name the whole input."""
+        """A rank's share: the rows at ``positions`` (increasing), remembering where each was and how many
+        this table had, so that counts and error records still name the whole input."""
         share = self.take(positions)
         if share is self:  # a new object all the same (the same columns): this table keeps what it is
             share = copy.copy(self)
@@ -328,16 +316,14 @@ class SampleTable(Sequence[Sample]):
             self._take_members(idx),
         )
 
-    # ------------------------------------------------------------------------------------ as Arrow
-
     def can_keep(self) -> bool:
-        """Whether :meth:`to_arrow` can hold this table: a whole input's, without members (a manifest or a
-        folder of local files; members of tar shards or URLs are listed again, with their own identity)."""
+        """Whether :meth:`to_arrow` can hold this table: a whole input's, without members (tar shards and
+        URLs are listed again, with their own identity)."""
         return self._members is None and self._entries is None
 
     def to_arrow(self) -> tuple[pa.RecordBatch, dict[str, Any]]:
-        """The table as one Arrow record batch (its columns, not copies) and what is not a column: the
-        folders and the frame lists, JSON-ready. :meth:`from_arrow` makes the same table again."""
+        """The table as one Arrow record batch (its columns, not copies) and, JSON-ready, what is not a
+        column: the folders and the frame lists. :meth:`from_arrow` makes the same table again."""
         import pyarrow as pa
 
         if not self.can_keep():
@@ -358,8 +344,8 @@ class SampleTable(Sequence[Sample]):
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch, extras: dict[str, Any]) -> SampleTable:
-        """The table :meth:`to_arrow` gave ``batch`` and ``extras`` for; the columns are used as they are (a
-        batch read from a memory map stays in the map). Raises ValueError if they do not fit together."""
+        """The table :meth:`to_arrow` gave ``batch`` and ``extras`` for, its columns used in place (a memory
+        map stays one); ValueError if they do not fit together."""
         import pyarrow as pa
 
         expected = {
@@ -388,9 +374,8 @@ class SampleTable(Sequence[Sample]):
 
 
 class _Members:
-    """The members of a table's samples as columns: every member is of one dataclass (a tar member, a file at
-    a URL), whose text fields are kept dictionary-encoded (a shard's path or the storage options once, a
-    member's name per row) and whose int fields as int64. ``present`` says which rows have one."""
+    """Members of one dataclass as columns: text fields dictionary-encoded (a shard's path once), int fields
+    as int64. ``present`` says which rows have one."""
 
     __slots__ = ("cls", "columns", "present")
 
@@ -421,8 +406,8 @@ class _Members:
 
 
 class _MemberChunks:
-    """Builds :class:`_Members` a chunk at a time; falls back to a list of the objects themselves for members
-    that are not all of one dataclass with text and int fields."""
+    """Builds :class:`_Members` a chunk at a time; a list of the objects where the members are not all of
+    one dataclass with text and int fields."""
 
     def __init__(self) -> None:
         self.cls: type | None = None
@@ -524,8 +509,7 @@ class _MemberChunks:
 
 
 class SampleTableBuilder:
-    """Samples appended one at a time, turned into Arrow every 65,536 rows: a source listing millions of
-    entries never holds more than one chunk of them as objects."""
+    """Samples appended one at a time, turned into Arrow a chunk (65,536 rows) at a time."""
 
     def __init__(self) -> None:
         import pyarrow as pa
@@ -565,8 +549,7 @@ class SampleTableBuilder:
         instruction: str | None,
     ) -> None:
         """``append(Sample(sample_id, kind, (path,), prompt, text=text, instruction=instruction))`` without
-        making the ``Sample``: for a source that has already checked every field (an image or a video, one
-        path, no member)."""
+        making the ``Sample``, for a source that has checked every field."""
         self._add(sample_id, _CODE[kind], (path,), None, prompt, text, instruction)
 
     def _add(self, sample_id, code, paths, member, prompt, text, instruction) -> None:
@@ -589,9 +572,7 @@ class SampleTableBuilder:
         for key, value in (("prompt", prompt), ("text", text), ("instruction", instruction)):
             if value is not None:
                 self._has.add(key)
-                self._optional[key].append(_encode(value))
-            else:
-                self._optional[key].append(None)
+            self._optional[key].append(None if value is None else _encode(value))
         self._n += 1
         if len(self._ids) >= _CHUNK:
             self._flush()

@@ -1,17 +1,13 @@
 """WebDataset tar shards as extraction input: brace patterns, one index pass per shard, members read in place.
 
-A WebDataset shard is a plain tar whose members sharing a ``__key__`` (the member path up to the first dot
-of its file name: ``a/b.seg.png`` -> ``a/b``) form one sample. vlfast reads the shards with the standard
-library's ``tarfile`` rather than the ``webdataset`` package, because that package streams each shard
-front to back and decodes in its own pipeline: resuming would re-read every shard from its start, and a
-member that crashes or hangs a decoder could not be named. Here each shard is listed once (headers, plus
-the small ``KEY.json`` / ``KEY.txt`` prompt members) into samples whose :class:`TarMember` says where the
-media's bytes are, read in place by the decode workers, so resume, timeouts and crash isolation work per
-sample exactly as for plain files; shards at an fsspec URL go through the same listing over a ranged reader
-(local shards never import fsspec and keep ``pread``). A sample's id is ``{shard}/{__key__}``, ``shard``
-relative to the folder the pattern's first brace is in (``shards/{000..099}.tar`` ->
-``003.tar/sample_0042``): unique across shards, and the same whether the pattern is given relative, absolute
-or as a URL.
+Members sharing a ``__key__`` (the member path up to the first dot of its file name: ``a/b.seg.png`` ->
+``a/b``) form one sample. The ``webdataset`` package streams each shard front to back, so a resume would
+re-read every shard and a member that crashes or hangs a decoder could not be named; here ``tarfile`` lists
+each shard once (headers, plus the small ``KEY.json`` / ``KEY.txt`` prompt members) and a :class:`TarMember`
+says where the media's bytes are, read in place, so resume, timeouts and crash isolation work per sample as
+for plain files. Shards at an fsspec URL are listed by the same code over a ranged reader. A sample's id is
+``{shard}/{__key__}``, ``shard`` relative to the folder of the pattern's first brace
+(``shards/{000..099}.tar`` -> ``003.tar/sample_0042``), the same for a relative, absolute or URL pattern.
 """
 
 from __future__ import annotations
@@ -80,7 +76,7 @@ _LETTERS = re.compile(r"^([A-Za-z])\.\.([A-Za-z])$")
 
 
 def _closing(text: str, start: int) -> int:
-    """Index of the brace closing the one at ``start``; ValueError if none."""
+    """Index of the brace closing the one at ``start``."""
     depth = 0
     for i in range(start, len(text)):
         if text[i] == "{":
@@ -135,10 +131,9 @@ def _alternatives(body: str, pattern: str) -> list[str]:
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """Every path ``pattern`` names, in bash's order: ``a{0..2}`` -> ``a0 a1 a2``, ``{x,y}{1,2}`` -> x1 x2
-    y1 y2. Ranges keep the zero padding of their endpoints (``{000..002}`` -> 000 001 002) and may step
-    (``{0..10..5}``) or count down; lists may nest (``{a,b{1,2}}``). An unclosed or stray brace, or a
-    brace holding neither a range nor a list, raises ValueError naming it."""
+    """Every path ``pattern`` names, in bash's order (``{x,y}{1,2}`` -> x1 x2 y1 y2). Ranges keep their
+    endpoints' zero padding and may step (``{0..10..5}``) or count down; lists may nest (``{a,b{1,2}}``). A
+    stray or unclosed brace, or one holding neither a range nor a list, raises ValueError naming it."""
     start = pattern.find("{")
     stray = pattern.find("}")
     if stray != -1 and (start == -1 or stray < start):
@@ -155,8 +150,8 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def is_shard_input(source: str | os.PathLike) -> bool:
-    """Whether INPUT names WebDataset shards: a ``.tar`` path (compressed tars too, to refuse them with a
-    clear message), or a path with braces that is not itself an existing file or folder."""
+    """Whether INPUT names WebDataset shards: a ``.tar`` path (compressed ones too, to refuse them), or a
+    path with braces that is not an existing file or folder."""
     text = os.fspath(source)
     low = text.lower()
     if low.endswith(".tar") or low.endswith(_COMPRESSED_SUFFIXES):
@@ -165,8 +160,8 @@ def is_shard_input(source: str | os.PathLike) -> bool:
 
 
 def _expand_url(pattern: str) -> list[str]:
-    """The URLs a pattern at a URL names: braces are expanded in the path only, never in the scheme or (for
-    s3, gs, az...) the bucket, so ``s3://b/{0..1}.tar`` is ``s3://b/0.tar s3://b/1.tar``."""
+    """The URLs a pattern at a URL names: braces are expanded in the path only, never in the scheme or
+    bucket."""
     scheme, _, rest = pattern.partition("://")
     prefix = f"{scheme}://"
     bucket = bucket_root(pattern)
@@ -187,7 +182,7 @@ def _expand_url(pattern: str) -> list[str]:
 
 
 def _base_folder(pattern: str) -> str:
-    """The folder shard ids are relative to: the one the first brace is in (the file's own without one)."""
+    """The folder shard ids are relative to: the first brace's (the file's own without one)."""
     brace = pattern.find("{")
     return os.path.dirname(pattern if brace == -1 else pattern[:brace])
 
@@ -196,7 +191,7 @@ def _base_folder(pattern: str) -> str:
 
 
 class _MemberFile(ByteWindow):
-    """A read-only, seekable view of ``size`` bytes at ``offset`` of a file (positioned reads: no copy)."""
+    """``size`` bytes at ``offset`` of a local file, read with pread."""
 
     def __init__(self, path: str, offset: int, size: int, name: str):
         super().__init__(size, name)
@@ -220,8 +215,8 @@ class _MemberFile(ByteWindow):
 
 @dataclass(frozen=True, slots=True)  # slots: one per key of a listing of millions
 class TarMember:
-    """Where one sample's media lies inside a tar shard. Decoders read it in place (:meth:`open`); it is
-    never extracted to disk. ``str()`` is ``{shard}/{name}``, the path errors and ``meta["path"]`` show."""
+    """Where one sample's media lies inside a tar shard, read in place (:meth:`open`), never extracted.
+    ``str()`` is ``{shard}/{name}``, the path errors and ``meta["path"]`` show."""
 
     shard: str  # the shard's path or URL, as the pattern expanded to
     name: str  # the member's name in the tar
@@ -240,7 +235,6 @@ class TarMember:
 
     @property
     def at_url(self) -> bool:
-        """Whether the shard is an object read with ranged requests rather than a local file."""
         return is_url(self.shard)
 
     def open(self) -> io.BufferedReader:
@@ -257,14 +251,11 @@ class TarMember:
 
     def checked_size(self) -> int:
         """Its size in bytes; SampleError where it is empty or its shard is gone or cut since it was listed."""
-        if self.at_url:  # no request here: a ranged read past the object's end says "truncated shard" itself
-            if self.size == 0:
-                raise SampleError(f"empty file (0 bytes): {self}")
-            return self.size
-        shard_size = checked_file(self.shard).st_size
+        # At a URL no request: a ranged read past the object's end says "truncated shard" itself.
+        shard_size = None if self.at_url else checked_file(self.shard).st_size
         if self.size == 0:
             raise SampleError(f"empty file (0 bytes): {self}")
-        if shard_size < self.offset + self.size:  # cut since it was listed
+        if shard_size is not None and shard_size < self.offset + self.size:  # cut since it was listed
             raise SampleError(
                 f"truncated shard: {self.shard} ends at byte {shard_size:,}, inside member {self.name!r} "
                 f"(bytes {self.offset:,} to {self.offset + self.size:,})"
@@ -272,7 +263,7 @@ class TarMember:
         return self.size
 
     def read_failure(self, e: BaseException) -> Exception | None:
-        """The store's TransientReadError where ``e`` is its transient failure mid-read (a shard at a URL)."""
+        """The store's TransientReadError where ``e`` is its transient failure mid-read at a URL."""
         return transient_error(str(self), e) if self.at_url and is_transient(e) else None
 
 
@@ -280,7 +271,7 @@ class TarMember:
 
 
 def _compressed(path: str, head: bytes) -> str | None:
-    """Why ``path`` cannot be a shard vlfast reads by offset (compressed), or None."""
+    """Why ``path`` cannot be read by offset (it is compressed), or None."""
     for magic, kind in _COMPRESSED_MAGIC.items():
         if head.startswith(magic):
             return (
@@ -315,18 +306,16 @@ def _cut(size: int, members: list[ListedMember], read_at) -> str | None:
 
 
 def _is_prompt(m: tarfile.TarInfo | ListedMember) -> bool:
-    """Whether a member may be a key's prompt (``KEY.json``, ``KEY.txt``), as :func:`_groups` names them."""
+    """Whether a member may be a key's prompt (``KEY.json``, ``KEY.txt``)."""
     match = _KEY.match(m.name) if m.isreg() else None
     return match is not None and match.group(2).lower() in _PROMPT_EXTS
 
 
 def _scan(f: BinaryIO, size: int, where: str) -> Listing:
-    """The shard's members in order (headers only), how it is cut short (None if it is whole), and the
-    bytes of its prompt members by data offset; raises ValueError when it is not a plain tar at all.
-
-    ``f`` is the shard opened as a seekable binary file of ``size`` bytes: a local file, or a ranged reader
-    of an object at a URL. The prompt members are read as the scan passes them, while their bytes are
-    still in the reader's buffer: reading them afterwards would cost a request each at a URL."""
+    """The shard's members in order (headers only), how it is cut short (None if whole), and its prompt
+    members' bytes by data offset; ValueError when it is not a plain tar. ``f``: the shard as a seekable
+    file (local, or a ranged reader). Prompts are read as the scan passes them, while still in the reader's
+    buffer: afterwards each would cost a request at a URL."""
     if size == 0:
         return [], "it is empty (0 bytes)", {}
     head = f.read(_BLOCK)
@@ -371,13 +360,7 @@ def _groups(members: list[ListedMember]) -> Iterator[tuple[str, list[tuple[str, 
     key: str | None = None
     group: list[tuple[str, ListedMember]] = []
     for m in members:
-        if (
-            not m.isreg()
-            or _META.match(m.name)
-            or ("/" not in m.name and m.name.startswith("__") and m.name.endswith("__"))
-        ):
-            continue
-        match = _KEY.match(m.name)
+        match = _KEY.match(m.name) if m.isreg() and not _META.match(m.name) else None
         if match is None:
             continue
         k, ext = match.group(1), match.group(2).lower()
@@ -392,7 +375,7 @@ def _groups(members: list[ListedMember]) -> Iterator[tuple[str, list[tuple[str, 
 
 def _prompt(raw: bytes, ext: str) -> str | None:
     """The prompt a ``.txt`` (its whole text) or ``.json`` (its ``"prompt"``) member gives; ValueError
-    with the reason when it cannot be read."""
+    saying why it cannot be read."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -420,7 +403,7 @@ def _prompt(raw: bytes, ext: str) -> str | None:
 
 
 def _storable_id(sid: str) -> str | None:
-    """``sid`` when the store can hold it (UTF-8 text within the length limit), else None."""
+    """``sid`` when the store can hold it, else None."""
     return None if storable(sid, (), None) else sid
 
 
@@ -431,8 +414,7 @@ def _key_sample(
     texts: Mapping[int, bytes],
     options_json: str,
 ) -> Sample | InputProblem | None:
-    """The sample of one key, the problem that stops it, or None for a key with nothing to extract.
-    ``texts`` holds the prompt members' bytes (see :func:`_scan`)."""
+    """The sample of one key, the problem that stops it, or None for a key with nothing to extract."""
     refs = [(ext, TarMember(shard, m.name, m.offset_data, m.size, options_json), m) for ext, m in members]
 
     def problem(ref: TarMember, reason: str) -> InputProblem:
@@ -482,8 +464,7 @@ def _key_sample(
 def _shard_entries(
     shard: str, rel: str, kept: KeptListings | None = None, position: int = 0
 ) -> tuple[list[Sample], list[InputProblem]]:
-    """The samples and problems of one local shard; ``rel`` qualifies its keys into ids. Its listing is
-    ``kept``'s when OUT keeps one for this very file, else read (and offered to ``kept``)."""
+    """The samples and problems of one local shard (ids ``{rel}/{key}``), its listing ``kept``'s if kept."""
     st = os.stat(shard)
 
     def scan() -> Listing:
@@ -502,8 +483,7 @@ def _entries(
     texts: Mapping[int, bytes],
     options_json: str = "{}",
 ) -> tuple[list[Sample], list[InputProblem]]:
-    """The samples and problems of one listed shard (local or at a URL): keys grouped, the key at a cut and
-    the cut shard recorded."""
+    """The samples and problems of one listed shard, local or at a URL; a cut records its key and shard."""
     samples: list[Sample] = []
     problems: list[InputProblem] = []
     groups = list(_groups(members))
@@ -551,16 +531,13 @@ def list_shards(
     storage_options: Mapping[str, Any] | None,
     kept: KeptListings | None = None,
 ) -> Iterator[tuple[list[Sample], list[InputProblem]]]:
-    """Each shard URL's samples and problems (ids ``{rel}/{__key__}``) in order, as they are listed: by the
-    same code as a local shard (:func:`_scan` and :func:`_entries`) over a
-    :class:`~vlfast.extraction.objstore.RangeReader`, up to :data:`_LIST_THREADS` shards at once. A generator
-    (the caller takes each shard's samples into its table as it comes): the refusals below raise at the
-    first ``next``.
+    """Each shard URL's samples and problems (ids ``{rel}/{__key__}``) in order, listed as a local shard is
+    over a :class:`~vlfast.extraction.objstore.RangeReader`, :data:`_LIST_THREADS` at once. A generator: the
+    refusals raise at the first ``next``.
 
     Refused before any shard is read, naming ``pattern`` and never the credentials: an unreachable
-    endpoint, a missing bucket or refused credentials (one request about the bucket), and shards that do
-    not exist or are not files (one listing of each folder holding shards, see :func:`_shard_infos`). A
-    shard that is not a plain tar raises ValueError naming it; one that cannot be read mid-listing,
+    endpoint, a missing bucket or refused credentials, and shards that do not exist or are not files. A
+    shard that is not a plain tar raises ValueError; one that cannot be read mid-listing,
     :class:`RemoteInputError`."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -588,10 +565,9 @@ def list_shards(
 
 
 def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) -> dict[str, dict[str, Any]]:
-    """The entries (``fs.info``'s) of the shards that exist, by path: one listing per folder. A folder whose
-    listing holds none of its shards is missing, or on a store that cannot list folders (plain HTTP): its
-    first shard is asked for, and the others (``map_``: in parallel) only if that one exists. Shards listed
-    without a size are asked for too."""
+    """The ``fs.info`` entries of the shards that exist, by path: one listing per folder. Where a listing
+    holds none of its shards (a missing folder, or plain HTTP, which cannot list), the first shard is asked
+    for, and the others (``map_``: in parallel) only if it exists; so are shards listed without a size."""
 
     def info(path: str) -> dict[str, Any] | None:
         try:
@@ -636,8 +612,7 @@ def _list_one(
     kept: KeptListings | None = None,
     position: int = 0,
 ) -> tuple[list[Sample], list[InputProblem]]:
-    """One shard listed by the same code as a local one over a :class:`~vlfast.extraction.objstore.RangeReader`;
-    ``entry`` is its folder listing's entry (its size, its ETag for ``kept``)."""
+    """One shard at a URL listed; ``entry``: its folder listing's entry (size, ETag for ``kept``)."""
     if entry.get("size") is None:
         raise RemoteInputError(
             f"shard {shard}: the store does not give its size, which reading its members in place needs"
@@ -659,8 +634,7 @@ def _list_one(
 
 
 def _refuse_missing(pattern: str, shards: list[str], missing: list[str], not_files: list[str]) -> None:
-    """FileNotFoundError naming the shards of ``pattern`` that do not exist, or the first that is not a
-    file: a pattern that names nothing to list is refused before any work, local or at a URL."""
+    """FileNotFoundError naming the shards of ``pattern`` that do not exist, or the first that is not a file."""
     if missing:
         shown = ", ".join(display_path(s) for s in missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -682,15 +656,13 @@ def load_shards(
 ) -> tuple[SampleTable, list[InputProblem]]:
     """Samples of every shard ``pattern`` names, in pattern then tar order, and the problems found.
 
-    Refused before anything is read (so before any work): a pattern that does not parse, a shard that does
-    not exist or is not a file (FileNotFoundError naming them), a file that is not a plain tar, compressed
-    tars included (ValueError naming it). Recorded, the run going on: a truncated shard (its last key and
-    the shard itself), and per key, two media members, a prompt member that cannot be read, a repeated
-    extension, an id that cannot be stored. A key whose members are neither media nor prompts is skipped,
-    as a folder scan skips captions. A pattern at an fsspec URL is listed through
-    :func:`list_shards` with ``storage_options``; its ids are those the same
-    shards would have on disk. ``kept``: the listings OUT keeps (:mod:`vlfast.extraction.sources.kept`),
-    used for the shards they were made from, and offered the fresh ones.
+    Refused before anything is read: a pattern that does not parse, a shard that does not exist or is not
+    a file (FileNotFoundError), a file that is not a plain tar, compressed ones included (ValueError).
+    Recorded, the run going on: a truncated shard (its last key and the shard itself), and per key, two
+    media members, an unreadable prompt member, a repeated extension, an id that cannot be stored. A key
+    with neither media nor prompts is skipped, as a folder scan skips captions. A pattern at a URL is
+    listed by :func:`list_shards` with ``storage_options``. ``kept``: the listings OUT keeps
+    (:mod:`vlfast.extraction.sources.kept`), used where they fit, and offered the fresh ones.
     """
     text = os.fspath(pattern)
     url = is_url(text)
