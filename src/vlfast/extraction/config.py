@@ -2,12 +2,11 @@
 did (:class:`ExtractSummary`); the device and dtype policy of extraction.
 
 A wrong value is refused here (exit 2, naming the flag), before anything is read or written. Whether this
-machine can run the model on the device asked for is the engine's question (the local engine asks it, the
-Ray engine's model actors run elsewhere): :func:`device_problem`.
+machine can run the model on the device is the engine's question (:func:`device_problem`).
 
-Nothing here imports torch where the answer does not need it: the device and dtypes are resolved as names
-(``device_name``, ``dtype_name``, ``store_dtype_name``), so that a finished OUT is answered without torch
-(about 2 s of a 2-core CPU); ``torch_device``, ``torch_dtype`` and ``stored_as`` give the torch objects.
+The device and dtypes are resolved as names without torch (``device_name``, ``dtype_name``,
+``store_dtype_name``), so that a finished OUT is answered without importing it (about 2 s of a 2-core CPU);
+``torch_device``, ``torch_dtype`` and ``stored_as`` give the torch objects.
 """
 
 from __future__ import annotations
@@ -49,10 +48,9 @@ __all__ = [
 class ExtractConfig:
     """Every option of ``extract`` but its inputs, OUT and engine, checked in ``__post_init__``.
 
-    The fields are the keyword arguments of :func:`vlfast.extraction.extract` (same names, same defaults);
-    the resolved values the run uses (``spec``, ``device_name``, ``dtype_name``, ``store_dtype_name`` and
-    their torch objects ``torch_device``, ``torch_dtype``, ``stored_as``; ``workers``, ``budget``,
-    ``retry``) are derived from them. See ``extract`` for what each one does.
+    The fields are the keyword arguments of :func:`vlfast.extraction.extract` (same names, same defaults,
+    documented there); the values the run uses (``spec``, ``device_name``, ``workers``, ``budget``...) are
+    resolved from them.
     """
 
     # What is computed: configuration (run.json; a resume with other values is refused).
@@ -126,9 +124,8 @@ class ExtractConfig:
             object.__setattr__(self, name, value)
 
     def writing(self, **overrides: Any) -> dict[str, Any]:
-        """:class:`~vlfast.extraction.store.writer.FeatureStore`'s keywords for how this run writes OUT, said
-        here once for every engine (checked here, once: the store takes them as given). ``overrides``: what
-        an engine's other stores do otherwise (a Ray model actor's quick check, no overwrite)."""
+        """:class:`~vlfast.extraction.store.writer.FeatureStore`'s keywords for how this run writes OUT, for
+        every engine. ``overrides``: what an engine's other stores do otherwise (a Ray model actor's)."""
         return {
             "shard_max_bytes": self.shard_max_bytes,
             "shard_max_samples": self.shard_max_samples,
@@ -171,18 +168,19 @@ def _feature_spec(config: ExtractConfig) -> FeatureSpec:
     names = tuple(features.split(",")) if isinstance(features, str) else tuple(features)
     layers = tuple(int(x) for x in config.layers)
     pools = tuple(config.pools)
-    if "llm" not in {n.strip() for n in names} and (layers != (-1,) or pools != ("last",)):
+    stripped = {n.strip() for n in names}
+    if "llm" not in stripped and (layers != (-1,) or pools != ("last",)):
         # Both select LLM hidden states; without llm features they would be ignored without a word.
         flag = "--layers (layers)" if layers != (-1,) else "--pool (pools)"
         raise InputRefused(
             f"{flag} selects LLM hidden states: add llm to --features (e.g. --features vision,llm)"
         )
-    embedding = "embedding" in {n.strip() for n in names}
+    embedding = "embedding" in stripped
     if not embedding and config.instruction is not None:
         raise InputRefused(
             "--instruction (instruction) is for --features embedding; add embedding to --features"
         )
-    if "llm" not in {n.strip() for n in names} and config.prompt is not None:
+    if "llm" not in stripped and config.prompt is not None:
         raise InputRefused(
             "--prompt (prompt) is for --features llm"
             + ("; an embedding's text comes from the manifest's 'text' column" if embedding else "")
@@ -269,12 +267,8 @@ def _device_type(device: Any) -> str:
 
 
 def default_num_workers(device: torch.device | str = "cpu") -> int:
-    """Decode/preprocess worker processes: one per core on CPU, all cores but one with an accelerator.
-
-    On CPU the workers only use a core while there is preprocessing to do (they prefetch a few samples,
-    then wait), so a compute-bound run loses nothing and a preprocessing-bound run gets every core. With
-    an accelerator the main process keeps a core to feed it. At most 8; 0 (in-process) on one core.
-    """
+    """Decode/preprocess worker processes: one per core on CPU (they only use it while there is work to
+    do), all cores but one with an accelerator (the main process feeds it). At most 8; 0 on one core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores <= 1:
         return 0
@@ -319,12 +313,9 @@ _DEVICE = re.compile(r"[a-z]+(?::(?:0|[1-9][0-9]*))?")
 
 
 def device_name(device: str | torch.device | None) -> str:
-    """:func:`resolve_device`'s device as torch names it (``str(torch.device)``), importing torch only where
-    the answer needs it. Not for a device torch names as written ("cpu", "cuda", "cuda:1"), nor for the
-    default where torch is not imported yet and cannot see a GPU: built for neither CUDA nor ROCm, or
-    on a machine that shows none (:func:`no_gpu_here`). Torch is asked where a GPU may be there (its
-    ``torch.cuda.is_available()`` decides the default device, and so the default dtype) and for a name
-    it alone can parse or refuse."""
+    """:func:`resolve_device`'s device as torch names it (``str(torch.device)``), asking torch only for a
+    name it alone can parse, or for the default unless torch is not imported yet and cannot see a GPU (built
+    for neither CUDA nor ROCm, or :func:`no_gpu_here`): then "cpu"."""
     if device is None:
         if "torch" not in sys.modules and (torch_gpu_build() is False or no_gpu_here()):
             return "cpu"
@@ -334,9 +325,9 @@ def device_name(device: str | torch.device | None) -> str:
 
 
 def named_device(device: Any) -> str | None:
-    """``device`` as torch names it, where its type is one torch names as written ("cuda", "cuda:1"),
-    told without torch; refused (naming --device) where torch would not parse it ("cuda:x", "cuda:01").
-    None for anything else, which only torch can judge (a type a plug-in registers, a torch.device)."""
+    """``device`` as torch names it, told without torch, where its type is one torch names as written
+    ("cuda:1"); refused (naming --device) where torch would not parse it ("cuda:01"). None for anything
+    else, which only torch can judge (a type a plug-in registers, a torch.device)."""
     if not isinstance(device, str) or _device_type(device) not in _DEVICE_TYPES:
         return None
     if not _DEVICE.fullmatch(device):
@@ -351,13 +342,10 @@ _GPU_TRACES = ("proc/driver/nvidia", "dev/nvidiactl", "dev/nvidia0", "dev/kfd", 
 
 
 def no_gpu_here(root: Path = Path("/"), environ: Mapping[str, str] | None = None) -> bool:
-    """True where no GPU can be visible to this process, told without torch: ``CUDA_VISIBLE_DEVICES``
-    hides every GPU ("" or "-1", which CUDA and HIP both honour), or on Linux none of :data:`_GPU_TRACES`
-    exists under ``root``. False where one may be (then only torch can tell), and off Linux.
-
-    A CUDA build of torch took 6.7-8.4 s to import on a 2-core CPU (2026-12-01: ``git show
-    925c8ac:docs/benchmarks.md``), and pip installs it on machines without a GPU too: there this answers
-    "cpu" without it."""
+    """True where no GPU can be visible to this process, told without torch (a CUDA build took 6.7-8.4 s
+    to import on a 2-core CPU, ``git show 925c8ac:docs/benchmarks.md``): ``CUDA_VISIBLE_DEVICES`` hides
+    every GPU ("" or "-1"), or on Linux none of :data:`_GPU_TRACES` exists under ``root``. False where one
+    may be (then only torch can tell), and off Linux."""
     environ = os.environ if environ is None else environ
     if environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
         return True
@@ -368,8 +356,7 @@ def no_gpu_here(root: Path = Path("/"), environ: Mapping[str, str] | None = None
 
 def torch_gpu_build() -> bool | None:
     """Whether the installed torch was built for CUDA or ROCm (``torch.version.cuda`` or ``.hip`` set), read
-    from its ``version.py`` as text, without importing torch; None where that cannot be told (no such file,
-    or a value that is not a literal)."""
+    from its ``version.py`` without importing torch; None where that cannot be told."""
     import ast
     import importlib.util
 
@@ -398,8 +385,7 @@ def torch_gpu_build() -> bool | None:
 
 
 def device_problem(dev: torch.device | str) -> str | None:
-    """Why this process cannot run on ``dev``, or None if it can (torch's own availability checks; none for
-    the CPU, which needs no torch to tell)."""
+    """Why this process cannot run on ``dev``, or None if it can (torch's own availability checks)."""
     kind = _device_type(dev)
     if kind in ("cpu", "meta"):
         return None
@@ -433,9 +419,8 @@ def _dtype_name(dtype: str | torch.dtype | None, device: str) -> str:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The compute dtype: any spelling :mod:`vlfast.dtypes` accepts (the policy of every command), else
-    bfloat16 on CUDA, where the hardware runs it fast, and float32 elsewhere (bf16 matmuls are emulated on
-    most CPUs)."""
+    """The compute dtype: any spelling :mod:`vlfast.dtypes` accepts, else bfloat16 on CUDA and float32
+    elsewhere (bf16 matmuls are emulated on most CPUs)."""
     import torch
 
     return getattr(torch, _dtype_name(dtype, str(device)))
@@ -494,15 +479,13 @@ class ExtractSummary:
     oom_splits: int = 0
     cpu_seconds: float | None = None  # CPU time of this process and its finished workers during the run
     stopped: str | None = None  # why the run stopped early (--max-errors), else None
-    # Samples whose decoding raised an unexpected exception (a bug, not their media): neither extracted nor
-    # recorded, so not done: the next run tries them again. Complete run: skipped + extracted + failed +
-    # unexpected == assigned.
+    # Samples whose decoding hit a bug (not their media): not recorded, so the next run tries them again.
+    # Complete run: skipped + extracted + failed + unexpected == assigned.
     unexpected: int = 0
     features: list[str] = field(default_factory=list)
     nothing_to_do: bool = False  # OUT already held everything: no lock taken, no model loaded
     quarantined: list[str] = field(default_factory=list)  # damaged index parts moved aside, redone
-    # Committed samples whose input changed since they were extracted (another file or bytes under the same
-    # id): extracted again this run, with what shared their shards (docs/extract.md, "Inputs that change")
+    # Committed samples whose input changed: extracted again (docs/extract.md, "Inputs that change")
     changed: int = 0
     fingerprint_seconds: float = 0.0  # hashing the weights the features depend on
     load_seconds: float = 0.0  # building the model (not in ``seconds``); Ray: connecting + actors' builds

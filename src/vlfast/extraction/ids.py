@@ -38,7 +38,7 @@ MAX_ID_BYTES = 4096  # an id is stored in Parquet, JSON and the shard header; lo
 
 
 def check_id(sample_id: Any) -> str:
-    """``sample_id`` if the folder can store it, else ValueError/TypeError saying why."""
+    """``sample_id`` if the folder can store it, else InputRefused saying why."""
     if not isinstance(sample_id, str) or not sample_id:
         raise InputRefused(f"sample_id must be a non-empty str, got {sample_id!r}")
     try:
@@ -55,11 +55,9 @@ def check_id(sample_id: Any) -> str:
 def partition(ids: Sequence[str], rank: int, world_size: int) -> list[str]:
     """The ids rank ``rank`` of ``world_size`` owns, in input order.
 
-    An id's owner is a hash of the id alone (blake2b, not Python's salted ``hash``), so the split does not
-    depend on list order or on what other ranks see: ranks that list files in different orders still
-    divide the work with no gaps or duplicates, and a repeated id always lands on the same rank, where
-    FeatureStore records the repeat as a "duplicate id" error. Partition the FULL id list and then drop
-    ``done_ids()``; partitioning only the remaining ids would depend on when each rank looked.
+    The owner is a blake2b hash of the id alone (not Python's salted ``hash``): a repeated id always lands
+    on the same rank, where FeatureStore records it as a "duplicate id". Partition the FULL id list, then
+    drop ``done_ids()``; partitioning only the remaining ids would depend on when each rank looked.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise InputRefused(f"world_size must be a positive int, got {world_size!r}")
@@ -84,23 +82,19 @@ _FIND = 1 << 21  # ids looked up at a time: ten million at once held three 80 MB
 
 
 # The hash is FNV-1a (64-bit) of the id's UTF-8 bytes: numpy computes it for a whole Arrow column at once
-# from its buffers (1.4 s for 10M ids here, against 4.4 s for a library hash called once per id), and it is
-# never stored, only used to sort and bisect; every hit is confirmed against the id itself.
+# (1.4 s for 10M ids here, against 4.4 s for a library hash per id). It is never stored, only used to sort
+# and bisect; every hit is confirmed against the id itself.
 _FNV_OFFSET, _FNV_PRIME, _MASK = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
 _SMALL = 4096  # fewer ids than this are hashed one by one
 
 
 def _hash_one(sample_id: str) -> int:
-    h = _FNV_OFFSET
-    for byte in sample_id.encode("utf-8", "surrogatepass"):
-        h = ((h ^ byte) * _FNV_PRIME) & _MASK
-    return h
+    return hash_one(sample_id.encode("utf-8", "surrogatepass"))
 
 
 def hash_ids(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """The 64-bit FNV-1a of each id's UTF-8 bytes, as a uint64 array in the ids' order: computed over an
-    Arrow column's buffers, a byte position at a time for all ids at once (a list of ``str`` longer than
-    a few thousand is made a column first)."""
+    """The 64-bit FNV-1a of each id's UTF-8 bytes, as uint64 in the ids' order (a long list of ``str`` is
+    made an Arrow column first)."""
     import pyarrow as pa
 
     if not isinstance(ids, (pa.Array, pa.ChunkedArray)):
@@ -151,8 +145,8 @@ def mix_one(*hashes: int) -> int:
 
 
 def mix(*hashes: np.ndarray) -> np.ndarray:
-    """One uint64 per row from several (each array, or a uint64 for all rows): each folded in through
-    splitmix64's finaliser, so equal inputs give equal keys and a change in any gives another."""
+    """One uint64 per row from several (each an array, or a uint64 for all rows), each folded in through
+    splitmix64's finaliser."""
     out = np.full(max((len(h) for h in hashes if np.ndim(h)), default=1), _FNV_OFFSET, np.uint64)
     with np.errstate(over="ignore"):
         for h in hashes:
@@ -202,15 +196,13 @@ def _as_strings(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
 
 class SortedIds:
     """Ids sorted by their hash without moving the ids: ``hash`` (uint64, ascending), ``source`` (each sorted
-    entry's position in ``ids``) and ``ids`` (Arrow, in the order given: never copied to be sorted, and a
-    ``ChunkedArray`` when merges appended to it). Lookups bisect the hashes and confirm each hit against
-    the id itself, so two ids whose hashes collide are never taken for each other."""
+    entry's position in ``ids``) and ``ids`` (Arrow, as given; a ``ChunkedArray`` once merges appended to
+    it). Lookups bisect the hashes and confirm each hit against the id itself."""
 
     __slots__ = ("hash", "ids", "runs", "source")
 
     def __init__(self, hashes: np.ndarray, ids: pa.Array | pa.ChunkedArray, *, consume: bool = False):
-        """``consume``: ``hashes`` is the caller's to give up, and is sorted in place (no sorted copy beside
-        it: 80 MB less at the peak of ten million ids, for a second sort)."""
+        """``consume``: ``hashes`` is sorted in place (80 MB less at the peak for ten million ids)."""
         order = np.argsort(hashes)  # ids are unique here: the order among equal hashes does not matter
         if consume:
             hashes.sort()  # the same values as hashes[order]: equal hashes are equal
@@ -218,8 +210,7 @@ class SortedIds:
         self.ids, self.source = ids, order.astype(_index_type(len(ids)), copy=False)
         self._runs()
 
-    def _runs(self) -> None:
-        # Whether any hash appears twice (a repeated id or a collision): only then do lookups walk a run.
+    def _runs(self) -> None:  # whether any hash repeats: only then do lookups walk a run
         self.runs = bool(len(self.hash) > 1 and np.any(self.hash[1:] == self.hash[:-1]))
 
     def __len__(self) -> int:
@@ -234,9 +225,8 @@ class SortedIds:
         return take(self.ids, self.source[positions])
 
     def with_ids(self, ids: pa.Array | pa.ChunkedArray, hashes: np.ndarray) -> SortedIds:
-        """A new table: these entries and ``ids`` (new, distinct from these, with their ``hashes``), the
-        ids appended after this table's (no copy of them) and the hashes merged in one pass (no sort of
-        what is sorted already)."""
+        """A new table: these entries plus ``ids`` (new ones, with their ``hashes``), appended without a
+        copy, the hashes merged in one pass."""
         order = np.argsort(hashes)
         new_hashes = hashes[order]
         at = np.searchsorted(self.hash, new_hashes)
@@ -284,8 +274,7 @@ class SortedIds:
         del order
         np.minimum(pos, n - 1, out=pos)
         hit = np.flatnonzero(self.hash[pos] == hashes)
-        # Each hit confirmed against the id itself, a slice of hits at a time: both sides' ids are copied to
-        # be compared, which for ten million hits at once would be twice the ids' bytes more at the peak.
+        # Hits confirmed against the ids a slice at a time: both sides' ids are copied to be compared.
         for k in range(0, hit.size, _CONFIRM):
             part = hit[k : k + _CONFIRM]
             same = pc.equal(self.ids_at(pos[part]), take(ids, part + lo))
@@ -306,9 +295,8 @@ def _index_type(n: int) -> type:
 
 
 def _appended(*columns: pa.Array | pa.ChunkedArray) -> pa.ChunkedArray:
-    """``columns`` (``large_string``) one after another as one ChunkedArray of their chunks (no copy),
-    combined once there are more than :data:`_MAX_CHUNKS` (ten thousand parts' columns: one copy then, not
-    a slow lookup each time)."""
+    """``columns`` (``large_string``) as one ChunkedArray of their chunks (no copy), combined when many
+    and small (:data:`_MAX_CHUNKS`)."""
     import pyarrow as pa
 
     chunks = [c for a in columns for c in (a.chunks if isinstance(a, pa.ChunkedArray) else [a]) if len(c)]
@@ -367,19 +355,15 @@ def first_copies(ids: pa.Array, hashes: np.ndarray) -> np.ndarray:
 
 
 class IdSet(AbstractSet[str]):
-    """A set of ids held as data: the hashes of the ids in a sorted numpy array and the ids in Arrow arrays
-    (about 30 bytes an id, against about 100 for a ``set`` of ``str``), with the ids added one by one
-    kept in a small ``set`` until they are a 64th of the rest (at least 131,072), then merged in (amortised
-    linear: each merge copies the sorted arrays once). A writer adds every id it commits this way: at ten
-    million ids an eighth was 1.25 million ``str`` in a set, about 110 MiB; a 64th is about 14 MiB, and
-    adding 1.3 million ids took the same time (15.4 s against 15.6 s, membership checks included).
-    Columns given in bulk (an index part's ids) are held as given until the set is next read, then taken
-    in all at once: a store that reads ten thousand parts merges once, not ten thousand times (each of
-    which sorted the whole set: 63 s for a million ids in 977 parts, quadratic in the parts).
+    """A set of ids held as data: their hashes in a sorted numpy array and the ids in Arrow arrays (about 30
+    bytes an id, against about 100 for a ``set`` of ``str``). Ids added one by one wait in a small ``set``
+    until they are a 64th of the rest (at least 131,072), then are merged in (amortised linear; at ten
+    million ids a 64th is about 14 MiB, an eighth was 110 MiB, for the same time). Columns given in bulk
+    (an index part's ids) wait until the set is next read, then are merged at once: merging each of ten
+    thousand parts re-sorted the whole set (63 s for a million ids in 977 parts).
 
-    Exact: a hash hit is confirmed against the id, so a collision never makes an id a member. Equal to
-    a ``set`` with the same ids; ``isin`` answers for a whole list at once. Arrays are never changed in
-    place, so ``union`` and ``copy`` share them."""
+    Exact: a hash hit is confirmed against the id. Equal to a ``set`` with the same ids; ``isin`` answers
+    for a whole list at once. Arrays are never changed in place, so ``union`` and ``copy`` share them."""
 
     __slots__ = ("_pending", "_recent", "_sorted")
     _MIN_MERGE = 1 << 17
@@ -495,9 +479,8 @@ class IdSet(AbstractSet[str]):
             return
         hashes = np.concatenate(hashes) if len(hashes) > 1 else hashes[0]
         if self._sorted is None:
-            # Into an empty set, as a store reads its first parts: sorted once, and when no hash repeats no id
-            # does either, so there are no copies to drop (first_copies would sort the hashes again).
-            # The hashes are this merge's own (made above, or by update): sorted in place.
+            # Into an empty set: sorted once (in place: the hashes are this merge's own), and when no hash
+            # repeats there are no copies to drop (first_copies would sort the hashes again).
             fresh = SortedIds(hashes, ids, consume=True)
             if not fresh.runs:
                 self._sorted = fresh
@@ -513,8 +496,7 @@ class IdSet(AbstractSet[str]):
             new = new[old.find_many(_subset(ids, new), hashes[new] if len(new) < len(ids) else hashes) < 0]
         if new.size == 0:
             return
-        # Every id new (a part's ids, read into an empty set): the column and its hashes as they are, not
-        # copies of them, which at ten million ids would be a transient of their size again.
+        # Every id new: the column and its hashes as they are, not copies (a transient of their size).
         new_ids, new_hashes = _subset(ids, new), hashes[new] if len(new) < len(ids) else hashes
         del ids, hashes, new
         self._sorted = SortedIds(new_hashes, new_ids) if old is None else old.with_ids(new_ids, new_hashes)
@@ -526,8 +508,8 @@ def _subset(ids: pa.Array | pa.ChunkedArray, positions: np.ndarray) -> pa.Array 
 
 
 def _column_of(values: list[str]) -> tuple[pa.Array, set[str]]:
-    """``values`` as an Arrow column, and apart those Arrow cannot hold: an id with a lone surrogate (only
-    the Python API can give one; the store refuses to write it), which an ``IdSet`` keeps as a ``str``."""
+    """``values`` as an Arrow column, and apart those Arrow cannot hold (a lone surrogate, which only the
+    Python API can give), which an ``IdSet`` keeps as ``str``."""
     try:
         return _as_strings(values), set()
     except UnicodeEncodeError:
@@ -552,8 +534,7 @@ def len_hint(obj: object) -> int:
 
 class ArrowStrings(Sequence[str]):
     """A read-only sequence of ``str`` over an Arrow string column, converted a chunk at a time as it is
-    iterated: an index part's million ids cost their Arrow bytes, not a million ``str`` objects.
-    ``IdSet.update`` takes the column itself. Compares equal to a list with the same strings."""
+    iterated (a million ids cost their Arrow bytes, not a million ``str``). Equal to a list of the same."""
 
     __slots__ = ("array",)
 
@@ -567,9 +548,8 @@ class ArrowStrings(Sequence[str]):
 
     @classmethod
     def of_chunks(cls, array: pa.ChunkedArray) -> ArrowStrings:
-        """Over a string ChunkedArray as it is: its chunks are not combined (a copy of every id), only made
-        ``large_string`` one by one (new offsets, the same bytes). Its ``array`` is then a ChunkedArray,
-        which not every caller of ``array`` takes."""
+        """Over a string ChunkedArray without combining its chunks (each only made ``large_string``). Its
+        ``array`` is then a ChunkedArray, which not every caller of ``array`` takes."""
         import pyarrow as pa
 
         new = cls.__new__(cls)
@@ -582,11 +562,10 @@ class ArrowStrings(Sequence[str]):
         return len(self.array)
 
     def __getitem__(self, k):  # type: ignore[override]
-        if isinstance(k, slice):
-            return self.array.to_pylist()[k] if k.step not in (None, 1) else self._slice(k)
-        return self.array[k].as_py()
-
-    def _slice(self, k: slice) -> list[str]:
+        if not isinstance(k, slice):
+            return self.array[k].as_py()
+        if k.step not in (None, 1):
+            return self.array.to_pylist()[k]
         start, stop, _ = k.indices(len(self.array))
         return self.array.slice(start, max(0, stop - start)).to_pylist()
 

@@ -36,14 +36,14 @@ RUNTIME_KEY = "runtime"  # run-config entries that may change on resume (how, no
 
 def problem_record(problem: InputProblem) -> tuple[str, str, str]:
     """(id, source, reason) of a bad input row's error record; a row without a usable id is named by where
-    it is (its record never makes any id done)."""
+    it is."""
     return problem.id or problem.where, problem.where, problem.reason
 
 
 def check_retry_kinds(retry: Collection[str], recorded: Collection[tuple]) -> None:
-    """Refuse ``--retry-errors`` kinds that select nothing: each must be "all", a record kind ("error",
-    "transient") or the reason class of a failure OUT records (``recorded``: its records' (id, source,
-    reason, kind)). A misspelt kind would otherwise retry nothing and answer "nothing to do"."""
+    """Refuse ``--retry-errors`` kinds that select nothing (a misspelt one would answer "nothing to do"):
+    each must be "all", a record kind or the reason class of a failure OUT records (``recorded``: its
+    records' (id, source, reason, kind))."""
     import difflib
 
     from vlfast.extraction.store.format import (
@@ -108,13 +108,10 @@ class RunPlan:
     volatile_keys: tuple[str, ...]
     fingerprint_seconds: float = 0.0
     listings: dict[str, bytes] = field(default_factory=dict, repr=False)  # shard listings for OUT to keep
-    # What transformers answered about the model (store.facts): recorded in OUT once it is this run's
-    facts: ModelFacts | None = field(default=None, repr=False)
-    # Committed ids of this rank whose input changed since (inputs_renamed, inputs_rewritten): the store
-    # moves their shards aside and they are extracted again
+    facts: ModelFacts | None = field(default=None, repr=False)  # what transformers answered (store.facts)
+    # Committed ids of this rank whose input changed since: the store moves their shards aside, to redo
     changed: list[str] = field(default_factory=list)
-    # OUT as opened for this run, its one door (made of ``out`` where a caller gives none)
-    store: Out | None = field(default=None, repr=False)
+    store: Out | None = field(default=None, repr=False)  # OUT as opened for this run (else made of ``out``)
     mine_problems: list[InputProblem] = field(init=False)
     total: int = field(init=False)  # entries in the input (all ranks)
     assigned: int = field(init=False)  # this rank's share of them
@@ -151,9 +148,8 @@ class RunPlan:
         self, done: Collection[str], *, keep_positions: bool = False
     ) -> tuple[SampleTable, list[tuple[str, str, str, str]]]:
         """This rank's samples still to extract, and the error records its entries call for (a repeated
-        id, a bad input row): (id, source, reason, kind) each, recorded once (a resumed run writes none).
-        ``keep_positions``: keep the positions of what is left too (the preflight's check of the inputs
-        of what is done, made once the ids are dropped)."""
+        id, a bad input row): (id, source, reason, kind) each. ``keep_positions``: keep the positions of
+        what is left too, for the preflight's check of the inputs of what is done."""
         from vlfast.extraction.ids import hash_ids
         from vlfast.extraction.store.format import DUPLICATE_KIND, INPUT_KIND
         from vlfast.extraction.store.resume import duplicate_reason, plan_positions, unique_positions
@@ -200,12 +196,10 @@ class RunPlan:
         )
 
     def finished(self, config: ExtractConfig) -> ExtractSummary | None:
-        """The "nothing to do" summary when OUT already holds all of this rank's work, read without a lock (a
-        different configuration is refused here; the only writes are caches: checked.json and the shard
-        listings, skipped where OUT is read-only); None when there is work, or with
+        """The "nothing to do" summary when OUT already holds all of this rank's work, read without a lock
+        (the only writes are caches, skipped where OUT is read-only); None when there is work, or with
         ``overwrite``. A finished OUT gets the check a resume would (``resume_check``): what fails it is
-        left to the store, which moves it aside and redoes it, instead of "nothing to do" over a flipped
-        byte."""
+        left to the store, which redoes it, instead of "nothing to do" over a flipped byte."""
         from vlfast.extraction.ids import IdSet
         from vlfast.extraction.store.format import release_arrow_memory
         from vlfast.extraction.store.resume import confirm_hashed, read_state
@@ -226,8 +220,7 @@ class RunPlan:
         work = self.work(state.done, keep_positions=True)
         pending = self.pending(state.done, state.error_keys.__contains__, work)
         del work
-        # The ids are not needed past here: the checks hold what they read instead (at ten million samples,
-        # the full check of OUT peaked at 1.38 GiB above the input with both; 1.04 GiB without the ids).
+        # The ids are not needed past here (at ten million samples: 1.04 GiB at the peak, not 1.38 GiB).
         state.done = IdSet()
         release_arrow_memory()
         changed = self.inputs_renamed(state, config)
@@ -245,8 +238,7 @@ class RunPlan:
         self.store.keep_listings(self.listings, tag)
         if self.facts is not None:
             self.facts.save(self.out, tag)
-        # A lost run.json, from the configuration the request and every part agree on (read_state compared
-        # them): readers need it. Written when it can be, as the caches are.
+        # A lost run.json, from the configuration the request and every part agree on: readers need it.
         self.store.restore_run_file(self.run_config, self.volatile_keys, tag)
         summary = self.summary(config)
         summary.skipped, summary.nothing_to_do = self.assigned, True
@@ -254,9 +246,8 @@ class RunPlan:
 
     def inputs_renamed(self, state: Any, config: ExtractConfig) -> list[str]:
         """This rank's committed ids whose entry names another place or text than its record (docs/extract.md,
-        "Inputs that change"), unless the bytes it names now are the recorded ones (hashed to tell), from
-        ``read_state``'s sound parts; reads no input otherwise. A row without a record (a ``FeatureStore`` user's
-        own) is unknown, never changed. What is done is what ``work(..., keep_positions=True)`` did not leave."""
+        "Inputs that change"), unless the bytes it names now are the recorded ones (hashed to tell). A row
+        without a record is never changed. What is done is what ``work(..., keep_positions=True)`` left out."""
         from vlfast.extraction.decode.inputs import input_digest
         from vlfast.extraction.sources.identity import content_key, entry_keys
         from vlfast.extraction.store.inputs import Recorded, recorded_keys
@@ -291,9 +282,9 @@ class RunPlan:
         return changed
 
     def inputs_rewritten(self, state: Any, config: ExtractConfig) -> list[str]:
-        """The full check of the recorded local inputs this rank's entries still name (docs/extract.md,
-        "Inputs that change"): each is stat'ed, and one whose stamp moved is hashed; the ids whose bytes
-        differ now. One that cannot be read now is not called changed: only bytes seen to differ are."""
+        """The ids of the recorded local inputs this rank's entries still name whose bytes differ now
+        (docs/extract.md, "Inputs that change"): each is stat'ed, one whose stamp moved hashed. One that
+        cannot be read now is not called changed."""
         from vlfast.extraction.sources.identity import entry_keys
         from vlfast.extraction.store.inputs import changed_on_disk
 
@@ -333,7 +324,6 @@ def make_plan(
     out = store.path
     kept = KeptListings.of_folder(store.listings_folder, rank, world_size)  # written once OUT is ours
     samples, problems = load_inputs(inputs, config.storage_options, kept)
-    # Recorded resolved (processor.source names the files read), so no working directory is in it
     model_dir = ModelRef.of(config.model).spec
     # What only transformers tells, from OUT's record where it was asked under this key (store.facts)
     facts = ModelFacts(model_dir, out, read=not config.overwrite)
@@ -435,17 +425,15 @@ def run_configuration(
     }
 
 
-# Where the checkpoint was read, not what it is: what it is (the weights' fingerprint, the tower's config, the
-# processor's numbers, the image processor's class) is compared key by key. A resume that reads the same
-# content from another path (a relative spelling, a symlink, another working directory, a node-local copy)
-# keeps the paths OUT recorded, so the configuration and its hash stay those of every part and shard.
+# Where the checkpoint was read, not what it is (that is compared key by key). A resume that reads the same
+# content from another path (a symlink, a node-local copy) keeps the paths OUT recorded, so the
+# configuration and its hash stay those of every part and shard.
 LOCATION_KEYS = ("model", "processor.source")
 
 
 def as_recorded(recorded: dict[str, Any] | None, run_config: dict[str, Any]) -> dict[str, Any]:
-    """``run_config`` with the :data:`LOCATION_KEYS` of the configuration OUT records (``Out.recorded_config``:
-    None for a new OUT, or with ``--overwrite``) when they are all that differs; else as it is, and the check
-    that follows refuses or accepts it as before."""
+    """``run_config`` with the :data:`LOCATION_KEYS` of the configuration OUT records (None for a new OUT)
+    when they are all that differs; else as it is."""
     import copy
 
     from vlfast.extraction.store.resume import DEFAULT_VOLATILE_KEYS, canonical_config, config_diffs
@@ -466,17 +454,15 @@ def as_recorded(recorded: dict[str, Any] | None, run_config: dict[str, Any]) -> 
 
 
 def recorded_setting(recorded: dict[str, Any] | None, name: str) -> Any:
-    """The processor setting ``name`` OUT was made with (``image_processor``, ``image_reading``,
-    ``video_rotation``, ``thin_images``, ``exif_orientation``...), which a resume keeps; None for a new OUT,
-    where the request and the model decide. Every OUT records every setting (one format)."""
+    """The processor setting ``name`` OUT was made with (``image_reading``...), which a resume keeps; None
+    for a new OUT, where the request and the model decide."""
     processor = (recorded or {}).get("processor")
     return processor.get(name) if isinstance(processor, dict) else None
 
 
 def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> bool | None:
-    """Whether images are turned upright by their EXIF tag: as asked (``--exif-orientation`` or
-    ``--no-exif-orientation``); unasked, as OUT was made, so the same command resumes it; None for a new OUT,
-    where the model's preprocessing decides (:func:`~vlfast.pixels.engine.build_processor_config`)."""
+    """Whether images are turned upright by their EXIF tag: as asked; unasked, as OUT was made; None for a
+    new OUT, where the model's preprocessing decides."""
     return asked if asked is not None else recorded_setting(recorded, "exif_orientation")
 
 
@@ -503,7 +489,7 @@ def identity(model: str, family: str, facts: ModelFacts | None = None) -> dict[s
 
 def _told(config: ExtractConfig, facts: ModelFacts, shapes: dict[str, Any] | None) -> dict[str, Any]:
     """What the weights fingerprint takes from ``facts`` instead of torch and transformers: the vision tower's
-    tensor names (a checkpoint's, for vision features: those of ``shapes``), torch's version (a reference's)."""
+    tensor names (``shapes``), or a reference's torch version."""
     if ModelRef.of(config.model).is_reference:
 
         def version() -> str:
@@ -549,10 +535,8 @@ def check_llm_request(model: str, spec: FeatureSpec, facts: ModelFacts | None = 
             f"--dim {spec.dim}: the language model of {model} is {width} wide, so an embedding has at most "
             f"{width} dimensions; give --dim between 64 and {width}, or leave it out for all {width}"
         )
-    # The indices of output_hidden_states, unchanged: 0 the embeddings, k decoder layer k's output, n (-1)
-    # after the final norm. They are read by hooks and the forward stops after the deepest, so memory no
-    # longer grows with n + 1 states: one layer's (B, L, D) at most, and no (B, L, vocab) logits
-    # (features.HiddenStateTaps); the token budget needs no term for them.
+    # The indices of output_hidden_states: 0 the embeddings, k decoder layer k's output, n (-1) after the
+    # final norm (read by hooks: features.HiddenStateTaps).
     states = n + 1
     bad = [layer for layer in spec.layers if not -states <= layer < states]
     if bad:

@@ -1,25 +1,22 @@
 """Decode workers for ``extract``: an ordered map over sample indices in forked processes that survives
 workers that die or hang.
 
-``torch.utils.data.DataLoader`` cannot do this. When one of its workers dies (the out-of-memory killer's
-SIGKILL, a decoder's segfault) it raises "DataLoader worker exited unexpectedly" and names no sample, so
-nothing is recorded and every resume dies at the same place; a decoder that hangs (a known failure of video
-decoders at scale) stalls it forever, and its ``timeout`` only ends the whole run. ``WorkerPool`` knows
-which task each worker is running (tasks run first in, first out per worker), so:
+``torch.utils.data.DataLoader`` cannot do this: when one of its workers dies (the OOM killer, a segfault)
+it names no sample, so every resume dies at the same place, and a hung decoder stalls it forever.
+``WorkerPool`` knows which task each worker is running (tasks run first in, first out per worker), so:
 
 * a worker that dies is replaced; the sample it was running is re-run once, alone, in a fresh worker (a
-  transient kill, e.g. the OOM killer choosing us for another process's memory, must not lose it) and, if
-  that worker dies too, comes back as an error record naming the signal; its queued samples go elsewhere;
+  transient kill must not lose it) and, if that worker dies too, comes back as an error record naming the
+  signal; its queued samples go elsewhere;
 * a sample that runs longer than ``timeout`` seconds has its worker killed and comes back as an error
   record (no retry: a hang is a property of the file);
-* results come back in index order, like a DataLoader with ``shuffle=False``.
+* results come back in index order.
 
-Transport: results are pickled with multiprocessing's ``ForkingPickler``, on which torch registers its
-shared-memory reductions, so a tensor crosses as a shared-memory file descriptor, never byte by byte (as in
-a DataLoader). Unlike a DataLoader, the descriptors travel inside the same socket message as the pickle
-(SCM_RIGHTS), not through multiprocessing's resource sharer, a thread in the sending process that the
-receiver connects to once per tensor: that thread dies with the worker, which would make the results a
-worker sent just before dying unreadable, exactly the ones needed to tell which sample killed it.
+Transport: results are pickled with ``ForkingPickler``, on which torch registers its shared-memory
+reductions, so a tensor crosses as a file descriptor. The descriptors travel inside the same socket message
+as the pickle (SCM_RIGHTS), not through multiprocessing's resource sharer, a thread of the sender that dies
+with the worker: the results a worker sent just before dying, the ones that tell which sample killed it,
+would be unreadable.
 """
 
 from __future__ import annotations
@@ -115,9 +112,8 @@ class PoolStats:
 
 
 class _FdCollector:
-    """Stands in for multiprocessing's "spawning Popen" while a worker pickles a result. torch's fd
-    reduction calls ``multiprocessing.reduction.DupFd``, which hands descriptors to the spawning Popen when
-    there is one (instead of to the resource sharer): here they are collected and sent with the message."""
+    """Stands in for multiprocessing's "spawning Popen" while a worker pickles a result: torch's fd
+    reduction (``DupFd``) hands it the descriptors, which are sent with the message."""
 
     def __init__(self) -> None:
         self.fds: list[int] = []
@@ -215,8 +211,8 @@ def _recv(conn: multiprocessing.connection.Connection, sock: socket.socket) -> t
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a hung or orphaned worker never outlives a
-    killed run. Elsewhere, workers stop at end of file on their pipe, which a hung worker never reads."""
+    """Ask Linux to SIGKILL this process when its parent dies, so a hung worker never outlives a killed
+    run (elsewhere workers stop at end of file on their pipe, which a hung one never reads)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # fail soft: no libc, no prctl
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -226,14 +222,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _worker_main(pool: WorkerPool, worker_id: int, conn: multiprocessing.connection.Connection) -> None:
     _die_with_parent(pool._owner)
-    # Ctrl-C reaches the whole process group, and a scheduler's SIGTERM often every process of the job
-    # (Slurm's --signal): the parent decides what happens, and stops the workers. A worker dying of it
-    # would have its sample recorded as an error.
+    # Ctrl-C and a scheduler's SIGTERM often reach every process: the parent decides, and stops the
+    # workers (one dying of it would have its sample recorded as an error).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pool._forget_in_child()
-    # GNU OpenMP is not fork-safe: a child forked after the parent ran a parallel region hangs in its first
-    # parallel op unless it stays on one thread. DataLoader's worker loop does the same first thing.
+    # GNU OpenMP is not fork-safe: a forked child hangs in its first parallel op unless on one thread.
     torch.set_num_threads(1)
     sock = socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
     if pool.worker_init is not None:
@@ -290,21 +284,16 @@ class WorkerPool:
     ``iter(pool)`` yields ``fn(i)`` for i = 0 .. n-1 in order; a sample whose worker died twice or ran past
     ``timeout`` yields ``{"i": i, "ok": False, "reason": ...}`` instead, and so does one whose ``fn`` raised.
     Each worker holds at most ``prefetch`` tasks and at most ``num_workers * prefetch`` results are in
-    flight or buffered. Workers are forked, inheriting what the caller built (an image processor), and run
-    ``worker_init(worker_id)`` first (ids 0 .. num_workers-1; a replacement takes its predecessor's id).
-    Lost workers are started again lazily, when there is a task to give them.
+    flight or buffered. Workers are forked and run ``worker_init(worker_id)`` first (ids 0 ..
+    num_workers-1; a replacement takes its predecessor's id), and are started lazily.
 
-    ``timeout`` (seconds, None for none) counts from when a worker starts a task: a result that arrived
-    while the consumer was busy is read before any deadline is judged, so a slow consumer causes no false
-    timeout (at worst a late one, since arrival is known only when read).
+    ``timeout`` (seconds, None for none) counts from when a worker starts a task; results that arrived
+    while the consumer was busy are read before any deadline is judged. ``num_workers=0`` calls ``fn`` in
+    the calling process: no isolation, no timeout, no ``worker_init``.
 
-    ``num_workers=0`` calls ``fn`` in the calling process, in order: no isolation, no timeout, no
-    ``worker_init`` (like a DataLoader).
-
-    Use it as a context manager or call :meth:`close` (breaking out of the loop early is fine; finishing
-    the loop, an exception inside it, or garbage collection also closes). Iterate it once, from one thread:
-    Linux delivers the parent-death signal when the thread that forked a worker exits. A replacement worker
-    forked mid-run shares the parent's memory of that moment copy-on-write until it exits, as any fork does.
+    Use it as a context manager or call :meth:`close` (finishing the loop, an exception inside it, or
+    garbage collection also closes). Iterate it once, from one thread: Linux delivers the parent-death
+    signal when the thread that forked a worker exits.
     """
 
     def __init__(
@@ -518,9 +507,8 @@ class WorkerPool:
     # ------------------------------------------------------------------------------------- handing out
 
     def _assign(self) -> None:
-        """Re-runs first, each alone in a fresh worker (every death that queued one freed a slot); then
-        taken-back and new tasks, lowest index first, each to a new worker while a slot is free, else to
-        the least loaded one."""
+        """Re-runs first, each alone in a fresh worker; then taken-back and new tasks, lowest index first,
+        to a new worker while a slot is free, else to the least loaded one."""
         while self._isolate and (slot := self._free_slot()) is not None:
             w = self._spawn(slot)
             w.isolated = True
@@ -553,8 +541,7 @@ class WorkerPool:
 
     def _give(self, w: _Worker, i: int) -> None:
         w.tasks.append((i, time.monotonic()))
-        # A send can only fail because the worker died: the task stays on its list and _collect blames
-        # or re-queues it.
+        # A send fails only if the worker died: the task stays on its list for _collect.
         with contextlib.suppress(OSError):
             w.conn.send_bytes(_TASK.pack(i))
 
@@ -582,7 +569,7 @@ class WorkerPool:
 
     def _forget_in_child(self) -> None:
         """In a new worker: drop the parent's ends of every pipe (so end of file reaches each worker when the
-        parent goes) and the results the parent had buffered (shared memory a worker should not pin)."""
+        parent goes) and the parent's buffered results (shared memory)."""
         self._closed = True  # this copy must never stop the parent's workers
         for w in self._workers.values():
             w.conn.close()

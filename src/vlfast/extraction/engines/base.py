@@ -32,9 +32,8 @@ __all__ = [
 ]
 
 # Samples in a row whose decoding raised an unexpected exception (a bug, not bad media) before the run
-# stops. One alone may be a rare file tripping a library bug: it is left undone (retried by the next run)
-# and the run goes on. A regression fails every sample it touches, so it shows as a run of them at once;
-# 3 stops it within a few samples while two unlucky neighbours do not stop a long run.
+# stops. One alone may be a rare file tripping a library bug (left undone, retried by the next run); a
+# regression fails every sample it touches, and 3 stops it while two unlucky neighbours do not.
 UNEXPECTED_IN_A_ROW = 3
 
 
@@ -52,15 +51,13 @@ class Engine(Protocol):
 
 @dataclass(frozen=True)
 class Hooks:
-    """Test seams, not options: ``decode(sample)`` runs before each sample is decoded (where it is decoded:
-    a worker, a Ray decode actor), ``forward(batch)`` before each forward (a Ray model actor's too), with
-    the batch's :class:`~vlfast.extraction.decode.stage.DecodedSample` s on the CPU. Set on an engine
-    (``LocalEngine(hooks=Hooks(...))``) or on its class (``LocalEngine.hooks = Hooks(...)``)."""
+    """Test seams, not options: ``decode(sample)`` runs before each sample is decoded (where it is decoded),
+    ``forward(batch)`` before each forward, with the batch's
+    :class:`~vlfast.extraction.decode.stage.DecodedSample` s on the CPU; ``bits_probe`` stands in for
+    :func:`vlfast.numerics.threads_keep_their_bits`. Set on an engine or on its class."""
 
     forward: Callable[[list[Any]], None] | None = None
     decode: Callable[[Sample], None] | None = None
-    #: stands in for :func:`vlfast.numerics.threads_keep_their_bits` (where the model runs: a Ray model actor's
-    #: too)
     bits_probe: Callable[[], bool] | None = None
 
 
@@ -103,12 +100,9 @@ class UnexpectedErrors:
 
 def cpu_bits_problem(bits_probe: Callable[[], bool] | None = None) -> str | None:
     """Why this process's CPU products may give a sample other bits in a resume, another rank or a Ray actor
-    than in this run (docs/extract.md, "What vlfast guarantees"; docs/internals.md on MKL), or None:
-    ``MKL_CBWR`` not set before torch loaded MKL (every ``vlfast`` command and the Ray engine's workers set
-    it), or, with it set, a product whose bits change with the thread count (``bits_probe``, by default
-    :func:`vlfast.numerics.threads_keep_their_bits`: MKL's strict mode covers its code for Intel CPUs, not
-    AMD's). Which samples share a batch is not a cause: on the CPU each runs alone. For a CPU run only; tens
-    of milliseconds."""
+    than in this run (docs/extract.md, "What vlfast guarantees"), or None: ``MKL_CBWR`` not set before torch
+    loaded MKL, or a product whose bits change with the thread count (``bits_probe``, by default
+    :func:`vlfast.numerics.threads_keep_their_bits`). For a CPU run only; tens of milliseconds."""
     import os
 
     import torch
@@ -244,8 +238,7 @@ def _opened_store(plan: RunPlan, config: ExtractConfig) -> Iterator[Any]:
     from vlfast.extraction.interrupts import sigterm_like_sigint
     from vlfast.extraction.store.writer import FeatureStore
 
-    # From here on SIGTERM (a scheduler's preemption) unwinds like Ctrl-C: the store commits what is done
-    # and releases its lock on the way out.
+    # From here on SIGTERM unwinds like Ctrl-C: the store commits what is done on the way out.
     with (
         sigterm_like_sigint(),
         FeatureStore(
@@ -264,9 +257,8 @@ def _opened_store(plan: RunPlan, config: ExtractConfig) -> Iterator[Any]:
 def run_session(
     plan: RunPlan, config: ExtractConfig, extract_todo: Callable[[Session], None]
 ) -> ExtractSummary:
-    """Lock OUT (this rank's FeatureStore), record what the plan calls for (repeated ids, bad input rows),
-    then let ``extract_todo`` (the engine) extract ``session.todo``; fill in the summary's counts and times
-    whatever happens. The run's own time excludes building the model (``load_seconds``)."""
+    """Lock OUT (this rank's FeatureStore), record what the plan calls for, then let ``extract_todo`` (the
+    engine) extract ``session.todo``; fill in the summary's counts and times whatever happens."""
     summary = plan.summary(config)
     started, cpu_started = time.perf_counter(), cpu_seconds()
     with _opened_store(plan, config) as store:
@@ -276,13 +268,10 @@ def run_session(
             store.keep_facts(plan.facts)
         summary.quarantined = [q["part"] for q in store.quarantined]
         summary.changed = len(plan.changed)  # their shards are moved aside (store.superseded), so not done
-        # Reads every index part that may hold this rank's ids (not other ranks' own), and the errors: once.
         done = store.done_ids(mine=True)
         todo, records = plan.work(done)
         pending = plan.pending(done, store.is_recorded, (todo, records))
-        # Not held through the run: it shares the store's arrays as they were (5M ids, 170 MB at 10M),
-        # which the store's own set outgrows as it commits.
-        del done
+        del done  # it shares the store's arrays as they were (170 MB at 10M ids), which the store outgrows
         summary.skipped = plan.assigned - pending
         label = f"extract r{plan.rank}" if plan.world_size > 1 else "extract"
         session = Session(plan, config, store, summary, Progress(config.progress, pending, label))

@@ -3,27 +3,22 @@ asked), writing the same OUT as the local engine, so ``FeatureCache``, ``--verif
 
     vlfast extract clips.jsonl OUT -m /ckpt/Qwen3-VL-4B-Instruct --engine ray --ray-workers 8 --num-gpus-per-worker 1
 
-The driver (the calling process) runs ``extract`` itself up to the model: the input listed, the run
-configuration and weights fingerprint, OUT checked (a different configuration is refused, "nothing to do"
-answered: the plan), OUT locked as rank 0, duplicates and bad input rows recorded (``run_session``). Then,
-instead of loading a model, :class:`RayEngine` runs::
+The driver (the calling process) runs ``extract`` itself up to the model (the plan, OUT locked as rank 0,
+duplicates and bad input rows recorded: ``run_session``). Then, instead of loading a model,
+:class:`RayEngine` runs::
 
     the remaining samples (plain columns: id, kind, paths, prompt, tar member or URL as JSON)
       -> map_batches(_Decode, actor pool, num_cpus=1): each call decodes its samples in ONE forked worker of
-         the actor (vlfast's WorkerPool): a decoder that crashes it is retried once alone, then recorded; one
-         that hangs past ``decode_timeout`` is killed and recorded; either way a row, never a failed task
+         the actor (WorkerPool): a crash or a hang becomes a row, never a failed task
       -> map_batches(_ModelStage, N actors, num_gpus=G): each claims the first free rank 1..N (an flock per
-         rank, as under torchrun), opens its own FeatureStore, loads the model once (the same ``runner.load``,
-         convs patched), packs by token budget and runs the same ``Forward`` as the local engine, adds the
-         results and records errors; it returns one tiny row per sample (id, status), so features never
-         travel to the driver
+         rank), opens its own FeatureStore, loads the model once and runs the same ``Forward`` as the local
+         engine; it returns one tiny row per sample (id, status), so features never travel to the driver
       -> the driver counts the rows: progress bar, ``max_errors``, the summary.
 
-When the dataset is done, Ray Data lets the model actors exit gracefully, which closes their stores (the last
-shard commits). The driver waits for their rank locks to be released, then re-reads OUT: a sample a model
-actor had added but not committed when it died (Ray restarts it and retries its batch in flight, not what it
-had already buffered) is extracted again in another pass, so a run that returns has every sample committed or
-recorded, or says how many it lost.
+When the dataset is done, Ray Data lets the model actors exit, which closes their stores (the last shard
+commits). The driver waits for their rank locks, then re-reads OUT: a sample a model actor had buffered but
+not committed when it died is extracted again in another pass, so a run that returns has every sample
+committed or recorded, or says how many it lost.
 """
 
 from __future__ import annotations
@@ -134,7 +129,7 @@ def _schemas():
 
 class _ActorFacts:
     """What model actors say on their first call's first row: the longest model build, and each reason a
-    sample's bits may differ on their CPU (warned once, however many actors find it)."""
+    sample's bits may differ on their CPU (warned once)."""
 
     def __init__(self):
         self.load_s, self.said = 0.0, set()
@@ -248,8 +243,7 @@ class _Decode:
         samples = [_sample_of(r, self.classes) for r in table.to_pylist()]
         dataset = SampleDataset(samples, self.pre, self.prompts, self.default_prompt, self.hook)
         rows = []
-        # A forked worker per call, as the local engine's: a crashing decoder kills it, not this actor (Ray
-        # would retry the call forever), and a hung one is stopped after decode_timeout.
+        # A forked worker per call: a crashing decoder kills it, not this actor (Ray would retry forever).
         with WorkerPool(
             dataset.__getitem__,
             len(samples),
@@ -272,12 +266,8 @@ class _Decode:
 
 
 class _ModelStage:
-    """Ray Data stage: decoded samples -> features in OUT through this actor's own FeatureStore.
-
-    Returns one small row per sample. The store closes (its last shard commits) when Ray Data lets the
-    actor exit at the end of the dataset (``__del__``); a killed actor's buffered samples are lost, and the
-    driver extracts them again.
-    """
+    """Ray Data stage: decoded samples -> features in OUT through this actor's own FeatureStore; one small
+    row per sample. The store closes when the actor exits (``__del__``)."""
 
     def __init__(
         self,
@@ -307,8 +297,7 @@ class _ModelStage:
             self.forward = runner.Forward(loaded, spec, cfg, config.stored_as, prompts, hook)
             # Measured where the model runs: the actors' nodes need not have the driver's CPU.
             self.bits_problem = cpu_bits_problem(bits_probe) if device.type == "cpu" else None
-            # What another actor committed before dying: its batch in flight is retried here, and must not
-            # be added twice (a second copy would be recorded as a duplicate).
+            # What another actor committed before dying: its batch in flight is retried here, not added twice.
             self.done = self.store.done_ids()
         except BaseException:
             self.store.close()
@@ -352,8 +341,7 @@ class _ModelStage:
         if is_local(store.out):
             store.tick()  # commit_every counts here too, between calls
         else:
-            # No locks on object storage to tell the driver when this actor's last shard is in: everything
-            # a call added is committed before its rows go back, so rows mean committed.
+            # No locks on object storage to tell the driver when the last shard is in: rows mean committed.
             store.flush()
         if rows:
             rows[0].update(
@@ -372,9 +360,8 @@ class _ModelStage:
 
 
 def _commit_on_sigterm(store) -> None:
-    """In a model actor: SIGTERM (a node draining, a pod deleted, ``kill``) commits what the store buffered
-    and releases its rank, after any commit in progress, then exits as Ray's own handler does. Without it
-    Ray's handler exits at once and the buffered samples are extracted again by the driver."""
+    """In a model actor: SIGTERM (a node draining, ``kill``) commits what the store buffered and releases
+    its rank, then exits as Ray's own handler does (which alone would lose the buffered samples)."""
     if threading.current_thread() is not threading.main_thread():
         return  # signals reach the main thread only; Ray's own handling stays
     ray_handler = signal.getsignal(signal.SIGTERM)
@@ -392,30 +379,24 @@ def _claim_rank(out, run_config, volatile_keys, store_options, ranks: Sequence[i
     """This actor's FeatureStore at the first rank no live process holds.
 
     Ranks are flocks (released by the kernel when a process dies), so a restarted actor takes the rank of
-    the one it replaces, and an actor of an earlier run still exiting keeps its rank until it is gone. On
-    object storage there are no locks: each actor (a restarted one too) takes a fresh rank from the job's
-    ``counter`` instead, so no two live actors share one."""
+    the one it replaces. On object storage there are no locks: each actor takes a fresh rank from the job's
+    ``counter`` instead."""
     from vlfast.extraction.store.writer import FeatureStore
+
+    def store(rank: int, world_size: int):
+        return FeatureStore(
+            out, run_config, rank=rank, world_size=world_size, volatile_keys=volatile_keys, **store_options
+        )
 
     if counter is not None:
         import ray
 
-        rank = ray.get(counter.take.remote())
-        return FeatureStore(
-            out, run_config, rank=rank, world_size=MAX_RANK + 1, volatile_keys=volatile_keys, **store_options
-        )
+        return store(ray.get(counter.take.remote()), MAX_RANK + 1)
     deadline = time.monotonic() + RANK_WAIT_S
     while True:
         for rank in ranks:
             try:
-                return FeatureStore(
-                    out,
-                    run_config,
-                    rank=rank,
-                    world_size=max(ranks) + 1,
-                    volatile_keys=volatile_keys,
-                    **store_options,
-                )
+                return store(rank, max(ranks) + 1)
             except OutputInUse:
                 continue
         if time.monotonic() > deadline:
@@ -429,8 +410,7 @@ def _claim_rank(out, run_config, volatile_keys, store_options, ranks: Sequence[i
 class _RankCounter:
     """Hands out ranks to the model actors of one job on an object-storage OUT: a Ray actor counting up from
     past the highest rank OUT holds, so a job never reuses a rank an earlier job's late actor may still
-    write. (Two writers of one rank would still be safe there, names being created exclusively, but each
-    collision costs an upload.) Rank names have five digits: past ``MAX_RANK`` it starts again at 1."""
+    write. Past ``MAX_RANK`` it starts again at 1."""
 
     def __init__(self, first: int):
         self.next = first
@@ -457,12 +437,9 @@ def _model_actor_args() -> dict[str, Any]:
 
 
 def _map_batches_bounded(ds, fn, **kwargs):
-    """``ds.map_batches`` with a model actor restarted, and its call retried, at most 3 times.
-
-    Ray Data's default is forever for both: a batch whose forward kills its actor every time (a segfault,
-    the OOM killer) would loop instead of failing the job. Ray 2.60 deprecates every way to say so
-    (``ray_remote_args_fn`` included); if a later Ray drops it, its defaults apply.
-    """
+    """``ds.map_batches`` with a model actor restarted, and its call retried, at most 3 times (Ray Data's
+    default, forever, loops on a batch that kills its actor). Ray 2.60 deprecates every way to say so; if
+    a later Ray drops ``ray_remote_args_fn``, its defaults apply."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         try:
@@ -475,13 +452,10 @@ def _spend_actor_restart_alarm(ray) -> None:
     """Have Ray's core worker print its actor-restart alarm once, to nowhere, so that it does not print it later.
 
     For an actor with ``max_restarts > 0`` whose constructor takes an object-store reference, the driver's C++
-    core worker writes an ``E`` line to the console, once per process (ray #53727): a restarted actor would
-    fail if the reference were gone. Every Ray Data actor pool is such an actor (its map function is ``put``
-    once and passed to each actor) and keeps that reference for the pool's lifetime, so for vlfast's stages
-    the alarm is false; and a C++ log line cannot be filtered like Python's. So one such actor is created
-    here while file descriptor 2 points at /dev/null, for the duration of that one call (the line is written
-    during it), and killed at once. ``--verbose`` skips this: the line prints as Ray means it to. Cosmetic,
-    so best effort: if Ray refuses the probe, the run goes on and the line may print.
+    core worker writes an ``E`` line to the console, once per process (ray #53727). Every Ray Data actor pool
+    is such an actor and keeps that reference for its lifetime, so for vlfast's stages the alarm is false,
+    and a C++ log line cannot be filtered. So one such actor is created here while file descriptor 2 points
+    at /dev/null, and killed at once. Best effort: if Ray refuses the probe, the line may print.
     """
 
     @ray.remote(num_cpus=0, max_restarts=1)
@@ -534,16 +508,14 @@ def _take_rows(job: Session, rows, actors, unexpected, counted: Counter, added: 
 def _count_from_out(
     job: Session, recorded_before, counted: Counter, added: dict[str, int], to_extract_ids, done
 ):
-    """The summary's counts from what OUT holds, not from the rows: an actor killed after committing (or
-    recording an error) but before returning its rows is restarted and its call retried, which then finds
-    those samples done ("done", "known") and would leave them uncounted."""
+    """The summary's counts from what OUT holds, not from the rows: an actor killed after committing but
+    before returning its rows is restarted, and its retried call finds those samples done."""
     errors_now = job.plan.store.errors()
     recorded = Counter(r["reason"] for r in errors_now if error_key(r) not in recorded_before)
     for reason, missing in (recorded - counted).items():
         for _ in range(missing):
             job.count_error(reason)
-    # Only this run's records: a record from before that --retry-errors selected is superseded by the
-    # sample's commit now.
+    # Only this run's records: one from before that --retry-errors selected is superseded by the commit.
     failed = IdSet({r["id"] for r in errors_now if error_key(r) not in recorded_before and done_by_error(r)})
     extracted = done.isin(to_extract_ids) & ~failed.isin(to_extract_ids)
     job.summary.extracted = int(extracted.sum())
@@ -555,11 +527,10 @@ class RayEngine:
     """Ray Data stages in place of a model in this process (see the module's docstring).
 
     ``address``: the cluster (``ray://head:10001``, ``head:6379``, ``auto``); default ``RAY_ADDRESS``, else a
-    cluster started with ``ray start`` on this machine, else a local one for the run (shut down at the end).
-    ``workers`` model actors, each with ``gpus_per_worker`` GPUs (default 1 when the device is CUDA, else 0:
-    CPU) and ``cpus_per_worker`` CPUs. ``quiet``: keep Ray's C++ actor-restart alarm, false for Ray Data's
-    pools, off the console (see ``_spend_actor_restart_alarm``; the CLI sets it unless ``--verbose``). The
-    options are checked here, once, for the CLI and the library.
+    cluster started with ``ray start`` on this machine, else a local one for the run. ``workers`` model
+    actors, each with ``gpus_per_worker`` GPUs (default 1 when the device is CUDA, else 0) and
+    ``cpus_per_worker`` CPUs. ``quiet``: keep Ray's false actor-restart alarm off the console
+    (``_spend_actor_restart_alarm``; the CLI sets it unless ``--verbose``).
     """
 
     name = "ray"
@@ -594,8 +565,8 @@ class RayEngine:
         self._counters: list[Any] = []  # this run's rank counters (object storage): whose parts to compact
 
     def configure(self, config: ExtractConfig) -> ExtractConfig:
-        """The driver is rank 0 of one; the device follows the GPUs asked for (the model actors' machines, not
-        this one, must have it). A missing Ray is a usage error here, before anything is read."""
+        """The driver is rank 0 of one; the device follows the GPUs asked for (the model actors' machines
+        must have it). A missing Ray is a usage error here, before anything is read."""
         if config.rank is not None or config.world_size is not None:
             raise InputRefused(
                 "--rank/--world-size (rank, world_size) split the input between processes you launch; with "
@@ -638,8 +609,7 @@ class RayEngine:
                 logging_level=logging.WARNING,
                 runtime_env={"env_vars": ENV},
             )
-        # The workers need ENV before torch loads in them. Set for the whole job above; when the caller
-        # initialised Ray without it, per stage (which starts fresh workers: a few seconds more).
+        # The workers need ENV before torch loads in them: set per stage when the caller's Ray lacks it.
         job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
         if any(job_env.get(k) != v for k, v in ENV.items()):
             self.stage_env = {"env_vars": ENV}
@@ -648,8 +618,7 @@ class RayEngine:
         ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own bar
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # ... and says so
         job.model_built(time.perf_counter() - t0, None)
-        # ray.init made SIGTERM exit at once (sys.exit): here it unwinds like Ctrl-C instead, so the model
-        # actors are stopped and given time to commit (see _extract), and the driver's store commits too.
+        # ray.init made SIGTERM exit at once: here it unwinds like Ctrl-C, so the actors get time to commit.
         previous = None
         if started and threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, sigterm_handler())
@@ -664,8 +633,7 @@ class RayEngine:
     def _extract(self, ray, job: Session) -> None:
         summary = job.summary
         self._counters.clear()  # an engine run again: counters of a cluster since shut down
-        # Model actors of an earlier run may outlive their killed driver for a few seconds and still commit
-        # shards: wait until they are gone, then drop what they committed, so nothing is extracted twice.
+        # Model actors of an earlier run may outlive their killed driver and still commit: wait them out.
         stale = self._wait_released(job, self._held_ranks(job), RANK_WAIT_S)
         if stale:
             raise OutputInUse(
@@ -732,7 +700,6 @@ class RayEngine:
         import pyarrow as pa
 
         sample_schema = _schemas()[0]
-        # Rows a chunk of samples at a time: never a dict per entry of the whole todo list at once
         step = 1 << 16
         table = pa.Table.from_batches(
             [
@@ -767,12 +734,10 @@ class RayEngine:
                 decode_hook=self.hooks.decode,
             ),
         )
-        # The driver's store has just checked OUT as asked (full by default) and emptied it if asked; each
-        # actor re-checks sizes and headers only, instead of every actor hashing every shard again.
+        # The driver's store has just checked OUT as asked: each actor re-checks sizes and headers only.
         store_options = job.config.writing(resume_check="quick", overwrite=False)
         if not is_local(job.store.out):
-            # An actor's close at the dataset's end may be cut short by its teardown (no lock tells the
-            # driver when it is done), and a late one could race the driver's: the driver compacts them.
+            # An actor's close may be cut short by its teardown (no lock tells): the driver compacts them.
             store_options["compact_min_parts"] = None
         counter = None if is_local(job.store.out) else _RankCounter.start(ray, job.plan.store)
         if counter is not None:
@@ -785,8 +750,6 @@ class RayEngine:
             compute=ray.data.ActorPoolStrategy(size=self.workers),
             num_cpus=self.cpus,
             num_gpus=self.gpus or None,
-            # A model actor that dies (OOM killer, a driver crash) is restarted and its call retried a few
-            # times; one that keeps dying fails the job (run it again to resume) instead of looping.
             runtime_env=self.stage_env,
             fn_constructor_kwargs=dict(
                 config=job.config,  # not the plan: its sample table stays on the driver
@@ -804,10 +767,9 @@ class RayEngine:
         )
 
     def _compact_actor_ranks(self, ray, job: Session) -> None:
-        """On object storage: compact the index parts of the ranks this job's model actors wrote (each
-        committed one part per call), now that the dataset is over and they are gone, so that opening OUT
-        reads a part per rank, not one per model call. A failure costs only that: the parts stay, and
-        ``vlfast out compact OUT`` (or the next run) does it."""
+        """On object storage: compact the index parts of the ranks this job's model actors wrote (one part
+        per call), so that opening OUT reads a part per rank. A failure leaves the parts for
+        ``vlfast out compact OUT`` (or the next run)."""
         from vlfast.extraction.store.compact import compact_folder
 
         ranks = sorted({r for c in self._counters for r in ray.get(c.handed_out.remote())})
@@ -832,13 +794,12 @@ class RayEngine:
 
     @staticmethod
     def _held_ranks(job: Session) -> list[int]:
-        """Ranks of OUT other than the driver's whose lock a live process holds now (none on object storage,
-        which has no locks)."""
+        """Ranks of OUT other than the driver's whose lock a live process holds now."""
         return sorted(r for r in job.plan.store.live_ranks() if r != job.store.rank)
 
     def _wait_for_actors(self, job: Session, timeout: float, after: str) -> None:
-        """Wait for the model actors to release their ranks; warn, saying what follows, if some are still held
-        ``timeout`` seconds ``after`` (the stop, or the end of the dataset)."""
+        """Wait for the model actors to release their ranks; warn if some are still held ``timeout`` seconds
+        ``after`` (the stop, or the end of the dataset)."""
         if self._wait_released(job, range(1, self.workers + 1), timeout):
             warnings.warn(
                 f"model ranks of {job.store.out} are still held {timeout:g} s after {after}",
@@ -848,8 +809,7 @@ class RayEngine:
 
     @staticmethod
     def _wait_released(job: Session, ranks: Collection[int], timeout: float) -> list[int]:
-        """Wait until no process holds these ranks of OUT: each writer has closed its store (committed its
-        last shard) or died. Returns the ranks still held after ``timeout`` seconds."""
+        """Wait until no process holds these ranks of OUT; the ranks still held after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         for k, rank in enumerate(sorted(ranks)):
             while job.plan.store.rank_is_held(rank):
