@@ -1,8 +1,5 @@
-"""The token audit: do the tags a format needs have trained embedding rows?
-
-`analyse` streams the checkpoint once (per matrix) into indicator arrays and fits the thresholds;
-`audit_tokens` turns that into a verdict per tag, with trained alternatives for the failing ones;
-`audit_vocabulary` gives a verdict per row, for validation against known-unused ids.
+"""The token audit: do the tags a format needs have trained embedding rows? `analyse` streams each matrix
+once and fits the thresholds; `audit_tokens` gives a verdict per tag, `audit_vocabulary` one per row.
 """
 
 from __future__ import annotations
@@ -107,17 +104,8 @@ class Analysis:
         out = []
         for t in (self.judge.norm, self.judge.cos):
             if t is not None:
-                out.append(
-                    IndicatorInfo(
-                        t.indicator,
-                        t.matrix,
-                        t.ordinary_median,
-                        t.reference_median,
-                        t.cut,
-                        t.separation,
-                        t.informative,
-                    )
-                )
+                d = {k: v for k, v in vars(t).items() if k != "flag_below"}  # IndicatorInfo's fields
+                out.append(IndicatorInfo(**d, informative=t.informative))
         if self.judge.cos is None:
             name = (self.judge.output_stats or self.judge.input_stats).name
             out.append(IndicatorInfo("cos_distance", name, None, None, None, note=self.judge.cos_note))
@@ -128,10 +116,9 @@ _ID_OR_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?", re.ASCII)
 
 
 def _parse_reference(values: Sequence[int | str] | None) -> list[tuple[int, int, str]] | None:
-    """[1, '5-7', '9,10'] -> [(1, 1, '1'), (5, 7, '5-7'), (9, 9, '9'), (10, 10, '10')]: ranges, never
-    expanded here (0-1000000000000 is two numbers, not a list). A blank value, a reversed range or anything
-    but whole numbers from 0 is an error: each would silently leave the audit without the reference rows
-    the user meant to give."""
+    """[1, '5-7', '9,10'] -> [(1, 1, '1'), (5, 7, '5-7'), (9, 9, '9'), (10, 10, '10')], ranges never expanded
+    (0-1000000000000 is two numbers). A blank value, a reversed range or anything but whole numbers from 0
+    is an error: each would silently leave the audit without the reference rows the user meant."""
     if values is None:
         return None
     out: list[tuple[int, int, str]] = []
@@ -190,13 +177,10 @@ def analyse(
     lm_head_name: str | None = None,
     vocab: Vocabulary | None = None,
 ) -> Analysis:
-    """Read the checkpoint's embedding matrices and fit the thresholds.
-
-    `exclude_ids` (the audited tags' tokens) are kept out of both the reference and the ordinary rows,
-    so a tag never vouches for itself.
-    """
+    """Read the checkpoint's embedding matrices and fit the thresholds. `exclude_ids` (the audited tags'
+    tokens) are kept out of both the reference and the ordinary rows: a tag never vouches for itself."""
     user = _parse_reference(reference_ids)  # before any file is read: a typo is named first
-    # torch reads the matrices: imported here, so that a refusal before them does not wait for it (seconds)
+    # torch reads the matrices: imported here, so a refusal before them does not wait for it (seconds)
     from vlfast.tokens.indicators import matrix_stats
     from vlfast.tokens.weights import CheckpointWeights
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +34,6 @@ class FixedRow:
     source_ids: list[int]  # the pieces averaged (empty for mean)
     matrices: list[str]
 
-    def __post_init__(self) -> None:
-        if self.init not in INITS:
-            raise ValueError(f"FixedRow.init must be one of {INITS}, got {self.init!r}")
-
 
 @dataclass
 class FixReport:
@@ -60,12 +56,8 @@ class FixReport:
         return self.after is None or self.after.ok
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
-
-        d = asdict(self)
-        d["after"] = None if self.after is None else self.after.to_dict()
-        d["ok"] = self.ok
-        return strict_json(d)
+        after = None if self.after is None else self.after.to_dict()
+        return strict_json({**asdict(self), "after": after, "ok": self.ok})
 
 
 def _mean_trained_row(an: Analysis, name: str) -> torch.Tensor:
@@ -104,10 +96,8 @@ def fix_tokens(
     verify: bool = True,
     include_placeholders: bool = False,
 ) -> FixReport:
-    """Write `out`, a copy of `model` whose untrained tag rows are initialised from trained rows.
-
-    Qwen-VL placeholder tokens (`<|image_pad|>`, ...) are left alone unless `include_placeholders`:
-    their rows are replaced by vision features or never predicted, so they are not a format's tags."""
+    """Write `out`, a copy of `model` whose untrained tag rows are initialised from trained rows. Qwen-VL
+    placeholders (`<|image_pad|>`, ...) are left alone unless `include_placeholders`: not a format's tags."""
     if init not in INITS:
         raise InputRefused(f"--init must be one of {', '.join(INITS)}, got {init!r}")
     model, out = Path(model), Path(out)
@@ -149,7 +139,6 @@ def fix_tokens(
     new_values = {name: _new_rows(an, name, plans) for name in matrices}
 
     written: list[tuple[list[str], list[str]]] = []
-    # Beside OUT, renamed into place when whole: a failure half-way leaves no partial checkpoint.
     write_atomically(out, lambda tmp: written.append(_write(w, model, tmp, new_values)), tag="fix")
     files_rewritten, files_copied = written[0]
     report = FixReport(str(model), str(out), init, rows, files_rewritten, files_copied, before, None, notes)
@@ -176,8 +165,8 @@ def _refuse_out(model: Path, out: Path) -> None:
 
 
 def _new_rows(an: Analysis, name: str, plans: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-    """Each target's new row in matrix ``name``: the mean of its trained pieces, or the mean trained row
-    with a seeded jitter; scaled to the matrix's median trained norm."""
+    """Each target's new row in ``name``: the mean of its trained pieces, or the mean trained row with a
+    seeded jitter; scaled to the matrix's median trained norm."""
     w = an.weights
     tied_copy = name != w.embedding_name and w.tied
     is_input = name == w.embedding_name or tied_copy

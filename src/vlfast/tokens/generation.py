@@ -1,8 +1,7 @@
 """Magikarp's second stage (Land & Bartolo 2024): does the model reproduce a token when asked to repeat it?
 
-The token's id is placed where «token» stands in a few repetition prompts (never re-tokenized from text);
-the largest probability of the id at the last position decides, by docs/tokens.md's thresholds. Every
-prompt has one id per «token», so a batch needs no padding and logits are computed for the last position only.
+The token's id goes where «token» stands in a few repetition prompts (never re-tokenized from text); the
+largest probability of the id at the last position decides (docs/tokens.md). One id per «token": no padding.
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ if TYPE_CHECKING:
     from vlfast.tokens.vocab import Vocabulary
 
 SLOT = "«token»"
-# Repetition prompts in the spirit of Magikarp's: an instruction with one worked example, a device
-# echoing its input over many trials, a question whose answer starts by quoting the token, and the
-# token repeated. The text around SLOT is tokenized piece by piece, so it is the same for every token.
+# Repetition prompts in the spirit of Magikarp's. The text around SLOT is tokenized piece by piece, so it
+# is the same for every token.
 PROMPTS: dict[str, str] = {
     "please-repeat": (
         f'Please repeat the string: "{SLOT}"\nRepeated: "{SLOT}"\n\n'
@@ -69,8 +67,7 @@ def prompt_ids(vocab: Vocabulary, template: str, token_id: int) -> list[int]:
 
 
 def _prefix(vocab: Vocabulary) -> list[int]:
-    # What the tokenizer puts before a text (Llama's <s>, BERT's [CLS]; nothing for Qwen), without
-    # what it puts after it (BERT's [SEP] would end the prompt).
+    # What the tokenizer puts before a text (Llama's <s>), not after it (BERT's [SEP] would end the prompt).
     plain = vocab.tokenizer.encode("a", add_special_tokens=False).ids
     full = vocab.tokenizer.encode("a", add_special_tokens=True).ids
     for k in range(len(full) - len(plain) + 1):
@@ -80,8 +77,8 @@ def _prefix(vocab: Vocabulary) -> list[int]:
 
 
 def resolve(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
-    """The device (default: the best available) and dtype (default: bfloat16 on CUDA, else float32:
-    CPUs emulate most bfloat16 matmuls, and probabilities near 0.001 deserve the precision)."""
+    """The device (default: the best available) and dtype (default: bfloat16 on CUDA, else float32: CPUs
+    emulate most bfloat16 matmuls, and probabilities near 0.001 deserve the precision)."""
     import torch
 
     from vlfast.diagnosis.facts import check_device, default_device
@@ -140,9 +137,7 @@ def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
         if bars:
             hf_logging.enable_progress_bar()
     missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        # transformers would run the model with these initialised at random: the probabilities would
-        # say nothing about the checkpoint.
+    if missing:  # initialised at random, they would make the probabilities say nothing of the checkpoint
         raise InputRefused(
             f"--verify-generation: {model_dir} lacks {len(missing)} weights of {type(model).__name__} "
             f"({', '.join(missing[:3])}, ...); it holds no complete model to run"
@@ -187,7 +182,7 @@ def verify_generation(
     batch_size: int = BATCH_SIZE,
     prompts: Mapping[str, str] | None = None,
 ) -> GenerationReport:
-    """Run the repetition prompts for `token_ids` through the model in `model` (a local folder);
+    """Run the repetition prompts for `token_ids` through the model in the local folder `model`;
     `weights_verdicts` (id -> the weights audit's verdict) is carried into the report."""
     import torch
 

@@ -43,30 +43,19 @@ class MatrixStats:
         (an fp32 overflow of the squares needs values near 1e19, as broken as an inf)."""
         return np.isfinite(self.norm)
 
-    def __post_init__(self) -> None:
-        n = len(self.norm)
-        for key in ("zero", "duplicate_of"):
-            if len(getattr(self, key)) != n:
-                raise ValueError(f"MatrixStats.{key} has {len(getattr(self, key))} rows, norm has {n}")
-        if self.cos_distance is not None and len(self.cos_distance) != n:
-            raise ValueError("MatrixStats.cos_distance does not have one value per row")
-
     @property
     def rows(self) -> int:
         return len(self.norm)
 
 
 def first_principal_component(weights: CheckpointWeights, name: str) -> torch.Tensor:
-    """Unit vector (D,) of the top principal direction, from all rows or an evenly strided sample.
-
-    Strided, not contiguous blocks: vocabularies are ordered (bytes, then merges by frequency; BERT's
-    `[unused*]` first, then characters, then words), so a block is not a fair sample of the rows."""
+    """Unit vector (D,) of the top principal direction, from all rows or an evenly strided sample (not a
+    block: vocabularies are ordered, bytes then merges by frequency, so a block is not a fair sample)."""
     n, d = weights.shape(name)
     keep = max(PCA_SAMPLE_ELEMENTS // d, 1024)
     ids = np.arange(n) if n <= keep else np.unique(np.linspace(0, n - 1, num=keep).astype(np.int64))
     sample = weights.rows(name, ids)  # (S, D)
-    # A row sum is NaN or inf exactly when the row holds one (or overflows, as broken): an (S,) test,
-    # not an (S, D) mask. One NaN row would make the component NaN; the sample is copied only then.
+    # A row sum is non-finite exactly when the row holds NaN/inf (or overflows): an (S,) test, not (S, D).
     finite = torch.isfinite(sample.sum(dim=1))
     if not finite.all():
         sample = sample[finite]
@@ -75,8 +64,8 @@ def first_principal_component(weights: CheckpointWeights, name: str) -> torch.Te
     sample = sample - sample.mean(0)
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(d, generator=gen)
-    # Power iteration on the centred sample's covariance with matrix-vector products only: on CPU a
-    # (S, D) x (D, k) product with small k takes a slow GEMM path, several times slower than k GEMVs.
+    # Power iteration with matrix-vector products only: on CPU an (S, D) x (D, k) product with small k
+    # takes a slow GEMM path, several times slower than k GEMVs.
     for _ in range(POWER_ITERATIONS):
         v = torch.mv(sample.T, torch.mv(sample, v))
         length = v.norm()
@@ -88,9 +77,8 @@ def first_principal_component(weights: CheckpointWeights, name: str) -> torch.Te
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    # The pass is memory-bound over 16 MiB blocks; torch's OpenMP workers spin while they wait, and on
-    # a shared 2-core machine that costs ~8x the CPU of one thread (measured: bf16 -> fp32 of a
-    # 1,024 x 4,096 block 8 ms CPU with 2 threads, 1 ms with 1; the row norm 8 ms vs 0.35 ms).
+    # The pass is memory-bound; torch's waiting OpenMP workers spin, which on a shared 2-core machine cost
+    # ~8x the CPU of one thread (a 1,024 x 4,096 block's bf16 -> fp32: 8 ms CPU with 2 threads, 1 ms with 1).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -99,21 +87,13 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@_one_thread()
 def matrix_stats(
     weights: CheckpointWeights, name: str, reference_ids: list[int], block_rows: int = BLOCK_ROWS
 ) -> MatrixStats:
     """Stream `name` once and return its indicator arrays."""
-    with _one_thread():
-        return _matrix_stats(weights, name, reference_ids, block_rows)
-
-
-def _matrix_stats(
-    weights: CheckpointWeights, name: str, reference_ids: list[int], block_rows: int
-) -> MatrixStats:
     n, d = weights.shape(name)
-    cos_note = None
-    direction = None
-    held_out = None
+    cos_note = direction = held_out = None
     if not reference_ids:
         cos_note = "no known-unused reference rows"
     else:

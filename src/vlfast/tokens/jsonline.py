@@ -1,7 +1,6 @@
-"""One JSON-lines record read for an edit in place: parsed without converting its numbers (an integer of
-5,000 digits, or ``1e400``, stays the text it was), and the string values under one top-level key located as
-spans of the line, so that a rewrite replaces those spans and leaves every other byte of the line as it was:
-key order, spacing, escapes and numbers included.
+"""One JSON-lines record read for an edit in place: numbers kept as written (5,000 digits, ``1e400``), and
+the string values under one top-level key located as spans of the line, so a rewrite replaces those spans
+and leaves every other byte as it was.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ _SCALAR = re.compile(r"NaN|-?Infinity|true|false|null|-?(?:0|[1-9]\d*)(?:\.\d+)?
 
 
 class Verbatim:
-    """A number (or ``NaN``/``Infinity``) as the text it was written as: never converted, so never refused
-    for its size nor turned into ``inf``. Not a ``str``: it is no text to rewrite."""
+    """A number (or ``NaN``/``Infinity``) as the text it was written as, never converted; not a ``str``."""
 
     __slots__ = ("text",)
 
@@ -71,9 +69,8 @@ def _after_key(s: str, i: int) -> tuple[str, int]:
 
 
 def _value(s: str, i: int, spans: list[tuple[int, int, str]] | None) -> int:
-    """Where the JSON value starting at ``s[i]`` ends; its string values (not keys) go into ``spans`` as
-    (start, end, decoded text), ``s[start:end]`` being the literal with its quotes. No recursion: as deep
-    as json.loads reads."""
+    """Where the JSON value at ``s[i]`` ends; its string values (not keys) go into ``spans`` as (start, end,
+    decoded text), ``s[start:end]`` the quoted literal. No recursion: as deep as json.loads reads."""
     stack: list[str] = []
     while True:
         c = s[i]

@@ -116,9 +116,8 @@ def _rewrite_value(value: Any, mapping: Mapping[str, str], counts: dict[str, int
 
 
 def _rewrite_literal(literal: str, text: str, new: str, mapping: Mapping[str, str]) -> str:
-    """The JSON string ``literal`` (quotes included) whose ``text`` the rewrite made ``new``, written again
-    with every escape it had: the tags replaced in the literal itself where that gives ``new``, else the
-    whole string encoded again (a tag written with escapes, as Go's ``\\u003c``), ASCII-only if it was."""
+    """The JSON string ``literal`` (quotes included) rewritten to hold ``new``: its tags replaced in place
+    where that gives ``new`` (every escape kept), else encoded again (ASCII-only if it was)."""
     inner = rewrite_text(literal, mapping)
     try:
         if json.loads(inner) == new:
@@ -140,15 +139,11 @@ def _rewrite_line(line: str, field_name: str, mapping: Mapping[str, str]) -> str
 
 
 def _holds_text(value: Any) -> bool:
-    if isinstance(value, str):
-        return True
-    if isinstance(value, list):
-        return any(_holds_text(v) for v in value)
-    return isinstance(value, dict) and any(_holds_text(v) for v in value.values())
+    return next(strings_of(value), None) is not None
 
 
 def _no_text(path: Path, field_name: str) -> InputRefused:
-    # A field of numbers or nulls only: a wrong --field, which would otherwise "rewrite" nothing, exit 0.
+    # A field of numbers or nulls only: a wrong --field, which would otherwise "rewrite" nothing.
     return InputRefused(
         f"field {field_name!r} of {path} holds no text in any record (no string, nor chat messages holding "
         "one); pass the field that holds the text"
@@ -190,8 +185,7 @@ def _present_in(value: Any, targets: list[str]) -> dict[str, int]:
     return _present("\x00".join(strings_of(value)), targets)
 
 
-# A JSON \u escape of a UTF-16 surrogate that is not half of a pair (after skipping escaped backslashes):
-# json.loads gives it as a lone surrogate, which is not Unicode text and cannot be written as UTF-8.
+# A JSON \u escape of a lone UTF-16 surrogate (escaped backslashes skipped): not writable as UTF-8.
 _SURROGATE_ESCAPE = re.compile(
     r"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[dD][89a-fA-F][0-9a-fA-F]{2}"
 )
@@ -206,10 +200,9 @@ def _lone_surrogate(line: str) -> re.Match | None:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[bytes, str | None, Any]]:
-    """(bytes, text, record) of every line of a JSON-lines file, read as manifests read one: a UTF-8
-    byte-order mark at the start is skipped (and not written again); a blank line has no text nor record.
-    Numbers stay the text they were (:class:`~vlfast.tokens.jsonline.Verbatim`). A line that is not UTF-8,
-    not JSON, or holds a lone surrogate is refused naming the line and the file's byte offset of the fault."""
+    """(bytes, text, record) of every line of a JSON-lines file (a blank line: no text nor record; a leading
+    BOM skipped, numbers kept as :class:`~vlfast.tokens.jsonline.Verbatim`). A line that is not UTF-8, not
+    JSON, or holds a lone surrogate is refused naming the line and the byte offset of the fault."""
     with path.open("rb") as f:
         offset = 0
         for lineno, raw in enumerate(f, 1):
@@ -287,8 +280,8 @@ def _check_dataset(path: Path, field_name: str, out: Path | None) -> None:
 def rewrite_dataset(
     path: str | Path, field_name: str, out: str | Path, mapping: Mapping[str, str]
 ) -> FileRewrite:
-    """Rewrite `field_name` of every record of a .jsonl/.json-lines or .parquet file into `out`, written
-    beside it and renamed into place when whole: a refused record anywhere leaves `out` as it was."""
+    """Rewrite `field_name` of every record of a JSON-lines or .parquet file into `out`, renamed into place
+    when whole: a refused record anywhere leaves `out` as it was."""
     path, out = Path(path), Path(out)
     _check_dataset(path, field_name, out)
     refuse_same_files({"--out": out}, {"--dataset": path})
@@ -320,9 +313,8 @@ def rewrite_dataset(
     n = 0
 
     def write(tmp: Path) -> None:
-        # Every byte of a line the rewrite does not change is written as it came (numbers, key order, spacing,
-        # escapes, blank lines, a last line without a newline): only the string values under the field that
-        # hold a tag are written again. A byte-order mark is dropped, as JSON lines have none.
+        # Every byte the rewrite does not change is written as it came: only the string values under the
+        # field that hold a tag are written again (a byte-order mark is dropped).
         nonlocal n
         seen, text = 0, False
         with tmp.open("wb") as dst:
@@ -360,11 +352,9 @@ def rewrite_tags(
     template_out: str | Path | None = None,
     reward_regex: str | None = None,
 ) -> RewriteReport:
-    """Apply one tag mapping to any of: a dataset field, a chat template file, a reward regex.
-
-    Everything is checked before anything is written: the inputs exist, no output is an input or the other
-    output (by identity), the regex compiles, the template is UTF-8. Each output is then written beside its
-    destination and renamed into place when whole."""
+    """Apply one tag mapping to any of: a dataset field, a chat template file, a reward regex. Everything is
+    checked before anything is written (inputs exist, no output is an input or the other output, the regex
+    compiles, the template is UTF-8); each output is renamed into place when whole."""
     m = parse_mapping(mapping)
     if dataset is None and template is None and reward_regex is None:
         raise InputRefused("nothing to rewrite: give --dataset, --template and/or --reward-regex")

@@ -1,7 +1,5 @@
 """From indicator arrays to verdicts: the midpoint rule and each indicator's separation (Youden's J), as
-docs/tokens.md states them. The midpoint is direction-free, so it holds whether untrained rows are shorter
-or longer than trained ones; non-finite values are left out of every median and separation, so one broken
-row cannot blind the indicators.
+docs/tokens.md states them (direction-free; non-finite values left out of every median and separation).
 """
 
 from __future__ import annotations
@@ -41,10 +39,6 @@ class Threshold:
     def informative(self) -> bool:
         # Without reference rows the norm rule is a fixed ratio; trust it as the only evidence there is.
         return self.separation is None or self.separation >= MIN_SEPARATION
-
-    def __post_init__(self) -> None:
-        if self.indicator not in ("norm", "cos_distance"):
-            raise ValueError(f"unknown indicator {self.indicator!r}")
 
     def flags(self, values: np.ndarray) -> np.ndarray:
         return values < self.cut if self.flag_below else values > self.cut

@@ -1,6 +1,5 @@
 """The tokenizer side of the audit: how a tag splits, which entries are added or special, and which are
-known never-trained (`[unused*]`, reserved tokens) by their names. Slow-tokenizer-only folders go through
-`transformers.AutoTokenizer` (local files only) and its fast backend.
+known never-trained by their names (`[unused*]`, reserved tokens).
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ class Vocabulary:
                     f"no usable tokenizer in {model_dir} (no tokenizer.json; transformers said: {e}); "
                     "save the tokenizer next to the weights with tokenizer.save_pretrained(DIR)"
                 ) from None
-        # A saved tokenizer.json may pad or truncate every encoding (BERT's pads to 128): a tag's
-        # ids must be its own pieces only.
+        # A saved tokenizer.json may pad or truncate every encoding (BERT's pads to 128).
         tok.no_padding()
         tok.no_truncation()
         added = {int(i): bool(t.special) for i, t in tok.get_added_tokens_decoder().items()}
@@ -109,8 +107,7 @@ class Vocabulary:
         return ids
 
     def plain_split(self, text: str) -> list[int]:
-        """Ids for `text` with every added token that occurs inside it removed: the ordinary pieces a
-        tag falls back to (used to initialise its row from trained pieces)."""
+        """Ids for `text` without the added tokens inside it: the ordinary pieces a tag falls back to."""
         spec = json.loads(self.tokenizer.to_str())
         spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["content"] not in text]
         from tokenizers import Tokenizer

@@ -1,6 +1,5 @@
-"""Memory-mapped access to a checkpoint's input embedding and lm_head, without building the model: one
-file, a sharded index or any `*.safetensors`, tied or not by config.json. Each tensor is mapped from its
-byte range in the file, so a 152k x 4k bf16 matrix is read block by block from the page cache, never copied.
+"""Memory-mapped access to a checkpoint's input embedding and lm_head (one file, a sharded index or any
+`*.safetensors`), without building the model: a 152k x 4k bf16 matrix is read from the page cache.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ class CheckpointWeights:
         if self.lm_head_name is not None and self.lm_head_name not in self.tensor_files:
             raise InputRefused(f"tensor {self.lm_head_name!r} is not in {self.model_dir}")
 
-    # -- opening ----------------------------------------------------------------------------------
     @classmethod
     def open(
         cls, model_dir: str | Path, embedding_name: str | None = None, lm_head_name: str | None = None
@@ -95,8 +93,7 @@ class CheckpointWeights:
         elif embedding_name not in tensor_files or len(shape(embedding_name)) != 2:
             raise InputRefused(f"--embedding-name {embedding_name!r} is not a 2-D tensor in {model_dir}")
         if lm_head_name is None:
-            # Only a matrix shaped like the embedding can be the output projection (a layer's
-            # `...output.weight` is not).
+            # Only a matrix shaped like the embedding is the output projection (not a layer's output.weight).
             emb = shape(embedding_name)
             found = sorted(
                 (n for n in names if _matches(n, OUTPUT_NAMES) and shape(n) == emb), key=_preference
@@ -105,8 +102,7 @@ class CheckpointWeights:
         elif lm_head_name not in tensor_files or len(shape(lm_head_name)) != 2:
             raise InputRefused(f"--lm-head-name {lm_head_name!r} is not a 2-D tensor in {model_dir}")
         tied_cfg = _tied_from_config(config)
-        # No stored lm_head means the model reuses the embedding; a stored copy under a tying config is
-        # a duplicate that transformers ignores on load, but `fix` still keeps it in step.
+        # No stored lm_head: tied. A copy stored under a tying config is ignored on load; fix keeps it too.
         tied = lm_head_name is None or bool(tied_cfg)
         return cls(model_dir, tensor_files, embedding_name, lm_head_name, tied, config, headers)
 
@@ -115,7 +111,6 @@ class CheckpointWeights:
             self._headers[path] = read_header(path)
         return self._headers[path]
 
-    # -- facts ------------------------------------------------------------------------------------
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._header(self.tensor_files[name])[0][name]["shape"])
 
@@ -129,10 +124,8 @@ class CheckpointWeights:
             return self.embedding_name
         return self.lm_head_name
 
-    # -- reading ----------------------------------------------------------------------------------
     def matrix(self, name: str) -> torch.Tensor:
-        """The tensor in its stored dtype, backed by a read-only memory map of the file: slicing it
-        reads only those rows from the page cache, and nothing is copied until converted."""
+        """The tensor in its stored dtype, a read-only memory map: slicing reads only those rows, uncopied."""
         path = self.tensor_files[name]
         header, base = self._header(path)
         info = header[name]
@@ -144,8 +137,7 @@ class CheckpointWeights:
         np_dtype, torch_view = _DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         mm = np.memmap(path, dtype=np_dtype, mode="r", offset=base + start, shape=tuple(info["shape"]))
-        with warnings.catch_warnings():
-            # torch warns that the map is read-only; nothing here writes to it.
+        with warnings.catch_warnings():  # torch warns that the map is read-only; nothing writes to it
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(mm)
         return t.view(torch_view) if torch_view is not None else t
@@ -190,8 +182,7 @@ def read_header(path: Path) -> tuple[dict, int]:
     except (TypeError, KeyError, IndexError, ValueError, AttributeError):
         raise InputRefused(f"{path} is not a safetensors file (header without data offsets)") from None
     size = path.stat().st_size
-    if size < 8 + n + end:
-        # A copy or download cut short: without this, numpy's memmap fails with no file name.
+    if size < 8 + n + end:  # a copy cut short: numpy's memmap would fail without the file's name
         raise InputRefused(
             f"{path} is truncated: its header describes {8 + n + end:,} bytes but the file has {size:,}; "
             "copy or download it again"
@@ -200,8 +191,7 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 
 def check_weight_files(model_dir: str | Path) -> None:
-    """Read every safetensors header of the checkpoint: a truncated or damaged file fails here, named,
-    before a loader that would not say which file it was reads it."""
+    """Read every safetensors header of the checkpoint: a truncated or damaged file fails here, named."""
     for path in sorted(set(_tensor_files(Path(model_dir)).values())):
         read_header(path)
 
