@@ -1,11 +1,8 @@
 """A local folder as extraction input: every image and video under it, recursively, ids relative to it.
 
-Files with other suffixes are skipped (a folder often holds captions or metadata beside the media), and so
-are hidden files and folders. A symlink to a file is that file (its id is the link's name); a symlinked
-folder is listed by the OS but never entered (as ``Path.rglob`` does), so a link loop cannot trap the scan
-and a folder linked twice is not extracted twice. A media-named dangling symlink, symlink loop, unreadable
-folder or non-UTF-8 name is an :class:`~vlfast.extraction.sources.sample.InputProblem`. A folder at a URL is
-listed alike by :mod:`vlfast.extraction.sources.remote`.
+Other suffixes (captions, metadata) and hidden files and folders are skipped. A symlink to a file is that
+file (its id is the link's name). A media-named dangling symlink, symlink loop, unreadable folder or
+non-UTF-8 name is an :class:`~vlfast.extraction.sources.sample.InputProblem`.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from vlfast.extraction.sources.sample import (
 )
 from vlfast.extraction.sources.table import SampleTable
 
-__all__ = ["is_media_name", "load_folder"]
+__all__ = ["is_media_name", "load_folder", "sorted_found"]
 
 
 def is_media_name(name: str) -> bool:
@@ -52,8 +49,7 @@ def _unreadable_reason(path: Path) -> str | None:
 
 
 def load_folder(root: Path) -> tuple[SampleTable, list[InputProblem]]:
-    """The samples under ``root`` sorted by path components, and the problems; FileNotFoundError when
-    ``root`` is not a folder."""
+    """The samples under ``root`` sorted by path components, and the problems."""
     if not root.is_dir():
         raise FileNotFoundError(f"input folder {display_path(root)} does not exist")
     found: list[tuple[tuple[str, ...], Sample | InputProblem]] = []
@@ -82,7 +78,13 @@ def load_folder(root: Path) -> tuple[SampleTable, list[InputProblem]]:
                 found.append((rel.parts, InputProblem(display_path(path), reason, shown_id)))
             else:
                 found.append((rel.parts, Sample(sid, kind_of(fname), (str(path),))))
-    found.sort(key=lambda kv: kv[0])  # the order Path sorting gives: by path components
+    return sorted_found(found)
+
+
+def sorted_found(
+    found: list[tuple[tuple[str, ...], Sample | InputProblem]],
+) -> tuple[SampleTable, list[InputProblem]]:
+    """A scan's samples and problems, by path components (the order Path sorting gives)."""
+    found.sort(key=lambda kv: kv[0])
     samples = SampleTable.of(x for _, x in found if isinstance(x, Sample))
-    problems = [x for _, x in found if isinstance(x, InputProblem)]
-    return samples, problems
+    return samples, [x for _, x in found if isinstance(x, InputProblem)]

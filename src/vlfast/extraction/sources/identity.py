@@ -1,13 +1,11 @@
-"""What identifies an input entry, as one 64-bit key: which id, which kind, where its bytes are (a local path
-with its folder resolved, a URL, a tar member's shard, name, offset and size, a clip's frames) and the row's
-texts the features read (a prompt for ``llm``; a text and an instruction for ``embedding``).
+"""What identifies an input entry, as one 64-bit key: its id, kind, where its bytes are (a local path with
+its folder resolved, a URL, a tar member's shard, name, offset and size, a clip's frames) and the texts the
+features read.
 
-A committed sample records its entry's key (:func:`sample_key`, in the decode stage) and its content's key
-(:func:`content_key`: the same with the bytes' xxh3 in place of where they are). A resume computes the keys
-of every entry it would skip at once (:func:`entry_keys`, from the input's columns); an entry whose key
-is not among the recorded ones was given another path, member or text since. Both sides are computed by
-:meth:`SampleTable.identity_keys` (one sample is a table of one row). docs/extract.md ("Inputs that change") says what each check
-reads and what it sees.
+A committed sample records its entry's key (:func:`sample_key`) and its content's key (:func:`content_key`:
+the bytes' xxh3 in place of where they are). A resume computes the keys of every entry it would skip
+(:func:`entry_keys`); one whose key was not recorded has changed since. docs/extract.md ("Inputs that
+change") says what each check reads.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import numpy as np
 from vlfast.extraction.ids import hash_one, mix_one
 from vlfast.extraction.objstore import is_url
 from vlfast.extraction.sources.sample import Sample
-from vlfast.extraction.sources.table import KINDS, SampleTable
+from vlfast.extraction.sources.table import KINDS, SampleTable, place_bytes
 
 __all__ = ["KEY_SCHEME", "content_key", "entry_keys", "resolve_path", "sample_key", "texts_used"]
 
@@ -38,8 +36,8 @@ def texts_used(llm: bool, embedding: bool) -> tuple[str, ...]:
 
 
 def resolve_path(path: str) -> str:
-    """A local path with its folder made absolute and its symlinks resolved (the file's own name kept, so a
-    symlinked file stays itself); ``"dir/"`` gives the resolved folder with a trailing ``/``. A URL is kept."""
+    """A local path with its folder resolved (the file's own name kept, so a symlinked file stays itself);
+    ``"dir/"`` gives the resolved folder with a trailing ``/``. A URL is kept."""
     if is_url(path):
         return path
     head, sep, tail = path.rpartition("/")
@@ -76,14 +74,12 @@ def entry_keys(
 
 
 def sample_key(sample: Sample, texts: tuple[str, ...]) -> int:
-    """The key of one sample, as :func:`entry_keys` gives it for the same entry (computed without a table:
-    the decode stage makes one per sample; tests/test_extract_input_identity.py holds the two equal)."""
+    """The key of one sample, as :func:`entry_keys` gives it (tests/test_extract_input_identity.py)."""
     return _one_key(sample, texts, _place(sample))
 
 
 def content_key(sample: Sample, texts: tuple[str, ...], digest: str) -> int:
-    """The key of one sample with its bytes' xxh3 (16 hex digits) in place of where they are: equal for the
-    same id, kind, texts and bytes wherever the bytes now lie."""
+    """The key of one sample with its bytes' xxh3 (16 hex digits) in place of where they are."""
     return _one_key(sample, texts, hash_one(b"xxh3:" + digest.encode()))
 
 
@@ -102,27 +98,13 @@ def _one_key(sample: Sample, texts: tuple[str, ...], place: int) -> int:
 
 def _place(sample: Sample) -> int:
     """The hash of where a sample's bytes are, as :meth:`SampleTable.identity_keys` makes it."""
-    if sample.kind == "text":
-        return hash_one(b"")
-    if sample.kind == "frames":
-        return hash_one(b"\x00".join(_encode(resolve_path(p)) for p in sample.paths))
-    member = sample.member
-    if member is not None:
-        shard = getattr(member, "shard", None)
-        if isinstance(shard, str):
-            fields = [
-                _encode(resolve_path(shard)),
-                _encode(member.name),
-                b"%d" % member.offset,
-                b"%d" % member.size,
-            ]
-            return hash_one(b"\x00".join(fields))
-        return hash_one(_encode(str(member)))
+    if sample.kind in ("text", "frames") or sample.member is not None:
+        return hash_one(place_bytes(sample.kind, sample.paths, sample.member, resolve_path))
     head, sep, tail = sample.paths[0].rpartition("/")
     return mix_one(hash_one(_encode(_resolved_folder(head + sep))), hash_one(_encode(tail)))
 
 
 @functools.lru_cache(maxsize=1 << 12)
 def _resolved_folder(prefix: str) -> str:
-    """A folder part resolved, once per process (a decode worker meets the same folders again and again)."""
+    """A folder part resolved, once per process per folder."""
     return resolve_path(prefix)

@@ -1,9 +1,4 @@
-"""What a run extracts: :func:`load_inputs`, the one entry point that names the source for an INPUT.
-
-A folder (:mod:`~vlfast.extraction.sources.folder`), a manifest (:mod:`~vlfast.extraction.sources.manifest`),
-a media file, WebDataset tar shards (:mod:`~vlfast.extraction.sources.webdataset`), anything of these at an
-fsspec URL (:mod:`~vlfast.extraction.sources.remote`), or a list of samples or dict rows from an API user.
-"""
+"""What a run extracts: :func:`load_inputs`, the one entry point that names the source for an INPUT."""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ from vlfast.extraction.objstore import is_url
 from vlfast.extraction.sources.folder import load_folder
 from vlfast.extraction.sources.kept import KeptListings, manifest_identity
 from vlfast.extraction.sources.manifest import load_manifest, row_sample
-from vlfast.extraction.sources.remote import load_url, with_remote
+from vlfast.extraction.sources.remote import load_url, manifest_samples, with_remote
 from vlfast.extraction.sources.sample import (
     IMAGE_SUFFIXES,
     MANIFEST_SUFFIXES,
@@ -65,19 +60,15 @@ def load_inputs(
     storage_options: dict[str, Any] | None = None,
     kept: KeptListings | None = None,
 ) -> tuple[SampleTable, list[InputProblem]]:
-    """The samples of a folder, a manifest, a media file, WebDataset tar shards (a ``.tar`` path or a brace
-    pattern, see :mod:`vlfast.extraction.sources.webdataset`), or a list of samples or dict rows, and the problems.
-    The samples come as a :class:`~vlfast.extraction.sources.table.SampleTable` (columns, not objects).
+    """The samples (a :class:`~vlfast.extraction.sources.table.SampleTable`) and problems of a folder, a
+    manifest, a media file, WebDataset tar shards (a ``.tar`` path or a brace pattern), any of these at an
+    fsspec URL (opened with ``storage_options``), or a list of samples or dict rows.
 
-    A row or entry that cannot become a sample is an :class:`InputProblem` (where, reason, id) and the rest
-    go on. A list passed by an API user is treated alike: a :class:`Sample` whose id or paths cannot be
-    stored (lone surrogate, NUL in a path, id over ``MAX_ID_BYTES``) or a bad dict row is a problem at
-    ``inputs[i]``; an empty list is allowed and gives nothing. A folder or manifest giving no sample raises
+    A row or entry that cannot become a sample is an :class:`InputProblem` and the rest go on; in a list, at
+    ``inputs[i]`` (an empty list gives nothing). An input giving no sample raises
     :class:`~vlfast.extraction.sources.sample.EmptyInput` if it had no problems either, else ValueError
-    listing the first problems. Relative manifest paths resolve against the manifest's folder; missing
-    files are not checked here (they fail at load time and are recorded). ``source`` and manifest paths may
-    be fsspec URLs, opened with ``storage_options`` (see :mod:`vlfast.extraction.sources.remote`).
-    ``kept``: the WebDataset shard listings an OUT keeps (see :mod:`vlfast.extraction.sources.kept`).
+    listing the first. Missing files are not checked here (they fail at load time and are recorded).
+    ``kept``: the listings and tables an OUT keeps (:mod:`vlfast.extraction.sources.kept`).
     """
     if not isinstance(source, (str, os.PathLike)):
         if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
@@ -90,21 +81,12 @@ def load_inputs(
     path = Path(source)
     name = display_path(path)
     if path.is_dir():
-        samples, problems = load_folder(path)
-        require_samples("folder", name, samples, problems)
-        return samples, problems
+        return require_samples("folder", name, *load_folder(path))
     if is_shard_input(source):
-        samples, problems = load_shards(source, kept=kept)
-        require_samples("WebDataset shards", name, samples, problems)
-        return samples, problems
+        return require_samples("WebDataset shards", name, *load_shards(source, kept=kept))
     if path.suffix.lower() in MANIFEST_SUFFIXES:
         identity = manifest_identity(path, path.parent) if kept is not None and path.is_file() else None
-        listed = (
-            kept.table(identity, lambda: load_manifest(path)) if kept is not None else load_manifest(path)
-        )
-        samples, problems = with_remote(listed, storage_options)
-        require_samples("manifest", name, samples, problems)
-        return samples, problems
+        return manifest_samples(name, lambda: load_manifest(path), kept, identity, storage_options)
     if path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES):
         reason = storable(path.name, (), None)  # as in a folder scan: the path opens as the OS gave it
         if reason:

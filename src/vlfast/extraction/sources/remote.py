@@ -1,20 +1,17 @@
-"""Inputs at URLs: fsspec URLs (``s3://bucket/key``, ``memory://...``) read in place.
-
-INPUT, a folder's files and a manifest's ``path`` values may be URLs with a scheme (``s3://``, ``gs://``,
-``memory://``, ``file://``...); the filesystems, retries and error messages are
-:mod:`vlfast.extraction.objstore`'s. Local paths never reach this module's functions, so a purely local run
-imports no fsspec. Credentials are never shown: a :class:`RemoteFile`'s repr and every message name the URL
-only.
+"""Inputs at fsspec URLs (``s3://bucket/key``, ``memory://...``: INPUT, or a manifest's ``path`` values),
+read in place through :mod:`vlfast.extraction.objstore`. A purely local run never imports fsspec.
+Credentials are never shown: a :class:`RemoteFile`'s repr and every message name the URL only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,7 @@ from vlfast.extraction.objstore import (
     retrying,
     transient_error,
 )
-from vlfast.extraction.sources.folder import is_media_name
+from vlfast.extraction.sources.folder import is_media_name, sorted_found
 from vlfast.extraction.sources.kept import KeptListings, remote_manifest_identity
 from vlfast.extraction.sources.manifest import load_manifest
 from vlfast.extraction.sources.sample import (
@@ -57,8 +54,7 @@ __all__ = ["RemoteFile", "attach", "load_url", "with_remote"]
 
 @dataclass(frozen=True, slots=True)
 class RemoteFile:
-    """One sample's media at a URL, opened through fsspec in the decode worker. ``str()`` is the URL; the
-    storage options are kept out of the repr."""
+    """One sample's media at a URL, opened through fsspec in the decode worker. ``str()`` is the URL."""
 
     url: str
     options_json: str = field(default="{}", repr=False)  # JSON: hashable and picklable
@@ -114,20 +110,18 @@ class RemoteFile:
 def load_url(
     url: str, storage_options: Mapping[str, Any] | None = None, kept: KeptListings | None = None
 ) -> tuple[SampleTable, list[InputProblem]]:
-    """The samples of a folder URL (listed like a local folder: recursive, hidden entries skipped, ids
-    relative to it), a manifest URL (its relative paths relative to its URL), WebDataset shards at a URL (a
-    ``.tar`` or a brace pattern), or one image or video URL (its id is the URL). The INPUT is probed first: an
-    unreachable endpoint, a missing bucket or refused credentials raise RemoteInputError naming the URL."""
+    """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL,
+    or one image or video URL (its id is the URL). The INPUT is probed first: an unreachable endpoint, a
+    missing bucket or refused credentials raise RemoteInputError naming the URL."""
     options = encode_options(storage_options)
     suffix = os.path.splitext(url.rstrip("/"))[1].lower()
     if is_shard_input(url):
-        samples, problems = load_shards(url, storage_options, kept)
-        require_samples("WebDataset shards", url, samples, problems)
-        return samples, problems
+        return require_samples("WebDataset shards", url, *load_shards(url, storage_options, kept))
     info = probe(url, options)
-    if suffix in MANIFEST_SUFFIXES:
+    if suffix in MANIFEST_SUFFIXES:  # copied to a temporary file and read as a local one
         identity = remote_manifest_identity(url, info) if kept is not None else None
-        return _remote_manifest(url, suffix, storage_options, kept, identity)
+        load = functools.partial(_read_remote_manifest, url, suffix, storage_options)
+        return manifest_samples(url, load, kept, identity, dict(storage_options or {}))
     if info.get("type") != "directory":
         if suffix not in IMAGE_SUFFIXES | VIDEO_SUFFIXES:
             raise RemoteInputError(f"input {url} is neither a folder nor an image or video file")
@@ -152,31 +146,23 @@ def _load_folder_url(url: str, options: str) -> tuple[SampleTable, list[InputPro
         else:
             member = RemoteFile(file_url, options)
             found.append((parts, Sample(rel, kind_of(rel), (file_url,), member=member)))
-    found.sort(key=lambda kv: kv[0])
-    samples = SampleTable.of(x for _, x in found if isinstance(x, Sample))
-    problems = [x for _, x in found if not isinstance(x, Sample)]
+    samples, problems = sorted_found(found)
     if not samples and not problems:
         raise EmptyInput(f"input folder {url} holds no image or video file (hidden files are skipped)")
-    return samples, problems  # type: ignore[return-value]
-
-
-def _remote_manifest(
-    url: str,
-    suffix: str,
-    storage_options: Mapping[str, Any] | None,
-    kept: KeptListings | None = None,
-    identity: list[Any] | None = None,
-) -> tuple[SampleTable, list[InputProblem]]:
-    """A manifest at a URL, copied to a temporary file and read as a local one; its relative paths are
-    relative to its URL's folder, its errors name the URL. Its table is kept in OUT (``kept``) when the
-    store gives an ETag, and read from there while the manifest's identity is unchanged."""
-    if kept is not None:
-        got = kept.table(identity, lambda: _read_remote_manifest(url, suffix, storage_options))
-    else:
-        got = _read_remote_manifest(url, suffix, storage_options)
-    samples, problems = with_remote(got, dict(storage_options or {}))
-    require_samples("manifest", url, samples, problems)
     return samples, problems
+
+
+def manifest_samples(
+    name: str,
+    load: Callable[[], tuple[SampleTable, list[InputProblem]]],
+    kept: KeptListings | None,
+    identity: list[Any] | None,
+    storage_options: Mapping[str, Any] | None,
+) -> tuple[SampleTable, list[InputProblem]]:
+    """A manifest's samples: ``load()``'s, or the table ``kept`` keeps for ``identity``, with
+    :func:`with_remote` applied; refused when it gives none (:func:`require_samples`)."""
+    got = load() if kept is None else kept.table(identity, load)
+    return require_samples("manifest", name, *with_remote(got, storage_options))
 
 
 def _read_remote_manifest(
@@ -198,9 +184,9 @@ def _read_remote_manifest(
 def attach(
     samples: Sequence[Sample], storage_options: Mapping[str, Any] | None = None
 ) -> tuple[SampleTable, list[InputProblem]]:
-    """``samples`` with a :class:`RemoteFile` on each whose path is a URL; a frame list of URLs is a
-    problem (not supported yet). Each bucket is probed once: an unreachable endpoint, missing bucket or
-    refused credentials raise before any work, while a missing object is left to the worker to record."""
+    """``samples`` with a :class:`RemoteFile` on each whose path is a URL (a frame list of URLs is a
+    problem). Each bucket is probed once, so a bad endpoint or credentials raise before any work; a missing
+    object is left to the worker to record."""
     options = encode_options(storage_options)
     out = SampleTableBuilder()
     problems: list[InputProblem] = []

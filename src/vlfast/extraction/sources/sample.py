@@ -1,15 +1,10 @@
 """The leaf of extraction's inputs: what a sample is, what a bad input row is, and what the store can hold.
 
-A *sample* is one image, one video file, or one clip given as a list of frame images, optionally with a
-text; for ``embedding`` features also a text alone (kind ``"text"``, no paths). Ids are what the
-feature store keys on, so they must be unique and storable: a folder's ids are paths relative to it
-(:mod:`~vlfast.extraction.sources.folder`), a manifest's are its ``id`` column or the path
-(:mod:`~vlfast.extraction.sources.manifest`), WebDataset shards' are ``{shard}/{__key__}``
-(:mod:`~vlfast.extraction.sources.webdataset`). Nothing is silently dropped: a row or entry that cannot become
-a sample is an :class:`InputProblem` naming the file and line or row, recorded in OUT/errors while the run
-goes on; an input that gives nothing at all raises (:func:`require_samples`).
-
-Imports nothing from the other sources: they all import this.
+A *sample* is one image, one video file, or one clip of frame images, optionally with a text; for
+``embedding`` also a text alone (kind ``"text"``, no paths). Ids key the feature store, so they must be
+unique and storable. Nothing is silently dropped: a row or entry that cannot become a sample is an
+:class:`InputProblem`, recorded in OUT/errors while the run goes on; an input giving nothing at all raises
+(:func:`require_samples`). Imports nothing from the other sources: they all import this.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Literal, TypeVar
 
 from vlfast.errors import InputRefused
 from vlfast.extraction.ids import MAX_ID_BYTES
@@ -58,24 +53,19 @@ Kind = Literal["image", "video", "frames", "text"]
 
 _SHOWN_PROBLEMS = 5  # how many problems an input's refusal lists
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_Samples = TypeVar("_Samples", bound=Sequence["Sample"])
 
 
-# Where a sample's bytes are when they are not a local file of its own, read in place by the decoders: a
-# WebDataset tar member (sources.webdataset.TarMember) or an object at a URL (sources.remote.RemoteFile).
-# ``str()`` names it in error records.
+# Where a sample's bytes are when not a local file of its own: a tar member (sources.webdataset.TarMember) or
+# an object at a URL (sources.remote.RemoteFile). ``str()`` names it in error records.
 Member = MediaObject
 
 
 @dataclass(frozen=True, slots=True)  # slots: 15% less memory per sample in a listing of millions
 class Sample:
-    """One unit of extraction. ``paths`` holds one file, or the frames of a clip in order.
-
-    For a member of a WebDataset tar shard, ``member`` says where its bytes are and ``paths`` holds its
-    display name ``{shard}/{member name}`` (see :mod:`vlfast.extraction.sources.webdataset`). For a URL,
-    ``member`` is a :class:`~vlfast.extraction.sources.remote.RemoteFile` and ``paths`` holds the URL.
-
-    ``text`` and ``instruction`` are what an ``embedding`` embeds with the media (a manifest's columns);
-    a ``"text"`` sample has no paths and a non-empty ``text``."""
+    """One unit of extraction. ``paths`` holds one file, or the frames of a clip in order; for a tar member
+    or a URL, its display name, and ``member`` says where its bytes are. ``text`` and ``instruction`` are
+    what an ``embedding`` embeds with the media; a ``"text"`` sample has no paths and a non-empty ``text``."""
 
     id: str
     kind: Kind
@@ -112,7 +102,7 @@ class Sample:
 
     @property
     def media(self) -> Media:
-        """What decoding reads: its member read in place, else its first file (a frame list's first frame)."""
+        """What decoding reads: its member, else its first file."""
         return self.member if self.member is not None else self.paths[0]
 
     @property
@@ -133,7 +123,7 @@ class InputProblem:
 
 
 class EmptyInput(InputRefused):
-    """A folder or manifest that holds no sample and no bad row: most likely the wrong input was named."""
+    """An input that holds no sample and no bad row: most likely the wrong input was named."""
 
 
 def _suffix_list(suffixes: Iterable[str]) -> str:
@@ -160,8 +150,8 @@ def is_posix_form(path: str) -> bool:
 
 
 def posix_form(path: str) -> str:
-    """``PurePosixPath(path).as_posix()``, what an id taken from a path is; the path itself when it is already
-    in that form (the common case, and 5x quicker than pathlib on a manifest of millions of rows)."""
+    """``PurePosixPath(path).as_posix()``, what an id taken from a path is; 5x quicker than pathlib where
+    ``path`` is already in that form (the common case)."""
     return path if is_posix_form(path) else PurePosixPath(path).as_posix()
 
 
@@ -186,8 +176,8 @@ def quoted(text: str, limit: int = 80) -> str:
 
 
 def display_path(path: str | os.PathLike) -> str:
-    """A path as a problem's ``where``: a path from the file system may hold non-UTF-8 bytes (as
-    surrogates), shown as \\xff so the record itself can always be written."""
+    """A path as a problem's ``where``: non-UTF-8 bytes (surrogates) shown as \\xff, so the record can be
+    written."""
     text = os.fsdecode(path)
     try:
         raw = text.encode("utf-8", "surrogateescape")
@@ -197,8 +187,8 @@ def display_path(path: str | os.PathLike) -> str:
 
 
 def unreadable_json(e: ValueError | RecursionError) -> str:
-    """Why valid JSON could not be read all the same: an integer past Python's limit on digits (``int``
-    refuses it, so ``json`` raises a plain ValueError) or nesting past the parser's recursion limit."""
+    """Why valid JSON could not be read all the same: an integer past Python's limit on digits (a plain
+    ValueError) or nesting past the recursion limit."""
     if isinstance(e, RecursionError):
         return "JSON nested too deeply to read (lists or objects within each other); flatten it"
     digits = re.search(r"value has (\d+) digits", str(e))
@@ -231,11 +221,8 @@ def storable(
     id_from_path: bool = False,
     texts: dict[str, str | None] | None = None,
 ) -> str | None:
-    """Why a sample with these fields could not be stored or loaded, or None. Every input kind uses this.
-
-    The store writes ids as UTF-8 into Parquet, JSON and shard headers, and the loaders hand paths to the OS,
-    so a lone surrogate (valid JSON ``"\\ud800"``, or a non-UTF-8 byte) or a NUL would crash far from the row.
-    """
+    """Why a sample with these fields could not be stored or loaded, or None. The store writes ids as UTF-8
+    and the loaders hand paths to the OS, so a lone surrogate or a NUL would crash far from the row."""
     what = "id (taken from the path)" if id_from_path else "id"
     reason = _text_problem(what, sample_id)
     if reason:
@@ -255,11 +242,13 @@ def storable(
     return None
 
 
-def require_samples(kind: str, name: str, samples: Sequence[Sample], problems: list[InputProblem]) -> None:
-    """Raise when a folder, manifest or set of shards gave nothing to extract: the wrong input, not a run
-    with gaps. :class:`EmptyInput` when there were no problems either, else InputRefused listing the first."""
+def require_samples(
+    kind: str, name: str, samples: _Samples, problems: list[InputProblem]
+) -> tuple[_Samples, list[InputProblem]]:
+    """``(samples, problems)``; raise when an input gave nothing to extract: :class:`EmptyInput` without
+    problems either, else InputRefused listing the first."""
     if len(samples):
-        return
+        return samples, problems
     if not problems:
         if kind == "folder":
             raise EmptyInput(

@@ -99,12 +99,8 @@ class SampleTable(Sequence[Sample]):
         if not -n <= k < n:
             raise IndexError(f"sample {k} of a table of {n}")
         k = int(k) % n if k < 0 else int(k)
-        return self._sample(
-            k,
-            self._ids[k].as_py(),
-            self._names[k].as_py(),
-            {name: col[k].as_py() for name, col in self._optional.items()},
-        )
+        optional = {name: col[k].as_py() for name, col in self._optional.items()}
+        return self._sample(k, self._ids[k].as_py(), self._names[k].as_py(), optional)
 
     def _sample(self, k: int, sample_id: str, name: bytes, optional: dict[str, bytes | None]) -> Sample:
         code = int(self._kinds[k])
@@ -115,16 +111,9 @@ class SampleTable(Sequence[Sample]):
         else:
             d = int(self._dir[k])
             paths = ((self._dirs[d] if d >= 0 else "") + _decode(name),)
-        texts = {key: None if v is None else _decode(v) for key, v in optional.items()}
-        return Sample(
-            sample_id,
-            KINDS[code],  # type: ignore[arg-type]
-            paths,
-            texts.get("prompt"),
-            None if self._members is None else self._members[k],
-            text=texts.get("text"),
-            instruction=texts.get("instruction"),
-        )
+        texts = {key: None if v is None else _decode(v) for key, v in optional.items()}  # Sample's fields
+        member = None if self._members is None else self._members[k]
+        return Sample(sample_id, KINDS[code], paths, member=member, **texts)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Sample]:
         for start in range(0, len(self), _CHUNK):
@@ -216,10 +205,9 @@ class SampleTable(Sequence[Sample]):
             member_rows = np.array([members[int(k)] is not None for k in rows], bool)
         done = np.zeros(len(rows), bool)
         if isinstance(members, _Members) and "shard" in members.columns and member_rows.any():
-            done = member_rows
             at = np.flatnonzero(member_rows)
             place[at] = hash_bytes(self._members_where(rows[at], resolve))
-            member_rows = np.zeros(len(rows), bool)  # done, as columns
+            done, member_rows = member_rows, done  # done, as columns
         other = (codes == _FRAMES) | (codes == _TEXT) | member_rows
         whole = np.flatnonzero((d < 0) & ~other & ~done)  # a path kept whole (past the folders kept once)
         if len(whole):
@@ -252,18 +240,8 @@ class SampleTable(Sequence[Sample]):
         return pc.binary_join_element_wise(*fields, pa.scalar(b"\x00", binary))
 
     def _where_one(self, k: int, resolve: Callable[[str], str]) -> bytes:
-        code = int(self._kinds[k])
-        if code == _TEXT:
-            return b""
-        if code == _FRAMES:
-            return b"\x00".join(_encode(resolve(p)) for p in self._frames[k])
         member = None if self._members is None else self._members[k]
-        shard = getattr(member, "shard", None)
-        if isinstance(shard, str):  # a tar member: its shard, name, offset and size
-            return b"\x00".join(
-                [_encode(resolve(shard)), _encode(member.name), b"%d" % member.offset, b"%d" % member.size]
-            )
-        return _encode(str(member))  # another member (a URL): as it names itself
+        return place_bytes(KINDS[int(self._kinds[k])], self._frames.get(k, ()), member, resolve)
 
     def _take_members(self, idx: np.ndarray) -> _Members | list[Member | None] | None:
         if self._members is None or isinstance(self._members, _Members):
@@ -371,6 +349,21 @@ class SampleTable(Sequence[Sample]):
             raise ValueError("the frame lists do not match the rows of kind 'frames'")
         optional = {key: batch.column(key) for key in extras["optional"]}
         return cls(batch.column("ids"), kinds, dirs, folders, batch.column("names"), frames, optional, None)
+
+
+def place_bytes(kind: str, paths: Sequence[str], member: Any, resolve: Callable[[str], str]) -> bytes:
+    """Where a text, a clip or a sample with a member has its bytes, as :meth:`SampleTable.identity_keys`
+    hashes it (a sample has one place, whether in a table or alone)."""
+    if kind == "text":
+        return b""
+    if kind == "frames":
+        return b"\x00".join(_encode(resolve(p)) for p in paths)
+    shard = getattr(member, "shard", None)
+    if isinstance(shard, str):  # a tar member: its shard, name, offset and size
+        return b"\x00".join(
+            [_encode(resolve(shard)), _encode(member.name), b"%d" % member.offset, b"%d" % member.size]
+        )
+    return _encode(str(member))  # another member (a URL): as it names itself
 
 
 class _Members:
