@@ -1,9 +1,8 @@
 """``extract``: run a model over images and videos and store per-sample features, resumably.
 
-Validate once (:class:`~vlfast.extraction.config.ExtractConfig`), plan (:mod:`~vlfast.extraction.plan`:
-everything up to the store reads only, so bad input, a different configuration, different weights or a
-finished OUT are answered before a lock is taken or a model is built), dispatch to an engine
-(:mod:`~vlfast.extraction.engines`).
+Validate once (:class:`~vlfast.extraction.config.ExtractConfig`), plan (:mod:`~vlfast.extraction.plan`,
+which reads only: bad input, a different configuration or a finished OUT are answered before a lock is taken
+or a model is built), dispatch to an engine (:mod:`~vlfast.extraction.engines`).
 """
 
 from __future__ import annotations
@@ -112,19 +111,14 @@ def extract_ray(
     cpus_per_worker: float = 1.0,
     **options: Any,
 ) -> ExtractSummary:
-    """:func:`extract` on a Ray cluster (:class:`~vlfast.extraction.engines.ray.RayEngine`); the same
-    keyword arguments (``options``).
+    """:func:`extract` on a Ray cluster (:class:`~vlfast.extraction.engines.ray.RayEngine`, whose docstring
+    says what ``ray_address``, ``ray_workers``, ``num_gpus_per_worker`` and ``cpus_per_worker`` do); the
+    same keyword arguments (``options``).
 
-    ``ray_address``: the cluster (``ray://head:10001``, ``head:6379``, ``auto``); default ``RAY_ADDRESS``,
-    else a cluster started with ``ray start`` on this machine, else a local one for this call (shut down
-    at the end). ``ray_workers`` model actors, each with ``num_gpus_per_worker`` GPUs (default 1 when
-    ``device`` is CUDA, else 0: CPU) and ``cpus_per_worker`` CPUs. ``num_workers`` is the number of decode
-    actors (1 CPU each; default: as many as the cluster's free CPUs allow, scaled by Ray Data). Without a
-    GPU the device defaults to CPU; with GPUs, to CUDA (bfloat16), whatever the driver machine has.
-    ``rank``/``world_size`` are refused: the actors share the work. OUT must be a folder every node sees
-    (a shared filesystem whose ``flock`` works across nodes when actors run on several), or an fsspec URL
-    (``s3://bucket/out``, with ``storage_options``): then each model actor takes a fresh rank from a counter
-    actor and commits at the end of each call.
+    ``num_workers`` is the number of decode actors (1 CPU each; default: as many as the cluster's free CPUs
+    allow). Without a GPU the device defaults to CPU; with GPUs, to CUDA, whatever the driver machine has.
+    ``rank``/``world_size`` are refused. OUT must be a folder every node sees (whose ``flock`` works across
+    nodes), or an fsspec URL: then each model actor takes a fresh rank and commits at the end of each call.
     """
     from vlfast.extraction.engines.ray import RayEngine
 

@@ -1,13 +1,12 @@
 """SIGTERM handled like Ctrl-C, and neither one cutting a commit in half.
 
-Slurm, Kubernetes and spot preemption end a job with SIGTERM, then SIGKILL 30-120 s later. Python's default
-for SIGTERM is to die on the spot, losing up to ``commit_every`` seconds of work. While an extract runs,
-SIGTERM raises :class:`Terminated` instead, a ``KeyboardInterrupt``, so the run unwinds exactly as it does on
-Ctrl-C: stores commit what they buffered and release their locks on the way out.
+Slurm, Kubernetes and spot preemption end a job with SIGTERM, then SIGKILL 30-120 s later; Python's default
+is to die on the spot, losing up to ``commit_every`` seconds of work. While an extract runs, SIGTERM raises
+:class:`Terminated`, a ``KeyboardInterrupt``, so the run unwinds as on Ctrl-C: stores commit what they
+buffered and release their locks.
 
-Either signal arriving inside a commit (a shard, an index part, an error line being written) waits until
-the commit ends: raising in the middle of one would leave the store's buffer and its index out of step, and
-the commit run again on the way out would write the same samples twice.
+Either signal arriving inside a commit waits until the commit ends: raising in the middle of one would leave
+the store's buffer and its index out of step, and the commit on the way out would write samples twice.
 """
 
 from __future__ import annotations
@@ -34,10 +33,9 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a proces
 _Handler = Callable[[int, Any], Any]
 _depth = 0  # commit sections the main thread is inside
 _pending: list[tuple[_Handler, int]] = []  # handlers held back until the outermost section ends
-# Terminated exceptions Python dropped inside sigterm_like_sigint. An exception raised where it cannot
-# propagate (a finalizer, an at-fork hook such as logging's after each decode worker's fork) goes to
-# sys.unraisablehook and is printed as "Exception ignored": a SIGTERM landing there would be lost, and the
-# run would go on to exit 0. raise_if_terminated() and the block's end raise it again.
+# Terminated exceptions Python dropped inside sigterm_like_sigint: one raised where it cannot propagate (a
+# finalizer, logging's at-fork hook) goes to sys.unraisablehook, and the run would go on to exit 0.
+# raise_if_terminated() and the block's end raise it again.
 _dropped: list[BaseException] = []
 
 
@@ -65,8 +63,7 @@ def commit_section() -> Iterator[None]:
         yield
     finally:
         _depth -= 1
-    # Reached only when the block succeeded: after a failure the error unwinds the run anyway, and a held
-    # signal runs at the end of the next section (the store's closing commit).
+    # Reached only when the block succeeded: after a failure a held signal runs after the next section.
     if _depth == 0 and _pending:
         handler, signum = _pending[-1]
         _pending.clear()
@@ -130,8 +127,8 @@ def sigterm_handler() -> _Handler:
 @contextlib.contextmanager
 def sigterm_like_sigint() -> Iterator[None]:
     """While the block runs in the main thread, SIGTERM raises :class:`Terminated` and Ctrl-C its
-    ``KeyboardInterrupt``, both after any commit in progress. A handler someone else installed (an
-    application's own, a framework's) is left alone. The previous handlers come back at the end."""
+    ``KeyboardInterrupt``, both after any commit in progress. A handler someone else installed is left
+    alone; the previous handlers come back at the end."""
     if not _main_thread():
         yield
         return

@@ -1,11 +1,9 @@
 """The decode stage every engine runs: a :class:`Sample` in, a :class:`DecodedSample` (the model's input) or
 the reason it failed out, never an exception.
 
-The local engine runs it in its worker pool, the Ray engine in its decode actors (which send a
-``DecodedSample`` on as an Arrow row: ``engines.ray``). Failures keep the worker pool's form, a dict
-``{"i", "ok": False, "reason"}`` (plus ``"unexpected": True`` and ``"traceback"`` for a bug rather than bad
-media, see :func:`~vlfast.extraction.decode.workers.unexpected_item`), since the pool makes them too (a dead
-or hung worker).
+The local engine runs it in its worker pool, the Ray engine in its decode actors. Failures keep the worker
+pool's form, a dict ``{"i", "ok": False, "reason"}`` (plus ``"unexpected": True`` and ``"traceback"`` for a
+bug rather than bad media: :func:`~vlfast.extraction.decode.workers.unexpected_item`).
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class DecodedSample:
     meta: dict[str, Any] = field(default_factory=dict)  # what preprocessing recorded (frames, sizes, prompt)
     input_ids: torch.Tensor | None = None  # the prompt's token ids, for llm features
     ref: Any = None  # what the consumer maps it back to its sample with (the Ray engine's row)
-    # what its input was when read: the index's ``input`` (decode/inputs.py)
-    input: dict[str, Any] | None = None
+    input: dict[str, Any] | None = None  # what its input was when read (decode/inputs.py)
 
     @property
     def cost(self) -> int:
@@ -75,12 +72,10 @@ class SampleDataset:
         default_prompt: str,
         hook: Callable[[Sample], None] | None = None,
     ):
-        # A SampleTable is kept as it is (its samples are made as they are decoded); a list is copied
         self.samples = samples if isinstance(samples, SampleTable) else list(samples)
         self.pre, self.prompts = pre, prompts
         self.default_prompt = default_prompt
         self.hook = hook  # tests inject faults here (a crashing or hanging decoder)
-        # The row texts the features read, which identify the input with its bytes (sources/identity.py)
         self.texts = texts_used(prompts is not None, isinstance(prompts, EmbeddingPrompt))
 
     def __len__(self) -> int:
@@ -121,9 +116,7 @@ class SampleDataset:
             return item
         except (SampleError, TransientReadError) as e:  # bad media or input, or storage that did not answer
             return {"i": i, "ok": False, "reason": str(e)}
-        except Exception as e:  # noqa: BLE001 - a worker must never kill the run; the caller decides
-            # Not a media problem but a bug (an AttributeError after a refactor): never recorded as the
-            # sample's error, which would make it done; see engines.base.UnexpectedErrors.
+        except Exception as e:  # noqa: BLE001 - a bug, not the media: never recorded (UnexpectedErrors)
             return unexpected_item(i, e)
 
 
@@ -140,15 +133,12 @@ def prepare_decoding(
     images: bool,
     embedding: EmbeddingPrompt | None = None,
 ) -> tuple[Preprocessor, PromptBuilder | EmbeddingPrompt | None]:
-    """What decoding needs, built once where samples are decoded (this process, or a Ray decode actor):
-    the model's own preprocessing, which leaves videos as uint8 patches to be normalised where the model
-    runs, and for ``llm`` the prompt builder with its tokenizer loaded, so forked workers inherit both.
-    ``embedding`` (its ``builder`` left None: made here) asks for the embedding conversation instead."""
-    # A reference has no processor files: its family's published defaults apply (cfg).
+    """What decoding needs, built once where samples are decoded, so forked workers inherit it: the model's
+    own preprocessing (videos left as uint8 patches, normalised where the model runs), and for ``llm`` the
+    prompt builder with its tokenizer loaded. ``embedding`` asks for the embedding conversation instead."""
     pre = Preprocessor(cfg, image_processor_dir=ModelRef.of(model).folder, defer_video_normalize=True)
     if images and cfg.image_processor not in TORCHVISION_IMAGE_PROCESSORS:
-        # transformers' processor runs for images: import and build it once here, so forked workers inherit it
-        pre.image_processor()
+        pre.image_processor()  # transformers' processor runs for images: built once here
     prompts = None
     if needs_llm:
         prompts = PromptBuilder(model, family, cfg.merge_size, cfg.temporal_patch_size, cfg.video_wrapper)

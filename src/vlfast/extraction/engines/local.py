@@ -9,11 +9,8 @@ Per rank::
       -> forward (convs patched; an out-of-memory batch is split and retried)
       -> FeatureStore (atomic shard commits by size or every ``commit_every`` seconds, errors file)
 
-Decoding and preprocessing run in worker processes while the main process computes, so on a machine with
-a free core the end-to-end time approaches the model's own forward time.
-
-Torch, the model and the decode pool are imported once there is work (:meth:`LocalEngine.run`): ``configure``
-needs none of them for the CPU, so a finished OUT is answered without importing torch.
+Torch, the model and the decode pool are imported once there is work (:meth:`LocalEngine.run`), so a
+finished OUT on the CPU is answered without importing torch.
 """
 
 from __future__ import annotations
@@ -55,16 +52,14 @@ class LocalEngine:
             self.hooks = hooks
 
     def configure(self, config: ExtractConfig) -> ExtractConfig:
-        """The device must exist here: refused (exit 2, naming --device) before OUT is written, not when
-        the model is moved onto it. (Torch is asked only for a device other than the CPU.)"""
+        """The device must exist here: refused (exit 2, naming --device) before OUT is written."""
         problem = device_problem(config.device_name)
         if problem is not None:
             raise InputRefused(f"--device {config.device}: {problem}; use another --device or leave it out")
         return config
 
     def cpu_warnings(self, config: ExtractConfig) -> None:
-        """Warn of what makes a CPU run slower or its bits depend on the batch (imports torch; tens of ms):
-        said when there is something to extract, not on a finished OUT, which runs nothing."""
+        """Warn of what makes a CPU run slower or its bits depend on the batch (imports torch; tens of ms)."""
         if config.device_type != "cpu":
             return
         import torch
@@ -112,7 +107,6 @@ class _Extraction:
 
         config, plan = session.config, session.plan
         self.session, self.todo = session, session.todo
-        # Workers send videos as uint8 patches, normalised here (on the device when there is one).
         pre, prompts = prepare_decoding(
             loaded.spec,
             loaded.family,

@@ -1,10 +1,9 @@
 """Packing preprocessed samples into batches by token budget, and surviving out-of-memory batches.
 
-The vision tower takes one flat sequence of patches with ``grid_thw`` marking where each sample begins,
-so a batch costs what its patches cost and needs no padding: batches are filled greedily, in arrival
-order, up to ``max_tokens`` patches (a sample bigger than the budget runs alone). When a batch still runs
-out of memory it is split in half and each half retried; a sample that fails alone is reported to the
-caller as an error, never fatal to the run.
+The vision tower takes one flat sequence of patches (``grid_thw`` marks where each sample begins), so a
+batch costs what its patches cost: batches are filled greedily, in arrival order, up to ``max_tokens``
+patches. A batch that runs out of memory is split in half and each half retried; a sample that fails
+alone is reported to the caller as an error.
 """
 
 from __future__ import annotations
@@ -39,10 +38,7 @@ def pack(
     items: Iterable[T], cost: Callable[[T], int], budget: TokenBudget, *, first_alone: bool = False
 ) -> Iterator[list[T]]:
     """Greedy in-order packing: yield a batch as soon as the next item would overflow the budget.
-
-    ``first_alone`` yields the first item by itself, so the model starts as soon as one sample is ready
-    instead of waiting for a full batch while the workers start up.
-    """
+    ``first_alone`` yields the first item by itself, so the model starts as soon as one sample is ready."""
     batch: list[T] = []
     used = 0
     for item in items:
@@ -71,11 +67,9 @@ def pack_padded(
     """Batches for a model that pads each row to the batch's longest (the whole VLM for ``llm`` and
     ``embedding``): a batch costs ``len(batch) * longest``, which must fit ``max_tokens``.
 
-    Items are taken ``window`` at a time (default ``4 * max_samples``) and sorted by length before packing,
-    so rows of like length share a batch and little of each forward is padding (a text of 40 tokens beside
-    an image of 1,200 would otherwise run as 1,200); a batch also ends where the next row is over
-    ``1 + max_padding`` times its shortest, which bounds the padding to that share. Every item comes out
-    exactly once; only the order within a window changes. ``first_alone`` as in :func:`pack`.
+    Items are taken ``window`` at a time (default ``4 * max_samples``) and sorted by length, so rows of like
+    length share a batch; a batch also ends where the next row is over ``1 + max_padding`` times its
+    shortest. Only the order within a window changes. ``first_alone`` as in :func:`pack`.
     """
     max_padding = 0.25
     window = window or 4 * budget.max_samples
@@ -121,9 +115,9 @@ def is_oom(error: BaseException) -> bool:
     return False
 
 
-class _Failed(Generic[T]):
+class Failed(Generic[T]):
     """An item that ran out of memory even alone; ``error`` is the allocator's message (text only: the
-    exception itself would keep the failed forward's frames, and their tensors, alive)."""
+    exception would keep the failed forward's frames, and their tensors, alive)."""
 
     def __init__(self, item: T, error: str):
         self.item, self.error = item, error
@@ -134,15 +128,12 @@ def run_split_on_oom(
     fn: Callable[[Sequence[T]], list[R]],
     *,
     on_oom: Callable[[int], None] | None = None,
-) -> list[R | _Failed[T]]:
+) -> list[R | Failed[T]]:
     """``fn(batch)``, splitting the batch in halves on out-of-memory until single samples fail.
 
-    Returns one entry per item, in order: ``fn``'s result, or a :class:`_Failed` holding the item and its
-    OOM message when even that item alone does not fit. Other exceptions propagate.
-
-    The halves run after the ``except`` block has ended, with only the error's message kept: the exception's
-    traceback holds the failed attempt's frames, and with them its activations, so retrying inside the
-    handler would run each half with the whole batch's memory still allocated (and split again).
+    Returns one entry per item, in order: ``fn``'s result, or a :class:`Failed` when even that item alone
+    does not fit. Other exceptions propagate. The halves run after the ``except`` block has ended: the
+    traceback holds the failed attempt's activations, which a retry inside the handler would still hold.
     """
     try:
         return _checked(batch, fn(batch))
@@ -155,7 +146,7 @@ def run_split_on_oom(
     if on_oom is not None:
         on_oom(len(batch))
     if len(batch) == 1:
-        return [_Failed(batch[0], message)]
+        return [Failed(batch[0], message)]
     half = len(batch) // 2
     return run_split_on_oom(batch[:half], fn, on_oom=on_oom) + run_split_on_oom(
         batch[half:], fn, on_oom=on_oom
@@ -176,6 +167,3 @@ def _free_device_memory() -> None:
     mps = getattr(torch, "mps", None)
     if mps is not None and torch.backends.mps.is_available():
         mps.empty_cache()
-
-
-Failed = _Failed

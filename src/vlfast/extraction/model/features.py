@@ -9,8 +9,7 @@ Feature names (several at once):
 - ``llm``: LLM hidden states for a prompt about the sample: for each chosen layer and pooling,
   ``llm.{pool}.layer{L}`` of shape (D_text,), with ``pool`` "last" (last prompt token) or "mean"
   (mean over all tokens). Layer indices follow ``output_hidden_states``: 0 is the embeddings, -1 the last
-  (after the final norm). They are read by hooks on the requested decoder layers, and the forward stops
-  after the deepest (:class:`HiddenStateTaps`), not by keeping every layer's hidden states;
+  (after the final norm); read by hooks (:class:`HiddenStateTaps`);
 - ``embedding``: Qwen3-VL-Embedding's vector, (D,) float32: the final-norm hidden state at the last token
   of the recipe's conversation (:mod:`vlfast.extraction.decode.embedding`), L2-normalised; with ``dim``
   (Matryoshka) its first ``dim`` values, normalised again.
@@ -95,12 +94,9 @@ def vision_features(
 def deepstack_skipped(tower: nn.Module, skip: bool = True) -> Iterator[None]:
     """Within the block, ``tower`` skips its DeepStack mergers (Qwen3-VL and its MoE/Omni siblings).
 
-    Each merger is a two-layer MLP on the merged tokens at one depth (three in Qwen3-VL), about 6% of a
-    2B tower's forward, and nothing else in the tower reads them: the merged tokens are bit-identical
-    with or without them. The tower lists the depths in ``deepstack_visual_indexes`` and runs a merger
-    where a block's index is in it, so an empty list skips them all; the list is restored on exit. Towers
-    without the attribute (Qwen2/2.5-VL, GLM-4V), or a transformers version that reads the depths from
-    elsewhere, run unchanged: the skip only ever saves work, it never changes a result.
+    The mergers (about 6% of a 2B tower's forward) feed nothing else in the tower: the merged tokens are
+    bit-identical without them. An empty ``deepstack_visual_indexes`` skips them all; the list is restored
+    on exit. Towers without the attribute run unchanged: the skip only ever saves work.
     """
     depths = getattr(tower, "deepstack_visual_indexes", None)
     if not skip or not depths:
@@ -143,18 +139,14 @@ class TowerTap:
         self._handle.remove()
 
 
-# Where a VLM keeps its decoder (the module holding the decoder layers and the final norm), tried in this
-# order. transformers 5 puts it at ``model.language_model`` under every ...ForConditionalGeneration of the
-# families extract supports (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, GLM-4.1V); ``language_model`` is
-# the bare ...Model, ``model`` a text-only ...ForCausalLM.
+# Where a VLM keeps its decoder (its layers and final norm), tried in order: transformers 5's
+# ...ForConditionalGeneration, the bare ...Model, a text-only ...ForCausalLM.
 DECODER_PATHS = ("model.language_model", "language_model", "model")
 
 
 def find_decoder(model: nn.Module) -> tuple[str, nn.Module, nn.ModuleList]:
-    """The language model's decoder in ``model``: (its path, the module, its non-empty ``layers`` list).
-
-    Raises :class:`InputRefused` naming the model's class when none of :data:`DECODER_PATHS` holds one:
-    ``llm`` features read hidden states through hooks on those layers, and never fall back silently."""
+    """The language model's decoder in ``model``: (its path, the module, its non-empty ``layers`` list);
+    :class:`InputRefused` naming the model's class when none of :data:`DECODER_PATHS` holds one."""
     for path in DECODER_PATHS:
         module: Any = model
         for part in path.split("."):
@@ -175,16 +167,14 @@ class _Stop(Exception):
 
 class HiddenStateTaps:
     """Forward hooks that hand the requested LLM hidden states to ``take(index, h)`` during a whole-model
-    forward, and stop the forward right after the deepest one (later layers, the final norm and the LM head
-    are never run). Only the states asked for are ever seen; ``take`` pools them at once.
+    forward, and stop the forward right after the deepest one (the LM head is never run).
 
-    Indices are those of ``output_hidden_states``, and each state is captured where transformers 5
-    captures it (so the values are bit-identical, tested): with n decoder layers,
+    Indices are those of ``output_hidden_states``, each captured where transformers 5 captures it (the
+    values are bit-identical, tested): with n decoder layers,
 
     - 0: the input of the first decoder layer (the embeddings, vision tokens in place);
-    - k in 1..n-1: what decoder layer k (counting from 1) returns. For Qwen3-VL this is before the DeepStack
-      features are added to it: the language model adds them after the layer returns, so they show in
-      state k + 1, as in ``output_hidden_states``;
+    - k in 1..n-1: what decoder layer k (counting from 1) returns (for Qwen3-VL before the DeepStack
+      features are added: they show in state k + 1, as in ``output_hidden_states``);
     - n, or -1: the decoder's ``last_hidden_state``, after its final norm (transformers replaces the last
       layer's output with it).
     """
@@ -258,9 +248,8 @@ def llm_inputs(
     dtype: torch.dtype,
     padding_side: str = "right",
 ) -> tuple[dict[str, Any], list[int]]:
-    """The whole model's keyword inputs for a batch of samples (prompts padded on ``padding_side``; images
-    and videos as the processor would pass them, ``pixel_values`` / ``pixel_values_videos``; a text sample
-    has none), and each prompt's length."""
+    """The whole model's keyword inputs for a batch of samples (prompts padded on ``padding_side``, media
+    as the processor would pass them), and each prompt's length."""
     lengths = [int(it.input_ids.numel()) for it in items]
     longest = max(lengths)
     ids = torch.full((len(items), longest), pad_token_id, dtype=torch.int64)
@@ -294,8 +283,7 @@ def _modality(item: DecodedSample) -> str:
 
 def embedding_of(hidden: torch.Tensor, dim: int | None) -> torch.Tensor:
     """Qwen3-VL-Embedding's vector from the last token's final-norm hidden state: L2-normalised in float32;
-    with ``dim`` (Matryoshka) the first ``dim`` values normalised again (the same as cutting the
-    unnormalised state, normalisation being a positive scale)."""
+    with ``dim`` (Matryoshka) its first ``dim`` values (cut before normalising: the same vector)."""
     h = hidden.float()
     if dim is not None:
         h = h[:dim]
@@ -319,11 +307,9 @@ def compute_llm_features(
     """One whole-model forward for a batch of samples (right-padded prompts, or left: the same vectors),
     up to the deepest layer asked (the last for ``embedding``).
 
-    Each item holds ``pixel_values`` (on the CPU), ``grid`` (t, h, w), ``kind`` and ``input_ids``. The
-    requested hidden states are pooled as the forward reaches them (:class:`HiddenStateTaps`), so at most
-    one layer's (B, L, D) is held beyond the forward's own working set, and the forward stops after the
-    deepest: ``--layers -1`` runs every layer and the final norm but not the LM head. The tower's outputs
-    are captured by a hook, images first then videos, as the model calls it.
+    The requested hidden states are pooled as the forward reaches them (:class:`HiddenStateTaps`), so at
+    most one layer's (B, L, D) is held beyond the forward's own. The tower's outputs are captured by a
+    hook, images first then videos, as the model calls it.
     """
 
     inputs, _ = llm_inputs(
@@ -402,12 +388,9 @@ def cast_for_store(
     feats: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor] | None, str | None]:
     """One sample's features with every floating tensor cast to ``dtype`` (``--store-dtype``), or (None,
-    why) when the cast would turn a finite value into inf: the store dtype cannot hold this sample, and
-    storing it would be a silent inf. A NaN or inf the model computed is kept as computed (extraction does
-    not judge values); only what the cast changes is refused. Integers are left alone.
-
-    The cost is one reduction per tensor (its largest magnitude, no copy) beside the cast itself; the exact
-    element test runs only when that maximum is past ``dtype``'s largest value (or not finite)."""
+    why) when the cast would turn a finite value into inf. A NaN or inf the model computed is kept as
+    computed; only what the cast changes is refused. Integers are left alone. The exact element test runs
+    only when a tensor's largest magnitude is past ``dtype``'s largest value (or not finite)."""
     limit = torch.finfo(dtype).max
     out: dict[str, torch.Tensor] = {}
     for name, t in feats.items():

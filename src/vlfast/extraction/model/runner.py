@@ -2,13 +2,11 @@
 token budget, run each batch (split in half on out-of-memory), and add the results to a store.
 
 On the CPU each sample of a batch gets a forward of its own (:func:`runs_alone`): a batched forward gives a
-sample bits that depend on its batch-mates. Found on a 2-core AMD EPYC limited to AVX2 (issue 46): a
-resumed run's ``llm.last.layer2`` differed from an uninterrupted run's in its last bits, because
-``scaled_dot_product_attention`` over a row padded to its batch's longest sums the softmax in another order
-than over the row alone (on AVX-512 too: a row of 20 tokens padded to 64, or of 7 padded to 9), and a
-product's rows can change with the rows beside them (MKL on that AMD EPYC, in every ``MKL_CBWR`` mode). Alone,
-every shape a sample's forward sees is its own, so its features are the same bytes whatever the batch, its
-order, a resume or a re-sharding (at one thread count, on one machine and library build).
+sample bits that depend on its batch-mates (issue 46: ``scaled_dot_product_attention`` over a padded row
+sums the softmax in another order than over the row alone, and MKL's product rows can change with the rows
+beside them, in every ``MKL_CBWR`` mode). Alone, every shape a sample's forward sees is its own, so its
+features are the same bytes whatever the batch, a resume or a re-sharding (at one thread count, on one
+machine and library build).
 """
 
 from __future__ import annotations
@@ -79,10 +77,9 @@ def load(
 def batches(
     items: Iterable[DecodedSample], budget: TokenBudget, first_alone: bool = False, padded: bool = False
 ):
-    """Decoded samples packed by token budget (see :func:`~vlfast.extraction.model.batching.pack`); with
-    ``padded`` (the whole VLM runs: its rows are padded to the longest) sorted by length within a window
-    and costed as padded (:func:`~vlfast.extraction.model.batching.pack_padded`)."""
-    # the sort key and padding are the prompt's length (vision tokens in it); a text has no patches
+    """Decoded samples packed by token budget (:func:`~vlfast.extraction.model.batching.pack`); with
+    ``padded`` (the whole VLM runs, its rows padded to the longest), by
+    :func:`~vlfast.extraction.model.batching.pack_padded`."""
     if padded:
         return pack_padded(items, lambda it: it.cost, budget, first_alone=first_alone)
     return pack(items, lambda it: it.cost, budget, first_alone=first_alone)
@@ -100,16 +97,14 @@ def batch_pixels(
 ) -> torch.Tensor:
     """Samples' pixel_values as the tower's one (sum of N, C*T*P*P) tensor of ``dtype`` on ``device``: what
     ``torch.cat`` of each one's :func:`pixels_to`, then ``.to(dtype)``, gives, bit for bit, without either
-    copy (:func:`~vlfast.pixels.finish.finish_pixels`). On the CPU, where each sample runs alone, the
-    concatenation had copied every image's float32 pixels once more (7.4 MB at 640x480, into fresh pages)."""
+    copy."""
     return finish_pixels(xs, cfg, device=device, dtype=dtype)
 
 
 def runs_alone(device: torch.device) -> bool:
-    """Whether each sample gets a forward of its own on ``device``, so that its features do not depend on
-    which samples share its batch: on the CPU, where a resume must give the bytes of an uninterrupted run.
-    On a GPU a batch runs as one forward, for throughput: there a sample's last bits may change with its
-    batch-mates (docs/extract.md, "What vlfast guarantees")."""
+    """Whether each sample gets a forward of its own on ``device``: on the CPU, where a resume must give the
+    bytes of an uninterrupted run. On a GPU a batch runs as one forward, for throughput (docs/extract.md,
+    "What vlfast guarantees")."""
     return device.type == "cpu"
 
 
@@ -189,8 +184,8 @@ class Forward:
         self, batch: Sequence[DecodedSample], store, sample_of: Callable[[DecodedSample], Any], record
     ) -> list[tuple[Any, int]]:
         """Run ``batch`` and add each result to ``store``; a sample that does not fit even alone is recorded
-        with ``record(id, source, reason)``. Returns (sample, patches) for each sample added. ``sample_of``
-        maps a decoded sample to what has its ``id``, ``source`` and ``kind``."""
+        with ``record(id, source, reason)``. Returns (sample, patches) for each sample added, ``sample_of``
+        giving what has its ``id``, ``source`` and ``kind``."""
         added = []
         for item, result in zip(batch, run_split_on_oom(batch, self, on_oom=self._split)):
             sample = sample_of(item)
