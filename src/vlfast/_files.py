@@ -54,18 +54,7 @@ def same_file(a: PathLike, b: PathLike) -> bool:
 def is_inside(path: PathLike, folder: PathLike) -> bool:
     """Whether ``path`` (which need not exist) lies under ``folder``: one of its resolved parents is
     ``folder`` by identity."""
-    try:
-        target = os.stat(folder)
-    except (OSError, ValueError):
-        return False
-    for parent in Path(os.path.realpath(path)).parents:
-        try:
-            st = os.stat(parent)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
-            return True
-    return False
+    return any(same_file(parent, folder) for parent in Path(os.path.realpath(path)).parents)
 
 
 def refuse_same_files(outputs: Mapping[str, PathLike | None], inputs: Mapping[str, PathLike | None]) -> None:

@@ -1,18 +1,12 @@
 """Process-wide steps that make a model's forward give the same bits every time it runs.
 
 **MKL's vector math, set up on one thread.** On x86, torch computes the functions of
-:data:`VECTOR_MATH_OPS` on a float tensor with MKL's vector math library (VML), splitting a tensor of more
-than 2,048 elements between threads. VML sets itself up on first use, and when that first use is several
-threads at once, one of them can compute its share with a far less accurate kernel. On a 2-core Intel Xeon
-(torch 2.13.0+cpu, ``MKL_CBWR=AUTO,STRICT``), 6 of 42 fresh ``vlfast extract`` runs had the first forward's
-rotary ``cos`` wrong in about 1,000 of 2,240 values, by up to 1.5e-4, so a resumed run was not bit-identical
-to an uninterrupted one; torch alone shows it (``benchmarks/commands.py vector-math``). How often varies
-with the machine's state: the counts show the race, not a rate.
-
-:func:`settle_vector_math` calls each function once on one element (never split between threads), once
-per process, before a model runs (:func:`vlfast.extraction.model.runner.load`,
-:func:`vlfast.diagnosis.verification.verify`); where 3 runs in 14 were wrong without it, 30 in 30 were
-right with it. A program running a model itself on the CPU can call it first for the same guarantee.
+:data:`VECTOR_MATH_OPS` with MKL's VML, splitting a tensor of over 2,048 elements between threads. VML sets
+itself up on first use, and when that is several threads at once, one can compute its share with a far less
+accurate kernel: on a 2-core Xeon (torch 2.13.0+cpu, ``MKL_CBWR=AUTO,STRICT``) 6 of 42 fresh ``vlfast
+extract`` runs had the first forward's rotary ``cos`` off by up to 1.5e-4, so a resumed run was not
+bit-identical (``benchmarks/commands.py vector-math``). :func:`settle_vector_math`, called before a model
+runs, sets VML up on one thread first (30 runs in 30 right where 3 in 14 were wrong without it).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 
 import numpy as np
 
@@ -45,10 +44,6 @@ def resolve_path(path: str) -> str:
     return f"{folder.rstrip('/')}/{tail}"
 
 
-def _resolver() -> Callable[[str], str]:
-    return functools.lru_cache(maxsize=1 << 16)(resolve_path)
-
-
 def entry_keys(
     table: SampleTable,
     texts: tuple[str, ...],
@@ -57,7 +52,7 @@ def entry_keys(
 ) -> np.ndarray:
     """The key of each entry of ``table`` (uint64, in order), or of those at ``positions``; ``id_hashes``:
     :func:`~vlfast.extraction.ids.hash_ids` of the same entries' ids, when the caller has them."""
-    resolve = _resolver()
+    resolve = functools.lru_cache(maxsize=1 << 16)(resolve_path)
     base, n = 0, len(table)
     if positions is not None:
         n = len(positions)

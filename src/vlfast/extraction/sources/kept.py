@@ -1,22 +1,16 @@
 """Shard listings kept in OUT, so that a resume, and every rank, lists a WebDataset shard without reading it.
 
-Listing a shard reads every member header (about 40 ms for a local shard of 1,000 samples; the whole object
-for a remote shard of small images). The listing (members' names, types, offsets and sizes, how the shard
-is cut short, the prompt members' bytes) is kept per shard in ``OUT/listings/`` (docs/format.md, "On-disk
-layout") and used while the shard is the same: a local one by resolved path, size, mtime, ctime and inode
-(one changed less than :data:`SETTLE_S` ago is not kept: a timestamp tick could hide a second change); one
-at a URL by URL, size and ETag (no ETag, nothing kept).
-
+Listing a shard reads every member header (40 ms for a local shard of 1,000 samples; the whole object for a
+remote shard of small images). The listing is kept per shard in ``OUT/listings/`` (docs/format.md) and used
+while the shard is the same: a local one by resolved path, size, mtime, ctime and inode (not kept within
+:data:`SETTLE_S` of a change: a timestamp tick could hide a second one); one at a URL by URL, size and ETag.
 A kept listing is a cache, never the truth: its name hashes that identity, the file repeats it, gzip's CRC
-covers every byte and the members must fit the shard's size; a file that fails is ignored and replaced.
-Listings are written after OUT is claimed (:attr:`KeptListings.fresh`), each shard's by one rank, without
-fsync: a torn write fails its CRC and costs one listing.
+covers every byte and the members must fit the shard; a file that fails is ignored and replaced. Written
+after OUT is claimed, each shard's by one rank, without fsync (a torn write costs one listing).
 
-A manifest's table is kept alike (:class:`KeptTable`: an Arrow IPC stream of the
-:class:`~vlfast.extraction.sources.table.SampleTable` columns, then a JSON trailer with the identity, the
-stream's xxh3-128, the folders, frame lists and bad rows), its identity also holding the folder relative
-paths resolve against. A resume memory-maps it instead of parsing every row again (ten million JSONL rows:
-about 90 s), so the ranks of one node share its pages.
+A manifest's table is kept alike (:class:`KeptTable`: an Arrow IPC stream, then a JSON trailer with the
+identity and the stream's xxh3-128) and memory-mapped by a resume instead of parsing every row again (ten
+million JSONL rows: about 90 s), so the ranks of one node share its pages.
 """
 
 from __future__ import annotations
@@ -70,9 +64,8 @@ class ListedMember:
         return self.sparse
 
 
-Listing = tuple[
-    list[ListedMember], "str | None", dict[int, bytes]
-]  # members, how it is cut short, prompt bytes
+# members, how it is cut short, prompt bytes
+Listing = tuple[list[ListedMember], "str | None", dict[int, bytes]]
 
 
 def local_identity(path: str, st: os.stat_result) -> list[Any] | None:
@@ -134,11 +127,11 @@ def decode(data: bytes, identity: Sequence[Any], size: int) -> Listing | None:
             if not ok or not last <= m.offset_data <= size or m.size < 0 or len(m.type) != 1:
                 return None
             last = m.offset_data
-        # a cut shard's last member may run past its end; a whole one's may not
-        if members and doc["cut"] is None and members[-1].offset_data + members[-1].size > size:
-            return None
         cut = doc["cut"]
         if cut is not None and type(cut) is not str:
+            return None
+        # a cut shard's last member may run past its end; a whole one's may not
+        if members and cut is None and members[-1].offset_data + members[-1].size > size:
             return None
         texts = {int(k): base64.b64decode(v, validate=True) for k, v in doc["texts"].items()}
         if not texts.keys() <= {m.offset_data for m in members}:
@@ -147,8 +140,6 @@ def decode(data: bytes, identity: Sequence[Any], size: int) -> Listing | None:
     except (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError, AttributeError, UnicodeError):
         return None  # gzip's CRC or length, JSON, a field missing or of another type
 
-
-# ------------------------------------------------------------------------------------------ manifests
 
 TABLE_FORMAT = 1  # of a kept manifest table; bump it when the manifest parsing rules change what rows become
 _TABLE_MAGIC = b"VLFTABL1"
@@ -191,23 +182,8 @@ class KeptTable:
     def __init__(self, identity: Sequence[Any], table: Any, problems: Sequence[Any]):
         self.identity, self.table, self.problems = list(identity), table, list(problems)
 
-    def _trailer(self, stream_bytes: int, digest: str, extras: dict[str, Any]) -> bytes:
-        doc = {
-            "format": TABLE_FORMAT,
-            "identity": self.identity,
-            "stream_bytes": stream_bytes,
-            "xxh3_128": digest,
-            **extras,
-            "problems": [[p.where, p.reason, p.id] for p in self.problems],
-        }
-        body = json.dumps(doc, separators=(",", ":")).encode()
-        import xxhash
-
-        # the trailer's own hash: with the stream's inside it, every byte of the file is covered
-        return body + xxhash.xxh3_128_digest(body) + len(body).to_bytes(8, "little") + _TABLE_MAGIC
-
     def write_file(self, path: os.PathLike | str) -> None:
-        """Write the file at ``path``: the stream first, straight from the table's buffers, then its hash."""
+        """Write the file at ``path``: the stream first, straight from the table's buffers, then the trailer."""
         import pyarrow as pa
         import xxhash
 
@@ -218,8 +194,18 @@ class KeptTable:
             n = sink.tell()
         with pa.memory_map(os.fspath(path)) as m:
             digest = xxhash.xxh3_128_hexdigest(memoryview(m.read_buffer(n)))
+        doc = {
+            "format": TABLE_FORMAT,
+            "identity": self.identity,
+            "stream_bytes": n,
+            "xxh3_128": digest,
+            **extras,
+            "problems": [[p.where, p.reason, p.id] for p in self.problems],
+        }
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        # the trailer's own hash: with the stream's inside it, every byte of the file is covered
         with open(path, "ab") as f:
-            f.write(self._trailer(n, digest, extras))
+            f.write(body + xxhash.xxh3_128_digest(body) + len(body).to_bytes(8, "little") + _TABLE_MAGIC)
 
 
 def decode_table(buffer: Any, identity: Sequence[Any]) -> tuple[Any, list[Any]] | None:
@@ -331,9 +317,7 @@ class KeptListings:
             return None
         name = listing_name(identity)
         data = self._read(name)
-        if data is None:
-            return None
-        return self._counted(name, decode(data, identity, size))
+        return None if data is None else self._counted(name, decode(data, identity, size))
 
     def _counted(self, name: str, got: Any) -> Any:
         """``got``, what the kept file ``name`` decoded to, counted as used or (None) damaged."""

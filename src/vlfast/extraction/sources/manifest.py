@@ -117,13 +117,10 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
     raw_id = row.get("id")
     given_id: str | None = None
     if not _is_missing(raw_id):
-        got, reason = _id_text(raw_id)
-        if got is None:
-            return InputProblem(where, reason or "")
-        reason = storable(got, (), None)
+        given_id, reason = _id_text(raw_id)
+        reason = reason if given_id is None else storable(given_id, (), None)
         if reason:
             return InputProblem(where, reason)
-        given_id = got
     texts: dict[str, str | None] = {}
     for name in ("prompt", "text", "instruction"):
         value = row.get(name)
@@ -137,10 +134,9 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
         raw = row.get("paths")
     if _is_missing(raw):
         return _text_row(row, where, given_id, texts)
-    got_paths = _paths_field(raw)
-    if isinstance(got_paths, str):
-        return InputProblem(where, got_paths, given_id)
-    paths = got_paths
+    paths = _paths_field(raw)
+    if isinstance(paths, str):
+        return InputProblem(where, paths, given_id)
     if len(paths) > 1:
         for i, p in enumerate(paths):
             if suffix_of(p).lower() in VIDEO_SUFFIXES:
@@ -160,7 +156,7 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
     if base is not None:
         paths = [_resolved(base, p) for p in paths]
     try:
-        return Sample(sid, kind, tuple(paths), prompt, text=texts["text"], instruction=texts["instruction"])
+        return Sample(sid, kind, tuple(paths), prompt, **texts)
     except (TypeError, ValueError) as e:  # checked above; kept so a gap here is a row problem, not a crash
         return InputProblem(where, str(e), given_id)
 
@@ -182,7 +178,7 @@ def _text_row(
     reason = storable(given_id, (), texts["prompt"], texts={k: texts[k] for k in ("text", "instruction")})
     if reason:
         return InputProblem(where, reason, given_id)
-    return Sample(given_id, "text", (), texts["prompt"], text=texts["text"], instruction=texts["instruction"])
+    return Sample(given_id, "text", (), **texts)
 
 
 _JSONL_BLOCK = 65_536  # lines of a JSONL manifest checked as columns at a time
@@ -225,8 +221,7 @@ def _batch_of(rows: list[dict[str, Any]]) -> Any:
     columns: dict[str, Any] = {}
     for key in _COLUMNS:
         values = [row.get(key) for row in rows]
-        kinds = {type(v) for v in values}
-        kinds.discard(type(None))
+        kinds = {type(v) for v in values if v is not None}
         if not kinds:
             if any(key in row for row in rows):
                 columns[key] = pa.nulls(len(rows), pa.string())
@@ -381,10 +376,7 @@ def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
         return None
     texts: dict[str, list[str | None]] = {}
     for key in ("prompt", "text", "instruction"):
-        if key not in names:
-            texts[key] = [None] * batch.num_rows
-            continue
-        col = batch.column(key)
+        col = batch.column(key) if key in names else pa.nulls(batch.num_rows)
         if not (is_text(col) or pa.types.is_null(col.type)):
             return None
         texts[key] = [v or None for v in col.to_pylist()]  # "" is missing, as in a row
@@ -394,16 +386,7 @@ def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
     if not (isinstance(base, Path) and str(base) == "."):
         prefix = f"{str(base).rstrip('/')}/"
         path = pc.if_else(pc.starts_with(path, "/"), path, pc.binary_join_element_wise(prefix, path, ""))
-    return list(
-        zip(
-            ids.to_pylist(),
-            map(kind_of, paths),
-            path.to_pylist(),
-            texts["prompt"],
-            texts["text"],
-            texts["instruction"],
-        )
-    )
+    return list(zip(ids.to_pylist(), map(kind_of, paths), path.to_pylist(), *texts.values()))
 
 
 def _parquet_rows(
@@ -421,7 +404,6 @@ def _parquet_rows(
     wanted = [c for c in _COLUMNS if c in columns]
     rowno = 0
     try:
-        # batches: a large manifest is not read whole
         for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=wanted):
             plain = None if base is None else _plain_batch(batch, base)
             for row in batch.to_pylist() if plain is None else plain:

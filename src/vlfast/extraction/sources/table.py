@@ -1,13 +1,9 @@
 """The input list as columns: :class:`SampleTable`, a read-only sequence of :class:`Sample` held in Arrow and
 numpy arrays, and :class:`SampleTableBuilder`, which sources append to.
 
-Ten million ``Sample`` objects cost about 2.8 GiB on every rank for the whole run. Here a sample costs its
-bytes: its id, its file name (a path's folder part is kept once per distinct folder), a kind byte, and its
-prompt, text and instruction. A ``Sample`` is made only when asked for (``table[i]``, iteration). Text is
-kept as ``surrogatepass`` UTF-8, so a path holding a non-UTF-8 byte round-trips exactly.
-
-Members (a tar member, an object at a URL) are kept as columns of their dataclass's fields; members of mixed
-or other classes, as the objects themselves. A clip's frame paths are kept as a tuple per clip.
+Ten million ``Sample`` objects cost about 2.8 GiB on every rank. Here a sample costs its bytes (a path's
+folder part kept once per distinct folder), and a ``Sample`` is made only when asked for. Text is kept as
+``surrogatepass`` UTF-8, so a path holding a non-UTF-8 byte round-trips exactly.
 """
 
 from __future__ import annotations
@@ -452,23 +448,22 @@ class _MemberChunks:
     def flush(self) -> None:
         if self.objects is not None or not self.rows:
             return
+        rows = self.rows
+        self.chunks.append(self._columns(rows) if any(m is not None for m in rows) else len(rows))
+        self.rows = []
+
+    def _columns(self, rows: list[Member | None]) -> tuple[np.ndarray, dict[str, Any]]:
         import pyarrow as pa
 
-        rows = self.rows
-        if not any(m is not None for m in rows):
-            self.chunks.append(len(rows))
-        else:
-            present = np.array([m is not None for m in rows], bool)
-            columns: dict[str, Any] = {}
-            for name, kind in self.kinds.items():
-                values = [None if m is None else getattr(m, name) for m in rows]
-                if kind is int:
-                    columns[name] = np.array([0 if v is None else v for v in values], np.int64)
-                else:
-                    encoded = [None if v is None else _encode(v) for v in values]
-                    columns[name] = pa.array(encoded, pa.large_binary()).dictionary_encode()
-            self.chunks.append((present, columns))
-        self.rows = []
+        columns: dict[str, Any] = {}
+        for name, kind in self.kinds.items():
+            values = [None if m is None else getattr(m, name) for m in rows]
+            if kind is int:
+                columns[name] = np.array([0 if v is None else v for v in values], np.int64)
+            else:
+                encoded = [None if v is None else _encode(v) for v in values]
+                columns[name] = pa.array(encoded, pa.large_binary()).dictionary_encode()
+        return np.array([m is not None for m in rows], bool), columns
 
     def built_members(self) -> Any:
         """The members so far: None (no row has one), a list (the fallback) or :class:`_Members`."""
@@ -481,14 +476,8 @@ class _MemberChunks:
 
         presents: list[np.ndarray] = []
         parts: dict[str, list[Any]] = {name: [] for name in self.kinds}
-        for chunk in self.chunks:
-            if isinstance(chunk, int):
-                presents.append(np.zeros(chunk, bool))
-                for name, kind in self.kinds.items():
-                    empty = pa.nulls(chunk, pa.large_binary()).dictionary_encode()
-                    parts[name].append(np.zeros(chunk, np.int64) if kind is int else empty)
-                continue
-            present, columns = chunk
+        for chunk in self.chunks:  # a chunk before the first member is its length
+            present, columns = self._columns([None] * chunk) if isinstance(chunk, int) else chunk
             presents.append(present)
             for name in self.kinds:
                 parts[name].append(columns[name])
