@@ -8,6 +8,7 @@ docs/doctor.md) or markdown. A *slow path* (a fallback kernel, exit 1) is told f
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -55,12 +56,8 @@ __all__ = [
 SCHEMA = "vlfast.doctor/2"
 SLOW_RATIO = 2.0  # conv / GEMM at or above this: patching gains enough to be worth saying
 PATHOLOGICAL_RATIO = 10.0  # at or above this, whatever the rules say: a fallback kernel, a slow path
-# Seconds kept from the budget for what follows the probe: the rules, the notes, the output (~0.1 s on a
-# 2-core CPU), with room for a loaded machine.
-AFTER_PROBE_S = 0.5
-# The ratio of the medians (printed) and the median of the per-round ratios differing by more than this:
-# the rounds disagree, and a note says so.
-ROUNDS_DISAGREE = 0.10
+AFTER_PROBE_S = 0.5  # kept from the budget for the rules, notes and output (~0.1 s on a 2-core CPU)
+ROUNDS_DISAGREE = 0.10  # ratio of medians vs median of per-round ratios beyond this: a note says so
 
 Verdict = Literal["slow-path", "gain", "patched", "ok", "unmeasured", "no-convs"]
 Status = Literal["slow-path", "gain", "ok", "error", "skipped"]
@@ -112,10 +109,9 @@ class Fix:
 class Finding:
     """One conv geometry: its measurement, the rules that explain it and its status per pass.
 
-    ``status`` is the worse of ``forward_status`` and ``backward_status`` (None when the backward was
-    not probed or not counted, as for inference). ``channels_last_escapes``: the conv on a
-    channels-last input measures under ``slow_ratio`` while the contiguous one does not (None: not
-    probed).
+    ``status`` is the worse of the two passes' (``backward_status`` None when not counted, as for
+    inference). ``channels_last_escapes``: a channels-last input measures under ``slow_ratio`` while the
+    contiguous one does not (None: not probed).
     """
 
     probe: ProbeResult
@@ -136,15 +132,6 @@ class Finding:
             "rules": list(self.rules),
             **self.probe.to_dict(),
         }
-
-
-def _loss_status(ratio: float | None, pathological_rule: bool, slow_ratio: float) -> Status:
-    """slow-path / gain / ok for one measured ratio; a pathological rule makes a measured gain a slow path."""
-    if ratio is None:
-        return "skipped"
-    if ratio >= PATHOLOGICAL_RATIO or (ratio >= slow_ratio and pathological_rule):
-        return "slow-path"
-    return "gain" if ratio >= slow_ratio else "ok"
 
 
 def _worse(a: Status, b: Status | None) -> Status:
@@ -280,15 +267,8 @@ class DoctorReport:
             ("VLFAST_PATCH", f.autopatch_env or "unset"),
             ("model patched", f.model_patched),
         ]
-        if f.torch_build not in ("cuda", "rocm"):  # a CPU build: GPU facts do not apply
-            skip = (
-                "CUDA (build / driver)",
-                "cuDNN (compile / runtime)",
-                "cudnn enabled / benchmark / tf32",
-                "cuDNN libraries loaded",
-                "GPU",
-            )
-            env = [(k, "n/a (CPU build)" if k in skip else v) for k, v in env]
+        if f.torch_build not in ("cuda", "rocm"):  # a CPU build: the GPU facts (CUDA to GPU) do not apply
+            env = [(k, "n/a (CPU build)" if 4 <= i <= 8 else v) for i, (k, v) in enumerate(env)]
         lines = [
             "### vlfast doctor",
             "",
@@ -314,7 +294,7 @@ class DoctorReport:
                 f"| {', '.join(x.rules) or '-'} |"
             )
         lines += ["", "| fact | value |", "|---|---|"]
-        lines += [f"| {k} | {_fact(v)} |" for k, v in env]
+        lines += [f"| {k} | {'could not collect' if v is None else v} |" for k, v in env]
         if self.rules:
             lines += ["", "Rules that apply:"]
             lines += [f"- `{r.id}`: {r.title} ({r.source})" for r in self.rules]
@@ -366,32 +346,16 @@ def cpu_features_cell(f: Facts) -> str | None:
     if f.cpu_flags is None and f.onednn_bf16 is None:
         return None
     flags = ", ".join(x for x in (f.cpu_flags or ()) if x not in ("avx2", "avx512f")) or "none"
-    limits = [
-        f"{k}={v}"
-        for k, v in (
-            ("ATEN_CPU_CAPABILITY", f.aten_cpu_capability_env),
-            ("ONEDNN_MAX_CPU_ISA", f.onednn_max_cpu_isa_env),
-        )
-        if v
-    ]
+    env = {"ATEN_CPU_CAPABILITY": f.aten_cpu_capability_env, "ONEDNN_MAX_CPU_ISA": f.onednn_max_cpu_isa_env}
+    limits = [f"{k}={v}" for k, v in env.items() if v]
     return f"{flags}; oneDNN bf16 {f.onednn_bf16}, fp16 {f.onednn_fp16}" + (
         f"; limits: {', '.join(limits)}" if limits else ""
     )
 
 
-def _fact(v: Any) -> str:
-    if v is None or (isinstance(v, str) and v.startswith("None")):
-        return "could not collect" if v is None else v
-    return str(v)
-
-
-# ------------------------------------------------------------------------------------------- scanning
-
-
-# The stride == kernel convs of each reference family, in module order, as data: (module, kind, bias), the
-# widths and kernels read from the reference's published numbers (reference_conv_shapes). Building the
+# The stride == kernel convs of each reference family, in module order: (module, kind, bias). Building the
 # towers on meta gives the same, but importing five families' modeling code took 9 s of a 12 s budget at
-# load 8 (0.6 s once imported); tests/test_doctor_layout.py checks this table against the built towers.
+# load 8; tests/test_doctor_layout.py checks this table against the built towers.
 _FAMILY_CONVS: dict[str, tuple[tuple[str, str, bool], ...]] = {
     "qwen2_vl": (("patch_embed.proj", "Conv3d", False),),
     "qwen2_5_vl": (("patch_embed.proj", "Conv3d", False),),
@@ -426,10 +390,7 @@ def reference_conv_shapes(name: str, patches: int) -> list[ConvShape] | None:
         c_in, c_out, kernel = size[module]
         kernel = tuple(int(k) for k in kernel)
         windows = patches if not shapes else max(1, patches // math.prod(kernel))
-        label = ref.name
-        shapes.append(
-            ConvShape(kind, c_in, c_out, kernel, bias, windows, (f"{label}:{module}",), patched=False)
-        )
+        shapes.append(ConvShape(kind, c_in, c_out, kernel, bias, windows, (f"{ref.name}:{module}",)))
     return shapes
 
 
@@ -470,18 +431,14 @@ def _fusion_notes(model: nn.Module | str | None) -> list[str]:
     from vlfast.models.ref import ModelRef
     from vlfast.patching.fusion import fused_patch_embeddings, fusion_note
 
-    if isinstance(model, nn.Module):
-        fused = fused_patch_embeddings(model)
-        if fused:
-            where = ", ".join(f"{n or '<root>'} ({cls})" for n, cls in fused)
-            return [
-                f"transformers' fusion_config already replaced the patch embedding with a Linear in {where}: "
-                f"it runs the GEMM already"
-            ]
-        return []
+    if isinstance(model, nn.Module) and (fused := fused_patch_embeddings(model)):
+        where = ", ".join(f"{n or '<root>'} ({cls})" for n, cls in fused)
+        return [
+            f"transformers' fusion_config already replaced the patch embedding with a Linear in {where}: "
+            f"it runs the GEMM already"
+        ]
     if isinstance(model, (str, os.PathLike)) and not ModelRef.of(model).is_reference:
-        note = fusion_note(model)
-        return [note] if note else []
+        return [note] if (note := fusion_note(model)) else []
     return []
 
 
@@ -551,12 +508,9 @@ HEADLINE_RULE = (
 
 
 def headline(verdict: Verdict, findings: list[Finding]) -> tuple[str, Finding]:
-    """(model label, conv) the headline names for a ``slow-path`` or ``gain`` verdict, by HEADLINE_RULE.
-
-    Among the unpatched convs whose status is the verdict, the model whose convs sum to the most
-    multiply-adds per sample (M x K x N of each conv's GEMM; ties: the first model scanned, as `vlfast
-    models` lists the references), and that model's largest such conv. Measured savings decide nothing:
-    two models whose savings differ by less than the noise took turns from one run to the next."""
+    """(model label, conv) the headline names for a ``slow-path`` or ``gain`` verdict, by HEADLINE_RULE
+    (ties: the first model scanned). Measured savings decide nothing: two models whose savings differ by
+    less than the noise took turns from one run to the next."""
     losing = [f for f in findings if _losing(f) and f.status == verdict]
     work: dict[str, int] = {}  # model -> multiply-adds per sample of its losing convs, in scan order
     for f in losing:
@@ -610,9 +564,6 @@ def _summary(
     return f"{kind}: {where} is {' and '.join(passes)}; patching {model} saves {saving} ({hours:,.1f} h per 100,000 samples)."
 
 
-# ------------------------------------------------------------------------------------------ the doctor
-
-
 def doctor(
     model: nn.Module | str | None = None,
     *,
@@ -650,7 +601,8 @@ def doctor(
     budget = Budget(max(budget_s - before_s - AFTER_PROBE_S, 1e-3))
     results = _probe_all(geometries, dev, dt, budget, before_s, budget_s, probe, backward, slow_ratio)
     if probe and facts.torch_build == "cuda":  # cuDNN's sub-libraries load with the first convolution
-        facts.cudnn_libraries = _soft_libraries() or facts.cudnn_libraries
+        with contextlib.suppress(OSError):  # no /proc here
+            facts.cudnn_libraries = cudnn_libraries() or facts.cudnn_libraries
     convs = {g.key: ConvGeometry(g.kernel_size, g.describe()) for g in geometries}
     # Inference runs no backward: a rule about the backward alone explains nothing there.
     hits = [h for h in evaluate(facts, list(convs.values())) if backward or "forward" in h.phases]
@@ -711,9 +663,10 @@ def _refuse_arguments(patches, budget_s, spent_s, slow_ratio, workload, fail_on)
 def _left_out_note(left_out: list[str], budget_s: float, findings: list[Finding]) -> list[str]:
     if not left_out:
         return []
+    more = budget_s * (1 + sum(1 for f in findings if f.probe.left_out))  # twice the budget per shape
     return [
         f"the {budget_s:g} s budget left out {len(left_out)} item(s), listed above; "
-        f"--budget {_more_budget(budget_s, findings)} would probe them"
+        f"--budget {more:g} would probe them"
     ]
 
 
@@ -762,8 +715,13 @@ def _finding(
     if result.error is not None:
         return Finding(result, rules, "error", "error", disagreements=disagree)
 
-    def status(ratio: float | None, phase: str) -> Status:
-        return _loss_status(ratio, any(h.pathological and phase in h.phases for h in mine), slow_ratio)
+    def status(ratio: float | None, phase: str) -> Status:  # a pathological rule makes a gain a slow path
+        if ratio is None:
+            return "skipped"
+        pathological = any(h.pathological and phase in h.phases for h in mine)
+        if ratio >= PATHOLOGICAL_RATIO or (ratio >= slow_ratio and pathological):
+            return "slow-path"
+        return "gain" if ratio >= slow_ratio else "ok"
 
     fwd = status(result.ratio, "forward")
     bwd = status(result.backward_ratio, "backward") if backward else None
@@ -833,23 +791,10 @@ def _autopatch_notes(facts: Facts, patched: bool | None) -> list[str]:
 
 
 def probe_clock() -> float:
-    """Seconds on the probe's clock (:func:`vlfast.diagnosis.probe.clock`), which a test replaces."""
+    """Seconds on :func:`vlfast.diagnosis.probe.clock` (a test replaces this)."""
     from vlfast.diagnosis import probe as probe_module
 
     return probe_module.clock()
-
-
-def _soft_libraries() -> dict[str, str] | None:
-    try:
-        return cudnn_libraries()
-    except OSError:  # no /proc here
-        return None
-
-
-def _more_budget(budget_s: float, findings: list[Finding]) -> str:
-    """A budget that would have fitted what was left out: twice the current one per left-out shape."""
-    n = sum(1 for f in findings if f.probe.left_out)
-    return f"{budget_s * (1 + n):g}"
 
 
 # What each rule's slow path runs on, as torch._C._select_conv_backend names it. A rule that fires while

@@ -1,9 +1,6 @@
-"""Environment facts the doctor reasons about, collected once and rendered later.
-
-:class:`Facts` is plain data: versions, backend switches, the device and dtype being diagnosed. Every
-field may be ``None``, meaning "could not collect": each probe in :func:`collect_facts` fails soft, so
-a broken driver or a missing package never stops the diagnosis. Rules (``vlfast.diagnosis.rules``) are pure
-functions of these facts, and tests build ``Facts(...)`` by hand to play any machine.
+"""Environment facts the doctor reasons about: :class:`Facts` is plain data (versions, backend switches,
+the device and dtype diagnosed). ``None`` means "could not collect": each probe in :func:`collect_facts`
+fails soft, so a broken driver or a missing package never stops the diagnosis.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from vlfast.dtypes import dtype_name
 from vlfast.errors import InputRefused
 from vlfast.patching.precision import fp32_settings
 
@@ -44,14 +42,6 @@ __all__ = [
 T = TypeVar("T")
 
 _HALF = ("bfloat16", "float16")
-
-
-def dtype_name(dtype: str | torch.dtype) -> str:
-    """Canonical name of a dtype given as ``torch.bfloat16``, ``"bf16"``, ``"bfloat16"``, ...: the one
-    policy of every command, :func:`vlfast.dtypes.dtype_name`."""
-    from vlfast.dtypes import dtype_name as canonical
-
-    return canonical(dtype)
 
 
 def version_tuple(version: str | None) -> tuple[int, ...] | None:
@@ -131,7 +121,6 @@ class Facts:
         if self.cpu_flags is not None:
             self.cpu_flags = tuple(str(x) for x in self.cpu_flags)
 
-    # Derived views the rules read; kept here so every rule spells them the same way.
     @property
     def device_type(self) -> str:
         return self.device.split(":", 1)[0]
@@ -281,11 +270,8 @@ def check_device(device: str | torch.device) -> str:
 
 
 def default_dtype(device: str) -> str:
-    """bfloat16 where the device computes it natively, else float16 (GPU) or float32 (CPU).
-
-    On CPU this is :func:`choose_dtype` on the CPU's facts: bf16 only with AVX512-BF16 or AMX (and no
-    user limit below them), since emulated bf16 runs several times slower than fp32 there.
-    """
+    """bfloat16 where the device computes it natively, else float16 (GPU) or float32 (CPU, by
+    :func:`choose_dtype`: emulated bf16 runs several times slower than fp32 there)."""
     kind = device.split(":", 1)[0]
     if kind == "cuda":
         return "bfloat16" if _soft(torch.cuda.is_bf16_supported) else "float16"
@@ -344,12 +330,10 @@ class DtypeChoice:
 
 
 def half_native(f: Facts, dtype: str) -> tuple[bool | None, str]:
-    """Whether the CPU described by ``f`` computes ``dtype`` natively, and the fact that decides it.
+    """Whether the CPU described by ``f`` computes ``dtype`` natively, and the fact that decides it (pure).
 
-    Pure: reads the CPU flags, oneDNN's own check, the ATen capability and the limits the user set
-    (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY). Without AVX512-BF16 or AMX, oneDNN and ATen convert bf16
-    to fp32 around every op: the issue-20 machine (AVX2) ran a 3,072 x 1,536 x 1,024 GEMM 8.6x slower in
-    bf16 than in fp32.
+    Without AVX512-BF16 or AMX, oneDNN and ATen convert bf16 to fp32 around every op: the issue-20 machine
+    (AVX2) ran a 3,072 x 1,536 x 1,024 GEMM 8.6x slower in bf16 than in fp32.
     """
     if dtype in ("float32", "float64") or f.device_type != "cpu":
         return True, f"{dtype} is native"

@@ -1,10 +1,8 @@
 """The live probe: time a model's stride == kernel convolutions against their GEMM on this machine.
 
-Each geometry gets random windows shaped as the model feeds them (``(N, C, *kernel)``; default N is one
-8-frame 512x384 Qwen3-VL clip, 3,072 patches, as ``benchmarks/patch_embed.py``; transformers #45750's clip
-had 6,080) and a share of one :class:`Budget`: a small call of each side measures a window's cost, then
-at least ``MIN_ROUNDS`` interleaved rounds run. What does not fit is left out and said so, never timed
-once and scaled.
+Each geometry gets random windows shaped as the model feeds them (``(N, C, *kernel)``) and a share of one
+:class:`Budget`: a small call of each side measures a window's cost, then at least ``MIN_ROUNDS``
+interleaved rounds run. What does not fit is left out and said so, never timed once and scaled.
 """
 
 from __future__ import annotations
@@ -92,9 +90,8 @@ class ConvShape:
 def conv_shapes(model: nn.Module, *, patches: int = DEFAULT_PATCHES, label: str = "") -> list[ConvShape]:
     """The eligible (stride == kernel) convolutions of ``model``, with the windows each sees per sample.
 
-    The first eligible conv in module order is the patch embedding: it sees one window per patch. A
-    later one (GLM's ``downsample``) consumes the embedded patches grouped by its own kernel, so it sees
-    ``patches // prod(kernel)`` windows. Works on ``device="meta"`` models: only attributes are read.
+    The first in module order is the patch embedding (one window per patch); a later one (GLM's
+    ``downsample``) sees ``patches // prod(kernel)``. Only attributes are read, so meta models work.
     """
     if patches < 1:
         raise InputRefused(f"patches must be >= 1, got {patches}")
@@ -134,9 +131,8 @@ def merge_shapes(shapes: list[ConvShape]) -> list[ConvShape]:
 
 
 MIN_ROUNDS = 3  # timed rounds of each side below which a figure is unreliable and kept out of the headline
-# The first, small call that tells what a window costs here: at most this many windows, fewer for a wide
-# GEMM (at most CALIBRATION_MACS multiply-adds), so that GLM's 1536->4096 downsample, whose CPU backward
-# costs ~40 ms per window, calibrates in a fraction of a second.
+# The first, small call that tells what a window costs: at most this many windows and CALIBRATION_MACS
+# multiply-adds, so GLM's 1536->4096 downsample (~40 ms per window of CPU backward) calibrates quickly.
 CALIBRATION_WINDOWS = 128
 CALIBRATION_MACS = 2**27
 _MIN_CALIBRATION_WINDOWS = 16
@@ -167,8 +163,8 @@ class Budget:
             raise InputRefused(f"budget must be positive, got {self.seconds} s")
         self.clock = self.clock or _now
         self.start = self.clock()
-        # ms per multiply-add of a round (every side once), forward alone and with the backward, from
-        # the shapes calibrated so far: a later shape that cannot fit is left out before it is calibrated.
+        # ms per multiply-add of a round, "forward" and "all", from the shapes calibrated so far: a later
+        # shape that cannot fit is left out before it is calibrated.
         self.rates: dict[str, float] = {}
 
     @property
@@ -181,12 +177,12 @@ class Budget:
 
 
 def _now() -> float:
-    """Seconds on the probe's clock (tests replace it, with :func:`_time_once`, by a fake one)."""
+    """Seconds on the probe's clock (tests replace it, with :func:`_time_once`)."""
     return time.perf_counter()
 
 
 def clock() -> float:
-    """Seconds on the probe's clock (:func:`_now`, which tests replace): what a budget is counted on."""
+    """Seconds on the probe's clock (:func:`_now`): what a budget is counted on."""
     return _now()
 
 
@@ -198,13 +194,9 @@ def _time_once(fn: Callable[[], object], dev: torch.device) -> float:
 def choose_windows(
     round_ms_per_window: float, windows: int, share_ms: float, *, calibrated: int, rounds: int = MIN_ROUNDS
 ) -> int | None:
-    """How many windows to time so that a warm-up round and ``rounds`` timed rounds fit in ``share_ms``.
-
-    ``round_ms_per_window`` is what one round (every side timed once) costs per window, from a call on
-    ``calibrated`` windows. All ``windows`` when they fit; else as many as fit, never fewer than
-    ``calibrated`` (there the calibration call was the warm-up, so ``rounds`` rounds are enough);
-    None when not even that fits. Pure, so a test plays any machine.
-    """
+    """How many windows to time so that a warm-up round and ``rounds`` timed rounds fit in ``share_ms``
+    (pure), ``round_ms_per_window`` measured on ``calibrated`` windows: all ``windows`` when they fit, else
+    as many as fit, never fewer than ``calibrated`` (whose call was the warm-up); None when none fit."""
     if round_ms_per_window <= 0:
         return windows
     fit = int(share_ms / ((rounds + 1) * round_ms_per_window))
@@ -221,10 +213,9 @@ def choose_windows(
 class ProbeResult:
     """Measured time of one conv geometry and of its GEMM, per sample (one call = one sample).
 
-    Forward and backward are timed in the same interleaved rounds on ``windows_timed`` windows and
-    scaled to the sample's ``shape.windows`` by :attr:`scale` (a GEMM's and a kernel-sized conv's cost
-    is linear in the windows once past a few dozen). A figure with fewer than ``MIN_ROUNDS`` rounds is
-    unreliable: shown, but kept out of every saving.
+    Timed in interleaved rounds on ``windows_timed`` windows, scaled to ``shape.windows`` by :attr:`scale`
+    (cost is linear in the windows past a few dozen). Under ``MIN_ROUNDS`` rounds a figure is unreliable:
+    shown, but kept out of every saving.
     """
 
     shape: ConvShape
@@ -232,13 +223,13 @@ class ProbeResult:
     dtype: str
     conv: Timing | None = None
     gemm: Timing | None = None
-    # The backward pass (input, weight and bias gradients) of each, timed apart from the forward: an
-    # engine missing for the backward alone (cuDNN 9.20, bf16) leaves the forward fast.
+    # Input, weight and bias gradients, timed apart: an engine missing for the backward alone (cuDNN 9.20,
+    # bf16) leaves the forward fast.
     conv_backward: Timing | None = None
     gemm_backward: Timing | None = None
     windows_timed: int | None = None  # windows per timed call (<= shape.windows)
-    # The same conv with its input in channels_last (2-D) / channels_last_3d (3-D): a fix users can apply
-    # without vlfast, since torch's cuDNN guard looks at contiguous inputs only. None: not probed.
+    # The conv on a channels_last(_3d) input: a fix without vlfast, as torch's cuDNN guard looks at
+    # contiguous inputs only. None: not probed.
     conv_channels_last: Timing | None = None
     gemm_for_channels_last: Timing | None = None
     onednn_enabled: bool | None = None
@@ -260,19 +251,17 @@ class ProbeResult:
 
     @property
     def ratio(self) -> float | None:
-        """conv / GEMM of the medians: the table's ``conv ms / GEMM ms``, so the ratio printed beside the
-        two times is theirs. Under a changing load the rounds can disagree: :attr:`round_ratio` says so."""
+        """conv / GEMM of the medians, as the table prints them (:attr:`round_ratio`: per round)."""
         return _ratio(self.conv, self.gemm)
 
     @property
     def round_ratio(self) -> float | None:
-        """The median of the per-round conv / GEMM ratios (each round times both back to back)."""
+        """The median of the per-round conv / GEMM ratios."""
         ratios = _round_ratios(self.conv, self.gemm)
         return float(statistics.median(ratios)) if ratios else None
 
     @property
     def backward_ratio(self) -> float | None:
-        """conv backward / GEMM backward, as :attr:`ratio`."""
         return _ratio(self.conv_backward, self.gemm_backward)
 
     @property
@@ -286,12 +275,10 @@ class ProbeResult:
 
     @property
     def channels_last_ratio(self) -> float | None:
-        """conv with a channels-last input / its GEMM, as :attr:`ratio`."""
         return _ratio(self.conv_channels_last, self.gemm_for_channels_last)
 
     @property
     def reliable(self) -> bool:
-        """The forward was timed at least ``MIN_ROUNDS`` times on each side."""
         return _reliable(self.conv, self.gemm)
 
     @property
@@ -305,12 +292,11 @@ class ProbeResult:
 
     @property
     def saving_ms(self) -> float | None:
-        """Forward time the GEMM saves per sample; None unless reliable."""
+        """Time the GEMM saves per sample; None unless reliable."""
         return _saving(self.per_sample_ms("conv"), self.per_sample_ms("gemm"), self.reliable)
 
     @property
     def backward_saving_ms(self) -> float | None:
-        """Backward time the GEMM saves per sample; None unless reliable."""
         return _saving(
             self.per_sample_ms("conv_backward"), self.per_sample_ms("gemm_backward"), self.backward_reliable
         )
@@ -363,9 +349,8 @@ def _round_ratios(conv: Timing | None, gemm: Timing | None) -> list[float]:
 
 
 def _ratio(conv: Timing | None, gemm: Timing | None) -> float | None:
-    """The ratio of the medians, never the median of the per-round ratios: under load the two differ (a
-    median conv of 64.65 ms beside a median GEMM of 125.18 ms was printed with a ratio of 0.84x, the median
-    of ratios of other rounds), and the table prints the medians beside it."""
+    """The ratio of the medians, never the median of per-round ratios: under load they differ (a 64.65 ms
+    conv beside a 125.18 ms GEMM was once printed as 0.84x), and the table prints the medians beside it."""
     if conv is None or gemm is None or gemm.median_ms <= 0:
         return None
     return conv.median_ms / gemm.median_ms
@@ -453,13 +438,11 @@ def probe_conv(
 ) -> ProbeResult:
     """Time ``shape``'s conv and its GEMM at ``dtype`` on ``device`` in about ``budget_s`` seconds.
 
-    A calibration call of each side measures the cost per window; :func:`choose_windows` picks the windows
-    so that a warm-up and ``MIN_ROUNDS`` rounds fit; rounds of GEMM and conv (with ``backward``, their
-    input, weight and bias gradients too) run until the share is spent or ``max_repeats`` ran. ``budget``,
-    shared between shapes, caps it further; ``stretch_s`` more seconds may be taken when that keeps the
-    backward in (a training verdict rests on it). What does not fit is named in ``left_out``.
-    ``channels_last`` also times a channels-last input (``None``: only on CUDA when the forward measures
-    ``>= slow_ratio``). Failures (out of memory, an op missing) are recorded in ``error``, never raised.
+    A calibration call per side gives the cost per window; :func:`choose_windows` sizes the rounds (with
+    ``backward``, the gradients too), run until the share is spent or ``max_repeats`` ran. ``budget``,
+    shared between shapes, caps it; ``stretch_s`` more seconds may keep the backward in (a training verdict
+    rests on it). What does not fit is named in ``left_out``. ``channels_last`` also times a channels-last
+    input (``None``: on CUDA when the forward is ``>= slow_ratio``). Failures are recorded in ``error``.
     """
     dev = torch.device(device)
     budget = budget if budget is not None else Budget(budget_s)
@@ -470,17 +453,13 @@ def probe_conv(
         onednn_enabled=bool(torch.backends.mkldnn.enabled) if dev.type == "cpu" else None,
         cudnn_enabled=bool(torch.backends.cudnn.enabled) if dev.type == "cuda" else None,
     )
-    nd, d = len(shape.kernel_size), shape.out_channels
+    c, k, d = shape.in_channels, shape.kernel_size, shape.out_channels
+    nd = len(k)
     try:
         gen = torch.Generator().manual_seed(seed)
         # (N, C, *k): every row one window, as the model's view(-1, C, T, P, P) produces.
-        x_all = torch.randn(shape.windows, shape.in_channels, *shape.kernel_size, generator=gen).to(
-            dev, dtype
-        )
-        fan_in = shape.in_channels * math.prod(shape.kernel_size)
-        w = (torch.randn(d, shape.in_channels, *shape.kernel_size, generator=gen) / fan_in**0.5).to(
-            dev, dtype
-        )
+        x_all = torch.randn(shape.windows, c, *k, generator=gen).to(dev, dtype)
+        w = (torch.randn(d, c, *k, generator=gen) / (c * math.prod(k)) ** 0.5).to(dev, dtype)
         b = torch.randn(d, generator=gen).to(dev, dtype) if shape.bias else None
         result.backend = selected_backend(x_all, w, b, shape.kernel_size)
         with warnings.catch_warnings():
@@ -491,13 +470,8 @@ def probe_conv(
             return result
         n, times = timed
         result.windows_timed = n
-        result.gemm, result.conv = (
-            Timing(tuple(times["gemm"]), warmup=1),
-            Timing(tuple(times["conv"]), warmup=1),
-        )
-        if "conv_backward" in times:
-            result.gemm_backward = Timing(tuple(times["gemm_backward"]), warmup=1)
-            result.conv_backward = Timing(tuple(times["conv_backward"]), warmup=1)
+        for side, t in times.items():  # gemm, conv and, with the backward, gemm_ and conv_backward
+            setattr(result, side, Timing(tuple(t), warmup=1))
         if dev.type == "cuda":
             result.kernels = _cuda_kernels(lambda: _CONV_FN[nd](x_all[:n], w, b, shape.kernel_size))
         if not result.reliable or ("conv_backward" in times and not result.backward_reliable):
@@ -605,14 +579,12 @@ def _rounds(
     left: Callable[[], float],
     max_rounds: int,
 ) -> dict[str, list[float]]:
-    """Interleaved rounds, one call of every side each, so a load change on a shared machine hits every
-    side alike. Stops after ``max_rounds``, or once ``MIN_ROUNDS`` ran and the next round (as long as the
-    last) would overrun this shape's share; never starts a round the whole budget cannot pay for (with
-    a little slack until ``MIN_ROUNDS`` ran)."""
+    """Interleaved rounds, one call of every side each, so a load change hits every side alike. Stops
+    after ``max_rounds``, or once ``MIN_ROUNDS`` ran and the next round would overrun this shape's share;
+    never starts a round the whole budget cannot pay for (with a little slack until ``MIN_ROUNDS`` ran)."""
     times: dict[str, list[float]] = {k: [] for k in sides}
     last = 0.0
-    # Below MIN_ROUNDS a round may dip into 15% of the whole budget: what makes a figure reliable is
-    # worth that much, and the budget still holds within 20%.
+    # Below MIN_ROUNDS a round may dip into 15% of the whole budget: a reliable figure is worth that much.
     slack = 0.15 * budget.seconds * 1e3
     while len(times["conv"]) < max_rounds:
         short = len(times["conv"]) < MIN_ROUNDS
@@ -647,12 +619,8 @@ def _sides(x, w, b, conv_fn, kernel_size, backward: bool) -> dict[str, Callable[
 
 
 def _backward_graphs(x, w, b, conv_fn, kernel_size):
-    """(conv backward, GEMM backward) callables, each on its graph built once.
-
-    ``retain_graph`` keeps each graph, so a timed call is the backward alone, as training runs it after
-    the forward: input, weight and bias gradients (the patch embedding's input is pixels, which need no
-    gradient in training, but a tower fine-tuned behind another module's output would need it).
-    """
+    """(conv backward, GEMM backward) callables, each on its graph built once and retained, so a timed
+    call is the backward alone: input (for a tower behind another module), weight and bias gradients."""
     n, d = x.shape[0], w.shape[0]
     leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
     xg, wg, bg = leaves[0], leaves[1], leaves[2] if b is not None else None

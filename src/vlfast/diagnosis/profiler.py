@@ -136,12 +136,10 @@ class ProfileReport:
     def comparison(self, before: ProfileRun, after: ProfileRun) -> dict[str, dict[str, Any]]:
         """Per component and for the forward: did the patch change it, by how much, how reliably.
 
-        A component with no patched conv in it is ``unchanged`` by construction (the patch is exact, so
-        it computes the same on the same input): its measured ratio is shown only as the noise it is,
-        never as a speedup. A changed one's speedup is the median of the per-round ratios; ``reliable``
-        is False when those spread wider than ``UNRELIABLE_SPREAD``, when fewer than ``MIN_ROUNDS`` ran, or
-        when the speedup and the medians disagree on which side is faster (``agrees_with_medians``: a
-        median of ratios above 1 beside an "after" median above the "before" one): then it is inconclusive.
+        A component with no patched conv is unchanged by construction (the patch is exact): its ratio is
+        noise, never a speedup. A changed one's speedup is the median of the per-round ratios; it is not
+        ``reliable`` when they spread wider than ``UNRELIABLE_SPREAD``, fewer than ``MIN_ROUNDS`` ran, or
+        it and the medians disagree on which side is faster (``agrees_with_medians``).
         """
         out: dict[str, dict[str, Any]] = {}
         parts = list(dict.fromkeys([*before.components, *after.components]))
@@ -252,18 +250,11 @@ def _spread(values: list[float]) -> float | None:
     return (max(values) - min(values)) / med if med else None
 
 
-def _fmt_load(v: float | None) -> str:
-    return "unknown" if v is None else f"{v:.2f}"
-
-
 def load_average() -> float | None:
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-
-
-# ---------------------------------------------------------------------------------------------- timing
 
 
 def _grid(spec, frames: int, size: tuple[int, int]) -> tuple[int, int, int]:
@@ -278,8 +269,8 @@ def _grid(spec, frames: int, size: tuple[int, int]) -> tuple[int, int, int]:
 class _Hooks:
     """Forward pre/post hooks that mark a clock around each component call."""
 
-    # A forward that runs longer than this says, at the next component that ends, how far it got: an
-    # emulated-bf16 CPU forward can take minutes, and a run killed then should say where it was.
+    # A forward running longer says how far it got as components end: an emulated-bf16 CPU forward can
+    # take minutes, and a run killed then should say where it was.
     HEARTBEAT_S = 10.0
 
     def __init__(self, parts: list[tuple[str, str, nn.Module]]) -> None:
@@ -338,10 +329,9 @@ def _one_run(tower: nn.Module, hooks: _Hooks, inputs: tuple, device: str):
 def time_components(
     tower: nn.Module, inputs: tuple, device: str | torch.device
 ) -> tuple[float, dict[str, float], dict[str, float]]:
-    """One forward ``tower(*inputs)`` under ``torch.inference_mode``, timed whole and by component, as
-    :func:`profile` times each of its rounds: ``(forward ms, label -> ms, item -> ms)``. What no component
-    holds is the forward minus the labels' sum (:data:`INLINE`). For callers that decide what changes between
-    forwards themselves (a benchmark's variants); the hooks are gone when it returns."""
+    """One forward ``tower(*inputs)`` under ``torch.inference_mode``, timed whole and by component as
+    :func:`profile` times a round: ``(forward ms, label -> ms, item -> ms)``. For callers that decide what
+    changes between forwards themselves (a benchmark's variants)."""
     hooks = _Hooks(component_modules(tower))
     try:
         with torch.inference_mode():
@@ -394,21 +384,8 @@ def _set_patched(scope: nn.Module, patched: bool) -> None:
 
 
 def _profile_config(
-    tower: nn.Module,
-    *,
-    scope: nn.Module,
-    vlm: nn.Module | None,
-    batch: int,
-    frames: int,
-    size: tuple[int, int],
-    device: str,
-    dtype: torch.dtype,
-    warmup: int,
-    repeats: int,
-    seed: int,
-    deadline: float | None = None,
-    say: Callable[[str], None] = lambda _: None,
-) -> tuple[ProfileRun, ProfileRun]:
+    tower, scope, vlm, batch, frames, deadline, say, *, size, device, dtype, warmup, repeats, seed
+):
     """(before, after) for one configuration, timed in alternating rounds (patching is an attribute swap,
     so a load change or a late warm-up hits both alike). With a ``deadline`` (``time.perf_counter()``
     seconds) the rounds are cut to what fits, measured by the round before: at least one timed round;
@@ -510,10 +487,7 @@ def _run_of(patched, rs, plain, batch, frames, clip, pixels) -> ProfileRun:
 
 
 def _time_vlm(results, scope, vlm, tower, pixels, grid_thw, clips, device, warmup, repeats) -> None:
-    """The whole VLM forward on the same synthetic clips, before and after in alternating rounds.
-
-    Failures are recorded in ``vlm_error``, never raised.
-    """
+    """The whole VLM forward on the same clips, before and after alternately; failures go to ``vlm_error``."""
     errors = []
     try:
         for kw in _vlm_inputs(vlm, tower, pixels, grid_thw, clips):
@@ -538,9 +512,6 @@ def _time_vlm(results, scope, vlm, tower, pixels, grid_thw, clips, device, warmu
         errors.append(str(e))
     for run in results:
         run.vlm_error = "; ".join(errors) or "no input layout worked"
-
-
-# --------------------------------------------------------------------------------------------- profile
 
 
 def _load_model(model: nn.Module | str | None, device: str, dtype: torch.dtype, tiny: bool, whole: bool):
@@ -627,22 +598,9 @@ def profile(
     if not is_patched(tower):
         report.notes.append("nothing to patch in this tower: 'after' equals 'before'")
     try:
+        kw = {"size": size, "device": dev, "dtype": dt, "warmup": warmup, "repeats": repeats, "seed": seed}
         _profile_configs(
-            report,
-            tower,
-            scope,
-            whole if vlm else None,
-            batch_sizes,
-            frames,
-            budget_s,
-            say,
-            on_pair,
-            size=size,
-            device=dev,
-            dtype=dt,
-            warmup=warmup,
-            repeats=repeats,
-            seed=seed,
+            report, tower, scope, whole if vlm else None, batch_sizes, frames, budget_s, say, on_pair, **kw
         )
     finally:
         unpatch(scope)
@@ -695,9 +653,7 @@ def _profile_configs(report, tower, scope, vlm, batch_sizes, frames, budget_s, s
             say(f"{where}: {line}")
 
         tell(f"timing {report.target} on {report.device} ({report.dtype}), before and after patching")
-        before, after = _profile_config(
-            tower, scope=scope, vlm=vlm, batch=b, frames=f, deadline=deadline, say=tell, **kw
-        )
+        before, after = _profile_config(tower, scope, vlm, b, f, deadline, tell, **kw)
         pairs.append((before, after))
         if before.repeats < min(kw["repeats"], MIN_ROUNDS):
             report.notes.append(
@@ -711,6 +667,7 @@ def _profile_configs(report, tower, scope, vlm, batch_sizes, frames, budget_s, s
 
 def _inconclusive_notes(report: ProfileReport) -> list[str]:
     notes = []
+    load = "unknown" if report.load[1] is None else f"{report.load[1]:.2f}"
     for before, after in report.pairs():
         if before and after:
             bad = [  # fewer than MIN_ROUNDS rounds has its own note
@@ -722,7 +679,7 @@ def _inconclusive_notes(report: ProfileReport) -> list[str]:
                 notes.append(
                     f"batch {before.batch} x {before.frames} frames: inconclusive for {', '.join(bad)}: the "
                     f"per-round ratios spread more than {UNRELIABLE_SPREAD:.0%} or disagree with the medians on "
-                    f"which side is faster (load average {_fmt_load(report.load[1])}, {report.cpus} CPUs); run "
+                    f"which side is faster (load average {load}, {report.cpus} CPUs); run "
                     "again on a quieter machine or with more --repeats."
                 )
     return notes

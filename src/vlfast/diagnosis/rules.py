@@ -1,13 +1,13 @@
-"""Known slow paths for stride == kernel convolutions, each a pure function of the facts.
-
-A rule says *why* a convolution may run slowly on this machine, with its public source and the
-environment-side fix. Rules never decide the verdict (the doctor's live measurement does); they explain
-it. Each predicate takes :class:`~vlfast.diagnosis.facts.Facts` and a :class:`ConvGeometry` and touches no device,
-so tests play any machine by building ``Facts`` by hand.
+"""Known slow paths for stride == kernel convolutions: *why* a conv may run slowly here, with a public
+source and the environment-side fix. Rules explain the verdict, never decide it (the doctor's measurement
+does). Each predicate is a pure function of :class:`~vlfast.diagnosis.facts.Facts` and a
+:class:`ConvGeometry`, so tests play any machine by building ``Facts`` by hand.
 """
 
 from __future__ import annotations
 
+import os.path
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -46,8 +46,8 @@ class Rule:
     applies: Callable[[Facts, ConvGeometry], bool]
     explanation: str
     env_fix: str | Callable[[Facts], str]  # what to change in the environment instead of patching
-    # A fallback kernel (vol2col, a reference loop, a missing engine): orders of magnitude, not a few x.
-    # A measured slow conv a pathological rule explains is a slow path even under PATHOLOGICAL_RATIO.
+    # A fallback kernel (orders of magnitude, not a few x): a slow conv it explains is a slow path even
+    # under PATHOLOGICAL_RATIO.
     pathological: bool = True
     phases: tuple[Phase, ...] = ("forward", "backward")  # the passes it slows
 
@@ -85,17 +85,15 @@ def _torch_290(f: Facts) -> bool:
 
 
 def _guard_cudnn(f: Facts) -> int | None:
-    """The cuDNN version torch's skip guard reads: torch 2.9.0 compares the compile-time version, so a
-    newer cuDNN package changes nothing there; 2.9.1 reads the runtime one (pytorch PR #167111)."""
+    """The cuDNN torch's skip guard reads: compile-time on 2.9.0, runtime from 2.9.1 (pytorch PR #167111)."""
     if _torch_290(f) and f.cudnn_compile is not None:
         return f.cudnn_compile
     return f.cudnn_runtime
 
 
 def _cudnn_skipped(f: Facts, c: ConvGeometry) -> bool:
-    # aten/src/ATen/native/Convolution.cpp, use_cudnn (torch >= 2.9): cuDNN in [9.8, 9.15) (compile-time
-    # on 2.9.0, runtime from 2.9.1), suggested memory format contiguous, bf16/fp16, weight.dim() == 5
-    # and some kernel dim != 1 -> cuDNN is not used. A channels_last_3d input escapes the guard.
+    # aten/src/ATen/native/Convolution.cpp, use_cudnn (torch >= 2.9): cuDNN in [9.8, 9.15), contiguous
+    # suggested memory format, bf16/fp16, weight.dim() == 5 and some kernel dim != 1 -> cuDNN is not used.
     guard = _guard_cudnn(f)
     return (
         _cuda(f)
@@ -126,11 +124,8 @@ def _windows(f: Facts) -> bool:
 
 
 def _upgrade_cudnn(f: Facts) -> str:
-    """How to get a runtime cuDNN >= 9.15 here. The wheel's bundled cuDNN is what loads: the cu126
-    wheels of torch 2.9-2.14 still ship 9.10.2.21 (pytorch RFC #190385 proposes dropping cu126 in
-    2.15), the cu128 2.9-2.10 builds too; cu130 builds of 2.11+ pin >= 9.19. On Windows torch loads the
-    cuDNN in torch/lib by full path, so a pip-upgraded nvidia-cudnn package is never loaded there. On
-    torch 2.9.0 the guard reads the compile-time cuDNN, so only another torch helps."""
+    """How to get a runtime cuDNN >= 9.15 here (the wheel's bundled cuDNN is what loads; on torch 2.9.0
+    the guard reads the compile-time cuDNN, so only another torch helps)."""
     if _torch_290(f) and _cuda(f):
         return (
             "upgrade torch to >= 2.9.1 (pip install -U 'torch>=2.9.1'): torch 2.9.0 decides the cuDNN skip "
@@ -199,9 +194,6 @@ def _cudnn_mixed(f: Facts, c: ConvGeometry) -> bool:
 
 def _lib_origin(path: str) -> str:
     """The directory of a loaded library and the version in its file name, if any ("...so.9.20.0")."""
-    import os.path
-    import re
-
     m = re.search(r"\.so\.(\d+(?:\.\d+)+)$", path)
     return os.path.dirname(path) + (f" {m.group(1)}" if m and m.group(1).count(".") >= 1 else "")
 
@@ -234,8 +226,6 @@ def _cudnn_window(f: Facts, c: ConvGeometry) -> bool:
     )
 
 
-_UPGRADE = _upgrade_cudnn
-
 RULES: tuple[Rule, ...] = (
     Rule(
         "cudnn-skip-conv3d",
@@ -248,7 +238,7 @@ RULES: tuple[Rule, ...] = (
         "torch's version: the torch 2.9-2.10 cu128 wheels and the cu126 wheels through 2.14 ship cuDNN "
         "9.10.2. A channels_last_3d input escapes the guard (the narrowing PR #166480 was closed "
         "unmerged, so this is the rule as shipped).",
-        _UPGRADE,
+        _upgrade_cudnn,
     ),
     Rule(
         "cudnn-920-bf16-backward",
@@ -258,7 +248,7 @@ RULES: tuple[Rule, ...] = (
         "With cuDNN 9.20 the bf16 backward of the patch-embedding Conv3d finds no engine: training fails "
         "or falls back to a slow path, while the forward is fine. A version check cannot cover every such "
         "engine gap, which is why the doctor also times the backward.",
-        _UPGRADE,
+        _upgrade_cudnn,
         phases=("backward",),
     ),
     Rule(
@@ -268,7 +258,7 @@ RULES: tuple[Rule, ...] = (
         _blackwell_cudnn910,
         "On Blackwell (sm_100/sm_120) with cuDNN 9.10 the bf16 patch-embedding Conv3d of one 8-frame clip "
         "took 16 s per call against 0.3 ms for the equivalent Linear.",
-        _UPGRADE,
+        _upgrade_cudnn,
     ),
     Rule(
         "cudnn-disabled",

@@ -98,10 +98,9 @@ def measure(
 ) -> Timing:
     """Time ``fn()``: ``warmup`` discarded calls, then up to ``repeats`` timed calls, garbage collection off.
 
-    With ``budget_s``, no new call starts once the calls so far (warm-up included) have used the budget,
-    after at least ``min_repeats`` timed calls. When the first warm-up call alone uses more than half
-    the budget, the kernel is slow enough that setup cost is noise: that one call is the measurement
-    (``Timing.first_call``), so a 16-second conv costs 16 seconds, not 16 x (warm-up + repeats).
+    With ``budget_s``, no call starts once the calls so far used it (after ``min_repeats`` timed ones). A
+    first warm-up call over half the budget is the measurement (``Timing.first_call``): a 16-second conv
+    costs 16 seconds, not 16 x (warm-up + repeats).
     """
     if repeats < 1 or warmup < 0 or min_repeats < 1:
         raise InputRefused(
@@ -113,46 +112,32 @@ def measure(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # as timeit does: a collection triggered inside one call is not that call's cost
     try:
-        return _measure(fn, dev, warmup, repeats, budget_s, min_repeats)
+        spent_ms = 0.0
+        for i in range(warmup):
+            ms = timed_call(fn, dev)
+            spent_ms += ms
+            if i == 0 and budget_s is not None and ms > 0.5 * budget_s * 1e3:
+                return Timing((ms,), warmup=0, budget_hit=True, first_call=True)
+        times: list[float] = []
+        budget_hit = False
+        while len(times) < repeats:
+            if budget_s is not None and len(times) >= min_repeats and spent_ms >= budget_s * 1e3:
+                budget_hit = True
+                break
+            ms = timed_call(fn, dev)
+            spent_ms += ms
+            times.append(ms)
+        return Timing(tuple(times), warmup=warmup, budget_hit=budget_hit)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _measure(
-    fn: Callable[[], Any],
-    dev: torch.device,
-    warmup: int,
-    repeats: int,
-    budget_s: float | None,
-    min_repeats: int,
-) -> Timing:
-    spent_ms = 0.0
-    for i in range(warmup):
-        ms = timed_call(fn, dev)
-        spent_ms += ms
-        if i == 0 and budget_s is not None and ms > 0.5 * budget_s * 1e3:
-            return Timing((ms,), warmup=0, budget_hit=True, first_call=True)
-    times: list[float] = []
-    budget_hit = False
-    while len(times) < repeats:
-        if budget_s is not None and len(times) >= min_repeats and spent_ms >= budget_s * 1e3:
-            budget_hit = True
-            break
-        ms = timed_call(fn, dev)
-        spent_ms += ms
-        times.append(ms)
-    return Timing(tuple(times), warmup=warmup, budget_hit=budget_hit)
-
-
 @dataclass
 class Clock:
-    """Marks inside one run, resolved to milliseconds after it.
-
-    ``mark()`` records a CUDA event (no synchronisation, so the run is not perturbed) or, on CPU, reads
-    ``perf_counter``; on MPS it synchronises first, since MPS has no public timing events. Call
-    ``finish()`` once after the run, then ``elapsed_ms(a, b)`` for any two marks.
-    """
+    """Marks inside one run, resolved to milliseconds after it: ``mark()`` records a CUDA event (no
+    synchronisation) or reads ``perf_counter`` (after a synchronisation on MPS, which has no public timing
+    events); call ``finish()`` once after the run, then ``elapsed_ms(a, b)`` for any two marks."""
 
     device: str | torch.device | None = None
     _marks: list[Any] = field(default_factory=list, repr=False)
@@ -162,7 +147,6 @@ class Clock:
         self._dev = _device(self.device)
 
     def mark(self) -> int:
-        """Record now; returns the mark's index."""
         if self._dev.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()

@@ -69,12 +69,9 @@ class Check:
 
 @dataclass(frozen=True)
 class Step:
-    """One unit of a verify run, reported to ``verify(progress=...)`` as it starts and again as it ends.
-
-    ``index`` counts from 1 to ``total``; loading the model comes first as step 0 of an unknown total
-    (``total is None``). At the start ``seconds`` is None; at the end it is the step's wall time and
-    ``checks`` holds the checks the step produced.
-    """
+    """One unit of a verify run, reported to ``verify(progress=...)`` as it starts (``seconds`` None) and
+    as it ends (its wall time and ``checks``). ``index`` counts from 1 to ``total``; loading the model is
+    step 0 of an unknown total (``total is None``)."""
 
     index: int
     total: int | None
@@ -97,12 +94,10 @@ class VerifyReport:
     device: str
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    # Where this process's float32 settings give the stock conv and the GEMM different precisions (TF32
-    # convs on an NVIDIA GPU, by default): what that difference measures on the first conv. The checks
-    # themselves run in IEEE float32 on both sides (vlfast.patching.precision).
+    # Where this process's float32 settings give the conv and the GEMM different precisions (TF32 convs on
+    # NVIDIA by default): what that measures on the first conv. The checks run in IEEE float32 either way.
     precision: dict[str, Any] | None = None
-    # Patch embeddings transformers' own fusion (fusion_config) already replaced with a Linear: on the
-    # GEMM already, nothing for vlfast to patch or compare. (qualified name, class name)
+    # (qualified name, class name) of patch embeddings transformers' fusion_config already made a Linear
     fused: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -157,20 +152,14 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------------------ metrics
-
-
 def _max(a: float, b: float) -> float:
     """max() that keeps a NaN (Python's max(0.0, nan) is 0.0: a NaN output would pass unseen)."""
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 class _Errors:
-    """Running float64 sums behind compare(), fed chunk by chunk and tensor by tensor.
-
-    A float64 copy of a 415M-element gradient is 3.3 GB and compare() needs several; chunks bound that to
-    a few times ``_CHUNK`` elements, and several tensors (all of a tower's gradients) sum into one result.
-    """
+    """Running float64 sums behind compare(), fed chunk by chunk and tensor by tensor: a float64 copy of a
+    415M-element gradient is 3.3 GB, and several tensors (a tower's gradients) sum into one result."""
 
     def __init__(self) -> None:
         self.numel = 0
@@ -260,9 +249,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-# ---------------------------------------------------------------------------------- progress, memory
-
-
 class _Steps:
     """Runs the units of work: each announced to ``callback`` as it starts and ends, its checks kept."""
 
@@ -306,12 +292,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _converted_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """``copy.deepcopy(module).to(device, dtype)`` without the full-precision copy in between.
-
-    The converted tensors are put in deepcopy's memo, so the copy is built directly from them: at most
-    one new copy of the weights exists. A tensor already in ``dtype`` on ``device`` is shared, not copied
-    (verify never writes to weights).
-    """
+    """``copy.deepcopy(module).to(device, dtype)`` without the full-precision copy in between: the
+    converted tensors go in deepcopy's memo (one already in ``dtype`` on ``device`` is shared)."""
     memo: dict[int, Any] = {}
     for t in _tensors(module):
         if id(t) in memo:
@@ -336,9 +318,6 @@ def _borrowed(module: nn.Module, *, give_back: bool) -> Iterator[None]:
             m.training = training
         for p, grad in grads.items():
             p.grad = grad
-
-
-# ------------------------------------------------------------------------------------------- checks
 
 
 def _convs(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -421,12 +400,11 @@ _UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float1
 def _accuracy_check(
     name: str, layer: nn.Module, x32: torch.Tensor, dtype, device, backward: bool, th
 ) -> Check:
-    """Each path's error against float64, forward and (with ``backward``) the weight gradient.
+    """Each path's ||path - float64|| / ||float64||, forward and (with ``backward``) the weight gradient.
 
-    The float64 reference computes the same operation on the same inputs, weights and upstream gradient,
-    each first rounded to ``dtype``: what is measured is each kernel's own rounding (how it accumulates),
-    the figure public reports compare (cuDNN's bf16 Conv3d at 2.7e-3 relative against 9e-6 for an
-    fp32-accumulating GEMM, radixark/miles_diffusion PR #168). Errors are ||path - float64|| / ||float64||.
+    The float64 reference runs on the same inputs, weights and upstream gradient rounded to ``dtype``, so
+    each kernel's own rounding is measured, as public reports compare it (cuDNN's bf16 Conv3d at 2.7e-3
+    against 9e-6 for an fp32-accumulating GEMM, radixark/miles_diffusion PR #168).
     """
     low = copy.deepcopy(layer).to(dtype)
     low.requires_grad_(True)
@@ -467,11 +445,8 @@ def _features(model: nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> dic
 
 
 def _tower_grad_check(tower: nn.Module, grid, device, th: Thresholds, seed: int) -> Check:
-    """Gradients of every tower parameter, original vs patched, never holding more than one set of them.
-
-    The original run's gradients are kept; in the patched run each parameter's gradient is compared the
-    moment it is accumulated (a post-accumulate-grad hook) and both are dropped at once.
-    """
+    """Gradients of every tower parameter, original vs patched, holding one set: each patched gradient is
+    compared as it is accumulated (a post-accumulate-grad hook) and both are dropped at once."""
     from vlfast.models import synthetic_inputs
 
     pixels, grid_thw = synthetic_inputs(tower, [grid], device=device, seed=seed)
@@ -540,15 +515,11 @@ def _tower_checks(
     then each low dtype. ``owned``: verify loaded the tower itself and may convert it in place."""
     from vlfast.models import synthetic_inputs
 
-    # Run the caller's module itself when it already is fp32 on the device; otherwise a converted copy,
-    # which is then verify's own to convert further.
-    borrowed = _is_at(tower, torch.float32, device)
-    if borrowed:
+    # The caller's module itself when it already is fp32 on the device; else verify's own converted copy.
+    if _is_at(tower, torch.float32, device):
         tower32 = tower
-    elif owned:
-        tower32 = tower.float().to(device)
     else:
-        tower32 = _converted_copy(tower, torch.float32, device)
+        tower32 = tower.float().to(device) if owned else _converted_copy(tower, torch.float32, device)
     own32 = owned or tower32 is not tower
     labels = [f"sample {i} grid={tuple(g)}" for i, g in enumerate(grids)]
     ref32s: list[dict[str, torch.Tensor]] = []
@@ -559,11 +530,8 @@ def _tower_checks(
                 ref32 = _run(tower32, False, _features, tower32, pixels, grid_thw)
                 out32 = _run(tower32, True, _features, tower32, pixels, grid_thw)
                 for key, ref in ref32.items():
-                    out.append(
-                        _fp32_check(
-                            "tower", f"{labels[i]} {key}", compare(ref, out32[key]), th.fp32_tower_rel
-                        )
-                    )
+                    m = compare(ref, out32[key])
+                    out.append(_fp32_check("tower", f"{labels[i]} {key}", m, th.fp32_tower_rel))
                 ref32s.append(ref32)
                 del out32
         if backward and grids:
@@ -674,8 +642,8 @@ def _dtypes(dtypes: Sequence[str | torch.dtype]) -> list[torch.dtype]:
 
 
 def _settings_difference(name: str, conv: nn.Module, n_windows: int, device, seed: int, settings) -> dict:
-    """Stock against patched in float32 under this process's own settings, each against a float64
-    reference: what a user whose settings round one side and not the other sees change (not a check)."""
+    """Stock against patched in float32 under this process's own settings, each against float64 (not a
+    check)."""
     gen = torch.Generator().manual_seed(seed + 7919)  # its own: the checks' random inputs stay as they were
     x = torch.randn(n_windows, conv.in_channels, *tuple(conv.kernel_size), generator=gen)
     layer = copy.deepcopy(conv).float().to(device)
@@ -721,10 +689,8 @@ def _setting_value(knob: str, precision: str) -> str:
 
 
 def _gemm_rate(dtype: torch.dtype, device: torch.device) -> float:
-    """Multiply-adds per second of one 1,024-cubed GEMM here, now (the best of two after a warm-up).
-
-    F.linear, as the tower's layers run it: with emulated bf16, ``a @ a`` takes another path, 20x slower.
-    """
+    """Multiply-adds per second of one 1,024-cubed F.linear here (best of two after a warm-up): as the
+    tower's layers run it, since with emulated bf16 ``a @ a`` takes another path, 20x slower."""
     from vlfast.diagnosis.timing import measure
 
     a = torch.randn(1024, 1024, device=device).to(dtype)
@@ -744,11 +710,9 @@ def expected_seconds(
 ) -> float:
     """A rough wall time for :func:`verify` with these arguments, told before it starts.
 
-    From the tower's size (read on ``device="meta"``: nothing is loaded) and a GEMM rate measured now per
-    dtype: each tower forward costs about parameters x patches multiply-adds, run twice (original and
-    patched) per grid and dtype, the gradient check three forwards' worth twice, each layer check its
-    conv and GEMM (the conv counted at 4x its GEMM forward, 30x backward, as on a CPU). Emulated bf16 is
-    in the measured rate. A low guess on a loaded machine: it is a rate measured once.
+    From the tower's size (read on meta) and a GEMM rate measured now per dtype: a tower forward costs
+    about parameters x patches multiply-adds, twice per grid and dtype, the gradient check three forwards
+    twice, a layer check its conv (4x its GEMM forward, 30x backward, as on a CPU) and GEMM.
     """
     from vlfast.models import load_vision_tower
 
