@@ -231,14 +231,10 @@ def _check_numbers(config: ExtractConfig) -> None:
             "shard_max_bytes and shard_max_samples must be >= 1, got "
             f"{config.shard_max_bytes!r} and {config.shard_max_samples!r}"
         )
-    if config.commit_every is not None and not config.commit_every > 0:  # None: by size only
-        raise InputRefused(
-            f"commit_every must be a positive number of seconds or None, got {config.commit_every!r}"
-        )
-    if config.decode_timeout is not None and not config.decode_timeout > 0:  # None is no limit here
-        raise InputRefused(
-            f"decode_timeout must be a positive number of seconds or None, got {config.decode_timeout!r}"
-        )
+    for name in ("commit_every", "decode_timeout"):  # None: by size only, and no limit
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            raise InputRefused(f"{name} must be a positive number of seconds or None, got {value!r}")
     if config.resume_check not in RESUME_CHECKS:
         raise InputRefused(
             f"--resume-check (resume_check) must be one of {', '.join(RESUME_CHECKS)}, got {config.resume_check!r}"
@@ -256,9 +252,6 @@ def _check_numbers(config: ExtractConfig) -> None:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-# ------------------------------------------------------------------------------- devices and dtypes
 
 
 def _device_type(device: Any) -> str:
@@ -368,17 +361,13 @@ def torch_gpu_build() -> bool | None:
         return None
     found: dict[str, Any] = {}
     for node in tree.body if tree is not None else []:
-        if isinstance(node, ast.AnnAssign):
-            targets, value = [node.target], node.value
-        elif isinstance(node, ast.Assign):
-            targets, value = node.targets, node.value
-        else:
+        if not isinstance(node, ast.AnnAssign | ast.Assign):
             continue
-        for target in targets:
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
             if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
-                if not isinstance(value, ast.Constant):
+                if not isinstance(node.value, ast.Constant):
                     return None
-                found[target.id] = value.value
+                found[target.id] = node.value.value
     if set(found) != {"cuda", "hip"}:
         return None
     return bool(found["cuda"] or found["hip"])
@@ -452,9 +441,6 @@ def resolve_store_dtype(store_dtype: str | torch.dtype | None) -> torch.dtype | 
     import torch
 
     return getattr(torch, name)
-
-
-# ------------------------------------------------------------------------------------------ the summary
 
 
 @dataclass

@@ -8,7 +8,7 @@ inputs in different orders still divide them with no gaps or duplicates.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +73,6 @@ def owner_rank(sample_id: str, world_size: int) -> int:
     return int.from_bytes(digest, "big") % world_size
 
 
-# ----------------------------------------------------------------------------------------------------
 # ids held as data: millions of ids in a few arrays instead of millions of Python objects (issue 22)
 
 _CHUNK = 1 << 16  # ids converted to Python objects at a time when a column is iterated
@@ -436,7 +435,7 @@ class IdSet(AbstractSet[str]):
                 self._pending.append((other.array, None))
             elif arrow:
                 self._pending.append((other, None))
-            elif len_hint(other) > _SMALL:
+            elif isinstance(other, Sized) and len(other) > _SMALL:
                 column, kept = _column_of(list(other))
                 self._pending.append((column, None))
                 self._recent.update(kept)  # ids Arrow cannot hold are never in the arrays
@@ -523,13 +522,6 @@ def _utf8(sample_id: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def len_hint(obj: object) -> int:
-    try:
-        return len(obj)  # type: ignore[arg-type]
-    except TypeError:
-        return 0
 
 
 class ArrowStrings(Sequence[str]):

@@ -1,20 +1,16 @@
 """Object storage, the base layer of extraction: the ONLY module that imports fsspec.
 
-Local paths never reach this module's filesystems, so a purely local run imports no fsspec (importing this
-module does not import it either). Here, once for the package: what a URL is and its bucket
-(:data:`BUCKET_PROTOCOLS`), opening a filesystem with the storage options (as JSON: hashable and picklable),
-probing a URL or OUT, and ranged reads of an object in place (a tar member at a URL).
+Local paths never reach this module's filesystems, so a purely local run imports no fsspec. Here, once for
+the package: what a URL is and its bucket, opening a filesystem with the storage options (as JSON: hashable
+and picklable), probing a URL or OUT, and ranged reads of an object in place (a tar member at a URL).
 
-Transient errors (a connection reset, a 5xx or SlowDown, a timeout: :func:`is_transient`) are retried by
-the client where it has retries of its own (S3: botocore's ``retries`` config, :data:`S3_RETRIES` unless
-``config_kwargs`` or ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` set one, plus s3fs's own loop over
-connection errors; gcsfs and adlfs retry by themselves) and by :func:`retrying` here for other stores
-(plain HTTP). What still fails is :class:`TransientReadError`, whose message starts with
-:data:`TRANSIENT_PREFIX`: the sample's error record is "transient", not done, tried again by the next run.
+Transient errors (:func:`is_transient`) are retried by the client where it has retries of its own (S3:
+:data:`S3_RETRIES` unless the user configured some; gcsfs and adlfs retry by themselves) and by
+:func:`retrying` here for other stores (plain HTTP). What still fails is :class:`TransientReadError`: the
+sample's error record is "transient", tried again by the next run.
 
-What is read as INPUT at URLs is listed in :mod:`vlfast.extraction.sources` (``remote``, ``webdataset``).
-Credentials come from the environment and fsspec's configuration, plus ``storage_options``. They are never
-shown: every message names the URL only, and any option value a library error echoes is masked.
+Credentials (the environment, fsspec's configuration, ``storage_options``) are never shown: every message
+names the URL only, and any option value a library error echoes is masked.
 """
 
 from __future__ import annotations
@@ -63,7 +59,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-# ------------------------------------------------------------------------------------------------ URLs
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Stores whose first path component is a bucket: probed once per bucket before any work.
@@ -100,8 +95,7 @@ def url_path(url: str, storage_options: Mapping[str, Any] | None = None) -> Path
 
 
 def bucket_root(url: str) -> str | None:
-    """``scheme://bucket`` as written in ``url`` for a store whose first path component is a bucket (S3,
-    GCS, Azure...: :data:`BUCKET_PROTOCOLS`), else None (``memory://``, ``file://``, ``http://``...)."""
+    """``scheme://bucket`` as written in ``url`` for a store of :data:`BUCKET_PROTOCOLS`, else None."""
     if url_scheme(url) not in BUCKET_PROTOCOLS:
         return None
     m = re.match(r"^[^:]+://[^/]+", url)
@@ -122,8 +116,6 @@ def has_buckets(fs: Any) -> bool:
     return bool(_protocols(fs) & BUCKET_PROTOCOLS)
 
 
-# ------------------------------------------------------------------------------------------ errors
-
 TRANSIENT_PREFIX = "transient storage error"  # how such a reason begins (add_error infers the kind from it)
 
 
@@ -132,14 +124,13 @@ class RemoteInputError(InputRefused):
 
 
 class TransientReadError(Exception):
-    """Reading a sample's input failed for a reason that says nothing about the sample (see
-    :func:`is_transient`), after the retries. Its message starts with ``TRANSIENT_PREFIX``, which makes the
-    error record "transient". Not an OSError, so the decoders' handlers of bad data let it through."""
+    """Reading a sample's input failed for a reason that says nothing about the sample, after the retries.
+    Its message starts with ``TRANSIENT_PREFIX`` (the record's kind). Not an OSError, so the decoders'
+    handlers of bad data let it through."""
 
 
-# S3 retries when the user configured none: botocore's "standard" mode retries throttling (SlowDown, 503),
-# 5xx, timeouts and connection errors with full-jitter exponential backoff (<= 1, 2, 4, 8, 16 s between
-# the 6 attempts); botocore's own default would be "legacy" with 5.
+# S3 retries when the user configured none: botocore's "standard" mode retries throttling, 5xx, timeouts and
+# connection errors with full-jitter exponential backoff (botocore's own default is "legacy" with 5).
 S3_RETRIES = {"mode": "standard", "max_attempts": 6}
 # Stores whose fsspec client retries by itself (s3fs/botocore, gcsfs, adlfs/azure-core); others get ours.
 _CLIENT_RETRIES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
@@ -174,6 +165,10 @@ _TRANSIENT_CLASSES = _names(
 )
 
 
+def _transient_status(status: Any) -> bool:
+    return isinstance(status, int) and (status in (408, 429) or (status >= 500 and status != 501))
+
+
 def _transient_one(e: BaseException) -> bool:
     if isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
         return False
@@ -182,24 +177,20 @@ def _transient_one(e: BaseException) -> bool:
     if any(c.__name__ in _TRANSIENT_CLASSES for c in type(e).__mro__):
         return True
     response = getattr(e, "response", None)  # botocore's ClientError
-    if isinstance(response, dict):
-        code = str(response.get("Error", {}).get("Code", ""))
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in _TRANSIENT_CODES:
-            return True
-        if isinstance(status, int) and (status in (408, 429) or (status >= 500 and status != 501)):
-            return True
-    status = getattr(e, "status", None)  # aiohttp's ClientResponseError (fsspec's HTTP)
-    if isinstance(status, int) and (status in (408, 429) or (status >= 500 and status != 501)):
+    if isinstance(response, dict) and (
+        str(response.get("Error", {}).get("Code", "")) in _TRANSIENT_CODES
+        or _transient_status(response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+    ):
+        return True
+    if _transient_status(getattr(e, "status", None)):  # aiohttp's ClientResponseError (fsspec's HTTP)
         return True
     return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
 
 
 def is_transient(e: BaseException) -> bool:
     """Whether a failure to read from storage says nothing about what is stored: a connection reset or
-    refused, a timeout, an HTTP 408, 429 or 5xx (SlowDown, ServiceUnavailable, InternalError), as any
-    client in the exception's chain reports it. A missing object or refused access is not transient
-    (unless caused by one of the above)."""
+    refused, a timeout, an HTTP 408, 429 or 5xx, as any client in the exception's chain reports it. A
+    missing object or refused access is not transient (unless caused by one of the above)."""
     seen: set[int] = set()
     stack = [e]
     while stack:
@@ -231,8 +222,8 @@ def error_reason(e: BaseException) -> str:
 
 
 def refusal(label: str, e: BaseException, options_json: str, missing: str | None = None) -> Exception:
-    """The exception that says why a request about an input failed, naming ``label`` (the URL, or what it
-    is to the input) and never the options. ``missing`` replaces the default not-found message."""
+    """The exception that says why a request about an input failed, naming ``label`` and never the
+    options. ``missing`` replaces the default not-found message."""
     if isinstance(e, FileNotFoundError):
         return FileNotFoundError(
             missing or f"{label} does not exist (or its bucket does not, or the credentials cannot see it)"
@@ -247,9 +238,6 @@ def refusal(label: str, e: BaseException, options_json: str, missing: str | None
     return RemoteInputError(
         f"{label} cannot be reached ({type(e).__name__}: {reason}); check the endpoint and the credentials"
     )
-
-
-# ------------------------------------------------------------------------------------------ options
 
 
 def encode_options(options: Mapping[str, Any] | None) -> str:
@@ -268,11 +256,8 @@ def _secrets(options_json: str) -> list[str]:
     def walk(v: Any) -> None:
         if isinstance(v, str) and len(v) >= 4:
             out.append(v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
+        elif isinstance(v, dict | list):
+            for x in v.values() if isinstance(v, dict) else v:
                 walk(x)
 
     walk(json.loads(options_json))
@@ -284,9 +269,6 @@ def masked(text: str, options_json: str) -> str:
     for secret in _secrets(options_json):
         text = text.replace(secret, "***")
     return text
-
-
-# -------------------------------------------------------------------------------- filesystems, retries
 
 
 def filesystem(url: str, options_json: str):
@@ -320,8 +302,7 @@ def filesystem(url: str, options_json: str):
 
 def retrying(fs, call: Callable[[], T], url: str, options_json: str) -> T:
     """``call()``, tried up to :data:`OWN_ATTEMPTS` times while it fails transiently when ``fs``'s client
-    has no retries of its own (else once: the client has retried already); TransientReadError when the
-    last attempt fails transiently, the error itself otherwise."""
+    has no retries of its own (else once); TransientReadError when the last attempt fails transiently."""
     attempts = 1 if _protocols(fs) & _CLIENT_RETRIES else OWN_ATTEMPTS
     for attempt in range(attempts):
         try:
@@ -346,8 +327,6 @@ def probe(
     except Exception as e:
         raise refusal(label or f"input {url}", e, options_json, missing) from None
 
-
-# ----------------------------------------------------------------------------------- OUT on object storage
 
 # s3fs sends S3's If-None-Match on an exclusive create from 2024.12 on; before, mode="create" was a
 # check-then-write, so two writers racing for one name could both win and the commit was not atomic.
@@ -389,28 +368,22 @@ def probe_out(out: Any) -> None:
         raise refusal(f"output {url}", e, options_json, missing) from None
 
 
-# ------------------------------------------------------------------------------------------- ranged reads
-
-
 class StorageReadError(OSError):
     """Stored bytes could not be read (network, credentials, throttling): it says nothing about the bytes,
     so it is never reported as damage."""
 
 
 # What a failed ranged read becomes, per caller (ObjectRange's ``policy``):
-# "input"    a sample's input (a tar member): a transient failure is retried where the client has no
-#            retries of its own, then TransientReadError; a missing object FileNotFoundError naming the
-#            URL; anything else OSError naming the URL, never the options.
-# "storage"  bytes of the extraction folder read back (a tensor): a missing object FileNotFoundError as
-#            the client raises it; anything else StorageReadError naming what was read and the URL.
+# "input"    a sample's input (a tar member): as :func:`named_call` says.
+# "storage"  bytes of the extraction folder read back: FileNotFoundError as the client raises it; anything
+#            else StorageReadError naming what was read and the URL.
 # "raw"      the client's own exception, for a check that classifies failures itself (integrity).
 RANGE_POLICIES = ("input", "storage", "raw")
 
 
 def read_whole(path: Any) -> bytes:
-    """A file's bytes: a local path's own ``read_bytes``; an object (a UPath) in one GET. fsspec's file
-    objects, and s3fs's ``cat_file`` unless told to read in one request, ask for the size first (a HEAD):
-    two requests per index part, errors file or listing where one does."""
+    """A file's bytes: a local path's own ``read_bytes``; an object (a UPath) in one GET (fsspec's file
+    objects, and s3fs's ``cat_file`` unless told otherwise, ask for the size first: two requests)."""
     fs = getattr(path, "fs", None)
     if fs is None or is_local_fs(fs):
         return path.read_bytes()
@@ -455,9 +428,8 @@ def _short(url: str, what: str, start: int, got: int, end: int) -> OSError:
 
 class ObjectRange:
     """One object on storage, read by byte ranges: each :meth:`read` is one ranged request for exactly the
-    bytes asked (fewer at the object's end), never more. ``policy`` (one of :data:`RANGE_POLICIES`) is what
-    a failure becomes for this caller. A store that ignores the range (a plain HTTP server may send the
-    whole file, whose first bytes would pass for the ones asked) is refused under every policy."""
+    bytes asked (fewer at the object's end). ``policy`` (one of :data:`RANGE_POLICIES`) is what a failure
+    becomes. A store that ignores the range (a plain HTTP server may send the whole file) is refused."""
 
     def __init__(self, fs, path: str, url: str, options_json: str = "{}", *, policy: str = "input"):
         if policy not in RANGE_POLICIES:
@@ -470,8 +442,8 @@ class ObjectRange:
         return cls(upath.fs, upath.path, str(upath), policy=policy)
 
     def size(self) -> int:
-        """The object's size, asked of the store itself (never of fsspec's listings cache: another writer
-        may have replaced it since the last listing)."""
+        """The object's size, asked of the store itself (another writer may have replaced it since the
+        last listing)."""
         self.fs.invalidate_cache(self.path)
         return int(self.fs.size(self.path))
 
@@ -507,10 +479,8 @@ class RangeReader(ByteWindow):
 
     Reads are served from one buffer; a miss fetches at least a block from the read position. The block
     doubles (64 KiB up to 8 MiB) while misses land within one block of the last buffer's end, and drops
-    back to 64 KiB after a longer jump. So listing a shard of small images reads it front to back in a few
-    large requests, listing a shard of large videos hops from header to header with one small request
-    each, and a decoder reading a video front to back gets large requests. (fsspec's own file objects use
-    one fixed block, 50 MiB for s3fs: up to that many bytes per hop over a large member.)"""
+    back to 64 KiB after a longer jump: reading front to back gets large requests, hopping from header to
+    header small ones (fsspec's own file objects use one fixed block, 50 MiB for s3fs)."""
 
     MIN_BLOCK, MAX_BLOCK = 64 << 10, 8 << 20
 
@@ -562,14 +532,13 @@ class RangeReader(ByteWindow):
 
 def open_range(url: str, options_json: str, offset: int, size: int, name: str) -> io.BufferedReader:
     """The ``size`` bytes at ``offset`` of the object at ``url`` as a seekable binary file (a tar member,
-    for PyAV): ranged requests over just those bytes ("input" policy), nothing written to disk."""
+    for PyAV), read by ranged requests ("input" policy)."""
     fs, path = filesystem(url, options_json)
     return io.BufferedReader(RangeReader(fs, path, url, options_json, offset, size, name), 1 << 16)
 
 
 def read_range(url: str, options_json: str, offset: int, size: int, name: str) -> bytes:
-    """The ``size`` bytes at ``offset`` of the object at ``url``, in one ranged request (an image member),
-    under the "input" policy."""
+    """The ``size`` bytes at ``offset`` of the object at ``url``, in one ranged request ("input" policy)."""
     fs, path = filesystem(url, options_json)
     data = ObjectRange(fs, path, url, options_json).read(offset, offset + size, name)
     if len(data) < size:

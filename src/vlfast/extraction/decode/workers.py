@@ -108,9 +108,6 @@ class PoolStats:
     recovered: int = 0  # of those, the ones whose re-run answered (its worker survived)
 
 
-# ----------------------------------------------------------------------------------------- the transport
-
-
 class _FdCollector:
     """Stands in for multiprocessing's "spawning Popen" while a worker pickles a result: torch's fd
     reduction (``DupFd``) hands it the descriptors, which are sent with the message."""
@@ -207,9 +204,6 @@ def _recv(conn: multiprocessing.connection.Connection, sock: socket.socket) -> t
     return kind, i, obj
 
 
-# -------------------------------------------------------------------------------------------- a worker
-
-
 def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies, so a hung worker never outlives a killed
     run (elsewhere workers stop at end of file on their pipe, which a hung one never reads)."""
@@ -255,9 +249,6 @@ def _worker_main(pool: WorkerPool, worker_id: int, conn: multiprocessing.connect
         except OSError:
             return  # the parent closed the pipe or died
         del result, msg, fds  # free the shared memory now, not when the next sample replaces it
-
-
-# --------------------------------------------------------------------------------------------- the pool
 
 
 @dataclass(eq=False)
@@ -335,8 +326,6 @@ class WorkerPool:
         self._iterated = False
         self._closed = False
 
-    # ------------------------------------------------------------------------------------------ public
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._closed:
             raise RuntimeError("this WorkerPool is closed")
@@ -385,8 +374,6 @@ class WorkerPool:
             self.close()
         except Exception:  # noqa: BLE001 - at interpreter exit modules may be half torn down
             pass
-
-    # ----------------------------------------------------------------------------------------- the loops
 
     def _in_process(self) -> Iterator[dict[str, Any]]:
         try:
@@ -503,8 +490,6 @@ class WorkerPool:
         for i, _ in w.tasks:
             heapq.heappush(self._pending, i)
         w.tasks.clear()
-
-    # ------------------------------------------------------------------------------------- handing out
 
     def _assign(self) -> None:
         """Re-runs first, each alone in a fresh worker; then taken-back and new tasks, lowest index first,

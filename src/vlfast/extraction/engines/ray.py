@@ -79,9 +79,6 @@ def _import_ray():
     return ray
 
 
-# ------------------------------------------------------------------------------------------ row formats
-
-
 def _schemas():
     import pyarrow as pa
 
@@ -216,9 +213,6 @@ def _decoded_sample(row: dict[str, Any], i: int, load) -> DecodedSample:
         ref=_Ref(row["id"], row["source"], row["kind"]),
         input=json.loads(row["input"]) if row.get("input") else None,
     )
-
-
-# ------------------------------------------------------------------------------------------- the stages
 
 
 class _Decode:
@@ -427,9 +421,6 @@ class _RankCounter:
     @classmethod
     def start(cls, ray, out: Out) -> Any:
         return ray.remote(num_cpus=0)(cls).remote(out.highest_rank() % MAX_RANK + 1)
-
-
-# ------------------------------------------------------------------------------------------- the driver
 
 
 def _model_actor_args() -> dict[str, Any]:

@@ -120,9 +120,6 @@ def compute_vision_features(tower: nn.Module, batch: VisionBatch, names: Sequenc
     return vision_features(names, out["merged"], out["deepstack"], batch)
 
 
-# ------------------------------------------------------------------------------------------------ LLM
-
-
 class TowerTap:
     """Forward hook on the vision tower that keeps its outputs during a whole-model forward."""
 
@@ -357,17 +354,13 @@ def compute_llm_features(
 
 def _add_tower_features(results: list[dict], items: Sequence[DecodedSample], spec: FeatureSpec, tap) -> None:
     """The vision features asked, from what the tower returned during the whole-model forward."""
-    order = [i for i, it in enumerate(items) if _modality(it) == "image"] + [
-        i for i, it in enumerate(items) if _modality(it) == "video"
-    ]
+    order = [i for kind in ("image", "video") for i, it in enumerate(items) if _modality(it) == kind]
     vision_names = [n for n in spec.names if n in VISION_FEATURES]
     if not (vision_names and order):
         return
-    merged, deep = [], []
-    for t in tap.outputs:  # one call per modality present, images first
-        merged.append(t["merged"])
-        deep.append(t["deepstack"])
-    merged_all = torch.cat(merged)
+    # one call per modality present, images first
+    merged_all = torch.cat([t["merged"] for t in tap.outputs])
+    deep = [t["deepstack"] for t in tap.outputs]
     deep_all = [torch.cat(level) for level in zip(*deep)] if deep and deep[0] else []
     sorted_items = [items[i] for i in order]
     batch = VisionBatch(
@@ -378,8 +371,6 @@ def _add_tower_features(results: list[dict], items: Sequence[DecodedSample], spe
     for pos, feats in zip(order, vision_features(vision_names, merged_all, deep_all, batch)):
         results[pos].update(feats)
 
-
-# ------------------------------------------------------------------------------------------- storing
 
 _STORE_CHOICES = ("bfloat16", "float32")  # what a refusal suggests instead, in order of size
 
