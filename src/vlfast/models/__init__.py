@@ -1,16 +1,9 @@
 """Models vlfast works on: built-in references, local checkpoints, and their vision towers.
 
-A *reference* is a published vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V) rebuilt
-offline from transformers' config classes with its published dimensions and random weights: enough to measure
-speed and prove equivalence without downloading anything. A *spec* names a model everywhere a command takes
-``--model``: ``ref:NAME`` or a local checkpoint directory.
-
-- ``references``: the built-in references as plain data (no torch).
-- ``checkpoints``: a local checkpoint folder read without torch or transformers.
-- ``ref``: what ``--model`` names (:class:`ModelRef`) and the model's family, read once (no torch).
-- ``towers``: vision towers built, found and run (imports torch).
-
-Importing this package is free: each public name loads its module on first use.
+A *reference* is a published vision tower rebuilt offline from transformers' config classes with its
+published dimensions and random weights: enough to measure speed and prove equivalence without downloading
+anything. Importing this package is free: each public name loads its module on first use (``towers``, the
+only one importing torch).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """A local checkpoint folder read without torch: the folder checked (with what to do when ``--model`` names
 nothing), its config as transformers reads it (:func:`load_config`, which imports transformers), its weight
 files, and where a vision tower's tensors are in them. :func:`check_tower_shapes` compares the shapes a
-config makes (``towers.tower_shapes``) with the safetensors headers.
-
-What the weights fingerprint of ``vlfast extract`` reads (:mod:`vlfast.extraction.store.fingerprint`), so
-that a finished OUT is answered without importing torch; :mod:`vlfast.models` builds and loads the models
-and re-exports these. Built-in references are :mod:`vlfast.models.references`.
+config makes (``towers.tower_shapes``) with the safetensors headers. Torch-free, so that a finished OUT's
+weights fingerprint (:mod:`vlfast.extraction.store.fingerprint`) is answered without importing torch.
 """
 
 from __future__ import annotations
@@ -31,22 +28,18 @@ __all__ = [
 ]
 
 # ------------------------------------------------------------------------------------------- hints
-# vlfast never downloads: --model is a local folder or a built-in ref:NAME. The two values a newcomer types
-# first are a Hub id (Qwen/Qwen3-VL-4B-Instruct) and a reference without its prefix (qwen3-vl-4b); each gets
-# the command that fixes it instead of "not found".
+# vlfast never downloads. A Hub id (Qwen/Qwen3-VL-4B-Instruct) and a reference without its prefix
+# (qwen3-vl-4b) each get the command that fixes them instead of "not found".
 
-# owner/name as the Hugging Face Hub spells repositories; a relative path with one slash looks the same,
-# so this is only used once the path is known not to exist.
+# owner/name as the Hub spells repositories (a relative path looks the same: used once it is known absent)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 TINY_CHECKPOINT = "`vlfast demo-checkpoint DIR` writes a tiny offline one (random weights) to try commands on"
 
 
 def missing_model_hint(spec: str, *, references: bool = True) -> str:
-    """The sentence to add when ``spec`` is not an existing folder.
-
-    ``references``: whether the command accepts ``ref:NAME`` (the tokens commands need a language model's
-    weights, which the references do not have)."""
+    """The sentence to add when ``spec`` is not an existing folder; ``references``: whether the command
+    accepts ``ref:NAME``."""
     key = spec.removeprefix(REF_PREFIX).lower()
     # A Hub id, unless its "owner" is a folder here: then it is more likely a mistyped local path.
     if _HUB_ID.fullmatch(spec) and not spec.startswith(".") and not Path(spec).parent.is_dir():
@@ -131,18 +124,14 @@ def tensor_locations(spec: str | Path, names: Sequence[str]) -> dict[str, tuple[
 
 
 def check_tower_shapes(spec: str | Path, shapes: Mapping[str, Sequence[int]]) -> None:
-    """Refuse (InputRefused, exit 2) a checkpoint whose vision-tower tensors are not the shapes its config.json
-    makes them: ``shapes`` is tower name -> shape as the config builds the tower (on the meta device). Reads
-    only safetensors headers, so a run refuses in a second, before it writes anything, where loading would
-    fail with torch's size mismatch once OUT held run.json. Names the tensor, its file and both shapes."""
+    """Refuse (InputRefused) a checkpoint whose vision-tower tensors are not the shapes its config.json makes
+    them (``shapes``: tower name -> shape). Reads only safetensors headers, so a run refuses in a second,
+    before it writes anything, where loading would fail with torch's size mismatch once OUT held run.json."""
     from safetensors import safe_open
 
     path = checkpoint_dir(spec)
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (file, key) in tensor_locations(path, list(shapes)).items():
-        by_file.setdefault(file, []).append((name, key))
     wrong: list[str] = []
-    for file, names in by_file.items():
+    for file, names in by_file(tensor_locations(path, list(shapes))).items():
         with safe_open(str(file), framework="numpy") as f:  # headers only
             for name, key in names:
                 got = list(f.get_slice(key).get_shape())
@@ -157,6 +146,14 @@ def check_tower_shapes(spec: str | Path, shapes: Mapping[str, Sequence[int]]) ->
             "weights and config.json come from different models (or the config was edited): put the config.json "
             "saved with these weights beside them"
         )
+
+
+def by_file(locations: Mapping[str, tuple[Path, str]]) -> dict[Path, list[tuple[str, str]]]:
+    """:func:`tensor_locations`' answer grouped by file: file -> [(name, checkpoint key)]."""
+    out: dict[Path, list[tuple[str, str]]] = {}
+    for name, (file, key) in locations.items():
+        out.setdefault(file, []).append((name, key))
+    return out
 
 
 def load_config(spec: str | Path) -> Any:

@@ -1,8 +1,7 @@
 """What ``--model`` names, read once: :class:`ModelRef`, and the model's family (:func:`family_of`).
 
-A spec is ``ref:NAME`` (a built-in reference: random weights, published dimensions) or a local checkpoint
-folder. Code that must tell the two apart asks a ModelRef, never the string's prefix. Imports neither torch
-nor transformers; :func:`family_of` asks transformers only for a checkpoint whose answer is not recorded.
+A spec is ``ref:NAME`` (a built-in reference) or a local checkpoint folder. Code that must tell the two apart
+asks a ModelRef, never the string's prefix. Imports neither torch nor transformers.
 """
 
 from __future__ import annotations

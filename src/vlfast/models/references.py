@@ -1,16 +1,14 @@
 """The built-in references: published vision towers as plain data, importable without torch.
 
-A *reference* is a published vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V) named
-``ref:NAME`` wherever a command takes ``--model``: which transformers config class builds it and with what
-numbers. :mod:`vlfast.models` builds them (random weights); ``vlfast models`` lists them from here alone, so
-it answers without importing torch or transformers. ``tests/test_references.py`` builds each one and checks
-that the tower has the depth, widths, heads and patch this table states.
+A *reference* is a published vision tower named ``ref:NAME`` wherever a command takes ``--model``: which
+transformers config class builds it and with what numbers. :mod:`vlfast.models` builds them (random
+weights); ``vlfast models`` lists them from here alone, without importing torch or transformers.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +38,7 @@ class Reference:
     tiny: dict[str, Any] = field(default_factory=dict)  # overrides for a seconds-fast test build
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "family": self.family,
-            "config_class": self.config_class,
-            "vision": dict(self.vision),
-            "source": self.source,
-        }
+        return {k: v for k, v in asdict(self).items() if k != "tiny"}
 
     # What `vlfast models` shows, read from the published numbers (families name them differently).
     @property
@@ -68,8 +60,7 @@ class Reference:
         return int(self.vision["temporal_patch_size"]), int(self.vision["patch_size"])
 
     def installed(self) -> bool:
-        """Whether the installed transformers has this family (Qwen2-VL since 4.45, Qwen2.5-VL 4.49, GLM-4.1V
-        4.53, Qwen3-VL 4.57): its folder under ``transformers/models``, found without importing transformers."""
+        """Whether the installed transformers has this family (its folder under ``transformers/models``)."""
         return self.family in installed_families()
 
     @property
@@ -155,11 +146,9 @@ def installed_families() -> frozenset[str]:
     if spec is None or not spec.submodule_search_locations:
         return frozenset()
     models = Path(next(iter(spec.submodule_search_locations))) / "models"
-    return (
-        frozenset(p.name for p in models.iterdir() if (p / "__init__.py").is_file())
-        if models.is_dir()
-        else frozenset()
-    )
+    if not models.is_dir():
+        return frozenset()
+    return frozenset(p.name for p in models.iterdir() if (p / "__init__.py").is_file())
 
 
 def list_references() -> list[Reference]:

@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from vlfast.errors import InputRefused
-from vlfast.models.checkpoints import checkpoint_dir, load_config, tensor_locations
+from vlfast.models.checkpoints import by_file, checkpoint_dir, load_config, tensor_locations
 from vlfast.models.ref import ModelRef
 from vlfast.models.references import resolve_reference
 from vlfast.patching.gemm import eligibility
 
 
-def _vision_model_class(config: Any) -> type[nn.Module]:
-    """The transformers class built from this vision config: found in the family's modeling module."""
+def vision_model_class(config: Any) -> type[nn.Module]:
+    """The transformers class a vision config builds: found in the family's modeling module."""
     family_pkg = type(config).__module__.rsplit(".", 1)[0]  # transformers.models.<family>
     family = family_pkg.rsplit(".", 1)[-1]
     modeling = importlib.import_module(f"{family_pkg}.modeling_{family}")
@@ -43,7 +43,7 @@ def _vision_model_class(config: Any) -> type[nn.Module]:
 
 
 def _build_from_vision_config(config: Any, *, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
-    cls = _vision_model_class(config)
+    cls = vision_model_class(config)
     if getattr(config, "_attn_implementation", None) is None:
         config._attn_implementation = "sdpa"
     with torch.device(device):
@@ -52,8 +52,8 @@ def _build_from_vision_config(config: Any, *, device: str | torch.device, dtype:
 
 
 def _dtype_keyword() -> str:
-    """transformers 4.56 renamed ``torch_dtype`` (``from_pretrained``, ``_from_config``) to ``dtype``; before it,
-    ``dtype`` reaches the model's ``__init__`` and fails there."""
+    """transformers 4.56 renamed ``torch_dtype`` to ``dtype``; before it, ``dtype`` reaches the model's
+    ``__init__`` and fails there."""
     import transformers
 
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
@@ -92,16 +92,16 @@ def vision_config_of(spec: str | Path) -> Any:
     """The vision config ``spec``'s tower is built from (a reference's, or the checkpoint's), building nothing."""
     if ModelRef.of(spec).is_reference:
         return reference_config(str(spec))
-    path = checkpoint_dir(spec)
-    vision_config = getattr(load_config(path), "vision_config", None)
+    return _vision_config(checkpoint_dir(spec))[1]
+
+
+def _vision_config(path: Path) -> tuple[Any, Any]:
+    """(config, its vision_config) of a checkpoint folder; InputRefused where it has none."""
+    config = load_config(path)
+    vision_config = getattr(config, "vision_config", None)
     if vision_config is None:
         raise InputRefused(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
-    return vision_config
-
-
-def vision_model_class(config: Any) -> type[nn.Module]:
-    """The transformers class a vision config builds."""
-    return _vision_model_class(config)
+    return config, vision_config
 
 
 # ---------------------------------------------------------------------------------------------- towers
@@ -158,17 +158,9 @@ def tower_spec(tower: nn.Module) -> TowerSpec:
         raise InputRefused(f"{type(tower).__name__} holds no stride == kernel Conv3d patch embedding")
     conv = convs[0][1]
     t, p, _ = conv.kernel_size
-    config = getattr(tower, "config", None)
-    merge = int(getattr(config, "spatial_merge_size", 2) or 2)
-    family = type(tower).__module__.rsplit(".", 2)[-2]
-    return TowerSpec(
-        int(conv.in_channels),
-        int(t),
-        int(p),
-        merge,
-        int(conv.out_channels),
-        frames_as_images=family in _FRAMES_AS_IMAGES,
-    )
+    merge = int(getattr(getattr(tower, "config", None), "spatial_merge_size", 2) or 2)
+    frames = type(tower).__module__.rsplit(".", 2)[-2] in _FRAMES_AS_IMAGES
+    return TowerSpec(int(conv.in_channels), int(t), int(p), merge, int(conv.out_channels), frames)
 
 
 def synthetic_inputs(
@@ -195,12 +187,9 @@ def synthetic_inputs(
 
 
 def tower_outputs(out: Any) -> dict[str, Any]:
-    """Normalise a tower's output across transformers versions.
-
-    Returns ``{"merged": (tokens, D_out), "deepstack": [...] , "last_hidden_state": ... or None}``. Older
-    versions return the merged tensor, or a ``(merged, deepstack_list)`` tuple; newer ones an output object
-    whose ``pooler_output`` is the merged tokens.
-    """
+    """A tower's output across transformers versions (the merged tensor, a ``(merged, deepstack_list)``
+    tuple, or an output object whose ``pooler_output`` is the merged tokens) as ``{"merged": (tokens, D_out),
+    "deepstack": [...], "last_hidden_state": ... or None}``."""
     if isinstance(out, torch.Tensor):
         return {"merged": out, "deepstack": [], "last_hidden_state": None}
     if isinstance(out, (tuple, list)) and not hasattr(out, "keys"):
@@ -227,19 +216,12 @@ def load_vision_tower(
     dtype: torch.dtype | None = None,
     tiny: bool = False,
 ) -> nn.Module:
-    """Only the vision tower of ``spec``: a reference, or the tower's weights read from a checkpoint.
-
-    For a checkpoint the tower is built from ``config.vision_config`` and its tensors are read from the
-    safetensors files by matching key suffixes, so the (much larger) language model is never loaded.
-    With ``device="meta"`` nothing is read: enough to scan shapes.
-    """
+    """Only the vision tower of ``spec``: a reference, or the tower's weights read from a checkpoint (by
+    matching key suffixes, so the language model is never loaded). ``device="meta"`` reads nothing."""
     if ModelRef.of(spec).is_reference:
         return build_reference(str(spec), tiny=tiny, device=device, dtype=dtype or torch.float32)
     path = checkpoint_dir(spec)
-    config = load_config(path)
-    vision_config = getattr(config, "vision_config", None)
-    if vision_config is None:
-        raise InputRefused(f"{path}/config.json has no vision_config: not a vision-language checkpoint")
+    config, vision_config = _vision_config(path)
     if dtype is None:
         # "dtype" first: transformers 5 warns "`torch_dtype` is deprecated" on reading the old name
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -251,12 +233,8 @@ def load_vision_tower(
         return tower
     from safetensors import safe_open
 
-    wanted = dict(tower.state_dict())
     found: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (file, key) in tower_tensor_locations(path, wanted).items():
-        by_file.setdefault(file, []).append((name, key))
-    for file, names in by_file.items():
+    for file, names in by_file(tower_tensor_locations(path, dict(tower.state_dict()))).items():
         with safe_open(str(file), framework="pt") as f:
             for name, key in names:
                 found[name] = f.get_tensor(key)
@@ -265,8 +243,7 @@ def load_vision_tower(
 
 
 def tower_tensor_names(spec: str | Path) -> list[str]:
-    """The names of the vision tower's tensors (its state_dict), from building it on the meta device (nothing
-    allocated, nothing read)."""
+    """The names of the vision tower's tensors (its state_dict), from building it on the meta device."""
     tower = _build_from_vision_config(vision_config_of(spec), device="meta", dtype=torch.float32)
     return list(tower.state_dict())
 
@@ -274,11 +251,8 @@ def tower_tensor_names(spec: str | Path) -> list[str]:
 def tower_tensor_locations(
     spec: str | Path, names: Sequence[str] | None = None
 ) -> dict[str, tuple[Path, str]]:
-    """Where each vision-tower tensor lives in a checkpoint: tower name -> (safetensors file, checkpoint key).
-
-    The tower's names come from building it on the meta device (:func:`tower_tensor_names`) unless given; then
-    :func:`vlfast.models.checkpoints.tensor_locations` reads only safetensors headers.
-    """
+    """Where each vision-tower tensor lives in a checkpoint: tower name -> (safetensors file, checkpoint key),
+    the names from :func:`tower_tensor_names` unless given (:func:`~vlfast.models.checkpoints.tensor_locations`)."""
     path = checkpoint_dir(spec)
     return tensor_locations(path, tower_tensor_names(path) if names is None else names)
 
@@ -318,5 +292,5 @@ def load_model(
 
 def tower_shapes(spec: str | Path) -> dict[str, list[int]]:
     """The vision tower's tensors (its state_dict's names, in order) and the shapes config.json gives them, from
-    building the tower on the meta device: nothing allocated, nothing read but the config. Imports torch."""
+    building the tower on the meta device."""
     return {name: list(t.shape) for name, t in load_vision_tower(spec, device="meta").state_dict().items()}
