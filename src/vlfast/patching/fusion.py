@@ -28,15 +28,12 @@ def fused_patch_embeddings(model: nn.Module) -> list[tuple[str, str]]:
 def checkpoint_fusion(path: str | Path) -> dict[str, Any] | None:
     """The ``fusion_config`` a local checkpoint's config.json asks for, when it asks to fuse the patch
     embeddings; None otherwise (no such file, no such key, or a file that is not JSON)."""
-    config = Path(path) / "config.json"
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
+        data = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     fusion = data.get("fusion_config") if isinstance(data, dict) else None
-    if isinstance(fusion, dict) and fusion.get("patch_embeddings"):
-        return fusion
-    return None
+    return fusion if isinstance(fusion, dict) and fusion.get("patch_embeddings") else None
 
 
 def fusion_note(path: str | Path) -> str | None:

@@ -1,10 +1,9 @@
 """float32 that is float32: the settings that let a float32 conv or matmul round its inputs, read and set.
 
-A stock conv and its GEMM take their float32 precision from different settings (docs/patch.md: cuDNN convs
-run TF32 by default, cuBLAS matmuls IEEE), so :func:`ieee_fp32` turns every such setting to IEEE while
-verify compares, and :func:`fp32_settings` says what this process would otherwise use. torch >= 2.9 raises
-when the per-backend ``fp32_precision`` is read through the legacy ``allow_tf32`` flags after being set
-apart: each is used alone, never both.
+A stock conv and its GEMM take their float32 precision from different settings (cuDNN convs run TF32 by
+default, cuBLAS matmuls IEEE), so :func:`ieee_fp32` turns every such setting to IEEE while verify compares,
+and :func:`fp32_settings` says what this process would otherwise use. torch >= 2.9 raises when the
+per-backend ``fp32_precision`` is read through the legacy ``allow_tf32`` flags: each API is used alone.
 """
 
 from __future__ import annotations
@@ -51,13 +50,11 @@ def _effective(backend: str, op: str) -> str:
     """What ``backend``'s ``op`` does with float32: "ieee", "tf32" or "bf16". In torch's own order: the op's
     setting, else its backend's ("all"), else the global one; "none" all the way down is IEEE."""
     if not _new_api():
-        if (backend, op) == ("cudnn", "conv"):
-            return "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
-        if (backend, op) == ("cuda", "matmul"):
-            return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        if (backend, op) == ("mkldnn", "matmul") and torch.get_float32_matmul_precision() == "medium":
-            return "bf16"
-        return "ieee"
+        tf32 = {("cudnn", "conv"): torch.backends.cudnn, ("cuda", "matmul"): torch.backends.cuda.matmul}
+        if (backend, op) in tf32:
+            return "tf32" if tf32[backend, op].allow_tf32 else "ieee"
+        medium = torch.get_float32_matmul_precision() == "medium"
+        return "bf16" if (backend, op) == ("mkldnn", "matmul") and medium else "ieee"
     for value in (
         _get(backend, op),
         getattr(getattr(torch.backends, backend), "fp32_precision", "none"),
@@ -71,13 +68,10 @@ def _effective(backend: str, op: str) -> str:
 def fp32_settings(device: str | torch.device) -> dict[str, tuple[str, str]]:
     """For ``device``'s family (cuda, else cpu): ``{"conv": (precision, knob), "matmul": (precision, knob)}``,
     what a stock float32 conv and the patched GEMM compute in under this process's settings, and the setting
-    that decides it. An MPS or other device reports its CPU-side settings, which it does not read: the
-    caller compares only where :func:`fp32_settings` names the device's own family."""
-    family = "cuda" if torch.device(device).type == "cuda" else "cpu"
-    (cb, co), (mb, mo) = _FAMILY[family]
+    that decides it (an MPS or other device reports its CPU-side settings)."""
+    family = _FAMILY["cuda" if torch.device(device).type == "cuda" else "cpu"]
     return {
-        "conv": (_effective(cb, co), precision_knob(cb, co)),
-        "matmul": (_effective(mb, mo), precision_knob(mb, mo)),
+        kind: (_effective(b, o), precision_knob(b, o)) for kind, (b, o) in zip(("conv", "matmul"), family)
     }
 
 
