@@ -2,11 +2,8 @@
 image, a video, a clip's frames: an :class:`Item`) made the vision tower's input by the model's own rules.
 
 Videos cannot use transformers' video processors without torchvision, so they are decoded with PyAV and
-processed by the same rules (:mod:`~vlfast.pixels.video`: ``Qwen3VLVideoProcessor.sample_frames`` or
-Qwen2-VL's, the video ``smart_resize``, ``F.interpolate(uint8, bicubic, antialias=True)`` as torchvision runs
-it on CPU, ``(x - 255*mean) / (255*std)`` in float32 as transformers fuses it, ``patchify``), proven against
-transformers' own functions in the tests. Bad inputs raise :class:`SampleError` with a reason a person can
-act on; the pipeline records it and goes on.
+processed by the same rules (:mod:`~vlfast.pixels.video`), proven against transformers' own functions in the
+tests. Bad inputs raise :class:`SampleError` with a reason a person can act on.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-# Published preprocessing of each reference family (preprocessor_config.json and
-# video_preprocessor_config.json of the Hugging Face checkpoints; transformers' class defaults where
-# the checkpoint keeps them).
+# Published preprocessing of each family (the Hugging Face checkpoints' processor files; transformers'
+# class defaults where the checkpoint keeps them).
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_vl": {
         "patch_size": 16,
@@ -88,11 +84,9 @@ def _size_pixels(cfg: dict[str, Any], default_min: int, default_max: int) -> tup
     return int(lo), int(hi)
 
 
-# A checkpoint's processor files come in two layouts. The published one (the Hugging Face repositories):
-# preprocessor_config.json for the image processor and video_preprocessor_config.json for the video one.
-# The one transformers >= 5 writes (``ProcessorMixin.save_pretrained``, hence every fine-tune saved with
-# it): a single processor_config.json holding both as its "image_processor" and "video_processor" entries,
-# and no preprocessor_config.json. transformers reads the nested entry first, then the separate file.
+# A checkpoint's processor files come in two layouts: the published one (preprocessor_config.json and
+# video_preprocessor_config.json), and the one transformers >= 5's save_pretrained writes (one
+# processor_config.json with "image_processor" and "video_processor" entries). The nested entry wins.
 PROCESSOR_CONFIG = "processor_config.json"
 IMAGE_PROCESSOR_CONFIG = "preprocessor_config.json"
 VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
@@ -115,48 +109,43 @@ def _processor_dicts(
 
     The dicts are those transformers itself loads (``ImageProcessingMixin.get_image_processor_dict`` and
     ``get_video_processor_config``) where it has these functions, else read here in the same order; ``facts``
-    gives them as recorded, where it may (see :mod:`~vlfast.extraction.store.facts`). Only a video processor's
-    own entry or file counts: transformers would fall back to the image processor's file for videos, vlfast
-    keeps the family's published video defaults instead.
+    gives them as recorded, where it may (see :mod:`~vlfast.extraction.store.facts`).
     """
     nested_file = path / PROCESSOR_CONFIG
     image_file, video_file = path / IMAGE_PROCESSOR_CONFIG, path / VIDEO_PROCESSOR_CONFIG
     nested = _json_object(nested_file) if nested_file.is_file() else {}
-    if isinstance(nested.get("image_processor"), dict):
-        image_from, image_cfg = f"{nested_file} (image_processor)", nested["image_processor"]
-    elif image_file.is_file():
-        image_from, image_cfg = str(image_file), _json_object(image_file)
-    else:
+
+    def read(kind: str, file: Path) -> tuple[str | None, dict]:
+        if isinstance(nested.get(kind), dict):
+            return f"{nested_file} ({kind})", nested[kind]
+        return (str(file), _json_object(file)) if file.is_file() else (None, {})
+
+    image_from, image_cfg = read("image_processor", image_file)
+    if image_from is None:
         raise FileNotFoundError(
             f"{path} has no preprocessor_config.json, nor a processor_config.json with an image_processor "
             "entry: copy preprocessor_config.json and video_preprocessor_config.json from the model's "
             "Hugging Face repository into it, or save the model's processor into it with transformers' "
             "save_pretrained"
         )
-    if isinstance(nested.get("video_processor"), dict):
-        video_from, video_cfg = f"{nested_file} (video_processor)", nested["video_processor"]
-    elif video_file.is_file():
-        video_from, video_cfg = str(video_file), _json_object(video_file)
-    elif use_transformers and image_file.is_file():
-        # transformers' AutoVideoProcessor then reads the image processor's file for videos too
-        # (get_video_processor_config falls back to preprocessor_config.json): so does vlfast, for parity
+    video_from, video_cfg = read("video_processor", video_file)
+    if video_from is None and use_transformers and image_file.is_file():
+        # transformers' get_video_processor_config falls back to preprocessor_config.json: so does vlfast
         video_from, video_cfg = (
             f"{image_file} (as transformers reads it for videos)",
             _json_object(image_file),
         )
-    else:
-        video_from, video_cfg = None, {}
     if use_transformers:
-        read = (image_cfg, video_cfg)
+        files = (image_cfg, video_cfg)
 
         def ask() -> tuple[dict, dict]:
             try:
                 from transformers.image_processing_base import ImageProcessingMixin
                 from transformers.models.auto.video_processing_auto import get_video_processor_config
             except ImportError:  # an older transformers: the files as read above
-                return read
+                return files
             image, _ = ImageProcessingMixin.get_image_processor_dict(str(path), local_files_only=True)
-            video = get_video_processor_config(str(path), local_files_only=True) or read[1]
+            video = get_video_processor_config(str(path), local_files_only=True) or files[1]
             return image, video
 
         image_cfg, video_cfg = ask() if facts is None else facts.answer("processor files", ask)
@@ -178,10 +167,9 @@ def _image_processor(
     image_mean: tuple[float, ...],
     image_std: tuple[float, ...],
 ):
-    """transformers' image processor: the checkpoint's own (``AutoImageProcessor``, which picks the backend
-    by what is installed: the PIL one without torchvision; ``cls_name``, the PIL class, builds that one from
-    the files), or, with no checkpoint, the PIL one with these numbers. Cached per checkpoint (its processor
-    files' identity) or numbers."""
+    """transformers' image processor: the checkpoint's own (``AutoImageProcessor``, whose backend depends on
+    what is installed; ``cls_name`` "Qwen2VLImageProcessorPil" builds that one), or, with no checkpoint, the
+    PIL one with these numbers. Cached per checkpoint (its processor files' identity) or numbers."""
     if model_dir is not None:
         files = []
         for name in (PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG):
@@ -195,36 +183,27 @@ def _image_processor(
         key = ("defaults", patch_size, temporal_patch_size, merge_size, tuple(image_mean), tuple(image_std))
     proc = _IMAGE_PROCESSORS.get(key)
     if proc is None:
-        if model_dir is not None and cls_name == "Qwen2VLImageProcessorPil":
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-            proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
-        elif model_dir is not None:
+        if model_dir is not None and cls_name != "Qwen2VLImageProcessorPil":
             from transformers import AutoImageProcessor
 
             proc = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
         else:
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-            proc = Qwen2VLImageProcessorPil(
-                patch_size=patch_size,
-                temporal_patch_size=temporal_patch_size,
-                merge_size=merge_size,
-                image_mean=list(image_mean),
-                image_std=list(image_std),
-            )
+            if model_dir is not None:
+                proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
+            else:
+                proc = Qwen2VLImageProcessorPil(
+                    patch_size=patch_size,
+                    temporal_patch_size=temporal_patch_size,
+                    merge_size=merge_size,
+                    image_mean=list(image_mean),
+                    image_std=list(image_std),
+                )
         while len(_IMAGE_PROCESSORS) >= 8:
             _IMAGE_PROCESSORS.pop(next(iter(_IMAGE_PROCESSORS)))
         _IMAGE_PROCESSORS[key] = proc
     return proc
-
-
-def _embedding_recipe(values: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
-    """Qwen3-VL-Embedding prepares pixels its own way (pixels.recipe), not by its processor files: its
-    numbers into ``values``; returns the source named and the video settings that replace the files'."""
-    values.update(RECIPE_PIXELS)
-    source += "; Qwen3-VL-Embedding recipe (vlfast.pixels.recipe.RECIPE_PIXELS)"
-    return source, {k: RECIPE_PIXELS[k] for k in ("fps", "min_frames", "max_frames", "max_video_tokens")}
 
 
 def _checkpoint_values(
@@ -239,22 +218,13 @@ def _checkpoint_values(
         source = f"{image_from.removesuffix(' (image_processor)')} (image_processor and video_processor)"
     else:
         source = f"{image_from} and {video_from}"
-    lo, hi = _size_pixels(image_cfg, values["image_min_pixels"], values["image_max_pixels"])
-    values.update(
-        image_min_pixels=lo,
-        image_max_pixels=hi,
-        image_mean=tuple(image_cfg.get("image_mean", values["image_mean"])),
-        image_std=tuple(image_cfg.get("image_std", values["image_std"])),
-        patch_size=int(image_cfg.get("patch_size", values["patch_size"])),
-    )
-    if video_cfg:
-        lo, hi = _size_pixels(video_cfg, values["video_min_pixels"], values["video_max_pixels"])
-        values.update(
-            video_min_pixels=lo,
-            video_max_pixels=hi,
-            video_mean=tuple(video_cfg.get("image_mean", values["video_mean"])),
-            video_std=tuple(video_cfg.get("image_std", values["video_std"])),
-        )
+    for kind, cfg in (("image", image_cfg), ("video", video_cfg)):
+        if cfg or kind == "image":  # both files name their normalisation image_mean and image_std
+            lo, hi = _size_pixels(cfg, values[f"{kind}_min_pixels"], values[f"{kind}_max_pixels"])
+            values[f"{kind}_min_pixels"], values[f"{kind}_max_pixels"] = lo, hi
+            for stat in ("mean", "std"):
+                values[f"{kind}_{stat}"] = tuple(cfg.get(f"image_{stat}", values[f"{kind}_{stat}"]))
+    values["patch_size"] = int(image_cfg.get("patch_size", values["patch_size"]))
     values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
     values["merge_size"] = int(image_cfg.get("merge_size", 2))
     values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
@@ -305,28 +275,21 @@ def build_processor_config(
     """The preprocessing numbers for ``model``: its checkpoint's processor files (either layout), or the
     family's defaults. The image processor's class is recorded, so a run resumed after transformers would
     pick another backend is refused. With ``facts`` (:class:`~vlfast.extraction.store.facts.ModelFacts`)
-    what transformers answers comes from OUT's record where its key is this environment's and these files',
-    without importing transformers.
+    what transformers answers comes from OUT's record, without importing transformers.
 
     ``image_processor``, ``image_reading``, ``video_rotation`` and ``thin_images`` are as recorded by the OUT
     resumed, or None for a new OUT: then the Qwen3-VL-Embedding recipe reads, turns and sizes as its
     reference (qwen-vl-utils) does and keeps the image class transformers picks; every other model gets
-    transformers' torchvision processor (done by vlfast, vlfast.pixels.image), EXIF and display-matrix
-    rotation applied as transformers applies them to a path, and the processor's thin-image rule.
-    ``fps`` and ``num_frames`` are exclusive (neither: the processor's 2 fps). InputRefused names a number
-    given that is not finite or not whole.
+    transformers' torchvision processor (done by vlfast), EXIF and display-matrix rotation, and the
+    processor's thin-image rule. ``fps`` and ``num_frames`` are exclusive (neither: the processor's 2 fps).
     """
     given = {"min_pixels": min_pixels, "max_pixels": max_pixels, "video_max_pixels": video_max_pixels}
     _check_given(fps=fps, num_frames=num_frames, **given)
     if fps is not None and num_frames is not None:
         raise InputRefused("give either fps or num_frames for video sampling, not both")
     values, video_cfg, source, recipe = _model_values(model, family, facts)
-    asked = {
-        "image_min_pixels": min_pixels,
-        "image_max_pixels": max_pixels,
-        "video_max_pixels": video_max_pixels,
-    }
-    values.update({key: int(value) for key, value in asked.items() if value is not None})
+    fields = ("image_min_pixels", "image_max_pixels", "video_max_pixels")
+    values.update({key: int(value) for key, value in zip(fields, given.values()) if value is not None})
     if num_frames is None and fps is None:
         fps = video_cfg.get("fps", 2.0) if video_cfg.get("num_frames") is None else None
         num_frames = video_cfg.get("num_frames")
@@ -387,8 +350,10 @@ def _model_values(
     else:
         source, video_cfg = _checkpoint_values(Path(model), family, values, facts)
     recipe = is_embedding_checkpoint(model)
-    if recipe:
-        source, video_cfg = _embedding_recipe(values, source)
+    if recipe:  # Qwen3-VL-Embedding prepares pixels its own way (pixels.recipe), not by its processor files
+        values.update(RECIPE_PIXELS)
+        source += "; Qwen3-VL-Embedding recipe (vlfast.pixels.recipe.RECIPE_PIXELS)"
+        video_cfg = {k: RECIPE_PIXELS[k] for k in ("fps", "min_frames", "max_frames", "max_video_tokens")}
     return values, video_cfg, source, recipe
 
 
@@ -413,9 +378,8 @@ def _video_numbers(
 
 
 def _check_given(**given: Any) -> None:
-    """InputRefused naming a number given (an option, a VisionPreprocessor argument) that is not finite,
-    not positive, or (all but ``fps``) not whole: int() would truncate 2.5 frames silently, or fail on a NaN
-    with a bare ValueError, and an infinite fps overflows the frame count."""
+    """InputRefused naming a number given that is not finite, not positive, or (all but ``fps``) not whole:
+    int() would truncate 2.5 frames silently, and an infinite fps overflows the frame count."""
     import math
     from numbers import Real
 
@@ -454,19 +418,16 @@ def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfa
     upright as transformers' ``load_image`` does (``PIL.ImageOps.exif_transpose``); animated: the first frame.
 
     ``reading`` "vlfast" (:data:`~vlfast.pixels.settings.IMAGE_READINGS`): 16-bit and float images scaled to 8
-    bits (PIL's ``convert`` would clip them to white), CMYK to RGB, transparency left to the processor (on
-    white). The others read as a reference reads a path (VisionPreprocessor's contract):
+    bits (PIL's ``convert`` would clip them to white), CMYK to RGB, transparency left to the processor. The
+    others read as a reference reads a path:
 
-    - "decode_image": as transformers' torchvision image processors' ``fetch_images`` (torchcodec's or
-      torchvision's ``decode_image`` in RGB mode): an alpha band, a palette's or a colour key's transparency
-      dropped. The same pixels as PIL's for 8-bit files (scripts/decode_parity.py, with both decoders). 16-bit and float images are refused: torchcodec scales them to 8 bits, torchvision
-      returns 16-bit values, so transformers' pixels depend on which is installed;
-    - "load_image": as transformers' ``load_image`` (its PIL image processors' ``fetch_images``):
-      ``convert("RGB")``, an alpha band dropped, 16-bit and float images clipped; a palette's or colour
-      key's transparency stays in ``img.info``, which the processor's conversion (``rgb_tensor``) puts on
-      white (transformers >= 5.21);
-    - "qwen-vl-utils": as its ``to_rgb`` (the Qwen3-VL-Embedding recipe's reference): RGBA pasted on white
-      by its alpha, every other mode ``convert("RGB")`` (transparency in ``img.info`` as above).
+    - "decode_image": as transformers' torchvision image processors' ``fetch_images`` (``decode_image`` in
+      RGB mode): transparency dropped; the same pixels as PIL's for 8-bit files (scripts/decode_parity.py).
+      16-bit and float images are refused: torchcodec scales them to 8 bits, torchvision does not;
+    - "load_image": as transformers' ``load_image``: ``convert("RGB")``, 16-bit and float images clipped; a
+      palette's or colour key's transparency stays in ``img.info`` for the processor's conversion;
+    - "qwen-vl-utils": as its ``to_rgb``: RGBA pasted on white by its alpha, every other mode
+      ``convert("RGB")``.
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -484,7 +445,7 @@ def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfa
         raise SampleError(f"image too large (decompression bomb guard): {e}") from None
     except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
         raise SampleError(f"unreadable or truncated image: {e}") from None
-    # exif_transpose copies the image even without an orientation tag: look at the tag first (cheap, parsed once)
+    # exif_transpose copies the image even without an orientation tag: look at the tag first
     if exif_orientation and orientation_tag(img) not in (None, 1):
         try:
             img = ImageOps.exif_transpose(img)
@@ -513,8 +474,7 @@ def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfa
 
 def conformed_image(img, keep_mode: bool = False):
     """A PIL image as the processors can take it (see :func:`load_image`); raise SampleError.
-    ``keep_mode``: the size and aspect checks only, its mode left to the processor's conversion (what
-    transformers' processor does with the image: 16-bit and float images clipped by PIL, not scaled)."""
+    ``keep_mode``: the size and aspect checks only, its mode left to the processor's conversion."""
     from PIL import Image
 
     w, h = img.size
@@ -540,20 +500,12 @@ def conformed_image(img, keep_mode: bool = False):
     return img
 
 
-def _rgb_array(img, transparency: str) -> np.ndarray:
-    """(H, W, 3) uint8 (:func:`~vlfast.pixels.image.rgb_tensor`)."""
-    from vlfast.pixels.image import rgb_tensor
-
-    return rgb_tensor(img, transparency).permute(1, 2, 0).numpy()
-
-
 # ----------------------------------------------------------------------------------------- the worker
 
 
 class Item(Protocol):
-    """What the preprocessor decodes: an image or a video (``kind`` "image" or "video", read from ``media``), or
-    a clip given as its frame images (``kind`` "frames", ``paths`` in order). extraction's ``Sample`` is one,
-    :class:`Clip` another."""
+    """What the preprocessor decodes: an image or a video (``kind`` "image" or "video") read from ``media``, or
+    a clip's frame images (``kind`` "frames", ``paths`` in order)."""
 
     @property
     def kind(self) -> str: ...
@@ -567,8 +519,7 @@ class Item(Protocol):
 
 @dataclass(frozen=True)
 class Clip:
-    """An input given by its files: an image or video file (``kind`` "image" or "video"), or a clip's frame
-    image files ("frames")."""
+    """An input given by its files: an image or video file, or a clip's frame image files ("frames")."""
 
     kind: str
     paths: tuple[str, ...]
@@ -587,9 +538,8 @@ class Preprocessor:
     cfg: ProcessorConfig
     image_processor_dir: str | None = None  # checkpoint to load the image processor from; None: defaults
     defer_video_normalize: bool = False  # videos as uint8 (N, C, T*P*P): see normalize_patches
-    # Refuse a clip of fewer frames than the temporal patch where transformers' Qwen3VLVideoProcessor does
-    # (VisionPreprocessor: transformers' outputs or its refusal); vlfast extract repeats the frame as the
-    # image processor repeats an image
+    # Refuse a clip of fewer frames than the temporal patch where Qwen3VLVideoProcessor does
+    # (VisionPreprocessor); vlfast extract repeats the frame as the image processor repeats an image
     refuse_short_clips: bool = False
     _image_processor: Any = field(default=None, init=False, repr=False)
 
@@ -601,15 +551,9 @@ class Preprocessor:
     def image_processor(self):
         if self._image_processor is None:
             cfg = self.cfg
-            proc = _image_processor(
-                self.image_processor_dir,
-                cls_name=cfg.image_processor,
-                patch_size=cfg.patch_size,
-                temporal_patch_size=cfg.temporal_patch_size,
-                merge_size=cfg.merge_size,
-                image_mean=cfg.image_mean,
-                image_std=cfg.image_std,
-            )
+            numbers = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+            numbers = {k: getattr(cfg, k) for k in numbers}
+            proc = _image_processor(self.image_processor_dir, cls_name=cfg.image_processor, **numbers)
             built = type(proc).__name__
             if built != cfg.image_processor:
                 raise RuntimeError(
@@ -633,18 +577,15 @@ class Preprocessor:
         return {"shortest_edge": self.cfg.image_min_pixels, "longest_edge": self.cfg.image_max_pixels}
 
     def image(self, path: Media) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
+        decoded = None
         if self.cfg.image_processor in TORCHVISION_IMAGE_PROCESSORS:
             from vlfast.pixels.image import jpeg_rgb
 
             decoded = jpeg_rgb(path, self.cfg.exif_orientation)  # a JPEG by libjpeg-turbo, or None: PIL
-            if decoded is not None:
-                try:
-                    return self._patches(*decoded)
-                except SampleError as e:
-                    raise SampleError(f"{e} ({path})") from None
-        img = load_image(path, self.cfg.exif_orientation, self.cfg.image_reading)
+        if decoded is None:
+            img = load_image(path, self.cfg.exif_orientation, self.cfg.image_reading)
         try:
-            return self.pil_image(img)
+            return self.pil_image(img) if decoded is None else self._patches(*decoded)
         except SampleError as e:  # the processor's refusal: named with the file
             raise SampleError(f"{e} ({path})") from None
 
@@ -665,8 +606,8 @@ class Preprocessor:
         return out["pixel_values"].to(torch.float32), grid, meta  # (t*h*w, C*T*P*P)
 
     def _patches(self, rgb: torch.Tensor, meta: dict[str, Any]):
-        """transformers' torchvision processor's operations on (3, H, W) uint8, done here (no torchvision
-        needed; vlfast.pixels.image); left uint8 for the model side where it normalises alike."""
+        """transformers' torchvision processor's operations on (3, H, W) uint8 (vlfast.pixels.image); left uint8
+        for the model side where it normalises alike."""
         from vlfast.pixels.image import image_patches, same_normalization
 
         defer = self.defer_video_normalize and same_normalization(self.cfg)
@@ -676,26 +617,23 @@ class Preprocessor:
     def video(self, sample: Item) -> tuple[torch.Tensor, tuple[int, int, int], dict[str, Any]]:
         import torch
 
+        from vlfast.pixels.image import rgb_tensor
         from vlfast.pixels.video import patchify_video, read_video
 
+        cfg = self.cfg
         if sample.kind == "video":
-            frames, meta = read_video(sample.media, self.cfg)
+            frames, meta = read_video(sample.media, cfg)
         else:
+            images = (load_image(p, cfg.exif_orientation, cfg.image_reading) for p in sample.paths)
             arrays = [
-                _rgb_array(
-                    load_image(p, self.cfg.exif_orientation, self.cfg.image_reading), self.cfg.transparency
-                )
-                for p in sample.paths
-            ]
+                rgb_tensor(img, cfg.transparency).permute(1, 2, 0).numpy() for img in images
+            ]  # (H, W, 3)
             shapes = {a.shape for a in arrays}
             if len(shapes) != 1:
                 raise SampleError(f"frames of one clip differ in size: {sorted(shapes)}")
             frames = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)  # channels-last strides
-            meta = {
-                "video_fps": self.cfg.frames_list_fps,
-                "total_frames": len(arrays),
-                "frame_indices": list(range(len(arrays))),
-            }
+            n = len(arrays)
+            meta = {"video_fps": cfg.frames_list_fps, "total_frames": n, "frame_indices": list(range(n))}
         meta.update(height=int(frames.shape[-2]), width=int(frames.shape[-1]))
         n, tf = int(frames.shape[0]), self.cfg.temporal_patch_size
         if self.refuse_short_clips and self.cfg.video_sizing == "processor" and n < tf:

@@ -1,6 +1,5 @@
-"""Pixel finishing, one path for every caller (``vlfast extract``'s runner, :class:`~vlfast.pixels.preprocessor.
-VisionPreprocessor` and its ``finish``): inputs' pixel_values, uint8 patches deferred by the decode side (a
-quarter of the bytes to collate, pin and copy) or float ones, made the model's one tensor where they land."""
+"""Pixel finishing, one path for every caller: inputs' pixel_values, uint8 patches deferred by the decode side
+or float ones, made the model's one tensor where they land."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ def finish_pixels(
     """Inputs' pixel_values as one (sum of N, C*T*P*P) tensor of ``dtype`` (None: float32) on ``device`` (None:
     where they are): what ``torch.cat`` of each one's float32 pixels, then ``.to(dtype)``, gives, bit for bit,
     without either copy. uint8 patches are normalised (after crossing to the device) straight into their rows,
-    by the image processor's settings (``images``) or the video processor's; float ones are copied there
-    (rounded to ``dtype`` as ``.to`` rounds). One float input of that dtype is given back as it is (moved).
-    The rescale and normalisation are exact IEEE operations: any device gives the same bits."""
+    by the image processor's settings (``images``) or the video processor's; float ones are copied there. One
+    float input of that dtype is given back as it is (moved)."""
     parts = [moved(x, device) for x in parts]
     if len(parts) == 1 and parts[0].dtype != torch.uint8 and dtype in (None, parts[0].dtype):
         return parts[0]

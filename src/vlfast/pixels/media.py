@@ -1,8 +1,5 @@
-"""Media as decoding reads it (a file's path, or an object read in place: a member of a tar shard, a URL), and
-the error a bad one raises: :class:`SampleError`, with a reason a person can act on, recorded by the engine.
-
-An object read in place is any :class:`MediaObject`: extraction's ``TarMember`` and ``RemoteFile`` are; this
-module imports neither."""
+"""Media as decoding reads it (a file's path, or a :class:`MediaObject` read in place: a member of a tar shard,
+a URL), and the error a bad one raises: :class:`SampleError`, with a reason a person can act on."""
 
 from __future__ import annotations
 
@@ -49,8 +46,8 @@ class MediaObject(Protocol):
         ...
 
     def read_failure(self, e: BaseException) -> Exception | None:
-        """The storage's error for ``e``, a failure while reading it that is the storage's and may pass (a
-        connection reset, a timeout), not the media's; None where ``e`` is not one."""
+        """The storage's error for ``e`` where the failure is the storage's and may pass (a connection reset, a
+        timeout), not the media's; None where it is not."""
         ...
 
 
@@ -69,8 +66,7 @@ def checked_media(media: Media) -> int:
 
 
 def read_failure(media: Media, e: BaseException) -> Exception | None:
-    """The storage's error where ``e``, raised reading ``media``, is the storage's transient failure (None: it
-    is the media's, or ``media`` is a local file)."""
+    """The storage's error where ``e``, raised reading ``media``, is the storage's transient failure."""
     return None if isinstance(media, str) else media.read_failure(e)
 
 

@@ -1,9 +1,8 @@
-"""Qwen3-VL-Embedding's pixel numbers, and how a checkpoint is known to be one (its prompt is extraction's:
-:mod:`vlfast.extraction.decode.embedding`).
+"""Qwen3-VL-Embedding's pixel numbers, and how a checkpoint is known to be one.
 
 The reference is ``src/models/qwen3_vl_embedding.py`` of github.com/QwenLM/Qwen3-VL-Embedding
 (``Qwen3VLEmbedder``): images and videos prepared by qwen-vl-utils with patch size 16 (:data:`RECIPE_PIXELS`),
-then the processor without resizing again. Imports nothing heavy.
+then the processor without resizing again.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ SENTENCE_TRANSFORMERS_FILES = ("config_sentence_transformers.json", "modules.jso
 
 def is_embedding_checkpoint(model: str) -> bool:
     """Whether ``model`` is a Qwen3-VL-Embedding checkpoint: its config.json names the embedding
-    architecture, or it is a Qwen3-VL saved as a Sentence-Transformers model (read as JSON: cheap; a config
-    transformers cannot read is refused where the model is loaded, not here)."""
+    architecture, or it is a Qwen3-VL saved as a Sentence-Transformers model (config.json read as JSON)."""
     if ModelRef.of(model).is_reference:
         return False
     try:

@@ -1,9 +1,7 @@
 """How a video file is shorter than its own container says: the reason recorded for a cut-off video.
 
-FFmpeg reports a cut-off file in many ways ("Invalid data found", "Operation not permitted" from a failed
-seek, "End of file"), none of which tells a user the file is truncated. After a video fails to decode, these
-walks over the container's top-level structure (ISO-BMFF boxes, the Matroska Segment, RIFF chunks) say
-whether, and where, it ends early. They run only on failure and only read a few headers.
+FFmpeg reports a cut-off file in many ways, none of which tells a user the file is truncated. After a video
+fails to decode, these walks over the container's top-level structure say whether, and where, it ends early.
 """
 
 from __future__ import annotations
@@ -99,9 +97,8 @@ def container_truncation(path: str | os.PathLike | Any, size: int) -> str | None
     """How the file is shorter than its own container says, or None when that cannot be told.
 
     Reads only top-level headers: ISO-BMFF boxes (mp4, mov, m4v, 3gp), the Matroska/WebM Segment, the RIFF
-    chunks of an AVI. A cut file fails in many ways inside FFmpeg (invalid data, end of file, a refused
-    seek, no stream, no frames); this names the cause. Other containers give None. ``path`` may also be
-    anything with an ``open()`` giving a seekable binary file (a WebDataset shard's member).
+    chunks of an AVI; other containers give None. ``path`` may also be anything with an ``open()`` giving a
+    seekable binary file.
     """
     try:
         with open(path, "rb") if isinstance(path, (str, os.PathLike)) else path.open() as f:
