@@ -3,10 +3,8 @@ environment, and the one line a value not understood gets on stderr.
 
 Values: ``1``/``true``/``yes``/``on`` switch on (``VLFAST_PATCH``: Conv3d modules); ``all`` patches every eligible
 Conv1d/2d/3d (``VLFAST_PATCH`` only); unset, empty or ``0``/``false``/``no``/``off`` leave the process alone. Any
-other value switches nothing on and says so once: a typo must not switch on a change to the user's models.
-``VLFAST_RECORD`` takes any other value as the path of a file to append the record to.
-
-Imports nothing: vlfast's ``.pth`` file reads these at interpreter start-up.
+other value switches nothing on and says so once; ``VLFAST_RECORD`` takes it as the path of a file to append
+to. Imports nothing: vlfast's ``.pth`` file reads these at interpreter start-up.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ def _switch(var: str, environ: dict | None, accepted: tuple[str, ...], warn) -> 
 
 
 def env_setting(environ: dict | None = None) -> str | None:
-    """``VLFAST_PATCH``: ``None`` when the switch is off (or its value is not understood), else the normalised
-    value."""
+    """``VLFAST_PATCH``: ``None`` when the switch is off (or not understood), else the normalised value."""
     return _switch(PATCH_VAR, environ, ON, _warn_unknown)
 
 

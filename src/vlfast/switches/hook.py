@@ -1,6 +1,5 @@
 """The import hook the switches arm: a finder that lets the normal finders locate one module (e.g.
-``transformers.modeling_utils``) and wraps its loader, so that a function runs right after that module is first
-imported. Start-up stays cheap: nothing is imported until the user's code imports the module."""
+``transformers.modeling_utils``) and wraps its loader, so that a function runs right after its first import."""
 
 from __future__ import annotations
 

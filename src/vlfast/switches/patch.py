@@ -5,14 +5,9 @@ process builds, ``VLFAST_PREPROCESS=1`` answers Qwen-VL image processors' calls 
 A ``.pth`` file installed with vlfast calls :func:`install_from_env` at interpreter start-up when one of the
 variables is set. Start-up must stay cheap and must not import torch or transformers, so this installs an
 import hook (:mod:`vlfast.switches.hook`) that runs :func:`vlfast.patching.integrations.patch_transformers`
-right after ``transformers.modeling_utils`` is first imported. Child processes (torchrun, accelerate,
-DataLoader workers) inherit the variables, so launchers the user does not control are covered. What each
-value means: :mod:`vlfast.switches.env`.
-
-``VLFAST_PREPROCESS`` arms the same way, right after ``transformers.processing_utils`` is imported
-(:func:`vlfast.switches.preprocess.install_processor_switch`): a processor loaded from a local Qwen-VL
-checkpoint has its torchvision image processor's calls answered by :class:`vlfast.VisionPreprocessor`, the same
-pixels, transformers' own code for any call vlfast cannot answer, both counted by ``VLFAST_RECORD``.
+right after ``transformers.modeling_utils`` is first imported (``VLFAST_PREPROCESS``: its switch, after
+``transformers.processing_utils``). Child processes inherit the variables, so launchers the user does not
+control are covered. What each value means: :mod:`vlfast.switches.env`.
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ def _activate(value: str) -> None:
 
 
 def _activate_preprocess(value: str) -> None:
-    # Runs inside the import of transformers.processing_utils: a failure here must not fail that import (the
-    # user's launcher); processors then stay transformers' own, and the line says why
+    # Runs inside the import of transformers.processing_utils: a failure here must not fail that import
     try:
         from vlfast.switches.preprocess import install_processor_switch
 
@@ -55,8 +49,8 @@ def _arm_preprocess() -> None:
 
 
 def install_from_env() -> bool:
-    """Arm the switch if ``VLFAST_PATCH`` says so, ``VLFAST_PREPROCESS``'s, and ``VLFAST_RECORD``'s count of
-    what ran (:mod:`vlfast.switches.record`); returns whether the patch switch was armed. Safe to call twice."""
+    """Arm the switch if ``VLFAST_PATCH`` says so, ``VLFAST_PREPROCESS``'s, and ``VLFAST_RECORD``'s count;
+    returns whether the patch switch was armed. Safe to call twice."""
     from vlfast.switches import record
 
     record.install_from_env()

@@ -1,8 +1,6 @@
 """``VLFAST_PREPROCESS``: every processor ``ProcessorMixin.from_pretrained`` loads from a local Qwen-VL checkpoint
 has its torchvision image processor's calls answered by :class:`vlfast.VisionPreprocessor`
-(:func:`swap_image_processor`), where a probe on the transformers installed proves the pixels equal; transformers'
-own code for any call vlfast cannot answer, both counted by ``VLFAST_RECORD``. Armed by
-:mod:`vlfast.switches.patch` right after ``transformers.processing_utils`` is imported.
+(:func:`swap_image_processor`), where a probe on the transformers installed proves the pixels equal.
 """
 
 from __future__ import annotations
@@ -30,8 +28,8 @@ def _say_once(line: str) -> None:
 
 def swap_image_processor(processor: Any, path: Any) -> str | None:
     """Let vlfast answer ``processor.image_processor``'s calls where its pixels are those of transformers'
-    torchvision backend for the local checkpoint ``path``, falling back to transformers' own code for any
-    call it cannot answer exactly (``VLFAST_PREPROCESS``); returns why it was not swapped (None: it was)."""
+    torchvision backend for the local checkpoint ``path`` (transformers' own code for any call it cannot
+    answer exactly); returns why it was not swapped (None: it was)."""
     ip = getattr(processor, "image_processor", None)
     if ip is None or getattr(ip, "_vlfast", None) is not None:
         return None if ip is not None else "the processor has no image processor"
@@ -49,8 +47,7 @@ def swap_image_processor(processor: Any, path: Any) -> str | None:
         local = False
     if not local:
         return "not a local checkpoint folder (vlfast reads the processor files itself)"
-    size = pixel_settings(ip).get("size") or ()
-    budgets = dict(size)
+    budgets = dict(pixel_settings(ip).get("size") or ())
     try:
         pre = VisionPreprocessor(
             str(folder),
@@ -62,24 +59,20 @@ def swap_image_processor(processor: Any, path: Any) -> str | None:
     bad = _config_mismatch(ip, pre.config)
     if bad:
         return f"its {', '.join(bad)} differ from what vlfast reads in the checkpoint's files"
-    why = _probe(pre, ip)
-    if why:
+    if why := _probe(pre, ip):
         return why
     processor.image_processor = adapted(pre, ip, fallback=True)
     return None
 
 
-# The proof run where the swap happens, on the transformers installed: an upscale to the minimum budget, and a
-# small antialiased downscale to the patch grid (random pixels: every value and edge matters); then a thin
-# image and one on the grid called with do_resize=False (_probes)
+# The proof run where the swap happens, on random pixels: an upscale to the minimum budget, and a small
+# antialiased downscale to the patch grid; then _probes' thin image and do_resize=False call
 _PROBES = ((67, 91), (257, 300))
 
 
 def _probes(cfg) -> list[tuple[tuple[int, int], dict]]:
-    """The probe images' (height, width) and call options: _PROBES; a thin one, its short side rounded to 0
-    patches and its long side enough for one row of merged patches to pass the minimum budget, where
-    transformers' rule and qwen-vl-utils' give other grids (THIN_IMAGES); and the call ms-swift makes,
-    do_resize=False on an image already on the patch grid."""
+    """The probe images' (height, width) and call options: _PROBES; a thin one, where transformers' rule and
+    qwen-vl-utils' give other grids (THIN_IMAGES); and ms-swift's call, do_resize=False on the patch grid."""
     f = cfg.factor
     short = max(1, f // 2 - 4)
     long = min(200 * short, -(-cfg.image_min_pixels // f) + 2 * f)
@@ -114,9 +107,8 @@ def _probe(pre: VisionPreprocessor, ip: Any) -> str | None:
 
 
 def install_processor_switch() -> None:
-    """``VLFAST_PREPROCESS``: every processor ``ProcessorMixin.from_pretrained`` loads from a local Qwen-VL
-    checkpoint gets :func:`swap_image_processor`; one line on stderr for a processor left as it is. Safe to
-    call twice."""
+    """Every processor ``ProcessorMixin.from_pretrained`` loads gets :func:`swap_image_processor`; one line
+    on stderr for a processor left as it is. Safe to call twice."""
     from transformers.processing_utils import ProcessorMixin
 
     current = ProcessorMixin.__dict__["from_pretrained"]
