@@ -9,9 +9,8 @@ from typing import Any
 
 
 def lazy_exports(namespace: dict[str, Any], exports: dict[str, str]) -> tuple[Callable, Callable]:
-    """``__getattr__`` and ``__dir__`` for the package whose globals are ``namespace``. ``exports`` maps
-    each public name to the module defining it: absolute ("vlfast.models"), or relative to the package
-    ("gemm"). A name, once loaded, is kept in ``namespace``; ``__dir__`` lists ``__all__``."""
+    """``__getattr__`` and ``__dir__`` for the package whose globals are ``namespace``; ``exports`` maps each
+    public name to its module, absolute ("vlfast.models") or relative ("gemm"). A loaded name is kept."""
     package = namespace["__name__"]
 
     def __getattr__(name: str) -> Any:

@@ -1,12 +1,7 @@
 """Offline stand-ins for `vlfast demo-checkpoint`, `vlfast extract --demo`, tests and benchmarks: media and a tiny Qwen3-VL.
 
-``make_tiny_qwen3_vl`` saves a random-weight Qwen3-VL checkpoint (2-layer LLM and tower, a byte-level BPE
-tokenizer trained on the spot with Qwen's special tokens and a chat template, the image processor and a
-video processor config) that transformers loads back with ``AutoModelForImageTextToText`` /
-``AutoImageProcessor`` / ``AutoTokenizer``: the real loading path, without any download. Its processor
-files come in either layout a real checkpoint has: the published one, or the one transformers 5 saves.
-With ``embedding=True`` it is saved as Qwen3-VL-Embedding publishes its checkpoints (``Qwen3VLForEmbedding``:
-the ``Qwen3VLModel`` alone, no LM head).
+``make_tiny_qwen3_vl`` saves a random-weight Qwen3-VL checkpoint (a tokenizer trained on the spot, the image
+and video processors) that transformers loads back through its real loading path, without any download.
 """
 
 from __future__ import annotations
@@ -47,11 +42,9 @@ CHAT_TEMPLATE = (
 def _video_processors_accepted() -> Iterator[None]:
     """Let ``ProcessorMixin.__init__`` accept a video processor where torchvision is absent.
 
-    transformers' video processors build, and save, without torchvision (only processing a video needs
-    it), but the processor's type check looks their base class (``VideoProcessorMixin``; 5.18-5.2x's
-    ``BaseVideoProcessor``) up among the names transformers exports, and transformers exports it only when
-    torchvision is installed. This exports it for the duration, as an installed torchvision would; with
-    torchvision it does nothing.
+    Video processors build and save without torchvision, but the processor's type check looks their base
+    class (``VideoProcessorMixin``; 5.18-5.2x's ``BaseVideoProcessor``) up among transformers' exports, which
+    hold it only with torchvision installed. This exports it for the duration (a no-op with torchvision).
     """
     from transformers import processing_utils, video_processing_utils
 
@@ -73,15 +66,12 @@ def _video_processors_accepted() -> Iterator[None]:
 
 
 _ABSENT = object()
-
-
 LAYOUTS = ("hub", "processor")
 
 
 def _embedding_model_class() -> type:
     """Qwen3-VL-Embedding's ``Qwen3VLForEmbedding`` (QwenLM/Qwen3-VL-Embedding,
-    src/models/qwen3_vl_embedding.py) as far as saving goes: ``Qwen3VLModel`` as ``self.model``, no LM head;
-    ``save_pretrained`` names the architecture after the class."""
+    src/models/qwen3_vl_embedding.py) as far as saving goes: ``Qwen3VLModel`` as ``self.model``, no LM head."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLPreTrainedModel
 
     class Qwen3VLForEmbedding(Qwen3VLPreTrainedModel):
@@ -98,10 +88,8 @@ def _embedding_model_class() -> type:
 def tiny_qwen3_vl_config(
     vocab_size: int, *, max_position_embeddings: int = 8192, text_hidden_size: int = 64, **token_ids: int
 ):
-    """A Qwen3-VL config at test size: 2-layer LLM and tower (the tower 64 wide, DeepStack at both tower
-    layers; the LLM ``text_hidden_size`` wide, as is the tower's output, which feeds it) with the real patch
-    geometry (16 x 16, T = 2, merge 2); ``token_ids`` are the config's image/video and vision start/end
-    token ids."""
+    """A Qwen3-VL config at test size: 2-layer LLM and tower (DeepStack at both tower layers) with the real
+    patch geometry; ``token_ids``: the image/video and vision start/end token ids."""
     from transformers import Qwen3VLConfig
 
     return Qwen3VLConfig(
@@ -173,21 +161,13 @@ def make_tiny_qwen3_vl(
 ) -> Path:
     """Save a tiny random Qwen3-VL checkpoint at ``path`` (2 to 3 MB, a few seconds).
 
-    ``layout`` is how its processor is saved, the same numbers either way:
+    ``layout``: ``"hub"`` saves the processor as the published repositories have it
+    (preprocessor_config.json and video_preprocessor_config.json); ``"processor"`` as transformers 5 saves a
+    whole processor (one processor_config.json, no preprocessor_config.json), as any fine-tune has it.
 
-    - ``"hub"``: as the published Hugging Face repositories have it, preprocessor_config.json (the image
-      processor's ``save_pretrained``) and video_preprocessor_config.json (written as the hub's is);
-    - ``"processor"``: what transformers 5 writes for a whole processor, as any fine-tune saved with it
-      has: ``Qwen3VLProcessor.save_pretrained`` (image processor, tokenizer and ``Qwen3VLVideoProcessor``),
-      one processor_config.json with "image_processor" and "video_processor" entries, and no
-      preprocessor_config.json.
-
-    ``embedding``: save it as the Qwen3-VL-Embedding checkpoints are published: config.json names the
-    architecture "Qwen3VLForEmbedding", the weights are that class's (``Qwen3VLModel`` as ``self.model``:
-    every key under ``model.``, no ``lm_head``), and the LLM is 128 wide, so that an embedding can be cut
-    to 64 dimensions (Matryoshka). ``AutoModelForImageTextToText`` still loads it, as a
-    ``Qwen3VLForConditionalGeneration`` whose LM head, missing, is left at random. False: that class's own
-    checkpoint, with a 64-wide LLM.
+    ``embedding``: save it as Qwen3-VL-Embedding is published (architecture "Qwen3VLForEmbedding", every
+    key under ``model.``, no ``lm_head``), with a 128-wide LLM so that an embedding can be cut to 64
+    dimensions (Matryoshka). False: ``Qwen3VLForConditionalGeneration`` with a 64-wide LLM.
     """
     import torch
     from transformers import Qwen3VLForConditionalGeneration
@@ -236,7 +216,6 @@ def make_tiny_qwen3_vl(
         return path
     tok.save_pretrained(path)
     image_processor.save_pretrained(path)
-    # The hub's video_preprocessor_config.json, as the published repositories write it.
     video = {"video_processor_type": "Qwen3VLVideoProcessor", **_VIDEO_SETTINGS}
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     return path
@@ -280,10 +259,9 @@ def make_video(
     rotation: float = 0,
     hflip: bool = False,
 ) -> Path:
-    """A clip of a moving pattern, written with PyAV: H.264 (MPEG-4 where PyAV lacks libx264) unless
-    ``codec`` names another encoder; ``options`` go to the encoder; the container follows the suffix.
-    ``rotation`` (degrees counter-clockwise) and ``hflip`` go into the stream's display matrix, as a phone
-    writes a portrait video (PyAV 17 or later)."""
+    """A clip of a moving pattern, written with PyAV: H.264 (MPEG-4 without libx264) unless ``codec`` names
+    another encoder, given ``options``; the container follows the suffix. ``rotation`` (degrees
+    counter-clockwise) and ``hflip`` go into the display matrix, as a phone writes one (PyAV 17+)."""
     import av
 
     path = Path(path)

@@ -1,9 +1,7 @@
 """The compute dtypes every command accepts, and their spellings: one policy for ``--dtype``.
 
-``vlfast doctor``, ``profile``, ``tokens`` and ``extract`` all take float32, bfloat16 or float16, spelt as
-torch names them (``bfloat16``, ``torch.bfloat16``) or as people write them (``bf16``, ``fp16``, ``half``,
-``fp32``, ``float``). Nothing else: float64 is no dtype these models run in (and ``vlfast extract`` stores
-float16, bfloat16 or float32 only).
+float32, bfloat16 or float16, spelt as torch names them or as people write them (``bf16``, ``fp16``,
+``half``, ``fp32``, ``float``); float64 is no dtype these models run in.
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ ALIASES = {
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
-    """Canonical name of a dtype given as ``torch.bfloat16``, ``"bf16"``, ``"bfloat16"``, ...; anything but
-    float32, bfloat16 and float16 is refused (exit 2) with the spellings accepted. Imports no torch: a
-    torch.dtype exists only once torch is imported."""
+    """Canonical name of a dtype given as ``torch.bfloat16``, ``"bf16"``, ...; others are refused (exit 2).
+    Imports no torch: a torch.dtype exists only once torch is imported."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")

@@ -1,7 +1,5 @@
-"""vlfast's refusals: the exceptions it raises on purpose when the input or the request cannot be served.
-
-Imports nothing of ours (every layer raises them). The CLI answers a ``VlfastError`` with its message
-and exit 2; any other exception that leaves the library is a bug, exit 3.
+"""vlfast's refusals, raised on purpose when the input or the request cannot be served (imports nothing of
+ours: every layer raises them). The CLI answers one with its message and exit 2; anything else is a bug, exit 3.
 """
 
 from __future__ import annotations
@@ -14,8 +12,5 @@ class VlfastError(Exception):
 
 
 class InputRefused(VlfastError, ValueError, TypeError):
-    """A value, file, option or configuration vlfast will not take.
-
-    A ValueError and a TypeError as well, because vlfast raised those for these refusals before: a caller
-    that caught either still catches it.
-    """
+    """A value, file, option or configuration vlfast will not take; a ValueError and a TypeError too, as
+    vlfast raised those for these refusals before."""

@@ -49,9 +49,8 @@ class Limit:
 
 
 _SECONDS_A_DAY = 86_400
-# PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS (178,956,970 pixels) as decompression bombs, so no
-# image budget above 2**28 can ever be reached; the smallest one is a budget too, as every image is resized
-# up to it.
+# PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS (178,956,970 pixels), so no image budget above 2**28
+# can be reached; the smallest one is a budget too, as every image is resized up to it.
 _IMAGE_PIXELS = 2**28
 _COUNT = 10**12  # samples, errors: more than any run holds
 

@@ -16,21 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlfast.extraction.objstore import (
-    RemoteInputError,
-    TransientReadError,
-    bucket_root,
-    encode_options,
-    error_reason,
-    filesystem,
-    is_transient,
-    is_url,
-    masked,
-    named_call,
-    probe,
-    retrying,
-    transient_error,
-)
+from vlfast.extraction import objstore
 from vlfast.extraction.sources.folder import is_media_name, sorted_found
 from vlfast.extraction.sources.kept import KeptListings, remote_manifest_identity
 from vlfast.extraction.sources.manifest import load_manifest
@@ -64,17 +50,17 @@ class RemoteFile:
 
     def size(self) -> int:
         """Bytes of the object; FileNotFoundError when it does not exist, OSError when it cannot be read."""
-        fs, path = filesystem(self.url, self.options_json)
-        info = named_call(fs, lambda: fs.info(path), self.url, self.options_json, "access")
+        fs, path = objstore.filesystem(self.url, self.options_json)
+        info = objstore.named_call(fs, lambda: fs.info(path), self.url, self.options_json, "access")
         if info.get("type") == "directory":
             raise IsADirectoryError(f"not a file: {self.url}")
         return int(info.get("size") or 0)
 
     def open(self) -> io.IOBase:
         """The object's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
-        fs, path = filesystem(self.url, self.options_json)
+        fs, path = objstore.filesystem(self.url, self.options_json)
         try:
-            return retrying(fs, lambda: fs.open(path, "rb"), self.url, self.options_json)
+            return objstore.retrying(fs, lambda: fs.open(path, "rb"), self.url, self.options_json)
         except FileNotFoundError:
             raise FileNotFoundError(f"file not found: {self.url}") from None
         except OSError as e:
@@ -82,8 +68,8 @@ class RemoteFile:
 
     def read_bytes(self) -> bytes:
         """The whole object (an image); TransientReadError when the store keeps failing transiently."""
-        fs, path = filesystem(self.url, self.options_json)
-        return named_call(fs, lambda: fs.cat_file(path), self.url, self.options_json)
+        fs, path = objstore.filesystem(self.url, self.options_json)
+        return objstore.named_call(fs, lambda: fs.cat_file(path), self.url, self.options_json)
 
     @property
     def at_url(self) -> bool:
@@ -101,10 +87,10 @@ class RemoteFile:
 
     def read_failure(self, e: BaseException) -> Exception | None:
         """The store's TransientReadError where ``e`` is its transient failure mid-read."""
-        return transient_error(str(self), e) if is_transient(e) else None
+        return objstore.transient_error(str(self), e) if objstore.is_transient(e) else None
 
     def _reason(self, e: BaseException) -> str:
-        return masked(error_reason(e), self.options_json)
+        return objstore.masked(objstore.error_reason(e), self.options_json)
 
 
 def load_url(
@@ -113,25 +99,25 @@ def load_url(
     """The samples of a folder URL (listed like a local folder), a manifest URL, WebDataset shards at a URL,
     or one image or video URL (its id is the URL). The INPUT is probed first: an unreachable endpoint, a
     missing bucket or refused credentials raise RemoteInputError naming the URL."""
-    options = encode_options(storage_options)
+    options = objstore.encode_options(storage_options)
     suffix = os.path.splitext(url.rstrip("/"))[1].lower()
     if is_shard_input(url):
         return require_samples("WebDataset shards", url, *load_shards(url, storage_options, kept))
-    info = probe(url, options)
+    info = objstore.probe(url, options)
     if suffix in MANIFEST_SUFFIXES:  # copied to a temporary file and read as a local one
         identity = remote_manifest_identity(url, info) if kept is not None else None
         load = functools.partial(_read_remote_manifest, url, suffix, storage_options)
         return manifest_samples(url, load, kept, identity, dict(storage_options or {}))
     if info.get("type") != "directory":
         if suffix not in IMAGE_SUFFIXES | VIDEO_SUFFIXES:
-            raise RemoteInputError(f"input {url} is neither a folder nor an image or video file")
+            raise objstore.RemoteInputError(f"input {url} is neither a folder nor an image or video file")
         return SampleTable.of([Sample(url, kind_of(url), (url,), member=RemoteFile(url, options))]), []
     return _load_folder_url(url, options)
 
 
 def _load_folder_url(url: str, options: str) -> tuple[SampleTable, list[InputProblem]]:
     """A folder at a URL, as :func:`~vlfast.extraction.sources.folder.load_folder` scans a local one."""
-    fs, root = filesystem(url, options)
+    fs, root = objstore.filesystem(url, options)
     root = root.rstrip("/")
     found: list[tuple[tuple[str, ...], Sample | InputProblem]] = []
     for path in fs.find(root, withdirs=False, detail=False):
@@ -168,7 +154,7 @@ def manifest_samples(
 def _read_remote_manifest(
     url: str, suffix: str, storage_options: Mapping[str, Any] | None
 ) -> tuple[SampleTable, list[InputProblem]]:
-    options = encode_options(storage_options)
+    options = objstore.encode_options(storage_options)
     with tempfile.TemporaryDirectory(prefix="vlfast-manifest-") as tmp:
         local = Path(tmp) / f"manifest{suffix}"
         try:
@@ -176,8 +162,8 @@ def _read_remote_manifest(
                 shutil.copyfileobj(src, dst, 1 << 20)
         except FileNotFoundError:
             raise FileNotFoundError(f"manifest {url} does not exist") from None
-        except (OSError, TransientReadError) as e:
-            raise RemoteInputError(f"manifest {url} cannot be read: {e}") from None
+        except (OSError, objstore.TransientReadError) as e:
+            raise objstore.RemoteInputError(f"manifest {url} cannot be read: {e}") from None
         return load_manifest(local, name=url, base=url.rsplit("/", 1)[0])
 
 
@@ -187,12 +173,12 @@ def attach(
     """``samples`` with a :class:`RemoteFile` on each whose path is a URL (a frame list of URLs is a
     problem). Each bucket is probed once, so a bad endpoint or credentials raise before any work; a missing
     object is left to the worker to record."""
-    options = encode_options(storage_options)
+    options = objstore.encode_options(storage_options)
     out = SampleTableBuilder()
     problems: list[InputProblem] = []
     probed: set[str] = set()
     for s in samples:
-        if s.member is not None or not any(is_url(p) for p in s.paths):
+        if s.member is not None or not any(objstore.is_url(p) for p in s.paths):
             out.append(s)
             continue
         if len(s.paths) > 1:
@@ -201,10 +187,10 @@ def attach(
             )
             continue
         url = s.paths[0]
-        bucket = bucket_root(url)
+        bucket = objstore.bucket_root(url)
         if bucket is not None and bucket not in probed:
             probed.add(bucket)
-            probe(bucket, options)
+            objstore.probe(bucket, options)
         out.append(dataclasses.replace(s, member=RemoteFile(url, options)))
     return out.build(), problems
 
@@ -214,7 +200,7 @@ def with_remote(
 ) -> tuple[SampleTable, list[InputProblem]]:
     """``got`` with :func:`attach` applied when a sample's path is a URL (so fsspec only then)."""
     samples, problems = got
-    if not samples.any_path(is_url):
+    if not samples.any_path(objstore.is_url):
         return samples, problems
     samples, more = attach(samples, storage_options)
     return samples, problems + more

@@ -56,8 +56,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _Samples = TypeVar("_Samples", bound=Sequence["Sample"])
 
 
-# Where a sample's bytes are when not a local file of its own: a tar member (sources.webdataset.TarMember) or
-# an object at a URL (sources.remote.RemoteFile). ``str()`` names it in error records.
+# A sample's bytes read in place (a TarMember, a RemoteFile); ``str()`` names it in error records.
 Member = MediaObject
 
 

@@ -12,32 +12,19 @@ for plain files. Shards at an fsspec URL are listed by the same code over a rang
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import re
 import tarfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from vlfast._files import ByteWindow
 from vlfast.errors import InputRefused
-from vlfast.extraction.objstore import (
-    RangeReader,
-    RemoteInputError,
-    TransientReadError,
-    bucket_root,
-    encode_options,
-    filesystem,
-    is_transient,
-    is_url,
-    open_range,
-    probe,
-    read_range,
-    refusal,
-    transient_error,
-)
+from vlfast.extraction import objstore
 from vlfast.extraction.sources.kept import (
     KeptListings,
     ListedMember,
@@ -70,9 +57,6 @@ _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext:
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset skips these members (its own metadata)
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
 _LETTERS = re.compile(r"^([A-Za-z])\.\.([A-Za-z])$")
-
-
-# ------------------------------------------------------------------------------------------- patterns
 
 
 def _closing(text: str, start: int) -> int:
@@ -153,10 +137,9 @@ def is_shard_input(source: str | os.PathLike) -> bool:
     """Whether INPUT names WebDataset shards: a ``.tar`` path (compressed ones too, to refuse them), or a
     path with braces that is not an existing file or folder."""
     text = os.fspath(source)
-    low = text.lower()
-    if low.endswith(".tar") or low.endswith(_COMPRESSED_SUFFIXES):
-        return True
-    return "{" in text and not os.path.exists(text)
+    return text.lower().endswith((".tar", *_COMPRESSED_SUFFIXES)) or (
+        "{" in text and not os.path.exists(text)
+    )
 
 
 def _expand_url(pattern: str) -> list[str]:
@@ -164,7 +147,7 @@ def _expand_url(pattern: str) -> list[str]:
     bucket."""
     scheme, _, rest = pattern.partition("://")
     prefix = f"{scheme}://"
-    bucket = bucket_root(pattern)
+    bucket = objstore.bucket_root(pattern)
     if bucket is not None:
         prefix = f"{bucket}/"
         rest = pattern[len(prefix) :]
@@ -179,15 +162,6 @@ def _expand_url(pattern: str) -> list[str]:
         text = str(e).replace(repr(rest), repr(pattern), 1)
         text = re.sub(r"character (\d+)", lambda m: f"character {int(m.group(1)) + len(prefix)}", text)
         raise InputRefused(text) from None
-
-
-def _base_folder(pattern: str) -> str:
-    """The folder shard ids are relative to: the first brace's (the file's own without one)."""
-    brace = pattern.find("{")
-    return os.path.dirname(pattern if brace == -1 else pattern[:brace])
-
-
-# --------------------------------------------------------------------------------------- tar members
 
 
 class _MemberFile(ByteWindow):
@@ -235,17 +209,17 @@ class TarMember:
 
     @property
     def at_url(self) -> bool:
-        return is_url(self.shard)
+        return objstore.is_url(self.shard)
 
     def open(self) -> io.BufferedReader:
         """The member's bytes as a seekable binary file (PIL and PyAV take it); raises OSError."""
         if self.at_url:
-            return open_range(self.shard, self.options_json, self.offset, self.size, str(self))
+            return objstore.open_range(self.shard, self.options_json, self.offset, self.size, str(self))
         return io.BufferedReader(_MemberFile(self.shard, self.offset, self.size, str(self)), 1 << 16)
 
     def read_bytes(self) -> bytes:
         if self.at_url:  # one ranged request for the whole member
-            return read_range(self.shard, self.options_json, self.offset, self.size, str(self))
+            return objstore.read_range(self.shard, self.options_json, self.offset, self.size, str(self))
         with self.open() as f:
             return f.read()
 
@@ -264,21 +238,7 @@ class TarMember:
 
     def read_failure(self, e: BaseException) -> Exception | None:
         """The store's TransientReadError where ``e`` is its transient failure mid-read at a URL."""
-        return transient_error(str(self), e) if self.at_url and is_transient(e) else None
-
-
-# ----------------------------------------------------------------------------------------- one shard
-
-
-def _compressed(path: str, head: bytes) -> str | None:
-    """Why ``path`` cannot be read by offset (it is compressed), or None."""
-    for magic, kind in _COMPRESSED_MAGIC.items():
-        if head.startswith(magic):
-            return (
-                f"{display_path(path)} is a {kind}-compressed file: vlfast reads members in place and needs plain "
-                ".tar shards; decompress them first"
-            )
-    return None
+        return objstore.transient_error(str(self), e) if self.at_url and objstore.is_transient(e) else None
 
 
 def _cut(size: int, members: list[ListedMember], read_at) -> str | None:
@@ -319,9 +279,12 @@ def _scan(f: BinaryIO, size: int, where: str) -> Listing:
     if size == 0:
         return [], "it is empty (0 bytes)", {}
     head = f.read(_BLOCK)
-    reason = _compressed(where, head)
-    if reason:
-        raise InputRefused(reason)
+    kind = next((kind for magic, kind in _COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+    if kind is not None:
+        raise InputRefused(
+            f"{display_path(where)} is a {kind}-compressed file: vlfast reads members in place and needs plain "
+            ".tar shards; decompress them first"
+        )
     f.seek(0)
     try:
         tf = tarfile.open(fileobj=f, mode="r:")  # noqa: SIM115 - the caller closes f
@@ -461,20 +424,6 @@ def _key_sample(
     return Sample(sid, kind_of(m.name), (display,), prompt, member=ref)
 
 
-def _shard_entries(
-    shard: str, rel: str, kept: KeptListings | None = None, position: int = 0
-) -> tuple[list[Sample], list[InputProblem]]:
-    """The samples and problems of one local shard (ids ``{rel}/{key}``), its listing ``kept``'s if kept."""
-    st = os.stat(shard)
-
-    def scan() -> Listing:
-        with open(shard, "rb") as f:
-            return _scan(f, st.st_size, shard)
-
-    listing = scan() if kept is None else kept.listing(local_identity(shard, st), st.st_size, position, scan)
-    return _entries(shard, rel, *listing)
-
-
 def _entries(
     shard: str,
     rel: str,
@@ -518,9 +467,6 @@ def _entries(
     return samples, problems
 
 
-# ------------------------------------------------------------------------------- shards at URLs
-
-
 _LIST_THREADS = 8  # shards listed at once: a listing waits on requests more than on the CPU
 
 
@@ -541,12 +487,12 @@ def list_shards(
     :class:`RemoteInputError`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    options = encode_options(storage_options)
-    bucket = bucket_root(pattern)
+    options = objstore.encode_options(storage_options)
+    bucket = objstore.bucket_root(pattern)
     if bucket is not None:
         label = f"bucket {bucket} of input {pattern}"
-        probe(bucket, options, label, f"{label} does not exist (or the credentials cannot see it)")
-    fs, _ = filesystem(shards[0], options)
+        objstore.probe(bucket, options, label, f"{label} does not exist (or the credentials cannot see it)")
+    fs, _ = objstore.filesystem(shards[0], options)
     fs.invalidate_cache()
     paths = {s: fs._strip_protocol(s) for s in shards}
     pool = ThreadPoolExecutor(min(_LIST_THREADS, len(shards)), thread_name_prefix="vlfast-list")
@@ -557,7 +503,23 @@ def list_shards(
         _refuse_missing(pattern, list(shards), missing, not_files)
 
         def one(shard: str, rel: str, position: int) -> tuple[list[Sample], list[InputProblem]]:
-            return _list_one(fs, shard, paths[shard], rel, found[paths[shard]], options, kept, position)
+            entry = found[paths[shard]]  # its size, and its ETag for ``kept``
+            if entry.get("size") is None:
+                raise objstore.RemoteInputError(
+                    f"shard {shard}: the store does not give its size, which reading its members in place needs"
+                )
+            size = int(entry["size"])
+
+            def scan() -> Listing:
+                with objstore.RangeReader(fs, paths[shard], shard, options, 0, size, shard) as f:
+                    try:
+                        return _scan(f, size, shard)
+                    except (OSError, objstore.TransientReadError) as e:  # naming the URL, never the options
+                        raise objstore.RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
+
+            identity = remote_identity(shard, entry) if kept is not None else None
+            listing = scan() if kept is None else kept.listing(identity, size, position, scan)
+            return _entries(shard, rel, *listing, options)
 
         yield from pool.map(one, shards, rels, range(len(shards)))
     finally:
@@ -569,25 +531,22 @@ def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) ->
     holds none of its shards (a missing folder, or plain HTTP, which cannot list), the first shard is asked
     for, and the others (``map_``: in parallel) only if it exists; so are shards listed without a size."""
 
-    def info(path: str) -> dict[str, Any] | None:
+    def asked(call: Callable[[str], Any], path: str, missing: Any = None) -> Any:
         try:
-            return fs.info(path)
+            return call(path)
         except FileNotFoundError:
-            return None
+            return missing
         except Exception as e:
-            raise refusal(f"input {pattern}", e, options_json) from None
+            raise objstore.refusal(f"input {pattern}", e, options_json) from None
+
+    info = functools.partial(asked, fs.info)
 
     folders: dict[str, list[str]] = {}
     for path in paths:
         folders.setdefault(fs._parent(path), []).append(path)
     found: dict[str, dict[str, Any]] = {}
     for folder, wanted in folders.items():
-        try:
-            entries = fs.ls(folder, detail=True)
-        except FileNotFoundError:
-            entries = []
-        except Exception as e:
-            raise refusal(f"input {pattern}", e, options_json) from None
+        entries = asked(functools.partial(fs.ls, detail=True), folder, [])
         listed = {fs._strip_protocol(e["name"]).rstrip("/"): e for e in entries}
         found.update(listed)
         if any(path in listed for path in wanted):
@@ -600,37 +559,6 @@ def _shard_infos(fs, pattern: str, paths: list[str], options_json: str, map_) ->
     unsized = [p for p in paths if p in found and found[p].get("size") is None]
     found.update((p, i) for p, i in zip(unsized, map_(info, unsized)) if i is not None)
     return found
-
-
-def _list_one(
-    fs,
-    shard: str,
-    path: str,
-    rel: str,
-    entry: Mapping[str, Any],
-    options_json: str,
-    kept: KeptListings | None = None,
-    position: int = 0,
-) -> tuple[list[Sample], list[InputProblem]]:
-    """One shard at a URL listed; ``entry``: its folder listing's entry (size, ETag for ``kept``)."""
-    if entry.get("size") is None:
-        raise RemoteInputError(
-            f"shard {shard}: the store does not give its size, which reading its members in place needs"
-        )
-    size = int(entry["size"])
-
-    def scan() -> Listing:
-        with RangeReader(fs, path, shard, options_json, 0, size, shard) as f:
-            try:
-                return _scan(f, size, shard)
-            except (OSError, TransientReadError) as e:  # the message names the URL, never the options
-                raise RemoteInputError(f"shard {shard} cannot be listed: {e}") from None
-
-    listing = scan() if kept is None else kept.listing(remote_identity(shard, entry), size, position, scan)
-    return _entries(shard, rel, *listing, options_json)
-
-
-# ------------------------------------------------------------------------------------------- loading
 
 
 def _refuse_missing(pattern: str, shards: list[str], missing: list[str], not_files: list[str]) -> None:
@@ -665,9 +593,10 @@ def load_shards(
     (:mod:`vlfast.extraction.sources.kept`), used where they fit, and offered the fresh ones.
     """
     text = os.fspath(pattern)
-    url = is_url(text)
+    url = objstore.is_url(text)
     shards = list(dict.fromkeys(_expand_url(text) if url else expand_braces(text)))  # named twice: once
-    base = _base_folder(text)
+    brace = text.find("{")  # ids are relative to the first brace's folder (the file's own without one)
+    base = os.path.dirname(text if brace == -1 else text[:brace])
     rels = [shard[len(base) :].lstrip("/") if base else shard for shard in shards]
     if url:
         listed = list_shards(text, shards, rels, storage_options, kept)
@@ -675,8 +604,20 @@ def load_shards(
         missing = [s for s in shards if not os.path.exists(s)]
         not_files = [s for s in shards if not os.path.isfile(s) and os.path.exists(s)]
         _refuse_missing(text, shards, missing, not_files)
+
+        def one(shard: str, rel: str, position: int) -> tuple[list[Sample], list[InputProblem]]:
+            st = os.stat(shard)
+
+            def scan() -> Listing:
+                with open(shard, "rb") as f:
+                    return _scan(f, st.st_size, shard)
+
+            identity = local_identity(shard, st) if kept is not None else None
+            listing = scan() if kept is None else kept.listing(identity, st.st_size, position, scan)
+            return _entries(shard, rel, *listing)
+
         # one shard's samples at a time into the table, not every shard's objects at once
-        listed = (_shard_entries(shard, rel, kept, i) for i, (shard, rel) in enumerate(zip(shards, rels)))
+        listed = map(one, shards, rels, range(len(shards)))
     samples = SampleTableBuilder()
     problems: list[InputProblem] = []
     for got, bad in listed:
