@@ -1,10 +1,8 @@
 """Large-scale, resumable, multi-GPU feature extraction and its output format.
 
-``FeatureStore`` writes (store/writer.py), ``FeatureCache`` reads (store/reader.py), ``export`` writes one
-vector per sample as a Parquet or Lance table (store/export.py), ``extract`` runs a model
-over inputs (api.py: config, plan, then an engine), ``extract_ray`` the same as Ray Data stages
-(engines/ray.py). Names load lazily so reading a cache never imports the pipeline's dependencies, nor
-anything Ray.
+``FeatureStore`` writes, ``FeatureCache`` reads, ``export`` writes one vector per sample as a Parquet or
+Lance table, ``extract`` runs a model over inputs, ``extract_ray`` the same as Ray Data stages. Names load
+lazily so reading a cache never imports the pipeline's dependencies, nor anything Ray.
 """
 
 from __future__ import annotations

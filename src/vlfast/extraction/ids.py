@@ -373,8 +373,6 @@ class IdSet(AbstractSet[str]):
         self._pending: list[tuple[Any, np.ndarray | None]] = []  # (Arrow ids, their hashes or None)
         self.update(ids)
 
-    # -- reading ---------------------------------------------------------------------------------------
-
     def __contains__(self, sample_id: object) -> bool:
         if not isinstance(sample_id, str):
             return False
@@ -412,8 +410,6 @@ class IdSet(AbstractSet[str]):
                 values = take(strings, rest).to_pylist()
                 member[rest] = np.fromiter(map(self._recent.__contains__, values), bool, len(values))
         return member
-
-    # -- writing ---------------------------------------------------------------------------------------
 
     def add(self, sample_id: str) -> None:
         if sample_id not in self:

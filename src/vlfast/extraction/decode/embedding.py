@@ -2,11 +2,8 @@
 
 The reference is ``src/models/qwen3_vl_embedding.py`` of github.com/QwenLM/Qwen3-VL-Embedding
 (``Qwen3VLEmbedder``): a system message with the instruction, one user message holding the video, then the
-image, then the text (the text "NULL" when there is none of them), the model's chat template with the
-generation prompt, truncation at 8,192 tokens; images and videos prepared by qwen-vl-utils with patch size
-16 (:data:`vlfast.pixels.recipe.RECIPE_PIXELS`), then the processor without resizing again. The embedding itself (the final-norm
-hidden state at the last token, L2-normalised) is taken where the model runs
-(:mod:`vlfast.extraction.model.features`). docs/embeddings.md says where vlfast departs from the code.
+image, then the text ("NULL" when there is none of them), the chat template with the generation prompt,
+truncation at 8,192 tokens. docs/embeddings.md says where vlfast departs from the code.
 """
 
 from __future__ import annotations
@@ -42,10 +39,7 @@ def normalized_instruction(instruction: str | None, default: str) -> str:
 @dataclass
 class EmbeddingPrompt:
     """The token ids of one sample's embedding conversation, built in the decode workers.
-
-    ``media_features``: vision features are extracted beside the embedding, so a text sample (no media)
-    is refused rather than stored without them.
-    """
+    ``media_features``: vision features are extracted beside it, so a text sample is refused."""
 
     builder: PromptBuilder
     instruction: str = DEFAULT_INSTRUCTION

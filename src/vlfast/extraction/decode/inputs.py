@@ -1,10 +1,9 @@
 """The record of what a sample's input was when it was read (a row of ``OUT/inputs/``), made where the
 sample is decoded: its entry key, and for local bytes their stamp (taken before they are read) and xxh3.
 
-Hashing reads the bytes once more than decoding does (an image is read whole by PIL anyway, a video
-sparsely by PyAV); from the page cache that is a small cost next to decoding (xxh3 runs at several GB/s).
-Bytes at a URL are not read again to be hashed (that would be a second download): such a sample records
-its entry key alone. docs/extract.md ("Inputs that change") says what each check sees.
+Hashing reads the bytes once more (from the page cache: small next to decoding). Bytes at a URL are not
+read again to be hashed (a second download): such a sample records its entry key alone. docs/extract.md
+("Inputs that change") says what each check sees.
 """
 
 from __future__ import annotations

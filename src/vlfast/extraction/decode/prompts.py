@@ -15,10 +15,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["VISION_TOKENS", "PromptBuilder", "placeholder_problem", "video_timestamps"]
 
-# Qwen-VL's vision placeholders: the chat template places them around each image or video, and the pad is
-# then repeated once per merged vision token. Written in a prompt or a caption (the tokenizer reads them as
-# the same special tokens) they would give the model more image tokens than the image has features, a
-# video's tokens for an image (transformers' rope index then fails), or a second vision span.
+# Qwen-VL's vision placeholders, which the chat template places itself. Written in a prompt or a caption
+# they would give the model more image tokens than the image has features, or a second vision span.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
 
@@ -39,11 +37,10 @@ class PromptBuilder:
     """Builds the token ids of a chat prompt holding one image or video, as the model's processor would.
 
     The placeholder expansion mirrors ``Qwen3VLProcessor.replace_image_token`` / ``replace_video_token``
-    (one pad token per merged vision token; Qwen3-VL videos get ``<t seconds>`` per temporal patch) and
-    ``Qwen2VLProcessor``'s plain repetition for Qwen2/2.5-VL. Runs in the DataLoader workers.
-    ``video_wrapper``: what becomes of the chat template's ``<|vision_start|>...<|vision_end|>`` around a
-    Qwen3-VL video (:data:`~vlfast.pixels.settings.VIDEO_WRAPPERS`), the rule of the
-    transformers the run was planned with (``ProcessorConfig.video_wrapper``), not of the one a worker has.
+    (Qwen3-VL videos get ``<t seconds>`` per temporal patch) and ``Qwen2VLProcessor``'s plain repetition.
+    ``video_wrapper``: what becomes of the template's ``<|vision_start|>...<|vision_end|>`` around a
+    Qwen3-VL video (:data:`~vlfast.pixels.settings.VIDEO_WRAPPERS`), by the transformers the run was
+    planned with, not the one a worker has.
     """
 
     checkpoint: str

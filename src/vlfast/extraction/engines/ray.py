@@ -150,15 +150,8 @@ def _sample_row(s: Sample) -> dict[str, Any]:
     member = None
     if s.member is not None:
         member = json.dumps({"class": type(s.member).__name__, **dataclasses.asdict(s.member)})
-    return {
-        "id": s.id,
-        "kind": s.kind,
-        "paths": list(s.paths),
-        "prompt": s.prompt,
-        "text": s.text,
-        "instruction": s.instruction,
-        "member": member,
-    }
+    row = {name: getattr(s, name) for name in ("id", "kind", "prompt", "text", "instruction")}
+    return {**row, "paths": list(s.paths), "member": member}
 
 
 def _sample_of(row: dict[str, Any], classes: dict[str, type]) -> Sample:
@@ -310,13 +303,8 @@ class _ModelStage:
         def record(sample_id: str, source: str, reason: str) -> None:
             before = store.num_errors
             store.add_error(sample_id, source, reason)
-            rows.append(
-                {
-                    "id": sample_id,
-                    "status": "error" if store.num_errors > before else "known",
-                    "reason": reason,
-                }
-            )
+            status = "error" if store.num_errors > before else "known"
+            rows.append({"id": sample_id, "status": status, "reason": reason})
 
         items = []
         for r in table.to_pylist():

@@ -14,8 +14,7 @@ Feature names (several at once):
   of the recipe's conversation (:mod:`vlfast.extraction.decode.embedding`), L2-normalised; with ``dim``
   (Matryoshka) its first ``dim`` values, normalised again.
 
-Vision features come from the tower alone (only its weights are loaded); ``llm`` needs the whole
-checkpoint, and then the vision features are taken from the same forward through a hook on the tower.
+Vision features come from the tower alone; with ``llm`` from the same whole-model forward (a hook).
 """
 
 from __future__ import annotations
@@ -111,8 +110,7 @@ def deepstack_skipped(tower: nn.Module, skip: bool = True) -> Iterator[None]:
 
 @torch.inference_mode()
 def compute_vision_features(tower: nn.Module, batch: VisionBatch, names: Sequence[str]) -> list[dict]:
-    """One tower forward over the packed batch; features split back per sample. The DeepStack levels are
-    computed only when asked for."""
+    """One tower forward over the packed batch; features split back per sample."""
     from vlfast.models import tower_outputs
 
     with deepstack_skipped(tower, "deepstack" not in names):

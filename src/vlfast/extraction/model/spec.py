@@ -1,8 +1,7 @@
 """Which features to extract: :class:`FeatureSpec`, checked when it is made.
 
-Its own module, without torch, so that a run's configuration (``ExtractConfig``, run.json's ``features``) is
-made and compared before anything heavy loads: a finished OUT is answered without torch.
-:mod:`~vlfast.extraction.model.features` says what each feature is and computes it.
+Its own module, without torch, so that a run's configuration is made and compared before anything heavy
+loads. :mod:`~vlfast.extraction.model.features` says what each feature is and computes it.
 """
 
 from __future__ import annotations
