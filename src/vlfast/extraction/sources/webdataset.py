@@ -96,10 +96,9 @@ def _alternatives(body: str, pattern: str) -> list[str]:
     if m:
         a, b = int(m.group(1)), int(m.group(2))
         step = abs(int(m.group(3) or 1)) or 1
-        width = 0
         # bash pads every number to the widest endpoint when either is written with a leading zero
-        if any(re.match(r"^-?0\d", g) for g in m.group(1, 2)):
-            width = max(len(m.group(1)), len(m.group(2)))
+        padded = any(re.match(r"^-?0\d", g) for g in m.group(1, 2))
+        width = max(len(m.group(1)), len(m.group(2))) if padded else 0
         if abs(b - a) // step + 1 > MAX_SHARDS:
             raise InputRefused(f"pattern {pattern!r}: {{{body}}} names more than {MAX_SHARDS:,} shards")
         values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
@@ -435,19 +434,18 @@ def _entries(
     """The samples and problems of one listed shard, local or at a URL; a cut records its key and shard."""
     samples: list[Sample] = []
     problems: list[InputProblem] = []
+
+    def truncated(where: str, what: str, sid: str) -> None:
+        reason = f"truncated shard: {cut}; {what}; download or rewrite the shard, then run again"
+        problems.append(InputProblem(display_path(where), reason, _storable_id(sid)))
+
     groups = list(_groups(members))
     for n, (key, group) in enumerate(groups):
         sid = f"{rel}/{key}"
         if cut is not None and n == len(groups) - 1:
             # The key at the cut: its media, or a prompt member after it, may be lost.
-            problems.append(
-                InputProblem(
-                    display_path(f"{shard}/{group[-1][1].name}"),
-                    f"truncated shard: {cut}; this key's members may be incomplete, so it is not extracted; "
-                    "download or rewrite the shard, then run again",
-                    _storable_id(sid),
-                )
-            )
+            what = "this key's members may be incomplete, so it is not extracted"
+            truncated(f"{shard}/{group[-1][1].name}", what, sid)
             continue
         got = _key_sample(shard, sid, group, texts, options_json)
         if isinstance(got, Sample):
@@ -456,14 +454,7 @@ def _entries(
             problems.append(got)
     if cut is not None:
         after = f"{members[-1].name!r} " if members else "its start "
-        problems.append(
-            InputProblem(
-                display_path(shard),
-                f"truncated shard: {cut}; whatever members followed {after}cannot be listed and are not "
-                "extracted; download or rewrite the shard, then run again",
-                _storable_id(rel),
-            )
-        )
+        truncated(shard, f"whatever members followed {after}cannot be listed and are not extracted", rel)
     return samples, problems
 
 
