@@ -114,8 +114,7 @@ def write_atomically(
 
 
 def _make_parents(dest: Path) -> list[Path]:
-    """Make the missing folders above ``dest`` (returned outermost first); refuse a file or a broken
-    symlink where a folder must be."""
+    """Make the missing folders above ``dest`` (returned outermost first), refusing a file in the way."""
     missing, parent = [], dest.parent
     while not (parent.exists() or parent.is_symlink()):
         missing.append(parent)

@@ -89,6 +89,5 @@ LIMITS: dict[str, Limit] = {
 
 
 def check(flag: str, value: object, keyword: str | None = None) -> int | float:
-    """``value`` checked against ``LIMITS[flag]``; the message names ``keyword (flag)`` when the library
-    was called with ``keyword``."""
+    """``value`` checked against ``LIMITS[flag]``; the message names ``keyword (flag)`` if given."""
     return LIMITS[flag].check(value, f"{keyword} ({flag})" if keyword else flag)

@@ -292,8 +292,7 @@ class KeptListings:
     def table(
         self, identity: Sequence[Any] | None, load: Callable[[], tuple[Any, list[Any]]]
     ) -> tuple[Any, list[Any]]:
-        """A manifest's (table, problems): the kept one if sound for ``identity``, else ``load()``'s, offered
-        to be kept (by rank 0)."""
+        """A manifest's (table, problems): the kept one if sound, else ``load()``'s, offered to be kept."""
         if identity is not None:
             name = table_name(identity)
             buffer = (self._read_mapped or self._mapped_from_read)(name)
@@ -331,8 +330,7 @@ class KeptListings:
     def listing(
         self, identity: Sequence[Any] | None, size: int, position: int, scan: Callable[[], Listing]
     ) -> Listing:
-        """The shard's kept listing if sound for ``identity``, else ``scan()``'s, offered to be kept
-        (``position``: the shard's place in the pattern)."""
+        """The shard's kept listing if sound, else ``scan()``'s, offered to be kept."""
         listing = self.get(identity, size)
         if listing is None:
             listing = scan()

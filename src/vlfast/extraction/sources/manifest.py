@@ -188,8 +188,7 @@ _COLUMNS = ("id", "path", "paths", "prompt", "text", "instruction")  # what a ro
 def _jsonl_rows(
     path: Path, name: str, base: Path | str | None = None
 ) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
-    """Each line as a dict or its problem, or a plain sample's fields where a whole block of lines is plain
-    (:func:`_plain_batch`, given ``base``)."""
+    """Each line as a dict or its problem, or a plain sample's fields (:func:`_plain_batch`)."""
     block: list[tuple[str, dict[str, Any] | InputProblem]] = []
     for item in _jsonl_lines(path, name):
         block.append(item)
@@ -419,8 +418,7 @@ def _resolved(base: Path | str, path: str) -> str:
 
 
 def _joined(base: Path | str, path: str) -> str:
-    """``path`` joined to a manifest's folder: a local one (``str(base / path)``, from the strings where
-    ``path`` is in posix form), or a URL."""
+    """``path`` joined to a manifest's folder (a local one, as ``str(base / path)``, or a URL)."""
     if isinstance(base, str):
         return f"{base.rstrip('/')}/{path}"
     if not is_posix_form(path):
@@ -432,8 +430,7 @@ def _joined(base: Path | str, path: str) -> str:
 def load_manifest(
     path: Path, name: str | None = None, base: str | None = None
 ) -> tuple[SampleTable, list[InputProblem]]:
-    """The samples and problems of the manifest at ``path``, in row order. ``name`` and ``base``: the URL and
-    its folder, for a local copy of a manifest at a URL."""
+    """The samples and problems of the manifest at ``path``; ``name`` and ``base``: a URL and its folder."""
     name = name or display_path(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":

@@ -175,8 +175,7 @@ def quoted(text: str, limit: int = 80) -> str:
 
 
 def display_path(path: str | os.PathLike) -> str:
-    """A path as a problem's ``where``: non-UTF-8 bytes (surrogates) shown as \\xff, so the record can be
-    written."""
+    """A path as a problem's ``where``: non-UTF-8 bytes (surrogates) shown as \\xff."""
     text = os.fsdecode(path)
     try:
         raw = text.encode("utf-8", "surrogateescape")
@@ -244,8 +243,7 @@ def storable(
 def require_samples(
     kind: str, name: str, samples: _Samples, problems: list[InputProblem]
 ) -> tuple[_Samples, list[InputProblem]]:
-    """``(samples, problems)``; raise when an input gave nothing to extract: :class:`EmptyInput` without
-    problems either, else InputRefused listing the first."""
+    """``(samples, problems)``, refused (:class:`EmptyInput` without problems) when there is no sample."""
     if len(samples):
         return samples, problems
     if not problems:

@@ -291,8 +291,7 @@ class SampleTable(Sequence[Sample]):
         )
 
     def can_keep(self) -> bool:
-        """Whether :meth:`to_arrow` can hold this table: a whole input's, without members (tar shards and
-        URLs are listed again, with their own identity)."""
+        """Whether :meth:`to_arrow` can hold this table: a whole input's, without members."""
         return self._members is None and self._entries is None
 
     def to_arrow(self) -> tuple[pa.RecordBatch, dict[str, Any]]:
@@ -318,8 +317,8 @@ class SampleTable(Sequence[Sample]):
 
     @classmethod
     def from_arrow(cls, batch: pa.RecordBatch, extras: dict[str, Any]) -> SampleTable:
-        """The table :meth:`to_arrow` gave ``batch`` and ``extras`` for, its columns used in place (a memory
-        map stays one); ValueError if they do not fit together."""
+        """The table :meth:`to_arrow` gave ``batch`` and ``extras`` for, columns used in place; ValueError
+        if they do not fit together."""
         import pyarrow as pa
 
         expected = {
@@ -363,8 +362,7 @@ def place_bytes(kind: str, paths: Sequence[str], member: Any, resolve: Callable[
 
 
 class _Members:
-    """Members of one dataclass as columns: text fields dictionary-encoded (a shard's path once), int fields
-    as int64. ``present`` says which rows have one."""
+    """Members of one dataclass as columns (text dictionary-encoded); ``present``: rows that have one."""
 
     __slots__ = ("cls", "columns", "present")
 
@@ -395,8 +393,7 @@ class _Members:
 
 
 class _MemberChunks:
-    """Builds :class:`_Members` a chunk at a time; a list of the objects where the members are not all of
-    one dataclass with text and int fields."""
+    """Builds :class:`_Members` a chunk at a time, or a list where members do not fit columns."""
 
     def __init__(self) -> None:
         self.cls: type | None = None
@@ -530,8 +527,7 @@ class SampleTableBuilder:
         text: str | None,
         instruction: str | None,
     ) -> None:
-        """``append(Sample(sample_id, kind, (path,), prompt, text=text, instruction=instruction))`` without
-        making the ``Sample``, for a source that has checked every field."""
+        """:meth:`append` without making the ``Sample``, for a source that has checked every field."""
         self._add(sample_id, _CODE[kind], (path,), None, prompt, text, instruction)
 
     def _add(self, sample_id, code, paths, member, prompt, text, instruction) -> None:

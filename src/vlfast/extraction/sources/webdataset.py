@@ -133,8 +133,7 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def is_shard_input(source: str | os.PathLike) -> bool:
-    """Whether INPUT names WebDataset shards: a ``.tar`` path (compressed ones too, to refuse them), or a
-    path with braces that is not an existing file or folder."""
+    """Whether INPUT is a ``.tar`` path (compressed too, to refuse it) or a brace pattern that is no file."""
     text = os.fspath(source)
     return text.lower().endswith((".tar", *_COMPRESSED_SUFFIXES)) or (
         "{" in text and not os.path.exists(text)
@@ -142,8 +141,7 @@ def is_shard_input(source: str | os.PathLike) -> bool:
 
 
 def _expand_url(pattern: str) -> list[str]:
-    """The URLs a pattern at a URL names: braces are expanded in the path only, never in the scheme or
-    bucket."""
+    """The URLs a pattern at a URL names: braces expanded in the path only, not the scheme or bucket."""
     scheme, _, rest = pattern.partition("://")
     prefix = f"{scheme}://"
     bucket = objstore.bucket_root(pattern)
@@ -336,8 +334,7 @@ def _groups(members: list[ListedMember]) -> Iterator[tuple[str, list[tuple[str, 
 
 
 def _prompt(raw: bytes, ext: str) -> str | None:
-    """The prompt a ``.txt`` (its whole text) or ``.json`` (its ``"prompt"``) member gives; ValueError
-    saying why it cannot be read."""
+    """The prompt a ``.txt`` (its text) or ``.json`` (its ``"prompt"``) member gives, else ValueError."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
