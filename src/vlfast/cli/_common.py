@@ -256,6 +256,11 @@ def parse_storage_options(text: str | None) -> dict | None:
     return value
 
 
+def say(text: str, out: Console | None = None) -> None:
+    """Print ``text`` as written: no markup, no highlighting, never cut across lines in a pipe."""
+    (out or console).print(text, markup=False, highlight=False, soft_wrap=True)
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     sys.stdout.flush()

@@ -77,8 +77,7 @@ def epilog(path: str) -> str:
 
 def add_examples(app: typer.Typer, prefix: str = "") -> None:
     """Set the epilog of every command and group under ``app`` from EXAMPLES (a missing entry is a bug)."""
-    info = app.info
-    info.epilog = epilog(prefix)
+    app.info.epilog = epilog(prefix)
     for command in app.registered_commands:
         command.epilog = epilog(f"{prefix} {command.name}".strip())
     for group in app.registered_groups:

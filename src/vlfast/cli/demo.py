@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from vlfast.cli._common import JsonOpt, UsageError, console, handle_errors, print_json
+from vlfast.cli._common import JsonOpt, UsageError, handle_errors, print_json, say
 from vlfast.cli._extras import require
 
 
@@ -49,12 +49,9 @@ def demo_checkpoint(
     if as_json:
         print_json({"path": str(folder), "files": sorted(p.name for p in folder.iterdir())})
         return
-    console.print(
+    say(
         f"wrote a tiny Qwen3-VL checkpoint (random weights: its features and audits mean nothing) to {out}, "
         f"{since_start():.1f} s {since_start_words()}\n"
         f"try: vlfast tokens audit --model {out}\n"
-        f"     vlfast extract --demo demo_llm --model {out} --features vision,llm",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
+        f"     vlfast extract --demo demo_llm --model {out} --features vision,llm"
     )

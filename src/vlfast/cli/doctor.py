@@ -1,14 +1,8 @@
-"""``vlfast doctor``: measure the patch-embedding slow path here, explain it, print the fix.
-
-Exit status: 1 (EXIT_FINDING) for a slow path (a fallback kernel: >= 10x its GEMM, or >= 2x with a
-pathological rule explaining it) in a conv that is not patched; 4 for an ordinary gain (>= 2x, as every
-CPU's conv is), or 0 with ``--fail-on slow-path``; 0 when nothing is lost or the model is patched; 2 for
-bad input, 3 when it could not run. A launcher guards with ``vlfast doctor --fail-on slow-path``.
+"""``vlfast doctor``: measure the patch-embedding slow path here, explain it, print the fix (exit status:
+the command's help).
 """
 
 from __future__ import annotations
-
-from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -22,6 +16,7 @@ from vlfast.cli._common import (
     UsageError,
     console,
     handle_errors,
+    option,
     print_fitted_table,
     print_json,
     refuse_early,
@@ -201,45 +196,35 @@ def register(app: typer.Typer) -> None:
         model: ModelOpt = None,
         device: DeviceOpt = None,
         dtype: DtypeOpt = None,
-        patches: Annotated[
+        patches: option(
             int | None,
-            typer.Option(
-                "--patches",
-                help="Patches per sample fed to the probe. Default 3,072: one 8-frame 512x384 clip.",
-                show_default=False,
-            ),
-        ] = None,
-        budget: Annotated[
+            "--patches",
+            help="Patches per sample fed to the probe. Default 3,072: one 8-frame 512x384 clip.",
+            show_default=False,
+        ) = None,
+        budget: option(
             float,
-            typer.Option(
-                "--budget",
-                help="Seconds the whole command may take: start-up, building the models, the probe and the "
-                "output. The probe gets what the rest leaves and times fewer windows, fewer rounds or fewer "
-                "shapes to keep it, saying what it left out.",
-            ),
-        ] = 12.0,
-        no_probe: Annotated[
-            bool, typer.Option("--no-probe", help="Facts and rules only, no timing (no verdict).")
-        ] = False,
-        markdown: Annotated[
-            bool, typer.Option("--markdown", help="Print a paste-ready markdown block for bug reports.")
-        ] = False,
-        inference: Annotated[
+            "--budget",
+            help="Seconds the whole command may take: start-up, building the models, the probe and the "
+            "output. The probe gets what the rest leaves and times fewer windows, fewer rounds or fewer "
+            "shapes to keep it, saying what it left out.",
+        ) = 12.0,
+        no_probe: option(bool, "--no-probe", help="Facts and rules only, no timing (no verdict).") = False,
+        markdown: option(
+            bool, "--markdown", help="Print a paste-ready markdown block for bug reports."
+        ) = False,
+        inference: option(
             bool,
-            typer.Option(
-                "--inference",
-                help="Forward only: do not time or count the backward pass (training counts both).",
-            ),
-        ] = False,
-        fail_on: Annotated[
+            "--inference",
+            help="Forward only: do not time or count the backward pass (training counts both).",
+        ) = False,
+        fail_on: option(
             str,
-            typer.Option(
-                "--fail-on",
-                metavar="WHAT",
-                help="any: exit 1 for a slow path, 4 for an ordinary gain. slow-path: exit 0 for a gain "
-                "(the launcher guard that passes on CPU runners).",
-            ),
-        ] = "any",
+            "--fail-on",
+            metavar="WHAT",
+            help="any: exit 1 for a slow path, 4 for an ordinary gain. slow-path: exit 0 for a gain "
+            "(the launcher guard that passes on CPU runners).",
+        ) = "any",
         json_out: JsonOpt = False,
     ) -> None:
         """Measure whether the patch embedding runs on a slow path here, explain why, and print the fix.

@@ -1,8 +1,5 @@
-"""`vlfast extract`: features of images and videos into a resumable, sharded output folder.
-
-The command parses its options into :func:`vlfast.extraction.extract`'s keywords (most of them share
-:class:`~vlfast.extraction.config.ExtractConfig`'s names, which checks them all, once), calls it, and renders
-the summary. What is done to a finished OUT (verify, compact, export) is `vlfast out` (cli/out.py).
+"""`vlfast extract`: features of images and videos into a resumable, sharded output folder. The options
+become :func:`vlfast.extraction.extract`'s keywords (ExtractConfig's names, which it checks once).
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from vlfast.cli._common import (
     parse_storage_options,
     print_json,
     print_table,
+    say,
 )
 from vlfast.cli._extras import require
 from vlfast.cli._quiet import quiet_ray, quiet_third_party
@@ -48,8 +46,8 @@ MOVED = {"--verify": "vlfast out verify OUT", "--compact": "vlfast out compact O
 
 
 class ExtractCommand(HelpCommand):
-    """`vlfast extract`, which extracts only: a flag that was once another mode of it is answered with the
-    command that does it now (exit 2, one line), before anything else is parsed."""
+    """`vlfast extract`, answering a flag that was once another mode of it with the command that does it now
+    (exit 2, one line), before anything else is parsed."""
 
     def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
         for arg in args[: args.index("--")] if "--" in args else args:
@@ -68,8 +66,8 @@ def register(app: typer.Typer) -> None:
     app.command("extract", cls=ExtractCommand)(extract)
 
 
-# The options, by what they decide. Each parameter is named as ExtractConfig names it where the flag is
-# spelt otherwise (--batch-tokens is max_batch_tokens): the parsed values are its keywords.
+# The options, by what they decide; parameters are named as ExtractConfig names them (--batch-tokens is
+# max_batch_tokens).
 
 # What is computed
 Paths = Annotated[
@@ -312,9 +310,7 @@ class _Request:
 
 
 _RAY_ARGS = ("engine", "ray_address", "ray_workers", "num_gpus_per_worker", "ray_cpus_per_worker")
-# _engine's arguments, in its order
-_ENGINE_ARGS = (*_RAY_ARGS, "rank", "world_size", "verbose")
-# What only the command line says: not ExtractConfig's keywords
+_ENGINE_ARGS = (*_RAY_ARGS, "rank", "world_size", "verbose")  # in _engine's order
 _COMMAND_LINE = frozenset({"paths", "no_patch", *_RAY_ARGS, "demo", "verbose", "as_json"})
 
 
@@ -414,12 +410,9 @@ def _report(summary, out: str, as_json: bool) -> None:
     if as_json:
         print_json(summary.to_dict())
     elif summary.nothing_to_do:
-        console.print(
+        say(
             f"nothing to do: all {summary.assigned} input entries{_of_rank(summary)} are already in {out} "
-            f"(extracted, or recorded in {Out.errors_shown(out)})",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
+            f"(extracted, or recorded in {Out.errors_shown(out)})"
         )
     else:
         _print_summary(summary, out)
@@ -447,19 +440,13 @@ def _engine(
     world_size: int | None,
     verbose: bool = False,
 ):
-    """The engine --engine names, with its own flags; flags of the other engine are refused here. The values
-    themselves are checked once, by the engine and ExtractConfig, before anything is read. Ray is imported
-    only for --engine ray (exit 2 with the hint if missing); its console alarms stay off unless ``verbose``."""
+    """The engine --engine names, with its own flags; the other engine's flags are refused here (values are
+    checked by the engine and ExtractConfig). Ray is imported only for --engine ray."""
     if (rank is None) != (world_size is None):
         raise UsageError("give --rank and --world-size together, e.g. --rank 3 --world-size 8")
-    ray_flags = {
-        "--ray-address": ray_address,
-        "--ray-workers": ray_workers,
-        "--num-gpus-per-worker": gpus,
-        "--ray-cpus-per-worker": cpus,
-    }
     if engine == "local":
-        given = [flag for flag, value in ray_flags.items() if value is not None]
+        flags = ("--ray-address", "--ray-workers", "--num-gpus-per-worker", "--ray-cpus-per-worker")
+        given = [flag for flag, v in zip(flags, (ray_address, ray_workers, gpus, cpus)) if v is not None]
         if given:
             raise UsageError(f"{', '.join(given)} apply to --engine ray only")
         return "local"
@@ -489,17 +476,14 @@ def _print_summary(summary, out: str) -> None:
     table = Table(title=f"vlfast extract -> {escape(shown)}", show_header=False)
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("", overflow="fold")  # paths and reasons stay whole in a narrow pipe
+    split = f", {summary.assigned}{_of_rank(summary, 'for')}" if summary.world_size > 1 else ""
     rows = [
         ("model", summary.model),
         ("features", ", ".join(summary.features)),
         ("rank", f"{summary.rank} of {summary.world_size}")
         if summary.engine == "local"
         else ("engine", f"{summary.engine}: the driver is rank 0, model actors ranks 1 and up"),
-        (
-            "entries",
-            f"{summary.total} in input"
-            + (f", {summary.assigned}{_of_rank(summary, 'for')}" if summary.world_size > 1 else ""),
-        ),
+        ("entries", f"{summary.total} in input{split}"),
         ("extracted", f"{summary.extracted} this run, {summary.skipped} already in OUT"),
         ("failed", f"{summary.failed} recorded in {Out.errors_shown(out)}" if summary.failed else "0"),
         ("speed", f"{summary.samples_per_s:.2f} samples/s, {summary.tokens_per_s:,.0f} tokens/s"),
@@ -543,19 +527,12 @@ def _print_summary(summary, out: str) -> None:
             kinds.add_row(escape(kind), str(count))
         print_table(kinds)
     if summary.failed:
-        console.print(
-            f"errors with reasons: {Out.errors_shown(out)}", highlight=False, markup=False, soft_wrap=True
-        )
+        say(f"errors with reasons: {Out.errors_shown(out)}")
     from vlfast.extraction.store.format import TRANSIENT_PREFIX
 
     if summary.errors.get(TRANSIENT_PREFIX):
-        console.print(
+        say(
             f"{summary.errors[TRANSIENT_PREFIX]} samples could not be read from storage for a transient "
-            "reason (retries spent): run the same command again to retry them",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
+            "reason (retries spent): run the same command again to retry them"
         )
-    console.print(
-        f"read back with: vlfast.FeatureCache({str(out)!r})", highlight=False, markup=False, soft_wrap=True
-    )
+    say(f"read back with: vlfast.FeatureCache({str(out)!r})")

@@ -45,16 +45,7 @@ app = typer.Typer(
 )
 
 # Each module defines `register(app)`; the list is the CLI's table of contents.
-_COMMAND_MODULES = [
-    "vlfast.cli.models",
-    "vlfast.cli.verify",
-    "vlfast.cli.doctor",
-    "vlfast.cli.profile",
-    "vlfast.cli.extract",
-    "vlfast.cli.out",
-    "vlfast.cli.tokens",
-    "vlfast.cli.demo",
-]
+_COMMAND_MODULES = ("models", "verify", "doctor", "profile", "extract", "out", "tokens", "demo")
 
 
 def _version(value: bool) -> None:
@@ -80,7 +71,7 @@ def _root(
 
 
 for _name in _COMMAND_MODULES:
-    importlib.import_module(_name).register(app)
+    importlib.import_module(f"vlfast.cli.{_name}").register(app)
 readable_help(app)
 add_examples(app)
 

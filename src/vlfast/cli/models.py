@@ -28,14 +28,7 @@ def models(as_json: JsonOpt = False) -> None:
     for col in ("--model", "family", "depth", "width", "heads", "patch (T, P)", "out", "source"):
         table.add_column(col)
     for r in refs:
-        table.add_row(
-            REF_PREFIX + r.name,
-            r.family,
-            str(r.depth),
-            str(r.width),
-            str(r.heads),
-            str(r.patch),
-            str(r.out_width),
-            r.source.split(" ")[0].removeprefix("huggingface.co/"),
-        )
+        numbers = (str(v) for v in (r.depth, r.width, r.heads, r.patch, r.out_width))
+        source = r.source.split(" ")[0].removeprefix("huggingface.co/")
+        table.add_row(REF_PREFIX + r.name, r.family, *numbers, source)
     print_table(table)

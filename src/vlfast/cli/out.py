@@ -1,7 +1,5 @@
-"""`vlfast out`: what is done to a finished OUT, the folder `vlfast extract` wrote: verify, compact, export.
-
-`vlfast export` stays a hidden alias of `vlfast out export`. None of these builds a model: they read (and
-compact rewrites) the store only, so any transformers will do.
+"""`vlfast out`: verify, compact or export a finished OUT (`vlfast export` stays a hidden alias). None builds
+a model, so any transformers will do.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from vlfast.cli._common import (
     option,
     parse_storage_options,
     print_json,
+    say,
 )
 from vlfast.cli._extras import require
 
@@ -79,14 +78,10 @@ def verify(
         raise typer.Exit(EXIT_FINDING)
 
 
-def _say(text: str) -> None:
-    console.print(text, highlight=False, markup=False, soft_wrap=True)
-
-
 def _print_check(report, out: str) -> None:
     """``vlfast out verify``'s human output: what was checked, every damaged sample, each note, the advice."""
     plural = lambda n, word: f"{n} {word}{'' if n == 1 else 's'}"  # noqa: E731
-    _say(
+    say(
         f"{out}: {plural(report.shards, 'shard')} in {plural(report.parts, 'index part')}, {report.samples} "
         f"samples, {report.bytes_checked / 2**20:,.1f} MiB checked in {report.seconds:.1f} s"
     )
@@ -106,14 +101,14 @@ def _print_check(report, out: str) -> None:
     notes += [f"{b['part']}: {b['reason']}" for b in report.bad_parts if not b["samples"]]
     notes += [f"{stray['path']}: {stray['problem']}" for stray in report.strays]
     for note in notes:
-        _say(note)
+        say(note)
     # What was checked, and no more: bytes against checksums, not whether the values are sound.
-    _say("checksums OK: the stored bytes are the ones written" if report.ok else _advice(report, out))
+    say("checksums OK: the stored bytes are the ones written" if report.ok else _advice(report, out))
 
 
 def _advice(report, out: str) -> str:
-    """Each finding with the advice that works for it: the same `vlfast extract` quarantines and redoes
-    damage, but refuses (exit 2) parts of another configuration, which only the user can move out."""
+    """Each finding with the advice that works for it (`vlfast extract` redoes damage, but refuses parts of
+    another configuration, which only the user can move out)."""
     from vlfast.extraction.store.format import REDO_HINT
     from vlfast.extraction.store.out import Out
 
@@ -169,7 +164,7 @@ def compact(
             what = "nothing to compact"
         if r.deleted:
             what += f"; {r.deleted} superseded parts deleted"
-        _say(f"rank {r.rank}: {what}")
+        say(f"rank {r.rank}: {what}")
 
 
 @handle_errors
@@ -183,34 +178,24 @@ def export(
             show_default=False,
         ),
     ],
-    format: Annotated[
+    format: option(
+        str | None, "--format", help="parquet or lance. Default: lance if DEST ends in .lance, else parquet."
+    ) = None,
+    feature: option(
         str | None,
-        typer.Option(
-            "--format", help="parquet or lance. Default: lance if DEST ends in .lance, else parquet."
-        ),
-    ] = None,
-    feature: Annotated[
-        str | None,
-        typer.Option(
-            "--feature",
-            help="The stored feature to export, one vector per sample (embedding, vision_mean, "
-            "llm.last.layer27, ...). Default: embedding.",
-        ),
-    ] = None,
-    dtype: Annotated[
+        "--feature",
+        help="The stored feature to export, one vector per sample (embedding, vision_mean, "
+        "llm.last.layer27, ...). Default: embedding.",
+    ) = None,
+    dtype: option(
         str,
-        typer.Option(
-            "--dtype",
-            help="float32 or float16: the vectors' type in the table. A value float16 cannot hold (past 65504) "
-            "is refused, naming the sample.",
-        ),
-    ] = "float32",
-    overwrite: Annotated[
-        bool,
-        typer.Option(
-            "--overwrite", help="Replace an existing DEST table (atomically: the old one or the new)."
-        ),
-    ] = False,
+        "--dtype",
+        help="float32 or float16: the vectors' type in the table. A value float16 cannot hold (past 65504) "
+        "is refused, naming the sample.",
+    ) = "float32",
+    overwrite: option(
+        bool, "--overwrite", help="Replace an existing DEST table (atomically: the old one or the new)."
+    ) = False,
     storage_options: StorageOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -244,7 +229,7 @@ def export(
         if result.format == "lance"
         else f"pyarrow.parquet.read_table({result.dest!r})"
     )
-    _say(
+    say(
         f"exported {result.rows} samples of {result.feature!r} ({result.dim} x {result.dtype}) to "
         f"{result.dest} ({result.format}) in {result.seconds:.1f} s\nread back with: {read}"
     )

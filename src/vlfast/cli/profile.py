@@ -19,6 +19,7 @@ from vlfast.cli._common import (
     print_table,
     refuse_early,
     refuse_unfit_weights,
+    say,
 )
 from vlfast.limits import check
 
@@ -59,12 +60,6 @@ def _ms(v: float | None) -> str:
 
 def _load(v: float | None) -> str:
     return "?" if v is None else f"{v:.2f}"
-
-
-def _render(report) -> None:
-    for before, after in report.pairs():
-        _render_pair(report, before, after)
-    _render_notes(report)
 
 
 def _render_notes(report) -> None:
@@ -120,15 +115,12 @@ def _render_pair(report, before, after) -> None:
         return _ms(ms), "-" if share is None else f"{share:.1%}"
 
     for part in [*parts, INLINE]:
-        b_ms, b_share = cells(before, part)
-        a_ms, a_share = cells(after, part)
-        speed = speedup(part) if part != INLINE else ""
         label = part
         if part == "blocks":
-            runs = [r for r in (before, after) if r is not None]
-            n = len([k for k in runs[0].items if k.startswith(("blocks.", "layers.", "layer."))])
+            n = len([k for k in ref.items if k.startswith(("blocks.", "layers.", "layer."))])
             label = f"blocks (all {n})"
-        table.add_row(label, b_ms, b_share, a_ms, a_share, speed)
+        speed = speedup(part) if part != INLINE else ""
+        table.add_row(label, *cells(before, part), *cells(after, part), speed)
     for name, getter in [
         ("forward (hooked)", lambda r: r.forward_ms),
         ("forward (no hooks)", lambda r: r.plain_forward_ms),
@@ -244,4 +236,4 @@ def profile_cmd(
 
 def _progress(line: str) -> None:
     """stderr, so a killed run says where it was; stdout stays JSON."""
-    err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    say(line, err_console)

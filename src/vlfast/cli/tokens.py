@@ -1,10 +1,7 @@
 """``vlfast tokens``: audit, rewrite and fix the format tags (`<think>`...) an RL run depends on.
 
-Exit status of `audit` and `fix`: 0 when every tag the format needs has trained rows, 1 (EXIT_FINDING)
-when one is untrained (with --strict also when one is only suspect) or when a matrix has rows holding
-NaN or inf, 2 for bad input, 3 when the command could not run, 4 when the disk `fix` or `rewrite`
-writes to is full. `check-pipeline`: 0 when every pipeline check passes (or is skipped), 1 when one
-fails, 2 and 3 as above.
+`audit` and `fix` exit 1 when a tag is untrained (with --strict also suspect) or rows hold NaN or inf;
+`check-pipeline` exits 1 when a check fails; 2 bad input, 3 could not run, 4 disk full.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from vlfast.cli._common import (
     option,
     print_json,
     print_table,
+    say,
 )
 from vlfast.cli._extras import require
 
@@ -64,6 +62,10 @@ PlaceholdersOpt = option(
 def _given(params: dict, *drop: str) -> dict:
     """A command's parameters as its library function's keywords (the names are shared), less ``drop``."""
     return {k: v for k, v in params.items() if k not in drop}
+
+
+def _show(text: str) -> None:
+    console.print(text, soft_wrap=True)
 
 
 def _v(verdict: str) -> str:
@@ -129,28 +131,24 @@ def _render_audit(report) -> None:
     for tag in report.tags:
         if tag.alternatives:
             alts = ", ".join(f"{a.tag} ({' '.join(a.pieces)})" for a in tag.alternatives)
-            console.print(f"  {escape(tag.tag)}: trained alternatives {escape(alts)}", soft_wrap=True)
+            _show(f"  {escape(tag.tag)}: trained alternatives {escape(alts)}")
     if report.skipped:
-        console.print(
-            f"skipped {len(report.skipped)} Qwen-VL placeholder tag(s); --include-placeholders audits them too",
-            soft_wrap=True,
+        _show(
+            f"skipped {len(report.skipped)} Qwen-VL placeholder tag(s); --include-placeholders audits them too"
         )
     if report.non_finite:
-        console.print(
+        _show(
             "[bold red]broken:[/bold red] rows holding NaN or inf make the model's outputs NaN wherever "
-            "they are read; restore them from a sound copy of the checkpoint",
-            soft_wrap=True,
+            "they are read; restore them from a sound copy of the checkpoint"
         )
     console.print(f"verdict: {_v(report.verdict)}")
     if report.suggested_mapping:
         maps = " ".join(f"--map '{a}={b}'" for a, b in report.suggested_mapping.items())
-        console.print(
-            f"rewrite data, template and reward with: [bold]vlfast tokens rewrite {escape(maps)} ...[/bold]",
-            soft_wrap=True,
+        _show(
+            f"rewrite data, template and reward with: [bold]vlfast tokens rewrite {escape(maps)} ...[/bold]"
         )
-        console.print(
-            f"or initialise the rows: [bold]vlfast tokens fix --model {escape(report.model_dir)} OUT[/bold]",
-            soft_wrap=True,
+        _show(
+            f"or initialise the rows: [bold]vlfast tokens fix --model {escape(report.model_dir)} OUT[/bold]"
         )
 
 
@@ -178,11 +176,10 @@ def _render_generation(gen) -> None:
         )
     print_table(table)
     th = gen.thresholds
-    console.print(
+    _show(
         f"P = the model's probability of producing the token where a repetition prompt expects it; by the "
         f"largest (Magikarp): < {th['strong']:g} verified-strong, < {th['weak']:g} verified-weak (the row is "
-        f"untrained), otherwise rejected (the model reproduces it)",
-        soft_wrap=True,
+        f"untrained), otherwise rejected (the model reproduces it)"
     )
 
 
@@ -198,32 +195,23 @@ def audit(
     template: TemplateOpt = None,
     reward_regex: RegexOpt = None,
     reference_ids: ReferenceOpt = None,
-    embedding_name: Annotated[
-        str | None, typer.Option(help="Input-embedding tensor name if not found.")
-    ] = None,
-    lm_head_name: Annotated[
-        str | None, typer.Option(help="Output-projection tensor name if not found.")
-    ] = None,
-    alternatives: Annotated[bool, typer.Option(help="Propose trained replacements for failing tags.")] = True,
-    strict: Annotated[bool, typer.Option(help="Exit 1 on suspect tags too.")] = False,
+    embedding_name: option(str | None, help="Input-embedding tensor name if not found.") = None,
+    lm_head_name: option(str | None, help="Output-projection tensor name if not found.") = None,
+    alternatives: option(bool, help="Propose trained replacements for failing tags.") = True,
+    strict: option(bool, help="Exit 1 on suspect tags too.") = False,
     include_placeholders: PlaceholdersOpt = False,
-    verify_generation: Annotated[
+    verify_generation: option(
         bool,
-        typer.Option(
-            help="Also load the model and ask it to repeat each token of the tags (Magikarp's second stage): "
-            "max P < 0.001 verified-strong, < 0.1 verified-weak, else rejected."
-        ),
-    ] = False,
-    device: Annotated[
+        help="Also load the model and ask it to repeat each token of the tags (Magikarp's second stage): "
+        "max P < 0.001 verified-strong, < 0.1 verified-weak, else rejected.",
+    ) = False,
+    device: option(
+        str | None, help="--verify-generation: cpu, cuda, cuda:1, mps. Default: the best available."
+    ) = None,
+    dtype: option(
         str | None,
-        typer.Option(help="--verify-generation: cpu, cuda, cuda:1, mps. Default: the best available."),
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="--verify-generation: float32, bfloat16 or float16. Default: bfloat16 on CUDA, else float32."
-        ),
-    ] = None,
+        help="--verify-generation: float32, bfloat16 or float16. Default: bfloat16 on CUDA, else float32.",
+    ) = None,
     json_: JsonOpt = False,
 ) -> None:
     """Check that the tags a format needs have trained embedding rows (reads weights memory-mapped)."""
@@ -240,22 +228,19 @@ def audit(
 
 @handle_errors
 def rewrite(
-    mapping: Annotated[
-        list[str],
-        typer.Option("--map", help="think=thinking (both halves) or '<think>=<thinking>'; repeatable."),
-    ],
-    dataset: Annotated[str | None, typer.Option(help="A .jsonl or .parquet dataset.")] = None,
-    field: Annotated[str | None, typer.Option(help="The dataset field/column holding the text.")] = None,
-    out: Annotated[str | None, typer.Option("--out", help="Where to write the rewritten dataset.")] = None,
-    template: Annotated[str | None, typer.Option(help="A chat template file to rewrite.")] = None,
-    template_out: Annotated[str | None, typer.Option(help="Where to write the rewritten template.")] = None,
-    reward_regex: Annotated[
+    mapping: option(
+        list[str], "--map", help="think=thinking (both halves) or '<think>=<thinking>'; repeatable."
+    ),
+    dataset: option(str | None, help="A .jsonl or .parquet dataset.") = None,
+    field: option(str | None, help="The dataset field/column holding the text.") = None,
+    out: option(str | None, "--out", help="Where to write the rewritten dataset.") = None,
+    template: option(str | None, help="A chat template file to rewrite.") = None,
+    template_out: option(str | None, help="Where to write the rewritten template.") = None,
+    reward_regex: option(
         str | None,
-        typer.Option(
-            "--reward-regex",
-            help="The format reward's regex, rewritten with the mapping (escaped forms included) and printed.",
-        ),
-    ] = None,
+        "--reward-regex",
+        help="The format reward's regex, rewritten with the mapping (escaped forms included) and printed.",
+    ) = None,
     json_: JsonOpt = False,
 ) -> None:
     """Apply one tag mapping to a dataset field, a chat template and a reward regex."""
@@ -286,12 +271,7 @@ def rewrite(
         # escape: a regex's [a-z] is Rich markup and would vanish
         table.add_row(escape(report.reward_regex), escape(report.reward_regex_out), escape(replaced), "-")
     print_table(table)
-    console.print(
-        "mapping: " + ", ".join(f"{a} -> {b}" for a, b in report.mapping.items()),
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
-    )
+    say("mapping: " + ", ".join(f"{a} -> {b}" for a, b in report.mapping.items()))
     if any(fr is not None and fr.already_present for fr in (report.dataset, report.template)):
         console.print(
             "[yellow]warning:[/yellow] some target tags were already in the input; after the rewrite they "
@@ -305,9 +285,9 @@ def fix(
         str, typer.Argument(help="New folder for the fixed checkpoint (the original is untouched).")
     ],
     model: LocalModelOpt,
-    init: Annotated[
-        str, typer.Option(help="pieces: mean of the tag's plain-text pieces; mean: the mean trained row.")
-    ] = "pieces",
+    init: option(
+        str, help="pieces: mean of the tag's plain-text pieces; mean: the mean trained row."
+    ) = "pieces",
     tags: TagsOpt = None,
     template: TemplateOpt = None,
     reward_regex: RegexOpt = None,
@@ -338,11 +318,10 @@ def fix(
         if not report.rows:
             console.print("[green]no untrained tag rows: the checkpoint was copied unchanged[/green]")
         for note in report.notes:
-            console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
-        console.print(
+            _show(f"[yellow]note:[/yellow] {escape(note)}")
+        _show(
             f"rewritten: {escape(', '.join(report.files_rewritten) or '-')}; "
-            f"copied {len(report.files_copied)} files",
-            soft_wrap=True,
+            f"copied {len(report.files_copied)} files"
         )
         if report.after is not None:
             console.print(f"audit of the new checkpoint: {_v(report.after.verdict)}")
@@ -386,9 +365,9 @@ def _render_pipeline(report) -> None:
         style = _CHECK_STYLE[c.status]
         console.print(f"[bold]{c.name}[/bold]: [{style}]{c.status}[/{style}]")
         for line in c.lines() + ([f"fix: {c.fix}"] if c.fix and c.status == "fail" else []):
-            console.print("  " + line, markup=False, highlight=False, soft_wrap=True)
+            say("  " + line)
     for note in report.notes:
-        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+        say(f"note: {note}")
     verdict = "pass" if report.ok else "fail"
     console.print(
         f"verdict: [{_CHECK_STYLE[verdict]}]{verdict}[/{_CHECK_STYLE[verdict]}]"
@@ -398,28 +377,23 @@ def _render_pipeline(report) -> None:
 
 @handle_errors
 def check_pipeline(
-    model: Annotated[
-        str,
-        typer.Option("--model", "-m", help="A local model or tokenizer folder (only the tokenizer is read)."),
-    ],
-    template: Annotated[
+    model: option(
+        str, "--model", "-m", help="A local model or tokenizer folder (only the tokenizer is read)."
+    ),
+    template: option(
         str | None,
-        typer.Option(
-            "--template",
-            help="The chat template the trainer renders (.jinja or tokenizer_config.json). "
-            "Default: the model folder's own.",
-        ),
-    ] = None,
-    reward_regex: Annotated[
+        "--template",
+        help="The chat template the trainer renders (.jinja or tokenizer_config.json). "
+        "Default: the model folder's own.",
+    ) = None,
+    reward_regex: option(
         str | None,
-        typer.Option(
-            "--reward-regex", help="The format reward's regex (DOTALL). Default: '^<think>.*?</think>.*$'."
-        ),
-    ] = None,
-    sample: Annotated[
-        str | None,
-        typer.Option("--sample", help="A text file holding one completion with the tags. Default: built in."),
-    ] = None,
+        "--reward-regex",
+        help="The format reward's regex (DOTALL). Default: '^<think>.*?</think>.*$'.",
+    ) = None,
+    sample: option(
+        str | None, "--sample", help="A text file holding one completion with the tags. Default: built in."
+    ) = None,
     tags: TagsOpt = None,
     json_: JsonOpt = False,
 ) -> None:

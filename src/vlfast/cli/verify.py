@@ -23,6 +23,7 @@ from vlfast.cli._common import (
     print_table,
     refuse_early,
     refuse_unfit_weights,
+    say,
 )
 from vlfast.limits import check
 
@@ -48,11 +49,8 @@ def _peak_rss() -> str:
 
 
 class _Progress:
-    """Each verify step on stderr as it starts and as it ends, so a minutes-long run is seen working.
-
-    In a terminal a spinner names the running step and a line is printed as each ends; elsewhere (a CI
-    log, ``2> file``) one plain line at each start and end. Never on stdout, which ``--json`` keeps clean.
-    """
+    """Each verify step on stderr (never stdout, which ``--json`` keeps clean) as it starts and ends: in a
+    terminal a spinner names the running step; elsewhere (a CI log) one plain line at each start and end."""
 
     def __init__(self, out: Console, model: str = "", guess: float | None = None) -> None:
         self.out = out
@@ -70,14 +68,12 @@ class _Progress:
         from vlfast.cli._process import since_start, since_start_words
 
         so_far = since_start()
-        self.out.print(
+        say(
             f"vlfast verify {self.model}: expected ~{_duration(so_far + guess)} in all here: {so_far:.1f} s "
             f"{since_start_words()} to load torch, transformers and the model, then ~{_duration(guess)} of "
             "checks (a rough estimate from the tower's size and a GEMM rate measured now; a busy machine "
             "takes longer)",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
+            self.out,
         )
 
     def _step(self, step: Step) -> None:
@@ -89,7 +85,7 @@ class _Progress:
                     self.status.start()
                 self.status.update(escape(f"{where}{step.label}"))
             else:
-                self.out.print(f"{where}{step.label} ...", markup=False, highlight=False, soft_wrap=True)
+                say(f"{where}{step.label} ...", self.out)
             return
         verdict = ("ok" if step.passed else "FAIL") if step.checks else "done"
         head, tail = f"{where}{step.label}: ", f", {step.seconds:.1f} s{_peak_rss()}"
@@ -98,7 +94,7 @@ class _Progress:
             line = f"{escape(head)}[{color}]{verdict}[/{color}]{escape(tail)}"
             self.out.print(line, highlight=False, soft_wrap=True)
         else:
-            self.out.print(head + verdict + tail, markup=False, highlight=False, soft_wrap=True)
+            say(head + verdict + tail, self.out)
 
     def close(self) -> None:
         if self.status is not None:
@@ -201,10 +197,7 @@ def _render(report) -> None:
         console.print(f"[yellow]note:[/yellow] {escape(note)}")
     verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
     if report.fused and not report.checks:
-        console.print(
-            f"{verdict}: transformers already runs the patch embedding as a GEMM; nothing to verify"
-        )
+        said = "transformers already runs the patch embedding as a GEMM; nothing to verify"
     else:
-        console.print(
-            f"{verdict}: {len(report.checks) - len(report.failures)}/{len(report.checks)} checks passed"
-        )
+        said = f"{len(report.checks) - len(report.failures)}/{len(report.checks)} checks passed"
+    console.print(f"{verdict}: {said}")

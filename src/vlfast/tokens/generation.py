@@ -102,6 +102,7 @@ def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
+    from transformers.utils import logging as hf_logging
 
     from vlfast.tokens.weights import check_weight_files
 
@@ -123,8 +124,6 @@ def load_model(model_dir: str | Path, device: str, dtype: torch.dtype):
             f"--verify-generation needs a model that generates text; transformers has no causal-LM class "
             f"for model_type {config.model_type!r} in {model_dir}"
         )
-    from transformers.utils import logging as hf_logging
-
     bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # a loading bar per call would bury the report in a CI log
     hf_logging.set_verbosity_error()  # missing weights are reported below, as an error

@@ -21,7 +21,6 @@ from vlfast.tokens.tags import (
 from vlfast.tokens.vocab import VOCAB_FILES
 
 CHECKS = ("template-position", "prefilled-tag", "stripped-on-decode", "round-trip")
-STATUSES = ("pass", "fail", "skip")
 
 # Template variables that switch reasoning on: Qwen3/GLM-4.5/SmolLM3 `enable_thinking`, DeepSeek-V3.1 and
 # Granite `thinking`. Set to True only when the template reads them.
@@ -50,9 +49,6 @@ def _pair(tags: list[str]) -> tuple[str, str]:
         if _OPENING.fullmatch(t) and "</" + t[1:] in tags:
             return t, "</" + t[1:]
     return DEFAULT_TAGS[0], DEFAULT_TAGS[1]
-
-
-# ---------------------------------------------------------------------------------------------- report
 
 
 @dataclass
@@ -244,9 +240,6 @@ class PipelineReport:
         return {**data, "ok": self.ok, "failed": self.failed}
 
 
-# ---------------------------------------------------------------------------------------------- inputs
-
-
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The transformers tokenizer of a local folder (no download), the object trainers decode with."""
     folder = Path(model_dir)
@@ -359,9 +352,6 @@ def _read_sample(sample: str | Path | None, tags: list[str]) -> tuple[str, str]:
     if not text.strip():
         raise InputRefused(f"sample {path} is empty; pass a text file holding one completion with the tags")
     return text, str(path)
-
-
-# ---------------------------------------------------------------------------------------------- checks
 
 
 def _pieces(tok: Any, ids: list[int]) -> list[str]:
@@ -545,9 +535,6 @@ def check_round_trip(tok: Any, prompt: str, completion: str) -> Check:
         "generation prompt with a newline rather than a space; save added tags with lstrip/rstrip False"
     )
     return Check("round-trip", "fail", "; ".join(problems), ev, fix)
-
-
-# ---------------------------------------------------------------------------------------------- entry
 
 
 def check_pipeline(

@@ -168,10 +168,6 @@ class RewriteReport:
     reward_regex_out: str | None = None
     reward_replacements: dict[str, int] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if not self.mapping:
-            raise ValueError("RewriteReport.mapping is empty")
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -239,20 +235,6 @@ def _jsonl_records(path: Path) -> Iterator[tuple[bytes, str | None, Any]]:
             yield raw, line, rec
 
 
-def _read_parquet(path: Path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
-            raise
-        raise InputRefused(
-            f"{path} is not a readable Parquet file ({e}); pass a .parquet table or a .jsonl file"
-        ) from None
-
-
 def _check_output(flag: str, path: str | Path) -> None:
     if Path(path).is_dir():
         raise IsADirectoryError(f"{flag} {path} is a folder; name the file to write")
@@ -293,7 +275,14 @@ def rewrite_dataset(
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = _read_parquet(path)
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:
+            if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
+                raise
+            raise InputRefused(
+                f"{path} is not a readable Parquet file ({e}); pass a .parquet table or a .jsonl file"
+            ) from None
         if field_name not in table.column_names:
             raise InputRefused(
                 f"{path} has no column {field_name!r}; columns: {', '.join(table.column_names)}"

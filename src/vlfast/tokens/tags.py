@@ -62,12 +62,7 @@ PLACEHOLDERS: dict[str, str] = {
     "<|vision_pad|>": "vision padding placeholder, never predicted",
     "<|vision_start|>": _VISION_MARK.format("start"),
     "<|vision_end|>": _VISION_MARK.format("end"),
-    "<|box_start|>": _GROUNDING,
-    "<|box_end|>": _GROUNDING,
-    "<|quad_start|>": _GROUNDING,
-    "<|quad_end|>": _GROUNDING,
-    "<|object_ref_start|>": _GROUNDING,
-    "<|object_ref_end|>": _GROUNDING,
+    **{f"<|{name}_{end}|>": _GROUNDING for name in ("box", "quad", "object_ref") for end in ("start", "end")},
 }
 
 

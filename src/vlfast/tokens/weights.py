@@ -51,12 +51,6 @@ class CheckpointWeights:
     config: dict = field(default_factory=dict)
     _headers: dict[Path, tuple[dict, int]] = field(default_factory=dict, repr=False)
 
-    def __post_init__(self) -> None:
-        if self.embedding_name not in self.tensor_files:
-            raise InputRefused(f"tensor {self.embedding_name!r} is not in {self.model_dir}")
-        if self.lm_head_name is not None and self.lm_head_name not in self.tensor_files:
-            raise InputRefused(f"tensor {self.lm_head_name!r} is not in {self.model_dir}")
-
     @classmethod
     def open(
         cls, model_dir: str | Path, embedding_name: str | None = None, lm_head_name: str | None = None
@@ -71,15 +65,8 @@ class CheckpointWeights:
                 config = json.loads((model_dir / "config.json").read_text())
             except json.JSONDecodeError as e:
                 raise InputRefused(f"{model_dir / 'config.json'} is not valid JSON ({e})") from None
-        headers: dict[Path, tuple[dict, int]] = {}
-
-        def shape(name: str) -> tuple[int, ...]:
-            path = tensor_files[name]
-            if path not in headers:
-                headers[path] = read_header(path)
-            return tuple(headers[path][0][name]["shape"])
-
-        names = list(tensor_files)
+        w = cls(model_dir, tensor_files, "", None, False, config)  # names picked below, by w.shape
+        shape, names = w.shape, list(tensor_files)
         if embedding_name is None:
             found = sorted(
                 (n for n in names if _matches(n, INPUT_NAMES) and len(shape(n)) == 2), key=_preference
@@ -101,10 +88,10 @@ class CheckpointWeights:
             lm_head_name = found[0] if found else None
         elif lm_head_name not in tensor_files or len(shape(lm_head_name)) != 2:
             raise InputRefused(f"--lm-head-name {lm_head_name!r} is not a 2-D tensor in {model_dir}")
-        tied_cfg = _tied_from_config(config)
+        w.embedding_name, w.lm_head_name = embedding_name, lm_head_name
         # No stored lm_head: tied. A copy stored under a tying config is ignored on load; fix keeps it too.
-        tied = lm_head_name is None or bool(tied_cfg)
-        return cls(model_dir, tensor_files, embedding_name, lm_head_name, tied, config, headers)
+        w.tied = lm_head_name is None or bool(_tied_from_config(config))
+        return w
 
     def _header(self, path: Path) -> tuple[dict, int]:
         if path not in self._headers:
@@ -116,13 +103,6 @@ class CheckpointWeights:
 
     def dtype(self, name: str) -> str:
         return self._header(self.tensor_files[name])[0][name]["dtype"]
-
-    @property
-    def output_name(self) -> str:
-        """The matrix the lm_head indicator reads: the stored lm_head, or the embedding when tied."""
-        if self.tied or self.lm_head_name is None:
-            return self.embedding_name
-        return self.lm_head_name
 
     def matrix(self, name: str) -> torch.Tensor:
         """The tensor in its stored dtype, a read-only memory map: slicing reads only those rows, uncopied."""
