@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import itertools
 import json
 import numbers
 import re
@@ -189,13 +190,9 @@ def _jsonl_rows(
     path: Path, name: str, base: Path | str | None = None
 ) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
     """Each line as a dict or its problem, or a plain sample's fields (:func:`_plain_batch`)."""
-    block: list[tuple[str, dict[str, Any] | InputProblem]] = []
-    for item in _jsonl_lines(path, name):
-        block.append(item)
-        if len(block) == _JSONL_BLOCK:
-            yield from _jsonl_block(block, base)
-            block = []
-    yield from _jsonl_block(block, base)
+    lines = _jsonl_lines(path, name)
+    while block := list(itertools.islice(lines, _JSONL_BLOCK)):
+        yield from _jsonl_block(block, base)
 
 
 def _jsonl_block(
@@ -205,11 +202,7 @@ def _jsonl_block(
     if base is not None and block and all(isinstance(row, dict) for _, row in block):
         batch = _batch_of([row for _, row in block])  # type: ignore[misc]
         plain = None if batch is None else _plain_batch(batch, base)
-    if plain is None:
-        yield from block
-    else:
-        for (where, _), fields in zip(block, plain):
-            yield where, fields
+    yield from block if plain is None else zip((where for where, _ in block), plain)
 
 
 def _batch_of(rows: list[dict[str, Any]]) -> Any:
