@@ -1,9 +1,7 @@
 """``vlfast.doctor``: is the patch embedding on a slow path on this machine, why, and what fixes it.
 
-Data first: scan the convs, collect the facts (each failing soft), time each geometry against its GEMM
-(the measurement decides), explain with the rules; the :class:`DoctorReport` renders as JSON (schema in
-docs/doctor.md) or markdown. A *slow path* (a fallback kernel, exit 1) is told from an ordinary *gain*
-(exit 4 unless ``fail_on="slow-path"``).
+Scan the convs, collect the facts, time each geometry against its GEMM (the measurement decides), explain
+with the rules. A *slow path* (a fallback kernel, exit 1) is told from an ordinary *gain* (exit 4).
 """
 
 from __future__ import annotations
@@ -185,8 +183,7 @@ class DoctorReport:
 
     @property
     def exit_code(self) -> int:
-        """1: a slow path, not patched; 4: an ordinary gain, not patched (0 with ``fail_on="slow-path"``);
-        0 otherwise."""
+        """1: an unpatched slow path; 4: an unpatched gain (0 with ``fail_on="slow-path"``); else 0."""
         code = EXIT_CODES.get(self.verdict, 0)
         return 0 if self.fail_on == "slow-path" and self.verdict == "gain" else code
 
@@ -522,11 +519,7 @@ def headline(verdict: Verdict, findings: list[Finding]) -> tuple[str, Finding]:
 
 
 def _summary(
-    verdict: Verdict,
-    findings: list[Finding],
-    savings: dict[str, float],
-    backward: dict[str, float],
-    slow_ratio: float,
+    verdict: Verdict, findings: list[Finding], savings: dict, backward: dict, slow_ratio: float
 ) -> str:
     ratios = [f.probe.ratio for f in findings if f.probe.ratio is not None]
     worst = max(ratios, default=None)
@@ -579,13 +572,11 @@ def doctor(
 ) -> DoctorReport:
     """Diagnose the patch-embedding slow path for ``model`` on this machine (docs/doctor.md).
 
-    ``model`` is an ``nn.Module`` (its convs and patch state are read, its weights never touched), a spec
-    (``ref:NAME`` or a checkpoint directory; only shapes are read) or None for every built-in reference.
-    ``budget_s`` is the whole diagnosis, ``spent_s`` (the CLI's start-up: importing torch and transformers
-    took 6-9 s of a 2-core CPU with a CUDA build) included: the probe gets what the scan and the facts
-    leave, less :data:`AFTER_PROBE_S`, shared between the conv geometries; what does not fit is left out
-    and said so. ``workload="inference"`` times the forward only; ``fail_on="slow-path"`` gives exit 0 for
-    a gain (the launcher guard that passes on a CPU runner).
+    ``model``: an ``nn.Module`` (its weights never touched), a spec (``ref:NAME`` or a checkpoint directory;
+    only shapes are read) or None for every built-in reference. ``budget_s`` is the whole diagnosis, the
+    CLI's start-up ``spent_s`` included; the probe shares what is left between the geometries, and what
+    does not fit is left out and said so. ``workload="inference"`` times the forward only;
+    ``fail_on="slow-path"`` gives exit 0 for a gain.
     """
     _refuse_arguments(patches, budget_s, spent_s, slow_ratio, workload, fail_on)
     t0 = time.perf_counter()
@@ -671,8 +662,8 @@ def _left_out_note(left_out: list[str], budget_s: float, findings: list[Finding]
 
 
 def _probe_all(geometries, dev, dt, budget, before_s, budget_s, probe, backward, slow_ratio) -> dict:
-    """Each geometry's ProbeResult, those most references share first: when the budget runs out, what is
-    left out matters least."""
+    """Each geometry's ProbeResult, those most references share first (what the budget leaves out matters
+    least)."""
     order = sorted(geometries, key=lambda g: -len({_model(n) for n in g.names}))
     results: dict[tuple, ProbeResult] = {}
     for i, g in enumerate(order):

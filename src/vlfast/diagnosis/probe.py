@@ -167,13 +167,8 @@ class Budget:
         # shape that cannot fit is left out before it is calibrated.
         self.rates: dict[str, float] = {}
 
-    @property
-    def spent_ms(self) -> float:
-        return (self.clock() - self.start) * 1e3
-
-    @property
-    def left_ms(self) -> float:
-        return self.seconds * 1e3 - self.spent_ms
+    spent_ms = property(lambda self: (self.clock() - self.start) * 1e3)
+    left_ms = property(lambda self: self.seconds * 1e3 - self.spent_ms)
 
 
 def _now() -> float:
@@ -241,49 +236,22 @@ class ProbeResult:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def backward_windows(self) -> int | None:
-        return self.windows_timed if self.conv_backward is not None else None
-
-    @property
-    def scale(self) -> float:
-        return self.shape.windows / (self.windows_timed or self.shape.windows)
-
-    @property
-    def ratio(self) -> float | None:
-        """conv / GEMM of the medians, as the table prints them (:attr:`round_ratio`: per round)."""
-        return _ratio(self.conv, self.gemm)
+    # conv / GEMM of the medians, as the table prints them; spread: (max - min) / median of per-round ratios.
+    backward_windows = property(lambda self: self.windows_timed if self.conv_backward is not None else None)
+    scale = property(lambda self: self.shape.windows / (self.windows_timed or self.shape.windows))
+    ratio = property(lambda self: _ratio(self.conv, self.gemm))
+    backward_ratio = property(lambda self: _ratio(self.conv_backward, self.gemm_backward))
+    channels_last_ratio = property(lambda self: _ratio(self.conv_channels_last, self.gemm_for_channels_last))
+    spread = property(lambda self: _spread(self.conv, self.gemm))
+    backward_spread = property(lambda self: _spread(self.conv_backward, self.gemm_backward))
+    reliable = property(lambda self: _reliable(self.conv, self.gemm))  # MIN_ROUNDS rounds per side
+    backward_reliable = property(lambda self: _reliable(self.conv_backward, self.gemm_backward))
 
     @property
     def round_ratio(self) -> float | None:
         """The median of the per-round conv / GEMM ratios."""
         ratios = _round_ratios(self.conv, self.gemm)
         return float(statistics.median(ratios)) if ratios else None
-
-    @property
-    def backward_ratio(self) -> float | None:
-        return _ratio(self.conv_backward, self.gemm_backward)
-
-    @property
-    def spread(self) -> float | None:
-        """(max - min) / median of the forward's per-round ratios."""
-        return _spread(self.conv, self.gemm)
-
-    @property
-    def backward_spread(self) -> float | None:
-        return _spread(self.conv_backward, self.gemm_backward)
-
-    @property
-    def channels_last_ratio(self) -> float | None:
-        return _ratio(self.conv_channels_last, self.gemm_for_channels_last)
-
-    @property
-    def reliable(self) -> bool:
-        return _reliable(self.conv, self.gemm)
-
-    @property
-    def backward_reliable(self) -> bool:
-        return _reliable(self.conv_backward, self.gemm_backward)
 
     def per_sample_ms(self, which: str) -> float | None:
         """Median ms of ``conv``, ``gemm``, ``conv_backward`` or ``gemm_backward``, scaled to the sample."""
@@ -573,12 +541,8 @@ def _time_channels_last(result, x, w, b, budget, budget_s, max_repeats) -> None:
 
 
 def _rounds(
-    sides: dict[str, Callable[[], object]],
-    dev: torch.device,
-    budget: Budget,
-    left: Callable[[], float],
-    max_rounds: int,
-) -> dict[str, list[float]]:
+    sides: dict, dev: torch.device, budget: Budget, left: Callable, max_rounds: int
+) -> dict[str, list]:
     """Interleaved rounds, one call of every side each, so a load change hits every side alike. Stops
     after ``max_rounds``, or once ``MIN_ROUNDS`` ran and the next round would overrun this shape's share;
     never starts a round the whole budget cannot pay for (with a little slack until ``MIN_ROUNDS`` ran)."""

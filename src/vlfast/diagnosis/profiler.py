@@ -346,11 +346,8 @@ def _median_dict(dicts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _vlm_inputs(vlm: nn.Module, tower: nn.Module, pixels: torch.Tensor, grid: torch.Tensor, clips):
-    """Candidate keyword sets for a full VLM forward on synthetic clips, most specific first.
-
-    Video placeholder tokens are laid out one ``<vision_start> ... <vision_end>`` group per temporal
-    patch (Qwen3-VL's timestamped layout), else one group per clip (Qwen2/2.5-VL).
-    """
+    """Candidate keyword sets for a full VLM forward on synthetic clips: video tokens in one vision
+    start/end group per temporal patch (Qwen3-VL's timestamped layout), else per clip (Qwen2/2.5-VL)."""
     config = vlm.config
     merge = int(getattr(tower.config, "spatial_merge_size", 2))
     start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
@@ -386,10 +383,8 @@ def _set_patched(scope: nn.Module, patched: bool) -> None:
 def _profile_config(
     tower, scope, vlm, batch, frames, deadline, say, *, size, device, dtype, warmup, repeats, seed
 ):
-    """(before, after) for one configuration, timed in alternating rounds (patching is an attribute swap,
-    so a load change or a late warm-up hits both alike). With a ``deadline`` (``time.perf_counter()``
-    seconds) the rounds are cut to what fits, measured by the round before: at least one timed round;
-    the forwards without hooks only as far as time is left."""
+    """(before, after) for one configuration in alternating rounds, cut to what fits before ``deadline``
+    (``time.perf_counter()`` seconds; at least one timed round)."""
     from vlfast.models import synthetic_inputs, tower_spec
 
     clip = _grid(tower_spec(tower), frames, size)
@@ -563,20 +558,17 @@ def profile(
 ) -> ProfileReport:
     """Per-component time of a vision tower forward, before and after :func:`vlfast.patch`.
 
-    ``model``: ``ref:NAME`` (default ``ref:qwen3-vl-4b``), a checkpoint directory (then the whole VLM
-    forward is timed too, unless ``vlm=False``) or an ``nn.Module`` (a tower or a VLM holding one). Every
-    (batch size, frames) combination is profiled, a sample being one clip (defaults: DEFAULT_FRAMES,
-    DEFAULT_SIZE). ``budget_s`` (building the model not counted) is shared between the configurations,
-    each cutting its rounds to what fits; None: ``warmup`` + ``repeats`` rounds, however long.
-    ``progress`` gets a line as each round ends, ``on_pair`` each configuration's (before, after) as soon
-    as it is measured. The model's patch state is restored afterwards.
+    ``model``: ``ref:NAME`` (default ``ref:qwen3-vl-4b``), a checkpoint directory (the whole VLM forward
+    is timed too, unless ``vlm=False``) or an ``nn.Module`` (a tower or a VLM holding one). Every (batch
+    size, frames) combination is profiled. ``budget_s`` (building the model not counted) is shared between
+    them; None: ``warmup`` + ``repeats`` rounds, however long. ``progress`` gets a line per round,
+    ``on_pair`` each (before, after) as measured. The model's patch state is restored afterwards.
     """
     _refuse_arguments(budget_s, warmup, repeats, frames, batch_sizes)
     param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
-    if device is None and param is not None:
-        device = param.device  # a module given as is runs where it lives, in its own dtype
-    if dtype is None and param is not None:
-        dtype = param.dtype
+    if param is not None:  # a module given as is runs where it lives, in its own dtype
+        device = param.device if device is None else device
+        dtype = param.dtype if dtype is None else dtype
     # On CPU: bf16 only where the CPU computes it natively, or a warning that it is emulated.
     dev, dt_name, choice = device_and_dtype(device, dtype, cpu_facts)
     dt = getattr(torch, dt_name)

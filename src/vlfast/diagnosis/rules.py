@@ -30,9 +30,7 @@ class ConvGeometry:
         if not self.kernel_size or any(int(k) < 1 for k in self.kernel_size):
             raise InputRefused(f"kernel_size must be positive ints, got {self.kernel_size!r}")
 
-    @property
-    def ndim(self) -> int:  # spatial dims: 3 for Conv3d, whose weight is 5-D
-        return len(self.kernel_size)
+    ndim = property(lambda self: len(self.kernel_size))  # spatial dims: 3 for Conv3d, whose weight is 5-D
 
 
 Phase = Literal["forward", "backward"]
@@ -360,19 +358,8 @@ def rule_fires(rule_id: str, facts: Facts, conv: ConvGeometry) -> bool:
 def evaluate(facts: Facts, convs: Sequence[ConvGeometry]) -> list[RuleHit]:
     """Every rule that fires for at least one of ``convs``, in the order of :data:`RULES`."""
     hits: list[RuleHit] = []
-    for rule in RULES:
-        names = [c.name for c in convs if rule.applies(facts, c)]
-        if names:
-            hits.append(
-                RuleHit(
-                    rule.id,
-                    rule.title,
-                    rule.source,
-                    rule.explanation,
-                    rule.fix_for(facts),
-                    names,
-                    rule.pathological,
-                    rule.phases,
-                )
-            )
+    for r in RULES:
+        if names := [c.name for c in convs if r.applies(facts, c)]:
+            fix = r.fix_for(facts)
+            hits.append(RuleHit(r.id, r.title, r.source, r.explanation, fix, names, r.pathological, r.phases))
     return hits

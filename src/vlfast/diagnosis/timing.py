@@ -47,17 +47,9 @@ class Timing:
         if not self.times_ms:
             raise ValueError("Timing needs at least one time")
 
-    @property
-    def n(self) -> int:
-        return len(self.times_ms)
-
-    @property
-    def median_ms(self) -> float:
-        return float(statistics.median(self.times_ms))
-
-    @property
-    def min_ms(self) -> float:
-        return float(min(self.times_ms))
+    n = property(lambda self: len(self.times_ms))
+    median_ms = property(lambda self: float(statistics.median(self.times_ms)))
+    min_ms = property(lambda self: float(min(self.times_ms)))
 
     def to_dict(self) -> dict[str, Any]:
         return {

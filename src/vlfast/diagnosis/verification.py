@@ -79,13 +79,8 @@ class Step:
     seconds: float | None = None
     checks: tuple[Check, ...] = ()
 
-    @property
-    def done(self) -> bool:
-        return self.seconds is not None
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+    done = property(lambda self: self.seconds is not None)
+    passed = property(lambda self: all(c.passed for c in self.checks))
 
 
 @dataclass
@@ -106,9 +101,7 @@ class VerifyReport:
             return bool(self.fused)  # fused by transformers: nothing to prove, and nothing wrong
         return all(c.passed for c in self.checks)
 
-    @property
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if not c.passed]
+    failures = property(lambda self: [c for c in self.checks if not c.passed])
 
     def accuracy(self) -> list[str]:
         """One sentence per accuracy check: which path is closer to float64, forward and weight gradient."""
