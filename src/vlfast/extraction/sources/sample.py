@@ -138,14 +138,8 @@ SUPPORTED = (
 
 def is_posix_form(path: str) -> bool:
     """Whether ``PurePosixPath(path)`` keeps ``path`` as it is: no empty or ``.`` component to fold away."""
-    return (
-        bool(path)
-        and path != "."
-        and "//" not in path
-        and "/./" not in path
-        and not path.startswith("./")
-        and not path.endswith(("/", "/."))
-    )
+    folds = "//" in path or "/./" in path or path.startswith("./") or path.endswith(("/", "/."))
+    return bool(path) and path != "." and not folds
 
 
 def posix_form(path: str) -> str:

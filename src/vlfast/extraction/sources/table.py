@@ -274,11 +274,9 @@ class SampleTable(Sequence[Sample]):
         if len(idx) == len(self) and (len(idx) == 0 or (idx[0] == 0 and bool((np.diff(idx) == 1).all()))):
             return self  # all of it, in order (a first run's work): the same columns, not a copy
         arrow_idx = pa.array(idx, pa.int64())
-        frames = (
-            {j: self._frames[int(k)] for j, k in enumerate(idx) if int(k) in self._frames}
-            if self._frames
-            else {}
-        )
+        frames: dict[int, tuple[str, ...]] = {}
+        if self._frames:
+            frames = {j: self._frames[int(k)] for j, k in enumerate(idx) if int(k) in self._frames}
         return SampleTable(
             self._ids.take(arrow_idx),
             self._kinds[idx],

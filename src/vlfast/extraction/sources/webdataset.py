@@ -238,7 +238,7 @@ class TarMember:
         return objstore.transient_error(str(self), e) if self.at_url and objstore.is_transient(e) else None
 
 
-def _cut(size: int, members: list[ListedMember], read_at) -> str | None:
+def _cut(size: int, members: list[ListedMember], f: BinaryIO) -> str | None:
     """How the shard is cut short or broken, in words, or None when its end-of-archive marker is there."""
     if not members:
         return None
@@ -249,7 +249,8 @@ def _cut(size: int, members: list[ListedMember], read_at) -> str | None:
             f"it ends at byte {size:,}, {max(got, 0):,} of the {last.size:,} bytes into member {last.name!r}"
         )
     end = last.offset_data + -(-last.size // _BLOCK) * _BLOCK
-    tail = read_at(end, 2 * _BLOCK)
+    f.seek(end)
+    tail = f.read(2 * _BLOCK)
     if not tail:
         return (
             f"it ends at byte {size:,} right after member {last.name!r}, without the end-of-archive "
@@ -260,12 +261,6 @@ def _cut(size: int, members: list[ListedMember], read_at) -> str | None:
     if end + _BLOCK > size:
         return f"it ends at byte {size:,}, inside the header of the member after {last.name!r}"
     return f"the member header at byte {end:,}, after member {last.name!r}, is not valid tar (corrupt data)"
-
-
-def _is_prompt(m: tarfile.TarInfo | ListedMember) -> bool:
-    """Whether a member may be a key's prompt (``KEY.json``, ``KEY.txt``)."""
-    match = _KEY.match(m.name) if m.isreg() else None
-    return match is not None and match.group(2).lower() in _PROMPT_EXTS
 
 
 def _scan(f: BinaryIO, size: int, where: str) -> Listing:
@@ -301,16 +296,12 @@ def _scan(f: BinaryIO, size: int, where: str) -> Listing:
         if m is None:  # a zero block, the end of the file, or a header tarfile rejects
             break
         members.append(ListedMember.of(m))
-        if _is_prompt(m):  # tarfile seeks to the next header itself
+        key = _KEY.match(m.name) if m.isreg() else None
+        if key is not None and key.group(2).lower() in _PROMPT_EXTS:  # a prompt (tarfile seeks on itself)
             f.seek(m.offset_data)
             texts[m.offset_data] = f.read(m.size)
     tf.members = []  # its own copy: a shard of 100k members need not be held twice
-
-    def read_at(offset: int, n: int) -> bytes:
-        f.seek(offset)
-        return f.read(n)
-
-    return members, _cut(size, members, read_at), texts
+    return members, _cut(size, members, f), texts
 
 
 def _groups(members: list[ListedMember]) -> Iterator[tuple[str, list[tuple[str, ListedMember]]]]:
