@@ -1,8 +1,7 @@
 """The extraction folder's format: names, schema, run file, index parts and error records, and how to read them.
 
-The writer (writer.py), the reader (reader.py) and the checks (integrity.py) go through these functions, so
-what a folder holds is decided in one place. The format itself (layout, index schema, what each checksum
-covers) is specified once, in docs/format.md ("On-disk layout", "Checksums: what covers what").
+Writer, reader and checks all go through these functions; the format itself is specified in docs/format.md
+("On-disk layout", "Checksums: what covers what").
 """
 
 from __future__ import annotations
@@ -56,12 +55,10 @@ META_SHARD_HEADER = b"vlfast.shard_header_xxh3"  # xxh3-64 of the shard's 8-byte
 META_SHARDS = b"vlfast.shards"  # canonical JSON {"shards/NAME": [size, header xxh3]}
 META_SUPERSEDES = b"vlfast.supersedes"  # canonical JSON list of part names, sorted
 # Every id of the part is owned (ids.owner_rank) by the rank its name carries when the job has this many
-# ranks: a rank of a job of that size needs nothing from another rank's part so marked. Absent when some id
-# is not (a FeatureStore user's own split), and on one rank's parts.
+# ranks, so other ranks of such a job need not read it. Absent otherwise (a FeatureStore user's own split).
 META_OWNED_UNDER = b"vlfast.owned_under_world_size"
 
-# The one dtype table: torch's dtype name (as the index stores it) -> safetensors' header code. What a shard
-# can hold; ``add`` refuses anything else, the checks compare headers with it, the reader maps codes back.
+# torch's dtype name (as the index stores it) -> safetensors' header code: what a shard can hold.
 DTYPES: dict[str, str] = {
     "float64": "F64",
     "float32": "F32",
@@ -98,8 +95,8 @@ def torch_dtype(name: str):
 DUPLICATE_KIND = "duplicate"
 INPUT_KIND = "input"  # a manifest row or folder entry that is not a sample; never makes an id done
 ERROR_KIND = "error"  # the sample itself cannot be extracted: its id is done
-# Reading the sample from storage failed in a way that says nothing about the sample (a connection reset,
-# a 5xx or SlowDown, a timeout) after the client's retries: its id is not done, the next run tries again.
+# Reading from storage failed after the client's retries (a reset, a 5xx, a timeout): says nothing about the
+# sample, whose id is not done; the next run tries again.
 TRANSIENT_KIND = "transient"
 FAILURE_KINDS = (ERROR_KIND, TRANSIENT_KIND)  # what a sample's attempt can end as; the latest one counts
 
@@ -117,8 +114,7 @@ class OutputNotWritable(VlfastError, PermissionError):
 
 
 class OldFormat(InputRefused):
-    """OUT was written by an earlier development format of vlfast: refused before anything is written, in
-    one line naming its version and what to do (vlfast reads and writes one format, :data:`FORMAT_VERSION`)."""
+    """OUT was written by an earlier development format of vlfast (vlfast reads one, :data:`FORMAT_VERSION`)."""
 
     def __init__(self, out: Any, version: Any, wrote: Any = None) -> None:
         by = f" {wrote}" if isinstance(wrote, str) else ""
@@ -139,21 +135,15 @@ def check_version(out: Any, version: Any, wrote: Any = None) -> None:
 
 
 class OutputFull(OSError):
-    """OUT's disk is full (or its quota spent), or, for an OUT on object storage, the local temp folder
-    where shards are staged; the message names the folder and its free space. What was committed is intact
-    and the same command resumes once there is room."""
+    """OUT's disk (or, for object storage, the local staging folder) is full; what was committed is intact."""
 
 
 # ------------------------------------------------------------------------------------------ locations
 
 
 def _forget_fsspec_loop_in_child() -> None:
-    """fsspec runs its sync API on an event loop in a thread of its own, which a forked child (a decode
-    worker, a DataLoader worker) does not have. fsspec 2025 and later forget the parent's loop in the
-    child themselves; before, every call there waited forever on a loop no thread runs. Never imports
-    fsspec: a run that has not used it has nothing to forget."""
-    import sys
-
+    """fsspec before 2025 kept the parent's event loop in a forked child, where no thread runs it: every call
+    there waited forever. Never imports fsspec: a run that has not used it has nothing to forget."""
     asyn = sys.modules.get("fsspec.asyn")
     if asyn is not None:
         asyn.reset_lock()  # the loop, its thread and its lock: created anew on the child's first call
@@ -164,9 +154,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def is_local(out: Any) -> bool:
-    """Whether ``out`` is a local folder rather than a folder on object storage, decided by its filesystem:
-    a path object with an fsspec filesystem (a ``UPath``) is local only if that filesystem is fsspec's
-    local one. Never by class: universal_pathlib 0.2's ``UPath("s3://...")`` is a ``pathlib.Path``."""
+    """Whether ``out`` is local, decided by its filesystem, never by class: universal_pathlib 0.2's
+    ``UPath("s3://...")`` is a ``pathlib.Path``."""
     fs = getattr(out, "fs", None)
     if fs is not None:
         return is_local_fs(fs)
@@ -174,9 +163,8 @@ def is_local(out: Any) -> bool:
 
 
 def resolve_out(out: Any, storage_options: dict[str, Any] | None = None) -> Path:
-    """OUT as a path object: a ``pathlib.Path`` for a local folder (and for ``file://`` URLs, which are
-    local folders: they keep the local fast path, locks and renames), else a ``upath.UPath`` on the URL's
-    fsspec filesystem, opened with ``storage_options``. A path object is returned as it is."""
+    """OUT as a path object: a ``pathlib.Path`` for a local folder (``file://`` URLs included), else a
+    ``upath.UPath`` opened with ``storage_options``. A path object is returned as it is."""
     if isinstance(out, Path) or hasattr(out, "fs"):  # a local path, or already a UPath
         return out
     text = os.fspath(out)
@@ -184,8 +172,8 @@ def resolve_out(out: Any, storage_options: dict[str, Any] | None = None) -> Path
 
 
 def list_names(folder: Path) -> list[str]:
-    """Names of the entries in ``folder`` ([] if it does not exist). On object storage the listing is
-    never served from fsspec's listings cache: another rank may have committed since the last one."""
+    """Names of the entries in ``folder`` ([] if it does not exist), never from fsspec's listings cache:
+    another rank may have committed since."""
     if is_local(folder):
         return [p.name for p in folder.iterdir()] if folder.is_dir() else []
     fs = folder.fs
@@ -217,12 +205,10 @@ def tensor_xxh3(t: Any) -> str:
 def read_header(
     f: Any, size: int, *, strict: bool = True, parse: bool = True
 ) -> tuple[int, bytes, dict | None]:
-    """The one safetensors header reader: (data start, raw header bytes incl. the 8-byte length prefix,
-    parsed header) of a file ``f`` positioned at its start, ``size`` bytes long. ``strict=False`` reads the
-    raw bytes only (parsed header None) and never raises for a damaged length, which is then not trusted
-    for the read's size: for a caller that compares the bytes with a checksum anyway. ``parse=False``
-    checks the length but leaves the JSON unparsed (None): a header of a thousand samples is a millisecond
-    of parsing, ten seconds over the shards of ten million."""
+    """(data start, raw header bytes incl. the 8-byte length prefix, parsed header) of a safetensors file
+    ``f`` at its start, ``size`` bytes long. ``strict=False`` reads the raw bytes only and never raises, not
+    trusting a damaged length for the read's size (for a caller that checksums them). ``parse=False`` leaves
+    the JSON unparsed: ten seconds over the shards of ten million samples."""
     prefix = f.read(8)
     if len(prefix) < 8:
         if not strict:
@@ -242,8 +228,7 @@ def canonical_json(obj: Any) -> str:
 
 
 def installed_versions(dists: Collection[str]) -> dict[str, str | None]:
-    """Python's version and each distribution's in ``dists`` (None: not installed), from package metadata:
-    nothing is imported. run.json's provenance and facts.json's key are made of it."""
+    """Python's version and each distribution's in ``dists`` (None: not installed), from package metadata."""
     import platform
     from importlib import metadata
 
@@ -278,14 +263,11 @@ def config_hash(stable: dict) -> str:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while bookkeeping builds millions of objects (ids, index
-    rows, sets). They hold no reference cycles, yet each collection pass walks them all: on 300,000 ids a
-    resume's check of OUT took 2.5 s with the collector on, 0.55 s paused (benchmarks/extract.py scale).
-    Usable as a decorator; the collector's previous state comes back, nested uses included.
+    """Pause the cyclic GC while bookkeeping builds millions of acyclic objects: on 300,000 ids a resume's
+    check took 2.5 s with it on, 0.55 s paused. Usable as a decorator; nests.
 
-    On leaving the outermost use, Arrow's allocator gives back the memory the bookkeeping freed: mimalloc
-    keeps freed pages for reuse, which left a FeatureCache of 1M samples at 611 MiB above its imports
-    instead of 286 MiB (the index parts read whole, then dropped)."""
+    Leaving the outermost use gives back what Arrow's allocator (mimalloc) keeps freed: a FeatureCache of 1M
+    samples held 611 MiB above its imports instead of 286 MiB."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -297,7 +279,7 @@ def gc_paused() -> Iterator[None]:
 
 
 def release_arrow_memory() -> None:
-    """Give the memory Arrow's allocator holds freed back to the system (mimalloc keeps it for reuse)."""
+    """Give the memory Arrow's allocator holds freed back to the system."""
     arrow = sys.modules.get("pyarrow")
     if arrow is not None:
         arrow.default_memory_pool().release_unused()
@@ -307,15 +289,14 @@ def release_arrow_memory() -> None:
 
 
 def read_run_file(out: Path) -> dict:
-    """run.json, parsed and checked; refused (:func:`check_version`) if another format's vlfast wrote it.
-    One that is not as vlfast writes it (not JSON, a field of another type, a configuration edited
-    since its ``config_hash`` was taken) is :class:`DamagedFile`, and a missing one FileNotFoundError: both
-    say how to get it back from the index parts without losing a sample."""
+    """run.json, parsed and checked (:func:`check_version`). One not as vlfast writes it is
+    :class:`DamagedFile`, a missing one FileNotFoundError; both messages say how to get it back from the index
+    parts without losing a sample."""
     path = out / RUN_FILE
     try:
         if not is_local(path):
             path.fs.invalidate_cache(path.path)  # another rank may have written it since we last looked
-        data = read_whole(path)  # a local read, or one GET through the path's own filesystem
+        data = read_whole(path)
     except FileNotFoundError:
         if _has_parts(out):
             raise FileNotFoundError(
@@ -419,9 +400,8 @@ def part_span(name: str) -> tuple[int, int, int] | None:
 
 
 def read_part_footer(part: Path) -> dict[bytes, bytes] | None:
-    """A consolidated part's key-value metadata from its Parquet footer alone (the end of the file: on object
-    storage two small ranged reads), or None if it cannot be read. Not checked against the part's
-    checksum: whoever reads the part's rows checks that, and a damaged part is then moved aside."""
+    """A part's key-value metadata from its Parquet footer alone (on object storage two small ranged reads),
+    or None if unreadable. Not checked against the part's checksum: whoever reads its rows does."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -437,8 +417,7 @@ def read_part_footer(part: Path) -> dict[bytes, bytes] | None:
 
 
 def consolidated_info(part: Path) -> tuple[dict[str, list], list[str]] | None:
-    """({"shards/NAME": [size, header xxh3]}, names it supersedes) of a consolidated part, from its footer;
-    None if unreadable."""
+    """({"shards/NAME": [size, header xxh3]}, names it supersedes) of a consolidated part; None if unreadable."""
     raw = read_part_footer(part)
     try:
         return _shard_map(json.loads(raw[META_SHARDS])), _names(json.loads(raw[META_SUPERSEDES]))
@@ -446,29 +425,23 @@ def consolidated_info(part: Path) -> tuple[dict[str, list], list[str]] | None:
         return None
 
 
-def live_part_names(index: Path, names: Collection[str]) -> list[str]:
-    """The parts a reader follows, sorted by name (so by rank, then sequence number): every part but those a
-    consolidated part present supersedes. A consolidated part whose footer is unreadable supersedes
-    nothing: the parts it replaced, while they exist, are read instead, and it is reported as damaged."""
-    parts = sorted(n for n in names if is_part_name(n))
+def committed_parts(out: Path) -> list[Path]:
+    """The parts a reader follows, sorted by (rank, seq): every part but those a consolidated part present
+    supersedes. One whose footer is unreadable supersedes nothing: the parts it replaced, while they exist,
+    are read instead, and it is reported as damaged."""
+    index = out / INDEX_DIR
+    parts = sorted(n for n in list_names(index) if is_part_name(n))
     superseded: set[str] = set()
     for name in parts:
         if COMPACT_RE.match(name):
             info = consolidated_info(index / name)
             if info is not None:
                 superseded.update(info[1])
-    return [n for n in parts if n not in superseded]
-
-
-def committed_parts(out: Path) -> list[Path]:
-    """Committed index parts a reader follows, sorted by (rank, seq): see :func:`live_part_names`."""
-    index = out / INDEX_DIR
-    return [index / name for name in live_part_names(index, list_names(index))]
+    return [index / n for n in parts if n not in superseded]
 
 
 def owned_under(raw: dict[bytes, bytes] | None) -> int | None:
-    """The world size under which every id of a part is its rank's (:data:`META_OWNED_UNDER`), from its
-    key-value metadata; None when it has none."""
+    """The world size under which every id of a part is its rank's (:data:`META_OWNED_UNDER`), or None."""
     value = (raw or {}).get(META_OWNED_UNDER)
     try:
         return int(value) if value is not None else None
@@ -477,9 +450,8 @@ def owned_under(raw: dict[bytes, bytes] | None) -> int | None:
 
 
 def others_only(part: Path, rank: int, world_size: int) -> bool:
-    """Whether ``part`` holds only ids that another rank than ``rank`` owns when the job has ``world_size``
-    ranks: another rank's part marked so (its footer alone is read). Such a part tells this rank nothing
-    about its own ids, and it is that rank's to check. A footer that cannot be read says no."""
+    """Whether ``part`` is another rank's, marked as holding only ids its rank owns under ``world_size``:
+    it tells this rank nothing, and is that rank's to check. A footer that cannot be read says no."""
     span = part_span(part.name)
     if span is None or span[0] == rank:
         return False
@@ -487,22 +459,20 @@ def others_only(part: Path, rank: int, world_size: int) -> bool:
 
 
 def _marked(part: Path, world_size: int) -> bool:
-    """Whether ``part``'s footer says every id is its rank's in a job of ``world_size`` ranks. Only a local
-    part's or a consolidated part's footer is read: on object storage a small part's footer costs two
-    requests, about what the part does (a Ray job's actors commit 156,000 of them at ten million samples, and
-    mark none: their ids come as Ray Data streams them)."""
+    """Whether ``part``'s footer marks it as owned under ``world_size``. Read only for a local or a
+    consolidated part: on object storage a small part's footer costs about what the part does (a Ray job
+    commits 156,000 of them at ten million samples, and marks none)."""
     if world_size < 2 or not (is_local(part) or COMPACT_RE.match(part.name)):
         return False
     return owned_under(read_part_footer(part)) == world_size
 
 
 def split_parts(out: Any, parts: Sequence[Path], rank: int, world_size: int) -> tuple[list, list, list]:
-    """``parts`` as (this rank's own, marked as owned under ``world_size``; the parts every rank reads: not
-    so marked, whoever wrote them; other ranks' own). The second list is the same on every rank."""
+    """``parts`` as (this rank's own, marked as owned under ``world_size``; the parts every rank reads, the
+    same list on every rank; other ranks' own)."""
     own: list[Path] = []
     common: list[Path] = []
     others: list[Path] = []
-
     for part, marked in zip(parts, map_parts(out, lambda p: _marked(p, world_size), parts)):
         span = part_span(part.name)
         if not marked or span is None:
@@ -521,10 +491,9 @@ def part_shards(part: Path, meta: dict[str, Any]) -> dict[str, tuple[int | None,
 
 
 def referenced_shards(out: Path, exclude: str | None = None) -> Any:
-    """A test ``(shard name) -> bool``: is the shard pointed at by a part present in index/ (live or not)?
+    """A test ``(shard name) -> bool``: does a part in index/ (live or not, but ``exclude``) point at it?
     Garbage cleaning deletes the others. A consolidated part whose footer cannot be read protects every
-    shard of its rank in its sequence range, so damage to it never gets its shards deleted. ``exclude``: a
-    part name not to count."""
+    shard of its rank in its sequence range."""
     index = out / INDEX_DIR
     names: set[str] = set()
     ranges: list[tuple[int, int, int]] = []
@@ -554,9 +523,8 @@ _READ_AHEAD = 256  # parts read ahead of the consumer at most (a Ray job on S3 c
 
 
 def map_parts(out: Any, fn: Callable[[Any], Any], parts: Sequence[Any]) -> Iterator[Any]:
-    """``fn(part)`` of each part, in order, the first exception (in order) raised: locally one after
-    another as they are consumed; on object storage up to 16 at once (each read waits on a request, not on
-    the CPU), at most :data:`_READ_AHEAD` parts ahead of the consumer, so what is read ahead stays bounded."""
+    """``fn(part)`` of each part, in order: locally one by one as consumed; on object storage up to 16 at
+    once, at most :data:`_READ_AHEAD` ahead of the consumer."""
     if is_local(out) or len(parts) < 2:
         yield from map(fn, parts)
         return
@@ -575,7 +543,7 @@ def read_index_part(part: Path, columns: Sequence[str] | None = None):
 
 def open_index_part(part: Path):
     """One index part as a ``pyarrow.parquet.ParquetFile`` over its bytes, read whole and checked against
-    the hash its name carries; its row groups are read with :func:`read_part_groups`."""
+    the hash its name carries."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -585,8 +553,7 @@ def open_index_part(part: Path):
         raise DamagedFile(f"index part {part} is unreadable ({e}). {_redo_hint(part)}") from None
     _check_named_digest(part, xxh3(data))
     try:
-        # The shard column as a dictionary: about 40 characters repeated on a thousand rows each, 0.4 GB of
-        # strings at 10M samples against 40 MB of codes.
+        # The shard column as a dictionary: 0.4 GB of repeated strings at 10M samples against 40 MB of codes.
         file = pq.ParquetFile(
             pa.BufferReader(data), page_checksum_verification=True, read_dictionary=["shard"]
         )
@@ -603,15 +570,13 @@ def open_index_part(part: Path):
 
 
 def _not_an_index(schema: Any) -> str | None:
-    """What makes ``schema`` (an opened part's, ``shard`` read as a dictionary) not an index part's: a
-    column every reader needs missing or of another type, or vlfast metadata that does not parse. Checked once, where a part is opened, so
-    no reader meets a foreign Parquet file (valid, under a part's name) as a KeyError deep inside."""
+    """What makes ``schema`` (an opened part's) not an index part's, or None: checked where a part is opened,
+    so no reader meets a foreign Parquet file under a part's name as a KeyError deep inside."""
     import pyarrow as pa
 
     def text(t: Any) -> bool:
         return pa.types.is_string(t) or pa.types.is_large_string(t)
 
-    want = index_schema()
     try:
         meta = part_meta(schema)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
@@ -633,25 +598,20 @@ def _not_an_index(schema: Any) -> str | None:
         features.value_type
     ):
         return "its features column is not a list of structs"
+    want = index_schema().field("features").type.value_type
     entry = features.value_type
-    required = [f.name for f in want.field("features").type.value_type]
-    for name in required:
-        k = entry.get_field_index(name)
-        if k < 0 or not entry.field(k).type.equals(want.field("features").type.value_type.field(name).type):
-            return f"its feature entries have no {name!r} of type {want.field('features').type.value_type.field(name).type}"
+    for field in want:
+        k = entry.get_field_index(field.name)
+        if k < 0 or not entry.field(k).type.equals(field.type):
+            return f"its feature entries have no {field.name!r} of type {field.type}"
     return None
 
 
-def _name_digest(part: Path) -> str | None:
-    """The xxh3 an index part's name carries. A consolidated part is named with its checksum too: checked
-    like any part's (a flip in its footer, or in a column a step does not decode, would otherwise pass:
-    Parquet's footer has no checksum)."""
-    m = PART_RE.match(part.name)
-    return m.group(3) if m is not None else (c.group(4) if (c := COMPACT_RE.match(part.name)) else None)
-
-
 def _check_named_digest(part: Path, digest: str) -> None:
-    expected = _name_digest(part)
+    """``digest`` against the xxh3 the part's name carries; a consolidated part's too (Parquet's footer has
+    no checksum of its own)."""
+    m = PART_RE.match(part.name) or COMPACT_RE.match(part.name)
+    expected = m.group(m.re.groups) if m is not None else None
     if expected is not None and digest != expected:
         raise DamagedFile(
             f"index part {part} is damaged: its bytes do not match the checksum in its name. {_redo_hint(part)}"
@@ -659,9 +619,8 @@ def _check_named_digest(part: Path, digest: str) -> None:
 
 
 def check_part_bytes(part: Path) -> None:
-    """Every byte of a committed index part against the checksum in its name, nothing decoded; DamagedFile
-    if they differ. A local part is hashed as it is read (a consolidated part of ten million rows is 129 MB
-    read whole); on object storage it is read in one request, as :func:`open_index_part` reads it."""
+    """Every byte of a committed index part against the checksum in its name, nothing decoded. A local part
+    is hashed as it is read; on object storage it is read in one request, as :func:`open_index_part` does."""
     if not is_local(part):
         open_index_part(part)
         return
@@ -673,7 +632,7 @@ def check_part_bytes(part: Path) -> None:
 
 
 def file_xxh3(path: Path) -> str:
-    """xxh3-64 of a local file's bytes (as :func:`xxh3` of them), read 8 MiB at a time."""
+    """xxh3-64 of a local file's bytes, read 8 MiB at a time."""
     import xxhash
 
     h = xxhash.xxh3_64()
@@ -690,11 +649,8 @@ def read_part_groups(
     import pyarrow as pa
 
     try:
-        # On the calling thread: pq.read_table goes through the dataset API, which starts Arrow's thread
-        # pools; with torch loaded, those threads dying at interpreter exit aborted reader scripts now and
-        # then (SIGABRT, "terminate called without an active exception"). Only the columns asked for are
-        # decoded: a quick check of a consolidated part needs its ids and shards, not a million rows of
-        # per-feature entries.
+        # On the calling thread: pq.read_table starts Arrow's thread pools, whose threads dying at exit with
+        # torch loaded aborted reader scripts now and then (SIGABRT). Only the columns asked for are decoded.
         columns = None if columns is None else list(columns)
         if groups is None:
             return file.read(columns=columns, use_threads=False)
@@ -704,8 +660,8 @@ def read_part_groups(
 
 
 def part_meta(table) -> dict[str, Any]:
-    """The vlfast key-value metadata of an index part (a table of it, or its schema). Raises ValueError or TypeError for metadata that does not parse as vlfast's (a foreign file:
-    :func:`open_index_part` refuses those first)."""
+    """The vlfast key-value metadata of an index part (a table of it, or its schema). Raises ValueError or
+    TypeError for metadata that does not parse (a foreign file: :func:`open_index_part` refuses those first)."""
     raw = getattr(table, "schema", table).metadata or {}
 
     def get(key: bytes) -> str | None:
@@ -752,11 +708,9 @@ REDO_HINT = (
     "their samples again."
 )
 
-# What to do about a file where the format keeps a folder, or a folder where it keeps a file: only a hand edit
-# makes one, and nothing moves it for the user (store.layout.refuse_misplaced).
+# A file where the format keeps a folder, or the reverse: only a hand edit makes one (layout.refuse_misplaced).
 MOVE_HINT = "Nothing in OUT is moved for you: move it out of OUT, then run again."
-# What to do about a file in OUT that is not the format's (a foreign Parquet file under a part's name): never
-# deleted, and the shard its name points at may be another part's.
+# A file in OUT that is not the format's (a foreign Parquet file under a part's name): never deleted.
 FOREIGN_HINT = (
     "Run the same `vlfast extract` again: it moves it aside to OUT/quarantine and extracts again what is "
     "missing (or move it out of OUT yourself)."
@@ -766,6 +720,20 @@ FOREIGN_HINT = (
 def _redo_hint(part: Path) -> str:
     shard = shard_of_part(part).name if PART_RE.match(part.name) else "the shards it points at"
     return f"{REDO_HINT[:-1]} (or delete it and {shard})."
+
+
+def feature_entry(name: str, entry: dict, data_start: int, checksum: str | None) -> dict:
+    """A feature's index entry, from its safetensors header ``entry`` in a shard whose data starts at
+    ``data_start``."""
+    start, end = entry["data_offsets"]
+    return {
+        "name": name,
+        "dtype": DTYPE_BY_CODE[entry["dtype"]],
+        "shape": list(entry["shape"]),
+        "offset": data_start + start,
+        "nbytes": end - start,
+        "xxh3": checksum,
+    }
 
 
 def index_schema():
@@ -811,8 +779,8 @@ def error_line(record: dict) -> str:
 
 
 def read_error_file(path: Path) -> tuple[list[dict], int]:
-    """(records, damaged lines) of one errors file. A torn last line (a crash mid-append) and a line whose
-    checksum fails are not records; the second kind is counted so a verification can report it."""
+    """(records, damaged lines) of one errors file. A torn last line (a crash mid-append) is not a record; a
+    line whose checksum fails is not either, and is counted so a verification can report it."""
     records, damaged = [], 0
     lines = read_whole(path).split(b"\n")
     for k, raw in enumerate(lines):
@@ -835,22 +803,17 @@ def read_error_file(path: Path) -> tuple[list[dict], int]:
 
 
 def read_errors(out: Path) -> list[dict]:
-    """All ranks' error records as they stand: torn and damaged lines skipped (a damaged line's sample is
-    then simply extracted again), exact repeats of a duplicate or input record (recorded again by a resume)
-    dropped, and of each id's failure records (kinds "error" and "transient") only the latest: a retry's
-    record supersedes the attempts before it. Latest means by the record's ``time``, then by file name
-    (sessions are named in time order) and line. A failure record of an id that a part has committed since
-    is superseded too; FeatureCache drops those (this function does not read the index)."""
+    """All ranks' error records as they stand: torn and damaged lines skipped (their samples are extracted
+    again), exact repeats of a duplicate or input record dropped, and of each id's failure records only the
+    latest, by ``time``, then file name (sessions are named in time order) and line. FeatureCache also drops
+    the failures of an id a part has committed since (this function does not read the index)."""
     records: list[dict] = []
     seen: set[tuple] = set()
     latest: dict[str, tuple[tuple, dict]] = {}
     for k, path in enumerate(error_files(out)):
         try:
             found = read_error_file(path)[0]
-        except (
-            IsADirectoryError,
-            FileNotFoundError,
-        ):  # a folder under its name: no records (verify names it)
+        except (IsADirectoryError, FileNotFoundError):  # a folder under its name: verify names it
             continue
         for line, rec in enumerate(found):
             if rec.get("kind") in FAILURE_KINDS:
@@ -879,9 +842,8 @@ def error_key(rec: dict) -> tuple:
 
 
 def reason_kind(reason: str) -> str:
-    """A short class of an error reason, as the summary counts them and ``--retry-errors`` selects them: the
-    text before the first ": ", cut to whole words within 40 characters (and before a parenthesis the cut
-    leaves open)."""
+    """A short class of an error reason, as the summary counts and ``--retry-errors`` selects them: the text
+    before the first ": ", cut to whole words within 40 characters (and before a parenthesis left open)."""
     kind = str(reason).split(": ", 1)[0].strip()
     if len(kind) > 40:
         kind = kind[:41].rsplit(" ", 1)[0]
@@ -903,9 +865,8 @@ def parse_retry(kinds: str | Collection[str] | None) -> frozenset[str] | None:
 
 
 def done_by_error(rec: dict, retry: Collection[str] | None = None) -> bool:
-    """Whether an error record makes its id done: a failed sample yes, unless ``retry`` (see
-    :func:`parse_retry`) selects it to be tried again; a transient failure, a duplicate or a bad input row
-    never."""
+    """Whether an error record makes its id done: a failed sample yes, unless ``retry`` (:func:`parse_retry`)
+    selects it; a transient failure, a duplicate or a bad input row never."""
     if rec.get("kind") in (TRANSIENT_KIND, DUPLICATE_KIND, INPUT_KIND):
         return False
     if not retry:

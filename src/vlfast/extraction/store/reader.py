@@ -1,16 +1,13 @@
 """FeatureCache: read an extraction folder (all ranks' committed shards) as one torch Dataset.
 
-Only committed data is visible: the cache reads the index parts (the commit markers, see docs/format.md) and
-never lists shards, so temp files and orphan shards left by a crash are invisible. Tensors are read
-through safetensors' memory map: looking up one sample reads that sample's bytes, not the shard. On
-object storage (``FeatureCache("s3://bucket/out")``) each tensor is one ranged GET of exactly its bytes.
+Only committed data is visible: the cache follows the index parts (the commit markers, see docs/format.md)
+and never lists shards. Tensors are read through safetensors' memory map; on object storage
+(``FeatureCache("s3://bucket/out")``) each tensor is one ranged GET of exactly its bytes.
 
-What is checked on every read: each index part against the checksum in its name and the configuration in
-run.json; once per shard opened, its size against what was written (a truncated shard is named, with the
-sample asked for), its header bytes against the checksum its index part recorded and the header's
-configuration hash against run.json's (a same-named shard of another run, same size and ids, is refused),
-and on every lookup the sample's id against the header's. With ``verify=True`` every tensor read is also
-hashed and compared with its checksum; ``check()`` scans the whole folder (integrity.py).
+Checked on every read: each index part against the checksum in its name and run.json's configuration; once
+per shard opened, its size, its header bytes against the checksum its part recorded and the header's
+configuration hash against run.json's; on every lookup the sample's id against the header's. With
+``verify=True`` every tensor read is also hashed; ``check()`` scans the whole folder (integrity.py).
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ from vlfast.extraction.store.format import (
     DamagedFile,
     committed_parts,
     config_hash,
+    feature_entry,
     gc_paused,
     is_local,
     map_parts,
@@ -65,8 +63,7 @@ _MAX_OPEN_SHARDS = 64  # open safetensors handles kept (each holds a file descri
 class FeatureCache(torch.utils.data.Dataset):
     """``len``, ``cache[i]`` or ``cache["id"]`` -> dict of tensors, iteration, ``id in cache``, ``meta(id)``.
 
-    Works as a map-style Dataset with a DataLoader (including worker processes: open shard handles are
-    not carried across processes, each worker opens its own).
+    A map-style Dataset; each DataLoader worker process opens its own shard handles.
     """
 
     @gc_paused()
@@ -80,8 +77,7 @@ class FeatureCache(torch.utils.data.Dataset):
     ):
         """``features`` limits what each lookup reads (e.g. ``["vision_mean"]`` skips the token tensors);
         ``verify`` hashes every tensor read and raises :class:`DamagedFile` naming it if it does not match.
-        ``out`` may be an fsspec URL (``s3://bucket/out``), opened with ``storage_options``; its samples
-        are then read by byte range, one request per tensor."""
+        ``out`` may be an fsspec URL (``s3://bucket/out``), opened with ``storage_options``."""
         self.out = resolve_out(out, storage_options)
         if isinstance(features, str):
             features = [features]
@@ -98,14 +94,12 @@ class FeatureCache(torch.utils.data.Dataset):
         self._build_index(rows)
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._shard_ids: dict[int, list[str] | None] = {}  # shard -> ids from its header, read on first open
-        # shard -> (inode, size, mtime, ctime) when its header passed: a shard opened again past the open
-        # handles' limit, unchanged since, is not read twice (any write moves its ctime)
+        # shard -> (inode, size, mtime, ctime) when its header passed: reopened unchanged, it is not read again
         self._header_ok: dict[int, tuple[int, int, int, int]] = {}
 
     def _build_index(self, rows: _Rows) -> None:
-        """The lookups, held as data (see :class:`~vlfast.extraction.ids.IdSet`): the ids as an Arrow column,
-        their hashes sorted for ``cache["id"]``, each sample's shard number and row in numpy arrays, its
-        feature names and checksums as :class:`_Rows` kept them."""
+        """The lookups, held as data: the ids as an Arrow column, their hashes sorted for ``cache["id"]``, each
+        sample's shard number and row in numpy arrays."""
         import numpy as np
 
         from vlfast.extraction.ids import ArrowStrings, SortedIds, first_copies, hash_ids, take
@@ -115,7 +109,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self._lookup = SortedIds(hashes, all_ids)  # .source: each sorted entry's position
         self._kept: np.ndarray | None = None  # each sample's row in `rows` when a repeat was left out
         if self._lookup.runs:  # a hash seen twice: an id committed twice, or a collision
-            # Keep the first copy of an id. Two copies only appear if two writers ran with the same rank at once.
+            # Keep an id's first copy. Two only appear if two writers ran with the same rank at once.
             first = first_copies(all_ids, hashes)
             keep = np.flatnonzero(first == np.arange(len(all_ids)))
             repeated = np.flatnonzero(first != np.arange(len(all_ids)))
@@ -176,8 +170,7 @@ class FeatureCache(torch.utils.data.Dataset):
         i = self._index(key)
         k, row = int(self._shard[i]), int(self._row[i])
         handle = self._handle(k, self._ids[i])
-        # The shard header names its ids: a mismatch means the folder was tampered with or two writers
-        # shared a rank; fail loudly rather than return another sample's features.
+        # A mismatch with the header's ids: the folder was tampered with, or two writers shared a rank.
         if self._shard_ids[k] is not None and self._shard_ids[k][row] != self._ids[i]:
             raise DamagedFile(
                 f"{self._shard_paths[k]} row {row} holds {self._shard_ids[k][row]!r}, but the index says "
@@ -226,10 +219,8 @@ class FeatureCache(torch.utils.data.Dataset):
         return {} if text is None else json.loads(text)
 
     def info(self, sample_id: int | str) -> dict:
-        """The sample's index row: shard, row, and per feature dtype, shape, byte offset, size and checksum.
-        The entries of rows kept compact (names and checksums, see :class:`_Rows`) are made again from the
-        shard's header, checked against the checksum its index part recorded: the bytes they were made
-        from when the shard was written."""
+        """The sample's index row: shard, row, and per feature dtype, shape, byte offset, size and checksum;
+        for rows kept compact (:class:`_Rows`), made again from the shard's checked header."""
         i = self._index(sample_id)
         k, row = int(self._shard[i]), int(self._row[i])
         features = self._rows.given_entries(self._stored(i))
@@ -243,28 +234,13 @@ class FeatureCache(torch.utils.data.Dataset):
                         f"{self._shard_paths[k]} holds no feature {name!r} for row {row}, but the index says "
                         f"sample {self._ids[i]!r} has it. {REDO_HINT}"
                     )
-                start, end = entry["data_offsets"]
-                features.append(
-                    {
-                        "name": name,
-                        "dtype": DTYPE_BY_CODE[entry["dtype"]],
-                        "shape": list(entry["shape"]),
-                        "offset": data_start + start,
-                        "nbytes": end - start,
-                        "xxh3": checksum,
-                    }
-                )
-        return {
-            "id": self._ids[i],
-            "shard": self._shard_names[k],  # as the index names it (relative to OUT)
-            "row": row,
-            "features": features,
-        }
+                features.append(feature_entry(name, entry, data_start, checksum))
+        # the shard as the index names it (relative to OUT)
+        return {"id": self._ids[i], "shard": self._shard_names[k], "row": row, "features": features}
 
     def _header(self, k: int, sample_id: str) -> tuple[int, dict]:
-        """Shard ``k``'s data start and parsed header, checked as a read checks them (size, configuration,
-        the header's bytes against the checksum its part recorded, which pins the ids and offsets the part's
-        rows were made from); the last few kept."""
+        """Shard ``k``'s data start and parsed header, checked as a read checks them (its bytes against the
+        checksum its part recorded pin the rows' ids and offsets); the last few kept."""
         got = self._headers.get(k)
         if got is not None:
             self._headers.move_to_end(k)
@@ -288,17 +264,16 @@ class FeatureCache(torch.utils.data.Dataset):
         return self._run.get("config", {})
 
     def errors(self) -> list[dict]:
-        """The folder's error records as they stand: of each id's failures only the latest attempt, and none
-        for an id that a later attempt extracted (see ``read_errors``)."""
+        """The folder's error records as they stand (see ``read_errors``), without the failures of an id a
+        later attempt extracted."""
         blocked = [p for p in not_folders(self.out) if p.name == ERROR_DIR]
         if blocked:
             raise DamagedFile(f"{blocked[0]} is not a folder: the error records cannot be read. {MOVE_HINT}")
         return [r for r in read_errors(self.out) if r.get("kind") not in FAILURE_KINDS or r["id"] not in self]
 
     def check(self, progress=None) -> CheckReport:
-        """Read and hash every byte the folder's readers rely on: a :class:`CheckReport` naming every bad
-        sample by id (``report.ok`` when none). The same scan as ``vlfast out verify OUT``. (Checksums,
-        not numerics: ``vlfast.verify`` is the numerical comparison of a patched model.)"""
+        """Read and hash every byte the folder's readers rely on (as ``vlfast out verify OUT``): a
+        :class:`CheckReport` naming every bad sample by id (``report.ok`` when none)."""
         return check_folder(self.out, progress=progress)
 
     verify = check  # the name before issue 21
@@ -348,8 +323,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"{path} is unreadable ({e}): sample {sample_id!r} cannot be read. {REDO_HINT}"
             ) from None
         self._check_header(k, h, raw_header, sample_id)
-        # A write in the same timestamp tick as the check could leave the stamp as it was: only an older one
-        # spares the next open the header read.
+        # A write in the check's own timestamp tick could keep the stamp: only an older one spares the read.
         if stamp is not None and raw_header is not None and stamp[3] < time.time_ns() - 1_000_000_000:
             self._header_ok[k] = stamp
         self._handles[k] = h
@@ -361,11 +335,10 @@ class FeatureCache(torch.utils.data.Dataset):
         return h
 
     def _check_header(self, k: int, h: Any, raw_header: bytes | None, sample_id: str) -> None:
-        """Refuse a shard that is not the one its index part was written with: a same-named shard of another
-        run (other weights: same size, same ids) would otherwise be served in full. Two checks, both on
-        bytes already read: the header's configuration hash against run.json's (names the cause), then the
-        header bytes against the checksum the part recorded (any other change to offsets, dtypes, ids).
-        ``raw_header`` is None when the same file, unchanged since, passed in this process before."""
+        """Refuse a shard that is not the one its index part was written with (a same-named shard of another
+        run, same size and ids, would be served in full): the header's configuration hash against run.json's
+        (names the cause), then the header bytes against the part's checksum. ``raw_header`` is None when the
+        same file, unchanged since, passed in this process before."""
         path = self._shard_paths[k]
         written_with = (h.metadata() or {}).get("config_hash")
         if written_with is not None and written_with != self._config_hash:
@@ -381,8 +354,8 @@ class FeatureCache(torch.utils.data.Dataset):
             )
 
     def _reopen_after_fork(self) -> None:
-        """A forked DataLoader worker cannot use its parent's object-storage client (fsspec's async clients
-        refuse: "not fork-safe"); it gets its own, as a spawned worker does through pickling."""
+        """A forked worker cannot use its parent's object-storage client (fsspec's async clients are not
+        fork-safe): it makes its own, as a spawned worker does through pickling."""
         self._pid = os.getpid()
         self._handles.clear()
         if not is_local(self.out):
@@ -390,15 +363,14 @@ class FeatureCache(torch.utils.data.Dataset):
             self._shard_paths = [self.out / s for s in self._shard_names]
 
     def __getstate__(self) -> dict:
-        # DataLoader workers (spawn) receive a copy: drop open mappings, each process opens its own.
+        # A spawned DataLoader worker receives a copy: each process opens its own mappings.
         state = self.__dict__.copy()
         state["_handles"] = OrderedDict()
         return state
 
 
 def _check_layout(out: Any) -> None:
-    """Refuse a local OUT whose index/ or shards/ is not a folder: its samples cannot be read, and an OUT
-    with no readable index would otherwise look empty (a stat each)."""
+    """Refuse a local OUT whose index/ or shards/ is not a folder, which would otherwise look empty."""
     blocked = [p for p in not_folders(out) if p.name in (INDEX_DIR, SHARD_DIR)]
     if blocked:
         raise DamagedFile(
@@ -408,9 +380,8 @@ def _check_layout(out: Any) -> None:
 
 
 def _check_nothing_lost(out: Any) -> None:
-    """An OUT without an index part is empty only if no shard lost its part: shards no crash explains mean
-    the index was deleted or lost (see store/layout.py), never 0 samples silently. One listing of shards/,
-    only when no part was found."""
+    """An OUT without an index part is empty only if no shard lost its part (see store/layout.py): never 0
+    samples silently. One listing of shards/, only when no part was found."""
     lost = sorted(name for name, leftover in uncovered_shards(out).items() if not leftover)
     if lost:
         more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
@@ -425,8 +396,7 @@ def _check_nothing_lost(out: Any) -> None:
 
 def _read_parts(out: Any, expected: str) -> tuple[_Rows, dict[str, int | None], dict[str, str | None]]:
     """Every live index part's rows, a row group at a time, with each shard's size and header checksum as
-    written. A part that disappears while it is read (a writer compacting its rank: the parts a consolidated
-    part replaces are deleted once it is committed) makes the listing be taken again."""
+    written. A part that disappears while read (replaced by a compaction) makes the listing be taken again."""
     for attempt in range(5):
         rows, sizes, headers = _Rows(), {}, {}
         try:
@@ -438,8 +408,7 @@ def _read_parts(out: Any, expected: str) -> tuple[_Rows, dict[str, int | None], 
                         f"index part {part} was made with another configuration than {out / 'run.json'}: the "
                         "folder mixes two runs. Run `vlfast out verify` on it to see what else differs."
                     )
-                shards = part_shards(part, meta)
-                for shard, (size, header) in shards.items():
+                for shard, (size, header) in part_shards(part, meta).items():
                     sizes[shard], headers[shard] = size, header
                 for g in range(file.num_row_groups):
                     rows.add(read_part_groups(file, part, [g]))
@@ -468,8 +437,7 @@ def _reader(attempt: int) -> Any:
 
 
 def _local_header(path: Any, size: int) -> bytes:
-    """A local shard's raw header (8-byte length + JSON), as its index part hashed it: one small read. A
-    damaged length is not trusted for the read's size (the checksum then fails)."""
+    """A local shard's raw header (8-byte length + JSON), as its index part hashed it: one small read."""
     with open(path, "rb") as f:
         return read_header(f, size, strict=False)[1]
 
@@ -479,8 +447,8 @@ ShardReadError = StorageReadError
 
 
 class _RangeShard:
-    """A shard on object storage with safe_open's reading interface: the header is read once, each tensor
-    with one ranged GET of exactly its bytes, so a lookup never downloads the shard."""
+    """A shard on object storage with safe_open's reading interface: the header read once, each tensor with
+    one ranged GET of exactly its bytes."""
 
     def __init__(self, path: Any, size: int):
         self._shard = RemoteShard(path, size, policy="storage")  # size just asked
@@ -513,13 +481,12 @@ _TEXT_BLOCK = 1024  # rows of meta compressed together: a row read at random dec
 
 
 class _Rows:
-    """What :class:`FeatureCache` keeps of its index rows, taken in a row group at a time (the peak of
-    opening is one decoded row group above what is kept, not the whole index): the ids as Arrow chunks of
-    at least 65,536 rows, the meta strings compressed (:class:`_PackedText`), each row's shard number and
-    row as int32, and each
-    row's feature names and checksums. A row group whose rows all name the same features with a 16-digit
-    checksum each (every vlfast run's) keeps one tuple of names and a uint64 per entry (8 bytes a feature
-    where Parquet's list of structs decodes to about 80); another keeps its entries as Parquet gave them."""
+    """What :class:`FeatureCache` keeps of its index rows, taken in a row group at a time (the peak is one
+    decoded row group above what is kept): the ids as Arrow chunks of at least 65,536 rows, the meta strings
+    compressed (:class:`_PackedText`), each row's shard number and row as int32, and each row's feature names
+    and checksums: for a row group whose rows all name the same features with a 16-digit checksum each (every
+    vlfast run's), one tuple of names and a uint64 per entry (8 bytes a feature where Parquet's list of
+    structs decodes to about 80); for another, its entries as Parquet gave them."""
 
     def __init__(self) -> None:
         import pyarrow as pa
@@ -617,11 +584,9 @@ def _chunks_as(column: Any, type_: Any) -> list:
 
 
 class _PackedText:
-    """Strings (the index's meta: JSON that repeats its keys row after row) kept zstd-compressed in blocks of
-    :data:`_TEXT_BLOCK` rows, each block's text and its rows' lengths. The scale benchmark's meta is held at
-    a 50th of its Arrow size; a row read at random decompresses its block (about 0.05 ms), and the last
-    block read is kept for the next row, so reading in order costs what it did. ``text[i]`` -> str, or None
-    (null)."""
+    """Strings (the index's meta: JSON repeating its keys row after row) kept zstd-compressed in blocks of
+    :data:`_TEXT_BLOCK` rows: the scale benchmark's meta at a 50th of its Arrow size. A row read at random
+    decompresses its block; the last block read is kept, so reading in order costs what it did."""
 
     def __init__(self) -> None:
         self._blocks: list[tuple[int, int, bytes, bytes, Any]] = []  # rows, text size, text, lengths, nulls
@@ -757,9 +722,8 @@ class _Same:
         return {name: f"{int(v):016x}" for name, v in zip(self.names, self.sums[j])}
 
 
-_NIBBLE = bytes(
-    ((c - 48) if 48 <= c <= 57 else (c - 87) if 97 <= c <= 102 else 255) for c in range(256)
-)  # "0"-"9", "a"-"f" -> their value; anything else (upper case included: it would not print back) 255
+# "0"-"9", "a"-"f" -> their value; anything else (upper case included: it would not print back) 255
+_NIBBLE = bytes((c - 48) if 48 <= c <= 57 else (c - 87) if 97 <= c <= 102 else 255 for c in range(256))
 
 
 def _hex64(values: Any) -> Any:

@@ -1,14 +1,11 @@
 """Moving a damaged consolidated part aside (compact.py), costing as few samples as the damage allows.
 
-- The part itself fails (its checksum, its Parquet, a shard it names that its metadata does not list): if
-  every part it superseded is still in index/ (a kill came between its commit and the deletions), only the
-  consolidated part is moved to quarantine: those parts are read again, and the next compaction rebuilds it.
-  Otherwise it is moved with the shards it points at, and their samples are extracted again, as for any
-  damaged part: the shards' headers hold ids, offsets, dtypes and shapes but not the samples' meta nor the
-  tensors' checksums, so an index cannot be rebuilt from them without trusting unchecked bytes.
-- Some of its shards fail (size, header, a tensor's checksum): those shards are moved aside, a new
-  consolidated part with the other rows is committed, superseding it, and then it is moved aside too. Only
-  the damaged shards' samples are redone.
+- The part itself fails: if every part it superseded is still in index/ (a kill between its commit and the
+  deletions), only it is moved to quarantine, those parts are read again and the next compaction rebuilds
+  it. Otherwise it is moved with the shards it points at, whose samples are extracted again: their headers
+  lack the samples' meta and the tensors' checksums, so no index is rebuilt from unchecked bytes.
+- Some of its shards fail: those are moved aside, a new consolidated part with the other rows is committed,
+  superseding it, and then it is moved aside too. Only the damaged shards' samples are redone.
 """
 
 from __future__ import annotations
@@ -37,8 +34,8 @@ __all__ = ["quarantine_consolidated"]
 
 
 def _shards_of_unreadable(out: Path, part: Path) -> list[Path]:
-    """The shards a consolidated part whose metadata cannot be read points at: those of its rank and sequence
-    range that no other part points at."""
+    """The shards an unreadable consolidated part points at: those of its rank and sequence range that no
+    other part points at."""
     rank, first, last = part_span(part.name)
     referenced = referenced_shards(out, exclude=part.name)
     found = []
@@ -49,7 +46,8 @@ def _shards_of_unreadable(out: Path, part: Path) -> list[Path]:
     return found
 
 
-def _write_reason(backend: Any, dest: Path, record: dict, tag: str) -> None:
+def write_reason(backend: Any, dest: Path, record: dict, tag: str) -> None:
+    """Make the quarantine folder ``dest`` and write ``record`` as its reason.json."""
     backend.make_quarantine(dest)
     backend.write(dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), tag)
 
@@ -76,7 +74,7 @@ def quarantine_consolidated(
             "ids": list(check.ids),
             "rebuilt_from": sorted(info[1]) if info is not None and not shards else [],
         }
-        _write_reason(backend, dest, record, tag)
+        write_reason(backend, dest, record, tag)
         backend.quarantine(dest, (*shards, part))  # shards first, as for a part of one shard
         return record, [], None
     bad = check.bad_shards
@@ -87,7 +85,7 @@ def quarantine_consolidated(
         "reason": "; ".join(bad[s] for s in sorted(bad)),
         "ids": [sid for sid, k in zip(check.ids, keep) if not k],
     }
-    _write_reason(backend, dest, record, tag)
+    write_reason(backend, dest, record, tag)
     backend.quarantine(dest, tuple(out / s for s in sorted(bad)))
     new = None
     if any(keep):

@@ -2,15 +2,11 @@
 
 What it writes and in which order is specified in docs/format.md ("On-disk layout", "Commits and crash
 safety", "OUT on object storage"): a shard, then its index part (the commit marker), each whole or not at
-all, so a crash at any instant loses at most the samples still buffered in memory (at most
-``commit_every`` seconds or one shard of work), and nothing committed is ever rewritten. Where the bytes go
-(a local folder: temp file, rename, flock; object storage: exclusive uploads) is the backend's
-(backend.py), chosen once when the store opens.
+all, so a crash loses at most the buffered samples, and nothing committed is ever rewritten. Where the bytes
+go is the backend's (backend.py), chosen once when the store opens.
 
-On resume the store checks what it is about to rely on before skipping it (integrity.py): every committed
-index part against the configuration it carries (a different one is refused, even if run.json was
-deleted), and its shard's size, header and, by default, every tensor's checksum. A part or shard that
-fails is moved to ``OUT/quarantine/`` (never deleted) and its samples are extracted again.
+On resume every committed part is checked before it is relied on (integrity.py): a part of another
+configuration is refused; a damaged part or shard is moved to ``OUT/quarantine/`` and its samples redone.
 """
 
 from __future__ import annotations
@@ -67,6 +63,7 @@ from vlfast.extraction.store.format import (
     done_by_error,
     error_key,
     error_line,
+    feature_entry,
     gc_paused,
     index_schema,
     is_consolidated,
@@ -91,7 +88,7 @@ from vlfast.extraction.store.format import (
 from vlfast.extraction.store.inputs import INPUTS_DIR, INPUTS_RE, mark_stale, merge_inputs, write_inputs
 from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
 from vlfast.extraction.store.layout import refuse_misplaced
-from vlfast.extraction.store.repair import quarantine_consolidated
+from vlfast.extraction.store.repair import quarantine_consolidated, write_reason
 from vlfast.extraction.store.resume import (
     DEFAULT_VOLATILE_KEYS,
     RunConfigMismatch,
@@ -111,15 +108,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FeatureStore", "dist_info", "rank_is_held", "read_state"]
 
 
-# torch.dtype -> its name: the dtypes safetensors can store (format.DTYPES); checked in ``add`` so a bad
-# tensor fails at the sample, not at flush.
+# torch.dtype -> its name: what safetensors can store, checked in ``add`` so a bad tensor fails at the sample.
 _DTYPES: dict[torch.dtype, str] = torch_dtypes()
-DTYPE_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
-
-
-def _dist_group_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _id_array(ids: Any) -> Any:
@@ -131,7 +121,7 @@ def _id_array(ids: Any) -> Any:
 
 
 def _gathered(ids: Any) -> list[str]:
-    """The union of every rank's ``ids`` (an Arrow array or None), over torch.distributed."""
+    """The union of every rank's ``ids`` (an Arrow array or None)."""
     mine = [] if ids is None else ids.to_pylist()
     every: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, mine)
@@ -139,8 +129,8 @@ def _gathered(ids: Any) -> list[str]:
 
 
 def _grid_of(feats: Mapping[str, torch.Tensor], meta_json: str) -> list[list[int]] | None:
-    """The sample's (k, 3) grid for the index: the "grid_thw" feature, else one named "*grid_thw"
-    (image_grid_thw, video_grid_thw), else meta["grid_thw"]."""
+    """The sample's (k, 3) grid for the index: the "grid_thw" feature, else one named "*grid_thw", else
+    meta["grid_thw"]."""
     grid = feats.get("grid_thw")
     if grid is None:
         grid = next((t for n, t in feats.items() if n.endswith("grid_thw")), None)
@@ -160,12 +150,10 @@ def _grid_of(feats: Mapping[str, torch.Tensor], meta_json: str) -> list[list[int
 class FeatureStore:
     """Buffered writer of per-sample feature tensors into OUT, one per rank.
 
-    ``add`` buffers a sample; when the buffer reaches ``shard_max_bytes`` or ``shard_max_samples``, or its
-    oldest sample has waited ``commit_every`` seconds, it is committed as one shard (see the module
-    docstring for the commit protocol). Memory use is bounded by one shard's worth of tensors, whatever
-    the number of samples. ``resume_check`` is how committed shards are checked on opening: "full" reads
-    and hashes every tensor (default), "quick" checks sizes, headers and ids only. An extract run's options
-    come checked, from :meth:`~vlfast.extraction.config.ExtractConfig.writing`: nothing here checks them again.
+    ``add`` buffers a sample; the buffer is committed as one shard when it reaches ``shard_max_bytes`` or
+    ``shard_max_samples``, or its oldest sample has waited ``commit_every`` seconds. ``resume_check``: "full"
+    hashes every committed tensor on opening, "quick" checks sizes, headers and ids only. An extract run's
+    options come checked (:meth:`~vlfast.extraction.config.ExtractConfig.writing`), not checked again here.
     """
 
     @gc_paused()
@@ -193,12 +181,11 @@ class FeatureStore:
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise InputRefused(f"rank must be in [0, {world_size}), got {rank!r}")
         self.out = resolve_out(out)
-        self._retry = parse_retry(retry_errors)  # recorded failures to try again (see done_by_error)
+        self._retry = parse_retry(retry_errors)  # recorded failures to try again
         self.rank, self.world_size = rank, world_size
         self.shard_max_bytes, self.shard_max_samples = int(shard_max_bytes), int(shard_max_samples)
         self.commit_every = commit_every
-        # close() compacts this rank's index once it has this many live parts (None or 0: never)
-        self.compact_min_parts = compact_min_parts
+        self.compact_min_parts = compact_min_parts  # close() compacts at this many parts (0, None: never)
         self.compaction: Compaction | None = None  # what close() compacted
         self.volatile_keys = frozenset(volatile_keys)
         self.run_config = canonical_config(dict(run_config))
@@ -206,11 +193,10 @@ class FeatureStore:
         self.config_hash = config_hash(self._stable)
         self._tag = f"r{rank:05d}"
         self._session = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + secrets.token_hex(4)
-        # Where the bytes go, chosen once: a local folder (renames, locks) or object storage (uploads).
         self._backend = backend_for(self.out, self._session)
         self._backend.check_folder()
         self.quarantined: list[dict[str, Any]] = []  # what this store moved aside, with why
-        # A file where a folder belongs (locks/ included, so before the lock): refused, saying what to move.
+        # A file where a folder belongs (locks/ included, so before the lock): refused.
         refuse_misplaced(self.out, overwrite=overwrite)
         self._backend.lock(rank)
         try:
@@ -228,9 +214,7 @@ class FeatureStore:
 
     def _read_out(self, resume_check: str, stale: Collection[str]) -> None:
         """With the rank locked: clean garbage, check what is committed, read the errors, start a buffer."""
-        # Garbage of rank r is cleaned by one live rank: r itself if it is live, else r % world_size,
-        # so a resume with fewer ranks still cleans the old ranks' leftovers and no rank deletes a live
-        # temp file. Uncovered shards no crash explains are moved aside, never deleted.
+        # Rank r's garbage is cleaned by rank r % world_size, so a resume with fewer ranks still cleans it.
         self._backend.clean_garbage(
             lambda r: r % self.world_size == self.rank,
             lambda shards: self._set_aside(
@@ -239,12 +223,11 @@ class FeatureStore:
         )
         self._bad_parts: set[str] = set()
         self._parts_read: set[str] = set()  # index parts already in _committed
-        # Other ranks' parts that hold only ids they own in a job of this size: not read while this
-        # store adds only its own ids (see _widen); None once it has read everything.
+        # Other ranks' parts holding only ids they own under this world size: unread while this store adds
+        # only its own ids (see _widen); None once it has read everything.
         self._parts_skipped: set[str] | None = set() if self.world_size > 1 else None
-        self._committed = IdSet()  # ids as data: see vlfast.extraction.ids
-        # Ids whose inputs changed since they were extracted (the plan's check): the shards holding them
-        # are moved aside when checked, so they are extracted again; what was moved, in ``superseded``.
+        self._committed = IdSet()
+        # Ids whose inputs changed since they were extracted: their shards are moved aside when checked.
         self._stale = _id_array(stale)
         self.superseded: list[dict[str, Any]] = []
         self._check_committed(resume_check)  # takes in the ids of the parts it found sound
@@ -273,9 +256,8 @@ class FeatureStore:
     def _overwrite(self) -> None:
         # Only rank 0 deletes, and only what this format owns, so a mistyped OUT never loses unrelated files.
         if self.rank == 0:
-            # Commit markers first, run.json last: a kill mid-way leaves orphan shards (cleaned on the next
-            # start) under the old config, never index parts pointing at deleted shards, and never old data
-            # that a run with the new config would take for its own.
+            # Commit markers first, run.json last: a kill mid-way leaves orphan shards under the old config,
+            # never parts pointing at deleted shards, nor old data a run of the new config takes for its own.
             owned = {
                 INDEX_DIR: lambda n: bool(is_part_name(n) or TMP_RE.match(n)),
                 SHARD_DIR: lambda n: bool(SHARD_RE.match(n) or TMP_RE.match(n)),
@@ -293,15 +275,11 @@ class FeatureStore:
                 )
             dist.barrier()  # other ranks must not write before rank 0 has cleared the folder
 
-    def _diffs(self, old: dict) -> list[tuple[str, Any, Any]]:
-        return config_diffs(self.run_config, old, self.volatile_keys)
-
     def _write_or_check_run_file(self) -> None:
         path = self.out / RUN_FILE
         if check_run_config(self.out, self.run_config, self.volatile_keys, held_rank=self.rank):
             return
-        # Several ranks may race here; each writes the same config through its own temp file, so the
-        # last rename wins with identical content.
+        # Ranks may race here; each writes the same bytes through its own temp file.
         data = run_file_bytes(self.run_config, self.volatile_keys, library_versions())
         try:
             self._backend.write(path, data, f"r{self.rank:05d}-{os.getpid()}")
@@ -313,12 +291,10 @@ class FeatureStore:
     def _check_committed(self, mode: str) -> None:
         """Check what a resume will rely on; refuse parts of another configuration, move damaged ones aside.
 
-        A rank of a job of N ranks checks its own parts that hold only ids it owns among N, and the parts
-        every rank reads (any not so marked: an earlier job's of another size, or a FeatureStore user's own
-        split); another rank's parts so marked are that rank's to check, and tell this one nothing
-        (``META_OWNED_UNDER``). With torch.distributed initialised the ranks split the parts every rank reads
-        between them and agree on the verdicts (one all_reduce), so each shard is read once; otherwise each
-        rank checks them all itself, which gives every rank the same view without any coordination.
+        A rank checks its own parts marked ``META_OWNED_UNDER`` this world size and the parts every rank
+        reads (any not so marked); other ranks' marked parts are theirs to check. With torch.distributed
+        initialised the ranks split the common parts and agree on the verdicts (one all_reduce), so each shard
+        is read once; otherwise each rank checks them all, the same view without coordination.
         """
         every = committed_parts(self.out)
         if self._parts_skipped is not None:
@@ -326,15 +302,17 @@ class FeatureStore:
             self._parts_skipped = {p.name for p in others}
         else:
             own, parts, others = [], every, []
-        group = _dist_group_size()
+        dist = torch.distributed
+        group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         split = group > 1 and group == self.world_size
-        if split and not self._same_on_all_ranks(len(parts)):
-            split = False  # ranks see different folders (should not happen): each checks everything
+        if split:  # ranks that see different folders (should not happen) each check everything
+            t = torch.tensor([len(parts), -len(parts)], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            split = int(t[0]) == -int(t[1])
         if split:  # a rank checks parts that may hold other ranks' ids whose inputs changed
             self._stale = _id_array(_gathered(self._stale))
         bad = [False] * len(parts)
-        # "full" hashes every shard, but for those that passed an earlier full check and are untouched since
-        # (OUT/checked.json; integrity.HashRecord says what that record can and cannot vouch for).
+        # "full" hashes every shard but those HashRecord vouches for (OUT/checked.json).
         record = HashRecord(self.out, self._tag) if mode == "full" else None
         try:
             for part in own:
@@ -344,8 +322,8 @@ class FeatureStore:
                 if split and k % self.world_size != self.rank:
                     continue
                 bad[k] = not self._check_one(part, record)
-            # Parts that appeared meanwhile: those a damaged consolidated part hid (the parts it replaced,
-            # read again now that it is moved aside), or another rank's commit. Every rank checks them.
+            # Parts that appeared meanwhile (those a damaged consolidated part hid, or another rank's
+            # commit): every rank checks them.
             seen = {p.name for p in every}
             for part in committed_parts(self.out):
                 fresh = part.name not in seen and part.name not in self._parts_read
@@ -384,7 +362,8 @@ class FeatureStore:
         data = record is not None and not record.vouches(part)
         check = check_part(part, data=data)
         if check.problem is None and check.config is not None and check.config_hash != self.config_hash:
-            raise RunConfigMismatch(self.out, self._diffs(check.config), where=str(part), foreign=part)
+            diffs = config_diffs(self.run_config, check.config, self.volatile_keys)
+            raise RunConfigMismatch(self.out, diffs, where=str(part), foreign=part)
         if check.ok and self._stale is not None and mark_stale(check, self._stale):
             before = len(self.quarantined)
             self._quarantine(check)
@@ -402,17 +381,10 @@ class FeatureStore:
         self._quarantine(check)
         return False
 
-    def _same_on_all_ranks(self, n: int) -> bool:
-        t = torch.tensor([n, -n], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t[0]) == -int(t[1])
-
     def _quarantine(self, check: PartCheck) -> None:
-        """Move a damaged part and its shard to OUT/quarantine/<part>/ (a consolidated part: repair.py).
-
-        The shard goes first: a kill between the two moves leaves a part whose shard is missing, which the
-        next start moves aside in turn, instead of an orphan shard that garbage cleaning would delete.
-        """
+        """Move a damaged part and its shard to OUT/quarantine/<part>/ (a consolidated part: repair.py); the
+        shard first, so a kill in between leaves a part without its shard (moved aside next start), never an
+        orphan shard that garbage cleaning would delete."""
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._backend.instance}"
         dest = self.out / QUARANTINE_DIR / f"{check.part.stem}-{stamp}"
         if is_consolidated(check.part):
@@ -422,10 +394,8 @@ class FeatureStore:
                 self._parts_read.add(new)
             reason = record["reason"]
         else:
-            self._backend.make_quarantine(dest)
             reason = check.problem or f"{len(check.bad)} tensors fail their checksum: {check.bad[:5]}"
-            # A part that is not this format's (a foreign file under a part's name) may carry the name of a
-            # shard another part covers: that shard is sound and stays.
+            # A foreign file under a part's name may name a shard another part covers: that shard stays.
             own = not referenced_shards(self.out, exclude=check.part.name)(check.shard.name)
             record = {
                 "part": check.part.name,
@@ -433,9 +403,7 @@ class FeatureStore:
                 "reason": reason,
                 "ids": list(check.ids) if own else [],
             }
-            self._backend.write(
-                dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag
-            )
+            write_reason(self._backend, dest, record, self._tag)
             self._backend.quarantine(dest, (check.shard, check.part) if own else (check.part,))
         self.quarantined.append({**record, "moved_to": str(dest)})
         warnings.warn(
@@ -446,8 +414,7 @@ class FeatureStore:
 
     def _set_aside(self, paths: list[Path], reason: str, *, ids: bool = True) -> None:
         """Move each of ``paths`` (not this format's, or uncovered shards; see store/layout.py) to
-        OUT/quarantine/<name>-<stamp>/ with a reason.json, never deleting it; a warning names it. ``ids``:
-        name the samples of a shard from its header (they are extracted again)."""
+        OUT/quarantine/<name>-<stamp>/, never deleting it. ``ids``: name a shard's samples from its header."""
         from vlfast.extraction.store.integrity import header_ids
 
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._backend.instance}"
@@ -455,10 +422,7 @@ class FeatureStore:
             rel = f"{path.parent.name}/{path.name}" if path.parent != self.out else path.name
             dest = self.out / QUARANTINE_DIR / f"{path.name}-{stamp}"
             record = {"part": rel, "reason": reason, "ids": header_ids(path) if ids else []}
-            self._backend.make_quarantine(dest)
-            self._backend.write(
-                dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), self._tag
-            )
+            write_reason(self._backend, dest, record, self._tag)
             self._backend.quarantine(dest, (path,))
             self.quarantined.append({**record, "moved_to": str(dest)})
             warnings.warn(f"{rel}: {reason}; moved to {dest}", stacklevel=4)
@@ -469,14 +433,14 @@ class FeatureStore:
             backend.release()
 
     def __del__(self) -> None:
-        # An abandoned store must not keep its rank locked for the rest of the process; buffered samples
-        # are NOT flushed here (that needs close()), so they are redone on resume.
+        # An abandoned store must not keep its rank locked; its buffered samples are redone on resume.
         with contextlib.suppress(Exception):  # at interpreter shutdown os may be torn down already
             self._release()
 
     def _next_seq(self) -> int:
         seqs = [-1]
-        for name in list_names(self.out / SHARD_DIR):
+        # A quarantined shard's number is never reused either, so its name stays unique.
+        for name in (*list_names(self.out / SHARD_DIR), *self._backend.quarantined_shards()):
             m = SHARD_RE.match(name)
             if m and int(m.group(1)) == self.rank:
                 seqs.append(int(m.group(2)))
@@ -484,11 +448,6 @@ class FeatureStore:
             span = part_span(name)
             if span is not None and span[0] == self.rank:
                 seqs.append(span[2])
-        # A quarantined shard's number is never reused either, so its name stays unique.
-        for name in self._backend.quarantined_shards():
-            m = SHARD_RE.match(name)
-            if m and int(m.group(1)) == self.rank:
-                seqs.append(int(m.group(2)))
         return max(seqs) + 1
 
     def _refresh_committed(self) -> None:
@@ -504,17 +463,12 @@ class FeatureStore:
     # -- public API ----------------------------------------------------------------------------------
 
     def done_ids(self, *, mine: bool = False) -> IdSet:
-        """Ids committed by any rank plus ids recorded as failed: skip these on resume.
-
-        A "duplicate id" or "input" record does not make an id done: the id's first occurrence may still be
-        in an uncommitted buffer, and it must be redone after a crash. Nor does a "transient" one, or a
-        failure that ``retry_errors`` selects: those are tried again. An :class:`~vlfast.extraction.ids.IdSet`
-        (equal to the ``set`` of the same ids), sharing the store's arrays: no copy of millions of ids.
+        """Ids committed by any rank plus ids recorded as failed (not "duplicate id", "input" or "transient"
+        records, nor failures ``retry_errors`` selects): skip these on resume. An
+        :class:`~vlfast.extraction.ids.IdSet` sharing the store's arrays: no copy of millions of ids.
 
         ``mine=True``: complete only for the ids this rank owns among ``world_size`` ranks
-        (:func:`~vlfast.extraction.ids.owner_rank`), which is all a rank of a job plans: other ranks' parts
-        that hold only their own ids are not read (at ten million samples on eight ranks, an eighth of the
-        ids). It may hold other ids too.
+        (:func:`~vlfast.extraction.ids.owner_rank`): other ranks' own parts are not read.
         """
         if not mine:
             self._widen()
@@ -548,13 +502,10 @@ class FeatureStore:
         source = str(meta.get("path", meta.get("source", ""))) if isinstance(meta, Mapping) else ""
         if self._parts_skipped is not None and owner_rank(sample_id, self.world_size) != self.rank:
             self._widen()  # another rank's id: it may have committed it, in a part not read so far
-        if sample_id in self._buffer_ids or sample_id in self._committed:
-            self.add_error(sample_id, source, "duplicate id: already extracted", kind=DUPLICATE_KIND)
-            return
-        if sample_id in self._errored:
-            self.add_error(
-                sample_id, source, "duplicate id: already recorded as an error", kind=DUPLICATE_KIND
-            )
+        done = sample_id in self._buffer_ids or sample_id in self._committed
+        if done or sample_id in self._errored:
+            why = "already extracted" if done else "already recorded as an error"
+            self.add_error(sample_id, source, f"duplicate id: {why}", kind=DUPLICATE_KIND)
             return
         tensors: dict[str, torch.Tensor] = {}
         nbytes = 0
@@ -578,8 +529,8 @@ class FeatureStore:
             if src.device.type != "cpu":
                 t = src.to("cpu").contiguous()  # a fresh copy that nobody else holds
             else:
-                # Snapshot: the caller may reuse or modify its tensor after add, pass one tensor twice
-                # (safetensors refuses shared memory), or pass a view that would keep a whole batch alive.
+                # Snapshot: the caller may reuse its tensor, pass one twice (safetensors refuses shared
+                # memory), or pass a view that would keep a whole batch alive.
                 t = src.clone(memory_format=torch.contiguous_format)
             tensors[name] = t
             nbytes += t.nbytes
@@ -607,13 +558,12 @@ class FeatureStore:
         return keep_listings(self.out, listings, f"{self._tag}-{os.getpid()}")
 
     def keep_facts(self, facts: ModelFacts) -> bool:
-        """Record what transformers answered about the model in ``OUT/facts.json``, where it was asked here
-        (see :mod:`vlfast.extraction.store.facts`); best effort."""
+        """Record what transformers answered about the model in ``OUT/facts.json``; best effort."""
         return facts.save(self.out, f"{self._tag}-{os.getpid()}")
 
     def tick(self) -> None:
-        """Commit the buffer if its oldest sample has waited ``commit_every`` seconds. ``add`` and
-        ``add_error`` call it; a caller that may wait long between them (a slow decode) can call it too."""
+        """Commit the buffer if its oldest sample has waited ``commit_every`` seconds: for a caller that may
+        wait long between ``add`` calls (a slow decode)."""
         if self.commit_every is None:
             return
         oldest = min(
@@ -623,29 +573,22 @@ class FeatureStore:
             self.flush()
 
     def add_error(self, sample_id: str, source: str, reason: str, *, kind: str | None = None) -> None:
-        """Record a failed sample durably (one fsync'd JSON line; on object storage, with the next commit,
-        at most ``commit_every`` seconds later).
+        """Record a failed sample durably (one fsync'd JSON line; on object storage with the next commit).
 
-        ``kind`` is "error" (the id then counts as done), "transient" (reading it from storage failed,
-        retries included: the next run tries it again), "duplicate" or "input" (an input row that is not a
-        sample at all; ``sample_id`` then names the row); by default a reason starting with "duplicate"
-        means "duplicate" and one starting with :data:`TRANSIENT_PREFIX` "transient". Duplicate and input
-        records do not make their id done, and recording the same (id, source, reason, kind) again, as a
-        resumed run does, writes nothing. A failure ("error", "transient") is an attempt: a later run's
-        record of the same id is written again and supersedes it (see ``read_errors``).
+        ``kind``: "error" (the id then counts as done), "transient" (reading it from storage failed: the next
+        run tries again), "duplicate" or "input" (an input row that is not a sample; ``sample_id`` names the
+        row). By default a reason starting with "duplicate" means "duplicate", one starting with
+        :data:`TRANSIENT_PREFIX` "transient". Recording a duplicate or input record again writes nothing; a
+        failure is an attempt, which a later run's record of the same id supersedes (see ``read_errors``).
         """
         self._check_open()
-        if kind is None:
-            if str(reason).lower().startswith("duplicate"):
-                kind = DUPLICATE_KIND
-            elif str(reason).startswith(TRANSIENT_PREFIX):
-                kind = TRANSIENT_KIND
-            else:
-                kind = ERROR_KIND
-        if kind not in (*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND):
-            raise InputRefused(
-                f"kind must be one of {(*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND)}, got {kind!r}"
-            )
+        if kind is None and str(reason).lower().startswith("duplicate"):
+            kind = DUPLICATE_KIND
+        elif kind is None:
+            kind = TRANSIENT_KIND if str(reason).startswith(TRANSIENT_PREFIX) else ERROR_KIND
+        kinds = (*FAILURE_KINDS, DUPLICATE_KIND, INPUT_KIND)
+        if kind not in kinds:
+            raise InputRefused(f"kind must be one of {kinds}, got {kind!r}")
         key = (str(sample_id), str(source), str(reason), kind)
         if key in (self._session_failures if kind in FAILURE_KINDS else self._error_keys):
             return
@@ -655,7 +598,7 @@ class FeatureStore:
             "reason": str(reason),
             "kind": kind,
             "rank": self.rank,
-            # microseconds: which of an id's attempts is the latest is read from this (read_errors)
+            # microseconds: which of an id's attempts is the latest is read from this
             "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         }
         try:
@@ -674,10 +617,9 @@ class FeatureStore:
         self.tick()
 
     def flush(self) -> None:
-        """Commit the buffered samples as one shard now (no-op when the buffer is empty), and on object
-        storage the session's error records. SIGTERM and Ctrl-C wait until it is done (see interrupts). A full
-        disk raises OutputFull; the store then commits nothing more (``close`` only releases the lock) and the
-        buffered samples are redone by the next run."""
+        """Commit the buffered samples as one shard now, and on object storage the session's error records.
+        SIGTERM and Ctrl-C wait until it is done. A full disk raises OutputFull; the store then commits
+        nothing more and the buffered samples are redone by the next run."""
         if self._full:
             raise RuntimeError(f"FeatureStore for {self.out} stopped: its disk was full")
         with commit_section():
@@ -693,8 +635,7 @@ class FeatureStore:
         self._errors.commit()  # on object storage the session's error records are one object, put anew
         if not self._buffer:
             return
-        # The checksums are computed on another thread while safetensors writes the same (read-only)
-        # tensors: xxhash releases the GIL, so where a core is free they cost no wall time.
+        # Hashed on another thread while safetensors writes the same tensors: xxhash releases the GIL.
         checksums: list[dict[str, str]] = []
         hasher = threading.Thread(
             target=lambda: checksums.extend(
@@ -722,7 +663,8 @@ class FeatureStore:
             if not self._full:
                 self.flush()
                 self._forget_committed()  # nothing more is added: compaction runs without the ids held
-                self._compact()
+                if self.compact_min_parts:
+                    self.compact(self.compact_min_parts)
                 merge_inputs(self.out, self._backend, self.rank, f"{self._tag}-{os.getpid()}")
                 release_arrow_memory()
         finally:
@@ -736,14 +678,9 @@ class FeatureStore:
         if self._parts_skipped is not None:
             self._parts_skipped = set()
 
-    def _compact(self) -> None:
-        if self.compact_min_parts:
-            self.compact(self.compact_min_parts)
-
     def compact(self, min_parts: int = 2) -> Compaction:
         """Commit what is buffered, then replace this rank's live index parts by one consolidated part if
-        there are at least ``min_parts`` (compact.py); ``close`` does it with ``compact_min_parts``. A full
-        disk raises OutputFull and leaves the parts as they were."""
+        there are at least ``min_parts`` (compact.py). A full disk raises OutputFull, the parts unchanged."""
         self.flush()
         with commit_section():
             try:
@@ -767,8 +704,7 @@ class FeatureStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        # Flush even on an exception (e.g. --max-errors reached, Ctrl-C): buffered samples are complete
-        # and correct, so keeping them means less to redo.
+        # Flush even on an exception (--max-errors, Ctrl-C): buffered samples are complete and correct.
         self.close()
 
     # -- internals -----------------------------------------------------------------------------------
@@ -781,15 +717,14 @@ class FeatureStore:
         return self.out / SHARD_DIR / f"shard-{self._tag}-{self._seq:06d}.safetensors"
 
     def _write_shard(self) -> tuple[Path, tuple[int, str, int, dict]]:
-        """Write the shard under its final name: (its path, (size, xxh3 of its header, data start, parsed
-        header)). Staged and published by the backend: locally a temp file and a rename; on object storage
-        a local temp file in one exclusive upload, under the next sequence number while a name is taken."""
+        """Write the shard under its final name, staged and published by the backend: (its path, (size, xxh3
+        of its header, data start, parsed header))."""
         from safetensors.torch import save_file
 
         tensors = {
             f"{row}/{name}": t for row, (_, feats, _) in enumerate(self._buffer) for name, t in feats.items()
         }
-        # The id list in the header makes a shard self-describing (an index could be rebuilt from shards).
+        # The ids in the header make a shard self-describing (an index could be rebuilt from shards).
         metadata = {
             "format": "pt",
             "vlfast_format": str(FORMAT_VERSION),
@@ -801,9 +736,8 @@ class FeatureStore:
         tmp = self._backend.stage(self._shard_path(), self._tag)
         try:
             save_file(tensors, tmp, metadata=metadata)
-            honour_umask(
-                tmp
-            )  # safetensors creates its files 0600: teammates on shared storage could not read
+            # safetensors creates its files 0600: teammates on shared storage could not read them
+            honour_umask(tmp)
             with open(tmp, "rb+") as f:
                 size = os.fstat(f.fileno()).st_size
                 data_start, raw_header, header = read_header(f, size)
@@ -811,8 +745,7 @@ class FeatureStore:
             written = (size, xxh3(raw_header), data_start, header)
             return self._backend.publish(tmp, self._shard_path(), self._next_shard_path), written
         finally:
-            # Ours: after a failure never renamed (on a full disk, space to give back now); on object storage
-            # the local staging copy. After a rename there is nothing left under this name.
+            # After a failure never renamed (on a full disk, space to give back now), or object storage's copy.
             self._backend.unstage(tmp)
 
     def _next_shard_path(self) -> Path:
@@ -827,24 +760,13 @@ class FeatureStore:
         import pyarrow.parquet as pq
 
         size, header_hash, data_start, header = written
-        rows: dict[str, list] = {
-            k: [] for k in ("id", "shard", "row", "rank", "features", "grid_thw", "meta")
-        }
+        rows: dict[str, list] = {k: [] for k in index_schema().names}
         rel = f"{SHARD_DIR}/{shard.name}"
         for row, (sid, feats, meta_json) in enumerate(self._buffer):
-            entries = []
-            for fname, t in feats.items():
-                start, end = header[f"{row}/{fname}"]["data_offsets"]
-                entries.append(
-                    {
-                        "name": fname,
-                        "dtype": _DTYPES[t.dtype],
-                        "shape": list(t.shape),
-                        "offset": data_start + start,
-                        "nbytes": end - start,
-                        "xxh3": checksums[row][fname],
-                    }
-                )
+            entries = [
+                feature_entry(fname, header[f"{row}/{fname}"], data_start, checksums[row][fname])
+                for fname in feats
+            ]
             rows["id"].append(sid)
             rows["shard"].append(rel)
             rows["row"].append(row)
@@ -867,8 +789,8 @@ class FeatureStore:
         pq.write_table(table, sink, write_page_checksum=True)
         data = sink.getvalue().to_pybytes()
         part = self.out / INDEX_DIR / part_name(self.rank, self._seq, xxh3(data))
-        # What each sample's input was, beside the index (store/inputs.py): before the commit, so a
-        # committed part's samples have their records (a kill in between leaves rows no part points at)
+        # Each sample's input record (store/inputs.py), before the commit, so a committed part's samples
+        # have theirs (a kill in between leaves rows no part points at)
         tag = f"{self._tag}-{os.getpid()}"
         records = self._buffer_inputs
         write_inputs(
