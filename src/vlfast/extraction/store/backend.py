@@ -1,11 +1,9 @@
 """Where a FeatureStore's bytes go: a local folder or a folder on object storage, behind one interface.
 
 :class:`LocalBackend` commits through a temp file, fsync, rename and an fsync of the folder, and guards each
-rank with an flock; :class:`ObjectBackend` has no renames and no locks: it uploads each file whole, the
-commit markers with an exclusive create, and deletes an orphan shard only once it is ``ORPHAN_AGE`` old.
-:func:`backend_for` picks one for an OUT; the writer asks it and never branches on where OUT is. The
-commit protocol both serve is specified in docs/format.md ("Commits and crash safety", "OUT on object
-storage").
+rank with an flock; :class:`ObjectBackend` uploads each file whole, the commit markers with an exclusive
+create, and deletes an orphan shard only once it is ``ORPHAN_AGE`` old. The commit protocol is specified in
+docs/format.md ("Commits and crash safety", "OUT on object storage").
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ __all__ = [
 ]
 
 # On object storage, a shard without its index part is deleted only once it is this old (seconds): younger,
-# it may be a live writer's upload whose part is still on its way (there are no locks to ask).
+# it may be a live writer's upload whose part is on its way (there are no locks to ask).
 ORPHAN_AGE = 3600.0
 
 _LOCK_RE = re.compile(r"rank-(\d+)\.lock")
@@ -67,10 +65,8 @@ _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def try_lock(path: Path) -> int | None:
-    """Exclusive, non-blocking advisory lock on ``path``: the open fd, or None if another process holds it.
-
-    flock locks die with their process, so a SIGKILLed run never leaves a stale lock behind.
-    """
+    """Exclusive, non-blocking flock on ``path``: the open fd, or None if another process holds it. flock
+    locks die with their process, so a SIGKILLed run leaves no stale lock."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - no flock on Windows: run unguarded
@@ -82,8 +78,7 @@ def try_lock(path: Path) -> int | None:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return None
-        # Some network filesystems (Lustre without -o flock, old NFS) do not do locks at all: run
-        # unguarded rather than refuse to run.
+        # Some network filesystems (Lustre without -o flock, old NFS) have no locks: run unguarded.
         warnings.warn(
             f"cannot lock {path} ({e}); running without the one-writer-per-rank guard", stacklevel=3
         )
@@ -101,8 +96,7 @@ def lock_path(out: Path, rank: int) -> Path:
 
 
 def rank_is_held(out: Any, rank: int) -> bool:
-    """Whether a live process holds ``rank`` of the local folder ``out`` now (its store is open). Always
-    False on object storage, which has no locks."""
+    """Whether a live process holds ``rank`` of the local folder ``out`` now (False on object storage)."""
     out = resolve_out(out)
     if not is_local(out):
         return False
@@ -128,12 +122,9 @@ def live_ranks(out: Any) -> list[int]:
 
 
 def put_object(path: Any, data: bytes | Path, exclusive: bool) -> None:
-    """One PUT of ``data`` (bytes, or a local file streamed up) to the object ``path``.
-
-    ``exclusive``: fail with FileExistsError instead of replacing an object that exists. s3fs sends S3's
-    ``If-None-Match: *`` (also on the multipart upload's completion), so two writers racing for one name
-    cannot both win; other fsspec stores check for the name first (not atomic).
-    """
+    """One PUT of ``data`` (bytes, or a local file streamed up) to the object ``path``. ``exclusive``: fail
+    with FileExistsError instead of replacing an object. s3fs sends S3's ``If-None-Match: *`` (also on a
+    multipart upload's completion), so two racing writers cannot both win; other stores check first."""
     fs, key = path.fs, path.path
     mode = "create" if exclusive else "overwrite"
 
@@ -163,12 +154,12 @@ def put_object(path: Any, data: bytes | Path, exclusive: bool) -> None:
     fs.invalidate_cache(key)
 
 
-def _modified(path: Any) -> float | None:
-    """The object's last-modified time (epoch seconds), or None if the store does not say."""
+def _orphaned(path: Any, now: float) -> bool:
+    """Whether the object is older than ``ORPHAN_AGE`` (no: the store does not say its age)."""
     try:
-        return path.fs.modified(path.path).timestamp()
+        return now - path.fs.modified(path.path).timestamp() > ORPHAN_AGE
     except (NotImplementedError, FileNotFoundError, OSError, AttributeError):
-        return None
+        return False
 
 
 def _space(folder: Path, e: BaseException) -> tuple[str, str]:
@@ -198,11 +189,9 @@ def _not_writable(out: Any, e: OSError) -> OutputNotWritable:
 
 
 def _clear_owned(folder: Path, owned: Callable[[str], bool]) -> None:
-    """Delete what this format owns in ``folder``; through a symlinked folder, only its files, never the link.
-
-    Users point shards/ at a bigger disk with a symlink; ``rmtree`` refuses symlinks, and ignoring that
-    error once kept a whole old index alive under a new configuration. Errors propagate.
-    """
+    """Delete what this format owns in ``folder``; through a symlinked folder (shards/ on a bigger disk),
+    only its files, never the link: ignoring ``rmtree``'s refusal of a symlink once kept a whole old index
+    alive under a new configuration. Errors propagate."""
     if folder.is_symlink():
         if not folder.exists():  # a dangling link holds nothing: drop it, mkdir makes a real folder
             folder.unlink()
@@ -234,7 +223,7 @@ class LocalErrorLog:
         with commit_section():
             fresh = not self.path.exists()
             with open(self.path, "ab+") as f:
-                # A crash mid-append leaves a torn line without "\n"; start ours on a new line so it parses.
+                # A crash mid-append leaves a torn line without "\n": start ours on a new line.
                 if f.tell() > 0:
                     f.seek(-1, os.SEEK_END)
                     if f.read(1) != b"\n":
@@ -250,9 +239,8 @@ class LocalErrorLog:
 
 
 class ObjectErrorLog:
-    """Object storage cannot append: this session's error lines are uploaded again as one object (one PUT
-    replaces it whole) on every commit. Lines not uploaded when a kill comes are lost, and their samples are
-    simply tried again by the next run."""
+    """Object storage cannot append: this session's error lines are uploaded again as one object on every
+    commit. Lines a kill catches before their upload are lost, and their samples tried again."""
 
     def __init__(self, path: Any):
         self.path = path
@@ -292,8 +280,8 @@ class LocalBackend:
         return _not_writable(self.out, e)
 
     def lock(self, rank: int) -> None:
-        """Hold ``rank``: two processes writing the same rank would overwrite each other's shard names (two
-        runs without torchrun, or a stale run still alive), so the second one is refused."""
+        """Hold ``rank``: a second process writing it (two runs without torchrun, or a stale run still alive)
+        would overwrite shard names, so it is refused."""
         self._rank = rank
         try:
             (self.out / LOCK_DIR).mkdir(parents=True, exist_ok=True)
@@ -301,10 +289,7 @@ class LocalBackend:
         except OSError as e:
             if e.errno in _READ_ONLY:
                 raise self.not_writable(e) from None
-            if e.errno in (
-                errno.EEXIST,
-                errno.ENOTDIR,
-            ):  # a file where the folder belongs (made since the check)
+            if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where the folder belongs
                 raise DamagedFile(f"{self.out / LOCK_DIR} is not a folder. {MOVE_HINT}") from None
             raise
         if self._lock is None:
@@ -323,8 +308,8 @@ class LocalBackend:
             (self.out / sub).mkdir(exist_ok=True)
 
     def write(self, path: Path, data: bytes, tmp_tag: str, *, exclusive: bool = False) -> None:
-        """Write ``data`` to ``path`` whole or not at all: a temp file, fsync, rename, fsync the folder.
-        (``exclusive`` is for object storage; a rename replaces.)"""
+        """Write ``data`` to ``path`` whole or not at all (a rename replaces: ``exclusive`` is for object
+        storage)."""
         tmp = path.parent / f".tmp-{tmp_tag}-{path.name}"
         try:
             with open(tmp, "wb") as f:
@@ -338,8 +323,8 @@ class LocalBackend:
         fsync_dir(path.parent)
 
     def write_cache(self, folder: Path, files: Mapping[str, bytes], tmp_tag: str) -> None:
-        """Write ``files`` (name -> bytes) into ``folder``, each whole or not at all (temp + rename), without
-        fsync: for a cache whose reader checks every file (kept listings), where a torn write costs a miss."""
+        """Write ``files`` (name -> bytes) into ``folder``, each whole or not at all, without fsync: for a
+        cache whose reader checks every file (kept listings), where a torn write costs a miss."""
         folder.mkdir(exist_ok=True)
         for name, data in files.items():
             tmp = folder / f".tmp-{tmp_tag}-{name}"
@@ -361,10 +346,8 @@ class LocalBackend:
             fsync_dir(folder)
 
     def stage(self, shard: Path, tag: str) -> Path:
-        """Where a shard is written before its commit: in a temp folder of this rank beside it, garbage if
-        never renamed. A folder, not a name: safetensors' ``save_file`` writes through a temp file of its own
-        (``.tmpXXXXXX``, no rank in it) next to its target, which a SIGKILL would leave where no one could
-        tell whose it is; in this folder it is this rank's, and cleaned with it."""
+        """Where a shard is written before its commit: a temp folder of this rank beside it, so the temp file
+        safetensors' ``save_file`` makes next to its target (no rank in its name) is this rank's garbage."""
         folder = shard.parent / f".tmp-{tag}-{os.getpid()}.d"
         folder.mkdir(exist_ok=True)
         return folder / shard.name
@@ -379,8 +362,8 @@ class LocalBackend:
         os.fsync(f.fileno())
 
     def commit_file(self, staged: Path, path: Path) -> None:
-        """Give the staged file (:meth:`stage`) the name ``path``, whole or not at all: fsync, rename, fsync
-        of the folder (a rename replaces: a same-named index part has the same bytes)."""
+        """Give the staged file (:meth:`stage`) the name ``path``, whole or not at all (a rename replaces: a
+        same-named index part has the same bytes)."""
         with open(staged, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(staged, path)
@@ -424,9 +407,8 @@ class LocalBackend:
         self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Path]], None] | None = None
     ) -> None:
         """Delete temp files and shards without an index part (a crash between the two renames) of the ranks
-        ``owns_rank`` gives this store, unless a live process holds that rank. An uncovered shard that no
-        crash explains (its part deleted or lost: ``layout.uncovered_shards``) is handed to ``set_aside``
-        instead (the store moves it to quarantine), never deleted."""
+        ``owns_rank`` gives this store, unless a live process holds that rank. An uncovered shard no crash
+        explains (``layout.uncovered_shards``) goes to ``set_aside`` instead, never deleted."""
         index = self.out / INDEX_DIR
         uncovered = uncovered_shards(self.out)
         garbage: dict[int, list[Path]] = {}
@@ -438,8 +420,8 @@ class LocalBackend:
                 if m and (p.is_file() or (p.is_dir() and not p.is_symlink())):
                     garbage.setdefault(int(m.group(1)), []).append(p)
         for name, leftover in uncovered.items():
-            # a leftover: shard renamed but its index part never written: uncommitted, its samples will be
-            # redone. A folder under a shard's name is no shard a run wrote: never deleted with what it holds.
+            # A leftover (its part never written) is uncommitted: its samples are redone. A folder under a
+            # shard's name is no shard a run wrote: never deleted with what it holds.
             leftover = leftover and not (self.out / SHARD_DIR / name).is_dir()
             (garbage if leftover or set_aside is None else lost).setdefault(
                 int(SHARD_RE.match(name).group(1)), []
@@ -474,9 +456,8 @@ class LocalBackend:
 
 
 class ObjectBackend:
-    """A folder on object storage: no renames and no locks. Each file is one PUT of its final name (a PUT
-    is atomic: readers see the old object, the new one, or none); shards and index parts are created
-    exclusively (S3's If-None-Match), a shard staged in a local temp file first."""
+    """A folder on object storage: no renames and no locks. Each file is one (atomic) PUT of its final name;
+    shards and index parts are created exclusively, a shard staged in a local temp file first."""
 
     def __init__(self, out: Any, session: str):
         self.out = out
@@ -499,8 +480,7 @@ class ObjectBackend:
         pass  # an object store has no folders to make
 
     def write(self, path: Any, data: bytes, tmp_tag: str, *, exclusive: bool = False) -> None:
-        """One PUT; ``exclusive`` refuses to replace an existing object (FileExistsError) where the store
-        can say so atomically."""
+        """One PUT; ``exclusive`` refuses to replace an existing object (FileExistsError)."""
         put_object(path, data, exclusive)
 
     def write_cache(self, folder: Any, files: Mapping[str, bytes], tmp_tag: str) -> None:
@@ -527,13 +507,12 @@ class ObjectBackend:
         pass  # the upload reads the file back; nothing on this disk needs to survive a crash
 
     def commit_file(self, staged: Path, path: Any) -> None:
-        """Stream the staged file (:meth:`stage`) up to ``path`` in one exclusive create (FileExistsError
-        if it exists)."""
+        """Stream the staged file up to ``path`` in one exclusive create (FileExistsError if it exists)."""
         put_object(path, staged, exclusive=True)
 
     def publish(self, staged: Path, shard: Any, next_name: Callable[[], Any]) -> Any:
-        """Upload the staged shard in one exclusive create, taking the next name (``next_name``) while the
-        name is taken (a second writer of this rank, or an orphan not yet cleaned)."""
+        """Upload the staged shard in one exclusive create, taking the next name while the name is taken (a
+        second writer of this rank, or an orphan not yet cleaned)."""
         for _ in range(1000):
             try:
                 put_object(shard, staged, exclusive=True)
@@ -584,12 +563,9 @@ class ObjectBackend:
         self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Any]], None] | None = None
     ) -> None:
         """Delete shards whose index part never came (a writer killed between its two uploads); hand the
-        uncovered shards no kill explains (their parts deleted or lost: ``layout.uncovered_shards``) to
-        ``set_aside`` instead (the store moves them to quarantine), never deleted.
-
-        Without locks a young orphan cannot be told from a live writer's upload whose part is still on its
-        way, so only orphans older than ``ORPHAN_AGE`` seconds go; younger ones wait for a later run.
-        Readers never see orphans either way: they follow index parts only.
+        uncovered shards no kill explains (``layout.uncovered_shards``) to ``set_aside``, never deleted.
+        Without locks a young orphan cannot be told from a live writer's upload whose part is on its way, so
+        only orphans older than ``ORPHAN_AGE`` seconds go. Readers never see orphans: they follow parts only.
         """
         now = time.time()
         lost = []
@@ -597,8 +573,7 @@ class ObjectBackend:
             if not owns_rank(int(SHARD_RE.match(name).group(1))):
                 continue
             shard = self.out / SHARD_DIR / name
-            modified = _modified(shard)
-            if modified is None or now - modified <= ORPHAN_AGE:
+            if not _orphaned(shard, now):
                 continue
             if leftover or set_aside is None:
                 with contextlib.suppress(FileNotFoundError):
@@ -622,19 +597,16 @@ class ObjectBackend:
 def strays_to_move(out: Any, owns_rank: Callable[[int], bool]) -> list[str]:
     """What a store of ``out`` would move aside or remove on opening (store/layout.py), read only: a shard no
     index part covers of a rank ``owns_rank`` gives it (on object storage only once ``ORPHAN_AGE`` old). A
-    finished OUT with any is not "nothing to do": the store sets them right. (A file where a folder belongs
-    is refused before this is asked: ``layout.refuse_misplaced``.)"""
+    finished OUT with any is not "nothing to do". (A file where a folder belongs is refused before this is
+    asked: ``layout.refuse_misplaced``.)"""
     now = time.time()
-    names = []
-    for stray in find_strays(out):
-        if stray.kind != "uncovered" or not owns_rank(stray.rank):
-            continue
-        if not is_local(out):
-            modified = _modified(stray.path)
-            if modified is None or now - modified <= ORPHAN_AGE:
-                continue
-        names.append(stray.rel)
-    return names
+    return [
+        stray.rel
+        for stray in find_strays(out)
+        if stray.kind == "uncovered"
+        and owns_rank(stray.rank)
+        and (is_local(out) or _orphaned(stray.path, now))
+    ]
 
 
 def backend_for(out: Any, session: str) -> LocalBackend | ObjectBackend:
@@ -644,7 +616,7 @@ def backend_for(out: Any, session: str) -> LocalBackend | ObjectBackend:
 
 def _put_cache(path: Any, data: Any) -> None:
     """One PUT of a kept file: bytes as they are; an object that writes itself (a manifest's table, hundreds
-    of MB at ten million rows) into a local temp file first, streamed up from there, never copied in memory."""
+    of MB at ten million rows) through a local temp file, never copied in memory."""
     if not hasattr(data, "write_file"):
         put_object(path, data, False)
         return
@@ -655,14 +627,14 @@ def _put_cache(path: Any, data: Any) -> None:
 
 
 # A kept file is named ``<key>-<32 hex digits of its identity>.<suffix>``: the key is what it is of (a shard's
-# path or URL, a manifest's), the digits which version of it. Before, a listing was ``<32 hex>.json.gz``.
+# path or URL, a manifest's). Before, a listing was ``<32 hex>.json.gz``.
 _KEPT = re.compile(r"^(.+)-[0-9a-f]{32}(\.[a-z.]+)$")
 _KEPT_BEFORE = re.compile(r"^[0-9a-f]{32}\.json\.gz$")
 
 
 def superseded(names: Collection[str], written: Collection[str]) -> list[str]:
     """The kept files among ``names`` that the files ``written`` replace: other versions of the same key and
-    suffix (a shard or manifest that changed since), and listings named the way no version reads now."""
+    suffix, and listings named the way no version reads now."""
     keys = {(m.group(1), m.group(2)) for n in written if (m := _KEPT.match(n))}
     old = []
     for name in names:
@@ -674,10 +646,9 @@ def superseded(names: Collection[str], written: Collection[str]) -> list[str]:
 
 def keep_listings(out: Any, listings: Mapping[str, Any], tmp_tag: str) -> int:
     """Write an input's shard listings and manifest tables (name -> bytes, or an object that writes itself:
-    :mod:`vlfast.extraction.sources.kept`) into ``OUT/listings``, then delete what they replace (see
-    :func:`superseded`); how many were written. A cache: a write that fails (a full disk, a read-only OUT, a
-    refused upload) is skipped and costs the next run a listing; the samples' own commits report such
-    failures. ``tmp_tag`` starts with the writer's rank (``r00003-...``), whose garbage cleaning covers it."""
+    :mod:`vlfast.extraction.sources.kept`) into ``OUT/listings``, then delete what they replace; how many
+    were written. A cache: a write that fails is skipped and costs the next run a listing. ``tmp_tag``
+    starts with the writer's rank, whose garbage cleaning covers it."""
     if not listings:
         return 0
     backend = backend_for(out, "")
