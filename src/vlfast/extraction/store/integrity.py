@@ -1,22 +1,10 @@
-"""Integrity checks of an extraction folder: one index part with its shard, or the whole folder.
+"""Integrity checks of an extraction folder: one index part with its shards, or the whole folder.
 
-What is checked (docs/format.md, "Checksums: what covers what", says where each checksum lives):
-
-- the index part's bytes against the hash in its name, then Parquet's own page checksums;
-- the shard: present, exactly the size the part recorded (a truncated copy fails here), its header bytes
-  against the part's hash, the ids in the header against the index, and every tensor's offset, size,
-  dtype and shape against the index;
-- with ``data=True``, every tensor's bytes against its xxh3-64 in the index (the only check that reads the
-  data: ~1.5 GB/s here, bounded by the disk or page cache, not by the hash).
-
-The writer runs :func:`check_part` on resume and moves what fails aside; :func:`check_folder` is
-``vlfast out verify OUT`` and ``FeatureCache.check()``.
-
-:class:`HashRecord` is what lets a full check skip rehashing shards nothing has touched since their last
-full check: ``OUT/checked.json`` maps each index part that passed a full check to its shard's stamp then
-(locally size, mtime, ctime and inode; on object storage size and ETag). A part is taken as hashed only
-while its shard's stamp is unchanged; the part itself is pinned by the hash in its name, and the header is
-checked every time anyway.
+What is checked (docs/format.md, "Checksums: what covers what"): the index part's bytes against the hash in
+its name, then Parquet's page checksums; each shard's presence, size and header bytes against what its part
+recorded; with ``data=True``, every tensor's bytes against its xxh3-64 in the index (~1.5 GB/s here).
+:func:`check_part` runs on resume; :func:`check_folder` is ``vlfast out verify OUT``. :class:`HashRecord`
+(``OUT/checked.json``) lets a full check skip shards untouched since their last full check.
 """
 
 from __future__ import annotations
@@ -87,18 +75,16 @@ class PartCheck:
 
     part: Path
     shard: Path
-    ids: Sequence[
-        str
-    ]  # ids the part indexes, an ArrowStrings (a list, from the shard header, when the part is unreadable)
+    # ids the part indexes, an ArrowStrings (a list, from the shard header, when the part is unreadable)
+    ids: Sequence[str]
     problem: str | None = None  # what is wrong with the part or shard as a whole
     bad: list[tuple[str, str]] = field(default_factory=list)  # (id, feature) whose bytes fail their checksum
     checked_bytes: int = 0  # tensor bytes hashed
     config: dict | None = None  # the run configuration the part was made with
     config_hash: str | None = None
     shards: list[str] = field(default_factory=list)  # the shards it points at, relative to OUT
-    row_shards: Sequence[str] = field(
-        default_factory=list
-    )  # each id's shard, relative to OUT (parallel to ids)
+    # each id's shard, relative to OUT (parallel to ids)
+    row_shards: Sequence[str] = field(default_factory=list)
     # a consolidated part's damaged shards (relative to OUT) -> what is wrong: only their samples are redone
     bad_shards: dict[str, str] = field(default_factory=dict)
 
@@ -109,7 +95,7 @@ class PartCheck:
 
 def header_ids(shard: Path) -> list[str]:
     """Ids a shard's header lists, or [] when it cannot be read: to name the samples of an unreadable part
-    (or of a shard no part covers)."""
+    or an uncovered shard."""
     try:
         with open_shard(shard) as f:
             _, _, header = f.header()
@@ -119,7 +105,15 @@ def header_ids(shard: Path) -> list[str]:
     return ids if isinstance(ids, list) and all(isinstance(i, str) for i in ids) else []
 
 
-class _LocalShard:
+class _Opened:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _LocalShard(_Opened):
     """A local shard: one open file, its header read in place, its data hashed through a memory map."""
 
     def __init__(self, path: Path):
@@ -141,17 +135,13 @@ class _LocalShard:
             finally:
                 view.release()
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self._f.close()
 
 
-class RemoteShard:
+class RemoteShard(_Opened):
     """A shard on object storage, read by byte ranges (objstore's ranged reader, ``policy`` as the caller
-    needs): the header in one request (two if it is long), the data in windows of up to 64 MiB, so a check
-    never holds a whole shard in memory."""
+    needs): the header in one request (two if it is long), the data in windows of up to 64 MiB."""
 
     WINDOW = 64 << 20
     HEAD = 256 << 10  # bytes asked for first when reading the header
@@ -193,42 +183,28 @@ class RemoteShard:
             k = end
         return out
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
 
 def open_shard(path: Any, size: int | None = None) -> _LocalShard | RemoteShard:
-    """A shard opened for checking: ``size``, ``header()`` and ``hash_tensors(features)``. ``size``: an
-    object's size as a fresh listing gave it (else one request asks for it)."""
+    """A shard opened for checking: ``size``, ``header()`` and ``hash_tensors(features)``. ``size``: as a
+    fresh listing gave it (else one request asks for it)."""
     return _LocalShard(path) if is_local(path) else RemoteShard(path, size)
 
 
 def check_part(part: Path, *, data: bool = True) -> PartCheck:
     """Check one index part and every shard it points at; never raises for damage, only reports it. A
-    consolidated part's shards are judged one by one (``PartCheck.bad_shards``), so damage in one of them
-    costs that shard's samples only. The part's ids stay an Arrow column (``PartCheck.ids``); a shard's
-    rows become Python objects only when its check reads them."""
+    consolidated part's shards are judged one by one (``PartCheck.bad_shards``), so damage in one costs
+    that shard's samples only."""
     consolidated = is_consolidated(part)
     shard = part if consolidated else shard_of_part(part)
     try:
-        # The ids and shards now; the feature entries a shard's rows at a time when its check reads them
-        # (a full check).
+        # The ids and shards now; the feature entries a shard at a time, when a full check reads them.
         file = open_index_part(part)
         table = read_part_groups(file, part, None, ["id", "shard"])
     except DamagedFile as e:
         return PartCheck(part, shard, [] if consolidated else header_ids(shard), problem=str(e))
     meta = part_meta(table)
     ids = ArrowStrings.of_chunks(table.column("id"))  # a row group's ids a chunk: no copy of them all
-    check = PartCheck(
-        part,
-        shard,
-        ids,
-        config=meta["config"],
-        config_hash=meta["config_hash"],
-    )
+    check = PartCheck(part, shard, ids, config=meta["config"], config_hash=meta["config_hash"])
     check.row_shards = ArrowStrings(table.column("shard"))
     expected = part_shards(part, meta)
     check.shards = sorted(expected)
@@ -292,8 +268,8 @@ class _Verdict:
 
 
 def _listed_sizes(out: Any, shards: int) -> dict[str, int]:
-    """On object storage, the size of every shard of ``out`` from one fresh listing of its shard folder
-    (a page per 1,000 shards) instead of one request per shard; {} locally or for a part of one shard."""
+    """On object storage, every shard's size from one fresh listing of the shard folder instead of one
+    request per shard; {} locally or for a part of one shard."""
     if is_local(out) or shards < 2:
         return {}
     folder = out / SHARD_DIR
@@ -307,9 +283,8 @@ def _listed_sizes(out: Any, shards: int) -> dict[str, int]:
 
 
 class _Entries:
-    """The feature entries of an opened index part's rows, decoded a row group at a time as a shard's
-    check asks for them (a consolidated part of millions of rows is never decoded whole); the last few row
-    groups are kept, since a shard's rows are consecutive and shards are checked in order."""
+    """The feature entries of an opened index part's rows, decoded a row group at a time as a shard's check
+    asks for them; the last few row groups are kept (a shard's rows are consecutive, checked in order)."""
 
     KEEP = 4  # row groups decoded and kept (shards checked in threads on object storage touch a few)
 
@@ -337,8 +312,6 @@ class _Entries:
     def rows(self, keep: np.ndarray) -> list:
         """The entries of rows ``keep`` (ascending) as Python objects."""
         out: list = []
-        if len(keep) == 0:
-            return out
         groups = np.searchsorted(self._starts, keep, side="right") - 1
         for g in np.unique(groups).tolist():
             local = keep[groups == g] - self._starts[g]
@@ -347,9 +320,8 @@ class _Entries:
 
 
 def _rows_by_shard(shards: pa.Array) -> dict[str, range | np.ndarray]:
-    """Each shard name -> the positions of its rows, ascending: a ``range`` when they are consecutive, as
-    every writer and compaction leaves them (no array per row: sorting ten million rows' codes held 120 MB
-    more at a consolidated part's check), else an array."""
+    """Each shard name -> the positions of its rows, ascending: a ``range`` when consecutive, as every writer
+    and compaction leaves them (an array per row held 120 MB more at ten million rows), else an array."""
     import pyarrow as pa
 
     encoded = shards if pa.types.is_dictionary(shards.type) else shards.dictionary_encode()
@@ -387,15 +359,12 @@ def _check_shard(
     data: bool,
     listed_size: int | None = None,
 ) -> str | None:
-    """One shard against what its part recorded: the problem with it as a whole, if any; damaged tensors
-    are added to ``check.bad`` (and, in a consolidated part, make the shard bad).
+    """One shard against what its part recorded: its problem as a whole, if any; damaged tensors go to
+    ``check.bad`` (and, in a consolidated part, make the shard bad).
 
-    A header whose bytes match the checksum its part recorded is not compared with the index: the part is
-    pinned by the hash in its name and the header byte for byte by this one, so the ids and the layout are
-    the ones checked against each other when both were written. Without ``data`` that ends the check; with
-    it, each tensor's bytes are hashed at the offsets the index gives (a tensor outside the shard fails
-    its checksum). Comparing pinned headers again row by row was half of a full check's time at ten million
-    samples."""
+    A header whose bytes match the part's checksum is not compared with the index again (half of a full
+    check's time at ten million samples): both are pinned, and were checked against each other when
+    written. With ``data``, each tensor's bytes are hashed at the offsets the index gives."""
     if header_hash is None:
         return f"shard {shard}: its index part records no checksum of its header"
     try:
@@ -440,8 +409,7 @@ class CheckReport:
     bad_parts: list[dict[str, Any]] = field(default_factory=list)  # {"part", "shard", "reason", "samples"}
     damaged_error_lines: int = 0  # error records whose checksum fails (their samples will be redone)
     other_config_parts: list[str] = field(default_factory=list)  # parts made with another configuration
-    # what is not where the format puts it (store/layout.py): {"path", "problem", "kind"}; a file where a
-    # folder belongs (or the reverse), a shard no index part covers
+    # what is not where the format puts it (store/layout.py): {"path", "problem", "kind"}
     strays: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -465,16 +433,14 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
     started = time.perf_counter()
     report = CheckReport(str(out))
     run = read_run_file(out)
-    volatile = run.get("volatile_keys", [])
-    expected_hash = config_hash(stable_config(run.get("config", {}), volatile))
+    expected_hash = config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", [])))
     report.strays = [stray.to_dict() for stray in find_strays(out)]
     record = HashRecord(out, "r00000-verify")
     try:
         parts = committed_parts(out)
         for k, part in enumerate(parts):
             check = check_part(part, data=True)
-            # What this scan finds is what the next run must act on: a damaged part loses its record (even if
-            # its shard's stamp did not change: decay under the filesystem), a sound one gains it.
+            # A damaged part loses its record (even with its stamp unchanged: decay), a sound one gains it.
             if check.ok:
                 record.hashed(part, check.shards)
             else:
@@ -544,18 +510,10 @@ def _report_damage(report: CheckReport, check: PartCheck) -> None:
 class HashRecord:
     """Which committed parts passed a full check, and whether their shards are untouched since.
 
-    Open it BEFORE hashing: it stamps every shard then (one ``stat`` each locally, one listing on object
-    storage), and :meth:`hashed` records a part with that stamp, so a shard changed during the hash is
-    hashed again next time. Locally a stamp also counts only if the shard's ctime is older than a probe
-    file created first on the same filesystem: a write after the stamp then always moves the ctime past the
-    recorded one, even where timestamps are coarse (a write in the same clock tick as the shard's last one
-    would otherwise keep its stamp). On object storage an object cannot change without a new ETag; a store
-    whose listing gives none is never vouched for (always hashed).
-
-    What it does not catch: a change that leaves size, mtime, ctime and inode as they were, i.e. bytes that
-    decay under the filesystem (media, controller, a write to the block device) or a clock set back. Only
-    ``--verify`` (which reads every byte and drops a failing part's record) finds those.
-    Saving is best effort: a read-only OUT simply keeps no record, and every full check hashes.
+    Open it BEFORE hashing: it stamps every shard then, so a shard changed during the hash is hashed again
+    next time. Locally a stamp counts only if the shard's ctime is older than a probe file created first,
+    even with coarse timestamps; on object storage a store whose listing gives no ETag is never vouched for.
+    Bytes that decay leaving the stamp as it was are found by ``--verify`` only. Saving is best effort.
     """
 
     def __init__(self, out: Any, tag: str):
@@ -613,8 +571,8 @@ class HashRecord:
         self._changed = True
 
     def save(self) -> None:
-        """Write the record (merged with what another process recorded meanwhile: a race loses entries,
-        which are hashed again, and never adds one); best effort."""
+        """Write the record, merged with what another process recorded meanwhile (a race can lose entries,
+        never add one); best effort."""
         try:
             if self._changed:
                 merged = {
