@@ -1,18 +1,10 @@
 """Compaction: one consolidated index part in place of a rank's many small ones.
 
-A consolidated part holds the rows of several committed parts of one rank (the same schema; its rows point
-at the same shard files, which are never rewritten) and says in its Parquet metadata which shards it points
-at (with each one's size and header checksum, as the parts it replaces recorded them) and which parts it
-supersedes. It is committed like any part (temp file, fsync, rename; on object storage one exclusive
-upload), and only then are the parts it supersedes deleted. Readers ignore superseded parts while they still
-exist, so a kill between the commit and the deletions leaves a folder that reads each sample once; the next
-compaction of that rank finishes the deletions. The format is specified in docs/format.md ("On-disk
-layout", "Commits and crash safety").
-
-Why one rank at a time: a rank's parts are written by one process (the lock locally; the launcher on
-object storage), so the process that wrote them can compact them under its own lock when it closes, without
-waiting for or coordinating with the other ranks, and ``vlfast out compact OUT`` takes each rank's lock
-in turn (skipping a rank a live process holds).
+A consolidated part holds the rows of several parts of one rank (pointing at the same shards) and names in
+its metadata the shards it points at and the parts it supersedes. It is committed like any part, and only
+then are those parts deleted; readers ignore superseded parts while they exist. A rank's parts have one
+writer, which compacts them under its own lock when it closes; ``vlfast out compact OUT`` takes each rank's
+lock in turn. The format is specified in docs/format.md.
 """
 
 from __future__ import annotations
@@ -93,7 +85,7 @@ def write_consolidated(
     out: Path, backend: Any, table, span: tuple[int, int, int], meta: dict[bytes, bytes], tag: str
 ) -> Path:
     """Commit ``table`` (the index schema) as the consolidated part of ``span`` (rank, first, last) with the
-    key-value metadata ``meta``: named with its own xxh3, written whole or not at all, exclusively."""
+    key-value metadata ``meta`` (see :func:`commit_consolidated`)."""
     import pyarrow.parquet as pq
 
     table = _conform(table, index_schema())  # the shard column may have been read as a dictionary
@@ -104,8 +96,7 @@ def write_consolidated(
 
 @contextlib.contextmanager
 def _staged(out: Any, backend: Any, tag: str) -> Iterator[Path]:
-    """A local file to write a consolidated part into before its commit (the backend's staging: beside the
-    index locally, in a temp folder for object storage), removed afterwards unless committed."""
+    """A local file to write a consolidated part into before its commit, removed afterwards unless committed."""
     staged = backend.stage(out / INDEX_DIR / "consolidated.parquet", tag)
     try:
         yield staged
@@ -114,23 +105,20 @@ def _staged(out: Any, backend: Any, tag: str) -> Iterator[Path]:
 
 
 def commit_consolidated(out: Any, backend: Any, staged: Path, span: tuple[int, int, int], tag: str) -> Path:
-    """Commit the Parquet file ``staged`` (written by :func:`_staged`) as the consolidated part of ``span``:
-    named with its own xxh3, written whole or not at all, exclusively. The file is hashed as it is read, and
-    moved (locally) or streamed up (object storage): its bytes are never held in memory (140 MB at ten million
-    samples, twice on object storage before)."""
+    """Commit the Parquet file ``staged`` as the consolidated part of ``span``: named with its own xxh3,
+    written whole or not at all, exclusively; hashed as it is read and moved or streamed up, never held in
+    memory (140 MB at ten million samples)."""
     part = out / INDEX_DIR / compact_part_name(*span, file_xxh3(staged))
     with contextlib.suppress(FileExistsError):  # named by its own hash: an existing one has these bytes
         backend.commit_file(staged, part)  # <- the commit
-    # Read back against its name (every byte) before anything it supersedes is deleted. Nothing more is
-    # decoded: the name's xxh3 covers every byte (decoding its ids was 220 MB more at ten million samples).
+    # Read back against its name (every byte, nothing decoded) before anything it supersedes is deleted.
     check_part_bytes(part)
     return part
 
 
 def finish_deletions(out: Path, backend: Any, rank: int) -> int:
-    """Delete the parts of ``rank`` that a sound consolidated part present supersedes (left by a kill between
-    a compaction's commit and its deletions); returns how many. A consolidated part that fails its checksum
-    deletes nothing: the parts it replaced are what rebuilds it."""
+    """Delete the parts of ``rank`` that a sound consolidated part present supersedes (a kill between a
+    compaction's commit and its deletions); returns how many. A damaged consolidated part deletes nothing."""
     index = out / INDEX_DIR
     names = set(list_names(index))
     doomed: set[str] = set()
@@ -143,7 +131,7 @@ def finish_deletions(out: Path, backend: Any, rank: int) -> int:
         if not present:
             continue
         try:
-            check_part_bytes(index / name)  # every byte against the checksum in its name; nothing decoded
+            check_part_bytes(index / name)
         except DamagedFile:
             continue
         doomed.update(present)
@@ -156,12 +144,10 @@ _ROW_GROUP = 1 << 17  # rows per row group of a consolidated part, and at most h
 
 
 class _Stream:
-    """The rows of a rank's sound live parts, written into one Parquet file one row group at a time: memory
-    holds one row group, not the rank's whole index. Two passes, since the file's key-value metadata is
-    given when its writer opens (pyarrow 15, the declared floor, cannot add it later): :meth:`gather`
-    takes each part's footer metadata (shards, names superseded, configuration, parts used; a damaged
-    part, or one of another configuration, stays as it is), then
-    :meth:`write` reads the parts used again and streams their rows into a staged file."""
+    """The rows of a rank's sound live parts, written into one Parquet file a row group at a time. Two
+    passes, since the file's key-value metadata is given when its writer opens (pyarrow 15 cannot add it
+    later): :meth:`gather` takes each part's footer metadata (a damaged part, or one of another
+    configuration, stays as it is), then :meth:`write` streams the rows of the parts used."""
 
     def __init__(self, expected: str):
         self.expected = expected
@@ -186,17 +172,15 @@ class _Stream:
         self.used.append(part)
 
     def write(self, out: Any, meta: dict[bytes, bytes], dest: Path) -> None:
-        """Write the consolidated file to ``dest``, with ``meta`` as its key-value metadata. A part used that
-        cannot be read now (it was a moment ago, under this rank's lock) raises DamagedFile, and compaction
-        leaves the parts as they are for the next check to judge."""
+        """Write the consolidated file to ``dest`` with ``meta``. A part used that cannot be read now raises
+        DamagedFile, and compaction leaves the parts as they are for the next check to judge."""
         import pyarrow.parquet as pq
 
         schema = index_schema()
         pending: list = []
         held = 0
         with pq.ParquetWriter(dest, schema.with_metadata(meta), write_page_checksum=True) as writer:
-            # A part's row groups one at a time: the consolidated part of an earlier run (millions of rows)
-            # is never decoded whole.
+            # A part's row groups one at a time: an earlier consolidated part is never decoded whole.
             for part, file in zip(self.used, map_parts(out, open_index_part, self.used)):
                 for g in range(file.num_row_groups):
                     table = read_part_groups(file, part, [g])
@@ -216,9 +200,8 @@ class _Stream:
 
 
 def _schema_or_none(part: Path) -> Any:
-    """``part``'s schema and key-value metadata (an empty table) once its bytes pass the checksum in its name,
-    or None if they do not. Nothing is decoded: the ids of a consolidated part of ten million rows were
-    decoded here only to be dropped (about 220 MB at a writer's close)."""
+    """``part``'s schema and key-value metadata (an empty table) once its bytes pass the checksum in its
+    name, or None. Nothing is decoded (a consolidated part's ids cost 220 MB at ten million rows)."""
     try:
         return open_index_part(part).schema_arrow.empty_table()
     except DamagedFile:
@@ -248,10 +231,9 @@ def compact_rank(
     expected: str | None = None,
 ) -> Compaction:
     """Replace the live parts of ``rank`` by one consolidated part when there are at least ``min_parts``,
-    then delete them (and whatever an earlier, killed compaction left). The caller holds the rank (its lock
-    locally). A full disk raises the backend's OutputFull: the parts stay and the folder reads as before.
-    The rows stream through one row group at a time (:class:`_Stream`). ``expected``: the configuration hash
-    the parts must carry, where the caller has it (the writer; else run.json is read for it)."""
+    then delete them (and whatever an earlier, killed compaction left). The caller holds the rank. A full
+    disk raises the backend's OutputFull, the parts unchanged. ``expected``: the configuration hash the
+    parts must carry, where the caller has it (else run.json is read for it)."""
     out = resolve_out(out)
     tag = tag or f"r{rank:05d}-{os.getpid()}"
     result = Compaction(rank)
@@ -295,7 +277,7 @@ def compact_rank(
 
 
 def _run_hash(out: Any) -> str:
-    """The configuration hash run.json records for ``out`` (refused as another format's by the read)."""
+    """The configuration hash run.json records for ``out``."""
     run = read_run_file(out)
     return config_hash(stable_config(run["config"], run.get("volatile_keys", [])))
 
@@ -307,8 +289,7 @@ def compact_folder(
     min_parts: int = 2,
     ranks: Collection[int] | None = None,
 ) -> list[Compaction]:
-    """``vlfast out compact OUT``: compact every rank's parts (of folders whose runs were stopped
-    before they closed), or only ``ranks``. Locally each rank's lock is
+    """``vlfast out compact OUT``: compact every rank's parts, or only ``ranks``. Locally each rank's lock is
     taken in turn: a rank a live process is writing is skipped, and says so."""
     out = resolve_out(out, storage_options)
     expected = _run_hash(out)  # a vlfast folder, and of this vlfast's format

@@ -2,15 +2,11 @@
 
 ``export(out, dest, format="parquet" | "lance")`` writes the columns ``id``, ``embedding`` (a fixed-size
 list of float32, or float16), ``path``, ``text``, ``instruction`` and ``n_tokens`` (the last four from each
-sample's meta, null where it has none). What is refused is refused before anything is written: a feature
-that is not one vector per sample, vectors of different lengths (naming the sample), an existing DEST
-without ``overwrite``, a DEST that is OUT or inside it (by identity). A value ``dtype`` cannot hold (float16
-overflows past 65504) is refused naming the sample once the streaming write reaches it: the temp table is
-removed, so nothing is written then either. The table is written under a hidden temp name beside DEST and
-renamed into place once complete (``vlfast._files.write_atomically``), so a killed export leaves DEST absent
-or as it was, never half a table under its name.
-Rows stream in batches of ``batch_rows``: memory holds one batch of vectors, plus the index of OUT that
-:class:`FeatureCache` keeps (ids and meta, not tensors). docs/extract.md, "Export", says the rest.
+sample's meta, null where it has none). What is refused is refused before anything is written; a value
+``dtype`` cannot hold (float16 overflows past 65504) is refused when the streaming write reaches it, and
+the temp table is removed. The table is renamed into place once complete
+(``vlfast._files.write_atomically``), so a killed export leaves DEST absent or as it was. Rows stream in
+batches of ``batch_rows``. docs/extract.md, "Export", says the rest.
 """
 
 from __future__ import annotations
@@ -70,10 +66,9 @@ def export(
     batch_rows: int = BATCH_ROWS,
 ) -> ExportResult:
     """Write one vector per sample of ``out`` (a local folder or an fsspec URL, opened with
-    ``storage_options``) with its meta columns as one table at the local path ``dest``: a Parquet file
-    or a Lance dataset folder (``format`` None: lance when ``dest`` ends in .lance, else parquet, as the
-    CLI). ``feature`` defaults to ``embedding``; ``dtype`` is the vectors' type in the table. Rows come in
-    OUT's stored order (rank, then commit order; what ``FeatureCache`` iterates)."""
+    ``storage_options``) with its meta columns as one table at the local path ``dest``: a Parquet file or a
+    Lance dataset folder (``format`` None: lance when ``dest`` ends in .lance). ``feature`` defaults to
+    ``embedding``; ``dtype`` is the vectors' type in the table. Rows come in OUT's stored order."""
     start = time.monotonic()
     if format is None:
         format = "lance" if str(dest).rstrip("/").endswith(".lance") else "parquet"
@@ -135,9 +130,7 @@ def _choice(value: str, allowed: tuple[str, ...], what: str) -> str:
 
 
 def _refuse_dest_in_out(out: str | os.PathLike, dest: str | os.PathLike) -> None:
-    """DEST must lie outside OUT and OUT outside DEST (by identity: symlinks and other spellings count):
-    the table written there would replace OUT's own files (an index part is a Parquet file) or sit among
-    them, or replacing DEST would delete OUT."""
+    """DEST must lie outside OUT and OUT outside DEST, by identity (symlinks and other spellings count)."""
     if hasattr(out, "fs") or any(
         is_url(os.fspath(t)) and url_scheme(os.fspath(t)) != "file" for t in (out, dest)
     ):
@@ -163,7 +156,7 @@ def _refuse_dest_in_out(out: str | os.PathLike, dest: str | os.PathLike) -> None
 
 def _check_dest(dest: str | os.PathLike, format: str, overwrite: bool) -> Path:
     """DEST as a local path, refused if it is on object storage, or exists (without ``overwrite``), or is
-    not what ``overwrite`` may replace: a Parquet file for parquet, a Lance dataset folder for lance."""
+    not what ``overwrite`` may replace: a Parquet file, or a Lance dataset folder."""
     text = os.fspath(dest)
     if is_url(text) and url_scheme(text) != "file":
         raise InputRefused(
@@ -231,9 +224,8 @@ def _open(
 
 
 def _refuse_a_feature_never_extracted(out: Any, run: dict, feature: str | None) -> None:
-    """A feature no sample of OUT can hold, by the features run.json says it was extracted with (stored as
-    ``vision``, ``vision_mean``, ``grid_thw``, ``deepstack.K``, ``llm.POOL.layerN``, ``embedding``): refused
-    here, before the reader imports torch (seconds; the reader then checks every sample's own)."""
+    """Refuse a feature no sample of OUT can hold, by the features run.json says were extracted, before the
+    reader imports torch (seconds)."""
     config = run.get("config") if isinstance(run, dict) else None
     features = config.get("features") if isinstance(config, dict) else None
     names = features.get("names") if isinstance(features, dict) else features  # a list: a FeatureStore user's
@@ -248,8 +240,8 @@ def _refuse_a_feature_never_extracted(out: Any, run: dict, feature: str | None) 
 
 
 class _Feature:
-    """What the index says of one feature name over all samples: the first shape, the first sample
-    whose shape or dtype differs from it, how many samples hold it."""
+    """What the index says of one feature name over all samples: the first shape, the first sample whose
+    shape or dtype differs, how many samples hold it."""
 
     def __init__(self, sample_id: str, shape: list[int], dtype: str):
         self.first = (sample_id, tuple(shape), dtype)
@@ -266,8 +258,8 @@ class _Feature:
 
 
 def pick_vector(cache: FeatureCache, feature: str | None) -> tuple[str, int]:
-    """(feature, vector length) to export, decided from the index alone (no tensor is read): refused,
-    naming it, unless every sample holds the feature as one floating vector of one length."""
+    """(feature, vector length) to export, from the index alone: refused, naming it, unless every sample
+    holds the feature as one floating vector of one length."""
     n = len(cache)
     if n == 0:
         raise InputRefused(f"OUT {cache.out} holds no samples: nothing to export")
@@ -318,15 +310,15 @@ def _check_vector(cache: FeatureCache, feature: str, entry: _Feature, listed: st
             "out of OUT or export another feature."
         )
     if entry.count != len(cache):
-        missing = next(cache.info(i)["id"] for i in range(len(cache)) if not _holds(cache, i, feature))
+        missing = next(
+            cache.info(i)["id"]
+            for i in range(len(cache))
+            if not any(f["name"] == feature for f in cache.info(i)["features"])
+        )
         raise InputRefused(
             f"sample {missing!r} of OUT {cache.out} has no feature {feature!r} ({len(cache) - entry.count} of "
             f"{len(cache)} samples lack it); export a feature every sample holds: {listed}"
         )
-
-
-def _holds(cache: FeatureCache, i: int, feature: str) -> bool:
-    return any(f["name"] == feature for f in cache.info(i)["features"])
 
 
 def _provenance(cache: FeatureCache, feature: str) -> dict[str, str]:
@@ -343,8 +335,7 @@ def _provenance(cache: FeatureCache, feature: str) -> dict[str, str]:
 def _meta_columns(
     meta: dict, instruction: str | None = None
 ) -> tuple[str | None, str | None, str | None, int | None]:
-    """The meta columns of one sample; ``instruction`` stands for the run's, which a row without its own
-    was embedded with (run.json holds it once rather than every row)."""
+    """The meta columns of one sample; ``instruction`` stands for the run's (run.json holds it once)."""
 
     def text(key: str) -> str | None:
         value = meta.get(key, instruction if key == "instruction" else None)
@@ -356,8 +347,7 @@ def _meta_columns(
 
 
 def _batches(cache: FeatureCache, feature: str, dim: int, dtype: str, schema, rows: int) -> Iterator[Any]:
-    """Record batches of ``rows`` samples each, in the cache's order: shard after shard, each read in
-    row order (locally through its memory map, on object storage one ranged read per vector)."""
+    """Record batches of ``rows`` samples each, in the cache's order."""
     import numpy as np
     import pyarrow as pa
     import torch
@@ -397,8 +387,8 @@ def _batches(cache: FeatureCache, feature: str, dim: int, dtype: str, schema, ro
 
 
 def _refuse_overflow(sample_id: str, feature: str, stored, cast, dtype: str) -> None:
-    """Refuse a vector that ``dtype`` cannot hold: finite stored values the cast made inf (float16 tops
-    out at 65504). Non-finite stored values are exported as they are: they are what was computed."""
+    """Refuse a vector that ``dtype`` cannot hold (finite values the cast made inf); non-finite stored
+    values are exported as they are."""
     import torch
 
     if bool(torch.isfinite(cast).all()):
@@ -442,8 +432,7 @@ def _lance_writer(lance: Any, schema, batches: Iterator[Any], rows: int) -> Call
         try:
             written = lance.write_dataset(reader, str(tmp), schema=schema, mode="create").count_rows()
         except Exception:
-            # lance reports an error of the batches (a refusal, a damaged shard) as its own OSError whose
-            # text holds a traceback: the original says what to do
+            # lance wraps an error of the batches in its own OSError: the original says what to do
             if source.error is not None:
                 raise source.error from None
             raise

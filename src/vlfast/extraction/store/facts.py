@@ -1,27 +1,21 @@
 """What transformers answered about a model's files, kept in ``OUT/facts.json`` so that a finished OUT is
 answered without importing it (docs/extract.md, "Resume"; docs/format.md, "facts.json").
 
-A run's configuration holds answers that only transformers, with torch under it, gives: a checkpoint's
-family, its vision tower's config and class, the names of the tower's tensors the weights fingerprint hashes,
-the processor files as transformers loads them, and the class of image processor it picks (by what is
-installed: torchvision or not). Importing them was most of the 6.75 s a finished OUT's "nothing to do" took
-on a 2-core CPU (2026-12-01; about 1 s since: docs/benchmarks.md, "Start-up"). So each answer is recorded
-with the key it was asked under, and a later run takes it from the record only where the key it makes now is
-equal:
+A run's configuration holds answers only transformers (with torch) gives: a checkpoint's family, its vision
+tower's config, class and tensor names, the processor files and the image processor class it picks.
+Importing them was most of the 6.75 s a finished OUT's "nothing to do" took on a 2-core CPU. So each answer
+is recorded with the key it was asked under, and a later run takes it from the record only where the key it
+makes now is equal:
 
-- the model: ``ref:NAME``, or the xxh3 of every ``*.json`` file at the top of the checkpoint folder (the
-  config and processor files transformers reads for these answers: their bytes, not their path or times);
-- what is installed: the versions of Python, transformers, torch, torchvision and Pillow (package
-  metadata), and whether torchvision and PIL are found: what transformers picks its image backend by;
+- the model: ``ref:NAME``, or the xxh3 of every ``*.json`` file at the top of the checkpoint folder;
+- what is installed: the versions of Python, transformers, torch, torchvision and Pillow, and whether
+  torchvision and PIL are found (transformers picks its image backend by them);
 - vlfast's own code: the xxh3 of its source files, so that a vlfast that asks another way asks again.
 
-Making the key reads those files and the metadata (milliseconds). With an equal key transformers would give
-the same answers, so the configuration built from recorded answers is the one it would build now, and it is
-compared with run.json exactly as before: a processor class that changed is refused as it was. Any other key
-(a new transformers, torchvision installed, an edited processor file, another vlfast) asks transformers
-again and replaces the record. Like ``checked.json`` it is a cache: written when it can be (a read-only OUT
-keeps none, and each run asks), ignored when absent, damaged (its own xxh3) or made under another key; the
-xxh3 catches damage, not a hand edit meant to deceive, which ``checked.json`` does not resist either.
+With an equal key transformers would give the same answers, so the configuration built from the record is
+the one it would build now, compared with run.json as before. Like ``checked.json`` it is a cache: written
+when it can be, ignored when absent, damaged (its own xxh3, which catches damage, not a deceiving hand edit)
+or made under another key.
 """
 
 from __future__ import annotations
@@ -42,15 +36,14 @@ __all__ = ["FACTS_VERSION", "ModelFacts", "facts_key"]
 
 FACTS_VERSION = 1  # the record's layout; a vlfast that changes what an answer means changes its source too
 _FORMAT = "vlfast-facts"
-# What transformers picks its answers by, beside the files: its image backend is torchvision's where
-# torchvision (and torch >= 2.6) is found, else PIL's.
+# What transformers picks its answers by, beside the files (its image backend: torchvision's or PIL's).
 _INSTALLED = ("transformers", "torch", "torchvision", "pillow")
 
 
 class ModelFacts:
     """The answers about ``model`` (``ref:NAME`` or a checkpoint folder), from ``out``'s record where its key
-    is this one (``read``: an ``--overwrite`` reads none), else asked (see the module's docstring); what was
-    asked can be recorded (:meth:`save`). ``out`` None: everything asked, nothing recorded."""
+    is this one (``read``: an ``--overwrite`` reads none), else asked; what was asked can be recorded
+    (:meth:`save`). ``out`` None: everything asked, nothing recorded."""
 
     def __init__(self, model: str, out: Any = None, *, read: bool = True):
         self.model = model
@@ -65,7 +58,7 @@ class ModelFacts:
 
     def answer(self, name: str, ask: Callable[[], Any]) -> Any:
         """The answer ``name``: recorded, else ``ask()`` (which imports transformers), kept as JSON so that both
-        ways give the same value. An answer JSON cannot hold is returned as asked and never recorded."""
+        ways give the same value; one JSON cannot hold is returned as asked and never recorded."""
         if name in self._recorded:
             return copy.deepcopy(self._recorded[name])
         if name not in self._asked:
@@ -79,9 +72,8 @@ class ModelFacts:
         return copy.deepcopy(self._asked[name])
 
     def save(self, out: Any, tmp_tag: str) -> bool:
-        """Record in ``out`` what was asked here, beside what the record gave under the same key; whether it
-        was written. Best effort, as ``checked.json``: a read-only OUT or a full disk keeps no record.
-        ``tmp_tag`` starts with the writer's rank (``r00003-...``), whose garbage cleaning covers its temp."""
+        """Record in ``out`` what was asked here, beside what the record gave; whether it was written. Best
+        effort: a read-only OUT or a full disk keeps no record. ``tmp_tag`` starts with the writer's rank."""
         if not self._asked or self.key is None:
             return False
         from vlfast.extraction.store.backend import backend_for
@@ -103,8 +95,8 @@ class ModelFacts:
 
 
 def facts_key(model: str) -> dict[str, Any] | None:
-    """What the answers about ``model`` are made from (see the module's docstring); None where it cannot be
-    made (no such folder, no config.json): then every answer is asked, and says what is wrong."""
+    """What the answers about ``model`` are made from; None where it cannot be made (no such folder, no
+    config.json): then every answer is asked, and says what is wrong."""
     if ModelRef.of(model).is_reference:
         source: dict[str, Any] = {"reference": model}
     else:

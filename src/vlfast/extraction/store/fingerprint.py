@@ -1,15 +1,12 @@
 """Which weights a run used: a content hash of the tensors its features depend on, recorded in run.json.
 
 A new fine-tune saved into the same checkpoint folder keeps the path, the config and every tensor's name,
-dtype and shape, so a hash of the safetensors headers (or of file sizes) would not change: only the bytes
-do. The fingerprint therefore hashes the bytes, but only of the tensors the features read: the vision
-tower's for vision features (a fine-tune of the language model alone leaves them valid), every tensor plus
-the tokenizer and config files for ``llm`` features. It reads the safetensors files through a memory map
-with xxh3-128 (~14 GB/s from the page cache, so the cost is the disk's when the files are cold; the load
-that follows then reads them from the cache), before the model is built, so a refusal costs seconds.
+dtype and shape: only the bytes change. So the fingerprint hashes the bytes (xxh3-128 through a memory map,
+~14 GB/s from the page cache), before the model is built, of the tensors the features read only: the
+vision tower's for vision features, every tensor plus the tokenizer and config files for ``llm`` features.
 
-A reference tower (``ref:NAME``) has no files: its weights are generated from a seed, so its fingerprint
-is the recipe (name, seed) and the torch and transformers versions whose initialisers produce them.
+A reference tower (``ref:NAME``) has no files: its fingerprint is the recipe (name, seed) and the torch and
+transformers versions whose initialisers make its weights.
 """
 
 from __future__ import annotations
@@ -47,10 +44,9 @@ def weights_fingerprint(
 ) -> dict[str, Any]:
     """The ``weights`` entry of a run configuration for ``model`` (a checkpoint directory or ``ref:NAME``).
 
-    ``whole``: the features read the whole model (``llm``), not only the vision tower. What only torch and
-    transformers tell may be given, as recorded answers (:class:`~vlfast.extraction.store.facts.ModelFacts`):
-    ``tower_names``, the vision tower's tensor names (else the tower is built on the meta device to list
-    them); ``torch_version``, ``torch.__version__`` (else torch is imported). The bytes are hashed either way.
+    ``whole``: the features read the whole model (``llm``), not only the vision tower. Recorded answers
+    (:class:`~vlfast.extraction.store.facts.ModelFacts`) may be given: ``tower_names``, the vision tower's
+    tensor names (else the tower is built on the meta device); ``torch_version`` (else torch is imported).
     """
     if ModelRef.of(model).is_reference:
         from importlib import metadata
@@ -99,11 +95,8 @@ def weights_fingerprint(
 
 
 def hash_tensors(selected: dict[Path, list[str] | None]) -> tuple[str, int, int]:
-    """(xxh3-128 digest, tensor count, bytes) over the named tensors of each safetensors file (all if None).
-
-    Tensors are hashed on a few threads (xxhash releases the GIL): from a cold page cache that keeps
-    several reads in flight, ~1.4x faster here than one thread; warm it uses the cores.
-    """
+    """(xxh3-128 digest, tensor count, bytes) over the named tensors of each safetensors file (all if None),
+    hashed on a few threads (xxhash releases the GIL; from a cold page cache ~1.4x faster than one)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import xxhash

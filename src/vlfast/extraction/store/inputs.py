@@ -2,13 +2,9 @@
 
 A commit that has records writes ``inputs/inputs-r{rank}-{first}-{last}.parquet`` (first == last: the
 shard's sequence number) before its index part; a store's close merges its rank's files into one. Each row
-names its sample's id and shard (with the shard's header checksum, as the index part records it), so a
-row counts only while a live index part points at that very shard: rows of a shard moved aside, or of a
-commit a kill cut short, are never read as records. The index parts are left as they were (readers that
-hold a part whole, ``FeatureCache`` and the resume's check, do not grow with the records), and a sample
-committed without a record (a ``FeatureStore`` user's own) reads as unknown, never as changed. A local
-file's stamp and hashes are made the same here and where a sample is recorded (decode/inputs.py). What each
-check sees is docs/extract.md's ("Inputs that change").
+names its sample's id and shard (with the shard's header checksum), so a row counts only while a live index
+part points at that very shard. A sample committed without a record reads as unknown, never as changed.
+What each check sees is docs/extract.md's ("Inputs that change").
 """
 
 from __future__ import annotations
@@ -54,9 +50,8 @@ __all__ = [
 
 INPUTS_DIR = "inputs"
 INPUTS_RE = re.compile(r"^inputs-r(\d{5})-(\d{6})-(\d{6})\.parquet$")
-INPUT_SCHEME = (
-    1  # how ``key`` and ``content`` are made (sources/identity.py); rows of another are not compared
-)
+# how ``key`` and ``content`` are made (sources/identity.py); rows of another are not compared
+INPUT_SCHEME = 1
 MERGE_MIN_FILES = 8  # a store's close merges its rank's inputs files once there are this many
 MERGED_ROWS = 1 << 14  # rows per row group of a merged inputs file (a group read: a few MB)
 _BLOCK = 1 << 23  # bytes read at a time while hashing
@@ -90,9 +85,8 @@ def inputs_schema():
 
 
 def file_stamp(path: str) -> tuple[str, int, int]:
-    """(stamp, size, mtime_ns) of a local file: the stamp is "size:mtime_ns:ctime_ns:inode", which any write
-    through the filesystem moves (the ctime: no user call sets it back), a copy or a rename over it too (the
-    inode). Raises OSError."""
+    """(stamp, size, mtime_ns) of a local file: the stamp "size:mtime_ns:ctime_ns:inode" moves with any write
+    (the ctime), a copy or a rename over it (the inode). Raises OSError."""
     st = os.stat(path)
     return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}", st.st_size, st.st_mtime_ns
 
@@ -111,7 +105,7 @@ def hash_files(paths: Sequence[str]) -> str:
 
 def hash_range(path: str, offset: int, size: int) -> str:
     """xxh3-64 of ``size`` bytes of a local file from ``offset`` (a tar member's data); EOFError if the file
-    ends before them (a member cut off is not the member recorded), OSError if it cannot be read."""
+    ends before them, OSError if it cannot be read."""
     import xxhash
 
     h = xxhash.xxh3_64()
@@ -171,9 +165,8 @@ def write_inputs(
 
 def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = MERGE_MIN_FILES) -> int:
     """Merge rank ``rank``'s inputs files into one once there are ``min_files``, keeping the rows of live
-    shards only, a row group at a time into a staged file (under the rank's lock: its own files; the merged
-    file first, then the deletions, so a kill between leaves rows twice, which readers take as one).
-    Returns how many files it merged."""
+    shards only (the merged file first, then the deletions: a kill between leaves rows twice, which readers
+    take as one). Returns how many files it merged."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -188,8 +181,9 @@ def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = M
     staged = backend.stage(out / INPUTS_DIR / merged, tag)
     try:
         with pq.ParquetWriter(staged, inputs_schema(), write_page_checksum=True) as writer:
-            pending: list[Any] = []  # rows gathered into row groups of MERGED_ROWS: a read of the merged
-            for name in files:  # file then costs a few row groups, not one per commit
+            # rows gathered into row groups of MERGED_ROWS: a read of the merged file costs a few of them
+            pending: list[Any] = []
+            for name in files:
                 for table in _groups(out / INPUTS_DIR / name, None):
                     keep = _live_rows(table, live)
                     if keep.any():
@@ -199,9 +193,7 @@ def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = M
                         pending = []
             if pending:
                 writer.write_table(pa.concat_tables(pending).combine_chunks())
-        if (
-            merged in files
-        ):  # a merge of the same span cut short before: replaced (object storage: deleted first)
+        if merged in files:  # a merge of the same span cut short before: replaced
             backend.remove([out / INPUTS_DIR / merged])
         backend.commit_file(staged, out / INPUTS_DIR / merged)
     finally:
@@ -245,7 +237,7 @@ class _Schema:
 
 def _groups(path: Any, columns: Sequence[str] | None) -> Iterator[Any]:
     """An inputs file's row groups (``columns`` of them, with shard and header; all when None); none if it
-    cannot be read (a damaged record is no record: its samples are unknown, never changed)."""
+    cannot be read (a damaged record is no record)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -267,7 +259,6 @@ def _live_rows(table: Any, live: Mapping[str, str | None]) -> np.ndarray:
     shard, header = table.column("shard").combine_chunks(), table.column("header").combine_chunks()
     names, headers = shard.dictionary.to_pylist(), header.dictionary.to_pylist()
     at_header = {h: j for j, h in enumerate(headers)}
-    # Per shard of the dictionary: is it live, and which header it must have
     ok_shard = np.array([n in live for n in names] + [False], bool)
     want = np.array([at_header.get(live.get(n), -2) for n in names] + [-2], np.int64)
     rows_shard = np.asarray(shard.indices.fill_null(len(names)), np.int64)
@@ -284,9 +275,8 @@ class Recorded:
 
     @staticmethod
     def has(sorted_values: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """Whether each of ``values`` is in ``sorted_values`` (bool array). The values are looked up in
-        their own sorted order: in ten million sorted keys (80 MB, past every cache) lookups in input order
-        miss the cache at each step (23 s for ten million here), in sorted order they walk it once."""
+        """Whether each of ``values`` is in ``sorted_values`` (bool array), looked up in their own sorted
+        order: in input order, ten million lookups in 80 MB of keys miss the cache at each step (23 s)."""
         if not len(sorted_values) or not len(values):
             return np.zeros(len(values), bool)
         order = np.argsort(values)
@@ -304,8 +294,8 @@ def _sorted(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def recorded_keys(out: Any, parts: Sequence[Path], field: str = "key") -> Recorded:
-    """The ``field`` ("key": entry keys, "content": content keys) recorded for the shards ``parts`` point at,
-    and the id hashes of those shards' samples that have no record. Empty when ``out`` records nothing: its ids are not read for nothing."""
+    """The ``field`` ("key" or "content") recorded for the shards ``parts`` point at, and the id hashes of
+    those shards' samples without a record; empty when ``out`` records nothing."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -352,10 +342,8 @@ def _unrecorded(parts: Sequence[Path], shards: set[str]) -> list[np.ndarray]:
 
 def changed_on_disk(out: Any, parts: Sequence[Path], keys_now: np.ndarray) -> tuple[list[str], int, int]:
     """The full check of recorded local inputs: (ids whose bytes differ from those recorded, inputs stat'ed,
-    inputs hashed). Only rows of live shards whose entry key is in ``keys_now`` (sorted: this rank's
-    entries, which name the same place as when they were read) are looked at. A stamp unchanged since the
-    record vouches for the bytes; one that moved has them hashed again. An input that cannot be read now
-    (missing, a storage outage) is not called changed: only bytes seen to differ are."""
+    inputs hashed), for rows of live shards whose entry key is in ``keys_now`` (sorted). An unchanged stamp
+    vouches for the bytes; an input that cannot be read now is not called changed."""
     import pyarrow as pa
 
     changed: list[str] = []
@@ -396,8 +384,8 @@ def changed_on_disk(out: Any, parts: Sequence[Path], keys_now: np.ndarray) -> tu
 def _differs(
     path: str, member: str | None, offset: int | None, size: int | None, stamp: str | None, digest: str
 ) -> tuple[bool, bool] | None:
-    """(whether a recorded local input's bytes differ now, whether they were hashed to tell); None when
-    nothing can be said (the input cannot be read now)."""
+    """(whether a recorded local input's bytes differ now, whether they were hashed to tell); None when it
+    cannot be read now."""
     if is_url(path):
         return None
     paths = [path] if member is not None else path.split("\x00")
@@ -422,10 +410,9 @@ def _differs(
 
 
 def mark_stale(check: Any, stale: Any) -> int:
-    """Make a sound part's ``check`` (integrity.PartCheck) fail for what holds ids of ``stale`` (an Arrow
-    array of ids whose inputs changed since they were extracted): its shard, or in a consolidated part the
-    shards holding them, which the writer then moves aside as it moves damage aside, so that every sample
-    in them is extracted again. Returns how many of its ids are stale (0: the check is left as it was)."""
+    """Make a sound part's ``check`` fail for what holds ids of ``stale`` (ids whose inputs changed): its
+    shard, or in a consolidated part the shards holding them, which the writer then moves aside so their
+    samples are extracted again. Returns how many of its ids are stale (0: the check is left as it was)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 

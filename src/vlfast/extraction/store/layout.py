@@ -1,22 +1,13 @@
-"""What in OUT is not where the format puts it: a file where a folder belongs (or a folder where a file
-belongs), a shard no index part covers.
+"""What in OUT is not where the format puts it: a file where a folder belongs (or the reverse), a shard no
+index part covers. Readers never serve these, but each hides something (``index/`` deleted makes an OUT
+look empty). :func:`find_strays` lists them for ``vlfast out verify`` and a run's preflight;
+:func:`uncovered_shards` tells the store which uncovered shards a kill explains (deleted) and which it does
+not (moved to quarantine). Files of other names are left alone.
 
-Readers follow index parts only, so none of these is ever served; but each hides something. A file named
-``index`` leaves an OUT with shards and no readable index; ``index/`` deleted leaves every shard uncovered,
-which a reader would take for an empty OUT; an errors file that is a folder blocks the next error record.
-:func:`find_strays` lists them all, for ``vlfast out verify`` (each one a finding) and for the preflight
-of a run (a finished OUT with strays is not "nothing to do": the store sets them right);
-:func:`uncovered_shards` tells the store which uncovered shards a kill explains (deleted, as before) and which
-it does not (moved to quarantine, never deleted). Files of other names are not the format's, and are left
-alone wherever they are (as ``--overwrite`` leaves them).
-
-A kill between a shard's commit and its index part's leaves one shard above every part of its rank, and the
-next start of that rank removes it before it writes anything; so locally a rank never holds two such shards,
-nor one below a part of its rank. On object storage a killed session's shard stays until it is an hour old
-(``backend.ORPHAN_AGE``) while later sessions commit above it. Any other uncovered shard lost its index part
-(deleted, or a killed ``--overwrite``, which deletes the index first). What cannot be told apart: a rank's
-last part deleted leaves what a kill leaves (its shard is deleted as a kill's); and a rank killed before its
-first commit leaves what a lost index of one shard leaves (that shard is moved aside, not deleted).
+A kill between a shard's commit and its index part's leaves one shard above every part of its rank, which
+the next start of the rank removes (on object storage once ``backend.ORPHAN_AGE`` old). Any other uncovered
+shard lost its index part. Not told apart: a rank's last part deleted leaves what a kill leaves, and a rank
+killed before its first commit what a lost one-shard index leaves (moved aside).
 """
 
 from __future__ import annotations
@@ -78,17 +69,15 @@ class Stray:
 
 
 def not_folders(out: Any) -> list[Path]:
-    """The folders of :data:`FOLDERS` that exist in the local ``out`` as something else: a file, a dangling
-    link. ([] on object storage, whose folders are key prefixes: an object named ``index`` does not hide
-    ``index/``.)"""
+    """The folders of :data:`FOLDERS` that exist in the local ``out`` as something else (a file, a dangling
+    link); [] on object storage, where an object named ``index`` does not hide ``index/``."""
     if not is_local(out):
         return []
     return [out / n for n in FOLDERS if os.path.lexists(out / n) and not (out / n).is_dir()]
 
 
 def not_files(out: Any) -> list[Path]:
-    """run.json, checked.json and the error files of the local ``out`` that are folders ([] on object
-    storage: an object cannot be both)."""
+    """run.json, checked.json and the error files of the local ``out`` that are folders ([] on object storage)."""
     if not is_local(out):
         return []
     errors = out / ERROR_DIR
@@ -101,14 +90,13 @@ def not_files(out: Any) -> list[Path]:
 
 
 class Misplaced(InputRefused):
-    """A local OUT holds a file where the format keeps a folder, or a folder where it keeps a file: only a
-    hand edit makes that, so nothing is moved or repaired; the message says what to move out of OUT."""
+    """A local OUT holds a file where the format keeps a folder, or the reverse: only a hand edit makes that,
+    so nothing is moved; the message says what to move out of OUT."""
 
 
 def refuse_misplaced(out: Any, *, overwrite: bool = False) -> None:
     """Refuse (:class:`Misplaced`, exit 2) a local ``out`` holding something of :func:`not_folders` or
-    :func:`not_files`, before anything is written. ``overwrite``: a dangling link where a folder belongs
-    is what the overwrite replaces, not refused."""
+    :func:`not_files`. ``overwrite``: a dangling link where a folder belongs is replaced, not refused."""
     found = [(p, "a folder", "a file") for p in not_files(out)]
     for p in not_folders(out):
         if p.is_symlink() and not p.exists():
@@ -130,9 +118,8 @@ def _rel(out: Any, p: Any) -> str:
 
 
 def uncovered_shards(out: Any) -> dict[str, bool]:
-    """Each shard of ``out`` that no index part covers (name -> whether a kill explains it: the single shard
-    of its rank above every part of that rank, a rank with a part). Without a local ``index/`` folder no kill
-    explains any: a store makes ``index/`` before its first shard."""
+    """Each shard of ``out`` no index part covers -> whether a kill explains it (the single shard of its rank
+    above every part of that rank). Without a local ``index/`` no kill explains any."""
     shards = [n for n in list_names(out / SHARD_DIR) if SHARD_RE.match(n)]
     if not shards:
         return {}
@@ -155,17 +142,15 @@ def uncovered_shards(out: Any) -> dict[str, bool]:
             above.setdefault(rank, []).append(name)
     index_is_there = not is_local(out) or (out / INDEX_DIR).is_dir()
     for rank, names_above in above.items():
-        # A rank with no part at all: its one shard may be a kill's before the first commit, or the shard of
-        # an index that was lost; not told apart, so not deleted.
+        # A rank with no part: its one shard may be a kill's or a lost index's; not told apart, not deleted.
         if len(names_above) == 1 and index_is_there and rank in top:
             found[names_above[0]] = True
     return found
 
 
 def find_strays(out: Any, *, uncovered: bool = True) -> list[Stray]:
-    """Everything in ``out`` that is not where the format puts it (see the module docstring), in a stable
-    order: folders that are not folders, files that are not files, and with ``uncovered`` the shards no
-    index part covers."""
+    """Everything in ``out`` not where the format puts it, in a stable order: folders that are not folders,
+    files that are not files, and with ``uncovered`` the shards no index part covers."""
     strays = [
         Stray(
             p,

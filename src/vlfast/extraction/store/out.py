@@ -1,11 +1,9 @@
 """OUT, opened once per run: :class:`Out`, the one door through which the planner, the engines and the sources
 learn what an extraction folder holds.
 
-Nothing outside ``extraction/store/`` names OUT's files (run.json, index/, shards/, errors/, listings/,
-locks/, quarantine/) or parses run.json; they ask an :class:`Out`. It reads run.json once (the parsed document
-is kept for the run), refuses an OUT of another format before anything is written
-(:class:`~vlfast.extraction.store.format.OldFormat`, exit 2), and answers from the store's functions, which
-alone know the layout (docs/format.md, "On-disk layout").
+Nothing outside ``extraction/store/`` names OUT's files or parses run.json; they ask an :class:`Out`, which
+reads run.json once and refuses an OUT of another format before anything is written
+(:class:`~vlfast.extraction.store.format.OldFormat`, exit 2).
 """
 
 from __future__ import annotations
@@ -51,8 +49,8 @@ class Out:
     def open(
         cls, out: Any, storage_options: Mapping[str, Any] | None = None, *, check_format: bool = True
     ) -> Out:
-        """OUT resolved, an OUT on object storage probed (reachable, its bucket there), and with
-        ``check_format`` an OUT of another format refused: reads only."""
+        """OUT resolved and probed (:meth:`reach`), and with ``check_format`` an OUT of another format
+        refused: reads only."""
         if isinstance(out, Out):
             return out
         store = cls(cls.reach(out, storage_options))
@@ -71,7 +69,7 @@ class Out:
     @staticmethod
     def reach(out: Any, storage_options: Mapping[str, Any] | None = None) -> Any:
         """OUT resolved; on object storage probed first (reachable, its bucket there), so a wrong endpoint is
-        named before any work. Reads nothing of what OUT holds (a check of a folder judges that itself)."""
+        named before any work."""
         path = resolve_out(out, dict(storage_options) if storage_options else None)
         if not is_local(path):
             from vlfast.extraction.objstore import probe_out
@@ -81,8 +79,7 @@ class Out:
 
     @staticmethod
     def _shown(out: str, name: str) -> str:
-        """OUT's folder ``name`` as the user would name it, from OUT as typed (a URL keeps its ``//``, where a
-        Path would fold it): for a message saying where to look."""
+        """OUT's folder ``name`` as the user would name it, from OUT as typed (a URL keeps its ``//``)."""
         from vlfast.extraction.objstore import is_url
 
         return f"{out.rstrip('/')}/{name}" if is_url(out) else str(Path(out) / name)
@@ -115,20 +112,9 @@ class Out:
     def local(self) -> bool:
         return is_local(self.path)
 
-    @property
-    def errors_folder(self) -> Any:
-        """Where OUT's error records are (for a message saying where to look)."""
-        return self.path / ERROR_DIR
-
-    @property
-    def quarantine_folder(self) -> Any:
-        """Where damaged files are moved aside (for a message saying where to look)."""
-        return self.path / QUARANTINE_DIR
-
     def run_file(self, *, strict: bool = False) -> dict | None:
-        """run.json parsed and checked, read once: as it was when the run opened OUT. None: OUT has none, or
-        (unless ``strict``, which raises what reading it raised) it is damaged: the configuration check says
-        what is wrong with a damaged one. An OUT of another format is refused here."""
+        """run.json parsed and checked, read once. None: OUT has none, or (unless ``strict``, which raises
+        what reading it raised) it is damaged. An OUT of another format is refused here."""
         if self._run is _UNREAD:
             try:
                 self._run = read_run_file(self.path)
@@ -141,8 +127,8 @@ class Out:
         return self._run
 
     def recorded_config(self) -> dict[str, Any] | None:
-        """The configuration OUT records: run.json's, or the first index part's if run.json is lost. None for
-        an OUT that records none, or whose record cannot be read. Reads only."""
+        """The configuration OUT records: run.json's, or the first index part's if run.json is lost; None if
+        there is none or it cannot be read."""
         from vlfast.extraction.store.resume import first_part_config
 
         run = self.run_file()
@@ -189,8 +175,7 @@ class Out:
 
     @property
     def listings_folder(self) -> Any:
-        """Where OUT keeps WebDataset shard listings, read by ``sources.kept.KeptListings.of_folder`` (sources
-        and the store import neither the other: the plan hands the one the other's folder)."""
+        """Where OUT keeps WebDataset shard listings (``sources.kept.KeptListings.of_folder`` reads it)."""
         return self.path / LISTING_DIR
 
     def keep_listings(self, listings: Mapping[str, bytes], tag: str) -> None:
@@ -206,14 +191,10 @@ class Out:
         return find_strays(self.path, uncovered=uncovered)
 
     def restore_run_file(
-        self,
-        run_config: Mapping[str, Any],
-        volatile_keys: Collection[str],
-        tag: str,
+        self, run_config: Mapping[str, Any], volatile_keys: Collection[str], tag: str
     ) -> bool:
-        """Write run.json where a finished OUT lost it (whole or not at all, as the writer does); whether it was
-        written. Best effort, like the preflight's caches: a read-only OUT keeps none and says nothing here (its
-        readers say how to get it back)."""
+        """Write run.json where a finished OUT lost it, whole or not at all; whether it was written. Best
+        effort: a read-only OUT keeps none (its readers say how to get it back)."""
         from vlfast.extraction.store.backend import backend_for
         from vlfast.extraction.store.resume import canonical_config
         from vlfast.extraction.store.run_file import library_versions, run_file_bytes

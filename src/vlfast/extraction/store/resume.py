@@ -2,18 +2,10 @@
 
 Read-only throughout, so the pipeline answers a different configuration (``RunConfigMismatch``) or a
 finished OUT ("nothing to do") before it takes a lock or builds a model, and a read-only OUT works:
-
-- ``dist_info``, and ``partition`` / ``owner_rank`` (from :mod:`vlfast.extraction.ids`): the split of ids
-  between ranks (a hash of the id alone);
-- ``check_run_config``: the configuration against run.json or, if it was deleted, against what the
-  committed index parts carry;
-- ``plan_positions``: which entries this rank still has to extract, and its repeated ids;
-- ``read_state``: the ids OUT holds and the parts whose shard fails the quick check; every part's
-  configuration against the requested one (a part of another configuration is refused);
-- ``confirm_hashed``: the full check of a finished OUT, before it is called done (hashes what the record
-  of earlier full checks, ``OUT/checked.json``, does not vouch for).
-
-The writer (writer.py) runs the same checks again under its lock.
+``dist_info`` and ``owner_rank`` split the ids between ranks; ``check_run_config`` compares the
+configuration with run.json (or, if it was deleted, with the committed index parts); ``plan_positions``
+says what this rank has left; ``read_state`` what OUT holds (the quick check); ``confirm_hashed`` is the
+full check of a finished OUT. The writer runs the same checks again under its lock.
 """
 
 from __future__ import annotations
@@ -81,8 +73,7 @@ __all__ = [
     "unique_positions",
 ]
 
-# Top-level run-config keys allowed to differ on resume: library versions change when a user upgrades
-# mid-job, which does not change what the extraction means. Callers can pass their own set.
+# Top-level run-config keys allowed to differ on resume (a user upgrading mid-job changes no meaning).
 DEFAULT_VOLATILE_KEYS: tuple[str, ...] = ("versions", "library_versions", "created", "host")
 
 
@@ -101,12 +92,10 @@ class RunConfigMismatch(InputRefused):
         self.out = out
         self.diffs = diffs
         self.where = where or str(out / RUN_FILE)
-        # An index part of another configuration in an OUT whose run.json agrees with the request: a part and
-        # shard of another run were added (or copied) in. The part is named so the user can move it out.
+        # An index part of another configuration in an OUT whose run.json agrees: named, to be moved out.
         self.foreign = foreign
-        # run.json disagrees with every index part it was read against, and they agree with each other: it
-        # was replaced or edited, and the parts are the work to keep. "parts": they agree with this run (run
-        # the same command with run.json moved aside); "request": run.json agrees with this run, they do not.
+        # run.json disagrees with every index part, and they agree with each other: it was replaced or
+        # edited. "parts": they agree with this run; "request": run.json does, they do not.
         self.run_file_odd = run_file_odd
         # How to start over, in the caller's words: the CLI replaces it with its flag.
         self.remedy = "pass overwrite=True (CLI: --overwrite) to delete the existing shards and start again"
@@ -157,7 +146,7 @@ class RunConfigMismatch(InputRefused):
 
 def dist_info() -> tuple[int, int]:
     """(rank, world_size): torch.distributed if initialised, else env RANK/WORLD_SIZE (torchrun), else (0, 1).
-    Imports no torch: where it is not imported, nothing initialised torch.distributed."""
+    Imports no torch."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
@@ -214,13 +203,11 @@ def check_run_config(
 ) -> bool:
     """Refuse (RunConfigMismatch) if ``out`` holds a run of another configuration; reads only.
 
-    The configuration is run.json's; if run.json was deleted, the one its committed index parts carry, so
-    deleting it does not let any configuration through. A run.json that nothing in OUT depends on (no
-    committed part, no error record: its run stopped before it had anything to keep) is no run to resume,
-    and this answers as if it were absent, so that the corrected command replaces it. Returns whether
-    run.json exists and holds this configuration. ``held_rank``: the rank whose lock the caller holds
-    itself (the writer), which is no other live run. ``run``: OUT's :class:`~vlfast.extraction.store.out.Out`,
-    whose run.json was read once for the run (else it is read here).
+    The configuration is run.json's, or if it was deleted the one the committed parts carry. A run.json
+    nothing in OUT depends on (no part, no error record, no live rank) is no run to resume: answered as
+    absent, so the corrected command replaces it. Returns whether run.json exists and holds this
+    configuration. ``held_rank``: the rank whose lock the caller holds itself. ``run``: OUT's
+    :class:`~vlfast.extraction.store.out.Out`, whose run.json was read once for the run.
     """
     out = resolve_out(out)
     config = canonical_config(dict(run_config))
@@ -232,7 +219,7 @@ def check_run_config(
         parts = committed_parts(out)
         if parts and not config_diffs(config, first_part_config(parts) or {}, volatile_keys):
             raise RunConfigMismatch(out, diffs, run_file_odd="parts")
-        if parts or read_errors(out) or _a_rank_is_live(out, held_rank):
+        if parts or read_errors(out) or any(r != held_rank for r in live_ranks(out)):
             raise RunConfigMismatch(out, diffs)
         return False
     first = first_part(committed_parts(out))  # a damaged part is judged (and moved aside) when a store opens
@@ -268,12 +255,6 @@ def first_part_config(parts: Sequence[Path]) -> dict | None:
     return first[1]["config"] if first is not None else None
 
 
-def _a_rank_is_live(out: Path, held_rank: int | None) -> bool:
-    """Whether a live process holds a rank of the local folder ``out``: a run that has not committed yet
-    but is running, whose run.json must not be replaced under it (object storage has no locks: False)."""
-    return any(r != held_rank for r in live_ranks(out))
-
-
 def plan_positions(
     ids: Sequence[str],
     rank: int,
@@ -285,12 +266,10 @@ def plan_positions(
     unique: tuple[np.ndarray, list[tuple[int, int]]] | None = None,
 ) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """(positions of ``ids`` this rank still has to extract, as an int64 array; (repeat, first) position
-    pairs of this rank's repeated ids), in input order. A pure function: the store's ``plan`` and the
-    read-only preflight agree. Works on the ids as arrays (their hashes, see :class:`IdSet`), so ten
-    million entries cost seconds and no set of ``str``; ``hashes`` (:func:`hash_ids`) and ``mine`` (this
-    rank's entries, :func:`owned`) may be passed when the caller has them, and ``ids`` as an
-    :class:`~vlfast.extraction.ids.ArrowStrings` column; so may ``unique``, what :func:`unique_positions`
-    gave for the same ids (it does not depend on ``done``)."""
+    pairs of this rank's repeated ids), in input order. A pure function on the ids as arrays (ten million
+    cost seconds); ``hashes`` (:func:`hash_ids`), ``mine`` (:func:`owned`) and ``unique``
+    (:func:`unique_positions`, independent of ``done``) may be passed when the caller has them, and ``ids``
+    as an :class:`~vlfast.extraction.ids.ArrowStrings` column."""
     import pyarrow as pa
 
     if isinstance(ids, ArrowStrings):  # a caller planning again passes the column it made the first time
@@ -325,9 +304,7 @@ def unique_positions(
 
 def owned(ids: Sequence[str], rank: int, world_size: int) -> np.ndarray:
     """Whether rank ``rank`` of ``world_size`` owns each of ``ids`` (:func:`owner_rank`), as a bool array.
-    An Arrow column (:class:`ArrowStrings`) is hashed from its UTF-8 bytes a chunk at a time, without
-    making a ``str`` of each id (1.25 s per million ids here, against 1.8 s): the same blake2b, the same
-    owners."""
+    An Arrow column is hashed from its UTF-8 bytes, without a ``str`` per id (1.25 s per million, not 1.8)."""
     import pyarrow as pa
 
     if world_size == 1:
@@ -372,15 +349,12 @@ def read_state(
     run: Any = None,
 ) -> OutState:
     """Check ``run_config`` against ``out`` and say what it already holds; writes nothing, takes no lock.
-    With ``world_size`` > 1, what it holds of the ids rank ``rank`` owns: another rank's parts that hold only
-    ids that rank owns are not read (see :func:`~vlfast.extraction.store.format.split_parts`).
+    With ``world_size`` > 1, what it holds of the ids rank ``rank`` owns (other ranks' own parts unread).
 
-    The quick check (sizes, headers, ids) finds truncated or replaced shards, and every part's configuration
-    is compared with the request: a part of another one (added to a finished OUT under a free sequence
-    number, say) is refused with :class:`RunConfigMismatch`, as the writer refuses it. The full checksum
-    pass is :func:`confirm_hashed` (a finished OUT) or the writer's, when it opens. Recorded failures that
-    ``retry`` selects (``--retry-errors``, see :func:`~vlfast.extraction.store.format.parse_retry`) are not done,
-    nor are transient ones. ``run``: OUT's ``Out``, whose run.json was read once for the run.
+    The quick check (sizes, headers, ids) finds truncated or replaced shards; a part of another
+    configuration is refused with :class:`RunConfigMismatch`, as the writer refuses it. The full pass is
+    :func:`confirm_hashed` or the writer's. Failures ``retry`` selects are not done, nor transient ones.
+    ``run``: OUT's ``Out``, whose run.json was read once for the run.
     """
     out = resolve_out(out)
     if is_local(out):
@@ -416,7 +390,7 @@ def read_state(
         raise RunConfigMismatch(
             out, diffs, where=str(part), foreign=part if has_run_file and not odd else None, run_file_odd=odd
         )
-    # What the store would move aside (a foreign file, a shard whose part was lost): not "nothing to do"
+    # What the store would move aside: not "nothing to do"
     state.damaged += strays_to_move(out, lambda r: r % world_size == rank)
     errors = read_errors(out)
     state.failed = {r["id"] for r in errors if done_by_error(r, retry) and r["id"] not in state.done}
@@ -426,10 +400,8 @@ def read_state(
 
 
 def confirm_hashed(out: str | os.PathLike, state: OutState, tag: str = "r00000") -> list[str]:
-    """The full check of the parts ``read_state`` found sound: every tensor hashed, except in the parts
-    whose shards passed an earlier full check and are untouched since (``OUT/checked.json``, see
-    :class:`~vlfast.extraction.store.integrity.HashRecord`). Returns the names of the parts that fail, and records
-    the ones that pass (best effort: a read-only OUT records nothing)."""
+    """The full check of the parts ``read_state`` found sound, but those :class:`HashRecord` vouches for:
+    the names of the parts that fail; the ones that pass are recorded (best effort)."""
     out = resolve_out(out)
     record = HashRecord(out, tag)
     failed: list[str] = []
