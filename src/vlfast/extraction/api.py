@@ -62,20 +62,16 @@ def extract(
     :class:`Sample`; it and ``out`` may be fsspec URLs (``s3://bucket/key``, with ``storage_options``).
 
     ``engine``: "local" (this process and its decode workers; under ``torchrun`` each rank takes its share,
-    or pass ``rank``/``world_size``), "ray" (:func:`~vlfast.extraction.engines.ray.extract_ray` for its
-    options), or an :class:`Engine`. Running the same call again skips what ``out`` holds, after checking
-    it (``resume_check``: "full" hashes every committed tensor, "quick" checks sizes and headers); damaged
-    shards are moved aside and redone; a different configuration or different weights are refused with
-    :class:`RunConfigMismatch` before the model loads. Bad samples, bad input rows, and samples whose
-    decoder crashed or ran past ``decode_timeout`` seconds are recorded in ``out/errors`` and the run goes
-    on; past ``max_errors`` recorded errors it stops (committed work is kept). A sample whose input could
-    not be read for a transient reason is recorded with kind "transient" and tried again by the next run;
-    ``retry_errors`` ("all", or kinds) tries recorded failures again. A sample whose decoding raises an
-    unexpected exception (a bug, not its media) is not recorded: ``summary.unexpected`` counts it and the
-    next run tries it again; ``UNEXPECTED_IN_A_ROW`` in a row raise :class:`UnexpectedSampleErrors`. Work
-    is committed at least every ``commit_every`` seconds, and on SIGTERM or Ctrl-C, which then raise
-    :class:`~vlfast.extraction.interrupts.Terminated` or ``KeyboardInterrupt``. The format of ``out``:
-    docs/extract.md.
+    or pass ``rank``/``world_size``), "ray" (:func:`extract_ray`), or an :class:`Engine`. Running the same
+    call again skips what ``out`` holds, after checking it (``resume_check``: "full" hashes every committed
+    tensor, "quick" checks sizes and headers); damaged shards are redone; a different configuration or
+    different weights are refused with :class:`RunConfigMismatch` before the model loads. Bad samples and
+    input rows, and decoders that crashed or ran past ``decode_timeout`` seconds, are recorded in
+    ``out/errors`` (past ``max_errors`` the run stops); a transient failure is tried again by the next run,
+    and so are recorded ones ``retry_errors`` selects. A sample whose decoding hits a bug is not recorded
+    (``summary.unexpected``); ``UNEXPECTED_IN_A_ROW`` in a row raise :class:`UnexpectedSampleErrors`. Work is
+    committed at least every ``commit_every`` seconds, and on SIGTERM or Ctrl-C, which then raise
+    :class:`~vlfast.extraction.interrupts.Terminated` or ``KeyboardInterrupt``. See docs/extract.md.
     """
     runner = engine_named(engine)
     config = runner.configure(ExtractConfig(**_known(options)))

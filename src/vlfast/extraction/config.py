@@ -70,12 +70,11 @@ class ExtractConfig:
     min_pixels: int | None = None
     max_pixels: int | None = None
     video_max_pixels: int | None = None
-    # Images turned upright by their EXIF tag, as transformers does for a path. None: as OUT was made; for a
-    # new OUT, yes (no for the Qwen3-VL-Embedding recipe, as its reference, qwen-vl-utils).
+    # Images turned upright by their EXIF tag. None: as OUT was made; for a new OUT, yes (not for the embedding
+    # recipe, as its reference, qwen-vl-utils).
     exif_orientation: bool | None = None
-    # Whose pixels images get: "torchvision" (transformers' torchvision image processor, whose operations vlfast
-    # does itself, with or without torchvision) or "pil" (transformers' PIL processor, which runs). None: as
-    # OUT was made; for a new OUT, torchvision (the embedding recipe: the class transformers picks).
+    # Whose pixels images get: transformers' "torchvision" image processor (vlfast does its operations) or
+    # its "pil" one (which runs). None: as OUT was made; for a new OUT, torchvision.
     image_backend: str | None = None
     # How it runs: may change on resume.
     device: str | torch.device | None = None
@@ -149,18 +148,12 @@ class ExtractConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype_name)
+        return resolve_dtype(self.dtype, self.device_name)
 
     @property
     def stored_as(self) -> torch.dtype | None:
         """The dtype floating features are stored in, or None: as computed."""
-        if self.store_dtype_name is None:
-            return None
-        import torch
-
-        return getattr(torch, self.store_dtype_name)
+        return resolve_store_dtype(self.store_dtype)
 
 
 def _feature_spec(config: ExtractConfig) -> FeatureSpec:
@@ -328,9 +321,8 @@ def named_device(device: Any) -> str | None:
     return device
 
 
-# What a GPU torch could use leaves on Linux: the NVIDIA driver's folder and device nodes (in a container
-# too: the NVIDIA runtime mounts them), AMD's ROCm node, WSL's GPU. libcuda creates /dev/nvidia* where the
-# driver is loaded and they are missing, which /proc/driver/nvidia shows.
+# What a GPU torch could use leaves on Linux: the NVIDIA driver's folder (where libcuda has not created
+# /dev/nvidia* yet) and device nodes (mounted in a container too), AMD's ROCm node, WSL's GPU.
 _GPU_TRACES = ("proc/driver/nvidia", "dev/nvidiactl", "dev/nvidia0", "dev/kfd", "dev/dxg")
 
 

@@ -474,8 +474,7 @@ class IdSet(AbstractSet[str]):
             return
         hashes = np.concatenate(hashes) if len(hashes) > 1 else hashes[0]
         if self._sorted is None:
-            # Into an empty set: sorted once (in place: the hashes are this merge's own), and when no hash
-            # repeats there are no copies to drop (first_copies would sort the hashes again).
+            # Into an empty set: sorted once, in place; when no hash repeats there are no copies to drop.
             fresh = SortedIds(hashes, ids, consume=True)
             if not fresh.runs:
                 self._sorted = fresh
@@ -508,16 +507,8 @@ def _column_of(values: list[str]) -> tuple[pa.Array, set[str]]:
     try:
         return _as_strings(values), set()
     except UnicodeEncodeError:
-        kept = {v for v in values if not _utf8(v)}
+        kept = {v for v in values if any("\ud800" <= c <= "\udfff" for c in v)}  # what UTF-8 cannot encode
         return _as_strings([v for v in values if v not in kept]), kept
-
-
-def _utf8(sample_id: str) -> bool:
-    try:
-        sample_id.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class ArrowStrings(Sequence[str]):

@@ -198,8 +198,7 @@ def is_transient(e: BaseException) -> bool:
         if x is None or id(x) in seen or len(seen) > 16:
             continue
         seen.add(id(x))
-        # a FileNotFoundError is not transient, unless a client guessed it from a transient cause
-        # (fsspec's HTTP ``info`` reports a 503 on both HEAD and GET as not found)
+        # a FileNotFoundError may come of a transient cause (fsspec's HTTP ``info`` reports a 503 so)
         if _transient_one(x):
             return True
         stack.extend((x.__cause__, x.__context__))
@@ -328,8 +327,7 @@ def probe(
         raise refusal(label or f"input {url}", e, options_json, missing) from None
 
 
-# s3fs sends S3's If-None-Match on an exclusive create from 2024.12 on; before, mode="create" was a
-# check-then-write, so two writers racing for one name could both win and the commit was not atomic.
+# s3fs sends S3's If-None-Match on an exclusive create from 2024.12 on; before, it was a check-then-write.
 S3FS_EXCLUSIVE_CREATE = (2024, 12)
 
 

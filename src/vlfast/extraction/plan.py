@@ -87,12 +87,6 @@ def check_retry_kinds(retry: Collection[str], recorded: Collection[tuple]) -> No
     )
 
 
-def _mine(sample_id: str, rank: int, world_size: int) -> bool:
-    from vlfast.extraction.store.resume import owner_rank
-
-    return world_size == 1 or owner_rank(sample_id, world_size) == rank
-
-
 @dataclass
 class RunPlan:
     """Everything ``extract`` decides before OUT is locked; the engines run it."""
@@ -122,18 +116,18 @@ class RunPlan:
     _todo: Any = field(init=False, repr=False, default=None)  # positions left, while the preflight needs them
 
     def __post_init__(self) -> None:
-        from vlfast.extraction.store.resume import owned
+        from vlfast.extraction.store.resume import owned, owner_rank
 
         self.samples = SampleTable.of(self.samples)
         if self.store is None:
             self.store = Out(self.out)
+        rank, world = self.rank, self.world_size
         self.mine_problems = [
-            p for p in self.problems if _mine(problem_record(p)[0], self.rank, self.world_size)
+            p for p in self.problems if world == 1 or owner_rank(problem_record(p)[0], world) == rank
         ]
         self.total = self.samples.listed + len(self.problems)
         if self.world_size > 1:
-            # Only this rank's share is kept (a repeated id's copies share one owner, so the repeats are all
-            # found in it); records name entries by their position in the whole input.
+            # Only this rank's share is kept (a repeated id's copies share one owner).
             self.samples = self.samples.own(np.flatnonzero(owned(self.ids, self.rank, self.world_size)))
         self.assigned = len(self.samples) + len(self.mine_problems)
 
@@ -425,9 +419,8 @@ def run_configuration(
     }
 
 
-# Where the checkpoint was read, not what it is (that is compared key by key). A resume that reads the same
-# content from another path (a symlink, a node-local copy) keeps the paths OUT recorded, so the
-# configuration and its hash stay those of every part and shard.
+# Where the checkpoint was read, not what it is: a resume reading the same content from another path keeps
+# the paths OUT recorded, so the configuration and its hash stay those of every part and shard.
 LOCATION_KEYS = ("model", "processor.source")
 
 

@@ -5,11 +5,10 @@ workers that die or hang.
 it names no sample, so every resume dies at the same place, and a hung decoder stalls it forever.
 ``WorkerPool`` knows which task each worker is running (tasks run first in, first out per worker), so:
 
-* a worker that dies is replaced; the sample it was running is re-run once, alone, in a fresh worker (a
-  transient kill must not lose it) and, if that worker dies too, comes back as an error record naming the
-  signal; its queued samples go elsewhere;
-* a sample that runs longer than ``timeout`` seconds has its worker killed and comes back as an error
-  record (no retry: a hang is a property of the file);
+* a worker that dies is replaced; the sample it was running is re-run once, alone, in a fresh worker and,
+  if that worker dies too, comes back as an error record naming the signal;
+* a sample that runs past ``timeout`` seconds has its worker killed and comes back as an error record (no
+  retry: a hang is a property of the file);
 * results come back in index order.
 
 Transport: results are pickled with ``ForkingPickler``, on which torch registers its shared-memory
@@ -80,13 +79,9 @@ def death_reason(exitcode: int | None) -> str:
     return f"worker died while decoding this sample: {how}"
 
 
-def _timeout_reason(timeout: float) -> str:
-    return f"decoding took longer than {timeout:g} s (--decode-timeout; raise it for long videos); the worker was stopped"
-
-
 def unexpected_item(i: int, e: BaseException, what: str = "") -> dict[str, Any]:
-    """The item for a sample whose ``fn`` raised (or whose result could not cross): marked ``unexpected``,
-    with the traceback, so the caller can tell a bug from a record of bad media (which ``fn`` returns)."""
+    """The item for a sample whose ``fn`` raised (or whose result could not cross), with the traceback:
+    ``unexpected`` tells a bug from a record of bad media."""
     return {
         "i": i,
         "ok": False,
@@ -115,8 +110,7 @@ class _FdCollector:
     def __init__(self) -> None:
         self.fds: list[int] = []
 
-    def duplicate_for_child(self, fd: int) -> int:
-        # The storage being pickled owns fd and outlives the send, so no dup is needed.
+    def duplicate_for_child(self, fd: int) -> int:  # the storage owns fd and outlives the send: no dup
         self.fds.append(fd)
         return len(self.fds) - 1
 
@@ -125,8 +119,7 @@ class _FdCollector:
 
 
 class _PassedFd:
-    """A descriptor sent beside the pickle. torch's rebuild calls ``detach`` while unpickling and owns (and
-    closes) what it returns."""
+    """A descriptor sent beside the pickle; torch's rebuild ``detach``-es and owns it."""
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -143,8 +136,7 @@ _receiving = threading.local()  # the descriptors of the message being unpickled
 
 
 def _pack(kind: int, i: int, obj: Any) -> tuple[bytes, list[int]]:
-    """The message for ``obj`` and the descriptors to send after it (owned by obj's storages: keep obj
-    alive until they are written)."""
+    """The message for ``obj`` and the descriptors to send after it (keep obj alive until written)."""
     collector = _FdCollector()
     multiprocessing.context.set_spawning_popen(collector)
     try:
@@ -186,8 +178,8 @@ def _recv_fds(sock: socket.socket, n: int) -> list[int]:
 
 
 def _recv(conn: multiprocessing.connection.Connection, sock: socket.socket) -> tuple[int, int, Any]:
-    """One message: (kind, index, object). EOFError/OSError: the pipe broke (the worker died). An object
-    that arrived whole but cannot be unpickled becomes an error record: the worker is fine."""
+    """One message: (kind, index, object); EOFError/OSError if the pipe broke. An object that arrived whole
+    but cannot be unpickled becomes an error record."""
     msg = conn.recv_bytes()
     kind, i, nfds = _HEADER.unpack_from(msg)
     fds = _recv_fds(sock, nfds)
@@ -216,8 +208,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _worker_main(pool: WorkerPool, worker_id: int, conn: multiprocessing.connection.Connection) -> None:
     _die_with_parent(pool._owner)
-    # Ctrl-C and a scheduler's SIGTERM often reach every process: the parent decides, and stops the
-    # workers (one dying of it would have its sample recorded as an error).
+    # Ctrl-C and a scheduler's SIGTERM often reach every process: the parent decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pool._forget_in_child()
@@ -264,8 +255,7 @@ class _Worker:
     isolated: bool = False  # re-running a task whose worker died: nothing else until it answers
     exitcode: int | None = None  # once reaped
 
-    def head_started(self) -> float:
-        # Tasks run in order, so the head started when it was sent or when the previous one answered.
+    def head_started(self) -> float:  # tasks run in order: when sent, or when the previous one answered
         return max(self.tasks[0][1], self.free_since)
 
 
@@ -299,12 +289,10 @@ class WorkerPool:
         retry_dead: bool = True,
     ) -> None:
         self._closed = True  # until fully built: __del__ must not act on a half-made pool
-        if not isinstance(n, int) or n < 0:
-            raise InputRefused(f"n must be a non-negative int, got {n!r}")
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise InputRefused(f"num_workers must be a non-negative int, got {num_workers!r}")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise InputRefused(f"prefetch must be a positive int, got {prefetch!r}")
+        for name, value, least in (("n", n, 0), ("num_workers", num_workers, 0), ("prefetch", prefetch, 1)):
+            if not isinstance(value, int) or value < least:
+                kind = "positive" if least else "non-negative"
+                raise InputRefused(f"{name} must be a {kind} int, got {value!r}")
         if timeout is not None and not timeout > 0:
             raise InputRefused(f"timeout must be positive seconds or None, got {timeout!r}")
         if num_workers > 0 and "fork" not in multiprocessing.get_all_start_methods():
@@ -349,8 +337,7 @@ class WorkerPool:
         workers = list(self._workers.values())
         self._workers.clear()
         self._done.clear()
-        for w in workers:
-            # End of file stops an idle worker cleanly; a busy one is killed below: its work is discarded.
+        for w in workers:  # end of file stops an idle worker; a busy one is killed below
             w.conn.close()
             w.sock.close()
         for w in workers:
@@ -415,8 +402,8 @@ class WorkerPool:
         multiprocessing.connection.wait(objs, wait_s)
 
     def _collect(self) -> None:
-        """Read every result that has arrived, then handle dead workers, then overdue tasks (in that order:
-        results that arrived while the consumer was busy must count before deadlines are judged)."""
+        """Read every result that has arrived, then handle dead workers, then overdue tasks (in that order,
+        so a slow consumer causes no false timeout)."""
         for w in list(self._workers.values()):
             dead = not w.proc.is_alive()  # checked first: all a dead worker sent is then in the pipe
             if not self._drain(w) or dead:
@@ -469,7 +456,8 @@ class WorkerPool:
         if w.tasks and w.head_started() + self.timeout <= time.monotonic():
             i, _ = w.tasks.popleft()
             self.stats.timeouts += 1
-            self._done[i] = {"i": i, "ok": False, "reason": _timeout_reason(self.timeout)}
+            why = f"decoding took longer than {self.timeout:g} s (--decode-timeout; raise it for long videos)"
+            self._done[i] = {"i": i, "ok": False, "reason": f"{why}; the worker was stopped"}
         self._requeue(w)
 
     def _remove(self, w: _Worker, drain: bool = False) -> None:
@@ -485,8 +473,7 @@ class WorkerPool:
         w.sock.close()
         w.proc.close()
 
-    def _requeue(self, w: _Worker) -> None:
-        # Never started: they are not at fault, and run again anywhere.
+    def _requeue(self, w: _Worker) -> None:  # never started: not at fault, run again anywhere
         for i, _ in w.tasks:
             heapq.heappush(self._pending, i)
         w.tasks.clear()
@@ -526,9 +513,8 @@ class WorkerPool:
 
     def _give(self, w: _Worker, i: int) -> None:
         w.tasks.append((i, time.monotonic()))
-        # A send fails only if the worker died: the task stays on its list for _collect.
         with contextlib.suppress(OSError):
-            w.conn.send_bytes(_TASK.pack(i))
+            w.conn.send_bytes(_TASK.pack(i))  # fails only if the worker died: _collect sees to it
 
     def _spawn(self, slot: int) -> _Worker:
         parent_end, child_end = self._ctx.Pipe(duplex=True)

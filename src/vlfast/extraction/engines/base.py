@@ -32,8 +32,7 @@ __all__ = [
 ]
 
 # Samples in a row whose decoding raised an unexpected exception (a bug, not bad media) before the run
-# stops. One alone may be a rare file tripping a library bug (left undone, retried by the next run); a
-# regression fails every sample it touches, and 3 stops it while two unlucky neighbours do not.
+# stops: a regression fails every sample it touches, while two unlucky neighbours should not stop a run.
 UNEXPECTED_IN_A_ROW = 3
 
 

@@ -136,7 +136,10 @@ def run_split_on_oom(
     traceback holds the failed attempt's activations, which a retry inside the handler would still hold.
     """
     try:
-        return _checked(batch, fn(batch))
+        out = fn(batch)
+        if len(out) != len(batch):
+            raise RuntimeError(f"batch function returned {len(out)} results for {len(batch)} items")
+        return list(out)
     except Exception as e:  # noqa: BLE001 - only OOM is handled, the rest is re-raised
         if not is_oom(e):
             raise
@@ -151,12 +154,6 @@ def run_split_on_oom(
     return run_split_on_oom(batch[:half], fn, on_oom=on_oom) + run_split_on_oom(
         batch[half:], fn, on_oom=on_oom
     )
-
-
-def _checked(batch: Sequence[T], out: list[R]) -> list[R]:
-    if len(out) != len(batch):
-        raise RuntimeError(f"batch function returned {len(out)} results for {len(batch)} items")
-    return list(out)
 
 
 def _free_device_memory() -> None:
