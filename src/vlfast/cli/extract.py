@@ -66,8 +66,7 @@ def register(app: typer.Typer) -> None:
     app.command("extract", cls=ExtractCommand)(extract)
 
 
-# The options, by what they decide; parameters are named as ExtractConfig names them (--batch-tokens is
-# max_batch_tokens).
+# The options, by what they decide; parameters take ExtractConfig's names (--batch-tokens: max_batch_tokens).
 
 # What is computed
 Paths = Annotated[

@@ -203,8 +203,7 @@ def profile_cmd(
     from vlfast.models import ModelRef, vision_config_of
 
     skip_teardown()  # everything it says (the chart too) is written before it returns
-    # Fail before minutes of measuring, not after: the chart's dependency, and a checkpoint without a
-    # vision tower (its config.json says so; loading the whole model first would only then find out).
+    # Fail before minutes of measuring: the chart's dependency, a checkpoint without a vision tower.
     if plot:
         _require_matplotlib()
     if model is not None and not ModelRef.of(model).is_reference:

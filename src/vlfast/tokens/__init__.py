@@ -4,8 +4,7 @@ uses) trained in this checkpoint? Plus trained alternatives, a consistent rewrit
 
 from vlfast._lazy import lazy_exports
 
-# Each name loads its module on first use: `vlfast tokens rewrite` (text only) and a refusal never import
-# torch, which the audit's matrices and the fix need (seconds on a 2-core CPU).
+# Each name loads its module on first use: `vlfast tokens rewrite` and a refusal never wait for torch.
 _EXPORTS = {
     "audit_tokens": "audit",
     "audit_vocabulary": "audit",

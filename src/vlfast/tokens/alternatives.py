@@ -15,8 +15,7 @@ class SpellsTags(Protocol):
     def tag_verdict(self, tag: str) -> tuple[list[int], list[TokenVerdict], str]: ...
 
 
-# Synonyms per tag name, best first; other names get the general pool. `<think>` -> `<thinking>` is the
-# remedy the zero-RL reports used.
+# Synonyms per tag name, best first (`<thinking>`: the zero-RL reports' remedy); others get the pool.
 SYNONYMS = {
     "think": ("thinking", "reasoning", "thought", "reason", "scratchpad"),
     "thinking": ("reasoning", "thought", "reason"),

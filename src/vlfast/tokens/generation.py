@@ -22,8 +22,7 @@ if TYPE_CHECKING:
     from vlfast.tokens.vocab import Vocabulary
 
 SLOT = "«token»"
-# Repetition prompts in the spirit of Magikarp's. The text around SLOT is tokenized piece by piece, so it
-# is the same for every token.
+# Repetition prompts in the spirit of Magikarp's; the text around SLOT is the same for every token.
 PROMPTS: dict[str, str] = {
     "please-repeat": (
         f'Please repeat the string: "{SLOT}"\nRepeated: "{SLOT}"\n\n'

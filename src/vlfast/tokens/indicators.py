@@ -64,8 +64,7 @@ def first_principal_component(weights: CheckpointWeights, name: str) -> torch.Te
     sample = sample - sample.mean(0)
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(d, generator=gen)
-    # Power iteration with matrix-vector products only: on CPU an (S, D) x (D, k) product with small k
-    # takes a slow GEMM path, several times slower than k GEMVs.
+    # Power iteration by GEMVs: on CPU an (S, D) x (D, k) product with small k takes a slower GEMM path.
     for _ in range(POWER_ITERATIONS):
         v = torch.mv(sample.T, torch.mv(sample, v))
         length = v.norm()
@@ -98,8 +97,7 @@ def matrix_stats(
         cos_note = "no known-unused reference rows"
     else:
         pc = first_principal_component(weights, name)
-        # The mean comes from every other reference row; the rest are held out, so that how far the
-        # reference rows sit from the mean is not flattered by their own contribution to it.
+        # The mean from every other reference row; the rest, held out, judge it without flattering it.
         held_out = list(reference_ids[1::2]) if len(reference_ids) > 1 else list(reference_ids)
         ref_rows = weights.rows(name, list(reference_ids[::2]))  # (R, D)
         ref_rows = ref_rows[torch.isfinite(ref_rows.sum(dim=1))]
@@ -144,8 +142,7 @@ def matrix_stats(
 
 
 def _row_hashes(raw: torch.Tensor, coeffs: np.ndarray) -> np.ndarray:
-    # Hash the stored bits, not float values: identical rows must hash identically whatever the
-    # blocking or BLAS kernel, and integer arithmetic wraps deterministically.
+    # The stored bits, not floats: the same for identical rows whatever the kernel; integers wrap exactly.
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[raw.element_size()]
     ints = raw.view(bits).numpy()
     return (ints.astype(np.int64) * coeffs[: ints.shape[1]]).sum(axis=1).view(np.uint64)

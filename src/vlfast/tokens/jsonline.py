@@ -14,8 +14,7 @@ from typing import Any
 __all__ = ["Verbatim", "load_record", "string_spans", "strings_of"]
 
 _WS = re.compile(r"[ \t\n\r]*")
-# What json.loads accepts besides strings and containers: its non-standard constants first ("-Infinity"
-# starts like a number).
+# json.loads' other values; its non-standard constants first ("-Infinity" starts like a number).
 _SCALAR = re.compile(r"NaN|-?Infinity|true|false|null|-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 

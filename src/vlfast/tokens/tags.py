@@ -12,8 +12,7 @@ DEFAULT_TAGS = ("<think>", "</think>")
 
 # XML-like format tags (`<think>`, `</answer>`) and control tokens (`<|im_start|>`).
 TAG = re.compile(r"<\|[^<>|\s]+\|>|</?[A-Za-z][\w:.-]*>")
-# A tag's bare name (`think`): on the command line it stands for both halves, `<think>` and `</think>`,
-# in `audit --tags` as in `rewrite --map think=thinking`.
+# A tag's bare name (`think`): on the command line (--tags, --map) it stands for `<think>` and `</think>`.
 BARE_NAME = re.compile(r"[A-Za-z][\w:.-]*")
 
 
@@ -45,8 +44,8 @@ def split_tag_args(values: str | list[str] | tuple[str, ...] | None) -> list[str
     return list(dict.fromkeys(out))
 
 
-# Tokens a Qwen-VL processor or chat template puts in the prompt and the model is never trained to
-# predict: their rows may look untrained without harm, so a template audit skips them (and says so).
+# Tokens a Qwen-VL processor or template puts in the prompt and the model never predicts: their rows may
+# look untrained without harm, so a template audit skips them (and says so).
 _VISION_PAD = (
     "placeholder the processor repeats once per visual token; its embedding is replaced by vision "
     "features and the model never predicts it"
