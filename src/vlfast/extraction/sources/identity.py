@@ -18,7 +18,7 @@ import numpy as np
 from vlfast.extraction.ids import hash_one, mix_one
 from vlfast.extraction.objstore import is_url
 from vlfast.extraction.sources.sample import Sample
-from vlfast.extraction.sources.table import KINDS, SampleTable, _encode, place_bytes
+from vlfast.extraction.sources.table import KINDS, SampleTable, place_bytes
 
 __all__ = ["KEY_SCHEME", "content_key", "entry_keys", "resolve_path", "sample_key", "texts_used"]
 
@@ -76,6 +76,10 @@ def sample_key(sample: Sample, texts: tuple[str, ...]) -> int:
 def content_key(sample: Sample, texts: tuple[str, ...], digest: str) -> int:
     """The key of one sample with its bytes' xxh3 (16 hex digits) in place of where they are."""
     return _one_key(sample, texts, hash_one(b"xxh3:" + digest.encode()))
+
+
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # as the table encodes it: both sides of a key alike
 
 
 def _one_key(sample: Sample, texts: tuple[str, ...], place: int) -> int:

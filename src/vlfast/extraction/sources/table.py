@@ -332,13 +332,12 @@ class SampleTable(Sequence[Sample]):
         folders = batch.column("dir").to_numpy(zero_copy_only=True)
         dirs = [str(d) for d in extras["dirs"]]
         frames = {int(k): tuple(str(p) for p in v) for k, v in extras["frames"].items()}
-        n = batch.num_rows
         if batch.column("ids").null_count or (len(kinds) and int(kinds.max()) >= len(KINDS)):
             raise ValueError("an id is missing or a kind is unknown")
         if len(folders) and not -1 <= int(folders.min()) <= int(folders.max()) < max(len(dirs), 1):
             raise ValueError("a folder index is out of range")
         framed = np.flatnonzero(kinds == _FRAMES)
-        if set(framed.tolist()) != set(frames) or any(not 0 <= k < n for k in frames):
+        if set(framed.tolist()) != set(frames) or any(not 0 <= k < batch.num_rows for k in frames):
             raise ValueError("the frame lists do not match the rows of kind 'frames'")
         optional = {key: batch.column(key) for key in extras["optional"]}
         return cls(batch.column("ids"), kinds, dirs, folders, batch.column("names"), frames, optional, None)
