@@ -236,7 +236,7 @@ class DoctorReport:
 
     def to_markdown(self) -> str:
         """A paste-ready block for bug reports."""
-        f = self.facts
+        f, cudnn = self.facts, cudnn_version_str
         gpu = f.gpu_name and f"{f.gpu_name} (sm_{''.join(map(str, f.gpu_capability or ()))})"
         env = [
             ("vlfast", f.vlfast_version),
@@ -244,10 +244,7 @@ class DoctorReport:
             ("platform", f.platform),
             ("torch", f"{f.torch_version} ({f.torch_build})"),
             ("CUDA (build / driver)", f"{f.torch_cuda} / {f.cuda_driver} (driver {f.nvidia_driver})"),
-            (
-                "cuDNN (compile / runtime)",
-                f"{cudnn_version_str(f.cudnn_compile)} / {cudnn_version_str(f.cudnn_runtime)}",
-            ),
+            ("cuDNN (compile / runtime)", f"{cudnn(f.cudnn_compile)} / {cudnn(f.cudnn_runtime)}"),
             (
                 "cudnn enabled / benchmark / tf32",
                 f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",

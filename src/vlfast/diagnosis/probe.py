@@ -73,7 +73,6 @@ class ConvShape:
         return f"{self.kind} {self.in_channels}->{self.out_channels} k={k} x {self.windows:,} windows"
 
     def to_dict(self) -> dict[str, Any]:
-        m, k, n = self.gemm_shape
         return {
             "kind": self.kind,
             "in_channels": self.in_channels,
@@ -81,7 +80,7 @@ class ConvShape:
             "kernel_size": list(self.kernel_size),
             "bias": self.bias,
             "windows": self.windows,
-            "gemm_mkn": [m, k, n],
+            "gemm_mkn": list(self.gemm_shape),
             "names": list(self.names),
             "patched": self.patched,
         }
@@ -491,9 +490,8 @@ def _time_sides(result, x_all, w, b, budget, budget_s, stretch_s, backward, max_
     with torch.inference_mode():  # a sanity check on the calibration windows, not a proof
         x = x_all[:n0]
         y_conv = conv_fn(x, w, b, shape.kernel_size).reshape(n0, d).float()
-        result.max_abs_diff = float(
-            (y_conv - F.linear(x.reshape(n0, -1), w.reshape(d, -1), b).float()).abs().max()
-        )
+        y_gemm = F.linear(x.reshape(n0, -1), w.reshape(d, -1), b).float()
+        result.max_abs_diff = float((y_conv - y_gemm).abs().max())
     # A round per window, plus the forward that builds the backward graphs on new windows.
     per_window = (sum(cal.values()) + fwd_ms / (MIN_ROUNDS + 1)) / n0
     n = choose_windows(per_window, n_all, left(), calibrated=n0)

@@ -377,9 +377,8 @@ def _layer_checks(
                 if layer.bias is not None:
                     grads[patched]["bias"] = layer.bias.grad
             for key, ref in grads[False].items():
-                out.append(
-                    _fp32_check("grad", f"{name}.{key}", compare(ref, grads[True][key]), th.fp32_grad_rel)
-                )
+                m = compare(ref, grads[True][key])
+                out.append(_fp32_check("grad", f"{name}.{key}", m, th.fp32_grad_rel))
 
 
 # Windows in an accuracy check: enough for a stable relative error, few enough for a float64 conv and the
@@ -635,8 +634,7 @@ def _dtypes(dtypes: Sequence[str | torch.dtype]) -> list[torch.dtype]:
 
 
 def _settings_difference(name: str, conv: nn.Module, n_windows: int, device, seed: int, settings) -> dict:
-    """Stock against patched in float32 under this process's own settings, each against float64 (not a
-    check)."""
+    """Stock vs patched in float32 under this process's own settings, each vs float64 (not a check)."""
     gen = torch.Generator().manual_seed(seed + 7919)  # its own: the checks' random inputs stay as they were
     x = torch.randn(n_windows, conv.in_channels, *tuple(conv.kernel_size), generator=gen)
     layer = copy.deepcopy(conv).float().to(device)
