@@ -63,8 +63,7 @@ RELEASE_WAIT_S = 600.0  # the driver waits this long for the model actors to com
 TERM_WAIT_S = 60.0
 MAX_RANK = 99_999  # rank numbers have five digits in file names
 MAX_PASSES = 3  # dataset passes: the first, plus re-runs of samples lost with a model actor that died
-# Idle OpenMP threads sleep, and MKL's products give the same bits with the actor's one thread as with the
-# driver's or a local run's several (see vlfast.cli.let_idle_threads_sleep, same_bits_for_any_thread_count)
+# Idle OpenMP threads sleep; MKL gives the same bits at any thread count (vlfast.cli.let_idle_threads_sleep)
 ENV = {"OMP_WAIT_POLICY": "PASSIVE", "MKL_CBWR": "AUTO,STRICT"}
 
 
@@ -139,13 +138,6 @@ class _ActorFacts:
             warnings.warn(f"a model actor: {problem}", RuntimeWarning, stacklevel=4)
 
 
-def _member_classes() -> dict[str, type]:
-    from vlfast.extraction.sources.remote import RemoteFile
-    from vlfast.extraction.sources.webdataset import TarMember
-
-    return {"TarMember": TarMember, "RemoteFile": RemoteFile}
-
-
 def _sample_row(s: Sample) -> dict[str, Any]:
     member = None
     if s.member is not None:
@@ -218,7 +210,10 @@ class _Decode:
             config.model, family, cfg, spec.needs_llm, images, embedding=spec.embedding_prompt()
         )
         self.default_prompt, self.timeout, self.hook = spec.prompt, config.decode_timeout, decode_hook
-        self.classes = _member_classes()
+        from vlfast.extraction.sources.remote import RemoteFile
+        from vlfast.extraction.sources.webdataset import TarMember
+
+        self.classes = {"TarMember": TarMember, "RemoteFile": RemoteFile}
         self.schema = _schemas()[1]
 
     def __call__(self, table):
@@ -342,8 +337,8 @@ class _ModelStage:
 
 
 def _commit_on_sigterm(store) -> None:
-    """In a model actor: SIGTERM (a node draining, ``kill``) commits what the store buffered and releases
-    its rank, then exits as Ray's own handler does (which alone would lose the buffered samples)."""
+    """In a model actor: SIGTERM commits what the store buffered and releases its rank, then exits as Ray's
+    own handler does (which alone would lose the buffered samples)."""
     if threading.current_thread() is not threading.main_thread():
         return  # signals reach the main thread only; Ray's own handling stays
     ray_handler = signal.getsignal(signal.SIGTERM)
@@ -613,7 +608,8 @@ class RayEngine:
         summary = job.summary
         self._counters.clear()  # an engine run again: counters of a cluster since shut down
         # Model actors of an earlier run may outlive their killed driver and still commit: wait them out.
-        stale = self._wait_released(job, self._held_ranks(job), RANK_WAIT_S)
+        held = sorted(r for r in job.plan.store.live_ranks() if r != job.store.rank)
+        stale = self._wait_released(job, held, RANK_WAIT_S)
         if stale:
             raise OutputInUse(
                 f"ranks {stale} of {job.store.out} are still held by live processes after {RANK_WAIT_S:g} s: "
@@ -771,14 +767,8 @@ class RayEngine:
         if close is not None:
             close()
 
-    @staticmethod
-    def _held_ranks(job: Session) -> list[int]:
-        """Ranks of OUT other than the driver's whose lock a live process holds now."""
-        return sorted(r for r in job.plan.store.live_ranks() if r != job.store.rank)
-
     def _wait_for_actors(self, job: Session, timeout: float, after: str) -> None:
-        """Wait for the model actors to release their ranks; warn if some are still held ``timeout`` seconds
-        ``after`` (the stop, or the end of the dataset)."""
+        """Wait for the model actors to release their ranks; warn if some are held ``timeout`` s ``after``."""
         if self._wait_released(job, range(1, self.workers + 1), timeout):
             warnings.warn(
                 f"model ranks of {job.store.out} are still held {timeout:g} s after {after}",
