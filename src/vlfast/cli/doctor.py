@@ -56,43 +56,29 @@ def _environment(report) -> Table:
             env.add_row(name, "[dim]could not collect[/dim]" if value is None else escape(str(value)))
 
     cuda, rocm = f.torch_build == "cuda", f.torch_build == "rocm"
+    driver = f.torch_cuda and f"{f.torch_cuda} / {f.cuda_driver} (driver {f.nvidia_driver})"
+    cudnn = f.torch_cuda and f"{cudnn_version_str(f.cudnn_compile)} / {cudnn_version_str(f.cudnn_runtime)}"
+    cudnn_flags = f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}"
+    capability = ".".join(map(str, f.gpu_capability or ()))
+    fusion = "yes" if f.transformers_fusion else "no"
+    transformers = f.transformers_version and f"{f.transformers_version} (own opt-in fusion_config: {fusion})"
 
     row("vlfast", f.vlfast_version)
     row("python", f.python)
     row("torch", f.torch_version and f"{f.torch_version} ({f.torch_build} build)")
-    row(
-        "CUDA build / driver",
-        f.torch_cuda and f"{f.torch_cuda} / {f.cuda_driver} (driver {f.nvidia_driver})",
-        cuda,
-    )
+    row("CUDA build / driver", driver, cuda)
     row("ROCm / HIP", f.torch_hip, rocm)
-    row(
-        "cuDNN compile / runtime",
-        f.torch_cuda and f"{cudnn_version_str(f.cudnn_compile)} / {cudnn_version_str(f.cudnn_runtime)}",
-        cuda,
-    )
-    row(
-        "cudnn enabled / benchmark / allow_tf32",
-        f"{f.cudnn_enabled} / {f.cudnn_benchmark} / {f.cudnn_allow_tf32}",
-        cuda,
-    )
+    row("cuDNN compile / runtime", cudnn, cuda)
+    row("cudnn enabled / benchmark / allow_tf32", cudnn_flags, cuda)
     row("cuDNN libraries loaded", libraries_cell(f), cuda)
-    row(
-        "GPU",
-        f.gpu_name and f"{f.gpu_name} (compute capability {'.'.join(map(str, f.gpu_capability or ()))})",
-        cuda or rocm,
-    )
+    row("GPU", f.gpu_name and f"{f.gpu_name} (compute capability {capability})", cuda or rocm)
     row("MPS built / available", f"{f.mps_built} / {f.mps_available}")
     row("oneDNN available / enabled", f"{f.onednn_available} / {f.onednn_enabled}")
     row("CPU", f.cpu_model)
     row("CPU capability (instruction set) / threads", f"{f.cpu_capability} / {f.num_threads}")
     row("CPU bf16/fp16 features", cpu_features_cell(f))
     row("dtype", f"{f.dtype}: {report.dtype_reason}" if report.dtype_reason else f.dtype)
-    row(
-        "transformers",
-        f.transformers_version
-        and f"{f.transformers_version} (own opt-in fusion_config: {'yes' if f.transformers_fusion else 'no'})",
-    )
+    row("transformers", transformers)
     row("VLFAST_PATCH", f.autopatch_env or "unset")
     row("model patched", f.model_patched)
     return env

@@ -499,22 +499,18 @@ def _print_summary(summary, out: str) -> None:
         )
     if summary.oom_splits:
         rows.append(("OOM splits", str(summary.oom_splits)))
+    quarantine = Out.quarantine_shown(out)
     if summary.changed:
-        rows.append(
-            (
-                "inputs changed",
-                f"{summary.changed} since they were extracted: extracted again (their shards moved to "
-                f"{Out.quarantine_shown(out)})",
-            )
+        changed = (
+            f"{summary.changed} since they were extracted: extracted again (their shards moved to "
+            f"{quarantine})"
         )
+        rows.append(("inputs changed", changed))
     if summary.quarantined:
-        rows.append(
-            (
-                "damaged",
-                f"{len(summary.quarantined)} moved to {Out.quarantine_shown(out)} (the samples they held are "
-                "extracted again)",
-            )
+        damaged = (
+            f"{len(summary.quarantined)} moved to {quarantine} (the samples they held are extracted again)"
         )
+        rows.append(("damaged", damaged))
     for k, v in rows:
         table.add_row(k, escape(v))
     console.print(table)

@@ -17,6 +17,7 @@ from vlfast.cli._common import (
     JsonOpt,
     add_group,
     console,
+    given,
     handle_errors,
     option,
     print_json,
@@ -59,11 +60,6 @@ PlaceholdersOpt = option(
 )
 
 
-def _given(params: dict, *drop: str) -> dict:
-    """A command's parameters as its library function's keywords (the names are shared), less ``drop``."""
-    return {k: v for k, v in params.items() if k not in drop}
-
-
 def _show(text: str) -> None:
     console.print(text, soft_wrap=True)
 
@@ -98,10 +94,8 @@ def _render_audit(report) -> None:
         ref = "n/a" if ind.reference_median is None else f"{ind.reference_median:.4g}"
         sep = "" if ind.separation is None else f", separation {ind.separation:.2f}"
         used = "" if ind.informative else " [yellow](not informative here: ignored)[/yellow]"
-        head.add_row(
-            ind.indicator,
-            f"median ordinary {ind.ordinary_median:.4g}, reference {ref}, cut {ind.cut:.4g}{sep}{used}",
-        )
+        stats = f"median ordinary {ind.ordinary_median:.4g}, reference {ref}, cut {ind.cut:.4g}{sep}{used}"
+        head.add_row(ind.indicator, stats)
     for s in report.skipped:
         head.add_row("skipped", escape(f"{s.tag} ({', '.join(s.sources)}): {s.reason}"))
     head.add_row("time", f"{report.seconds:.2f} s")
@@ -215,7 +209,7 @@ def audit(
     json_: JsonOpt = False,
 ) -> None:
     """Check that the tags a format needs have trained embedding rows (reads weights memory-mapped)."""
-    args = _given(locals(), "strict", "json_")
+    args = given(locals(), "strict", "json_")
     from vlfast.tokens import audit_tokens
 
     report = audit_tokens(**args)
@@ -244,7 +238,7 @@ def rewrite(
     json_: JsonOpt = False,
 ) -> None:
     """Apply one tag mapping to a dataset field, a chat template and a reward regex."""
-    args = _given(locals(), "out", "json_")
+    args = given(locals(), "out", "json_")
     if any(str(p).endswith(".parquet") for p in (dataset, out) if p):
         require("extract", "vlfast tokens rewrite of Parquet", models=False, only=("pyarrow",))
     from vlfast.tokens import rewrite_tags
@@ -260,12 +254,8 @@ def rewrite(
         if fr is not None:
             replaced = ", ".join(f"{k} x{v}" for k, v in fr.replacements.items()) or "nothing"
             present = ", ".join(f"{k} x{v}" for k, v in fr.already_present.items()) or "-"
-            table.add_row(
-                escape(fr.path),
-                escape(fr.out) + (f" ({fr.records:,} records)" if fr.records is not None else ""),
-                escape(replaced),
-                escape(present),
-            )
+            records = f" ({fr.records:,} records)" if fr.records is not None else ""
+            table.add_row(escape(fr.path), escape(fr.out) + records, escape(replaced), escape(present))
     if report.reward_regex is not None:
         replaced = ", ".join(f"{k} x{v}" for k, v in report.reward_replacements.items()) or "nothing"
         # escape: a regex's [a-z] is Rich markup and would vanish
@@ -296,7 +286,7 @@ def fix(
     json_: JsonOpt = False,
 ) -> None:
     """Write a copy of the checkpoint whose untrained tag rows start from trained ones, then audit it."""
-    args = _given(locals(), "json_")
+    args = given(locals(), "json_")
     from vlfast.tokens import fix_tokens
 
     report = fix_tokens(**args)
@@ -307,13 +297,8 @@ def fix(
         for col in ("id", "piece", "init", "from ids", "matrices"):
             table.add_column(col)
         for r in report.rows:
-            table.add_row(
-                str(r.id),
-                escape(repr(r.piece)),
-                r.init,
-                " ".join(map(str, r.source_ids)) or "-",
-                ", ".join(r.matrices),
-            )
+            sources = " ".join(map(str, r.source_ids)) or "-"
+            table.add_row(str(r.id), escape(repr(r.piece)), r.init, sources, ", ".join(r.matrices))
         print_table(table)
         if not report.rows:
             console.print("[green]no untrained tag rows: the checkpoint was copied unchanged[/green]")

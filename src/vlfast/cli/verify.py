@@ -186,9 +186,8 @@ def _render(report) -> None:
     for c in report.checks:
         metrics = ", ".join(f"{k}={v:.3g}" for k, v in c.metrics.items())
         limits.update({f"{c.scope}/{c.dtype} {k}": v for k, v in c.limits.items()})
-        table.add_row(
-            "[green]ok[/green]" if c.passed else "[red]FAIL[/red]", c.scope, c.dtype, c.name, metrics
-        )
+        mark = "[green]ok[/green]" if c.passed else "[red]FAIL[/red]"
+        table.add_row(mark, c.scope, c.dtype, c.name, metrics)
     print_table(table)
     console.print("thresholds: " + "; ".join(f"{k} {v}" for k, v in limits.items()), highlight=False)
     for line in report.accuracy():

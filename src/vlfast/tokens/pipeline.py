@@ -484,19 +484,21 @@ def check_decode(tok: Any, tags: list[str], sample: str) -> Check:
         per_tag.append(TagDecode(tag, t_ids, special, kept, sample.count(tag), skipped_text.count(tag)))
     ev = DecodeEvidence(sample, kept_text, skipped_text, per_tag)
     removed = [t.tag for t in per_tag if not t.kept]
-    if removed:
+    if not removed:
         return Check(
-            "stripped-on-decode",
-            "fail",
-            f"{', '.join(removed)} {'is' if len(removed) == 1 else 'are'} special: decoding with "
-            f"skip_special_tokens=True removes {'it' if len(removed) == 1 else 'them'} before the reward "
-            "function sees the text",
-            ev,
-            "decode completions with skip_special_tokens=False (the trainer's and the engine's setting), or "
-            "re-register the tags as non-special added tokens (special=False, as Qwen3 ships them), or rewrite "
-            "to a tag that is not special with `vlfast tokens rewrite --map think=thinking`",
+            "stripped-on-decode", "pass", "decoding with skip_special_tokens=True keeps every tag", ev
         )
-    return Check("stripped-on-decode", "pass", "decoding with skip_special_tokens=True keeps every tag", ev)
+    one = len(removed) == 1
+    summary = (
+        f"{', '.join(removed)} {'is' if one else 'are'} special: decoding with skip_special_tokens=True "
+        f"removes {'it' if one else 'them'} before the reward function sees the text"
+    )
+    fix = (
+        "decode completions with skip_special_tokens=False (the trainer's and the engine's setting), or "
+        "re-register the tags as non-special added tokens (special=False, as Qwen3 ships them), or rewrite "
+        "to a tag that is not special with `vlfast tokens rewrite --map think=thinking`"
+    )
+    return Check("stripped-on-decode", "fail", summary, ev, fix)
 
 
 def check_round_trip(tok: Any, prompt: str, completion: str) -> Check:
