@@ -115,11 +115,7 @@ def hash_bytes(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """The same 64-bit FNV-1a of each value of a binary column (any bytes, not only UTF-8), as uint64."""
     import pyarrow as pa
 
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks else pa.array([], pa.large_binary())
-    if column.type != pa.large_binary():
-        column = column.cast(pa.large_binary())
-    return _hash_column(column)
+    return _hash_column(_as_strings(column, pa.large_binary()))
 
 
 def hash_one(data: bytes) -> int:
@@ -183,14 +179,16 @@ def _hash_column(column: pa.Array) -> np.ndarray:
     return out
 
 
-def _as_strings(ids: Iterable[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
+def _as_strings(ids: Iterable[str] | pa.Array | pa.ChunkedArray, kind: pa.DataType | None = None) -> pa.Array:
+    """``ids`` as one ``large_string`` array (or of Arrow type ``kind``)."""
     import pyarrow as pa
 
+    kind = kind or pa.large_string()
     if isinstance(ids, pa.ChunkedArray):
-        ids = ids.combine_chunks() if ids.num_chunks else pa.array([], pa.large_string())
+        ids = ids.combine_chunks() if ids.num_chunks else pa.array([], kind)
     if not isinstance(ids, pa.Array):
-        ids = pa.array(ids if isinstance(ids, list) else list(ids), pa.large_string())
-    return ids.cast(pa.large_string()) if ids.type != pa.large_string() else ids
+        ids = pa.array(ids if isinstance(ids, list) else list(ids), kind)
+    return ids.cast(kind) if ids.type != kind else ids
 
 
 class SortedIds:

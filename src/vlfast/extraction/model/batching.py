@@ -28,10 +28,9 @@ class TokenBudget:
     max_samples: int = 64
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InputRefused(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if not isinstance(self.max_samples, int) or self.max_samples < 1:
-            raise InputRefused(f"max_samples must be a positive int, got {self.max_samples!r}")
+        for name, value in (("max_tokens", self.max_tokens), ("max_samples", self.max_samples)):
+            if not isinstance(value, int) or value < 1:
+                raise InputRefused(f"{name} must be a positive int, got {value!r}")
 
 
 def pack(
