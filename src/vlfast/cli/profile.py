@@ -47,24 +47,12 @@ def _size(text: str | None) -> tuple[int, int] | None:
     return (check("--size", h), check("--size", w))
 
 
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ImportError("--plot needs matplotlib: pip install 'vlfast[plot]'") from None
-
-
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:,.2f}"
 
 
 def _load(v: float | None) -> str:
     return "?" if v is None else f"{v:.2f}"
-
-
-def _render_notes(report) -> None:
-    for note in report.notes:
-        console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
 
 
 def _render_pair(report, before, after) -> None:
@@ -205,7 +193,10 @@ def profile_cmd(
     skip_teardown()  # everything it says (the chart too) is written before it returns
     # Fail before minutes of measuring: the chart's dependency, a checkpoint without a vision tower.
     if plot:
-        _require_matplotlib()
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ImportError("--plot needs matplotlib: pip install 'vlfast[plot]'") from None
     if model is not None and not ModelRef.of(model).is_reference:
         vision_config_of(model)
         refuse_unfit_weights(model)
@@ -228,7 +219,8 @@ def profile_cmd(
     if json_out:
         print_json({**report.to_dict(), "plot": png})
     else:
-        _render_notes(report)  # the tables were printed as each configuration was measured
+        for note in report.notes:  # the tables were printed as each configuration was measured
+            console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
         if png:
             console.print(f"chart: {png}", highlight=False)
 

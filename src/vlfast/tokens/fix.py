@@ -120,7 +120,6 @@ def fix_tokens(
     matrices = [w.embedding_name] + ([w.lm_head_name] if w.lm_head_name else [])
     verdicts = an.judge.verdicts()
     rows: list[FixedRow] = []
-    plans: dict[int, list[int]] = {}
     for tid, text in targets.items():
         sources = []
         if init == "pieces":
@@ -129,9 +128,9 @@ def fix_tokens(
             ]
             if not sources:
                 notes.append(f"token {tid} ({text!r}) has no trained pieces; initialised from the mean row")
-        plans[tid] = sources
         rows.append(FixedRow(tid, an.vocab.piece(tid), "pieces" if sources else "mean", sources, matrices))
 
+    plans = {r.id: r.source_ids for r in rows}
     new_values = {name: _new_rows(an, name, plans) for name in matrices}
 
     written: list[tuple[list[str], list[str]]] = []

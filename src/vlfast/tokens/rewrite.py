@@ -28,8 +28,7 @@ def parse_mapping(values: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
         for v in values:
             if "=" not in v:
                 raise InputRefused(f"mapping {v!r} must look like think=thinking or '<think>=<thinking>'")
-            a, b = (s.strip() for s in v.split("=", 1))
-            pairs.append((a, b))
+            pairs.append(tuple(s.strip() for s in v.split("=", 1)))
     mapping: dict[str, str] = {}
     for a, b in pairs:
         if not a or not b:
