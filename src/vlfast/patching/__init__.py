@@ -12,17 +12,9 @@ from __future__ import annotations
 from vlfast._lazy import lazy_exports
 
 _EXPORTS = {
-    "patch": "gemm",
-    "unpatch": "gemm",
-    "is_patched": "gemm",
-    "patched_modules": "gemm",
-    "eligibility": "gemm",
-    "GemmConvForward": "gemm",
-    "PatchReport": "gemm",
-    "ConvEntry": "gemm",
-    "patch_transformers": "integrations",
-    "unpatch_transformers": "integrations",
-    "discover_families": "integrations",
+    **dict.fromkeys(["patch", "unpatch", "is_patched", "patched_modules", "eligibility"], "gemm"),
+    **dict.fromkeys(["GemmConvForward", "PatchReport", "ConvEntry"], "gemm"),
+    **dict.fromkeys(["patch_transformers", "unpatch_transformers", "discover_families"], "integrations"),
 }
 
 __all__ = list(_EXPORTS)

@@ -100,12 +100,6 @@ def _calls_the_patch(fn: object) -> bool:
     )
 
 
-def _qualname(fn: object) -> str:
-    fn = getattr(fn, "__func__", fn)
-    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None) or repr(fn)
-    return f"{module}.{name}" if module else name
-
-
 def forward_replaced(module: nn.Module) -> str | None:
     """The qualified name of the forward that a call of ``module`` runs in place of torch's, when one was
     assigned to its class or to a conv class above it (``nn.Conv3d.forward = fn``); None for torch's own
@@ -117,7 +111,9 @@ def forward_replaced(module: nn.Module) -> str | None:
         if _is_torch_forward(fn) or _calls_the_patch(fn):
             return None
         if cls in _CONV_TYPES or getattr(fn, "__qualname__", None) != f"{cls.__qualname__}.forward":
-            return _qualname(fn)
+            fn = getattr(fn, "__func__", fn)  # its qualified name
+            where, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None) or repr(fn)
+            return f"{where}.{name}" if where else name
         return None
     return None
 
@@ -196,7 +192,7 @@ class GemmConvForward:
             # Decide now: state changed after torch.compile traced the first call would compile again. A
             # weight not whole here leaves _wshape unset, decided at the first call (as is a module that
             # deepcopy or unpickling passes not yet filled in).
-            self._geometry_changed(module)
+            self._decide(module)
             self._wshape = _kernel_shape(_weight_of(module), self.kernel_size)
 
     def __repr__(self) -> str:
@@ -229,8 +225,7 @@ class GemmConvForward:
             return self._stock
         if (fn := forward_replaced(m)) is not None:
             return f"forward replaced by {fn}: {BYPASSED}"
-        if not self._geometry_current(m):
-            self._geometry_changed(m)
+        self._decide(m)
         if self._stock is not None:
             return self._stock
         w = _weight_of(m)
@@ -240,19 +235,19 @@ class GemmConvForward:
             return f"weight kernel {tuple(w.shape[2:])} != kernel_size {self.kernel_size}"
         return None
 
-    def _geometry_current(self, m: nn.Module) -> bool:
+    def _decide(self, m: nn.Module) -> None:
+        """Decide again where ``m``'s geometry changed (checked by identity): GEMM (with which kernel) or the
+        stock conv."""
         seen = self._seen
-        return not (
+        if not (
             seen is None
             or m.stride is not seen[0]
             or m.padding is not seen[1]
             or m.dilation is not seen[2]
             or m.groups is not seen[3]
             or m.padding_mode is not seen[4]
-        )
-
-    def _geometry_changed(self, m: nn.Module) -> None:
-        """Decide again after ``m``'s geometry changed: GEMM (and with which kernel) or the stock conv."""
+        ):
+            return
         reason = eligibility(m)
         attrs = (m.stride, m.padding, m.dilation, m.groups, m.padding_mode)
         # Values that could change in place (a list), and F.pad's padding (padding_mode other than 'zeros'),
@@ -266,26 +261,30 @@ class GemmConvForward:
                 self.kernel_size, self.ndim, self._ones = kernel, len(kernel), (1,) * len(kernel)
                 self._wshape = None
 
-    def _count_stock(self, reason: str) -> None:
+    def _count(self, stock: str | None = None) -> None:
+        """One call counted while a record runs: through the GEMM, or through the stock conv and why."""
         if _RECORDING and not _is_compiling():
-            self.calls._first()
-            self.calls.stock[reason] = self.calls.stock.get(reason, 0) + 1
+            c = self.calls
+            c._first()
+            if stock is None:
+                c.gemm += 1
+            else:
+                c.stock[stock] = c.stock.get(stock, 0) + 1
 
     def _stock_conv(self, m: nn.Module, x, weight, bias, reason: str) -> torch.Tensor:
         """The class's own ``_conv_forward``, with whatever geometry ``m`` has now."""
-        self._count_stock(reason)
+        self._count(reason)
         return _STOCK_CONV_FORWARD[_base_class(m)](m, x, weight, bias)
 
     def _fallback(self, x: torch.Tensor, weight, bias, reason: str) -> torch.Tensor:
         # Zero padding, dilation 1 and groups 1 are eligibility conditions: the stock call is exactly this.
-        self._count_stock(reason)
+        self._count(reason)
         return _CONV_FN[self.ndim](x, weight, bias, self.kernel_size, 0, 1, 1)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m = self._live()
         if m is not None:
-            if not self._geometry_current(m):
-                self._geometry_changed(m)
+            self._decide(m)
             if self._stock is not None:
                 return self._stock_conv(m, x, weight, bias, self._stock)
         shape = x.shape
@@ -298,7 +297,7 @@ class GemmConvForward:
             and x.is_contiguous()
             and (bias is None or bias.dtype is weight.dtype)
         ):
-            self._count_gemm()
+            self._count()
             d = self._wshape[0]
             return F.linear(x.view(shape[0], -1), weight.reshape(d, -1), bias).view(shape[0], d, *self._ones)
         return self._general(x, weight, bias, m)
@@ -333,13 +332,13 @@ class GemmConvForward:
         channels_last = _is_channels_last(x, nd)
         if spatial == self.kernel_size:
             if x.is_contiguous():
-                self._count_gemm()
+                self._count()
                 return F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias).view(n, d, *([1] * nd))
             if not channels_last:
                 # odd strides: a copy would cost more than it saves
                 return self._fallback(x, weight, bias, "input neither contiguous nor channels-last")
             # Memory holds (N, *k, C): flatten that way (a view) and reorder the weight to match.
-            self._count_gemm()
+            self._count()
             dims = (0, *range(2, nd + 2), 1)
             y = F.linear(x.permute(dims).reshape(n, -1), weight.permute(dims).reshape(d, -1), bias)
             # The conv's channels-last strides: (D, 1, D, ..., D).
@@ -350,14 +349,12 @@ class GemmConvForward:
         if not (x.is_contiguous() or channels_last):
             return self._fallback(x, weight, bias, "input neither contiguous nor channels-last")
         # Larger input: crop the remainder the conv would skip, cut into windows, one batched GEMM.
-        self._count_gemm()
+        self._count()
         grid = tuple(s // k for s, k in zip(spatial, self.kernel_size))
         crop = tuple(slice(0, g * k) for g, k in zip(grid, self.kernel_size))
         windows = x[(slice(None), slice(None), *crop)]
         # (N, C, g0, k0, g1, k1, ...) -> (N, C, k0, k1, ..., g0, g1, ...) -> (N, C*K, L)
-        shape = [n, c]
-        for g, k in zip(grid, self.kernel_size):
-            shape += [g, k]
+        shape = [n, c, *(v for g, k in zip(grid, self.kernel_size) for v in (g, k))]
         order = [0, 1, *range(3, 2 * nd + 2, 2), *range(2, 2 * nd + 2, 2)]
         cols = windows.reshape(shape).permute(order).reshape(n, c * math.prod(self.kernel_size), -1)
         y = torch.matmul(weight.reshape(d, -1), cols)  # (D, C*K) @ (N, C*K, L) -> (N, D, L)
@@ -367,11 +364,6 @@ class GemmConvForward:
         if channels_last or _is_channels_last(weight, nd):
             return y.contiguous(memory_format=_conv_memory_format(x, weight, bias, self.kernel_size))
         return y
-
-    def _count_gemm(self) -> None:
-        if _RECORDING and not _is_compiling():
-            self.calls._first()
-            self.calls.gemm += 1
 
 
 class _PatchedExtraRepr:
@@ -387,12 +379,9 @@ class _PatchedExtraRepr:
         text = type(m).extra_repr(m)
         fwd = m.__dict__.get("_conv_forward")
         why = fwd.status() if isinstance(fwd, GemmConvForward) else None
-        if why is None:
-            mark = "vlfast=gemm"
-        elif why.endswith(BYPASSED):
-            mark = f"vlfast=not reached ({why})"
-        else:
-            mark = f"vlfast=stock ({why})"
+        mark = "vlfast=gemm"
+        if why is not None:
+            mark = f"vlfast={'not reached' if why.endswith(BYPASSED) else 'stock'} ({why})"
         return f"{text}, {mark}" if text else mark
 
 
@@ -561,10 +550,7 @@ def eligibility(module: nn.Module) -> str | None:
 def is_patched(module: nn.Module) -> bool:
     """True when ``module`` (or any module inside it) is patched and its geometry runs the GEMM now (a
     patched conv whose geometry changed so that the GEMM no longer computes it does not count)."""
-    return any(
-        isinstance(fwd := m.__dict__.get("_conv_forward"), GemmConvForward) and fwd.status() is None
-        for m in module.modules()
-    )
+    return any(m.__dict__["_conv_forward"].status() is None for _, m in patched_modules(module))
 
 
 def patched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -635,12 +621,6 @@ def patch_one(module: nn.Module, name: str = "") -> bool:
         _install(module, name)
         return True
     return False
-
-
-def _remember_root(model: nn.Module) -> None:
-    """Keep a weak reference to a model patch() was given: a record names its convs from it."""
-    _ROOTS[:] = [r for r in _ROOTS if r() is not None and r() is not model]
-    _ROOTS.append(weakref.ref(model))
 
 
 def count_calls(delta: int) -> None:
@@ -751,8 +731,9 @@ def patch(model: nn.Module, *, filter: Filter = None, strict: bool = False) -> P
         raise InputRefused(f"vlfast.patch(strict=True): nothing was patched ({found})")
     for name, m in todo:
         _install(m, name)
-    if report:
-        _remember_root(model)
+    if report:  # a record names its convs from the models patch() was given
+        _ROOTS[:] = [r for r in _ROOTS if r() is not None and r() is not model]
+        _ROOTS.append(weakref.ref(model))
     return report
 
 

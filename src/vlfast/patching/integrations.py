@@ -1,6 +1,6 @@
 """transformers integration: the families whose patch embedding is a stride == kernel Conv3d, discovered by
 parsing (never importing) the installed modeling files, and a switch that patches every transformers model
-as its constructor returns. A meta-test builds each discovered family and checks it is really patched.
+as its constructor returns.
 """
 
 from __future__ import annotations
@@ -65,12 +65,13 @@ def _scan_file(path: Path) -> tuple[str, ...]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError):
         return ()
-    found = []
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        if any(isinstance(c, ast.Call) and _is_patchable_conv3d(c) for c in ast.walk(cls)):
-            found.append(cls.name)
-    # Nested classes are walked twice; keep the order of first appearance.
-    return tuple(dict.fromkeys(found))
+    found = [
+        cls.name
+        for cls in ast.walk(tree)
+        if isinstance(cls, ast.ClassDef)
+        and any(isinstance(c, ast.Call) and _is_patchable_conv3d(c) for c in ast.walk(cls))
+    ]
+    return tuple(dict.fromkeys(found))  # nested classes are walked twice
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,11 +83,9 @@ def discover_families() -> tuple[Family, ...]:
     models_dir = Path(next(iter(spec.submodule_search_locations))) / "models"
     families = []
     for path in sorted(models_dir.glob("*/modeling_*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if "Conv3d" not in text:  # cheap pre-filter before parsing
+        if "Conv3d" not in path.read_text(encoding="utf-8", errors="replace"):  # cheap pre-filter
             continue
-        classes = _scan_file(path)
-        if classes:
+        if classes := _scan_file(path):
             family = path.parent.name
             families.append(Family(family, f"transformers.models.{family}.{path.stem}", classes))
     return tuple(families)
@@ -96,10 +95,6 @@ def discover_families() -> tuple[Family, ...]:
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def _conv3d_only(name: str, module: nn.Module) -> bool:
-    return isinstance(module, nn.Conv3d)
 
 
 def transformers_patched() -> bool:
@@ -112,20 +107,17 @@ def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> Non
     attached to a module afterwards (PEFT's LoRA ``lora_A``/``lora_B``, a wrapper's own conv).
 
     Wraps ``PreTrainedModel.post_init``, which every transformers model calls at the end of ``__init__``
-    (``from_pretrained`` included, before the weights are loaded, and under DeepSpeed's ``zero.Init``,
-    whose empty parameters are fine: the patch decides from the weight each call gets). By default only
-    ``nn.Conv3d`` modules are patched: they are the slow ones; ``all_convs=True`` also takes stride ==
-    kernel Conv1d/Conv2d. A convolution created later is patched when it is attached to a module (torch's
-    global module-registration hook), with the same choice of kinds; ``filter`` (a qualified name needs the
-    whole model) narrows the models transformers builds, and with a filter, later convs are left to the
-    user (``vlfast.patch(model, filter=...)`` after adding them). Calling it again replaces the settings.
-    Undo with :func:`unpatch_transformers`.
+    (``from_pretrained`` and DeepSpeed's ``zero.Init`` included: the patch decides from the weight each call
+    gets). By default only ``nn.Conv3d`` modules are patched; ``all_convs=True`` also takes stride == kernel
+    Conv1d/Conv2d. A convolution created later is patched when it is attached to a module (torch's global
+    module-registration hook); ``filter`` narrows the models transformers builds, and with a filter, later
+    convs are left to the user. Calling it again replaces the settings; undo with :func:`unpatch_transformers`.
     """
     from torch.nn.modules.module import register_module_module_registration_hook
     from transformers import PreTrainedModel
 
     user = compile_filter(filter)
-    keep = user if all_convs else (lambda name, m: _conv3d_only(name, m) and user(name, m))
+    keep = user if all_convs else (lambda name, m: isinstance(m, nn.Conv3d) and user(name, m))
     kinds = (nn.Conv1d, nn.Conv2d, nn.Conv3d) if all_convs else (nn.Conv3d,)
     with _lock:
         original = _state.get("original_post_init", PreTrainedModel.post_init)
@@ -148,10 +140,8 @@ def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> Non
                 if isinstance(module, kinds):
                     patch_one(module, name)  # when eligible; named in full by the model's own patch()
                 elif isinstance(parent, PreTrainedModel) and is_patched(parent):
-                    # A model whose __init__ never calls post_init (older transformers' bare vision towers:
-                    # 4.45's Qwen2VisionTransformerPretrainedModel) is patched by this hook alone. patch() it
-                    # as post_init would, so the record names its convs in full; the module being attached
-                    # is not in it yet, so this happens at the next attach (a tower's blocks, its merger).
+                    # A model whose __init__ never calls post_init (4.45's bare vision towers) is patched by
+                    # this hook alone: patch() it as post_init would, so the record names its convs in full.
                     patch(parent, filter=keep)
                 return None  # keep the module as given
 
