@@ -1,15 +1,13 @@
 """Images as transformers' torchvision image processor (``Qwen2VLImageProcessor``, every Qwen-VL family's)
 prepares them, bit for bit, without torchvision and in a cheaper order.
 
-transformers: PIL image -> RGB (transparency on white) -> uint8 tensor -> ``smart_resize`` -> torchvision's
-``resize`` (bicubic, antialiased: on CPU uint8 the ATen kernel ``F.interpolate`` runs) -> float32 rescale and
-normalise -> patchify, each patch repeated ``temporal_patch_size`` times in float32: (N, C*T*P*P), 24 bytes a
-pixel. Here: the same resize on the uint8 pixels as decoded (channels-last, no copy), the patch permutation on
-uint8, then the normalisation (elementwise per channel, so it commutes with the move) written once per patch
-and copied into the other temporal slots; or, deferred, the uint8 patches each held once cross to the model's
-device, 3 bytes a pixel instead of 24, and are normalised and repeated there
-(:func:`~vlfast.pixels.video.normalize_patches` finishes them). Proven against the class
-itself in tests/test_preprocess_parity.py.
+transformers: PIL image -> RGB -> uint8 tensor -> ``smart_resize`` -> torchvision's ``resize`` (on CPU uint8
+the ATen kernel ``F.interpolate`` runs) -> float32 rescale and normalise -> patchify, each patch repeated
+``temporal_patch_size`` times: 24 bytes a pixel. Here: the same resize on the uint8 pixels as decoded, the
+patch permutation on uint8, then the normalisation (elementwise per channel, so it commutes with the move)
+written once per patch and copied into the other temporal slots; or, deferred, the uint8 patches (3 bytes a
+pixel) are normalised on the model's device (:func:`~vlfast.pixels.video.normalize_patches`). Proven
+against the class itself in tests/test_preprocess_parity.py.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import torch
 
 from vlfast.pixels.media import MAX_ASPECT_RATIO, SampleError
 from vlfast.pixels.settings import ProcessorConfig
-from vlfast.pixels.video import channels_last_patches, normalize_patches, resize_frames, smart_resize
+from vlfast.pixels.video import normalize_patches, patch_rows, resize_frames, smart_resize
 
 __all__ = ["image_patches", "jpeg_rgb", "orientation_tag", "rgb_tensor", "same_normalization"]
 
@@ -39,11 +37,10 @@ _EXIF_TURNS = {
 
 def jpeg_rgb(path, exif_orientation: bool) -> tuple[torch.Tensor, dict] | None:
     """A baseline or progressive RGB or grayscale JPEG decoded by libjpeg-turbo straight into an array
-    (simplejpeg: about half PIL's time here, the same pixels, both being libjpeg-turbo with its default
-    IDCT and upsampling), turned by its EXIF orientation as PIL's exif_transpose turns it: ``((3, H, W) uint8,
-    meta)``. None where PIL should read it instead: simplejpeg not installed, another format or mode (CMYK,
-    16-bit), a header PIL refuses, or data simplejpeg calls corrupt (PIL then decodes what it can, or says
-    why it cannot, as for any image)."""
+    (simplejpeg: about half PIL's time, the same pixels, both being libjpeg-turbo with its defaults), turned
+    by its EXIF orientation as PIL's exif_transpose turns it: ``((3, H, W) uint8, meta)``. None where PIL
+    should read it instead: simplejpeg not installed, another format or mode, a header PIL refuses, or data
+    simplejpeg calls corrupt."""
     try:
         import simplejpeg
     except ImportError:
@@ -85,10 +82,8 @@ def orientation_tag(img) -> int | None:
 def rgb_tensor(img, transparency: str = "white") -> torch.Tensor:
     """(3, H, W) uint8 with channels-last strides (PIL's own layout, not copied), as transformers' torchvision
     image processor converts a PIL image (``convert_to_rgb``) by ``transparency``
-    (:data:`~vlfast.pixels.settings.TRANSPARENCIES`): "white", transparency (an alpha band,
-    a palette's or a colour key's) composited on white, as transformers >= 5.21 does; "dropped", PIL's
-    ``convert("RGB")``, as 5.18-5.20 do. Other modes are converted by PIL either way (16-bit and float images
-    clipped: vlfast extract scales them first, see ``load_image``)."""
+    (:data:`~vlfast.pixels.settings.TRANSPARENCIES`): "white", transparency composited on white (transformers
+    >= 5.21); "dropped", PIL's ``convert("RGB")`` (5.18-5.20). Other modes are converted by PIL either way."""
     from PIL import Image
 
     if transparency == "dropped":
@@ -110,8 +105,6 @@ def image_patches(
     """(3, H, W) uint8 -> pixel_values (h*w, C*T*P*P) float32 and grid (1, h, w), as ``Qwen2VLImageProcessor``
     with ``cfg``'s image settings; with ``normalize=False`` uint8 (h*w, C, P*P), each patch once (3 bytes a
     pixel), for :func:`~vlfast.pixels.video.normalize_patches` to finish (on the device) with the temporal repeat."""
-    # Bit-equal to transformers' order (normalise the image, then patchify and repeat): the normalisation is
-    # elementwise per channel, so it commutes with moving and repeating values
     height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
     factor = cfg.factor
     if cfg.do_resize:
@@ -129,23 +122,9 @@ def image_patches(
         )
     else:
         h, w = height, width
-    p, m = cfg.patch_size, cfg.merge_size
-    gh, gw = h // p, w // p
-    if pixels.stride(0) == 1:  # channels-last, as decoded and resized (see channels_last_patches)
-        hwc = pixels.permute(1, 2, 0).reshape(gh // m, m, p, gw // m, m, p, 3)
-        x = channels_last_patches(hwc.permute(0, 3, 1, 4, 2, 5, 6), gh * gw)
-    else:  # (h/m, w/m, m, m, C, P, P): one uint8 copy, in the patch order
-        x = (
-            pixels.reshape(3, gh // m, m, p, gw // m, m, p)
-            .permute(1, 4, 2, 5, 0, 3, 6)
-            .reshape(gh * gw, 3, p * p)
-        )
-    if not normalize:  # the temporal repeat is left to the normalisation, done once in float32 and copied
-        return x, (1, gh, gw)
-    # The normalisation after the move (elementwise per channel: the same bits as transformers' normalise-
-    # then-patchify), written once per patch and copied into the other temporal slots, as transformers repeats
-    # the normalised patch
-    return normalize_patches(x, cfg, images=True), (1, gh, gw)
+    p = cfg.patch_size
+    x = patch_rows(pixels[None], 1, p, cfg.merge_size)  # each patch once: the normalisation repeats it
+    return (normalize_patches(x, cfg, images=True) if normalize else x), (1, h // p, w // p)
 
 
 def same_normalization(cfg: ProcessorConfig) -> bool:

@@ -4,8 +4,10 @@ the model's video processor (see :mod:`~vlfast.pixels.engine` for the rules and 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import math
+import platform
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -38,43 +40,32 @@ def sample_frame_indices(total: int, video_fps: float | None, cfg: ProcessorConf
     """Which frames of a ``total``-frame video to keep, by the rule ``cfg.frame_sampling`` names."""
     if total < 1:
         raise SampleError("video has no frames")
-    if cfg.frame_sampling == "qwen-vl-utils":  # qwen_vl_utils.vision_process.smart_nframes (0.0.14)
-        return _qwen_vl_utils_indices(total, video_fps, cfg)
+    t = cfg.temporal_patch_size
+    if cfg.frame_sampling == "qwen-vl-utils":
+        # qwen_vl_utils.vision_process.smart_nframes (0.0.14), the indices its readers take
+        n = _frame_count(total, video_fps, cfg, math.ceil(cfg.min_frames / t) * t)
+        if not t <= n <= total:
+            raise SampleError(f"cannot sample {n} frames from a {total}-frame video (rule qwen-vl-utils)")
+        return torch.linspace(0, total - 1, n).round().long().numpy()
     if cfg.frame_sampling == "qwen3-vl":  # Qwen3VLVideoProcessor.sample_frames
-        n = cfg.num_frames
-        if n is None:
-            rate = video_fps or 24.0
-            n = int(total / rate * cfg.fps)
-            n = min(max(n, cfg.min_frames), cfg.max_frames, total)
+        if (n := cfg.num_frames) is None:
+            n = min(max(int(total / (video_fps or 24.0) * cfg.fps), cfg.min_frames), cfg.max_frames, total)
         return np.linspace(0, total - 1, n).round().astype(int)
-    t = cfg.temporal_patch_size  # Qwen2VLVideoProcessor.sample_frames
-    if cfg.num_frames is not None:
-        n = round(cfg.num_frames / t) * t
-    else:
-        rate = video_fps or 24.0
-        max_frames = math.floor(min(cfg.max_frames, total) / t) * t
-        n = min(max(total / rate * cfg.fps, cfg.min_frames), max_frames, total)
-        n = math.floor(n / t) * t
+    n = _frame_count(total, video_fps, cfg, cfg.min_frames)  # Qwen2VLVideoProcessor.sample_frames
     if n > total or n < 1:
         raise SampleError(f"cannot sample {n} frames from a {total}-frame video (rule qwen2-vl)")
     return torch.arange(0, total, total / n).int().numpy()
 
 
-def _qwen_vl_utils_indices(total: int, video_fps: float | None, cfg: ProcessorConfig) -> np.ndarray:
-    """qwen-vl-utils' ``smart_nframes`` (fps rule; frame factor = the temporal patch) and the indices its
-    readers take, ``torch.linspace(0, total - 1, n).round()``. ``num_frames`` is its ``nframes`` rule."""
+def _frame_count(total: int, video_fps: float | None, cfg: ProcessorConfig, min_frames: int) -> int:
+    """The frames to sample, a multiple of the temporal patch: ``num_frames``, else ``fps`` over the video."""
     t = cfg.temporal_patch_size
     if cfg.num_frames is not None:
-        n = round(cfg.num_frames / t) * t
-    else:
-        rate = video_fps or 24.0
-        min_frames = math.ceil(cfg.min_frames / t) * t
-        max_frames = math.floor(min(cfg.max_frames, total) / t) * t
-        n = min(min(max(total / rate * cfg.fps, min_frames), max_frames), total)
-        n = math.floor(n / t) * t
-    if not t <= n <= total:
-        raise SampleError(f"cannot sample {n} frames from a {total}-frame video (rule qwen-vl-utils)")
-    return torch.linspace(0, total - 1, n).round().long().numpy()
+        return round(cfg.num_frames / t) * t
+    rate = video_fps or 24.0
+    max_frames = math.floor(min(cfg.max_frames, total) / t) * t
+    n = min(max(total / rate * cfg.fps, min_frames), max_frames, total)
+    return math.floor(n / t) * t
 
 
 def smart_resize(
@@ -85,17 +76,26 @@ def smart_resize(
     and video processors' (a side rounded to 0 patches, then the image scaled up to the minimum budget);
     "qwen-vl-utils", qwen-vl-utils' (that side first raised to one merged patch). They differ only where a
     side is at most half of ``factor`` (rounded to 0 patches)."""
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise SampleError(f"video aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds 200:1")
+    _check_aspect(height, width)
     least = factor if thin == "qwen-vl-utils" else 0
     h_bar = max(least, round(height / factor) * factor)
     w_bar = max(least, round(width / factor) * factor)
-    if h_bar * w_bar > hi:
-        beta = math.sqrt((height * width) / hi)
+    return _within_budget(height, width, factor, h_bar, w_bar, lo, hi)
+
+
+def _check_aspect(height: int, width: int) -> None:
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise SampleError(f"video aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds 200:1")
+
+
+def _within_budget(height, width, factor, h_bar, w_bar, lo, hi, frames: int = 1, t_bar: int = 1):
+    """(h_bar, w_bar) scaled to keep ``t_bar * h_bar * w_bar`` pixels within [lo, hi] (``frames`` frames)."""
+    if t_bar * h_bar * w_bar > hi:
+        beta = math.sqrt((frames * height * width) / hi)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < lo:
-        beta = math.sqrt(lo / (height * width))
+    elif t_bar * h_bar * w_bar < lo:
+        beta = math.sqrt(lo / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -132,43 +132,28 @@ def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorC
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise SampleError(f"video aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds 200:1")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
+    _check_aspect(height, width)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(num_frames / tf) * tf
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < cfg.video_min_pixels:
-        beta = math.sqrt(cfg.video_min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    lo = cfg.video_min_pixels
+    return _within_budget(height, width, factor, h_bar, w_bar, lo, max_pixels, num_frames, t_bar)
 
 
 def resize_frames(frames: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:
     """(T, 3, H, W) uint8 -> (T, 3, h, w) uint8 as torchvision's v2 ``resize`` (transformers' torchvision
     backend) computes it on CPU for PIL code ``resample``: bicubic (3) and, where ATen has its AVX2/AVX-512
     kernels, bilinear (2) on uint8 directly, antialiased; bilinear elsewhere in float32, rounded back; nearest
-    (0, which transformers maps to "nearest-exact") without antialiasing. Any frame layout: the uint8 kernels are
-    fastest on channels-last, as decoded."""
+    (0: "nearest-exact") without antialiasing. The uint8 kernels are fastest on channels-last, as decoded."""
     if tuple(frames.shape[-2:]) == tuple(size):
         return frames
     mode = VIDEO_RESAMPLES[resample]
     if mode == "nearest-exact":
         return F.interpolate(frames, size=size, mode=mode)
-    if mode == "bicubic" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or _arm():
+    arm = platform.machine() in ("aarch64", "arm64")
+    if mode == "bicubic" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or arm:
         return F.interpolate(frames, size=size, mode=mode, align_corners=False, antialias=True)
     out = F.interpolate(frames.to(torch.float32), size=size, mode=mode, align_corners=False, antialias=True)
     return out.round_().to(torch.uint8)
-
-
-def _arm() -> bool:
-    import platform
-
-    return platform.machine() in ("aarch64", "arm64")
 
 
 def fused_mean_std(
@@ -204,18 +189,10 @@ def rescale_normalize(
     (an image's temporal patch: transformers repeats the normalised float32 patch). float32 subtraction,
     multiplication and division are exact IEEE operations, so any device gives the same bits.
 
-    ``out``: a contiguous (N, C*repeat*L) floating tensor on the patches' device to write into instead (rows
-    of a batch's tensor, in the model's dtype): the values are computed in float32 as above and rounded to
-    ``out``'s dtype as ``.to(dtype)`` rounds transformers' float32 pixel_values, so no float32 copy of the
-    whole, and no concatenation, is made.
-
-    On the CPU, where this is most of a small image's time: the uint8 values are converted into a float32
-    block of their own (contiguous: the subtraction and division then run over it in one vectorised sweep
-    each), which one copy then writes into every temporal slot of the output; blocks of up to 8 MB, so the
-    extra memory stays bounded for large images; outputs are asked for huge pages (:func:`empty_pixels`).
-    Writing the normalised values into the output's first slot in place and copying that slot across (the
-    previous way, in L2-sized chunks) took 1.2-1.7x as long beside four CPU-bound processes (640x480 to
-    1920x1080, one thread, alternated), and 0.9-1.3x on a quiet machine: no worse alone, better sharing."""
+    ``out``: a contiguous (N, C*repeat*L) floating tensor to write into instead, rounded to its dtype as
+    ``.to(dtype)`` rounds transformers' pixel_values. On the CPU each block of up to 8 MB is normalised in a
+    float32 block of its own, then copied into every temporal slot (normalising the first slot in place and
+    copying it across took 1.2-1.7x as long beside four CPU-bound processes)."""
     n, c = patches.shape[:2]
     x = patches.reshape(n, c, 1, math.prod(patches.shape[2:]))
     width = x.shape[-1]
@@ -234,22 +211,18 @@ def rescale_normalize(
     direct = repeat == 1 and out.dtype == torch.float32  # the output is its own block
     step = n if patches.device.type != "cpu" else max(1, _CPU_BLOCK_BYTES // max(c * width * 4, 1))
     for i in range(0, n, step):
-        if direct:
-            _normalized(x[i : i + step], target[i : i + step], m, s, rescale_factor, do_normalize, do_rescale)
-            continue
-        block = empty_pixels((min(step, n - i), c, 1, width), torch.float32, patches.device)
-        _normalized(x[i : i + step], block, m, s, rescale_factor, do_normalize, do_rescale)
-        target[i : i + step].copy_(block.expand(-1, -1, repeat, -1))
+        rows = target[i : i + step]
+        block = (
+            rows if direct else empty_pixels((min(step, n - i), c, 1, width), torch.float32, patches.device)
+        )
+        block.copy_(x[i : i + step])  # then transformers' operations, in its order
+        if do_normalize:
+            block.sub_(m).div_(s)
+        elif do_rescale:
+            block.mul_(rescale_factor)
+        if not direct:
+            rows.copy_(block.expand(-1, -1, repeat, -1))
     return out
-
-
-def _normalized(x, block, m, s, rescale_factor, do_normalize, do_rescale) -> None:
-    """``block`` (float32, x's shape) = x rescaled and normalised, in transformers' operations and order."""
-    block.copy_(x)
-    if do_normalize:
-        block.sub_(m).div_(s)
-    elif do_rescale:
-        block.mul_(rescale_factor)
 
 
 # float32 normalised per block on the CPU before it is copied into the output's temporal slots
@@ -259,10 +232,8 @@ _HUGE_PAGE = 2 << 20
 
 def empty_pixels(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty tensor for pixel values; on Linux CPUs, one of 4 MB or more asks the kernel for transparent
-    huge pages before it is first written (``madvise(MADV_HUGEPAGE)``, what torch does for every allocation
-    under ``THP_MEM_ALLOC_ENABLE=1``): 512x fewer page faults. Measured here (AMD EPYC, THP in madvise mode,
-    one thread): a 1080p image's 50 MB of pixel_values normalised in 31 ms instead of 87. Where the kernel
-    has no THP, or says no, nothing changes."""
+    huge pages before it is first written (``madvise(MADV_HUGEPAGE)``, as torch's ``THP_MEM_ALLOC_ENABLE=1``):
+    a 1080p image's 50 MB normalised in 31 ms instead of 87 (AMD EPYC, one thread)."""
     out = torch.empty(shape, dtype=dtype, device=device)
     nbytes = out.numel() * out.element_size()
     if device.type == "cpu" and nbytes >= 2 * _HUGE_PAGE and _madvise is not None:
@@ -298,17 +269,10 @@ def normalize_patches(
     """uint8 patches (N, C, T*P*P), or an image's (N, C, P*P) each held once (given the temporal repeat) ->
     float32 pixel_values (N, C*T*P*P) by the video processor's rescale and normalisation, or with ``images``
     the image processor's. ``out``: written into instead, as :func:`rescale_normalize` says."""
-    if images:
-        settings = (cfg.image_mean, cfg.image_std, cfg.rescale_factor, cfg.do_rescale, cfg.do_normalize)
-    else:
-        settings = (
-            cfg.video_mean,
-            cfg.video_std,
-            cfg.video_rescale_factor,
-            cfg.video_do_rescale,
-            cfg.video_do_normalize,
-        )
-    return rescale_normalize(patches, *settings, repeat=temporal_repeat(patches, cfg), out=out)
+    pre = "" if images else "video_"
+    mean_std = (cfg.image_mean, cfg.image_std) if images else (cfg.video_mean, cfg.video_std)
+    steps = [getattr(cfg, pre + k) for k in ("rescale_factor", "do_rescale", "do_normalize")]
+    return rescale_normalize(patches, *mean_std, *steps, repeat=temporal_repeat(patches, cfg), out=out)
 
 
 def pixel_width(patches: torch.Tensor, cfg: ProcessorConfig) -> int:
@@ -328,14 +292,18 @@ def temporal_repeat(patches: torch.Tensor, cfg: ProcessorConfig) -> int:
     return whole // width
 
 
-def channels_last_patches(order: torch.Tensor, rows: int) -> torch.Tensor:
-    """uint8 pixels viewed in patch order with the channel last, (..., C) -> (rows, C, cols): the patch move
-    on channels-last pixels in two copies, each reading runs of bytes that lie together: first the whole
-    patches, a row of P pixels x C channels at a time (48 contiguous bytes at P=16), then each patch's
-    (cols, C) transposed to (C, cols) in cache. One copy straight into (rows, C, cols) reads a byte every C
-    bytes in its inner loop: 1.4-1.8x slower (1080p: 10.7 against 5.9 ms; 640x480 0.78 against 0.67)."""
-    c = order.shape[-1]
-    return order.contiguous().reshape(rows, -1, c).transpose(1, 2).contiguous()
+def patch_rows(frames: torch.Tensor, tp: int, p: int, m: int) -> torch.Tensor:
+    """(T, 3, H, W) uint8, T a multiple of ``tp`` -> (rows, 3, tp*p*p) uint8 in the processors' patch order:
+    rows (t, h/m, w/m, m, m), columns (C, T, P, P). One uint8 copy (two where channels-last)."""
+    gt, gh, gw = frames.shape[0] // tp, frames.shape[-2] // p, frames.shape[-1] // p
+    if frames.stride(1) == 1:  # channels-last, as decoded and resized
+        # Two copies each reading runs of bytes that lie together (the whole patches, then each patch's
+        # (cols, C) transposed in cache): one copy into (rows, C, cols) reads a byte every C, 1.4-1.8x slower
+        hwc = frames.permute(0, 2, 3, 1).reshape(gt, tp, gh // m, m, p, gw // m, m, p, 3)
+        order = hwc.permute(0, 2, 5, 3, 6, 1, 4, 7, 8).contiguous()
+        return order.reshape(gt * gh * gw, -1, 3).transpose(1, 2).contiguous()
+    x = frames.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p)
+    return x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, 3, tp * p * p)
 
 
 def patchify_video(
@@ -343,12 +311,10 @@ def patchify_video(
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(T, 3, H, W) uint8 frames -> pixel_values (t*h*w, C*T*P*P) float32 and grid (t, h, w).
 
-    Resize, rescale+normalise and patchify exactly as transformers' Qwen-VL video processors, in a
-    cheaper order with bit-identical results: frames may be channels-last (as decoded; the uint8 resize
-    kernel is fastest on that layout), and the patch permutation is done on uint8 before normalising,
-    which is elementwise per channel and so commutes with it. With ``normalize=False`` the uint8 patches
-    (N, C, T*P*P) are returned for :func:`normalize_patches` to finish later (4x fewer bytes to
-    move between processes and to the device).
+    Resize, rescale+normalise and patchify exactly as transformers' Qwen-VL video processors, in a cheaper
+    order with bit-identical results: the patch permutation is done on uint8 before normalising, which is
+    elementwise per channel and so commutes with it. With ``normalize=False`` the uint8 patches (N, C,
+    T*P*P) are returned for :func:`normalize_patches` to finish later (4x fewer bytes to move).
     """
     n = frames.shape[0]
     # smart_resize refuses fewer frames than the temporal patch; a one-frame clip is treated as the
@@ -362,9 +328,8 @@ def patchify_video(
                 "do_resize is false: resize the video, or set do_resize in the checkpoint's video processor settings"
             )
     elif (h, w) != tuple(frames.shape[-2:]) and cfg.video_sizing == "qwen-vl-utils":
-        # qwen-vl-utils resizes with torchvision's v1 ``transforms.functional.resize``: on uint8 it casts to
-        # float32, interpolates, clamps, rounds and casts back (``_functional_tensor.resize``), which
-        # differs by a level here and there from the uint8 kernel transformers' video processors run.
+        # qwen-vl-utils resizes with torchvision's v1 ``resize``: on uint8 it casts to float32, interpolates,
+        # clamps, rounds and casts back (a level off here and there from the uint8 kernel).
         frames = F.interpolate(
             frames.to(torch.float32), size=(h, w), mode="bicubic", align_corners=False, antialias=True
         )
@@ -375,24 +340,14 @@ def patchify_video(
     if pad := -n % tp:
         frames = torch.cat((frames, frames[-1:].expand(pad, -1, -1, -1)), dim=0)
     gt, gh, gw = frames.shape[0] // tp, h // p, w // p
-    if frames.stride(1) == 1:  # channels-last, as decoded and resized: see channels_last_patches
-        hwc = frames.permute(0, 2, 3, 1).reshape(gt, tp, gh // m, m, p, gw // m, m, p, 3)
-        patches = channels_last_patches(hwc.permute(0, 2, 5, 3, 6, 1, 4, 7, 8), gt * gh * gw)
-    else:
-        patches = frames.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p)
-        # (gt, gh/m, gw/m, m, m, C, tp, p, p): rows (t, h/2, w/2, 2, 2), columns (C, T, P, P)
-        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, 3, tp * p * p)
-    if not normalize:
-        return patches, (gt, gh, gw)
-    return normalize_patches(patches, cfg), (gt, gh, gw)
+    patches = patch_rows(frames, tp, p, m)
+    return (normalize_patches(patches, cfg) if normalize else patches), (gt, gh, gw)
 
 
 def _video_failure(path: Media, size: int, reason: str, *, cut: bool = False) -> SampleError:
     """The SampleError for a video that failed with ``reason``: "truncated or corrupt video" when the file
-    is shorter than its own container says (whatever FFmpeg made of that), or when ``cut`` says the failure
-    looks like it (the end of the file met while opening; a failure after the container opened: a demuxer
-    reading past the data, a seek back to the start refused, a packet the decoder rejects); otherwise
-    ``reason`` as it is (no video stream, no decodable frames, "unreadable or corrupt video")."""
+    is shorter than its own container says, or when ``cut`` says the failure looks like it (the end of the
+    file met while opening, a failure after the container opened); otherwise ``reason`` as it is."""
     where = container_truncation(path, size)
     if where is not None:
         return SampleError(f"truncated or corrupt video: {where} ({reason})")
@@ -403,9 +358,8 @@ def _video_failure(path: Media, size: int, reason: str, *, cut: bool = False) ->
 
 @dataclass(frozen=True)
 class _Packets:
-    """The video stream's packets in decode order, as the demuxer gives them without decoding: timestamps
-    (in ``stream.time_base``; None where the container has none), keyframe flags, and the packets an edit
-    list cuts (decoded as references, never shown)."""
+    """The video stream's packets in decode order, as the demuxer gives them: timestamps (``stream.time_base``;
+    None where the container has none), keyframe flags, and the packets an edit list cuts (never shown)."""
 
     pts: list[int | None]
     dts: list[int | None]
@@ -423,16 +377,10 @@ class _Packets:
 
 def _packet_pts(container, stream, *, rewind: bool = True) -> _Packets:
     """The stream's packets' timestamps and flags in decode order, read without decoding anything."""
-    pts, dts, key, discard = [], [], [], []
-    for packet in container.demux(stream):
-        if packet.size > 0:
-            pts.append(packet.pts)
-            dts.append(packet.dts)
-            key.append(packet.is_keyframe)
-            discard.append(packet.is_discard)
+    rows = [(p.pts, p.dts, p.is_keyframe, p.is_discard) for p in container.demux(stream) if p.size > 0]
     if rewind:
         container.seek(0)
-    return _Packets(pts, dts, key, discard)
+    return _Packets(*map(list, zip(*rows))) if rows else _Packets.of([])
 
 
 # What PyAV raises for data it cannot read: FFmpegError (InvalidDataError is also a ValueError, EOFError
@@ -441,8 +389,8 @@ _DECODE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, IndexErr
 
 
 def read_video(path: Media, cfg: ProcessorConfig) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Decode the sampled frames of a video (a file, or a tar shard's member read in place) with PyAV:
-    (T, 3, H, W) uint8 and sampling metadata."""
+    """Decode the sampled frames of a video (a file, or a media object) with PyAV: (T, 3, H, W) uint8 and
+    sampling metadata."""
     import av
 
     size = checked_media(path)
@@ -506,7 +454,7 @@ def _collect(
 ) -> bool:
     """The wanted frames among ``frames`` into ``got`` (by index). ``seek``, after a seek: the keyframe's pts
     and the first frame's (None where an edit list cuts it), cleared at the first frame shown from the
-    keyframe on. False where the decode cannot be trusted (the caller then decodes sequentially)."""
+    keyframe on. False where the decode cannot be trusted."""
     for frame in frames:
         low, expect = seek
         if low is not None:  # the first frames after a seek
@@ -528,18 +476,12 @@ def _decode_sparse(
 ) -> list[np.ndarray] | None:
     """RGB frames at ``indices`` without decoding the frames nothing refers to; None to fall back.
 
-    A frame's index is its rank in presentation order among the frames shown (an edit list's cut packets
-    are decoded as references, never shown), which the packets' timestamps give before any decoding. When
-    every frame still wanted lies at or past a keyframe the decode has not reached (see :func:`_seek_points`
-    and :func:`_seek_point`), the container seeks to that keyframe and the GOPs between are never read:
-    frames shown from a keyframe on decode from it alone, and a leading picture of an open GOP (decoded
-    after its keyframe, shown before it, predicted from the GOP before) is sought from the keyframe before.
-    Packets of unwanted frames are sent with ``skip_frame = NONREF``: the decoder drops them only if no other
-    frame is predicted from them (H.264/HEVC B-frames outside the pyramid, MPEG-4 B-VOPs). Decoders without
-    the option decode everything. So each wanted frame decodes from exactly the references it would in a
-    full decode, bit for bit. Returns None, for the caller's sequential decode, when timestamps are missing
-    or repeated, a seek lands past its keyframe or off the seek points, the demuxer's packets disagree with
-    the index, the first frame after a seek is not the keyframe, or a wanted frame does not come back.
+    A frame's index is its rank in presentation order among the frames shown, which the packets' timestamps
+    give before any decoding. When every frame still wanted lies at or past a keyframe the decode has not
+    reached (:func:`_seek_points`), the container seeks to it and the GOPs between are never read. Packets of
+    unwanted frames are sent with ``skip_frame = NONREF``: the decoder drops them only if no other frame is
+    predicted from them. So each wanted frame decodes from exactly the references it would in a full
+    decode, bit for bit. None when timestamps are missing or repeated, a seek goes wrong, or a frame is missing.
     """
     if not isinstance(packets, _Packets):
         packets = _Packets.of(packets)
@@ -600,10 +542,8 @@ def _decode_sparse(
 def _seek_points(packets: _Packets) -> list[int]:
     """Decode-order positions of the keyframes a decode can start from: position 0, and each keyframe that
     every earlier packet precedes in presentation. A decode started there gives every later frame shown
-    from the keyframe on as a sequential decode does (the container's keyframe is a random access point:
-    an IDR picture, an H.264 recovery point, an HEVC CRA, an MPEG-4 I-VOP); the leading pictures of an open
-    GOP (x264's open-gop, x265's CRA, MPEG-4 B-VOPs around an I-VOP) are shown before it and left to the
-    keyframe before (:func:`_seek_point`)."""
+    from the keyframe on as a sequential decode does; the leading pictures of an open GOP are shown before
+    it and left to the keyframe before (:func:`_seek_point`)."""
     pts = packets.pts
     points, prefix_max = [0], pts[0]
     for i in range(1, len(pts)):
@@ -625,9 +565,8 @@ def _seek_point(points: list[int], pts: list[int], p: int) -> int:
 def _seek(container, stream, packets: _Packets, target: int, at: dict[int, int], points: list[int]):
     """Seek to the keyframe at decode-order position ``target``: (demuxer, its first packet, that packet's
     position), or None where the container lands after the target or off the seek points. The offset is
-    the keyframe's pts, then its dts: MP4 and Matroska seek by pts, AVI by dts (where the pts lands on the
-    next keyframe only in GOPs shorter than the reordering delay); landing on an earlier seek point is fine,
-    the decode then runs through from there."""
+    the keyframe's pts, then its dts: MP4 and Matroska seek by pts, AVI by dts; landing on an earlier seek
+    point is fine."""
     import av
 
     clean = set(points)
@@ -650,28 +589,19 @@ def _seek(container, stream, packets: _Packets, target: int, at: dict[int, int],
 
 
 def _container_seek(container, stream, offset: int) -> None:
-    """The container's seek to the keyframe at or before ``offset`` (in ``stream.time_base``); a seam for
-    tests to count seeks."""
+    """The container's seek to the keyframe at or before ``offset``; a seam for tests to count seeks."""
     container.seek(offset, stream=stream, backward=True, any_frame=False)
 
 
 def _decode_at(container, stream, indices: np.ndarray | None, *, turn: bool = False) -> list[np.ndarray]:
     """RGB frames at ``indices`` (repeats allowed) in one sequential decode; all frames when None."""
-    wanted: dict[int, int] | None = None
-    if indices is not None:
-        wanted = {}
-        for i in indices.tolist():
-            wanted[i] = wanted.get(i, 0) + 1
-        last = max(wanted)
+    wanted = None if indices is None else collections.Counter(indices.tolist())
+    last = None if wanted is None else max(wanted)
     out: list[np.ndarray] = []
     for i, frame in enumerate(container.decode(stream)):
-        if wanted is None:
-            out.append(_rgb(frame, turn))
-            continue
-        if i in wanted:
-            rgb = _rgb(frame, turn)
-            out.extend([rgb] * wanted[i])
-        if i >= last:
+        if wanted is None or i in wanted:
+            out.extend([_rgb(frame, turn)] * (1 if wanted is None else wanted[i]))
+        if last is not None and i >= last:
             break
     return out
 
@@ -690,10 +620,9 @@ def _rgb(frame, turn: bool) -> np.ndarray:
 
 def display_turns(frame) -> int:
     """Quarter turns counter-clockwise (``np.rot90``'s k) that make a decoded frame upright by its display
-    matrix (the side data phones write: FFmpeg's ``av_display_rotation_get``, read from the matrix itself so
-    that every PyAV the extra allows reads it), as torchcodec turns the frames transformers' video
-    processors decode: 90 -> 1, 180 -> 2, -90 -> 3 (checked frame for frame against torchcodec 0.17). A
-    mirrored or a non-right-angle matrix raises SampleError: torchcodec's turn for it is not known here."""
+    matrix (FFmpeg's ``av_display_rotation_get``, read from the matrix itself), as torchcodec turns the frames
+    transformers' video processors decode (checked against torchcodec 0.17). A mirrored or a non-right-angle
+    matrix raises SampleError: torchcodec's turn for it is not known here."""
     for side in list(frame.side_data.keys()) if hasattr(frame.side_data, "keys") else list(frame.side_data):
         if "DISPLAYMATRIX" not in str(getattr(side, "type", "")):
             continue
