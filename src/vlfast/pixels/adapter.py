@@ -1,8 +1,7 @@
 """vlfast's pixels given to what calls a transformers Qwen-VL image processor: a copy of the image processor
 whose calls :class:`~vlfast.pixels.preprocessor.VisionPreprocessor` answers (:func:`as_image_processor`, and
-``VLFAST_PREPROCESS``'s swap in :mod:`vlfast.switches.preprocess`), and the count of those calls, answered or
-passed to transformers' own code, that ``VLFAST_RECORD`` reports (:func:`image_processor_calls`; listeners in
-:data:`on_call`). Imports neither torch nor transformers at import.
+``VLFAST_PREPROCESS``'s swap), and the count of those calls that ``VLFAST_RECORD`` reports
+(:func:`image_processor_calls`). Imports neither torch nor transformers at import.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ __all__ = [
     "without_resize",
 ]
 
-# Image processor calls answered by vlfast (VLFAST_PREPROCESS, VisionPreprocessor.as_image_processor) and
-# those passed to transformers' own code, by reason: this process's, a forked child starting from zero. The record
-# (vlfast.switches.record) reads them and adds to ``on_call`` what it runs at each call.
+# Image processor calls answered by vlfast and those passed to transformers' own code, by reason: this
+# process's (a forked child starts from zero). ``on_call``: what the record runs at each call.
 _lock = threading.Lock()
 _image_calls: dict[str, Any] = {"pid": os.getpid(), "vlfast": 0, "stock": {}}
 on_call: list[Callable[[], None]] = []
@@ -96,13 +94,11 @@ _QWEN_VL_IMAGE_PROCESSORS = frozenset({*TORCHVISION_IMAGE_PROCESSORS, "Qwen2VLIm
 
 def _qwen_vl_image_processor(base: Any) -> Any:
     """``base`` if it is a transformers Qwen-VL image processor, a processor's image processor if it is a
-    processor holding one; else InputRefused naming what was given (a tokenizer's call would take text for
-    file paths, a video processor has no image settings)."""
-    if not isinstance(base, type) and {c.__name__ for c in type(base).__mro__} & _QWEN_VL_IMAGE_PROCESSORS:
-        return base
-    inner = getattr(base, "image_processor", None) if not isinstance(base, type) else None
-    if inner is not None and {c.__name__ for c in type(inner).__mro__} & _QWEN_VL_IMAGE_PROCESSORS:
-        return inner
+    processor holding one; else InputRefused naming what was given."""
+    if not isinstance(base, type):
+        for ip in (base, getattr(base, "image_processor", None)):
+            if ip is not None and {c.__name__ for c in type(ip).__mro__} & _QWEN_VL_IMAGE_PROCESSORS:
+                return ip
     what = base.__name__ + " (a class)" if isinstance(base, type) else type(base).__name__
     raise InputRefused(
         f"as_image_processor: given a {what}, not a transformers Qwen-VL image processor "
@@ -117,17 +113,16 @@ _LAYOUT_KWARGS = ("data_format", "input_data_format", "device", "disable_groupin
 
 def adapted(pre: Any, base: Any, fallback: bool = False) -> Any:
     """A copy of ``base`` whose class is a subclass of ``base``'s answering calls with ``pre``. ``fallback``
-    (``VLFAST_PREPROCESS``): a call vlfast cannot answer exactly as ``base`` would (a pixel setting in the
-    call, an input of another kind, a setting of the object changed since) runs ``base``'s own code instead
-    of being refused; the record counts both."""
+    (``VLFAST_PREPROCESS``): a call vlfast cannot answer exactly as ``base`` would runs ``base``'s own code
+    instead of being refused."""
     import copy
 
     out = copy.copy(base)
     out.__class__ = __adapted_class(type(base))
     out._vlfast = pre
     cfg = pre.config
-    # the budgets the placeholder count reads (get_number_of_image_patches) are the ones the pixels follow:
-    # transformers 4's dict, transformers 5's SizeDict (a dataclass, not a dict)
+    # the placeholder count (get_number_of_image_patches) reads these budgets: a dict (transformers 4) or a
+    # SizeDict dataclass (5)
     size = getattr(out, "size", None)
     if size is not None and "longest_edge" in size:
         budgets = {"shortest_edge": cfg.image_min_pixels, "longest_edge": cfg.image_max_pixels}
@@ -167,8 +162,7 @@ def _base_class(obj) -> type:
 
 
 def _adapted_reduce(self):
-    # the object as it is now (copy.deepcopy, pickle to DataLoader workers): its settings, changed or not, and
-    # the snapshot they are compared with; the VisionPreprocessor pickles by its own fields
+    # the object as it is now (deepcopy, pickle to DataLoader workers), with the snapshot of its settings
     state = {k: v for k, v in self.__dict__.items() if k != "_vlfast"}
     return (_rebuilt, (self._vlfast, _base_class(self), state))
 
@@ -181,12 +175,10 @@ def _rebuilt(pre: Any, base_cls: type, state: dict) -> Any:
 
 
 def _adapted_to_dict(self) -> dict[str, Any]:
-    """``base``'s, as ``save_pretrained`` writes it: its own class name (what AutoImageProcessor loads back), no
-    vlfast attribute."""
+    """``base``'s, as ``save_pretrained`` writes it: its own class name, no vlfast attribute."""
     out = _base_class(self).to_dict(self)
     for key in [k for k in out if k.startswith("_vlfast")]:
         del out[key]
-    # the base wrote this class's name (its PIL backend without "Pil", as it saves itself): the base's
     out["image_processor_type"] = out["image_processor_type"].removeprefix("Vlfast")
     return out
 
@@ -227,33 +219,28 @@ def _call_mismatch(kwargs: dict[str, Any], cfg) -> str | None:
         if name is None:
             return f"{key}={value!r} in a call: an option vlfast does not take"
         if name == "size":
-            budgets = (cfg.image_min_pixels, cfg.image_max_pixels)
+            lo, hi = cfg.image_min_pixels, cfg.image_max_pixels
+            ours = f"shortest_edge={lo}, longest_edge={hi}"
             try:
-                same = (value["shortest_edge"], value["longest_edge"]) == budgets and all(
-                    k in ("shortest_edge", "longest_edge") for k in dict(value)
-                )
+                edges = {"shortest_edge", "longest_edge"}
+                same = (value["shortest_edge"], value["longest_edge"]) == (lo, hi) and set(
+                    dict(value)
+                ) <= edges
             except (KeyError, TypeError, ValueError):
                 same = False
         elif name == "do_convert_rgb":
-            same = value is True
+            ours, same = "True", value is True
         else:
-            same = _same(value, getattr(cfg, name))
+            ours = getattr(cfg, name)
+            same = _same(value, ours)
         if not same:
-            ours = (
-                "True"
-                if name == "do_convert_rgb"
-                else getattr(cfg, name, None)
-                if name != "size"
-                else (f"shortest_edge={cfg.image_min_pixels}, longest_edge={cfg.image_max_pixels}")
-            )
             return f"{key}={value!r} in a call, where this VisionPreprocessor has {ours}"
     return None
 
 
 def _channels_first(shape: tuple[int, ...], given: Any = None) -> bool:
     """Whether a 3-axis array is (C, H, W): as ``given`` says (a call's ``input_data_format``), else as
-    transformers infers it (``infer_channel_dimension_format``): the first axis if it is 1 or 3 long, even
-    where the last is too ((3, W, 3), (1, W, 3), (3, W, 1): transformers warns and takes the first)."""
+    transformers infers it: the first axis if it is 1 or 3 long, even where the last is too."""
     if given is not None:
         return str(getattr(given, "value", given)) == "channels_first"
     return shape[0] in (1, 3)
@@ -261,21 +248,27 @@ def _channels_first(shape: tuple[int, ...], given: Any = None) -> bool:
 
 def _arrays_left_to_transformers(images, who: str, channels: Any) -> str | None:
     """Why a swapped processor's call goes to transformers: a 3-axis array whose channel axis transformers
-    guesses ((3, W, 3), (1, W, 3), (3, W, 1)), or one of a single channel. Releases differ on both (5.25 takes
-    the first axis and converts one channel, 5.18 fails on a channels-first one of a single channel), so the
-    switch leaves them to the installed one's own code. ``channels``: the call's ``input_data_format``."""
+    guesses ((3, W, 3), (1, W, 3), (3, W, 1)), or one of a single channel: releases of transformers differ
+    on both. ``channels``: the call's ``input_data_format``."""
     import numpy as np
     import torch
 
-    for item in images if isinstance(images, (list, tuple)) else [images]:
-        for x in item if isinstance(item, (list, tuple)) else [item]:
-            if not isinstance(x, (np.ndarray, torch.Tensor)) or x.ndim != 3:
-                continue
-            if channels is None and {x.shape[0], x.shape[-1]} <= {1, 3}:
-                return f"{who}: an array whose channel axis transformers guesses (pass input_data_format)"
-            if x.shape[0 if _channels_first(x.shape, channels) else -1] == 1:
-                return f"{who}: an array of one channel (releases of transformers read it differently)"
+    for x in _flat(images):
+        if not isinstance(x, (np.ndarray, torch.Tensor)) or x.ndim != 3:
+            continue
+        if channels is None and {x.shape[0], x.shape[-1]} <= {1, 3}:
+            return f"{who}: an array whose channel axis transformers guesses (pass input_data_format)"
+        if x.shape[0 if _channels_first(x.shape, channels) else -1] == 1:
+            return f"{who}: an array of one channel (releases of transformers read it differently)"
     return None
+
+
+def _flat(images) -> list:
+    """The inputs of a call, one level of nesting flattened, as transformers flattens them."""
+    out = []
+    for item in images if isinstance(images, (list, tuple)) else [images]:
+        out.extend(item if isinstance(item, (list, tuple)) else [item])
+    return out
 
 
 def conformed_inputs(images, who: str, channels: Any = None):
@@ -285,11 +278,8 @@ def conformed_inputs(images, who: str, channels: Any = None):
     import torch
     from PIL import Image
 
-    flat = []
-    for item in images if isinstance(images, (list, tuple)) else [images]:
-        flat.extend(item if isinstance(item, (list, tuple)) else [item])
     conformed = []
-    for x in flat:
+    for x in _flat(images):
         if isinstance(x, torch.Tensor):
             x = x.numpy(force=True)
         if isinstance(x, np.ndarray):
@@ -323,9 +313,7 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
         why = f"{who}: {len(args)} positional options: pass options by name"
     elif images is None:
         why = f"{who}: no images given"
-    if kwargs.get("do_resize") is False and pre.config.do_resize:
-        # ms-swift's Qwen templates resize with qwen-vl-utils, then call with do_resize=False: the same path
-        # without the resize (an image off the patch grid is refused by both)
+    if kwargs.get("do_resize") is False and pre.config.do_resize:  # ms-swift's Qwen templates' call
         pre = without_resize(pre)
     why = why or _call_mismatch(kwargs, pre.config)
     if why is None:
@@ -352,7 +340,9 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
             )
     if not self._vlfast_fallback:
         raise InputRefused(why)
-    count_image_processor_call(_reason_kind(why))
+    # counted without the values (one count per kind of refusal, not per image)
+    refused = why.startswith("an image vlfast refused")
+    count_image_processor_call(why.split(" (", 1)[0] if refused else why)
     return _base_class(self).preprocess(self, images, *args, return_tensors=return_tensors, **kwargs)
 
 
@@ -370,11 +360,6 @@ def without_resize(pre: Any) -> Any:
         defer_video_normalize=inner.defer_video_normalize,
     )
     return out
-
-
-def _reason_kind(why: str) -> str:
-    """A stock call's reason as the record counts it: without the values (one count per kind, not per image)."""
-    return why.split(" (", 1)[0] if why.startswith("an image vlfast refused") else why
 
 
 def _same(value, ours) -> bool:

@@ -48,24 +48,19 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "patch_size": 16,
         "image_min_pixels": 65_536,
         "image_max_pixels": 16_777_216,
-        "image_mean": (0.5, 0.5, 0.5),
-        "image_std": (0.5, 0.5, 0.5),
         "video_min_pixels": 4_096,
         "video_max_pixels": 25_165_824,
-        "video_mean": (0.5, 0.5, 0.5),
-        "video_std": (0.5, 0.5, 0.5),
+        **dict.fromkeys(("image_mean", "image_std", "video_mean", "video_std"), (0.5, 0.5, 0.5)),
         "frame_sampling": "qwen3-vl",
     },
     "qwen2_vl": {
         "patch_size": 14,
         "image_min_pixels": 3_136,
         "image_max_pixels": 12_845_056,
-        "image_mean": tuple(OPENAI_CLIP_MEAN),
-        "image_std": tuple(OPENAI_CLIP_STD),
         "video_min_pixels": 128 * 28 * 28,
         "video_max_pixels": 768 * 28 * 28,
-        "video_mean": tuple(OPENAI_CLIP_MEAN),
-        "video_std": tuple(OPENAI_CLIP_STD),
+        **dict.fromkeys(("image_mean", "video_mean"), tuple(OPENAI_CLIP_MEAN)),
+        **dict.fromkeys(("image_std", "video_std"), tuple(OPENAI_CLIP_STD)),
         "frame_sampling": "qwen2-vl",
         # Qwen2VLVideoProcessor: size.longest_edge bounds each frame; its max_video_tokens (used only with
         # cap_pixels_per_frame) is a context length, 128,000 by default
@@ -228,20 +223,17 @@ def _checkpoint_values(
     values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
     values["merge_size"] = int(image_cfg.get("merge_size", 2))
     values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
-    values.update(_pixel_settings(image_cfg, ""))
-    values.update(_pixel_settings(video_cfg, "video_"))
+    values.update(_pixel_settings(image_cfg, video_cfg))
     return source, video_cfg
 
 
-def _pixel_settings(cfg: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """The settings of a processor's file that change pixels (absent: PIXEL_SETTINGS' defaults, the Qwen-VL
-    processor classes'), as ProcessorConfig fields named with ``prefix``."""
+def _pixel_settings(image_cfg: dict[str, Any], video_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the processors' files that change pixels (absent: PIXEL_SETTINGS' defaults, the Qwen-VL
+    processor classes'), as ProcessorConfig fields (the video processor's named with "video_")."""
     out: dict[str, Any] = {}
     for name, default in PIXEL_SETTINGS.items():
-        if name.startswith("video_") != bool(prefix):
-            continue
-        key = name.removeprefix(prefix)
-        value = out[name] = cfg.get(key, default)
+        key = name.removeprefix("video_")
+        value = out[name] = (video_cfg if name.startswith("video_") else image_cfg).get(key, default)
         if key == "resample":
             try:
                 out[name] = int(value)

@@ -5,11 +5,9 @@ transformers' processor, the pixels of its torchvision backend, bit for bit, at 
     out = pre(images=["a.jpg", pil_image], videos=["clip.mp4"])
     out["pixel_values"], out["image_grid_thw"], out["pixel_values_videos"], out["video_grid_thw"]
 
-The numbers come from the checkpoint's processor files, as ``vlfast extract`` reads them
-(:func:`~vlfast.pixels.engine.build_processor_config`); images by path are turned upright by
-their EXIF orientation, as transformers' ``load_image`` does, PIL images are taken as they are, as its
-processor takes them; videos are decoded with PyAV and sampled by the family's ``sample_frames`` (2 fps by
-default). The object pickles small (DataLoader workers, spawn or fork) and holds no open file.
+The numbers come from the checkpoint's processor files, as ``vlfast extract`` reads them; images by path
+are turned upright by their EXIF orientation, as transformers' ``load_image`` does; videos are decoded with
+PyAV and sampled by the family's ``sample_frames``. The object pickles small and holds no open file.
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ class VisionPreprocessor:
     max_pixels: int | None = None
     video_max_pixels: int | None = None
     image_backend: str = "torchvision"
-    # "float32": transformers' outputs. "uint8": the patches before the rescale and normalisation, uint8: a
-    # video's (N, C, T*P*P), a quarter of the bytes to collate, pin and copy, an image's (N, C, P*P), each patch
-    # once, an eighth; finish() makes them float32 (N, C*T*P*P) where they land, the temporal repeat included.
+    # "float32": transformers' outputs. "uint8": the patches before the rescale and normalisation, a video's
+    # (N, C, T*P*P), an image's (N, C, P*P), each patch once; finish() makes them float32 where they land.
     pixels: str = "float32"
     _pre: Preprocessor | None = field(default=None, init=False, repr=False)
 
@@ -65,14 +62,11 @@ class VisionPreprocessor:
 
         ref = ModelRef.of(self.model)
         model = ref.spec
+        asked = ("fps", "num_frames", "min_pixels", "max_pixels", "video_max_pixels")
         cfg = build_processor_config(
             model,
             family=family_of(model),
-            fps=self.fps,
-            num_frames=self.num_frames,
-            min_pixels=self.min_pixels,
-            max_pixels=self.max_pixels,
-            video_max_pixels=self.video_max_pixels,
+            **{k: getattr(self, k) for k in asked},
             exif_orientation=True,
             image_processor=IMAGE_BACKENDS[self.image_backend],
             # a path read as transformers' processor of that backend reads it (its fetch_images)
@@ -96,14 +90,10 @@ class VisionPreprocessor:
 
     def __call__(self, images: list | None = None, videos: list | None = None) -> dict[str, torch.Tensor]:
         """Images (paths, PIL images, uint8 arrays (H, W, C), (C, H, W) or (H, W) and such tensors; nested
-        lists flattened, as transformers' processor flattens them) and videos (paths, or lists of frame
-        image paths) -> tensors, each input's rows in order; raises
-        :class:`~vlfast.pixels.media.SampleError` naming a file that cannot be read (or a clip
-        transformers' processor refuses: a Qwen3-VL video of fewer sampled frames than the temporal patch),
-        and :class:`~vlfast.errors.InputRefused` naming an input of a kind it does not take. An array whose
-        first axis is 1 or 3 long is (C, H, W), as transformers infers it, even where its last is too: (3, W, 3)
-        is 3 channels of 3 x W. A thin image is sized as transformers' processor sizes it
-        (``config.thin_images``)."""
+        lists flattened) and videos (paths, or lists of frame image paths) -> tensors, each input's rows in
+        order; raises :class:`~vlfast.pixels.media.SampleError` naming a file that cannot be read (or a clip
+        transformers' processor refuses), and :class:`~vlfast.errors.InputRefused` naming an input of a kind
+        it does not take. An array whose first axis is 1 or 3 long is (C, H, W), as transformers infers it."""
         import torch
 
         out: dict[str, torch.Tensor] = {}
@@ -120,11 +110,7 @@ class VisionPreprocessor:
             videos = [videos]
         if videos:
             samples = [_video_sample(x) for x in videos]  # every input checked before any is decoded
-            rows, grids = [], []
-            for sample in samples:
-                pixels, grid, _ = _named(self._pre, sample)
-                rows.append(pixels)
-                grids.append(grid)
+            rows, grids, _ = zip(*(_named(self._pre, sample) for sample in samples))
             out["pixel_values_videos"] = _cat(rows)
             out["video_grid_thw"] = torch.tensor(grids, dtype=torch.long)
         return out
@@ -136,10 +122,9 @@ class VisionPreprocessor:
         dtype: torch.dtype | None = None,
     ) -> dict:
         """``batch`` (this object's outputs, collated) with uint8 pixel values made float32 on ``device`` (by
-        default where they are): bit-equal to the float32 outputs (the rescale and normalisation are exact
-        IEEE operations on any device). With ``dtype`` (the model's, e.g. ``torch.bfloat16``) the pixel
-        values are written in it directly, rounded as ``.to(dtype)`` rounds the float32 ones, with no
-        float32 copy of the batch. Other entries are moved to ``device`` as they are."""
+        default where they are): bit-equal to the float32 outputs. With ``dtype`` (the model's) the pixel
+        values are written in it directly, rounded as ``.to(dtype)`` rounds the float32 ones. Other entries
+        are moved to ``device`` as they are."""
 
         from vlfast.pixels.finish import finish_pixels
 
@@ -163,21 +148,16 @@ class VisionPreprocessor:
             processor.image_processor = pre.as_image_processor(processor.image_processor)
 
         gives vlfast's path to everything that calls the processor or its image processor (TRL's collators, a
-        Dataset under HF Trainer, LlamaFactory's ``mm_plugin``). Its images are PIL images, paths, or uint8
-        arrays (H, W, C) and tensors (C, H, W), their channel axis inferred as transformers infers it or as a
-        call's ``input_data_format`` says; a pixel setting passed to a call (``size=``, ``max_pixels=``,
-        ``do_normalize=``, ...) other than this object's is refused: set it here. ``base`` may be a processor
-        holding such an image processor (its ``image_processor`` is taken); anything else (a tokenizer, a
-        video processor) is refused, naming it. It pickles (DataLoader workers)."""
+        Dataset under HF Trainer, LlamaFactory's ``mm_plugin``). Its images are as this object's; a pixel
+        setting passed to a call (``size=``, ``max_pixels=``, ...) other than this object's is refused: set it
+        here. ``base`` may be a processor holding such an image processor. It pickles (DataLoader workers)."""
         from vlfast.pixels.adapter import as_image_processor
 
         return as_image_processor(self, base)
 
     def _images(self, images: list) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """Every image's rows in one tensor, and their grids. Several float32 images through the torchvision
-        path are normalised straight into that tensor from their uint8 patches, as ``vlfast extract``'s
-        runner does, instead of each into its own and ``torch.cat`` copying them all again (50 MB a 1080p
-        image); the same bits."""
+        path are normalised straight into that tensor from their uint8 patches, with no ``torch.cat`` copy."""
         import torch
 
         from vlfast.pixels.finish import finish_pixels
@@ -196,19 +176,18 @@ class VisionPreprocessor:
         return finish_pixels(parts, cfg, images=True, dtype=torch.float32), list(grids)
 
     def _image(self, x, pre=None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        from vlfast.pixels.engine import conformed_image
+
         pre = self._pre if pre is None else pre
         if isinstance(x, (str, Path)):
             pixels, grid, _ = pre.image(str(x))
-            return pixels, grid
-        from vlfast.pixels.engine import conformed_image
-
-        pixels, grid, _ = pre.pil_image(conformed_image(x, keep_mode=True))
+        else:
+            pixels, grid, _ = pre.pil_image(conformed_image(x, keep_mode=True))
         return pixels, grid
 
 
 def _check_batch(batch: Any) -> None:
-    """InputRefused where ``finish`` is given anything but this object's outputs (collated): a mapping whose
-    pixel entries are tensors."""
+    """InputRefused where ``finish`` is given anything but a mapping whose pixel entries are tensors."""
     import torch
 
     if not hasattr(batch, "items"):
@@ -226,8 +205,7 @@ def _check_batch(batch: Any) -> None:
 
 
 def _video_sample(x):
-    """A video input (a file path, or a list of frame image paths) as the Clip the preprocessor decodes;
-    InputRefused naming anything else."""
+    """A video input (a file path, or a list of frame image paths) as a Clip; InputRefused naming anything else."""
     from vlfast.pixels.engine import Clip
 
     if isinstance(x, (str, Path)):
@@ -240,13 +218,11 @@ def _video_sample(x):
             f"VisionPreprocessor: a video given as {what if frames else 'an empty list'}: pass video file "
             "paths, or lists of frame image paths (vlfast decodes and samples them)"
         )
-    paths = tuple(str(f) for f in frames)
-    return Clip(kind="frames", paths=paths)
+    return Clip(kind="frames", paths=tuple(str(f) for f in frames))
 
 
 def _cat(rows):
-    """The rows of every input, in order: one input's tensor as it is (torch.cat would copy it: 50 MB of float32
-    for a 1080p image)."""
+    """The rows of every input, in order: one input's tensor as it is (torch.cat would copy it)."""
     import torch
 
     return rows[0] if len(rows) == 1 else torch.cat(rows)

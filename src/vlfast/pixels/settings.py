@@ -1,7 +1,6 @@
 """The one table of pixel settings: :class:`ProcessorConfig`, every number preprocessing uses, as data, and the
-names of the rules and image processors it takes. Below every other pixels module: :mod:`~vlfast.pixels.engine`
-builds it from a checkpoint or a family's defaults, :mod:`~vlfast.pixels.video` and :mod:`~vlfast.pixels.image`
-apply it. Imports neither torch nor transformers (but for the two rules asked of transformers, on call)."""
+names of the rules and image processors it takes. Below every other pixels module. Imports neither torch nor
+transformers (but for the two rules asked of transformers, on call)."""
 
 from __future__ import annotations
 
@@ -34,62 +33,32 @@ TORCHVISION_IMAGE_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImage
 IMAGE_BACKENDS = {"torchvision": "Qwen2VLImageProcessor", "pil": "Qwen2VLImageProcessorPil"}
 
 VIDEO_SIZINGS = ("processor", "qwen2-vl", "qwen-vl-utils")
-# How smart_resize sizes a thin image (a side of at most half a merged patch, patch x merge: 16 pixels for
-# Qwen3-VL, 14 for Qwen2/2.5-VL), the two references' rules: "processor" (transformers' Qwen2-VL image
-# processor and Qwen2VLVideoProcessor) rounds that side to 0 patches and then scales the image up to the
-# minimum budget; "qwen-vl-utils" (its fetch_image and fetch_video, the Qwen3-VL-Embedding recipe's) first
-# raises it to one merged patch. A 12x2400 image at Qwen3-VL's budgets: grid (1, 2, 228) by the first, (1, 2,
-# 150) by the second
+# How smart_resize sizes a thin image (a side of at most half a merged patch): "processor" (transformers')
+# rounds that side to 0 patches, then scales the image up to the minimum budget; "qwen-vl-utils" first raises
+# it to one merged patch. A 12x2400 image at Qwen3-VL's budgets: grid (1, 2, 228), and (1, 2, 150)
 THIN_IMAGES = ("processor", "qwen-vl-utils")
-# How transformers' image processors turn a transparent image into RGB: "white", composited on a white
-# background (transformers >= 5.21, and every vlfast before this rule was recorded); "dropped", the colour
-# values kept and the transparency dropped (PIL's convert("RGB"): transformers 5.18-5.20)
+# How transformers' image processors turn a transparent image into RGB: "white", composited on white
+# (transformers >= 5.21); "dropped", PIL's convert("RGB") (5.18-5.20)
 TRANSPARENCIES = ("white", "dropped")
 # How an image file becomes the PIL image the processor converts (pixels.engine.load_image): "vlfast"
-# (vlfast extract's: 16-bit and float images scaled to 8 bits, transparency left for the processor to put on
-# white); as a reference reads a path: "decode_image" (transformers' torchvision image processors, whose
-# fetch_images decodes a path to an RGB tensor: VisionPreprocessor's), "load_image" (its PIL ones'),
-# "qwen-vl-utils" (its to_rgb, the Qwen3-VL-Embedding recipe's reference)
+# (vlfast extract's), or as a reference reads a path: "decode_image" (transformers' torchvision image
+# processors), "load_image" (its PIL ones), "qwen-vl-utils" (its to_rgb)
 IMAGE_READINGS = ("vlfast", "decode_image", "load_image", "qwen-vl-utils")
-# What a prompt's video placeholder becomes (the llm and embedding features' input ids). The chat template
-# writes <|vision_start|><|video_pad|><|vision_end|>; Qwen3VLProcessor expands the pad to one
-# "<t seconds><|vision_start|>pads<|vision_end|>" block per temporal patch and then either "kept" the
-# template's wrapper around the blocks (transformers 5.18-5.24, and Qwen2VLProcessor's plain repetition of
-# pads) or "replaced" it by them (transformers 5.25+'s Qwen3VLProcessor, as 4.57's did): 2 tokens apart
+# What a prompt's video placeholder becomes: Qwen3VLProcessor expands the template's
+# <|vision_start|><|video_pad|><|vision_end|> to one "<t seconds><|vision_start|>pads<|vision_end|>" block per
+# temporal patch and either "kept" the template's wrapper around them (transformers 5.18-5.24) or "replaced"
+# it by them (5.25+, as 4.57)
 VIDEO_WRAPPERS = ("kept", "replaced")
 # PIL resampling codes vlfast's video resize implements, by the torchvision mode transformers maps each to
 VIDEO_RESAMPLES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
-# A transformers Qwen-VL image processor's settings that change pixels (its attributes, and options a call may
-# carry), by the ProcessorConfig field each must equal ("size": the image budgets; "do_convert_rgb": True,
-# vlfast's only way): what an adapted image processor, and each call to it, is checked against
+# A transformers Qwen-VL image processor's settings that change pixels (attributes, and a call's options), by
+# the ProcessorConfig field each must equal ("size": the image budgets; "do_convert_rgb": True)
 IMAGE_PROCESSOR_SETTINGS = {
-    "do_resize": "do_resize",
-    "resample": "resample",
-    "do_rescale": "do_rescale",
-    "rescale_factor": "rescale_factor",
-    "do_normalize": "do_normalize",
-    "image_mean": "image_mean",
+    **{k: k for k in ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean")},
     "image_std": "image_std",
     "min_pixels": "image_min_pixels",
     "max_pixels": "image_max_pixels",
-    "patch_size": "patch_size",
-    "temporal_patch_size": "temporal_patch_size",
-    "merge_size": "merge_size",
-    "size": "size",
-    "do_convert_rgb": "do_convert_rgb",
-}
-# The processors' settings that change pixels, by their defaults
-PIXEL_SETTINGS = {
-    "resample": 3,
-    "do_resize": True,
-    "do_rescale": True,
-    "do_normalize": True,
-    "do_convert_rgb": True,
-    "video_resample": 3,
-    "video_do_resize": True,
-    "video_do_rescale": True,
-    "video_do_normalize": True,
-    "video_rescale_factor": 1 / 255,
+    **{k: k for k in ("patch_size", "temporal_patch_size", "merge_size", "size", "do_convert_rgb")},
 }
 
 
@@ -120,20 +89,11 @@ class ProcessorConfig:
     rescale_factor: float = 1 / 255
     video_resize: str = "torch.nn.functional.interpolate(uint8, bicubic, antialias=True)"
     frames_list_fps: float = 24.0  # timestamps of a clip given as frame images (transformers' default)
-    # "processor": Qwen3VLVideoProcessor's smart_resize, video_max_pixels a budget over all frames;
-    # "qwen2-vl": Qwen2VLVideoProcessor's, video_max_pixels a budget for each frame (with
-    # cap_pixels_per_frame, also an even share of 90% of max_video_tokens' pixels); "qwen-vl-utils":
-    # qwen-vl-utils' fetch_video (a per-frame budget from video_max_pixels as the total, per-frame
-    # video_min_pixels and max_video_tokens), as Qwen3-VL-Embedding prepares videos (with frame_sampling
-    # "qwen-vl-utils").
-    video_sizing: str = "processor"
-    # Images (and a clip's frame images) turned upright by their EXIF orientation tag, as transformers'
-    # load_image does for a path or URL (PIL.ImageOps.exif_transpose). False: the pixels as stored, as
-    # qwen-vl-utils reads them.
+    video_sizing: str = "processor"  # VIDEO_SIZINGS: the rule pixels.video.video_resize_shape applies
+    # Images turned upright by their EXIF orientation tag, as transformers' load_image does for a path
     exif_orientation: bool = False
-    # The processors' settings that change pixels, as the checkpoint's files (or the processor classes'
-    # defaults) give them; resampling by PIL's codes (0 nearest, 2 bilinear, 3 bicubic). Images: transformers'
-    # image processor applies them; videos: the rules in vlfast.pixels.video.
+    # The processors' settings that change pixels, as the checkpoint's files (or the classes' defaults) give
+    # them; resampling by PIL's codes (0 nearest, 2 bilinear, 3 bicubic)
     resample: int = 3
     do_resize: bool = True
     do_rescale: bool = True
@@ -144,20 +104,12 @@ class ProcessorConfig:
     video_do_rescale: bool = True
     video_do_normalize: bool = True
     video_rescale_factor: float = 1 / 255
-    # Transparent images (an alpha band, a palette's or a colour key's transparency) made RGB as the installed
-    # transformers' processor makes them (TRANSPARENCIES): its rule changed in 5.21.
-    transparency: str = "white"
-    # IMAGE_READINGS
-    image_reading: str = "vlfast"
-    # A video's frames turned upright by its stream's display matrix (phone videos: a rotation of 90, 180 or
-    # 270 degrees), as torchcodec, the reader transformers' video processors decode a path with, turns them.
+    transparency: str = "white"  # TRANSPARENCIES, as the installed transformers' rule
+    image_reading: str = "vlfast"  # IMAGE_READINGS
+    # A video's frames turned upright by its display matrix, as torchcodec (transformers' reader) turns them
     video_rotation: bool = False
-    # VIDEO_WRAPPERS: how the installed transformers' processor expands a video in a prompt (llm and
-    # embedding features of a Qwen3-VL family; its rule changed in 5.25).
-    video_wrapper: str = "kept"
-    # THIN_IMAGES: whose smart_resize rule sizes a thin image (vlfast's image path, and videos sized
-    # "qwen2-vl"; "processor" and "qwen-vl-utils" sizing follow their own reference's rule). The transformers
-    # processor's for a checkpoint, qwen-vl-utils' for the embedding recipe.
+    video_wrapper: str = "kept"  # VIDEO_WRAPPERS, as the installed transformers' rule
+    # THIN_IMAGES: for vlfast's image path and videos sized "qwen2-vl" (the other sizings follow their own)
     thin_images: str = "qwen-vl-utils"
 
     def __post_init__(self) -> None:
@@ -207,15 +159,17 @@ class ProcessorConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The run configuration's ``processor`` entry (run.json; docs/format.md)."""
-        d = asdict(self)
-        for k, v in d.items():
-            if isinstance(v, tuple):
-                d[k] = list(v)
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
-# The float settings, each a finite number; those named positive also above 0 (a NaN passes every comparison
-# and an infinity overflows the frame count, so neither may reach the rules)
+# The processors' settings that change pixels, by their defaults
+_STEPS = ("resample", "do_resize", "do_rescale", "do_normalize")
+PIXEL_SETTINGS = {
+    name: getattr(ProcessorConfig, name)
+    for name in (*_STEPS, "do_convert_rgb", *(f"video_{k}" for k in (*_STEPS, "rescale_factor")))
+}
+
+# The float settings, each a finite number; those named positive also above 0
 _FLOATS = {"fps": True, "frames_list_fps": True, "rescale_factor": False, "video_rescale_factor": False}
 _FLOAT_TUPLES = ("image_mean", "image_std", "video_mean", "video_std")
 
@@ -248,9 +202,7 @@ def _check_numbers(cfg: ProcessorConfig) -> None:
 
 def transparency_rule() -> str:
     """How the installed transformers' image processors make a transparent image RGB: "white" or "dropped"
-    (TRANSPARENCIES; pixels.image.rgb_tensor applies them), asked of its own ``convert_to_rgb`` on a
-    transparent black pixel. Here, beside the rule's names, because it imports no torch: a finished OUT's
-    record answers it without importing anything heavy (store.facts)."""
+    (TRANSPARENCIES), asked of its own ``convert_to_rgb`` on a transparent black pixel."""
     import inspect
 
     import numpy as np
@@ -258,15 +210,12 @@ def transparency_rule() -> str:
     from transformers.image_transforms import convert_to_rgb
 
     pixel = Image.new("RGBA", (1, 1), (0, 0, 0, 0))
-    if "return_numpy" in inspect.signature(convert_to_rgb).parameters:  # 5.21+: a PIL result is deprecated
-        rgb = convert_to_rgb(pixel, return_numpy=True)
-    else:
-        rgb = convert_to_rgb(pixel)
-    value = np.asarray(rgb).reshape(-1)[:3].tolist()
-    if value == [255, 255, 255]:
-        return "white"
-    if value == [0, 0, 0]:
-        return "dropped"
+    # 5.21+: a PIL result is deprecated
+    numpy = {"return_numpy": True} if "return_numpy" in inspect.signature(convert_to_rgb).parameters else {}
+    value = np.asarray(convert_to_rgb(pixel, **numpy)).reshape(-1)[:3].tolist()
+    rules = {(255, 255, 255): "white", (0, 0, 0): "dropped"}
+    if tuple(value) in rules:
+        return rules[tuple(value)]
     import transformers
 
     raise RuntimeError(
@@ -279,9 +228,8 @@ def with_video_wrapper(
     cfg: ProcessorConfig, family: str, prompts: bool, facts: Answers | None = None
 ) -> ProcessorConfig:
     """``cfg`` with the installed transformers' :func:`video_wrapper_rule` where a prompt holds it: a run
-    that builds prompts (``llm`` or ``embedding`` features) for a Qwen3-VL family. Any other run keeps the
-    default, so that a vision-only OUT resumes under either rule. With ``facts`` (a ``ModelFacts``) the answer
-    comes from OUT's record where its key is this environment's, without importing transformers."""
+    that builds prompts for a Qwen3-VL family (any other keeps the default, so a vision-only OUT resumes
+    under either rule). With ``facts`` (a ``ModelFacts``) the answer comes from OUT's record."""
     if not prompts or not family.startswith("qwen3"):
         return cfg
     from dataclasses import replace
@@ -292,8 +240,7 @@ def with_video_wrapper(
 
 def video_wrapper_rule() -> str:
     """How the installed transformers' ``Qwen3VLProcessor`` puts a video's expansion in a prompt
-    (VIDEO_WRAPPERS): asked of its own ``get_text_with_replacements`` (the step its ``__call__`` expands the
-    text by) on the chat template's wrapper, with nothing loaded (no tokenizer, no checkpoint, no torch)."""
+    (VIDEO_WRAPPERS): asked of its own ``get_text_with_replacements`` with nothing loaded."""
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
     start, pad, end = "<|vision_start|>", "<|video_pad|>", "<|vision_end|>"
