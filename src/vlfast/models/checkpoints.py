@@ -75,20 +75,16 @@ def checkpoint_dir(spec: str | Path) -> Path:
     return path
 
 
-def _weight_files(path: Path) -> list[Path]:
+def safetensors_files(spec: str | Path) -> list[Path]:
+    """The checkpoint's weight files (from its index when sharded)."""
+    path = checkpoint_dir(spec)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+        return [path / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     return files
-
-
-def safetensors_files(spec: str | Path) -> list[Path]:
-    """The checkpoint's weight files (from its index when sharded)."""
-    return _weight_files(checkpoint_dir(spec))
 
 
 def tensor_locations(spec: str | Path, names: Sequence[str]) -> dict[str, tuple[Path, str]]:
@@ -102,7 +98,7 @@ def tensor_locations(spec: str | Path, names: Sequence[str]) -> dict[str, tuple[
     anchor = next(iter(names))  # e.g. "patch_embed.proj.weight"
     found: dict[str, tuple[Path, str]] = {}
     prefix: str | None = None
-    for file in _weight_files(path):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="numpy") as f:  # keys only: no torch
             keys = list(f.keys())
         if prefix is None:

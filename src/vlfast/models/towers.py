@@ -193,9 +193,8 @@ def tower_outputs(out: Any) -> dict[str, Any]:
     if isinstance(out, torch.Tensor):
         return {"merged": out, "deepstack": [], "last_hidden_state": None}
     if isinstance(out, (tuple, list)) and not hasattr(out, "keys"):
-        merged = out[0]
         deep = list(out[1]) if len(out) > 1 and isinstance(out[1], (list, tuple)) else []
-        return {"merged": merged, "deepstack": deep, "last_hidden_state": None}
+        return {"merged": out[0], "deepstack": deep, "last_hidden_state": None}
     merged = getattr(out, "pooler_output", None)
     last = getattr(out, "last_hidden_state", None)
     deep = getattr(out, "deepstack_features", None) or []

@@ -9,10 +9,8 @@ from vlfast._lazy import lazy_exports
 
 _EXPORTS = {
     "install_from_env": "patch",
-    "record_calls": "record",
-    "CallRecord": "record",
-    "install_processor_switch": "preprocess",
-    "swap_image_processor": "preprocess",
+    **dict.fromkeys(["record_calls", "CallRecord"], "record"),
+    **dict.fromkeys(["install_processor_switch", "swap_image_processor"], "preprocess"),
 }
 
 __all__ = list(_EXPORTS)

@@ -5,6 +5,7 @@ has its torchvision image processor's calls answered by :class:`vlfast.VisionPre
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +17,6 @@ __all__ = ["install_processor_switch", "swap_image_processor"]
 
 _said: set[str] = set()
 _TORCHVISION_BACKENDS = {"TorchvisionBackend", "BaseImageProcessorFast"}  # transformers' base classes of them
-
-
-def _say_once(line: str) -> None:
-    import sys
-
-    if line not in _said:
-        _said.add(line)
-        print(line, file=sys.stderr, flush=True)
 
 
 def swap_image_processor(processor: Any, path: Any) -> str | None:
@@ -56,8 +49,7 @@ def swap_image_processor(processor: Any, path: Any) -> str | None:
         )
     except Exception as e:  # noqa: BLE001 - any reason is a reason to leave transformers' code in place
         return f"{type(e).__name__}: {e}"
-    bad = _config_mismatch(ip, pre.config)
-    if bad:
+    if bad := _config_mismatch(ip, pre.config):
         return f"its {', '.join(bad)} differ from what vlfast reads in the checkpoint's files"
     if why := _probe(pre, ip):
         return why
@@ -123,10 +115,11 @@ def install_processor_switch() -> None:
         except Exception as e:  # noqa: BLE001 - never break the user's launcher: say so, leave it stock
             why = f"{type(e).__name__}: {e}"
         if why is not None and getattr(processor, "image_processor", None) is not None:
-            _say_once(
-                f"vlfast: VLFAST_PREPROCESS: the processor of {pretrained_model_name_or_path} keeps "
-                f"transformers' image processor: {why}"
-            )
+            line = f"vlfast: VLFAST_PREPROCESS: the processor of {pretrained_model_name_or_path} keeps "
+            line += f"transformers' image processor: {why}"
+            if line not in _said:  # said once
+                _said.add(line)
+                print(line, file=sys.stderr, flush=True)
         return processor
 
     from_pretrained._vlfast_switch = True

@@ -1,24 +1,17 @@
 """What ran: per patched conv, how many calls took the GEMM and how many the stock conv, and why.
 
-The proof a user can get from inside their own launcher (HF Trainer, DeepSpeed, FSDP, torchrun), where
-equal numbers would hide the stock path: ``VLFAST_RECORD=1`` prints it at exit, per rank;
-``VLFAST_RECORD=PATH`` also appends one JSON line per process to ``PATH``, a regular file or none yet:
-anything else (a FIFO, a device) is refused with one line at start, and never opened in a way that could
-hold the exit.
-:func:`record_calls` counts between two points (docs/training.md shows both).
+The proof a user can get from inside their own launcher (HF Trainer, DeepSpeed, FSDP, torchrun):
+``VLFAST_RECORD=1`` prints it at exit, per rank; ``VLFAST_RECORD=PATH`` also appends one JSON line per
+process to ``PATH``, a regular file or none yet (anything else is refused with one line at start, and never
+opened in a way that could hold the exit). :func:`record_calls` counts between two points.
 
-The record covers the whole process: every call of an eligible Conv3d that vlfast did not patch (PEFT's
-LoRA convs added after ``patch``, a model built before the switch) is counted and named, and a patched conv
-whose class ``forward`` was replaced says so by name. A global module forward pre-hook sees those calls; it
-is installed while a record runs and only then (about 2 us per module call while it is).
-
-Counting costs one global read per call while no record runs, and an integer increment while one does.
-Calls inside a ``torch.compile``'d graph are not counted (the graph's path was fixed when it was traced:
-``vlfast.verify`` and the graph itself are the proof there); the record says how many convs had no call.
+The record covers the whole process: every call of an eligible Conv3d that vlfast did not patch is counted
+and named, and a patched conv whose class ``forward`` was replaced says so by name (a global module forward
+pre-hook, installed while a record runs and only then: about 2 us per module call). Calls inside a
+``torch.compile``'d graph are not counted (``vlfast.verify`` and the graph itself are the proof there).
 
 This module imports neither torch nor transformers: vlfast's ``.pth`` file arms the variable at
-interpreter start-up, and the counters start when the patch's module is first imported. The image processor's
-calls are counted where vlfast answers them (:mod:`vlfast.pixels.adapter`), read here.
+interpreter start-up. The image processor's calls are counted in :mod:`vlfast.pixels.adapter`, read here.
 """
 
 from __future__ import annotations
@@ -52,8 +45,7 @@ _BYPASSED = "vlfast's GEMM not reached, calls not counted"  # gemm.BYPASSED, wit
 class ConvCalls:
     """One conv's calls in a record: through the GEMM, and through the stock conv by reason. ``module_calls``
     are the calls of the module itself; ``replaced`` names the forward assigned to its class that keeps
-    them from the GEMM; ``patched`` is False for an eligible conv vlfast did not patch (all its calls are
-    stock calls)."""
+    them from the GEMM; ``patched`` is False for an eligible conv vlfast did not patch."""
 
     name: str
     gemm: int = 0
@@ -95,7 +87,7 @@ def _rank() -> tuple[int | None, int | None]:
 
 def _in_worker() -> None:
     """At an image processor call under ``VLFAST_RECORD``: a multiprocessing child (a DataLoader worker) ends
-    in os._exit, past atexit: its finalizers are what runs at a clean exit, so the report is one of them."""
+    in os._exit, past atexit, so the report is one of its finalizers."""
     global _finalizer_pid
     pid = os.getpid()
     with _lock:
@@ -115,9 +107,8 @@ def _image_counts() -> tuple[int, dict[str, int]]:
 
 
 def _counts() -> dict[int, tuple[Any, int, dict[str, int], int]]:
-    """id(counter) -> (counter, GEMM calls, stock calls by reason, module calls) for every patched conv
-    alive now or that counted a call, and every eligible conv vlfast did not patch that was called while
-    a record ran; nothing when the patch's module was never imported."""
+    """id(counter) -> (counter, GEMM calls, stock calls by reason, module calls) for every counter
+    (``gemm.counters``); nothing when the patch's module was never imported."""
     gemm = sys.modules.get("vlfast.patching.gemm")
     if gemm is None:
         return {}
@@ -159,9 +150,8 @@ class CallRecord:
         return [c for c in self._all(idle) if c.patched]
 
     def unpatched(self) -> list[ConvCalls]:
-        """Each eligible Conv3d that vlfast did not patch and that was called while the record ran (its
-        ``module_calls`` are stock calls), named as in a model ``patch`` was given, else by its class and
-        a short id."""
+        """Each eligible Conv3d that vlfast did not patch and that was called while the record ran, named as
+        in a model ``patch`` was given, else by its class and a short id."""
         return [c for c in self._all(False) if not c.patched]
 
     def _all(self, idle: bool) -> list[ConvCalls]:
@@ -193,8 +183,7 @@ class CallRecord:
 
     @property
     def unpatched_calls(self) -> int:
-        """Calls of eligible convs vlfast did not patch: each one ran the stock conv (or the forward
-        assigned to its class, which the record names)."""
+        """Calls of eligible convs vlfast did not patch (each one ran the stock conv, or its class's forward)."""
         return sum(c.module_calls for c in self.unpatched())
 
     def image_processor_calls(self) -> tuple[int, dict[str, int]]:
@@ -249,29 +238,22 @@ class CallRecord:
                 names += f" and {k - _NAMES_SHOWN} more"
             tail.append(f"  {k} eligible conv{'s' * (k != 1)} not patched: {names}: {n} {ran}")
         images = _image_line(*self.image_processor_calls())
-        patch_asked = env_setting() is not None
-        if images and not convs and not patch_asked:  # VLFAST_PREPROCESS alone: no conv to speak of
-            return "\n".join([f"vlfast record ({who}, pid {d['pid']}): {images}", *tail])
+        head = f"vlfast record ({who}, pid {d['pid']}): "
+        if images and not convs and env_setting() is None:  # VLFAST_PREPROCESS alone: no conv to speak of
+            return "\n".join([head + images, *tail])
         if images:
             tail.append(f"  {images}")
         if not convs:
-            head = (
-                f"vlfast record ({who}, pid {d['pid']}): no patched convolution in this process "
-                f"(was the model built before VLFAST_PATCH / patch_transformers took effect, or never patched?)"
-            )
-            return "\n".join([head, *tail])
-        calls = d["gemm_calls"] + d["stock_calls"]
-        n = len(convs)
+            head += "no patched convolution in this process (was the model built before VLFAST_PATCH / "
+            return "\n".join([head + "patch_transformers took effect, or never patched?)", *tail])
+        calls, n = d["gemm_calls"] + d["stock_calls"], len(convs)
         bypassed = [c for c in convs if c.replaced is not None and not c.calls]
         by = ", ".join(sorted({c.replaced for c in bypassed}))
         if bypassed and len(bypassed) == n:  # not "1 patched conv, 0 calls": nothing ran through vlfast
-            head = f"vlfast record ({who}, pid {d['pid']}): forward replaced by {by}: {_BYPASSED}"
-            head += f" ({n} patched conv{'s' * (n != 1)})"
+            head += f"forward replaced by {by}: {_BYPASSED} ({n} patched conv{'s' * (n != 1)})"
         else:
-            head = (
-                f"vlfast record ({who}, pid {d['pid']}): {n} patched conv{'s' * (n != 1)}, "
-                f"{calls} call{'s' * (calls != 1)}: {d['gemm_calls']} GEMM, {d['stock_calls']} stock"
-            )
+            head += f"{n} patched conv{'s' * (n != 1)}, {calls} call{'s' * (calls != 1)}: "
+            head += f"{d['gemm_calls']} GEMM, {d['stock_calls']} stock"
             if bypassed:
                 head += f"; {len(bypassed)} not reached: forward replaced by {by}"
         return "\n".join([head, *(f"  {c.line()}" for c in convs), *tail])
@@ -309,8 +291,7 @@ def record_calls() -> CallRecord:
 
 
 def _at_exit(target: str) -> None:
-    # A process that never loaded the patch (a launcher: torchrun's, accelerate's) has nothing to say,
-    # nor a worker process (DataLoader, multiprocessing) that patched nothing.
+    # A process that never loaded the patch (a launcher) has nothing to say, nor a worker that patched nothing.
     answered, stock = _image_counts()
     images = answered + sum(stock.values())
     if "vlfast.patching.gemm" not in sys.modules and not images:
@@ -348,12 +329,9 @@ def _refusal(target: str, what: str) -> str:
 def _append(target: str, line: str) -> None:
     # O_NONBLOCK: a FIFO made after start-up must not hold the exit (without a reader its open fails at
     # once with ENXIO); a regular file ignores it.
+    fd = None
     try:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
-    except OSError as e:
-        print(f"vlfast record: could not append to {ENV_VAR}={target!r}: {e}", file=sys.stderr)
-        return
-    try:
         what = _not_a_file(os.fstat(fd).st_mode)
         if what is not None:  # a FIFO with a reader, a device: not the file a script reads back
             print(_refusal(target, what), file=sys.stderr)
@@ -362,7 +340,8 @@ def _append(target: str, line: str) -> None:
     except OSError as e:
         print(f"vlfast record: could not append to {ENV_VAR}={target!r}: {e}", file=sys.stderr)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def install_from_env() -> bool:
