@@ -46,10 +46,8 @@ def propose(an: SpellsTags, tag: str) -> list[Alternative]:
     for alt in SYNONYMS.get(name, POOL):
         if alt == name:
             continue
-        forms = {}
         try:
-            for form in (f"<{alt}>", f"</{alt}>"):
-                forms[form] = an.tag_verdict(form)
+            forms = {form: an.tag_verdict(form) for form in (f"<{alt}>", f"</{alt}>")}
         except ValueError:  # the tokenizer cannot spell it (unknown characters): not a candidate
             continue
         # A pair is only usable if both halves are trained: the format emits both.
@@ -71,9 +69,5 @@ def suggested_mapping(reports: list[TagReport]) -> dict[str, str]:
         alt = tag_name(r.alternatives[0].tag)
         if alt is not None:
             chosen[parsed[1]] = alt[1]
-    mapping = {}
-    for r in reports:
-        parsed = tag_name(r.tag)
-        if parsed is not None and parsed[1] in chosen:
-            mapping[r.tag] = f"<{parsed[0]}{chosen[parsed[1]]}>"
-    return mapping
+    named = [(r.tag, tag_name(r.tag)) for r in reports]
+    return {tag: f"<{p[0]}{chosen[p[1]]}>" for tag, p in named if p is not None and p[1] in chosen}

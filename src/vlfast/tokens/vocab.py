@@ -56,8 +56,7 @@ class Vocabulary:
             try:
                 from transformers import AutoTokenizer
 
-                hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-                tok = hf.backend_tokenizer
+                tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True).backend_tokenizer
             except Exception as e:  # noqa: BLE001 - any failure here means "no usable tokenizer"
                 raise FileNotFoundError(
                     f"no usable tokenizer in {model_dir} (no tokenizer.json; transformers said: {e}); "
