@@ -72,24 +72,15 @@ def _vlfast_fixes(all_convs: bool) -> list[tuple[str, str, str]]:
     code = "vlfast.patch_transformers(all_convs=True)" if all_convs else "vlfast.patch_transformers()"
     env = "VLFAST_PATCH=all" if all_convs else "VLFAST_PATCH=1"
     run = "-m vlfast.run --all-convs" if all_convs else "-m vlfast.run"
+    exact = "one line after the model is built; exact, reversible"
+    once = "once, before from_pretrained: patches every transformers model built afterwards"
+    also = " (all_convs: the Conv2d too)" if all_convs else ""
+    cli = f"python {run} train.py ...   |   torchrun --nproc-per-node N {run} train.py ..."
     return [
-        (
-            "code",
-            "import vlfast; vlfast.patch(model)",
-            "one line after the model is built; exact, reversible",
-        ),
-        (
-            "code",
-            f"import vlfast; {code}",
-            "once, before from_pretrained: patches every transformers model built afterwards"
-            + (" (all_convs: the Conv2d too)" if all_convs else ""),
-        ),
+        ("code", "import vlfast; vlfast.patch(model)", exact),
+        ("code", f"import vlfast; {code}", once + also),
         ("env", f"{env} python train.py ...", "no code change: every transformers model built is patched"),
-        (
-            "cli",
-            f"python {run} train.py ...   |   torchrun --nproc-per-node N {run} train.py ...",
-            "wraps an unmodified script (also under torchrun)",
-        ),
+        ("cli", cli, "wraps an unmodified script (also under torchrun)"),
     ]
 
 
@@ -407,13 +398,11 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
     if isinstance(model, nn.Module):
         return type(model).__name__, conv_shapes(model, patches=patches, label=type(model).__name__)
     if isinstance(model, str):
-        if (
-            models.ModelRef.of(model).is_reference
-            and (known := reference_conv_shapes(model, patches)) is not None
-        ):
+        ref = models.ModelRef.of(model)
+        if ref.is_reference and (known := reference_conv_shapes(model, patches)) is not None:
             return model, known
         tower = models.load_vision_tower(model, device="meta")
-        return model, conv_shapes(tower, patches=patches, label=models.ModelRef.of(model).label)
+        return model, conv_shapes(tower, patches=patches, label=ref.label)
     raise InputRefused(
         f"doctor(model=...) takes an nn.Module, a spec string (ref:NAME or a checkpoint dir) or None, "
         f"got {type(model).__name__}"

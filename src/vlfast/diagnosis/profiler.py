@@ -374,10 +374,7 @@ def _vlm_inputs(vlm: nn.Module, tower: nn.Module, pixels: torch.Tensor, grid: to
 
 
 def _set_patched(scope: nn.Module, patched: bool) -> None:
-    if patched:
-        patch(scope)
-    else:
-        unpatch(scope)
+    (patch if patched else unpatch)(scope)
 
 
 def _profile_config(

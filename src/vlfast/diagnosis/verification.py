@@ -443,10 +443,9 @@ def _tower_grad_check(tower: nn.Module, grid, device, th: Thresholds, seed: int)
 
     pixels, grid_thw = synthetic_inputs(tower, [grid], device=device, seed=seed)
     params = [p for p in tower.parameters() if p.requires_grad]
-    thawed: list[torch.Tensor] = []
-    if not params:  # a frozen tower (as for feature extraction): its gradients are still the check
-        thawed = [p for p in tower.parameters() if p.is_floating_point()]
-        params = thawed
+    # A frozen tower (as for feature extraction): its gradients are still the check.
+    thawed = [] if params else [p for p in tower.parameters() if p.is_floating_point()]
+    params = params or thawed
     try:
         for p in thawed:
             p.requires_grad_(True)
