@@ -391,11 +391,9 @@ _PATCH_KEYS = ("_conv_forward", "__reduce_ex__", "extra_repr")
 
 
 class _PatchedReduce:
-    """``__reduce_ex__`` of a patched conv, set on the instance, where ``copy.copy``, ``copy.deepcopy``
-    and pickle all look it up (``copy`` looks ``__copy__`` up on the class, which vlfast leaves alone).
-    The state is the module's own minus the patch: a copy is rebuilt patched, bound to the copy itself; a
-    pickle is the stock conv's, byte for byte (see :class:`_Rebuild`). Weak, so the module and its reducer
-    do not keep each other alive."""
+    """``__reduce_ex__`` of a patched conv, set on the instance, where ``copy.copy``, ``copy.deepcopy`` and
+    pickle all look it up: the module's state minus the patch, a copy rebuilt patched and bound to itself, a
+    pickle the stock conv's, byte for byte (:class:`_Rebuild`). Weak: the two do not keep each other alive."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = weakref.ref(module)
@@ -410,13 +408,11 @@ class _PatchedReduce:
 
 
 class _Rebuild:
-    """The callable in a patched conv's reduction. Called (copy, deepcopy): an empty patched module, whose
-    state copy then sets (``nn.Module.__setstate__``).
+    """The callable in a patched conv's reduction. Called (copy, deepcopy): an empty patched module.
 
-    Named ``__newobj__``: a pickler (protocol >= 2, torch.save's) writes a reduction by a callable of that
-    name as the ``NEWOBJ`` opcode on ``cls``, never the callable itself, exactly what it writes for a stock
-    module (``copyreg.__newobj__``). So the file names the conv's class and torch's tensor rebuilders only:
-    ``torch.load(weights_only=True)`` accepts it with what a stock conv needs allowlisted, and it loads
+    Named ``__newobj__``: a pickler (protocol >= 2) writes a reduction by a callable of that name as the
+    ``NEWOBJ`` opcode on ``cls``, exactly what it writes for a stock module. So the file names the conv's
+    class and torch's tensor rebuilders only: ``torch.load(weights_only=True)`` accepts it, and it loads
     where vlfast is not installed, as the stock conv (patch the loaded model again)."""
 
     __name__ = "__newobj__"

@@ -413,13 +413,10 @@ def load_image(path: Media, exif_orientation: bool = False, reading: str = "vlfa
     bits (PIL's ``convert`` would clip them to white), CMYK to RGB, transparency left to the processor. The
     others read as a reference reads a path:
 
-    - "decode_image": as transformers' torchvision image processors' ``fetch_images`` (``decode_image`` in
-      RGB mode): transparency dropped; the same pixels as PIL's for 8-bit files (scripts/decode_parity.py).
-      16-bit and float images are refused: torchcodec scales them to 8 bits, torchvision does not;
-    - "load_image": as transformers' ``load_image``: ``convert("RGB")``, 16-bit and float images clipped; a
-      palette's or colour key's transparency stays in ``img.info`` for the processor's conversion;
-    - "qwen-vl-utils": as its ``to_rgb``: RGBA pasted on white by its alpha, every other mode
-      ``convert("RGB")``.
+    - "decode_image": as transformers' torchvision image processors' ``fetch_images``: transparency dropped
+      (scripts/decode_parity.py); 16-bit and float images refused (torchcodec and torchvision read them apart);
+    - "load_image": as transformers' ``load_image``: ``convert("RGB")``, transparency left in ``img.info``;
+    - "qwen-vl-utils": as its ``to_rgb``: RGBA pasted on white by its alpha, other modes ``convert("RGB")``.
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 

@@ -140,17 +140,11 @@ class VisionPreprocessor:
         return out
 
     def as_image_processor(self, base: Any = None) -> Any:
-        """``base``, a transformers Qwen-VL image processor (the one in your processor:
-        ``processor.image_processor``; by default the checkpoint's ``AutoImageProcessor``), answering its calls
-        with this object: the same class and methods (``fetch_images``, ``get_number_of_image_patches``,
-        ``merge_size`` for the placeholder count), this object's pixels and budgets. So
-
-            processor.image_processor = pre.as_image_processor(processor.image_processor)
-
-        gives vlfast's path to everything that calls the processor or its image processor (TRL's collators, a
-        Dataset under HF Trainer, LlamaFactory's ``mm_plugin``). Its images are as this object's; a pixel
-        setting passed to a call (``size=``, ``max_pixels=``, ...) other than this object's is refused: set it
-        here. ``base`` may be a processor holding such an image processor. It pickles (DataLoader workers)."""
+        """``base``, a transformers Qwen-VL image processor (by default the checkpoint's
+        ``AutoImageProcessor``), answering its calls with this object's pixels and budgets, its class and
+        methods kept. So ``processor.image_processor = pre.as_image_processor(processor.image_processor)``
+        gives vlfast's path to everything that calls the processor (TRL's collators, HF Trainer, LlamaFactory).
+        A pixel setting passed to a call other than this object's is refused: set it here. It pickles."""
         from vlfast.pixels.adapter import as_image_processor
 
         return as_image_processor(self, base)

@@ -5,13 +5,10 @@ The proof a user can get from inside their own launcher (HF Trainer, DeepSpeed, 
 process to ``PATH``, a regular file or none yet (anything else is refused with one line at start, and never
 opened in a way that could hold the exit). :func:`record_calls` counts between two points.
 
-The record covers the whole process: every call of an eligible Conv3d that vlfast did not patch is counted
-and named, and a patched conv whose class ``forward`` was replaced says so by name (a global module forward
-pre-hook, installed while a record runs and only then: about 2 us per module call). Calls inside a
-``torch.compile``'d graph are not counted (``vlfast.verify`` and the graph itself are the proof there).
-
-This module imports neither torch nor transformers: vlfast's ``.pth`` file arms the variable at
-interpreter start-up. The image processor's calls are counted in :mod:`vlfast.pixels.adapter`, read here.
+The record covers the whole process, also the eligible Conv3d vlfast did not patch and the convs whose
+class ``forward`` was replaced (a global module forward pre-hook, only while a record runs). Calls inside a
+``torch.compile``'d graph are not counted. Imports neither torch nor transformers (the ``.pth`` file arms it
+at start-up); the image processor's calls are counted in :mod:`vlfast.pixels.adapter`, read here.
 """
 
 from __future__ import annotations
