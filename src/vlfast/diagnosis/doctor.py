@@ -667,9 +667,8 @@ def _probe_all(geometries, dev, dt, budget, before_s, budget_s, probe, backward,
         weights = [len({_model(n) for n in x.names}) for x in order[i:]]
         share_s = max(0.0, budget.left_ms / 1e3) * weights[0] / sum(weights)
         if share_s <= 0:
-            results[g.key] = ProbeResult(
-                g, dev, dt, left_out="the whole shape: the budget was spent before it"
-            )
+            spent = "the whole shape: the budget was spent before it"
+            results[g.key] = ProbeResult(g, dev, dt, left_out=spent)
             continue
         results[g.key] = probe_conv(
             g,

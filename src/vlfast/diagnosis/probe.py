@@ -293,8 +293,8 @@ class ProbeResult:
                 "rounds": self.conv_backward.n if self.conv_backward else 0,
             },
             "channels_last": {
-                "conv_ms": _median(self.conv_channels_last),
-                "gemm_ms": _median(self.gemm_for_channels_last),
+                "conv_ms": self.conv_channels_last.median_ms if self.conv_channels_last else None,
+                "gemm_ms": self.gemm_for_channels_last.median_ms if self.gemm_for_channels_last else None,
                 "ratio": self.channels_last_ratio,
             },
             "rounds": self.conv.n if self.conv else 0,
@@ -339,10 +339,6 @@ def _saving(conv_ms: float | None, gemm_ms: float | None, reliable: bool) -> flo
     if conv_ms is None or gemm_ms is None or not reliable:
         return None
     return max(0.0, conv_ms - gemm_ms)
-
-
-def _median(t: Timing | None) -> float | None:
-    return t.median_ms if t is not None else None
 
 
 _CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
