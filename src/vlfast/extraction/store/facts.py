@@ -1,21 +1,13 @@
 """What transformers answered about a model's files, kept in ``OUT/facts.json`` so that a finished OUT is
-answered without importing it (docs/extract.md, "Resume"; docs/format.md, "facts.json").
+answered without importing it (most of the 6.75 s its "nothing to do" took on a 2-core CPU; docs/format.md,
+"facts.json").
 
-A run's configuration holds answers only transformers (with torch) gives: a checkpoint's family, its vision
-tower's config, class and tensor names, the processor files and the image processor class it picks.
-Importing them was most of the 6.75 s a finished OUT's "nothing to do" took on a 2-core CPU. So each answer
-is recorded with the key it was asked under, and a later run takes it from the record only where the key it
-makes now is equal:
-
-- the model: ``ref:NAME``, or the xxh3 of every ``*.json`` file at the top of the checkpoint folder;
-- what is installed: the versions of Python, transformers, torch, torchvision and Pillow, and whether
-  torchvision and PIL are found (transformers picks its image backend by them);
-- vlfast's own code: the xxh3 of its source files, so that a vlfast that asks another way asks again.
-
-With an equal key transformers would give the same answers, so the configuration built from the record is
-the one it would build now, compared with run.json as before. Like ``checked.json`` it is a cache: written
-when it can be, ignored when absent, damaged (its own xxh3, which catches damage, not a deceiving hand edit)
-or made under another key.
+Each answer (a checkpoint's family, its vision tower's config, class and tensor names, the processor files
+and image processor class) is recorded with the key it was asked under, and taken from the record only
+where the key made now is equal: the model (``ref:NAME``, or the xxh3 of every top-level ``*.json`` of the
+checkpoint), what is installed (Python, transformers, torch, torchvision and Pillow versions, and whether
+torchvision and PIL are found: transformers' image backend) and vlfast's own source. A cache like
+``checked.json``: ignored when absent, damaged (its own xxh3) or made under another key.
 """
 
 from __future__ import annotations

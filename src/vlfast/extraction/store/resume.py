@@ -201,13 +201,11 @@ def check_run_config(
     held_rank: int | None = None,
     run: Any = None,
 ) -> bool:
-    """Refuse (RunConfigMismatch) if ``out`` holds a run of another configuration; reads only.
-
-    The configuration is run.json's, or if it was deleted the one the committed parts carry. A run.json
-    nothing in OUT depends on (no part, no error record, no live rank) is no run to resume: answered as
-    absent, so the corrected command replaces it. Returns whether run.json exists and holds this
-    configuration. ``held_rank``: the rank whose lock the caller holds itself. ``run``: OUT's
-    :class:`~vlfast.extraction.store.out.Out`, whose run.json was read once for the run.
+    """Refuse (RunConfigMismatch) if ``out`` holds a run of another configuration; reads only. The
+    configuration is run.json's, or if it was deleted the committed parts'; a run.json nothing depends on (no
+    part, no error record, no live rank) is answered as absent, so the corrected command replaces it.
+    Returns whether run.json exists and holds this configuration. ``held_rank``: the caller's own locked
+    rank. ``run``: OUT's :class:`~vlfast.extraction.store.out.Out`, whose run.json was read once.
     """
     out = resolve_out(out)
     config = canonical_config(dict(run_config))
@@ -349,12 +347,9 @@ def read_state(
     run: Any = None,
 ) -> OutState:
     """Check ``run_config`` against ``out`` and say what it already holds; writes nothing, takes no lock.
-    With ``world_size`` > 1, what it holds of the ids rank ``rank`` owns (other ranks' own parts unread).
-
-    The quick check (sizes, headers, ids) finds truncated or replaced shards; a part of another
-    configuration is refused with :class:`RunConfigMismatch`, as the writer refuses it. The full pass is
-    :func:`confirm_hashed` or the writer's. Failures ``retry`` selects are not done, nor transient ones.
-    ``run``: OUT's ``Out``, whose run.json was read once for the run.
+    With ``world_size`` > 1, what it holds of the ids rank ``rank`` owns. The quick check finds truncated or
+    replaced shards; a part of another configuration is refused (:class:`RunConfigMismatch`). Failures
+    ``retry`` selects are not done, nor transient ones. ``run``: OUT's ``Out``, its run.json read once.
     """
     out = resolve_out(out)
     if is_local(out):
