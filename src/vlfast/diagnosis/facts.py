@@ -121,9 +121,17 @@ class Facts:
         if self.cpu_flags is not None:
             self.cpu_flags = tuple(str(x) for x in self.cpu_flags)
 
-    device_type = property(lambda self: self.device.split(":", 1)[0])
-    half = property(lambda self: self.dtype in _HALF)
-    torch = property(lambda self: version_tuple(self.torch_version))
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":", 1)[0]
+
+    @property
+    def half(self) -> bool:
+        return self.dtype in _HALF
+
+    @property
+    def torch(self) -> tuple[int, ...] | None:
+        return version_tuple(self.torch_version)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -166,8 +166,13 @@ class Budget:
         # shape that cannot fit is left out before it is calibrated.
         self.rates: dict[str, float] = {}
 
-    spent_ms = property(lambda self: (self.clock() - self.start) * 1e3)
-    left_ms = property(lambda self: self.seconds * 1e3 - self.spent_ms)
+    @property
+    def spent_ms(self) -> float:
+        return (self.clock() - self.start) * 1e3
+
+    @property
+    def left_ms(self) -> float:
+        return self.seconds * 1e3 - self.spent_ms
 
 
 def _now() -> float:
@@ -236,15 +241,47 @@ class ProbeResult:
     notes: list[str] = field(default_factory=list)
 
     # conv / GEMM of the medians, as the table prints them; spread: (max - min) / median of per-round ratios.
-    backward_windows = property(lambda self: self.windows_timed if self.conv_backward is not None else None)
-    scale = property(lambda self: self.shape.windows / (self.windows_timed or self.shape.windows))
-    ratio = property(lambda self: _ratio(self.conv, self.gemm))
-    backward_ratio = property(lambda self: _ratio(self.conv_backward, self.gemm_backward))
-    channels_last_ratio = property(lambda self: _ratio(self.conv_channels_last, self.gemm_for_channels_last))
-    spread = property(lambda self: _spread(self.conv, self.gemm))
-    backward_spread = property(lambda self: _spread(self.conv_backward, self.gemm_backward))
-    reliable = property(lambda self: _reliable(self.conv, self.gemm))  # MIN_ROUNDS rounds per side
-    backward_reliable = property(lambda self: _reliable(self.conv_backward, self.gemm_backward))
+    @property
+    def backward_windows(self) -> int | None:
+        return self.windows_timed if self.conv_backward is not None else None
+
+    @property
+    def scale(self) -> float:
+        return self.shape.windows / (self.windows_timed or self.shape.windows)
+
+    @property
+    def ratio(self) -> float | None:
+        """conv / GEMM of the medians: the table's ``conv ms / GEMM ms``, so the ratio printed beside the
+        two times is theirs. Under a changing load the rounds can disagree: :attr:`round_ratio` says so."""
+        return _ratio(self.conv, self.gemm)
+
+    @property
+    def backward_ratio(self) -> float | None:
+        """conv backward / GEMM backward, as :attr:`ratio`."""
+        return _ratio(self.conv_backward, self.gemm_backward)
+
+    @property
+    def channels_last_ratio(self) -> float | None:
+        """conv with a channels-last input / its GEMM, as :attr:`ratio`."""
+        return _ratio(self.conv_channels_last, self.gemm_for_channels_last)
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / median of the forward's per-round ratios."""
+        return _spread(self.conv, self.gemm)
+
+    @property
+    def backward_spread(self) -> float | None:
+        return _spread(self.conv_backward, self.gemm_backward)
+
+    @property
+    def reliable(self) -> bool:
+        """The forward was timed at least ``MIN_ROUNDS`` times on each side."""
+        return _reliable(self.conv, self.gemm)
+
+    @property
+    def backward_reliable(self) -> bool:
+        return _reliable(self.conv_backward, self.gemm_backward)
 
     @property
     def round_ratio(self) -> float | None:

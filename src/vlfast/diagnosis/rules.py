@@ -30,7 +30,9 @@ class ConvGeometry:
         if not self.kernel_size or any(int(k) < 1 for k in self.kernel_size):
             raise InputRefused(f"kernel_size must be positive ints, got {self.kernel_size!r}")
 
-    ndim = property(lambda self: len(self.kernel_size))  # spatial dims: 3 for Conv3d, whose weight is 5-D
+    @property
+    def ndim(self) -> int:  # spatial dims: 3 for Conv3d, whose weight is 5-D
+        return len(self.kernel_size)
 
 
 Phase = Literal["forward", "backward"]

@@ -47,9 +47,17 @@ class Timing:
         if not self.times_ms:
             raise ValueError("Timing needs at least one time")
 
-    n = property(lambda self: len(self.times_ms))
-    median_ms = property(lambda self: float(statistics.median(self.times_ms)))
-    min_ms = property(lambda self: float(min(self.times_ms)))
+    @property
+    def n(self) -> int:
+        return len(self.times_ms)
+
+    @property
+    def median_ms(self) -> float:
+        return float(statistics.median(self.times_ms))
+
+    @property
+    def min_ms(self) -> float:
+        return float(min(self.times_ms))
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -79,8 +79,13 @@ class Step:
     seconds: float | None = None
     checks: tuple[Check, ...] = ()
 
-    done = property(lambda self: self.seconds is not None)
-    passed = property(lambda self: all(c.passed for c in self.checks))
+    @property
+    def done(self) -> bool:
+        return self.seconds is not None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
 
 
 @dataclass
@@ -101,7 +106,9 @@ class VerifyReport:
             return bool(self.fused)  # fused by transformers: nothing to prove, and nothing wrong
         return all(c.passed for c in self.checks)
 
-    failures = property(lambda self: [c for c in self.checks if not c.passed])
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
 
     def accuracy(self) -> list[str]:
         """One sentence per accuracy check: which path is closer to float64, forward and weight gradient."""

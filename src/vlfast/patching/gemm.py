@@ -462,10 +462,21 @@ class PatchReport:
     def _with(self, *status: str) -> list[ConvEntry]:
         return [e for e in self.entries if e.status in status]
 
-    patched = property(lambda self: self._with("patched"))
-    already_patched = property(lambda self: self._with("already_patched"))
-    skipped = property(lambda self: self._with("skipped", "filtered"))
-    unpatched = property(lambda self: self._with("unpatched"))
+    @property
+    def patched(self) -> list[ConvEntry]:
+        return self._with("patched")
+
+    @property
+    def already_patched(self) -> list[ConvEntry]:
+        return self._with("already_patched")
+
+    @property
+    def skipped(self) -> list[ConvEntry]:
+        return self._with("skipped", "filtered")
+
+    @property
+    def unpatched(self) -> list[ConvEntry]:
+        return self._with("unpatched")
 
     @property
     def num_patched(self) -> int:
