@@ -47,6 +47,10 @@ class FixReport:
     after: TokenAudit | None = None  # the audit of the new checkpoint
     notes: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ValueError(f"FixReport.init must be one of {INITS}, got {self.init!r}")
+
     @property
     def ok(self) -> bool:
         return self.after is None or self.after.ok

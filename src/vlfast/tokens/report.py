@@ -28,6 +28,11 @@ def strict_json(value: Any) -> Any:
     return value
 
 
+def _check_verdict(owner: str, verdict: str) -> None:
+    if verdict not in VERDICTS:
+        raise ValueError(f"{owner}.verdict must be one of {VERDICTS}, got {verdict!r}")
+
+
 @dataclass
 class TokenVerdict:
     """One token of a tag and what its embedding rows say."""
@@ -43,6 +48,14 @@ class TokenVerdict:
     flags: list[str]
     verdict: str
 
+    def __post_init__(self) -> None:
+        _check_verdict("TokenVerdict", self.verdict)
+        unknown = set(self.flags) - set(FLAGS)
+        if unknown:
+            raise ValueError(f"TokenVerdict.flags has unknown flags {sorted(unknown)}")
+        if self.id < 0:
+            raise ValueError(f"TokenVerdict.id must be >= 0, got {self.id}")
+
 
 @dataclass
 class Alternative:
@@ -52,6 +65,9 @@ class Alternative:
     token_ids: list[int]
     pieces: list[str]
     verdict: str
+
+    def __post_init__(self) -> None:
+        _check_verdict("Alternative", self.verdict)
 
 
 @dataclass
@@ -63,6 +79,11 @@ class TagReport:
     tokens: list[TokenVerdict]
     verdict: str
     alternatives: list[Alternative] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_verdict("TagReport", self.verdict)
+        if len(self.tokens) != len(self.token_ids):
+            raise ValueError("TagReport.tokens must have one entry per token id")
 
 
 @dataclass
@@ -83,6 +104,10 @@ class NonFiniteRows:
     count: int
     ids: list[int]  # the first MAX_LISTED_IDS
 
+    def __post_init__(self) -> None:
+        if self.count < len(self.ids) or self.count <= 0:
+            raise ValueError(f"NonFiniteRows.count {self.count} does not cover its {len(self.ids)} ids")
+
 
 @dataclass
 class GenerationCheck:
@@ -94,6 +119,14 @@ class GenerationCheck:
     probabilities: dict[str, float]  # prompt name -> P(next token is this one)
     max_probability: float
     result: str  # "verified-strong" | "verified-weak" (untrained confirmed) | "rejected" (reproduced)
+
+    def __post_init__(self) -> None:
+        if self.weights_verdict is not None:
+            _check_verdict("GenerationCheck", self.weights_verdict)
+        if self.result not in GENERATION_RESULTS:
+            raise ValueError(
+                f"GenerationCheck.result must be one of {GENERATION_RESULTS}, got {self.result!r}"
+            )
 
 
 @dataclass
@@ -151,6 +184,11 @@ class TokenAudit:
     skipped: list[SkippedTag] = field(default_factory=list)
     generation: GenerationReport | None = None  # --verify-generation
 
+    def __post_init__(self) -> None:
+        _check_verdict("TokenAudit", self.verdict)
+        if len(self.shape) != 2:
+            raise ValueError(f"TokenAudit.shape must be (rows, width), got {self.shape}")
+
     @property
     def ok(self) -> bool:
         return self.verdict != "untrained" and not self.non_finite
@@ -171,6 +209,10 @@ class VocabularyAudit:
     flags: dict[str, list[int]]  # flag -> ids carrying it
     reference_ids: list[int]
     tokenizer_length: int
+
+    def __post_init__(self) -> None:
+        if not set(self.verdicts) <= {0, 1, 2}:
+            raise ValueError("VocabularyAudit.verdicts must be 0, 1 or 2")
 
     def ids(self, verdict: str) -> list[int]:
         code = VERDICTS.index(verdict)

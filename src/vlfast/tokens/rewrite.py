@@ -167,6 +167,10 @@ class RewriteReport:
     reward_regex_out: str | None = None
     reward_replacements: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not self.mapping:
+            raise ValueError("RewriteReport.mapping is empty")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
