@@ -252,8 +252,15 @@ class DoctorReport:
             ("VLFAST_PATCH", f.autopatch_env or "unset"),
             ("model patched", f.model_patched),
         ]
-        if f.torch_build not in ("cuda", "rocm"):  # a CPU build: the GPU facts (CUDA to GPU) do not apply
-            env = [(k, "n/a (CPU build)" if 4 <= i <= 8 else v) for i, (k, v) in enumerate(env)]
+        if f.torch_build not in ("cuda", "rocm"):  # a CPU build: GPU facts do not apply
+            skip = (
+                "CUDA (build / driver)",
+                "cuDNN (compile / runtime)",
+                "cudnn enabled / benchmark / tf32",
+                "cuDNN libraries loaded",
+                "GPU",
+            )
+            env = [(k, "n/a (CPU build)" if k in skip else v) for k, v in env]
         lines = [
             "### vlfast doctor",
             "",

@@ -297,7 +297,8 @@ class GemmConvForward:
             and x.is_contiguous()
             and (bias is None or bias.dtype is weight.dtype)
         ):
-            self._count()
+            if _RECORDING:  # the hot path: no call at all unless a record runs
+                self._count()
             d = self._wshape[0]
             return F.linear(x.view(shape[0], -1), weight.reshape(d, -1), bias).view(shape[0], d, *self._ones)
         return self._general(x, weight, bias, m)
@@ -557,7 +558,8 @@ def eligibility(module: nn.Module) -> str | None:
 def is_patched(module: nn.Module) -> bool:
     """True when ``module`` (or any module inside it) is patched and its geometry runs the GEMM now (a
     patched conv whose geometry changed so that the GEMM no longer computes it does not count)."""
-    return any(m.__dict__["_conv_forward"].status() is None for _, m in patched_modules(module))
+    forwards = (m.__dict__.get("_conv_forward") for m in module.modules())  # stops at the first that runs
+    return any(isinstance(f, GemmConvForward) and f.status() is None for f in forwards)
 
 
 def patched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -339,6 +339,8 @@ class SampleTable(Sequence[Sample]):
         framed = np.flatnonzero(kinds == _FRAMES)
         if set(framed.tolist()) != set(frames) or any(not 0 <= k < batch.num_rows for k in frames):
             raise ValueError("the frame lists do not match the rows of kind 'frames'")
+        if not set(extras["optional"]) <= set(_OPTIONAL):  # each becomes a keyword of Sample
+            raise ValueError(f"optional columns {extras['optional']} are not a sample table's")
         optional = {key: batch.column(key) for key in extras["optional"]}
         return cls(batch.column("ids"), kinds, dirs, folders, batch.column("names"), frames, optional, None)
 
@@ -446,9 +448,17 @@ class _MemberChunks:
         self.chunks.append(self._columns(rows) if any(m is not None for m in rows) else len(rows))
         self.rows = []
 
-    def _columns(self, rows: list[Member | None]) -> tuple[np.ndarray, dict[str, Any]]:
+    def _columns(self, rows: list[Member | None] | int) -> tuple[np.ndarray, dict[str, Any]]:
+        """A chunk's present mask and columns; ``rows`` an int: that many rows with no member, built whole
+        (a 65,536-row chunk in 0.6 ms, where a row at a time took 25)."""
         import pyarrow as pa
 
+        if isinstance(rows, int):
+            empty = pa.nulls(rows, pa.large_binary()).dictionary_encode()
+            kinds = self.kinds.items()
+            return np.zeros(rows, bool), {
+                n: np.zeros(rows, np.int64) if k is int else empty for n, k in kinds
+            }
         columns: dict[str, Any] = {}
         for name, kind in self.kinds.items():
             values = [None if m is None else getattr(m, name) for m in rows]
@@ -471,7 +481,7 @@ class _MemberChunks:
         presents: list[np.ndarray] = []
         parts: dict[str, list[Any]] = {name: [] for name in self.kinds}
         for chunk in self.chunks:  # a chunk before the first member is its length
-            present, columns = self._columns([None] * chunk) if isinstance(chunk, int) else chunk
+            present, columns = self._columns(chunk) if isinstance(chunk, int) else chunk
             presents.append(present)
             for name in self.kinds:
                 parts[name].append(columns[name])
