@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vlfast.tokens.fix import FixReport
+from vlfast.tokens.pipeline import Check
 from vlfast.tokens.report import GenerationCheck, NonFiniteRows, TagReport, TokenVerdict, VocabularyAudit
 from vlfast.tokens.rewrite import RewriteReport
 
@@ -52,6 +53,8 @@ def test_a_sound_verdict_is_built():
         ),
         (lambda: RewriteReport(mapping={}), "mapping is empty"),
         (lambda: FixReport("m", "o", "zeros", [], [], [], "untrained"), "init must be one of"),
+        (lambda: Check("spelling", "pass", "", None), "Check.name must be one of"),
+        (lambda: Check("round-trip", "maybe", "", None), "Check.status must be one of"),
     ],
 )
 def test_a_report_with_a_value_it_cannot_mean_is_refused(build, match):

@@ -21,6 +21,7 @@ from vlfast.tokens.tags import (
 from vlfast.tokens.vocab import VOCAB_FILES
 
 CHECKS = ("template-position", "prefilled-tag", "stripped-on-decode", "round-trip")
+STATUSES = ("pass", "fail", "skip")
 
 # Template variables that switch reasoning on: Qwen3/GLM-4.5/SmolLM3 `enable_thinking`, DeepSeek-V3.1 and
 # Granite `thinking`. Set to True only when the template reads them.
@@ -202,6 +203,12 @@ class Check:
     summary: str
     evidence: PositionEvidence | PrefillEvidence | DecodeEvidence | RoundTripEvidence | None
     fix: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in CHECKS:
+            raise ValueError(f"Check.name must be one of {CHECKS}, got {self.name!r}")
+        if self.status not in STATUSES:
+            raise ValueError(f"Check.status must be one of {STATUSES}, got {self.status!r}")
 
     def lines(self) -> list[str]:
         return [] if self.evidence is None else self.evidence.lines()
