@@ -43,7 +43,8 @@ def honour_umask(path: str | os.PathLike) -> None:
 
 
 def same_file(a: PathLike, b: PathLike) -> bool:
-    """Whether ``a`` and ``b`` name one existing file or folder (same device and inode)."""
+    """Whether ``a`` and ``b`` name one existing file or folder (same device and inode); False when either
+    does not exist."""
     try:
         sa, sb = os.stat(a), os.stat(b)
     except (OSError, ValueError):
@@ -95,8 +96,9 @@ def write_atomically(
 ) -> None:
     """``write(tmp)`` a file or folder at a hidden temp name beside ``dest``, make it durable, then rename
     it to ``dest``: readers see nothing, the previous ``dest``, or the whole new one. On failure the temp
-    and the folders made above ``dest`` are removed. An existing ``dest`` is replaced only with
-    ``overwrite``, except an empty folder (if it gains files meanwhile, nothing is replaced)."""
+    and the folders made above ``dest`` are removed (a SIGKILL leaves the temp behind under its hidden
+    name). An existing ``dest`` is replaced only with ``overwrite``, except an empty folder (if it gains
+    files meanwhile, nothing is replaced)."""
     dest = Path(dest)
     tmp = temp_name(dest, tag)
     made = _make_parents(dest)

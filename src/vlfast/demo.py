@@ -163,11 +163,13 @@ def make_tiny_qwen3_vl(
 
     ``layout``: ``"hub"`` saves the processor as the published repositories have it
     (preprocessor_config.json and video_preprocessor_config.json); ``"processor"`` as transformers 5 saves a
-    whole processor (one processor_config.json, no preprocessor_config.json), as any fine-tune has it.
+    whole processor (the image processor, tokenizer and ``Qwen3VLVideoProcessor``: one processor_config.json
+    with "image_processor" and "video_processor" entries, no preprocessor_config.json), as fine-tunes have it.
 
     ``embedding``: save it as Qwen3-VL-Embedding is published (architecture "Qwen3VLForEmbedding", every
     key under ``model.``, no ``lm_head``), with a 128-wide LLM so that an embedding can be cut to 64
-    dimensions (Matryoshka). False: ``Qwen3VLForConditionalGeneration`` with a 64-wide LLM.
+    dimensions (Matryoshka); ``AutoModelForImageTextToText`` still loads it, as a
+    ``Qwen3VLForConditionalGeneration`` with a random LM head. False: that class's own, 64-wide LLM.
     """
     import torch
     from transformers import Qwen3VLForConditionalGeneration

@@ -1,7 +1,8 @@
 """The compute dtypes every command accepts, and their spellings: one policy for ``--dtype``.
 
 float32, bfloat16 or float16, spelt as torch names them or as people write them (``bf16``, ``fp16``,
-``half``, ``fp32``, ``float``); float64 is no dtype these models run in.
+``half``, ``fp32``, ``float``); float64 is no dtype these models run in (``vlfast extract`` stores float16,
+bfloat16 or float32 only).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ _lock = threading.Lock()
 
 def settle_vector_math() -> bool:
     """Call each of :data:`VECTOR_MATH_OPS` once on a one-element float32 and float64 tensor, on this
-    thread alone. Once per process (``fork``'s children inherit it); returns whether this call did it."""
+    thread alone. Once per process (``fork``'s children inherit it); returns whether this call did it. Costs
+    well under a millisecond; a program running a model itself on the CPU can call it first."""
     global _settled
     if _settled:
         return False
@@ -66,8 +67,10 @@ def threads_keep_their_bits() -> bool:
     """Whether this process's float32 products give the same bits at the thread count set and at another
     (one thread; two where it is one), for a few products of a small vision tower's widths: what a resume,
     a torchrun rank or a Ray actor at another thread count needs. With ``MKL_CBWR=AUTO,STRICT`` it holds on
-    Intel CPUs and, measured, on a 2-core AMD EPYC (Zen 4); without it, not on this project's Xeon. Tens of
-    milliseconds; the global random state is left alone."""
+    Intel CPUs and, measured, on a 2-core AMD EPYC (Zen 4); without it, not on this project's Xeon. On the
+    CPU each sample runs a forward of its own (:func:`vlfast.extraction.model.runner.runs_alone`): on that
+    AMD EPYC a row's bits change with the rows beside it, in every ``MKL_CBWR`` mode. Tens of milliseconds;
+    the global random state is left alone."""
     import torch
     import torch.nn.functional as F
 

@@ -1,9 +1,9 @@
 """The command's process from its start to its end, as the user's own clock sees it.
 
-Stated times (verify's estimate, doctor's footer) count from when the OS started the process: importing
-torch and transformers alone takes 3-8 s on a 2-core CPU. At the end, the read-only commands that loaded
-them (verify, doctor, profile) skip the interpreter's teardown (1.2 s of freeing modules after the last
-line); the exit hooks still run, and only when no other Python thread is alive.
+Stated times (verify's estimate, doctor's footer) count from when the OS started the process: importing torch
+and transformers alone takes 3-8 s on a 2-core CPU. At the end, the read-only commands that loaded them
+(verify, doctor, profile) skip the interpreter's teardown (1.2 s of freeing modules after the last line): the
+exit hooks still run; only the freeing is skipped, and only when no other Python thread is alive.
 """
 
 from __future__ import annotations

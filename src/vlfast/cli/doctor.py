@@ -1,5 +1,6 @@
-"""``vlfast doctor``: measure the patch-embedding slow path here, explain it, print the fix (exit status:
-the command's help).
+"""``vlfast doctor``: measure the patch-embedding slow path here, explain it, print the fix.
+
+Exit status: 0, 1 and 4 as the command's help says; 2 for bad input, 3 when it could not run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``vlfast tokens``: audit, rewrite and fix the format tags (`<think>`...) an RL run depends on.
 
 `audit` and `fix` exit 1 when a tag is untrained (with --strict also suspect) or rows hold NaN or inf;
-`check-pipeline` exits 1 when a check fails; 2 bad input, 3 could not run, 4 disk full.
+`check-pipeline` exits 1 when a check fails, 0 when each passes or is skipped; 2 bad input, 3 could not
+run, 4 disk full.
 """
 
 from __future__ import annotations

@@ -240,7 +240,6 @@ class ProbeResult:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
 
-    # conv / GEMM of the medians, as the table prints them; spread: (max - min) / median of per-round ratios.
     @property
     def backward_windows(self) -> int | None:
         return self.windows_timed if self.conv_backward is not None else None
@@ -249,6 +248,7 @@ class ProbeResult:
     def scale(self) -> float:
         return self.shape.windows / (self.windows_timed or self.shape.windows)
 
+    # conv / GEMM of the medians, as the table prints them; spread: (max - min) / median of per-round ratios.
     @property
     def ratio(self) -> float | None:
         """conv / GEMM of the medians: the table's ``conv ms / GEMM ms``, so the ratio printed beside the
@@ -296,11 +296,12 @@ class ProbeResult:
 
     @property
     def saving_ms(self) -> float | None:
-        """Time the GEMM saves per sample; None unless reliable."""
+        """Forward time the GEMM saves per sample; None unless reliable."""
         return _saving(self.per_sample_ms("conv"), self.per_sample_ms("gemm"), self.reliable)
 
     @property
     def backward_saving_ms(self) -> float | None:
+        """Backward time the GEMM saves per sample; None unless reliable."""
         return _saving(
             self.per_sample_ms("conv_backward"), self.per_sample_ms("gemm_backward"), self.backward_reliable
         )

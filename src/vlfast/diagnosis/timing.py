@@ -147,6 +147,7 @@ class Clock:
         self._dev = _device(self.device)
 
     def mark(self) -> int:
+        """Record now; returns the mark's index."""
         if self._dev.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()

@@ -61,17 +61,18 @@ def extract(
     tar shards (``"shards/{000000..000099}.tar"``; ids ``{shard}/{__key__}``), or a list of
     :class:`Sample`; it and ``out`` may be fsspec URLs (``s3://bucket/key``, with ``storage_options``).
 
-    ``engine``: "local" (this process and its decode workers; under ``torchrun`` each rank takes its share,
-    or pass ``rank``/``world_size``), "ray" (:func:`extract_ray`), or an :class:`Engine`. Running the same
-    call again skips what ``out`` holds, after checking it (``resume_check``: "full" hashes every committed
-    tensor, "quick" checks sizes and headers); damaged shards are redone; a different configuration or
-    different weights are refused with :class:`RunConfigMismatch` before the model loads. Bad samples and
-    input rows, and decoders that crashed or ran past ``decode_timeout`` seconds, are recorded in
-    ``out/errors`` (past ``max_errors`` the run stops); a transient failure is tried again by the next run,
-    and so are recorded ones ``retry_errors`` selects. A sample whose decoding hits a bug is not recorded
-    (``summary.unexpected``); ``UNEXPECTED_IN_A_ROW`` in a row raise :class:`UnexpectedSampleErrors`. Work is
-    committed at least every ``commit_every`` seconds, and on SIGTERM or Ctrl-C, which then raise
-    :class:`~vlfast.extraction.interrupts.Terminated` or ``KeyboardInterrupt``. See docs/extract.md.
+    ``engine``: "local" (this process and its decode workers; under ``torchrun`` each rank takes its share, or
+    pass ``rank``/``world_size``), "ray" (:func:`extract_ray`), or an :class:`Engine`. Running the same call
+    again skips what ``out`` holds, after checking it (``resume_check``: "full" hashes every committed tensor,
+    "quick" checks sizes and headers); damaged shards are moved aside (quarantined, never deleted) and redone;
+    a different configuration or different weights are refused with :class:`RunConfigMismatch` before the
+    model loads. Bad samples and input rows, and decoders that crashed or ran past ``decode_timeout`` seconds,
+    are recorded in ``out/errors`` (past ``max_errors`` the run stops); a transient read failure is recorded
+    with kind "transient" and tried again by the next run, and so are recorded ones ``retry_errors`` selects.
+    A sample whose decoding hits a bug is not recorded (``summary.unexpected``); ``UNEXPECTED_IN_A_ROW`` in a
+    row raise :class:`UnexpectedSampleErrors`. Work is committed at least every ``commit_every`` seconds, and
+    on SIGTERM or Ctrl-C, which then raise :class:`~vlfast.extraction.interrupts.Terminated` or
+    ``KeyboardInterrupt``. See docs/extract.md.
     """
     runner = engine_named(engine)
     config = runner.configure(ExtractConfig(**_known(options)))
@@ -107,14 +108,18 @@ def extract_ray(
     cpus_per_worker: float = 1.0,
     **options: Any,
 ) -> ExtractSummary:
-    """:func:`extract` on a Ray cluster (:class:`~vlfast.extraction.engines.ray.RayEngine`, whose docstring
-    says what ``ray_address``, ``ray_workers``, ``num_gpus_per_worker`` and ``cpus_per_worker`` do); the
-    same keyword arguments (``options``).
+    """:func:`extract` on a Ray cluster (:class:`~vlfast.extraction.engines.ray.RayEngine`); the same
+    keyword arguments (``options``).
 
-    ``num_workers`` is the number of decode actors (1 CPU each; default: as many as the cluster's free CPUs
-    allow). Without a GPU the device defaults to CPU; with GPUs, to CUDA, whatever the driver machine has.
-    ``rank``/``world_size`` are refused. OUT must be a folder every node sees (whose ``flock`` works across
-    nodes), or an fsspec URL: then each model actor takes a fresh rank and commits at the end of each call.
+    ``ray_address``: the cluster (``ray://head:10001``, ``head:6379``, ``auto``); default ``RAY_ADDRESS``,
+    else a cluster started with ``ray start`` on this machine, else a local one for this call (shut down
+    at the end). ``ray_workers`` model actors, each with ``num_gpus_per_worker`` GPUs (default 1 when
+    ``device`` is CUDA, else 0) and ``cpus_per_worker`` CPUs. ``num_workers`` decode actors (1 CPU each;
+    default: as many as the cluster's free CPUs allow). Without a GPU the device defaults to CPU; with
+    GPUs, to CUDA (bfloat16), whatever the driver machine has. ``rank``/``world_size`` are refused. OUT
+    must be a folder every node sees (whose ``flock`` works across nodes when actors run on several), or
+    an fsspec URL (``s3://bucket/out``, with ``storage_options``): then each model actor takes a fresh rank
+    and commits at the end of each call.
     """
     from vlfast.extraction.engines.ray import RayEngine
 

@@ -106,10 +106,12 @@ def patch_transformers(*, filter: Filter = None, all_convs: bool = False) -> Non
     """Patch every transformers model built from now on, inside its constructor, and every convolution
     attached to a module afterwards (PEFT's LoRA ``lora_A``/``lora_B``, a wrapper's own conv).
 
-    Wraps ``PreTrainedModel.post_init``, which every transformers model calls at the end of ``__init__``. By
-    default only ``nn.Conv3d`` modules are patched; ``all_convs=True`` also takes stride == kernel Conv1d/2d.
-    A convolution attached later is patched by torch's global module-registration hook, unless ``filter``
-    narrows the models. Calling it again replaces the settings; undo with :func:`unpatch_transformers`.
+    Wraps ``PreTrainedModel.post_init``, which every transformers model calls at the end of ``__init__``
+    (``from_pretrained`` and DeepSpeed's ``zero.Init`` included: the patch decides from the weight each call
+    gets). By default only ``nn.Conv3d`` modules are patched; ``all_convs=True`` also takes stride == kernel
+    Conv1d/2d. A convolution attached later is patched by torch's global module-registration hook, unless
+    ``filter`` (a qualified name needs the whole model) narrows the models. Calling it again replaces the
+    settings; undo with :func:`unpatch_transformers`.
     """
     from torch.nn.modules.module import register_module_module_registration_hook
     from transformers import PreTrainedModel

@@ -274,6 +274,7 @@ def build_processor_config(
     reference (qwen-vl-utils) does and keeps the image class transformers picks; every other model gets
     transformers' torchvision processor (done by vlfast), EXIF and display-matrix rotation, and the
     processor's thin-image rule. ``fps`` and ``num_frames`` are exclusive (neither: the processor's 2 fps).
+    InputRefused names a number given that is not finite or not whole.
     """
     given = {"min_pixels": min_pixels, "max_pixels": max_pixels, "video_max_pixels": video_max_pixels}
     _check_given(fps=fps, num_frames=num_frames, **given)

@@ -93,7 +93,9 @@ class VisionPreprocessor:
         lists flattened) and videos (paths, or lists of frame image paths) -> tensors, each input's rows in
         order; raises :class:`~vlfast.pixels.media.SampleError` naming a file that cannot be read (or a clip
         transformers' processor refuses), and :class:`~vlfast.errors.InputRefused` naming an input of a kind
-        it does not take. An array whose first axis is 1 or 3 long is (C, H, W), as transformers infers it."""
+        it does not take. An array whose first axis is 1 or 3 long is (C, H, W), as transformers infers it,
+        even where its last is too: (3, W, 3) is 3 channels of 3 x W. A thin image is sized as transformers'
+        processor sizes it (``config.thin_images``)."""
         import torch
 
         out: dict[str, torch.Tensor] = {}
@@ -144,7 +146,10 @@ class VisionPreprocessor:
         ``AutoImageProcessor``), answering its calls with this object's pixels and budgets, its class and
         methods kept. So ``processor.image_processor = pre.as_image_processor(processor.image_processor)``
         gives vlfast's path to everything that calls the processor (TRL's collators, HF Trainer, LlamaFactory).
-        A pixel setting passed to a call other than this object's is refused: set it here. It pickles."""
+        Its images are PIL images, paths, or uint8 arrays (H, W, C) and tensors (C, H, W), their channel axis
+        inferred as transformers infers it or as a call's ``input_data_format`` says. A pixel setting passed
+        to a call other than this object's is refused: set it here. ``base`` may be a processor holding such
+        an image processor; anything else (a tokenizer, a video processor) is refused. It pickles."""
         from vlfast.pixels.adapter import as_image_processor
 
         return as_image_processor(self, base)

@@ -104,10 +104,13 @@ def _within_budget(height, width, factor, h_bar, w_bar, lo, hi, frames: int = 1,
 def video_resize_shape(num_frames: int, height: int, width: int, cfg: ProcessorConfig) -> tuple[int, int]:
     """(h, w) of every frame after resizing, by the rule ``cfg.video_sizing`` names:
 
-    ``"processor"``: ``Qwen3VLVideoProcessor.resize``, ``video_max_pixels`` a budget over all frames;
-    ``"qwen2-vl"``: ``Qwen2VLVideoProcessor.resize``, ``video_max_pixels`` a budget for each frame (with
-    ``cap_pixels_per_frame`` both also cap each frame by ``max_video_tokens``); ``"qwen-vl-utils"``:
-    qwen-vl-utils' ``fetch_video``.
+    - ``"processor"``: ``Qwen3VLVideoProcessor.resize``, ``video_max_pixels`` a budget over all frames (with
+      ``cap_pixels_per_frame``, each frame at most ``max_video_tokens`` patches' worth or an even share);
+    - ``"qwen2-vl"``: ``Qwen2VLVideoProcessor.resize``, ``video_max_pixels`` a budget for each frame (with
+      ``cap_pixels_per_frame``, also an even share of 90% of ``max_video_tokens`` patches' pixels, times the
+      temporal patch, floored at 1.05 ``video_min_pixels``);
+    - ``"qwen-vl-utils"``: qwen-vl-utils' ``fetch_video``: each frame within
+      [video_min_pixels, max(min(max_video_tokens * factor**2, video_max_pixels / n * T), 1.05 * min)].
     """
     factor, tf = cfg.factor, cfg.temporal_patch_size
     if cfg.video_sizing == "qwen-vl-utils":

@@ -265,16 +265,18 @@ class WorkerPool:
     ``iter(pool)`` yields ``fn(i)`` for i = 0 .. n-1 in order; a sample whose worker died twice or ran past
     ``timeout`` yields ``{"i": i, "ok": False, "reason": ...}`` instead, and so does one whose ``fn`` raised.
     Each worker holds at most ``prefetch`` tasks and at most ``num_workers * prefetch`` results are in
-    flight or buffered. Workers are forked and run ``worker_init(worker_id)`` first (ids 0 ..
-    num_workers-1; a replacement takes its predecessor's id), and are started lazily.
+    flight or buffered. Workers are forked, inheriting what the caller built (an image processor), and run
+    ``worker_init(worker_id)`` first (ids 0 .. num_workers-1; a replacement takes its predecessor's id), and
+    are started lazily.
 
     ``timeout`` (seconds, None for none) counts from when a worker starts a task; results that arrived
     while the consumer was busy are read before any deadline is judged. ``num_workers=0`` calls ``fn`` in
     the calling process: no isolation, no timeout, no ``worker_init``.
 
-    Use it as a context manager or call :meth:`close` (finishing the loop, an exception inside it, or
-    garbage collection also closes). Iterate it once, from one thread: Linux delivers the parent-death
-    signal when the thread that forked a worker exits.
+    Use it as a context manager or call :meth:`close` (breaking out of the loop early is fine; finishing
+    the loop, an exception inside it, or garbage collection also closes). Iterate it once, from one thread:
+    Linux delivers the parent-death signal when the thread that forked a worker exits. A replacement worker
+    forked mid-run shares the parent's memory of that moment copy-on-write until it exits.
     """
 
     def __init__(

@@ -206,9 +206,10 @@ def read_header(
     f: Any, size: int, *, strict: bool = True, parse: bool = True
 ) -> tuple[int, bytes, dict | None]:
     """(data start, raw header bytes incl. the 8-byte length prefix, parsed header) of a safetensors file
-    ``f`` at its start, ``size`` bytes long. ``strict=False`` reads the raw bytes only and never raises, not
-    trusting a damaged length for the read's size (for a caller that checksums them). ``parse=False`` leaves
-    the JSON unparsed: ten seconds over the shards of ten million samples."""
+    ``f`` at its start, ``size`` bytes long. ``strict=False`` reads the raw bytes only and never raises for a
+    damaged length (an I/O error still propagates), not trusting it for the read's size (for a caller that
+    checksums them). ``parse=False`` leaves the JSON unparsed: ten seconds over the shards of ten million
+    samples."""
     prefix = f.read(8)
     if len(prefix) < 8:
         if not strict:

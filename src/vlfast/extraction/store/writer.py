@@ -151,9 +151,10 @@ class FeatureStore:
     """Buffered writer of per-sample feature tensors into OUT, one per rank.
 
     ``add`` buffers a sample; the buffer is committed as one shard when it reaches ``shard_max_bytes`` or
-    ``shard_max_samples``, or its oldest sample has waited ``commit_every`` seconds. ``resume_check``: "full"
-    hashes every committed tensor on opening, "quick" checks sizes, headers and ids only. An extract run's
-    options come checked (:meth:`~vlfast.extraction.config.ExtractConfig.writing`), not checked again here.
+    ``shard_max_samples``, or its oldest sample has waited ``commit_every`` seconds. Memory use is bounded by
+    one shard's worth of tensors. ``resume_check``: "full" hashes every committed tensor on opening, "quick"
+    checks sizes, headers and ids only. An extract run's options come checked
+    (:meth:`~vlfast.extraction.config.ExtractConfig.writing`), not checked again here.
     """
 
     @gc_paused()
@@ -468,7 +469,8 @@ class FeatureStore:
         :class:`~vlfast.extraction.ids.IdSet` sharing the store's arrays: no copy of millions of ids.
 
         ``mine=True``: complete only for the ids this rank owns among ``world_size`` ranks
-        (:func:`~vlfast.extraction.ids.owner_rank`): other ranks' own parts are not read.
+        (:func:`~vlfast.extraction.ids.owner_rank`): other ranks' own parts are not read. It may hold other
+        ids too.
         """
         if not mine:
             self._widen()
@@ -562,8 +564,8 @@ class FeatureStore:
         return facts.save(self.out, f"{self._tag}-{os.getpid()}")
 
     def tick(self) -> None:
-        """Commit the buffer if its oldest sample has waited ``commit_every`` seconds: for a caller that may
-        wait long between ``add`` calls (a slow decode)."""
+        """Commit the buffer if its oldest sample has waited ``commit_every`` seconds. ``add`` and
+        ``add_error`` call it; a caller that may wait long between them (a slow decode) can call it too."""
         if self.commit_every is None:
             return
         oldest = min(
@@ -617,9 +619,10 @@ class FeatureStore:
         self.tick()
 
     def flush(self) -> None:
-        """Commit the buffered samples as one shard now, and on object storage the session's error records.
-        SIGTERM and Ctrl-C wait until it is done. A full disk raises OutputFull; the store then commits
-        nothing more and the buffered samples are redone by the next run."""
+        """Commit the buffered samples as one shard now (no-op when the buffer is empty), and on object
+        storage the session's error records. SIGTERM and Ctrl-C wait until it is done. A full disk raises
+        OutputFull; the store then commits nothing more (``close`` only releases the lock) and the buffered
+        samples are redone by the next run."""
         if self._full:
             raise RuntimeError(f"FeatureStore for {self.out} stopped: its disk was full")
         with commit_section():
