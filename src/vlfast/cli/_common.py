@@ -256,11 +256,6 @@ def parse_storage_options(text: str | None) -> dict | None:
     return value
 
 
-def given(params: dict, *drop: str) -> dict:
-    """A command's parameters as its library function's keywords (the names are shared), less ``drop``."""
-    return {k: v for k, v in params.items() if k not in drop}
-
-
 def say(text: str, out: Console | None = None) -> None:
     """Print ``text`` as written: no markup, no highlighting, never cut across lines in a pipe."""
     (out or console).print(text, markup=False, highlight=False, soft_wrap=True)

@@ -15,7 +15,6 @@ from vlfast.cli._common import (
     JsonOpt,
     add_group,
     console,
-    given,
     handle_errors,
     option,
     parse_storage_options,
@@ -210,11 +209,18 @@ def export(
     --overwrite, DEST inside OUT or OUT inside DEST, a value --dtype cannot hold; nothing written), 3 an
     unexpected error, 4 DEST's disk is full.
     """
-    args = given(locals(), "ctx", "storage_options", "as_json")
     require("extract", _typed(ctx), models=False)
     from vlfast.extraction.store.export import export as run_export
 
-    result = run_export(**args, storage_options=parse_storage_options(storage_options))
+    result = run_export(
+        out,
+        dest,
+        format=format,
+        feature=feature,
+        dtype=dtype,
+        overwrite=overwrite,
+        storage_options=parse_storage_options(storage_options),
+    )
     if as_json:
         print_json(result.to_dict())
         return

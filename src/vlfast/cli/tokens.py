@@ -18,7 +18,6 @@ from vlfast.cli._common import (
     JsonOpt,
     add_group,
     console,
-    given,
     handle_errors,
     option,
     print_json,
@@ -210,10 +209,22 @@ def audit(
     json_: JsonOpt = False,
 ) -> None:
     """Check that the tags a format needs have trained embedding rows (reads weights memory-mapped)."""
-    args = given(locals(), "strict", "json_")
     from vlfast.tokens import audit_tokens
 
-    report = audit_tokens(**args)
+    report = audit_tokens(
+        model,
+        tags,
+        template=template,
+        reward_regex=reward_regex,
+        reference_ids=reference_ids,
+        alternatives=alternatives,
+        embedding_name=embedding_name,
+        lm_head_name=lm_head_name,
+        include_placeholders=include_placeholders,
+        verify_generation=verify_generation,
+        device=device,
+        dtype=dtype,
+    )
     if json_:
         print_json(report.to_dict())
     else:
@@ -239,12 +250,19 @@ def rewrite(
     json_: JsonOpt = False,
 ) -> None:
     """Apply one tag mapping to a dataset field, a chat template and a reward regex."""
-    args = given(locals(), "out", "json_")
     if any(str(p).endswith(".parquet") for p in (dataset, out) if p):
         require("extract", "vlfast tokens rewrite of Parquet", models=False, only=("pyarrow",))
     from vlfast.tokens import rewrite_tags
 
-    report = rewrite_tags(**args, dataset_out=out)
+    report = rewrite_tags(
+        mapping,
+        dataset=dataset,
+        field=field,
+        dataset_out=out,
+        template=template,
+        template_out=template_out,
+        reward_regex=reward_regex,
+    )
     if json_:
         print_json(report.to_dict())
         return
@@ -287,10 +305,18 @@ def fix(
     json_: JsonOpt = False,
 ) -> None:
     """Write a copy of the checkpoint whose untrained tag rows start from trained ones, then audit it."""
-    args = given(locals(), "json_")
     from vlfast.tokens import fix_tokens
 
-    report = fix_tokens(**args)
+    report = fix_tokens(
+        model,
+        out,
+        tags,
+        init=init,
+        template=template,
+        reward_regex=reward_regex,
+        reference_ids=reference_ids,
+        include_placeholders=include_placeholders,
+    )
     if json_:
         print_json(report.to_dict())
     else:
