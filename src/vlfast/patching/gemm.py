@@ -17,7 +17,7 @@ import pkgutil
 import re
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -558,17 +558,21 @@ def eligibility(module: nn.Module) -> str | None:
 def is_patched(module: nn.Module) -> bool:
     """True when ``module`` (or any module inside it) is patched and its geometry runs the GEMM now (a
     patched conv whose geometry changed so that the GEMM no longer computes it does not count)."""
-    forwards = (m.__dict__.get("_conv_forward") for m in module.modules())  # stops at the first that runs
-    return any(isinstance(f, GemmConvForward) and f.status() is None for f in forwards)
+    # lazily: stops at the first that runs the GEMM
+    return any(m.__dict__["_conv_forward"].status() is None for _, m in _patched(module))
 
 
 def patched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every module inside ``model`` that carries the patch, whether its geometry runs the GEMM now or not."""
-    return [
+    return list(_patched(model))
+
+
+def _patched(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    return (
         (n, m)
         for n, m in model.named_modules()
         if isinstance(m.__dict__.get("_conv_forward"), GemmConvForward)
-    ]
+    )
 
 
 def compile_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
