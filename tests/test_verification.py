@@ -325,10 +325,12 @@ def test_each_path_is_measured_against_float64_forward_and_backward():
         # one (issue 46: without AVX-512, Slow3d's bf16 weight gradient was 0.0187 from float64, the GEMM's
         # 0.0017). Only a patched path worse than stock beyond the rule fails (the next test).
         assert all(c.metrics[f"patched_{w}_rel"] < 1e-2 for w in ("fwd", "wgrad")), c.metrics
-        for w in ("fwd", "wgrad"):  # the rule c.passed applied, restated: 1 dB slack plus a unit round-off
+        # the rule c.passed applied, restated: 1 dB slack plus a unit round-off plus √K float32 round-offs
+        # for a sum of K products (K: 1536 per output, 256 windows per weight-gradient entry here)
+        for w, k in (("fwd", 1536), ("wgrad", 256)):
             assert c.metrics[f"patched_{w}_rel"] <= c.metrics[f"stock_{w}_rel"] * 10 ** (1 / 20) + (
                 2.0**-24 if c.dtype == "float32" else 2.0**-8
-            ), c.metrics
+            ) + k**0.5 * 2.0**-24, c.metrics
     # In float32 both are round-off away from exact; bf16 output rounding dominates both paths.
     assert max(accuracy["float32"].metrics.values()) < 1e-5 < min(accuracy["bfloat16"].metrics.values())
     lines = report.accuracy()
@@ -337,6 +339,22 @@ def test_each_path_is_measured_against_float64_forward_and_backward():
         and "error against float64: forward stock" in lines[0]
         and "weight gradient" in lines[0]
     )
+
+
+def test_the_accuracy_rule_allows_the_round_off_of_each_sum_and_no_more():
+    """Each path sums K float32 products in an order of its own: the allowance grows as √K, per conv and per
+    direction (an Intel Xeon with AMX: GLM's 256-term downsample, stock 1.5e-7 from float64 and the GEMM
+    2.9e-7 failed a unit round-off's allowance)."""
+    report = verify("ref:glm-4.1v-9b", tiny=True, grids=[(2, 4, 6)], n_windows=64)
+    limits = {c.name: c.limits for c in report.checks if c.scope == "accuracy" and c.dtype == "float32"}
+    # patch_embed: 3·2·14·14 = 1176 products per output; downsample: 64·2·2 = 256; weight gradients sum
+    # over the 64 windows each conv is given
+    for name, fwd, wgrad in (("patch_embed.proj", 1176, 64), ("downsample", 256, 64)):
+        for what, k in (("fwd", fwd), ("wgrad", wgrad)):
+            assert limits[name][f"patched_{what}_rel"] == (
+                f"<= stock_{what}_rel x 1.12 + {2.0**-24 * (1 + k**0.5):.2g}"
+            ), limits[name]
+    assert report.passed, str(report)
 
 
 def test_a_patch_further_from_float64_than_the_stock_conv_fails_the_accuracy_check(monkeypatch):
