@@ -328,9 +328,12 @@ def test_each_path_is_measured_against_float64_forward_and_backward():
         # the rule c.passed applied, restated: 1 dB slack plus a unit round-off plus √K float32 round-offs
         # for a sum of K products (K: 1536 per output, 256 windows per weight-gradient entry here)
         for w, k in (("fwd", 1536), ("wgrad", 256)):
-            assert c.metrics[f"patched_{w}_rel"] <= c.metrics[f"stock_{w}_rel"] * 10 ** (1 / 20) + (
-                2.0**-24 if c.dtype == "float32" else 2.0**-8
-            ) + k**0.5 * 2.0**-24, c.metrics
+            assert (
+                c.metrics[f"patched_{w}_rel"]
+                <= c.metrics[f"stock_{w}_rel"] * 10 ** (1 / 20)
+                + (2.0**-24 if c.dtype == "float32" else 2.0**-8)
+                + k**0.5 * 2.0**-24
+            ), c.metrics
     # In float32 both are round-off away from exact; bf16 output rounding dominates both paths.
     assert max(accuracy["float32"].metrics.values()) < 1e-5 < min(accuracy["bfloat16"].metrics.values())
     lines = report.accuracy()
