@@ -390,11 +390,10 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
         shapes: list[ConvShape] = []
         # those the installed transformers builds (transformers 4.45 has Qwen2-VL only)
         names = [name for name, ref in models.REFERENCES.items() if ref.installed()]
-        for name in names:
-            known = reference_conv_shapes(name, patches)
-            if known is None:
-                known = conv_shapes(models.build_reference(name, device="meta"), patches=patches, label=name)
-            shapes += known
+        for name in names:  # the published shapes where the family is known (never an empty list)
+            shapes += reference_conv_shapes(name, patches) or conv_shapes(
+                models.build_reference(name, device="meta"), patches=patches, label=name
+            )
         return f"built-in references ({len(names)})", shapes
     if isinstance(model, os.PathLike):
         model = os.fspath(model)

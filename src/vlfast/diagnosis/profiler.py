@@ -154,7 +154,7 @@ class ProfileReport:
             ratios = [b / a for b, a in zip(bs, as_) if b and a]
             changed = part == "forward" or part in self.touched
             med = statistics.median(ratios) if ratios else None
-            spread = (max(ratios) - min(ratios)) / med if ratios and med else None
+            spread = _spread(ratios)
             of_medians = _ratio(*medians[part])
             # Which side is faster, by the ratios and by the medians the table shows: 1 counts as either.
             agrees = med is None or of_medians is None or (med - 1) * (of_medians - 1) >= 0
