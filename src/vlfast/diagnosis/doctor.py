@@ -229,11 +229,7 @@ class DoctorReport:
         """A paste-ready block for bug reports."""
         f, cudnn = self.facts, cudnn_version_str
         gpu = f.gpu_name and f"{f.gpu_name} (sm_{''.join(map(str, f.gpu_capability or ()))})"
-        env = [
-            ("vlfast", f.vlfast_version),
-            ("python", f.python),
-            ("platform", f.platform),
-            ("torch", f"{f.torch_version} ({f.torch_build})"),
+        gpu_rows = [
             ("CUDA (build / driver)", f"{f.torch_cuda} / {f.cuda_driver} (driver {f.nvidia_driver})"),
             ("cuDNN (compile / runtime)", f"{cudnn(f.cudnn_compile)} / {cudnn(f.cudnn_runtime)}"),
             (
@@ -242,6 +238,15 @@ class DoctorReport:
             ),
             ("cuDNN libraries loaded", libraries_cell(f)),
             ("GPU", gpu),
+        ]
+        if f.torch_build not in ("cuda", "rocm"):  # a CPU build: GPU facts do not apply
+            gpu_rows = [(k, "n/a (CPU build)") for k, _ in gpu_rows]
+        env = [
+            ("vlfast", f.vlfast_version),
+            ("python", f.python),
+            ("platform", f.platform),
+            ("torch", f"{f.torch_version} ({f.torch_build})"),
+            *gpu_rows,
             ("MPS (built / available)", f"{f.mps_built} / {f.mps_available}"),
             ("oneDNN (available / enabled)", f"{f.onednn_available} / {f.onednn_enabled}"),
             ("CPU", f.cpu_model),
@@ -252,15 +257,6 @@ class DoctorReport:
             ("VLFAST_PATCH", f.autopatch_env or "unset"),
             ("model patched", f.model_patched),
         ]
-        if f.torch_build not in ("cuda", "rocm"):  # a CPU build: GPU facts do not apply
-            skip = (
-                "CUDA (build / driver)",
-                "cuDNN (compile / runtime)",
-                "cudnn enabled / benchmark / tf32",
-                "cuDNN libraries loaded",
-                "GPU",
-            )
-            env = [(k, "n/a (CPU build)" if k in skip else v) for k, v in env]
         lines = [
             "### vlfast doctor",
             "",
@@ -394,11 +390,10 @@ def _scan(model: nn.Module | str | None, patches: int) -> tuple[str, list[ConvSh
         shapes: list[ConvShape] = []
         # those the installed transformers builds (transformers 4.45 has Qwen2-VL only)
         names = [name for name, ref in models.REFERENCES.items() if ref.installed()]
-        for name in names:
-            known = reference_conv_shapes(name, patches)
-            if known is None:
-                known = conv_shapes(models.build_reference(name, device="meta"), patches=patches, label=name)
-            shapes += known
+        for name in names:  # the published shapes where the family is known (never an empty list)
+            shapes += reference_conv_shapes(name, patches) or conv_shapes(
+                models.build_reference(name, device="meta"), patches=patches, label=name
+            )
         return f"built-in references ({len(names)})", shapes
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
@@ -797,15 +792,12 @@ def disagreements(hits: list[RuleHit], backend: str | None) -> list[str]:
     """One line per fired rule whose predicted path the backend ATen selected contradicts. Pure."""
     if backend is None:
         return []
-    out = []
-    for h in hits:
-        expected = _RULE_BACKENDS.get(h.id)
-        if expected and backend not in expected:
-            out.append(
-                f"disagreement: rule {h.id} predicts the {' / '.join(expected)} path, but ATen selects "
-                f"{backend} for this conv (torch._C._select_conv_backend)"
-            )
-    return out
+    return [
+        f"disagreement: rule {h.id} predicts the {' / '.join(expected)} path, but ATen selects "
+        f"{backend} for this conv (torch._C._select_conv_backend)"
+        for h in hits
+        if (expected := _RULE_BACKENDS.get(h.id)) and backend not in expected
+    ]
 
 
 def _ratios(f: Finding) -> str:

@@ -41,8 +41,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_HALF = ("bfloat16", "float16")
-
 
 def version_tuple(version: str | None) -> tuple[int, ...] | None:
     """``"2.10.0+cu128"`` -> ``(2, 10, 0)``; ``None`` for anything unparsable."""
@@ -127,7 +125,7 @@ class Facts:
 
     @property
     def half(self) -> bool:
-        return self.dtype in _HALF
+        return self.dtype in ("bfloat16", "float16")
 
     @property
     def torch(self) -> tuple[int, ...] | None:
@@ -196,10 +194,9 @@ def cudnn_libraries() -> dict[str, str] | None:
 
 
 def _miopen_version() -> str | None:
-    # On ROCm builds cudnn.version() is MIOpen's: major * 10000 + minor * 100 + patch
-    # (aten/src/ATen/cuda/detail/CUDAHooks.cpp, versionMIOpen).
-    v = int(torch.backends.cudnn.version())
-    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+    # On ROCm builds cudnn.version() is MIOpen's: major * 10000 + minor * 100 + patch, as cuDNN >= 9 encodes
+    # it (aten/src/ATen/cuda/detail/CUDAHooks.cpp, versionMIOpen).
+    return cudnn_version_str(int(torch.backends.cudnn.version()))
 
 
 def _transformers_fusion() -> bool:

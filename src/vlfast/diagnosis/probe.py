@@ -12,7 +12,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -119,13 +119,9 @@ def merge_shapes(shapes: list[ConvShape]) -> list[ConvShape]:
     """One entry per distinct geometry, with the names of every place it occurs, in first-seen order."""
     merged: dict[tuple, ConvShape] = {}
     for s in shapes:
-        if s.key in merged:
-            prev = merged[s.key]
-            merged[s.key] = ConvShape(
-                *s.key[:5], s.windows, prev.names + s.names, patched=prev.patched and s.patched
-            )
-        else:
-            merged[s.key] = s
+        if (prev := merged.get(s.key)) is not None:
+            s = replace(prev, names=prev.names + s.names, patched=prev.patched and s.patched)
+        merged[s.key] = s
     return list(merged.values())
 
 
@@ -248,7 +244,6 @@ class ProbeResult:
     def scale(self) -> float:
         return self.shape.windows / (self.windows_timed or self.shape.windows)
 
-    # conv / GEMM of the medians, as the table prints them; spread: (max - min) / median of per-round ratios.
     @property
     def ratio(self) -> float | None:
         """conv / GEMM of the medians: the table's ``conv ms / GEMM ms``, so the ratio printed beside the

@@ -154,7 +154,7 @@ class ProfileReport:
             ratios = [b / a for b, a in zip(bs, as_) if b and a]
             changed = part == "forward" or part in self.touched
             med = statistics.median(ratios) if ratios else None
-            spread = (max(ratios) - min(ratios)) / med if ratios and med else None
+            spread = _spread(ratios)
             of_medians = _ratio(*medians[part])
             # Which side is faster, by the ratios and by the medians the table shows: 1 counts as either.
             agrees = med is None or of_medians is None or (med - 1) * (of_medians - 1) >= 0
@@ -404,8 +404,7 @@ def _hooked_rounds(tower, scope, inputs, device, warmup, repeats, deadline, say)
     round_s = 0.0
     try:
         with torch.inference_mode():
-            r = 0
-            while r < warmup + repeats:
+            for r in range(warmup + repeats):
                 timed = r >= warmup
                 if (
                     timed
@@ -428,7 +427,6 @@ def _hooked_rounds(tower, scope, inputs, device, warmup, repeats, deadline, say)
                 hooks.say = None
                 round_s = time.perf_counter() - t0
                 say(f"{what}: before {done[False][0]:,.0f} ms, after {done[True][0]:,.0f} ms")
-                r += 1
                 if not timed and deadline is not None and time.perf_counter() + round_s > deadline:
                     # No timed round fits after this warm-up: it is the only measurement (one round,
                     # first calls included, so the report says it is not a result).

@@ -119,10 +119,6 @@ def _cudnn_920_bf16_backward(f: Facts, c: ConvGeometry) -> bool:
     )
 
 
-def _windows(f: Facts) -> bool:
-    return (f.platform or "").lower().startswith("windows")
-
-
 def _upgrade_cudnn(f: Facts) -> str:
     """How to get a runtime cuDNN >= 9.15 here (the wheel's bundled cuDNN is what loads; on torch 2.9.0
     the guard reads the compile-time cuDNN, so only another torch helps)."""
@@ -137,7 +133,7 @@ def _upgrade_cudnn(f: Facts) -> str:
 
 
 def _upgrade_runtime(f: Facts) -> str:
-    if _windows(f):
+    if (f.platform or "").lower().startswith("windows"):
         return (
             "install a torch wheel that bundles cuDNN >= 9.15 (torch >= 2.11 for CUDA 13, e.g. "
             "pip install -U torch --index-url https://download.pytorch.org/whl/cu130): on Windows torch "
@@ -195,7 +191,7 @@ def _cudnn_mixed(f: Facts, c: ConvGeometry) -> bool:
 def _lib_origin(path: str) -> str:
     """The directory of a loaded library and the version in its file name, if any ("...so.9.20.0")."""
     m = re.search(r"\.so\.(\d+(?:\.\d+)+)$", path)
-    return os.path.dirname(path) + (f" {m.group(1)}" if m and m.group(1).count(".") >= 1 else "")
+    return os.path.dirname(path) + (f" {m.group(1)}" if m else "")
 
 
 def _cpu_no_onednn(f: Facts, c: ConvGeometry) -> bool:
