@@ -104,9 +104,7 @@ def is_oom(error: BaseException) -> bool:
     import torch  # here, not at the top: TokenBudget is part of a configuration made before torch loads
 
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(error, oom_type):
-        return True
-    if isinstance(error, MemoryError):
+    if isinstance(error, MemoryError) or (oom_type is not None and isinstance(error, oom_type)):
         return True
     if isinstance(error, RuntimeError):
         msg = str(error).lower()
