@@ -484,9 +484,8 @@ def _count_from_out(
     before returning its rows is restarted, and its retried call finds those samples done."""
     errors_now = job.plan.store.errors()
     recorded = Counter(r["reason"] for r in errors_now if error_key(r) not in recorded_before)
-    for reason, missing in (recorded - counted).items():
-        for _ in range(missing):
-            job.count_error(reason)
+    for reason in (recorded - counted).elements():
+        job.count_error(reason)
     # Only this run's records: one from before that --retry-errors selected is superseded by the commit.
     failed = IdSet({r["id"] for r in errors_now if error_key(r) not in recorded_before and done_by_error(r)})
     extracted = done.isin(to_extract_ids) & ~failed.isin(to_extract_ids)

@@ -160,8 +160,7 @@ class HiddenStateTaps:
 
     def __init__(self, model: nn.Module, layers: Sequence[int], take: Any):
         _, decoder, blocks = find_decoder(model)
-        n = len(blocks)
-        self.n_states = n + 1
+        self.n_states = len(blocks) + 1
         for layer in layers:
             if not -self.n_states <= layer < self.n_states:
                 raise InputRefused(
