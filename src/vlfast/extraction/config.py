@@ -194,30 +194,23 @@ def _feature_spec(config: ExtractConfig) -> FeatureSpec:
     )
 
 
-# The numeric fields and their flags: vlfast.limits says what each takes (NaN, infinities, a zero batch and
-# budgets no image can reach are refused there, for the CLI and the library alike).
-_NUMBER_FLAGS = {
-    "fps": "--fps",
-    "num_frames": "--num-frames",
-    "min_pixels": "--min-pixels",
-    "max_pixels": "--max-pixels",
-    "video_max_pixels": "--video-max-pixels",
-    "max_batch_tokens": "--batch-tokens",
-    "num_workers": "--workers",
-    "decode_timeout": "--decode-timeout",
-    "commit_every": "--commit-every",
-    "max_errors": "--max-errors",
-    "rank": "--rank",
-    "world_size": "--world-size",
-}
+# The numeric fields, each checked under its flag (the field's name in dashes, but for the renamed ones):
+# vlfast.limits says what each takes (NaN, infinities, a zero batch and budgets no image can reach are
+# refused there, for the CLI and the library alike).
+_NUMBERS = (  # noqa: SIM905
+    "fps num_frames min_pixels max_pixels video_max_pixels max_batch_tokens num_workers decode_timeout "
+    "commit_every max_errors rank world_size"
+).split()
+_RENAMED_FLAGS = {"max_batch_tokens": "--batch-tokens", "num_workers": "--workers"}
 
 
 def _check_numbers(config: ExtractConfig) -> None:
     from vlfast.extraction.store.format import RESUME_CHECKS
     from vlfast.limits import check
 
-    for keyword, flag in _NUMBER_FLAGS.items():
+    for keyword in _NUMBERS:
         if getattr(config, keyword) is not None:
+            flag = _RENAMED_FLAGS.get(keyword) or "--" + keyword.replace("_", "-")
             check(flag, getattr(config, keyword), keyword)
     if not (_positive_int(config.shard_max_bytes) and _positive_int(config.shard_max_samples)):
         raise InputRefused(

@@ -459,11 +459,6 @@ def exif_orientation(asked: bool | None, recorded: dict[str, Any] | None) -> boo
     return asked if asked is not None else recorded_setting(recorded, "exif_orientation")
 
 
-def _answers(facts: ModelFacts | None, model: str) -> ModelFacts:
-    """``facts``, or answers asked each time (no record) for a caller without them."""
-    return facts if facts is not None else ModelFacts(model)
-
-
 def identity(model: str, family: str, facts: ModelFacts | None = None) -> dict[str, Any]:
     """What tower the features come from, from its config alone (before anything is loaded)."""
 
@@ -473,7 +468,7 @@ def identity(model: str, family: str, facts: ModelFacts | None = None) -> dict[s
         cfg = vision_config_of(model)
         return {"config": cfg.to_dict(), "class": vision_model_class(cfg).__name__}
 
-    tower = _answers(facts, model).answer("vision tower", ask)
+    tower = (facts if facts is not None else ModelFacts(model)).answer("vision tower", ask)
     vision_config = tower["config"]
     for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation"):
         vision_config.pop(k, None)
@@ -516,7 +511,7 @@ def check_llm_request(model: str, spec: FeatureSpec, facts: ModelFacts | None = 
         n, width = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
         return {"class": type(config).__name__, "layers": n, "width": width}
 
-    told = _answers(facts, model).answer("language model", ask)
+    told = (facts if facts is not None else ModelFacts(model)).answer("language model", ask)
     n, width = told["layers"], told["width"]
     if not isinstance(n, int) or n < 1:
         raise InputRefused(

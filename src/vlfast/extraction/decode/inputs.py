@@ -56,9 +56,8 @@ def input_record(sample: Sample, texts: tuple[str, ...]) -> dict[str, Any]:
         rec["size"] = member.size
         if member.at_url:
             return rec
-        shard = member.shard
         try:
-            rec["stamp"], _, rec["mtime_ns"] = file_stamp(shard)
+            rec["stamp"], _, rec["mtime_ns"] = file_stamp(member.shard)
         except OSError:
             return rec
     elif member is not None or any(is_url(p) for p in sample.paths):

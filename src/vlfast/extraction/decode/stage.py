@@ -28,7 +28,7 @@ from vlfast.pixels.engine import Preprocessor
 from vlfast.pixels.media import SampleError
 from vlfast.pixels.settings import TORCHVISION_IMAGE_PROCESSORS, ProcessorConfig
 
-__all__ = ["DecodedSample", "SampleDataset", "is_failure", "prepare_decoding", "worker_init"]
+__all__ = ["DecodedSample", "SampleDataset", "prepare_decoding", "worker_init"]
 
 
 @dataclass
@@ -54,11 +54,6 @@ class DecodedSample:
     @property
     def patches(self) -> int:
         return int(self.pixel_values.shape[0])
-
-
-def is_failure(item: DecodedSample | dict[str, Any]) -> bool:
-    """Whether the stage (or the pool around it) answered with a failure dict instead of a sample."""
-    return not isinstance(item, DecodedSample)
 
 
 class SampleDataset:

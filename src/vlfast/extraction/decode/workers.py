@@ -391,9 +391,7 @@ class WorkerPool:
 
     def _block(self) -> None:
         """Sleep until a worker sends something or dies, or until the nearest deadline."""
-        objs: list[Any] = []
-        for w in self._workers.values():
-            objs += [w.conn, w.proc.sentinel]
+        objs = [x for w in self._workers.values() for x in (w.conn, w.proc.sentinel)]
         if not objs:
             raise RuntimeError("internal error: a result is awaited but no worker is running")
         wait_s = None

@@ -142,9 +142,7 @@ class Progress:
     def __init__(self, enabled: bool, total: int, label: str):
         self.enabled = enabled and total > 0
         self.started = time.perf_counter()
-        self.tokens = 0
-        self.errors = 0
-        self.done = 0
+        self.tokens = self.errors = self.done = 0
         self._done_before = 0  # entries counted before the clock started (records made before the model)
         if not self.enabled:
             return

@@ -406,10 +406,6 @@ class _RankCounter:
         return ray.remote(num_cpus=0)(cls).remote(out.highest_rank() % MAX_RANK + 1)
 
 
-def _model_actor_args() -> dict[str, Any]:
-    return {"max_restarts": 3, "max_task_retries": 3}
-
-
 def _map_batches_bounded(ds, fn, **kwargs):
     """``ds.map_batches`` with a model actor restarted, and its call retried, at most 3 times (Ray Data's
     default, forever, loops on a batch that kills its actor). Ray 2.60 deprecates every way to say so; if
@@ -417,7 +413,9 @@ def _map_batches_bounded(ds, fn, **kwargs):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         try:
-            return ds.map_batches(fn, ray_remote_args_fn=_model_actor_args, **kwargs)
+            return ds.map_batches(
+                fn, ray_remote_args_fn=lambda: {"max_restarts": 3, "max_task_retries": 3}, **kwargs
+            )
         except TypeError:
             return ds.map_batches(fn, **kwargs)
 
@@ -486,9 +484,8 @@ def _count_from_out(
     before returning its rows is restarted, and its retried call finds those samples done."""
     errors_now = job.plan.store.errors()
     recorded = Counter(r["reason"] for r in errors_now if error_key(r) not in recorded_before)
-    for reason, missing in (recorded - counted).items():
-        for _ in range(missing):
-            job.count_error(reason)
+    for reason in (recorded - counted).elements():
+        job.count_error(reason)
     # Only this run's records: one from before that --retry-errors selected is superseded by the commit.
     failed = IdSet({r["id"] for r in errors_now if error_key(r) not in recorded_before and done_by_error(r)})
     extracted = done.isin(to_extract_ids) & ~failed.isin(to_extract_ids)
@@ -710,12 +707,11 @@ class RayEngine:
             ),
         )
         # The driver's store has just checked OUT as asked: each actor re-checks sizes and headers only.
-        store_options = job.config.writing(resume_check="quick", overwrite=False)
+        store_options, counter = job.config.writing(resume_check="quick", overwrite=False), None
         if not is_local(job.store.out):
             # An actor's close may be cut short by its teardown (no lock tells): the driver compacts them.
             store_options["compact_min_parts"] = None
-        counter = None if is_local(job.store.out) else _RankCounter.start(ray, job.plan.store)
-        if counter is not None:
+            counter = _RankCounter.start(ray, job.plan.store)
             self._counters.append(counter)
         return _map_batches_bounded(
             decoded,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Generic, TypeVar
 
 from vlfast.errors import InputRefused
@@ -40,11 +41,10 @@ def pack(
     ``first_alone`` yields the first item by itself, so the model starts as soon as one sample is ready."""
     batch: list[T] = []
     used = 0
+    items = iter(items)
+    if first_alone:
+        yield from ([item] for item in islice(items, 1))
     for item in items:
-        if first_alone:
-            first_alone = False
-            yield [item]
-            continue
         c = int(cost(item))
         if batch and (used + c > budget.max_tokens or len(batch) >= budget.max_samples):
             yield batch
@@ -88,11 +88,10 @@ def pack_padded(
             yield batch
         held.clear()
 
+    items = iter(items)
+    if first_alone:
+        yield from ([item] for item in islice(items, 1))
     for item in items:
-        if first_alone:
-            first_alone = False
-            yield [item]
-            continue
         held.append(item)
         if len(held) >= window:
             yield from flush()
@@ -104,9 +103,7 @@ def is_oom(error: BaseException) -> bool:
     import torch  # here, not at the top: TokenBudget is part of a configuration made before torch loads
 
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(error, oom_type):
-        return True
-    if isinstance(error, MemoryError):
+    if isinstance(error, MemoryError) or (oom_type is not None and isinstance(error, oom_type)):
         return True
     if isinstance(error, RuntimeError):
         msg = str(error).lower()

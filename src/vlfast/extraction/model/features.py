@@ -118,22 +118,6 @@ def compute_vision_features(tower: nn.Module, batch: VisionBatch, names: Sequenc
     return vision_features(names, out["merged"], out["deepstack"], batch)
 
 
-class TowerTap:
-    """Forward hook on the vision tower that keeps its outputs during a whole-model forward."""
-
-    def __init__(self, tower: nn.Module):
-        from vlfast.models import tower_outputs
-
-        # Normalised at once: the VLM later replaces the output's fields with per-image splits.
-        self.outputs: list[dict[str, Any]] = []
-        self._handle = tower.register_forward_hook(
-            lambda _m, _i, out: self.outputs.append(tower_outputs(out))
-        )
-
-    def remove(self) -> None:
-        self._handle.remove()
-
-
 # Where a VLM keeps its decoder (its layers and final norm), tried in order: transformers 5's
 # ...ForConditionalGeneration, the bare ...Model, a text-only ...ForCausalLM.
 DECODER_PATHS = ("model.language_model", "language_model", "model")
@@ -176,8 +160,7 @@ class HiddenStateTaps:
 
     def __init__(self, model: nn.Module, layers: Sequence[int], take: Any):
         _, decoder, blocks = find_decoder(model)
-        n = len(blocks)
-        self.n_states = n + 1
+        self.n_states = len(blocks) + 1
         for layer in layers:
             if not -self.n_states <= layer < self.n_states:
                 raise InputRefused(
@@ -336,29 +319,35 @@ def compute_llm_features(
             per.append(f)
         pooled[index] = per
 
+    from vlfast.models import tower_outputs
+
     taps = HiddenStateTaps(model, (-1,) if spec.embedding else spec.layers, take)
-    tap = TowerTap(tower)
+    # The tower's outputs, normalised at once: the VLM later replaces the output's fields with per-image splits.
+    towered: list[dict[str, Any]] = []
+    handle = tower.register_forward_hook(lambda _m, _i, out: towered.append(tower_outputs(out)))
     try:
         taps.run(lambda: model(**inputs, use_cache=False))
     finally:
-        tap.remove()
+        handle.remove()
     results: list[dict[str, torch.Tensor]] = [{} for _ in items]
     for index in taps.resolved:  # in the order asked, as before
         for i, f in enumerate(pooled[index]):
             results[i].update(f)
-    _add_tower_features(results, items, spec, tap)
+    _add_tower_features(results, items, spec, towered)
     return results
 
 
-def _add_tower_features(results: list[dict], items: Sequence[DecodedSample], spec: FeatureSpec, tap) -> None:
+def _add_tower_features(
+    results: list[dict], items: Sequence[DecodedSample], spec: FeatureSpec, towered: list[dict[str, Any]]
+) -> None:
     """The vision features asked, from what the tower returned during the whole-model forward."""
     order = [i for kind in ("image", "video") for i, it in enumerate(items) if _modality(it) == kind]
     vision_names = [n for n in spec.names if n in VISION_FEATURES]
     if not (vision_names and order):
         return
     # one call per modality present, images first
-    merged_all = torch.cat([t["merged"] for t in tap.outputs])
-    deep = [t["deepstack"] for t in tap.outputs]
+    merged_all = torch.cat([t["merged"] for t in towered])
+    deep = [t["deepstack"] for t in towered]
     deep_all = [torch.cat(level) for level in zip(*deep)] if deep and deep[0] else []
     sorted_items = [items[i] for i in order]
     batch = VisionBatch(

@@ -80,9 +80,7 @@ def batches(
     """Decoded samples packed by token budget (:func:`~vlfast.extraction.model.batching.pack`); with
     ``padded`` (the whole VLM runs, its rows padded to the longest), by
     :func:`~vlfast.extraction.model.batching.pack_padded`."""
-    if padded:
-        return pack_padded(items, lambda it: it.cost, budget, first_alone=first_alone)
-    return pack(items, lambda it: it.cost, budget, first_alone=first_alone)
+    return (pack_padded if padded else pack)(items, lambda it: it.cost, budget, first_alone=first_alone)
 
 
 def pixels_to(x: torch.Tensor, device: torch.device, cfg: ProcessorConfig) -> torch.Tensor:
