@@ -103,10 +103,8 @@ def fix_tokens(
     model, out = Path(model), Path(out)
     _refuse_out(model, out)
     wanted = collect_tags(tags, template, reward_regex)
-    notes: list[str] = []
-    if not include_placeholders:
-        wanted, skipped = split_placeholders(wanted)
-        notes += [f"{s.tag} left alone: {s.reason}" for s in skipped]
+    wanted, skipped = (wanted, []) if include_placeholders else split_placeholders(wanted)
+    notes = [f"{s.tag} left alone: {s.reason}" for s in skipped]
     vocab = Vocabulary.load(model)
     exclude = sorted({i for t in wanted for i in vocab.split(t)})
     an = analyse(model, reference_ids=reference_ids, exclude_ids=exclude, vocab=vocab)
