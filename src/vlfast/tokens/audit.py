@@ -75,7 +75,7 @@ class Analysis:
             verdict=verdict,
         )
 
-    def split(self, tag: str) -> list[int]:
+    def tag_verdict(self, tag: str) -> tuple[list[int], list[TokenVerdict], str]:
         ids = self.vocab.split(tag)
         rows = self.judge.input_stats.rows
         bad = [i for i in ids if i >= rows]
@@ -84,10 +84,6 @@ class Analysis:
                 f"tag {tag!r} maps to ids {bad} but the embedding has only {rows} rows; "
                 "the tokenizer and the weights in the folder do not belong together"
             )
-        return ids
-
-    def tag_verdict(self, tag: str) -> tuple[list[int], list[TokenVerdict], str]:
-        ids = self.split(tag)
         tokens = [self.token(i) for i in ids]
         return ids, tokens, worst([t.verdict for t in tokens])
 
@@ -209,9 +205,8 @@ def analyse(
 
     reference = np.zeros(rows, bool)
     reference[ref] = True
-    ordinary = np.zeros(rows, bool)
-    ordinary[: vocab.length] = True
-    ordinary[reference] = False
+    ordinary = ~reference
+    ordinary[vocab.length :] = False
     ordinary[list(vocab.added)] = False  # added tokens are the usual suspects, not the norm
     ordinary[list(excluded)] = False
 

@@ -165,9 +165,8 @@ def _new_rows(an: Analysis, name: str, plans: dict[int, list[int]]) -> dict[int,
     """Each target's new row in ``name``: the mean of its trained pieces, or the mean trained row with a
     seeded jitter; scaled to the matrix's median trained norm."""
     w = an.weights
-    tied_copy = name != w.embedding_name and w.tied
-    is_input = name == w.embedding_name or tied_copy
-    stats = an.judge.input_stats if is_input else an.judge.output_stats
+    # A stored lm_head under a tying config is a copy of the embedding: judged by the input stats.
+    stats = an.judge.input_stats if name == w.embedding_name or w.tied else an.judge.output_stats
     median_norm = float(np.median(stats.norm[an.ordinary]))
     mean_row = None
     values: dict[int, torch.Tensor] = {}

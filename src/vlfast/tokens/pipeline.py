@@ -124,11 +124,11 @@ class PrefillEvidence:
         if not self.prefilled_tags:
             return out
         yes = {True: "matches", False: "no match"}
-        out.append(f"reward regex {self.reward_regex!r} (re.search, DOTALL):")
-        out.append(
-            f"  on the completion as generated {self.completion!r}: {yes[bool(self.matches_completion)]}"
-        )
-        out.append(f"  on prefill + completion {self.with_prefill!r}: {yes[bool(self.matches_with_prefill)]}")
+        out += [
+            f"reward regex {self.reward_regex!r} (re.search, DOTALL):",
+            f"  on the completion as generated {self.completion!r}: {yes[bool(self.matches_completion)]}",
+            f"  on prefill + completion {self.with_prefill!r}: {yes[bool(self.matches_with_prefill)]}",
+        ]
         if self.suggested_regex:
             out.append(f"a regex that accepts both: {self.suggested_regex!r}")
         return out

@@ -53,13 +53,9 @@ def parse_mapping(values: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
     return mapping
 
 
-def _pattern(mapping: Mapping[str, str]) -> re.Pattern:
-    # Longest first, so `</think>` is never read as `<` + ... by a shorter key.
-    return re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
-
-
 def rewrite_text(text: str, mapping: Mapping[str, str], counts: dict[str, int] | None = None) -> str:
-    pat = _pattern(mapping)
+    # Longest first, so `</think>` is never read as `<` + ... by a shorter key.
+    pat = re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
 
     def sub(m: re.Match) -> str:
         if counts is not None:
