@@ -75,13 +75,12 @@ def _mean_trained_row(an: Analysis, name: str) -> torch.Tensor:
 
 def _targets(an: Analysis, wanted: dict[str, list[str]]) -> dict[int, str]:
     """Untrained token ids of the tags -> the text of the token."""
-    out: dict[int, str] = {}
-    for tag in wanted:
-        _, tokens, _ = an.tag_verdict(tag)
-        for t in tokens:
-            if t.verdict == "untrained":
-                out[t.id] = an.vocab.tokenizer.decode([t.id], skip_special_tokens=False) or tag
-    return out
+    return {
+        t.id: an.vocab.tokenizer.decode([t.id], skip_special_tokens=False) or tag
+        for tag in wanted
+        for t in an.tag_verdict(tag)[1]
+        if t.verdict == "untrained"
+    }
 
 
 def fix_tokens(

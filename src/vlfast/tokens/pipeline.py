@@ -437,8 +437,7 @@ def _suggest_regex(pattern: str, prefilled: list[str], completion: str, with_pre
 
 def check_prefill(generation_suffix: str, tags: list[str], sample: str, pattern: str) -> tuple[Check, str]:
     """The check, and the completion as the model generates it after the prompt."""
-    opening = [t for t in tags if _OPENING.fullmatch(t)]
-    prefilled = [t for t in opening if t in generation_suffix]
+    prefilled = [t for t in tags if _OPENING.fullmatch(t) and t in generation_suffix]
     if not prefilled:
         ev = PrefillEvidence(generation_suffix, [], pattern, sample, sample, None, None)
         return Check("prefilled-tag", "pass", "the generation prompt opens no tag", ev), sample
