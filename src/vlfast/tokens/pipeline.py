@@ -491,9 +491,8 @@ def check_decode(tok: Any, tags: list[str], sample: str) -> Check:
     ev = DecodeEvidence(sample, kept_text, skipped_text, per_tag)
     removed = [t.tag for t in per_tag if not t.kept]
     if not removed:
-        return Check(
-            "stripped-on-decode", "pass", "decoding with skip_special_tokens=True keeps every tag", ev
-        )
+        summary = "decoding with skip_special_tokens=True keeps every tag"
+        return Check("stripped-on-decode", "pass", summary, ev)
     one = len(removed) == 1
     summary = (
         f"{', '.join(removed)} {'is' if one else 'are'} special: decoding with skip_special_tokens=True "
