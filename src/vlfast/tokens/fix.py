@@ -18,7 +18,7 @@ import torch
 from vlfast._files import is_inside, same_file, write_atomically
 from vlfast.errors import InputRefused
 from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, require_dir, split_placeholders
-from vlfast.tokens.report import TokenAudit, strict_json
+from vlfast.tokens.report import TokenAudit, one_of, strict_json
 from vlfast.tokens.verdict import worst
 from vlfast.tokens.vocab import Vocabulary
 
@@ -48,8 +48,7 @@ class FixReport:
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.init not in INITS:
-            raise ValueError(f"FixReport.init must be one of {INITS}, got {self.init!r}")
+        one_of("FixReport.init", self.init, INITS)
 
     @property
     def ok(self) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused
+from vlfast.tokens.report import one_of
 from vlfast.tokens.tags import (
     DEFAULT_TAGS,
     compile_reward_regex,
@@ -205,10 +206,8 @@ class Check:
     fix: str | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in CHECKS:
-            raise ValueError(f"Check.name must be one of {CHECKS}, got {self.name!r}")
-        if self.status not in STATUSES:
-            raise ValueError(f"Check.status must be one of {STATUSES}, got {self.status!r}")
+        one_of("Check.name", self.name, CHECKS)
+        one_of("Check.status", self.status, STATUSES)
 
     def lines(self) -> list[str]:
         return [] if self.evidence is None else self.evidence.lines()
