@@ -33,7 +33,7 @@ _XML = re.compile(r"^<(/?)([A-Za-z][\w:.-]*)>$")
 def tag_name(tag: str) -> tuple[str, str] | None:
     """'</think>' -> ('/', 'think'); None for control tokens such as '<|im_start|>'."""
     m = _XML.match(tag)
-    return (m.group(1), m.group(2)) if m else None
+    return m.groups() if m else None
 
 
 def propose(an: SpellsTags, tag: str) -> list[Alternative]:

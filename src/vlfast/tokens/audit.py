@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vlfast.errors import InputRefused
+from vlfast.tokens.alternatives import propose, suggested_mapping
 from vlfast.tokens.report import (
     MAX_LISTED_IDS,
     IndicatorInfo,
@@ -56,8 +57,8 @@ class Analysis:
         s_in = self.judge.input_stats
         s_out = self.judge.output_stats or s_in
         dup = int(s_in.duplicate_of[token_id])
-        if dup < 0 and self.judge.output_stats is not None:
-            dup = int(self.judge.output_stats.duplicate_of[token_id])
+        if dup < 0:
+            dup = int(s_out.duplicate_of[token_id])
         norm = float(s_in.norm[token_id])
         cos = None if s_out.cos_distance is None else float(s_out.cos_distance[token_id])
         finite = np.isfinite(norm)
@@ -74,7 +75,7 @@ class Analysis:
             verdict=verdict,
         )
 
-    def split(self, tag: str) -> list[int]:
+    def tag_verdict(self, tag: str) -> tuple[list[int], list[TokenVerdict], str]:
         ids = self.vocab.split(tag)
         rows = self.judge.input_stats.rows
         bad = [i for i in ids if i >= rows]
@@ -83,22 +84,14 @@ class Analysis:
                 f"tag {tag!r} maps to ids {bad} but the embedding has only {rows} rows; "
                 "the tokenizer and the weights in the folder do not belong together"
             )
-        return ids
-
-    def tag_verdict(self, tag: str) -> tuple[list[int], list[TokenVerdict], str]:
-        ids = self.split(tag)
         tokens = [self.token(i) for i in ids]
         return ids, tokens, worst([t.verdict for t in tokens])
 
     def non_finite(self) -> list[NonFiniteRows]:
         """Rows holding NaN or inf, per matrix read."""
-        out = []
-        for stats in (self.judge.input_stats, self.judge.output_stats):
-            if stats is not None:
-                bad = np.flatnonzero(~stats.finite)
-                if len(bad):
-                    out.append(NonFiniteRows(stats.name, len(bad), bad[:MAX_LISTED_IDS].tolist()))
-        return out
+        read = [s for s in (self.judge.input_stats, self.judge.output_stats) if s is not None]
+        bad = [(s.name, np.flatnonzero(~s.finite)) for s in read]
+        return [NonFiniteRows(name, len(ids), ids[:MAX_LISTED_IDS].tolist()) for name, ids in bad if len(ids)]
 
     def indicator_info(self) -> list[IndicatorInfo]:
         out = []
@@ -212,9 +205,8 @@ def analyse(
 
     reference = np.zeros(rows, bool)
     reference[ref] = True
-    ordinary = np.zeros(rows, bool)
-    ordinary[: vocab.length] = True
-    ordinary[reference] = False
+    ordinary = ~reference
+    ordinary[vocab.length :] = False
     ordinary[list(vocab.added)] = False  # added tokens are the usual suspects, not the norm
     ordinary[list(excluded)] = False
 
@@ -230,23 +222,20 @@ def collect_tags(
     tags: str | Sequence[str] | None, template: str | Path | None, reward_regex: str | None
 ) -> dict[str, list[str]]:
     """tag -> where the format uses it; the Qwen3 thinking pair when nothing is given."""
-    found: dict[str, list[str]] = {}
-    for tag in split_tag_args(tags):  # a str is one --tags value, not a list of characters
-        found.setdefault(tag, []).append("tags")
+    named = {"tags": split_tag_args(tags)}  # a str is one --tags value, not a list of characters
     if template is not None:
-        for tag in tags_in_text(read_template(template)):
-            found.setdefault(tag, []).append("template")
+        named["template"] = tags_in_text(read_template(template))
     if reward_regex is not None:
-        in_regex = tags_in_regex(reward_regex)
-        if not in_regex:
+        named["reward-regex"] = tags_in_regex(reward_regex)
+        if not named["reward-regex"]:
             raise InputRefused(
                 f"--reward-regex {reward_regex!r} contains no tag such as <think>; nothing to audit"
             )
-        for tag in in_regex:
-            found.setdefault(tag, []).append("reward-regex")
-    if not found:
-        found = {t: ["default"] for t in DEFAULT_TAGS}
-    return found
+    found: dict[str, list[str]] = {}
+    for source, in_source in named.items():
+        for tag in in_source:
+            found.setdefault(tag, []).append(source)
+    return found or {t: ["default"] for t in DEFAULT_TAGS}
 
 
 def split_placeholders(wanted: dict[str, list[str]]) -> tuple[dict[str, list[str]], list[SkippedTag]]:
@@ -288,8 +277,6 @@ def audit_tokens(
     padding rows beyond the tokenizer plus `[unused*]`/reserved entries). ``verify_generation`` also loads
     the model (on ``device``, in ``dtype``) and runs Magikarp's repetition prompts (`generation`).
     """
-    from vlfast.tokens.alternatives import suggested_mapping
-
     t0 = time.perf_counter()
     if verify_generation:
         from vlfast.tokens.generation import resolve
@@ -298,13 +285,10 @@ def audit_tokens(
     elif device is not None or dtype is not None:
         raise InputRefused("--device and --dtype are for --verify-generation; add it or drop them")
     wanted = collect_tags(tags, template, reward_regex)
-    skipped: list[SkippedTag] = []
-    if not include_placeholders:
-        wanted, skipped = split_placeholders(wanted)
+    wanted, skipped = (wanted, []) if include_placeholders else split_placeholders(wanted)
     require_dir(model)
     vocab = Vocabulary.load(model)
-    tag_ids = {t: vocab.split(t) for t in wanted}
-    exclude = sorted({i for ids in tag_ids.values() for i in ids})
+    exclude = sorted({i for t in wanted for i in vocab.split(t)})
     an = analyse(
         model,
         reference_ids=reference_ids,
@@ -313,7 +297,11 @@ def audit_tokens(
         lm_head_name=lm_head_name,
         vocab=vocab,
     )
-    reports = [_tag_report(an, tag, sources, alternatives) for tag, sources in wanted.items()]
+    reports = []
+    for tag, sources in wanted.items():
+        ids, tokens, verdict = an.tag_verdict(tag)
+        alts = propose(an, tag) if alternatives and verdict != "trained" else []
+        reports.append(TagReport(tag, sources, ids, len(ids) == 1, tokens, verdict, alts))
     w = an.weights
     seconds = round(time.perf_counter() - t0, 3)
     generation = None
@@ -343,14 +331,6 @@ def audit_tokens(
         skipped=skipped,
         generation=generation,
     )
-
-
-def _tag_report(an: Analysis, tag: str, sources: list[str], alternatives: bool) -> TagReport:
-    from vlfast.tokens.alternatives import propose
-
-    ids, tokens, verdict = an.tag_verdict(tag)
-    alts = propose(an, tag) if alternatives and verdict != "trained" else []
-    return TagReport(tag, sources, ids, len(ids) == 1, tokens, verdict, alts)
 
 
 def audit_vocabulary(

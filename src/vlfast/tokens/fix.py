@@ -18,7 +18,7 @@ import torch
 from vlfast._files import is_inside, same_file, write_atomically
 from vlfast.errors import InputRefused
 from vlfast.tokens.audit import Analysis, analyse, audit_tokens, collect_tags, require_dir, split_placeholders
-from vlfast.tokens.report import TokenAudit, strict_json
+from vlfast.tokens.report import TokenAudit, one_of, strict_json
 from vlfast.tokens.verdict import worst
 from vlfast.tokens.vocab import Vocabulary
 
@@ -48,8 +48,7 @@ class FixReport:
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.init not in INITS:
-            raise ValueError(f"FixReport.init must be one of {INITS}, got {self.init!r}")
+        one_of("FixReport.init", self.init, INITS)
 
     @property
     def ok(self) -> bool:
@@ -75,13 +74,12 @@ def _mean_trained_row(an: Analysis, name: str) -> torch.Tensor:
 
 def _targets(an: Analysis, wanted: dict[str, list[str]]) -> dict[int, str]:
     """Untrained token ids of the tags -> the text of the token."""
-    out: dict[int, str] = {}
-    for tag in wanted:
-        _, tokens, _ = an.tag_verdict(tag)
-        for t in tokens:
-            if t.verdict == "untrained":
-                out[t.id] = an.vocab.tokenizer.decode([t.id], skip_special_tokens=False) or tag
-    return out
+    return {
+        t.id: an.vocab.tokenizer.decode([t.id], skip_special_tokens=False) or tag
+        for tag in wanted
+        for t in an.tag_verdict(tag)[1]
+        if t.verdict == "untrained"
+    }
 
 
 def fix_tokens(
@@ -103,10 +101,8 @@ def fix_tokens(
     model, out = Path(model), Path(out)
     _refuse_out(model, out)
     wanted = collect_tags(tags, template, reward_regex)
-    notes: list[str] = []
-    if not include_placeholders:
-        wanted, skipped = split_placeholders(wanted)
-        notes += [f"{s.tag} left alone: {s.reason}" for s in skipped]
+    wanted, skipped = (wanted, []) if include_placeholders else split_placeholders(wanted)
+    notes = [f"{s.tag} left alone: {s.reason}" for s in skipped]
     vocab = Vocabulary.load(model)
     exclude = sorted({i for t in wanted for i in vocab.split(t)})
     an = analyse(model, reference_ids=reference_ids, exclude_ids=exclude, vocab=vocab)
@@ -167,9 +163,8 @@ def _new_rows(an: Analysis, name: str, plans: dict[int, list[int]]) -> dict[int,
     """Each target's new row in ``name``: the mean of its trained pieces, or the mean trained row with a
     seeded jitter; scaled to the matrix's median trained norm."""
     w = an.weights
-    tied_copy = name != w.embedding_name and w.tied
-    is_input = name == w.embedding_name or tied_copy
-    stats = an.judge.input_stats if is_input else an.judge.output_stats
+    # A stored lm_head under a tying config is a copy of the embedding: judged by the input stats.
+    stats = an.judge.input_stats if name == w.embedding_name or w.tied else an.judge.output_stats
     median_norm = float(np.median(stats.norm[an.ordinary]))
     mean_row = None
     values: dict[int, torch.Tensor] = {}

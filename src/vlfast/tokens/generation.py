@@ -55,13 +55,12 @@ def classify(max_probability: float) -> str:
 
 def prompt_ids(vocab: Vocabulary, template: str, token_id: int) -> list[int]:
     """Ids of `template` with `token_id` at every SLOT; the text between slots is encoded on its own."""
-    parts = template.split(SLOT)
     ids = _prefix(vocab)
-    for k, text in enumerate(parts):
+    for k, text in enumerate(template.split(SLOT)):
+        if k:
+            ids.append(int(token_id))
         if text:
             ids.extend(vocab.tokenizer.encode(text, add_special_tokens=False).ids)
-        if k < len(parts) - 1:
-            ids.append(int(token_id))
     return ids
 
 

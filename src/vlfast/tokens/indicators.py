@@ -153,11 +153,8 @@ def _duplicates(weights: CheckpointWeights, name: str, hashes: np.ndarray) -> np
     order = np.argsort(hashes, kind="stable")
     sorted_hashes = hashes[order]
     same = sorted_hashes[1:] == sorted_hashes[:-1]
-    if not same.any():
-        return duplicate_of
     # Only hash values shared by several rows are visited; each group is checked exactly.
-    shared = np.unique(sorted_hashes[1:][same])
-    for h in shared:
+    for h in np.unique(sorted_hashes[1:][same]):
         lo, hi = np.searchsorted(sorted_hashes, h, "left"), np.searchsorted(sorted_hashes, h, "right")
         ids = np.sort(order[lo:hi])
         rows = weights.rows(name, ids)

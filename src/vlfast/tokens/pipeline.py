@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused
+from vlfast.tokens.report import one_of
 from vlfast.tokens.tags import (
     DEFAULT_TAGS,
     compile_reward_regex,
@@ -124,11 +125,11 @@ class PrefillEvidence:
         if not self.prefilled_tags:
             return out
         yes = {True: "matches", False: "no match"}
-        out.append(f"reward regex {self.reward_regex!r} (re.search, DOTALL):")
-        out.append(
-            f"  on the completion as generated {self.completion!r}: {yes[bool(self.matches_completion)]}"
-        )
-        out.append(f"  on prefill + completion {self.with_prefill!r}: {yes[bool(self.matches_with_prefill)]}")
+        out += [
+            f"reward regex {self.reward_regex!r} (re.search, DOTALL):",
+            f"  on the completion as generated {self.completion!r}: {yes[bool(self.matches_completion)]}",
+            f"  on prefill + completion {self.with_prefill!r}: {yes[bool(self.matches_with_prefill)]}",
+        ]
         if self.suggested_regex:
             out.append(f"a regex that accepts both: {self.suggested_regex!r}")
         return out
@@ -205,10 +206,8 @@ class Check:
     fix: str | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in CHECKS:
-            raise ValueError(f"Check.name must be one of {CHECKS}, got {self.name!r}")
-        if self.status not in STATUSES:
-            raise ValueError(f"Check.status must be one of {STATUSES}, got {self.status!r}")
+        one_of("Check.name", self.name, CHECKS)
+        one_of("Check.status", self.status, STATUSES)
 
     def lines(self) -> list[str]:
         return [] if self.evidence is None else self.evidence.lines()
@@ -437,8 +436,7 @@ def _suggest_regex(pattern: str, prefilled: list[str], completion: str, with_pre
 
 def check_prefill(generation_suffix: str, tags: list[str], sample: str, pattern: str) -> tuple[Check, str]:
     """The check, and the completion as the model generates it after the prompt."""
-    opening = [t for t in tags if _OPENING.fullmatch(t)]
-    prefilled = [t for t in opening if t in generation_suffix]
+    prefilled = [t for t in tags if _OPENING.fullmatch(t) and t in generation_suffix]
     if not prefilled:
         ev = PrefillEvidence(generation_suffix, [], pattern, sample, sample, None, None)
         return Check("prefilled-tag", "pass", "the generation prompt opens no tag", ev), sample
@@ -492,9 +490,8 @@ def check_decode(tok: Any, tags: list[str], sample: str) -> Check:
     ev = DecodeEvidence(sample, kept_text, skipped_text, per_tag)
     removed = [t.tag for t in per_tag if not t.kept]
     if not removed:
-        return Check(
-            "stripped-on-decode", "pass", "decoding with skip_special_tokens=True keeps every tag", ev
-        )
+        summary = "decoding with skip_special_tokens=True keeps every tag"
+        return Check("stripped-on-decode", "pass", summary, ev)
     one = len(removed) == 1
     summary = (
         f"{', '.join(removed)} {'is' if one else 'are'} special: decoding with skip_special_tokens=True "

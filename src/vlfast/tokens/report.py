@@ -28,9 +28,10 @@ def strict_json(value: Any) -> Any:
     return value
 
 
-def _check_verdict(owner: str, verdict: str) -> None:
-    if verdict not in VERDICTS:
-        raise ValueError(f"{owner}.verdict must be one of {VERDICTS}, got {verdict!r}")
+def one_of(field_name: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Refuse (ValueError) a value of the field `field_name` ("Owner.field") outside its vocabulary."""
+    if value not in allowed:
+        raise ValueError(f"{field_name} must be one of {allowed}, got {value!r}")
 
 
 @dataclass
@@ -49,7 +50,7 @@ class TokenVerdict:
     verdict: str
 
     def __post_init__(self) -> None:
-        _check_verdict("TokenVerdict", self.verdict)
+        one_of("TokenVerdict.verdict", self.verdict, VERDICTS)
         unknown = set(self.flags) - set(FLAGS)
         if unknown:
             raise ValueError(f"TokenVerdict.flags has unknown flags {sorted(unknown)}")
@@ -67,7 +68,7 @@ class Alternative:
     verdict: str
 
     def __post_init__(self) -> None:
-        _check_verdict("Alternative", self.verdict)
+        one_of("Alternative.verdict", self.verdict, VERDICTS)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class TagReport:
     alternatives: list[Alternative] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_verdict("TagReport", self.verdict)
+        one_of("TagReport.verdict", self.verdict, VERDICTS)
         if len(self.tokens) != len(self.token_ids):
             raise ValueError("TagReport.tokens must have one entry per token id")
 
@@ -122,11 +123,8 @@ class GenerationCheck:
 
     def __post_init__(self) -> None:
         if self.weights_verdict is not None:
-            _check_verdict("GenerationCheck", self.weights_verdict)
-        if self.result not in GENERATION_RESULTS:
-            raise ValueError(
-                f"GenerationCheck.result must be one of {GENERATION_RESULTS}, got {self.result!r}"
-            )
+            one_of("GenerationCheck.verdict", self.weights_verdict, VERDICTS)
+        one_of("GenerationCheck.result", self.result, GENERATION_RESULTS)
 
 
 @dataclass
@@ -185,7 +183,7 @@ class TokenAudit:
     generation: GenerationReport | None = None  # --verify-generation
 
     def __post_init__(self) -> None:
-        _check_verdict("TokenAudit", self.verdict)
+        one_of("TokenAudit.verdict", self.verdict, VERDICTS)
         if len(self.shape) != 2:
             raise ValueError(f"TokenAudit.shape must be (rows, width), got {self.shape}")
 

@@ -53,13 +53,9 @@ def parse_mapping(values: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
     return mapping
 
 
-def _pattern(mapping: Mapping[str, str]) -> re.Pattern:
-    # Longest first, so `</think>` is never read as `<` + ... by a shorter key.
-    return re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
-
-
 def rewrite_text(text: str, mapping: Mapping[str, str], counts: dict[str, int] | None = None) -> str:
-    pat = _pattern(mapping)
+    # Longest first, so `</think>` is never read as `<` + ... by a shorter key.
+    pat = re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
 
     def sub(m: re.Match) -> str:
         if counts is not None:
@@ -71,15 +67,8 @@ def rewrite_text(text: str, mapping: Mapping[str, str], counts: dict[str, int] |
 
 def _escaped_forms(tag: str) -> list[str]:
     """`</think>` as a regex author may write it: `</think>`, `<\\/think>`, `\\<\\/think\\>`, ..."""
-    spots = [i for i, c in enumerate(tag) if c in "</>"]
-    forms = []
-    for mask in itertools.product((False, True), repeat=len(spots)):
-        chars = list(tag)
-        for pos, esc in zip(spots, mask, strict=True):
-            if esc:
-                chars[pos] = "\\" + chars[pos]
-        forms.append("".join(chars))
-    return forms
+    options = [(c, "\\" + c) if c in "</>" else (c,) for c in tag]  # every </> written plain or escaped
+    return ["".join(chars) for chars in itertools.product(*options)]
 
 
 def rewrite_regex(pattern: str, mapping: Mapping[str, str], counts: dict[str, int] | None = None) -> str:
@@ -192,10 +181,8 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
 def _lone_surrogate(line: str) -> re.Match | None:
-    for m in _SURROGATE_ESCAPE.finditer(line):
-        if len(m.group()) == 6:  # not an escaped backslash (2) nor a pair (12)
-            return m
-    return None
+    # 6 characters: not an escaped backslash (2) nor a pair (12)
+    return next((m for m in _SURROGATE_ESCAPE.finditer(line) if len(m.group()) == 6), None)
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[bytes, str | None, Any]]:
@@ -375,13 +362,10 @@ def rewrite_tags(
     if template is not None:
         counts: dict[str, int] = {}
         new = rewrite_text(template_text, m, counts)
-
-        def write(tmp: Path) -> None:
-            with tmp.open("w", encoding="utf-8", newline="") as f:
-                f.write(new)
-
         dest = Path(os.path.realpath(template_out))
-        write_atomically(dest, write, overwrite=True, tag="rewrite")
+        write_atomically(
+            dest, lambda tmp: tmp.write_text(new, "utf-8", newline=""), overwrite=True, tag="rewrite"
+        )
         report.template = FileRewrite(
             str(template), str(template_out), counts, None, _present(template_text, list(m.values()))
         )
