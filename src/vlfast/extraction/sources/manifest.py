@@ -192,17 +192,11 @@ def _jsonl_rows(
     """Each line as a dict or its problem, or a plain sample's fields (:func:`_plain_batch`)."""
     lines = _jsonl_lines(path, name)
     while block := list(itertools.islice(lines, _JSONL_BLOCK)):
-        yield from _jsonl_block(block, base)
-
-
-def _jsonl_block(
-    block: list[tuple[str, dict[str, Any] | InputProblem]], base: Path | str | None
-) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
-    plain = None
-    if base is not None and block and all(isinstance(row, dict) for _, row in block):
-        batch = _batch_of([row for _, row in block])  # type: ignore[misc]
-        plain = None if batch is None else _plain_batch(batch, base)
-    yield from block if plain is None else zip((where for where, _ in block), plain)
+        plain = None
+        if base is not None and all(isinstance(row, dict) for _, row in block):
+            batch = _batch_of([row for _, row in block])  # type: ignore[misc]
+            plain = None if batch is None else _plain_batch(batch, base)
+        yield from block if plain is None else zip((where for where, _ in block), plain)
 
 
 def _batch_of(rows: list[dict[str, Any]]) -> Any:
@@ -286,9 +280,8 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | Inp
         except csv.Error as e:
             raise InputRefused(f"{name}: the header line is not valid CSV ({e})") from None
         _require_path_column(name, header)
-        rowno = 0  # data rows, 1-based, header excluded; a quoted newline does not start a new row
-        while True:
-            rowno += 1
+        # data rows, 1-based, header excluded; a quoted newline does not start a new row
+        for rowno in itertools.count(1):
             where = f"{name} row {rowno}"
             try:
                 record = next(reader)

@@ -155,25 +155,19 @@ class SampleTable(Sequence[Sample]):
         resolve: Callable[[str], str],
         start: int = 0,
         stop: int | None = None,
-        where: Sequence[bytes] | None = None,
         id_hashes: np.ndarray | None = None,
     ) -> np.ndarray:
         """What identifies each row from ``start`` to ``stop`` as one uint64: its id, kind, where its bytes
         are, and the ``texts`` named (an absent one hashed as absent). Where: ``resolve`` of the path (once
         per folder part, ``resolve("dir/")``, hashed with the file's name), of each frame, or for a tar
-        member its shard's, with its name, offset and size; nothing for a text. ``where`` gives each row's
-        bytes instead; ``id_hashes``, the ids' :func:`hash_ids` when the caller has them."""
-        import pyarrow as pa
-
+        member its shard's, with its name, offset and size; nothing for a text. ``id_hashes``: the ids'
+        :func:`hash_ids` when the caller has them."""
         from vlfast.extraction.ids import hash_bytes, hash_ids, mix
 
         stop = len(self) if stop is None else min(stop, len(self))
         n, rows = max(0, stop - start), np.arange(start, max(start, stop))
         ids = hash_ids(self._ids.slice(start, n)) if id_hashes is None else id_hashes
-        place = (
-            self._where(rows, resolve) if where is None else hash_bytes(pa.array(list(where), pa.binary()))
-        )
-        fields = [ids, self._kinds[start:stop].astype(np.uint64), place]
+        fields = [ids, self._kinds[start:stop].astype(np.uint64), self._where(rows, resolve)]
         for name in texts:
             col = self._optional.get(name)
             present = np.zeros(n, bool) if col is None else ~np.asarray(col.slice(start, n).is_null())

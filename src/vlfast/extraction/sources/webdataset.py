@@ -490,7 +490,8 @@ def list_shards(
             size = int(entry["size"])
 
             def scan() -> Listing:
-                with objstore.RangeReader(fs, paths[shard], shard, options, 0, size, shard) as f:
+                source = objstore.ObjectRange(fs, paths[shard], shard, options)
+                with objstore.RangeReader(source, 0, size, shard) as f:
                     try:
                         return _scan(f, size, shard)
                     except (OSError, objstore.TransientReadError) as e:  # naming the URL, never the options
