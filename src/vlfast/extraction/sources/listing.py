@@ -86,8 +86,7 @@ def load_inputs(
         identity = manifest_identity(path, path.parent) if kept is not None and path.is_file() else None
         return manifest_samples(name, lambda: load_manifest(path), kept, identity, storage_options)
     if path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES):
-        reason = storable(path.name, (), None)  # as in a folder scan: the path opens as the OS gave it
-        if reason:
+        if reason := storable(path.name, (), None):  # as in a folder scan: the path opens as the OS gave it
             raise InputRefused(f"input {name}: {reason}")
         return SampleTable.of([Sample(path.name, kind_of(path.name), (str(path),))]), []
     raise FileNotFoundError(

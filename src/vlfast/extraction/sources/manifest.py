@@ -150,12 +150,11 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
     prompt = texts.pop("prompt")
     # a URL's id is the URL itself (Path would fold its "//")
     sid = given_id if given_id is not None else (paths[0] if is_url(paths[0]) else posix_form(paths[0]))
-    reason = storable(sid, paths, prompt, id_from_path=given_id is None, texts=texts)
-    if reason:
+    if reason := storable(sid, paths, prompt, id_from_path=given_id is None, texts=texts):
         return InputProblem(where, reason, given_id)
     kind: Kind = "frames" if len(paths) > 1 else kind_of(paths[0])  # a one-frame list is its file's kind
     if base is not None:
-        paths = [_resolved(base, p) for p in paths]
+        paths = [_joined(base, p) for p in paths]
     try:
         return Sample(sid, kind, tuple(paths), prompt, **texts)
     except (TypeError, ValueError) as e:  # checked above; kept so a gap here is a row problem, not a crash
@@ -366,7 +365,7 @@ def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
             return None
         texts[key] = [v or None for v in col.to_pylist()]  # "" is missing, as in a row
     paths = path.to_pylist()
-    # Joined to the manifest's folder as a column: each path is in posix form and not a URL (what _resolved
+    # Joined to the manifest's folder as a column: each path is in posix form and not a URL (what _joined
     # checks per row), so an absolute one stays as it is and the rest take the prefix.
     if not (isinstance(base, Path) and str(base) == "."):
         prefix = f"{str(base).rstrip('/')}/"
@@ -398,13 +397,11 @@ def _parquet_rows(
         raise InputRefused(f"{name} cannot be read as Parquet after row {rowno} ({e})") from None
 
 
-def _resolved(base: Path | str, path: str) -> str:
-    """A manifest's path as a sample holds it: an absolute path or a URL as it is, else joined to ``base``."""
-    return path if path.startswith("/") or is_url(path) else _joined(base, path)
-
-
 def _joined(base: Path | str, path: str) -> str:
-    """``path`` joined to a manifest's folder (a local one, as ``str(base / path)``, or a URL)."""
+    """A manifest's path as a sample holds it: an absolute path or a URL as it is, else joined to ``base``,
+    the manifest's folder (a local one, as ``str(base / path)``, or a URL)."""
+    if path.startswith("/") or is_url(path):
+        return path
     if isinstance(base, str):
         return f"{base.rstrip('/')}/{path}"
     if not is_posix_form(path):

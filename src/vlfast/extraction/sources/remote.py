@@ -124,8 +124,7 @@ def _load_folder_url(url: str, options: str) -> tuple[SampleTable, list[InputPro
         if any(p.startswith(".") for p in parts) or not is_media_name(parts[-1]):
             continue  # hidden files and folders, and other suffixes, as in a local scan
         file_url = fs.unstrip_protocol(path)
-        reason = storable(rel, (), None)
-        if reason:
+        if reason := storable(rel, (), None):
             found.append((parts, InputProblem(file_url, reason)))
         else:
             member = RemoteFile(file_url, options)

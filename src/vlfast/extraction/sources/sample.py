@@ -223,15 +223,13 @@ def storable(
     """Why a sample with these fields could not be stored or loaded, or None. The store writes ids as UTF-8
     and the loaders hand paths to the OS, so a lone surrogate or a NUL would crash far from the row."""
     what = "id (taken from the path)" if id_from_path else "id"
-    reason = _text_problem(what, sample_id)
-    if reason:
+    if reason := _text_problem(what, sample_id):
         return reason
     n = len(sample_id.encode("utf-8"))
     if n > MAX_ID_BYTES:
         return f"{what} is {n} bytes in UTF-8, longer than the {MAX_ID_BYTES}-byte limit; give a shorter id"
     for p in paths:
-        reason = _text_problem(f"path {quoted(p)}", p)
-        if reason:
+        if reason := _text_problem(f"path {quoted(p)}", p):
             return reason
         if "\x00" in p:
             return f"path {quoted(p)} holds a NUL character, which no file name can hold"

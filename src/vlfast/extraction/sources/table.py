@@ -394,7 +394,6 @@ class _MemberChunks:
         self.objects: list[Member | None] | None = None  # the fallback
         self.rows: list[Member | None] = []  # this chunk's
         self.chunks: list[Any] = []  # per chunk: (present, {field: array}) or its length when it has none
-        self.any = False
         self.n = 0  # rows appended
 
     def _columnar(self, m: Member) -> bool:
@@ -425,14 +424,12 @@ class _MemberChunks:
         if self.objects is not None:
             self.objects.append(m)
             return
-        if m is not None:
-            if not self._columnar(m):
-                built = self.built_members()  # None when no row before this one has a member
-                self.objects = [None] * (self.n - 1) if built is None else list(built)
-                self.objects.append(m)
-                self.rows, self.chunks = [], []
-                return
-            self.any = True
+        if m is not None and not self._columnar(m):
+            built = self.built_members()  # None when no row before this one has a member
+            self.objects = [None] * (self.n - 1) if built is None else list(built)
+            self.objects.append(m)
+            self.rows, self.chunks = [], []
+            return
         self.rows.append(m)
 
     def flush(self) -> None:
@@ -468,7 +465,7 @@ class _MemberChunks:
         if self.objects is not None:
             return self.objects
         self.flush()
-        if not self.any or self.cls is None:
+        if self.cls is None:  # no row has a member (the first one to has set it)
             return None
         import pyarrow as pa
 
