@@ -236,8 +236,7 @@ def decode_table(buffer: Any, identity: Sequence[Any]) -> tuple[Any, list[Any]] 
             return None
         reader = pa.ipc.open_stream(pa.BufferReader(stream))
         batch = reader.read_next_batch()
-        extras = {k: doc[k] for k in ("dirs", "frames", "optional")}
-        table = SampleTable.from_arrow(batch, extras)
+        table = SampleTable.from_arrow(batch, {k: doc[k] for k in ("dirs", "frames", "optional")})
         problems = [
             InputProblem(str(w), str(r), None if i is None else str(i)) for w, r, i in doc["problems"]
         ]
