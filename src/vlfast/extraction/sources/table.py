@@ -465,7 +465,7 @@ class _MemberChunks:
         if self.objects is not None:
             return self.objects
         self.flush()
-        if self.cls is None:  # no row has a member (the first one to has set it)
+        if self.cls is None:  # set by the first member: no row has one
             return None
         import pyarrow as pa
 
