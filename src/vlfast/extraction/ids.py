@@ -217,10 +217,6 @@ class SortedIds:
         """The id at sorted position ``i``."""
         return self.ids[int(self.source[i])].as_py()
 
-    def ids_at(self, positions: np.ndarray) -> pa.Array:
-        """The ids at sorted ``positions``, as one Arrow array."""
-        return take(self.ids, self.source[positions])
-
     def with_ids(self, ids: pa.Array | pa.ChunkedArray, hashes: np.ndarray) -> SortedIds:
         """A new table: these entries plus ``ids`` (new ones, with their ``hashes``), appended without a
         copy, the hashes merged in one pass."""
@@ -274,7 +270,7 @@ class SortedIds:
         # Hits confirmed against the ids a slice at a time: both sides' ids are copied to be compared.
         for k in range(0, hit.size, _CONFIRM):
             part = hit[k : k + _CONFIRM]
-            same = pc.equal(self.ids_at(pos[part]), take(ids, part + lo))
+            same = pc.equal(take(self.ids, self.source[pos[part]]), take(ids, part + lo))
             same = same.to_numpy(zero_copy_only=False)
             found[part[same]] = pos[part[same]]
             if self.runs:  # a hash shared by several ids: walk its run for the hits that did not match
@@ -417,7 +413,6 @@ class IdSet(AbstractSet[str]):
 
     def update(self, *others: Iterable[str] | pa.Array | pa.ChunkedArray) -> None:
         for other in others:
-            arrow = type(other).__module__.startswith("pyarrow")
             if isinstance(other, IdSet):
                 other._settle()
                 if other._sorted is not None:
@@ -427,7 +422,7 @@ class IdSet(AbstractSet[str]):
                 self.update(other._recent)
             elif isinstance(other, ArrowStrings):
                 self._pending.append((other.array, None))
-            elif arrow:
+            elif type(other).__module__.startswith("pyarrow"):
                 self._pending.append((other, None))
             elif isinstance(other, Sized) and len(other) > _SMALL:
                 column, kept = _column_of(list(other))

@@ -248,25 +248,16 @@ def encode_options(options: Mapping[str, Any] | None) -> str:
     return json.dumps(dict(options), sort_keys=True)
 
 
-def _secrets(options_json: str) -> list[str]:
-    """Every text value in the options (nested too): what a message must never show."""
-    out: list[str] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, str) and len(v) >= 4:
-            out.append(v)
-        elif isinstance(v, dict | list):
-            for x in v.values() if isinstance(v, dict) else v:
-                walk(x)
-
-    walk(json.loads(options_json))
-    return out
-
-
 def masked(text: str, options_json: str) -> str:
-    """``text`` with every text value of the options replaced by ``***``."""
-    for secret in _secrets(options_json):
-        text = text.replace(secret, "***")
+    """``text`` with every text value of the options (nested too), what a message must never show,
+    replaced by ``***``."""
+    stack = [json.loads(options_json)]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str) and len(v) >= 4:
+            text = text.replace(v, "***")
+        elif isinstance(v, dict | list):
+            stack.extend(reversed(v.values() if isinstance(v, dict) else v))
     return text
 
 
@@ -451,14 +442,12 @@ class ObjectRange:
             return b""
         if self.policy == "input":
             data = _fetch(self.fs, self.path, self.url, self.options_json, start, end)
-        elif self.policy == "raw":
-            data = self.fs.cat_file(self.path, start=start, end=end)
         else:
             try:
                 data = self.fs.cat_file(self.path, start=start, end=end)
-            except FileNotFoundError:
-                raise
             except Exception as e:  # noqa: BLE001 - each client raises its own types
+                if self.policy == "raw" or isinstance(e, FileNotFoundError):
+                    raise
                 raise StorageReadError(
                     f"cannot read {what or f'bytes {start:,} to {end:,}'} from {self.url}: "
                     f"{type(e).__name__}: {masked(error_reason(e), self.options_json)}"
@@ -473,7 +462,7 @@ class ObjectRange:
 
 class RangeReader(ByteWindow):
     """A read-only, seekable view of the ``size`` bytes at ``offset`` of an object, fetched with ranged
-    requests (:class:`ObjectRange`, ``policy``) that never reach past the view's end.
+    requests (``source``, an :class:`ObjectRange`) that never reach past the view's end.
 
     Reads are served from one buffer; a miss fetches at least a block from the read position. The block
     doubles (64 KiB up to 8 MiB) while misses land within one block of the last buffer's end, and drops
@@ -482,21 +471,9 @@ class RangeReader(ByteWindow):
 
     MIN_BLOCK, MAX_BLOCK = 64 << 10, 8 << 20
 
-    def __init__(
-        self,
-        fs,
-        path: str,
-        url: str,
-        options_json: str,
-        offset: int,
-        size: int,
-        name: str,
-        *,
-        policy: str = "input",
-    ):
+    def __init__(self, source: ObjectRange, offset: int, size: int, name: str):
         super().__init__(size, name)
-        self._object = ObjectRange(fs, path, url, options_json, policy=policy)
-        self._url, self._offset = url, offset
+        self._object, self._offset = source, offset
         self._buf, self._buf_at, self._block = b"", 0, self.MIN_BLOCK
         self.requests = self.fetched = 0  # what it cost, for measurements
 
@@ -509,7 +486,7 @@ class RangeReader(ByteWindow):
         self.requests += 1
         self.fetched += len(data)
         if len(data) < end - self._pos:
-            raise _short(self._url, self.name, start, len(data), self._offset + end)
+            raise _short(self._object.url, self.name, start, len(data), self._offset + end)
         self._buf, self._buf_at = data, self._pos
 
     def readinto(self, buffer) -> int:
@@ -532,7 +509,8 @@ def open_range(url: str, options_json: str, offset: int, size: int, name: str) -
     """The ``size`` bytes at ``offset`` of the object at ``url`` as a seekable binary file (a tar member,
     for PyAV), read by ranged requests ("input" policy)."""
     fs, path = filesystem(url, options_json)
-    return io.BufferedReader(RangeReader(fs, path, url, options_json, offset, size, name), 1 << 16)
+    source = ObjectRange(fs, path, url, options_json)
+    return io.BufferedReader(RangeReader(source, offset, size, name), 1 << 16)
 
 
 def read_range(url: str, options_json: str, offset: int, size: int, name: str) -> bytes:

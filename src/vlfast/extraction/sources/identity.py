@@ -44,6 +44,9 @@ def resolve_path(path: str) -> str:
     return f"{folder.rstrip('/')}/{tail}"
 
 
+_resolved_folder = functools.lru_cache(maxsize=1 << 12)(resolve_path)  # a folder resolved once per process
+
+
 def entry_keys(
     table: SampleTable,
     texts: tuple[str, ...],
@@ -97,9 +100,3 @@ def _place(sample: Sample) -> int:
         return hash_one(place_bytes(sample.kind, sample.paths, sample.member, resolve_path))
     head, sep, tail = sample.paths[0].rpartition("/")
     return mix_one(hash_one(_encode(_resolved_folder(head + sep))), hash_one(_encode(tail)))
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _resolved_folder(prefix: str) -> str:
-    """A folder part resolved, once per process per folder."""
-    return resolve_path(prefix)

@@ -236,8 +236,7 @@ def decode_table(buffer: Any, identity: Sequence[Any]) -> tuple[Any, list[Any]] 
             return None
         reader = pa.ipc.open_stream(pa.BufferReader(stream))
         batch = reader.read_next_batch()
-        extras = {k: doc[k] for k in ("dirs", "frames", "optional")}
-        table = SampleTable.from_arrow(batch, extras)
+        table = SampleTable.from_arrow(batch, {k: doc[k] for k in ("dirs", "frames", "optional")})
         problems = [
             InputProblem(str(w), str(r), None if i is None else str(i)) for w, r, i in doc["problems"]
         ]
@@ -247,9 +246,9 @@ def decode_table(buffer: Any, identity: Sequence[Any]) -> tuple[Any, list[Any]] 
 
 
 class KeptListings:
-    """The listings kept in one OUT: :meth:`get` reads one (``read(name)`` gives a file's bytes or None),
-    :meth:`keep` notes a fresh one for the run to write (:attr:`fresh`), for the shards this rank owns
-    (position modulo ``world_size``). Thread-safe."""
+    """The listings kept in one OUT: :meth:`listing` reads one (``read(name)`` gives a file's bytes or None),
+    or notes a fresh one for the run to write (:attr:`fresh`), for the shards this rank owns (position
+    modulo ``world_size``). Thread-safe."""
 
     def __init__(
         self,
@@ -260,7 +259,7 @@ class KeptListings:
     ):
         self._read, self.rank, self.world_size = read, rank, world_size
         # a kept file's bytes as a pyarrow Buffer: a memory map on local disk (default: ``read``'s bytes)
-        self._read_mapped = read_mapped
+        self._read_mapped = read_mapped or self._mapped_from_read
         self.fresh: dict[str, bytes | KeptTable] = {}
         self.used = 0  # shards whose kept listing was used
         self.damaged: list[str] = []  # kept listings found unusable (replaced by this run's)
@@ -295,7 +294,7 @@ class KeptListings:
         """A manifest's (table, problems): the kept one if sound, else ``load()``'s, offered to be kept."""
         if identity is not None:
             name = table_name(identity)
-            buffer = (self._read_mapped or self._mapped_from_read)(name)
+            buffer = self._read_mapped(name)
             got = None if buffer is None else self._counted(name, decode_table(buffer, identity))
             if got is not None:
                 return got
@@ -311,13 +310,6 @@ class KeptListings:
         data = self._read(name)
         return None if data is None else pa.py_buffer(data)
 
-    def get(self, identity: Sequence[Any] | None, size: int) -> Listing | None:
-        if identity is None:
-            return None
-        name = listing_name(identity)
-        data = self._read(name)
-        return None if data is None else self._counted(name, decode(data, identity, size))
-
     def _counted(self, name: str, got: Any) -> Any:
         """``got``, what the kept file ``name`` decoded to, counted as used or (None) damaged."""
         with self._lock:
@@ -331,15 +323,15 @@ class KeptListings:
         self, identity: Sequence[Any] | None, size: int, position: int, scan: Callable[[], Listing]
     ) -> Listing:
         """The shard's kept listing if sound, else ``scan()``'s, offered to be kept."""
-        listing = self.get(identity, size)
-        if listing is None:
-            listing = scan()
-            self.keep(identity, listing, position)
+        if identity is not None:
+            name = listing_name(identity)
+            data = self._read(name)
+            got = None if data is None else self._counted(name, decode(data, identity, size))
+            if got is not None:
+                return got
+        listing = scan()
+        if identity is not None and position % self.world_size == self.rank:
+            data = encode(identity, listing)
+            with self._lock:
+                self.fresh[listing_name(identity)] = data
         return listing
-
-    def keep(self, identity: Sequence[Any] | None, listing: Listing, position: int) -> None:
-        if identity is None or position % self.world_size != self.rank:
-            return
-        data = encode(identity, listing)
-        with self._lock:
-            self.fresh[listing_name(identity)] = data

@@ -30,6 +30,8 @@ from vlfast.extraction.sources.webdataset import is_shard_input, load_shards
 
 __all__ = ["load_inputs"]
 
+_NOT_INPUTS = "inputs must be a path, or a list of Sample or dict rows; got {}"
+
 
 def _load_list(items: Sequence[Any]) -> tuple[SampleTable, list[InputProblem]]:
     samples = SampleTableBuilder()
@@ -49,9 +51,7 @@ def _load_list(items: Sequence[Any]) -> tuple[SampleTable, list[InputProblem]]:
             got = row_sample(item, where, None)  # paths as given: there is no manifest folder
             (problems if isinstance(got, InputProblem) else samples).append(got)  # type: ignore[arg-type]
         else:
-            raise InputRefused(
-                f"inputs must be a path, or a list of Sample or dict rows; got {type(item).__name__}"
-            )
+            raise InputRefused(_NOT_INPUTS.format(type(item).__name__))
     return samples.build(), problems
 
 
@@ -72,9 +72,7 @@ def load_inputs(
     """
     if not isinstance(source, (str, os.PathLike)):
         if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
-            raise InputRefused(
-                f"inputs must be a path, or a list of Sample or dict rows; got {type(source).__name__}"
-            )
+            raise InputRefused(_NOT_INPUTS.format(type(source).__name__))
         return with_remote(_load_list(source), storage_options)
     if is_url(source):
         return load_url(source, storage_options, kept)  # type: ignore[arg-type]
@@ -88,8 +86,7 @@ def load_inputs(
         identity = manifest_identity(path, path.parent) if kept is not None and path.is_file() else None
         return manifest_samples(name, lambda: load_manifest(path), kept, identity, storage_options)
     if path.is_file() and (path.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES):
-        reason = storable(path.name, (), None)  # as in a folder scan: the path opens as the OS gave it
-        if reason:
+        if reason := storable(path.name, (), None):  # as in a folder scan: the path opens as the OS gave it
             raise InputRefused(f"input {name}: {reason}")
         return SampleTable.of([Sample(path.name, kind_of(path.name), (str(path),))]), []
     raise FileNotFoundError(

@@ -150,12 +150,11 @@ def row_sample(row: dict[str, Any], where: str, base: Path | str | None) -> Samp
     prompt = texts.pop("prompt")
     # a URL's id is the URL itself (Path would fold its "//")
     sid = given_id if given_id is not None else (paths[0] if is_url(paths[0]) else posix_form(paths[0]))
-    reason = storable(sid, paths, prompt, id_from_path=given_id is None, texts=texts)
-    if reason:
+    if reason := storable(sid, paths, prompt, id_from_path=given_id is None, texts=texts):
         return InputProblem(where, reason, given_id)
     kind: Kind = "frames" if len(paths) > 1 else kind_of(paths[0])  # a one-frame list is its file's kind
     if base is not None:
-        paths = [_resolved(base, p) for p in paths]
+        paths = [_joined(base, p) for p in paths]
     try:
         return Sample(sid, kind, tuple(paths), prompt, **texts)
     except (TypeError, ValueError) as e:  # checked above; kept so a gap here is a row problem, not a crash
@@ -192,17 +191,11 @@ def _jsonl_rows(
     """Each line as a dict or its problem, or a plain sample's fields (:func:`_plain_batch`)."""
     lines = _jsonl_lines(path, name)
     while block := list(itertools.islice(lines, _JSONL_BLOCK)):
-        yield from _jsonl_block(block, base)
-
-
-def _jsonl_block(
-    block: list[tuple[str, dict[str, Any] | InputProblem]], base: Path | str | None
-) -> Iterator[tuple[str, dict[str, Any] | InputProblem | tuple]]:
-    plain = None
-    if base is not None and block and all(isinstance(row, dict) for _, row in block):
-        batch = _batch_of([row for _, row in block])  # type: ignore[misc]
-        plain = None if batch is None else _plain_batch(batch, base)
-    yield from block if plain is None else zip((where for where, _ in block), plain)
+        plain = None
+        if base is not None and all(isinstance(row, dict) for _, row in block):
+            batch = _batch_of([row for _, row in block])  # type: ignore[misc]
+            plain = None if batch is None else _plain_batch(batch, base)
+        yield from block if plain is None else zip((where for where, _ in block), plain)
 
 
 def _batch_of(rows: list[dict[str, Any]]) -> Any:
@@ -286,9 +279,8 @@ def _csv_rows(path: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | Inp
         except csv.Error as e:
             raise InputRefused(f"{name}: the header line is not valid CSV ({e})") from None
         _require_path_column(name, header)
-        rowno = 0  # data rows, 1-based, header excluded; a quoted newline does not start a new row
-        while True:
-            rowno += 1
+        # data rows, 1-based, header excluded; a quoted newline does not start a new row
+        for rowno in itertools.count(1):
             where = f"{name} row {rowno}"
             try:
                 record = next(reader)
@@ -373,7 +365,7 @@ def _plain_batch(batch: Any, base: Path | str) -> list[tuple] | None:
             return None
         texts[key] = [v or None for v in col.to_pylist()]  # "" is missing, as in a row
     paths = path.to_pylist()
-    # Joined to the manifest's folder as a column: each path is in posix form and not a URL (what _resolved
+    # Joined to the manifest's folder as a column: each path is in posix form and not a URL (what _joined
     # checks per row), so an absolute one stays as it is and the rest take the prefix.
     if not (isinstance(base, Path) and str(base) == "."):
         prefix = f"{str(base).rstrip('/')}/"
@@ -405,13 +397,11 @@ def _parquet_rows(
         raise InputRefused(f"{name} cannot be read as Parquet after row {rowno} ({e})") from None
 
 
-def _resolved(base: Path | str, path: str) -> str:
-    """A manifest's path as a sample holds it: an absolute path or a URL as it is, else joined to ``base``."""
-    return path if path.startswith("/") or is_url(path) else _joined(base, path)
-
-
 def _joined(base: Path | str, path: str) -> str:
-    """``path`` joined to a manifest's folder (a local one, as ``str(base / path)``, or a URL)."""
+    """A manifest's path as a sample holds it: an absolute path or a URL as it is, else joined to ``base``,
+    the manifest's folder (a local one, as ``str(base / path)``, or a URL)."""
+    if path.startswith("/") or is_url(path):
+        return path
     if isinstance(base, str):
         return f"{base.rstrip('/')}/{path}"
     if not is_posix_form(path):

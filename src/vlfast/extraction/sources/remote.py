@@ -64,7 +64,8 @@ class RemoteFile:
         except FileNotFoundError:
             raise FileNotFoundError(f"file not found: {self.url}") from None
         except OSError as e:
-            raise OSError(f"cannot open {self.url}: {self._reason(e)}") from None
+            reason = objstore.masked(objstore.error_reason(e), self.options_json)
+            raise OSError(f"cannot open {self.url}: {reason}") from None
 
     def read_bytes(self) -> bytes:
         """The whole object (an image); TransientReadError when the store keeps failing transiently."""
@@ -88,9 +89,6 @@ class RemoteFile:
     def read_failure(self, e: BaseException) -> Exception | None:
         """The store's TransientReadError where ``e`` is its transient failure mid-read."""
         return objstore.transient_error(str(self), e) if objstore.is_transient(e) else None
-
-    def _reason(self, e: BaseException) -> str:
-        return objstore.masked(objstore.error_reason(e), self.options_json)
 
 
 def load_url(
@@ -126,8 +124,7 @@ def _load_folder_url(url: str, options: str) -> tuple[SampleTable, list[InputPro
         if any(p.startswith(".") for p in parts) or not is_media_name(parts[-1]):
             continue  # hidden files and folders, and other suffixes, as in a local scan
         file_url = fs.unstrip_protocol(path)
-        reason = storable(rel, (), None)
-        if reason:
+        if reason := storable(rel, (), None):
             found.append((parts, InputProblem(file_url, reason)))
         else:
             member = RemoteFile(file_url, options)

@@ -52,6 +52,13 @@ MANIFEST_SUFFIXES = frozenset({".jsonl", ".csv", ".parquet"})
 Kind = Literal["image", "video", "frames", "text"]
 
 _SHOWN_PROBLEMS = 5  # how many problems an input's refusal lists
+# what an input of each kind that holds no sample and no problem is refused with ({} is its name)
+_EMPTY = {
+    "folder": "input folder {} holds no image or video file (hidden files are skipped and symlinked folders "
+    "are not entered)",
+    "WebDataset shards": "WebDataset shards {} hold no image or video member",
+    "manifest": "manifest {} has no rows",
+}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _Samples = TypeVar("_Samples", bound=Sequence["Sample"])
 
@@ -216,15 +223,13 @@ def storable(
     """Why a sample with these fields could not be stored or loaded, or None. The store writes ids as UTF-8
     and the loaders hand paths to the OS, so a lone surrogate or a NUL would crash far from the row."""
     what = "id (taken from the path)" if id_from_path else "id"
-    reason = _text_problem(what, sample_id)
-    if reason:
+    if reason := _text_problem(what, sample_id):
         return reason
     n = len(sample_id.encode("utf-8"))
     if n > MAX_ID_BYTES:
         return f"{what} is {n} bytes in UTF-8, longer than the {MAX_ID_BYTES}-byte limit; give a shorter id"
     for p in paths:
-        reason = _text_problem(f"path {quoted(p)}", p)
-        if reason:
+        if reason := _text_problem(f"path {quoted(p)}", p):
             return reason
         if "\x00" in p:
             return f"path {quoted(p)} holds a NUL character, which no file name can hold"
@@ -241,16 +246,7 @@ def require_samples(
     if len(samples):
         return samples, problems
     if not problems:
-        if kind == "folder":
-            raise EmptyInput(
-                f"input folder {name} holds no image or video file (hidden files are skipped and symlinked "
-                f"folders are not entered); supported: {SUPPORTED}"
-            )
-        if kind == "WebDataset shards":
-            raise EmptyInput(
-                f"WebDataset shards {name} hold no image or video member; supported: {SUPPORTED}"
-            )
-        raise EmptyInput(f"manifest {name} has no rows; supported: {SUPPORTED}")
+        raise EmptyInput(f"{_EMPTY[kind].format(name)}; supported: {SUPPORTED}")
     first = "; ".join(f"{p.where}: {p.reason}" for p in problems[:_SHOWN_PROBLEMS])
     more = len(problems) - _SHOWN_PROBLEMS
     listed = f"{len(problems)} problem(s): {first}" + (f"; and {more} more" if more > 0 else "")

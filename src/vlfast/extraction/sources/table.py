@@ -155,25 +155,19 @@ class SampleTable(Sequence[Sample]):
         resolve: Callable[[str], str],
         start: int = 0,
         stop: int | None = None,
-        where: Sequence[bytes] | None = None,
         id_hashes: np.ndarray | None = None,
     ) -> np.ndarray:
         """What identifies each row from ``start`` to ``stop`` as one uint64: its id, kind, where its bytes
         are, and the ``texts`` named (an absent one hashed as absent). Where: ``resolve`` of the path (once
         per folder part, ``resolve("dir/")``, hashed with the file's name), of each frame, or for a tar
-        member its shard's, with its name, offset and size; nothing for a text. ``where`` gives each row's
-        bytes instead; ``id_hashes``, the ids' :func:`hash_ids` when the caller has them."""
-        import pyarrow as pa
-
+        member its shard's, with its name, offset and size; nothing for a text. ``id_hashes``: the ids'
+        :func:`hash_ids` when the caller has them."""
         from vlfast.extraction.ids import hash_bytes, hash_ids, mix
 
         stop = len(self) if stop is None else min(stop, len(self))
         n, rows = max(0, stop - start), np.arange(start, max(start, stop))
         ids = hash_ids(self._ids.slice(start, n)) if id_hashes is None else id_hashes
-        place = (
-            self._where(rows, resolve) if where is None else hash_bytes(pa.array(list(where), pa.binary()))
-        )
-        fields = [ids, self._kinds[start:stop].astype(np.uint64), place]
+        fields = [ids, self._kinds[start:stop].astype(np.uint64), self._where(rows, resolve)]
         for name in texts:
             col = self._optional.get(name)
             present = np.zeros(n, bool) if col is None else ~np.asarray(col.slice(start, n).is_null())
@@ -400,7 +394,6 @@ class _MemberChunks:
         self.objects: list[Member | None] | None = None  # the fallback
         self.rows: list[Member | None] = []  # this chunk's
         self.chunks: list[Any] = []  # per chunk: (present, {field: array}) or its length when it has none
-        self.any = False
         self.n = 0  # rows appended
 
     def _columnar(self, m: Member) -> bool:
@@ -431,14 +424,12 @@ class _MemberChunks:
         if self.objects is not None:
             self.objects.append(m)
             return
-        if m is not None:
-            if not self._columnar(m):
-                built = self.built_members()  # None when no row before this one has a member
-                self.objects = [None] * (self.n - 1) if built is None else list(built)
-                self.objects.append(m)
-                self.rows, self.chunks = [], []
-                return
-            self.any = True
+        if m is not None and not self._columnar(m):
+            built = self.built_members()  # None when no row before this one has a member
+            self.objects = [None] * (self.n - 1) if built is None else list(built)
+            self.objects.append(m)
+            self.rows, self.chunks = [], []
+            return
         self.rows.append(m)
 
     def flush(self) -> None:
@@ -474,7 +465,7 @@ class _MemberChunks:
         if self.objects is not None:
             return self.objects
         self.flush()
-        if not self.any or self.cls is None:
+        if self.cls is None:  # set by the first member: no row has one
             return None
         import pyarrow as pa
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
+import operator
 import os
 import re
 import tarfile
@@ -92,8 +94,7 @@ def _alternatives(body: str, pattern: str) -> list[str]:
     items = _split_top(body)
     if len(items) > 1:
         return [x for item in items for x in expand_braces(item)]
-    m = _RANGE.match(body)
-    if m:
+    if m := _RANGE.match(body):
         a, b = int(m.group(1)), int(m.group(2))
         step = abs(int(m.group(3) or 1)) or 1
         # bash pads every number to the widest endpoint when either is written with a leading zero
@@ -103,8 +104,7 @@ def _alternatives(body: str, pattern: str) -> list[str]:
             raise InputRefused(f"pattern {pattern!r}: {{{body}}} names more than {MAX_SHARDS:,} shards")
         values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
         return [f"{v:0{width}d}" for v in values]
-    m = _LETTERS.match(body)
-    if m:
+    if m := _LETTERS.match(body):
         a, b = ord(m.group(1)), ord(m.group(2))
         return [chr(c) for c in (range(a, b + 1) if a <= b else range(a, b - 1, -1))]
     raise InputRefused(
@@ -308,20 +308,13 @@ def _groups(members: list[ListedMember]) -> Iterator[tuple[str, list[tuple[str, 
     """(__key__, [(extension, member), ...]) for runs of consecutive members sharing a key, as webdataset
     groups them: regular files only, its own ``__meta__`` members and names without an extension skipped,
     extensions lower-cased."""
-    key: str | None = None
-    group: list[tuple[str, ListedMember]] = []
-    for m in members:
-        match = _KEY.match(m.name) if m.isreg() and not _META.match(m.name) else None
-        if match is None:
-            continue
-        k, ext = match.group(1), match.group(2).lower()
-        if k != key and group:
-            yield key, group  # type: ignore[misc]
-            group = []
-        key = k
-        group.append((ext, m))
-    if group:
-        yield key, group  # type: ignore[misc]
+    keyed = (
+        (match.group(1), match.group(2).lower(), m)
+        for m in members
+        if m.isreg() and not _META.match(m.name) and (match := _KEY.match(m.name))
+    )
+    for key, run in itertools.groupby(keyed, key=operator.itemgetter(0)):
+        yield key, [(ext, m) for _, ext, m in run]
 
 
 def _prompt(raw: bytes, ext: str) -> str | None:
@@ -405,8 +398,7 @@ def _key_sample(
             except ValueError as e:
                 return problem(text, f"{e}; fix or remove it")
     display = str(ref)
-    reason = storable(sid, (display,), prompt)
-    if reason:
+    if reason := storable(sid, (display,), prompt):
         return problem(ref, reason)
     return Sample(sid, kind_of(m.name), (display,), prompt, member=ref)
 
@@ -490,7 +482,8 @@ def list_shards(
             size = int(entry["size"])
 
             def scan() -> Listing:
-                with objstore.RangeReader(fs, paths[shard], shard, options, 0, size, shard) as f:
+                source = objstore.ObjectRange(fs, paths[shard], shard, options)
+                with objstore.RangeReader(source, 0, size, shard) as f:
                     try:
                         return _scan(f, size, shard)
                     except (OSError, objstore.TransientReadError) as e:  # naming the URL, never the options
