@@ -49,6 +49,7 @@ __all__ = [
     "backend_for",
     "keep_listings",
     "live_ranks",
+    "not_writable",
     "rank_is_held",
 ]
 
@@ -164,13 +165,9 @@ def _orphaned(path: Any, now: float) -> bool:
 
 def _space(folder: Path, e: BaseException) -> tuple[str, str]:
     """(why the write failed, the free space of ``folder``), for an OutputFull's message."""
-
-    def mib(n: int) -> str:
-        return f"{n / (1 << 20):,.1f} MiB"
-
     try:
         usage = shutil.disk_usage(folder)
-        space = f"{mib(usage.free)} free of {mib(usage.total)}"
+        space = f"{usage.free / (1 << 20):,.1f} MiB free of {usage.total / (1 << 20):,.1f} MiB"
     except OSError:
         space = "free space unknown"
     why = (
@@ -181,7 +178,8 @@ def _space(folder: Path, e: BaseException) -> tuple[str, str]:
     return why, space
 
 
-def _not_writable(out: Any, e: OSError) -> OutputNotWritable:
+def not_writable(out: Any, e: OSError) -> OutputNotWritable:
+    """The error for an OUT that refused a write (``e``: read-only filesystem or permissions)."""
     return OutputNotWritable(
         f"cannot write to {out} ({e.strerror or e}): it is on a read-only filesystem or you lack permission. "
         "What it holds can still be read with vlfast.FeatureCache; to extract more, choose a writable OUT."
@@ -276,9 +274,6 @@ class LocalBackend:
         if self.out.exists() and not self.out.is_dir():
             raise NotADirectoryError(f"{self.out} exists and is not a folder; choose another OUT")
 
-    def not_writable(self, e: OSError) -> OutputNotWritable:
-        return _not_writable(self.out, e)
-
     def lock(self, rank: int) -> None:
         """Hold ``rank``: a second process writing it (two runs without torchrun, or a stale run still alive)
         would overwrite shard names, so it is refused."""
@@ -288,7 +283,7 @@ class LocalBackend:
             self._lock = try_lock(lock_path(self.out, rank))
         except OSError as e:
             if e.errno in _READ_ONLY:
-                raise self.not_writable(e) from None
+                raise not_writable(self.out, e) from None
             if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where the folder belongs
                 raise DamagedFile(f"{self.out / LOCK_DIR} is not a folder. {MOVE_HINT}") from None
             raise
@@ -466,9 +461,6 @@ class ObjectBackend:
 
     def check_folder(self) -> None:
         pass
-
-    def not_writable(self, e: OSError) -> OutputNotWritable:
-        return _not_writable(self.out, e)
 
     def lock(self, rank: int) -> None:
         self._rank = rank  # no locks: a second writer of a rank takes the next free shard names

@@ -78,20 +78,6 @@ DTYPE_BY_CODE: dict[str, str] = {code: name for name, code in DTYPES.items()}
 STORE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 
-def torch_dtypes() -> dict:
-    """torch.dtype -> its name in :data:`DTYPES`, for the dtypes this torch has (float8 is recent)."""
-    import torch
-
-    return {getattr(torch, n): n for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)}
-
-
-def torch_dtype(name: str):
-    """The torch.dtype of a name in :data:`DTYPES` (torch's own names)."""
-    import torch
-
-    return getattr(torch, name)
-
-
 DUPLICATE_KIND = "duplicate"
 INPUT_KIND = "input"  # a manifest row or folder entry that is not a sample; never makes an id done
 ERROR_KIND = "error"  # the sample itself cannot be extracted: its id is done
@@ -248,12 +234,8 @@ def stable_config(config: dict, volatile: Collection[str]) -> dict:
     def strip(obj: Any, prefix: str) -> Any:
         if not isinstance(obj, dict):
             return obj
-        out = {}
-        for key, value in obj.items():
-            name = f"{prefix}.{key}" if prefix else str(key)
-            if name not in volatile:
-                out[key] = strip(value, name)
-        return out
+        names = {key: f"{prefix}.{key}" if prefix else str(key) for key in obj}
+        return {key: strip(value, names[key]) for key, value in obj.items() if names[key] not in volatile}
 
     return strip(config, "")
 

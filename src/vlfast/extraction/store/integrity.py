@@ -56,7 +56,7 @@ from vlfast.extraction.store.format import (
     stable_config,
     xxh3,
 )
-from vlfast.extraction.store.layout import find_strays
+from vlfast.extraction.store.layout import Stray, find_strays
 
 __all__ = [
     "CheckReport",
@@ -460,13 +460,7 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
         try:
             report.damaged_error_lines += read_error_file(path)[1]
         except OSError as e:  # a folder under an errors file's name, say: a stray, reported as such
-            report.strays.append(
-                {
-                    "path": f"{path.parent.name}/{path.name}",
-                    "problem": f"unreadable ({e})",
-                    "kind": "not_a_file",
-                }
-            )
+            report.strays.append(Stray(path, f"unreadable ({e})", "not_a_file").to_dict())
     report.seconds = time.perf_counter() - started
     return report
 

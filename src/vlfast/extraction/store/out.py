@@ -141,10 +141,6 @@ class Out:
                 return None
         return recorded if isinstance(recorded, dict) else None
 
-    def committed_parts(self) -> list[Path]:
-        """The index parts a reader follows, sorted by (rank, sequence number)."""
-        return committed_parts(self.path)
-
     def errors(self) -> list[dict]:
         """Every rank's error records as they stand (``format.read_errors``)."""
         return read_errors(self.path)

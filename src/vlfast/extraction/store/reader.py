@@ -51,7 +51,6 @@ from vlfast.extraction.store.format import (
     resolve_out,
     stable_config,
     tensor_xxh3,
-    torch_dtype,
     xxh3,
 )
 from vlfast.extraction.store.integrity import CheckReport, RemoteShard, check_folder
@@ -464,7 +463,7 @@ class _RangeShard:
         start, end = (self._data_start + x for x in entry["data_offsets"])
         if end > self._size:
             raise InputRefused(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._size:,}")
-        dtype = torch_dtype(DTYPE_BY_CODE[entry["dtype"]])
+        dtype = getattr(torch, DTYPE_BY_CODE[entry["dtype"]])
         data = bytearray(self._shard.read(start, end - start, repr(name)))
         if len(data) != end - start:
             raise InputRefused(f"tensor {name!r}: {len(data):,} bytes read of {end - start:,}")

@@ -29,10 +29,11 @@ from vlfast._files import disk_full, honour_umask
 from vlfast.errors import InputRefused
 from vlfast.extraction.ids import IdSet
 from vlfast.extraction.interrupts import commit_section
-from vlfast.extraction.store.backend import backend_for, keep_listings, rank_is_held
+from vlfast.extraction.store.backend import backend_for, keep_listings, not_writable, rank_is_held
 from vlfast.extraction.store.compact import CLOSE_MIN_PARTS, Compaction, compact_rank
 from vlfast.extraction.store.format import (
     CHECK_FILE,
+    DTYPES,
     DUPLICATE_KIND,
     ERROR_DIR,
     ERROR_KIND,
@@ -82,7 +83,6 @@ from vlfast.extraction.store.format import (
     split_parts,
     stable_config,
     tensor_xxh3,
-    torch_dtypes,
     xxh3,
 )
 from vlfast.extraction.store.inputs import INPUTS_DIR, INPUTS_RE, mark_stale, merge_inputs, write_inputs
@@ -109,7 +109,10 @@ __all__ = ["FeatureStore", "dist_info", "rank_is_held", "read_state"]
 
 
 # torch.dtype -> its name: what safetensors can store, checked in ``add`` so a bad tensor fails at the sample.
-_DTYPES: dict[torch.dtype, str] = torch_dtypes()
+# float8 is recent: only the dtypes this torch has.
+_DTYPES: dict[torch.dtype, str] = {
+    getattr(torch, n): n for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)
+}
 
 
 def _id_array(ids: Any) -> Any:
@@ -207,7 +210,7 @@ class FeatureStore:
             try:
                 self._write_or_check_run_file()
             except PermissionError as e:
-                raise self._backend.not_writable(e) from None
+                raise not_writable(self.out, e) from None
             self._read_out(resume_check, stale)
         except BaseException:
             self._release()
@@ -439,17 +442,11 @@ class FeatureStore:
             self._release()
 
     def _next_seq(self) -> int:
-        seqs = [-1]
         # A quarantined shard's number is never reused either, so its name stays unique.
-        for name in (*list_names(self.out / SHARD_DIR), *self._backend.quarantined_shards()):
-            m = SHARD_RE.match(name)
-            if m and int(m.group(1)) == self.rank:
-                seqs.append(int(m.group(2)))
-        for name in list_names(self.out / INDEX_DIR):
-            span = part_span(name)
-            if span is not None and span[0] == self.rank:
-                seqs.append(span[2])
-        return max(seqs) + 1
+        shards = (*list_names(self.out / SHARD_DIR), *self._backend.quarantined_shards())
+        spans = [(int(m.group(1)), int(m.group(2))) for n in shards if (m := SHARD_RE.match(n))]
+        spans += [(s[0], s[2]) for n in list_names(self.out / INDEX_DIR) if (s := part_span(n)) is not None]
+        return max((seq for rank, seq in spans if rank == self.rank), default=-1) + 1
 
     def _refresh_committed(self) -> None:
         for part in committed_parts(self.out):
