@@ -244,6 +244,11 @@ def config_hash(stable: dict) -> str:
     return hashlib.sha256(canonical_json(stable).encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def run_hash(run: dict) -> str:
+    """The configuration hash of a parsed run.json: its config without its volatile keys."""
+    return config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", [])))
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic GC while bookkeeping builds millions of acyclic objects: on 300,000 ids a resume's
@@ -328,7 +333,7 @@ def _run_file_problem(doc: Any) -> str | None:
     recorded = doc.get("config_hash")
     if not isinstance(recorded, str):
         return "gives a config_hash that is not text"
-    if config_hash(stable_config(doc["config"], frozenset(volatile))) != recorded:
+    if run_hash(doc) != recorded:
         return "no longer matches its config_hash: its configuration was edited since it was written"
     return None
 

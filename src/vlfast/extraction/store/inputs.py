@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -186,8 +187,8 @@ def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = M
             for name in files:
                 for table in _groups(out / INPUTS_DIR / name, None):
                     keep = _live_rows(table, live)
-                    if keep.any():
-                        pending.append(_conform(table.filter(pa.array(keep))))
+                    if keep.any():  # in the schema's types: shard and header were read as dictionaries
+                        pending.append(table.filter(pa.array(keep)).cast(inputs_schema()))
                     if sum(len(t) for t in pending) >= MERGED_ROWS:
                         writer.write_table(pa.concat_tables(pending).combine_chunks())
                         pending = []
@@ -202,11 +203,6 @@ def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = M
     return len(files)
 
 
-def _conform(table: Any) -> Any:
-    """``table`` with the inputs schema's types (its shard and header columns were read as dictionaries)."""
-    return table.cast(inputs_schema())
-
-
 # ------------------------------------------------------------------------------------------ reading
 
 
@@ -219,20 +215,11 @@ def live_shards(parts: Sequence[Path]) -> dict[str, str | None]:
     live: dict[str, str | None] = {}
     for part in parts:
         raw = read_part_footer(part)
-        meta = part_meta(_Schema(raw)) if raw is not None else None
-        if meta is None:
+        if raw is None:
             continue
-        for shard, (_, header) in part_shards(part, meta).items():
+        for shard, (_, header) in part_shards(part, part_meta(SimpleNamespace(metadata=raw))).items():
             live[shard] = header
     return live
-
-
-class _Schema:
-    """What ``part_meta`` reads: an object with a ``schema.metadata``."""
-
-    def __init__(self, metadata: dict[bytes, bytes]):
-        self.schema = self
-        self.metadata = metadata
 
 
 def _groups(path: Any, columns: Sequence[str] | None) -> Iterator[Any]:
@@ -365,11 +352,11 @@ def changed_on_disk(out: Any, parts: Sequence[Path], keys_now: np.ndarray) -> tu
                     continue
                 if member is None and "\x00" not in path:  # one local file: the common case, kept quick
                     try:
-                        st = os.stat(path)
+                        now = file_stamp(path)[0]
                     except OSError:
                         continue
                     stated += 1
-                    if f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}" == stamp:
+                    if now == stamp:
                         continue
                 verdict = _differs(path, member, offset, size, stamp, digest)
                 if verdict is None:

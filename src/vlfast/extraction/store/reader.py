@@ -36,7 +36,6 @@ from vlfast.extraction.store.format import (
     SHARD_DIR,
     DamagedFile,
     committed_parts,
-    config_hash,
     feature_entry,
     gc_paused,
     is_local,
@@ -49,7 +48,7 @@ from vlfast.extraction.store.format import (
     read_part_groups,
     read_run_file,
     resolve_out,
-    stable_config,
+    run_hash,
     tensor_xxh3,
     xxh3,
 )
@@ -83,9 +82,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self.features = None if features is None else frozenset(features)
         self.verify_reads = bool(verify)
         self._run = read_run_file(self.out)
-        self._config_hash = expected = config_hash(
-            stable_config(self._run.get("config", {}), self._run.get("volatile_keys", []))
-        )
+        self._config_hash = expected = run_hash(self._run)
         _check_layout(self.out)
         rows, self._shard_bytes, self._header_hash = _read_parts(self.out, expected)
         if not rows.shard_names:
