@@ -399,7 +399,7 @@ class LocalBackend:
         return [p.name for p in quarantine.glob("*/shard-*.safetensors")] if quarantine.is_dir() else []
 
     def clean_garbage(
-        self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Path]], None] | None = None
+        self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Path]], None]
     ) -> None:
         """Delete temp files and shards without an index part (a crash between the two renames) of the ranks
         ``owns_rank`` gives this store, unless a live process holds that rank. An uncovered shard no crash
@@ -418,9 +418,9 @@ class LocalBackend:
             # A leftover (its part never written) is uncommitted: its samples are redone. A folder under a
             # shard's name is no shard a run wrote: never deleted with what it holds.
             leftover = leftover and not (self.out / SHARD_DIR / name).is_dir()
-            (garbage if leftover or set_aside is None else lost).setdefault(
-                int(SHARD_RE.match(name).group(1)), []
-            ).append(self.out / SHARD_DIR / name)
+            (garbage if leftover else lost).setdefault(int(SHARD_RE.match(name).group(1)), []).append(
+                self.out / SHARD_DIR / name
+            )
         for r in sorted({*garbage, *lost}):
             if not owns_rank(r):
                 continue
@@ -551,9 +551,7 @@ class ObjectBackend:
             return [k.rsplit("/", 1)[-1] for k in self.out.fs.find((self.out / QUARANTINE_DIR).path)]
         return []
 
-    def clean_garbage(
-        self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Any]], None] | None = None
-    ) -> None:
+    def clean_garbage(self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Any]], None]) -> None:
         """Delete shards whose index part never came (a writer killed between its two uploads); hand the
         uncovered shards no kill explains (``layout.uncovered_shards``) to ``set_aside``, never deleted.
         Without locks a young orphan cannot be told from a live writer's upload whose part is on its way, so
@@ -567,7 +565,7 @@ class ObjectBackend:
             shard = self.out / SHARD_DIR / name
             if not _orphaned(shard, now):
                 continue
-            if leftover or set_aside is None:
+            if leftover:
                 with contextlib.suppress(FileNotFoundError):
                     self.out.fs.rm(shard.path)
             else:

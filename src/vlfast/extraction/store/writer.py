@@ -86,7 +86,7 @@ from vlfast.extraction.store.format import (
     xxh3,
 )
 from vlfast.extraction.store.inputs import INPUTS_DIR, INPUTS_RE, mark_stale, merge_inputs, write_inputs
-from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
+from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part, header_ids
 from vlfast.extraction.store.layout import refuse_misplaced
 from vlfast.extraction.store.repair import quarantine_consolidated, write_reason
 from vlfast.extraction.store.resume import (
@@ -219,12 +219,7 @@ class FeatureStore:
     def _read_out(self, resume_check: str, stale: Collection[str]) -> None:
         """With the rank locked: clean garbage, check what is committed, read the errors, start a buffer."""
         # Rank r's garbage is cleaned by rank r % world_size, so a resume with fewer ranks still cleans it.
-        self._backend.clean_garbage(
-            lambda r: r % self.world_size == self.rank,
-            lambda shards: self._set_aside(
-                shards, "no index part covers it: its index part was deleted or lost"
-            ),
-        )
+        self._backend.clean_garbage(lambda r: r % self.world_size == self.rank, self._set_aside)
         self._bad_parts: set[str] = set()
         self._parts_read: set[str] = set()  # index parts already in _committed
         # Other ranks' parts holding only ids they own under this world size: unread while this store adds
@@ -416,20 +411,19 @@ class FeatureStore:
             stacklevel=3,
         )
 
-    def _set_aside(self, paths: list[Path], reason: str, *, ids: bool = True) -> None:
-        """Move each of ``paths`` (not this format's, or uncovered shards; see store/layout.py) to
-        OUT/quarantine/<name>-<stamp>/, never deleting it. ``ids``: name a shard's samples from its header."""
-        from vlfast.extraction.store.integrity import header_ids
-
+    def _set_aside(self, shards: list[Path]) -> None:
+        """Move each shard no index part covers and no kill explains (see store/layout.py) to
+        OUT/quarantine/<name>-<stamp>/, never deleting it, its samples named from its header."""
+        reason = "no index part covers it: its index part was deleted or lost"
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._backend.instance}"
-        for path in paths:
-            rel = f"{path.parent.name}/{path.name}" if path.parent != self.out else path.name
+        for path in shards:
+            rel = f"{path.parent.name}/{path.name}"
             dest = self.out / QUARANTINE_DIR / f"{path.name}-{stamp}"
-            record = {"part": rel, "reason": reason, "ids": header_ids(path) if ids else []}
+            record = {"part": rel, "reason": reason, "ids": header_ids(path)}
             write_reason(self._backend, dest, record, self._tag)
             self._backend.quarantine(dest, (path,))
             self.quarantined.append({**record, "moved_to": str(dest)})
-            warnings.warn(f"{rel}: {reason}; moved to {dest}", stacklevel=4)
+            warnings.warn(f"{rel}: {reason}; moved to {dest}", stacklevel=3)  # at _read_out
 
     def _release(self) -> None:
         backend = getattr(self, "_backend", None)
