@@ -242,11 +242,10 @@ class FeatureCache(torch.utils.data.Dataset):
             self._headers.move_to_end(k)
             return got
         h = self._handle(k, sample_id)
-        path = self._shard_paths[k]
         if isinstance(h, _RangeShard):
             raw, got = h.raw_header, (h._data_start, h._header)
         else:
-            with open(path, "rb") as f:
+            with open(self._shard_paths[k], "rb") as f:
                 data_start, raw, header = read_header(f, os.fstat(f.fileno()).st_size)
             got = (data_start, header)
         self._check_header(k, h, raw, sample_id)  # these bytes, not only those the open checked
