@@ -751,6 +751,16 @@ def index_schema():
     )
 
 
+def parquet_bytes(columns: dict[str, list], schema: Any) -> bytes:
+    """The Parquet file of ``columns`` (name -> values) under ``schema``, page checksums written, as bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns, schema=schema), sink, write_page_checksum=True)
+    return sink.getvalue().to_pybytes()
+
+
 # ------------------------------------------------------------------------------------ error records
 
 

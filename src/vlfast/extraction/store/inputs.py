@@ -26,6 +26,7 @@ from vlfast.extraction.store.format import (
     is_consolidated,
     is_local,
     list_names,
+    parquet_bytes,
     part_meta,
     part_shards,
     read_index_part,
@@ -129,15 +130,6 @@ def _name(rank: int, first: int, last: int) -> str:
     return f"inputs-r{rank:05d}-{first:06d}-{last:06d}.parquet"
 
 
-def _table_bytes(table: Any) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, write_page_checksum=True)
-    return sink.getvalue().to_pybytes()
-
-
 def write_inputs(
     out: Any,
     backend: Any,
@@ -151,8 +143,6 @@ def write_inputs(
 ) -> None:
     """The inputs file of one commit (rows of ``ids``, in shard ``shard`` whose header xxh3 is ``header``),
     written whole before the commit's index part; nothing when no sample has a record."""
-    import pyarrow as pa
-
     if not any(r is not None for r in records):
         return
     rows = {"id": list(ids), "shard": [shard] * len(ids), "header": [header] * len(ids)}
@@ -161,7 +151,7 @@ def write_inputs(
     folder = out / INPUTS_DIR
     if is_local(out):
         folder.mkdir(exist_ok=True)
-    backend.write(folder / _name(rank, seq, seq), _table_bytes(pa.table(rows, schema=inputs_schema())), tag)
+    backend.write(folder / _name(rank, seq, seq), parquet_bytes(rows, inputs_schema()), tag)
 
 
 def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = MERGE_MIN_FILES) -> int:

@@ -71,6 +71,7 @@ from vlfast.extraction.store.format import (
     is_part_name,
     list_names,
     others_only,
+    parquet_bytes,
     parse_retry,
     part_name,
     part_span,
@@ -750,9 +751,6 @@ class FeatureStore:
     def _write_index_part(
         self, shard: Path, written: tuple[int, str, int, dict], checksums: list[dict[str, str]]
     ) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         size, header_hash, data_start, header = written
         rows: dict[str, list] = {k: [] for k in index_schema().names}
         rel = f"{SHARD_DIR}/{shard.name}"
@@ -778,10 +776,7 @@ class FeatureStore:
         n = self.world_size
         if n > 1 and all(owner_rank(sid, n) == self.rank for sid in rows["id"]):
             metadata[META_OWNED_UNDER] = str(n).encode()  # other ranks of a job this size need not read it
-        table = pa.table(rows, schema=index_schema().with_metadata(metadata))
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, write_page_checksum=True)
-        data = sink.getvalue().to_pybytes()
+        data = parquet_bytes(rows, index_schema().with_metadata(metadata))
         part = self.out / INDEX_DIR / part_name(self.rank, self._seq, xxh3(data))
         # Each sample's input record (store/inputs.py), before the commit, so a committed part's samples
         # have theirs (a kill in between leaves rows no part points at)
