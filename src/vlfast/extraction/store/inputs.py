@@ -57,7 +57,6 @@ INPUT_SCHEME = 1
 MERGE_MIN_FILES = 8  # a store's close merges its rank's inputs files once there are this many
 MERGED_ROWS = 1 << 14  # rows per row group of a merged inputs file (a group read: a few MB)
 _BLOCK = 1 << 23  # bytes read at a time while hashing
-_RECORD = ("scheme", "key", "content", "path", "member", "offset", "size", "mtime_ns", "stamp", "xxh3")
 
 
 def inputs_schema():
@@ -146,7 +145,7 @@ def write_inputs(
     if not any(r is not None for r in records):
         return
     rows = {"id": list(ids), "shard": [shard] * len(ids), "header": [header] * len(ids)}
-    for name in _RECORD:
+    for name in inputs_schema().names[len(rows) :]:  # the record's own fields, after those three
         rows[name] = [None if r is None else r.get(name) for r in records]
     folder = out / INPUTS_DIR
     if is_local(out):

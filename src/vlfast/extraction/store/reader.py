@@ -135,7 +135,6 @@ class FeatureCache(torch.utils.data.Dataset):
         return i if self._kept is None else int(self._kept[i])
 
     def _position(self, sample_id: str) -> int:
-        """The position of ``sample_id``, or -1."""
         i = self._lookup.find(sample_id)
         return -1 if i < 0 else int(self._lookup.source[i])
 
