@@ -458,9 +458,7 @@ def _marked(part: Path, world_size: int) -> bool:
 def split_parts(out: Any, parts: Sequence[Path], rank: int, world_size: int) -> tuple[list, list, list]:
     """``parts`` as (this rank's own, marked as owned under ``world_size``; the parts every rank reads, the
     same list on every rank; other ranks' own)."""
-    own: list[Path] = []
-    common: list[Path] = []
-    others: list[Path] = []
+    own, common, others = [], [], []
     for part, marked in zip(parts, map_parts(out, lambda p: _marked(p, world_size), parts)):
         span = part_span(part.name)
         if not marked or span is None:

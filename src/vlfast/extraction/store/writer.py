@@ -297,11 +297,10 @@ class FeatureStore:
         is read once; otherwise each rank checks them all, the same view without coordination.
         """
         every = committed_parts(self.out)
+        own, parts = [], every
         if self._parts_skipped is not None:
             own, parts, others = split_parts(self.out, every, self.rank, self.world_size)
             self._parts_skipped = {p.name for p in others}
-        else:
-            own, parts, others = [], every, []
         dist = torch.distributed
         group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         split = group > 1 and group == self.world_size
