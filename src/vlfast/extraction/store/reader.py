@@ -446,9 +446,7 @@ class _RangeShard:
 
     def __init__(self, path: Any, size: int):
         self._shard = RemoteShard(path, size, policy="storage")  # size just asked
-        self._fs = self._shard.object.fs
         self._data_start, self.raw_header, self._header = self._shard.header()
-        self._size = size
 
     def metadata(self) -> dict[str, str] | None:
         return self._header.get("__metadata__")
@@ -456,8 +454,8 @@ class _RangeShard:
     def get_tensor(self, name: str) -> torch.Tensor:
         entry = self._header[name]
         start, end = (self._data_start + x for x in entry["data_offsets"])
-        if end > self._size:
-            raise InputRefused(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._size:,}")
+        if end > self._shard.size:
+            raise InputRefused(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._shard.size:,}")
         dtype = getattr(torch, DTYPE_BY_CODE[entry["dtype"]])
         data = bytearray(self._shard.read(start, end - start, repr(name)))
         if len(data) != end - start:
