@@ -446,6 +446,7 @@ class _RangeShard:
 
     def __init__(self, path: Any, size: int):
         self._shard = RemoteShard(path, size, policy="storage")  # size just asked
+        self._fs = self._shard.object.fs  # the client its reads go through
         self._data_start, self.raw_header, self._header = self._shard.header()
 
     def metadata(self) -> dict[str, str] | None:
