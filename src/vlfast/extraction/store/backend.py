@@ -49,6 +49,7 @@ __all__ = [
     "backend_for",
     "keep_listings",
     "live_ranks",
+    "not_writable",
     "rank_is_held",
 ]
 
@@ -164,13 +165,9 @@ def _orphaned(path: Any, now: float) -> bool:
 
 def _space(folder: Path, e: BaseException) -> tuple[str, str]:
     """(why the write failed, the free space of ``folder``), for an OutputFull's message."""
-
-    def mib(n: int) -> str:
-        return f"{n / (1 << 20):,.1f} MiB"
-
     try:
         usage = shutil.disk_usage(folder)
-        space = f"{mib(usage.free)} free of {mib(usage.total)}"
+        space = f"{usage.free / (1 << 20):,.1f} MiB free of {usage.total / (1 << 20):,.1f} MiB"
     except OSError:
         space = "free space unknown"
     why = (
@@ -181,7 +178,8 @@ def _space(folder: Path, e: BaseException) -> tuple[str, str]:
     return why, space
 
 
-def _not_writable(out: Any, e: OSError) -> OutputNotWritable:
+def not_writable(out: Any, e: OSError) -> OutputNotWritable:
+    """The error for an OUT that refused a write (``e``: read-only filesystem or permissions)."""
     return OutputNotWritable(
         f"cannot write to {out} ({e.strerror or e}): it is on a read-only filesystem or you lack permission. "
         "What it holds can still be read with vlfast.FeatureCache; to extract more, choose a writable OUT."
@@ -276,9 +274,6 @@ class LocalBackend:
         if self.out.exists() and not self.out.is_dir():
             raise NotADirectoryError(f"{self.out} exists and is not a folder; choose another OUT")
 
-    def not_writable(self, e: OSError) -> OutputNotWritable:
-        return _not_writable(self.out, e)
-
     def lock(self, rank: int) -> None:
         """Hold ``rank``: a second process writing it (two runs without torchrun, or a stale run still alive)
         would overwrite shard names, so it is refused."""
@@ -288,7 +283,7 @@ class LocalBackend:
             self._lock = try_lock(lock_path(self.out, rank))
         except OSError as e:
             if e.errno in _READ_ONLY:
-                raise self.not_writable(e) from None
+                raise not_writable(self.out, e) from None
             if e.errno in (errno.EEXIST, errno.ENOTDIR):  # a file where the folder belongs
                 raise DamagedFile(f"{self.out / LOCK_DIR} is not a folder. {MOVE_HINT}") from None
             raise
@@ -404,7 +399,7 @@ class LocalBackend:
         return [p.name for p in quarantine.glob("*/shard-*.safetensors")] if quarantine.is_dir() else []
 
     def clean_garbage(
-        self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Path]], None] | None = None
+        self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Path]], None]
     ) -> None:
         """Delete temp files and shards without an index part (a crash between the two renames) of the ranks
         ``owns_rank`` gives this store, unless a live process holds that rank. An uncovered shard no crash
@@ -423,9 +418,9 @@ class LocalBackend:
             # A leftover (its part never written) is uncommitted: its samples are redone. A folder under a
             # shard's name is no shard a run wrote: never deleted with what it holds.
             leftover = leftover and not (self.out / SHARD_DIR / name).is_dir()
-            (garbage if leftover or set_aside is None else lost).setdefault(
-                int(SHARD_RE.match(name).group(1)), []
-            ).append(self.out / SHARD_DIR / name)
+            (garbage if leftover else lost).setdefault(int(SHARD_RE.match(name).group(1)), []).append(
+                self.out / SHARD_DIR / name
+            )
         for r in sorted({*garbage, *lost}):
             if not owns_rank(r):
                 continue
@@ -466,9 +461,6 @@ class ObjectBackend:
 
     def check_folder(self) -> None:
         pass
-
-    def not_writable(self, e: OSError) -> OutputNotWritable:
-        return _not_writable(self.out, e)
 
     def lock(self, rank: int) -> None:
         self._rank = rank  # no locks: a second writer of a rank takes the next free shard names
@@ -559,9 +551,7 @@ class ObjectBackend:
             return [k.rsplit("/", 1)[-1] for k in self.out.fs.find((self.out / QUARANTINE_DIR).path)]
         return []
 
-    def clean_garbage(
-        self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Any]], None] | None = None
-    ) -> None:
+    def clean_garbage(self, owns_rank: Callable[[int], bool], set_aside: Callable[[list[Any]], None]) -> None:
         """Delete shards whose index part never came (a writer killed between its two uploads); hand the
         uncovered shards no kill explains (``layout.uncovered_shards``) to ``set_aside``, never deleted.
         Without locks a young orphan cannot be told from a live writer's upload whose part is on its way, so
@@ -575,7 +565,7 @@ class ObjectBackend:
             shard = self.out / SHARD_DIR / name
             if not _orphaned(shard, now):
                 continue
-            if leftover or set_aside is None:
+            if leftover:
                 with contextlib.suppress(FileNotFoundError):
                     self.out.fs.rm(shard.path)
             else:

@@ -36,7 +36,6 @@ from vlfast.extraction.store.format import (
     check_part_bytes,
     committed_parts,
     compact_part_name,
-    config_hash,
     consolidated_info,
     file_xxh3,
     gc_paused,
@@ -50,7 +49,7 @@ from vlfast.extraction.store.format import (
     read_part_groups,
     read_run_file,
     resolve_out,
-    stable_config,
+    run_hash,
 )
 
 __all__ = [
@@ -242,7 +241,7 @@ def compact_rank(
         candidates = [p for p in committed_parts(out) if (part_span(p.name) or (-1,))[0] == rank]
         if len(candidates) < max(2, min_parts):
             return result
-        stream = _Stream(expected or _run_hash(out))
+        stream = _Stream(expected or run_hash(read_run_file(out)))
         for part, table in zip(candidates, map_parts(out, _schema_or_none, candidates)):
             stream.gather(part, table)
         used = stream.used
@@ -276,12 +275,6 @@ def compact_rank(
     return result
 
 
-def _run_hash(out: Any) -> str:
-    """The configuration hash run.json records for ``out``."""
-    run = read_run_file(out)
-    return config_hash(stable_config(run["config"], run.get("volatile_keys", [])))
-
-
 def compact_folder(
     out: Any,
     storage_options: dict | None = None,
@@ -292,7 +285,7 @@ def compact_folder(
     """``vlfast out compact OUT``: compact every rank's parts, or only ``ranks``. Locally each rank's lock is
     taken in turn: a rank a live process is writing is skipped, and says so."""
     out = resolve_out(out, storage_options)
-    expected = _run_hash(out)  # a vlfast folder, and of this vlfast's format
+    expected = run_hash(read_run_file(out))  # a vlfast folder, and of this vlfast's format
     present = {s[0] for n in list_names(out / INDEX_DIR) if (s := part_span(n)) is not None}
     ranks = sorted(present if ranks is None else present & set(ranks))
     session = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + secrets.token_hex(4)

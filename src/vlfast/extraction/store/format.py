@@ -78,20 +78,6 @@ DTYPE_BY_CODE: dict[str, str] = {code: name for name, code in DTYPES.items()}
 STORE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 
-def torch_dtypes() -> dict:
-    """torch.dtype -> its name in :data:`DTYPES`, for the dtypes this torch has (float8 is recent)."""
-    import torch
-
-    return {getattr(torch, n): n for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)}
-
-
-def torch_dtype(name: str):
-    """The torch.dtype of a name in :data:`DTYPES` (torch's own names)."""
-    import torch
-
-    return getattr(torch, name)
-
-
 DUPLICATE_KIND = "duplicate"
 INPUT_KIND = "input"  # a manifest row or folder entry that is not a sample; never makes an id done
 ERROR_KIND = "error"  # the sample itself cannot be extracted: its id is done
@@ -248,18 +234,19 @@ def stable_config(config: dict, volatile: Collection[str]) -> dict:
     def strip(obj: Any, prefix: str) -> Any:
         if not isinstance(obj, dict):
             return obj
-        out = {}
-        for key, value in obj.items():
-            name = f"{prefix}.{key}" if prefix else str(key)
-            if name not in volatile:
-                out[key] = strip(value, name)
-        return out
+        names = {key: f"{prefix}.{key}" if prefix else str(key) for key in obj}
+        return {key: strip(value, names[key]) for key, value in obj.items() if names[key] not in volatile}
 
     return strip(config, "")
 
 
 def config_hash(stable: dict) -> str:
     return hashlib.sha256(canonical_json(stable).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def run_hash(run: dict) -> str:
+    """The configuration hash of a parsed run.json: its config without its volatile keys."""
+    return config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", [])))
 
 
 @contextlib.contextmanager
@@ -346,7 +333,7 @@ def _run_file_problem(doc: Any) -> str | None:
     recorded = doc.get("config_hash")
     if not isinstance(recorded, str):
         return "gives a config_hash that is not text"
-    if config_hash(stable_config(doc["config"], frozenset(volatile))) != recorded:
+    if run_hash(doc) != recorded:
         return "no longer matches its config_hash: its configuration was edited since it was written"
     return None
 
@@ -471,9 +458,7 @@ def _marked(part: Path, world_size: int) -> bool:
 def split_parts(out: Any, parts: Sequence[Path], rank: int, world_size: int) -> tuple[list, list, list]:
     """``parts`` as (this rank's own, marked as owned under ``world_size``; the parts every rank reads, the
     same list on every rank; other ranks' own)."""
-    own: list[Path] = []
-    common: list[Path] = []
-    others: list[Path] = []
+    own, common, others = [], [], []
     for part, marked in zip(parts, map_parts(out, lambda p: _marked(p, world_size), parts)):
         span = part_span(part.name)
         if not marked or span is None:
@@ -762,6 +747,16 @@ def index_schema():
             ("meta", pa.string()),
         ]
     )
+
+
+def parquet_bytes(columns: dict[str, list], schema: Any) -> bytes:
+    """The Parquet file of ``columns`` (name -> values) under ``schema``, page checksums written, as bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns, schema=schema), sink, write_page_checksum=True)
+    return sink.getvalue().to_pybytes()
 
 
 # ------------------------------------------------------------------------------------ error records

@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from vlfast.extraction.store.format import (
     is_consolidated,
     is_local,
     list_names,
+    parquet_bytes,
     part_meta,
     part_shards,
     read_index_part,
@@ -55,7 +57,6 @@ INPUT_SCHEME = 1
 MERGE_MIN_FILES = 8  # a store's close merges its rank's inputs files once there are this many
 MERGED_ROWS = 1 << 14  # rows per row group of a merged inputs file (a group read: a few MB)
 _BLOCK = 1 << 23  # bytes read at a time while hashing
-_RECORD = ("scheme", "key", "content", "path", "member", "offset", "size", "mtime_ns", "stamp", "xxh3")
 
 
 def inputs_schema():
@@ -128,15 +129,6 @@ def _name(rank: int, first: int, last: int) -> str:
     return f"inputs-r{rank:05d}-{first:06d}-{last:06d}.parquet"
 
 
-def _table_bytes(table: Any) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, write_page_checksum=True)
-    return sink.getvalue().to_pybytes()
-
-
 def write_inputs(
     out: Any,
     backend: Any,
@@ -150,17 +142,15 @@ def write_inputs(
 ) -> None:
     """The inputs file of one commit (rows of ``ids``, in shard ``shard`` whose header xxh3 is ``header``),
     written whole before the commit's index part; nothing when no sample has a record."""
-    import pyarrow as pa
-
     if not any(r is not None for r in records):
         return
     rows = {"id": list(ids), "shard": [shard] * len(ids), "header": [header] * len(ids)}
-    for name in _RECORD:
+    for name in inputs_schema().names[len(rows) :]:  # the record's own fields, after those three
         rows[name] = [None if r is None else r.get(name) for r in records]
     folder = out / INPUTS_DIR
     if is_local(out):
         folder.mkdir(exist_ok=True)
-    backend.write(folder / _name(rank, seq, seq), _table_bytes(pa.table(rows, schema=inputs_schema())), tag)
+    backend.write(folder / _name(rank, seq, seq), parquet_bytes(rows, inputs_schema()), tag)
 
 
 def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = MERGE_MIN_FILES) -> int:
@@ -186,8 +176,8 @@ def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = M
             for name in files:
                 for table in _groups(out / INPUTS_DIR / name, None):
                     keep = _live_rows(table, live)
-                    if keep.any():
-                        pending.append(_conform(table.filter(pa.array(keep))))
+                    if keep.any():  # in the schema's types: shard and header were read as dictionaries
+                        pending.append(table.filter(pa.array(keep)).cast(inputs_schema()))
                     if sum(len(t) for t in pending) >= MERGED_ROWS:
                         writer.write_table(pa.concat_tables(pending).combine_chunks())
                         pending = []
@@ -202,11 +192,6 @@ def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = M
     return len(files)
 
 
-def _conform(table: Any) -> Any:
-    """``table`` with the inputs schema's types (its shard and header columns were read as dictionaries)."""
-    return table.cast(inputs_schema())
-
-
 # ------------------------------------------------------------------------------------------ reading
 
 
@@ -219,20 +204,11 @@ def live_shards(parts: Sequence[Path]) -> dict[str, str | None]:
     live: dict[str, str | None] = {}
     for part in parts:
         raw = read_part_footer(part)
-        meta = part_meta(_Schema(raw)) if raw is not None else None
-        if meta is None:
+        if raw is None:
             continue
-        for shard, (_, header) in part_shards(part, meta).items():
+        for shard, (_, header) in part_shards(part, part_meta(SimpleNamespace(metadata=raw))).items():
             live[shard] = header
     return live
-
-
-class _Schema:
-    """What ``part_meta`` reads: an object with a ``schema.metadata``."""
-
-    def __init__(self, metadata: dict[bytes, bytes]):
-        self.schema = self
-        self.metadata = metadata
 
 
 def _groups(path: Any, columns: Sequence[str] | None) -> Iterator[Any]:
@@ -365,11 +341,11 @@ def changed_on_disk(out: Any, parts: Sequence[Path], keys_now: np.ndarray) -> tu
                     continue
                 if member is None and "\x00" not in path:  # one local file: the common case, kept quick
                     try:
-                        st = os.stat(path)
+                        now = file_stamp(path)[0]
                     except OSError:
                         continue
                     stated += 1
-                    if f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}" == stamp:
+                    if now == stamp:
                         continue
                 verdict = _differs(path, member, offset, size, stamp, digest)
                 if verdict is None:

@@ -9,6 +9,7 @@ recorded; with ``data=True``, every tensor's bytes against its xxh3-64 in the in
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import mmap
@@ -39,7 +40,6 @@ from vlfast.extraction.store.format import (
     DamagedFile,
     canonical_json,
     committed_parts,
-    config_hash,
     error_files,
     gc_paused,
     is_consolidated,
@@ -52,11 +52,11 @@ from vlfast.extraction.store.format import (
     read_part_groups,
     read_run_file,
     resolve_out,
+    run_hash,
     shard_of_part,
-    stable_config,
     xxh3,
 )
-from vlfast.extraction.store.layout import find_strays
+from vlfast.extraction.store.layout import Stray, find_strays
 
 __all__ = [
     "CheckReport",
@@ -380,11 +380,9 @@ def _check_shard(
             ids, rows = ids_of(), rows_of()
             if size > 0:
                 flat = [(sid, feat) for sid, feats in zip(ids, rows) for feat in feats]
-                bad = []
-                for (sid, feat), digest in zip(flat, f.hash_tensors([feat for _, feat in flat])):
-                    if digest != feat["xxh3"]:
-                        bad.append((sid, feat["name"]))
-                    check.checked_bytes += feat["nbytes"]
+                digests = f.hash_tensors([feat for _, feat in flat])
+                bad = [(sid, feat["name"]) for (sid, feat), d in zip(flat, digests) if d != feat["xxh3"]]
+                check.checked_bytes += sum(feat["nbytes"] for _, feat in flat)
                 check.bad.extend(bad)
                 if bad and is_consolidated(check.part):
                     return f"shard {shard}: {len(bad)} tensors fail their checksum: {bad[:5]}"
@@ -432,8 +430,7 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
     out = resolve_out(out)
     started = time.perf_counter()
     report = CheckReport(str(out))
-    run = read_run_file(out)
-    expected_hash = config_hash(stable_config(run.get("config", {}), run.get("volatile_keys", [])))
+    expected_hash = run_hash(read_run_file(out))
     report.strays = [stray.to_dict() for stray in find_strays(out)]
     record = HashRecord(out, "r00000-verify")
     try:
@@ -460,13 +457,7 @@ def check_folder(out: str | os.PathLike, progress: Callable[[int, int], None] | 
         try:
             report.damaged_error_lines += read_error_file(path)[1]
         except OSError as e:  # a folder under an errors file's name, say: a stray, reported as such
-            report.strays.append(
-                {
-                    "path": f"{path.parent.name}/{path.name}",
-                    "problem": f"unreadable ({e})",
-                    "kind": "not_a_file",
-                }
-            )
+            report.strays.append(Stray(path, f"unreadable ({e})", "not_a_file").to_dict())
     report.seconds = time.perf_counter() - started
     return report
 
@@ -523,15 +514,10 @@ class HashRecord:
         since: int | None = None
         if self._local:
             probe = out / f".tmp-{tag}-{os.getpid()}-{CHECK_FILE}"  # a temp name the store's cleaning knows
-            try:
-                fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-                try:
-                    since = os.fstat(fd).st_ctime_ns
-                finally:
-                    os.close(fd)
+            with contextlib.suppress(OSError):  # read-only: rely on an earlier record, write none
+                with open(probe, "wb") as f:
+                    since = os.fstat(f.fileno()).st_ctime_ns
                 self._probe = probe
-            except OSError:
-                pass  # read-only: rely on an earlier record, write none
         self._stamps = _shard_stamps(out, since)
         old = self._read()
         self._entries = {p: st for p, st in old.items() if self._current(p, st)}

@@ -30,6 +30,7 @@ from vlfast.extraction.store.format import (
     read_run_file,
     resolve_out,
 )
+from vlfast.extraction.store.layout import find_strays, refuse_misplaced
 
 __all__ = ["Out"]
 
@@ -55,8 +56,6 @@ class Out:
             return out
         store = cls(cls.reach(out, storage_options))
         path = store.path
-        from vlfast.extraction.store.layout import refuse_misplaced
-
         refuse_misplaced(path, overwrite=not check_format)  # a file where a folder belongs: what to move
         if not check_format:  # --overwrite: what OUT holds is replaced, never read
             store._run = None
@@ -141,10 +140,6 @@ class Out:
                 return None
         return recorded if isinstance(recorded, dict) else None
 
-    def committed_parts(self) -> list[Path]:
-        """The index parts a reader follows, sorted by (rank, sequence number)."""
-        return committed_parts(self.path)
-
     def errors(self) -> list[dict]:
         """Every rank's error records as they stand (``format.read_errors``)."""
         return read_errors(self.path)
@@ -186,8 +181,6 @@ class Out:
 
     def strays(self, *, uncovered: bool = True) -> list[Any]:
         """Everything in OUT that is not where the format puts it (``layout.find_strays``)."""
-        from vlfast.extraction.store.layout import find_strays
-
         return find_strays(self.path, uncovered=uncovered)
 
     def restore_run_file(

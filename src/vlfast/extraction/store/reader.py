@@ -36,7 +36,6 @@ from vlfast.extraction.store.format import (
     SHARD_DIR,
     DamagedFile,
     committed_parts,
-    config_hash,
     feature_entry,
     gc_paused,
     is_local,
@@ -49,9 +48,8 @@ from vlfast.extraction.store.format import (
     read_part_groups,
     read_run_file,
     resolve_out,
-    stable_config,
+    run_hash,
     tensor_xxh3,
-    torch_dtype,
     xxh3,
 )
 from vlfast.extraction.store.integrity import CheckReport, RemoteShard, check_folder
@@ -84,9 +82,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self.features = None if features is None else frozenset(features)
         self.verify_reads = bool(verify)
         self._run = read_run_file(self.out)
-        self._config_hash = expected = config_hash(
-            stable_config(self._run.get("config", {}), self._run.get("volatile_keys", []))
-        )
+        self._config_hash = expected = run_hash(self._run)
         _check_layout(self.out)
         rows, self._shard_bytes, self._header_hash = _read_parts(self.out, expected)
         if not rows.shard_names:
@@ -139,7 +135,6 @@ class FeatureCache(torch.utils.data.Dataset):
         return i if self._kept is None else int(self._kept[i])
 
     def _position(self, sample_id: str) -> int:
-        """The position of ``sample_id``, or -1."""
         i = self._lookup.find(sample_id)
         return -1 if i < 0 else int(self._lookup.source[i])
 
@@ -246,11 +241,10 @@ class FeatureCache(torch.utils.data.Dataset):
             self._headers.move_to_end(k)
             return got
         h = self._handle(k, sample_id)
-        path = self._shard_paths[k]
         if isinstance(h, _RangeShard):
             raw, got = h.raw_header, (h._data_start, h._header)
         else:
-            with open(path, "rb") as f:
+            with open(self._shard_paths[k], "rb") as f:
                 data_start, raw, header = read_header(f, os.fstat(f.fileno()).st_size)
             got = (data_start, header)
         self._check_header(k, h, raw, sample_id)  # these bytes, not only those the open checked
@@ -452,9 +446,8 @@ class _RangeShard:
 
     def __init__(self, path: Any, size: int):
         self._shard = RemoteShard(path, size, policy="storage")  # size just asked
-        self._fs = self._shard.object.fs
+        self._fs = self._shard.object.fs  # the client its reads go through
         self._data_start, self.raw_header, self._header = self._shard.header()
-        self._size = size
 
     def metadata(self) -> dict[str, str] | None:
         return self._header.get("__metadata__")
@@ -462,9 +455,9 @@ class _RangeShard:
     def get_tensor(self, name: str) -> torch.Tensor:
         entry = self._header[name]
         start, end = (self._data_start + x for x in entry["data_offsets"])
-        if end > self._size:
-            raise InputRefused(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._size:,}")
-        dtype = torch_dtype(DTYPE_BY_CODE[entry["dtype"]])
+        if end > self._shard.size:
+            raise InputRefused(f"tensor {name!r} ends at byte {end:,}, past the shard's {self._shard.size:,}")
+        dtype = getattr(torch, DTYPE_BY_CODE[entry["dtype"]])
         data = bytearray(self._shard.read(start, end - start, repr(name)))
         if len(data) != end - start:
             raise InputRefused(f"tensor {name!r}: {len(data):,} bytes read of {end - start:,}")

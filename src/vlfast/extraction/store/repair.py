@@ -47,7 +47,6 @@ def _shards_of_unreadable(out: Path, part: Path) -> list[Path]:
 
 
 def write_reason(backend: Any, dest: Path, record: dict, tag: str) -> None:
-    """Make the quarantine folder ``dest`` and write ``record`` as its reason.json."""
     backend.make_quarantine(dest)
     backend.write(dest / "reason.json", (json.dumps(record, indent=1) + "\n").encode(), tag)
 

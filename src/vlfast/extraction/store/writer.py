@@ -29,10 +29,11 @@ from vlfast._files import disk_full, honour_umask
 from vlfast.errors import InputRefused
 from vlfast.extraction.ids import IdSet
 from vlfast.extraction.interrupts import commit_section
-from vlfast.extraction.store.backend import backend_for, keep_listings, rank_is_held
+from vlfast.extraction.store.backend import backend_for, keep_listings, not_writable, rank_is_held
 from vlfast.extraction.store.compact import CLOSE_MIN_PARTS, Compaction, compact_rank
 from vlfast.extraction.store.format import (
     CHECK_FILE,
+    DTYPES,
     DUPLICATE_KIND,
     ERROR_DIR,
     ERROR_KIND,
@@ -70,6 +71,7 @@ from vlfast.extraction.store.format import (
     is_part_name,
     list_names,
     others_only,
+    parquet_bytes,
     parse_retry,
     part_name,
     part_span,
@@ -82,11 +84,10 @@ from vlfast.extraction.store.format import (
     split_parts,
     stable_config,
     tensor_xxh3,
-    torch_dtypes,
     xxh3,
 )
 from vlfast.extraction.store.inputs import INPUTS_DIR, INPUTS_RE, mark_stale, merge_inputs, write_inputs
-from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part
+from vlfast.extraction.store.integrity import HashRecord, PartCheck, check_part, header_ids
 from vlfast.extraction.store.layout import refuse_misplaced
 from vlfast.extraction.store.repair import quarantine_consolidated, write_reason
 from vlfast.extraction.store.resume import (
@@ -109,7 +110,10 @@ __all__ = ["FeatureStore", "dist_info", "rank_is_held", "read_state"]
 
 
 # torch.dtype -> its name: what safetensors can store, checked in ``add`` so a bad tensor fails at the sample.
-_DTYPES: dict[torch.dtype, str] = torch_dtypes()
+# float8 is recent: only the dtypes this torch has.
+_DTYPES: dict[torch.dtype, str] = {
+    getattr(torch, n): n for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)
+}
 
 
 def _id_array(ids: Any) -> Any:
@@ -207,7 +211,7 @@ class FeatureStore:
             try:
                 self._write_or_check_run_file()
             except PermissionError as e:
-                raise self._backend.not_writable(e) from None
+                raise not_writable(self.out, e) from None
             self._read_out(resume_check, stale)
         except BaseException:
             self._release()
@@ -216,12 +220,7 @@ class FeatureStore:
     def _read_out(self, resume_check: str, stale: Collection[str]) -> None:
         """With the rank locked: clean garbage, check what is committed, read the errors, start a buffer."""
         # Rank r's garbage is cleaned by rank r % world_size, so a resume with fewer ranks still cleans it.
-        self._backend.clean_garbage(
-            lambda r: r % self.world_size == self.rank,
-            lambda shards: self._set_aside(
-                shards, "no index part covers it: its index part was deleted or lost"
-            ),
-        )
+        self._backend.clean_garbage(lambda r: r % self.world_size == self.rank, self._set_aside)
         self._bad_parts: set[str] = set()
         self._parts_read: set[str] = set()  # index parts already in _committed
         # Other ranks' parts holding only ids they own under this world size: unread while this store adds
@@ -298,11 +297,10 @@ class FeatureStore:
         is read once; otherwise each rank checks them all, the same view without coordination.
         """
         every = committed_parts(self.out)
+        own, parts = [], every
         if self._parts_skipped is not None:
             own, parts, others = split_parts(self.out, every, self.rank, self.world_size)
             self._parts_skipped = {p.name for p in others}
-        else:
-            own, parts, others = [], every, []
         dist = torch.distributed
         group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         split = group > 1 and group == self.world_size
@@ -413,20 +411,19 @@ class FeatureStore:
             stacklevel=3,
         )
 
-    def _set_aside(self, paths: list[Path], reason: str, *, ids: bool = True) -> None:
-        """Move each of ``paths`` (not this format's, or uncovered shards; see store/layout.py) to
-        OUT/quarantine/<name>-<stamp>/, never deleting it. ``ids``: name a shard's samples from its header."""
-        from vlfast.extraction.store.integrity import header_ids
-
+    def _set_aside(self, shards: list[Path]) -> None:
+        """Move each shard no index part covers and no kill explains (see store/layout.py) to
+        OUT/quarantine/<name>-<stamp>/, never deleting it, its samples named from its header."""
+        reason = "no index part covers it: its index part was deleted or lost"
         stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{self._backend.instance}"
-        for path in paths:
-            rel = f"{path.parent.name}/{path.name}" if path.parent != self.out else path.name
+        for path in shards:
+            rel = f"{path.parent.name}/{path.name}"
             dest = self.out / QUARANTINE_DIR / f"{path.name}-{stamp}"
-            record = {"part": rel, "reason": reason, "ids": header_ids(path) if ids else []}
+            record = {"part": rel, "reason": reason, "ids": header_ids(path)}
             write_reason(self._backend, dest, record, self._tag)
             self._backend.quarantine(dest, (path,))
             self.quarantined.append({**record, "moved_to": str(dest)})
-            warnings.warn(f"{rel}: {reason}; moved to {dest}", stacklevel=4)
+            warnings.warn(f"{rel}: {reason}; moved to {dest}", stacklevel=3)  # at _read_out
 
     def _release(self) -> None:
         backend = getattr(self, "_backend", None)
@@ -439,17 +436,11 @@ class FeatureStore:
             self._release()
 
     def _next_seq(self) -> int:
-        seqs = [-1]
         # A quarantined shard's number is never reused either, so its name stays unique.
-        for name in (*list_names(self.out / SHARD_DIR), *self._backend.quarantined_shards()):
-            m = SHARD_RE.match(name)
-            if m and int(m.group(1)) == self.rank:
-                seqs.append(int(m.group(2)))
-        for name in list_names(self.out / INDEX_DIR):
-            span = part_span(name)
-            if span is not None and span[0] == self.rank:
-                seqs.append(span[2])
-        return max(seqs) + 1
+        shards = (*list_names(self.out / SHARD_DIR), *self._backend.quarantined_shards())
+        spans = [(int(m.group(1)), int(m.group(2))) for n in shards if (m := SHARD_RE.match(n))]
+        spans += [(s[0], s[2]) for n in list_names(self.out / INDEX_DIR) if (s := part_span(n)) is not None]
+        return max((seq for rank, seq in spans if rank == self.rank), default=-1) + 1
 
     def _refresh_committed(self) -> None:
         for part in committed_parts(self.out):
@@ -759,9 +750,6 @@ class FeatureStore:
     def _write_index_part(
         self, shard: Path, written: tuple[int, str, int, dict], checksums: list[dict[str, str]]
     ) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         size, header_hash, data_start, header = written
         rows: dict[str, list] = {k: [] for k in index_schema().names}
         rel = f"{SHARD_DIR}/{shard.name}"
@@ -787,10 +775,7 @@ class FeatureStore:
         n = self.world_size
         if n > 1 and all(owner_rank(sid, n) == self.rank for sid in rows["id"]):
             metadata[META_OWNED_UNDER] = str(n).encode()  # other ranks of a job this size need not read it
-        table = pa.table(rows, schema=index_schema().with_metadata(metadata))
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, write_page_checksum=True)
-        data = sink.getvalue().to_pybytes()
+        data = parquet_bytes(rows, index_schema().with_metadata(metadata))
         part = self.out / INDEX_DIR / part_name(self.rank, self._seq, xxh3(data))
         # Each sample's input record (store/inputs.py), before the commit, so a committed part's samples
         # have theirs (a kill in between leaves rows no part points at)
