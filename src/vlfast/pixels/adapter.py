@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused
+from vlfast.models.ref import ModelRef
 from vlfast.pixels.media import SampleError
 from vlfast.pixels.settings import IMAGE_PROCESSOR_SETTINGS, TORCHVISION_IMAGE_PROCESSORS
 
@@ -78,8 +79,6 @@ def as_image_processor(pre: Any, base: Any = None) -> Any:
 
 def _checkpoint_image_processor(model: str) -> Any:
     from transformers import AutoImageProcessor
-
-    from vlfast.models.ref import ModelRef
 
     if ModelRef.of(model).is_reference:
         raise InputRefused(
