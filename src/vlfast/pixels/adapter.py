@@ -6,6 +6,7 @@ whose calls :class:`~vlfast.pixels.preprocessor.VisionPreprocessor` answers (:fu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import threading
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused
+from vlfast.models.ref import ModelRef
+from vlfast.pixels.media import SampleError
 from vlfast.pixels.settings import IMAGE_PROCESSOR_SETTINGS, TORCHVISION_IMAGE_PROCESSORS
 
 __all__ = [
@@ -77,8 +80,6 @@ def as_image_processor(pre: Any, base: Any = None) -> Any:
 def _checkpoint_image_processor(model: str) -> Any:
     from transformers import AutoImageProcessor
 
-    from vlfast.models.ref import ModelRef
-
     if ModelRef.of(model).is_reference:
         raise InputRefused(
             f"{model} has no processor files: pass the image processor to adapt "
@@ -115,8 +116,6 @@ def adapted(pre: Any, base: Any, fallback: bool = False) -> Any:
     """A copy of ``base`` whose class is a subclass of ``base``'s answering calls with ``pre``. ``fallback``
     (``VLFAST_PREPROCESS``): a call vlfast cannot answer exactly as ``base`` would runs ``base``'s own code
     instead of being refused."""
-    import copy
-
     out = copy.copy(base)
     out.__class__ = __adapted_class(type(base))
     out._vlfast = pre
@@ -141,7 +140,7 @@ _ADAPTED: dict[type, type] = {}
 def __adapted_class(base_cls: type) -> type:
     cls = _ADAPTED.get(base_cls)
     if cls is None:
-        cls = type(
+        cls = _ADAPTED[base_cls] = type(
             f"Vlfast{base_cls.__name__}",
             (base_cls,),
             {
@@ -153,7 +152,6 @@ def __adapted_class(base_cls: type) -> type:
                 "__doc__": f"{base_cls.__name__} whose calls vlfast.VisionPreprocessor answers.",
             },
         )
-        _ADAPTED[base_cls] = cls
     return cls
 
 
@@ -176,9 +174,7 @@ def _rebuilt(pre: Any, base_cls: type, state: dict) -> Any:
 
 def _adapted_to_dict(self) -> dict[str, Any]:
     """``base``'s, as ``save_pretrained`` writes it: its own class name, no vlfast attribute."""
-    out = _base_class(self).to_dict(self)
-    for key in [k for k in out if k.startswith("_vlfast")]:
-        del out[key]
+    out = {k: v for k, v in _base_class(self).to_dict(self).items() if not k.startswith("_vlfast")}
     out["image_processor_type"] = out["image_processor_type"].removeprefix("Vlfast")
     return out
 
@@ -222,10 +218,7 @@ def _call_mismatch(kwargs: dict[str, Any], cfg) -> str | None:
             lo, hi = cfg.image_min_pixels, cfg.image_max_pixels
             ours = f"shortest_edge={lo}, longest_edge={hi}"
             try:
-                edges = {"shortest_edge", "longest_edge"}
-                same = (value["shortest_edge"], value["longest_edge"]) == (lo, hi) and set(
-                    dict(value)
-                ) <= edges
+                same = dict(value) == {"shortest_edge": lo, "longest_edge": hi}
             except (KeyError, TypeError, ValueError):
                 same = False
         elif name == "do_convert_rgb":
@@ -304,8 +297,6 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
     """``images`` -> BatchFeature of ``pixel_values`` and ``image_grid_thw``, by vlfast.VisionPreprocessor."""
     from transformers.feature_extraction_utils import BatchFeature
 
-    from vlfast.pixels.media import SampleError
-
     pre = self._vlfast  # a VisionPreprocessor
     who = type(self).__name__
     why = None
@@ -348,8 +339,6 @@ def _adapted_call(self, images=None, *args, return_tensors=None, **kwargs):
 
 def without_resize(pre: Any) -> Any:
     """``pre`` with the image processor's ``do_resize`` off, as a call's ``do_resize=False`` asks."""
-    import copy
-
     from vlfast.pixels.engine import Preprocessor
 
     out = copy.copy(pre)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from dataclasses import dataclass, field
+from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -126,22 +128,18 @@ def _processor_dicts(
     video_from, video_cfg = read("video_processor", video_file)
     if video_from is None and use_transformers and image_file.is_file():
         # transformers' get_video_processor_config falls back to preprocessor_config.json: so does vlfast
-        video_from, video_cfg = (
-            f"{image_file} (as transformers reads it for videos)",
-            _json_object(image_file),
-        )
+        video_from = f"{image_file} (as transformers reads it for videos)"
+        video_cfg = _json_object(image_file)
     if use_transformers:
-        files = (image_cfg, video_cfg)
 
         def ask() -> tuple[dict, dict]:
             try:
                 from transformers.image_processing_base import ImageProcessingMixin
                 from transformers.models.auto.video_processing_auto import get_video_processor_config
             except ImportError:  # an older transformers: the files as read above
-                return files
+                return image_cfg, video_cfg
             image, _ = ImageProcessingMixin.get_image_processor_dict(str(path), local_files_only=True)
-            video = get_video_processor_config(str(path), local_files_only=True) or files[1]
-            return image, video
+            return image, get_video_processor_config(str(path), local_files_only=True) or video_cfg
 
         image_cfg, video_cfg = ask() if facts is None else facts.answer("processor files", ask)
     return image_cfg, image_from, video_cfg, video_from
@@ -199,32 +197,6 @@ def _image_processor(
             _IMAGE_PROCESSORS.pop(next(iter(_IMAGE_PROCESSORS)))
         _IMAGE_PROCESSORS[key] = proc
     return proc
-
-
-def _checkpoint_values(
-    model: Path, family: str, values: dict[str, Any], facts: Answers | None = None
-) -> tuple[str, dict[str, Any]]:
-    """Read a checkpoint's processor files into ``values`` (over the family's defaults); returns the source
-    named and the video processor's own settings."""
-    image_cfg, image_from, video_cfg, video_from = _processor_dicts(model, facts=facts)
-    if video_from is None:
-        source = f"{image_from} (video: {family} defaults)"
-    elif image_from.endswith(" (image_processor)") and video_from.endswith(" (video_processor)"):
-        source = f"{image_from.removesuffix(' (image_processor)')} (image_processor and video_processor)"
-    else:
-        source = f"{image_from} and {video_from}"
-    for kind, cfg in (("image", image_cfg), ("video", video_cfg)):
-        if cfg or kind == "image":  # both files name their normalisation image_mean and image_std
-            lo, hi = _size_pixels(cfg, values[f"{kind}_min_pixels"], values[f"{kind}_max_pixels"])
-            values[f"{kind}_min_pixels"], values[f"{kind}_max_pixels"] = lo, hi
-            for stat in ("mean", "std"):
-                values[f"{kind}_{stat}"] = tuple(cfg.get(f"image_{stat}", values[f"{kind}_{stat}"]))
-    values["patch_size"] = int(image_cfg.get("patch_size", values["patch_size"]))
-    values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
-    values["merge_size"] = int(image_cfg.get("merge_size", 2))
-    values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
-    values.update(_pixel_settings(image_cfg, video_cfg))
-    return source, video_cfg
 
 
 def _pixel_settings(image_cfg: dict[str, Any], video_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -288,6 +260,7 @@ def build_processor_config(
         num_frames = video_cfg.get("num_frames")
     numbers = _patch_numbers(values)
 
+    # read at the call (not imported above): the module's attribute, as a test swaps it
     from vlfast.pixels.settings import transparency_rule
 
     transparency = transparency_rule() if facts is None else facts.answer("transparency", transparency_rule)
@@ -340,8 +313,25 @@ def _model_values(
     video_cfg: dict[str, Any] = {}
     if ModelRef.of(model).is_reference:
         source = f"published {family} defaults (vlfast.pixels.engine._FAMILY_DEFAULTS)"
-    else:
-        source, video_cfg = _checkpoint_values(Path(model), family, values, facts)
+    else:  # the checkpoint's processor files, over the family's defaults
+        image_cfg, image_from, video_cfg, video_from = _processor_dicts(Path(model), facts=facts)
+        if video_from is None:
+            source = f"{image_from} (video: {family} defaults)"
+        elif image_from.endswith(" (image_processor)") and video_from.endswith(" (video_processor)"):
+            source = f"{image_from.removesuffix(' (image_processor)')} (image_processor and video_processor)"
+        else:
+            source = f"{image_from} and {video_from}"
+        for kind, cfg in (("image", image_cfg), ("video", video_cfg)):
+            if cfg or kind == "image":  # both files name their normalisation image_mean and image_std
+                lo, hi = _size_pixels(cfg, values[f"{kind}_min_pixels"], values[f"{kind}_max_pixels"])
+                values[f"{kind}_min_pixels"], values[f"{kind}_max_pixels"] = lo, hi
+                for stat in ("mean", "std"):
+                    values[f"{kind}_{stat}"] = tuple(cfg.get(f"image_{stat}", values[f"{kind}_{stat}"]))
+        values["patch_size"] = int(image_cfg.get("patch_size", values["patch_size"]))
+        values["temporal_patch_size"] = int(image_cfg.get("temporal_patch_size", 2))
+        values["merge_size"] = int(image_cfg.get("merge_size", 2))
+        values["rescale_factor"] = float(image_cfg.get("rescale_factor", 1 / 255))
+        values.update(_pixel_settings(image_cfg, video_cfg))
     recipe = is_embedding_checkpoint(model)
     if recipe:  # Qwen3-VL-Embedding prepares pixels its own way (pixels.recipe), not by its processor files
         values.update(RECIPE_PIXELS)
@@ -373,9 +363,6 @@ def _video_numbers(
 def _check_given(**given: Any) -> None:
     """InputRefused naming a number given that is not finite, not positive, or (all but ``fps``) not whole:
     int() would truncate 2.5 frames silently, and an infinite fps overflows the frame count."""
-    import math
-    from numbers import Real
-
     for name, value in given.items():
         if value is None:
             continue
@@ -534,9 +521,7 @@ class Preprocessor:
     _image_processor: Any = field(default=None, init=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_image_processor"] = None
-        return state
+        return {**self.__dict__, "_image_processor": None}
 
     def image_processor(self):
         if self._image_processor is None:
@@ -615,9 +600,7 @@ class Preprocessor:
             frames, meta = read_video(sample.media, cfg)
         else:
             images = (load_image(p, cfg.exif_orientation, cfg.image_reading) for p in sample.paths)
-            arrays = [
-                rgb_tensor(img, cfg.transparency).permute(1, 2, 0).numpy() for img in images
-            ]  # (H, W, 3)
+            arrays = [rgb_tensor(img, cfg.transparency).permute(1, 2, 0).numpy() for img in images]  # HWC
             shapes = {a.shape for a in arrays}
             if len(shapes) != 1:
                 raise SampleError(f"frames of one clip differ in size: {sorted(shapes)}")

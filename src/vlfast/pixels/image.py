@@ -12,12 +12,13 @@ against the class itself in tests/test_preprocess_parity.py.
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import numpy as np
 import torch
 
-from vlfast.pixels.media import MAX_ASPECT_RATIO, SampleError
+from vlfast.pixels.media import MAX_ASPECT_RATIO, SampleError, checked_media
 from vlfast.pixels.settings import ProcessorConfig
 from vlfast.pixels.video import normalize_patches, patch_rows, resize_frames, smart_resize
 
@@ -45,11 +46,7 @@ def jpeg_rgb(path, exif_orientation: bool) -> tuple[torch.Tensor, dict] | None:
         import simplejpeg
     except ImportError:
         return None
-    import io
-
     from PIL import Image
-
-    from vlfast.pixels.media import checked_media
 
     checked_media(path)
     try:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlfast.errors import InputRefused
+from vlfast.models.ref import ModelRef, family_of
 from vlfast.pixels.adapter import conformed_inputs
+from vlfast.pixels.media import SampleError
 from vlfast.pixels.settings import IMAGE_BACKENDS, TORCHVISION_IMAGE_PROCESSORS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,7 +59,6 @@ class VisionPreprocessor:
             raise InputRefused(
                 "pixels='uint8' needs image_backend='torchvision' (the PIL processor returns float32)"
             )
-        from vlfast.models.ref import ModelRef, family_of
         from vlfast.pixels.engine import Preprocessor, build_processor_config
 
         ref = ModelRef.of(self.model)
@@ -127,7 +128,6 @@ class VisionPreprocessor:
         default where they are): bit-equal to the float32 outputs. With ``dtype`` (the model's) the pixel
         values are written in it directly, rounded as ``.to(dtype)`` rounds the float32 ones. Other entries
         are moved to ``device`` as they are."""
-
         from vlfast.pixels.finish import finish_pixels
 
         _check_batch(batch)
@@ -229,8 +229,6 @@ def _cat(rows):
 
 def _named(fn, x):
     """``fn(x)``, its SampleError naming the input (a data loader's traceback then says which file)."""
-    from vlfast.pixels.media import SampleError
-
     try:
         return fn(x)
     except SampleError as e:

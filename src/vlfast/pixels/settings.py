@@ -4,7 +4,9 @@ transformers (but for the two rules asked of transformers, on call)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
+from numbers import Integral, Real
 from typing import Any
 
 from vlfast.errors import InputRefused
@@ -176,9 +178,6 @@ _FLOAT_TUPLES = ("image_mean", "image_std", "video_mean", "video_std")
 
 def _check_numbers(cfg: ProcessorConfig) -> None:
     """InputRefused naming the first setting that is not a usable number."""
-    import math
-    from numbers import Integral, Real
-
     for name, positive in _FLOATS.items():
         v = getattr(cfg, name)
         if v is None and name == "fps":
@@ -232,8 +231,6 @@ def with_video_wrapper(
     under either rule). With ``facts`` (a ``ModelFacts``) the answer comes from OUT's record."""
     if not prompts or not family.startswith("qwen3"):
         return cfg
-    from dataclasses import replace
-
     rule = video_wrapper_rule() if facts is None else facts.answer("video wrapper", video_wrapper_rule)
     return replace(cfg, video_wrapper=rule)
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import ctypes
 import math
 import platform
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,13 +247,9 @@ def empty_pixels(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 def _libc_madvise():
-    import sys
-
     if not sys.platform.startswith("linux"):
         return None
     try:
-        import ctypes
-
         fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
@@ -350,10 +348,8 @@ def _video_failure(path: Media, size: int, reason: str, *, cut: bool = False) ->
     file met while opening, a failure after the container opened); otherwise ``reason`` as it is."""
     where = container_truncation(path, size)
     if where is not None:
-        return SampleError(f"truncated or corrupt video: {where} ({reason})")
-    if cut:
-        return SampleError(f"truncated or corrupt video: {reason}")
-    return SampleError(reason)
+        reason, cut = f"{where} ({reason})", True
+    return SampleError(f"truncated or corrupt video: {reason}" if cut else reason)
 
 
 @dataclass(frozen=True)
