@@ -465,6 +465,7 @@ def _engine(
 
 def _print_summary(summary, out: str) -> None:
     from vlfast.extraction.objstore import is_url
+    from vlfast.extraction.store.format import TRANSIENT_PREFIX
     from vlfast.extraction.store.out import Out
 
     shown = out if is_url(out) else str(Path(out))
@@ -519,8 +520,6 @@ def _print_summary(summary, out: str) -> None:
         print_table(kinds)
     if summary.failed:
         say(f"errors with reasons: {Out.errors_shown(out)}")
-    from vlfast.extraction.store.format import TRANSIENT_PREFIX
-
     if summary.errors.get(TRANSIENT_PREFIX):
         say(
             f"{summary.errors[TRANSIENT_PREFIX]} samples could not be read from storage for a transient "
