@@ -23,6 +23,7 @@ from rich.padding import Padding
 from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
+from vlfast.cli._examples import HELP_OPTIONS
 from vlfast.errors import InputRefused, VlfastError
 from vlfast.limits import LIMITS
 
@@ -155,8 +156,6 @@ def readable_help(app: typer.Typer) -> None:
 
 def add_group(app: typer.Typer, name: str, help: str, commands: dict[str, Callable]) -> None:
     """Register a command group (``vlfast out``, ``vlfast tokens``): ``commands`` by name, in help's order."""
-    from vlfast.cli._examples import HELP_OPTIONS
-
     group = typer.Typer(name=name, help=help, no_args_is_help=True, context_settings=HELP_OPTIONS)
     for command, fn in commands.items():
         group.command(command)(fn)
@@ -259,6 +258,11 @@ def parse_storage_options(text: str | None) -> dict | None:
 def say(text: str, out: Console | None = None) -> None:
     """Print ``text`` as written: no markup, no highlighting, never cut across lines in a pipe."""
     (out or console).print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def ms_cell(v: float | None) -> str:
+    """Milliseconds for a table cell; "-" where nothing was measured."""
+    return "-" if v is None else f"{v:,.2f}"
 
 
 def print_json(data: Any) -> None:

@@ -17,6 +17,7 @@ from vlfast.cli._common import (
     UsageError,
     console,
     handle_errors,
+    ms_cell,
     option,
     print_fitted_table,
     print_json,
@@ -33,13 +34,6 @@ _STATUS_STYLE = {
 _VERDICT_STYLE = {"slow-path": "bold red", "gain": "bold yellow", "ok": "bold green", "patched": "bold green"}
 
 
-def _render(report) -> None:
-    """The doctor's report for a terminal: the environment, the probe's table, then the verdict and fixes."""
-    print_fitted_table(_environment(report))
-    print_fitted_table(_probe(report))
-    _conclusion(report)
-
-
 def _environment(report) -> Table:
     """What decides the kernels here, one row each; "could not collect" where a probe failed."""
     from vlfast.diagnosis.doctor import cpu_features_cell, libraries_cell
@@ -51,10 +45,8 @@ def _environment(report) -> Table:
     env.add_column()
 
     def row(name: str, value, applies: bool = True) -> None:
-        if not applies:
-            env.add_row(name, "[dim]n/a[/dim]")
-        else:
-            env.add_row(name, "[dim]could not collect[/dim]" if value is None else escape(str(value)))
+        cell = "[dim]could not collect[/dim]" if value is None else escape(str(value))
+        env.add_row(name, cell if applies else "[dim]n/a[/dim]")
 
     cuda, rocm = f.torch_build == "cuda", f.torch_build == "rocm"
     driver = f.torch_cuda and f"{f.torch_cuda} / {f.cuda_driver} (driver {f.nvidia_driver})"
@@ -102,9 +94,6 @@ def _probe(report) -> Table:
     for col, kw in [("backend", {}), ("status", {"no_wrap": True}), ("rules", fold)]:
         probe.add_column(col, **kw)
 
-    def ms(v) -> str:
-        return "-" if v is None else f"{v:,.2f}"
-
     def ratio(v, spread, reliable, status=None) -> str:
         text = ratio_cell(v, spread, reliable)
         style = _STATUS_STYLE.get(status or "", "") if v is not None else ""
@@ -119,11 +108,11 @@ def _probe(report) -> Table:
             p.shape.describe(),
             escape(names),
             timed_cell(p),
-            ms(p.per_sample_ms("conv")),
-            ms(p.per_sample_ms("gemm")),
+            ms_cell(p.per_sample_ms("conv")),
+            ms_cell(p.per_sample_ms("gemm")),
             ratio(p.ratio, p.spread, p.reliable, x.forward_status),
-            ms(p.per_sample_ms("conv_backward")),
-            ms(p.per_sample_ms("gemm_backward")),
+            ms_cell(p.per_sample_ms("conv_backward")),
+            ms_cell(p.per_sample_ms("gemm_backward")),
             ratio(p.backward_ratio, p.backward_spread, p.backward_reliable, x.backward_status),
             "-" if p.channels_last_ratio is None else f"{p.channels_last_ratio:.2f}x",
             p.backend or "-",
@@ -244,5 +233,7 @@ def register(app: typer.Typer) -> None:
         elif markdown:
             typer.echo(report.to_markdown(), nl=False)
         else:
-            _render(report)
+            print_fitted_table(_environment(report))
+            print_fitted_table(_probe(report))
+            _conclusion(report)
         raise typer.Exit(report.exit_code)

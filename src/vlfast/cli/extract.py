@@ -409,8 +409,9 @@ def _report(summary, out: str, as_json: bool) -> None:
     if as_json:
         print_json(summary.to_dict())
     elif summary.nothing_to_do:
+        of_rank = f" of rank {summary.rank}" if summary.world_size > 1 else ""  # where ranks share the input
         say(
-            f"nothing to do: all {summary.assigned} input entries{_of_rank(summary)} are already in {out} "
+            f"nothing to do: all {summary.assigned} input entries{of_rank} are already in {out} "
             f"(extracted, or recorded in {Out.errors_shown(out)})"
         )
     else:
@@ -462,20 +463,16 @@ def _engine(
     )
 
 
-def _of_rank(summary, word: str = "of") -> str:
-    """Which rank, where ranks share the input (" of rank 3"); nothing for a single process."""
-    return f" {word} rank {summary.rank}" if summary.world_size > 1 else ""
-
-
 def _print_summary(summary, out: str) -> None:
     from vlfast.extraction.objstore import is_url
+    from vlfast.extraction.store.format import TRANSIENT_PREFIX
     from vlfast.extraction.store.out import Out
 
     shown = out if is_url(out) else str(Path(out))
     table = Table(title=f"vlfast extract -> {escape(shown)}", show_header=False)
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("", overflow="fold")  # paths and reasons stay whole in a narrow pipe
-    split = f", {summary.assigned}{_of_rank(summary, 'for')}" if summary.world_size > 1 else ""
+    split = f", {summary.assigned} for rank {summary.rank}" if summary.world_size > 1 else ""
     rows = [
         ("model", summary.model),
         ("features", ", ".join(summary.features)),
@@ -523,8 +520,6 @@ def _print_summary(summary, out: str) -> None:
         print_table(kinds)
     if summary.failed:
         say(f"errors with reasons: {Out.errors_shown(out)}")
-    from vlfast.extraction.store.format import TRANSIENT_PREFIX
-
     if summary.errors.get(TRANSIENT_PREFIX):
         say(
             f"{summary.errors[TRANSIENT_PREFIX]} samples could not be read from storage for a transient "

@@ -14,6 +14,7 @@ from vlfast.cli._common import (
     console,
     err_console,
     handle_errors,
+    ms_cell,
     option,
     print_json,
     print_table,
@@ -45,10 +46,6 @@ def _size(text: str | None) -> tuple[int, int] | None:
     except ValueError:
         raise UsageError(f"--size must be HEIGHTxWIDTH in pixels such as 384x512; got {text!r}") from None
     return (check("--size", h), check("--size", w))
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:,.2f}"
 
 
 def _load(v: float | None) -> str:
@@ -91,16 +88,14 @@ def _render_pair(report, before, after) -> None:
     table.add_column("component")
     for col in ("before ms", "share", "after ms", "share", "speedup"):
         table.add_column(col, justify="right")
-    parts = list(
-        dict.fromkeys([*(before.components if before else {}), *(after.components if after else {})])
-    )
+    parts = list(dict.fromkeys(part for run in (before, after) if run for part in run.components))
 
     def cells(run, part):
         if run is None:
             return "-", "-"
         ms = run.inline_ms if part == INLINE else run.components.get(part)
         share = run.shares.get(part)
-        return _ms(ms), "-" if share is None else f"{share:.1%}"
+        return ms_cell(ms), "-" if share is None else f"{share:.1%}"
 
     for part in [*parts, INLINE]:
         label = part
@@ -119,7 +114,7 @@ def _render_pair(report, before, after) -> None:
             continue
         plain = f"{bv / av:.1f}x" if bv and av else ""
         speed = speedup("forward") if name == "forward (hooked)" else plain
-        table.add_row(f"[bold]{name}[/bold]", _ms(bv), "", _ms(av), "", f"[bold]{speed}[/bold]")
+        table.add_row(f"[bold]{name}[/bold]", ms_cell(bv), "", ms_cell(av), "", f"[bold]{speed}[/bold]")
     print_table(table)
     for run in (before, after):
         if run is not None and run.vlm_error:
@@ -207,7 +202,7 @@ def profile_cmd(
         batch_sizes=batch_sizes,
         frames=frame_counts,
         budget_s=budget,
-        progress=_progress,
+        progress=lambda line: say(line, err_console),  # stderr: where a killed run was; stdout stays JSON
         on_pair=None if json_out else _render_pair,
         size=frame_size,
         warmup=warmup,
@@ -223,8 +218,3 @@ def profile_cmd(
             console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
         if png:
             console.print(f"chart: {png}", highlight=False)
-
-
-def _progress(line: str) -> None:
-    """stderr, so a killed run says where it was; stdout stays JSON."""
-    say(line, err_console)

@@ -59,15 +59,11 @@ class _Progress:
 
     def __call__(self, step: Step) -> None:
         self._step(step)
-        if self.guess is not None and (step.done or step.index > 0):
-            self._expected(self.guess)
-            self.guess = None  # said once
-
-    def _expected(self, guess: float) -> None:
-        """The whole run's expected time, start-up included."""
+        if self.guess is None or not (step.done or step.index > 0):
+            return
         from vlfast.cli._process import since_start, since_start_words
 
-        so_far = since_start()
+        so_far, guess = since_start(), self.guess  # the whole run's expected time, start-up included
         say(
             f"vlfast verify {self.model}: expected ~{_duration(so_far + guess)} in all here: {so_far:.1f} s "
             f"{since_start_words()} to load torch, transformers and the model, then ~{_duration(guess)} of "
@@ -75,6 +71,7 @@ class _Progress:
             "takes longer)",
             self.out,
         )
+        self.guess = None  # said once
 
     def _step(self, step: Step) -> None:
         where = f"[{step.index}/{step.total}] " if step.total else ""
