@@ -16,27 +16,21 @@ __version__ = "0.1.0"
 # public name -> module that defines it. Modules are named apart from the functions they export
 # (patching/patch, verification/verify, ...) so importing a submodule never shadows a function.
 _EXPORTS = {
-    "patch": "vlfast.patching.gemm",
-    "unpatch": "vlfast.patching.gemm",
-    "is_patched": "vlfast.patching.gemm",
-    "PatchReport": "vlfast.patching.gemm",
+    **dict.fromkeys(["patch", "unpatch", "is_patched", "PatchReport"], "vlfast.patching.gemm"),
     "record_calls": "vlfast.switches.record",
-    "patch_transformers": "vlfast.patching.integrations",
-    "unpatch_transformers": "vlfast.patching.integrations",
-    "discover_families": "vlfast.patching.integrations",
-    "verify": "vlfast.diagnosis.verification",
-    "VerifyReport": "vlfast.diagnosis.verification",
+    **dict.fromkeys(
+        ["patch_transformers", "unpatch_transformers", "discover_families"], "vlfast.patching.integrations"
+    ),
+    **dict.fromkeys(["verify", "VerifyReport"], "vlfast.diagnosis.verification"),
     "load_model": "vlfast.models",
     "list_references": "vlfast.models.references",
     "doctor": "vlfast.diagnosis.doctor",
     "profile": "vlfast.diagnosis.profiler",
-    "extract": "vlfast.extraction",
-    "FeatureCache": "vlfast.extraction",
+    **dict.fromkeys(["extract", "FeatureCache"], "vlfast.extraction"),
     "VisionPreprocessor": "vlfast.pixels.preprocessor",
     "audit_tokens": "vlfast.tokens",
     # what vlfast refuses on purpose (exit 2 in the CLI); anything else that escapes is a bug
-    "VlfastError": "vlfast.errors",
-    "InputRefused": "vlfast.errors",
+    **dict.fromkeys(["VlfastError", "InputRefused"], "vlfast.errors"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -20,14 +20,9 @@ __all__ = ["COMPUTE_DTYPES", "dtype_name", "torch_dtype"]
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 ALIASES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
+    **dict.fromkeys(["float32", "fp32", "float"], "float32"),
+    **dict.fromkeys(["bfloat16", "bf16"], "bfloat16"),
+    **dict.fromkeys(["float16", "fp16", "half"], "float16"),
 }
 
 

@@ -331,24 +331,21 @@ class GemmConvForward:
         spatial = tuple(x.shape[2:])
         d = weight.shape[0]
         channels_last = _is_channels_last(x, nd)
-        if spatial == self.kernel_size:
-            if x.is_contiguous():
-                self._count()
-                return F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias).view(n, d, *([1] * nd))
-            if not channels_last:
-                # odd strides: a copy would cost more than it saves
-                return self._fallback(x, weight, bias, "input neither contiguous nor channels-last")
-            # Memory holds (N, *k, C): flatten that way (a view) and reorder the weight to match.
-            self._count()
-            dims = (0, *range(2, nd + 2), 1)
-            y = F.linear(x.permute(dims).reshape(n, -1), weight.permute(dims).reshape(d, -1), bias)
-            # The conv's channels-last strides: (D, 1, D, ..., D).
-            return y.view(n, *([1] * nd), d).permute(0, nd + 1, *range(1, nd + 1))
         if any(s < k for s, k in zip(spatial, self.kernel_size)):
             # the conv raises its own error for too-small input
             return self._fallback(x, weight, bias, f"input {spatial} smaller than the kernel")
         if not (x.is_contiguous() or channels_last):
+            # odd strides: a copy would cost more than it saves
             return self._fallback(x, weight, bias, "input neither contiguous nor channels-last")
+        if spatial == self.kernel_size:
+            self._count()
+            if x.is_contiguous():
+                return F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias).view(n, d, *([1] * nd))
+            # Memory holds (N, *k, C): flatten that way (a view) and reorder the weight to match.
+            dims = (0, *range(2, nd + 2), 1)
+            y = F.linear(x.permute(dims).reshape(n, -1), weight.permute(dims).reshape(d, -1), bias)
+            # The conv's channels-last strides: (D, 1, D, ..., D).
+            return y.view(n, *([1] * nd), d).permute(0, nd + 1, *range(1, nd + 1))
         # Larger input: crop the remainder the conv would skip, cut into windows, one batched GEMM.
         self._count()
         grid = tuple(s // k for s, k in zip(spatial, self.kernel_size))
@@ -638,20 +635,15 @@ def patch_one(module: nn.Module, name: str = "") -> bool:
 
 def count_calls(delta: int) -> None:
     """Add ``delta`` to the number of records running (vlfast.switches.record); calls are counted, and
-    the module pre-hook installed, while it is not zero."""
+    the global forward pre-hook installed, while it is not zero (without the hook, ``Module.__call__``
+    takes its fast path)."""
     global _RECORDING
     _RECORDING = max(0, _RECORDING + delta)
-    _watch(bool(_RECORDING))
-
-
-def _watch(on: bool) -> None:
-    """The global forward pre-hook, only while a record runs: without, ``Module.__call__`` takes its fast
-    path."""
-    if on and not _hook:
+    if _RECORDING and not _hook:
         from torch.nn.modules.module import register_module_forward_pre_hook
 
         _hook.append(register_module_forward_pre_hook(_module_called))
-    elif not on and _hook:
+    elif not _RECORDING and _hook:
         _hook.pop().remove()
 
 
@@ -765,4 +757,4 @@ def unpatch(model: nn.Module) -> PatchReport:
 
 
 if _RECORDING:  # VLFAST_RECORD armed before this import: watch from now on
-    _watch(True)
+    count_calls(0)

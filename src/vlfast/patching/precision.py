@@ -55,14 +55,12 @@ def _effective(backend: str, op: str) -> str:
             return "tf32" if tf32[backend, op].allow_tf32 else "ieee"
         medium = torch.get_float32_matmul_precision() == "medium"
         return "bf16" if (backend, op) == ("mkldnn", "matmul") and medium else "ieee"
-    for value in (
+    settings = (
         _get(backend, op),
         getattr(getattr(torch.backends, backend), "fp32_precision", "none"),
         getattr(torch.backends, "fp32_precision", "none"),
-    ):
-        if value != "none":
-            return value
-    return "ieee"
+    )
+    return next((value for value in settings if value != "none"), "ieee")
 
 
 def fp32_settings(device: str | torch.device) -> dict[str, tuple[str, str]]:
