@@ -413,3 +413,29 @@ def test_arrays_tensors_and_nesting_as_transformers_takes_them_and_clear_refusal
     ):
         with pytest.raises(InputRefused, match=f"^VisionPreprocessor: a video given as {needle}: pass"):
             pre(videos=[video])
+
+
+def test_a_swapped_processor_answers_a_calls_size_only_when_it_is_its_own():
+    """``size=`` in a call is answered only as the exact dict of this preprocessor's two edges; any other
+    spelling (pairs that ``dict()`` would accept, an extra key, another budget) is refused with both values,
+    never answered under settings it did not ask for (a cut once let pairs through)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessor
+
+    pre = VisionPreprocessor("ref:qwen2-vl-7b")
+    ip = pre.as_image_processor(Qwen2VLImageProcessor())
+    lo, hi = pre.config.image_min_pixels, pre.config.image_max_pixels
+    image = Image.fromarray(np.full((56, 56, 3), 128, np.uint8))
+    own = ip(image, return_tensors="pt", size={"shortest_edge": lo, "longest_edge": hi})
+    assert tuple(own["pixel_values"].shape) == (16, 1176)
+    for size in (
+        [("shortest_edge", lo), ("longest_edge", hi)],
+        (("longest_edge", hi), ("shortest_edge", lo)),
+        {"shortest_edge": lo, "longest_edge": hi, "height": 56},
+        {"shortest_edge": lo, "longest_edge": hi + 1},
+        {"longest_edge": hi},
+    ):
+        with pytest.raises(InputRefused, match="in a call, where this VisionPreprocessor has") as e:
+            ip(image, return_tensors="pt", size=size)
+        assert f"shortest_edge={lo}, longest_edge={hi}" in str(e.value)

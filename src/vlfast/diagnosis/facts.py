@@ -194,9 +194,10 @@ def cudnn_libraries() -> dict[str, str] | None:
 
 
 def _miopen_version() -> str | None:
-    # On ROCm builds cudnn.version() is MIOpen's: major * 10000 + minor * 100 + patch, as cuDNN >= 9 encodes
-    # it (aten/src/ATen/cuda/detail/CUDAHooks.cpp, versionMIOpen).
-    return cudnn_version_str(int(torch.backends.cudnn.version()))
+    # On ROCm builds cudnn.version() is MIOpen's: major * 10000 + minor * 100 + patch
+    # (aten/src/ATen/cuda/detail/CUDAHooks.cpp, versionMIOpen).
+    v = int(torch.backends.cudnn.version())
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
 
 
 def _transformers_fusion() -> bool:

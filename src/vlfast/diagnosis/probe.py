@@ -12,7 +12,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -119,9 +119,13 @@ def merge_shapes(shapes: list[ConvShape]) -> list[ConvShape]:
     """One entry per distinct geometry, with the names of every place it occurs, in first-seen order."""
     merged: dict[tuple, ConvShape] = {}
     for s in shapes:
-        if (prev := merged.get(s.key)) is not None:
-            s = replace(prev, names=prev.names + s.names, patched=prev.patched and s.patched)
-        merged[s.key] = s
+        if s.key in merged:
+            prev = merged[s.key]
+            merged[s.key] = ConvShape(
+                *s.key[:5], s.windows, prev.names + s.names, patched=prev.patched and s.patched
+            )
+        else:
+            merged[s.key] = s
     return list(merged.values())
 
 

@@ -722,18 +722,18 @@ def expected_seconds(
     params = sum(p.numel() for p in tower.parameters())
     dts = _dtypes(dtypes)
     patches = [t * h * w for t, h, w in grids]
-    tower_macs = 2 * params * sum(patches)
-    layer_macs = sum(
-        n_windows * m.weight[0].numel() * m.out_channels * (1 + 4 + (1 + 30) * 2 * backward)
-        # the accuracy check: float64 forward and backward (~4x and 8x), stock and patched again
-        + min(n_windows, ACCURACY_WINDOWS)
-        * m.weight[0].numel()
-        * m.out_channels
-        * (4 + 1 + 12 + 31 * backward)
-        for _, m in _convs(tower)
-    )
     macs: dict[torch.dtype, float] = {}
     for dt in dts:
+        tower_macs = 2 * params * sum(patches)
+        layer_macs = sum(
+            n_windows * m.weight[0].numel() * m.out_channels * (1 + 4 + (1 + 30) * 2 * backward)
+            # the accuracy check: float64 forward and backward (~4x and 8x), stock and patched again
+            + min(n_windows, ACCURACY_WINDOWS)
+            * m.weight[0].numel()
+            * m.out_channels
+            * (4 + 1 + 12 + 31 * backward)
+            for _, m in _convs(tower)
+        )
         macs[dt] = macs.get(dt, 0.0) + tower_macs + layer_macs
     if backward and patches:
         macs[torch.float32] = macs.get(torch.float32, 0.0) + 6 * params * patches[0]

@@ -218,7 +218,10 @@ def _call_mismatch(kwargs: dict[str, Any], cfg) -> str | None:
             lo, hi = cfg.image_min_pixels, cfg.image_max_pixels
             ours = f"shortest_edge={lo}, longest_edge={hi}"
             try:
-                same = dict(value) == {"shortest_edge": lo, "longest_edge": hi}
+                edges = {"shortest_edge", "longest_edge"}
+                same = (value["shortest_edge"], value["longest_edge"]) == (lo, hi) and set(
+                    dict(value)
+                ) <= edges
             except (KeyError, TypeError, ValueError):
                 same = False
         elif name == "do_convert_rgb":

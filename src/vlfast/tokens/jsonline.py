@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from json.decoder import scanstring
 from typing import Any
 
@@ -19,11 +18,18 @@ _WS = re.compile(r"[ \t\n\r]*")
 _SCALAR = re.compile(r"NaN|-?Infinity|true|false|null|-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
-@dataclass(slots=True)  # equal by text, unhashable (eq without frozen)
 class Verbatim:
     """A number (or ``NaN``/``Infinity``) as the text it was written as, never converted; not a ``str``."""
 
-    text: str
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Verbatim) and other.text == self.text
+
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"Verbatim({self.text!r})"

@@ -246,7 +246,8 @@ def require_samples(
     if len(samples):
         return samples, problems
     if not problems:
-        raise EmptyInput(f"{_EMPTY[kind].format(name)}; supported: {SUPPORTED}")
+        empty = _EMPTY.get(kind, _EMPTY["manifest"])  # any other kind is a manifest's, as callers name it
+        raise EmptyInput(f"{empty.format(name)}; supported: {SUPPORTED}")
     first = "; ".join(f"{p.where}: {p.reason}" for p in problems[:_SHOWN_PROBLEMS])
     more = len(problems) - _SHOWN_PROBLEMS
     listed = f"{len(problems)} problem(s): {first}" + (f"; and {more} more" if more > 0 else "")
