@@ -330,24 +330,24 @@ class GemmConvForward:
         n, c = x.shape[0], x.shape[1]
         spatial = tuple(x.shape[2:])
         d = weight.shape[0]
-        channels_last = _is_channels_last(x, nd)
+        if spatial == self.kernel_size and x.is_contiguous():  # every VLM's call: first, nothing else asked
+            self._count()
+            return F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias).view(n, d, *([1] * nd))
         if any(s < k for s, k in zip(spatial, self.kernel_size)):
             # the conv raises its own error for too-small input
             return self._fallback(x, weight, bias, f"input {spatial} smaller than the kernel")
+        channels_last = _is_channels_last(x, nd)
         if not (x.is_contiguous() or channels_last):
             # odd strides: a copy would cost more than it saves
             return self._fallback(x, weight, bias, "input neither contiguous nor channels-last")
-        if spatial == self.kernel_size:
-            self._count()
-            if x.is_contiguous():
-                return F.linear(x.reshape(n, -1), weight.reshape(d, -1), bias).view(n, d, *([1] * nd))
+        self._count()
+        if spatial == self.kernel_size:  # channels-last
             # Memory holds (N, *k, C): flatten that way (a view) and reorder the weight to match.
             dims = (0, *range(2, nd + 2), 1)
             y = F.linear(x.permute(dims).reshape(n, -1), weight.permute(dims).reshape(d, -1), bias)
             # The conv's channels-last strides: (D, 1, D, ..., D).
             return y.view(n, *([1] * nd), d).permute(0, nd + 1, *range(1, nd + 1))
         # Larger input: crop the remainder the conv would skip, cut into windows, one batched GEMM.
-        self._count()
         grid = tuple(s // k for s, k in zip(spatial, self.kernel_size))
         crop = tuple(slice(0, g * k) for g, k in zip(grid, self.kernel_size))
         windows = x[(slice(None), slice(None), *crop)]
