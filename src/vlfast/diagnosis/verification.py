@@ -430,7 +430,7 @@ def _accuracy_check(
                     "rel_l2"
                 ]
     slack = 10 ** (th.low_accuracy_slack_db / 20)
-    terms = {"fwd": low.weight[0].numel(), "wgrad": y.numel() // y.shape[1]}  # products in each sum
+    terms = {"fwd": low.weight[0].numel(), "wgrad": y64.numel() // y64.shape[1]}  # products in each sum
     limits, ok = {}, True
     for what in ("fwd", "wgrad") if backward else ("fwd",):
         patched, stock = metrics[f"patched_{what}_rel"], metrics[f"stock_{what}_rel"]

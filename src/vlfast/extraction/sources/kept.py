@@ -323,15 +323,16 @@ class KeptListings:
         self, identity: Sequence[Any] | None, size: int, position: int, scan: Callable[[], Listing]
     ) -> Listing:
         """The shard's kept listing if sound, else ``scan()``'s, offered to be kept."""
-        if identity is not None:
-            name = listing_name(identity)
-            data = self._read(name)
-            got = None if data is None else self._counted(name, decode(data, identity, size))
-            if got is not None:
-                return got
+        if identity is None:
+            return scan()
+        name = listing_name(identity)
+        data = self._read(name)
+        got = None if data is None else self._counted(name, decode(data, identity, size))
+        if got is not None:
+            return got
         listing = scan()
-        if identity is not None and position % self.world_size == self.rank:
+        if position % self.world_size == self.rank:
             data = encode(identity, listing)
             with self._lock:
-                self.fresh[listing_name(identity)] = data
+                self.fresh[name] = data
         return listing

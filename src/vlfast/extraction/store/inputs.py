@@ -144,13 +144,15 @@ def write_inputs(
     written whole before the commit's index part; nothing when no sample has a record."""
     if not any(r is not None for r in records):
         return
+    schema = inputs_schema()
     rows = {"id": list(ids), "shard": [shard] * len(ids), "header": [header] * len(ids)}
-    for name in inputs_schema().names[len(rows) :]:  # the record's own fields, after those three
-        rows[name] = [None if r is None else r.get(name) for r in records]
+    for name in schema.names:
+        if name not in rows:  # the record's own fields
+            rows[name] = [None if r is None else r.get(name) for r in records]
     folder = out / INPUTS_DIR
     if is_local(out):
         folder.mkdir(exist_ok=True)
-    backend.write(folder / _name(rank, seq, seq), parquet_bytes(rows, inputs_schema()), tag)
+    backend.write(folder / _name(rank, seq, seq), parquet_bytes(rows, schema), tag)
 
 
 def merge_inputs(out: Any, backend: Any, rank: int, tag: str, min_files: int = MERGE_MIN_FILES) -> int:
