@@ -89,6 +89,14 @@ def test_patch_state_is_restored_and_hooks_removed():
     assert report.dtype == "float32"  # a module runs in its own dtype unless told otherwise
 
 
+def test_whole_number_floats_count_as_rounds():
+    """warmup=1.0, repeats=2.0 (whole numbers as floats, which the checks let through) time two rounds, as
+    they did before the line cut made the loop a range(), which raised TypeError on a float."""
+    tower = build_reference("qwen3-vl-4b", tiny=True)
+    report = profile(tower, device="cpu", frames=(2,), size=(64, 64), warmup=1.0, repeats=2.0)
+    assert [run.repeats for run in report.runs] == [2, 2]  # the stock conv and the patched one
+
+
 def test_batches_and_frames_are_all_profiled():
     report = profile(
         "ref:qwen3-vl-4b",

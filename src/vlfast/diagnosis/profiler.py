@@ -404,7 +404,8 @@ def _hooked_rounds(tower, scope, inputs, device, warmup, repeats, deadline, say)
     round_s = 0.0
     try:
         with torch.inference_mode():
-            for r in range(warmup + repeats):
+            r = 0
+            while r < warmup + repeats:  # not range(): a whole-number float (2.0) counts as before
                 timed = r >= warmup
                 if (
                     timed
@@ -427,6 +428,7 @@ def _hooked_rounds(tower, scope, inputs, device, warmup, repeats, deadline, say)
                 hooks.say = None
                 round_s = time.perf_counter() - t0
                 say(f"{what}: before {done[False][0]:,.0f} ms, after {done[True][0]:,.0f} ms")
+                r += 1
                 if not timed and deadline is not None and time.perf_counter() + round_s > deadline:
                     # No timed round fits after this warm-up: it is the only measurement (one round,
                     # first calls included, so the report says it is not a result).
