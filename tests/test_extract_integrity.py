@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -482,6 +483,21 @@ def test_the_record_of_full_checks_and_what_verify_does_to_it(tmp_path: Path) ->
     assert not check_folder(out).ok
     assert confirm_hashed(out, read_state(out, CFG)) == [part.name]  # --verify dropped it: found again
     assert not list(out.glob(".tmp-*"))  # no probe file left behind
+
+
+def test_a_fifo_at_the_probe_path_does_not_stop_the_hash_record(tmp_path: Path) -> None:
+    """The probe is opened read-write, as before the line cut (which made it write-only, and a write-only open
+    of a FIFO waits for a reader: a hang). A stale probe of this pid is a crash's leftover, here a FIFO."""
+    from vlfast.extraction.store.integrity import HashRecord
+
+    out = tmp_path / "out"
+    _fill(out)
+    os.mkfifo(out / f".tmp-r00000-{os.getpid()}-checked.json")
+    made = []
+    opener = threading.Thread(target=lambda: made.append(HashRecord(out, "r00000")), daemon=True)
+    opener.start()
+    opener.join(30)
+    assert made, "HashRecord hung opening the probe"
 
 
 def test_a_shard_swapped_while_a_reader_runs_is_refused_when_opened_again(tmp_path: Path) -> None:

@@ -515,8 +515,13 @@ class HashRecord:
         if self._local:
             probe = out / f".tmp-{tag}-{os.getpid()}-{CHECK_FILE}"  # a temp name the store's cleaning knows
             with contextlib.suppress(OSError):  # read-only: rely on an earlier record, write none
-                with open(probe, "wb") as f:
-                    since = os.fstat(f.fileno()).st_ctime_ns
+                # O_RDWR, not open(probe, "wb")'s write-only: a stale probe left write-only fails as read-only
+                # would, and a FIFO there opens at once instead of waiting for a reader
+                fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+                try:
+                    since = os.fstat(fd).st_ctime_ns
+                finally:
+                    os.close(fd)
                 self._probe = probe
         self._stamps = _shard_stamps(out, since)
         old = self._read()
