@@ -143,6 +143,20 @@ def test_tokens_refusals(tmp_path):
         assert r.returncode == 2 and "missing" in _no_torch(r), (args, r.stderr)
 
 
+def test_check_pipelines_refusal_imports_no_numpy(tmp_path):
+    """Nor does importing the module: the line cut had it import numpy (through tokens.report) at load."""
+    code = (
+        "import sys; from vlfast.cli.main import main; sys.argv = ['vlfast', *sys.argv[1:]]\n"
+        "try:\n    main()\nfinally:\n    print('numpy' in sys.modules)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "tokens", "check-pipeline", "--model", str(tmp_path / "missing")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "missing" in r.stderr, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False", r.stdout
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

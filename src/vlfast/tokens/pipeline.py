@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from vlfast.errors import InputRefused
-from vlfast.tokens.report import one_of
 from vlfast.tokens.tags import (
     DEFAULT_TAGS,
     compile_reward_regex,
@@ -206,6 +205,9 @@ class Check:
     fix: str | None = None
 
     def __post_init__(self) -> None:
+        # imported here: tokens.report imports numpy, which a refusal need not wait for
+        from vlfast.tokens.report import one_of
+
         one_of("Check.name", self.name, CHECKS)
         one_of("Check.status", self.status, STATUSES)
 
