@@ -723,7 +723,7 @@ def expected_seconds(
     dts = _dtypes(dtypes)
     patches = [t * h * w for t, h, w in grids]
     macs: dict[torch.dtype, float] = {}
-    for dt in dts:
+    if dts:  # the same multiply-adds for each dtype; the convs walked once, and only when one is asked
         tower_macs = 2 * params * sum(patches)
         layer_macs = sum(
             n_windows * m.weight[0].numel() * m.out_channels * (1 + 4 + (1 + 30) * 2 * backward)
@@ -734,7 +734,8 @@ def expected_seconds(
             * (4 + 1 + 12 + 31 * backward)
             for _, m in _convs(tower)
         )
-        macs[dt] = macs.get(dt, 0.0) + tower_macs + layer_macs
+        for dt in dts:
+            macs[dt] = macs.get(dt, 0.0) + tower_macs + layer_macs
     if backward and patches:
         macs[torch.float32] = macs.get(torch.float32, 0.0) + 6 * params * patches[0]
     return sum(m / _gemm_rate(dt, dev) for dt, m in macs.items())
