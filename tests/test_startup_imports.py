@@ -144,7 +144,8 @@ def test_tokens_refusals(tmp_path):
 
 
 def test_check_pipelines_refusal_imports_no_numpy(tmp_path):
-    """Nor does importing the module: the line cut had it import numpy (through tokens.report) at load."""
+    """The refusal loads tokens.pipeline, whose module-level import of tokens.report (the line cut's) pulled
+    in numpy through tokens.verdict; numpy waits for the checks that need it."""
     code = (
         "import sys; from vlfast.cli.main import main; sys.argv = ['vlfast', *sys.argv[1:]]\n"
         "try:\n    main()\nfinally:\n    print('numpy' in sys.modules)"
